@@ -1,0 +1,48 @@
+"""spmd: the torch.distributed programming model on JAX.
+
+Meshes, placements, collectives and DTensor as pure functions traced over a
+device mesh and lowered to XLA collectives.
+"""
+
+from placements import Partial, Placement, ReduceOp, Replicate, Shard
+from spmd._collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    axis_index,
+    broadcast,
+    gather,
+    permute,
+    reduce,
+    reduce_scatter,
+    scatter,
+)
+from spmd._dtensor import DTensor
+from spmd._inspect import collectives
+from spmd._mesh import DeviceMesh, init_device_mesh
+from spmd._process_group import ProcessGroup
+from spmd._spmd import spmd
+
+__all__ = [
+    "spmd",
+    "DeviceMesh",
+    "init_device_mesh",
+    "ProcessGroup",
+    "DTensor",
+    "ReduceOp",
+    "Placement",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce",
+    "scatter",
+    "gather",
+    "reduce_scatter",
+    "all_to_all",
+    "permute",
+    "axis_index",
+    "collectives",
+]

@@ -1,0 +1,317 @@
+"""Functional collectives for use inside an SPMD region (``@spmd`` or ``jax.shard_map``).
+
+Each takes ``group=``: a mesh dim name, an int mesh dim, a tuple of them (one
+flattened group, ranked row-major in the order given), a ``ProcessGroup``, or
+``None`` for every mesh dim of the region (torch's WORLD). Each lowers to XLA
+collectives; see the lowering notes on every function.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from placements import ReduceOp, as_reduce_op
+from spmd._mesh import resolve_mesh_dims
+
+__all__ = [
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce",
+    "scatter",
+    "gather",
+    "reduce_scatter",
+    "all_to_all",
+    "permute",
+    "axis_index",
+    "group_axes",
+]
+
+
+# --- groups ---------------------------------------------------------------------------
+def group_axes(group: Any, where: str) -> tuple[tuple[str, ...], int]:
+    """Mesh axis names and size of ``group`` inside the current SPMD region."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = tuple(getattr(mesh, "manual_axes", ()) or ())
+    names = tuple(n for n in getattr(mesh, "axis_names", ()) if n in manual)
+    if not names:
+        raise ValueError(
+            f"{where}: called outside an SPMD region; call it inside a function decorated with "
+            "@spmd(mesh, ...) (or jax.shard_map), or use mesh.get_group(dim) for eager per-rank arrays."
+        )
+    from spmd._process_group import ProcessGroup
+
+    if isinstance(group, ProcessGroup):
+        group = group.dims
+    if group is None:
+        axes = names
+    else:
+        axes = tuple(names[d] for d in resolve_mesh_dims(group, names, where=where, arg="group"))
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return axes, int(np.prod([sizes[a] for a in axes]))
+
+
+def _check_rank(value: Any, n: int, where: str, arg: str, axes) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where}: {arg}={value!r} must be an int rank in the group {axes}.")
+    if not 0 <= value < n:
+        raise ValueError(
+            f"{where}: {arg}={value!r} is out of range for group {axes} of size {n}; use 0 <= {arg} < {n}."
+        )
+    return int(value)
+
+
+def _check_axis(axis: Any, ndim: int, where: str, arg: str) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{where}: {arg}={axis!r} must be an int.")
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"{where}: {arg}={axis!r} is out of range for an input of rank {ndim}; use a value in [{-ndim}, {ndim - 1}]."
+        )
+    return int(axis) % ndim
+
+
+def _check_divisible(x, axis: int, n: int, where: str, arg: str, axes) -> None:
+    if x.shape[axis] % n:
+        raise ValueError(
+            f"{where}: the input's dim {arg}={axis} has size {x.shape[axis]}, not divisible by the group {axes} "
+            f"of size {n}; pad it to a multiple of {n}, or use a DTensor, which handles uneven shards."
+        )
+
+
+def varying_axes(x) -> frozenset | None:
+    """The mesh axes over which ``x`` may differ (JAX's vma type), or None if untracked."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return None if mat is None else frozenset(mat.varying)
+
+
+def _vary(x, axes):
+    """Mark ``x`` device-varying over ``axes`` (a no-op outside ``check_vma``), so that a
+    replicated value is reduced as torch reduces it: each rank contributes its copy."""
+    x = jnp.asarray(x)
+    vma = varying_axes(x)
+    if vma is None:
+        return x
+    missing = tuple(a for a in axes if a not in vma)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+# --- reductions -----------------------------------------------------------------------
+def _kind(dtype) -> str:
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return "bool"
+    if jnp.issubdtype(dtype, jnp.integer):
+        return "int"
+    return "float"
+
+
+def _check_op(op: Any, dtype, where: str) -> ReduceOp:
+    op = as_reduce_op(op, where=f"{where}: op")
+    kind = _kind(dtype)
+    if op.is_bitwise and kind == "float":
+        raise TypeError(
+            f"{where}: op={op!r} is a bitwise op and the input is {np.dtype(dtype).name}; bitwise ops take "
+            "integer or bool inputs (as in torch); cast the input, or use MAX/MIN/SUM."
+        )
+    if op.name == "avg" and kind != "float":
+        raise TypeError(
+            f"{where}: op={op!r} on a {np.dtype(dtype).name} input is refused (torch allows AVG only on "
+            "floating inputs); reduce with SUM and divide, or cast to a float dtype."
+        )
+    if op.name == "premul_sum" and kind == "bool":
+        raise TypeError(f"{where}: op={op!r} needs a numeric input, got bool; cast it first.")
+    return op
+
+
+def _bool_op(op: ReduceOp) -> str:
+    # torch (ProcessGroupNCCL) reduces bools as SUM -> max, PRODUCT -> min.
+    return {"sum": "max", "product": "min", "max": "max", "min": "min", "band": "min", "bor": "max", "bxor": "bxor"}[op.name]
+
+
+def _reduce_stacked(g, name: str, axis: int):
+    """Reduce the gathered contributions ``g`` along ``axis`` with a non-primitive op."""
+    if name == "product":
+        return jnp.prod(g, axis=axis, dtype=g.dtype)
+    fn = {"band": lax.bitwise_and, "bor": lax.bitwise_or, "bxor": lax.bitwise_xor, "max": lax.max, "min": lax.min}[name]
+    parts = [lax.index_in_dim(g, i, axis, keepdims=False) for i in range(g.shape[axis])]
+    return functools.reduce(fn, parts)
+
+
+def all_reduce(x, op: Any = ReduceOp.SUM, *, group: Any = None):
+    """Reduce ``x`` over the group with ``op``; every rank gets the result.
+
+    Lowers to one all-reduce (``psum``/``pmax``/``pmin``); PRODUCT and the
+    bitwise ops have no XLA primitive and gather then reduce locally.
+    """
+    where = "all_reduce"
+    axes, n = group_axes(group, where)
+    x = _vary(x, axes)
+    op = _check_op(op, x.dtype, where)
+    if _kind(x.dtype) == "bool":
+        name = _bool_op(op)
+        y = x.astype(jnp.uint8)
+        if name == "bxor":
+            return (lax.psum(y.astype(jnp.int32), axes) % 2).astype(jnp.bool_)
+        return (lax.pmax(y, axes) if name == "max" else lax.pmin(y, axes)).astype(jnp.bool_)
+    if op.name == "sum":
+        return lax.psum(x, axes)
+    if op.name == "avg":
+        return lax.pmean(x, axes)
+    if op.name == "premul_sum":
+        return lax.psum(x * jnp.asarray(op.factor, x.dtype), axes)
+    if op.name == "max":
+        return lax.pmax(x, axes)
+    if op.name == "min":
+        return lax.pmin(x, axes)
+    return _reduce_stacked(lax.all_gather(x, axes, axis=0), op.name, 0)
+
+
+def _bits(x):
+    """``x`` as unsigned integers of the same width, so a masked sum is bit-exact."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8), lambda b: b.astype(jnp.bool_)
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return x, lambda b: b
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return x, lambda b: b
+    u = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+    dtype = x.dtype
+    return lax.bitcast_convert_type(x, u), lambda b: lax.bitcast_convert_type(b, dtype)
+
+
+def broadcast(x, src: int, *, group: Any = None):
+    """Every rank gets rank ``src``'s ``x``, bit for bit (one all-reduce of masked bits)."""
+    where = "broadcast"
+    axes, n = group_axes(group, where)
+    src = _check_rank(src, n, where, "src", axes)
+    x = _vary(x, axes)
+    bits, back = _bits(x)
+    mine = lax.axis_index(axes) == src
+    return back(lax.psum(jnp.where(mine, bits, jnp.zeros_like(bits)), axes))
+
+
+def all_gather(x, *, axis: int = 0, tiled: bool = False, group: Any = None):
+    """Every rank gets all ranks' ``x``: stacked on a new ``axis`` (or concatenated if ``tiled``)."""
+    where = "all_gather"
+    axes, n = group_axes(group, where)
+    x = _vary(x, axes)
+    axis = _check_axis(axis, x.ndim + (0 if tiled else 1), where, "axis")
+    return lax.all_gather(x, axes, axis=axis, tiled=tiled)
+
+
+def reduce(x, dst: int, op: Any = ReduceOp.SUM, *, group: Any = None):
+    """Rank ``dst`` gets the reduction; the other ranks keep their input (as torch)."""
+    where = "reduce"
+    axes, n = group_axes(group, where)
+    dst = _check_rank(dst, n, where, "dst", axes)
+    x = _vary(x, axes)
+    _check_op(op, x.dtype, where)
+    return jnp.where(lax.axis_index(axes) == dst, all_reduce(x, op, group=axes), x)
+
+
+def scatter(x, src: int, *, group: Any = None):
+    """Rank ``i`` gets ``x[i]`` of rank ``src``; ``x`` has a leading axis of the group's size.
+
+    Lowers to one all-to-all.
+    """
+    where = "scatter"
+    axes, n = group_axes(group, where)
+    src = _check_rank(src, n, where, "src", axes)
+    x = _vary(x, axes)
+    if x.ndim == 0 or x.shape[0] != n:
+        raise ValueError(
+            f"{where}: the input has shape {x.shape}; it must have a leading axis of the group {axes}'s "
+            f"size {n} (piece i goes to rank i)."
+        )
+    return lax.all_to_all(x, axes, 0, 0, tiled=True)[src]
+
+
+def gather(x, dst: int, *, group: Any = None):
+    """Rank ``dst`` gets all ranks' ``x`` stacked on a new leading axis; the others get zeros.
+
+    (torch gives the others nothing; a traced program needs a value of one shape.)
+    """
+    where = "gather"
+    axes, n = group_axes(group, where)
+    dst = _check_rank(dst, n, where, "dst", axes)
+    g = lax.all_gather(_vary(x, axes), axes, axis=0)
+    return jnp.where(lax.axis_index(axes) == dst, g, jnp.zeros_like(g))
+
+
+def reduce_scatter(x, op: Any = ReduceOp.SUM, *, scatter_dim: int = 0, group: Any = None):
+    """Reduce ``x`` over the group and give rank ``i`` the ``i``-th chunk of ``scatter_dim``.
+
+    SUM/AVG/PREMUL_SUM lower to one reduce-scatter; the other ops to one
+    all-to-all and a local reduction (the same bytes).
+    """
+    where = "reduce_scatter"
+    axes, n = group_axes(group, where)
+    x = _vary(x, axes)
+    op = _check_op(op, x.dtype, where)
+    d = _check_axis(scatter_dim, x.ndim, where, "scatter_dim")
+    _check_divisible(x, d, n, where, "scatter_dim", axes)
+    name = _bool_op(op) if _kind(x.dtype) == "bool" else op.name
+    if name in ("sum", "avg", "premul_sum"):
+        y = x * jnp.asarray(op.factor, x.dtype) if name == "premul_sum" else x
+        y = lax.psum_scatter(y, axes, scatter_dimension=d, tiled=True)
+        return y / n if name == "avg" else y
+    c = x.shape[d] // n
+    xs = x.reshape(x.shape[:d] + (n, c) + x.shape[d + 1 :])
+    if xs.dtype == jnp.bool_:
+        xs = xs.astype(jnp.uint8)
+        got = lax.all_to_all(xs, axes, d, d, tiled=True)
+        return _reduce_stacked(got, name, d).astype(jnp.bool_)
+    got = lax.all_to_all(xs, axes, d, d, tiled=True)
+    return _reduce_stacked(got, name, d)
+
+
+def all_to_all(x, split_axis: int = 0, concat_axis: int = 0, *, group: Any = None):
+    """Cut ``split_axis`` into group-size chunks, send chunk ``i`` to rank ``i``, concatenate
+    what arrives along ``concat_axis`` in rank order (one all-to-all)."""
+    where = "all_to_all"
+    axes, n = group_axes(group, where)
+    x = _vary(x, axes)
+    s = _check_axis(split_axis, x.ndim, where, "split_axis")
+    c = _check_axis(concat_axis, x.ndim, where, "concat_axis")
+    _check_divisible(x, s, n, where, "split_axis", axes)
+    return lax.all_to_all(x, axes, s, c, tiled=True)
+
+
+def permute(x, pairs: Sequence[tuple[int, int]], *, group: Any = None):
+    """Send/recv: for each ``(src, dst)`` in ``pairs`` rank ``dst`` gets rank ``src``'s ``x``.
+
+    Ranks that receive nothing get zeros. Each rank sends at most once and
+    receives at most once (one collective-permute).
+    """
+    where = "permute"
+    axes, n = group_axes(group, where)
+    try:
+        pairs = [tuple(p) for p in pairs]
+    except TypeError:
+        raise TypeError(f"{where}: pairs={pairs!r} must be a sequence of (src, dst) rank pairs.") from None
+    for p in pairs:
+        if len(p) != 2:
+            raise ValueError(f"{where}: pairs holds {p!r}; each pair is (src, dst).")
+        _check_rank(p[0], n, where, "pairs src", axes)
+        _check_rank(p[1], n, where, "pairs dst", axes)
+    for i, name in ((0, "source"), (1, "destination")):
+        seen = [p[i] for p in pairs]
+        if len(set(seen)) != len(seen):
+            raise ValueError(
+                f"{where}: pairs={pairs!r} uses a {name} rank twice; each rank sends at most once and "
+                "receives at most once (split it into several permutes)."
+            )
+    return lax.ppermute(_vary(x, axes), axes, perm=[(int(a), int(b)) for a, b in pairs])
+
+
+def axis_index(group: Any = None):
+    """This rank's index in the group (row-major over the group's mesh dims)."""
+    axes, _ = group_axes(group, "axis_index")
+    return lax.axis_index(axes)

@@ -1,0 +1,270 @@
+"""``@spmd(mesh, in_placements=..., out_placements=...)``: run a function per device.
+
+The function sees each device's local block and may call the collectives of
+``spmd`` naming mesh dims as groups. It lowers to ``jax.shard_map`` under
+``jax.jit``: a Shard/Replicate argument or result is exactly the
+``PartitionSpec`` a hand-written ``shard_map`` would use, so there is no
+overhead. A result placed ``Partial`` comes back as a ``DTensor`` holding each
+rank's unreduced value (``.full_tensor()`` reduces it).
+
+Trap (from JAX): with ``check_vma=True`` the gradient, inside the region, of a
+``Replicate`` argument is already summed over the devices; do not ``psum`` it
+again (and divide by the group size for a mean).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from placements import Partial, Placement, Replicate, Shard, check_placements, format_placements
+from spmd._collectives import varying_axes
+from spmd._dtensor import DTensor
+from spmd._mesh import DeviceMesh
+
+__all__ = ["spmd"]
+
+
+def _is_plist(x: Any) -> bool:
+    return isinstance(x, Placement) or (
+        isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(p, Placement) for p in x)
+    )
+
+
+
+def _per_arg(placements: Any, n_args: int, mesh_ndim: int, where: str) -> tuple:
+    """Split ``in_placements`` into one pytree prefix per positional argument."""
+    if placements is None:
+        return (None,) * n_args
+    if isinstance(placements, Placement) or (_is_plist(placements) and (mesh_ndim > 1 or n_args == 1)):
+        return (placements,) * n_args
+    if isinstance(placements, (list, tuple)) and len(placements) == n_args:
+        return tuple(placements)
+    raise ValueError(
+        f"{where}={placements!r} does not fit {n_args} argument(s) on a {mesh_ndim}-D mesh; give a tuple with one "
+        "entry per argument (each a placement list, one placement per mesh dim, or a pytree prefix of them)."
+    )
+
+
+def _broadcast(prefix: Any, tree: Any, where: str) -> list:
+    """The placement list for every leaf of ``tree`` (``prefix`` is a pytree prefix of plists)."""
+    if prefix is None or _is_plist(prefix):
+        n = len(jax.tree_util.tree_leaves(tree, is_leaf=_is_dtensor))
+        return [prefix] * n
+    treedef = jax.tree_util.tree_structure(prefix, is_leaf=_is_plist)
+    try:
+        subtrees = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{where}: the placements {prefix!r} are not a pytree prefix of the values; give one placement "
+            f"list per value or per subtree ({e})."
+        ) from None
+    out = []
+    for p, sub in zip(jax.tree_util.tree_leaves(prefix, is_leaf=_is_plist), subtrees):
+        out.extend(_broadcast(p, sub, where))
+    return out
+
+
+def _spec(placements: tuple[Placement, ...], names: tuple[str, ...], ndim: int) -> P:
+    entries: list[list[str]] = [[] for _ in range(ndim)]
+    for name, p in zip(names, placements):
+        if isinstance(p, Shard):
+            entries[p.dim].append(name)
+    return P(*[None if not e else (e[0] if len(e) == 1 else tuple(e)) for e in entries])
+
+
+class _Spmd:
+    def __init__(self, f: Callable, mesh: DeviceMesh, in_placements: Any, out_placements: Any, check_vma: bool):
+        self._f = f
+        self._mesh = mesh
+        self._in = in_placements
+        self._out = out_placements
+        self._check_vma = check_vma
+        self._cache: dict = {}
+        functools.update_wrapper(self, f)
+
+    def __repr__(self) -> str:
+        return f"spmd({getattr(self._f, '__qualname__', self._f)!r}, mesh={self._mesh!r})"
+
+    def _leaf_spec(self, x: Any, plist: Any, path: str):
+        """(PartitionSpec, kind) for one argument leaf; kind is 'array' or 'dtensor'."""
+        mesh = self._mesh
+        names = mesh.mesh_dim_names
+        where = f"spmd: in_placements{path}"
+        if isinstance(x, DTensor):
+            if x.device_mesh != mesh:
+                raise ValueError(
+                    f"spmd: argument{path} is a DTensor on {x.device_mesh!r}, not on this function's {mesh!r}; "
+                    "redistribute it onto the same mesh first."
+                )
+            if plist is not None:
+                want = check_placements(plist, mesh_ndim=mesh.ndim, tensor_ndim=x.ndim, where=where)
+                if want != x.placements:
+                    x = x.redistribute(placements=want)
+            for d, p in enumerate(x.placements):
+                if isinstance(p, Shard) and x.shape[p.dim] % _shards_on(x.placements, mesh.shape, p.dim):
+                    raise ValueError(
+                        f"spmd: argument{path} is a DTensor {x!r} with uneven shards on dim {p.dim}; a region "
+                        "needs equal blocks on every rank: redistribute it (e.g. to Replicate) or pad the dim."
+                    )
+            return x, P(*names), "dtensor"
+        if plist is None:
+            raise ValueError(
+                f"spmd: argument{path} has no placements; give in_placements for it (e.g. [Replicate()] * "
+                f"{mesh.ndim} or [Shard(0)] + ...), or pass a DTensor, which carries its own."
+            )
+        x = jnp.asarray(x)
+        pl = check_placements(plist, mesh_ndim=mesh.ndim, tensor_ndim=x.ndim, where=where)
+        for p in pl:
+            if isinstance(p, Partial):
+                raise ValueError(
+                    f"{where}={format_placements(pl)} puts a plain array in a Partial placement; a plain array "
+                    "is one value, not per-rank partial values: pass a DTensor with Partial placements instead."
+                )
+        for d in range(x.ndim):
+            k = _shards_on(pl, mesh.shape, d)
+            if x.shape[d] % k:
+                raise ValueError(
+                    f"{where}={format_placements(pl)} cuts dim {d} of argument{path} (shape {x.shape}) into {k} "
+                    f"blocks, but {x.shape[d]} is not divisible by {k}; pad dim {d} to a multiple of {k}, or pass "
+                    "a DTensor (uneven shards)."
+                )
+        return x, _spec(pl, names, x.ndim), "array"
+
+    def __call__(self, *args):
+        mesh = self._mesh
+        nd = mesh.ndim
+        per_arg = _per_arg(self._in, len(args), nd, "spmd: in_placements")
+        plists = []
+        for i, (arg, pre) in enumerate(zip(args, per_arg)):
+            plists.extend(_broadcast(pre, arg, f"spmd: in_placements[{i}]"))
+        with_path, treedef = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_dtensor)
+        vals, specs, kinds, avals = [], [], [], []
+        for (path, x), pl in zip(with_path, plists):
+            v, s, k = self._leaf_spec(x, pl, jax.tree_util.keystr(path))
+            phys = v._physical if k == "dtensor" else v
+            vals.append(phys)
+            specs.append(s)
+            kinds.append(k)
+            avals.append((phys.shape, phys.dtype) if k == "array" else (phys.shape, phys.dtype, v.placements, v.shape))
+        key = (treedef, tuple(specs), tuple(avals))
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._build(treedef, tuple(specs), tuple(kinds), vals)
+            self._cache[key] = entry
+        jitted, out_tree, out_pl = entry
+        outs = jitted(*vals)
+        return jax.tree_util.tree_unflatten(out_tree, [
+            DTensor(o, mesh, pl, _global_shape(o.shape[nd:], pl, mesh.shape)) if _has_partial(pl) else o
+            for o, pl in zip(outs, out_pl)
+        ])
+
+    def _build(self, treedef, specs, kinds, vals):
+        mesh = self._mesh
+        names = mesh.mesh_dim_names
+        nd = mesh.ndim
+        meta: dict = {}
+
+        def body(*flat):
+            local = [x.reshape(x.shape[nd:]) if k == "dtensor" else x for x, k in zip(flat, kinds)]
+            out = self._f(*jax.tree_util.tree_unflatten(treedef, local))
+            out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+            out_pl = _broadcast(self._out, out, "spmd: out_placements")
+            res, checked, ospecs = [], [], []
+            for i, (y, pl) in enumerate(zip(out_leaves, out_pl)):
+                y = jnp.asarray(y)
+                if pl is None:
+                    pl = [Replicate()] * nd
+                pl = check_placements(pl, mesh_ndim=nd, tensor_ndim=y.ndim, where=f"spmd: out_placements (leaf {i})")
+                checked.append(pl)
+                if _has_partial(pl):
+                    _check_replicated(y, pl, names, i)
+                    res.append(y.reshape((1,) * nd + y.shape))
+                    ospecs.append(P(*names))
+                else:
+                    res.append(y)
+                    ospecs.append(_spec(pl, names, y.ndim))
+            meta.update(out_tree=out_tree, out_pl=tuple(checked), ospecs=tuple(ospecs))
+            return tuple(res)
+
+        # The output specs depend on the output's structure and ranks: find them by an abstract trace.
+        probe = jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=specs, out_specs=P(), check_vma=False)
+        jax.eval_shape(probe, *vals)
+        out_tree, out_pl, ospecs = meta["out_tree"], meta["out_pl"], meta["ospecs"]
+        sm = jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=specs, out_specs=ospecs, check_vma=self._check_vma)
+        return jax.jit(sm), out_tree, out_pl
+
+
+def _check_replicated(y, pl, names, i: int) -> None:
+    """A Partial result is stored per rank, so JAX's replication check does not see its
+    Replicate dims: check them here from the value's varying axes."""
+    vma = varying_axes(y) or ()
+    bad = [n for n, p in zip(names, pl) if isinstance(p, Replicate) and n in vma]
+    if bad:
+        raise ValueError(
+            f"spmd: out_placements (leaf {i})={format_placements(pl)} says the result is replicated over "
+            f"{bad}, but it differs across those ranks; make it Partial or Shard there, or all_reduce it first."
+        )
+
+
+def _is_dtensor(x: Any) -> bool:
+    return isinstance(x, DTensor)
+
+
+def _has_partial(pl) -> bool:
+    return any(isinstance(p, Partial) for p in pl)
+
+
+def _shards_on(pl, mesh_shape, dim: int) -> int:
+    """How many blocks the placement list cuts tensor dim ``dim`` into."""
+    return int(np.prod([s for s, p in zip(mesh_shape, pl) if isinstance(p, Shard) and p.dim == dim]))
+
+
+def _global_shape(local_shape, pl, mesh_shape) -> tuple[int, ...]:
+    return tuple(n * _shards_on(pl, mesh_shape, d) for d, n in enumerate(local_shape))
+
+
+def spmd(
+    f: Callable | DeviceMesh | None = None,
+    /,
+    mesh: DeviceMesh | None = None,
+    *,
+    in_placements: Any = None,
+    out_placements: Any = None,
+    check_vma: bool = True,
+):
+    """Run ``f`` once per device of ``mesh`` on its local blocks (decorator or call).
+
+    ``@spmd(mesh, in_placements=..., out_placements=...)`` or
+    ``spmd(f, mesh, in_placements=..., out_placements=...)``.
+
+    ``in_placements``: one entry per positional argument, each a placement list
+    (one placement per mesh dim; a single placement on a 1-D mesh) or a pytree
+    prefix of them; one placement list alone applies to every argument. A
+    ``DTensor`` argument brings its own placements (given ones redistribute it).
+    ``out_placements``: a pytree prefix of the result; ``None`` means Replicate,
+    which JAX checks (``check_vma``) instead of silently replicating a value
+    that differs across devices. Shard/Replicate results come back as global
+    arrays, results with a Partial placement as ``DTensor``.
+    """
+    if isinstance(f, DeviceMesh):
+        if mesh is not None:
+            raise TypeError("spmd: the mesh was given twice; write spmd(mesh, ...) or spmd(f, mesh=mesh, ...).")
+        f, mesh = None, f
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"spmd: mesh={mesh!r} must be a DeviceMesh; make one with init_device_mesh('cpu', (8,)) and pass it "
+            "as @spmd(mesh, ...)."
+        )
+
+    def wrap(fn: Callable) -> _Spmd:
+        if not callable(fn):
+            raise TypeError(f"spmd: f={fn!r} is not callable; decorate a function.")
+        return _Spmd(fn, mesh, in_placements, out_placements, check_vma)
+
+    return wrap if f is None else wrap(f)
