@@ -85,8 +85,8 @@ class _Spmd:
         self._in = in_placements
         self._out = out_placements
         self._check_vma = check_vma
-        self._cache: dict = {}
         functools.update_wrapper(self, f)
+        self._jitted = jax.jit(self._trace)
 
     def __repr__(self) -> str:
         return f"spmd({getattr(self._f, '__qualname__', self._f)!r}, mesh={self._mesh!r})"
@@ -137,6 +137,14 @@ class _Spmd:
         return x, _spec(pl, names, x.ndim), "array"
 
     def __call__(self, *args):
+        # All placement handling runs at trace time inside jax.jit, so a call
+        # costs what a call of a hand-written jitted shard_map costs.
+        return self._jitted(*args)
+
+    def lower(self, *args):
+        return self._jitted.lower(*args)
+
+    def _trace(self, *args):
         mesh = self._mesh
         nd = mesh.ndim
         per_arg = _per_arg(self._in, len(args), nd, "spmd: in_placements")
@@ -144,21 +152,14 @@ class _Spmd:
         for i, (arg, pre) in enumerate(zip(args, per_arg)):
             plists.extend(_broadcast(pre, arg, f"spmd: in_placements[{i}]"))
         with_path, treedef = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_dtensor)
-        vals, specs, kinds, avals = [], [], [], []
+        vals, specs, kinds = [], [], []
         for (path, x), pl in zip(with_path, plists):
             v, s, k = self._leaf_spec(x, pl, jax.tree_util.keystr(path))
-            phys = v._physical if k == "dtensor" else v
-            vals.append(phys)
+            vals.append(v._physical if k == "dtensor" else v)
             specs.append(s)
             kinds.append(k)
-            avals.append((phys.shape, phys.dtype) if k == "array" else (phys.shape, phys.dtype, v.placements, v.shape))
-        key = (treedef, tuple(specs), tuple(avals))
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._build(treedef, tuple(specs), tuple(kinds), vals)
-            self._cache[key] = entry
-        jitted, out_tree, out_pl = entry
-        outs = jitted(*vals)
+        sm, out_tree, out_pl = self._build(treedef, tuple(specs), tuple(kinds), vals)
+        outs = sm(*vals)
         return jax.tree_util.tree_unflatten(out_tree, [
             DTensor(o, mesh, pl, _global_shape(o.shape[nd:], pl, mesh.shape)) if _has_partial(pl) else o
             for o, pl in zip(outs, out_pl)
@@ -197,7 +198,7 @@ class _Spmd:
         jax.eval_shape(probe, *vals)
         out_tree, out_pl, ospecs = meta["out_tree"], meta["out_pl"], meta["ospecs"]
         sm = jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=specs, out_specs=ospecs, check_vma=self._check_vma)
-        return jax.jit(sm), out_tree, out_pl
+        return sm, out_tree, out_pl
 
 
 def _check_replicated(y, pl, names, i: int) -> None:
