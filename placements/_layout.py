@@ -83,7 +83,8 @@ def local_shape_and_offset(
     """Shape and global offset of the block held at mesh coordinate ``coord``.
 
     Mirrors torch's ``compute_local_shape_and_global_offset``: each mesh dim,
-    left to right, cuts the current local extent of its tensor dim again.
+    left to right, cuts the current local extent of its tensor dim again. An
+    empty block's offset is the dim's global size (torch's convention).
     """
     shape = list(global_shape)
     offset = [0] * len(shape)
@@ -92,6 +93,10 @@ def local_shape_and_offset(
             size, off = shard_size_and_offset(shape[p.dim], mesh_shape[mesh_dim], coord[mesh_dim])
             shape[p.dim] = size
             offset[p.dim] += off
+    for p in placements:
+        # As torch: an empty block's offset is the dim's global size, wherever it nests.
+        if isinstance(p, Shard) and shape[p.dim] == 0:
+            offset[p.dim] = global_shape[p.dim]
     return tuple(shape), tuple(offset)
 
 

@@ -110,8 +110,13 @@ def check_placements(
             f"{mesh_ndim} placements such as [Shard(0)] + [Replicate()] * {mesh_ndim - 1}."
         )
     if len(placements) != mesh_ndim:
+        shown = (
+            format_placements(placements)
+            if placements and all(isinstance(p, Placement) for p in placements)
+            else repr(placements)
+        )
         raise ValueError(
-            f"{where}={format_placements(placements) if all(isinstance(p, Placement) for p in placements) else placements!r} "
+            f"{where}={shown} "
             f"has {len(placements)} placement(s) but the mesh has {mesh_ndim} dim(s); "
             "give exactly one placement per mesh dim."
         )
