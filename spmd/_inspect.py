@@ -16,6 +16,7 @@ _DTYPE_BYTES = {
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }
 _OP = re.compile(r"=\s*(?P<result>\(?[^=]*?\)?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\((?P<operands>[^)]*)\)")
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
 _SHAPE = re.compile(r"\b(pred|[sufc]\d+|bf16)\[([0-9,]*)\]")
 
 
@@ -35,6 +36,8 @@ def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     all-gather, the input for reduce-scatter.
     """
     out = {k: {"count": 0, "bytes": 0} for k in KINDS}
+    # Long tuples carry "/*index=5*/" comments whose "=" would cut the result shape short.
+    hlo_text = _INDEX_COMMENT.sub("", hlo_text)
     for m in _OP.finditer(hlo_text):
         kind = m["kind"]
         size_of = m["operands"] if kind == "reduce-scatter" else m["result"]
