@@ -21,6 +21,7 @@ from spmd._dtensor import DTensor
 from spmd._inspect import collectives
 from spmd._mesh import DeviceMesh, init_device_mesh
 from spmd._process_group import ProcessGroup
+from spmd._spawn import spawn
 from spmd._spmd import spmd
 
 __all__ = [
@@ -45,4 +46,5 @@ __all__ = [
     "permute",
     "axis_index",
     "collectives",
+    "spawn",
 ]

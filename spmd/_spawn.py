@@ -1,0 +1,209 @@
+"""``spmd.spawn``: run ``fn(rank, *args)`` in ``nprocs`` processes, as ``torch.multiprocessing.spawn``.
+
+Each process gets ``MASTER_ADDR``/``MASTER_PORT`` (127.0.0.1 and a free port
+unless already set), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, so ``dist.init_process_group()`` needs no arguments.
+When one process fails, the others get SIGTERM, then SIGKILL after
+``stop_timeout`` seconds, and ``spawn`` raises naming the rank, its exit code
+and its traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["spawn", "SpawnContext", "ProcessRaisedException", "ProcessExitedException", "free_port", "signal_name"]
+
+
+class ProcessException(Exception):
+    def __init__(self, msg: str, error_index: int, error_pid: int):
+        super().__init__(msg)
+        self.msg = msg
+        self.error_index = error_index
+        self.pid = error_pid
+
+
+class ProcessRaisedException(ProcessException):
+    """A spawned process raised; the message holds its traceback."""
+
+
+class ProcessExitedException(ProcessException):
+    """A spawned process exited with a non-zero code or was killed by a signal."""
+
+    def __init__(self, msg: str, error_index: int, error_pid: int, exit_code: int, signal_name: str | None = None):
+        super().__init__(msg, error_index, error_pid)
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def signal_name(code: int) -> str | None:
+    if code is not None and code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return None
+
+
+def _child(fn: Callable, i: int, args: tuple, env: dict, error_file: str) -> None:
+    os.environ.update(env)
+    try:
+        fn(i, *args)
+    except SystemExit as e:
+        if e.code in (None, 0):
+            return
+        with open(error_file, "w") as f:
+            f.write(f"SystemExit({e.code!r})\n")
+        os._exit(e.code if isinstance(e.code, int) and 0 < e.code < 256 else 1)
+    except BaseException:
+        text = traceback.format_exc()
+        try:
+            with open(error_file, "w") as f:
+                f.write(text)
+        finally:
+            import sys
+
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(1)
+
+
+def stop_processes(pids_alive: list[tuple[int, Callable[[], bool]]], grace: float, *, group: bool) -> None:
+    """SIGTERM each (its process group if ``group``), then SIGKILL what is left after ``grace`` s."""
+    kill = os.killpg if group else os.kill
+    for pid, _ in pids_alive:
+        try:
+            kill(pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(alive() for _, alive in pids_alive):
+        time.sleep(0.05)
+    for pid, _ in pids_alive:
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class SpawnContext:
+    """The running processes of :func:`spawn` (``join=False``); ``join()`` waits for them."""
+
+    def __init__(self, processes: list, error_files: list[str], stop_timeout: float):
+        self.processes = processes
+        self.error_files = error_files
+        self.stop_timeout = stop_timeout
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` s) for the processes; True when all ended well.
+
+        On the first failure the others are stopped and an exception is raised.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            alive = [p for p in self.processes if p.exitcode is None]
+            failed = [(i, p) for i, p in enumerate(self.processes) if p.exitcode not in (None, 0)]
+            if failed:
+                i, p = failed[0]
+                self._stop()
+                self._raise(i, p)
+            if not alive:
+                return True
+            wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
+            multiprocessing.connection.wait([p.sentinel for p in alive], timeout=wait)
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def _stop(self) -> None:
+        stop_processes([(p.pid, p.is_alive) for p in self.processes if p.is_alive()], self.stop_timeout, group=False)
+        for p in self.processes:
+            p.join(1.0)
+
+    def _raise(self, i: int, p) -> None:
+        text = ""
+        try:
+            with open(self.error_files[i]) as f:
+                text = f.read()
+        except OSError:
+            pass
+        code = p.exitcode
+        if text and not text.startswith("SystemExit("):
+            raise ProcessRaisedException(f"\n\n-- Process {i} terminated with the following error:\n{text}", i, p.pid)
+        sig = signal_name(code)
+        how = f"was killed by {sig}" if sig else f"exited with code {code}"
+        raise ProcessExitedException(f"process {i} {how}", i, p.pid, exit_code=code, signal_name=sig)
+
+
+def spawn(
+    fn: Callable,
+    args: tuple = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+    *,
+    devices_per_proc: int | None = None,
+    stop_timeout: float = 5.0,
+    env: dict[str, str] | None = None,
+) -> SpawnContext | None:
+    """Run ``fn(i, *args)`` for ``i`` in ``range(nprocs)``, each in its own process (one rank each).
+
+    As ``torch.multiprocessing.spawn``: with ``join=True`` returns None when all
+    succeed and raises :class:`ProcessRaisedException` / :class:`ProcessExitedException`
+    when one fails (after stopping the others); with ``join=False`` returns a
+    :class:`SpawnContext`. ``fn`` must be picklable (a module-level function).
+    ``devices_per_proc`` sets each process's CPU device count.
+    """
+    where = "spawn"
+    if not callable(fn):
+        raise TypeError(f"{where}: fn={fn!r} must be a callable fn(rank, *args).")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"{where}: nprocs={nprocs!r} must be an int >= 1.")
+    if not isinstance(args, tuple):
+        raise TypeError(f"{where}: args={args!r} must be a tuple.")
+    ctx = multiprocessing.get_context(start_method)
+    addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = os.environ.get("MASTER_PORT") or str(free_port())
+    tmp = tempfile.mkdtemp(prefix="spmd-spawn-")
+    processes, files = [], []
+    for i in range(nprocs):
+        child_env = {
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": port,
+            "RANK": str(i),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_RANK": str(i),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+        }
+        if devices_per_proc is not None:
+            child_env["SPMD_DEVICES_PER_PROC"] = str(int(devices_per_proc))
+        child_env.update(env or {})
+        err = os.path.join(tmp, f"error-{i}.txt")
+        p = ctx.Process(target=_child, args=(fn, i, args, child_env, err), daemon=daemon)
+        p.start()
+        processes.append(p)
+        files.append(err)
+    context = SpawnContext(processes, files, stop_timeout)
+    if not join:
+        return context
+    context.join()
+    return None

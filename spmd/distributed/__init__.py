@@ -1,0 +1,102 @@
+"""torch.distributed's API on JAX's distributed runtime: ``import spmd.distributed as dist``.
+
+A torch script ports by changing its imports; the one difference: JAX arrays
+are immutable, so each collective RETURNS this rank's result
+(``t = dist.all_reduce(t)``) where torch writes into its argument. Functions
+that fill a Python list in torch fill it here too (and return it).
+
+One process is one rank. Run several with ``spmdrun --nproc-per-node N script.py``
+(or ``spmd.spawn``); one process without the environment variables is a world
+of size 1.
+"""
+
+from placements import ReduceOp
+from spmd.distributed._backend import Backend
+from spmd.distributed._c10d import (
+    P2POp,
+    Work,
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    batch_isend_irecv,
+    broadcast,
+    gather,
+    irecv,
+    isend,
+    rank_devices,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+    send,
+)
+from spmd.distributed._init import (
+    Group,
+    destroy_process_group,
+    get_backend,
+    get_global_rank,
+    get_group_rank,
+    get_process_group_ranks,
+    get_rank,
+    get_world_size,
+    group,
+    init_process_group,
+    is_available,
+    is_initialized,
+    new_group,
+)
+from spmd.distributed._objects import (
+    all_gather_object,
+    barrier,
+    broadcast_object_list,
+    gather_object,
+    scatter_object_list,
+)
+from spmd._spawn import ProcessExitedException, ProcessRaisedException
+
+__all__ = [
+    "init_process_group",
+    "is_initialized",
+    "is_available",
+    "get_rank",
+    "get_world_size",
+    "get_backend",
+    "destroy_process_group",
+    "new_group",
+    "group",
+    "Group",
+    "get_process_group_ranks",
+    "get_group_rank",
+    "get_global_rank",
+    "Backend",
+    "ReduceOp",
+    "barrier",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce",
+    "scatter",
+    "gather",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "P2POp",
+    "Work",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "rank_devices",
+    "ProcessRaisedException",
+    "ProcessExitedException",
+]

@@ -1,0 +1,118 @@
+"""Backends: torch's names mapped to XLA platforms and CPU collective implementations.
+
+| torch backend | XLA platform | cross-process collectives            |
+| ------------- | ------------ | ------------------------------------ |
+| ``nccl``      | ``cuda``     | NCCL (XLA's GPU collectives)         |
+| ``gloo``      | ``cpu``      | gloo over TCP (``jax_cpu_collectives_implementation='gloo'``) |
+| ``mpi``       | ``cpu``      | MPI through MPItrampoline (``MPITRAMPOLINE_LIB``) |
+| ``ucc``       | none         | refused, with the alternatives named |
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import dataclasses
+import importlib.util
+import os
+from typing import Any
+
+__all__ = ["Backend", "BackendSpec", "resolve_backend"]
+
+
+class Backend(str):
+    """A backend name, as ``torch.distributed.Backend``: ``Backend("GLOO") == "gloo"``.
+
+    ``Backend.NCCL``, ``Backend.GLOO``, ``Backend.MPI``, ``Backend.UCC`` are the
+    names torch has; see :func:`init_process_group` for what each maps to.
+    """
+
+    NCCL = "nccl"
+    GLOO = "gloo"
+    MPI = "mpi"
+    UCC = "ucc"
+    UNDEFINED = "undefined"
+
+    def __new__(cls, name: str):
+        if not isinstance(name, str):
+            raise TypeError(f"Backend: name={name!r} must be a string such as 'gloo' or 'nccl'.")
+        value = name.lower()
+        if value not in _KNOWN:
+            raise ValueError(f"Backend: name={name!r} is unknown; use one of {', '.join(repr(k) for k in _KNOWN)}.")
+        return super().__new__(cls, value)
+
+
+_KNOWN = ("nccl", "gloo", "mpi", "ucc")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    """What a backend name means on this machine."""
+
+    name: str  # torch's name: "gloo", "nccl", "mpi"
+    platform: str  # XLA platform: "cpu" or "cuda"
+    cpu_collectives: str | None  # jax_cpu_collectives_implementation, or None on GPU
+
+
+def _has_cuda_plugin() -> bool:
+    for mod in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+        try:
+            if importlib.util.find_spec(mod) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
+
+
+def _platforms_env() -> str:
+    import jax
+
+    return (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or "").lower()
+
+
+def _has_mpi() -> bool:
+    lib = os.environ.get("MPITRAMPOLINE_LIB")
+    return bool(lib) and os.path.exists(lib)
+
+
+def resolve_backend(backend: Any, where: str = "init_process_group") -> BackendSpec:
+    """Check ``backend`` and say what it means here; clear errors for what cannot run."""
+    if backend is None:
+        platforms = _platforms_env()
+        gpu = _has_cuda_plugin() and (not platforms or "cuda" in platforms or "gpu" in platforms)
+        backend = "nccl" if gpu else "gloo"
+    if not isinstance(backend, str):
+        raise TypeError(f"{where}: backend={backend!r} must be a string such as 'gloo' or 'nccl' (or None).")
+    name = backend.lower()
+    if ":" in name or "," in name:
+        # torch accepts "cpu:gloo,cuda:nccl": take the entry for the device we have.
+        parts = dict(p.split(":", 1) for p in name.split(",") if ":" in p)
+        name = parts.get("cuda") if "cuda" in parts and _has_cuda_plugin() else parts.get("cpu", name)
+    if name == "gloo":
+        return BackendSpec("gloo", "cpu", "gloo")
+    if name == "nccl":
+        if not _has_cuda_plugin():
+            raise RuntimeError(
+                f"{where}: backend={backend!r} needs NVIDIA GPUs and JAX's CUDA plugin "
+                "(pip install 'jax[cuda12]'), and this machine has neither; use backend='gloo' "
+                "for CPU collectives (or backend=None to pick the one this machine can run)."
+            )
+        return BackendSpec("nccl", "cuda", None)
+    if name == "mpi":
+        if not _has_mpi():
+            found = ctypes.util.find_library("mpi")
+            hint = f" (an MPI library was found at {found!r}; build MPIwrapper against it)" if found else ""
+            raise RuntimeError(
+                f"{where}: backend={backend!r} needs an MPI library loaded through MPItrampoline: set "
+                f"MPITRAMPOLINE_LIB to the path of libmpiwrapper.so{hint}; none is set here. "
+                "Use backend='gloo' for CPU collectives over TCP, which needs no MPI."
+            )
+        return BackendSpec("mpi", "cpu", "mpi")
+    if name == "ucc":
+        raise RuntimeError(
+            f"{where}: backend={backend!r} is not available: XLA has no UCC collectives. "
+            "Use backend='nccl' on NVIDIA GPUs, backend='gloo' on CPU, or backend='mpi' where an MPI library exists."
+        )
+    raise ValueError(
+        f"{where}: backend={backend!r} is unknown; use one of 'gloo' (CPU), 'nccl' (NVIDIA GPU), "
+        "'mpi' (CPU over MPI), or None to pick the one this machine can run."
+    )

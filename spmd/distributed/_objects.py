@@ -1,0 +1,284 @@
+"""Object collectives and barrier over JAX's coordination service (its key-value store).
+
+Objects travel as JSON with tags for what JSON lacks (tuples, bytes, non-string
+dict keys, NumPy / JAX arrays and scalars, complex numbers), so a peer's bytes
+are never unpickled. ``allow_pickle=True`` (on the sender, to send an object
+JSON cannot hold, and on the receiver, to accept it) opts in to pickle.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import pickle
+from typing import Any
+
+import numpy as np
+
+from spmd.distributed._init import Group, group_of, state
+
+__all__ = [
+    "dumps",
+    "loads",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "barrier",
+]
+
+_MAGIC_JSON = b"J"
+_MAGIC_PICKLE = b"P"
+
+
+class _NotJSON(Exception):
+    pass
+
+
+def _enc(obj: Any) -> Any:
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, float):
+        return obj if np.isfinite(obj) else {"__float__": repr(obj)}
+    if isinstance(obj, complex):
+        return {"__complex__": [obj.real, obj.imag]}
+    if isinstance(obj, list):
+        return [_enc(v) for v in obj]
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_enc(v) for v in obj]}
+    if isinstance(obj, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(obj)).decode()}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not any(k.startswith("__") and k.endswith("__") for k in obj):
+            return {k: _enc(v) for k, v in obj.items()}
+        return {"__dict__": [[_enc(k), _enc(v)] for k, v in obj.items()]}
+    if isinstance(obj, set | frozenset):
+        return {"__set__": [_enc(v) for v in obj], "frozen": isinstance(obj, frozenset)}
+    if isinstance(obj, np.generic):
+        return {"__npscalar__": _enc_array(np.asarray(obj))}
+    if isinstance(obj, np.ndarray) or type(obj).__module__.startswith(("jax", "jaxlib")):
+        try:
+            arr = np.asarray(obj)
+        except Exception:
+            raise _NotJSON(type(obj).__name__) from None
+        return {"__ndarray__": _enc_array(arr)}
+    raise _NotJSON(type(obj).__name__)
+
+
+def _enc_array(arr: np.ndarray) -> dict:
+    if arr.dtype.hasobject:
+        raise _NotJSON("object array")
+    arr = np.ascontiguousarray(arr)
+    return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": base64.b64encode(arr.tobytes()).decode()}
+
+
+def _dec_array(d: dict) -> np.ndarray:
+    dtype = np.dtype(d["dtype"])
+    if dtype.hasobject:
+        raise ValueError("refusing an object array from a peer")
+    return np.frombuffer(base64.b64decode(d["data"]), dtype=dtype).reshape(d["shape"]).copy()
+
+
+def _dec(obj: Any) -> Any:
+    if isinstance(obj, list):
+        return [_dec(v) for v in obj]
+    if isinstance(obj, dict):
+        if "__tuple__" in obj:
+            return tuple(_dec(v) for v in obj["__tuple__"])
+        if "__bytes__" in obj:
+            return base64.b64decode(obj["__bytes__"])
+        if "__dict__" in obj:
+            return {_dec(k): _dec(v) for k, v in obj["__dict__"]}
+        if "__set__" in obj:
+            items = [_dec(v) for v in obj["__set__"]]
+            return frozenset(items) if obj.get("frozen") else set(items)
+        if "__ndarray__" in obj:
+            return _dec_array(obj["__ndarray__"])
+        if "__npscalar__" in obj:
+            return _dec_array(obj["__npscalar__"])[()]
+        if "__float__" in obj:
+            return float(obj["__float__"])
+        if "__complex__" in obj:
+            re, im = obj["__complex__"]
+            return complex(re, im)
+        return {k: _dec(v) for k, v in obj.items()}
+    return obj
+
+
+def dumps(obj: Any, *, allow_pickle: bool = False, where: str = "dumps") -> bytes:
+    """Serialise ``obj`` safely (tagged JSON); pickle only if ``allow_pickle`` and JSON cannot hold it."""
+    try:
+        return _MAGIC_JSON + json.dumps(_enc(obj), separators=(",", ":")).encode()
+    except _NotJSON as e:
+        if allow_pickle:
+            return _MAGIC_PICKLE + pickle.dumps(obj)
+        raise TypeError(
+            f"{where}: cannot send an object holding a {e} safely: objects travel as JSON (with NumPy/JAX "
+            "arrays, tuples, bytes, sets); convert it (e.g. to a dict), or pass allow_pickle=True on every "
+            "rank if you trust all of them."
+        ) from None
+
+
+def loads(data: bytes, *, allow_pickle: bool = False, where: str = "loads") -> Any:
+    """Inverse of :func:`dumps`; refuses a pickled payload unless ``allow_pickle``."""
+    kind, body = data[:1], data[1:]
+    if kind == _MAGIC_JSON:
+        return _dec(json.loads(body.decode()))
+    if kind == _MAGIC_PICKLE:
+        if not allow_pickle:
+            raise ValueError(
+                f"{where}: a peer sent a pickled object and this rank did not pass allow_pickle=True; "
+                "unpickling a peer's bytes can run arbitrary code. Pass allow_pickle=True on every rank "
+                "only if you trust all of them."
+            )
+        return pickle.loads(body)  # noqa: S301 - the caller opted in
+    raise ValueError(f"{where}: received a payload in an unknown format {kind!r}.")
+
+
+# --- key-value transport ----------------------------------------------------------------------
+_COUNTERS: dict[tuple, itertools.count] = {}
+
+
+def _next_id(kind: str, g: Group) -> str:
+    ranks = g.global_ranks()
+    c = _COUNTERS.setdefault((kind, ranks), itertools.count())
+    return f"spmd/{kind}/{'-'.join(map(str, ranks))}/{next(c)}"
+
+
+def _client():
+    from jax._src import distributed as jdist
+
+    return jdist.global_state.client
+
+
+def _get(client, key: str, timeout_s: float, where: str, peer: int) -> bytes:
+    try:
+        return client.blocking_key_value_get_bytes(key, int(timeout_s * 1000))
+    except Exception as e:
+        if "DEADLINE" in str(e).upper():
+            raise TimeoutError(
+                f"{where}: rank {state(where).rank} waited {timeout_s:g} s for rank {peer}, which did not "
+                "take part; every rank of the group must call it (raise the limit with "
+                "init_process_group(timeout=...) or SPMD_TIMEOUT)."
+            ) from None
+        raise
+
+
+def _exchange(g: Group, payload: bytes | None, senders: tuple[int, ...], where: str, timeout: Any) -> dict[int, bytes]:
+    """Ranks in ``senders`` publish ``payload``; every caller gets {rank: payload}."""
+    st = state(where)
+    if not st.multiprocess:
+        return {st.rank: payload} if st.rank in senders else {}
+    timeout_s = st.timeout_s if timeout is None else float(getattr(timeout, "total_seconds", lambda: timeout)())
+    client = _client()
+    base = _next_id(where, g)
+    if st.rank in senders:
+        client.key_value_set_bytes(f"{base}/{st.rank}", payload)
+    return {r: (payload if r == st.rank else _get(client, f"{base}/{r}", timeout_s, where, r)) for r in senders}
+
+
+# --- public -------------------------------------------------------------------------------------
+def all_gather_object(object_list: Any, obj: Any, group: Any = None, *, allow_pickle: bool = False, timeout: Any = None) -> list:
+    """Every rank gets every rank's ``obj``, by group rank; fills ``object_list`` (a list of the
+    group's size) and returns it. Objects travel as tagged JSON (see the module notes)."""
+    where = "all_gather_object"
+    g = group_of(group, where)
+    ranks = g.global_ranks()
+    if object_list is not None and (not isinstance(object_list, list) or len(object_list) != len(ranks)):
+        raise ValueError(f"{where}: object_list must be a list of {len(ranks)} entries (one per rank) or None.")
+    got = _exchange(g, dumps(obj, allow_pickle=allow_pickle, where=where), ranks, where, timeout)
+    values = [loads(got[r], allow_pickle=allow_pickle, where=where) for r in ranks]
+    if object_list is None:
+        return values
+    object_list[:] = values
+    return object_list
+
+
+def broadcast_object_list(object_list: list, src: int | None = None, group: Any = None, device: Any = None, *, group_src: int | None = None, allow_pickle: bool = False, timeout: Any = None) -> list:
+    """Every rank's ``object_list`` becomes rank ``src``'s (in place, and returned)."""
+    where = "broadcast_object_list"
+    g = group_of(group, where)
+    if not isinstance(object_list, list):
+        raise TypeError(f"{where}: object_list={object_list!r} must be a list (its length is the same on every rank).")
+    ranks = g.global_ranks()
+    if group_src is not None:
+        src = ranks[group_src]
+    src = 0 if src is None else src
+    if src not in ranks:
+        raise ValueError(f"{where}: src={src!r} is not a rank of {g!r}.")
+    me = state(where).rank
+    payload = dumps(list(object_list), allow_pickle=allow_pickle, where=where) if me == src else None
+    got = _exchange(g, payload, (src,), where, timeout)
+    values = loads(got[src], allow_pickle=allow_pickle, where=where)
+    if len(values) != len(object_list):
+        raise ValueError(
+            f"{where}: rank {src} sent {len(values)} object(s) but this rank's object_list has "
+            f"{len(object_list)} entries; give it the same length on every rank."
+        )
+    object_list[:] = values
+    return object_list
+
+
+def gather_object(obj: Any, object_gather_list: Any = None, dst: int = 0, group: Any = None, *, allow_pickle: bool = False, timeout: Any = None):
+    """Rank ``dst`` gets every rank's ``obj`` (a list by group rank); the others get None."""
+    where = "gather_object"
+    g = group_of(group, where)
+    ranks = g.global_ranks()
+    me = state(where).rank
+    got = _exchange(g, dumps(obj, allow_pickle=allow_pickle, where=where), ranks, where, timeout) if me == dst else None
+    if me != dst:
+        # Publish only: the destination reads our key.
+        st = state(where)
+        if st.multiprocess:
+            base = _next_id(where, g)
+            _client().key_value_set_bytes(f"{base}/{me}", dumps(obj, allow_pickle=allow_pickle, where=where))
+        return None
+    values = [loads(got[r], allow_pickle=allow_pickle, where=where) for r in ranks]
+    if isinstance(object_gather_list, list) and len(object_gather_list) == len(ranks):
+        object_gather_list[:] = values
+        return object_gather_list
+    return values
+
+
+def scatter_object_list(scatter_object_output_list: list, scatter_object_input_list: Any = None, src: int = 0, group: Any = None, *, allow_pickle: bool = False, timeout: Any = None):
+    """Rank ``i`` gets ``scatter_object_input_list[i]`` of rank ``src`` in ``scatter_object_output_list[0]``."""
+    where = "scatter_object_list"
+    g = group_of(group, where)
+    ranks = g.global_ranks()
+    me = state(where).rank
+    payload = None
+    if me == src:
+        if not isinstance(scatter_object_input_list, list) or len(scatter_object_input_list) != len(ranks):
+            raise ValueError(f"{where}: scatter_object_input_list must be a list of {len(ranks)} objects on src.")
+        payload = dumps(scatter_object_input_list, allow_pickle=allow_pickle, where=where)
+    got = _exchange(g, payload, (src,), where, timeout)
+    value = loads(got[src], allow_pickle=allow_pickle, where=where)[ranks.index(me)]
+    if isinstance(scatter_object_output_list, list) and scatter_object_output_list:
+        scatter_object_output_list[0] = value
+    return value
+
+
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None, timeout: Any = None) -> None:
+    """Wait until every rank of the group gets here (JAX's coordination-service barrier),
+    at most the timeout; a :class:`TimeoutError` names the limit."""
+    where = "barrier"
+    g = group_of(group, where)
+    st = state(where)
+    if not st.multiprocess:
+        return None
+    timeout_s = st.timeout_s if timeout is None else float(getattr(timeout, "total_seconds", lambda: timeout)())
+    ranks = g.global_ranks()
+    bid = _next_id(where, g).replace("/", "_")
+    try:
+        _client().wait_at_barrier(bid, int(timeout_s * 1000), None if g.ranks is None else list(ranks))
+    except Exception as e:
+        if "DEADLINE" in str(e).upper() or "timed out" in str(e).lower():
+            raise TimeoutError(
+                f"{where}: rank {st.rank} waited {timeout_s:g} s at a barrier of {g!r} and not every rank came; "
+                "raise the limit with barrier(timeout=...) or init_process_group(timeout=...)."
+            ) from None
+        raise
+    return None

@@ -1,0 +1,254 @@
+"""``spmdrun``: the ``torchrun`` of spmd. Also ``python -m spmd.run``.
+
+    spmdrun --standalone --nproc-per-node 4 train.py --lr 0.1
+
+starts 4 processes of ``train.py`` with ``MASTER_ADDR``, ``MASTER_PORT``,
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (and
+``SPMD_DEVICES_PER_PROC`` with ``--devices-per-proc``) set, so
+``dist.init_process_group()`` needs no arguments. Each output line is prefixed
+with its rank (``[rank0]: ...``). When a rank fails, the others get SIGTERM at
+once (their whole process groups), then SIGKILL after ``--stop-timeout``
+seconds; spmdrun prints which rank failed, its exit code and its last lines,
+and exits non-zero (after relaunching every rank up to ``--max-restarts``
+times). SIGINT / SIGTERM are forwarded to every rank the same way. Ranks die
+with spmdrun (``PR_SET_PDEATHSIG``), so none is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from spmd._spawn import free_port, signal_name, stop_processes
+
+__all__ = ["main", "parse_args"]
+
+_TAIL = 20
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, **kw) -> None:
+    # torchrun accepts both --nproc-per-node and --nproc_per_node.
+    parser.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kw)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="spmdrun",
+        description="Launch a script on several processes with the torch.distributed environment (spmd).",
+    )
+    _flag(p, "nproc-per-node", type=int, default=1, help="processes (ranks) on this node (default 1)")
+    _flag(p, "nnodes", type=int, default=1, help="number of nodes (default 1)")
+    _flag(p, "node-rank", type=int, default=0, help="this node's index in [0, nnodes) (default 0)")
+    _flag(p, "master-addr", default="127.0.0.1", help="address of rank 0's node (default 127.0.0.1)")
+    _flag(p, "master-port", type=int, default=29500, help="port of the coordinator on rank 0 (default 29500)")
+    p.add_argument("--standalone", action="store_true", help="single node: loopback and a free port")
+    _flag(p, "max-restarts", type=int, default=0, help="relaunch all ranks up to K times after a failure")
+    _flag(p, "devices-per-proc", type=int, default=None, help="CPU devices per process (SPMD_DEVICES_PER_PROC)")
+    _flag(p, "stop-timeout", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)")
+    _flag(p, "no-prefix", action="store_true", help="do not prefix output lines with [rankN]:")
+    p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
+    p.add_argument("script", help="the script (or module with -m) to run on every rank")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    args = p.parse_args(argv)
+    for name in ("nproc_per_node", "nnodes"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if not 0 <= args.node_rank < args.nnodes:
+        p.error(f"--node-rank={args.node_rank} must be in [0, {args.nnodes - 1}] for --nnodes={args.nnodes}")
+    if args.standalone and args.nnodes != 1:
+        p.error("--standalone runs on one node; drop --nnodes or --standalone")
+    if args.max_restarts < 0:
+        p.error("--max-restarts must be >= 0")
+    if args.devices_per_proc is not None and args.devices_per_proc < 1:
+        p.error("--devices-per-proc must be >= 1")
+    if not args.stop_timeout > 0:
+        p.error("--stop-timeout must be positive")
+    if not 0 < args.master_port < 65536:
+        p.error("--master-port must be in 1..65535")
+    return args
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL it when spmdrun dies (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _Rank:
+    def __init__(self, rank: int, local_rank: int, cmd: list[str], env: dict, prefix: bool, lock: threading.Lock):
+        self.rank = rank
+        self.local_rank = local_rank
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
+        self.err_tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        tag = f"[rank{rank}]: ".encode() if prefix else b""
+        self.threads = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, sys.stdout, tag, False), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, sys.stderr, tag, True), daemon=True),
+        ]
+        self._lock = lock
+        for t in self.threads:
+            t.start()
+
+    def _pump(self, src, dst, tag: bytes, is_err: bool) -> None:
+        out = getattr(dst, "buffer", None)
+        for line in iter(src.readline, b""):
+            text = line.decode(errors="replace").rstrip("\n")
+            self.tail.append(text)
+            if is_err:
+                self.err_tail.append(text)
+            with self._lock:
+                try:
+                    if out is not None:
+                        out.write(tag + line if line.endswith(b"\n") else tag + line + b"\n")
+                        out.flush()
+                    else:
+                        dst.write(tag.decode() + text + "\n")
+                        dst.flush()
+                except (BrokenPipeError, ValueError):
+                    pass
+        src.close()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def join_output(self, timeout: float) -> None:
+        for t in self.threads:
+            t.join(timeout)
+
+
+def _say(msg: str) -> None:
+    sys.stderr.write(f"spmdrun: {msg}\n")
+    sys.stderr.flush()
+
+
+def _describe(code: int) -> str:
+    sig = signal_name(code)
+    return f"was killed by {sig} (exit code {code})" if sig else f"failed with exit code {code}"
+
+
+def _run_once(args, port: int, restart: int, received: list[int]) -> tuple[int, bool]:
+    """Run every local rank once; (exit code, whether a signal to spmdrun ended it)."""
+    n = args.nproc_per_node
+    world = n * args.nnodes
+    addr = "127.0.0.1" if args.standalone else args.master_addr
+    base = [sys.executable, "-u", "-m", "spmd.distributed._worker"] + (["-m"] if args.module else [])
+    lock = threading.Lock()
+    ranks: list[_Rank] = []
+    start = time.monotonic()
+    for local in range(n):
+        rank = args.node_rank * n + local
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR=addr,
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(local),
+            LOCAL_WORLD_SIZE=str(n),
+            GROUP_RANK=str(args.node_rank),
+            NODE_RANK=str(args.node_rank),
+            SPMD_RESTART_COUNT=str(restart),
+            TORCHELASTIC_RESTART_COUNT=str(restart),
+            PYTHONUNBUFFERED="1",
+        )
+        if args.devices_per_proc is not None:
+            env["SPMD_DEVICES_PER_PROC"] = str(args.devices_per_proc)
+        ranks.append(_Rank(rank, local, base + [args.script, *args.script_args], env, not args.no_prefix, lock))
+
+    def stop_all(reason_rank: _Rank | None) -> float:
+        t0 = time.monotonic()
+        stop_processes([(r.proc.pid, r.alive) for r in ranks], args.stop_timeout, group=True)
+        for r in ranks:
+            try:
+                r.proc.wait(timeout=max(1.0, args.stop_timeout))
+            except subprocess.TimeoutExpired:
+                pass
+            r.join_output(2.0)
+        return time.monotonic() - t0
+
+    while True:
+        if received:
+            signum = received[0]
+            _say(f"got {signal.Signals(signum).name}; stopping all ranks")
+            for r in ranks:
+                try:
+                    os.killpg(r.proc.pid, signum)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            took = stop_all(None)
+            _say(f"all ranks stopped in {took:.1f} s")
+            return 128 + signum, True
+        failed = [r for r in ranks if r.proc.poll() not in (None, 0)]
+        if failed:
+            bad = failed[0]
+            code = bad.proc.returncode
+            elapsed = time.monotonic() - start
+            _say(
+                f"rank {bad.rank} (local rank {bad.local_rank}, pid {bad.proc.pid}) {_describe(code)} "
+                f"after {elapsed:.1f} s; stopping the other ranks"
+            )
+            took = stop_all(bad)
+            lines = list(bad.err_tail) or list(bad.tail)
+            if lines:
+                _say(f"last lines of rank {bad.rank}:")
+                for line in lines[-_TAIL:]:
+                    sys.stderr.write(f"    {line}\n")
+            others = [r.rank for r in ranks if r is not bad]
+            if others:
+                _say(f"stopped ranks {others} in {took:.1f} s")
+            return (code if 0 < code < 256 else 1), False
+        if all(r.proc.poll() == 0 for r in ranks):
+            for r in ranks:
+                r.join_output(2.0)
+            return 0, False
+        time.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        if not received:
+            received.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        restart = 0
+        while True:
+            port = free_port() if args.standalone else args.master_port
+            code, signalled = _run_once(args, port, restart, received)
+            if code == 0 or signalled:
+                return code
+            if restart >= args.max_restarts:
+                if args.max_restarts:
+                    _say(f"giving up after {args.max_restarts} restart(s)")
+                return code
+            restart += 1
+            _say(f"restarting all ranks (restart {restart} of {args.max_restarts})")
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
