@@ -412,7 +412,6 @@ def init_process_group(
             f"{where}: rank={rank} is out of range for world_size={world}; ranks are 0..{world - 1}. "
             "Check RANK and WORLD_SIZE."
         )
-    local_ids = _configure_jax(spec, world, where)
     if world == 1:
         _STATE = _State(0, 1, spec, timeout_s, heartbeat_s, None, False)
         return
@@ -423,6 +422,7 @@ def init_process_group(
         )
     if not 0 < port < 65536:
         raise ValueError(f"{where}: MASTER_PORT={port} must be in 1..65535.")
+    local_ids = _configure_jax(spec, world, where)
     _STATE = _join(spec, rank, world, addr, port, timeout_s, heartbeat_s, local_ids, where)
     _install_excepthook()
 
