@@ -19,6 +19,11 @@ from jax import lax
 from placements import ReduceOp, as_reduce_op
 from spmd._mesh import resolve_mesh_dims
 
+try:  # the same all-gather, typed as replicated over the group (so Replicate outputs pass check_vma)
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+except ImportError:  # pragma: no cover - older/newer JAX without it: the varying all_gather
+    _all_gather_invariant = lax.all_gather
+
 __all__ = [
     "all_reduce",
     "broadcast",
@@ -127,6 +132,11 @@ def _check_op(op: Any, dtype, where: str) -> ReduceOp:
         )
     if op.name == "premul_sum" and kind == "bool":
         raise TypeError(f"{where}: op={op!r} needs a numeric input, got bool; cast it first.")
+    if op.name == "premul_sum" and kind == "int" and op.factor != int(op.factor):
+        raise ValueError(
+            f"{where}: op={op!r} on a {np.dtype(dtype).name} input would truncate the factor "
+            f"{op.factor!r} to an integer; use an integral factor, or cast the input to a float dtype."
+        )
     return op
 
 
@@ -170,29 +180,31 @@ def all_reduce(x, op: Any = ReduceOp.SUM, *, group: Any = None):
         return lax.pmax(x, axes)
     if op.name == "min":
         return lax.pmin(x, axes)
-    return _reduce_stacked(lax.all_gather(x, axes, axis=0), op.name, 0)
+    return _reduce_stacked(_all_gather_invariant(x, axes, axis=0), op.name, 0)
 
 
 def _bits(x):
-    """``x`` as unsigned integers of the same width, so a masked sum is bit-exact."""
+    """``x`` as unsigned integers of the same width, and the way back.
+
+    A masked integer sum is exact; a float sum is not (XLA:CPU starts the sum
+    at +0.0, turning -0.0 into +0.0, and flushes denormals to zero).
+    """
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint8), lambda b: b.astype(jnp.bool_)
-    if jnp.issubdtype(x.dtype, jnp.integer):
+    if jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.complexfloating):
         return x, lambda b: b
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        return x, lambda b: b
-    u = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
     dtype = x.dtype
+    u = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[dtype.itemsize]
     return lax.bitcast_convert_type(x, u), lambda b: lax.bitcast_convert_type(b, dtype)
 
 
 def broadcast(x, src: int, *, group: Any = None):
-    """Every rank gets rank ``src``'s ``x``, bit for bit (one all-reduce of masked bits)."""
+    """Every rank gets rank ``src``'s ``x``, bit for bit: one all-reduce of ``x``'s bits,
+    the other ranks contributing zeros."""
     where = "broadcast"
     axes, n = group_axes(group, where)
     src = _check_rank(src, n, where, "src", axes)
-    x = _vary(x, axes)
-    bits, back = _bits(x)
+    bits, back = _bits(_vary(x, axes))
     mine = lax.axis_index(axes) == src
     return back(lax.psum(jnp.where(mine, bits, jnp.zeros_like(bits)), axes))
 
@@ -203,7 +215,7 @@ def all_gather(x, *, axis: int = 0, tiled: bool = False, group: Any = None):
     axes, n = group_axes(group, where)
     x = _vary(x, axes)
     axis = _check_axis(axis, x.ndim + (0 if tiled else 1), where, "axis")
-    return lax.all_gather(x, axes, axis=axis, tiled=tiled)
+    return _all_gather_invariant(x, axes, axis=axis, tiled=tiled)
 
 
 def reduce(x, dst: int, op: Any = ReduceOp.SUM, *, group: Any = None):
@@ -308,7 +320,23 @@ def permute(x, pairs: Sequence[tuple[int, int]], *, group: Any = None):
                 f"{where}: pairs={pairs!r} uses a {name} rank twice; each rank sends at most once and "
                 "receives at most once (split it into several permutes)."
             )
-    return lax.ppermute(_vary(x, axes), axes, perm=[(int(a), int(b)) for a, b in pairs])
+    # lax.ppermute numbers the ranks of several axes in mesh order, whatever order they are named in
+    # (all_gather and axis_index follow the order named): renumber the pairs into mesh order.
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    ordered = tuple(a for a in mesh.axis_names if a in axes)
+
+    def to_mesh_order(r: int) -> int:
+        coord = {}
+        for a in reversed(axes):
+            r, coord[a] = divmod(r, sizes[a])
+        out = 0
+        for a in ordered:
+            out = out * sizes[a] + coord[a]
+        return out
+
+    perm = [(to_mesh_order(int(a)), to_mesh_order(int(b))) for a, b in pairs]
+    return lax.ppermute(_vary(x, axes), ordered, perm=perm)
 
 
 def axis_index(group: Any = None):
