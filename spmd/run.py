@@ -31,6 +31,13 @@ from spmd._spawn import free_port, signal_name, stop_processes
 __all__ = ["main", "parse_args"]
 
 _TAIL = 20
+# What a rank prints when it fails because another rank died first.
+_VICTIM_MARKERS = (
+    "another rank most likely died",
+    "JAX distributed service detected fatal errors",
+    "Connection closed by peer",
+    "Connection reset by peer",
+)
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kw) -> None:
@@ -105,8 +112,16 @@ class _Rank:
             threading.Thread(target=self._pump, args=(self.proc.stderr, sys.stderr, tag, True), daemon=True),
         ]
         self._lock = lock
+        self.exit_time: float | None = None
         for t in self.threads:
             t.start()
+        threading.Thread(target=self._wait, daemon=True).start()
+
+    def _wait(self) -> None:
+        self.proc.wait()
+        t = time.monotonic()
+        self.join_output(3.0)  # its last lines, before anyone reads them
+        self.exit_time = t
 
     def _pump(self, src, dst, tag: bytes, is_err: bool) -> None:
         out = getattr(dst, "buffer", None)
@@ -126,6 +141,10 @@ class _Rank:
                 except (BrokenPipeError, ValueError):
                     pass
         src.close()
+
+    def is_victim(self) -> bool:
+        """Whether its last lines say it failed because a peer died (not the cause)."""
+        return any(marker in line for line in self.tail for marker in _VICTIM_MARKERS)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -197,11 +216,18 @@ def _run_once(args, port: int, restart: int, received: list[int]) -> tuple[int, 
             took = stop_all(None)
             _say(f"all ranks stopped in {took:.1f} s")
             return 128 + signum, True
-        failed = [r for r in ranks if r.proc.poll() not in (None, 0)]
+        failed = [r for r in ranks if r.exit_time is not None and r.proc.returncode != 0]
         if failed:
-            bad = failed[0]
+            # Peers of a dead rank fail right after it (their collective breaks): wait a moment
+            # and blame the rank that exited first.
+            time.sleep(0.1)
+            failed = [r for r in ranks if r.exit_time is not None and r.proc.returncode != 0]
+            for r in failed:
+                r.join_output(1.0)  # dead: their pipes end now
+            causes = [r for r in failed if not r.is_victim()] or failed
+            bad = min(causes, key=lambda r: r.exit_time)
             code = bad.proc.returncode
-            elapsed = time.monotonic() - start
+            elapsed = bad.exit_time - start
             _say(
                 f"rank {bad.rank} (local rank {bad.local_rank}, pid {bad.proc.pid}) {_describe(code)} "
                 f"after {elapsed:.1f} s; stopping the other ranks"
@@ -212,11 +238,14 @@ def _run_once(args, port: int, restart: int, received: list[int]) -> tuple[int, 
                 _say(f"last lines of rank {bad.rank}:")
                 for line in lines[-_TAIL:]:
                     sys.stderr.write(f"    {line}\n")
-            others = [r.rank for r in ranks if r is not bad]
+            also = [f"rank {r.rank} ({_describe(r.proc.returncode)})" for r in failed if r is not bad]
+            if also:
+                _say("then also failed: " + ", ".join(also))
+            others = [r.rank for r in ranks if r is not bad and r not in failed]
             if others:
                 _say(f"stopped ranks {others} in {took:.1f} s")
             return (code if 0 < code < 256 else 1), False
-        if all(r.proc.poll() == 0 for r in ranks):
+        if all(r.exit_time is not None and r.proc.returncode == 0 for r in ranks):
             for r in ranks:
                 r.join_output(2.0)
             return 0, False

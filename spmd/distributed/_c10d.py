@@ -103,7 +103,15 @@ def _run_on(ranks: Sequence[int], name: str, x: jax.Array, **kwargs) -> jax.Arra
     garr = jax.make_array_from_single_device_arrays(
         (len(ranks),) + tuple(x.shape), NamedSharding(mesh, P(_AXIS)), [local]
     )
-    out = fn(garr)
+    try:
+        out = fn(garr).block_until_ready()
+    except Exception as e:
+        if not st.multiprocess:
+            raise
+        raise RuntimeError(
+            f"{name}: the collective failed on rank {st.rank} (group ranks {list(ranks)}); another rank most "
+            f"likely died or left the job (see its output): {e}"
+        ) from e
     return out.addressable_shards[0].data[0]
 
 

@@ -48,8 +48,11 @@ def main(argv: list[str] | None = None) -> None:
             code = 1
         _flush()
         os._exit(code & 0xFF or 1)
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as e:
+        tb = e.__traceback__
+        while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")):
+            tb = tb.tb_next  # show the user's frames, not the launcher's
+        traceback.print_exception(type(e), e, tb)
         _flush()
         os._exit(1)
 

@@ -1,0 +1,192 @@
+"""spmd.distributed in one process (world size 1) and its pure parts; the multi-process
+runs are in tests/test_launcher.py."""
+
+from __future__ import annotations
+
+import datetime
+import fractions
+import re
+
+import numpy as np
+import pytest
+
+import spmd.distributed as dist
+from spmd.distributed import _backend, _init
+from spmd.distributed._objects import dumps, loads
+
+_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "SPMD_TIMEOUT", "MPITRAMPOLINE_LIB")
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    for k in _ENV:
+        monkeypatch.delenv(k, raising=False)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield monkeypatch
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def world1(clean):
+    dist.init_process_group()
+    return clean
+
+
+def x_of(shape=(2, 3), dtype=np.float32):
+    return (np.arange(int(np.prod(shape))).reshape(shape) + 1).astype(dtype)
+
+
+# --- init and state ---------------------------------------------------------------------------
+def test_single_process_without_env_is_world_size_1(clean):
+    assert not dist.is_initialized()
+    dist.init_process_group()
+    assert dist.is_initialized()
+    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (0, 1, "gloo")
+    assert dist.get_process_group_ranks() == [0]
+    dist.destroy_process_group()
+    assert not dist.is_initialized()
+
+
+def test_uninitialized_calls_say_what_to_do(clean):
+    with pytest.raises(RuntimeError, match=re.escape("get_rank: the default process group is not initialized; call "
+                                                     "spmd.distributed.init_process_group() first")):
+        dist.get_rank()
+    with pytest.raises(RuntimeError, match=re.escape("all_reduce: the default process group is not initialized")):
+        dist.all_reduce(np.ones(2))
+
+
+def test_init_twice_is_refused(world1):
+    with pytest.raises(RuntimeError, match=re.escape("init_process_group: the default process group is already "
+                                                     "initialized; call destroy_process_group() first.")):
+        dist.init_process_group()
+
+
+@pytest.mark.parametrize("env,kwargs,exc,says", [
+    ({"WORLD_SIZE": "2", "RANK": "2"}, {}, ValueError,
+     "init_process_group: rank=2 is out of range for world_size=2; ranks are 0..1. Check RANK and WORLD_SIZE."),
+    ({"WORLD_SIZE": "2"}, {}, ValueError, "init_process_group: WORLD_SIZE=2 is set but RANK is not"),
+    ({"RANK": "1"}, {}, ValueError, "init_process_group: RANK=1 is set but WORLD_SIZE is not"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, {}, ValueError,
+     "init_process_group: world_size=2 needs the coordinator's address: set MASTER_ADDR and MASTER_PORT"),
+    ({"WORLD_SIZE": "x", "RANK": "0"}, {}, ValueError,
+     "init_process_group: the environment variable WORLD_SIZE='x' must be an integer."),
+    ({}, {"init_method": "file:///tmp/x"}, ValueError, "init_process_group: init_method='file:///tmp/x' is not supported"),
+    ({}, {"init_method": "tcp://nohost"}, ValueError, "init_process_group: init_method='tcp://nohost' must look like"),
+    ({}, {"rank": 1.5}, TypeError, "init_process_group: rank=1.5 must be an int"),
+    ({}, {"timeout": -1}, ValueError, "init_process_group: timeout=-1 must be positive."),
+    ({}, {"timeout": "1s"}, TypeError, "init_process_group: timeout='1s' must be a datetime.timedelta or a number"),
+    ({}, {"backend": "ucc"}, RuntimeError, "init_process_group: backend='ucc' is not available: XLA has no UCC "
+     "collectives. Use backend='nccl' on NVIDIA GPUs, backend='gloo' on CPU, or backend='mpi'"),
+    ({}, {"backend": "mpi"}, RuntimeError, "init_process_group: backend='mpi' needs an MPI library loaded through "
+     "MPItrampoline: set MPITRAMPOLINE_LIB"),
+    ({}, {"backend": "carrier-pigeon"}, ValueError, "init_process_group: backend='carrier-pigeon' is unknown; use one of"),
+    ({}, {"backend": 3}, TypeError, "init_process_group: backend=3 must be a string"),
+])
+def test_init_checks_its_input(clean, env, kwargs, exc, says):
+    for k, v in env.items():
+        clean.setenv(k, v)
+    with pytest.raises(exc, match=re.escape(says)):
+        dist.init_process_group(**kwargs)
+    assert not dist.is_initialized()
+
+
+def test_nccl_needs_a_gpu(clean):
+    if _backend._has_cuda_plugin():
+        assert _backend.resolve_backend("nccl").platform == "cuda"
+    else:
+        with pytest.raises(RuntimeError, match=re.escape("backend='nccl' needs NVIDIA GPUs and JAX's CUDA plugin")):
+            dist.init_process_group("nccl")
+
+
+def test_init_method_and_timeout_forms(clean):
+    assert _init._parse_init_method("tcp://10.1.1.20:23456", "w") == ("10.1.1.20", 23456)
+    assert _init._parse_init_method("tcp://[::1]:23456", "w") == ("::1", 23456)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:1234", world_size=1, rank=0,
+                            timeout=datetime.timedelta(seconds=7))
+    assert _init.state("t").timeout_s == 7.0
+
+
+def test_backend_names():
+    assert dist.Backend("GLOO") == "gloo" and dist.Backend.NCCL == "nccl" and dist.Backend.UCC == "ucc"
+    with pytest.raises(ValueError, match=re.escape("Backend: name='tcp' is unknown")):
+        dist.Backend("tcp")
+    assert _backend.resolve_backend("cpu:gloo,cuda:nccl").name in ("gloo", "nccl")
+
+
+# --- collectives on a world of one ------------------------------------------------------------
+def test_collectives_on_one_rank(world1):
+    x = x_of()
+    np.testing.assert_array_equal(dist.all_reduce(x), x)
+    np.testing.assert_array_equal(dist.all_reduce(x.astype(np.int32), op=dist.ReduceOp.BXOR), x)
+    np.testing.assert_array_equal(dist.broadcast(x, src=0), x)
+    out = [None]
+    assert dist.all_gather(out, x) is out
+    np.testing.assert_array_equal(out[0], x)
+    np.testing.assert_array_equal(dist.all_gather_into_tensor(None, x), x)
+    np.testing.assert_array_equal(dist.reduce(x, dst=0, op="max"), x)
+    np.testing.assert_array_equal(dist.scatter(None, [x], src=0), x)
+    np.testing.assert_array_equal(dist.gather(x, dst=0)[0], x)
+    np.testing.assert_array_equal(dist.reduce_scatter(None, [x]), x)
+    np.testing.assert_array_equal(dist.reduce_scatter_tensor(None, x), x)
+    np.testing.assert_array_equal(dist.all_to_all(None, [x])[0], x)
+    np.testing.assert_array_equal(dist.all_to_all_single(None, x), x)
+    assert dist.all_reduce(x, async_op=True).wait()
+    assert dist.all_gather_object([None], {"a": (1, 2)}) == [{"a": (1, 2)}]
+    assert dist.broadcast_object_list([1, "x"], src=0) == [1, "x"]
+    assert dist.barrier() is None
+    assert dist.new_group([0]) is dist.group.WORLD
+
+
+@pytest.mark.parametrize("call,exc,says", [
+    (lambda x: dist.all_reduce(x, op="median"), ValueError, "all_reduce: op='median' is not a reduce op"),
+    (lambda x: dist.all_reduce(x, group=[0]), TypeError, "all_reduce: group=[0] must be None (all ranks) or a group"),
+    (lambda x: dist.broadcast(x, src=1), ValueError, "broadcast: src=1 is not a rank of Group(WORLD) (ranks [0])."),
+    (lambda x: dist.scatter(None, [x, x], src=0), ValueError,
+     "scatter: scatter_list holds 2 array(s); the group has 1 ranks, give one per rank."),
+    (lambda x: dist.all_to_all_single(None, x, input_split_sizes=[1, 1]), ValueError,
+     "all_to_all_single: input_split_sizes=[1, 1] is uneven"),
+    (lambda x: dist.all_to_all(None, [x, x[:1]]), ValueError, "all_to_all: input_tensor_list holds 2 array(s)"),
+    (lambda x: dist.all_gather_into_tensor(np.zeros((5, 3)), x), ValueError,
+     "all_gather_into_tensor: output_tensor has shape (5, 3); for an input of shape (2, 3) on 1 ranks it must be"),
+    (lambda x: dist.send(x, dst=0), ValueError, "isend: dst=0 is this rank"),
+    (lambda x: dist.recv(x), ValueError, "irecv: src= is required"),
+    (lambda x: dist.new_group([0, 1]), ValueError, "new_group: ranks=[0, 1] holds 1, out of range for world size 1"),
+    (lambda x: dist.new_group([0, 0]), ValueError, "new_group: ranks=[0, 0] repeats a rank"),
+    (lambda x: dist.all_gather_object(None, object()), TypeError,
+     "all_gather_object: cannot send an object holding a object safely"),
+])
+def test_collective_errors(world1, call, exc, says):
+    with pytest.raises(exc, match=re.escape(says)):
+        call(x_of())
+
+
+# --- safe serialisation -------------------------------------------------------------------------
+@pytest.mark.parametrize("obj", [
+    None, True, 3, -2.5, float("inf"), 1 + 2j, "text", b"\x00\xff", [1, [2, (3, 4)]], (), {"a": 1},
+    {1: "int key", (2, 3): "tuple key"}, {"__tuple__": "looks like a tag"}, {1, 2}, frozenset({"a"}),
+    np.arange(6, dtype=np.int16).reshape(2, 3), np.float32(1.5), np.array(True), np.zeros((0, 3)),
+])
+def test_objects_round_trip_without_pickle(obj):
+    back = loads(dumps(obj))
+    if isinstance(obj, np.ndarray) or isinstance(obj, np.generic):
+        assert np.asarray(back).dtype == np.asarray(obj).dtype
+        np.testing.assert_array_equal(back, obj)
+    elif isinstance(obj, float) and obj != obj:
+        assert back != back
+    else:
+        assert back == obj and type(back) is type(obj)
+
+
+def test_pickle_only_when_both_sides_opt_in():
+    f = fractions.Fraction(1, 3)
+    with pytest.raises(TypeError, match=re.escape("dumps: cannot send an object holding a Fraction safely")):
+        dumps(f)
+    data = dumps(f, allow_pickle=True)
+    with pytest.raises(ValueError, match=re.escape("loads: a peer sent a pickled object and this rank did not pass "
+                                                   "allow_pickle=True")):
+        loads(data)
+    assert loads(data, allow_pickle=True) == f
+    with pytest.raises(TypeError, match=re.escape("object array")):
+        dumps(np.array([object()]))

@@ -1,0 +1,246 @@
+"""spmdrun and spmd.spawn with real processes on 127.0.0.1.
+
+Process start-up is the cost (about 1-2 s per rank on this machine), so each
+run checks many things at once: tests/mp_scripts/collectives_check.py checks
+every collective against NumPy on every rank and writes what it found.
+Every wait has a timeout; a time bound is asserted only as a "did not hang" limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "mp_scripts"
+_DROP = ("XLA_FLAGS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+         "SPMD_DEVICES_PER_PROC", "SPMD_TIMEOUT", "SPMD_HEARTBEAT_TIMEOUT")
+
+
+def clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def spmdrun(*args: str, timeout: float = 120, env: dict | None = None):
+    """Run ``python -m spmd.run ARGS``; (returncode, stdout, stderr, seconds)."""
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "spmd.run", *args], capture_output=True, text=True,
+                       timeout=timeout, env=env or clean_env(), cwd=ROOT)
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+
+
+def lines_of(out: str, rank: int) -> list[str]:
+    tag = f"[rank{rank}]: "
+    return [line[len(tag):] for line in out.splitlines() if line.startswith(tag)]
+
+
+def pids_in(text: str) -> list[int]:
+    return [int(m) for m in re.findall(r"\]: pid (\d+)", text)]
+
+
+def assert_gone(pids: list[int]) -> None:
+    assert pids, "the script printed no pids"
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists(), f"process {pid} is still alive"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the seed's examples, as a user runs them ---------------------------------------------------
+@pytest.mark.timeout(120)
+def test_seed_examples_on_4_ranks():
+    rc, out, err, _ = spmdrun("--standalone", "--nproc-per-node", "4", str(SCRIPTS / "seed_examples.py"))
+    assert rc == 0, err[-3000:]
+    for r in range(4):
+        got = lines_of(out, r)
+        assert f"Rank {r}/4" in got
+        assert "all_reduce [10]" in got  # 1+2+3+4
+        assert "broadcast [0.0]" in got
+        assert "all_gather [[0], [1], [2], [3]]" in got
+        assert ("reduce [10]" if r == 0 else f"reduce [{r + 1}]") in got
+        assert f"scatter [{float(r)}]" in got
+        assert ("gather [[0], [1], [2], [3]]" if r == 0 else "gather None") in got
+
+
+# --- every collective against NumPy ------------------------------------------------------------
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("nproc,devices", [(2, 1), (4, 2)])
+def test_collectives_match_numpy(tmp_path, nproc, devices):
+    rc, out, err, _ = spmdrun("--standalone", "--nproc-per-node", str(nproc), "--devices-per-proc", str(devices),
+                              str(SCRIPTS / "collectives_check.py"), str(tmp_path), timeout=140)
+    assert rc == 0, err[-3000:]
+    names = set()
+    for r in range(nproc):
+        results = json.loads((tmp_path / f"rank{r}.json").read_text())
+        bad = [f"{x['name']}: {x['detail']}" for x in results if not x["ok"]]
+        assert not bad, f"rank {r}:\n" + "\n".join(bad)
+        names |= {x["name"] for x in results}
+    for expected in ("all_reduce product f32", "all_reduce bxor i32", "broadcast src=1", "all_gather_into_tensor cat",
+                     "reduce_scatter_tensor avg", "all_to_all_single", "batch_isend_irecv ring", "send/recv pairs",
+                     "group all_reduce", "all_gather_object", "broadcast_object_list", "all_gather_object pickle opt-in"):
+        assert expected in names
+    if nproc == 4:
+        assert "group of 3 reduce_scatter" in names and "group non-member refused" in names
+
+
+# --- failures that never hang -------------------------------------------------------------------
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode,code,says", [
+    ("raise", 1, "RuntimeError: boom from rank 2"),
+    ("exit", 3, None),
+    ("hard", 7, None),
+])
+def test_rank_failing_mid_collective_stops_all(mode, code, says):
+    rc, out, err, took = spmdrun("--standalone", "--nproc-per-node", "3", "--stop-timeout", "3",
+                                 str(SCRIPTS / "fail.py"), mode, timeout=80)
+    assert rc == code, err[-3000:]
+    assert re.search(rf"spmdrun: rank 2 \(local rank 2, pid \d+\) failed with exit code {code} after", err), err[-3000:]
+    assert "spmdrun: last lines of rank 2:" in err
+    if says:
+        assert says in err.split("last lines of rank 2:")[1]
+    assert "second all_reduce" not in out
+    assert took < 60
+    assert_gone(pids_in(out))
+
+
+@pytest.mark.timeout(60)
+def test_restart_relaunches_all_ranks():
+    rc, out, err, _ = spmdrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                              str(SCRIPTS / "fail.py"), "restart", timeout=50)
+    assert rc == 0, err[-3000:]
+    assert "spmdrun: restarting all ranks (restart 1 of 1)" in err
+    for r in range(2):
+        got = lines_of(out, r)
+        assert "attempt 0" in got and "attempt 1" in got
+        assert "second all_reduce [2.0, 2.0, 2.0, 2.0]" in got
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_is_forwarded_and_nothing_is_left():
+    p = subprocess.Popen([sys.executable, "-m", "spmd.run", "--standalone", "--nproc-per-node", "2", "--stop-timeout", "2",
+                          str(SCRIPTS / "fail.py"), "sleep"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=clean_env(), cwd=ROOT)
+    seen, deadline = [], time.monotonic() + 40
+    while time.monotonic() < deadline:  # wait until both ranks sleep after their collectives
+        line = p.stdout.readline()
+        seen.append(line)
+        if sum("second all_reduce" in s for s in seen) == 2 or not line:
+            break
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "spmdrun: got SIGTERM; stopping all ranks" in err
+    assert_gone(pids_in("".join(seen) + out))
+
+
+@pytest.mark.timeout(60)
+def test_port_taken_fails_fast_with_a_clear_message():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, out, err, took = spmdrun("--nproc-per-node", "2", "--master-port", str(port), "--stop-timeout", "2",
+                                     str(SCRIPTS / "fail.py"), "ok", timeout=50)
+    assert rc == 1
+    assert f"could not start the coordinator on port {port} (already in use?)" in err
+    assert "spmdrun: rank 0 (local rank 0" in err
+    assert took < 40
+    assert_gone(pids_in(out))
+
+
+def _ranks_by_hand(world: int, nproc: int, port: int, *args: str, **env: str) -> list[subprocess.CompletedProcess]:
+    """Start ``nproc`` ranks of fail.py with MASTER_*/RANK/WORLD_SIZE set by hand (no launcher)."""
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "fail.py"), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                                            WORLD_SIZE=str(world), **env))
+             for r in range(nproc)]
+    done = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+@pytest.mark.timeout(90)
+def test_wrong_world_size_ends_every_rank_within_the_timeout():
+    t0 = time.monotonic()
+    done = _ranks_by_hand(3, 2, free_port(), "ok", SPMD_TIMEOUT="3")
+    took = time.monotonic() - t0
+    for r, p in enumerate(done):
+        assert p.returncode == 1, p.stderr[-2000:]
+        assert (f"init_process_group: rank {r} timed out after 3 s waiting for all 3 ranks to join the coordinator"
+                in p.stderr)
+        assert "check that WORLD_SIZE=3 is the number of processes launched" in p.stderr
+    assert took < 40
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_coordinator_times_out_with_a_clear_message():
+    port = free_port()
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, str(SCRIPTS / "fail.py"), "ok"], capture_output=True, text=True, timeout=50,
+                       cwd=ROOT, env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1",
+                                               WORLD_SIZE="2", SPMD_TIMEOUT="2"))
+    assert p.returncode == 1
+    assert (f"TimeoutError: init_process_group: rank 1 could not reach the coordinator (rank 0) at 127.0.0.1:{port} "
+            "within 2 s") in p.stderr
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.timeout(90)
+def test_dead_peer_without_launcher_ends_the_others():
+    # No spmdrun to stop anyone: the survivor's collective breaks, it says so and exits.
+    t0 = time.monotonic()
+    done = _ranks_by_hand(2, 2, free_port(), "hard", SPMD_HEARTBEAT_TIMEOUT="3", SPMD_TIMEOUT="30")
+    assert done[1].returncode == 7
+    assert done[0].returncode != 0
+    assert "all_reduce: the collective failed on rank 0" in done[0].stderr
+    assert "another rank most likely died" in done[0].stderr
+    assert time.monotonic() - t0 < 45
+
+
+# --- the console script and spawn ----------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_spawn_runs_fn_per_rank_and_reports_a_failure():
+    p = subprocess.run([sys.executable, str(SCRIPTS / "spawn_demo.py")], capture_output=True, text=True,
+                       timeout=50, cwd=ROOT, env=clean_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(l for l in p.stdout.splitlines() if l.startswith("spawned")) == [
+        "spawned rank 0/2 sum 3.0", "spawned rank 1/2 sum 3.0"]
+    assert "caught ProcessRaisedException from process 1: ValueError: bad rank 1" in p.stdout
+
+
+def test_parse_args_checks_its_input(capsys):
+    from spmd.run import parse_args
+
+    a = parse_args(["--nproc_per_node", "4", "--standalone", "train.py", "--lr", "0.1"])
+    assert (a.nproc_per_node, a.standalone, a.script, a.script_args) == (4, True, "train.py", ["--lr", "0.1"])
+    for bad, says in ((["--nproc-per-node", "0", "x.py"], "--nproc-per-node=0 must be >= 1"),
+                      (["--nnodes", "2", "--node-rank", "2", "x.py"], "--node-rank=2 must be in [0, 1]"),
+                      (["--standalone", "--nnodes", "2", "x.py"], "--standalone runs on one node")):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+        assert says in capsys.readouterr().err
