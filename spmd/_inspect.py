@@ -28,25 +28,50 @@ def _bytes(text: str) -> int:
     return total
 
 
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+
+
+def _group_size(line: str, default: int) -> int:
+    """How many ranks take part in each group of the collective on ``line``."""
+    m = _GROUPS_LIST.search(line)
+    if m:
+        return len([r for r in m[1].split(",") if r])
+    m = _GROUPS_IOTA.search(line)
+    if m:
+        return int(m[2])
+    return default
+
+
 def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """Count collectives in HLO text: ``{kind: {"count": n, "bytes": b}}`` for every kind.
 
     ``bytes`` is per device, in the nccl-tests convention: the buffer for
     all-reduce, all-to-all and collective-permute, the gathered result for
-    all-gather, the input for reduce-scatter.
+    all-gather, the input (result times the group size) for reduce-scatter.
     """
     out = {k: {"count": 0, "bytes": 0} for k in KINDS}
-    # Long tuples carry "/*index=5*/" comments whose "=" would cut the result shape short.
-    hlo_text = _INDEX_COMMENT.sub("", hlo_text)
-    for m in _OP.finditer(hlo_text):
+    m = _PARTITIONS.search(hlo_text)
+    n_devices = int(m[1]) if m else 1
+    for line in hlo_text.splitlines():
+        line = _COMMENT.sub("", line)  # long tuples carry /*index=5*/ markers
+        m = _OP.search(line)
+        if m is None:
+            continue
         kind = m["kind"]
-        size_of = m["operands"] if kind == "reduce-scatter" else m["result"]
-        if m["start"] and kind in ("all-gather", "collective-permute"):
+        size_of = m["result"]
+        if m["start"] and kind in ("all-gather", "collective-permute", "reduce-scatter"):
             # async start ops return (operand, result[, ...]) tuples: count the result.
             shapes = _SHAPE.findall(m["result"])
             size_of = "%s[%s]" % shapes[-1] if shapes else m["result"]
+        nbytes = _bytes(size_of)
+        if kind == "reduce-scatter":
+            # Compiled HLO does not print operand shapes: the input is the result times the group size.
+            nbytes *= _group_size(line, n_devices)
         out[kind]["count"] += 1
-        out[kind]["bytes"] += _bytes(size_of)
+        out[kind]["bytes"] += nbytes
     return out
 
 
