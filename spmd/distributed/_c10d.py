@@ -72,16 +72,23 @@ def rank_devices() -> tuple:
 
 
 @functools.lru_cache(maxsize=512)
-def _program(devices: tuple, name: str, kwargs: tuple):
+def _program(devices: tuple, name: str, kwargs: tuple, scalar_in: bool):
+    """(mesh, jitted program, info). The global array is the ranks' blocks concatenated on
+    dim 0, so this rank's tensor is its block as it is (no copy, no reshape); a scalar
+    travels as shape (1,). ``info[(shape, dtype)]`` says, once traced, whether the
+    result is a scalar (it then travels as shape (1,) too)."""
     mesh = Mesh(np.array(devices, dtype=object), (_AXIS,))
     fn = getattr(C, name)
     kw = dict(kwargs)
+    info: dict = {}
 
     def body(block):
-        return fn(block[0], group=_AXIS, **kw)[None]
+        r = fn(block.reshape(()) if scalar_in else block, group=_AXIS, **kw)
+        info[(tuple(block.shape), block.dtype)] = r.ndim == 0
+        return r.reshape((1,)) if r.ndim == 0 else r
 
     spec = P(_AXIS)
-    return mesh, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    return mesh, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)), info
 
 
 def _as_array(x: Any, where: str, arg: str) -> jax.Array:
@@ -97,12 +104,13 @@ def _run_on(ranks: Sequence[int], name: str, x: jax.Array, **kwargs) -> jax.Arra
     """Run collective ``name`` over ``ranks`` with this rank's block ``x``; this rank's result."""
     st = state(name)
     devs = rank_devices()
-    mesh, fn = _program(tuple(devs[r] for r in ranks), name, tuple(sorted(kwargs.items())))
+    scalar = x.ndim == 0
+    mesh, fn, info = _program(tuple(devs[r] for r in ranks), name, tuple(sorted(kwargs.items())), scalar)
     me = list(ranks).index(st.rank)
-    local = jax.device_put(x[None], mesh.devices[me])
-    garr = jax.make_array_from_single_device_arrays(
-        (len(ranks),) + tuple(x.shape), NamedSharding(mesh, P(_AXIS)), [local]
-    )
+    block = x.reshape((1,)) if scalar else x
+    local = jax.device_put(block, mesh.devices[me])
+    gshape = (len(ranks) * block.shape[0],) + tuple(block.shape[1:])
+    garr = jax.make_array_from_single_device_arrays(gshape, NamedSharding(mesh, P(_AXIS)), [local])
     try:
         out = fn(garr).block_until_ready()
     except Exception as e:
@@ -112,7 +120,8 @@ def _run_on(ranks: Sequence[int], name: str, x: jax.Array, **kwargs) -> jax.Arra
             f"{name}: the collective failed on rank {st.rank} (group ranks {list(ranks)}); another rank most "
             f"likely died or left the job (see its output): {e}"
         ) from e
-    return out.addressable_shards[0].data[0]
+    data = out.addressable_shards[0].data
+    return data.reshape(()) if info.get((tuple(block.shape), block.dtype)) else data
 
 
 def _run(g: Group, name: str, x: jax.Array, **kwargs) -> jax.Array:

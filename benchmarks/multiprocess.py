@@ -1,0 +1,237 @@
+"""Multi-process collectives: spmd.distributed (JAX over gloo) against torch.distributed (gloo).
+
+all_reduce, all_gather (into one tensor) and reduce_scatter (from one tensor)
+over float32 messages of 4 KiB .. 16 MiB, in 2 and 4 processes on this
+machine (loopback), both launched by spmdrun in the same run. Reports the
+median time per call, algbw and busbw (nccl-tests formulas: size S is the
+per-rank buffer for all_reduce, the gathered output for all_gather, the
+per-rank input for reduce_scatter; busbw = algbw * 2(n-1)/n for all_reduce,
+* (n-1)/n for the others) and the time ratio spmd / torch. torch is skipped
+when it is not installed.
+
+    python benchmarks/multiprocess.py [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _factor(op: str, n: int) -> float:
+    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+def _elems(op: str, size: int, n: int) -> int:
+    """Elements of each rank's input for a message of ``size`` bytes."""
+    e = size // 4
+    return max(1, e // n) if op == "all_gather" else max(n, e - e % n)
+
+
+# --- worker (runs on every rank under spmdrun) ------------------------------------------------------
+def _time_calls(call, sync, agree, budget: float, max_iters: int) -> float:
+    """Median seconds per call; every rank runs the same number of calls (``agree`` = max over ranks)."""
+    t0 = time.perf_counter()
+    for _ in range(2):
+        call()
+    warm = (time.perf_counter() - t0) / 2
+    iters = int(agree(max(3, min(max_iters, int(budget / max(warm, 1e-6))))))
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def worker(framework: str, sizes: list[int], out: str, budget: float) -> None:
+    import numpy as np
+
+    if framework == "torch":
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        n = dist.get_world_size()
+
+        def make(op, e):
+            x = torch.ones(e, dtype=torch.float32)
+            if op == "all_reduce":
+                return lambda: dist.all_reduce(x)
+            if op == "all_gather":
+                o = torch.empty(e * n, dtype=torch.float32)
+                return lambda: dist.all_gather_into_tensor(o, x)
+            o = torch.empty(e // n, dtype=torch.float32)
+            return lambda: dist.reduce_scatter_tensor(o, x)
+
+        sync = dist.barrier
+
+        def agree(v):
+            t = torch.tensor([v], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return int(t.item())
+    else:
+        import jax.numpy as jnp
+
+        import spmd.distributed as dist
+
+        dist.init_process_group("gloo")
+        n = dist.get_world_size()
+
+        def make(op, e):
+            x = jnp.ones(e, jnp.float32)
+            if op == "all_reduce":
+                return lambda: dist.all_reduce(x)
+            if op == "all_gather":
+                return lambda: dist.all_gather_into_tensor(None, x)
+            return lambda: dist.reduce_scatter_tensor(None, x)
+
+        sync = dist.barrier
+
+        def agree(v):
+            return int(np.asarray(dist.all_reduce(np.int32(v), op="max")))
+    rows = []
+    for op in OPS:
+        for size in sizes:
+            e = _elems(op, size, n)
+            try:
+                t = _time_calls(make(op, e), sync, agree, budget, 50)
+                err = None
+            except Exception as ex:  # noqa: BLE001 - record what a backend cannot do
+                t, err = None, f"{type(ex).__name__}: {str(ex)[:200]}"
+            rows.append({"op": op, "size": size, "elems": e, "seconds": t, "error": err})
+    # Each rank measured; keep the slowest rank's time (the collective ends when all have it).
+    if framework == "torch":
+        ts = torch.tensor([r["seconds"] or 0.0 for r in rows], dtype=torch.float64)
+        dist.all_reduce(ts, op=dist.ReduceOp.MAX)
+        slow = ts.tolist()
+    else:
+        slow = np.asarray(dist.all_reduce(np.array([r["seconds"] or 0.0 for r in rows], np.float32), op="max")).tolist()
+    for r, t in zip(rows, slow):
+        if r["seconds"] is not None:
+            r["seconds"] = float(t)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"framework": framework, "nproc": n, "rows": rows}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --- driver ----------------------------------------------------------------------------------------
+def _launch(framework: str, nproc: int, sizes: list[int], budget: float, tmp: str) -> dict:
+    out = os.path.join(tmp, f"{framework}-{nproc}.json")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "spmd.run", "--standalone", "--nproc-per-node", str(nproc), "--no-prefix",
+           os.path.abspath(__file__), "--worker", framework, "--sizes", ",".join(map(str, sizes)),
+           "--budget", str(budget), "--result", out]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    if p.returncode != 0:
+        raise RuntimeError(f"{framework} with {nproc} processes failed:\n{p.stderr[-3000:]}")
+    res = json.load(open(out))
+    res["wall_seconds"] = time.perf_counter() - t0
+    return res
+
+
+def _plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(OPS), figsize=(15, 4.2))
+    styles = {"spmd": "-", "torch": "--"}
+    for ax, op in zip(axes, OPS):
+        for res in results:
+            rows = [r for r in res["rows"] if r["op"] == op and r["seconds"]]
+            if not rows:
+                continue
+            n = res["nproc"]
+            xs = [r["size"] for r in rows]
+            ys = [r["size"] / r["seconds"] * _factor(op, n) / 1e9 for r in rows]
+            ax.plot(xs, ys, styles[res["framework"]], marker="o", label=f"{res['framework']} gloo, {n} proc")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{op} busbw")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("GB/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("spmd.distributed vs torch.distributed, gloo over loopback (CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 processes, sizes up to 256 KiB")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--worker", choices=("spmd", "torch"), help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=float, default=0.25, help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, [int(s) for s in args.sizes.split(",")], args.result, args.budget)
+        return
+    sizes = [4096 * 4**i for i in range(4 if args.quick else 7)]  # 4 KiB .. 16 MiB
+    procs = (2,) if args.quick else (2, 4)
+    try:
+        import torch  # noqa: F401
+
+        frameworks = ("spmd", "torch")
+    except ImportError:
+        frameworks = ("spmd",)
+        print("torch is not installed: measuring spmd only")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in procs:
+            for fw in frameworks:
+                res = _launch(fw, n, sizes, 0.1 if args.quick else 0.25, tmp)
+                results.append(res)
+                print(f"{fw:5s} nproc={n}: {res['wall_seconds']:.1f} s wall", flush=True)
+    table = []
+    print(f"\n{'op':15s} {'n':>2s} {'size':>10s} {'spmd ms':>9s} {'torch ms':>9s} {'spmd busbw':>11s} {'torch busbw':>12s} {'ratio':>6s}")
+    for n in procs:
+        by = {(r["framework"]): {(x["op"], x["size"]): x for x in r["rows"]} for r in results if r["nproc"] == n}
+        for op in OPS:
+            for s in sizes:
+                sp = by["spmd"][(op, s)]
+                th = by.get("torch", {}).get((op, s))
+                row = {"op": op, "nproc": n, "size": s,
+                       "spmd_seconds": sp["seconds"], "torch_seconds": th["seconds"] if th else None,
+                       "torch_error": th["error"] if th else None}
+                for fw in ("spmd", "torch"):
+                    t = row[f"{fw}_seconds"]
+                    row[f"{fw}_busbw_GBps"] = s / t * _factor(op, n) / 1e9 if t else None
+                row["ratio_spmd_over_torch"] = (sp["seconds"] / th["seconds"]) if th and th["seconds"] and sp["seconds"] else None
+                table.append(row)
+                fmt = lambda v, k=1e3: f"{v * k:9.3f}" if v else f"{'-':>9s}"  # noqa: E731
+                print(f"{op:15s} {n:2d} {s:10d} {fmt(row['spmd_seconds'])} {fmt(row['torch_seconds'])} "
+                      f"{fmt(row['spmd_busbw_GBps'], 1):>11s} {fmt(row['torch_busbw_GBps'], 1):>12s} "
+                      f"{row['ratio_spmd_over_torch'] or float('nan'):6.2f}")
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "multiprocess" + ("_quick" if args.quick else ""))
+    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "sizes": sizes, "nprocs": list(procs), "frameworks": list(frameworks),
+            "note": "time per call = median over iterations, slowest rank; busbw by nccl-tests formulas"}
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": table, "raw": results}, f, indent=1)
+    _plot(results, stem + ".png")
+    print(f"\nwrote {stem}.json and {stem}.png")
+
+
+if __name__ == "__main__":
+    main()
