@@ -30,33 +30,54 @@ from spmd._mesh import DeviceMesh
 __all__ = ["spmd"]
 
 
-def _is_plist(x: Any) -> bool:
+def _is_plist(x: Any, nd: int | None = None) -> bool:
+    """A placement list (of ``nd`` placements when ``nd`` is given) or a single placement."""
     return isinstance(x, Placement) or (
-        isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(p, Placement) for p in x)
+        isinstance(x, (list, tuple))
+        and len(x) > 0
+        and all(isinstance(p, Placement) for p in x)
+        and (nd is None or len(x) == nd)
     )
 
 
-
 def _per_arg(placements: Any, n_args: int, mesh_ndim: int, where: str) -> tuple:
-    """Split ``in_placements`` into one pytree prefix per positional argument."""
+    """Split ``in_placements`` into one pytree prefix per positional argument.
+
+    One placement list (``mesh_ndim`` placements, or one placement) applies to
+    every argument; a sequence of ``n_args`` entries gives one per argument;
+    with one argument, anything else is that argument's pytree prefix.
+    """
     if placements is None:
         return (None,) * n_args
-    if isinstance(placements, Placement) or (_is_plist(placements) and (mesh_ndim > 1 or n_args == 1)):
+    if _is_plist(placements, mesh_ndim):
         return (placements,) * n_args
     if isinstance(placements, (list, tuple)) and len(placements) == n_args:
         return tuple(placements)
+    if n_args == 1:
+        return (placements,)
     raise ValueError(
         f"{where}={placements!r} does not fit {n_args} argument(s) on a {mesh_ndim}-D mesh; give a tuple with one "
         "entry per argument (each a placement list, one placement per mesh dim, or a pytree prefix of them)."
     )
 
 
-def _broadcast(prefix: Any, tree: Any, where: str) -> list:
-    """The placement list for every leaf of ``tree`` (``prefix`` is a pytree prefix of plists)."""
-    if prefix is None or _is_plist(prefix):
+def _broadcast(prefix: Any, tree: Any, where: str, nd: int) -> list:
+    """The placement list for every leaf of ``tree`` (``prefix`` is a pytree prefix of plists).
+
+    A list of placements is one placement list when it has one per mesh dim or
+    when it meets a single value (then its length is checked later, with a
+    clear message); otherwise it is a pytree prefix (e.g. ``(R, S0)`` for a
+    pair of results on a 1-D mesh).
+    """
+    is_leaf_value = jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(tree, is_leaf=_is_dtensor))
+    if prefix is None or _is_plist(prefix, nd) or (_is_plist(prefix) and is_leaf_value):
         n = len(jax.tree_util.tree_leaves(tree, is_leaf=_is_dtensor))
         return [prefix] * n
-    treedef = jax.tree_util.tree_structure(prefix, is_leaf=_is_plist)
+
+    def is_leaf(p):
+        return p is None or _is_plist(p, nd) or isinstance(p, Placement)
+
+    treedef = jax.tree_util.tree_structure(prefix, is_leaf=is_leaf)
     try:
         subtrees = treedef.flatten_up_to(tree)
     except (ValueError, TypeError) as e:
@@ -65,8 +86,8 @@ def _broadcast(prefix: Any, tree: Any, where: str) -> list:
             f"list per value or per subtree ({e})."
         ) from None
     out = []
-    for p, sub in zip(jax.tree_util.tree_leaves(prefix, is_leaf=_is_plist), subtrees):
-        out.extend(_broadcast(p, sub, where))
+    for p, sub in zip(jax.tree_util.tree_leaves(prefix, is_leaf=is_leaf), subtrees):
+        out.extend(_broadcast(p, sub, where, nd))
     return out
 
 
@@ -150,7 +171,7 @@ class _Spmd:
         per_arg = _per_arg(self._in, len(args), nd, "spmd: in_placements")
         plists = []
         for i, (arg, pre) in enumerate(zip(args, per_arg)):
-            plists.extend(_broadcast(pre, arg, f"spmd: in_placements[{i}]"))
+            plists.extend(_broadcast(pre, arg, f"spmd: in_placements[{i}]", nd))
         with_path, treedef = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_dtensor)
         vals, specs, kinds = [], [], []
         for (path, x), pl in zip(with_path, plists):
@@ -175,7 +196,7 @@ class _Spmd:
             local = [x.reshape(x.shape[nd:]) if k == "dtensor" else x for x, k in zip(flat, kinds)]
             out = self._f(*jax.tree_util.tree_unflatten(treedef, local))
             out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-            out_pl = _broadcast(self._out, out, "spmd: out_placements")
+            out_pl = _broadcast(self._out, out, "spmd: out_placements", nd)
             res, checked, ospecs = [], [], []
             for i, (y, pl) in enumerate(zip(out_leaves, out_pl)):
                 y = jnp.asarray(y)
@@ -188,6 +209,8 @@ class _Spmd:
                     res.append(y.reshape((1,) * nd + y.shape))
                     ospecs.append(P(*names))
                 else:
+                    if self._check_vma:  # say it in spmd's words before shard_map's check does
+                        _check_replicated(y, pl, names, i)
                     res.append(y)
                     ospecs.append(_spec(pl, names, y.ndim))
             meta.update(out_tree=out_tree, out_pl=tuple(checked), ospecs=tuple(ospecs))
