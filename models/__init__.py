@@ -12,7 +12,7 @@ import importlib
 __all__ = [
     "MLP",
     "Transformer",
-    "ReverseTask",
+    "DigitTask",
     "TextTask",
     "TrainState",
     "init_train_state",
@@ -25,7 +25,7 @@ __all__ = [
 _WHERE = {
     "MLP": "models._mlp",
     "Transformer": "models._transformer",
-    "ReverseTask": "models._data",
+    "DigitTask": "models._data",
     "TextTask": "models._data",
     "TrainState": "models._ddp",
     "init_train_state": "models._ddp",

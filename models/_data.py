@@ -19,11 +19,11 @@ a batch is the mean of its examples' losses (what data parallelism averages).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ReverseTask", "TextTask", "LAYOUTS"]
+__all__ = ["DigitTask", "TextTask", "LAYOUTS"]
 
 LAYOUTS = ("lm", "window")
 _TRAIN, _EVAL = 0, 1
@@ -47,22 +47,29 @@ def _rng(seed: int, step: int, stream: int) -> np.random.Generator:
 
 
 @dataclass(frozen=True)
-class ReverseTask:
-    """Reverse a sequence of ``length`` random digits.
+class DigitTask:
+    """Sort (``op="sort"``) or reverse (``op="reverse"``) ``length`` random digits.
 
-    Language-model layout: the sequence ``d_1 .. d_L SEP d_L .. d_1`` (``SEP`` is
-    token 10); the model reads it left to right and is scored on the ``L``
-    reversed digits. Window layout: ``d_1 .. d_L`` in, ``d_L .. d_1`` out.
+    Language-model layout: the sequence ``d_1 .. d_L SEP a_1 .. a_L`` (``SEP`` is
+    token 10, ``a`` the answer); the model reads it left to right and is scored
+    on the ``L`` answer digits. Window layout: ``d_1 .. d_L`` in, ``a_1 .. a_L`` out.
     """
 
+    op: str = "sort"
     length: int = 8
-    name: str = field(default="reverse", init=False)
 
     SEP = 10
+    OPS = ("sort", "reverse")
 
     def __post_init__(self) -> None:
+        if self.op not in self.OPS:
+            raise ValueError(f"DigitTask: op={self.op!r} is unknown; use one of {self.OPS}.")
         if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
-            raise ValueError(f"ReverseTask: length={self.length!r} must be an int >= 1.")
+            raise ValueError(f"DigitTask: length={self.length!r} must be an int >= 1.")
+
+    @property
+    def name(self) -> str:
+        return f"{self.op} {self.length} digits"
 
     @property
     def vocab_size(self) -> int:
@@ -70,27 +77,30 @@ class ReverseTask:
 
     def seq_len(self, layout: str) -> int:
         """Input positions the model sees."""
-        _check_layout(layout, "ReverseTask.seq_len")
+        _check_layout(layout, "DigitTask.seq_len")
         return 2 * self.length if layout == "lm" else self.length
 
     def out_len(self, layout: str) -> int:
         """Target positions per example."""
-        _check_layout(layout, "ReverseTask.out_len")
+        _check_layout(layout, "DigitTask.out_len")
         return 2 * self.length if layout == "lm" else self.length
 
     def digits(self, seed: int, step: int, batch_size: int, *, stream: int = _TRAIN) -> np.ndarray:
-        b = _check_batch(batch_size, "ReverseTask.digits")
+        b = _check_batch(batch_size, "DigitTask.digits")
         return _rng(seed, step, stream).integers(0, 10, size=(b, self.length), dtype=np.int32)
+
+    def answer(self, digits: np.ndarray) -> np.ndarray:
+        return np.sort(digits, axis=1) if self.op == "sort" else np.ascontiguousarray(digits[:, ::-1])
 
     def batch(self, seed: int, step: int, batch_size: int, layout: str = "lm", *, stream: int = _TRAIN) -> dict:
         """Batch number ``step`` of the run seeded ``seed`` (``stream=1`` gives held-out data)."""
-        _check_layout(layout, "ReverseTask.batch")
+        _check_layout(layout, "DigitTask.batch")
         d = self.digits(seed, step, batch_size, stream=stream)
-        rev = d[:, ::-1]
+        ans = self.answer(d)
         b, n = d.shape
         if layout == "window":
-            return {"inputs": d, "targets": np.ascontiguousarray(rev), "mask": np.ones((b, n), np.float32)}
-        seq = np.concatenate([d, np.full((b, 1), self.SEP, np.int32), rev], axis=1)
+            return {"inputs": d, "targets": ans, "mask": np.ones((b, n), np.float32)}
+        seq = np.concatenate([d, np.full((b, 1), self.SEP, np.int32), ans], axis=1)
         mask = np.zeros((b, 2 * n), np.float32)
         mask[:, n:] = 1.0
         return {"inputs": seq[:, :-1], "targets": seq[:, 1:], "mask": mask}
@@ -105,7 +115,6 @@ class TextTask:
 
     path: str
     context: int = 64
-    name: str = field(default="text", init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)):
@@ -123,6 +132,10 @@ class TextTask:
                 f"TextTask: {os.fspath(self.path)!r} has {size} bytes, too few for windows of context="
                 f"{self.context} (needs at least {10 * (self.context + 1)}); use a larger file or a smaller context."
             )
+
+    @property
+    def name(self) -> str:
+        return f"text {os.path.basename(os.fspath(self.path))}"
 
     @property
     def vocab_size(self) -> int:

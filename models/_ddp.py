@@ -137,7 +137,7 @@ def make_train_step(
         metrics = jax.tree.map(lambda m: all_reduce(m, ReduceOp.AVG, group=dp), metrics)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         return new, metrics
 
     rep = [Replicate()] * mesh.ndim

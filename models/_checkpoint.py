@@ -1,0 +1,150 @@
+"""Checkpoints of a training run with orbax-checkpoint.
+
+``Checkpointer(directory)`` keeps numbered steps under ``directory`` (orbax's
+``CheckpointManager``): each step holds the train state (a pytree of arrays)
+and a small JSON ``meta`` (run config, metrics history). Saves are
+asynchronous where orbax offers it: the step returns once the arrays are
+copied off the devices, and the files are written in the background.
+
+Guarantees:
+- a save is atomic (orbax writes a temporary folder and renames it when
+  complete), so an interrupted save never replaces a good checkpoint;
+- ``restore`` onto any mesh: pass a target state whose arrays carry the
+  shardings wanted (saved on 8 devices, restored on 4 or 2);
+- a missing or unreadable checkpoint raises ``CheckpointError`` naming the
+  folder and the step, and leaves the files as they are.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+__all__ = ["Checkpointer", "CheckpointError", "abstract_like"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing or cannot be read."""
+
+
+def abstract_like(tree: Any, sharding: Any = None) -> Any:
+    """``jax.ShapeDtypeStruct`` leaves for ``tree`` (with ``sharding``, or each leaf's own)."""
+
+    def one(x):
+        s = sharding if sharding is not None else getattr(x, "sharding", None)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    return jax.tree.map(one, tree)
+
+
+class Checkpointer:
+    """Save and restore ``(state, meta)`` every ``save_every`` steps under ``directory``.
+
+    ``max_to_keep`` most recent steps are kept (``None``: all).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, save_every: int = 1, max_to_keep: int | None = 3,
+                 async_save: bool = True):
+        where = "Checkpointer"
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"{where}: directory={directory!r} must be a path.")
+        if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1:
+            raise ValueError(f"{where}: save_every={save_every!r} must be an int >= 1.")
+        self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise CheckpointError(
+                f"{where}: directory={self.directory!r} exists and is not a folder; give a folder for checkpoints."
+            )
+        self.save_every = save_every
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=save_every,
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.directory!r}, save_every={self.save_every})"
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
+        """Save at ``step`` if it is a multiple of ``save_every`` (or ``force``); True if it saved.
+
+        A step that is already saved is not written again.
+        """
+        step = int(step)
+        if step in self._manager.all_steps():
+            return False
+        return bool(self._manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+            force=force,
+        ))
+
+    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
+        """The state saved at ``step`` (default: the latest) laid out like ``target``, and its meta.
+
+        ``target`` is a state (or ``abstract_like(state, sharding)``) whose
+        leaves give shape, dtype and the sharding to restore onto.
+        """
+        where = "Checkpointer.restore"
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(
+                f"{where}: no checkpoint under {self.directory!r}; train without --resume first, or point --out "
+                "at the folder of the run to resume."
+            )
+        if step is None:
+            step = steps[-1]
+        if step not in steps:
+            raise CheckpointError(f"{where}: no checkpoint for step {step} under {self.directory!r}; saved steps: {steps}.")
+        abstract = abstract_like(target) if not _is_abstract(target) else target
+        try:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+            )
+            state, meta = out["state"], out["meta"]
+            if meta is None or state is None:
+                raise ValueError("the checkpoint lacks its 'state' or 'meta' item")
+        except Exception as e:  # orbax raises many kinds (FileNotFoundError, ValueError, tensorstore errors)
+            path = os.path.join(self.directory, str(step))
+            raise CheckpointError(
+                f"{where}: the checkpoint at {path!r} (step {step}) cannot be read ({type(e).__name__}: "
+                f"{_first_line(e)}); it was left untouched. Delete that step folder to resume from an earlier "
+                f"step ({[s for s in steps if s != step] or 'none'}), or train into a new --out folder."
+            ) from e
+        return state, meta
+
+    def wait(self) -> None:
+        """Block until the background saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_abstract(tree: Any) -> bool:
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0][:300] if text else "") or repr(e)
