@@ -105,9 +105,10 @@ def check_placements(
     if isinstance(placements, Placement):
         placements = (placements,)
     if not isinstance(placements, (tuple, list)):
+        example = "[Shard(0)]" + (f" + [Replicate()] * {mesh_ndim - 1}" if mesh_ndim > 1 else "")
         raise TypeError(
             f"{where}={placements!r} is not a placement list; pass a list of "
-            f"{mesh_ndim} placements such as [Shard(0)] + [Replicate()] * {mesh_ndim - 1}."
+            f"{mesh_ndim} placement(s) such as {example}."
         )
     if len(placements) != mesh_ndim:
         shown = (

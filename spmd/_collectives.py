@@ -64,7 +64,7 @@ def group_axes(group: Any, where: str) -> tuple[tuple[str, ...], int]:
 
 def _check_rank(value: Any, n: int, where: str, arg: str, axes) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{where}: {arg}={value!r} must be an int rank in the group {axes}.")
+        raise TypeError(f"{where}: {arg}={value!r} must be an int rank in the group {axes}, e.g. {arg}=0.")
     if not 0 <= value < n:
         raise ValueError(
             f"{where}: {arg}={value!r} is out of range for group {axes} of size {n}; use 0 <= {arg} < {n}."
@@ -127,14 +127,14 @@ def _check_op(op: Any, dtype, where: str) -> ReduceOp:
         )
     if op.name == "avg" and kind != "float":
         raise TypeError(
-            f"{where}: op={op!r} on a {np.dtype(dtype).name} input is refused (torch allows AVG only on "
-            "floating inputs); reduce with SUM and divide, or cast to a float dtype."
+            f"{where}: op={op!r} is refused on an input of dtype {np.dtype(dtype).name} (torch allows AVG only "
+            "on floating inputs); reduce with SUM and divide, or cast to a float dtype."
         )
     if op.name == "premul_sum" and kind == "bool":
         raise TypeError(f"{where}: op={op!r} needs a numeric input, got bool; cast it first.")
     if op.name == "premul_sum" and kind == "int" and op.factor != int(op.factor):
         raise ValueError(
-            f"{where}: op={op!r} on a {np.dtype(dtype).name} input would truncate the factor "
+            f"{where}: op={op!r} on an input of dtype {np.dtype(dtype).name} would truncate the factor "
             f"{op.factor!r} to an integer; use an integral factor, or cast the input to a float dtype."
         )
     return op

@@ -183,7 +183,8 @@ def resolve_mesh_dims(group: Any, names: Sequence[str], *, where: str, arg: str 
         if isinstance(g, str):
             if g not in names:
                 raise ValueError(
-                    f"{where}: {arg}={group!r} names {g!r}, which is not a mesh dim; the mesh has dims {tuple(names)}."
+                    f"{where}: {arg}={group!r} names {g!r}, which is not a mesh dim; the mesh has dims {tuple(names)}: "
+                    "use one of them, or a tuple of them."
                 )
             dims.append(list(names).index(g))
         elif isinstance(g, int) and not isinstance(g, bool):

@@ -70,13 +70,14 @@ class ProcessGroup:
         return hash((self._mesh, self._dims))
 
     def _run(self, name: str, t: Any, **kwargs):
-        where = f"ProcessGroup.{name}"
+        where = f"ProcessGroup.{'allreduce' if name == 'all_reduce' else name}"
         t = jnp.asarray(t)
         shape = self._mesh.shape
         if t.shape[: len(shape)] != shape:
             raise ValueError(
-                f"{where}: the input has shape {t.shape}; its leading axes must be the mesh shape {shape} "
-                f"(one block per rank), e.g. shape {shape + t.shape[len(shape):] if t.ndim >= len(shape) else shape + t.shape}."
+                f"{where}: the input t has shape {t.shape}; its leading axes must be the mesh shape {shape} "
+                f"(one block per rank): stack the ranks' tensors, e.g. t of shape {shape + t.shape} for a block "
+                f"of shape {t.shape}."
             )
         return _eager_program(self._mesh.jax_mesh, self._dims, name, tuple(sorted(kwargs.items())))(t)
 

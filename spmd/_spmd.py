@@ -64,20 +64,20 @@ def _per_arg(placements: Any, n_args: int, mesh_ndim: int, where: str) -> tuple:
 def _broadcast(prefix: Any, tree: Any, where: str, nd: int) -> list:
     """The placement list for every leaf of ``tree`` (``prefix`` is a pytree prefix of plists).
 
-    A list of placements is one placement list when it has one per mesh dim or
-    when it meets a single value (then its length is checked later, with a
-    clear message); otherwise it is a pytree prefix (e.g. ``(R, S0)`` for a
-    pair of results on a 1-D mesh).
+    A list of placements is one placement list when it has one per mesh dim, and
+    any list is one when it meets a single value (check_placements then judges
+    it, with a clear message); otherwise it is a pytree prefix (e.g.
+    ``(R, S0)`` for a pair of results on a 1-D mesh).
     """
-    is_leaf_value = jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(tree, is_leaf=_is_dtensor))
-    if prefix is None or _is_plist(prefix, nd) or (_is_plist(prefix) and is_leaf_value):
-        n = len(jax.tree_util.tree_leaves(tree, is_leaf=_is_dtensor))
-        return [prefix] * n
-
     def is_leaf(p):
         return p is None or _is_plist(p, nd) or isinstance(p, Placement)
 
+    is_leaf_value = jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(tree, is_leaf=_is_dtensor))
     treedef = jax.tree_util.tree_structure(prefix, is_leaf=is_leaf)
+    if is_leaf(prefix) or jax.tree_util.treedef_is_leaf(treedef) or (isinstance(prefix, (list, tuple)) and is_leaf_value):
+        # One placement list for the whole subtree (check_placements judges it, with a clear message).
+        n = len(jax.tree_util.tree_leaves(tree, is_leaf=_is_dtensor))
+        return [prefix] * n
     try:
         subtrees = treedef.flatten_up_to(tree)
     except (ValueError, TypeError) as e:
@@ -280,6 +280,13 @@ def spmd(
         if mesh is not None:
             raise TypeError("spmd: the mesh was given twice; write spmd(mesh, ...) or spmd(f, mesh=mesh, ...).")
         f, mesh = None, f
+    elif mesh is None and f is not None and not callable(f):
+        f, mesh = None, f  # spmd(not_a_mesh, ...): report it as the mesh below
+    if isinstance(mesh, jax.sharding.Mesh) or isinstance(f, jax.sharding.Mesh):
+        raise TypeError(
+            f"spmd: mesh={mesh if mesh is not None else f!r} is a jax.sharding.Mesh; wrap it as "
+            "DeviceMesh.from_jax(mesh), or make one with init_device_mesh('cpu', (8,))."
+        )
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"spmd: mesh={mesh!r} must be a DeviceMesh; make one with init_device_mesh('cpu', (8,)) and pass it "

@@ -137,7 +137,8 @@ def test_mesh_construction_errors(call, exc, msg):
 
 @pytest.mark.parametrize("call, exc, msg", [
     (lambda m: m["pp"], ValueError,
-     "DeviceMesh.__getitem__: mesh_dim_names='pp' names 'pp', which is not a mesh dim; the mesh has dims ('dp', 'tp')."),
+     "DeviceMesh.__getitem__: mesh_dim_names='pp' names 'pp', which is not a mesh dim; the mesh has dims ('dp', 'tp'): "
+     "use one of them, or a tuple of them."),
     (lambda m: m["dp", "dp"], ValueError,
      "DeviceMesh.__getitem__: mesh_dim_names=('dp', 'dp') repeats a mesh dim; name each at most once."),
     (lambda m: m[()], ValueError,

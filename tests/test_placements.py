@@ -273,7 +273,10 @@ def test_check_placements():
     (([Shard(-3)], 1, 2), ValueError,
      "f: placements[0]=Shard(dim=-3) is out of range for a tensor of rank 2; use a dim in [-2, 1]."),
     (([Shard(0)], 1, 0), ValueError, "a 0-d tensor cannot be sharded; use Replicate()."),
-    (("S(0)", 1, 1), TypeError, "f: placements='S(0)' is not a placement list; pass a list of 1 placements"),
+    (("S(0)", 1, 1), TypeError, "f: placements='S(0)' is not a placement list; pass a list of 1 placement(s) "
+                                "such as [Shard(0)]."),
+    (("S(0)", 2, 1), TypeError, "f: placements='S(0)' is not a placement list; pass a list of 2 placement(s) "
+                                "such as [Shard(0)] + [Replicate()] * 1."),
     ((["R"], 1, 1), TypeError, "f: placements[0]='R' is not a placement; use Shard(dim), Replicate() or Partial(op)."),
 ])
 def test_check_placements_errors(args, exc, msg):
