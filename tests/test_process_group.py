@@ -113,3 +113,37 @@ def test_seed_demo_ops_from_strings(pg):
 
 def test_public_process_group_type(pg):
     assert isinstance(pg, spmd.ProcessGroup)
+
+
+def test_seed_collectives_example_runs():
+    """examples/seed_collectives.py runs on its own (it asks for 8 CPU devices itself) and prints the
+    seed's numbers."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "seed_collectives.py"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+
+    def line(prefix):
+        (found,) = [ln for ln in lines if ln.startswith(prefix)]
+        return found
+
+    assert "8 cpu devices" in lines[0]
+    assert line("1. all_reduce").endswith("rank 0: [10]  rank 1: [10]  rank 2: [10]  rank 3: [10]")
+    assert line("2. broadcast").endswith("rank 0: [0.0]  rank 1: [0.0]  rank 2: [0.0]  rank 3: [0.0]")
+    assert line("3. all_gather").count("[[0], [1], [2], [3]]") == 4
+    assert line("4. reduce").endswith("rank 0: [10]  rank 1: [2]  rank 2: [3]  rank 3: [4]")
+    assert line("5. scatter").endswith("rank 0: [0]  rank 1: [1]  rank 2: [2]  rank 3: [3]")
+    assert "rank 0: [[0], [1], [2], [3]]  rank 1: [[0], [0], [0], [0]]" in line("6. gather")
+    assert line("7. all_reduce inside @spmd").endswith("[10]")
+    assert line("S(0) on").endswith("local block (2, 4) of (8, 4)")
+    assert line("S(0) -> R:").endswith("True")
+    assert line("P(sum) -> R").endswith("[112.0, 120.0, 128.0, 136.0]")
+    assert line("S(0)S(1) on").endswith("local block (4, 1) of (8, 4)")
+    assert line("S(0)S(1) -> RR:").endswith("True")
+    assert "'all-gather': {'count': 2" in line("collectives of that program")
