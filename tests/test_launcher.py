@@ -34,10 +34,10 @@ def clean_env(**extra: str) -> dict:
     return env
 
 
-def spmdrun(*args: str, timeout: float = 120, env: dict | None = None):
-    """Run ``python -m spmd.run ARGS``; (returncode, stdout, stderr, seconds)."""
+def spmdrun(*args: str, timeout: float = 120, env: dict | None = None, exe: list[str] | None = None):
+    """Run ``python -m spmd.run ARGS`` (or ``exe ARGS``); (returncode, stdout, stderr, seconds)."""
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "spmd.run", *args], capture_output=True, text=True,
+    p = subprocess.run([*(exe or [sys.executable, "-m", "spmd.run"]), *args], capture_output=True, text=True,
                        timeout=timeout, env=env or clean_env(), cwd=ROOT)
     return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
 
@@ -66,7 +66,11 @@ def free_port() -> int:
 # --- the seed's examples, as a user runs them ---------------------------------------------------
 @pytest.mark.timeout(120)
 def test_seed_examples_on_4_ranks():
-    rc, out, err, _ = spmdrun("--standalone", "--nproc-per-node", "4", str(SCRIPTS / "seed_examples.py"))
+    # The console script, as a user types it (pip install puts it next to the interpreter).
+    script = Path(sys.executable).parent / "spmdrun"
+    assert script.exists(), f"{script} is missing: pip install -e . installs the spmdrun console script"
+    rc, out, err, _ = spmdrun("--standalone", "--nproc-per-node", "4", str(SCRIPTS / "seed_examples.py"),
+                              exe=[str(script)])
     assert rc == 0, err[-3000:]
     for r in range(4):
         got = lines_of(out, r)
@@ -159,7 +163,7 @@ def test_port_taken_fails_fast_with_a_clear_message():
         rc, out, err, took = spmdrun("--nproc-per-node", "2", "--master-port", str(port), "--stop-timeout", "2",
                                      str(SCRIPTS / "fail.py"), "ok", timeout=50)
     assert rc == 1
-    assert f"could not start the coordinator on port {port} (already in use?)" in err
+    assert f"could not start the coordinator on port {port} (already in use?)" in err, err
     assert "spmdrun: rank 0 (local rank 0" in err
     assert took < 40
     assert_gone(pids_in(out))
@@ -228,8 +232,9 @@ def test_spawn_runs_fn_per_rank_and_reports_a_failure():
     p = subprocess.run([sys.executable, str(SCRIPTS / "spawn_demo.py")], capture_output=True, text=True,
                        timeout=50, cwd=ROOT, env=clean_env())
     assert p.returncode == 0, p.stderr[-3000:]
-    assert sorted(l for l in p.stdout.splitlines() if l.startswith("spawned")) == [
-        "spawned rank 0/2 sum 3.0", "spawned rank 1/2 sum 3.0"]
+    assert sorted(line for line in p.stdout.splitlines() if line.startswith("spawned")) == [
+        "spawned rank 0/4 identical True matches reference True"] + [f"spawned rank {r}/4 identical True" for r in (1, 2, 3)]
+    assert sum(line.startswith("Epoch ") for line in p.stdout.splitlines()) == 10
     assert "caught ProcessRaisedException from process 1: ValueError: bad rank 1" in p.stdout
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import os
 import socket
 import sys
@@ -329,6 +330,31 @@ def _wait_for_coordinator(host: str, port: int, deadline: float, rank: int, time
         time.sleep(0.1)
 
 
+def _port_taken_error(port: int, where: str, detail: str) -> RuntimeError:
+    return RuntimeError(
+        f"{where}: rank 0 could not start the coordinator on port {port} (already in use?): {detail}. "
+        "Choose a free MASTER_PORT, or run spmdrun --standalone, which picks one."
+    )
+
+
+def _check_port_free(port: int, where: str) -> None:
+    """Rank 0: refuse a taken port before JAX tries it (its failure path can crash the process)."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+            return
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise _port_taken_error(port, where, str(e)) from None
+        finally:
+            s.close()
+
+
 def _configure_jax(spec: BackendSpec, world_size: int, where: str) -> list[int] | None:
     import jax
     from jax._src import xla_bridge
@@ -444,6 +470,8 @@ def _join(spec, rank, world, addr, port, timeout_s, heartbeat_s, local_ids, wher
     deadline = time.monotonic() + timeout_s
     if rank != 0:
         _wait_for_coordinator(addr, port, deadline, rank, timeout_s, where)
+    else:
+        _check_port_free(port, where)
 
     def on_timeout():
         fail(
@@ -469,10 +497,7 @@ def _join(spec, rank, world, addr, port, timeout_s, heartbeat_s, local_ids, wher
             )
         except Exception as e:
             if rank == 0 and "Failed to start RPC server" in str(e):
-                raise RuntimeError(
-                    f"{where}: rank 0 could not start the coordinator on port {port} (already in use?): {e}. "
-                    "Choose a free MASTER_PORT, or run spmdrun --standalone, which picks one."
-                ) from None
+                raise _port_taken_error(port, where, str(e)) from None
             raise
         client = gs.client
         key = "spmd/init/world_size"
