@@ -15,6 +15,7 @@ from placements._layout import (
     shard_size_and_offset,
     shard_sizes,
 )
+from placements._plan import LATENCY_BYTES, Plan, PlanCost, Step, plan
 from placements._reduce_op import ReduceOp, as_reduce_op
 from placements._types import (
     PARTIAL_OPS,
@@ -45,4 +46,9 @@ __all__ = [
     "local_shape_and_offset",
     "local_shapes",
     "padded_local_shape",
+    "Plan",
+    "PlanCost",
+    "Step",
+    "plan",
+    "LATENCY_BYTES",
 ]

@@ -17,7 +17,7 @@ from spmd._collectives import (
     reduce_scatter,
     scatter,
 )
-from spmd._dtensor import DTensor
+from spmd._dtensor import DTensor, distribute_tensor, plan_redistribute
 from spmd._inspect import collectives
 from spmd._mesh import DeviceMesh, init_device_mesh
 from spmd._process_group import ProcessGroup
@@ -30,6 +30,8 @@ __all__ = [
     "init_device_mesh",
     "ProcessGroup",
     "DTensor",
+    "distribute_tensor",
+    "plan_redistribute",
     "ReduceOp",
     "Placement",
     "Shard",

@@ -1,0 +1,295 @@
+"""Redistribute planning: the steps that turn one placement list into another.
+
+A plan is data (torch's ``_TransformInfo`` list): a tuple of :class:`Step`,
+each acting on a group of mesh dims that share one source placement and go
+to one destination placement, with the collective it lowers to and the bytes
+it moves per device. It is computed before anything runs, printed, costed,
+and cached per (mesh shape, global shape, dtype, src, dst).
+
+Lowering of one step on a group ``G`` of mesh dims (``K`` devices):
+
+========================  ==========================================================
+``S(a) -> R``             all_gather (pad to chunk, gather, compact)
+``S(a) -> S(b)``          all_to_all (split ``b`` into ``K`` chunks, concat on ``a``)
+``P(op) -> R``            all_reduce with ``op`` (``product``: all_gather + local product)
+``P(sum|avg) -> S(b)``    reduce_scatter
+``P(max|min|product)``    ``-> S(b)``: all_to_all + local reduce (same bytes)
+``R -> S(b)``             local slice
+``R -> P(op)``            local: ``sum`` keeps the value on group rank 0 and zeros
+                          elsewhere, ``product`` ones elsewhere, ``avg/max/min`` keep it
+``S(a) -> P(op)``         local for ``sum/max/min/product``: the block at its offset in
+                          a tensor filled with the op's identity (``avg`` goes via ``R``)
+========================  ==========================================================
+
+Bytes per device follow the nccl-tests convention used by ``spmd.collectives``
+(``spmd/_inspect.py``), counted on the padded blocks the compiled program
+moves: all_gather counts the gathered result, reduce_scatter its input,
+all_reduce and all_to_all their buffer. So a plan's bytes equal the bytes
+the compiled HLO reports.
+
+A step on group ``G`` that touches tensor dim ``d`` (as source or destination
+``Shard``) is allowed only if every other mesh dim sharding ``d`` comes
+before all of ``G``: torch's nesting rule (mesh dims shard a tensor dim left
+to right), under which every step is a plain collective over ``G``. The
+planner searches all step orders (Dijkstra over placement lists) for the
+cheapest plan in an alpha-beta model: the bytes each device receives with
+bandwidth-optimal algorithms (``traffic``: ``bytes * (K-1)/K``, twice that for
+all_reduce, as nccl-tests' bus bandwidth) plus ``LATENCY_BYTES`` per
+collective; ties go to less traffic, fewer collectives, fewer steps. Groups
+of several mesh dims give the direct (flattened) all_to_all / all_gather /
+all_reduce of torch's graph planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import itertools
+import math
+from typing import Sequence
+
+from placements._layout import padded_local_shape
+from placements._types import Partial, Placement, Replicate, Shard, format_placements
+
+__all__ = ["Step", "Plan", "PlanCost", "plan", "check_partial_mix", "LINEAR_OPS"]
+
+#: Partial ops that commute with each other (torch allows sum and avg together).
+LINEAR_OPS = frozenset({"sum", "avg"})
+
+_COLLECTIVES = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter")
+
+#: The search's latency term: one collective costs as much as moving this many bytes
+#: (an alpha-beta model: ~10 us of launch latency at ~25 GB/s). It only decides between
+#: plans whose traffic differs by less than this, e.g. 2 vs 3 collectives for
+#: ``S(0)S(1) -> S(1)S(0)`` on small tensors.
+LATENCY_BYTES = 256 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step: mesh dims ``mesh_dims`` go from ``src`` to ``dst`` with ``collective``.
+
+    ``collective`` is None for a local step. ``bytes`` is per device (nccl-tests
+    convention). ``before`` / ``after`` are the whole placement lists.
+    """
+
+    mesh_dims: tuple[int, ...]
+    src: Placement
+    dst: Placement
+    collective: str | None
+    bytes: int
+    before: tuple[Placement, ...]
+    after: tuple[Placement, ...]
+    traffic: float = 0.0
+
+    @property
+    def mesh_dim(self) -> int | tuple[int, ...]:
+        """The mesh dim (an int), or the tuple of mesh dims of a flattened step."""
+        return self.mesh_dims[0] if len(self.mesh_dims) == 1 else self.mesh_dims
+
+    def __str__(self) -> str:
+        dims = ",".join(str(d) for d in self.mesh_dims)
+        what = self.collective or "local"
+        return (
+            f"{format_placements(self.before)} -> {format_placements(self.after)}  "
+            f"[mesh dim {dims}: {self.src} -> {self.dst}, {what}, {self.bytes} B]"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCost:
+    """``bytes``: per device, nccl-tests convention (what ``spmd.collectives`` reads from the HLO).
+    ``collectives``: how many. ``traffic``: bytes a device receives with bandwidth-optimal (ring)
+    algorithms, nccl-tests' "bus bytes": ``bytes * (K-1)/K``, twice that for all_reduce."""
+
+    bytes: int
+    collectives: int
+    traffic: float = 0.0
+
+    def __str__(self) -> str:
+        return f"{self.bytes} B per device in {self.collectives} collective(s)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """An immutable redistribute plan: ``src -> dst`` as a tuple of :class:`Step`."""
+
+    mesh_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    itemsize: int
+    src: tuple[Placement, ...]
+    dst: tuple[Placement, ...]
+    steps: tuple[Step, ...]
+
+    def cost(self) -> PlanCost:
+        """Bytes per device (nccl-tests convention, padded blocks) and collective count."""
+        return PlanCost(
+            sum(s.bytes for s in self.steps),
+            sum(1 for s in self.steps if s.collective is not None),
+            sum(s.traffic for s in self.steps),
+        )
+
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        return tuple(s.collective for s in self.steps if s.collective is not None)
+
+    def __str__(self) -> str:
+        head = f"{format_placements(self.src)} -> {format_placements(self.dst)}"
+        c = self.cost()
+        lines = [f"{head}  ({c.bytes} B per device, {c.collectives} collective(s))"]
+        lines += [f"  {i}. {s}" for i, s in enumerate(self.steps)]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan({format_placements(self.src)} -> {format_placements(self.dst)}, mesh_shape={self.mesh_shape}, "
+            f"global_shape={self.global_shape}, steps={len(self.steps)}, bytes={self.cost().bytes})"
+        )
+
+
+def check_partial_mix(placements: Sequence[Placement], where: str) -> None:
+    """Refuse mixed Partial ops in one list, as torch does (sum and avg may mix)."""
+    ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
+    if len(ops) > 1 and not ops <= LINEAR_OPS:
+        raise ValueError(
+            f"{where}={format_placements(placements)} mixes Partial ops {sorted(ops)}; a DTensor may mix only "
+            "'sum' and 'avg' (as in torch): reduce one of them to Replicate first."
+        )
+
+
+def _step_kind(c: Placement, t: Placement) -> str | None | bool:
+    """The collective of a one-group step ``c -> t``; None for local; False if not a step."""
+    if isinstance(c, Shard):
+        if isinstance(t, Replicate):
+            return "all_gather"
+        if isinstance(t, Shard):
+            return "all_to_all"
+        return None if t.reduce_op != "avg" else False  # S -> P(op): local identity fill
+    if isinstance(c, Replicate):
+        return None  # R -> S slices, R -> P partitions
+    # c is Partial
+    if isinstance(t, Replicate):
+        return "all_gather" if c.reduce_op == "product" else "all_reduce"
+    if isinstance(t, Shard):
+        return "reduce_scatter" if c.reduce_op in LINEAR_OPS else "all_to_all"
+    return False  # P -> P of another op: never
+
+
+def _touched(c: Placement, t: Placement) -> set[int]:
+    return {p.dim for p in (c, t) if isinstance(p, Shard)}
+
+
+def _step_bytes(kind, c, t, before, after, mesh_shape, global_shape, itemsize, k) -> int:
+    if kind is None or k == 1:
+        return 0
+    sb = list(padded_local_shape(global_shape, mesh_shape, before))
+    sa = padded_local_shape(global_shape, mesh_shape, after)
+    if kind == "all_gather" and isinstance(c, Shard):
+        sb[c.dim] *= k
+    elif kind == "all_gather":  # product all-reduce: gather K full blocks
+        sb = [k] + sb
+    elif isinstance(t, Shard):  # all_to_all or reduce_scatter: dim t.dim split into K chunks
+        sb[t.dim] = k * sa[t.dim]
+    return math.prod(sb) * itemsize
+
+
+def _traffic(kind, c, nbytes: int, k: int) -> float:
+    """Bus bytes (nccl-tests): what a device receives with a ring algorithm."""
+    if kind is None or k == 1:
+        return 0.0
+    f = (k - 1) / k
+    if kind == "all_gather" and isinstance(c, Partial):  # product all-reduce: gather K blocks
+        return nbytes * f
+    return nbytes * f * (2 if kind == "all_reduce" else 1)
+
+
+def _neighbours(state, candidates, mesh_shape, global_shape, itemsize):
+    nd = len(state)
+    for r in range(1, nd + 1):
+        for group in itertools.combinations(range(nd), r):
+            c = state[group[0]]
+            if any(state[i] != c for i in group[1:]):
+                continue
+            lo = group[0]
+            for t in candidates:
+                if t == c:
+                    continue
+                kind = _step_kind(c, t)
+                if kind is False:
+                    continue
+                after = tuple(t if i in group else p for i, p in enumerate(state))
+                ok = True
+                for d in _touched(c, t):
+                    if any(j > lo and j not in group and state[j] == Shard(d) for j in range(nd)):
+                        ok = False
+                        break
+                if not ok:
+                    continue
+                ops = {p.reduce_op for p in after if isinstance(p, Partial)}
+                if len(ops) > 1 and not ops <= LINEAR_OPS:
+                    continue
+                k = math.prod(mesh_shape[i] for i in group)
+                if k == 1:
+                    kind = None
+                b = _step_bytes(kind, c, t, state, after, mesh_shape, global_shape, itemsize, k)
+                yield Step(group, c, t, kind, b, state, after, _traffic(kind, c, b, k))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_cached(mesh_shape, global_shape, itemsize, src, dst) -> Plan:
+    if src == dst:
+        return Plan(mesh_shape, global_shape, itemsize, src, dst, ())
+    cands = [Replicate()] + sorted(
+        {p for p in src + dst if isinstance(p, Shard)}, key=lambda p: p.dim
+    ) + [p for p in dict.fromkeys(dst) if isinstance(p, Partial)]
+    # Dijkstra on (traffic + LATENCY_BYTES * collectives, traffic, collectives, steps);
+    # ties broken by insertion order (deterministic).
+    start = (0.0, 0.0, 0, 0)
+    best = {src: start}
+    heap = [(start, 0, src, ())]
+    counter = itertools.count(1)
+    while heap:
+        cost, _, state, steps = heapq.heappop(heap)
+        if state == dst:
+            return Plan(mesh_shape, global_shape, itemsize, src, dst, steps)
+        if best.get(state, cost) < cost:
+            continue
+        for step in _neighbours(state, cands, mesh_shape, global_shape, itemsize):
+            coll = step.collective is not None
+            new = (
+                cost[0] + step.traffic + LATENCY_BYTES * coll,
+                cost[1] + step.traffic,
+                cost[2] + coll,
+                cost[3] + 1,
+            )
+            nxt = step.after
+            if nxt not in best or new < best[nxt]:
+                best[nxt] = new
+                heapq.heappush(heap, (new, next(counter), nxt, steps + (step,)))
+    raise ValueError(
+        f"plan_redistribute: no plan from {format_placements(src)} to {format_placements(dst)}; "
+        "a Partial op cannot be switched to another (reduce to Replicate first)."
+    )
+
+
+def plan(
+    mesh_shape: Sequence[int],
+    global_shape: Sequence[int],
+    itemsize: int,
+    src: Sequence[Placement],
+    dst: Sequence[Placement],
+    *,
+    where: str = "plan_redistribute",
+) -> Plan:
+    """The cheapest plan from ``src`` to ``dst`` (checked placement lists, non-negative Shard dims)."""
+    src, dst = tuple(src), tuple(dst)
+    check_partial_mix(src, f"{where}: src placements")
+    check_partial_mix(dst, f"{where}: placements")
+    for i, (a, b) in enumerate(zip(src, dst)):
+        if isinstance(a, Partial) and isinstance(b, Partial) and a != b:
+            raise ValueError(
+                f"{where}: placements[{i}]={b} would switch mesh dim {i} from {a} to {b}; switching a Partial op "
+                f"is refused (as in torch): redistribute to Replicate (or Shard) first, then to {b}."
+            )
+    return _plan_cached(tuple(mesh_shape), tuple(global_shape), int(itemsize), src, dst)
