@@ -226,6 +226,26 @@ def test_dead_peer_without_launcher_ends_the_others():
     assert time.monotonic() - t0 < 45
 
 
+@pytest.mark.timeout(60)
+def test_two_nodes_on_loopback():
+    # Two spmdrun invocations, as on two machines: --nnodes 2 --node-rank i --master-addr/--master-port.
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "spmd.run", "--nnodes", "2", "--node-rank", str(i),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+                               str(SCRIPTS / "fail.py"), "ok"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=clean_env(), cwd=ROOT) for i in (0, 1)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=50))
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, err[-2000:]
+        assert "second all_reduce [2.0, 2.0, 2.0, 2.0]" in lines_of(out, i)  # global rank i on node i
+
+
 # --- the console script and spawn ----------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_spawn_runs_fn_per_rank_and_reports_a_failure():
