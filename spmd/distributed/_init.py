@@ -9,9 +9,11 @@ Time bounds (seconds; every one configurable):
 
 * ``timeout`` (``init_process_group(timeout=...)``, else ``SPMD_TIMEOUT``,
   else 120): how long a rank waits for the others to join, at a ``barrier`` and
-  in an object collective, and at exit for the others to finish.
+  in an object collective.
 * ``SPMD_HEARTBEAT_TIMEOUT`` (default 10): a rank that dies is noticed by the
   coordination service within this time, which then ends every other rank.
+* ``SPMD_SHUTDOWN_TIMEOUT`` (default 300): a rank that ends cleanly waits at
+  exit (JAX's shutdown barrier) this long for the others to end too.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_HEARTBEAT_S = 10
+DEFAULT_SHUTDOWN_S = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +358,16 @@ def _check_port_free(port: int, where: str) -> None:
             s.close()
 
 
+def _single_process_devices(where: str) -> None:
+    """World size 1: honour SPMD_DEVICES_PER_PROC (spmdrun --devices-per-proc) if JAX has not started."""
+    import jax
+    from jax._src import xla_bridge
+
+    per_proc = _env_int("SPMD_DEVICES_PER_PROC", where)
+    if per_proc is not None and per_proc >= 1 and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_num_cpu_devices", per_proc)
+
+
 def _configure_jax(spec: BackendSpec, world_size: int, where: str) -> list[int] | None:
     import jax
     from jax._src import xla_bridge
@@ -439,6 +452,7 @@ def init_process_group(
             "Check RANK and WORLD_SIZE."
         )
     if world == 1:
+        _single_process_devices(where)
         _STATE = _State(0, 1, spec, timeout_s, heartbeat_s, None, False)
         return
     if addr is None or port is None:
@@ -493,7 +507,7 @@ def _join(spec, rank, world, addr, port, timeout_s, heartbeat_s, local_ids, wher
                 local_device_ids=local_ids,
                 initialization_timeout=int(timeout_s) + 10,  # ours fires first, with a clearer message
                 heartbeat_timeout_seconds=heartbeat_s,
-                shutdown_timeout_seconds=int(timeout_s),
+                shutdown_timeout_seconds=int(_env_seconds("SPMD_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_S, where)),
             )
         except Exception as e:
             if rank == 0 and "Failed to start RPC server" in str(e):
