@@ -104,6 +104,20 @@ def test_collectives_match_numpy(tmp_path, nproc, devices):
         assert "group of 3 reduce_scatter" in names and "group non-member refused" in names
 
 
+# --- meshes and DTensor across processes ------------------------------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("devices", [1, 2])
+def test_dtensor_across_processes(tmp_path, devices):
+    rc, out, err, _ = spmdrun("--standalone", "--nproc-per-node", "2", "--devices-per-proc", str(devices),
+                              str(SCRIPTS / "dtensor_check.py"), str(tmp_path), timeout=110)
+    assert rc == 0, err[-3000:]
+    for r in range(2):
+        results = json.loads((tmp_path / f"rank{r}.json").read_text())
+        bad = [f"{x['name']}: {x['detail']}" for x in results if not x["ok"]]
+        assert not bad, f"rank {r}:\n" + "\n".join(bad)
+        assert len(results) == (13 if devices == 1 else 7)
+
+
 # --- failures that never hang -------------------------------------------------------------------
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode,code,says", [
