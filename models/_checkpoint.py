@@ -82,13 +82,47 @@ class Checkpointer:
         A step that is already saved is not written again.
         """
         step = int(step)
-        if step in self._manager.all_steps():
+        if (step % self.save_every and not force) or step in self._manager.all_steps():
             return False
         return bool(self._manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=force,
+            force=True,
         ))
+
+    def _step(self, step: int | None, where: str) -> int:
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(
+                f"{where}: no checkpoint under {self.directory!r}; train without --resume first, or point --out "
+                "at the folder of the run to resume."
+            )
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointError(f"{where}: no checkpoint for step {step} under {self.directory!r}; saved steps: {steps}.")
+        return step
+
+    def _unreadable(self, where: str, step: int, e: BaseException) -> CheckpointError:
+        others = [s for s in self.all_steps() if s != step] or "none"
+        path = os.path.join(self.directory, str(step))
+        return CheckpointError(
+            f"{where}: the checkpoint at {path!r} (step {step}) cannot be read ({type(e).__name__}: "
+            f"{_first_line(e)}); it was left untouched. Delete that step folder to resume from an earlier "
+            f"step (saved: {others}), or train into a new --out folder."
+        )
+
+    def restore_meta(self, step: int | None = None) -> dict:
+        """Only the JSON meta saved at ``step`` (default: the latest)."""
+        where = "Checkpointer.restore_meta"
+        step = self._step(step, where)
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            if not isinstance(meta, dict):
+                raise ValueError(f"the 'meta' item is {type(meta).__name__}, not a dict")
+        except Exception as e:
+            raise self._unreadable(where, step, e) from e
+        return meta
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
         """The state saved at ``step`` (default: the latest) laid out like ``target``, and its meta.
@@ -97,32 +131,18 @@ class Checkpointer:
         leaves give shape, dtype and the sharding to restore onto.
         """
         where = "Checkpointer.restore"
-        steps = self.all_steps()
-        if not steps:
-            raise CheckpointError(
-                f"{where}: no checkpoint under {self.directory!r}; train without --resume first, or point --out "
-                "at the folder of the run to resume."
-            )
-        if step is None:
-            step = steps[-1]
-        if step not in steps:
-            raise CheckpointError(f"{where}: no checkpoint for step {step} under {self.directory!r}; saved steps: {steps}.")
-        abstract = abstract_like(target) if not _is_abstract(target) else target
+        step = self._step(step, where)
+        abstract = target if _is_abstract(target) else abstract_like(target)
         try:
             out = self._manager.restore(
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
             )
             state, meta = out["state"], out["meta"]
-            if meta is None or state is None:
+            if not isinstance(meta, dict) or state is None:
                 raise ValueError("the checkpoint lacks its 'state' or 'meta' item")
         except Exception as e:  # orbax raises many kinds (FileNotFoundError, ValueError, tensorstore errors)
-            path = os.path.join(self.directory, str(step))
-            raise CheckpointError(
-                f"{where}: the checkpoint at {path!r} (step {step}) cannot be read ({type(e).__name__}: "
-                f"{_first_line(e)}); it was left untouched. Delete that step folder to resume from an earlier "
-                f"step ({[s for s in steps if s != step] or 'none'}), or train into a new --out folder."
-            ) from e
+            raise self._unreadable(where, step, e) from e
         return state, meta
 
     def wait(self) -> None:

@@ -59,6 +59,7 @@ class DigitTask:
     length: int = 8
 
     SEP = 10
+    VOCAB = 11
     OPS = ("sort", "reverse")
 
     def __post_init__(self) -> None:
@@ -73,7 +74,7 @@ class DigitTask:
 
     @property
     def vocab_size(self) -> int:
-        return 11
+        return self.VOCAB
 
     def seq_len(self, layout: str) -> int:
         """Input positions the model sees."""

@@ -26,6 +26,7 @@ if "jax" not in sys.modules and int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
@@ -47,7 +48,7 @@ from models._transformer import Transformer  # noqa: E402
 from placements import ReduceOp, Replicate, Shard  # noqa: E402
 from spmd import DeviceMesh, all_reduce, init_device_mesh, spmd  # noqa: E402
 
-__all__ = ["Config", "run", "main", "parse_args", "build_mesh"]
+__all__ = ["Config", "run", "main", "parse_args", "build_mesh", "restore_state"]
 
 MODELS = ("transformer", "mlp")
 # What the config must keep across a resume for the result to be the same run.
@@ -162,11 +163,19 @@ def make_task(cfg: Config):
     return TextTask(cfg.text, cfg.context) if cfg.text is not None else DigitTask(cfg.task, cfg.length)
 
 
-def make_model(cfg: Config, task):
-    layout = _layout(cfg)
+def _task_dims(cfg: Config) -> tuple[int, int, int]:
+    """(vocab size, input positions, target positions) of the task, without reading any file."""
+    if cfg.text is not None:
+        return 256, cfg.context, (cfg.context if cfg.model == "transformer" else 1)
+    n = cfg.length
+    return DigitTask.VOCAB, (2 * n if cfg.model == "transformer" else n), (2 * n if cfg.model == "transformer" else n)
+
+
+def make_model(cfg: Config):
+    vocab, seq_len, out_len = _task_dims(cfg)
     if cfg.model == "mlp":
-        return MLP(task.vocab_size, task.out_len(layout), (cfg.hidden, cfg.hidden))
-    return Transformer(task.vocab_size, task.seq_len(layout), cfg.layers, cfg.d_model, cfg.heads)
+        return MLP(vocab, out_len, (cfg.hidden, cfg.hidden))
+    return Transformer(vocab, seq_len, cfg.layers, cfg.d_model, cfg.heads)
 
 
 def _layout(cfg: Config) -> str:
@@ -195,13 +204,13 @@ def global_batch(batch: dict, mesh: DeviceMesh) -> dict:
     return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
 
 
-def make_eval_step(model, cfg: Config, task, mesh: DeviceMesh) -> Callable:
+def make_eval_step(model, cfg: Config, mesh: DeviceMesh) -> Callable:
     """Held-out accuracy, data-parallel too: greedy generation for the digit task."""
     rep, shard = [Replicate()], [Shard(0)]
 
     def local(params, batch):
-        if isinstance(task, DigitTask) and cfg.model == "transformer":
-            n = task.length
+        if cfg.text is None and cfg.model == "transformer":
+            n = cfg.length
             buf = batch["inputs"].at[:, n + 1:].set(0)  # keep the digits and SEP; generate the rest
 
             def gen(i, carry):
@@ -227,6 +236,33 @@ def make_eval_step(model, cfg: Config, task, mesh: DeviceMesh) -> Callable:
 
 
 # --- the run --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Programs:
+    model: Any
+    optimizer: optax.GradientTransformation
+    init: Callable  # (key, sample inputs) -> replicated TrainState
+    train_step: Callable
+    eval_step: Callable
+
+
+def _program_key(cfg: Config) -> Config:
+    """The config with only what decides the compiled programs (not the seed, the file or the paths)."""
+    return dataclasses.replace(cfg, mesh=None, text=None if cfg.text is None else "", out="", resume=False,
+                               overwrite=False, save_every=1, seed=0, log_every=1, eval_size=1, progress=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(key: Config, mesh: DeviceMesh) -> _Programs:
+    """The jitted programs of a run, shared by runs in one process that would compile the same ones."""
+    model = make_model(key)
+    optimizer = make_optimizer(key)
+    replicated = NamedSharding(mesh.jax_mesh, P())
+    init = jax.jit(lambda rng, x: init_train_state(model.init(rng, x)["params"], optimizer), out_shardings=replicated)
+    train_step = make_train_step(lambda p, b: cross_entropy(model.apply({"params": p}, b["inputs"]), b),
+                                 optimizer, mesh, accum_steps=key.accum_steps)
+    return _Programs(model, optimizer, init, train_step, make_eval_step(model, key, mesh))
+
+
 def _maybe_init_distributed() -> None:
     """Join the process group when started by a launcher (spmdrun / torchrun variables)."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
@@ -311,8 +347,7 @@ def run(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> d
     lead = jax.process_index() == 0
     task = make_task(cfg)
     layout = _layout(cfg)
-    model = make_model(cfg, task)
-    optimizer = make_optimizer(cfg)
+    programs = _programs(_program_key(cfg), mesh)
 
     ckpt_dir = os.path.join(os.path.abspath(cfg.out), "checkpoints")
     if not cfg.resume and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
@@ -329,14 +364,7 @@ def run(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> d
             "point --out at the folder of the run to resume."
         )
 
-    replicated = NamedSharding(mesh.jax_mesh, P())
-    sample = task.batch(cfg.seed, 0, 2, layout)["inputs"]
-
-    def init() -> TrainState:
-        params = model.init(jax.random.key(cfg.seed), jnp.asarray(sample))["params"]
-        return init_train_state(params, optimizer)
-
-    state = jax.jit(init, out_shardings=replicated)()
+    state = programs.init(jax.random.key(cfg.seed), task.batch(cfg.seed, 0, 2, layout)["inputs"])
     history: list[dict] = []
     checkpointer = Checkpointer(ckpt_dir, save_every=cfg.save_every)
     try:
@@ -350,8 +378,7 @@ def run(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> d
         def meta_now() -> dict:
             return {"config": _run_config(cfg), "history": history}
 
-        train_step = make_train_step(lambda p, b: cross_entropy(model.apply({"params": p}, b["inputs"]), b),
-                                     optimizer, mesh, accum_steps=cfg.accum_steps)
+        train_step = programs.train_step
         bar = None
         if cfg.progress and lead:
             from tqdm.auto import tqdm
@@ -419,7 +446,7 @@ def run(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> d
 
         eval_batch = task.batch(cfg.seed, 0, max(n_dp, cfg.eval_size // n_dp * n_dp), layout, stream=1)
         evaluation = {k: float(v) for k, v in
-                      jax.device_get(make_eval_step(model, cfg, task, mesh)(state.params, global_batch(eval_batch, mesh))).items()}
+                      jax.device_get(programs.eval_step(state.params, global_batch(eval_batch, mesh))).items()}
         checkpointer.wait()
     finally:
         checkpointer.close()
@@ -450,6 +477,33 @@ def run(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> d
             _plot(history, os.path.join(cfg.out, "loss.png"),
                   f"{cfg.model} on {task.name}, dp={n_dp}, batch {cfg.batch_size}")
     return summary
+
+
+def restore_state(out: str, *, mesh: DeviceMesh | None = None, step: int | None = None) -> tuple[TrainState, dict]:
+    """The train state saved by a run under ``out`` (default: its latest step), replicated on ``mesh``
+    (default: every device), and the run's saved meta (``config``, ``history``).
+
+    The mesh need not be the one the run trained on (saved on 8 devices,
+    restored on 4 or 2).
+    """
+    ckpt_dir = os.path.join(os.path.abspath(out), "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"restore_state: no checkpoint folder {ckpt_dir!r}; give the --out folder of a run.")
+    mesh = mesh if mesh is not None else build_mesh(None)
+    checkpointer = Checkpointer(ckpt_dir)
+    try:
+        meta = checkpointer.restore_meta(step)
+        known = {f.name for f in dataclasses.fields(Config)}
+        cfg = Config(**{k: v for k, v in meta.get("config", {}).items() if k in known})
+        _check_config(cfg)
+        _, seq_len, _ = _task_dims(cfg)
+        target = jax.eval_shape(_programs(_program_key(cfg), mesh).init, jax.random.key(0),
+                                jax.ShapeDtypeStruct((2, seq_len), jnp.int32))
+        replicated = NamedSharding(mesh.jax_mesh, P())
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), target)
+        return checkpointer.restore(target, step)
+    finally:
+        checkpointer.close()
 
 
 # --- CLI ------------------------------------------------------------------------------------

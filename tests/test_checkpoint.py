@@ -1,0 +1,153 @@
+"""Checkpoints: bitwise resume, restore onto another mesh, missing and corrupt checkpoints."""
+
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import spmd
+from models import CheckpointError, Checkpointer
+from models.train import Config, restore_state, run
+
+TINY = dict(steps=6, batch_size=16, model="mlp", hidden=16, length=4, save_every=2, progress=False, log_every=1,
+            eval_size=16)
+
+
+def _files(d):
+    return sorted(os.path.relpath(os.path.join(r, f), d) for r, _, fs in os.walk(d) for f in fs)
+
+
+def _bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("a"))
+    summary = run(Config(out=out, **TINY))
+    state, meta = restore_state(out)
+    return out, summary, state
+
+
+def _interrupt_at(k):
+    def hook(step, state):
+        if step == k:
+            raise KeyboardInterrupt
+
+    return hook
+
+
+def test_interrupted_then_resumed_run_is_bitwise_the_uninterrupted_one(uninterrupted, tmp_path):
+    _, full, full_state = uninterrupted
+    out = str(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        run(Config(out=out, **TINY), on_step=_interrupt_at(3))  # Ctrl-C after step 3: saved at 2 and 3
+    assert Checkpointer(os.path.join(out, "checkpoints")).all_steps() == [2, 3]
+    resumed = run(Config(out=out, resume=True, **TINY))
+    assert resumed["resumed_from"] == 3
+    state, _ = restore_state(out)
+    assert int(state.step) == 6
+    assert _bits(state) == _bits(full_state)  # parameters and optimizer state, bit for bit
+    assert resumed["history"] == full["history"]  # the loss curve is whole across the resume
+    assert resumed["final"] == full["final"]
+
+
+def test_a_killed_run_resumes_from_its_last_periodic_checkpoint(uninterrupted, tmp_path):
+    _, full, full_state = uninterrupted
+    out = str(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        run(Config(out=out, **TINY), on_step=_interrupt_at(5))
+    # A hard kill loses what followed the last periodic save: drop the step-5 save the interrupt made.
+    ckpt = Checkpointer(os.path.join(out, "checkpoints"))
+    assert ckpt.all_steps() == [2, 4, 5]
+    import shutil
+
+    shutil.rmtree(os.path.join(out, "checkpoints", "5"))
+    assert run(Config(out=out, resume=True, **TINY))["resumed_from"] == 4
+    state, _ = restore_state(out)
+    assert _bits(state) == _bits(full_state)
+
+
+@pytest.mark.parametrize("n", [4, 2])
+def test_restore_onto_another_mesh(uninterrupted, n):
+    out, _, full_state = uninterrupted
+    mesh = spmd.init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+    state, meta = restore_state(out, mesh=mesh)
+    assert meta["config"]["model"] == "mlp"
+    for x in jax.tree.leaves(state):
+        assert x.sharding.mesh.devices.size == n and x.sharding.is_fully_replicated
+    assert _bits(state) == _bits(full_state)
+
+
+def test_resume_on_a_smaller_mesh_continues(uninterrupted, tmp_path):
+    _, full, _ = uninterrupted
+    out = str(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        run(Config(out=out, mesh="dp=8", **TINY), on_step=_interrupt_at(4))
+    resumed = run(Config(out=out, mesh="dp=2", resume=True, **TINY))
+    assert resumed["mesh"] == {"dp": 2} and resumed["resumed_from"] == 4
+    np.testing.assert_allclose([h["loss"] for h in resumed["history"]], [h["loss"] for h in full["history"]],
+                               rtol=1e-5)
+
+
+def test_resume_without_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match=re.escape("--resume found no checkpoint under")):
+        run(Config(out=str(tmp_path), resume=True, **TINY))
+    with pytest.raises(CheckpointError, match=re.escape("Checkpointer.restore: no checkpoint under")):
+        Checkpointer(str(tmp_path / "empty")).restore({"x": np.zeros(2)})
+
+
+@pytest.mark.parametrize("damage", ["garbage", "missing"])
+def test_a_corrupt_checkpoint_gives_a_clear_error_and_is_left_alone(uninterrupted, tmp_path, damage):
+    import shutil
+
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted[0], out)
+    step_dir = os.path.join(out, "checkpoints", "6")
+    victims = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, "state")) for f in fs
+               if f not in ("commit_success.txt",)]
+    for v in victims:
+        if damage == "garbage":
+            with open(v, "wb") as f:
+                f.write(b"\x00not a checkpoint\xff" * 3)
+        else:
+            os.remove(v)
+    before = {f: open(os.path.join(out, f), "rb").read() for f in _files(out)}
+    with pytest.raises(CheckpointError, match=re.escape(f"the checkpoint at {step_dir!r} (step 6) cannot be read")) as e:
+        run(Config(out=out, resume=True, **TINY))
+    assert "it was left untouched" in str(e.value) and "saved: [2, 4]" in str(e.value)
+    after = {f: open(os.path.join(out, f), "rb").read() for f in _files(out)}
+    assert after == before  # nothing was written, nothing overwritten
+    # Without --resume the job refuses to replace the run's checkpoints.
+    with pytest.raises(ValueError, match=re.escape("already holds checkpoints")):
+        run(Config(out=out, **TINY))
+    # Removing the bad step resumes from the last good one.
+    shutil.rmtree(step_dir)
+    assert run(Config(out=out, resume=True, **TINY))["resumed_from"] == 4
+
+
+def test_resume_with_another_config_is_refused(uninterrupted, tmp_path):
+    import shutil
+
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted[0], out)
+    with pytest.raises(ValueError, match=re.escape("--resume from") and re.escape("--seed: saved 0, given 1")):
+        run(Config(out=out, resume=True, **{**TINY, "seed": 1}))
+
+
+def test_checkpointer_saves_every_k_steps(tmp_path):
+    with Checkpointer(str(tmp_path), save_every=3, max_to_keep=None) as ckpt:
+        state = {"w": jax.numpy.arange(4.0)}
+        for step in range(1, 8):
+            ckpt.save(step, state, {"step": step})
+        ckpt.save(7, state, {"step": 7}, force=True)
+        assert not ckpt.save(7, state, {"step": 7}, force=True)  # an existing step is never rewritten
+        ckpt.wait()
+        assert ckpt.all_steps() == [3, 6, 7]
+        got, meta = ckpt.restore(state, 6)
+        np.testing.assert_array_equal(got["w"], state["w"])
+        assert meta == {"step": 6}
+    with pytest.raises(ValueError, match=re.escape("Checkpointer: save_every=0 must be an int >= 1.")):
+        Checkpointer(str(tmp_path), save_every=0)
