@@ -497,11 +497,19 @@ def _from_local_process(local, mesh: DeviceMesh, placements, shape, where: str) 
     gshape = _even_shape(a.shape, mesh.shape, pl) if shape is None else _check_shape(shape, where)
     padded = padded_local_shape(gshape, mesh.shape, pl)
     nd = mesh.ndim
+    mine = [c for c in itertools.product(*(range(s) for s in mesh.shape)) if mesh.devices[c].process_index == jax.process_index()]
+    split = [d for d, p in enumerate(pl) if not isinstance(p, Replicate) and len({c[d] for c in mine}) > 1]
+    if split:
+        # One tensor cannot fill several blocks of a Shard dim, and would be counted twice on a Partial one.
+        raise ValueError(
+            f"{where}: this process holds {len(mine)} devices of {mesh!r} that differ along mesh dim(s) "
+            f"{[mesh.mesh_dim_names[d] for d in split]}, where placements {format_placements(pl)} do not replicate; "
+            "one local tensor cannot fill them. Use one device per process, Replicate() on those dims, or "
+            "distribute_tensor with the global value."
+        )
     pieces = []
-    for coord in itertools.product(*(range(s) for s in mesh.shape)):
+    for coord in mine:
         dev = mesh.devices[coord]
-        if dev.process_index != jax.process_index():
-            continue
         want = local_shape(gshape, mesh.shape, pl, coord)
         if tuple(a.shape) != want:
             raise ValueError(

@@ -115,7 +115,7 @@ def test_dtensor_across_processes(tmp_path, devices):
         results = json.loads((tmp_path / f"rank{r}.json").read_text())
         bad = [f"{x['name']}: {x['detail']}" for x in results if not x["ok"]]
         assert not bad, f"rank {r}:\n" + "\n".join(bad)
-        assert len(results) == (13 if devices == 1 else 7)
+        assert len(results) == (13 if devices == 1 else 9)
 
 
 # --- failures that never hang -------------------------------------------------------------------

@@ -73,6 +73,17 @@ else:
     ud = spmd.distribute_tensor(U, mesh, [Shard(0), Shard(0)])
     check("uneven SS full_tensor", lambda: (ud.full_tensor(), U))
     check("uneven SS->S(1)R full", lambda: (ud.redistribute(mesh, [Shard(1), Replicate()]).full_tensor(), U))
+    rows = 8 // world
+    rd = spmd.DTensor.from_local(G[rank * rows:(rank + 1) * rows], mesh, [Shard(0), Replicate()])
+    check("from_local S(0)R, 2 devices per process", lambda: (rd.full_tensor(), G))
+
+    def refused():
+        try:
+            spmd.DTensor.from_local(G, mesh, [Replicate(), Shard(0)])
+        except ValueError as e:
+            return "one local tensor cannot fill them" in str(e), True
+        return False, True
+    check("from_local refuses a Shard inside a process", refused)
 
 dist.barrier()
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
