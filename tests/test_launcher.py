@@ -169,6 +169,27 @@ def test_sigterm_is_forwarded_and_nothing_is_left():
 
 
 @pytest.mark.timeout(60)
+def test_ranks_die_with_a_killed_launcher():
+    p = subprocess.Popen([sys.executable, "-m", "spmd.run", "--standalone", "--nproc-per-node", "2",
+                          str(SCRIPTS / "fail.py"), "sleep"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         text=True, env=clean_env(), cwd=ROOT)
+    seen, deadline = [], time.monotonic() + 40
+    while time.monotonic() < deadline and sum("second all_reduce" in s for s in seen) < 2:
+        line = p.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+    pids = pids_in("".join(seen))
+    p.kill()  # SIGKILL: spmdrun cannot clean up; PR_SET_PDEATHSIG must
+    p.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+        time.sleep(0.1)
+    assert len(pids) == 2
+    assert_gone(pids)
+
+
+@pytest.mark.timeout(60)
 def test_port_taken_fails_fast_with_a_clear_message():
     with socket.socket() as s:
         s.bind(("", 0))
