@@ -18,7 +18,7 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Callable
 
 __all__ = ["spawn", "SpawnContext", "ProcessRaisedException", "ProcessExitedException", "free_port", "signal_name"]
 

@@ -256,8 +256,10 @@ def test_dead_peer_without_launcher_ends_the_others():
     done = _ranks_by_hand(2, 2, free_port(), "hard", SPMD_HEARTBEAT_TIMEOUT="3", SPMD_TIMEOUT="30")
     assert done[1].returncode == 7
     assert done[0].returncode != 0
-    assert "all_reduce: the collective failed on rank 0" in done[0].stderr
-    assert "another rank most likely died" in done[0].stderr
+    # Inside the collective gloo breaks at once; had rank 0 not reached it yet, the coordination
+    # service ends it after the heartbeat timeout. Either way it says why.
+    assert ("all_reduce: the collective failed on rank 0 (group ranks [0, 1]); another rank most likely died"
+            in done[0].stderr) or "JAX distributed service detected fatal errors" in done[0].stderr, done[0].stderr
     assert time.monotonic() - t0 < 45
 
 

@@ -2,7 +2,6 @@
 gradients with dist.all_reduce as DDP does; then a failing spawn raises in the parent."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import spmd
