@@ -283,6 +283,18 @@ def test_two_nodes_on_loopback():
         assert "second all_reduce [2.0, 2.0, 2.0, 2.0]" in lines_of(out, i)  # global rank i on node i
 
 
+@pytest.mark.timeout(90)
+def test_dead_peer_while_others_idle_is_noticed_by_the_heartbeat():
+    # No launcher, no collective in flight: JAX's coordination service misses the dead rank's
+    # heartbeats and ends the others (SPMD_HEARTBEAT_TIMEOUT), long before their 60 s sleep ends.
+    t0 = time.monotonic()
+    done = _ranks_by_hand(2, 2, free_port(), "idle", SPMD_HEARTBEAT_TIMEOUT="3", SPMD_TIMEOUT="30")
+    assert done[1].returncode == 7
+    assert done[0].returncode != 0
+    assert "JAX distributed service detected fatal errors" in done[0].stderr, done[0].stderr[-2000:]
+    assert time.monotonic() - t0 < 40
+
+
 # --- the console script and spawn ----------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_spawn_runs_fn_per_rank_and_reports_a_failure():

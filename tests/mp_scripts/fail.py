@@ -1,4 +1,4 @@
-"""A rank that fails mid-collective: ``fail.py MODE``; MODE in raise, exit, hard, ok, restart.
+"""A rank that fails mid-collective: ``fail.py MODE``; MODE in raise, exit, hard, idle, ok, sleep, restart.
 
 Every rank prints ``pid <pid>`` first so that tests can check none is left.
 """
@@ -22,6 +22,10 @@ if mode == "restart":
     print(f"attempt {attempt}", flush=True)
     if attempt == 0 and rank == world - 1:
         raise RuntimeError(f"boom from rank {rank} on attempt {attempt}")
+elif mode == "idle":  # the last rank dies while the others are not in a collective
+    if rank == world - 1:
+        os._exit(7)
+    time.sleep(60)
 elif rank == world - 1 and mode != "ok":
     time.sleep(0.5)  # the others are inside the next all_reduce by now
     if mode == "raise":
