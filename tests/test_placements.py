@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import placements as pl
 from placements import (
@@ -347,3 +349,26 @@ def test_placements_is_pure_python():
 def test_public_names():
     for name in pl.__all__:
         assert hasattr(pl, name), name
+
+
+# --- property: any placement list on any mesh tiles the tensor ---------------------------
+@st.composite
+def _layouts(draw):
+    mesh_shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    global_shape = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+    choices = [Replicate(), Partial()] + [Shard(d) for d in range(len(global_shape))]
+    plist = tuple(draw(st.sampled_from(choices)) for _ in mesh_shape)
+    return mesh_shape, global_shape, plist
+
+
+@settings(max_examples=200, deadline=None)
+@given(_layouts())
+def test_layout_property_tiles(layout):
+    mesh_shape, global_shape, plist = layout
+    count = np.zeros(global_shape, dtype=np.int64)
+    for coord in itertools.product(*(range(s) for s in mesh_shape)):
+        shape, offset = local_shape_and_offset(global_shape, mesh_shape, plist, coord)
+        count[tuple(slice(o, o + s) for o, s in zip(offset, shape))] += 1
+        assert shape == tuple(len(r) for r in _block_ref(global_shape, mesh_shape, plist, coord))
+    copies = math.prod(s for s, p in zip(mesh_shape, plist) if not isinstance(p, Shard))
+    assert (count == copies).all()

@@ -147,3 +147,13 @@ def test_seed_collectives_example_runs():
     assert line("S(0)S(1) on").endswith("local block (4, 1) of (8, 4)")
     assert line("S(0)S(1) -> RR:").endswith("True")
     assert "'all-gather': {'count': 2" in line("collectives of that program")
+
+
+def test_group_of_a_sub_mesh(mesh2x4):
+    """mesh["tp"] is the row of rank 0 (devices 0..3): its group takes one block per tp rank."""
+    sub = mesh2x4["tp"]
+    pg = sub.get_group()
+    assert pg.size == 4 and pg.dims == ("tp",)
+    out = pg.allreduce((RANKS + 1).reshape(WORLD, 1))
+    np.testing.assert_array_equal(out, [[10]] * WORLD)
+    assert sorted(d.id for d in out.sharding.device_set) == [0, 1, 2, 3]
