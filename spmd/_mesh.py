@@ -128,11 +128,10 @@ class DeviceMesh:
         return tuple(self._jax_mesh.axis_names)
 
     def size(self, mesh_dim: int | str | None = None) -> int:
-        """Number of devices in the mesh, or along one mesh dim."""
+        """Number of devices in the mesh, along one mesh dim, or along several (their product)."""
         if mesh_dim is None:
             return math.prod(self.shape)
-        (i,) = self._dims(mesh_dim, "DeviceMesh.size", "mesh_dim")
-        return self.shape[i]
+        return math.prod(self.shape[i] for i in self._dims(mesh_dim, "DeviceMesh.size", "mesh_dim"))
 
     def get_group(self, mesh_dim: int | str | Sequence[int | str] | None = None):
         """The process group along one mesh dim (or several, flattened); all dims if None."""

@@ -20,6 +20,7 @@ def test_mesh_2x4(mesh2x4):
     assert m.shape == (2, 4) and m.ndim == 2
     assert m.mesh_dim_names == ("dp", "tp")
     assert m.size() == 8 and m.size("dp") == 2 and m.size("tp") == 4 and m.size(0) == 2 and m.size(-1) == 4
+    assert m.size(("tp", "dp")) == 8 and m.size(["tp"]) == 4
     assert m.device_type == "cpu"
     # Row-major ranks: rank r sits at (r // 4, r % 4), on device r.
     assert _ids(m.devices) == [[0, 1, 2, 3], [4, 5, 6, 7]]
