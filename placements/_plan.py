@@ -206,6 +206,7 @@ def _traffic(kind, c, nbytes: int, k: int) -> float:
 
 def _neighbours(state, candidates, mesh_shape, global_shape, itemsize):
     nd = len(state)
+    empty = math.prod(global_shape) == 0
     for r in range(1, nd + 1):
         for group in itertools.combinations(range(nd), r):
             c = state[group[0]]
@@ -230,7 +231,7 @@ def _neighbours(state, candidates, mesh_shape, global_shape, itemsize):
                 if len(ops) > 1 and not ops <= LINEAR_OPS:
                     continue
                 k = math.prod(mesh_shape[i] for i in group)
-                if k == 1:
+                if k == 1 or empty:  # nothing to communicate
                     kind = None
                 b = _step_bytes(kind, c, t, state, after, mesh_shape, global_shape, itemsize, k)
                 yield Step(group, c, t, kind, b, state, after, _traffic(kind, c, b, k))

@@ -312,10 +312,12 @@ def _visualize(shape, mesh: DeviceMesh, placements, title: str) -> str:
             blk = "(empty)"
         else:
             blk = "[" + ", ".join(f"{a}:{b}" for a, b in key) + "]" if key else "[] (scalar)"
-        rows.append((blk, ", ".join(str(r) for r in ranks)))
-    w = max([len("block")] + [len(b) for b, _ in rows])
-    lines = [title, f"{'block':<{w}}  ranks", f"{'-' * w}  -----"]
-    lines += [f"{b:<{w}}  {r}" for b, r in rows]
+        shp = str(tuple(0 if a is None else b - a for a, b in key))
+        rows.append((blk, shp, ", ".join(str(r) for r in ranks)))
+    w = max([len("block")] + [len(b) for b, _, _ in rows])
+    v = max([len("shape")] + [len(s) for _, s, _ in rows])
+    lines = [title, f"{'block':<{w}}  {'shape':<{v}}  ranks", f"{'-' * w}  {'-' * v}  -----"]
+    lines += [f"{b:<{w}}  {s:<{v}}  {r}" for b, s, r in rows]
     if partial:
         lines.append("partial: " + "; ".join(partial) + " (each rank holds an unreduced value)")
     return "\n".join(lines)

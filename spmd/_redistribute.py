@@ -251,7 +251,12 @@ def program(mesh, plan: Plan):
     nd = len(mesh_shape)
     strides = [math.prod(mesh_shape[i + 1 :]) for i in range(nd)]
 
+    empty = math.prod(plan.global_shape) == 0
+    out_block = padded_local_shape(plan.global_shape, mesh_shape, plan.dst)
+
     def body(block):
+        if empty:  # zero elements: no collective can (or needs to) run
+            return jnp.zeros((1,) * nd + out_block, block.dtype)
         x = block.reshape(block.shape[nd:])
         lin = sum(lax.axis_index(n) * s for n, s in zip(names, strides)) if nd else 0
         for step in plan.steps:
@@ -356,5 +361,6 @@ def simulate_plan(plan: Plan, physical: np.ndarray) -> np.ndarray:
             xs = new
         else:
             raise AssertionError(step)
-    out = np.stack(xs).reshape(tuple(mesh_shape) + xs[0].shape) if xs else physical
-    return out
+    if math.prod(gs) == 0:
+        return np.zeros(tuple(mesh_shape) + padded_local_shape(gs, mesh_shape, plan.dst), physical.dtype)
+    return np.stack(xs).reshape(tuple(mesh_shape) + xs[0].shape)
