@@ -192,11 +192,13 @@ def _as_input(X: np.ndarray, dtype: str):
 
 
 def _check(got, want: np.ndarray, dtype: str, case: str) -> None:
-    got = np.asarray(got.astype(jnp.float32) if dtype == "bfloat16" else got)
-    want = want.astype(np.float32) if dtype == "bfloat16" else want
+    """Same shape, same dtype (bfloat16 results against a float32 reference), same values."""
+    got = np.asarray(got)
+    if dtype == "bfloat16":
+        assert got.dtype == jnp.bfloat16, (case, got.dtype)
+        got, want = got.astype(np.float32), want.astype(np.float32)
+    assert got.dtype == want.dtype, (case, got.dtype, want.dtype)
     assert got.shape == want.shape, (case, got.shape, want.shape)
-    if dtype not in ("bfloat16",) and want.dtype != np.int32:
-        assert got.dtype == want.dtype, (case, got.dtype, want.dtype)
     np.testing.assert_array_equal(got, want, err_msg=case)
 
 
