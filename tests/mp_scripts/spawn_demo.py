@@ -1,6 +1,8 @@
 """The seed's spawn + DDP example, ported: 4 processes train Linear(10, 5) with SGD, averaging
 gradients with dist.all_reduce as DDP does; then a failing spawn raises in the parent."""
 
+import sys
+
 import jax
 import numpy as np
 
@@ -36,7 +38,8 @@ def train(rank, world_size):
         grads = jax.tree_util.tree_map(lambda g: dist.all_reduce(g, op=dist.ReduceOp.AVG), grads)
         params = step(params, grads)
         if rank == 0:
-            print(f"Epoch {epoch}, Loss: {float(loss)}", flush=True)
+            sys.stdout.write(f"Epoch {epoch}, Loss: {float(loss)}\n")
+            sys.stdout.flush()
         if rank == 0:  # the single-process reference: the mean of every rank's gradient
             ref_grads = [grad_fn(ref, batch(epoch, r))[1] for r in range(world_size)]
             ref = step(ref, jax.tree_util.tree_map(lambda *g: sum(g) / world_size, *ref_grads))
@@ -46,7 +49,8 @@ def train(rank, world_size):
     if rank == 0:
         close = np.allclose(params["w"], ref["w"], atol=1e-5) and np.allclose(params["b"], ref["b"], atol=1e-5)
         line += f" matches reference {bool(close)}"
-    print(line, flush=True)
+    sys.stdout.write(line + "\n")  # one write: the ranks share this stdout, print() may split a line
+    sys.stdout.flush()
     dist.destroy_process_group()  # cleanup()
 
 
