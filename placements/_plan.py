@@ -176,21 +176,17 @@ def _step_kind(c: Placement, t: Placement) -> str | None | bool:
     return False  # P -> P of another op: never
 
 
-def _touched(c: Placement, t: Placement) -> set[int]:
-    return {p.dim for p in (c, t) if isinstance(p, Shard)}
-
-
-def _step_bytes(kind, c, t, before, after, mesh_shape, global_shape, itemsize, k) -> int:
+def _step_bytes(kind, c, t, before, after, mesh_shape, global_shape, itemsize, k, padded=None) -> int:
     if kind is None or k == 1:
         return 0
-    sb = list(padded_local_shape(global_shape, mesh_shape, before))
-    sa = padded_local_shape(global_shape, mesh_shape, after)
+    pad = padded or (lambda pl: padded_local_shape(global_shape, mesh_shape, pl))
+    sb = list(pad(before))
     if kind == "all_gather" and isinstance(c, Shard):
         sb[c.dim] *= k
     elif kind == "all_gather":  # product all-reduce: gather K full blocks
         sb = [k] + sb
     elif isinstance(t, Shard):  # all_to_all or reduce_scatter: dim t.dim split into K chunks
-        sb[t.dim] = k * sa[t.dim]
+        sb[t.dim] = k * pad(after)[t.dim]
     return math.prod(sb) * itemsize
 
 
@@ -204,7 +200,8 @@ def _traffic(kind, c, nbytes: int, k: int) -> float:
     return nbytes * f * (2 if kind == "all_reduce" else 1)
 
 
-def _neighbours(state, candidates, mesh_shape, global_shape, itemsize):
+def _neighbours(state, candidates, mesh_shape, global_shape, itemsize, padded, kinds):
+    """Edges out of ``state``: tuples (group, src, dst, collective, bytes, after, traffic)."""
     nd = len(state)
     empty = math.prod(global_shape) == 0
     for r in range(1, nd + 1):
@@ -213,28 +210,27 @@ def _neighbours(state, candidates, mesh_shape, global_shape, itemsize):
             if any(state[i] != c for i in group[1:]):
                 continue
             lo = group[0]
+            later = [state[j].dim for j in range(lo + 1, nd) if j not in group and isinstance(state[j], Shard)]
+            k = math.prod(mesh_shape[i] for i in group)
             for t in candidates:
                 if t == c:
                     continue
-                kind = _step_kind(c, t)
+                kind = kinds[c, t]
                 if kind is False:
                     continue
+                if later and (
+                    (isinstance(c, Shard) and c.dim in later) or (isinstance(t, Shard) and t.dim in later)
+                ):
+                    continue  # torch's nesting rule
                 after = tuple(t if i in group else p for i, p in enumerate(state))
-                ok = True
-                for d in _touched(c, t):
-                    if any(j > lo and j not in group and state[j] == Shard(d) for j in range(nd)):
-                        ok = False
-                        break
-                if not ok:
-                    continue
-                ops = {p.reduce_op for p in after if isinstance(p, Partial)}
-                if len(ops) > 1 and not ops <= LINEAR_OPS:
-                    continue
-                k = math.prod(mesh_shape[i] for i in group)
+                if isinstance(t, Partial):
+                    ops = {p.reduce_op for p in after if isinstance(p, Partial)}
+                    if len(ops) > 1 and not ops <= LINEAR_OPS:
+                        continue
                 if k == 1 or empty:  # nothing to communicate
                     kind = None
-                b = _step_bytes(kind, c, t, state, after, mesh_shape, global_shape, itemsize, k)
-                yield Step(group, c, t, kind, b, state, after, _traffic(kind, c, b, k))
+                b = _step_bytes(kind, c, t, state, after, mesh_shape, global_shape, itemsize, k, padded)
+                yield group, c, t, kind, b, after, _traffic(kind, c, b, k)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -244,30 +240,43 @@ def _plan_cached(mesh_shape, global_shape, itemsize, src, dst) -> Plan:
     cands = [Replicate()] + sorted(
         {p for p in src + dst if isinstance(p, Shard)}, key=lambda p: p.dim
     ) + [p for p in dict.fromkeys(dst) if isinstance(p, Partial)]
+    memo: dict = {}
+
+    def padded(pl):
+        v = memo.get(pl)
+        if v is None:
+            v = memo[pl] = padded_local_shape(global_shape, mesh_shape, pl)
+        return v
+
+    every = set(src) | set(cands)
+    kinds = {(a, b): _step_kind(a, b) for a in every for b in cands}
     # Dijkstra on (traffic + LATENCY_BYTES * collectives, traffic, collectives, steps);
     # ties broken by insertion order (deterministic).
     start = (0.0, 0.0, 0, 0)
     best = {src: start}
-    heap = [(start, 0, src, ())]
+    heap = [(start, 0, src, None)]
     counter = itertools.count(1)
     while heap:
-        cost, _, state, steps = heapq.heappop(heap)
+        cost, _, state, path = heapq.heappop(heap)
         if state == dst:
+            edges = []
+            while path is not None:
+                path, edge, before = path
+                edges.append((edge, before))
+            steps = tuple(
+                Step(g, c, t, kind, b, before, after, tr) for (g, c, t, kind, b, after, tr), before in reversed(edges)
+            )
             return Plan(mesh_shape, global_shape, itemsize, src, dst, steps)
         if best.get(state, cost) < cost:
             continue
-        for step in _neighbours(state, cands, mesh_shape, global_shape, itemsize):
-            coll = step.collective is not None
-            new = (
-                cost[0] + step.traffic + LATENCY_BYTES * coll,
-                cost[1] + step.traffic,
-                cost[2] + coll,
-                cost[3] + 1,
-            )
-            nxt = step.after
+        for edge in _neighbours(state, cands, mesh_shape, global_shape, itemsize, padded, kinds):
+            coll = edge[3] is not None
+            tr = edge[6]
+            new = (cost[0] + tr + LATENCY_BYTES * coll, cost[1] + tr, cost[2] + coll, cost[3] + 1)
+            nxt = edge[5]
             if nxt not in best or new < best[nxt]:
                 best[nxt] = new
-                heapq.heappush(heap, (new, next(counter), nxt, steps + (step,)))
+                heapq.heappush(heap, (new, next(counter), nxt, (path, edge, state)))
     raise ValueError(
         f"plan_redistribute: no plan from {format_placements(src)} to {format_placements(dst)}; "
         "a Partial op cannot be switched to another (reduce to Replicate first)."

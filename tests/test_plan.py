@@ -1,0 +1,211 @@
+"""The redistribute planner: pure Python, no JAX. A plan is a value; the search is optimal."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+
+import pytest
+
+from placements import LATENCY_BYTES, Partial, Plan, Replicate, Shard, Step, plan
+from placements._plan import _plan_cached, _step_bytes, _step_kind, _traffic
+
+R = Replicate()
+S0, S1, S2 = Shard(0), Shard(1), Shard(2)
+
+
+def test_plan_is_an_immutable_cached_value():
+    p = plan((2, 4), (16, 16), 4, (S0, S1), (R, S0))
+    assert isinstance(p, Plan) and all(isinstance(s, Step) for s in p.steps)
+    assert p is plan((2, 4), (16, 16), 4, (S0, S1), (R, S0))
+    assert hash(p) == hash(plan((2, 4), (16, 16), 4, [S0, S1], [R, S0]))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.steps = ()
+    assert str(p).splitlines()[0].startswith("S(0)S(1) -> RS(0)  (")
+    assert re.fullmatch(r"  0\. S\(0\)S\(1\) -> .*\[mesh dim \d: .* B\]", str(p).splitlines()[1])
+    assert "Plan(S(0)S(1) -> RS(0), mesh_shape=(2, 4)" in repr(p)
+    c = p.cost()
+    assert c.bytes == sum(s.bytes for s in p.steps) and c.collectives == len(p.collectives)
+    assert _plan_cached.cache_info().hits >= 2
+
+
+def test_identity_plan_is_empty():
+    p = plan((8,), (4,), 4, (S0,), (S0,))
+    assert p.steps == () and p.cost().bytes == 0 and p.cost().collectives == 0
+
+
+@pytest.mark.parametrize(
+    "src,dst,collectives,nbytes",
+    [
+        (R, S0, (), 0),
+        (R, S1, (), 0),
+        (R, Partial("sum"), (), 0),
+        (R, Partial("max"), (), 0),
+        (S0, R, ("all_gather",), 16 * 8 * 4),  # gathered result
+        (S1, R, ("all_gather",), 16 * 8 * 4),
+        (Partial("sum"), R, ("all_reduce",), 16 * 8 * 4),  # buffer
+        (Partial("avg"), R, ("all_reduce",), 16 * 8 * 4),
+        (Partial("max"), R, ("all_reduce",), 16 * 8 * 4),
+        (Partial("product"), R, ("all_gather",), 8 * 16 * 8 * 4),  # gather + local product
+        (Partial("sum"), S0, ("reduce_scatter",), 16 * 8 * 4),  # input
+        (Partial("avg"), S1, ("reduce_scatter",), 16 * 8 * 4),
+        (Partial("min"), S0, ("all_to_all",), 16 * 8 * 4),
+        (S0, S1, ("all_to_all",), 2 * 8 * 4),  # buffer = the local block
+        (S1, S0, ("all_to_all",), 16 * 1 * 4),
+        (S0, Partial("sum"), (), 0),  # local: the block at its offset, zeros elsewhere
+    ],
+)
+def test_one_dim_lowering(src, dst, collectives, nbytes):
+    p = plan((8,), (16, 8), 4, (src,), (dst,))
+    assert p.collectives == collectives
+    assert p.cost().bytes == nbytes
+    assert len(p.steps) == 1
+
+
+def test_uneven_bytes_count_padding():
+    # 10 rows over 8 ranks: chunks of 2, padded: the gather moves 8 * 2 rows.
+    assert plan((8,), (10, 3), 4, (S0,), (R,)).cost().bytes == 8 * 2 * 3 * 4
+    # 5 over 4 -> chunks 2, 2, 1, 0; reduce-scatter input padded to 4 * 2 rows.
+    assert plan((4,), (5, 3), 2, (Partial("sum"),), (S0,)).cost().bytes == 4 * 2 * 3 * 2
+
+
+def test_s_to_avg_partial_goes_through_replicate():
+    p = plan((8,), (16,), 4, (S0,), (Partial("avg"),))
+    assert [str(s.dst) for s in p.steps] == ["R", "P(avg)"]
+
+
+@pytest.mark.parametrize(
+    "src,dst,max_collectives,flattened",
+    [
+        ((S0, S1), (S0, S0), 1, False),
+        ((S0, S1), (S1, S0), 2, False),
+        ((S0, S0), (S1, S1), 1, True),  # one all_to_all over the flattened 8 devices
+        ((Partial("sum"), Partial("sum")), (R, R), 1, True),
+        ((S0, S0), (R, R), 1, True),
+        ((Partial("sum"), Partial("sum")), (S0, S0), 1, True),
+    ],
+)
+def test_two_dim_plans(src, dst, max_collectives, flattened):
+    p = plan((2, 4), (16, 32), 4, src, dst)
+    assert p.cost().collectives <= max_collectives
+    assert any(len(s.mesh_dims) == 2 for s in p.steps) == flattened
+
+
+def test_nesting_rule_is_respected():
+    """No step touches a tensor dim that a later mesh dim outside its group shards."""
+    for src, dst in itertools.product(itertools.product([R, S0, S1, Partial("sum")], repeat=3), repeat=2):
+        for s in plan((2, 2, 2), (5, 3), 4, src, dst).steps:
+            lo = s.mesh_dims[0]
+            for d in {p.dim for p in (s.src, s.dst) if isinstance(p, Shard)}:
+                assert not any(
+                    j > lo and j not in s.mesh_dims and s.before[j] == Shard(d) for j in range(3)
+                ), (src, dst, str(s))
+
+
+# --- optimality ----------------------------------------------------------------------------
+def key(steps):
+    traffic = sum(s[3] for s in steps)
+    coll = sum(1 for s in steps if s[2] is not None)
+    return traffic + LATENCY_BYTES * coll
+
+
+def one_dim_steps(state, mesh_shape, shape, itemsize, cands):
+    for i, c in enumerate(state):
+        for t in cands:
+            kind = _step_kind(c, t)
+            if t == c or kind is False:
+                continue
+            after = state[:i] + (t,) + state[i + 1 :]
+            if any(j > i and state[j] == Shard(d) for d in {p.dim for p in (c, t) if isinstance(p, Shard)} for j in range(len(state))):
+                continue
+            b = _step_bytes(kind, c, t, state, after, mesh_shape, shape, itemsize, mesh_shape[i])
+            yield after, (i, c, kind, _traffic(kind, c, b, mesh_shape[i]))
+
+
+def brute_force(mesh_shape, shape, src, dst, depth):
+    cands = [R, S0, S1]
+    best = None
+    frontier = [(src, ())]
+    for _ in range(depth):
+        nxt = []
+        for state, steps in frontier:
+            for after, st in one_dim_steps(state, mesh_shape, shape, 4, cands):
+                s2 = steps + (st,)
+                if after == dst and (best is None or key(s2) < best):
+                    best = key(s2)
+                nxt.append((after, s2))
+        frontier = nxt
+    return best
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (10, 7)])
+def test_search_beats_every_one_dim_step_sequence(shape):
+    """Brute force over all sequences of up to 4 single-mesh-dim steps: the plan is never worse."""
+    lists = list(itertools.product([R, S0, S1], repeat=2))
+    for src, dst in itertools.product(lists, repeat=2):
+        if src == dst:
+            continue
+        p = plan((2, 4), shape, 4, src, dst)
+        got = p.cost().traffic + LATENCY_BYTES * p.cost().collectives
+        bf = brute_force((2, 4), shape, src, dst, 4)
+        assert bf is not None and got <= bf + 1e-9, (src, dst, str(p), bf)
+
+
+def torch_greedy(src, dst):
+    """torch's generate_greedy_transform_infos (torch 2.13): inner-to-outer pass that replicates
+    misaligned nested shards, then an outer-to-inner pass."""
+    cur, tgt = list(src), list(dst)
+    steps = []
+    if any(isinstance(p, Shard) for p in src):
+        for m in reversed(range(len(cur))):
+            c, t = cur[m], tgt[m]
+            if isinstance(t, Shard):
+                cm = [i for i in range(m) if cur[i] == Shard(t.dim)]
+                tm = [i for i in range(m) if tgt[i] == Shard(t.dim)]
+                if cm != tm:
+                    t = R
+            if c != t:
+                steps.append((m, c, t, tuple(cur)))
+                cur[m] = t
+    for m, (c, t) in enumerate(zip(cur, tgt)):
+        if c != t:
+            steps.append((m, c, t, tuple(cur)))
+            cur[m] = t
+    return steps
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,shape", [((2, 4), (16, 32)), ((2, 4), (10, 7)), ((2, 4), (1024, 2048)), ((2, 2, 2), (6, 5))]
+)
+def test_never_worse_than_torch_greedy(mesh_shape, shape):
+    pls = [R] + [Shard(d) for d in range(len(shape))] + [Partial("sum")]
+    lists = list(itertools.product(pls, repeat=len(mesh_shape)))
+    worse = 0
+    for src, dst in itertools.product(lists, repeat=2):
+        if any(isinstance(b, Partial) and a != b for a, b in zip(src, dst)):
+            continue  # torch refuses redistributing to Partial
+        t_traffic, t_coll = 0.0, 0
+        for m, c, t, before in torch_greedy(src, dst):
+            after = before[:m] + (t,) + before[m + 1 :]
+            kind = _step_kind(c, t)
+            b = _step_bytes(kind, c, t, before, after, mesh_shape, shape, 4, mesh_shape[m])
+            t_traffic += _traffic(kind, c, b, mesh_shape[m])
+            t_coll += kind is not None
+        p = plan(mesh_shape, shape, 4, src, dst)
+        ours = p.cost().traffic + LATENCY_BYTES * p.cost().collectives
+        assert ours <= t_traffic + LATENCY_BYTES * t_coll + 1e-9, (src, dst, str(p))
+        worse += p.cost().traffic > t_traffic + 1e-9
+    if shape == (1024, 2048):  # 8 MiB: bytes dominate the latency term, never more traffic than torch
+        assert worse == 0
+
+
+def test_partial_switch_and_mix_refused():
+    with pytest.raises(ValueError, match=re.escape("placements[0]=P(max) would switch mesh dim 0 from P(sum) to P(max)")):
+        plan((8,), (4,), 4, (Partial("sum"),), (Partial("max"),))
+    with pytest.raises(ValueError, match=re.escape("mixes Partial ops ['max', 'sum']")):
+        plan((2, 4), (4,), 4, (Partial("sum"), Partial("max")), (R, R))
+    # sum and avg may mix (as in torch); an op may change across mesh dims through Replicate
+    assert plan((2, 4), (4,), 4, (Partial("sum"), Partial("avg")), (R, R)).cost().collectives == 2
+    p = plan((2, 4), (4,), 4, (Partial("sum"), R), (R, Partial("max")))
+    assert [str(s.dst) for s in p.steps] == ["R", "P(max)"]
