@@ -20,7 +20,10 @@ from __future__ import annotations
 import os
 import sys
 
-if "jax" not in sys.modules and int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+# 8 CPU fake devices by default, unless JAX already started, a launcher runs several processes, or
+# spmdrun --devices-per-proc chose the count.
+if "jax" not in sys.modules and int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 and not os.environ.get(
+        "SPMD_DEVICES_PER_PROC"):
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
@@ -267,23 +270,10 @@ def _maybe_init_distributed() -> None:
     """Join the process group when started by a launcher (spmdrun / torchrun variables)."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return
-    is_init = getattr(jax.distributed, "is_initialized", None)
-    if is_init is not None and is_init():
-        return
-    try:
-        import spmd.distributed as dist  # the torch-shaped front end, when present
+    import spmd.distributed as dist
 
-        init = getattr(dist, "init_process_group", None)
-    except ImportError:
-        init = None
-    if init is not None:
-        init()
-        return
-    jax.distributed.initialize(
-        coordinator_address=f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '29500')}",
-        num_processes=int(os.environ["WORLD_SIZE"]),
-        process_id=int(os.environ.get("RANK", "0")),
-    )
+    if not dist.is_initialized():
+        dist.init_process_group()
 
 
 def _run_config(cfg: Config) -> dict:
