@@ -339,16 +339,17 @@ def test_hypothesis_round_trips_simulated(case):
 POOL_SHAPES = [(5, 3), (8,)]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(
     st.sampled_from([(8,), (2, 4), (2, 2, 2)]),
     st.sampled_from(POOL_SHAPES),
+    st.sampled_from(["sum", "max"]),
     st.data(),
 )
-def test_hypothesis_round_trips_real(meshes, mesh_shape, shape, draw):
+def test_hypothesis_round_trips_real(meshes, mesh_shape, shape, op, draw):
     """Real jitted redistributes along random chains drawn from a bounded pool."""
     mesh = meshes[mesh_shape]
-    pl = placement_lists(len(mesh_shape), len(shape), "sum")
+    pl = placement_lists(len(mesh_shape), len(shape), op)
     chain = draw.draw(st.lists(pl, min_size=2, max_size=3))
     x = data(shape)
     dt = spmd.distribute_tensor(x, mesh, chain[0])
