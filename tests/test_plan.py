@@ -209,3 +209,54 @@ def test_partial_switch_and_mix_refused():
     assert plan((2, 4), (4,), 4, (Partial("sum"), Partial("avg")), (R, R)).cost().collectives == 2
     p = plan((2, 4), (4,), 4, (Partial("sum"), R), (R, Partial("max")))
     assert [str(s.dst) for s in p.steps] == ["R", "P(max)"]
+
+
+TORCH_PLANNER = '''
+import itertools, json, sys
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, Replicate, Partial
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+out = {}
+for mshape, shape in [((2, 4), (10, 7)), ((2, 2, 2), (5, 3))]:
+    mesh = init_device_mesh("cpu", mshape)
+    meta = TensorMeta(torch.Size(shape), (shape[1], 1), torch.float32)
+    pls = [Replicate(), Shard(0), Shard(1), Partial("sum")]
+    for src in itertools.product(pls, repeat=len(mshape)):
+        for dst in itertools.product(pls, repeat=len(mshape)):
+            if any(isinstance(b, Partial) and a != b for a, b in zip(src, dst)):
+                continue
+            infos = _gen_transform_infos_non_cached(DTensorSpec(mesh, src, meta), DTensorSpec(mesh, dst, meta))
+            key = "".join(map(str, src)) + "|" + "".join(map(str, dst))
+            out[key] = [[i.mesh_dim, str(i.src_dst_placements[0]), str(i.src_dst_placements[1])] for i in infos]
+print(json.dumps(out))
+'''
+
+
+def test_torch_greedy_emulation_matches_torch_planner():
+    """The torch plan used for comparisons (here and in benchmarks/redistribute.py) is torch's own:
+    torch 2.13's planner on a fake 8-rank process group gives the same steps."""
+    pytest.importorskip("torch")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", TORCH_PLANNER], capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    torch_plans = json.loads(proc.stdout.strip().splitlines()[-1])
+    pls = [R, S0, S1, Partial("sum")]
+    n = 0
+    for nd in (2, 3):
+        for src, dst in itertools.product(itertools.product(pls, repeat=nd), repeat=2):
+            if any(isinstance(b, Partial) and a != b for a, b in zip(src, dst)):
+                continue
+            key = "".join(map(str, src)) + "|" + "".join(map(str, dst))
+            ours = [[m, str(c), str(t)] for m, c, t, _ in torch_greedy(src, dst)]
+            assert ours == torch_plans[key], key
+            n += 1
+    assert n == len(torch_plans)
