@@ -59,11 +59,11 @@ LINEAR_OPS = frozenset({"sum", "avg"})
 
 _COLLECTIVES = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter")
 
-#: The search's latency term: one collective costs as much as moving this many bytes
-#: (an alpha-beta model: ~10 us of launch latency at ~25 GB/s). It only decides between
+#: The search's latency term: one collective costs as much as receiving this many bytes
+#: (an alpha-beta model: a few us of launch latency at ~25 GB/s). It only decides between
 #: plans whose traffic differs by less than this, e.g. 2 vs 3 collectives for
-#: ``S(0)S(1) -> S(1)S(0)`` on small tensors.
-LATENCY_BYTES = 256 * 1024
+#: ``S(0)S(1) -> S(1)S(0)`` on a 2x4 mesh (2 up to ~4 MiB tensors, 3 smaller ones above).
+LATENCY_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
