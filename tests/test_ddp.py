@@ -1,5 +1,6 @@
 """The data-parallel train step: N devices with a global batch B == one device with batch B."""
 
+import functools
 import re
 
 import jax
@@ -16,18 +17,25 @@ STEPS = 20
 BATCH = 16
 
 
+@functools.lru_cache(maxsize=None)
 def _setup(kind):
     if kind == "mlp":
         model, layout = MLP(11, 4, (32,)), "window"
     else:
         model, layout = Transformer(11, 8, num_layers=1, d_model=16, num_heads=2), "lm"
     task = DigitTask("sort", 4)
-    params = model.init(jax.random.key(0), task.batch(0, 0, 2, layout)["inputs"])["params"]
+    params = jax.jit(model.init)(jax.random.key(0), task.batch(0, 0, 2, layout)["inputs"])["params"]
     batches = [task.batch(0, i, BATCH, layout) for i in range(STEPS)]
     return (lambda p, b: cross_entropy(model.apply({"params": p}, b["inputs"]), b)), params, batches
 
 
-def _reference(loss_fn, optimizer, params, batches):
+@functools.lru_cache(maxsize=None)
+def _init(kind, opt_name):
+    """The step-0 state (cached: arrays are immutable)."""
+    return jax.jit(lambda p: init_train_state(p, _OPTS[opt_name]()))(_setup(kind)[1])
+
+
+def _reference(loss_fn, optimizer, state0, batches):
     """Plain single-device training on the whole batch (no spmd, no collectives)."""
 
     @jax.jit
@@ -37,7 +45,7 @@ def _reference(loss_fn, optimizer, params, batches):
         return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                              opt_state=opt_state), {"loss": loss, **aux, "grad_norm": optax.tree.norm(g)}
 
-    state, losses = init_train_state(params, optimizer), []
+    state, losses = state0, []
     for b in batches:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
@@ -50,7 +58,7 @@ _REFS: dict = {}
 def _ref(kind, opt_name):
     if (kind, opt_name) not in _REFS:
         loss_fn, params, batches = _setup(kind)
-        _REFS[kind, opt_name] = _reference(loss_fn, _OPTS[opt_name](), params, batches)
+        _REFS[kind, opt_name] = _reference(loss_fn, _OPTS[opt_name](), _init(kind, opt_name), batches)
     return _REFS[kind, opt_name]
 
 
@@ -61,9 +69,9 @@ def _mesh(n):
     return spmd.init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
 
 
-# Every N with and without accumulation for the MLP; every N, each with or without it, for the transformer.
-_CASES = [("mlp", n, a) for a in (1, 2) for n in (1, 2, 4, 8)] + [("mlp", 1, 4)]
-_CASES += [("transformer", 1, 1), ("transformer", 2, 2), ("transformer", 4, 1), ("transformer", 8, 2)]
+# Every N with and without accumulation for the MLP; one device and dp=8 with accumulation for the transformer.
+_CASES = [("mlp", n, a) for a in (1, 2) for n in (1, 2, 4, 8) if (n, a) != (1, 2)] + [("mlp", 1, 4)]
+_CASES += [("transformer", 1, 1), ("transformer", 8, 2)]
 # Float32 sums in another order: 20 steps drift by a few ulps of the loss (measured: <= 4e-6).
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -74,7 +82,7 @@ def test_dp_equals_one_device(kind, n, accum):
     optimizer = _OPTS["sgd"]()
     ref_state, ref_losses = _ref(kind, "sgd")
     step = make_train_step(loss_fn, optimizer, _mesh(n), accum_steps=accum)
-    state, losses = init_train_state(params, optimizer), []
+    state, losses = _init(kind, "sgd"), []
     for b in batches:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
@@ -92,7 +100,7 @@ def test_dp_equals_one_device_adam(n, accum):
     optimizer = _OPTS["adam"]()
     ref_state, ref_losses = _ref("mlp", "adam")
     step = make_train_step(loss_fn, optimizer, _mesh(n), accum_steps=accum)
-    state, losses = init_train_state(params, optimizer), []
+    state, losses = _init("mlp", "adam"), []
     for b in batches:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
@@ -104,13 +112,13 @@ def test_gradient_is_the_mean_not_the_sum():
     """One SGD step without momentum: params move by lr * (mean gradient), as on one device."""
     loss_fn, params, batches = _setup("mlp")
     optimizer = optax.sgd(1.0)
-    grads = jax.grad(lambda p: loss_fn(p, batches[0])[0])(params)
+    grads = jax.jit(jax.grad(lambda p: loss_fn(p, batches[0])[0]))(params)
     state, metrics = make_train_step(loss_fn, optimizer, _mesh(8))(init_train_state(params, optimizer), batches[0])
     jax.tree.map(lambda new, old, g: np.testing.assert_allclose(old - new, g, rtol=1e-5, atol=1e-7),
                  state.params, params, grads)
     np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-5)
     # The metrics are the global means, and they come back replicated.
-    loss, aux = loss_fn(params, batches[0])
+    loss, aux = jax.jit(loss_fn)(params, batches[0])
     np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
     np.testing.assert_allclose(metrics["accuracy"], aux["accuracy"], rtol=1e-6)
     assert metrics["loss"].sharding.is_fully_replicated
@@ -119,9 +127,8 @@ def test_gradient_is_the_mean_not_the_sum():
 
 def _all_reduces(kind, accum, n=4):
     loss_fn, params, batches = _setup(kind)
-    optimizer = optax.sgd(0.1)
-    step = make_train_step(loss_fn, optimizer, _mesh(n), accum_steps=accum)
-    return spmd.collectives(step, init_train_state(params, optimizer), batches[0]), params
+    step = make_train_step(loss_fn, _OPTS["sgd"](), _mesh(n), accum_steps=accum)
+    return spmd.collectives(step, _init(kind, "sgd"), batches[0]), params
 
 
 @pytest.mark.parametrize("kind,accums", [("mlp", (2, 4)), ("transformer", (4,))])
@@ -143,7 +150,7 @@ def test_on_a_2d_mesh_the_batch_is_sharded_on_dp_only(mesh2x4):
     optimizer = _OPTS["sgd"]()
     ref_state, ref_losses = _ref("mlp", "sgd")
     step = make_train_step(loss_fn, optimizer, mesh2x4, dp="dp", accum_steps=2)
-    state, losses = init_train_state(params, optimizer), []
+    state, losses = _init("mlp", "sgd"), []
     for b in batches:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
