@@ -242,7 +242,14 @@ class DTensor:
         nd = self._mesh.ndim
         phys = rep._physical
         if _is_tracer(phys):
-            return phys[(0,) * nd]
+            # Every device holds the whole value now: read the local block (no collective),
+            # as a replicated result, instead of indexing device 0's block (which would broadcast it).
+            names = self._mesh.mesh_dim_names
+            take = jax.shard_map(
+                lambda b: b.reshape(b.shape[nd:]), mesh=self._mesh.jax_mesh, in_specs=P(*names), out_specs=P(),
+                check_vma=False,
+            )
+            return take(phys)
         b = phys.addressable_shards[0].data
         return b.reshape(self._shape)
 

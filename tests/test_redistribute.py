@@ -357,3 +357,22 @@ def test_hypothesis_round_trips_real(meshes, mesh_shape, shape, op, draw):
         dt = dt.redistribute(placements=b)
         assert [tuple(t.shape) for t in dt.local_tensors()] == list(local_shapes(shape, mesh_shape, b))
     np.testing.assert_array_equal(np.asarray(dt.full_tensor()), x)
+
+
+@pytest.mark.parametrize(
+    "src,dst,expected",
+    [("S0", "S1", {"all-to-all": 1}), ("S0", "R", {"all-gather": 1}), ("P(sum)", "S0", {"reduce-scatter": 1}),
+     ("P(max)", "R", {"all-reduce": 1}), ("R", "S1", {})],
+)
+def test_public_api_under_spmd_collectives(meshes, src, dst, expected):
+    """``spmd.collectives`` on the public calls (traced under jit): redistribute and full_tensor
+    add nothing beyond the plan's collectives."""
+    x = data((16, 32))
+    dt = spmd.distribute_tensor(x, meshes[(8,)], parse(src))
+    got = spmd.collectives(lambda d: d.redistribute(placements=parse(dst)), dt)
+    assert kinds(got) == expected
+    assert sum(v["bytes"] for v in got.values()) == dt.redistribute(placements=parse(dst), explain=True).cost().bytes
+    full = spmd.collectives(lambda d: d.full_tensor(), dt.redistribute(placements=parse(dst)))
+    n_full = len(dt.redistribute(placements=parse(dst)).redistribute(placements=[R], explain=True).collectives)
+    assert sum(v["count"] for v in full.values()) == n_full
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda d: d.full_tensor())(dt)), x)
