@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -62,8 +63,6 @@ def test_a_killed_run_resumes_from_its_last_periodic_checkpoint(uninterrupted, t
     # A hard kill loses what followed the last periodic save: drop the step-5 save the interrupt made.
     ckpt = Checkpointer(os.path.join(out, "checkpoints"))
     assert ckpt.all_steps() == [2, 4, 5]
-    import shutil
-
     shutil.rmtree(os.path.join(out, "checkpoints", "5"))
     assert run(Config(out=out, resume=True, **TINY))["resumed_from"] == 4
     state, _ = restore_state(out)
@@ -101,8 +100,6 @@ def test_resume_without_a_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("damage", ["garbage", "missing"])
 def test_a_corrupt_checkpoint_gives_a_clear_error_and_is_left_alone(uninterrupted, tmp_path, damage):
-    import shutil
-
     out = str(tmp_path / "run")
     shutil.copytree(uninterrupted[0], out)
     step_dir = os.path.join(out, "checkpoints", "6")
@@ -129,8 +126,6 @@ def test_a_corrupt_checkpoint_gives_a_clear_error_and_is_left_alone(uninterrupte
 
 
 def test_resume_with_another_config_is_refused(uninterrupted, tmp_path):
-    import shutil
-
     out = str(tmp_path / "run")
     shutil.copytree(uninterrupted[0], out)
     with pytest.raises(ValueError, match=re.escape("--resume from") and re.escape("--seed: saved 0, given 1")):
