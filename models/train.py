@@ -316,7 +316,7 @@ def _plot(history: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def run(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
+def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None) -> dict:
     """Train as ``cfg`` says; returns the summary also written to ``metrics.json``.
 
     ``on_step(step, state)`` is called after each step (a hook for tests and
