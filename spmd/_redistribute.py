@@ -42,9 +42,8 @@ def _blocks(global_shape, mesh_shape, placements):
         s, o = local_shape_and_offset(global_shape, mesh_shape, placements, c)
         sizes.append(s)
         offs.append(o)
-    return np.array(offs, dtype=np.int64).reshape(-1, len(global_shape)), np.array(
-        sizes, dtype=np.int64
-    ).reshape(-1, len(global_shape))
+    shape = (len(offs), len(global_shape))  # explicit: a 0-d tensor has (devices, 0) tables
+    return np.array(offs, dtype=np.int64).reshape(shape), np.array(sizes, dtype=np.int64).reshape(shape)
 
 
 def _members(mesh_shape, group):

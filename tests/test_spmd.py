@@ -184,6 +184,16 @@ def test_partial_result_is_a_dtensor(mesh8, op, want):
     np.testing.assert_allclose(d.full_tensor(), [want])
 
 
+@pytest.mark.parametrize("op, want", [("sum", 120.0), ("max", 29.0)])
+def test_scalar_partial_result(mesh8, op, want):
+    # A loss returned unreduced: a 0-d Partial DTensor.
+    d = spmd.spmd(lambda x: x.sum(), mesh8, in_placements=S0, out_placements=Partial(op))(jnp.arange(16.0))
+    assert d.shape == () and d.placements == (Partial(op),)
+    assert [float(t) for t in d.local_tensors()] == [4.0 * r + 1 for r in range(8)]
+    np.testing.assert_array_equal(d.full_tensor(), want)
+    np.testing.assert_array_equal(d.redistribute(placements=[Replicate()]).local_tensors()[5], want)
+
+
 def test_partial_and_shard_on_a_2d_mesh(mesh2x4):
     @spmd.spmd(mesh2x4, in_placements=[S1, S0], out_placements=[Partial(), S0])
     def f(x):
