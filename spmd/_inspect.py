@@ -16,7 +16,6 @@ _DTYPE_BYTES = {
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }
 _OP = re.compile(r"=\s*(?P<result>\(?[^=]*?\)?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\((?P<operands>[^)]*)\)")
-_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
 _SHAPE = re.compile(r"\b(pred|[sufc]\d+|bf16)\[([0-9,]*)\]")
 
 
