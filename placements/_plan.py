@@ -35,7 +35,7 @@ planner searches all step orders (Dijkstra over placement lists) for the
 cheapest plan in an alpha-beta model: the bytes each device receives with
 bandwidth-optimal algorithms (``traffic``: ``bytes * (K-1)/K``, twice that for
 all_reduce, as nccl-tests' bus bandwidth) plus ``LATENCY_BYTES`` per
-collective; ties go to less traffic, fewer collectives, fewer steps. Groups
+collective (all_to_all bytes weighted by ``ALL_TO_ALL_WEIGHT``); ties go to less traffic, fewer collectives, fewer steps. Groups
 of several mesh dims give the direct (flattened) all_to_all / all_gather /
 all_reduce of torch's graph planner.
 """
@@ -61,9 +61,16 @@ _COLLECTIVES = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter")
 
 #: The search's latency term: one collective costs as much as receiving this many bytes
 #: (an alpha-beta model: a few us of launch latency at ~25 GB/s). It only decides between
-#: plans whose traffic differs by less than this, e.g. 2 vs 3 collectives for
-#: ``S(0)S(1) -> S(1)S(0)`` on a 2x4 mesh (2 up to ~4 MiB tensors, 3 smaller ones above).
+#: plans whose traffic differs by less than this.
 LATENCY_BYTES = 64 * 1024
+
+#: The search weighs a byte moved by all_to_all this much more than one moved by a ring
+#: collective: all_to_all is point-to-point and reaches a lower bus bandwidth (measured by
+#: benchmarks/collectives.py on 8 XLA:CPU devices: 0.2-0.6 GB/s against 1.0-2.5 GB/s for
+#: all_gather / reduce_scatter; NCCL's all_to_all also trails its ring collectives). Above
+#: 1.14 it keeps ``S(0)S(1) -> S(1)S(0)`` on a 2x4 mesh at 2 collectives (all_gather +
+#: all_to_all) at every size instead of 3 all_to_alls receiving 5% fewer bytes.
+ALL_TO_ALL_WEIGHT = 1.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +279,8 @@ def _plan_cached(mesh_shape, global_shape, itemsize, src, dst) -> Plan:
         for edge in _neighbours(state, cands, mesh_shape, global_shape, itemsize, padded, kinds):
             coll = edge[3] is not None
             tr = edge[6]
-            new = (cost[0] + tr + LATENCY_BYTES * coll, cost[1] + tr, cost[2] + coll, cost[3] + 1)
+            weighted = tr * ALL_TO_ALL_WEIGHT if edge[3] == "all_to_all" else tr
+            new = (cost[0] + weighted + LATENCY_BYTES * coll, cost[1] + tr, cost[2] + coll, cost[3] + 1)
             nxt = edge[5]
             if nxt not in best or new < best[nxt]:
                 best[nxt] = new

@@ -106,11 +106,6 @@ class _Spmd:
         self._in = in_placements
         self._out = out_placements
         self._check_vma = check_vma
-        functools.update_wrapper(self, f)
-        self._jitted = jax.jit(self._trace)
-
-    def __repr__(self) -> str:
-        return f"spmd({getattr(self._f, '__qualname__', self._f)!r}, mesh={self._mesh!r})"
 
     def _leaf_spec(self, x: Any, plist: Any, path: str):
         """(PartitionSpec, kind) for one argument leaf; kind is 'array' or 'dtensor'."""
@@ -156,14 +151,6 @@ class _Spmd:
                     "a DTensor (uneven shards)."
                 )
         return x, _spec(pl, names, x.ndim), "array"
-
-    def __call__(self, *args):
-        # All placement handling runs at trace time inside jax.jit, so a call
-        # costs what a call of a hand-written jitted shard_map costs.
-        return self._jitted(*args)
-
-    def lower(self, *args):
-        return self._jitted.lower(*args)
 
     def _trace(self, *args):
         mesh = self._mesh
@@ -293,9 +280,18 @@ def spmd(
             "as @spmd(mesh, ...)."
         )
 
-    def wrap(fn: Callable) -> _Spmd:
+    def wrap(fn: Callable):
         if not callable(fn):
             raise TypeError(f"spmd: f={fn!r} is not callable; decorate a function.")
-        return _Spmd(fn, mesh, in_placements, out_placements, check_vma)
+        region = _Spmd(fn, mesh, in_placements, out_placements, check_vma)
+
+        def traced(*args):
+            return region._trace(*args)
+
+        functools.update_wrapper(traced, fn)
+        # All placement handling runs at trace time: the result is a plain
+        # jax.jit function, so a call costs what a hand-written jitted shard_map
+        # costs (and .lower() / .trace() work as on any jitted function).
+        return jax.jit(traced)
 
     return wrap if f is None else wrap(f)

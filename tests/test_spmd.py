@@ -33,7 +33,9 @@ def test_decorator_and_call_forms(mesh8):
     for f in (a, b, c, d):
         np.testing.assert_array_equal(f(x), 2 * np.arange(16.0))
     assert set(seen) == {(2,)}  # each device sees its local block of 16 / 8 rows
-    assert d.__name__ == "d" and "spmd('test_decorator_and_call_forms.<locals>.d'" in repr(d)
+    assert d.__name__ == "d"
+    # The result is a plain jitted function: no wrapper between the caller and XLA.
+    assert hasattr(d, "lower") and d.lower(x).compile() is not None
 
 
 def test_placements_on_a_2d_mesh(mesh2x4):
