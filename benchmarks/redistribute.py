@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import spmd  # noqa: E402
 from placements import Partial, Replicate, Shard, format_placements, local_shape_and_offset  # noqa: E402
-from placements._plan import _step_bytes, _step_kind, _traffic  # noqa: E402
+from placements._plan import _step_bytes, _step_kind, _traffic, torch_greedy_steps  # noqa: E402
 from spmd._inspect import hlo_collectives  # noqa: E402
 from spmd._redistribute import program  # noqa: E402
 
@@ -131,32 +131,9 @@ def lower_bound(mesh_shape, shape, itemsize, src, dst):
 
 
 # --- torch's plan, costed with our model --------------------------------------------------------------
-def torch_greedy(src, dst):
-    """torch 2.13 ``generate_greedy_transform_infos``: inner-to-outer pass replacing misaligned
-    nested shards by Replicate, then an outer-to-inner pass."""
-    cur, tgt = list(src), list(dst)
-    steps = []
-    if any(isinstance(p, Shard) for p in src) and len(src) > 1:
-        for m in reversed(range(len(cur))):
-            c, t = cur[m], tgt[m]
-            if isinstance(t, Shard):
-                cm = [i for i in range(m) if cur[i] == Shard(t.dim)]
-                tm = [i for i in range(m) if tgt[i] == Shard(t.dim)]
-                if cm != tm:
-                    t = R
-            if c != t:
-                steps.append((m, c, t, tuple(cur)))
-                cur[m] = t
-    for m, (c, t) in enumerate(zip(cur, tgt)):
-        if c != t:
-            steps.append((m, c, t, tuple(cur)))
-            cur[m] = t
-    return steps
-
-
 def torch_plan_cost(mesh_shape, shape, itemsize, src, dst):
     traffic, nbytes, coll = 0.0, 0, 0
-    for m, c, t, before in torch_greedy(src, dst):
+    for m, c, t, before in torch_greedy_steps(src, dst):
         after = before[:m] + (t,) + before[m + 1 :]
         kind = _step_kind(c, t)
         b = _step_bytes(kind, c, t, before, after, mesh_shape, shape, itemsize, mesh_shape[m])

@@ -52,7 +52,7 @@ from typing import Sequence
 from placements._layout import padded_local_shape
 from placements._types import Partial, Placement, Replicate, Shard, format_placements
 
-__all__ = ["Step", "Plan", "PlanCost", "plan", "check_partial_mix", "LINEAR_OPS"]
+__all__ = ["Step", "Plan", "PlanCost", "plan", "check_partial_mix", "torch_greedy_steps", "LINEAR_OPS"]
 
 #: Partial ops that commute with each other (torch allows sum and avg together).
 LINEAR_OPS = frozenset({"sum", "avg"})
@@ -311,3 +311,28 @@ def plan(
                 f"is refused (as in torch): redistribute to Replicate (or Shard) first, then to {b}."
             )
     return _plan_cached(tuple(mesh_shape), tuple(global_shape), int(itemsize), src, dst)
+
+
+def torch_greedy_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list:
+    """The steps torch 2.13's default planner (``generate_greedy_transform_infos``) takes,
+    as ``(mesh_dim, src, dst, placements_before)``: an inner-to-outer pass that replicates
+    misaligned nested shards, then an outer-to-inner pass. For comparing plans with torch's
+    (tests check it against torch's own planner)."""
+    cur, tgt = list(src), list(dst)
+    steps = []
+    if any(isinstance(p, Shard) for p in src):
+        for m in reversed(range(len(cur))):
+            c, t = cur[m], tgt[m]
+            if isinstance(t, Shard):
+                cm = [i for i in range(m) if cur[i] == Shard(t.dim)]
+                tm = [i for i in range(m) if tgt[i] == Shard(t.dim)]
+                if cm != tm:
+                    t = Replicate()
+            if c != t:
+                steps.append((m, c, t, tuple(cur)))
+                cur[m] = t
+    for m, (c, t) in enumerate(zip(cur, tgt)):
+        if c != t:
+            steps.append((m, c, t, tuple(cur)))
+            cur[m] = t
+    return steps

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from placements import LATENCY_BYTES, Partial, Plan, Replicate, Shard, Step, plan
-from placements._plan import _plan_cached, _step_bytes, _step_kind, _traffic
+from placements._plan import _plan_cached, _step_bytes, _step_kind, _traffic, torch_greedy_steps
 
 R = Replicate()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
@@ -152,29 +152,6 @@ def test_search_beats_every_one_dim_step_sequence(shape):
         assert bf is not None and got <= bf + 1e-9, (src, dst, str(p), bf)
 
 
-def torch_greedy(src, dst):
-    """torch's generate_greedy_transform_infos (torch 2.13): inner-to-outer pass that replicates
-    misaligned nested shards, then an outer-to-inner pass."""
-    cur, tgt = list(src), list(dst)
-    steps = []
-    if any(isinstance(p, Shard) for p in src):
-        for m in reversed(range(len(cur))):
-            c, t = cur[m], tgt[m]
-            if isinstance(t, Shard):
-                cm = [i for i in range(m) if cur[i] == Shard(t.dim)]
-                tm = [i for i in range(m) if tgt[i] == Shard(t.dim)]
-                if cm != tm:
-                    t = R
-            if c != t:
-                steps.append((m, c, t, tuple(cur)))
-                cur[m] = t
-    for m, (c, t) in enumerate(zip(cur, tgt)):
-        if c != t:
-            steps.append((m, c, t, tuple(cur)))
-            cur[m] = t
-    return steps
-
-
 @pytest.mark.parametrize(
     "mesh_shape,shape", [((2, 4), (16, 32)), ((2, 4), (10, 7)), ((2, 4), (1024, 2048)), ((2, 2, 2), (6, 5))]
 )
@@ -186,7 +163,7 @@ def test_never_worse_than_torch_greedy(mesh_shape, shape):
         if any(isinstance(b, Partial) and a != b for a, b in zip(src, dst)):
             continue  # torch refuses redistributing to Partial
         t_traffic, t_coll = 0.0, 0
-        for m, c, t, before in torch_greedy(src, dst):
+        for m, c, t, before in torch_greedy_steps(src, dst):
             after = before[:m] + (t,) + before[m + 1 :]
             kind = _step_kind(c, t)
             b = _step_bytes(kind, c, t, before, after, mesh_shape, shape, 4, mesh_shape[m])
@@ -256,7 +233,14 @@ def test_torch_greedy_emulation_matches_torch_planner():
             if any(isinstance(b, Partial) and a != b for a, b in zip(src, dst)):
                 continue
             key = "".join(map(str, src)) + "|" + "".join(map(str, dst))
-            ours = [[m, str(c), str(t)] for m, c, t, _ in torch_greedy(src, dst)]
+            ours = [[m, str(c), str(t)] for m, c, t, _ in torch_greedy_steps(src, dst)]
             assert ours == torch_plans[key], key
             n += 1
     assert n == len(torch_plans)
+
+
+@pytest.mark.parametrize("n", [8, 64, 1021, 1024, 4096, 16384])
+def test_swapping_two_shards_takes_at_most_two_collectives_at_every_size(n):
+    # (S0,S1) -> (S1,S0) on a 2x4 mesh: all_gather + all_to_all, never 3 all_to_alls.
+    p = plan((2, 4), (n, n), 4, (Shard(0), Shard(1)), (Shard(1), Shard(0)))
+    assert p.cost().collectives <= 2
