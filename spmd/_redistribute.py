@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from placements import Partial, Replicate, Shard, local_shape_and_offset, padded_local_shape
 from placements._plan import Plan, Step
+from spmd import _collectives as C
 
 __all__ = ["execute_plan", "program"]
 
@@ -171,16 +172,6 @@ def _compact(x, dim: int, table: np.ndarray, lin, fill=0):
     return jnp.take(x, row, axis=dim, mode="clip")
 
 
-def _reduce_stacked(g, op: str, axis: int):
-    if op == "product":
-        return jnp.prod(g, axis=axis, dtype=g.dtype)
-    if op == "max":
-        return jnp.max(g, axis=axis)
-    if op == "min":
-        return jnp.min(g, axis=axis)
-    raise AssertionError(op)
-
-
 def _apply(step: Step, x, lin, *, mesh_shape, names, global_shape):
     group = step.mesh_dims
     axes = tuple(names[d] for d in group)
@@ -216,29 +207,11 @@ def _apply(step: Step, x, lin, *, mesh_shape, names, global_shape):
         keep = jnp.asarray(first)[lin]
         return jnp.where(keep, x, jnp.asarray(_identity(op, x.dtype), x.dtype))
     if isinstance(c, Partial) and isinstance(t, Replicate):
-        op = c.reduce_op
-        if k == 1:
-            return x
-        if op == "sum":
-            return lax.psum(x, axes)
-        if op == "avg":
-            return lax.pmean(x, axes).astype(x.dtype)
-        if op == "max":
-            return lax.pmax(x, axes)
-        if op == "min":
-            return lax.pmin(x, axes)
-        return _reduce_stacked(lax.all_gather(x, axes, axis=0), op, 0)
+        return C.all_reduce(x, c.reduce_op, group=axes) if k > 1 else x
     if isinstance(c, Partial) and isinstance(t, Shard):
-        op, b = c.reduce_op, t.dim
+        b = t.dim
         x = _compact(x, b, _split_table(b, members, boff, bsize, aoff, asize, sa[b], k), lin)
-        if k == 1:
-            return x
-        if op in ("sum", "avg"):
-            y = lax.psum_scatter(x, axes, scatter_dimension=b, tiled=True)
-            return (y / k).astype(x.dtype) if op == "avg" else y
-        xs = x.reshape(x.shape[:b] + (k, sa[b]) + x.shape[b + 1 :])
-        got = lax.all_to_all(xs, axes, b, b, tiled=True)
-        return _reduce_stacked(got, op, b)
+        return C.reduce_scatter(x, c.reduce_op, scatter_dim=b, group=axes) if k > 1 else x
     raise AssertionError(f"redistribute: no lowering for {c} -> {t}")
 
 
