@@ -167,11 +167,13 @@ def test_collective_errors(world1, call, exc, says):
     None, True, 3, -2.5, float("inf"), 1 + 2j, "text", b"\x00\xff", [1, [2, (3, 4)]], (), {"a": 1},
     {1: "int key", (2, 3): "tuple key"}, {"__tuple__": "looks like a tag"}, {1, 2}, frozenset({"a"}),
     np.arange(6, dtype=np.int16).reshape(2, 3), np.float32(1.5), np.array(True), np.zeros((0, 3)),
+    np.float64(2.5), np.complex128(1j), np.str_("s"), np.array(2.0), np.arange(6).reshape(2, 3).T,
 ])
 def test_objects_round_trip_without_pickle(obj):
     back = loads(dumps(obj))
     if isinstance(obj, np.ndarray) or isinstance(obj, np.generic):
-        assert np.asarray(back).dtype == np.asarray(obj).dtype
+        assert np.asarray(back).dtype == np.asarray(obj).dtype and type(back) is type(obj)
+        assert np.shape(back) == np.shape(obj)
         np.testing.assert_array_equal(back, obj)
     elif isinstance(obj, float) and obj != obj:
         assert back != back

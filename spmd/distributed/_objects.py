@@ -37,6 +37,8 @@ class _NotJSON(Exception):
 
 
 def _enc(obj: Any) -> Any:
+    if isinstance(obj, np.generic):  # first: np.float64, np.str_, ... subclass Python's types
+        return {"__npscalar__": _enc_array(np.asarray(obj))}
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -57,8 +59,6 @@ def _enc(obj: Any) -> Any:
         return {"__dict__": [[_enc(k), _enc(v)] for k, v in obj.items()]}
     if isinstance(obj, set | frozenset):
         return {"__set__": [_enc(v) for v in obj], "frozen": isinstance(obj, frozenset)}
-    if isinstance(obj, np.generic):
-        return {"__npscalar__": _enc_array(np.asarray(obj))}
     if isinstance(obj, np.ndarray) or type(obj).__module__.startswith(("jax", "jaxlib")):
         try:
             arr = np.asarray(obj)
@@ -71,7 +71,7 @@ def _enc(obj: Any) -> Any:
 def _enc_array(arr: np.ndarray) -> dict:
     if arr.dtype.hasobject:
         raise _NotJSON("object array")
-    arr = np.ascontiguousarray(arr)
+    # tobytes() is C order whatever the layout (np.ascontiguousarray would make a 0-d array 1-d).
     return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": base64.b64encode(arr.tobytes()).decode()}
 
 
