@@ -156,6 +156,16 @@ def test_collectives_on_one_rank(world1):
     (lambda x: dist.new_group([0, 0]), ValueError, "new_group: ranks=[0, 0] repeats a rank"),
     (lambda x: dist.all_gather_object(None, object()), TypeError,
      "all_gather_object: cannot send an object holding a object safely"),
+    (lambda x: dist.all_gather_object(None, 1, timeout="1s"), TypeError,
+     "all_gather_object: timeout='1s' must be a datetime.timedelta or a number of seconds."),
+    (lambda x: dist.barrier(timeout=0), ValueError, "barrier: timeout=0 must be positive."),
+    (lambda x: dist.gather_object(1, None, dst=1), ValueError,
+     "gather_object: dst=1 is not a rank of Group(WORLD) (ranks [0])."),
+    (lambda x: dist.scatter_object_list([None], None, src=1), ValueError,
+     "scatter_object_list: src=1 is not a rank of Group(WORLD) (ranks [0])."),
+    (lambda x: dist.broadcast_object_list([1], group_src=-1), ValueError,
+     "broadcast_object_list: group_src=-1 must be an int in [0, 0]."),
+    (lambda x: dist.get_group_rank(None, True), TypeError, "get_group_rank: global_rank=True must be an int rank."),
 ])
 def test_collective_errors(world1, call, exc, says):
     with pytest.raises(exc, match=re.escape(says)):

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from placements import ReduceOp, as_reduce_op
 from spmd import _collectives as C
-from spmd.distributed._init import Group, group_of, state
+from spmd.distributed._init import Group, group_of, peer_rank, state
 
 __all__ = [
     "Work",
@@ -128,29 +128,6 @@ def _run(g: Group, name: str, x: jax.Array, **kwargs) -> jax.Array:
     return _run_on(g.global_ranks(), name, x, **kwargs)
 
 
-def _group_rank(g: Group, global_rank: Any, where: str, arg: str) -> int:
-    ranks = g.global_ranks()
-    if isinstance(global_rank, bool) or not isinstance(global_rank, (int, np.integer)):
-        raise TypeError(f"{where}: {arg}={global_rank!r} must be an int rank.")
-    if int(global_rank) not in ranks:
-        raise ValueError(f"{where}: {arg}={global_rank!r} is not a rank of {g!r} (ranks {list(ranks)}).")
-    return ranks.index(int(global_rank))
-
-
-def _peer(g: Group, global_rank: Any, group_rank: Any, where: str, arg: str) -> int:
-    """The group rank meant by torch's ``src=``/``dst=`` (global) or ``group_src=``/``group_dst=``."""
-    if group_rank is not None:
-        if global_rank is not None:
-            raise ValueError(f"{where}: pass {arg}= or group_{arg}=, not both.")
-        n = g.size()
-        if isinstance(group_rank, bool) or not isinstance(group_rank, (int, np.integer)) or not 0 <= group_rank < n:
-            raise ValueError(f"{where}: group_{arg}={group_rank!r} must be an int in [0, {n - 1}].")
-        return int(group_rank)
-    if global_rank is None:
-        raise TypeError(f"{where}: {arg}= is required.")
-    return _group_rank(g, global_rank, where, arg)
-
-
 def _stack(items: Any, n: int, where: str, arg: str) -> jax.Array:
     if not isinstance(items, (list, tuple)):
         raise TypeError(f"{where}: {arg}={items!r} must be a list of {n} arrays, one per rank of the group.")
@@ -216,7 +193,7 @@ def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: 
     """Every rank gets rank ``src``'s ``tensor`` (``src`` is a global rank; ``group_src`` a group rank)."""
     where = "broadcast"
     g = group_of(group, where)
-    s = _peer(g, src, group_src, where, "src")
+    s = peer_rank(g, src, group_src, where, "src")
     x = _as_array(tensor, where, "tensor")
     return _maybe_async(_run(g, "broadcast", x, src=s), async_op)
 
@@ -262,7 +239,7 @@ def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: A
     """Rank ``dst`` gets the reduction; the other ranks get their ``tensor`` back (as torch)."""
     where = "reduce"
     g = group_of(group, where)
-    d = _peer(g, dst, group_dst, where, "dst")
+    d = peer_rank(g, dst, group_dst, where, "dst")
     x = _as_array(tensor, where, "tensor")
     return _maybe_async(_run(g, "reduce", x, dst=d, op=as_reduce_op(op, where=f"{where}: op")), async_op)
 
@@ -275,7 +252,7 @@ def scatter(tensor: Any, scatter_list: Any = None, src: int | None = None, group
     """
     where = "scatter"
     g = group_of(group, where)
-    s = _peer(g, 0 if src is None and group_src is None else src, group_src, where, "src")
+    s = peer_rank(g, 0 if src is None and group_src is None else src, group_src, where, "src")
     n = g.size()
     if g.rank() == s:
         x = _stack(scatter_list, n, where, "scatter_list")
@@ -298,7 +275,7 @@ def gather(tensor: Any, gather_list: Any = None, dst: int | None = None, group: 
     """Rank ``dst`` gets every rank's ``tensor`` as a list by group rank; the others get None."""
     where = "gather"
     g = group_of(group, where)
-    d = _peer(g, 0 if dst is None and group_dst is None else dst, group_dst, where, "dst")
+    d = peer_rank(g, 0 if dst is None and group_dst is None else dst, group_dst, where, "dst")
     x = _as_array(tensor, where, "tensor")
     out = _run(g, "gather", x, dst=d)
     if g.rank() != d:
@@ -396,7 +373,7 @@ def _p2p(send_: bool, tensor: Any, peer: Any, group: Any, group_peer: Any, where
     arg = "dst" if send_ else "src"
     if peer is None and group_peer is None:
         raise ValueError(f"{where}: {arg}= is required ({'recv from any rank' if not send_ else 'a destination'} cannot be expressed as an XLA program).")
-    p = g.global_ranks()[_peer(g, peer, group_peer, where, arg)]
+    p = g.global_ranks()[peer_rank(g, peer, group_peer, where, arg)]
     me = state(where).rank
     if p == me:
         raise ValueError(f"{where}: {arg}={p} is this rank; send to / receive from another rank.")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import errno
+import numbers
 import os
 import socket
 import sys
@@ -46,6 +47,8 @@ __all__ = [
     "get_global_rank",
     "state",
     "group_of",
+    "peer_rank",
+    "seconds",
     "fail",
 ]
 
@@ -118,6 +121,29 @@ def group_of(g: Any, where: str) -> Group:
     return g
 
 
+def _group_rank(g: Group, global_rank: Any, where: str, arg: str) -> int:
+    ranks = g.global_ranks()
+    if isinstance(global_rank, bool) or not isinstance(global_rank, numbers.Integral):
+        raise TypeError(f"{where}: {arg}={global_rank!r} must be an int rank.")
+    if int(global_rank) not in ranks:
+        raise ValueError(f"{where}: {arg}={global_rank!r} is not a rank of {g!r} (ranks {list(ranks)}).")
+    return ranks.index(int(global_rank))
+
+
+def peer_rank(g: Group, global_rank: Any, group_rank: Any, where: str, arg: str) -> int:
+    """The group rank meant by torch's ``src=``/``dst=`` (global) or ``group_src=``/``group_dst=``."""
+    if group_rank is not None:
+        if global_rank is not None:
+            raise ValueError(f"{where}: pass {arg}= or group_{arg}=, not both.")
+        n = g.size()
+        if isinstance(group_rank, bool) or not isinstance(group_rank, numbers.Integral) or not 0 <= group_rank < n:
+            raise ValueError(f"{where}: group_{arg}={group_rank!r} must be an int in [0, {n - 1}].")
+        return int(group_rank)
+    if global_rank is None:
+        raise TypeError(f"{where}: {arg}= is required.")
+    return _group_rank(g, global_rank, where, arg)
+
+
 def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_options: Any = None, **kwargs) -> Group:
     """A group of some ranks, as ``torch.distributed.new_group(ranks)``.
 
@@ -160,11 +186,7 @@ def get_process_group_ranks(group: Any = None) -> list[int]:
 
 
 def get_group_rank(group: Any, global_rank: int) -> int:
-    g = group_of_any(group, "get_group_rank")
-    ranks = g.global_ranks()
-    if global_rank not in ranks:
-        raise ValueError(f"get_group_rank: global_rank={global_rank!r} is not in {g!r}.")
-    return ranks.index(global_rank)
+    return _group_rank(group_of_any(group, "get_group_rank"), global_rank, "get_group_rank", "global_rank")
 
 
 def get_global_rank(group: Any, group_rank: int) -> int:
@@ -235,7 +257,7 @@ def destroy_process_group(group: Any = None) -> None:
 
 
 # --- init -----------------------------------------------------------------------------------
-def _seconds(value: Any, where: str, arg: str) -> float:
+def seconds(value: Any, where: str, arg: str) -> float:
     if isinstance(value, datetime.timedelta):
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -430,7 +452,7 @@ def init_process_group(
     if store is not None:
         raise ValueError(f"{where}: store={store!r} is not supported; use init_method='env://' or 'tcp://host:port'.")
     spec = resolve_backend(backend, where)
-    timeout_s = _seconds(timeout, where, "timeout") if timeout is not None else _env_seconds("SPMD_TIMEOUT", DEFAULT_TIMEOUT_S, where)
+    timeout_s = seconds(timeout, where, "timeout") if timeout is not None else _env_seconds("SPMD_TIMEOUT", DEFAULT_TIMEOUT_S, where)
     heartbeat_s = max(1, int(round(_env_seconds("SPMD_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_S, where))))
     addr, port = _parse_init_method(init_method, where)
     for arg, value in (("rank", rank), ("world_size", world_size)):

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from spmd.distributed._init import Group, group_of, state
+from spmd.distributed._init import Group, group_of, peer_rank, seconds, state
 
 __all__ = [
     "dumps",
@@ -167,16 +167,24 @@ def _get(client, key: str, timeout_s: float, where: str, peer: int) -> bytes:
         raise
 
 
-def _exchange(g: Group, payload: bytes | None, senders: tuple[int, ...], where: str, timeout: Any) -> dict[int, bytes]:
-    """Ranks in ``senders`` publish ``payload``; every caller gets {rank: payload}."""
+def _timeout_s(timeout: Any, where: str) -> float:
+    return state(where).timeout_s if timeout is None else seconds(timeout, where, "timeout")
+
+
+def _exchange(
+    g: Group, payload: bytes | None, senders: tuple[int, ...], where: str, timeout: Any, read: bool = True
+) -> dict[int, bytes]:
+    """Ranks in ``senders`` publish ``payload``; a caller that ``read``s gets {rank: payload}."""
     st = state(where)
+    timeout_s = _timeout_s(timeout, where)
     if not st.multiprocess:
         return {st.rank: payload} if st.rank in senders else {}
-    timeout_s = st.timeout_s if timeout is None else float(getattr(timeout, "total_seconds", lambda: timeout)())
     client = _client()
     base = _next_id(where, g)
     if st.rank in senders:
         client.key_value_set_bytes(f"{base}/{st.rank}", payload)
+    if not read:
+        return {}
     return {r: (payload if r == st.rank else _get(client, f"{base}/{r}", timeout_s, where, r)) for r in senders}
 
 
@@ -204,11 +212,7 @@ def broadcast_object_list(object_list: list, src: int | None = None, group: Any 
     if not isinstance(object_list, list):
         raise TypeError(f"{where}: object_list={object_list!r} must be a list (its length is the same on every rank).")
     ranks = g.global_ranks()
-    if group_src is not None:
-        src = ranks[group_src]
-    src = 0 if src is None else src
-    if src not in ranks:
-        raise ValueError(f"{where}: src={src!r} is not a rank of {g!r}.")
+    src = ranks[peer_rank(g, 0 if src is None and group_src is None else src, group_src, where, "src")]
     me = state(where).rank
     payload = dumps(list(object_list), allow_pickle=allow_pickle, where=where) if me == src else None
     got = _exchange(g, payload, (src,), where, timeout)
@@ -227,14 +231,11 @@ def gather_object(obj: Any, object_gather_list: Any = None, dst: int = 0, group:
     where = "gather_object"
     g = group_of(group, where)
     ranks = g.global_ranks()
+    dst = ranks[peer_rank(g, dst, None, where, "dst")]
     me = state(where).rank
-    got = _exchange(g, dumps(obj, allow_pickle=allow_pickle, where=where), ranks, where, timeout) if me == dst else None
+    # Every rank publishes; only the destination reads.
+    got = _exchange(g, dumps(obj, allow_pickle=allow_pickle, where=where), ranks, where, timeout, read=me == dst)
     if me != dst:
-        # Publish only: the destination reads our key.
-        st = state(where)
-        if st.multiprocess:
-            base = _next_id(where, g)
-            _client().key_value_set_bytes(f"{base}/{me}", dumps(obj, allow_pickle=allow_pickle, where=where))
         return None
     values = [loads(got[r], allow_pickle=allow_pickle, where=where) for r in ranks]
     if isinstance(object_gather_list, list) and len(object_gather_list) == len(ranks):
@@ -248,6 +249,7 @@ def scatter_object_list(scatter_object_output_list: list, scatter_object_input_l
     where = "scatter_object_list"
     g = group_of(group, where)
     ranks = g.global_ranks()
+    src = ranks[peer_rank(g, src, None, where, "src")]
     me = state(where).rank
     payload = None
     if me == src:
@@ -267,9 +269,9 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None, t
     where = "barrier"
     g = group_of(group, where)
     st = state(where)
+    timeout_s = _timeout_s(timeout, where)
     if not st.multiprocess:
         return None
-    timeout_s = st.timeout_s if timeout is None else float(getattr(timeout, "total_seconds", lambda: timeout)())
     ranks = g.global_ranks()
     bid = _next_id(where, g).replace("/", "_")
     try:
