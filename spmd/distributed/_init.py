@@ -63,8 +63,6 @@ class _State:
     world_size: int
     backend: BackendSpec
     timeout_s: float
-    heartbeat_s: int
-    coordinator: str | None  # "host:port", None for a single process
     multiprocess: bool  # jax.distributed is running
 
 
@@ -380,31 +378,38 @@ def _check_port_free(port: int, where: str) -> None:
             s.close()
 
 
+def _devices_per_proc(where: str) -> int | None:
+    per_proc = _env_int("SPMD_DEVICES_PER_PROC", where)
+    if per_proc is not None and per_proc < 1:
+        raise ValueError(
+            f"{where}: the environment variable SPMD_DEVICES_PER_PROC={per_proc!r} must be >= 1 "
+            "(spmdrun --devices-per-proc sets it); unset it for one device per process."
+        )
+    return per_proc
+
+
 def _single_process_devices(where: str) -> None:
     """World size 1: honour SPMD_DEVICES_PER_PROC (spmdrun --devices-per-proc) if JAX has not started."""
     import jax
     from jax._src import xla_bridge
 
-    per_proc = _env_int("SPMD_DEVICES_PER_PROC", where)
-    if per_proc is not None and per_proc >= 1 and not xla_bridge.backends_are_initialized():
+    per_proc = _devices_per_proc(where)
+    if per_proc is not None and not xla_bridge.backends_are_initialized():
         jax.config.update("jax_num_cpu_devices", per_proc)
 
 
-def _configure_jax(spec: BackendSpec, world_size: int, where: str) -> list[int] | None:
+def _configure_jax(spec: BackendSpec, where: str) -> list[int] | None:
+    """Several processes: set JAX up for ``spec`` before its backends start; the local device ids."""
     import jax
     from jax._src import xla_bridge
 
-    per_proc = _env_int("SPMD_DEVICES_PER_PROC", where)
-    if per_proc is not None and per_proc < 1:
-        raise ValueError(f"{where}: SPMD_DEVICES_PER_PROC={per_proc} must be >= 1.")
+    per_proc = _devices_per_proc(where)
     if xla_bridge.backends_are_initialized():
-        if world_size > 1:
-            raise RuntimeError(
-                f"{where}: JAX's backends are already initialized in this process (something called "
-                "jax.devices() or ran a computation before init_process_group); call init_process_group "
-                "before any other JAX work."
-            )
-        return None
+        raise RuntimeError(
+            f"{where}: JAX's backends are already initialized in this process (something called "
+            "jax.devices() or ran a computation before init_process_group); call init_process_group "
+            "before any other JAX work."
+        )
     if spec.platform == "cpu":
         if not jax.config.jax_platforms:
             jax.config.update("jax_platforms", "cpu")
@@ -475,7 +480,7 @@ def init_process_group(
         )
     if world == 1:
         _single_process_devices(where)
-        _STATE = _State(0, 1, spec, timeout_s, heartbeat_s, None, False)
+        _STATE = _State(0, 1, spec, timeout_s, False)
         return
     if addr is None or port is None:
         raise ValueError(
@@ -484,7 +489,7 @@ def init_process_group(
         )
     if not 0 < port < 65536:
         raise ValueError(f"{where}: MASTER_PORT={port} must be in 1..65535.")
-    local_ids = _configure_jax(spec, world, where)
+    local_ids = _configure_jax(spec, where)
     _STATE = _join(spec, rank, world, addr, port, timeout_s, heartbeat_s, local_ids, where)
     _install_excepthook()
 
@@ -502,7 +507,7 @@ def _join(spec, rank, world, addr, port, timeout_s, heartbeat_s, local_ids, wher
                 f"{where}: JAX's distributed runtime of this process already runs as rank {gs.process_id} of "
                 f"{gs.num_processes}; it cannot be restarted in one process (start a new process)."
             )
-        return _State(rank, world, spec, timeout_s, heartbeat_s, coordinator, True)
+        return _State(rank, world, spec, timeout_s, True)
     deadline = time.monotonic() + timeout_s
     if rank != 0:
         _wait_for_coordinator(addr, port, deadline, rank, timeout_s, where)
@@ -551,4 +556,4 @@ def _join(spec, rank, world, addr, port, timeout_s, heartbeat_s, local_ids, wher
         watchdog.cancel()
     if jax.process_count() != world:
         fail(f"{where}: JAX sees {jax.process_count()} processes but WORLD_SIZE={world}.", 1)
-    return _State(rank, world, spec, timeout_s, heartbeat_s, coordinator, True)
+    return _State(rank, world, spec, timeout_s, True)
