@@ -13,8 +13,10 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -76,8 +78,6 @@ def _child(fn: Callable, i: int, args: tuple, env: dict, error_file: str) -> Non
             with open(error_file, "w") as f:
                 f.write(text)
         finally:
-            import sys
-
             sys.stderr.write(text)
             sys.stderr.flush()
             sys.stdout.flush()
@@ -205,5 +205,8 @@ def spawn(
     context = SpawnContext(processes, files, stop_timeout)
     if not join:
         return context
-    context.join()
+    try:
+        context.join()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return None

@@ -193,7 +193,7 @@ def _run_once(args, port: int, restart: int, received: list[int]) -> tuple[int, 
             env["SPMD_DEVICES_PER_PROC"] = str(args.devices_per_proc)
         ranks.append(_Rank(rank, local, base + [args.script, *args.script_args], env, not args.no_prefix, lock))
 
-    def stop_all(reason_rank: _Rank | None) -> float:
+    def stop_all() -> float:
         t0 = time.monotonic()
         stop_processes([(r.proc.pid, r.alive) for r in ranks], args.stop_timeout, group=True)
         for r in ranks:
@@ -213,7 +213,7 @@ def _run_once(args, port: int, restart: int, received: list[int]) -> tuple[int, 
                     os.killpg(r.proc.pid, signum)
                 except (ProcessLookupError, PermissionError):
                     pass
-            took = stop_all(None)
+            took = stop_all()
             _say(f"all ranks stopped in {took:.1f} s")
             return 128 + signum, True
         failed = [r for r in ranks if r.exit_time is not None and r.proc.returncode != 0]
@@ -232,7 +232,7 @@ def _run_once(args, port: int, restart: int, received: list[int]) -> tuple[int, 
                 f"rank {bad.rank} (local rank {bad.local_rank}, pid {bad.proc.pid}) {_describe(code)} "
                 f"after {elapsed:.1f} s; stopping the other ranks"
             )
-            took = stop_all(bad)
+            took = stop_all()
             lines = list(bad.err_tail) or list(bad.tail)
             if lines:
                 _say(f"last lines of rank {bad.rank}:")
