@@ -141,7 +141,8 @@ def _launch(framework: str, nproc: int, sizes: list[int], budget: float, tmp: st
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     if p.returncode != 0:
         raise RuntimeError(f"{framework} with {nproc} processes failed:\n{p.stderr[-3000:]}")
-    res = json.load(open(out))
+    with open(out) as f:
+        res = json.load(f)
     res["wall_seconds"] = time.perf_counter() - t0
     return res
 
