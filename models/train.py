@@ -359,8 +359,10 @@ def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None
     checkpointer = Checkpointer(ckpt_dir, save_every=cfg.save_every)
     try:
         if cfg.resume:
+            # The config first: a checkpoint of another model would fail to restore with a shape error that
+            # blames the (good) checkpoint.
+            _check_resume_config(checkpointer.restore_meta().get("config", {}), cfg, ckpt_dir)
             state, meta = checkpointer.restore(state)
-            _check_resume_config(meta.get("config", {}), cfg, ckpt_dir)
             history = list(meta.get("history", []))
         start = int(jax.device_get(state.step))
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))

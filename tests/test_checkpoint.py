@@ -128,8 +128,12 @@ def test_a_corrupt_checkpoint_gives_a_clear_error_and_is_left_alone(uninterrupte
 def test_resume_with_another_config_is_refused(uninterrupted, tmp_path):
     out = str(tmp_path / "run")
     shutil.copytree(uninterrupted[0], out)
-    with pytest.raises(ValueError, match=re.escape("--resume from") and re.escape("--seed: saved 0, given 1")):
+    with pytest.raises(ValueError, match=re.escape("--seed: saved 0, given 1")) as e:
         run(Config(out=out, resume=True, **{**TINY, "seed": 1}))
+    assert "models.train: --resume from" in str(e.value)
+    # Another model size: the config is named, not the (good) checkpoint blamed as unreadable.
+    with pytest.raises(ValueError, match=re.escape("--hidden: saved 16, given 32")):
+        run(Config(out=out, resume=True, **{**TINY, "hidden": 32}))
 
 
 def test_checkpointer_saves_every_k_steps(tmp_path):
