@@ -43,7 +43,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from models._checkpoint import Checkpointer, CheckpointError  # noqa: E402
+from models._checkpoint import Checkpointer, CheckpointError, abstract_like  # noqa: E402
 from models._data import DigitTask, TextTask  # noqa: E402
 from models._ddp import TrainState, init_train_state, make_train_step  # noqa: E402
 from models._mlp import MLP  # noqa: E402
@@ -168,10 +168,11 @@ def make_task(cfg: Config):
 
 def _task_dims(cfg: Config) -> tuple[int, int, int]:
     """(vocab size, input positions, target positions) of the task, without reading any file."""
-    if cfg.text is not None:
-        return 256, cfg.context, (cfg.context if cfg.model == "transformer" else 1)
-    n = cfg.length
-    return DigitTask.VOCAB, (2 * n if cfg.model == "transformer" else n), (2 * n if cfg.model == "transformer" else n)
+    layout = _layout(cfg)
+    if cfg.text is not None:  # TextTask's dims, without opening cfg.text
+        return 256, cfg.context, (cfg.context if layout == "lm" else 1)
+    task = make_task(cfg)
+    return task.vocab_size, task.seq_len(layout), task.out_len(layout)
 
 
 def make_model(cfg: Config):
@@ -491,9 +492,7 @@ def restore_state(out: str, *, mesh: DeviceMesh | None = None, step: int | None 
         _, seq_len, _ = _task_dims(cfg)
         target = jax.eval_shape(_programs(_program_key(cfg), mesh).init, jax.random.key(0),
                                 jax.ShapeDtypeStruct((2, seq_len), jnp.int32))
-        replicated = NamedSharding(mesh.jax_mesh, P())
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), target)
-        return checkpointer.restore(target, step)
+        return checkpointer.restore(abstract_like(target, NamedSharding(mesh.jax_mesh, P())), step)
     finally:
         checkpointer.close()
 
