@@ -141,10 +141,4 @@ def make_train_step(
         return new, metrics
 
     rep = [Replicate()] * mesh.ndim
-    step = spmd(
-        local_step,
-        mesh,
-        in_placements=(rep, batch_placements(mesh, dp)),
-        out_placements=(rep, rep),
-    )
-    return step
+    return spmd(local_step, mesh, in_placements=(rep, batch_placements(mesh, dp)), out_placements=(rep, rep))

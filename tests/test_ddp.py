@@ -51,14 +51,10 @@ def _reference(loss_fn, optimizer, state0, batches):
     return state, losses
 
 
-_REFS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _ref(kind, opt_name):
-    if (kind, opt_name) not in _REFS:
-        loss_fn, params, batches = _setup(kind)
-        _REFS[kind, opt_name] = _reference(loss_fn, _OPTS[opt_name](), _init(kind, opt_name), batches)
-    return _REFS[kind, opt_name]
+    loss_fn, _, batches = _setup(kind)
+    return _reference(loss_fn, _OPTS[opt_name](), _init(kind, opt_name), batches)
 
 
 _OPTS = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "adam": lambda: optax.adam(3e-3)}
@@ -66,6 +62,17 @@ _OPTS = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "adam": lambda: optax.adam
 
 def _mesh(n):
     return spmd.init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+
+
+def _train(kind, opt_name, mesh, accum):
+    """``STEPS`` data-parallel steps from the cached step-0 state: the final state and the losses."""
+    loss_fn, _, batches = _setup(kind)
+    step = make_train_step(loss_fn, _OPTS[opt_name](), mesh, accum_steps=accum)
+    state, losses = _init(kind, opt_name), []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return state, losses
 
 
 # Every N with and without accumulation for the MLP; one device and dp=8 with accumulation for the transformer.
@@ -77,14 +84,8 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.mark.parametrize("kind,n,accum", _CASES)
 def test_dp_equals_one_device(kind, n, accum):
-    loss_fn, params, batches = _setup(kind)
-    optimizer = _OPTS["sgd"]()
     ref_state, ref_losses = _ref(kind, "sgd")
-    step = make_train_step(loss_fn, optimizer, _mesh(n), accum_steps=accum)
-    state, losses = _init(kind, "sgd"), []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    state, losses = _train(kind, "sgd", _mesh(n), accum)
     assert int(state.step) == STEPS
     if n == 1 and accum == 1:  # the same program on one device: bit for bit
         assert losses == ref_losses
@@ -95,14 +96,8 @@ def test_dp_equals_one_device(kind, n, accum):
 
 @pytest.mark.parametrize("n,accum", [(8, 1), (4, 2)])
 def test_dp_equals_one_device_adam(n, accum):
-    loss_fn, params, batches = _setup("mlp")
-    optimizer = _OPTS["adam"]()
     ref_state, ref_losses = _ref("mlp", "adam")
-    step = make_train_step(loss_fn, optimizer, _mesh(n), accum_steps=accum)
-    state, losses = _init("mlp", "adam"), []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    state, losses = _train("mlp", "adam", _mesh(n), accum)
     np.testing.assert_allclose(losses, ref_losses, **TOL)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), state.params, ref_state.params)
 
@@ -145,14 +140,8 @@ def test_accumulation_keeps_one_gradient_all_reduce_per_step(kind, accums):
 
 
 def test_on_a_2d_mesh_the_batch_is_sharded_on_dp_only(mesh2x4):
-    loss_fn, params, batches = _setup("mlp")
-    optimizer = _OPTS["sgd"]()
     ref_state, ref_losses = _ref("mlp", "sgd")
-    step = make_train_step(loss_fn, optimizer, mesh2x4, dp="dp", accum_steps=2)
-    state, losses = _init("mlp", "sgd"), []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    state, losses = _train("mlp", "sgd", mesh2x4, 2)
     np.testing.assert_allclose(losses, ref_losses, **TOL)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), state.params, ref_state.params)
 
