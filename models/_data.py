@@ -125,8 +125,8 @@ class TextTask:
                 f"TextTask: path={os.fspath(self.path)!r} does not exist or is not a file; give an existing text "
                 "file (e.g. --text README.md)."
             )
-        if self.context < 1:
-            raise ValueError(f"TextTask: context={self.context!r} must be >= 1.")
+        if isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 1:
+            raise ValueError(f"TextTask: context={self.context!r} must be an int >= 1.")
         size = os.path.getsize(self.path)
         if size < 10 * (self.context + 1):
             raise ValueError(

@@ -109,3 +109,5 @@ def test_data_errors(tmp_path):
     small.write_bytes(b"abc")
     with pytest.raises(ValueError, match=re.escape("has 3 bytes, too few for windows of context=64")):
         TextTask(str(small))
+    with pytest.raises(ValueError, match=re.escape("TextTask: context='8' must be an int >= 1.")):
+        TextTask(str(small), context="8")
