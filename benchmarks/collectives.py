@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import spmd  # noqa: E402
-from spmd import Replicate, Shard  # noqa: E402
+from spmd import Shard  # noqa: E402
 
 N = 8
 AX = "x"

@@ -18,8 +18,7 @@ block at its offset, the op's identity elsewhere); torch refuses it.
 from __future__ import annotations
 
 import itertools
-import math
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +31,7 @@ from placements import (
     Replicate,
     Shard,
     check_placements,
+    coord_to_rank,
     format_placements,
     local_shape,
     local_shape_and_offset,
@@ -199,22 +199,20 @@ class DTensor:
             raise ValueError(
                 f"DTensor.{where}: this DTensor spans several processes; use .to_local() for this process's tensor."
             )
+        return dict(self._local(s) for s in self._physical.addressable_shards)
+
+    def _local(self, shard) -> tuple:
+        """(mesh coordinate, unpadded local tensor) of one addressable shard of the storage."""
         nd = self._mesh.ndim
-        return {
-            tuple(sl.start or 0 for sl in s.index[:nd]): s.data for s in self._physical.addressable_shards
-        }
+        coord = tuple(sl.start or 0 for sl in shard.index[:nd])
+        ls = local_shape(self._shape, self._mesh.shape, self._placements, coord)
+        b = shard.data
+        return coord, b.reshape(b.shape[nd:])[tuple(slice(0, s) for s in ls)]
 
     def local_tensors(self) -> list:
         """Each rank's local tensor, indexed by rank, with its exact (unpadded) shape."""
         blocks = self._blocks_by_coord("local_tensors")
-        nd = self._mesh.ndim
-        out = []
-        for r in range(self._mesh.size()):
-            coord = rank_to_coord(r, self._mesh.shape)
-            ls = local_shape(self._shape, self._mesh.shape, self._placements, coord)
-            b = blocks[coord]
-            out.append(b.reshape(b.shape[nd:])[tuple(slice(0, s) for s in ls)])
-        return out
+        return [blocks[rank_to_coord(r, self._mesh.shape)] for r in range(self._mesh.size())]
 
     def to_local(self):
         """This process's local tensor (multi-process runs). One process holding the whole
@@ -230,11 +228,7 @@ class DTensor:
                 f"DTensor.to_local: this process holds {len(shards)} devices of the mesh; use "
                 ".local_tensors() or one device per process."
             )
-        nd = self._mesh.ndim
-        coord = tuple(sl.start or 0 for sl in shards[0].index[:nd])
-        ls = local_shape(self._shape, self._mesh.shape, self._placements, coord)
-        b = shards[0].data
-        return b.reshape(b.shape[nd:])[tuple(slice(0, s) for s in ls)]
+        return self._local(shards[0])[1]
 
     def full_tensor(self):
         """The logical global tensor: Partial reduced, shards gathered (uneven ones too)."""
@@ -436,7 +430,8 @@ def _check_shape(shape: Any, where: str) -> tuple[int, ...]:
     return tuple(int(s) for s in shape)
 
 
-def _even_shape(local, mesh_shape, pl) -> tuple[int, ...]:
+def even_global_shape(local, mesh_shape, pl) -> tuple[int, ...]:
+    """The global shape whose even shards have shape ``local`` (as torch's from_local infers it)."""
     g = list(local)
     for m, p in enumerate(pl):
         if isinstance(p, Shard):
@@ -483,7 +478,7 @@ def _from_local(locals, device_mesh, placements, shape, run_check) -> DTensor:
     dtype = arrs[0].dtype
     pl = _placements(placements, mesh, arrs[0].ndim, dtype, where)
     if shape is None:
-        gshape = _even_shape(arrs[0].shape, mesh.shape, pl)
+        gshape = even_global_shape(arrs[0].shape, mesh.shape, pl)
         hint = f"give shape= (the global shape) for uneven shards; assuming even shards it is {gshape}"
     else:
         gshape = _check_shape(shape, where)
@@ -507,16 +502,19 @@ def _from_local(locals, device_mesh, placements, shape, run_check) -> DTensor:
             c = list(rank_to_coord(r, mesh.shape))
             for d in rep_dims:
                 c[d] = 0
-            src.append(arrs[int(np.ravel_multi_index(c, mesh.shape))] if nd else arrs[r])
+            src.append(arrs[coord_to_rank(c, mesh.shape)])
         arrs = src
+    return _assemble({rank_to_coord(r, mesh.shape): a for r, a in enumerate(arrs)}, mesh, pl, gshape)
+
+
+def _assemble(blocks: dict, mesh: DeviceMesh, pl, gshape) -> DTensor:
+    """A DTensor from the unpadded local tensors at mesh coordinates (this process's devices)."""
     padded = padded_local_shape(gshape, mesh.shape, pl)
-    devices = mesh.devices
     pieces = []
-    for r, a in enumerate(arrs):
-        coord = rank_to_coord(r, mesh.shape)
+    for coord, a in blocks.items():
         xp = jnp if isinstance(a, jax.Array) else np
-        b = _pad_block(a, padded, xp).reshape((1,) * nd + padded)
-        pieces.append(jax.device_put(b, devices[coord]))
+        b = _pad_block(a, padded, xp).reshape((1,) * mesh.ndim + padded)
+        pieces.append(jax.device_put(b, mesh.devices[coord]))
     phys = jax.make_array_from_single_device_arrays(tuple(mesh.shape) + padded, _sharding(mesh), pieces)
     return DTensor(phys, mesh, pl, gshape)
 
@@ -525,9 +523,7 @@ def _from_local_process(local, mesh: DeviceMesh, placements, shape, where: str) 
     """Multi-process: ``local`` is this process's tensor (one device per process)."""
     a = _as_array(local, where, "local_tensor")
     pl = _placements(placements, mesh, a.ndim, a.dtype, where)
-    gshape = _even_shape(a.shape, mesh.shape, pl) if shape is None else _check_shape(shape, where)
-    padded = padded_local_shape(gshape, mesh.shape, pl)
-    nd = mesh.ndim
+    gshape = even_global_shape(a.shape, mesh.shape, pl) if shape is None else _check_shape(shape, where)
     mine = [c for c in itertools.product(*(range(s) for s in mesh.shape)) if mesh.devices[c].process_index == jax.process_index()]
     split = [d for d, p in enumerate(pl) if not isinstance(p, Replicate) and len({c[d] for c in mine}) > 1]
     if split:
@@ -538,9 +534,7 @@ def _from_local_process(local, mesh: DeviceMesh, placements, shape, where: str) 
             "one local tensor cannot fill them. Use one device per process, Replicate() on those dims, or "
             "distribute_tensor with the global value."
         )
-    pieces = []
     for coord in mine:
-        dev = mesh.devices[coord]
         want = local_shape(gshape, mesh.shape, pl, coord)
         if tuple(a.shape) != want:
             raise ValueError(
@@ -548,10 +542,7 @@ def _from_local_process(local, mesh: DeviceMesh, placements, shape, where: str) 
                 f"{format_placements(pl)} of a global shape {gshape} give coordinate {coord} the shape {want}; "
                 "give shape= (the global shape) for uneven shards."
             )
-        b = _pad_block(np.asarray(a), padded, np).reshape((1,) * nd + padded)
-        pieces.append(jax.device_put(b, dev))
-    phys = jax.make_array_from_single_device_arrays(tuple(mesh.shape) + padded, _sharding(mesh), pieces)
-    return DTensor(phys, mesh, pl, gshape)
+    return _assemble({coord: np.asarray(a) for coord in mine}, mesh, pl, gshape)
 
 
 def plan_redistribute(dt: DTensor, placements: Sequence[Placement]) -> Plan:

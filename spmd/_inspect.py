@@ -15,7 +15,7 @@ _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }
-_OP = re.compile(r"=\s*(?P<result>\(?[^=]*?\)?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\((?P<operands>[^)]*)\)")
+_OP = re.compile(r"=\s*(?P<result>\(?[^=]*?\)?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
 _SHAPE = re.compile(r"\b(pred|[sufc]\d+|bf16)\[([0-9,]*)\]")
 
 

@@ -273,7 +273,6 @@ def simulate_plan(plan: Plan, physical: np.ndarray) -> np.ndarray:
     """Run ``plan`` on a NumPy physical array (``mesh_shape + padded block``) with the same
     tables as the jitted program and NumPy stand-ins for the collectives."""
     mesh_shape = plan.mesh_shape
-    nd = len(mesh_shape)
     coords = _coords(mesh_shape)
     xs = [np.asarray(physical[c]) for c in coords]
     gs = plan.global_shape

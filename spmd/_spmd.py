@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from placements import Partial, Placement, Replicate, Shard, check_placements, format_placements
 from spmd._collectives import varying_axes
-from spmd._dtensor import DTensor
+from spmd._dtensor import DTensor, even_global_shape
 from spmd._mesh import DeviceMesh
 
 __all__ = ["spmd"]
@@ -169,7 +169,7 @@ class _Spmd:
         sm, out_tree, out_pl = self._build(treedef, tuple(specs), tuple(kinds), vals)
         outs = sm(*vals)
         return jax.tree_util.tree_unflatten(out_tree, [
-            DTensor(o, mesh, pl, _global_shape(o.shape[nd:], pl, mesh.shape)) if _has_partial(pl) else o
+            DTensor(o, mesh, pl, even_global_shape(o.shape[nd:], mesh.shape, pl)) if _has_partial(pl) else o
             for o, pl in zip(outs, out_pl)
         ])
 
@@ -236,8 +236,6 @@ def _shards_on(pl, mesh_shape, dim: int) -> int:
     return int(np.prod([s for s, p in zip(mesh_shape, pl) if isinstance(p, Shard) and p.dim == dim]))
 
 
-def _global_shape(local_shape, pl, mesh_shape) -> tuple[int, ...]:
-    return tuple(n * _shards_on(pl, mesh_shape, d) for d, n in enumerate(local_shape))
 
 
 def spmd(

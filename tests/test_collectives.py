@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from spmd import ReduceOp, Replicate, Shard, init_device_mesh
+from spmd import ReduceOp, Shard, init_device_mesh
 
 BLOCK = (8, 8)  # every rank's block: divisible by every group size (2, 4, 8)
 FLOAT_FACTOR, INT_FACTOR = 0.5, 3

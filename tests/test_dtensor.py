@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import spmd
-from placements import Partial, Replicate, Shard, local_shapes, shard_size_and_offset
+from placements import Partial, Replicate, Shard, shard_size_and_offset
 from spmd import DTensor, distribute_tensor, plan_redistribute
 
 R = Replicate()

@@ -93,7 +93,6 @@ def full_from_blocks(blocks, shape, mesh_shape, pl):
 
 
 def unpadded_blocks(phys, shape, mesh_shape, pl):
-    nd = len(mesh_shape)
     out = {}
     for c in coords_of(mesh_shape):
         ls = local_shape_and_offset(shape, mesh_shape, pl, c)[0]
