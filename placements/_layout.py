@@ -30,9 +30,9 @@ __all__ = [
 
 def _check_nk(n: int, k: int) -> None:
     if n < 0:
-        raise ValueError(f"chunk_size: dim size n={n!r} must be >= 0 (a tensor dim cannot have a negative size).")
+        raise ValueError(f"chunk_size: dim size n={n!r} must be >= 0. A tensor dim cannot have a negative size.")
     if k < 1:
-        raise ValueError(f"chunk_size: number of ranks k={k!r} must be >= 1 (a mesh dim holds at least one rank).")
+        raise ValueError(f"chunk_size: number of ranks k={k!r} must be >= 1. A mesh dim holds at least one rank.")
 
 
 def chunk_size(n: int, k: int) -> int:
