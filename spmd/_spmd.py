@@ -268,9 +268,11 @@ def spmd(
     elif mesh is None and f is not None and not callable(f):
         f, mesh = None, f  # spmd(not_a_mesh, ...): report it as the mesh below
     if isinstance(mesh, jax.sharding.Mesh) or isinstance(f, jax.sharding.Mesh):
+        jm = mesh if mesh is not None else f  # named by its shape and dims: JAX's repr is not ours to print
         raise TypeError(
-            f"spmd: mesh={mesh if mesh is not None else f!r} is a jax.sharding.Mesh; wrap it as "
-            "DeviceMesh.from_jax(mesh), or make one with init_device_mesh('cpu', (8,))."
+            f"spmd: mesh is a jax.sharding.Mesh with axis_names={tuple(jm.axis_names)!r} and shape "
+            f"{tuple(jm.axis_sizes)!r}; wrap it as DeviceMesh.from_jax(mesh), or make one with "
+            "init_device_mesh('cpu', (8,))."
         )
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(

@@ -12,6 +12,13 @@ from spmd import Partial, ReduceOp, Replicate, Shard
 S0, R = Shard(0), Replicate()
 
 
+def owned(msg) -> str:
+    """A pattern for the parts of a message the project writes: a string is matched as it is; a tuple
+    of strings in order, with anything (a JAX repr, the host's platform) between them."""
+    parts = (msg,) if isinstance(msg, str) else msg
+    return ".*".join(re.escape(p) for p in parts)
+
+
 @pytest.fixture(scope="module")
 def m24():
     return spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
@@ -151,8 +158,8 @@ CASES = [
      "spmd: mesh='mesh' must be a DeviceMesh; make one with init_device_mesh('cpu', (8,)) and pass it as "
      "@spmd(mesh, ...)."),
     ("a jax Mesh passed to spmd", lambda m, m8: spmd.spmd(m8.jax_mesh), TypeError,
-     "spmd: mesh=Mesh(axis_sizes=(8,), axis_names=('x',), axis_types=(Auto,)) is a jax.sharding.Mesh; wrap it as "
-     "DeviceMesh.from_jax(mesh), or make one with init_device_mesh('cpu', (8,))."),
+     "spmd: mesh is a jax.sharding.Mesh with axis_names=('x',) and shape (8,); wrap it as DeviceMesh.from_jax(mesh), "
+     "or make one with init_device_mesh('cpu', (8,))."),
     ("spmd of a non-function", lambda m, m8: spmd.spmd(m8)(3), TypeError,
      "spmd: f=3 is not callable; decorate a function."),
     ("mesh given twice", lambda m, m8: spmd.spmd(m8, m8), TypeError,
@@ -163,8 +170,8 @@ CASES = [
     ("duplicate mesh names", lambda m, m8: spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("a", "a")),
      ValueError, "init_device_mesh: mesh_dim_names=('a', 'a') repeats ['a']; names must be distinct."),
     ("device type not present", lambda m, m8: spmd.init_device_mesh("cuda", (2,)), ValueError,
-     "init_device_mesh: device_type='cuda' has no devices on this machine (JAX sees platform(s) ['cpu']); "
-     "use device_type='cpu'."),
+     # The platforms JAX sees (and so the suggested device_type) are the host's, not the project's.
+     ("init_device_mesh: device_type='cuda' has no devices on this machine (JAX sees platform(s) ", "); use device_type=")),
     ("unknown sub-mesh name", lambda m, m8: m["pp"], ValueError,
      "DeviceMesh.__getitem__: mesh_dim_names='pp' names 'pp', which is not a mesh dim; the mesh has dims "
      "('dp', 'tp'): use one of them, or a tuple of them."),
@@ -173,11 +180,7 @@ CASES = [
 ]
 
 
-def test_enough_distinct_bad_inputs():
-    assert len({c[0] for c in CASES}) == len(CASES) >= 15
-
-
 @pytest.mark.parametrize("call, exc, msg", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input(m24, m8, call, exc, msg):
-    with pytest.raises(exc, match=re.escape(msg)):
+    with pytest.raises(exc, match=owned(msg)):
         call(m24, m8)
