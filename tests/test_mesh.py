@@ -29,7 +29,7 @@ def test_mesh_2x4(mesh2x4):
     assert dict(m.jax_mesh.shape) == {"dp": 2, "tp": 4}
     assert repr(m) == "DeviceMesh('cpu', dp=2, tp=4)"
     # A plain jax Mesh (Auto axes), usable by hand-written shard_map.
-    assert all("Auto" in str(t) for t in m.jax_mesh.axis_types)
+    assert m.jax_mesh.axis_types == (jax.sharding.AxisType.Auto,) * 2
 
 
 @pytest.mark.parametrize("shape", [(1,), (3,), (8,), (2, 2), (2, 2, 2), (1, 8), (4, 1, 2)])
@@ -111,9 +111,8 @@ def test_mesh_devices_read_only(mesh2x4):
      "init_device_mesh: mesh_dim_names='a' must be a tuple of strings, one per mesh dim."),
     (lambda: init_device_mesh("cpu", (2,), mesh_dim_names=(1,)), TypeError,
      "init_device_mesh: mesh_dim_names=(1,) holds 1; every name must be a non-empty string."),
-    (lambda: init_device_mesh("cuda", (2,)), ValueError,
-     "init_device_mesh: device_type='cuda' has no devices on this machine (JAX sees platform(s) ['cpu']); "
-     "use device_type='cpu'."),
+    (lambda: init_device_mesh("cuda", (2,)), ValueError,  # (the host's platforms are not pinned)
+     "init_device_mesh: device_type='cuda' has no devices on this machine (JAX sees platform(s) "),
     (lambda: init_device_mesh("xpu", (2,)), ValueError,
      "init_device_mesh: device_type='xpu' is unknown; use one of 'cpu', 'cuda' (or 'gpu'), 'tpu'."),
     (lambda: init_device_mesh(0, (2,)), TypeError,
@@ -157,5 +156,8 @@ def test_mesh_lookup_errors(mesh2x4, call, exc, msg):
 
 
 def test_public_names():
-    for name in spmd.__all__:
-        assert hasattr(spmd, name), name
+    """__all__ is the package's public surface: it lists every public attribute (a submodule is not an
+    export), each once, and nothing that is not there."""
+    public = [n for n, v in vars(spmd).items()
+              if not n.startswith("_") and type(v).__name__ not in ("module", "_Feature")]
+    assert sorted(spmd.__all__) == sorted(public)
