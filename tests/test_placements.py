@@ -189,7 +189,6 @@ def test_cross_check_torch_compute_local_shape_and_global_offset():
             return TShard(p.dim)
         return TReplicate() if isinstance(p, Replicate) else TPartial()
 
-    checked = 0
     cases = list(_MESH_CASES) + [((8,), [(n,) for n in range(0, 20)] + [(9, 3)]), ((4,), [(5,), (10,), (3, 7)])]
     for mesh_shape, tensor_shapes in cases:
         for global_shape, plist in _cases(mesh_shape, tensor_shapes):
@@ -198,8 +197,6 @@ def test_cross_check_torch_compute_local_shape_and_global_offset():
                 ours = local_shape_and_offset(global_shape, mesh_shape, plist, coord)
                 theirs = torch_fn(global_shape, mesh_shape, list(coord), tpl)
                 assert ours == (tuple(theirs[0]), tuple(theirs[1])), (mesh_shape, global_shape, plist, coord)
-                checked += 1
-    assert checked > 5000
 
 
 # --- placement types ---------------------------------------------------------------------
@@ -298,7 +295,7 @@ def test_reduce_op_names(name):
     assert op.name == name.lower()
     assert repr(op) == f"ReduceOp.{name}"
     assert str(op) == name.lower()
-    assert as_reduce_op(name.lower()) is not None and as_reduce_op(name.lower()) == op
+    assert as_reduce_op(name.lower()) == op
     assert as_reduce_op(name) == op  # case-insensitive, as strings in torch code often are
     assert as_reduce_op(op) is op
     assert op.is_bitwise == (name in ("BAND", "BOR", "BXOR"))
@@ -347,8 +344,10 @@ def test_placements_is_pure_python():
 
 
 def test_public_names():
-    for name in pl.__all__:
-        assert hasattr(pl, name), name
+    """__all__ lists every public attribute of the package (a submodule is not an export), each once."""
+    public = [n for n, v in vars(pl).items()
+              if not n.startswith("_") and type(v).__name__ not in ("module", "_Feature")]
+    assert sorted(pl.__all__) == sorted(public)
 
 
 # --- property: any placement list on any mesh tiles the tensor ---------------------------
