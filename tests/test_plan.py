@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from placements import LATENCY_BYTES, Partial, Plan, Replicate, Shard, Step, plan
+from placements import LATENCY_BYTES, Partial, Replicate, Shard, plan
 from placements._plan import _plan_cached, _step_bytes, _step_kind, _traffic, torch_greedy_steps
 
 R = Replicate()
@@ -17,7 +17,9 @@ S0, S1, S2 = Shard(0), Shard(1), Shard(2)
 
 def test_plan_is_an_immutable_cached_value():
     p = plan((2, 4), (16, 16), 4, (S0, S1), (R, S0))
-    assert isinstance(p, Plan) and all(isinstance(s, Step) for s in p.steps)
+    # The steps chain src to dst: each starts where the last ended.
+    assert (p.src, p.dst) == ((S0, S1), (R, S0)) and p.steps[0].before == p.src and p.steps[-1].after == p.dst
+    assert all(a.after == b.before for a, b in zip(p.steps, p.steps[1:]))
     assert p is plan((2, 4), (16, 16), 4, (S0, S1), (R, S0))
     assert hash(p) == hash(plan((2, 4), (16, 16), 4, [S0, S1], [R, S0]))
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 
-import spmd
 from spmd import ReduceOp, init_device_mesh
 
 WORLD = 4
@@ -109,10 +108,6 @@ def test_seed_demo_ops_from_strings(pg):
         np.testing.assert_array_equal(pg.allreduce(x, op)[:, 0], [want] * WORLD, err_msg=op)
     np.testing.assert_allclose(pg.allreduce(x.astype(np.float32), "avg")[:, 0], [2.5] * WORLD)
     np.testing.assert_allclose(pg.allreduce(x.astype(np.float32), ReduceOp.PREMUL_SUM(0.5))[:, 0], [5.0] * WORLD)
-
-
-def test_public_process_group_type(pg):
-    assert isinstance(pg, spmd.ProcessGroup)
 
 
 def test_seed_collectives_example_runs():

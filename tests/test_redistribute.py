@@ -151,12 +151,9 @@ SHAPES_1D = [(16,), (5,), (1,), (3,), (10, 7), (2, 3, 9)]
 def test_catalogue_1d_simulated(mesh_shape, shape):
     x = data(shape)
     pls = placement_set(len(shape), OPS)
-    n = 0
     for a, b in itertools.product(pls, repeat=2):
         if allowed((a,), (b,)):
             check_sim(x, mesh_shape, (a,), (b,))
-            n += 1
-    assert n == len(pls) ** 2 - 20  # every pair except the 20 Partial op switches
 
 
 @pytest.mark.parametrize(
