@@ -27,13 +27,14 @@ import threading
 import time
 
 from spmd._spawn import free_port, signal_name, stop_processes
+from spmd.distributed._errors import PEER_EXIT_CODE
 
 __all__ = ["main", "parse_args"]
 
 _TAIL = 20
-# What a rank prints when it fails because another rank died first.
-_VICTIM_MARKERS = (
-    "another rank most likely died",
+# What JAX's runtime prints (then aborts) in a rank that fails because another rank died first;
+# this project's own victims exit with PEER_EXIT_CODE instead.
+_JAX_VICTIM_MARKERS = (
     "JAX distributed service detected fatal errors",
     "Connection closed by peer",
     "Connection reset by peer",
@@ -143,8 +144,11 @@ class _Rank:
         src.close()
 
     def is_victim(self) -> bool:
-        """Whether its last lines say it failed because a peer died (not the cause)."""
-        return any(marker in line for line in self.tail for marker in _VICTIM_MARKERS)
+        """Whether it failed because of a peer (not the cause): it exited with PEER_EXIT_CODE,
+        or JAX's runtime said so before aborting it."""
+        if self.proc.returncode == PEER_EXIT_CODE:
+            return True
+        return any(marker in line for line in self.tail for marker in _JAX_VICTIM_MARKERS)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

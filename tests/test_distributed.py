@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import spmd.distributed as dist
-from spmd.distributed import _backend, _init
+from spmd.distributed import _backend, _env, _state
 from spmd.distributed._objects import dumps, loads
 
 _ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "SPMD_TIMEOUT", "MPITRAMPOLINE_LIB")
@@ -101,11 +101,11 @@ def test_nccl_needs_a_gpu(clean):
 
 
 def test_init_method_and_timeout_forms(clean):
-    assert _init._parse_init_method("tcp://10.1.1.20:23456", "w") == ("10.1.1.20", 23456)
-    assert _init._parse_init_method("tcp://[::1]:23456", "w") == ("::1", 23456)
+    assert _env.parse_init_method("tcp://10.1.1.20:23456", "w") == ("10.1.1.20", 23456)
+    assert _env.parse_init_method("tcp://[::1]:23456", "w") == ("::1", 23456)
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:1234", world_size=1, rank=0,
                             timeout=datetime.timedelta(seconds=7))
-    assert _init.state("t").timeout_s == 7.0
+    assert _state.state("t").timeout_s == 7.0
 
 
 def test_backend_names():

@@ -33,9 +33,8 @@ from spmd.distributed._c10d import (
     scatter,
     send,
 )
-from spmd.distributed._init import (
+from spmd.distributed._groups import (
     Group,
-    destroy_process_group,
     get_backend,
     get_global_rank,
     get_group_rank,
@@ -43,11 +42,10 @@ from spmd.distributed._init import (
     get_rank,
     get_world_size,
     group,
-    init_process_group,
-    is_available,
-    is_initialized,
     new_group,
 )
+from spmd.distributed._init import destroy_process_group, init_process_group
+from spmd.distributed._state import is_available, is_initialized
 from spmd.distributed._objects import (
     all_gather_object,
     barrier,

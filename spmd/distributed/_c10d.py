@@ -27,7 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from placements import ReduceOp, as_reduce_op
 from spmd import _collectives as C
-from spmd.distributed._init import Group, group_of, peer_rank, state
+from spmd.distributed._errors import PeerError
+from spmd.distributed._groups import Group, group_of, peer_rank
+from spmd.distributed._state import state
 
 __all__ = [
     "Work",
@@ -116,7 +118,7 @@ def _run_on(ranks: Sequence[int], name: str, x: jax.Array, **kwargs) -> jax.Arra
     except Exception as e:
         if not st.multiprocess:
             raise
-        raise RuntimeError(
+        raise PeerError(
             f"{name}: the collective failed on rank {st.rank} (group ranks {list(ranks)}); another rank most "
             f"likely died or left the job (see its output): {e}"
         ) from e

@@ -1,14 +1,18 @@
 """Object collectives and barrier over JAX's coordination service (its key-value store).
 
-Objects travel as JSON with tags for what JSON lacks (tuples, bytes, non-string
-dict keys, NumPy / JAX arrays and scalars, complex numbers), so a peer's bytes
-are never unpickled. ``allow_pickle=True`` (on the sender, to send an object
+Objects travel as JSON with tags for what JSON lacks (tuples, bytes, bytearrays,
+non-string dict keys, sets, Counter / OrderedDict / defaultdict / deque, NumPy /
+JAX arrays and scalars, complex numbers), each arriving with its exact type, so a
+peer's bytes are never unpickled. Any other type, subclasses of the above
+included (a namedtuple, an IntEnum, a dict subclass), is refused with the
+``allow_pickle=True`` hint rather than sent as its base type. ``allow_pickle=True`` (on the sender, to send an object
 JSON cannot hold, and on the receiver, to accept it) opts in to pickle.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import itertools
 import json
 import pickle
@@ -16,7 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from spmd.distributed._init import Group, group_of, peer_rank, seconds, state
+from spmd.distributed._env import seconds
+from spmd.distributed._groups import Group, group_of, peer_rank
+from spmd.distributed._state import state
 
 __all__ = [
     "dumps",
@@ -36,36 +42,58 @@ class _NotJSON(Exception):
     pass
 
 
+# defaultdict factories that travel by name (any other factory is code: refused without pickle).
+_FACTORIES = {f.__name__: f for f in (int, float, complex, str, bytes, list, dict, set, tuple, bool)}
+
+
+def _enc_items(obj: dict) -> list:
+    return [[_enc(k), _enc(v)] for k, v in obj.items()]
+
+
 def _enc(obj: Any) -> Any:
+    """Exact types only: a subclass (Counter, OrderedDict, a namedtuple, an IntEnum...) is
+    either one of the containers tagged below or refused, never sent as its base type."""
+    t = type(obj)
     if isinstance(obj, np.generic):  # first: np.float64, np.str_, ... subclass Python's types
         return {"__npscalar__": _enc_array(np.asarray(obj))}
-    if obj is None or isinstance(obj, (bool, str)):
+    if obj is None or t in (bool, str, int):
         return obj
-    if isinstance(obj, int):
-        return obj
-    if isinstance(obj, float):
+    if t is float:
         return obj if np.isfinite(obj) else {"__float__": repr(obj)}
-    if isinstance(obj, complex):
+    if t is complex:
         return {"__complex__": [obj.real, obj.imag]}
-    if isinstance(obj, list):
+    if t is list:
         return [_enc(v) for v in obj]
-    if isinstance(obj, tuple):
+    if t is tuple:
         return {"__tuple__": [_enc(v) for v in obj]}
-    if isinstance(obj, (bytes, bytearray)):
-        return {"__bytes__": base64.b64encode(bytes(obj)).decode()}
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj) and not any(k.startswith("__") and k.endswith("__") for k in obj):
+    if t in (bytes, bytearray):
+        return {"__bytes__": base64.b64encode(bytes(obj)).decode(), "mutable": t is bytearray}
+    if t is dict:
+        if all(type(k) is str for k in obj) and not any(k.startswith("__") and k.endswith("__") for k in obj):
             return {k: _enc(v) for k, v in obj.items()}
-        return {"__dict__": [[_enc(k), _enc(v)] for k, v in obj.items()]}
-    if isinstance(obj, set | frozenset):
-        return {"__set__": [_enc(v) for v in obj], "frozen": isinstance(obj, frozenset)}
-    if isinstance(obj, np.ndarray) or type(obj).__module__.startswith(("jax", "jaxlib")):
+        return {"__dict__": _enc_items(obj)}
+    if t is collections.Counter:
+        return {"__counter__": _enc_items(obj)}
+    if t is collections.OrderedDict:
+        return {"__odict__": _enc_items(obj)}
+    if t is collections.defaultdict:
+        factory = obj.default_factory
+        if factory is not None and _FACTORIES.get(getattr(factory, "__name__", None)) is not factory:
+            raise _NotJSON(f"defaultdict whose default_factory is {factory!r}")
+        return {"__defaultdict__": _enc_items(obj), "factory": None if factory is None else factory.__name__}
+    if t is collections.deque:
+        return {"__deque__": [_enc(v) for v in obj], "maxlen": obj.maxlen}
+    if t in (set, frozenset):
+        return {"__set__": [_enc(v) for v in obj], "frozen": t is frozenset}
+    if isinstance(obj, np.ndarray) or t.__module__.startswith(("jax", "jaxlib")):
+        if isinstance(obj, np.ndarray) and t is not np.ndarray:
+            raise _NotJSON(f"{t.__name__} (an ndarray subclass)")
         try:
             arr = np.asarray(obj)
         except Exception:
-            raise _NotJSON(type(obj).__name__) from None
+            raise _NotJSON(t.__name__) from None
         return {"__ndarray__": _enc_array(arr)}
-    raise _NotJSON(type(obj).__name__)
+    raise _NotJSON(t.__name__)
 
 
 def _enc_array(arr: np.ndarray) -> dict:
@@ -89,9 +117,22 @@ def _dec(obj: Any) -> Any:
         if "__tuple__" in obj:
             return tuple(_dec(v) for v in obj["__tuple__"])
         if "__bytes__" in obj:
-            return base64.b64decode(obj["__bytes__"])
+            raw = base64.b64decode(obj["__bytes__"])
+            return bytearray(raw) if obj.get("mutable") else raw
         if "__dict__" in obj:
             return {_dec(k): _dec(v) for k, v in obj["__dict__"]}
+        if "__counter__" in obj:
+            return collections.Counter({_dec(k): _dec(v) for k, v in obj["__counter__"]})
+        if "__odict__" in obj:
+            return collections.OrderedDict((_dec(k), _dec(v)) for k, v in obj["__odict__"])
+        if "__defaultdict__" in obj:
+            name = obj["factory"]
+            if name is not None and name not in _FACTORIES:
+                raise ValueError(f"refusing a defaultdict factory {name!r} from a peer")
+            items = ((_dec(k), _dec(v)) for k, v in obj["__defaultdict__"])
+            return collections.defaultdict(None if name is None else _FACTORIES[name], items)
+        if "__deque__" in obj:
+            return collections.deque((_dec(v) for v in obj["__deque__"]), obj["maxlen"])
         if "__set__" in obj:
             items = [_dec(v) for v in obj["__set__"]]
             return frozenset(items) if obj.get("frozen") else set(items)
@@ -117,8 +158,8 @@ def dumps(obj: Any, *, allow_pickle: bool = False, where: str = "dumps") -> byte
             return _MAGIC_PICKLE + pickle.dumps(obj)
         raise TypeError(
             f"{where}: cannot send an object holding a {e} safely: objects travel as JSON (with NumPy/JAX "
-            "arrays, tuples, bytes, sets); convert it (e.g. to a dict), or pass allow_pickle=True on every "
-            "rank if you trust all of them."
+            "arrays, tuples, bytes, sets, Counter, OrderedDict, deque) and arrive with their exact type; "
+            "convert it (e.g. to a dict), or pass allow_pickle=True on every rank if you trust all of them."
         ) from None
 
 

@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
             tb = tb.tb_next  # show the user's frames, not the launcher's
         traceback.print_exception(type(e), e, tb)
         _flush()
-        os._exit(1)
+        # A PeerError can only come from spmd.distributed._errors, already imported if it was raised.
+        errors = sys.modules.get("spmd.distributed._errors")
+        os._exit(errors.exit_code_for(e) if errors is not None else 1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""How a rank ends on failure, and how ``spmdrun`` tells the cause from its victims.
+
+The protocol, shared by the ranks and the launcher:
+
+* A rank whose failure was caused by another rank (a peer died, did not arrive
+  at a collective within the timeout, or called a different collective) raises
+  :class:`PeerError`, or is ended by :func:`fail` with ``peer=True``; either
+  way its process exits with :data:`PEER_EXIT_CODE`.
+* Any other uncaught exception ends the rank with exit code 1, at once
+  (:func:`install_excepthook`), skipping JAX's exit barrier, so that the
+  others see it die instead of waiting for it.
+* ``spmdrun`` blames the first rank that did not exit with
+  :data:`PEER_EXIT_CODE` (or, when every failed rank is a victim, the ranks
+  still running: stopped or hung).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from spmd.distributed._state import current
+
+__all__ = ["PEER_EXIT_CODE", "PeerError", "exit_code_for", "fail", "install_excepthook"]
+
+#: Exit code of a rank that ends because of another rank (EX_PROTOCOL in sysexits.h).
+PEER_EXIT_CODE = 76
+
+
+class PeerError(RuntimeError):
+    """This rank's collective failed because of another rank: it died, did not arrive
+    within the timeout, or called a different collective. The message names the
+    collective, the group and the ranks concerned."""
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code of a rank ended by the uncaught ``exc``."""
+    return PEER_EXIT_CODE if isinstance(exc, PeerError) else 1
+
+
+def fail(message: str, code: int = 1) -> None:
+    """Print ``message`` and end this process now, skipping JAX's exit barrier."""
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    try:
+        sys.stderr.write(message.rstrip("\n") + "\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os._exit(code)
+
+
+def install_excepthook() -> None:
+    """An uncaught exception ends the process at once (after printing it), so that
+    the other ranks see it die instead of waiting for it at JAX's exit barrier."""
+    if getattr(sys.excepthook, "_spmd", False):
+        return
+    previous = sys.excepthook
+
+    def hook(etype, value, tb):
+        previous(etype, value, tb)
+        st = current()
+        if st is not None and st.multiprocess:
+            fail(f"spmd.distributed: rank {st.rank} raised {etype.__name__}; ending this rank now.", exit_code_for(value))
+
+    hook._spmd = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

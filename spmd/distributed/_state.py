@@ -1,0 +1,57 @@
+"""The default process group's state: who this process is in the job, once ``init_process_group`` ran.
+
+The bottom module of ``spmd.distributed``: everything else asks :func:`state`.
+One process holds at most one default group (as torch); ``init_process_group``
+sets it, ``destroy_process_group`` clears it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from spmd.distributed._backend import BackendSpec
+
+__all__ = ["State", "state", "current", "set_state", "is_available", "is_initialized"]
+
+
+@dataclasses.dataclass(frozen=True)
+class State:
+    """This process in the job: its rank, the world size, the backend, the collective
+    timeout (seconds) and whether JAX's distributed runtime runs (world size > 1)."""
+
+    rank: int
+    world_size: int
+    backend: BackendSpec
+    timeout_s: float
+    multiprocess: bool
+
+
+_STATE: State | None = None
+
+
+def current() -> State | None:
+    """The state, or None before ``init_process_group``."""
+    return _STATE
+
+
+def set_state(new: State | None) -> None:
+    global _STATE
+    _STATE = new
+
+
+def state(where: str) -> State:
+    """The state; a RuntimeError naming ``where`` before ``init_process_group``."""
+    if _STATE is None:
+        raise RuntimeError(
+            f"{where}: the default process group is not initialized; call "
+            "spmd.distributed.init_process_group() first (run the script with spmdrun for several processes)."
+        )
+    return _STATE
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
