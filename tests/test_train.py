@@ -25,6 +25,17 @@ def _outputs(out):
     return summary
 
 
+def _check_accuracies(summary, tokens_per_example):
+    """The held-out accuracies are counts over the eval set: a whole number of right tokens out of
+    examples * tokens, a whole number of right sequences out of examples, and no more right
+    sequences than the all-right tokens allow."""
+    final, examples = summary["final"], summary["config"]["eval_size"]
+    tokens = examples * tokens_per_example
+    right_tokens, right_seqs = final["eval_token_accuracy"] * tokens, final["eval_sequence_accuracy"] * examples
+    assert right_tokens == int(right_tokens) and right_seqs == int(right_seqs), final
+    assert 0 <= right_seqs * tokens_per_example <= right_tokens <= tokens, final
+
+
 def test_job_as_a_module_sets_8_cpu_devices_itself(tmp_path):
     """The README command: no XLA_FLAGS given, the job asks for 8 CPU fake devices; progress bar and outputs."""
     out = str(tmp_path / "run")
@@ -51,7 +62,7 @@ def test_job_options(tmp_path, extra):
     assert summary["mesh"] == {"dp": dp}
     assert summary["task"] == ("reverse 4 digits" if "reverse" in extra else "sort 4 digits")
     final = summary["final"]
-    assert 0 <= final["eval_token_accuracy"] <= 1 and 0 <= final["eval_sequence_accuracy"] <= 1
+    _check_accuracies(summary, tokens_per_example=4)
     assert final["train_loss"] == summary["history"][-1]["loss"] > 0
 
 
@@ -62,7 +73,7 @@ def test_job_on_a_text_file(tmp_path):
     assert main([*TINY_T, "--text", str(text), "--context", "8", "--out", out, "--no-progress"]) == 0
     summary = _outputs(out)
     assert summary["task"] == "text corpus.txt" and len(summary["history"]) == 3
-    assert 0 <= summary["final"]["eval_token_accuracy"] <= 1  # next-byte accuracy on the held-out tenth
+    _check_accuracies(summary, tokens_per_example=8)  # next-byte accuracy on the held-out tenth
 
 
 def test_cli_parses_every_option():
