@@ -57,9 +57,17 @@ class Shard(Placement):
         return f"S({self.dim})"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Replicate(Placement):
     """Every rank of the mesh dim holds the whole tensor."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        if args or kwargs:
+            given = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+            raise TypeError(
+                f"Replicate: takes no arguments, got Replicate({given}); write Replicate() (to cut a tensor "
+                "dim over the mesh dim, use Shard(dim))."
+            )
 
     def is_replicate(self) -> bool:
         return True

@@ -154,6 +154,9 @@ CASES = [
     ("Partial with a bitwise op", lambda m, m8: Partial("bxor"), ValueError,
      "Partial: reduce_op='bxor' cannot be a partial placement; use one of 'sum', 'avg', 'max', 'min', 'product'."),
     ("Shard dim not an int", lambda m, m8: Shard(0.0), TypeError, "Shard: dim must be an int, got 0.0; e.g. Shard(0)."),
+    ("Replicate given a dim", lambda m, m8: Replicate(0), TypeError,
+     "Replicate: takes no arguments, got Replicate(0); write Replicate() (to cut a tensor dim over the mesh dim, "
+     "use Shard(dim))."),
     ("not a mesh passed to spmd", lambda m, m8: spmd.spmd(lambda x: x, "mesh"), TypeError,
      "spmd: mesh='mesh' must be a DeviceMesh; make one with init_device_mesh('cpu', (8,)) and pass it as "
      "@spmd(mesh, ...)."),
