@@ -54,8 +54,51 @@ from spmd.distributed._objects import (
     scatter_object_list,
 )
 from spmd._spawn import ProcessExitedException, ProcessRaisedException
+# torch names a port uses (issue 12.6), added by helper "port":
+from spmd._debug import CommDebugMode, visualize_sharding
+from spmd._mesh import DeviceMesh, init_device_mesh
+from spmd.distributed._availability import (
+    get_default_backend_for_device,
+    get_node_local_rank,
+    is_gloo_available,
+    is_mpi_available,
+    is_nccl_available,
+    is_torchelastic_launched,
+    is_ucc_available,
+)
+from spmd.distributed._coalesced import all_reduce_coalesced
+from spmd.distributed._ddp import DistributedDataParallel
+from spmd.distributed._object_p2p import monitored_barrier, recv_object_list, send_object_list
+from spmd.distributed._store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from spmd.distributed._subgroups import new_subgroups, new_subgroups_by_enumeration
+
+reduce_op = ReduceOp  # torch's deprecated alias
 
 __all__ = [
+    "DeviceMesh",
+    "init_device_mesh",
+    "monitored_barrier",
+    "send_object_list",
+    "recv_object_list",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "all_reduce_coalesced",
+    "is_gloo_available",
+    "is_nccl_available",
+    "is_mpi_available",
+    "is_ucc_available",
+    "is_torchelastic_launched",
+    "get_node_local_rank",
+    "get_default_backend_for_device",
+    "Store",
+    "TCPStore",
+    "FileStore",
+    "HashStore",
+    "PrefixStore",
+    "reduce_op",
+    "CommDebugMode",
+    "visualize_sharding",
+    "DistributedDataParallel",
     "init_process_group",
     "is_initialized",
     "is_available",

@@ -27,6 +27,8 @@ from jax.sharding import PartitionSpec as P
 
 from placements import ReduceOp, as_reduce_op
 from spmd import _collectives as C
+from spmd._debug import record
+from spmd._x64 import exact_array, x64_for
 from spmd.distributed._errors import PeerError
 from spmd.distributed._groups import Group, group_of, peer_rank
 from spmd.distributed._state import state
@@ -97,13 +99,18 @@ def _as_array(x: Any, where: str, arg: str) -> jax.Array:
     if isinstance(x, jax.Array):
         return x
     try:
-        return jnp.asarray(np.asarray(x))
+        return exact_array(x)  # int64 / float64 keep their dtype and value (spmd/_x64.py)
     except Exception:
         raise TypeError(f"{where}: {arg}={x!r} must be an array (jax, NumPy, or anything np.asarray takes).") from None
 
 
 def _run_on(ranks: Sequence[int], name: str, x: jax.Array, **kwargs) -> jax.Array:
     """Run collective ``name`` over ``ranks`` with this rank's block ``x``; this rank's result."""
+    with x64_for(x):  # a 64-bit block runs in JAX's x64 mode (spmd/_x64.py); a no-op otherwise
+        return _run_on_x(ranks, name, x, **kwargs)
+
+
+def _run_on_x(ranks: Sequence[int], name: str, x: jax.Array, **kwargs) -> jax.Array:
     st = state(name)
     devs = rank_devices()
     scalar = x.ndim == 0
@@ -113,6 +120,7 @@ def _run_on(ranks: Sequence[int], name: str, x: jax.Array, **kwargs) -> jax.Arra
     local = jax.device_put(block, mesh.devices[me])
     gshape = (len(ranks) * block.shape[0],) + tuple(block.shape[1:])
     garr = jax.make_array_from_single_device_arrays(gshape, NamedSharding(mesh, P(_AXIS)), [local])
+    record(name, fn, garr)
     try:
         out = fn(garr).block_until_ready()
     except Exception as e:
@@ -142,7 +150,8 @@ def _stack(items: Any, n: int, where: str, arg: str) -> jax.Array:
             f"{where}: the arrays of {arg} have different shapes/dtypes {sorted(map(str, shapes))}; "
             "they must all match (pad them to one shape)."
         )
-    return jnp.stack(arrs)
+    with x64_for(*arrs):
+        return jnp.stack(arrs)
 
 
 def _fill(target: Any, values: list) -> list:
@@ -176,6 +185,12 @@ class Work:
     def result(self) -> list:
         self.wait()
         return [self.tensor]
+
+    def get_future(self):
+        """A ``torch.futures.Future``-like handle: ``.wait()`` / ``.value()`` give ``result()``."""
+        from spmd.distributed._future import Future
+
+        return Future.of_work(self)
 
 
 def _maybe_async(result: Any, async_op: bool) -> Any:
@@ -269,7 +284,8 @@ def scatter(tensor: Any, scatter_list: Any = None, src: int | None = None, group
         if tensor is None:
             raise ValueError(f"{where}: tensor is None on a rank that receives; pass an array of the piece's shape and dtype.")
         t = _as_array(tensor, where, "tensor")
-        x = jnp.zeros((n,) + tuple(t.shape), t.dtype)
+        with x64_for(t):
+            x = jnp.zeros((n,) + tuple(t.shape), t.dtype)
     return _maybe_async(_run(g, "scatter", x, src=s), async_op)
 
 
@@ -381,7 +397,8 @@ def _p2p(send_: bool, tensor: Any, peer: Any, group: Any, group_peer: Any, where
         raise ValueError(f"{where}: {arg}={p} is this rank; send to / receive from another rank.")
     x = _as_array(tensor, where, "tensor")
     if not send_:
-        x = jnp.zeros(x.shape, x.dtype)
+        with x64_for(x):
+            x = jnp.zeros(x.shape, x.dtype)
     return _P2P(send_, p, x, Work(None, True))
 
 
