@@ -186,14 +186,16 @@ def run_jax(model_name: str, n_devices: int, steps: int, warmup: int) -> dict:
     import numpy as np
 
     import spmd
-    from models.train import Config, _programs, _program_key, global_batch, make_task, _layout
+    from models.train import Config
+    from models.train._programs import layout, make_task, place_batch
+    from models.train._programs import programs as make_programs
 
     cfg = Config(model=model_name, batch_size=BATCH, length=LENGTH, hidden=MLP_HIDDEN, lr=LR, steps=1000, **TF)
     mesh = spmd.init_device_mesh("cpu", (n_devices,), mesh_dim_names=("dp",))
-    programs = _programs(_program_key(cfg), mesh)
+    programs = make_programs(cfg, mesh)
     task = make_task(cfg)
-    batches = [global_batch(task.batch(0, i, BATCH, _layout(cfg)), mesh) for i in range(4)]
-    state = programs.init(jax.random.key(0), np.asarray(task.batch(0, 0, 2, _layout(cfg))["inputs"]))
+    batches = [place_batch(task.batch(0, i, BATCH, layout(cfg)), mesh, programs.batch_placements) for i in range(4)]
+    state = programs.init(jax.random.key(0), np.asarray(task.batch(0, 0, 2, layout(cfg))["inputs"]))
     t0 = time.perf_counter()
     state, m = programs.train_step(state, batches[0])
     jax.block_until_ready(m)

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer", "CheckpointError", "abstract_like"]
+__all__ = ["Checkpointer", "CheckpointError", "abstract_like", "scan"]
 
 
 class CheckpointError(RuntimeError):
@@ -38,6 +38,19 @@ def abstract_like(tree: Any, sharding: Any = None) -> Any:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
     return jax.tree.map(one, tree)
+
+
+def scan(directory: str | os.PathLike) -> tuple[list[int], list[str]]:
+    """(finished steps, names of unfinished saves) under a checkpoint folder; empty if it does not exist.
+
+    An unfinished save is orbax's temporary folder (``200.orbax-checkpoint-tmp``) left by a save that was
+    killed before it completed; it is never restored from.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return [], []
+    unfinished = sorted(n for n in os.listdir(directory) if ocp.path.step.TMP_DIR_SUFFIX in n)
+    return sorted(ocp.path.step.checkpoint_steps(directory)), unfinished
 
 
 class Checkpointer:

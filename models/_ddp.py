@@ -66,10 +66,12 @@ def _check_dp(mesh: Any, dp: str, where: str) -> None:
         )
 
 
-def batch_placements(mesh: DeviceMesh, dp: str = "dp") -> list:
-    """``Shard(0)`` on the data-parallel mesh dim, ``Replicate`` on the others."""
-    _check_dp(mesh, dp, "batch_placements")
-    return [Shard(0) if n == dp else Replicate() for n in mesh.mesh_dim_names]
+def batch_placements(mesh: DeviceMesh, dp: str | tuple[str, ...] = "dp") -> list:
+    """``Shard(0)`` on the data-parallel mesh dim (or each of a tuple of them), ``Replicate`` on the others."""
+    dims = (dp,) if isinstance(dp, str) else tuple(dp)
+    for d in dims:
+        _check_dp(mesh, d, "batch_placements")
+    return [Shard(0) if n in dims else Replicate() for n in mesh.mesh_dim_names]
 
 
 def _varying(tree: Any, axis: str) -> Any:

@@ -29,7 +29,7 @@ def _check_accuracies(summary, tokens_per_example):
     """The held-out accuracies are counts over the eval set: a whole number of right tokens out of
     examples * tokens, a whole number of right sequences out of examples, and no more right
     sequences than the all-right tokens allow."""
-    final, examples = summary["final"], summary["config"]["eval_size"]
+    final, examples = summary["final"], summary["eval_examples"]
     tokens = examples * tokens_per_example
     right_tokens, right_seqs = final["eval_token_accuracy"] * tokens, final["eval_sequence_accuracy"] * examples
     assert right_tokens == int(right_tokens) and right_seqs == int(right_seqs), final
@@ -89,8 +89,8 @@ def test_cli_parses_every_option():
     (["--batch-size", "16", "--accum-steps", "4"], ValueError,
      "--batch-size=16 is not divisible by the dp size 8 times --accum-steps=4; use a multiple of 32"),
     (["--mesh", "tp=2"], ValueError,
-     "models.train: --mesh='tp=2' names the mesh dim 'tp', which this job does not know; it is data-parallel "
-     "only: use --mesh dp=N."),
+     "models.train: --mesh='tp=2' names the mesh dim 'tp', which this job does not know; use the dims ('dp',) "
+     "(e.g. --mesh dp=N)."),
     (["--mesh", "dp=16"], ValueError,
      "models.train: --mesh='dp=16' needs 16 devices but only 8 cpu device(s) are visible; use --mesh dp=N with "
      "N <= 8, or set XLA_FLAGS=--xla_force_host_platform_device_count=16 before starting."),

@@ -1,0 +1,55 @@
+"""The training job: data-parallel training of a flax model on all visible devices.
+
+    python -m models.train                       # transformer sorting digits, 8 CPU fake devices
+    python -m models.train --model mlp --steps 300
+    python -m models.train --text README.md --steps 200 --out runs/text
+    python -m models.train --resume              # continue runs/default from its last checkpoint
+
+With no ``XLA_FLAGS`` set (and no multi-process launcher), the command line
+asks JAX for 8 CPU fake devices before JAX starts. Under ``spmdrun``
+(``WORLD_SIZE`` > 1) it joins the process group first; every process runs the
+same program and process 0 writes the progress bar, the plot and the metrics.
+
+Outputs under ``--out`` (default ``runs/default``): ``checkpoints/<step>/``
+(orbax, with checksums), ``metrics.json`` (config, per-step history, final
+evaluation, timing) and ``loss.png``; ``.lock`` while a run holds the folder.
+
+The parts: ``_config`` (the frozen ``Config``, its checks, the mesh spec; no
+JAX), ``_programs`` (mesh, task, model, loss, optimizer, batch layout, the
+jitted programs), ``_eval`` (held-out accuracy), ``_loop`` (the step loop and
+its ``MetricLog``), ``_outdir`` (the ``--out`` lock, what may be replaced, the
+outputs), ``_run`` (``run``, ``restore_state``), ``_cli`` (argparse, ``main``).
+Importing this package does not import JAX; its names load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["Config", "run", "main", "parse_args", "build_mesh", "restore_state", "parse_mesh", "cross_entropy",
+           "RunLockedError"]
+
+_WHERE = {
+    "Config": "models.train._config",
+    "parse_mesh": "models.train._config",
+    "parse_args": "models.train._cli",
+    "main": "models.train._cli",
+    "run": "models.train._run",
+    "restore_state": "models.train._run",
+    "build_mesh": "models.train._programs",
+    "cross_entropy": "models.train._programs",
+    "RunLockedError": "models.train._outdir",
+}
+
+
+def __getattr__(name: str):
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'models.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

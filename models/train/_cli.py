@@ -1,0 +1,115 @@
+"""The command line: ``python -m models.train`` and the ``spmd-train`` console script.
+
+This module imports no JAX at import time: ``main`` first gives a single-process run 8 CPU fake devices
+(when nothing else chose the device count), then imports the job. That is the only place the job touches
+``XLA_FLAGS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from models._data import DigitTask
+from models.train._config import MESH_DIMS, MODELS, Config
+
+__all__ = ["parse_args", "main", "default_cpu_devices"]
+
+CPU_DEVICES = 8
+
+
+def default_cpu_devices(environ=os.environ, modules=sys.modules) -> bool:
+    """Ask JAX for ``CPU_DEVICES`` CPU fake devices, unless JAX already started, a launcher runs several
+    processes, ``spmdrun --devices-per-proc`` chose the count, or ``XLA_FLAGS`` already sets it.
+    True if it set ``XLA_FLAGS``."""
+    if "jax" in modules or int(environ.get("WORLD_SIZE", "1") or 1) > 1 or environ.get("SPMD_DEVICES_PER_PROC"):
+        return False
+    flags = environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        return False
+    environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={CPU_DEVICES}".strip()
+    return True
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = Config()
+    p = argparse.ArgumentParser(
+        prog="python -m models.train",
+        description="Data-parallel training (DDP on JAX): every device holds the parameters, the batch is split "
+                    "over the data-parallel mesh dims, gradients are averaged.",
+    )
+    p.add_argument("--mesh", default=None, help=f"the mesh, e.g. dp=8; dims: {', '.join(MESH_DIMS)} (default: every "
+                                               "visible device on dp)")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"global batch (default {d.batch_size})")
+    p.add_argument("--accum-steps", type=int, default=d.accum_steps,
+                   help="micro-batches per step, one gradient all-reduce per step (default 1)")
+    p.add_argument("--model", choices=MODELS, default=d.model, help=f"default {d.model}")
+    p.add_argument("--text", default=None, metavar="FILE", help="byte-level language model on this text file "
+                                                                 "(default: the built-in digit task)")
+    p.add_argument("--out", default=d.out, metavar="DIR", help=f"outputs and checkpoints (default {d.out})")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace the run (checkpoints, outputs) in --out")
+    p.add_argument("--save-every", type=int, default=d.save_every, help=f"checkpoint every K steps (default {d.save_every})")
+    p.add_argument("--seed", type=int, default=d.seed, help="parameter init and data order, in [0, 2**63) (default 0)")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--warmup", type=int, default=d.warmup, help=f"warmup steps (default {d.warmup})")
+    p.add_argument("--lr-floor", type=float, default=d.lr_floor,
+                   help=f"final learning rate of the cosine decay, as a fraction of --lr (default {d.lr_floor})")
+    p.add_argument("--clip-norm", type=float, default=d.clip_norm,
+                   help=f"clip gradients to this global norm (default {d.clip_norm})")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help=f"AdamW weight decay (default {d.weight_decay})")
+    p.add_argument("--task", choices=DigitTask.OPS, default=d.task,
+                   help=f"the built-in task: sort or reverse random digits (default {d.task})")
+    p.add_argument("--length", type=int, default=d.length, help=f"digits per example (default {d.length})")
+    p.add_argument("--context", type=int, default=d.context, help=f"bytes of context with --text (default {d.context})")
+    p.add_argument("--layers", type=int, default=d.layers, help=f"transformer layers (default {d.layers})")
+    p.add_argument("--d-model", type=int, default=d.d_model, help=f"transformer width (default {d.d_model})")
+    p.add_argument("--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})")
+    p.add_argument("--hidden", type=int, default=d.hidden, help=f"MLP width (default {d.hidden})")
+    p.add_argument("--log-every", type=int, default=d.log_every, help=f"steps between metric reads (default {d.log_every})")
+    p.add_argument("--eval-size", type=int, default=None,
+                   help="held-out examples for the final evaluation, a multiple of the dp size (default: 512 "
+                        "rounded down to one)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """The ``Config`` of a command line (argparse exits with its usage message on a malformed one)."""
+    a = _parser().parse_args(argv)
+    return Config(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Config) if hasattr(a, f.name)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the job from the command line; the exit code (0, 2 for a refused input, 130 on Ctrl-C)."""
+    cfg = parse_args(argv)
+    default_cpu_devices()
+    import jax
+
+    from models._checkpoint import CheckpointError
+    from models.train._outdir import RunLockedError
+    from models.train._run import run
+
+    try:
+        summary = run(cfg)
+    except (ValueError, TypeError, FileNotFoundError, CheckpointError, RunLockedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    if jax.process_index() == 0:
+        f = summary["final"]
+        acc = f.get("eval_sequence_accuracy")
+        print(
+            f"models.train: {summary['steps']} steps in {summary['wall_time_s']:.1f} s "
+            f"({summary['samples_per_s'] or float('nan'):,.0f} samples/s); train loss {f['train_loss']:.4f}, "
+            f"held-out token accuracy {f['eval_token_accuracy']:.4f}"
+            + (f", sequence accuracy {acc:.4f}" if acc is not None else "")
+            + f"; outputs in {os.path.abspath(cfg.out)}",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,183 @@
+"""The run's configuration: one frozen value, its checks, and the mesh spec (pure Python, no JAX).
+
+Every hyper-parameter is a named field with a CLI flag (``--lr-floor`` for the
+cosine schedule's final fraction of ``--lr``, ``--clip-norm``,
+``--weight-decay``, ``--eval-size``), so a run is fully described by its
+``Config``, which ``metrics.json`` records.
+
+Mesh dims: ``MESH_DIMS`` names the dims the job knows and ``DATA_DIMS`` the
+ones the batch is split over (a new parallelism adds its dim to both tables
+where it is data-parallel, e.g. FSDP's ``fsdp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from models._data import DigitTask
+
+__all__ = ["Config", "MODELS", "MESH_DIMS", "DATA_DIMS", "check_config", "parse_mesh", "run_config",
+           "check_resume_config"]
+
+MODELS = ("transformer", "mlp")
+# The mesh dims the job knows (name -> what it does), in mesh order.
+MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replicated"}
+# The dims the batch is split over (Shard(0) on each of them).
+DATA_DIMS = ("dp",)
+_MAX_SEED = 2**63 - 1  # jax.random.key takes an int64
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything that defines a run (the CLI flags)."""
+
+    mesh: str | None = None  # "dp=8"; None: every device on dp
+    steps: int = 600
+    batch_size: int = 128
+    accum_steps: int = 1
+    model: str = "transformer"
+    text: str | None = None
+    out: str = "runs/default"
+    resume: bool = False
+    overwrite: bool = False
+    save_every: int = 200
+    seed: int = 0
+    lr: float = 3e-3  # peak learning rate
+    warmup: int = 50  # linear warmup steps, then cosine decay
+    lr_floor: float = 0.05  # the cosine schedule ends at lr * lr_floor
+    clip_norm: float = 1.0  # gradients clipped to this global norm
+    weight_decay: float = 0.01  # AdamW's decoupled weight decay
+    task: str = "sort"  # the built-in task: "sort" or "reverse" digits
+    length: int = 8  # digits per example (built-in task)
+    context: int = 64  # bytes of context (--text)
+    layers: int = 2
+    d_model: int = 64
+    heads: int = 4
+    hidden: int = 256  # MLP width (two hidden layers)
+    log_every: int = 10
+    eval_size: int | None = None  # held-out examples; None: 512 rounded down to a multiple of the data size
+    progress: bool = True
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"models.train: {_flag(name)}={value!r} must be an int >= 1.")
+
+
+def _real(name: str, value: Any, lo: float, *, lo_open: bool, hi: float = math.inf) -> None:
+    """A finite number in ``(lo, hi]`` (``lo_open``) or ``[lo, hi]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"models.train: {_flag(name)}={value!r} must be a number.")
+    low_ok = value > lo if lo_open else value >= lo
+    if not (math.isfinite(value) and low_ok and value <= hi):
+        lo_text = f"> {lo}" if lo_open else f">= {lo}"
+        hi_text = "" if hi == math.inf else f" and <= {hi}"
+        raise ValueError(f"models.train: {_flag(name)}={value!r} must be a finite number {lo_text}{hi_text}.")
+
+
+def check_config(cfg: Config) -> None:
+    """Every check that needs no device and no file but ``--text``; raises before any work."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"models.train: cfg={cfg!r} must be a models.train.Config.")
+    for name in ("steps", "batch_size", "accum_steps", "save_every", "length", "context", "layers", "d_model",
+                 "heads", "hidden", "log_every"):
+        _positive(name, getattr(cfg, name))
+    if cfg.eval_size is not None:
+        _positive("eval_size", cfg.eval_size)
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed <= _MAX_SEED:
+        raise ValueError(f"models.train: --seed={cfg.seed!r} must be an int in [0, 2**63 - 1]; e.g. --seed 0.")
+    if cfg.task not in DigitTask.OPS:
+        raise ValueError(f"models.train: --task={cfg.task!r} is unknown; use one of {DigitTask.OPS}.")
+    if cfg.model not in MODELS:
+        raise ValueError(f"models.train: --model={cfg.model!r} is unknown; use one of {MODELS}.")
+    if cfg.d_model % cfg.heads:
+        raise ValueError(
+            f"models.train: --d-model={cfg.d_model} is not divisible by --heads={cfg.heads}; pick heads dividing d_model."
+        )
+    _real("lr", cfg.lr, 0.0, lo_open=True)
+    _real("lr_floor", cfg.lr_floor, 0.0, lo_open=False, hi=1.0)
+    _real("clip_norm", cfg.clip_norm, 0.0, lo_open=True)
+    _real("weight_decay", cfg.weight_decay, 0.0, lo_open=False)
+    if isinstance(cfg.warmup, bool) or not isinstance(cfg.warmup, int) or cfg.warmup < 0:
+        raise ValueError(f"models.train: --warmup={cfg.warmup!r} must be an int >= 0.")
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("models.train: --resume and --overwrite contradict each other; give one of them.")
+    if cfg.text is not None and not os.path.isfile(cfg.text):
+        raise FileNotFoundError(
+            f"models.train: --text={cfg.text!r} does not exist or is not a file; give the path of a text file "
+            "(e.g. --text README.md), or leave --text out to train on the built-in digit task."
+        )
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise ValueError(
+            f"models.train: --out={cfg.out!r} is a file, not a folder; give a folder for the run's outputs "
+            "(it is created if missing)."
+        )
+    parse_mesh(cfg.mesh)
+
+
+def parse_mesh(spec: str | None) -> tuple[tuple[str, int], ...] | None:
+    """``"dp=2,fsdp=4"`` as ``(("dp", 2), ("fsdp", 4))`` (None: every device on ``dp``).
+
+    Each dim must be one of ``MESH_DIMS`` and appear once; sizes are ints >= 1.
+    """
+    if spec is None:
+        return None
+    if not isinstance(spec, str):
+        raise TypeError(f"models.train: --mesh={spec!r} must be a string such as 'dp=8'.")
+    dims: dict[str, int] = {}
+    for part in spec.split(","):
+        name, eq, size = (s.strip() for s in part.partition("="))
+        if not eq or not name:
+            raise ValueError(f"models.train: --mesh={spec!r} must look like 'dp=8' (name=size).")
+        if name not in MESH_DIMS:
+            raise ValueError(
+                f"models.train: --mesh={spec!r} names the mesh dim {name!r}, which this job does not know; use "
+                f"the dims {tuple(MESH_DIMS)} (e.g. --mesh dp=N)."
+            )
+        if name in dims:
+            raise ValueError(
+                f"models.train: --mesh={spec!r} gives the mesh dim {name!r} twice; name each dim once "
+                f"(e.g. --mesh {name}={size})."
+            )
+        try:
+            n = int(size)
+        except ValueError:
+            raise ValueError(
+                f"models.train: --mesh={spec!r} gives {name} size {size!r}, not an int; use e.g. --mesh {name}=8."
+            ) from None
+        if n < 1:
+            raise ValueError(f"models.train: --mesh={spec!r} gives {name} size {n}; it must be >= 1.")
+        dims[name] = n
+    return tuple(dims.items())
+
+
+# What the config must keep across a resume for the result to be the same run.
+_RUN_KEYS = ("model", "task", "text", "seed", "batch_size", "accum_steps", "length", "context", "layers", "d_model",
+             "heads", "hidden", "lr", "warmup", "lr_floor", "clip_norm", "weight_decay", "steps")
+
+
+def run_config(cfg: Config) -> dict:
+    """The part of ``cfg`` a checkpoint records and a resume must match."""
+    d = dataclasses.asdict(cfg)
+    return {k: d[k] for k in _RUN_KEYS}
+
+
+def check_resume_config(saved: dict, cfg: Config, where: str) -> None:
+    """Refuse a resume whose run config differs from the saved one (a key the save lacks takes its default)."""
+    now = run_config(cfg)
+    defaults = run_config(Config())
+    diff = {k: (saved.get(k, defaults[k]), now[k]) for k in _RUN_KEYS if saved.get(k, defaults[k]) != now[k]}
+    if diff:
+        listed = ", ".join(f"{_flag(k)}: saved {a!r}, given {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(
+            f"models.train: --resume from {where!r} with a different run config ({listed}); resume with the "
+            "saved values, or start a new run in another --out."
+        )

@@ -1,0 +1,111 @@
+"""The training loop: steps, metric reads, checkpoints and Ctrl-C, with the metric state in one object.
+
+Metrics stay on the devices until ``MetricLog.flush`` reads a group of them at once (every ``--log-every``
+steps, before a save and at the end), so the loop does not wait on the devices at each step.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+
+from models._checkpoint import Checkpointer
+
+__all__ = ["MetricLog", "train_loop"]
+
+
+class MetricLog:
+    """The loop's metric state: per-step history, metrics not read yet, throughput, the progress bar.
+
+    Throughput counts whole windows between reads and leaves out the first step of the run (it compiles).
+    """
+
+    def __init__(self, *, start: int, batch_size: int, history: list[dict], bar: Any = None):
+        self.start = start
+        self.batch_size = batch_size
+        self.history = history
+        self.bar = bar
+        self._pending: list[tuple[int, dict]] = []
+        self._t_window = time.perf_counter()
+        self._n_window = 0
+        self._timed_steps = 0
+        self._timed_time = 0.0
+        self.last_samples_per_s = float("nan")
+
+    def add(self, step: int, metrics: dict) -> None:
+        """Record the (device) metrics of ``step``; nothing is read from the devices here."""
+        self._pending.append((step, metrics))
+        self._n_window += 1
+
+    def flush(self) -> None:
+        """Read the pending metrics into the history and update the throughput and the bar."""
+        if not self._pending:
+            return
+        got = jax.device_get([m for _, m in self._pending])
+        for (s, _), m in zip(self._pending, got):
+            self.history.append({"step": s, **{k: float(v) for k, v in m.items()}})
+        now = time.perf_counter()
+        if self._n_window and self._pending[0][0] > self.start + 1:  # the first step compiles: not counted
+            self.last_samples_per_s = self._n_window * self.batch_size / (now - self._t_window)
+            self._timed_steps += self._n_window
+            self._timed_time += now - self._t_window
+        self._t_window, self._n_window = now, 0
+        self._pending.clear()
+        if self.bar is not None:
+            last = self.history[-1]
+            self.bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['accuracy']:.3f}",
+                                 samples_s=f"{self.last_samples_per_s:,.0f}", refresh=False)
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Mean throughput over the timed windows (None if none was timed)."""
+        return self._timed_steps * self.batch_size / self._timed_time if self._timed_time else None
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train_loop(state: Any, *, start: int, steps: int, log_every: int, train_step: Callable,
+               next_batch: Callable[[int], Any], log: MetricLog, checkpointer: Checkpointer,
+               meta: Callable[[], dict], on_step: Callable | None, interrupted: Callable[[int], None]) -> Any:
+    """Run steps ``start + 1 .. steps``; returns the final state.
+
+    ``next_batch(step)`` gives the placed batch of ``step`` (0-based). Saves every ``save_every`` steps
+    and at the end; on ``KeyboardInterrupt`` (Ctrl-C, or raised by ``on_step``) saves the last finished
+    step, calls ``interrupted(step)`` and re-raises.
+    """
+    step = start
+    try:
+        while step < steps:
+            state, metrics = train_step(state, next_batch(step))
+            step += 1
+            log.add(step, metrics)
+            if step == start + 1 or step % log_every == 0 or step == steps:
+                log.flush()
+            if log.bar is not None:
+                log.bar.update(1)
+            if step % checkpointer.save_every == 0 or step == steps:
+                log.flush()
+                checkpointer.save(step, state, meta(), force=step == steps)
+            if on_step is not None:
+                on_step(step, state)
+    except KeyboardInterrupt:
+        log.flush()
+        checkpointer.save(step, state, meta(), force=True)
+        checkpointer.wait()
+        log.close()
+        interrupted(step)
+        raise
+    log.flush()
+    log.close()
+    return state
+
+
+def report(message: str, lead: bool) -> None:
+    """A line on stderr from the lead process."""
+    if lead:
+        print(message, file=sys.stderr)

@@ -1,0 +1,144 @@
+"""What a run computes with: the mesh, the task, the model, the loss, the optimizer, the batch layout and
+the jitted programs (init, train step, eval step), built once per (config, mesh).
+
+The batch layout is stated once: ``Programs.batch_placements`` (``batch_placements`` of the train step:
+``Shard(0)`` over every data-parallel mesh dim of ``DATA_DIMS``, ``Replicate`` on the others). ``place_batch``
+lays a host batch out by it as DTensors, which the train step and the eval step take as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models._data import DigitTask, TextTask
+from models._ddp import batch_placements, init_train_state, make_train_step
+from models._mlp import MLP
+from models._transformer import Transformer
+from models.train._config import DATA_DIMS, Config, parse_mesh
+from models.train._eval import make_eval_step
+from spmd import DeviceMesh, distribute_tensor, init_device_mesh
+
+__all__ = ["build_mesh", "data_dims", "make_task", "layout", "task_dims", "make_model", "cross_entropy",
+           "make_optimizer", "Programs", "programs", "place_batch"]
+
+
+def build_mesh(spec: str | None) -> DeviceMesh:
+    """The job's mesh: ``--mesh dp=2,fsdp=4`` (dims in that order) or every device on ``dp``."""
+    n_dev = jax.device_count()
+    dims = parse_mesh(spec) or (("dp", n_dev),)
+    need = math.prod(n for _, n in dims)
+    if need > n_dev:
+        platform = jax.devices()[0].platform
+        hint = f", or set XLA_FLAGS=--xla_force_host_platform_device_count={need} before starting" if platform == "cpu" else ""
+        fix = (f"--mesh {dims[0][0]}=N with N <= {n_dev}" if len(dims) == 1 else
+               f"--mesh sizes whose product is <= {n_dev}")
+        raise ValueError(
+            f"models.train: --mesh={spec!r} needs {need} devices but only {n_dev} {platform} device(s) are "
+            f"visible; use {fix}{hint}."
+        )
+    return init_device_mesh(jax.devices()[0].platform, tuple(n for _, n in dims),
+                            mesh_dim_names=tuple(k for k, _ in dims))
+
+
+def data_dims(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The mesh dims the batch is split over."""
+    return tuple(n for n in mesh.mesh_dim_names if n in DATA_DIMS)
+
+
+def make_task(cfg: Config):
+    return TextTask(cfg.text, cfg.context) if cfg.text is not None else DigitTask(cfg.task, cfg.length)
+
+
+def layout(cfg: Config) -> str:
+    """The data layout the model reads (``_data.LAYOUTS``)."""
+    return "window" if cfg.model == "mlp" else "lm"
+
+
+def task_dims(cfg: Config) -> tuple[int, int, int]:
+    """(vocab size, input positions, target positions) of the task, without reading any file."""
+    lay = layout(cfg)
+    if cfg.text is not None:  # TextTask's dims, without opening cfg.text
+        return 256, cfg.context, (cfg.context if lay == "lm" else 1)
+    task = make_task(cfg)
+    return task.vocab_size, task.seq_len(lay), task.out_len(lay)
+
+
+def make_model(cfg: Config):
+    vocab, seq_len, out_len = task_dims(cfg)
+    if cfg.model == "mlp":
+        return MLP(vocab, out_len, (cfg.hidden, cfg.hidden))
+    return Transformer(vocab, seq_len, cfg.layers, cfg.d_model, cfg.heads)
+
+
+def cross_entropy(logits: jax.Array, batch: dict) -> tuple[jax.Array, dict]:
+    """Masked mean next-token loss and accuracy (every example has the same number of targets)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    mask = batch["mask"]
+    total = jnp.sum(mask)
+    acc = jnp.sum((jnp.argmax(logits, -1) == batch["targets"]) * mask) / total
+    return jnp.sum(nll * mask) / total, {"accuracy": acc}
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """AdamW (``--weight-decay``) on a warmup-cosine schedule from 0 to ``--lr`` down to ``lr * --lr-floor``,
+    after clipping the gradient to ``--clip-norm``."""
+    warmup = min(cfg.warmup, max(cfg.steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
+                                                  cfg.lr * cfg.lr_floor)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), optax.adamw(schedule, weight_decay=cfg.weight_decay))
+
+
+@dataclass(frozen=True)
+class Programs:
+    """The jitted programs of a run on one mesh, and the layouts they agree on."""
+
+    model: Any
+    optimizer: optax.GradientTransformation
+    batch_placements: tuple  # the batch's placements on the mesh (the one statement of the data layout)
+    state_sharding: Any  # the train state's sharding (a pytree prefix of the state)
+    init: Callable  # (key, sample inputs) -> the step-0 TrainState, laid out by state_sharding
+    train_step: Callable  # (state, batch) -> (state, metrics)
+    eval_step: Callable  # (params, batch) -> {"token_accuracy", "sequence_accuracy"}
+
+
+def program_key(cfg: Config) -> Config:
+    """The config with only what decides the compiled programs (not the seed, the file or the paths)."""
+    return dataclasses.replace(cfg, mesh=None, text=None if cfg.text is None else "", out="", resume=False,
+                               overwrite=False, save_every=1, seed=0, log_every=1, eval_size=None, progress=False)
+
+
+def programs(cfg: Config, mesh: DeviceMesh) -> Programs:
+    """The programs of ``cfg`` on ``mesh`` (shared by runs in one process that compile the same ones)."""
+    return _programs(program_key(cfg), mesh)
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(key: Config, mesh: DeviceMesh) -> Programs:
+    model = make_model(key)
+    optimizer = make_optimizer(key)
+    dims = data_dims(mesh)
+    placements = tuple(batch_placements(mesh, dims))
+    replicated = NamedSharding(mesh.jax_mesh, P())
+    init = jax.jit(lambda rng, x: init_train_state(model.init(rng, x)["params"], optimizer), out_shardings=replicated)
+    train_step = make_train_step(lambda p, b: cross_entropy(model.apply({"params": p}, b["inputs"]), b),
+                                 optimizer, mesh, accum_steps=key.accum_steps)
+    eval_step = make_eval_step(model, mesh, dims, digits=key.length if key.text is None and key.model == "transformer"
+                               else None)
+    return Programs(model, optimizer, placements, replicated, init, train_step, eval_step)
+
+
+def place_batch(batch: dict, mesh: DeviceMesh, placements) -> dict:
+    """The host batch (the same on every process) as DTensors laid out by ``placements``; each process
+    supplies only its own devices' blocks."""
+    return {k: distribute_tensor(v, mesh, list(placements)) for k, v in batch.items()}

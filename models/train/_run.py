@@ -1,0 +1,186 @@
+"""``run(cfg)``: one training run from a config, and ``restore_state``: a saved run's state onto any mesh.
+
+Order of a run: check the config (no device, no file written) -> join the process group under a launcher
+-> build the mesh and check the batch fits it -> lock ``--out`` and decide what may be done with what it holds
+-> build (or reuse) the programs -> initialise or restore the state -> the loop -> held-out evaluation ->
+``metrics.json`` and ``loss.png``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models._checkpoint import Checkpointer, CheckpointError, abstract_like
+from models._ddp import TrainState
+from models.train._config import Config, check_config, check_resume_config, run_config
+from models.train._loop import MetricLog, report, train_loop
+from models.train._outdir import OutFolder, RunLock, write_outputs
+from models.train._programs import build_mesh, data_dims, layout, make_task, place_batch, programs, task_dims
+from spmd import DeviceMesh
+
+__all__ = ["run", "restore_state"]
+
+_EVAL_DEFAULT = 512
+
+
+def _maybe_init_distributed() -> None:
+    """Join the process group when started by a launcher (spmdrun / torchrun variables)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return
+    import spmd.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group()
+
+
+def _check_batch_sizes(cfg: Config, n_data: int) -> int:
+    """The number of held-out examples; the batch sizes must split evenly over the ``n_data`` data ranks."""
+    if cfg.batch_size % (n_data * cfg.accum_steps):
+        unit = n_data * cfg.accum_steps
+        raise ValueError(
+            f"models.train: --batch-size={cfg.batch_size} is not divisible by the dp size {n_data}"
+            + (f" times --accum-steps={cfg.accum_steps}" if cfg.accum_steps > 1 else "")
+            + f"; use a multiple of {unit} (e.g. {unit * max(1, cfg.batch_size // unit)})."
+        )
+    if cfg.eval_size is None:
+        return max(n_data, _EVAL_DEFAULT // n_data * n_data)
+    if cfg.eval_size % n_data:
+        raise ValueError(
+            f"models.train: --eval-size={cfg.eval_size} is not divisible by the dp size {n_data}; use a multiple "
+            f"of {n_data} (e.g. {n_data * max(1, cfg.eval_size // n_data)})."
+        )
+    return cfg.eval_size
+
+
+def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None) -> dict:
+    """Train as ``cfg`` says; returns the summary also written to ``metrics.json``.
+
+    ``on_step(step, state)`` is called after each step (a hook for tests and
+    tools). A ``KeyboardInterrupt`` (Ctrl-C, or raised by the hook) saves a
+    checkpoint of the last finished step before it propagates, so ``--resume``
+    continues exactly where the run stopped.
+    """
+    check_config(cfg)
+    _maybe_init_distributed()
+    mesh = build_mesh(cfg.mesh)
+    n_data = math.prod(mesh.size(d) for d in data_dims(mesh))
+    eval_size = _check_batch_sizes(cfg, n_data)
+    lead = jax.process_index() == 0
+    lock = RunLock(cfg.out).acquire() if lead else None
+    try:
+        return _run_locked(cfg, mesh, n_data, eval_size, lead, on_step)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead: bool,
+                on_step: Callable | None) -> dict:
+    folder = OutFolder.read(cfg.out)
+    folder.check(cfg)
+    if cfg.overwrite and lead:
+        folder.clear()
+    task = make_task(cfg)
+    lay = layout(cfg)
+    progs = programs(cfg, mesh)
+    mesh_sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    mesh_text = ",".join(f"{k}={v}" for k, v in mesh_sizes.items())
+
+    state = progs.init(jax.random.key(cfg.seed), task.batch(cfg.seed, 0, 2, lay)["inputs"])
+    history: list[dict] = []
+    checkpointer = Checkpointer(folder.checkpoints, save_every=cfg.save_every)
+    log = None
+    try:
+        if cfg.resume:
+            # The config first: a checkpoint of another model would fail to restore with a shape error that
+            # blames the (good) checkpoint.
+            check_resume_config(checkpointer.restore_meta().get("config", {}), cfg, folder.checkpoints)
+            state, meta = checkpointer.restore(state)
+            history = list(meta.get("history", []))
+        start = int(jax.device_get(state.step))
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+        bar = None
+        if cfg.progress and lead:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.model} {mesh_text}", unit="step",
+                       dynamic_ncols=True)
+        if start == 0:
+            report(f"models.train: {cfg.model} ({n_params:,} parameters) on {task.name}, mesh {mesh_text} "
+                   f"({jax.device_count()} {jax.devices()[0].platform} device(s), {jax.process_count()} "
+                   f"process(es)), batch {cfg.batch_size}, {cfg.steps} steps", lead)
+        log = MetricLog(start=start, batch_size=cfg.batch_size, history=history, bar=bar)
+
+        def interrupted(step: int) -> None:
+            report(f"models.train: interrupted after step {step}; checkpoint saved under {folder.checkpoints}; "
+                   "continue with --resume.", lead)
+
+        t_start = time.perf_counter()
+        state = train_loop(
+            state, start=start, steps=cfg.steps, log_every=cfg.log_every, train_step=progs.train_step,
+            next_batch=lambda s: place_batch(task.batch(cfg.seed, s, cfg.batch_size, lay), mesh,
+                                             progs.batch_placements),
+            log=log, checkpointer=checkpointer, meta=lambda: {"config": run_config(cfg), "history": history},
+            on_step=on_step, interrupted=interrupted)
+        wall = time.perf_counter() - t_start
+        eval_batch = place_batch(task.batch(cfg.seed, 0, eval_size, lay, stream=1), mesh, progs.batch_placements)
+        evaluation = {k: float(v) for k, v in jax.device_get(progs.eval_step(state.params, eval_batch)).items()}
+        checkpointer.wait()
+    finally:
+        checkpointer.close()
+
+    summary = {
+        "config": dataclasses.asdict(cfg),
+        "task": task.name,
+        "mesh": mesh_sizes,
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "processes": jax.process_count(),
+        "parameters": n_params,
+        "steps": cfg.steps,
+        "resumed_from": start if cfg.resume else None,
+        "wall_time_s": wall,
+        "samples_per_s": log.samples_per_s,
+        "eval_examples": eval_size,
+        "final": {"train_loss": history[-1]["loss"] if history else None,
+                  "train_accuracy": history[-1]["accuracy"] if history else None,
+                  **{f"eval_{k}": v for k, v in evaluation.items()}},
+        "history": history,
+        "checkpoints": checkpointer.all_steps(),
+    }
+    if lead:
+        write_outputs(cfg.out, summary, f"{cfg.model} on {task.name}, {mesh_text}, batch {cfg.batch_size}")
+    return summary
+
+
+def restore_state(out: str, *, mesh: DeviceMesh | None = None, step: int | None = None) -> tuple[TrainState, dict]:
+    """The train state saved by a run under ``out`` (default: its latest step), replicated on ``mesh``
+    (default: every device), and the run's saved meta (``config``, ``history``).
+
+    The mesh need not be the one the run trained on (saved on 8 devices,
+    restored on 4 or 2).
+    """
+    ckpt_dir = os.path.join(os.path.abspath(out), "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"restore_state: no checkpoint folder {ckpt_dir!r}; give the --out folder of a run.")
+    mesh = mesh if mesh is not None else build_mesh(None)
+    checkpointer = Checkpointer(ckpt_dir)
+    try:
+        meta = checkpointer.restore_meta(step)
+        known = {f.name for f in dataclasses.fields(Config)}
+        cfg = Config(**{k: v for k, v in meta.get("config", {}).items() if k in known})
+        check_config(cfg)
+        _, seq_len, _ = task_dims(cfg)
+        progs = programs(cfg, mesh)
+        target = jax.eval_shape(progs.init, jax.random.key(0), jax.ShapeDtypeStruct((2, seq_len), jnp.int32))
+        return checkpointer.restore(abstract_like(target, progs.state_sharding), step)
+    finally:
+        checkpointer.close()
