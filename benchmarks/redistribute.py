@@ -50,9 +50,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import spmd  # noqa: E402
 from placements import Partial, Replicate, Shard, format_placements, local_shape_and_offset  # noqa: E402
-from placements._plan import _step_bytes, _step_kind, _traffic, torch_greedy_steps  # noqa: E402
+from placements._plan import make_step, torch_greedy_steps  # noqa: E402
 from spmd._inspect import hlo_collectives  # noqa: E402
-from spmd._redistribute import program  # noqa: E402
+from spmd.tensor._dispatch import program  # noqa: E402
+from spmd.tensor._dtensor import physical  # noqa: E402
 
 R = Replicate()
 S0, S1 = Shard(0), Shard(1)
@@ -134,12 +135,10 @@ def lower_bound(mesh_shape, shape, itemsize, src, dst):
 def torch_plan_cost(mesh_shape, shape, itemsize, src, dst):
     traffic, nbytes, coll = 0.0, 0, 0
     for m, c, t, before in torch_greedy_steps(src, dst):
-        after = before[:m] + (t,) + before[m + 1 :]
-        kind = _step_kind(c, t)
-        b = _step_bytes(kind, c, t, before, after, mesh_shape, shape, itemsize, mesh_shape[m])
-        traffic += _traffic(kind, c, b, mesh_shape[m])
-        nbytes += b
-        coll += kind is not None
+        s = make_step(mesh_shape, shape, itemsize, before, (m,), t)
+        traffic += s.traffic
+        nbytes += s.bytes
+        coll += s.collective is not None
     return traffic, nbytes, coll
 
 
@@ -276,16 +275,16 @@ def main():
         mesh = meshes[ms]
         x = np.ones(shape, np.float32)
         dt = spmd.distribute_tensor(x, mesh, src)
-        plan = dt.redistribute(placements=dst, explain=True)
-        hlo = hlo_collectives(program(mesh, plan).lower(dt._physical).compile().as_text())
+        plan = spmd.plan_redistribute(dt, dst)
+        hlo = hlo_collectives(program(mesh, plan).lower(physical(dt)).compile().as_text())
         hlo_bytes = sum(v["bytes"] for v in hlo.values())
-        f_spmd = lambda dt=dt, dst=dst: dt.redistribute(placements=dst)._physical  # noqa: E731
+        f_spmd = lambda dt=dt, dst=dst: physical(dt.redistribute(placements=dst))  # noqa: E731
         even = all(s % 8 == 0 for s in shape)
         t_hand = None
         if even:
             hand = handwritten(mesh, plan)
-            np.testing.assert_array_equal(np.asarray(hand(dt._physical)), np.asarray(f_spmd()))
-            t_spmd, t_hand = timeit([f_spmd, lambda: hand(dt._physical)], reps)
+            np.testing.assert_array_equal(np.asarray(hand(physical(dt))), np.asarray(f_spmd()))
+            t_spmd, t_hand = timeit([f_spmd, lambda: hand(physical(dt))], reps)
         else:
             (t_spmd,) = timeit([f_spmd], reps)
         lb = lower_bound(ms, shape, 4, src, dst)

@@ -17,6 +17,7 @@ from placements._layout import (
 )
 from placements._plan import LATENCY_BYTES, Plan, PlanCost, Step, plan
 from placements._reduce_op import ReduceOp, as_reduce_op
+from placements._transitions import TRANSITIONS, Transition, transition
 from placements._types import (
     PARTIAL_OPS,
     Partial,
@@ -51,4 +52,7 @@ __all__ = [
     "Step",
     "plan",
     "LATENCY_BYTES",
+    "Transition",
+    "TRANSITIONS",
+    "transition",
 ]

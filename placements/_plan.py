@@ -6,26 +6,11 @@ to one destination placement, with the collective it lowers to and the bytes
 it moves per device. It is computed before anything runs, printed, costed,
 and cached per (mesh shape, global shape, dtype, src, dst).
 
-Lowering of one step on a group ``G`` of mesh dims (``K`` devices):
-
-========================  ==========================================================
-``S(a) -> R``             all_gather (pad to chunk, gather, compact)
-``S(a) -> S(b)``          all_to_all (split ``b`` into ``K`` chunks, concat on ``a``)
-``P(op) -> R``            all_reduce with ``op`` (``product``: all_gather + local product)
-``P(sum|avg) -> S(b)``    reduce_scatter
-``P(max|min|product)``    ``-> S(b)``: all_to_all + local reduce (same bytes)
-``R -> S(b)``             local slice
-``R -> P(op)``            local: ``sum`` keeps the value on group rank 0 and zeros
-                          elsewhere, ``product`` ones elsewhere, ``avg/max/min`` keep it
-``S(a) -> P(op)``         local for ``sum/max/min/product``: the block at its offset in
-                          a tensor filled with the op's identity (``avg`` goes via ``R``)
-========================  ==========================================================
-
-Bytes per device follow the nccl-tests convention used by ``spmd.collectives``
-(``spmd/_inspect.py``), counted on the padded blocks the compiled program
-moves: all_gather counts the gathered result, reduce_scatter its input,
-all_reduce and all_to_all their buffer. So a plan's bytes equal the bytes
-the compiled HLO reports.
+What each step kind is (legal or not, its collective, bytes and traffic)
+comes from the transition table, ``placements/_transitions.py``. Bytes per
+device follow the nccl-tests convention used by ``spmd.collectives``, counted
+on the padded blocks the compiled program moves, so a plan's bytes equal the
+bytes the compiled HLO reports.
 
 A step on group ``G`` that touches tensor dim ``d`` (as source or destination
 ``Shard``) is allowed only if every other mesh dim sharding ``d`` comes
@@ -47,17 +32,14 @@ import functools
 import heapq
 import itertools
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from placements._layout import padded_local_shape
+from placements._transitions import LINEAR_OPS, Transition, transition
 from placements._types import Partial, Placement, Replicate, Shard, format_placements
 
-__all__ = ["Step", "Plan", "PlanCost", "plan", "check_partial_mix", "torch_greedy_steps", "LINEAR_OPS"]
+__all__ = ["Step", "Plan", "PlanCost", "plan", "make_step", "check_partial_mix", "torch_greedy_steps", "LINEAR_OPS"]
 
-#: Partial ops that commute with each other (torch allows sum and avg together).
-LINEAR_OPS = frozenset({"sum", "avg"})
-
-_COLLECTIVES = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter")
 
 #: The search's latency term: one collective costs as much as receiving this many bytes
 #: (an alpha-beta model: a few us of launch latency at ~25 GB/s). It only decides between
@@ -78,7 +60,9 @@ class Step:
     """One step: mesh dims ``mesh_dims`` go from ``src`` to ``dst`` with ``collective``.
 
     ``collective`` is None for a local step. ``bytes`` is per device (nccl-tests
-    convention). ``before`` / ``after`` are the whole placement lists.
+    convention), ``traffic`` the bus bytes. ``before`` / ``after`` are the whole
+    placement lists. ``lowering`` names the transition's lowering function (see
+    ``placements/_transitions.py``): the executor dispatches on it.
     """
 
     mesh_dims: tuple[int, ...]
@@ -88,7 +72,8 @@ class Step:
     bytes: int
     before: tuple[Placement, ...]
     after: tuple[Placement, ...]
-    traffic: float = 0.0
+    traffic: float
+    lowering: str
 
     @property
     def mesh_dim(self) -> int | tuple[int, ...]:
@@ -165,50 +150,27 @@ def check_partial_mix(placements: Sequence[Placement], where: str) -> None:
         )
 
 
-def _step_kind(c: Placement, t: Placement) -> str | None | bool:
-    """The collective of a one-group step ``c -> t``; None for local; False if not a step."""
-    if isinstance(c, Shard):
-        if isinstance(t, Replicate):
-            return "all_gather"
-        if isinstance(t, Shard):
-            return "all_to_all"
-        return None if t.reduce_op != "avg" else False  # S -> P(op): local identity fill
-    if isinstance(c, Replicate):
-        return None  # R -> S slices, R -> P partitions
-    # c is Partial
-    if isinstance(t, Replicate):
-        return "all_gather" if c.reduce_op == "product" else "all_reduce"
-    if isinstance(t, Shard):
-        return "reduce_scatter" if c.reduce_op in LINEAR_OPS else "all_to_all"
-    return False  # P -> P of another op: never
+class _Edge(NamedTuple):
+    """One step out of a search state: ``group`` goes from ``src`` to ``dst`` by ``transition``."""
+
+    group: tuple[int, ...]
+    src: Placement
+    dst: Placement
+    transition: Transition
+    collective: str | None
+    bytes: int
+    after: tuple[Placement, ...]
+    traffic: float
+
+    def step(self, before: tuple[Placement, ...]) -> Step:
+        return Step(
+            self.group, self.src, self.dst, self.collective, self.bytes, before, self.after, self.traffic,
+            self.transition.lowering,
+        )
 
 
-def _step_bytes(kind, c, t, before, after, mesh_shape, global_shape, itemsize, k, padded=None) -> int:
-    if kind is None or k == 1:
-        return 0
-    pad = padded or (lambda pl: padded_local_shape(global_shape, mesh_shape, pl))
-    sb = list(pad(before))
-    if kind == "all_gather" and isinstance(c, Shard):
-        sb[c.dim] *= k
-    elif kind == "all_gather":  # product all-reduce: gather K full blocks
-        sb = [k] + sb
-    elif isinstance(t, Shard):  # all_to_all or reduce_scatter: dim t.dim split into K chunks
-        sb[t.dim] = k * pad(after)[t.dim]
-    return math.prod(sb) * itemsize
-
-
-def _traffic(kind, c, nbytes: int, k: int) -> float:
-    """Bus bytes (nccl-tests): what a device receives with a ring algorithm."""
-    if kind is None or k == 1:
-        return 0.0
-    f = (k - 1) / k
-    if kind == "all_gather" and isinstance(c, Partial):  # product all-reduce: gather K blocks
-        return nbytes * f
-    return nbytes * f * (2 if kind == "all_reduce" else 1)
-
-
-def _neighbours(state, candidates, mesh_shape, global_shape, itemsize, padded, kinds):
-    """Edges out of ``state``: tuples (group, src, dst, collective, bytes, after, traffic)."""
+def _neighbours(state, candidates, mesh_shape, global_shape, itemsize, padded):
+    """The edges out of ``state``: every group of equal placements to every legal target."""
     nd = len(state)
     empty = math.prod(global_shape) == 0
     for r in range(1, nd + 1):
@@ -220,10 +182,8 @@ def _neighbours(state, candidates, mesh_shape, global_shape, itemsize, padded, k
             later = [state[j].dim for j in range(lo + 1, nd) if j not in group and isinstance(state[j], Shard)]
             k = math.prod(mesh_shape[i] for i in group)
             for t in candidates:
-                if t == c:
-                    continue
-                kind = kinds[c, t]
-                if kind is False:
+                tr = transition(c, t)
+                if t == c or tr is None:
                     continue
                 if later and (
                     (isinstance(c, Shard) and c.dim in later) or (isinstance(t, Shard) and t.dim in later)
@@ -234,10 +194,32 @@ def _neighbours(state, candidates, mesh_shape, global_shape, itemsize, padded, k
                     ops = {p.reduce_op for p in after if isinstance(p, Partial)}
                     if len(ops) > 1 and not ops <= LINEAR_OPS:
                         continue
-                if k == 1 or empty:  # nothing to communicate
-                    kind = None
-                b = _step_bytes(kind, c, t, state, after, mesh_shape, global_shape, itemsize, k, padded)
-                yield group, c, t, kind, b, after, _traffic(kind, c, b, k)
+                yield _edge(group, c, t, tr, state, after, k, itemsize, padded, empty)
+
+
+def _edge(group, c, t, tr: Transition, state, after, k: int, itemsize: int, padded, empty: bool) -> _Edge:
+    if k == 1 or empty:  # nothing to communicate
+        return _Edge(group, c, t, tr, None, 0, after, 0.0)
+    b = tr.bytes(c, t, padded(state), padded(after), k, itemsize)
+    return _Edge(group, c, t, tr, tr.collective, b, after, tr.traffic(b, k))
+
+
+def make_step(mesh_shape, global_shape, itemsize: int, before, mesh_dims: Sequence[int], dst: Placement) -> Step | None:
+    """The step taking mesh dims ``mesh_dims`` of placement list ``before`` (all equal) to
+    ``dst``, costed as the planner costs it; None if the transition table has no such step.
+    (No nesting or Partial-mix check: for costing other planners' steps.)"""
+    before, group = tuple(before), tuple(mesh_dims)
+    c = before[group[0]]
+    tr = transition(c, dst)
+    if tr is None or dst == c:
+        return None
+    after = tuple(dst if i in group else p for i, p in enumerate(before))
+    k = math.prod(mesh_shape[i] for i in group)
+
+    def padded(pl):
+        return padded_local_shape(global_shape, mesh_shape, pl)
+
+    return _edge(group, c, dst, tr, before, after, k, itemsize, padded, math.prod(global_shape) == 0).step(before)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -255,8 +237,6 @@ def _plan_cached(mesh_shape, global_shape, itemsize, src, dst) -> Plan:
             v = memo[pl] = padded_local_shape(global_shape, mesh_shape, pl)
         return v
 
-    every = set(src) | set(cands)
-    kinds = {(a, b): _step_kind(a, b) for a in every for b in cands}
     # Dijkstra on (traffic + LATENCY_BYTES * collectives, traffic, collectives, steps);
     # ties broken by insertion order (deterministic).
     start = (0.0, 0.0, 0, 0)
@@ -266,25 +246,20 @@ def _plan_cached(mesh_shape, global_shape, itemsize, src, dst) -> Plan:
     while heap:
         cost, _, state, path = heapq.heappop(heap)
         if state == dst:
-            edges = []
+            steps = []
             while path is not None:
                 path, edge, before = path
-                edges.append((edge, before))
-            steps = tuple(
-                Step(g, c, t, kind, b, before, after, tr) for (g, c, t, kind, b, after, tr), before in reversed(edges)
-            )
-            return Plan(mesh_shape, global_shape, itemsize, src, dst, steps)
+                steps.append(edge.step(before))
+            return Plan(mesh_shape, global_shape, itemsize, src, dst, tuple(reversed(steps)))
         if best.get(state, cost) < cost:
             continue
-        for edge in _neighbours(state, cands, mesh_shape, global_shape, itemsize, padded, kinds):
-            coll = edge[3] is not None
-            tr = edge[6]
-            weighted = tr * ALL_TO_ALL_WEIGHT if edge[3] == "all_to_all" else tr
-            new = (cost[0] + weighted + LATENCY_BYTES * coll, cost[1] + tr, cost[2] + coll, cost[3] + 1)
-            nxt = edge[5]
-            if nxt not in best or new < best[nxt]:
-                best[nxt] = new
-                heapq.heappush(heap, (new, next(counter), nxt, (path, edge, state)))
+        for edge in _neighbours(state, cands, mesh_shape, global_shape, itemsize, padded):
+            coll = edge.collective is not None
+            weighted = edge.traffic * ALL_TO_ALL_WEIGHT if edge.collective == "all_to_all" else edge.traffic
+            new = (cost[0] + weighted + LATENCY_BYTES * coll, cost[1] + edge.traffic, cost[2] + coll, cost[3] + 1)
+            if edge.after not in best or new < best[edge.after]:
+                best[edge.after] = new
+                heapq.heappush(heap, (new, next(counter), edge.after, (path, edge, state)))
     raise ValueError(
         f"plan_redistribute: no plan from {format_placements(src)} to {format_placements(dst)}; "
         "a Partial op cannot be switched to another (reduce to Replicate first)."

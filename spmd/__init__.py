@@ -17,12 +17,12 @@ from spmd._collectives import (
     reduce_scatter,
     scatter,
 )
-from spmd._dtensor import DTensor, distribute_tensor, plan_redistribute
 from spmd._inspect import collectives
 from spmd._mesh import DeviceMesh, init_device_mesh
 from spmd._process_group import ProcessGroup
 from spmd._spawn import spawn
 from spmd._spmd import spmd
+from spmd.tensor import DTensor, distribute_tensor, plan_redistribute
 
 __all__ = [
     "spmd",

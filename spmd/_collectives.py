@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from placements import ReduceOp, as_reduce_op
-from spmd._mesh import resolve_mesh_dims
+from spmd._groups import group_axes
 
 try:  # the same all-gather, typed as replicated over the group (so Replicate outputs pass check_vma)
     from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
@@ -37,29 +37,6 @@ __all__ = [
     "axis_index",
     "group_axes",
 ]
-
-
-# --- groups ---------------------------------------------------------------------------
-def group_axes(group: Any, where: str) -> tuple[tuple[str, ...], int]:
-    """Mesh axis names and size of ``group`` inside the current SPMD region."""
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = tuple(getattr(mesh, "manual_axes", ()) or ())
-    names = tuple(n for n in getattr(mesh, "axis_names", ()) if n in manual)
-    if not names:
-        raise ValueError(
-            f"{where}: called outside an SPMD region; call it inside a function decorated with "
-            "@spmd(mesh, ...) (or jax.shard_map), or use mesh.get_group(dim) for eager per-rank arrays."
-        )
-    from spmd._process_group import ProcessGroup
-
-    if isinstance(group, ProcessGroup):
-        group = group.dims
-    if group is None:
-        axes = names
-    else:
-        axes = tuple(names[d] for d in resolve_mesh_dims(group, names, where=where, arg="group"))
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    return axes, int(np.prod([sizes[a] for a in axes]))
 
 
 def _check_rank(value: Any, n: int, where: str, arg: str, axes) -> int:

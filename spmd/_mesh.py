@@ -9,7 +9,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["DeviceMesh", "init_device_mesh", "resolve_mesh_dims"]
+from spmd._groups import resolve_mesh_dims
+from spmd._process_group import ProcessGroup
+
+__all__ = ["DeviceMesh", "init_device_mesh"]
 
 _DEVICE_TYPE_ALIASES = {"cuda": "gpu", "nccl": "gpu", "rocm": "gpu", "cpu": "cpu", "gpu": "gpu", "tpu": "tpu"}
 
@@ -91,6 +94,8 @@ class DeviceMesh:
     def _init(self, device_type: str, jax_mesh: Mesh) -> None:
         self._device_type = device_type
         self._jax_mesh = jax_mesh
+        # Value identity (equality and hash): the devices, the shape and the dim names.
+        self._key = (tuple(d.id for d in jax_mesh.devices.flat), tuple(jax_mesh.devices.shape), tuple(jax_mesh.axis_names))
 
     @classmethod
     def from_jax(cls, jax_mesh: Mesh, device_type: str | None = None) -> "DeviceMesh":
@@ -135,8 +140,6 @@ class DeviceMesh:
 
     def get_group(self, mesh_dim: int | str | Sequence[int | str] | None = None):
         """The process group along one mesh dim (or several, flattened); all dims if None."""
-        from spmd._process_group import ProcessGroup
-
         dims = tuple(range(self.ndim)) if mesh_dim is None else self._dims(mesh_dim, "DeviceMesh.get_group", "mesh_dim")
         return ProcessGroup(self, tuple(self.mesh_dim_names[d] for d in dims))
 
@@ -158,49 +161,15 @@ class DeviceMesh:
         return DeviceMesh.from_jax(Mesh(sub, tuple(self.mesh_dim_names[d] for d in dims)), self._device_type)
 
     # --- value semantics --------------------------------------------------------------
-    def _key(self):
-        return (tuple(d.id for d in self.devices.flat), self.shape, self.mesh_dim_names)
-
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, DeviceMesh) and self._key() == other._key()
+        return isinstance(other, DeviceMesh) and self._key == other._key
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return hash(self._key)
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.shape))
         return f"DeviceMesh({self._device_type!r}, {dims})"
-
-
-def resolve_mesh_dims(group: Any, names: Sequence[str], *, where: str, arg: str = "group") -> tuple[int, ...]:
-    """Mesh dim indices for a name, an int, or a tuple of them; clear errors otherwise."""
-    items = group if isinstance(group, (tuple, list)) else (group,)
-    if not items:
-        raise ValueError(f"{where}: {arg}={group!r} is empty; name at least one mesh dim of {tuple(names)}.")
-    dims = []
-    for g in items:
-        if isinstance(g, str):
-            if g not in names:
-                raise ValueError(
-                    f"{where}: {arg}={group!r} names {g!r}, which is not a mesh dim; the mesh has dims {tuple(names)}: "
-                    "use one of them, or a tuple of them."
-                )
-            dims.append(list(names).index(g))
-        elif isinstance(g, int) and not isinstance(g, bool):
-            if not -len(names) <= g < len(names):
-                raise ValueError(
-                    f"{where}: {arg}={group!r} holds mesh dim {g}, out of range for a {len(names)}-D mesh "
-                    f"with dims {tuple(names)}."
-                )
-            dims.append(g % len(names))
-        else:
-            raise TypeError(
-                f"{where}: {arg}={group!r} must be a mesh dim name, an int, or a tuple of them; "
-                f"the mesh has dims {tuple(names)}."
-            )
-    if len(set(dims)) != len(dims):
-        raise ValueError(f"{where}: {arg}={group!r} repeats a mesh dim; name each at most once.")
-    return tuple(dims)
 
 
 def init_device_mesh(

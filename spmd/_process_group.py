@@ -8,78 +8,36 @@ other dims, and the result comes back per rank the same way.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import PartitionSpec as P
-
 from placements import ReduceOp
-from spmd import _collectives as C
+from spmd._arrays import as_array
+from spmd._groups import MeshGroup
+from spmd._program import collective_program
 
 __all__ = ["ProcessGroup"]
 
 
-@functools.lru_cache(maxsize=256)
-def _eager_program(jax_mesh, dims: tuple[str, ...], name: str, kwargs: tuple):
-    nd = len(jax_mesh.axis_names)
-    spec = P(*jax_mesh.axis_names)
-    fn = getattr(C, name)
-    kw = dict(kwargs)
-
-    def body(block):
-        out = fn(block.reshape(block.shape[nd:]), group=dims, **kw)
-        return out.reshape((1,) * nd + out.shape)
-
-    return jax.jit(jax.shard_map(body, mesh=jax_mesh, in_specs=spec, out_specs=spec, check_vma=False))
-
-
-class ProcessGroup:
+class ProcessGroup(MeshGroup):
     """The ranks along some mesh dims (``mesh.get_group("dp")``), with torch's methods.
 
     ``pg.size`` is the number of ranks in one group. Every method takes and
     returns per-rank arrays whose leading axes are the mesh shape.
     """
 
-    def __init__(self, mesh, dims: tuple[str, ...]):
-        self._mesh = mesh
-        self._dims = tuple(dims)
-
-    @property
-    def mesh(self):
-        return self._mesh
-
-    @property
-    def dims(self) -> tuple[str, ...]:
-        """The mesh dim names this group runs along."""
-        return self._dims
-
-    @property
-    def size(self) -> int:
-        return int(np.prod([self._mesh.size(d) for d in self._dims]))
-
-    def __repr__(self) -> str:
-        return f"ProcessGroup(dims={self._dims!r}, size={self.size}, mesh={self._mesh!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ProcessGroup) and (self._mesh, self._dims) == (other._mesh, other._dims)
-
-    def __hash__(self) -> int:
-        return hash((self._mesh, self._dims))
+    __slots__ = ()
 
     def _run(self, name: str, t: Any, **kwargs):
         where = f"ProcessGroup.{'allreduce' if name == 'all_reduce' else name}"
-        t = jnp.asarray(t)
+        t = as_array(t, where, "t")
         shape = self._mesh.shape
-        if t.shape[: len(shape)] != shape:
+        if tuple(t.shape[: len(shape)]) != shape:
             raise ValueError(
-                f"{where}: the input t has shape {t.shape}; its leading axes must be the mesh shape {shape} "
-                f"(one block per rank): stack the ranks' tensors, e.g. t of shape {shape + t.shape} for a block "
-                f"of shape {t.shape}."
+                f"{where}: the input t has shape {tuple(t.shape)}; its leading axes must be the mesh shape {shape} "
+                f"(one block per rank): stack the ranks' tensors, e.g. t of shape {shape + tuple(t.shape)} for a "
+                f"block of shape {tuple(t.shape)}."
             )
-        return _eager_program(self._mesh.jax_mesh, self._dims, name, tuple(sorted(kwargs.items())))(t)
+        return collective_program(self._mesh.jax_mesh, name, self._dims, **kwargs)(t)
 
     def allreduce(self, t, op: Any = ReduceOp.SUM):
         return self._run("all_reduce", t, op=op)

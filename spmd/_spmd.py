@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from placements import Partial, Placement, Replicate, Shard, check_placements, format_placements
 from spmd._collectives import varying_axes
-from spmd._dtensor import DTensor, even_global_shape
+from spmd.tensor._dtensor import DTensor, from_physical, physical
+from spmd.tensor._local import even_global_shape
 from spmd._mesh import DeviceMesh
 
 __all__ = ["spmd"]
@@ -163,13 +164,13 @@ class _Spmd:
         vals, specs, kinds = [], [], []
         for (path, x), pl in zip(with_path, plists):
             v, s, k = self._leaf_spec(x, pl, jax.tree_util.keystr(path))
-            vals.append(v._physical if k == "dtensor" else v)
+            vals.append(physical(v) if k == "dtensor" else v)
             specs.append(s)
             kinds.append(k)
         sm, out_tree, out_pl = self._build(treedef, tuple(specs), tuple(kinds), vals)
         outs = sm(*vals)
         return jax.tree_util.tree_unflatten(out_tree, [
-            DTensor(o, mesh, pl, even_global_shape(o.shape[nd:], mesh.shape, pl)) if _has_partial(pl) else o
+            from_physical(o, mesh, pl, even_global_shape(o.shape[nd:], mesh.shape, pl)) if _has_partial(pl) else o
             for o, pl in zip(outs, out_pl)
         ])
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from placements import LATENCY_BYTES, Partial, Replicate, Shard, plan
-from placements._plan import _plan_cached, _step_bytes, _step_kind, _traffic, torch_greedy_steps
+from placements._plan import _plan_cached, make_step, torch_greedy_steps
 
 R = Replicate()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
@@ -115,14 +115,12 @@ def key(steps):
 def one_dim_steps(state, mesh_shape, shape, itemsize, cands):
     for i, c in enumerate(state):
         for t in cands:
-            kind = _step_kind(c, t)
-            if t == c or kind is False:
+            s = make_step(mesh_shape, shape, itemsize, state, (i,), t)
+            if s is None:
                 continue
-            after = state[:i] + (t,) + state[i + 1 :]
             if any(j > i and state[j] == Shard(d) for d in {p.dim for p in (c, t) if isinstance(p, Shard)} for j in range(len(state))):
                 continue
-            b = _step_bytes(kind, c, t, state, after, mesh_shape, shape, itemsize, mesh_shape[i])
-            yield after, (i, c, kind, _traffic(kind, c, b, mesh_shape[i]))
+            yield s.after, (i, c, s.collective, s.traffic)
 
 
 def brute_force(mesh_shape, shape, src, dst, depth):
@@ -166,11 +164,9 @@ def test_never_worse_than_torch_greedy(mesh_shape, shape):
             continue  # torch refuses redistributing to Partial
         t_traffic, t_coll = 0.0, 0
         for m, c, t, before in torch_greedy_steps(src, dst):
-            after = before[:m] + (t,) + before[m + 1 :]
-            kind = _step_kind(c, t)
-            b = _step_bytes(kind, c, t, before, after, mesh_shape, shape, 4, mesh_shape[m])
-            t_traffic += _traffic(kind, c, b, mesh_shape[m])
-            t_coll += kind is not None
+            s = make_step(mesh_shape, shape, 4, before, (m,), t)
+            t_traffic += s.traffic
+            t_coll += s.collective is not None
         p = plan(mesh_shape, shape, 4, src, dst)
         ours = p.cost().traffic + LATENCY_BYTES * p.cost().collectives
         assert ours <= t_traffic + LATENCY_BYTES * t_coll + 1e-9, (src, dst, str(p))

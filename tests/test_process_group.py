@@ -91,14 +91,14 @@ def test_groups_run_independently_on_a_2d_mesh(mesh2x4):
 
 
 def test_programs_are_cached(pg):
-    from spmd._process_group import _eager_program
+    from spmd._program import _cached
 
     x = (RANKS + 1).reshape(WORLD, 1).astype(np.float32)
     pg.allreduce(x)
-    before = _eager_program.cache_info()
+    before = _cached.cache_info()
     for _ in range(3):
         pg.allreduce(x)
-    after = _eager_program.cache_info()
+    after = _cached.cache_info()
     assert after.misses == before.misses and after.hits == before.hits + 3
 
 

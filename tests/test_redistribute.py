@@ -31,7 +31,9 @@ from placements import (
     plan,
 )
 from spmd._inspect import hlo_collectives
-from spmd._redistribute import program, simulate_plan
+from spmd.tensor._dispatch import program
+from spmd.tensor._dtensor import from_physical, physical
+from spmd.testing import np_storage, simulate_plan
 
 R = Replicate()
 OPS = ("sum", "avg", "max", "min", "product")
@@ -108,13 +110,7 @@ def data(shape, dtype=np.float32):
     return v.reshape(shape).astype(dtype)
 
 
-def np_distribute(x, mesh_shape, pl):
-    """Physical layout of ``x`` placed by ``pl`` (Partial as R -> P: coord 0 keeps the value)."""
-    from spmd._dtensor import _np_block
-
-    blocks = [_np_block(x, x.shape, mesh_shape, pl, c) for c in coords_of(mesh_shape)]
-    pad = padded_local_shape(x.shape, mesh_shape, pl)
-    return np.stack(blocks).reshape(tuple(mesh_shape) + pad)
+np_distribute = np_storage  # physical layout of x placed by pl (Partial as R -> P: coord 0 keeps the value)
 
 
 def placement_set(ndim, ops):
@@ -193,12 +189,12 @@ def meshes():
 
 def run_real(mesh, x, src, dst):
     dt = spmd.distribute_tensor(x, mesh, src)
-    p = dt.redistribute(placements=dst, explain=True)
+    p = spmd.plan_redistribute(dt, dst)
     if not p.steps:
         return dt, p, {"bytes": 0}
-    compiled = program(mesh, p).lower(dt._physical).compile()
+    compiled = program(mesh, p).lower(physical(dt)).compile()
     hlo = hlo_collectives(compiled.as_text())
-    out = spmd.DTensor(compiled(dt._physical), mesh, p.dst, x.shape)
+    out = from_physical(compiled(physical(dt)), mesh, p.dst, x.shape)
     return out, p, hlo
 
 
@@ -242,12 +238,12 @@ def test_real_execution_and_hlo_bytes(meshes, mesh_shape, shape, src, dst):
     out, p, hlo = run_real(meshes[mesh_shape], x, src, dst)
     assert out.placements == dst and out.shape == shape
     assert [tuple(t.shape) for t in out.local_tensors()] == list(local_shapes(shape, mesh_shape, dst))
-    blocks = unpadded_blocks(np.asarray(out._physical), shape, mesh_shape, dst)
+    blocks = unpadded_blocks(np.asarray(physical(out)), shape, mesh_shape, dst)
     np.testing.assert_array_equal(full_from_blocks(blocks, shape, mesh_shape, dst), x)
     np.testing.assert_array_equal(np.asarray(out.full_tensor()), x)
     # the simulator agrees with the real program block for block
     sim = simulate_plan(p, np_distribute(x, mesh_shape, src)) if p.steps else np_distribute(x, mesh_shape, src)
-    got = unpadded_blocks(np.asarray(out._physical), shape, mesh_shape, dst)
+    got = unpadded_blocks(np.asarray(physical(out)), shape, mesh_shape, dst)
     want = unpadded_blocks(sim, shape, mesh_shape, dst)
     for c in got:
         np.testing.assert_array_equal(got[c], want[c])
@@ -367,8 +363,8 @@ def test_public_api_under_spmd_collectives(meshes, src, dst, expected):
     dt = spmd.distribute_tensor(x, meshes[(8,)], parse(src))
     got = spmd.collectives(lambda d: d.redistribute(placements=parse(dst)), dt)
     assert kinds(got) == expected
-    assert sum(v["bytes"] for v in got.values()) == dt.redistribute(placements=parse(dst), explain=True).cost().bytes
+    assert sum(v["bytes"] for v in got.values()) == spmd.plan_redistribute(dt, parse(dst)).cost().bytes
     full = spmd.collectives(lambda d: d.full_tensor(), dt.redistribute(placements=parse(dst)))
-    n_full = len(dt.redistribute(placements=parse(dst)).redistribute(placements=[R], explain=True).collectives)
+    n_full = len(spmd.plan_redistribute(dt.redistribute(placements=parse(dst)), [R]).collectives)
     assert sum(v["count"] for v in full.values()) == n_full
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda d: d.full_tensor())(dt)), x)

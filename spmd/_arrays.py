@@ -1,0 +1,30 @@
+"""Turning what a caller passes into an array, with the project's error when it is not one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["as_array"]
+
+
+def as_array(x: Any, where: str, arg: str):
+    """``x`` as an array: a ``jax.Array`` as it is, anything else through ``np.asarray``.
+
+    A value that is not a numeric (or bool) array, e.g. a string, an object array
+    or something ``np.asarray`` refuses, is a ``TypeError`` naming ``where`` and ``arg``.
+    """
+    if isinstance(x, jax.Array):
+        return x
+    try:
+        a = np.asarray(x)
+    except Exception:
+        a = None
+    if a is None or a.dtype.kind not in "biufc":
+        raise TypeError(
+            f"{where}: {arg}={x!r} is not a numeric array; pass a NumPy or JAX array (or anything np.asarray "
+            "turns into one) of a bool, integer, float or complex dtype."
+        )
+    return a

@@ -1,0 +1,67 @@
+"""The one ``jax.jit(jax.shard_map(...))`` builder for eager per-device programs.
+
+An eager value here is a *stacked* global array: its leading axes are the
+mesh shape and device ``(i, j, ...)`` holds exactly block ``[i, j, ...]``
+(``ProcessGroup``'s per-rank arrays, a DTensor's storage, the c10d facade's
+one block per rank). :func:`block_program` runs a per-block function on it;
+``ProcessGroup``, the c10d facade and ``DTensor.redistribute`` all build their
+programs here. :func:`collective_program` is the cached program of one
+functional collective, shared by ``ProcessGroup`` and the c10d facade.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from spmd import _collectives as C
+
+__all__ = ["block_program", "collective_program"]
+
+
+def block_program(jax_mesh: jax.sharding.Mesh, body: Callable) -> Callable:
+    """The jitted program that maps every device's block through ``body``.
+
+    ``body`` takes one block (the leading mesh axes removed) inside the SPMD
+    region, may call the functional collectives over the mesh's axes, and
+    returns one block; the result is stacked the same way.
+    """
+    nd = len(jax_mesh.axis_names)
+    spec = P(*jax_mesh.axis_names)
+
+    def per_device(block):
+        out = body(block.reshape(block.shape[nd:]))
+        return out.reshape((1,) * nd + out.shape)
+
+    return jax.jit(jax.shard_map(per_device, mesh=jax_mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Collective:
+    """One functional collective with fixed options: a hashable program body."""
+
+    name: str
+    group: Any
+    kwargs: tuple
+
+    def __call__(self, block):
+        return getattr(C, self.name)(block, group=self.group, **{k: v for k, _, v in self.kwargs})
+
+
+def collective_program(jax_mesh: jax.sharding.Mesh, name: str, group: Any, **kwargs) -> Callable:
+    """The cached :func:`block_program` running collective ``name`` of ``spmd._collectives``.
+
+    The cache key holds each option's type, so ``src=False`` or ``src=1.0`` never
+    reuses the program built for ``src=0`` or ``src=1`` (their validation runs).
+    """
+    key = tuple(sorted((k, type(v), v) for k, v in kwargs.items()))
+    return _cached(jax_mesh, _Collective(name, group, key))
+
+
+@functools.lru_cache(maxsize=512)
+def _cached(jax_mesh: jax.sharding.Mesh, body: _Collective) -> Callable:
+    return block_program(jax_mesh, body)

@@ -1,0 +1,124 @@
+"""``DTensor.from_local``: storage from each rank's local tensor (one process, or this process's)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+
+from placements import Replicate, Shard, coord_to_rank, format_placements, local_shape, rank_to_coord
+from spmd._arrays import as_array
+from spmd.tensor._checks import check_mesh, check_shape, check_target
+from spmd.tensor._storage import storage_of_blocks
+
+__all__ = ["from_local_storage", "even_global_shape"]
+
+
+def even_global_shape(local, mesh_shape, pl) -> tuple[int, ...]:
+    """The global shape whose even shards have shape ``local`` (as torch's from_local infers it)."""
+    g = list(local)
+    for m, p in enumerate(pl):
+        if isinstance(p, Shard):
+            g[p.dim] *= mesh_shape[m]
+    return tuple(g)
+
+
+def from_local_storage(locals, device_mesh, placements, shape, run_check):
+    """(mesh, storage, placements, global shape) of ``DTensor.from_local``'s arguments."""
+    where = "DTensor.from_local"
+    mesh = check_mesh(device_mesh, where)
+    n = mesh.size()
+    if placements is None:
+        placements = [Replicate()] * mesh.ndim
+    if jax.process_count() > 1 and not callable(locals) and not isinstance(locals, (list, tuple)):
+        return (mesh, *_process_storage(locals, mesh, placements, shape, where))
+    if callable(locals) and not isinstance(locals, (jax.Array, np.ndarray)):
+        fn = locals
+        locals = [fn(r) for r in range(n)]
+    elif not isinstance(locals, (list, tuple)):
+        what = f"an array of shape {tuple(locals.shape)}" if hasattr(locals, "shape") else repr(locals)
+        raise TypeError(
+            f"{where}: locals={what} is not a sequence of local tensors; in a single-process run pass a list of "
+            f"{n} arrays indexed by rank (or a callable rank -> array)."
+        )
+    if len(locals) != n:
+        raise ValueError(
+            f"{where}: locals has {len(locals)} tensor(s) but {mesh!r} has {n} ranks; pass exactly one local "
+            "tensor per rank, indexed by rank."
+        )
+    arrs = [as_array(x, where, f"locals[{r}]") for r, x in enumerate(locals)]
+    dtypes = {np.dtype(a.dtype) for a in arrs}
+    if len(dtypes) > 1:
+        raise TypeError(
+            f"{where}: locals have different dtypes {sorted(d.name for d in dtypes)}; cast them to one dtype."
+        )
+    ndims = {a.ndim for a in arrs}
+    if len(ndims) > 1:
+        raise ValueError(
+            f"{where}: locals have different ranks {sorted(ndims)} (shapes {[tuple(a.shape) for a in arrs]}); "
+            "every local tensor has the global tensor's rank."
+        )
+    pl = check_target(placements, mesh.ndim, arrs[0].ndim, arrs[0].dtype, where)
+    gshape, hint = _global_shape(shape, arrs[0], mesh, pl, where)
+    for r, a in enumerate(arrs):
+        want = local_shape(gshape, mesh.shape, pl, rank_to_coord(r, mesh.shape))
+        if tuple(a.shape) != want:
+            raise ValueError(
+                f"{where}: locals[{r}] has shape {tuple(a.shape)} but placements {format_placements(pl)} of a global "
+                f"shape {gshape} give rank {r} the shape {want}; {hint}."
+            )
+    if run_check:  # as torch: copy coordinate 0's value along Replicate mesh dims
+        rep_dims = [d for d, p in enumerate(pl) if isinstance(p, Replicate)]
+        src = []
+        for r in range(n):
+            c = list(rank_to_coord(r, mesh.shape))
+            for d in rep_dims:
+                c[d] = 0
+            src.append(arrs[coord_to_rank(c, mesh.shape)])
+        arrs = src
+    blocks = {rank_to_coord(r, mesh.shape): a for r, a in enumerate(arrs)}
+    return mesh, storage_of_blocks(blocks, mesh, pl, gshape), pl, gshape
+
+
+def _global_shape(shape, a, mesh, pl, where: str):
+    """(global shape, hint for a mismatch): ``shape`` checked, or the even shape of ``a``."""
+    if shape is None:
+        gshape = even_global_shape(a.shape, mesh.shape, pl)
+        return gshape, f"give shape= (the global shape) for uneven shards; assuming even shards it is {gshape}"
+    gshape = check_shape(shape, where)
+    if len(gshape) != a.ndim:
+        raise ValueError(
+            f"{where}: shape={gshape!r} has {len(gshape)} dim(s) but the local tensors have {a.ndim}; "
+            "give the global shape of the same rank."
+        )
+    return gshape, "check shape= or the locals"
+
+
+def _process_storage(local, mesh, placements, shape, where: str):
+    """Multi-process: ``local`` is this process's tensor (one device per process)."""
+    a = as_array(local, where, "local_tensor")
+    pl = check_target(placements, mesh.ndim, a.ndim, a.dtype, where)
+    gshape = even_global_shape(a.shape, mesh.shape, pl) if shape is None else check_shape(shape, where)
+    mine = [
+        c for c in itertools.product(*(range(s) for s in mesh.shape))
+        if mesh.devices[c].process_index == jax.process_index()
+    ]
+    split = [d for d, p in enumerate(pl) if not isinstance(p, Replicate) and len({c[d] for c in mine}) > 1]
+    if split:
+        # One tensor cannot fill several blocks of a Shard dim, and would be counted twice on a Partial one.
+        raise ValueError(
+            f"{where}: this process holds {len(mine)} devices of {mesh!r} that differ along mesh dim(s) "
+            f"{[mesh.mesh_dim_names[d] for d in split]}, where placements {format_placements(pl)} do not replicate; "
+            "one local tensor cannot fill them. Use one device per process, Replicate() on those dims, or "
+            "distribute_tensor with the global value."
+        )
+    for coord in mine:
+        want = local_shape(gshape, mesh.shape, pl, coord)
+        if tuple(a.shape) != want:
+            raise ValueError(
+                f"{where}: this process's local tensor has shape {tuple(a.shape)} but placements "
+                f"{format_placements(pl)} of a global shape {gshape} give coordinate {coord} the shape {want}; "
+                "give shape= (the global shape) for uneven shards."
+            )
+    return storage_of_blocks({coord: np.asarray(a) for coord in mine}, mesh, pl, gshape), pl, gshape

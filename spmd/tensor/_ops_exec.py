@@ -1,0 +1,164 @@
+"""Run one op on DTensors: redistribute the inputs as the strategy asks, then the local op on
+every device's block, as one jitted program per (op, placements, shapes, dtypes).
+
+The strategy (``placements/_strategy.py``) is pure placement logic; this module only
+executes it. Storage is the DTensor's (``mesh.shape + padded local block`` per device,
+see ``_storage.py``), read and rebuilt through the DTensor pytree (no import of the class): an elementwise op runs on the padded block and leaves garbage
+in the padding (never read); a reduction or contraction along a sharded dim first fills
+that dim's padding with the op's identity, from a static per-device table of local sizes.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from placements import Partial, format_placements, local_shape, padded_local_shape, rank_to_coord
+from placements._strategy import Operand, OpStrategy
+from spmd.tensor import _dispatch
+from spmd.tensor._storage import op_identity
+
+__all__ = ["DTensorBase", "run", "operand", "is_dtensor", "check_operands", "recording"]
+
+
+class DTensorBase:
+    """Base of ``DTensor`` that the op executor knows (it builds results with ``type(x)``),
+    so this module needs no import of the DTensor class."""
+
+    __slots__ = ()
+    __array_ufunc__ = None  # NumPy defers `ndarray + DTensor` to DTensor.__radd__
+
+
+#: While ``spmd.ops.explain`` traces a function: a list that every op appends its strategy to.
+_RECORD: contextvars.ContextVar = contextvars.ContextVar("spmd_ops_record", default=None)
+
+
+class recording:
+    """Context manager: collect the strategy of every op run inside it (``explain``)."""
+
+    def __enter__(self) -> list:
+        self._log: list = []
+        self._token = _RECORD.set(self._log)
+        return self._log
+
+    def __exit__(self, *exc) -> None:
+        _RECORD.reset(self._token)
+
+
+def is_dtensor(x: Any) -> bool:
+    return isinstance(x, DTensorBase)
+
+
+def operand(x) -> Operand:
+    return Operand(tuple(x.shape), np.dtype(x.dtype).itemsize, tuple(x.placements))
+
+
+def check_operands(op: str, tensors: list) -> Any:
+    """All DTensor operands on one mesh; returns that mesh."""
+    mesh = tensors[0].device_mesh
+    for t in tensors[1:]:
+        if t.device_mesh != mesh:
+            raise ValueError(
+                f"{op}: operands live on different meshes ({mesh!r} placed {format_placements(tensors[0].placements)} "
+                f"and {t.device_mesh!r} placed {format_placements(t.placements)}); redistribute one onto the other's "
+                "mesh first (x.full_tensor() and distribute_tensor)."
+            )
+    return mesh
+
+
+def _size_table(shape, mesh_shape, placements, dims) -> np.ndarray:
+    """Local size of each of ``dims`` on every device (row = linear device index)."""
+    n = math.prod(mesh_shape)
+    rows = [local_shape(shape, mesh_shape, placements, rank_to_coord(r, mesh_shape)) for r in range(n)]
+    return np.array([[row[d] for d in dims] for row in rows], dtype=np.int32).reshape(n, len(dims))
+
+
+@functools.lru_cache(maxsize=2048)
+def _program(mesh, fn: Callable, params: tuple, strat: OpStrategy, kinds: tuple, shapes: tuple, fill: str | None):
+    """The jitted ``(physical inputs..., scalars...) -> physical output`` of one op call."""
+    names = mesh.mesh_dim_names
+    nd = mesh.ndim
+    mesh_shape = tuple(mesh.shape)
+    strides = [math.prod(mesh_shape[i + 1:]) for i in range(nd)]
+    masks = [
+        (dims, _size_table(shape, mesh_shape, pl, dims)) if dims else None
+        for dims, shape, pl in zip(strat.masks, shapes, strat.inputs)
+    ]
+    n_t = sum(k == "t" for k in kinds)
+
+    def body(*flat):
+        blocks, scalars = list(flat[:n_t]), list(flat[n_t:])
+        lin = sum(lax.axis_index(a) * s for a, s in zip(names, strides)) if nd else 0
+        locs = []
+        for b, m in zip(blocks, masks):
+            x = b.reshape(b.shape[nd:])
+            if m is not None:
+                dims, table = m
+                sizes = jnp.asarray(table)[lin]
+                keep = jnp.ones(x.shape, bool)
+                for j, d in enumerate(dims):
+                    keep &= lax.broadcasted_iota(jnp.int32, x.shape, d) < sizes[j]
+                x = jnp.where(keep, x, jnp.asarray(op_identity(fill, x.dtype), x.dtype))
+            locs.append(x)
+        args, it_t, it_s = [], iter(locs), iter(scalars)
+        for k in kinds:
+            args.append(next(it_t) if k == "t" else next(it_s))
+        y = fn(*args, *params)
+        return y.reshape((1,) * nd + y.shape)
+
+    n_s = len(kinds) - n_t
+    sm = jax.shard_map(
+        body, mesh=mesh.jax_mesh, in_specs=(P(*names),) * n_t + (P(),) * n_s, out_specs=P(*names), check_vma=False
+    )
+
+    def f(*flat):
+        phys = [_dispatch.program(mesh, p)(x) if p.steps else x for p, x in zip(strat.plans, flat[:n_t])]
+        return sm(*phys, *flat[n_t:])
+
+    return jax.jit(f)
+
+
+def _storage(t):
+    """A DTensor's storage, through its pytree (one leaf: the stacked padded blocks)."""
+    (leaf,) = jax.tree_util.tree_leaves(t)
+    return leaf
+
+
+def _scalar(x):
+    """A Python/NumPy scalar or 0-d array as a jit argument (Python scalars stay weakly typed)."""
+    if isinstance(x, (bool, int, float, complex)):
+        return x
+    return jnp.asarray(x)
+
+
+def run(strat: OpStrategy, fn: Callable, args: list, *, params: tuple = (), fill: str | None = None):
+    """Execute ``strat`` with local op ``fn(*args, *params)``; ``args`` mixes DTensors and scalars."""
+    log = _RECORD.get()
+    if log is not None:
+        log.append(strat)
+    kinds = tuple("t" if is_dtensor(a) else "s" for a in args)
+    tensors = [a for a in args if is_dtensor(a)]
+    mesh = tensors[0].device_mesh
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    prog = _program(mesh, fn, params, strat, kinds, shapes, fill)
+    out = prog(*[_storage(t) for t in tensors], *[_scalar(a) for a in args if not is_dtensor(a)])
+    want = padded_local_shape(strat.out_shape, mesh.shape, strat.output)
+    if tuple(out.shape[mesh.ndim:]) != want:
+        raise RuntimeError(
+            f"{strat.op}: internal error, local result {tuple(out.shape[mesh.ndim:])} is not the padded block {want} "
+            f"of {strat.out_shape} placed {format_placements(strat.output)}."
+        )
+    if out.dtype == jnp.bool_ and any(isinstance(p, Partial) for p in strat.output):
+        raise TypeError(
+            f"{strat.op}: the result would be a bool tensor placed {format_placements(strat.output)}, and a Partial "
+            "needs a numeric dtype; cast the input first, e.g. x.astype('int32')."
+        )
+    return type(tensors[0]).tree_unflatten((mesh, strat.output, strat.out_shape), (out,))

@@ -1,0 +1,132 @@
+"""A NumPy simulator of a redistribute plan, for tests and property checks.
+
+It runs a plan on a NumPy storage array (``mesh_shape + padded block``) with the
+same index tables as the jitted program (``spmd/tensor/_tables.py``) and NumPy
+stand-ins for the collectives: one function per transition lowering
+(``placements/_transitions.py``), as ``spmd/tensor/_lower.py`` has one JAX
+function per lowering. Tests check it against the real program block for block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from placements import padded_local_shape
+from placements._plan import Plan, Step
+from spmd.tensor._storage import np_block, op_identity
+from spmd.tensor._tables import Geometry, coords, geometry
+
+__all__ = ["simulate_plan", "np_storage", "SIMULATIONS"]
+
+
+def _compact(x, dim, table, dev, fill=0):
+    row = table[dev]
+    idx = np.where(row < 0, 0, row)
+    if x.shape[dim]:
+        y = np.take(x, idx, axis=dim)
+    else:
+        y = np.zeros(x.shape[:dim] + (len(row),) + x.shape[dim + 1 :], x.dtype)
+    shape = [1] * x.ndim
+    shape[dim] = len(row)
+    return np.where((row >= 0).reshape(shape), y, np.asarray(fill, x.dtype)).astype(x.dtype)
+
+
+def _reduce(vals, op):
+    stack = np.stack(vals)
+    if op == "sum":
+        return stack.sum(0, dtype=stack.dtype)
+    if op == "avg":
+        return (stack.sum(0, dtype=stack.dtype) / len(vals)).astype(stack.dtype)
+    if op == "product":
+        return stack.prod(0, dtype=stack.dtype)
+    return stack.max(0) if op == "max" else stack.min(0)
+
+
+def _chunk(x, dim, r, size):
+    return np.take(x, range(r * size, (r + 1) * size), axis=dim)
+
+
+# --- one NumPy stand-in per lowering (xs: every device's block, by linear index) ---------------
+def _all_gather(step: Step, g: Geometry, xs):
+    a = step.src.dim
+    tab = g.gather(a)
+    return [_compact(np.concatenate([xs[m] for m in g.members[d]], axis=a), a, tab, d) for d in range(len(xs))]
+
+
+def _all_to_all(step: Step, g: Geometry, xs):
+    a, b = step.src.dim, step.dst.dim
+    tb, ta = g.split(b), g.gather(a)
+    pre = [_compact(xs[d], b, tb, d) for d in range(len(xs))]
+    out = []
+    for d in range(len(xs)):
+        r = g.members[d].index(d)
+        out.append(_compact(np.concatenate([_chunk(pre[m], b, r, g.sa[b]) for m in g.members[d]], axis=a), a, ta, d))
+    return out
+
+
+def _fill_identity(step: Step, g: Geometry, xs):
+    a = step.src.dim
+    tab = g.local(a, fill_missing=True)
+    fill = op_identity(step.dst.reduce_op, xs[0].dtype)
+    return [_compact(xs[d], a, tab, d, fill=fill) for d in range(len(xs))]
+
+
+def _slice(step: Step, g: Geometry, xs):
+    b = step.dst.dim
+    tab = g.local(b, fill_missing=False)
+    return [_compact(xs[d], b, tab, d) for d in range(len(xs))]
+
+
+def _partition(step: Step, g: Geometry, xs):
+    op = step.dst.reduce_op
+    if op not in ("sum", "product"):
+        return xs
+    fill = op_identity(op, xs[0].dtype)
+    return [xs[d] if g.first[d] else np.full_like(xs[d], fill) for d in range(len(xs))]
+
+
+def _all_reduce(step: Step, g: Geometry, xs):
+    return [_reduce([xs[m] for m in g.members[d]], step.src.reduce_op) for d in range(len(xs))]
+
+
+def _reduce_scatter(step: Step, g: Geometry, xs):
+    b = step.dst.dim
+    tb = g.split(b)
+    pre = [_compact(xs[d], b, tb, d) for d in range(len(xs))]
+    out = []
+    for d in range(len(xs)):
+        red = _reduce([pre[m] for m in g.members[d]], step.src.reduce_op)
+        out.append(_chunk(red, b, g.members[d].index(d), g.sa[b]))
+    return out
+
+
+SIMULATIONS = {
+    "all_gather": _all_gather,
+    "all_to_all": _all_to_all,
+    "fill_identity": _fill_identity,
+    "slice": _slice,
+    "partition": _partition,
+    "all_reduce": _all_reduce,
+    "reduce_scatter": _reduce_scatter,
+}
+
+
+def simulate_plan(plan: Plan, physical: np.ndarray) -> np.ndarray:
+    """Run ``plan`` on a NumPy storage array (``mesh_shape + padded block``) with the same
+    tables as the jitted program and NumPy stand-ins for the collectives."""
+    mesh_shape = plan.mesh_shape
+    gs = plan.global_shape
+    if math.prod(gs) == 0:
+        return np.zeros(tuple(mesh_shape) + padded_local_shape(gs, mesh_shape, plan.dst), physical.dtype)
+    xs = [np.asarray(physical[c]) for c in coords(mesh_shape)]
+    for step in plan.steps:
+        xs = SIMULATIONS[step.lowering](step, geometry(step, mesh_shape, gs), xs)
+    return np.stack(xs).reshape(tuple(mesh_shape) + xs[0].shape)
+
+
+def np_storage(x: np.ndarray, mesh_shape, placements) -> np.ndarray:
+    """The storage of a global NumPy ``x`` placed by ``placements`` (Partial as ``R -> P``)."""
+    blocks = [np_block(x, x.shape, mesh_shape, placements, c) for c in coords(mesh_shape)]
+    return np.stack(blocks).reshape(tuple(mesh_shape) + padded_local_shape(x.shape, mesh_shape, placements))
