@@ -242,3 +242,43 @@ def test_swapping_two_shards_takes_at_most_two_collectives_at_every_size(n):
     # (S0,S1) -> (S1,S0) on a 2x4 mesh: all_gather + all_to_all, never 3 all_to_alls.
     p = plan((2, 4), (n, n), 4, (Shard(0), Shard(1)), (Shard(1), Shard(0)))
     assert p.cost().collectives <= 2
+
+
+# --- the transition table -----------------------------------------------------------------------
+def test_transition_table_drives_planner_lowering_and_simulator():
+    """Every entry has a JAX lowering and a NumPy simulation of the same name; the planner's steps
+    carry their entry's collective and lowering; pairs absent from the table are never planned."""
+    from placements import TRANSITIONS, transition
+    from spmd.tensor._lower import LOWERINGS
+    from spmd.testing._simulate import SIMULATIONS
+
+    names = {t.lowering for t in TRANSITIONS.values()}
+    assert set(LOWERINGS) == names == set(SIMULATIONS)
+    ops = ("sum", "avg", "max", "min", "product")
+    assert transition(S0, Partial("avg")) is None  # S -> P(avg) goes through R
+    assert all(transition(Partial(a), Partial(b)) is None for a in ops for b in ops)  # never switch a Partial op
+    pls = [R, S0, S1] + [Partial(op) for op in ops]
+    seen = set()
+    for src, dst in itertools.product(itertools.product(pls, repeat=2), repeat=2):
+        try:
+            p = plan((2, 4), (10, 7), 4, src, dst)
+        except ValueError:
+            continue
+        for s in p.steps:
+            t = transition(s.src, s.dst)
+            assert t is not None and s.lowering == t.lowering, str(s)
+            assert s.collective == t.collective, str(s)  # every group here has more than one device
+            seen.add((t.src, t.dst))
+    assert seen == set(TRANSITIONS)  # every entry is used by some plan
+
+
+def test_make_step_costs_one_step_as_the_planner_does():
+    # 10 rows over 4 ranks: padded block 3 x 7; all_gather result 12 x 7 float32; ring traffic 3/4 of it
+    s = make_step((4,), (10, 7), 4, (S0,), (0,), R)
+    assert (s.collective, s.lowering, s.bytes, s.traffic) == ("all_gather", "all_gather", 12 * 7 * 4, 12 * 7 * 4 * 0.75)
+    s = make_step((4,), (10, 7), 4, (Partial("sum"),), (0,), R)  # all_reduce: two ring passes
+    assert (s.collective, s.bytes, s.traffic) == ("all_reduce", 10 * 7 * 4, 10 * 7 * 4 * 0.75 * 2)
+    s = make_step((4,), (10, 7), 4, (Partial("product"),), (0,), R)  # gather the 4 blocks, multiply locally
+    assert (s.collective, s.lowering, s.bytes) == ("all_gather", "all_reduce", 4 * 10 * 7 * 4)
+    assert make_step((4,), (10, 7), 4, (S0,), (0,), Partial("avg")) is None
+    assert make_step((1,), (10, 7), 4, (S0,), (0,), R).collective is None  # a group of one moves nothing

@@ -368,3 +368,38 @@ def test_public_api_under_spmd_collectives(meshes, src, dst, expected):
     n_full = len(spmd.plan_redistribute(dt.redistribute(placements=parse(dst)), [R]).collectives)
     assert sum(v["count"] for v in full.values()) == n_full
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda d: d.full_tensor())(dt)), x)
+
+
+# --- the program cache: weak per mesh, bounded ---------------------------------------------------
+def _entries_for(names):
+    from spmd.tensor import _dispatch
+
+    return [len(v) for m, v in list(_dispatch._BY_MESH.items()) if m.mesh_dim_names == names]
+
+
+def test_program_cache_dies_with_its_mesh():
+    import gc
+
+    mesh = spmd.init_device_mesh("cpu", (4,), mesh_dim_names=("cache_dies",))
+    x = data((8, 3))
+    out = spmd.distribute_tensor(x, mesh, [Shard(0)]).redistribute(placements=[R])
+    np.testing.assert_array_equal(np.asarray(out.full_tensor()), x)
+    assert _entries_for(("cache_dies",)) == [3]  # the request, its plan's program, full_tensor's request (R -> R)
+    del mesh, out
+    gc.collect()
+    assert _entries_for(("cache_dies",)) == []
+
+
+def test_program_cache_is_bounded_and_evicts_one_at_a_time(monkeypatch):
+    from spmd.tensor import _dispatch
+
+    monkeypatch.setattr(_dispatch, "MAX_PER_MESH", 3)
+    mesh = spmd.init_device_mesh("cpu", (4,), mesh_dim_names=("cache_bounded",))
+    x = data((8, 4))
+    dt = spmd.distribute_tensor(x, mesh, [Shard(0)])
+    for dst in ([R], [Shard(1)], [Partial("sum")], [Shard(1)], [R]):
+        out = dt.redistribute(placements=dst)
+        np.testing.assert_array_equal(np.asarray(out.full_tensor()), x)
+        assert _entries_for(("cache_bounded",)) == [3]
+    keys = list(_dispatch._BY_MESH[mesh])
+    assert keys[-1] == ((Replicate(),), (8, 4), dt.dtype, (R,))  # the last request is the most recent entry

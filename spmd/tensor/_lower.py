@@ -107,15 +107,9 @@ def _reduce_scatter(step: Step, g: Geometry, x, lin, axes):
     return C.reduce_scatter(x, step.src.reduce_op, scatter_dim=b, group=axes) if g.k > 1 else x
 
 
-LOWERINGS = {
-    "all_gather": _all_gather,
-    "all_to_all": _all_to_all,
-    "fill_identity": _fill_identity,
-    "slice": _slice,
-    "partition": _partition,
-    "all_reduce": _all_reduce,
-    "reduce_scatter": _reduce_scatter,
-}
+LOWERINGS = {f.__name__[1:]: f for f in (
+    _all_gather, _all_to_all, _fill_identity, _slice, _partition, _all_reduce, _reduce_scatter
+)}  # by Step.lowering
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,15 +102,9 @@ def _reduce_scatter(step: Step, g: Geometry, xs):
     return out
 
 
-SIMULATIONS = {
-    "all_gather": _all_gather,
-    "all_to_all": _all_to_all,
-    "fill_identity": _fill_identity,
-    "slice": _slice,
-    "partition": _partition,
-    "all_reduce": _all_reduce,
-    "reduce_scatter": _reduce_scatter,
-}
+SIMULATIONS = {f.__name__[1:]: f for f in (
+    _all_gather, _all_to_all, _fill_identity, _slice, _partition, _all_reduce, _reduce_scatter
+)}  # by Step.lowering
 
 
 def simulate_plan(plan: Plan, physical: np.ndarray) -> np.ndarray:
