@@ -1,8 +1,16 @@
 """A small GPT-style decoder (flax.linen): token and position embeddings, pre-norm
 blocks of causal multi-head self-attention and an MLP, a final layer norm and a
-tied output projection."""
+tied output projection.
+
+``Transformer.__call__(tokens, gather=...)`` runs on sharded parameters
+(FSDP): the root parameters are gathered once, then the blocks run under a
+``lax.scan`` over their stacked shards, each iteration all-gathering one
+block's parameters right before it runs (see ``models._fsdp``).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -59,8 +67,15 @@ class Transformer(nn.Module):
     mlp_ratio: int = 4
     dtype: jnp.dtype = jnp.float32
 
+    @staticmethod
+    def fsdp_units() -> tuple[str, ...]:
+        """The gather units below the root (torch's ``fully_shard`` on each block): path regexes."""
+        return (r"block_\d+",)
+
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, gather: Any = None) -> jax.Array:
+        """Logits; ``gather`` (from ``models._fsdp``): the parameters are this device's shards,
+        and ``gather(unit, params)`` returns a unit's full parameters."""
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"Transformer: d_model={self.d_model!r} is not divisible by num_heads={self.num_heads!r}; "
@@ -72,6 +87,8 @@ class Transformer(nn.Module):
                 f"Transformer: the input has {t} positions but max_len={self.max_len!r}; "
                 "build the model with a larger max_len."
             )
+        if gather is not None:
+            return self._sharded(tokens, gather)
         init = nn.initializers.normal(0.02)
         embed = nn.Embed(self.vocab_size, self.d_model, embedding_init=init, dtype=self.dtype, name="embed")
         pos = self.param("pos", init, (self.max_len, self.d_model))
@@ -80,3 +97,27 @@ class Transformer(nn.Module):
             x = _Block(self.num_heads, self.mlp_ratio, self.dtype, name=f"block_{i}")(x)
         x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
         return embed.attend(x)
+
+    def _sharded(self, tokens: jax.Array, gather: Any) -> jax.Array:
+        """The same forward pass on parameter shards: root gathered once and held, blocks
+        scanned with one gather each (again in the backward pass when ``gather.regather``)."""
+        params = self.variables["params"]
+        blocks = [params[f"block_{i}"] for i in range(self.num_layers)]
+        root = gather("root", {k: v for k, v in params.items() if not k.startswith("block_")})
+        embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, parent=None)
+        t = tokens.shape[1]
+        x = embed.apply({"params": root["embed"]}, tokens) + root["pos"][:t].astype(self.dtype)
+        block = _Block(self.num_heads, self.mlp_ratio, self.dtype, parent=None)
+
+        def body(x, shards):
+            # Every block has block_0's layout (models._fsdp checks it): one program for all.
+            return block.apply({"params": gather("block_0", shards)}, x), None
+
+        if gather.regather:
+            # Keep the matmul outputs; the gathered parameters (and cheap elementwise ops) are
+            # recomputed in the backward pass: one more all-gather per block, one block alive.
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
+        if blocks:
+            x, _ = jax.lax.scan(body, x, jax.tree.map(lambda *b: jnp.stack(b), *blocks))
+        x = nn.LayerNorm(dtype=self.dtype, parent=None).apply({"params": root["ln_f"]}, x)
+        return embed.apply({"params": root["embed"]}, x, method=nn.Embed.attend)

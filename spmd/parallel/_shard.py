@@ -1,0 +1,117 @@
+"""Moving parameter pytrees onto a plan, and gathering a unit inside an SPMD region.
+
+A device stores each parameter's block padded to the chunk size (torch.chunk
+cuts unevenly; ``shard_map`` needs equal blocks), so a sharded parameter is a
+global ``jax.Array`` of the padded shape, placed by the plan. Padding is zero
+and stays zero in training: its gradient is zero (the gather trims it), and
+AdamW moves a zero parameter with zero gradient nowhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from placements import Shard
+from spmd._mesh import DeviceMesh
+from spmd.parallel._param_plan import ParamPlan, PlanEntry
+
+__all__ = ["padded_shape", "entry_sharding", "shard_params", "unshard_params", "gather_unit", "map_like_params"]
+
+
+def padded_shape(e: PlanEntry, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The global shape a device's padded block tiles: local shape times the shards per dim."""
+    shape = list(e.local_shape)
+    for size, p in zip(mesh_shape, e.placements):
+        if isinstance(p, Shard):
+            shape[p.dim] *= size
+    return tuple(shape)
+
+
+def entry_sharding(e: PlanEntry, mesh: DeviceMesh) -> NamedSharding:
+    spec: list[list[str]] = [[] for _ in e.shape]
+    for name, p in zip(mesh.mesh_dim_names, e.placements):
+        if isinstance(p, Shard):
+            spec[p.dim].append(name)
+    return NamedSharding(mesh.jax_mesh, P(*[None if not s else (s[0] if len(s) == 1 else tuple(s)) for s in spec]))
+
+
+def _pad(x, e: PlanEntry, mesh_shape) -> jax.Array:
+    target = padded_shape(e, mesh_shape)
+    return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, target)])
+
+
+def _trim(x, e: PlanEntry) -> jax.Array:
+    return x[tuple(slice(0, s) for s in e.shape)]
+
+
+def map_like_params(plan: ParamPlan, tree: Any, fn, *, optimizer=None, other=None) -> Any:
+    """Apply ``fn(leaf, entry)`` to the parameter-shaped leaves of ``tree``.
+
+    ``tree`` is the parameters, or an optax state when ``optimizer`` is given
+    (``optax.tree_map_params`` finds the leaves shaped like parameters: Adam's
+    moments; ``other(leaf)`` maps the rest, such as the step count).
+    """
+    entries = jax.tree_util.tree_unflatten(plan.treedef, list(plan.entries))
+    if optimizer is None:
+        return jax.tree.map(fn, tree, entries)
+    import optax
+
+    return optax.tree_map_params(optimizer, fn, tree, entries, transform_non_params=other)
+
+
+def shard_params(tree: Any, plan: ParamPlan, mesh: DeviceMesh, *, optimizer=None) -> Any:
+    """Pad each parameter-shaped leaf to its plan's chunks and place it; other leaves replicate."""
+    rep = NamedSharding(mesh.jax_mesh, P())
+    shardings = map_like_params(plan, tree, lambda x, e: entry_sharding(e, mesh), optimizer=optimizer,
+                                other=lambda x: rep)
+    pad = jax.jit(lambda t: map_like_params(plan, t, lambda x, e: _pad(x, e, mesh.shape), optimizer=optimizer,
+                                            other=lambda x: x), out_shardings=shardings)
+    return pad(tree)
+
+
+def unshard_params(tree: Any, plan: ParamPlan, mesh: DeviceMesh, *, optimizer=None) -> Any:
+    """The logical (unpadded) values, replicated on ``mesh``: the inverse of ``shard_params``."""
+    rep = NamedSharding(mesh.jax_mesh, P())
+    trim = jax.jit(lambda t: map_like_params(plan, t, lambda x, e: _trim(x, e), optimizer=optimizer,
+                                             other=lambda x: x), out_shardings=rep)
+    return trim(tree)
+
+
+def gather_unit(shards: Sequence[jax.Array], entries: Sequence[PlanEntry], fsdp: str, n: int,
+                fsdp_index: int) -> list[jax.Array]:
+    """Inside a region: the full parameters of one unit from this device's padded blocks.
+
+    One all-gather per dtype: the sharded blocks are flattened into one
+    buffer (torch FSDP2's copy-in), gathered, and cut back into parameters
+    (copy-out), trimming the padding. ``lax.all_gather`` (device-varying in,
+    device-varying out) is used on purpose: its transpose is one
+    reduce-scatter (``psum_scatter``) of the flat gradient buffer, so
+    ``jax.grad`` hands back reduce-scattered gradients. Leaves replicated on
+    ``fsdp`` pass through.
+    """
+    out: list[Any] = list(shards)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, (x, e) in enumerate(zip(shards, entries)):
+        if e.shard_dim(fsdp_index) is not None:
+            by_dtype.setdefault(jnp.dtype(x.dtype), []).append(i)
+    for idx in by_dtype.values():
+        flat = jnp.concatenate([shards[i].reshape(-1) for i in idx])
+        g = lax.all_gather(flat, fsdp, axis=0, tiled=False)  # (n, F)
+        off = 0
+        for i in idx:
+            x, e = shards[i], entries[i]
+            d = e.shard_dim(fsdp_index)
+            piece = g[:, off:off + x.size].reshape((n,) + x.shape)
+            off += x.size
+            piece = jnp.moveaxis(piece, 0, d)  # (..., n, chunk, ...): rank-major, as torch.chunk
+            full = piece.reshape(x.shape[:d] + (n * x.shape[d],) + x.shape[d + 1:])
+            out[i] = lax.slice_in_dim(full, 0, e.shape[d], axis=d) if full.shape[d] != e.shape[d] else full
+    return out
+
