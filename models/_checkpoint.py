@@ -12,22 +12,36 @@ Guarantees:
 - ``restore`` onto any mesh: pass a target state whose arrays carry the
   shardings wanted (saved on 8 devices, restored on 4 or 2);
 - a missing or unreadable checkpoint raises ``CheckpointError`` naming the
-  folder and the step, and leaves the files as they are.
+  folder and the step, and leaves the files as they are;
+- integrity: each step also holds ``checksums/`` (JSON): a digest of every
+  array of the state (``_checksum.array_digests``, computed from the global
+  value, so it does not depend on the mesh) and of the meta. ``restore`` and
+  ``restore_meta`` verify them; a mismatch raises ``CheckpointError`` naming
+  the step and the array (or the meta), touches no file and says how to fall
+  back to the previous step. A step saved without checksums (by an older
+  version) restores with a warning.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from models._checksum import array_digests, json_digest
+
 __all__ = ["Checkpointer", "CheckpointError", "abstract_like", "scan"]
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing or cannot be read."""
+    """A checkpoint is missing, cannot be read, or fails its checksums."""
+
+
+_ITEMS = ("state", "meta", "checksums")
 
 
 def abstract_like(tree: Any, sharding: Any = None) -> Any:
@@ -78,7 +92,7 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             create=True,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.directory!r}, save_every={self.save_every})"
@@ -97,9 +111,11 @@ class Checkpointer:
         step = int(step)
         if (step % self.save_every and not force) or step in self._manager.all_steps():
             return False
+        sums = {"arrays": array_digests(state), "meta": json_digest(json.loads(json.dumps(meta)))}
         return bool(self._manager.save(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+                                    checksums=ocp.args.JsonSave(sums)),
             force=True,
         ))
 
@@ -116,25 +132,65 @@ class Checkpointer:
             raise CheckpointError(f"{where}: no checkpoint for step {step} under {self.directory!r}; saved steps: {steps}.")
         return step
 
-    def _unreadable(self, where: str, step: int, e: BaseException) -> CheckpointError:
+    def _fallback(self, step: int) -> str:
+        """How to go back to the step before ``step``."""
         others = [s for s in self.all_steps() if s != step] or "none"
+        return (f"it was left untouched. Delete that step folder (or move it out of {self.directory!r}) to resume "
+                f"from an earlier step (saved: {others}), or train into a new --out folder.")
+
+    def _unreadable(self, where: str, step: int, e: BaseException) -> CheckpointError:
         path = os.path.join(self.directory, str(step))
         return CheckpointError(
             f"{where}: the checkpoint at {path!r} (step {step}) cannot be read ({type(e).__name__}: "
-            f"{_first_line(e)}); it was left untouched. Delete that step folder to resume from an earlier "
-            f"step (saved: {others}), or train into a new --out folder."
+            f"{_first_line(e)}); {self._fallback(step)}"
         )
+
+    def _corrupt(self, where: str, step: int, what: str) -> CheckpointError:
+        path = os.path.join(self.directory, str(step))
+        return CheckpointError(
+            f"{where}: the checkpoint at {path!r} (step {step}) fails its checksum: {what} is not what was "
+            f"saved (the files were damaged or edited); {self._fallback(step)}"
+        )
+
+    def _sums(self, step: int, where: str) -> dict | None:
+        """The step's saved checksums; None (with a warning) for a step saved without them."""
+        if not os.path.isdir(os.path.join(self.directory, str(step), "checksums")):
+            warnings.warn(f"{where}: the checkpoint of step {step} under {self.directory!r} has no checksums "
+                          "(saved by an older version); it is restored unverified.", stacklevel=3)
+            return None
+        try:
+            sums = self._manager.restore(step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))["checksums"]
+            if not isinstance(sums, dict) or not isinstance(sums.get("arrays"), dict):
+                raise ValueError("the 'checksums' item is not a dict with 'arrays'")
+        except Exception as e:
+            raise self._unreadable(where, step, e) from e
+        return sums
+
+    def _verify_meta(self, meta: dict, sums: dict | None, step: int, where: str) -> None:
+        if sums is not None and json_digest(meta) != sums.get("meta"):
+            raise self._corrupt(where, step, "the meta (run config and history, in meta/)")
+
+    def _verify_state(self, state: Any, sums: dict | None, step: int, where: str) -> None:
+        if sums is None:
+            return
+        got, want = array_digests(state), sums["arrays"]
+        for path in sorted(set(got) | set(want)):
+            if got.get(path) != want.get(path):
+                shape = (want.get(path) or got.get(path) or "").split(":")[0]
+                raise self._corrupt(where, step, f"the array state{path} ({shape}, in state/)")
 
     def restore_meta(self, step: int | None = None) -> dict:
         """Only the JSON meta saved at ``step`` (default: the latest)."""
         where = "Checkpointer.restore_meta"
         step = self._step(step, where)
+        sums = self._sums(step, where)
         try:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             if not isinstance(meta, dict):
                 raise ValueError(f"the 'meta' item is {type(meta).__name__}, not a dict")
         except Exception as e:
             raise self._unreadable(where, step, e) from e
+        self._verify_meta(meta, sums, step, where)
         return meta
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
@@ -146,6 +202,7 @@ class Checkpointer:
         where = "Checkpointer.restore"
         step = self._step(step, where)
         abstract = target if _is_abstract(target) else abstract_like(target)
+        sums = self._sums(step, where)
         try:
             out = self._manager.restore(
                 step,
@@ -156,6 +213,8 @@ class Checkpointer:
                 raise ValueError("the checkpoint lacks its 'state' or 'meta' item")
         except Exception as e:  # orbax raises many kinds (FileNotFoundError, ValueError, tensorstore errors)
             raise self._unreadable(where, step, e) from e
+        self._verify_meta(meta, sums, step, where)
+        self._verify_state(state, sums, step, where)
         return state, meta
 
     def wait(self) -> None:

@@ -1,5 +1,6 @@
 """Checkpoints: bitwise resume, restore onto another mesh, missing and corrupt checkpoints."""
 
+import json
 import os
 import re
 import shutil
@@ -18,6 +19,20 @@ TINY = dict(steps=6, batch_size=16, model="mlp", hidden=16, length=4, save_every
 
 def _files(d):
     return sorted(os.path.relpath(os.path.join(r, f), d) for r, _, fs in os.walk(d) for f in fs)
+
+
+def _snapshot(d):
+    """Every file's bytes (the .lock file holds the PID of the run that locked the folder last)."""
+    return {f: open(os.path.join(d, f), "rb").read() for f in _files(d) if os.path.basename(f) != ".lock"}
+
+
+def _flip_16_bytes_of_the_largest_file(folder):
+    files = sorted((os.path.join(r, f) for r, _, fs in os.walk(folder) for f in fs), key=lambda f: (os.path.getsize(f), f))
+    data = bytearray(open(files[-1], "rb").read())
+    mid = len(data) // 2
+    data[mid:mid + 16] = bytes(b ^ 0xFF for b in data[mid:mid + 16])
+    with open(files[-1], "wb") as f:
+        f.write(data)
 
 
 def _bits(tree):
@@ -111,12 +126,11 @@ def test_a_corrupt_checkpoint_gives_a_clear_error_and_is_left_alone(uninterrupte
                 f.write(b"\x00not a checkpoint\xff" * 3)
         else:
             os.remove(v)
-    before = {f: open(os.path.join(out, f), "rb").read() for f in _files(out)}
+    before = _snapshot(out)
     with pytest.raises(CheckpointError, match=re.escape(f"the checkpoint at {step_dir!r} (step 6) cannot be read")) as e:
         run(Config(out=out, resume=True, **TINY))
     assert "it was left untouched" in str(e.value) and "saved: [2, 4]" in str(e.value)
-    after = {f: open(os.path.join(out, f), "rb").read() for f in _files(out)}
-    assert after == before  # nothing was written, nothing overwritten
+    assert _snapshot(out) == before  # nothing was written, nothing overwritten
     # Without --resume the job refuses to replace the run's checkpoints.
     with pytest.raises(ValueError, match=re.escape("already holds checkpoints")):
         run(Config(out=out, **TINY))
@@ -150,3 +164,91 @@ def test_checkpointer_saves_every_k_steps(tmp_path):
         assert meta == {"step": 6}
     with pytest.raises(ValueError, match=re.escape("Checkpointer: save_every=0 must be an int >= 1.")):
         Checkpointer(str(tmp_path), save_every=0)
+
+
+@pytest.fixture(scope="module")
+def saved_sharded(tmp_path_factory):
+    """Steps 1 and 2 of a 256x256 array sharded over 8 devices (one file of array data per step)."""
+    d = str(tmp_path_factory.mktemp("sharded"))
+    mesh8 = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+    w = np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)
+    state = {"w": jax.device_put(w, jax.sharding.NamedSharding(mesh8, jax.sharding.PartitionSpec("x"))),
+             "b": np.arange(8, dtype=np.int32)}
+    with Checkpointer(d) as ckpt:
+        ckpt.save(1, state, {"step": 1})
+        ckpt.save(2, state, {"step": 2, "history": [{"loss": 0.5}]})
+    return d, w
+
+
+def test_checksums_do_not_depend_on_the_mesh(saved_sharded):
+    """Saved sharded on 8 devices, restored on 2 devices with another sharding: verified, bit for bit."""
+    d, w = saved_sharded
+    mesh2 = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("y",))
+    sharding = jax.sharding.NamedSharding(mesh2, jax.sharding.PartitionSpec(None, "y"))
+    target = {"w": jax.ShapeDtypeStruct((256, 256), np.float32, sharding=sharding),
+              "b": jax.ShapeDtypeStruct((8,), np.int32, sharding=sharding.update(spec=jax.sharding.PartitionSpec()))}
+    state, meta = Checkpointer(d).restore(target)
+    assert state["w"].sharding == sharding and meta == {"step": 2, "history": [{"loss": 0.5}]}
+    np.testing.assert_array_equal(np.asarray(state["w"]), w)
+
+
+def test_flipped_bytes_in_the_state_fail_the_checksum(saved_sharded, tmp_path):
+    """16 flipped bytes in the array data read back as other values without any error from orbax; the
+    checksum names the step and the array, no file changes, and dropping the step restores the one before."""
+    d = str(tmp_path / "ckpt")
+    shutil.copytree(saved_sharded[0], d)
+    _flip_16_bytes_of_the_largest_file(os.path.join(d, "2", "state"))
+    before = _snapshot(d)
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"Checkpointer.restore: the checkpoint at {os.path.join(d, '2')!r} (step 2) fails its checksum: the array "
+            "state['w'] (float32[256, 256], in state/) is not what was saved (the files were damaged or edited); it "
+            "was left untouched. Delete that step folder")) as e:
+        Checkpointer(d).restore({"w": np.zeros((256, 256), np.float32), "b": np.zeros(8, np.int32)})
+    assert "saved: [1]" in str(e.value)
+    assert _snapshot(d) == before
+    shutil.rmtree(os.path.join(d, "2"))
+    state, meta = Checkpointer(d).restore({"w": np.zeros((256, 256), np.float32), "b": np.zeros(8, np.int32)})
+    assert meta == {"step": 1}
+    np.testing.assert_array_equal(np.asarray(state["w"]), saved_sharded[1])
+
+
+def test_an_edited_meta_fails_the_checksum(uninterrupted, tmp_path):
+    """A history edited in meta/ is refused by --resume and restore_state, naming the step and the meta."""
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted[0], out)
+    path = os.path.join(out, "checkpoints", "6", "meta", "metadata")
+    with open(path) as f:
+        meta = json.load(f)
+    meta["history"][0]["loss"] = 0.001
+    with open(path, "w") as f:
+        json.dump(meta, f)
+    before = _snapshot(out)
+    message = (f"the checkpoint at {os.path.join(out, 'checkpoints', '6')!r} (step 6) fails its checksum: the meta "
+               "(run config and history, in meta/) is not what was saved")
+    with pytest.raises(CheckpointError, match=re.escape(message)) as e:
+        run(Config(out=out, resume=True, **TINY))
+    assert "saved: [2, 4]" in str(e.value)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        restore_state(out)
+    assert _snapshot(out) == before
+
+
+def test_flipped_bytes_in_a_run_stop_the_resume(tmp_path):
+    """The issue's probe on the job: 16 bytes flipped in the largest file under checkpoints/2/state/ (the
+    array data: hidden=96 puts the arrays in a data file of their own) stop --resume and restore_state with
+    the step and the array named; the files stay as they were; without step 2 the run resumes from step 1."""
+    out = str(tmp_path / "run")
+    cfg = {**TINY, "hidden": 96, "steps": 2, "save_every": 1}
+    run(Config(out=out, **cfg))
+    _flip_16_bytes_of_the_largest_file(os.path.join(out, "checkpoints", "2", "state"))
+    before = _snapshot(out)
+    step_dir = os.path.join(out, "checkpoints", "2")
+    message = f"the checkpoint at {step_dir!r} (step 2) fails its checksum: the array state."
+    with pytest.raises(CheckpointError, match=re.escape(message)) as e:
+        run(Config(out=out, resume=True, **cfg))
+    assert "saved: [1]" in str(e.value) and "it was left untouched" in str(e.value)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        restore_state(out)
+    assert _snapshot(out) == before
+    shutil.rmtree(step_dir)
+    assert run(Config(out=out, resume=True, **cfg))["resumed_from"] == 1
