@@ -25,18 +25,22 @@ from jax.sharding import PartitionSpec as P
 
 from placements import Placement, Replicate, format_placements, rank_to_coord
 from placements._plan import Plan, plan as make_plan
+from spmd._debug import run
 from spmd._mesh import DeviceMesh
 from spmd.tensor import _dispatch
 from spmd.tensor._checks import check_mesh, check_target, is_tracer
 from spmd.tensor._local import from_local_storage
+from spmd.tensor._ops_methods import DTensorOps
 from spmd.tensor._storage import block_of
 from spmd.tensor._visualize import visualize
 
 __all__ = ["DTensor", "physical", "from_physical"]
 
+_WHERE = "DTensor.redistribute"  # what CommDebugMode logs for a redistribute's program
+
 
 @jax.tree_util.register_pytree_node_class
-class DTensor:
+class DTensor(DTensorOps):
     """A tensor laid out over ``device_mesh`` by ``placements`` (one per mesh dim).
 
     Make one with :func:`distribute_tensor` or :meth:`DTensor.from_local`.
@@ -197,14 +201,14 @@ class DTensor:
             hit = _dispatch.lookup(self._mesh, key)
             if hit is not None:
                 dst, fn = hit
-                return self if fn is None else DTensor(fn(self._physical), self._mesh, dst, self._shape)
+                return self if fn is None else DTensor(run(_WHERE, fn, self._physical), self._mesh, dst, self._shape)
         where = "DTensor.redistribute"
         dst = self._target(device_mesh, placements, where)
         plan = self._plan(dst, where)
         fn = _dispatch.program(self._mesh, plan) if plan.steps else None
         if key is not None:
             _dispatch.remember(self._mesh, key, (dst, fn))
-        return self if fn is None else DTensor(fn(self._physical), self._mesh, dst, self._shape)
+        return self if fn is None else DTensor(run(_WHERE, fn, self._physical), self._mesh, dst, self._shape)
 
     # --- display --------------------------------------------------------------------------
     def visualize(self, *, print_out: bool = True) -> str:

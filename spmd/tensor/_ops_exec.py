@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from placements import Partial, format_placements, local_shape, padded_local_shape, rank_to_coord
 from placements._strategy import Operand, OpStrategy
 from spmd.tensor import _dispatch
-from spmd.tensor._storage import op_identity
+from spmd.tensor._storage import op_identity, sharding
 
 __all__ = ["DTensorBase", "run", "operand", "is_dtensor", "check_operands", "recording"]
 
@@ -123,7 +123,8 @@ def _program(mesh, fn: Callable, params: tuple, strat: OpStrategy, kinds: tuple,
         phys = [_dispatch.program(mesh, p)(x) if p.steps else x for p, x in zip(strat.plans, flat[:n_t])]
         return sm(*phys, *flat[n_t:])
 
-    return jax.jit(f)
+    # out_shardings: XLA would lay out a zero-size result replicated, not one block per device.
+    return jax.jit(f, out_shardings=sharding(mesh))
 
 
 def _storage(t):

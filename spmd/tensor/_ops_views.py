@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from placements import Shard, padded_local_shape
-from placements._strategy import index_strategy, reshape_strategy, transpose_strategy
+from placements._strategy_views import index_strategy, reshape_strategy, transpose_strategy
 from spmd.tensor._ops_exec import is_dtensor, operand, run
 
 __all__ = ["transpose", "reshape", "getitem"]

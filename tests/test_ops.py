@@ -1,0 +1,298 @@
+"""DTensor ops (``spmd.ops``, operators, methods): values equal NumPy on the full tensors, every
+rank's local block is its torch.chunk slice of the NumPy result, output placements follow torch's
+strategies, over R / S(d) / P(sum|max|min|avg) on meshes (8,), (3,), (2, 4) with even, uneven and
+empty shards; jit (one program, collectives counted), grad, explain, errors."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spmd
+import spmd.ops as ops
+from placements import Partial, Replicate, Shard, local_shape_and_offset, rank_to_coord
+from spmd import DTensor, distribute_tensor
+
+R = Replicate()
+S = Shard
+P = Partial
+
+
+@pytest.fixture(scope="module")
+def mesh3():
+    return spmd.init_device_mesh("cpu", (3,), mesh_dim_names=("x",))
+
+
+@pytest.fixture
+def meshes(mesh8, mesh3, mesh2x4):
+    return {"8": mesh8, "3": mesh3, "2x4": mesh2x4}
+
+
+def data(shape, seed=0, positive=False):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-4, 5, size=shape).astype(np.float32)
+    return np.abs(x) + 1 if positive else x
+
+
+def make(x, mesh, pl):
+    """A DTensor of global value ``x``; Partial dims hold a non-trivial split of it (exact for
+    integer-valued data): sum/avg add offsets that cancel, max/min lower/raise the other ranks."""
+    pl = tuple(pl)
+    if not any(isinstance(p, Partial) for p in pl):
+        return distribute_tensor(x, mesh, pl)
+    base = distribute_tensor(x, mesh, [R if isinstance(p, Partial) else p for p in pl]).local_tensors()
+    locs = []
+    for r, b in enumerate(base):
+        b = np.asarray(b)
+        c = rank_to_coord(r, mesh.shape)
+        off = ((np.arange(b.size) % 3) + 1).reshape(b.shape).astype(b.dtype)
+        for m, p in enumerate(pl):
+            if not isinstance(p, Partial):
+                continue
+            i, k = c[m], mesh.shape[m]
+            if p.reduce_op == "sum":
+                b = (b if i == 0 else np.zeros_like(b)) + off * (1 if i else -(k - 1))
+            elif p.reduce_op == "avg":
+                b = b + off * (1 if i else -(k - 1))
+            elif p.reduce_op == "max":
+                b = b - off * i
+            elif p.reduce_op == "min":
+                b = b + off * i
+        locs.append(b)
+    return DTensor.from_local(locs, mesh, pl, shape=x.shape)
+
+
+def check(out, ref, placements=None, tol=1e-5):
+    """Values, shape and (if given) placements; each rank's block is its slice of ``ref``."""
+    ref = np.asarray(ref)
+    assert isinstance(out, DTensor), type(out)
+    assert out.shape == ref.shape
+    if placements is not None:
+        assert out.placements == tuple(placements)
+    np.testing.assert_allclose(np.asarray(out.full_tensor()), ref, rtol=tol, atol=tol)
+    if not any(isinstance(p, Partial) for p in out.placements):
+        mesh = out.device_mesh
+        for r, t in enumerate(out.local_tensors()):
+            shp, off = local_shape_and_offset(ref.shape, mesh.shape, out.placements, rank_to_coord(r, mesh.shape))
+            np.testing.assert_allclose(
+                np.asarray(t), ref[tuple(slice(o, o + s) for o, s in zip(off, shp))], rtol=tol, atol=tol
+            )
+
+
+def no_partial(pl):
+    return not any(isinstance(p, Partial) for p in pl)
+
+
+# Placements per mesh; shapes: (5, 3) is uneven on 8 and 3 ranks (empty shards on 8), (6, 4) even on 2 and 3.
+PL = {
+    "8": [[R], [S(0)], [S(1)], [P("sum")], [P("max")]],
+    "3": [[S(0)], [S(1)], [P("sum")], [P("min")]],
+    "2x4": [[S(0), S(1)], [R, S(0)], [S(1), P("sum")], [P("sum"), S(0)], [S(0), S(0)], [P("max"), R]],
+}
+CASES = [(m, pl) for m, pls in PL.items() for pl in pls]
+IDS = [f"{m}-{''.join(map(str, pl))}" for m, pl in CASES]
+
+UNARY = {
+    "exp": (ops.exp, np.exp, {"max", "min"}),
+    "log": (ops.log, np.log, set()),
+    "tanh": (ops.tanh, np.tanh, {"max", "min"}),
+    "sqrt": (ops.sqrt, np.sqrt, set()),
+    "abs": (ops.abs, np.abs, set()),
+    "negative": (lambda x: -x, np.negative, {"sum", "max", "min"}),
+    "relu": (ops.relu, lambda a: np.maximum(a, 0), {"max", "min"}),
+    "gelu": (lambda x: ops.gelu(x, approximate=False), lambda a: np.asarray(jax.nn.gelu(a, approximate=False)), set()),
+}
+
+
+# --- elementwise ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(UNARY))
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_unary(meshes, name, case):
+    m, pl = case
+    fn, ref, keeps = UNARY[name]
+    x = data((5, 3), positive=name in ("log", "sqrt"))
+    out = fn(make(x, meshes[m], pl))
+    flip = {"max": "min", "min": "max"} if name == "negative" else {}
+    if no_partial(pl):
+        want = tuple(pl)  # elementwise keeps every Shard
+    elif all(p.reduce_op in keeps for p in pl if isinstance(p, Partial)):
+        want = tuple(P(flip.get(p.reduce_op, p.reduce_op)) if isinstance(p, Partial) else p for p in pl)
+    else:
+        want = None
+        assert no_partial(out.placements), out.placements  # a non-linear op reduces the Partial first
+    check(out, ref(x), want, tol=1e-4)
+
+
+BINARY = {
+    "add": (lambda a, b: a + b, np.add),
+    "subtract": (lambda a, b: a - b, np.subtract),
+    "multiply": (lambda a, b: a * b, np.multiply),
+    "divide": (lambda a, b: a / b, np.divide),
+    "maximum": (ops.maximum, np.maximum),
+    "minimum": (ops.minimum, np.minimum),
+    "power": (lambda a, b: a**b, np.power),
+}
+PAIRS = [
+    ("8", [S(0)], [S(0)], (5, 3), (5, 3), [S(0)]),
+    ("8", [S(0)], [S(1)], (5, 3), (5, 3), None),
+    ("8", [S(1)], [R], (5, 3), (3,), [S(1)]),  # broadcast: y is sharded like x's dim 1
+    ("8", [S(0)], [R], (5, 3), (5, 1), [S(0)]),
+    ("3", [R], [S(0)], (1, 3), (4, 3), [S(0)]),  # x broadcast along the sharded dim
+    ("3", [P("sum")], [P("sum")], (4, 3), (4, 3), None),
+    ("3", [P("max")], [R], (4, 3), (4, 3), None),
+    ("2x4", [S(0), S(1)], [S(0), S(1)], (5, 6), (5, 6), [S(0), S(1)]),
+    ("2x4", [S(0), R], [R, S(0)], (6, 5), (5,), [S(0), S(1)]),
+    ("2x4", [P("sum"), R], [R, S(1)], (4, 6), (4, 6), None),
+]
+
+
+@pytest.mark.parametrize("name", list(BINARY))
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{p[0]}-{''.join(map(str, p[1]))}-{''.join(map(str, p[2]))}-{p[4]}" for p in PAIRS])
+def test_binary(meshes, name, pair):
+    m, pa, pb, sa, sb, want = pair
+    fn, ref = BINARY[name]
+    x, y = data(sa, 1), data(sb, 2)
+    if name in ("divide", "power"):
+        y = np.abs(y) + 1  # no division by zero; small integer powers stay exact
+    check(fn(make(x, meshes[m], pa), make(y, meshes[m], pb)), ref(x, y), want, tol=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_scalars_on_either_side(meshes, case):
+    m, pl = case
+    x = data((5, 3), 3)
+    d = make(x, meshes[m], pl)
+    check(2.5 * d, 2.5 * x, [P(p.reduce_op) if isinstance(p, Partial) and p.reduce_op == "sum" else p for p in pl]
+          if all(not isinstance(p, Partial) or p.reduce_op == "sum" for p in pl) else None)
+    check(d / 2, x / 2)
+    check(1 - d, 1 - x)
+    check(d + np.float32(3), x + 3)
+    check(2.0 ** (d / 4), 2.0 ** (x / 4), tol=1e-5)
+    if no_partial(pl):
+        assert (d * 2).placements == tuple(pl) and (1 - d).placements == tuple(pl)
+
+
+def test_partial_rules_of_binary_ops(mesh8):
+    """torch 2.13's Partial pass-through rules (``_pointwise_ops.py``)."""
+    x, y = data((4, 3), 1), data((4, 3), 2)
+    ps, pm, r = make(x, mesh8, [P("sum")]), make(x, mesh8, [P("max")]), make(y, mesh8, [R])
+    check(ps + make(y, mesh8, [P("sum")]), x + y, [P("sum")])
+    check(ps * r, x * y, [P("sum")])  # linear in one argument
+    check(ps / make(np.abs(y) + 1, mesh8, [R]), x / (np.abs(y) + 1), [P("sum")])
+    check(pm + r, x + y, [P("max")])  # max(a_i) + r = max(a_i + r)
+    check(pm - r, x - y, [P("max")])
+    check(ops.maximum(pm, make(y, mesh8, [P("max")])), np.maximum(x, y), [P("max")])
+    check(-pm, -x, [P("min")])
+    check(ps * 3, x * 3, [P("sum")])
+    out = ps + 1  # a scalar is not a tensor: no (P(sum), scalar) rule, the Partial is reduced first
+    assert no_partial(out.placements)
+    check(out, x + 1)
+    out = ps * ps  # linear in one argument once the other is reduced (P(sum), R -> P(sum))
+    check(out, x * x, [P("sum")])
+    assert ops.explain(lambda a: a * a, ps, print_out=False).cost().collectives == 1
+    check(ps * pm, x * x, [P("sum")])  # P(max) reduced (all_reduce max), P(sum) kept
+    out = pm * pm  # no product rule for max: both reduced
+    assert no_partial(out.placements)
+    check(out, x * x)
+
+
+def test_where_comparisons_and_astype(meshes):
+    x = data((5, 3), 4)
+    for m, pl in [("8", [S(0)]), ("3", [S(1)]), ("2x4", [S(1), S(0)])]:
+        d = make(x, meshes[m], pl)
+        check(ops.where(d > 0, d, 0.0), np.where(x > 0, x, 0), pl)
+        check(d >= 1, x >= 1, pl)
+        check(d == x[0, 0], x == x[0, 0], pl)
+        check(d != d, x != x, pl)
+        check(d.astype(jnp.int32), x.astype(np.int32), pl)
+    pm = make(x, meshes["8"], [P("max")])
+    check(pm.astype("int32"), x.astype(np.int32), [P("max")])  # casts are monotone
+    ps = make(x, meshes["8"], [P("sum")])
+    check(ps.astype("float16"), x.astype(np.float16), [P("sum")])  # float -> float keeps P(sum), as torch
+    out = ps.astype("int32")  # int(a) + int(b) != int(a + b): reduced first
+    assert no_partial(out.placements)
+    check(out, x.astype(np.int32))
+
+
+# --- reductions -------------------------------------------------------------------------------
+RED = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}
+RED_CASES = [c for c in CASES if c[0] != "3"] + [("3", [S(0)]), ("3", [P("sum")])]
+
+
+@pytest.mark.parametrize("axis", [None, 0, 1, (0, 1)])
+@pytest.mark.parametrize("name", list(RED))
+@pytest.mark.parametrize("case", RED_CASES, ids=[f"{m}-{''.join(map(str, pl))}" for m, pl in RED_CASES])
+def test_reductions(meshes, case, name, axis):
+    m, pl = case
+    x = data((5, 3), 5) if name != "prod" else np.where(data((5, 3), 5) > 0, 2.0, -1.0).astype(np.float32)
+    d = make(x, meshes[m], pl)
+    keep = axis == 1
+    out = getattr(d, name)(axis=axis, keepdims=keep)
+    check(out, RED[name](x, axis=axis, keepdims=keep), tol=1e-5)
+    op = {"mean": "avg", "prod": "product"}.get(name, name)
+    axes = range(2) if axis is None else (axis,) if isinstance(axis, int) else axis
+    for i, p in enumerate(pl):
+        if isinstance(p, Shard) and p.dim in axes and no_partial(pl):
+            # torch: a reduction over a sharded dim leaves Partial(op); mean only if the shard is even
+            even = name != "mean" or all(
+                x.shape[d_] % np.prod([s for s, q in zip(meshes[m].shape, pl) if q == S(d_)]) == 0 for d_ in axes
+            )
+            assert out.placements[i] == (P(op) if even else R), (out.placements, i)
+        if isinstance(p, Partial):
+            assert out.placements[i] == (p if p.reduce_op == op else R)
+
+
+def test_reduction_placements_table(mesh8, mesh2x4):
+    x = data((8, 6))
+    check(make(x, mesh8, [S(0)]).sum(0), x.sum(0), [P("sum")])
+    check(make(x, mesh8, [S(0)]).sum(1), x.sum(1), [S(0)])
+    check(make(x, mesh8, [S(0)]).sum(1, keepdims=True), x.sum(1, keepdims=True), [S(0)])
+    check(make(x, mesh8, [S(1)]).sum(0), x.sum(0), [S(0)])
+    check(make(x, mesh8, [S(0)]).mean(0), x.mean(0), [P("avg")])  # even: local means average exactly
+    check(make(x, mesh8, [S(1)]).mean(1), x.mean(1), [R])  # 6 over 8 ranks is uneven: gathered first (torch)
+    check(make(x, mesh8, [S(0)]).max(), x.max(), [P("max")])
+    check(make(x, mesh8, [P("max")]).max(0), x.max(0), [P("max")])
+    check(make(x, mesh8, [P("sum")]).sum(), x.sum(), [P("sum")])
+    check(make(x, mesh8, [P("sum")]).max(1), x.max(1), [R])
+    check(make(x, mesh2x4, [S(0), S(1)]).sum(0), x.sum(0), [P("sum"), S(0)])
+    check(make(x, mesh2x4, [S(0), S(0)]).min(0), x.min(0), [P("min"), P("min")])
+    y = np.where(x > 0, 2.0, 1.0).astype(np.float32)
+    check(make(y, mesh8, [S(1)]).prod(1), y.prod(1), [P("product")])
+    check(ops.sum(make(x, mesh8, [S(0)]), axis=-1), x.sum(-1), [S(0)])
+
+
+def test_empty_tensors_and_shards(mesh8, mesh3):
+    x = data((0, 3))
+    d = make(x, mesh8, [S(0)])
+    check(d.sum(0), x.sum(0), [P("sum")])
+    check(ops.exp(d) * 2, np.exp(x) * 2, [S(0)])
+    check(d.sum(), x.sum())
+    y = data((2, 3))  # ranks 2..7 hold empty shards
+    e = make(y, mesh8, [S(0)])
+    check(e.max(0), y.max(0), [P("max")])
+    check(e.prod(0), y.prod(0), [P("product")])
+    check(e.mean(0), y.mean(0), [R])
+    check(e @ make(data((3, 4)), mesh8, [R]), y @ data((3, 4)), [S(0)])
+    z = data((1, 4))
+    check(make(z, mesh3, [S(0)]).T.sum(1), z.T.sum(1), [P("sum")])
+
+
+# --- softmax and normalisation ------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_softmax_log_softmax_layer_norm(meshes, case):
+    m, pl = case
+    x = data((5, 4), 6) / 2
+    d = make(x, meshes[m], pl)
+    want = tuple(R if isinstance(p, Partial) or p == S(1) else p for p in pl)  # the softmax dim and Partial replicated
+    check(ops.softmax(d, axis=-1), np.asarray(jax.nn.softmax(x, axis=-1)), want)
+    check(ops.log_softmax(d, axis=1), np.asarray(jax.nn.log_softmax(x, axis=1)), want, tol=1e-4)
+    mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    out = ops.layer_norm(d, axis=-1)
+    check(out, (x - mu) / np.sqrt(var + 1e-5), tol=1e-4)
+    assert S(1) not in out.placements and no_partial(out.placements)
+    if no_partial(pl) and S(1) not in pl:
+        assert out.placements == tuple(pl)  # rows keep their shards
