@@ -75,7 +75,13 @@ class DeviceMesh:
         where = "DeviceMesh"
         platform = _platform(device_type, where)
         devices = _devices_of(platform, device_type, where)
-        ids = np.asarray(mesh)
+        try:
+            ids = np.asarray(mesh)
+        except ValueError:  # NumPy refuses a ragged nesting
+            raise ValueError(
+                f"{where}: mesh={mesh!r} is ragged (its rows have different lengths); give a rectangular nested "
+                "list of device indices such as [[0, 1], [2, 3]]."
+            ) from None
         if ids.dtype.kind not in "iu" or ids.ndim == 0:
             raise TypeError(
                 f"{where}: mesh={mesh!r} must be a nested list of device indices such as [0, 1, 2, 3]."

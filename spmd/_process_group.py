@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from placements import ReduceOp
+from placements import ReduceOp, as_reduce_op
 from spmd._arrays import as_array
+from spmd._collectives import _check_axis, _check_rank
 from spmd._groups import MeshGroup
 from spmd._program import collective_program
 
@@ -37,7 +38,21 @@ class ProcessGroup(MeshGroup):
                 f"(one block per rank): stack the ranks' tensors, e.g. t of shape {shape + tuple(t.shape)} for a "
                 f"block of shape {tuple(t.shape)}."
             )
-        return collective_program(self._mesh.jax_mesh, name, self._dims, **kwargs)(t)
+        options = self._check_options(where, len(t.shape) - len(shape), kwargs)
+        return collective_program(self._mesh.jax_mesh, name, self._dims, **options)(t)
+
+    def _check_options(self, where: str, block_ndim: int, kwargs: dict) -> dict:
+        """The options checked and normalised (a rank or an axis an int, an op a ReduceOp) before they key
+        the program cache: a list is refused with the project's error, not Python's 'unhashable'."""
+        out = {}
+        for arg, v in kwargs.items():
+            if arg == "op":
+                out[arg] = as_reduce_op(v, where=f"{where}: op")
+            elif arg in ("src", "dst"):
+                out[arg] = _check_rank(v, self.size, where, arg, self._dims)
+            else:  # scatter_dim, split_axis, concat_axis: an axis of one rank's block
+                out[arg] = _check_axis(v, block_ndim, where, arg)
+        return out
 
     def allreduce(self, t, op: Any = ReduceOp.SUM):
         return self._run("all_reduce", t, op=op)

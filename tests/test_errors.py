@@ -4,6 +4,7 @@ the function, the argument, the value, and a fix."""
 import re
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import spmd
@@ -38,6 +39,8 @@ def _in_region(mesh, body, x=None):
 
 INT = jnp.ones((8, 8), jnp.int32)
 BOOL = jnp.ones((8, 8), bool)
+STR = np.array([str(i) for i in range(8)])
+CPLX = np.ones((2,), np.complex64) * (1 + 2j)
 
 # (case id, call taking (m24, m8), exception type, the exact message or its start)
 CASES = [
@@ -180,6 +183,28 @@ CASES = [
      "('dp', 'tp'): use one of them, or a tuple of them."),
     ("unknown group name for get_group", lambda m, m8: m.get_group("pp"), ValueError,
      "DeviceMesh.get_group: mesh_dim='pp' names 'pp', which is not a mesh dim"),
+    # Raw tracebacks before (issue 10.12): NumPy's "inhomogeneous shape", Python's "unhashable type: 'list'",
+    # JAX's "not a valid JAX array type", XLA's "UNIMPLEMENTED: Unsupported reduction computation".
+    ("ragged device mesh", lambda m, m8: spmd.DeviceMesh("cpu", [[0, 1], [2]]), ValueError,
+     "DeviceMesh: mesh=[[0, 1], [2]] is ragged (its rows have different lengths); give a rectangular nested list "
+     "of device indices such as [[0, 1], [2, 3]]."),
+    ("eager src a list", lambda m, m8: m.get_group("tp").broadcast(jnp.ones((2, 4, 3)), src=[0]), TypeError,
+     "ProcessGroup.broadcast: src=[0] must be an int rank in the group ('tp',), e.g. src=0."),
+    ("eager op a list", lambda m, m8: m.get_group("tp").allreduce(jnp.ones((2, 4, 3)), op=["max"]), TypeError,
+     "ProcessGroup.allreduce: op=['max'] is not a reduce op; pass a ReduceOp (e.g. ReduceOp.SUM) or its name"),
+    ("eager axis a float", lambda m, m8: m.get_group("tp").reduce_scatter(jnp.ones((2, 4, 8)), scatter_dim=0.0),
+     TypeError, "ProcessGroup.reduce_scatter: scatter_dim=0.0 must be an int."),
+    ("eager string array", lambda m, m8: m.get_group("tp").allreduce(STR.reshape(2, 4, 1)), TypeError,
+     "ProcessGroup.allreduce: t=array("),
+    ("string array distributed", lambda m, m8: spmd.distribute_tensor(STR, m8, [S0]), TypeError,
+     "distribute_tensor: x=array("),
+    ("string arrays as locals", lambda m, m8: spmd.DTensor.from_local(list(STR), m8, [S0]), TypeError,
+     "DTensor.from_local: locals[0]="),
+    ("complex Partial max", lambda m, m8: spmd.DTensor.from_local([CPLX] * 8, m8, [Partial("max")]), TypeError,
+     "DTensor.from_local: placements[0]=P(max) on a complex64 tensor is refused: complex numbers have no order "
+     "(torch refuses MAX/MIN on complex too); use Partial('sum'), or reduce abs() or the real part."),
+    ("complex Partial min distributed", lambda m, m8: spmd.distribute_tensor(CPLX, m8, [Partial("min")]), TypeError,
+     "distribute_tensor: placements[0]=P(min) on a complex64 tensor is refused"),
 ]
 
 

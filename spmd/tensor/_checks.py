@@ -29,7 +29,8 @@ def check_mesh(mesh: Any, where: str) -> DeviceMesh:
 
 
 def check_partial_dtype(placements, dtype, where: str, arg: str = "placements") -> None:
-    """A Partial needs a numeric dtype, and ``Partial('avg')`` a floating one (as torch)."""
+    """A Partial needs a numeric dtype, ``Partial('max'|'min')`` an ordered one and ``Partial('avg')`` a
+    floating one (as torch)."""
     dtype = np.dtype(dtype)
     for i, p in enumerate(placements):
         if not isinstance(p, Partial):
@@ -38,6 +39,11 @@ def check_partial_dtype(placements, dtype, where: str, arg: str = "placements") 
             raise TypeError(
                 f"{where}: {arg}[{i}]={p} on a bool tensor is refused; a Partial needs a numeric dtype: "
                 "cast the tensor (e.g. to int32) first."
+            )
+        if p.reduce_op in ("max", "min") and jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(
+                f"{where}: {arg}[{i}]={p} on a {dtype.name} tensor is refused: complex numbers have no order "
+                "(torch refuses MAX/MIN on complex too); use Partial('sum'), or reduce abs() or the real part."
             )
         if p.reduce_op == "avg" and not jnp.issubdtype(dtype, jnp.inexact):
             raise TypeError(
