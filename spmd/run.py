@@ -27,7 +27,7 @@ import threading
 import time
 
 from spmd._spawn import free_port, signal_name, stop_processes
-from spmd.distributed._errors import PEER_EXIT_CODE
+from spmd.distributed._errors import PEER_EXIT_CODE, parse_absent
 
 __all__ = ["main", "parse_args"]
 
@@ -163,6 +163,24 @@ def _say(msg: str) -> None:
     sys.stderr.flush()
 
 
+def _absent(ranks: list, failed: list) -> list:
+    """The ranks the failed ranks named as not arriving, else those still running."""
+    named = {n for r in failed for line in r.tail for n in parse_absent(line)}
+    return [r for r in ranks if r.rank in named] or [r for r in ranks if r.alive()]
+
+
+def _process_state(pid: int) -> str:
+    """What a live rank is doing, from /proc (Linux): stopped, or running/sleeping."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "is still running: busy elsewhere or hung"
+    if state in ("T", "t"):
+        return "is stopped: SIGSTOP or a debugger"
+    return "is still running: busy elsewhere or hung"
+
+
 def _describe(code: int) -> str:
     sig = signal_name(code)
     return f"was killed by {sig} (exit code {code})" if sig else f"failed with exit code {code}"
@@ -228,24 +246,35 @@ def _run_once(args, port: int, restart: int, received: list[int]) -> tuple[int, 
             failed = [r for r in ranks if r.exit_time is not None and r.proc.returncode != 0]
             for r in failed:
                 r.join_output(1.0)  # dead: their pipes end now
-            causes = [r for r in failed if not r.is_victim()] or failed
-            bad = min(causes, key=lambda r: r.exit_time)
-            code = bad.proc.returncode
-            elapsed = bad.exit_time - start
-            _say(
-                f"rank {bad.rank} (local rank {bad.local_rank}, pid {bad.proc.pid}) {_describe(code)} "
-                f"after {elapsed:.1f} s; stopping the other ranks"
-            )
+            causes = [r for r in failed if not r.is_victim()]
+            first = min(causes or failed, key=lambda r: r.exit_time)
+            code = first.proc.returncode
+            # Every failed rank failed because of a peer: blame the ranks they named as absent, else
+            # the ranks still running (stopped or hung).
+            absent = [] if causes else _absent(ranks, failed)
+            if absent:
+                for r in absent:
+                    how = _process_state(r.proc.pid) if r.alive() else f"then {_describe(r.proc.returncode)}"
+                    _say(
+                        f"rank {r.rank} (local rank {r.local_rank}, pid {r.proc.pid}) did not arrive at the collective "
+                        f"its peers waited in (it {how}); rank {first.rank} gave up waiting after "
+                        f"{first.exit_time - start:.1f} s; stopping all ranks"
+                    )
+            else:
+                _say(
+                    f"rank {first.rank} (local rank {first.local_rank}, pid {first.proc.pid}) {_describe(code)} "
+                    f"after {first.exit_time - start:.1f} s; stopping the other ranks"
+                )
             took = stop_all()
-            lines = list(bad.err_tail) or list(bad.tail)
+            lines = list(first.err_tail) or list(first.tail)
             if lines:
-                _say(f"last lines of rank {bad.rank}:")
+                _say(f"last lines of rank {first.rank}:")
                 for line in lines[-_TAIL:]:
                     sys.stderr.write(f"    {line}\n")
-            also = [f"rank {r.rank} ({_describe(r.proc.returncode)})" for r in failed if r is not bad]
+            also = [f"rank {r.rank} ({_describe(r.proc.returncode)})" for r in failed if r is not first]
             if also:
                 _say("then also failed: " + ", ".join(also))
-            others = [r.rank for r in ranks if r is not bad and r not in failed]
+            others = [r.rank for r in ranks if r is not first and r not in failed]
             if others:
                 _say(f"stopped ranks {others} in {took:.1f} s")
             return (code if 0 < code < 256 else 1), False

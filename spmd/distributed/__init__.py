@@ -1,9 +1,10 @@
 """torch.distributed's API on JAX's distributed runtime: ``import spmd.distributed as dist``.
 
-A torch script ports by changing its imports; the one difference: JAX arrays
-are immutable, so each collective RETURNS this rank's result
-(``t = dist.all_reduce(t)``) where torch writes into its argument. Functions
-that fill a Python list in torch fill it here too (and return it).
+A torch script ports by changing its imports. Each collective RETURNS this
+rank's result and, where torch writes into its argument, writes it there too
+when the argument is a writable buffer (a NumPy array, a CPU torch tensor); a
+JAX array is immutable, so with one write ``t = dist.all_reduce(t)``.
+Functions that fill a Python list in torch fill it here too (and return it).
 
 One process is one rank. Run several with ``spmdrun --nproc-per-node N script.py``
 (or ``spmd.spawn``); one process without the environment variables is a world
@@ -13,26 +14,23 @@ of size 1.
 from placements import ReduceOp
 from spmd.distributed._backend import Backend
 from spmd.distributed._c10d import (
-    P2POp,
-    Work,
     all_gather,
     all_gather_into_tensor,
     all_reduce,
     all_to_all,
     all_to_all_single,
-    batch_isend_irecv,
     broadcast,
     gather,
-    irecv,
-    isend,
-    rank_devices,
-    recv,
     reduce,
     reduce_scatter,
     reduce_scatter_tensor,
     scatter,
-    send,
 )
+from spmd.distributed._errors import PeerError
+from spmd.distributed._groups import NotAMemberWarning
+from spmd.distributed._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from spmd.distributed._run import rank_devices
+from spmd.distributed._work import DiscardedResultWarning, Work
 from spmd.distributed._groups import (
     Group,
     get_backend,
@@ -138,6 +136,9 @@ __all__ = [
     "gather_object",
     "scatter_object_list",
     "rank_devices",
+    "PeerError",
+    "NotAMemberWarning",
+    "DiscardedResultWarning",
     "ProcessRaisedException",
     "ProcessExitedException",
 ]

@@ -27,11 +27,14 @@ __all__ = [
     "env_seconds",
     "parse_init_method",
     "devices_per_proc",
+    "debug_level",
 ]
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_HEARTBEAT_S = 10
 DEFAULT_SHUTDOWN_S = 300.0
+_DEBUG_VARS = ("SPMD_DISTRIBUTED_DEBUG", "TORCH_DISTRIBUTED_DEBUG")
+_DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,7 @@ class JobConfig:
     devices_per_proc: int | None
     local_rank: int | None
     local_world_size: int | None
+    debug: str = "OFF"
 
     @property
     def coordinator(self) -> str:
@@ -125,6 +129,21 @@ def devices_per_proc(where: str) -> int | None:
     return per_proc
 
 
+def debug_level(where: str) -> str:
+    """``OFF`` / ``INFO`` / ``DETAIL`` from SPMD_DISTRIBUTED_DEBUG, else TORCH_DISTRIBUTED_DEBUG
+    (``DETAIL`` checks every collective's signature across ranks)."""
+    for var in _DEBUG_VARS:
+        raw = os.environ.get(var)
+        if raw:
+            level = raw.strip().upper()
+            if level not in _DEBUG_LEVELS:
+                raise ValueError(
+                    f"{where}: the environment variable {var}={raw!r} must be one of {list(_DEBUG_LEVELS)}."
+                )
+            return level
+    return "OFF"
+
+
 def _rank_and_world(rank: Any, world_size: Any, where: str) -> tuple[int, int]:
     for arg, value in (("rank", rank), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -179,4 +198,5 @@ def read_config(backend: Any, init_method: Any, timeout: Any, world_size: Any, r
         devices_per_proc=per_proc,
         local_rank=env_int("LOCAL_RANK", where),
         local_world_size=env_int("LOCAL_WORLD_SIZE", where),
+        debug=debug_level(where),
     )

@@ -9,9 +9,12 @@ The protocol, shared by the ranks and the launcher:
 * Any other uncaught exception ends the rank with exit code 1, at once
   (:func:`install_excepthook`), skipping JAX's exit barrier, so that the
   others see it die instead of waiting for it.
+* A rank that gives up waiting for others at a collective prints
+  :func:`absent_line` (naming them) before it ends.
 * ``spmdrun`` blames the first rank that did not exit with
-  :data:`PEER_EXIT_CODE` (or, when every failed rank is a victim, the ranks
-  still running: stopped or hung).
+  :data:`PEER_EXIT_CODE`; when every failed rank is a victim, it blames the
+  ranks the victims named as absent (else the ranks still running), saying
+  whether each is stopped, running or dead.
 """
 
 from __future__ import annotations
@@ -21,10 +24,34 @@ import sys
 
 from spmd.distributed._state import current
 
-__all__ = ["PEER_EXIT_CODE", "PeerError", "exit_code_for", "fail", "install_excepthook"]
+__all__ = [
+    "PEER_EXIT_CODE",
+    "ABSENT_MARKER",
+    "PeerError",
+    "absent_line",
+    "parse_absent",
+    "exit_code_for",
+    "fail",
+    "install_excepthook",
+]
 
 #: Exit code of a rank that ends because of another rank (EX_PROTOCOL in sysexits.h).
 PEER_EXIT_CODE = 76
+#: Starts the line a rank prints when it gives up on ranks that did not arrive at a collective.
+ABSENT_MARKER = "spmd.distributed: ranks that did not arrive:"
+
+
+def absent_line(ranks: list[int]) -> str:
+    """The line naming the ranks that did not arrive (``spmdrun`` blames them)."""
+    return f"{ABSENT_MARKER} {' '.join(map(str, ranks))}"
+
+
+def parse_absent(line: str) -> list[int]:
+    """The ranks named by an :func:`absent_line` in ``line`` (possibly prefixed); [] otherwise."""
+    _, sep, rest = line.partition(ABSENT_MARKER)
+    if not sep:
+        return []
+    return [int(t) for t in rest.split() if t.isdigit()]
 
 
 class PeerError(RuntimeError):

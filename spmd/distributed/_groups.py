@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import warnings
 from typing import Any
 
 from spmd.distributed._backend import resolve_backend
 from spmd.distributed._state import state
 
 __all__ = [
+    "NotAMemberWarning",
+    "member_group",
     "Group",
     "group",
     "group_of",
@@ -28,6 +31,10 @@ __all__ = [
     "get_world_size",
     "get_backend",
 ]
+
+
+class NotAMemberWarning(UserWarning):
+    """A rank called a collective of a group it is not a member of (it does nothing there)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +83,27 @@ def group_of(g: Any, where: str) -> Group:
             f"{where}: rank {st.rank} is not a member of group={g!r}; only the group's ranks call its "
             "collectives (as in torch)."
         )
+    return g
+
+
+def member_group(g: Any, where: str) -> Group | None:
+    """Like :func:`group_of`, but a non-member gets None and a warning, as in torch (whose
+    collectives do nothing on a rank outside the group)."""
+    st = state(where)
+    if g is None:
+        g = group.WORLD
+    if not isinstance(g, Group):
+        raise TypeError(
+            f"{where}: group={g!r} must be None (all ranks) or a group from dist.new_group(ranks)."
+        )
+    if g.ranks is not None and st.rank not in g.ranks:
+        warnings.warn(
+            f"{where}: rank {st.rank} is not a member of group={g!r}; the call does nothing on this rank "
+            "(as in torch) and returns None.",
+            NotAMemberWarning,
+            stacklevel=3,
+        )
+        return None
     return g
 
 
@@ -172,9 +200,11 @@ def get_rank(group: Any = None) -> int:
 
 
 def get_world_size(group: Any = None) -> int:
+    """The number of ranks (of ``group`` if given; -1 if this rank is not a member), as torch."""
     if group is None:
         return state("get_world_size").world_size
-    return group_of_any(group, "get_world_size").size()
+    g = group_of_any(group, "get_world_size")
+    return g.size() if g.rank() >= 0 else -1
 
 
 def get_backend(group: Any = None) -> str:

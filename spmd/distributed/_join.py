@@ -64,7 +64,7 @@ def _check_port_free(port: int, where: str) -> None:
 
 
 def _state_of(config: JobConfig) -> State:
-    return State(config.rank, config.world_size, config.backend, config.timeout_s, True)
+    return State(config.rank, config.world_size, config.backend, config.timeout_s, True, config.debug == "DETAIL")
 
 
 def join(config: JobConfig, local_device_ids: list[int] | None, where: str) -> State:

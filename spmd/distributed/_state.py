@@ -17,13 +17,15 @@ __all__ = ["State", "state", "current", "set_state", "is_available", "is_initial
 @dataclasses.dataclass(frozen=True)
 class State:
     """This process in the job: its rank, the world size, the backend, the collective
-    timeout (seconds) and whether JAX's distributed runtime runs (world size > 1)."""
+    timeout (seconds), whether JAX's distributed runtime runs (world size > 1) and
+    whether every collective's signature is checked across ranks (``DETAIL``)."""
 
     rank: int
     world_size: int
     backend: BackendSpec
     timeout_s: float
     multiprocess: bool
+    check_calls: bool = False
 
 
 _STATE: State | None = None

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 
 import numpy as np
 
@@ -88,6 +89,46 @@ check("all_reduce scalar", lambda: (dist.all_reduce(np.float32(rank + 1)), np.fl
 w = dist.all_reduce(x_of(rank), async_op=True)
 check("all_reduce async_op", lambda: (w.result()[0] if w.wait() else None, np.sum(np.stack(ALL), 0)))
 
+# --- in place, as torch: a writable NumPy buffer is updated (async_op too); a dropped JAX result warns
+def in_place():
+    t = x_of(rank).copy()
+    dist.all_reduce(t)
+    u = x_of(rank).copy()
+    work = dist.all_reduce(u, op="max", async_op=True)
+    work.wait()
+    b = x_of(rank).copy()
+    dist.broadcast(b, src=0)
+    outs = [np.zeros((2, 3), np.float32) for _ in range(world)]
+    firsts = list(outs)
+    dist.all_gather(outs, x_of(rank))
+    same_buffers = all(a is b for a, b in zip(outs, firsts))
+    return [t, u, b, outs, same_buffers], [np.sum(np.stack(ALL), 0), np.max(np.stack(ALL), 0), ALL[0], ALL, True]
+check("in place: all_reduce, async all_reduce, broadcast, all_gather buffers", in_place)
+
+
+def dropped_jax_result():
+    import jax.numpy as jnp
+    x = jnp.asarray(x_of(rank))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.all_reduce(x)  # noqa: the dropped result is the point
+        y = dist.all_reduce(x)
+    kinds = [w.category.__name__ for w in caught]
+    return [kinds, y], [["DiscardedResultWarning"], np.sum(np.stack(ALL), 0)]
+check("dropped result of a jax input warns once", dropped_jax_result)
+
+
+def bad_op_on_one_rank():
+    # validated before any communication: the same TypeError as in one process, on that rank only
+    if rank != world - 1:
+        return True, True
+    try:
+        dist.all_reduce(x_of(rank, np.int32), op="avg")
+    except TypeError as e:
+        return "all_reduce" in str(e), True
+    return "no error", True
+check("bad op on one rank raises TypeError before communicating", bad_op_on_one_rank)
+
 # --- broadcast from every source, bit-exact
 for src in range(world):
     check(f"broadcast src={src}", lambda src=src: (dist.broadcast(x_of(rank), src=src), ALL[src]))
@@ -109,7 +150,7 @@ check("reduce max", lambda: (dist.reduce(x_of(rank), dst=0, op=dist.ReduceOp.MAX
 src = 1 % world
 pieces = [x_of(10 + i) for i in range(world)]
 check("scatter", lambda: (dist.scatter(np.zeros((2, 3), np.float32), pieces if rank == src else None, src=src), pieces[rank]))
-check("gather", lambda: (dist.gather(x_of(rank), [None] * world if rank == dst else None, dst=dst), ALL if rank == dst else None))
+check("gather", lambda: (dist.gather(x_of(rank), [None] * world if rank == dst else None, dst=dst), ALL if rank == dst else []))
 
 # --- reduce_scatter
 ins = lambda r: [x_of(r * world + j) for j in range(world)]  # noqa: E731
@@ -159,20 +200,21 @@ if world >= 2:
     members = [0, world - 1]
     g = dist.new_group(members)
     check("new_group rank/size", lambda: ([dist.get_rank(g), dist.get_world_size(g)],
-                                          [members.index(rank) if rank in members else -1, 2]))
+                                          [members.index(rank), 2] if rank in members else [-1, -1]))
     if rank in members:
         check("group all_reduce", lambda: (dist.all_reduce(x_of(rank), group=g), ALL[0] + ALL[world - 1]))
         check("group broadcast", lambda: (dist.broadcast(x_of(rank), src=world - 1, group=g), ALL[world - 1]))
         check("group all_gather", lambda: (dist.all_gather(None, x_of(rank), group=g), [ALL[0], ALL[world - 1]]))
         dist.barrier(group=g)
     else:
-        def refused():
-            try:
-                dist.all_reduce(x_of(rank), group=g)
-            except ValueError as e:
-                return "not a member" in str(e), True
-            return False, True
-        check("group non-member refused", refused)
+        def non_member():  # torch: a warning, nothing done, None
+            t = x_of(rank)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = dist.all_reduce(t, group=g)
+            warned = [str(w.message) for w in caught if issubclass(w.category, dist.NotAMemberWarning)]
+            return [got is None, len(warned), np.array_equal(t, x_of(rank))], [True, 1, True]
+        check("group non-member warns and does nothing", non_member)
 if world == 4:
     g2 = dist.new_group([1, 2, 3])
     if rank != 0:

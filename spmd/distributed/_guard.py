@@ -1,0 +1,238 @@
+"""Every tensor collective on the multi-process path is bounded and, on request, checked across ranks.
+
+**Timeout (always on).** A watchdog thread per process watches the collective
+this rank is in. Once a call has waited half a second it publishes where this
+rank is (``spmd/pos/<rank>`` in JAX's coordination service: collective, group,
+the group's call number, signature); once it has waited the job's timeout
+(``init_process_group(timeout=...)``, else ``SPMD_TIMEOUT``) it reads the
+group's positions and ends this rank (exit code ``PEER_EXIT_CODE``) with a
+message naming the collective, the group and the ranks that did not arrive
+(and where each of them is instead, when it is in another collective). The
+fast path costs two attribute writes per call: nothing is sent unless a call
+is slow.
+
+**Cross-rank check (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, or
+``SPMD_DISTRIBUTED_DEBUG=DETAIL``).** Before each call every rank publishes
+its signature (collective, op, src/dst, dtype, shape, group) and reads the
+others', within the timeout; a difference raises ValueError on every rank
+naming what differs, a rank missing raises :class:`PeerError` naming it.
+Without it, ranks that call different collectives or with different dtypes or
+shapes get XLA's behaviour (a hang ended by the timeout above, a wrong result,
+or an abort); ``benchmarks/multiprocess.py --check-cost`` measures what the
+check costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Any
+
+from spmd.distributed._errors import PEER_EXIT_CODE, PeerError, absent_line, fail
+from spmd.distributed._state import State
+
+__all__ = ["Call", "enter", "leave", "broken_message"]
+
+_TICK_S = 0.1
+_PUBLISH_AFTER_S = 0.5
+
+
+def _group_label(ranks: tuple, world: int) -> str:
+    return "Group(WORLD)" if ranks == tuple(range(world)) else f"Group(ranks={list(ranks)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One collective call of this rank: what, over which ranks, the group's call number."""
+
+    where: str
+    ranks: tuple[int, ...]
+    seq: int
+    signature: str
+    group: str
+    start: float
+    deadline: float
+
+    def position(self) -> str:
+        return f"{self.group}|{self.seq}|{self.where}|{self.signature}"
+
+    def describe(self) -> str:
+        return f"{self.where} (call #{self.seq} of {self.group})"
+
+
+def _client():
+    from jax._src import distributed as jdist  # JAX's runtime client: set by jax.distributed.initialize
+
+    return jdist.global_state.client
+
+
+class _Watchdog:
+    """The process's watchdog thread and its per-group call counters."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.active: Call | None = None
+        self.published: Call | None = None
+        self._counters: dict[tuple, itertools.count] = {}
+        self._thread = threading.Thread(target=self._watch, name="spmd-collective-watchdog", daemon=True)
+        self._thread.start()
+
+    def next_seq(self, ranks: tuple) -> int:
+        return next(self._counters.setdefault(ranks, itertools.count()))
+
+    # --- the thread ---
+    def _watch(self) -> None:
+        while True:
+            time.sleep(_TICK_S)
+            call = self.active
+            if call is None:
+                continue
+            now = time.monotonic()
+            if self.published is not call and now - call.start >= _PUBLISH_AFTER_S:
+                self._publish(call)
+            if now >= call.deadline and self.active is call:
+                fail(self._timeout_message(call), PEER_EXIT_CODE)
+
+    def _publish(self, call: Call) -> None:
+        try:
+            _client().key_value_set(f"spmd/pos/{self.rank}", call.position(), allow_overwrite=True)
+            self.published = call
+        except Exception:  # the service is gone: the heartbeat ends this process soon
+            pass
+
+    def unpublish(self, call: Call) -> None:
+        if self.published is call:
+            self.published = None
+            try:
+                _client().key_value_delete(f"spmd/pos/{self.rank}")
+            except Exception:
+                pass
+
+    def _positions(self, call: Call) -> dict[int, str | None]:
+        out: dict[int, str | None] = {}
+        client = _client()
+        for r in call.ranks:
+            if r == self.rank:
+                continue
+            try:
+                out[r] = client.key_value_try_get(f"spmd/pos/{r}")
+            except Exception:
+                out[r] = None
+        return out
+
+    def missing(self, call: Call) -> list[tuple[int, str]]:
+        """The group's ranks that are not in ``call``, each with where it is instead."""
+        positions = self._positions(call)
+        if any(p != call.position() for p in positions.values()):
+            time.sleep(2 * _TICK_S + _PUBLISH_AFTER_S)  # a late arrival publishes within this
+            positions = self._positions(call)
+        out = []
+        for r, pos in positions.items():
+            if pos == call.position():
+                continue
+            if pos is None:
+                out.append((r, "is not in any collective (busy elsewhere, hung or stopped)"))
+                continue
+            group, seq, where, sig = pos.split("|", 3)
+            if group == call.group and seq == str(call.seq):
+                out.append((r, f"is in the same call with a different signature: {where}({sig})"))
+            else:
+                out.append((r, f"is in {where} (call #{seq} of {group})"))
+        return out
+
+    def _timeout_message(self, call: Call) -> str:
+        timeout = call.deadline - call.start
+        try:
+            missing = self.missing(call)
+        except Exception as e:  # noqa: BLE001 - the message must still go out
+            missing = [(r, f"(could not ask the coordination service: {e})") for r in call.ranks if r != self.rank]
+        names = [r for r, _ in missing]
+        detail = "; ".join(f"rank {r} {why}" for r, why in missing) or "every rank arrived, the transfer stalled"
+        return (
+            f"{call.where}: rank {self.rank} waited {timeout:g} s (the timeout) in {call.describe()} "
+            f"({call.signature}); ranks {names} did not arrive: {detail}. Every rank of the group must call the "
+            "same collectives in the same order; raise the limit with init_process_group(timeout=...) or "
+            "SPMD_TIMEOUT. Ending this rank now."
+        )
+
+
+_WATCHDOG: _Watchdog | None = None
+
+
+def _watchdog(st: State, where: str) -> _Watchdog:
+    global _WATCHDOG
+    if _WATCHDOG is None or (_WATCHDOG.rank, _WATCHDOG.world) != (st.rank, st.world_size):
+        _WATCHDOG = _Watchdog(st.rank, st.world_size)
+    return _WATCHDOG
+
+
+def _signature(opts: tuple, shape: tuple, dtype: Any) -> str:
+    parts = [f"{k}={v}" for k, v in opts] + [f"dtype={dtype}", f"shape={tuple(shape)}"]
+    return ", ".join(parts)
+
+
+def enter(st: State, where: str, ranks: tuple, opts: tuple, shape: tuple, dtype: Any) -> Call:
+    """This rank enters a collective: counted, watched, and checked across ranks if asked."""
+    wd = _watchdog(st, where)
+    now = time.monotonic()
+    call = Call(where, ranks, wd.next_seq(ranks), _signature(opts, shape, dtype), _group_label(ranks, st.world_size),
+                now, now + st.timeout_s)
+    if st.check_calls:
+        _check_across_ranks(wd, call)
+    wd.active = call
+    return call
+
+
+def leave(call: Call) -> None:
+    wd = _WATCHDOG
+    if wd is not None:
+        wd.active = None
+        wd.unpublish(call)
+
+
+def broken_message(st: State, call: Call, error: Exception) -> str:
+    """The message of a collective that failed while running (gloo broke: a peer died)."""
+    return (
+        f"{call.where}: the collective failed on rank {st.rank} in {call.describe()}; another rank most likely "
+        f"died or left the job (see its output): {error}"
+    )
+
+
+def _check_across_ranks(wd: _Watchdog, call: Call) -> None:
+    """Publish this call's signature, read the group's, within the timeout (DETAIL mode)."""
+    client = _client()
+    base = f"spmd/sig/{call.group}/{call.seq}"
+    client.key_value_set(f"{base}/{wd.rank}", f"{call.where}({call.signature})")
+    got: dict[int, str] = {}
+    missing = []
+    for r in call.ranks:
+        if r == wd.rank:
+            continue
+        left_ms = max(1, int((call.deadline - time.monotonic()) * 1000))
+        try:
+            got[r] = client.blocking_key_value_get(f"{base}/{r}", left_ms)
+        except Exception:
+            missing.append(r)
+    if call.seq:
+        try:
+            client.key_value_delete(f"spmd/sig/{call.group}/{call.seq - 1}/{wd.rank}")  # every peer has read it
+        except Exception:
+            pass
+    if missing:
+        raise PeerError(
+            f"{call.where}: rank {wd.rank} waited {call.deadline - call.start:g} s (the timeout) for ranks {missing} "
+            f"to reach {call.describe()}; they did not arrive. Every rank of the group must call the same "
+            "collectives in the same order; raise the limit with init_process_group(timeout=...) or SPMD_TIMEOUT.\n"
+            + absent_line(missing)
+        )
+    mine = f"{call.where}({call.signature})"
+    differ = {r: s for r, s in got.items() if s != mine}
+    if differ:
+        listing = "; ".join([f"rank {wd.rank}: {mine}"] + [f"rank {r}: {s}" for r, s in sorted(differ.items())])
+        raise ValueError(
+            f"{call.where}: the ranks of {call.group} disagree on call #{call.seq}: {listing}. Every rank must call "
+            "the same collective with the same op, src/dst, dtype and shape (checked because "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL)."
+        )

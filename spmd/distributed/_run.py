@@ -1,0 +1,147 @@
+"""Running one collective: this rank's tensor in, this rank's result out.
+
+Every collective is one program from :func:`spmd._program.collective_program`
+(the project's one ``jit(shard_map)`` builder) over a 1-D mesh of the group's
+ranks (each rank's first device), running a functional collective of
+:mod:`spmd._collectives`. This rank's tensor is its block of a global array
+stacked on a leading rank axis.
+
+A program is lowered and compiled once per (group, collective, options,
+shape, dtype) and the compiled executable is called directly afterwards. It is
+compiled BEFORE any communication, so a wrong argument (``op="avg"`` on
+integers) raises the same TypeError/ValueError as in one process, on the rank
+that passed it, and never reaches the other ranks. The call itself runs under
+:mod:`spmd.distributed._guard` (timeout on every rank; cross-rank signature
+check with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmd._debug import record
+from spmd._program import collective_program
+from spmd._x64 import x64_for
+from spmd.distributed import _guard
+from spmd.distributed._errors import PeerError
+from spmd.distributed._state import state
+
+__all__ = ["rank_devices", "as_array", "run_on"]
+
+_AXIS = "ranks"
+
+
+@functools.lru_cache(maxsize=8)
+def _devices_by_rank(world: int, multiprocess: bool) -> tuple:
+    if not multiprocess:
+        return (jax.local_devices()[0],)
+    by: dict[int, list] = {}
+    for d in jax.devices():
+        by.setdefault(d.process_index, []).append(d)
+    return tuple(min(by[p], key=lambda d: d.id) for p in range(world))
+
+
+def rank_devices() -> tuple:
+    """The device each rank's c10d collectives run on (its first device), by rank."""
+    st = state("rank_devices")
+    return _devices_by_rank(st.world_size, st.multiprocess)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """A compiled collective for one (group, options, block shape, dtype)."""
+
+    sharding: NamedSharding
+    device: Any  # this rank's device
+    global_shape: tuple[int, ...]  # (group size, *block shape): one block per rank
+    out_shape: tuple[int, ...]  # this rank's result
+    jitted: Callable  # what CommDebugMode inspects
+    compiled: Callable  # what runs
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh(devices: tuple) -> Mesh:
+    return Mesh(np.array(devices, dtype=object), (_AXIS,))
+
+
+@functools.lru_cache(maxsize=1024)
+def _program(devices: tuple, me: int, name: str, opts: tuple, shape: tuple, dtype: np.dtype) -> _Program:
+    """Trace, lower and compile (no communication), once per (group, collective, options,
+    shape, dtype): argument errors surface here, on the rank that made them."""
+    mesh = _mesh(devices)
+    jitted = collective_program(mesh, name, _AXIS, **dict(opts))
+    sharding = NamedSharding(mesh, P(_AXIS))
+    gshape = (len(devices),) + tuple(shape)
+    compiled = jitted.lower(jax.ShapeDtypeStruct(gshape, dtype, sharding=sharding)).compile()
+    out_shape = tuple(compiled.out_info.shape[1:])
+    return _Program(sharding, mesh.devices[me], gshape, out_shape, jitted, compiled)
+
+
+def as_array(x: Any, where: str, arg: str) -> jax.Array | np.ndarray:
+    """``x`` as an array this module runs: a ``jax.Array`` as it is, anything else as a NumPy
+    array (copied to the device once, in :func:`run_on`); a TypeError naming ``where``/``arg``
+    for what is not a numeric array."""
+    if isinstance(x, jax.Array):
+        return x
+    try:
+        a = np.asarray(x)
+    except Exception:
+        a = None
+    if a is None or not (a.dtype == np.bool_ or jnp.issubdtype(a.dtype, jnp.number)):  # bfloat16 too (port)
+        raise TypeError(
+            f"{where}: {arg}={x!r} must be a numeric array (jax, NumPy, or anything np.asarray takes"
+            f"{'' if a is None else f'; this one has dtype {a.dtype}'})."
+        )
+    return a
+
+
+def run_on(ranks: Sequence[int], name: str, x: jax.Array, *, where: str | None = None, **kwargs) -> jax.Array:
+    """Run collective ``name`` over ``ranks`` with this rank's block ``x``; this rank's result.
+
+    ``where`` is the public name the errors and the cross-rank check use (default ``name``).
+    """
+    with x64_for(x):  # a 64-bit block runs in JAX's x64 mode (spmd/_x64.py); a no-op otherwise
+        return _run(tuple(ranks), name, x, where or name, kwargs)
+
+
+def _run(ranks: tuple, name: str, x: jax.Array, where: str, kwargs: dict) -> jax.Array:
+    st = state(where)
+    devs = rank_devices()
+    opts = tuple(sorted(kwargs.items()))
+    prog = _program(tuple(devs[r] for r in ranks), ranks.index(st.rank), name, opts, tuple(x.shape), np.dtype(x.dtype))
+    block = x[None] if isinstance(x, np.ndarray) else x.reshape((1,) + tuple(x.shape))  # NumPy: a view
+    local = jax.device_put(block, prog.device)  # this rank's block of the stacked global array
+    garr = jax.make_array_from_single_device_arrays(prog.global_shape, prog.sharding, [local])
+    record(where, prog.jitted, garr)
+    if not st.multiprocess:
+        out = prog.compiled(garr)
+    else:
+        call = _guard.enter(st, where, ranks, opts, x.shape, x.dtype)
+        try:
+            out = prog.compiled(garr).block_until_ready()
+        except Exception as e:
+            raise PeerError(_guard.broken_message(st, call, e)) from e
+        finally:
+            _guard.leave(call)
+    return out.addressable_shards[0].data.reshape(prog.out_shape)
+
+
+def stack(arrays: list) -> jax.Array | np.ndarray:
+    """The arrays stacked on a new leading axis (on the host when they all are)."""
+    if all(isinstance(a, np.ndarray) for a in arrays):
+        return np.stack(arrays)
+    with x64_for(*arrays):
+        return jnp.stack(arrays)
+
+
+def zeros(shape: tuple, dtype: Any) -> np.ndarray:
+    """A receiver's placeholder block (on the host: copied to the device with the call)."""
+    return np.zeros(shape, dtype)
