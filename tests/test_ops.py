@@ -296,3 +296,154 @@ def test_softmax_log_softmax_layer_norm(meshes, case):
     assert S(1) not in out.placements and no_partial(out.placements)
     if no_partial(pl) and S(1) not in pl:
         assert out.placements == tuple(pl)  # rows keep their shards
+
+
+# --- contractions -----------------------------------------------------------------------------
+MM = [
+    ("8", [S(0)], [R], [S(0)]),
+    ("8", [R], [S(1)], [S(1)]),
+    ("8", [S(1)], [S(0)], [P("sum")]),  # contraction over the sharded dim: Partial(sum), no communication
+    ("8", [P("sum")], [R], [P("sum")]),  # linear in each argument
+    ("8", [R], [P("sum")], [P("sum")]),
+    ("3", [S(0)], [S(0)], None),
+    ("3", [S(1)], [R], None),
+    ("2x4", [S(0), R], [R, S(1)], [S(0), S(1)]),
+    ("2x4", [R, S(1)], [R, S(0)], [R, P("sum")]),
+    ("2x4", [S(0), S(1)], [R, S(0)], [S(0), P("sum")]),
+]
+
+
+@pytest.mark.parametrize("case", MM, ids=[f"{m}-{''.join(map(str, a))}@{''.join(map(str, b))}" for m, a, b, _ in MM])
+def test_matmul(meshes, case):
+    m, pa, pb, want = case
+    x, w = data((5, 6), 7), data((6, 3), 8)
+    check(make(x, meshes[m], pa) @ make(w, meshes[m], pb), x @ w, want, tol=1e-4)
+    check(ops.matmul(make(x, meshes[m], pa), make(w[:, 0], meshes[m], [R] * len(pa))), x @ w[:, 0], tol=1e-4)
+
+
+def test_einsum_and_batched_matmul(mesh8, mesh2x4):
+    a, b = data((3, 5, 6), 1), data((3, 6, 4), 2)
+    check(ops.einsum("bij,bjk->bik", make(a, mesh8, [S(0)]), make(b, mesh8, [S(0)])), a @ b, [S(0)])
+    check(make(a, mesh8, [S(2)]) @ make(b, mesh8, [S(1)]), a @ b, [P("sum")])
+    check(make(a, mesh2x4, [S(0), S(1)]) @ make(b, mesh2x4, [S(0), R]), a @ b, [S(0), S(1)])
+    c = data((5, 6), 3)
+    check(ops.einsum("ij,ij->i", make(c, mesh8, [S(1)]), make(c, mesh8, [S(1)])), (c * c).sum(1), [P("sum")])
+    check(ops.einsum("ij,jk->ik", make(c, mesh8, [S(0)]), make(data((6, 2)), mesh8, [R])), c @ data((6, 2)), [S(0)])
+
+
+# --- views ------------------------------------------------------------------------------------
+def test_transpose_reshape_index(mesh8, mesh3, mesh2x4):
+    x = data((5, 6), 9)
+    d = make(x, mesh2x4, [S(0), S(1)])
+    check(d.T, x.T, [S(1), S(0)])
+    check(d.transpose(1, 0), x.T, [S(1), S(0)])
+    y = data((2, 3, 4), 1)
+    check(ops.transpose(make(y, mesh8, [S(2)]), (2, 0, 1)), y.transpose(2, 0, 1), [S(0)])
+    e = data((6, 4), 2)
+    check(make(e, mesh3, [S(0)]).reshape(24), e.reshape(24), [S(0)])  # leading dim of a merge, even
+    check(make(e, mesh3, [S(0)]).reshape(3, 2, 4), e.reshape(3, 2, 4), [S(0)])  # split, 3 divisible by 3
+    check(make(e, mesh3, [S(1)]).reshape(6, 4, 1), e.reshape(6, 4, 1), [S(1)])
+    check(make(x, mesh8, [S(0), ]).reshape((5, 2, 3)), x.reshape(5, 2, 3), [S(0)])  # uneven, kept as is
+    check(make(x, mesh8, [P("sum")]).reshape(-1), x.reshape(-1), [P("sum")])
+    check(make(x, mesh8, [S(0)])[:, 2], x[:, 2], [S(0)])
+    check(make(x, mesh8, [S(1)])[1:4, ..., None], x[1:4, ..., None], [S(1)])
+    check(make(x, mesh8, [S(1)])[-1], x[-1], [S(0)])
+    check(make(x, mesh2x4, [R, S(0)])[:, ::2], x[:, ::2], [R, S(0)])
+
+
+# --- errors -------------------------------------------------------------------------------------
+def raises(exc, text):
+    return pytest.raises(exc, match=re.escape(text))
+
+
+def test_errors(mesh8, mesh3, mesh2x4):
+    x = make(data((5, 3)), mesh8, [S(0)])
+    with raises(ValueError, "add: shapes (5, 3) placed S(0), (4,) placed R do not broadcast (dim -1 has sizes [3, 4]); make the sizes equal or 1"):
+        x + make(data((4,)), mesh8, [R])
+    with raises(ValueError, "multiply: operands live on different meshes"):
+        x * make(data((5, 3)), mesh3, [S(0)])
+    with raises(TypeError, "add: argument 1 is a ndarray of shape (5, 3), not a DTensor or a scalar; lay it out first"):
+        x + data((5, 3))
+    with raises(TypeError, "subtract: argument 0 is a ndarray of shape (5, 3), not a DTensor or a scalar"):
+        data((5, 3)) - x
+    with raises(ValueError, "reshape: a tensor of shape (5, 3) placed S(0) cannot become shape (15,) without communication: the shard of dim 0 (size 5, 8 shards) would not stay one contiguous block per rank. Redistribute first, e.g. x.redistribute(placements=[Replicate()]), then reshape"):
+        x.reshape(15)
+    with raises(ValueError, "reshape: cannot reshape a tensor of shape (5, 3) (15 elements) into (4, 4)"):
+        x.reshape(4, 4)
+    with raises(ValueError, "indexing: index 1 on dim 0, which placements S(0) shard; index only dims that are not sharded"):
+        x[1]
+    with raises(ValueError, "indexing: slice slice(0, 2, None) on dim 0, which placements S(0) shard"):
+        x[0:2]
+    with raises(IndexError, "indexing: index 3 is out of bounds for dim 1 of size 3 (shape (5, 3))"):
+        x[:, 3]
+    with raises(TypeError, "indexing: index [0, 1] is not supported on a DTensor"):
+        x[:, [0, 1]]
+    with raises(ValueError, "matmul: x of shape (5, 3) (placed S(0)) and y of shape (5, 3) (placed S(0)) do not contract: 3 != 5"):
+        x @ x
+    with raises(ValueError, "sum: axis=2 is out of range for a tensor of rank 2; use an axis in [-2, 1]"):
+        x.sum(2)
+    with raises(TypeError, "softmax: x is a int32 DTensor placed S(0); softmax needs a floating dtype: cast it first"):
+        ops.softmax(x.astype("int32"))
+    with raises(ValueError, "max: axis=0 of a tensor of shape (0, 3) (placed S(0)) is empty"):
+        make(data((0, 3)), mesh8, [S(0)]).max(0)
+    with raises(TypeError, "max: the result would be a bool tensor placed P(max), and a Partial needs a numeric dtype"):
+        (x > 0).max(0)
+    with raises(ValueError, "einsum: equation='ij,jk' needs an explicit output"):
+        ops.einsum("ij,jk", x, x)
+    with raises(ValueError, "transpose: axes=(0, 0) is not a permutation of range(2)"):
+        x.transpose(0, 0)
+    with raises(TypeError, "exp: no argument is a DTensor; call jax.numpy.exp on plain arrays"):
+        ops.exp(1.0)
+    with raises(TypeError, "explain: fn=3 is not callable"):
+        ops.explain(3)
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(x)
+
+
+# --- explain, jit, grad --------------------------------------------------------------------------
+def test_explain_prints_the_plan_before_running(mesh8, capsys):
+    x, w = make(data((5, 6)), mesh8, [S(1)]), make(data((6, 4)), mesh8, [S(0)])
+    out = ops.explain(lambda a, b: ops.relu(a @ b).sum(0), x, w)
+    text = capsys.readouterr().out
+    assert [s.op for s in out] == ["matmul", "relu", "sum"]
+    assert out[0].output == (P("sum"),) and out[0].cost().collectives == 0
+    # relu is not linear: the cheapest way out of P(sum) is a reduce_scatter (8 x 1 x 4 floats per device)
+    assert out[1].inputs == ((S(0),),) and out[1].plans[0].collectives == ("reduce_scatter",)
+    assert out[1].cost().bytes == 8 * 4 * 4
+    assert out[2].output == (P("sum"),)
+    assert "matmul(S(1), S(0)) -> P(sum) (5, 4)" in text and "P(sum) -> S(0)  [mesh dim 0: P(sum) -> S(0), reduce_scatter" in text
+    assert text.startswith("3 op(s), ") and str(out.cost()) in text
+
+
+def test_jit_one_program_and_its_collectives(mesh2x4):
+    x, w1, w2 = data((8, 6), 1), data((6, 8), 2) / 4, data((8, 4), 3) / 4
+    dx, d1, d2 = make(x, mesh2x4, [S(0), R]), make(w1, mesh2x4, [R, S(1)]), make(w2, mesh2x4, [R, S(0)])
+
+    def f(a, b, c):
+        return ops.tanh(a @ b) @ c
+
+    out = jax.jit(f)(dx, d1, d2)
+    check(out, np.tanh(x @ w1) @ w2, [S(0), P("sum")], tol=1e-4)
+    lowered = jax.jit(f).lower(dx, d1, d2).as_text()
+    assert lowered.count("func.func public @main") == 1  # one program for the chain
+    got = spmd.collectives(f, dx, d1, d2)
+    assert sum(v["count"] for v in got.values()) == 0  # column- then row-parallel: nothing until the Partial is read
+    g = lambda a, b, c: f(a, b, c).redistribute(placements=[S(0), R])
+    got = spmd.collectives(g, dx, d1, d2)
+    assert got["all-reduce"]["count"] == 1 and sum(v["count"] for v in got.values()) == 1
+    assert got["all-reduce"]["bytes"] == 4 * 4 * 4  # one (4, 4) float32 block per device
+
+
+@pytest.mark.parametrize("pa,pb", [([R], [S(1)]), ([S(0)], [R]), ([S(1)], [S(0)]), ([R], [R]), ([P("sum")], [R])])
+def test_grad_placements_follow_torch_autograd(mesh8, pa, pb):
+    x, w = data((5, 3), 1) / 4, data((3, 8), 2) / 4
+    a, b = make(x, mesh8, pa), make(w, mesh8, pb)
+    loss = lambda u, v: ops.sum(ops.tanh(u @ v)).full_tensor()
+    g = 1 - np.tanh(x @ w) ** 2
+    (value, (ga, gb)) = ops.value_and_grad(loss, argnums=(0, 1))(a, b)
+    np.testing.assert_allclose(value, np.tanh(x @ w).sum(), rtol=1e-5)
+    # Shard stays Shard; Replicate is reduced to Replicate; Partial comes back Replicate
+    check(ga, g @ w.T, [p if isinstance(p, Shard) else R for p in pa])
+    check(gb, x.T @ g, [p if isinstance(p, Shard) else R for p in pb])
+    gj = jax.jit(ops.grad(loss, argnums=1))(a, b)
+    check(gj, x.T @ g, [p if isinstance(p, Shard) else R for p in pb])
