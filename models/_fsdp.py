@@ -249,6 +249,15 @@ def make_fsdp_train_step(
     region = spmd(local_grads, mesh, in_placements=(placements, batch_pl), out_placements=(placements, rep))
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        plan.check_params(state.params, "train_step", sharded=True)
+        n = jax.tree.leaves(batch)[0].shape[0]
+        if n % (n_data * accum_steps):
+            split = " x ".join(f"{d}={mesh.size(d)}" for d in data)
+            raise ValueError(
+                f"train_step: the batch has {n} examples, not divisible by the data-parallel size {split} = {n_data}"
+                + (f" times accum_steps={accum_steps}" if accum_steps > 1 else "")
+                + f"; use a batch size that is a multiple of {n_data * accum_steps}."
+            )
         grads, metrics = region(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)

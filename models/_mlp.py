@@ -29,6 +29,12 @@ class MLP(nn.Module):
         """The gather units (torch's ``fully_shard`` on each layer): path regexes."""
         return (r"hidden_\d+", "out")
 
+    @staticmethod
+    def fsdp_keep() -> tuple[str, ...]:
+        """Units gathered once and held for the backward pass: all (layers of different shapes run
+        unrolled, and XLA merges a re-gather with the forward one)."""
+        return (".*",)
+
     @nn.compact
     def __call__(self, tokens: jax.Array, gather: Any = None) -> jax.Array:
         """Logits; with ``gather`` (from ``models._fsdp``) the parameters are this device's

@@ -72,6 +72,11 @@ class Transformer(nn.Module):
         """The gather units below the root (torch's ``fully_shard`` on each block): path regexes."""
         return (r"block_\d+",)
 
+    @staticmethod
+    def fsdp_keep() -> tuple[str, ...]:
+        """Units gathered once and held for the backward pass: the root (the blocks re-gather)."""
+        return ("root",)
+
     @nn.compact
     def __call__(self, tokens: jax.Array, gather: Any = None) -> jax.Array:
         """Logits; ``gather`` (from ``models._fsdp``): the parameters are this device's shards,

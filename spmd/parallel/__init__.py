@@ -9,7 +9,7 @@ parameter path patterns to placements; the first match wins.
 from spmd.parallel._hlo import executed_collectives, hlo_executed_collectives
 from spmd.parallel._param_plan import ROOT, ParamPlan, PlanEntry, path_str, plan_params
 from spmd.parallel._rules import Rule, fully_shard, replicate
-from spmd.parallel._shard import entry_sharding, gather_unit, map_like_params, padded_shape, shard_params, unshard_params
+from spmd.parallel._shard import entry_sharding, gather_unit, map_like_params, shard_params, unshard_params
 
 __all__ = [
     "Rule",
@@ -20,7 +20,6 @@ __all__ = [
     "PlanEntry",
     "ROOT",
     "path_str",
-    "padded_shape",
     "entry_sharding",
     "shard_params",
     "unshard_params",

@@ -103,16 +103,27 @@ class ParamPlan:
         """The parameters' pytree with each leaf's placement list (``@spmd``'s in_placements)."""
         return jax.tree_util.tree_unflatten(self.treedef, [list(e.placements) for e in self.entries])
 
-    def check_params(self, params: Any, where: str) -> None:
-        """Refuse parameters the plan was not built for (other paths or global shapes)."""
+    def padded_shape(self, e: PlanEntry) -> tuple[int, ...]:
+        """The global shape of ``e`` as stored: each device's padded block times the shards per dim."""
+        shape = list(e.local_shape)
+        for size, p in zip(self.mesh_shape, e.placements):
+            if isinstance(p, Shard):
+                shape[p.dim] *= size
+        return tuple(shape)
+
+    def check_params(self, params: Any, where: str, *, sharded: bool = False) -> None:
+        """Refuse parameters the plan was not built for (other paths or shapes); ``sharded``:
+        ``params`` are stored by this plan (padded shapes)."""
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         got = [(path_str(p), tuple(np.shape(x))) for p, x in leaves]
-        want = [(e.path, e.shape) for e in self.entries]
+        want = [(e.path, self.padded_shape(e) if sharded else e.shape) for e in self.entries]
         if got != want:
-            diff = sorted(set(got) ^ set(want))[:4]
+            diff = sorted(set(got) ^ set(want), key=str)[:4]
+            what = "sharded parameters (padded shapes)" if sharded else "parameters"
             raise ValueError(
-                f"{where}: the parameters do not match the plan (first differences, path and shape: {diff}); "
-                "build the plan from these parameters with plan_params(params, mesh, rules)."
+                f"{where}: the {what} do not match the plan (first differences, path and shape: {diff}); build "
+                "the plan from these parameters with plan_params(params, mesh, rules), and the state with "
+                "shard_train_state(state, plan, mesh, optimizer)."
             )
 
     # --- sizes --------------------------------------------------------------------------
@@ -146,9 +157,10 @@ class ParamPlan:
 
         Per unit with sharded parameters: one all-gather before it runs in the
         forward pass, one more before its backward pass when ``regather`` (not
-        for the ``keep`` units, gathered once and held, like torch's root
-        module, nor with ``accum_steps > 1``, which holds every unit's gathered
-        parameters across the micro-batches), and one reduce-scatter of its
+        for the units matching a ``keep`` regex, gathered once and held like
+        torch's root module (a model says which: ``model.fsdp_keep()``), nor
+        with ``accum_steps > 1``, which holds every unit's gathered parameters
+        across the micro-batches), and one reduce-scatter of its
         gradient. With a ``dp`` dim: one all-reduce of all sharded gradient
         bytes. Parameters replicated on fsdp: one all-reduce of their
         gradients over the data-parallel dims. Scalars (loss, metrics, norms)
@@ -165,7 +177,8 @@ class ParamPlan:
         n_dp = self.mesh_size(dp) if dp else 1
         for u in self.units:
             g = self.gathered_bytes(u)
-            gathers = 0 if not g else (1 if (not regather or u in keep or accum_steps > 1) else 2)
+            held = any(re.fullmatch(k, u) for k in keep)
+            gathers = 0 if not g else (1 if (not regather or held or accum_steps > 1) else 2)
             for _ in range(gathers):
                 add("all-gather", g)
             add("reduce-scatter", g)
@@ -180,8 +193,9 @@ class ParamPlan:
     def peak_gathered_bytes(self, *, regather: bool = True, keep: Sequence[str] = (ROOT,), accum_steps: int = 1) -> int:
         """The most gathered parameter bytes alive at once: the kept units plus the largest
         other unit when re-gathering per block, else every unit (held for the backward pass)."""
-        kept = sum(self.gathered_bytes(u) for u in self.units if u in keep)
-        others = [self.gathered_bytes(u) for u in self.units if u not in keep]
+        held = [any(re.fullmatch(k, u) for k in keep) for u in self.units]
+        kept = sum(self.gathered_bytes(u) for u, h in zip(self.units, held) if h)
+        others = [self.gathered_bytes(u) for u, h in zip(self.units, held) if not h]
         if regather and accum_steps == 1:
             return kept + max(others, default=0)
         return kept + sum(others)
@@ -236,7 +250,7 @@ def plan_params(
     """Place every leaf of ``params`` (arrays or ``jax.ShapeDtypeStruct``) on ``mesh``.
 
     ``rules``: first match wins, per parameter; every rule must match some
-    parameter. ``fsdp``: the mesh dim that ``fully_shard``'s default cuts
+    parameter path (a rule that only ever loses to an earlier one is allowed). ``fsdp``: the mesh dim that ``fully_shard``'s default cuts
     (a mesh without it keeps every parameter ``Replicate``: plain DDP).
     ``units``: regexes over the first path component; each matching
     component (``block_0``, ``block_1``, ...) is a gather unit, everything
@@ -285,8 +299,8 @@ def plan_params(
             if isinstance(p, Shard) and p.dim < 0:
                 p = Shard(p.dim + len(gshape))
             plist.append(p)
-        if rule_i is not None:
-            used[rule_i] = True
+        for i, r in enumerate(rules):
+            used[i] = used[i] or r.matches(path)
         unit = _unit_of(path, units)
         if unit not in order:
             order.append(unit)

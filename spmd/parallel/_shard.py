@@ -13,7 +13,6 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -22,16 +21,7 @@ from placements import Shard
 from spmd._mesh import DeviceMesh
 from spmd.parallel._param_plan import ParamPlan, PlanEntry
 
-__all__ = ["padded_shape", "entry_sharding", "shard_params", "unshard_params", "gather_unit", "map_like_params"]
-
-
-def padded_shape(e: PlanEntry, mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    """The global shape a device's padded block tiles: local shape times the shards per dim."""
-    shape = list(e.local_shape)
-    for size, p in zip(mesh_shape, e.placements):
-        if isinstance(p, Shard):
-            shape[p.dim] *= size
-    return tuple(shape)
+__all__ = ["entry_sharding", "shard_params", "unshard_params", "gather_unit", "map_like_params"]
 
 
 def entry_sharding(e: PlanEntry, mesh: DeviceMesh) -> NamedSharding:
@@ -42,8 +32,8 @@ def entry_sharding(e: PlanEntry, mesh: DeviceMesh) -> NamedSharding:
     return NamedSharding(mesh.jax_mesh, P(*[None if not s else (s[0] if len(s) == 1 else tuple(s)) for s in spec]))
 
 
-def _pad(x, e: PlanEntry, mesh_shape) -> jax.Array:
-    target = padded_shape(e, mesh_shape)
+def _pad(x, e: PlanEntry, plan: ParamPlan) -> jax.Array:
+    target = plan.padded_shape(e)
     return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, target)])
 
 
@@ -71,7 +61,7 @@ def shard_params(tree: Any, plan: ParamPlan, mesh: DeviceMesh, *, optimizer=None
     rep = NamedSharding(mesh.jax_mesh, P())
     shardings = map_like_params(plan, tree, lambda x, e: entry_sharding(e, mesh), optimizer=optimizer,
                                 other=lambda x: rep)
-    pad = jax.jit(lambda t: map_like_params(plan, t, lambda x, e: _pad(x, e, mesh.shape), optimizer=optimizer,
+    pad = jax.jit(lambda t: map_like_params(plan, t, lambda x, e: _pad(x, e, plan), optimizer=optimizer,
                                             other=lambda x: x), out_shardings=shardings)
     return pad(tree)
 
