@@ -22,6 +22,8 @@ import contextvars
 from collections import Counter
 from typing import Any, Callable
 
+import jax
+
 from spmd._inspect import KINDS, hlo_collectives
 from spmd._x64 import x64_for
 
@@ -33,8 +35,8 @@ _ACTIVE: contextvars.ContextVar[tuple["CommDebugMode", ...]] = contextvars.Conte
 def record(where: str, fn: Callable, *args: Any) -> None:
     """Report that ``fn(*args)`` (a jitted program) is about to run, on behalf of ``where``."""
     modes = _ACTIVE.get()
-    if not modes:
-        return
+    if not modes or any(isinstance(a, jax.core.Tracer) for a in args):
+        return  # nothing to count, or inside a trace (the enclosing program runs, not this one)
     for mode in modes:
         mode._record(where, fn, args)
 
@@ -107,3 +109,11 @@ def visualize_sharding(dtensor: Any, header: str = "", use_rich: bool = False) -
         )
     text = dtensor.visualize(print_out=False)
     print(f"{header}\n{text}" if header else text)
+
+
+def run(where: str, fn: Callable, *args: Any) -> Any:
+    """Run the compiled program ``fn(*args)`` as every eager entry point does: reported to the
+    active :class:`CommDebugMode` (if any), in JAX's x64 mode when an argument is 64-bit."""
+    record(where, fn, *args)
+    with x64_for(*args):
+        return fn(*args)

@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmd._groups import resolve_mesh_dims
+from spmd._launch import join_if_launched, missing_devices_hint
 from spmd._process_group import ProcessGroup
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
@@ -195,15 +196,11 @@ def init_device_mesh(
     if not mesh_shape or any(s < 1 for s in mesh_shape):
         raise ValueError(f"{where}: mesh_shape={tuple(mesh_shape)!r} must be non-empty with every size >= 1.")
     platform = _platform(device_type, where)
+    join_if_launched()  # as torch: under a launcher, join the job (init_process_group) first
     devices = _devices_of(platform, device_type, where)
     n = math.prod(mesh_shape)
     if n > len(devices):
-        hint = ""
-        if platform == "cpu":
-            hint = (
-                "; for more CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count="
-                f"{n} before JAX is imported"
-            )
+        hint = missing_devices_hint(n, len(devices), platform)
         raise ValueError(
             f"{where}: mesh_shape={tuple(mesh_shape)!r} needs {n} devices but only {len(devices)} "
             f"{device_type} device(s) exist; use a smaller mesh{hint}."

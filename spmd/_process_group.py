@@ -13,6 +13,7 @@ from typing import Any
 from placements import ReduceOp, as_reduce_op
 from spmd._arrays import as_array
 from spmd._collectives import _check_axis, _check_rank
+from spmd._debug import run
 from spmd._groups import MeshGroup
 from spmd._program import collective_program
 
@@ -39,7 +40,7 @@ class ProcessGroup(MeshGroup):
                 f"block of shape {tuple(t.shape)}."
             )
         options = self._check_options(where, len(t.shape) - len(shape), kwargs)
-        return collective_program(self._mesh.jax_mesh, name, self._dims, **options)(t)
+        return run(where, collective_program(self._mesh.jax_mesh, name, self._dims, **options), t)
 
     def _check_options(self, where: str, block_ndim: int, kwargs: dict) -> dict:
         """The options checked and normalised (a rank or an axis an int, an op a ReduceOp) before they key

@@ -14,17 +14,22 @@ from spmd._arrays import as_array
 from spmd._mesh import DeviceMesh
 from spmd.tensor import _dispatch
 from spmd.tensor._checks import check_mesh, check_target, is_tracer
+from spmd._x64 import x64_for
 from spmd.tensor._dtensor import DTensor
+from spmd.tensor._source import from_source
 from spmd.tensor._storage import sharding, storage_of_global
 
 __all__ = ["distribute_tensor", "plan_redistribute"]
 
 
-def distribute_tensor(x: Any, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None) -> DTensor:
+def distribute_tensor(x: Any, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None, *,
+                      src_data_rank: int | None = 0) -> DTensor:
     """Lay out a global tensor ``x`` (NumPy or JAX array) over ``device_mesh`` by ``placements``.
 
     ``placements`` defaults to Replicate on every mesh dim (as torch). A Partial
-    placement partitions the value as ``Replicate -> Partial`` does.
+    placement partitions the value as ``Replicate -> Partial`` does. Across processes,
+    as torch, every rank takes mesh rank ``src_data_rank``'s ``x`` (``None``: each
+    process's own, which must then agree); 64-bit dtypes keep their values.
     """
     where = "distribute_tensor"
     mesh = check_mesh(device_mesh, where)
@@ -46,7 +51,9 @@ def distribute_tensor(x: Any, device_mesh: DeviceMesh, placements: Sequence[Plac
         return _distribute_traced(x, mesh, placements, where)
     arr = np.asarray(as_array(x, where, "x"))
     pl = check_target(placements, mesh.ndim, arr.ndim, arr.dtype, where)
-    return DTensor(storage_of_global(arr, mesh, pl), mesh, pl, arr.shape)
+    arr = from_source(arr, mesh, src_data_rank, where)  # torch's src_data_rank (multi-process)
+    with x64_for(arr.dtype):  # int64 / float64 storage keeps its dtype (spmd/_x64.py)
+        return DTensor(storage_of_global(arr, mesh, pl), mesh, pl, arr.shape)
 
 
 def _distribute_traced(x, mesh: DeviceMesh, placements, where: str) -> DTensor:

@@ -9,6 +9,7 @@ import numpy as np
 
 from placements import Replicate, Shard, coord_to_rank, format_placements, local_shape, rank_to_coord
 from spmd._arrays import as_array
+from spmd._x64 import x64_for
 from spmd.tensor._checks import check_mesh, check_shape, check_target
 from spmd.tensor._storage import storage_of_blocks
 
@@ -78,7 +79,8 @@ def from_local_storage(locals, device_mesh, placements, shape, run_check):
             src.append(arrs[coord_to_rank(c, mesh.shape)])
         arrs = src
     blocks = {rank_to_coord(r, mesh.shape): a for r, a in enumerate(arrs)}
-    return mesh, storage_of_blocks(blocks, mesh, pl, gshape), pl, gshape
+    with x64_for(arrs[0].dtype):  # int64 / float64 storage keeps its dtype (spmd/_x64.py)
+        return mesh, storage_of_blocks(blocks, mesh, pl, gshape), pl, gshape
 
 
 def _global_shape(shape, a, mesh, pl, where: str):
@@ -121,4 +123,5 @@ def _process_storage(local, mesh, placements, shape, where: str):
                 f"{format_placements(pl)} of a global shape {gshape} give coordinate {coord} the shape {want}; "
                 "give shape= (the global shape) for uneven shards."
             )
-    return storage_of_blocks({coord: np.asarray(a) for coord in mine}, mesh, pl, gshape), pl, gshape
+    with x64_for(a.dtype):
+        return storage_of_blocks({coord: np.asarray(a) for coord in mine}, mesh, pl, gshape), pl, gshape
