@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["as_array"]
@@ -22,7 +23,7 @@ def as_array(x: Any, where: str, arg: str):
         a = np.asarray(x)
     except Exception:
         a = None
-    if a is None or a.dtype.kind not in "biufc":
+    if a is None or not (a.dtype == np.bool_ or jnp.issubdtype(a.dtype, jnp.number)):  # bfloat16 & co. too
         raise TypeError(
             f"{where}: {arg}={x!r} is not a numeric array; pass a NumPy or JAX array (or anything np.asarray "
             "turns into one) of a bool, integer, float or complex dtype."

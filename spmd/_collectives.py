@@ -8,7 +8,6 @@ collectives; see the lowering notes on every function.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import jax
@@ -16,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from placements import ReduceOp, as_reduce_op
+from placements import ReduceOp
 from spmd._groups import group_axes
+from spmd._reduce import bool_op, check_op, extreme, kind, reduce_stacked, sum_contribution
 
 try:  # the same all-gather, typed as replicated over the group (so Replicate outputs pass check_vma)
     from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
@@ -84,80 +84,30 @@ def _vary(x, axes):
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-# --- reductions -----------------------------------------------------------------------
-def _kind(dtype) -> str:
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return "bool"
-    if jnp.issubdtype(dtype, jnp.integer):
-        return "int"
-    return "float"
-
-
-def _check_op(op: Any, dtype, where: str) -> ReduceOp:
-    op = as_reduce_op(op, where=f"{where}: op")
-    kind = _kind(dtype)
-    if op.is_bitwise and kind == "float":
-        raise TypeError(
-            f"{where}: op={op!r} is a bitwise op and the input is {np.dtype(dtype).name}; bitwise ops take "
-            "integer or bool inputs (as in torch); cast the input, or use MAX/MIN/SUM."
-        )
-    if op.name == "avg" and kind != "float":
-        raise TypeError(
-            f"{where}: op={op!r} is refused on an input of dtype {np.dtype(dtype).name} (torch allows AVG only "
-            "on floating inputs); reduce with SUM and divide, or cast to a float dtype."
-        )
-    if op.name == "premul_sum" and kind == "bool":
-        raise TypeError(f"{where}: op={op!r} needs a numeric input, got bool; cast it first.")
-    if op.name == "premul_sum" and kind == "int" and op.factor != int(op.factor):
-        raise ValueError(
-            f"{where}: op={op!r} on an input of dtype {np.dtype(dtype).name} would truncate the factor "
-            f"{op.factor!r} to an integer; use an integral factor, or cast the input to a float dtype."
-        )
-    return op
-
-
-def _bool_op(op: ReduceOp) -> str:
-    # torch (ProcessGroupNCCL) reduces bools as SUM -> max, PRODUCT -> min.
-    return {"sum": "max", "product": "min", "max": "max", "min": "min", "band": "min", "bor": "max", "bxor": "bxor"}[op.name]
-
-
-def _reduce_stacked(g, name: str, axis: int):
-    """Reduce the gathered contributions ``g`` along ``axis`` with a non-primitive op."""
-    if name == "product":
-        return jnp.prod(g, axis=axis, dtype=g.dtype)
-    fn = {"band": lax.bitwise_and, "bor": lax.bitwise_or, "bxor": lax.bitwise_xor, "max": lax.max, "min": lax.min}[name]
-    parts = [lax.index_in_dim(g, i, axis, keepdims=False) for i in range(g.shape[axis])]
-    return functools.reduce(fn, parts)
-
-
 def all_reduce(x, op: Any = ReduceOp.SUM, *, group: Any = None):
     """Reduce ``x`` over the group with ``op``; every rank gets the result.
 
-    Lowers to one all-reduce (``psum``/``pmax``/``pmin``); PRODUCT and the
+    Lowers to one all-reduce (``psum``/``pmax``/``pmin``; MAX/MIN of floats as an
+    integer all-reduce that keeps NaN, see ``spmd/_reduce.py``); PRODUCT and the
     bitwise ops have no XLA primitive and gather then reduce locally.
     """
     where = "all_reduce"
     axes, n = group_axes(group, where)
     x = _vary(x, axes)
-    op = _check_op(op, x.dtype, where)
-    if _kind(x.dtype) == "bool":
-        name = _bool_op(op)
+    op = check_op(op, x.dtype, where)
+    if kind(x.dtype) == "bool":
+        name = bool_op(op)
         y = x.astype(jnp.uint8)
         if name == "bxor":
             return (lax.psum(y.astype(jnp.int32), axes) % 2).astype(jnp.bool_)
         return (lax.pmax(y, axes) if name == "max" else lax.pmin(y, axes)).astype(jnp.bool_)
-    if op.name == "sum":
-        return lax.psum(x, axes)
-    if op.name == "avg":
-        return lax.pmean(x, axes)
-    if op.name == "premul_sum":
-        return lax.psum(x * jnp.asarray(op.factor, x.dtype), axes)
-    if op.name == "max":
-        return lax.pmax(x, axes)
-    if op.name == "min":
-        return lax.pmin(x, axes)
-    return _reduce_stacked(_all_gather_invariant(x, axes, axis=0), op.name, 0)
+    if op.name in ("sum", "avg", "premul_sum"):
+        y, divide = sum_contribution(x, op, n)
+        y = lax.psum(y, axes)
+        return y / n if divide else y
+    if op.name in ("max", "min"):
+        return extreme(x, op.name, axes)
+    return reduce_stacked(_all_gather_invariant(x, axes, axis=0), op.name, 0)
 
 
 def _bits(x):
@@ -201,7 +151,7 @@ def reduce(x, dst: int, op: Any = ReduceOp.SUM, *, group: Any = None):
     axes, n = group_axes(group, where)
     dst = _check_rank(dst, n, where, "dst", axes)
     x = _vary(x, axes)
-    _check_op(op, x.dtype, where)
+    check_op(op, x.dtype, where)
     return jnp.where(lax.axis_index(axes) == dst, all_reduce(x, op, group=axes), x)
 
 
@@ -243,22 +193,22 @@ def reduce_scatter(x, op: Any = ReduceOp.SUM, *, scatter_dim: int = 0, group: An
     where = "reduce_scatter"
     axes, n = group_axes(group, where)
     x = _vary(x, axes)
-    op = _check_op(op, x.dtype, where)
+    op = check_op(op, x.dtype, where)
     d = _check_axis(scatter_dim, x.ndim, where, "scatter_dim")
     _check_divisible(x, d, n, where, "scatter_dim", axes)
-    name = _bool_op(op) if _kind(x.dtype) == "bool" else op.name
+    name = bool_op(op) if kind(x.dtype) == "bool" else op.name
     if name in ("sum", "avg", "premul_sum"):
-        y = x * jnp.asarray(op.factor, x.dtype) if name == "premul_sum" else x
+        y, divide = sum_contribution(x, op, n)
         y = lax.psum_scatter(y, axes, scatter_dimension=d, tiled=True)
-        return y / n if name == "avg" else y
+        return y / n if divide else y
     c = x.shape[d] // n
     xs = x.reshape(x.shape[:d] + (n, c) + x.shape[d + 1 :])
     if xs.dtype == jnp.bool_:
         xs = xs.astype(jnp.uint8)
         got = lax.all_to_all(xs, axes, d, d, tiled=True)
-        return _reduce_stacked(got, name, d).astype(jnp.bool_)
+        return reduce_stacked(got, name, d).astype(jnp.bool_)
     got = lax.all_to_all(xs, axes, d, d, tiled=True)
-    return _reduce_stacked(got, name, d)
+    return reduce_stacked(got, name, d)
 
 
 def all_to_all(x, split_axis: int = 0, concat_axis: int = 0, *, group: Any = None):

@@ -444,3 +444,43 @@ def test_gradient_finite_differences(mesh2x4):
         v = jnp.asarray(rng.normal(size=x0.shape), jnp.float32)
         fd = (f(x0 + eps * v) - f(x0 - eps * v)) / (2 * eps)
         np.testing.assert_allclose(np.sum(g * np.asarray(v)), fd, rtol=2e-2, atol=2e-2)
+
+
+# --- NaN through MAX/MIN, AVG of narrow floats (issue 10.5, 10.6) ------------------------------------
+def _nan_blocks(dtype):
+    """8 ranks of 4 values: col 0 NaN on every rank, col 1 NaN on rank 3 only, col 2 finite, col 3 -inf/-0.0 mix."""
+    x = np.arange(32, dtype=np.float32).reshape(8, 4) - 10
+    x[:, 0] = np.nan
+    x[3, 1] = np.nan
+    x[:, 3] = -0.0
+    x[5, 3] = -np.inf
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_max_min_propagate_nan_as_numpy(mesh8, dtype, op):
+    x = _nan_blocks(jnp.dtype(dtype))
+    want = getattr(np, op)(x.astype(np.float32), axis=0)  # NumPy: NaN wins
+    f = spmd.spmd(lambda b: spmd.all_reduce(b, op, group="x"), mesh8, in_placements=Shard(0), out_placements=Shard(0))
+    got_region = np.asarray(f(x.reshape(8, 1, 4))).astype(np.float32)
+    got_pg = np.asarray(mesh8.get_group().allreduce(x, op)).astype(np.float32)
+    for got in (got_region.reshape(8, 4), got_pg):
+        for r in range(8):
+            np.testing.assert_array_equal(got[r], want, err_msg=f"{op} {dtype} rank {r}")
+    if op == "min":  # -inf wins over -0.0; NaN columns come back as NaN, not +-inf
+        assert np.isneginf(got_pg[0, 3]) and np.isnan(got_pg[0, :2]).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_avg_of_narrow_floats_does_not_overflow(mesh8, dtype):
+    """Every rank holds a value whose 8-rank sum overflows the dtype, its mean does not: pre-divided
+    (as NCCL's floating AVG), the mean comes back exact; PREMUL_SUM(1/8) too."""
+    big = {"float16": 16376.0, "bfloat16": 3.0e38}[dtype]
+    x = np.full((8, 2, 8), big, jnp.dtype(dtype))
+    want = np.full((2, 8), big, jnp.dtype(dtype))
+    pg = mesh8.get_group()
+    for got in (pg.allreduce(x, "avg"), pg.allreduce(x, ReduceOp.PREMUL_SUM(1 / 8))):
+        np.testing.assert_array_equal(np.asarray(got).astype(np.float32), np.broadcast_to(want, (8, 2, 8)).astype(np.float32))
+    rs = np.asarray(pg.reduce_scatter(x, "avg", scatter_dim=1)).astype(np.float32)
+    np.testing.assert_array_equal(rs, np.full((8, 2, 1), want[0, 0], np.float32))

@@ -354,3 +354,34 @@ def test_same_numbers_as_torch_dtensor(tmp_path):
         ours = dt.redistribute(placements=dst_pl).local_tensors()
         for r in range(4):
             np.testing.assert_array_equal(np.asarray(ours[r]), torch_out[r][i], err_msg=f"case {i} rank {r}")
+
+
+# --- NaN, narrow AVG and -0.0 through Partial (issue 10.5-10.7) ---------------------------------------
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_partial_max_min_keep_nan(mesh8, op):
+    locals_ = [np.array([np.nan, np.nan if r == 3 else r, r - 4.0], np.float32) for r in range(8)]
+    want = getattr(np, op)(np.stack(locals_), axis=0)
+    np.testing.assert_array_equal(np.asarray(DTensor.from_local(locals_, mesh8, [Partial(op)]).full_tensor()), want)
+    x = np.array([np.nan, 1.0, -0.0], np.float32)  # R -> P(op) -> R keeps the value, NaN and -0.0 included
+    back = distribute_tensor(x, mesh8, [R]).redistribute(placements=[Partial(op)]).redistribute(placements=[R])
+    got = np.asarray(back.full_tensor())
+    np.testing.assert_array_equal(got, x)
+    assert np.signbit(got[2])
+
+
+def test_partial_avg_float16_does_not_overflow(mesh8):
+    x = np.full((3,), 16376.0, np.float16)  # 8 x 16376 overflows float16, the mean does not
+    np.testing.assert_array_equal(np.asarray(distribute_tensor(x, mesh8, [Partial("avg")]).full_tensor()), x)
+    np.testing.assert_array_equal(np.asarray(DTensor.from_local([x] * 8, mesh8, [Partial("avg")]).full_tensor()), x)
+
+
+def test_negative_zero_through_partial(mesh8):
+    """R -> P(sum) fills the other ranks with -0.0 (the IEEE additive identity), so the partition itself is
+    exact; P(product|max|min) -> R keep -0.0. (XLA:CPU's float all-reduce sum starts at +0.0: README.)"""
+    x = np.array([-0.0, 2.0], np.float32)
+    for op in ("sum", "avg", "product", "max", "min"):
+        dt = distribute_tensor(x, mesh8, [R]).redistribute(placements=[Partial(op)])
+        firsts = [np.asarray(t)[0] for t in dt.local_tensors()]
+        assert np.signbit(firsts[0]) and all(np.signbit(v) or (op == "product" and v == 1) for v in firsts), op
+        if op in ("product", "max", "min"):
+            assert np.signbit(np.asarray(dt.redistribute(placements=[R]).full_tensor())[0]), op

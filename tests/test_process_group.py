@@ -152,3 +152,18 @@ def test_group_of_a_sub_mesh(mesh2x4):
     out = pg.allreduce((RANKS + 1).reshape(WORLD, 1))
     np.testing.assert_array_equal(out, [[10]] * WORLD)
     assert sorted(d.id for d in out.sharding.device_set) == [0, 1, 2, 3]
+
+
+def test_cached_program_does_not_let_a_bool_or_float_rank_through(pg):
+    """src=0 / src=1 cached first: src=False / src=1.0 still get their own validation (issue 10.12)."""
+    import re
+
+    x = (RANKS + 1).reshape(WORLD, 1).astype(np.float32)
+    np.testing.assert_array_equal(pg.broadcast(x, src=0)[:, 0], [1.0] * WORLD)
+    np.testing.assert_array_equal(pg.broadcast(x, src=1)[:, 0], [2.0] * WORLD)
+    with pytest.raises(TypeError, match=re.escape("broadcast: src=False must be an int rank in the group")):
+        pg.broadcast(x, src=False)
+    with pytest.raises(TypeError, match=re.escape("broadcast: src=1.0 must be an int rank in the group")):
+        pg.broadcast(x, src=1.0)
+    with pytest.raises(TypeError, match=re.escape("reduce: dst=True must be an int rank in the group")):
+        pg.reduce(x, dst=True)

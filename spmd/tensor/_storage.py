@@ -24,7 +24,8 @@ def op_identity(op: str, dtype):
     """The identity of reduce op ``op`` in ``dtype`` (what a rank holding nothing contributes)."""
     dtype = np.dtype(dtype)
     if op in ("sum", "avg"):
-        return 0
+        # -0.0 for floats: x + (-0.0) == x for every x, -0.0 included (+0.0 would turn -0.0 into +0.0).
+        return -0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0
     if op == "product":
         return 1
     if dtype == np.bool_:

@@ -37,6 +37,8 @@ def _reduce(vals, op):
     stack = np.stack(vals)
     if op == "sum":
         return stack.sum(0, dtype=stack.dtype)
+    if op == "avg" and stack.dtype.kind == "f" and stack.dtype.itemsize < 4:  # pre-divided (spmd/_reduce.py)
+        return (stack.astype(np.float32) / len(vals)).astype(stack.dtype).sum(0, dtype=stack.dtype)
     if op == "avg":
         return (stack.sum(0, dtype=stack.dtype) / len(vals)).astype(stack.dtype)
     if op == "product":
