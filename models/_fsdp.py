@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from models._ddp import TrainState, _varying
 from placements import ReduceOp, Replicate, Shard
-from spmd import DeviceMesh, all_reduce, spmd
+from spmd import DeviceMesh, DTensor, all_reduce, spmd
 from spmd.parallel import ParamPlan, entry_sharding, gather_unit, map_like_params, path_str, shard_params
 
 __all__ = ["make_fsdp_train_step", "shard_train_state", "state_shardings", "UnitGather", "data_dims"]
@@ -250,7 +250,7 @@ def make_fsdp_train_step(
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         plan.check_params(state.params, "train_step", sharded=True)
-        n = jax.tree.leaves(batch)[0].shape[0]
+        n = jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, DTensor))[0].shape[0]
         if n % (n_data * accum_steps):
             split = " x ".join(f"{d}={mesh.size(d)}" for d in data)
             raise ValueError(

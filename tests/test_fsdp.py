@@ -179,3 +179,47 @@ def test_bad_inputs_are_clear_errors():
         make_fsdp_train_step(_loss_fn("transformer"), OPT, mesh, plan, accum_steps=0)
     with pytest.raises(TypeError, match=re.escape("make_fsdp_train_step: plan=None must be a spmd.parallel.ParamPlan")):
         make_fsdp_train_step(_loss_fn("transformer"), OPT, mesh, None)
+
+
+def test_checkpoints_restore_across_meshes_bit_for_bit(tmp_path):
+    """fsdp=8 -> dp=8 (replicated) -> fsdp=2 -> 1 device: each save written by its own layout."""
+    from models._checkpoint import Checkpointer
+    from models._fsdp_run import layout_meta, restore_resharded
+
+    mesh8, plan8, _, state8, _ = _sharded(CONFIGS[0])
+    params, _ = _data("transformer")
+    units = Transformer.fsdp_units()
+    abstract = jax.eval_shape(lambda: params)
+    logical = jax.device_get(TrainState(state8.step, unshard_params(state8.params, plan8, mesh8),
+                                        unshard_params(state8.opt_state, plan8, mesh8, optimizer=OPT)))
+    dp8 = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    fsdp2 = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
+    one = spmd.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    plan2 = plan_params(params, fsdp2, units=units)
+    replicated_target = init_train_state(params, OPT)
+
+    def save(name, state, plan):
+        ckpt = Checkpointer(tmp_path / name)
+        ckpt.save(20, state, {"layout": layout_meta(plan)}, force=True)
+        ckpt.close()
+        return Checkpointer(tmp_path / name)
+
+    def same(state, plan, mesh):
+        got = state if plan is None else TrainState(state.step, unshard_params(state.params, plan, mesh),
+                                                     unshard_params(state.opt_state, plan, mesh, optimizer=OPT))
+        for a, b in zip(jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(logical), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+    on_dp8, _ = restore_resharded(save("fsdp8", state8, plan8), replicated_target, None, dp8, OPT, abstract, units)
+    same(on_dp8, None, dp8)
+    assert on_dp8.params["pos"].sharding.is_fully_replicated
+    target2 = shard_train_state(replicated_target, plan2, fsdp2, OPT)
+    on_fsdp2, _ = restore_resharded(save("dp8", on_dp8, None), target2, plan2, fsdp2, OPT, abstract, units)
+    same(on_fsdp2, plan2, fsdp2)
+    assert on_fsdp2.params["pos"].shape == (6, 12) and on_fsdp2.params["pos"].sharding.spec[0] == "fsdp"
+    on_one, _ = restore_resharded(save("fsdp2", on_fsdp2, plan2), replicated_target, None, one, OPT, abstract, units)
+    same(on_one, None, one)
+    other = jax.eval_shape(lambda: MODELS["transformer"][0].clone(d_model=8).init(
+        jax.random.key(0), np.zeros((2, 6), np.int32))["params"])
+    with pytest.raises(ValueError, match=re.escape("restore_resharded: the checkpoint holds parameters of other paths or shapes than the plan was built for")):
+        restore_resharded(Checkpointer(tmp_path / "fsdp8"), replicated_target, None, dp8, OPT, other, units)

@@ -120,6 +120,7 @@ def test_bad_rules_and_params_are_clear_errors(fsdp8, hsdp):
         Rule("(", {})
     with pytest.raises(TypeError, match=re.escape("plan_params: rules[0]='head' must be a spmd.parallel.Rule")):
         plan_params(TOY, fsdp8, ["head"])
+    assert plan_params(TOY, {"dp": 2, "fsdp": 4}) == plan_params(TOY, hsdp)  # a mesh by its dims (a saved run's)
     with pytest.raises(TypeError, match=re.escape("plan_params: mesh=(8,) must be a spmd.DeviceMesh")):
         plan_params(TOY, (8,))
     plan = plan_params(TOY, fsdp8)

@@ -76,5 +76,8 @@ def hlo_executed_collectives(text: str) -> dict[str, dict[str, int]]:
 
 
 def executed_collectives(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, dict[str, int]]:
-    """What one call of ``fn(*args)`` communicates once compiled, loops unrolled in the count."""
-    return hlo_executed_collectives(jax.jit(fn).lower(*args, **kwargs).compile().as_text())
+    """What one call of ``fn(*args)`` communicates once compiled, loops unrolled in the count.
+
+    A jitted ``fn`` that already ran is not compiled again (JAX caches its executable)."""
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    return hlo_executed_collectives(jitted.lower(*args, **kwargs).compile().as_text())

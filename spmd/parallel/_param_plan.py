@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -226,8 +226,12 @@ class ParamPlan:
 def _mesh_dims(mesh: Any, where: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     if isinstance(mesh, DeviceMesh):
         return tuple(mesh.mesh_dim_names), tuple(mesh.shape)
+    if isinstance(mesh, Mapping) and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                         and v >= 1 for k, v in mesh.items()) and mesh:
+        return tuple(mesh), tuple(mesh.values())  # a mesh described by its dims (e.g. a saved run's)
     raise TypeError(
-        f"{where}: mesh={mesh!r} must be a spmd.DeviceMesh, e.g. init_device_mesh('cpu', (8,), mesh_dim_names=('fsdp',))."
+        f"{where}: mesh={mesh!r} must be a spmd.DeviceMesh (e.g. init_device_mesh('cpu', (8,), "
+        "mesh_dim_names=('fsdp',))) or a dict of mesh dim sizes such as {'dp': 2, 'fsdp': 4}."
     )
 
 
@@ -241,7 +245,7 @@ def _unit_of(path: str, units: tuple[str, ...]) -> str:
 
 def plan_params(
     params: Any,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | Mapping[str, int],
     rules: Sequence[Rule] = (),
     *,
     fsdp: str = "fsdp",
