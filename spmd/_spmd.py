@@ -24,9 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 from placements import Partial, Placement, Replicate, Shard, check_placements, format_placements
 from spmd._collectives import varying_axes
+from spmd._mesh import DeviceMesh
+from spmd.tensor._checks import check_target
 from spmd.tensor._dtensor import DTensor, from_physical, physical
 from spmd.tensor._local import even_global_shape
-from spmd._mesh import DeviceMesh
 
 __all__ = ["spmd"]
 
@@ -185,38 +186,63 @@ class _Spmd:
             out = self._f(*jax.tree_util.tree_unflatten(treedef, local))
             out_leaves, out_tree = jax.tree_util.tree_flatten(out)
             out_pl = _broadcast(self._out, out, "spmd: out_placements", nd)
-            res, checked, ospecs = [], [], []
+            res, checked, ospecs, vmas = [], [], [], []
             for i, (y, pl) in enumerate(zip(out_leaves, out_pl)):
                 y = jnp.asarray(y)
-                if pl is None:
-                    pl = [Replicate()] * nd
-                pl = check_placements(pl, mesh_ndim=nd, tensor_ndim=y.ndim, where=f"spmd: out_placements (leaf {i})")
+                pl = check_target(
+                    [Replicate()] * nd if pl is None else pl, nd, y.ndim, y.dtype, "spmd", f"out_placements (leaf {i})"
+                )
                 checked.append(pl)
-                if _has_partial(pl):
-                    _check_replicated(y, pl, names, i)
+                vmas.append(varying_axes(y))
+                if _has_partial(pl):  # stored per rank: a DTensor's storage
                     res.append(y.reshape((1,) * nd + y.shape))
                     ospecs.append(P(*names))
                 else:
-                    if self._check_vma:  # say it in spmd's words before shard_map's check does
-                        _check_replicated(y, pl, names, i)
                     res.append(y)
                     ospecs.append(_spec(pl, names, y.ndim))
-            meta.update(out_tree=out_tree, out_pl=tuple(checked), ospecs=tuple(ospecs))
+            meta.update(out_tree=out_tree, out_pl=tuple(checked), ospecs=tuple(ospecs), vmas=vmas)
             return tuple(res)
 
-        # The output specs depend on the output's structure and ranks: find them by an abstract trace.
-        probe = jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=specs, out_specs=P(), check_vma=False)
-        jax.eval_shape(probe, *vals)
+        # The output specs depend on the output's structure and ranks: find them by an abstract trace,
+        # with check_vma=True so that every result's varying axes are known (a function that cannot be
+        # traced so under check_vma=False is traced without them).
+        def probe(check_vma: bool):
+            sm = jax.shard_map(lambda *f: (body(*f), ())[1], mesh=mesh.jax_mesh, in_specs=specs, out_specs=(),
+                               check_vma=check_vma)
+            jax.eval_shape(sm, *vals)
+
+        if self._check_vma:
+            probe(True)
+        else:
+            try:
+                probe(True)
+            except Exception:
+                probe(False)
+                meta["vmas"] = [None] * len(meta["out_pl"])
         out_tree, out_pl, ospecs = meta["out_tree"], meta["out_pl"], meta["ospecs"]
+        for i, (pl, vma) in enumerate(zip(out_pl, meta["vmas"])):
+            _check_replicated(vma, pl, names, i, self._check_vma)
         sm = jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=specs, out_specs=ospecs, check_vma=self._check_vma)
         return sm, out_tree, out_pl
 
 
-def _check_replicated(y, pl, names, i: int) -> None:
-    """A Partial result is stored per rank, so JAX's replication check does not see its
-    Replicate dims: check them here from the value's varying axes."""
-    vma = varying_axes(y) or ()
-    bad = [n for n, p in zip(names, pl) if isinstance(p, Replicate) and n in vma]
+def _check_replicated(vma, pl, names, i: int, check_vma: bool) -> None:
+    """A result placed Replicate on a mesh dim must not differ across it. JAX checks plain results
+    under ``check_vma=True``; a Partial result is stored per rank (JAX does not see its Replicate
+    dims) and ``check_vma=False`` checks nothing (JAX would keep device 0's value): check those here,
+    from the varying axes the probe trace found (``vma``; None if the function cannot be traced
+    with check_vma=True, and then a Replicate dim cannot be checked and is refused)."""
+    rep = [n for n, p in zip(names, pl) if isinstance(p, Replicate)]
+    if not rep or (vma is None and check_vma and not _has_partial(pl)):
+        return  # (a JAX without vma types: shard_map's own check)
+    if vma is None:
+        raise ValueError(
+            f"spmd: out_placements (leaf {i})={format_placements(pl)} says the result is replicated over {rep}, "
+            "but with check_vma=False nothing checks it (and this function cannot be traced with check_vma=True "
+            "to check it): JAX would silently keep one device's value. Place it Shard or Partial on those mesh "
+            "dims, or all_reduce it and use check_vma=True."
+        )
+    bad = [n for n in rep if n in vma]
     if bad:
         raise ValueError(
             f"spmd: out_placements (leaf {i})={format_placements(pl)} says the result is replicated over "

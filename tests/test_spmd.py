@@ -235,3 +235,41 @@ def test_wrong_replicate_claims_raise(mesh8, mesh2x4):
     # A value made replicated by a collective passes.
     ok = spmd.spmd(lambda x: spmd.all_gather(x, tiled=True, group="x"), mesh8, in_placements=S0, out_placements=R)
     np.testing.assert_array_equal(ok(jnp.arange(8.0)), np.arange(8.0))
+
+
+# --- nothing silently replicated, out_placements checked as DTensor placements (issue 10.11) ------------
+def test_check_vma_false_does_not_silently_replicate(mesh8):
+    from jax import lax
+
+    x = np.arange(8.0, dtype=np.float32)
+    msg = "spmd: out_placements (leaf 0)=R says the result is replicated over ['x'], but it differs across those ranks"
+    with pytest.raises(ValueError, match=re.escape(msg)):  # was device 0's value, silently
+        spmd.spmd(lambda b: b * 2, mesh8, in_placements=S0, out_placements=R, check_vma=False)(x)
+    total = spmd.spmd(lambda b: spmd.all_reduce(b, group="x"), mesh8, in_placements=S0, out_placements=R, check_vma=False)
+    np.testing.assert_array_equal(np.asarray(total(x)), [28.0])
+
+    def scan(b):  # traceable only with check_vma=False (its carry changes vma type)
+        return lax.scan(lambda c, _: (c + b, None), jnp.zeros(1), None, length=2)[0]
+
+    np.testing.assert_array_equal(
+        np.asarray(spmd.spmd(scan, mesh8, in_placements=S0, out_placements=S0, check_vma=False)(x)), 2 * x
+    )
+    msg = "spmd: out_placements (leaf 0)=R says the result is replicated over ['x'], but with check_vma=False nothing checks it"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        spmd.spmd(scan, mesh8, in_placements=S0, out_placements=R, check_vma=False)(x)
+
+
+@pytest.mark.parametrize(
+    "out,dtype,exc,msg",
+    [
+        (Partial("avg"), np.int32, TypeError, "spmd: out_placements (leaf 0)[0]=P(avg) on a int32 tensor is refused"),
+        (Partial("sum"), np.bool_, TypeError, "spmd: out_placements (leaf 0)[0]=P(sum) on a bool tensor is refused"),
+        ([Partial("sum"), Partial("max")], np.float32, ValueError,
+         "spmd: out_placements (leaf 0)=P(sum)P(max) mixes Partial ops ['max', 'sum']"),
+    ],
+)
+def test_out_placements_get_the_dtensor_checks(mesh8, mesh2x4, out, dtype, exc, msg):
+    mesh = mesh2x4 if isinstance(out, list) else mesh8
+    f = spmd.spmd(lambda b: b, mesh, in_placements=[S0] * mesh.ndim, out_placements=out)
+    with pytest.raises(exc, match=re.escape(msg)):  # at trace time, not at full_tensor()
+        f(np.ones(8, dtype))
