@@ -3,11 +3,13 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from models import CheckpointError
 from models.train import Config, main, parse_args, run
 
 TINY_T = ["--steps", "3", "--batch-size", "16", "--layers", "1", "--d-model", "16", "--heads", "2", "--length", "4",
@@ -100,6 +102,27 @@ def test_cli_parses_every_option():
      "models.train: --text='/no/such/file.txt' does not exist or is not a file"),
     (["--steps", "0"], ValueError, "models.train: --steps=0 must be an int >= 1."),
     (["--d-model", "30"], ValueError, "models.train: --d-model=30 is not divisible by --heads=4"),
+    # Silent acceptances and raw tracebacks found by the reliability pass (issue 10.11, 10.12).
+    (["--lr", "inf"], ValueError, "models.train: --lr=inf must be a finite number > 0.0."),
+    (["--lr", "nan"], ValueError, "models.train: --lr=nan must be a finite number > 0.0."),
+    (["--lr", "0"], ValueError, "models.train: --lr=0.0 must be a finite number > 0.0."),
+    (["--lr=-1e-3"], ValueError, "models.train: --lr=-0.001 must be a finite number > 0.0."),
+    (["--clip-norm", "0"], ValueError, "models.train: --clip-norm=0.0 must be a finite number > 0.0."),
+    (["--weight-decay=-0.1"], ValueError, "models.train: --weight-decay=-0.1 must be a finite number >= 0.0."),
+    (["--lr-floor", "1.5"], ValueError, "models.train: --lr-floor=1.5 must be a finite number >= 0.0 and <= 1.0."),
+    (["--mesh", "dp=2,dp=4"], ValueError,
+     "models.train: --mesh='dp=2,dp=4' gives the mesh dim 'dp' twice; name each dim once (e.g. --mesh dp=4)."),
+    (["--seed", "99999999999999999999"], ValueError,
+     "models.train: --seed=99999999999999999999 must be an int in [0, 2**63 - 1]; e.g. --seed 0."),
+    (["--seed=-1"], ValueError, "models.train: --seed=-1 must be an int in [0, 2**63 - 1]; e.g. --seed 0."),
+    (["--length", "100000"], ValueError,
+     "models.train: --length=100000 (sequences of 200000 tokens) needs at least 19,073.8 GiB per device for one "
+     "train step (parameters, gradients, optimizer state and the logits and attention scores of 16 examples per "
+     "device), more than the "),
+    (["--model", "mlp", "--length", "100000"], ValueError,
+     "models.train: --length=100000 (sequences of 100000 tokens) needs at least 8.5 GiB per device"),
+    (["--eval-size", "100"], ValueError,
+     "models.train: --eval-size=100 is not divisible by the dp size 8; use a multiple of 8 (e.g. 96)."),
 ])
 def test_bad_inputs(tmp_path, capsys, argv, exc, message):
     cfg = parse_args([*argv, "--out", str(tmp_path)])
@@ -117,3 +140,107 @@ def test_refuses_to_replace_a_run_unless_told(tmp_path):
         run(parse_args([*TINY_M, "--out", out]))
     assert main([*TINY_M, "--out", out, "--no-progress", "--overwrite", "--seed", "1"]) == 0
     assert _outputs(out)["config"]["seed"] == 1
+
+
+def test_out_naming_a_file_is_refused(tmp_path, capsys):
+    path = tmp_path / "notes.txt"
+    path.write_text("mine")
+    message = (f"models.train: --out={str(path)!r} is a file, not a folder; give a folder for the run's outputs "
+               "(it is created if missing).")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run(parse_args([*TINY_M, "--out", str(path)]))
+    assert main([*TINY_M, "--out", str(path)]) == 2 and message in capsys.readouterr().err
+    assert path.read_text() == "mine"
+
+
+def test_hyper_parameters_reach_the_optimizer():
+    """--lr, --warmup, --lr-floor, --clip-norm, --weight-decay against a NumPy AdamW with global-norm
+    clipping on the warmup-cosine schedule (gradients alternating above and below the clip norm)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.train._programs import make_optimizer
+
+    cfg = parse_args(["--steps", "20", "--warmup", "2", "--lr", "0.1", "--lr-floor", "0.25", "--clip-norm", "0.5",
+                      "--weight-decay", "0.2"])
+    assert (cfg.lr_floor, cfg.clip_norm, cfg.weight_decay) == (0.25, 0.5, 0.2)
+    opt = make_optimizer(cfg)
+    w = np.array([1.0, -2.0, 0.5, 3.0])
+    params, state = {"w": jnp.asarray(w, jnp.float32)}, None
+    state = opt.init(params)
+    mu, nu = np.zeros(4), np.zeros(4)
+    for t in range(22):
+        g = np.array([3.0, -4.0, 0.0, 0.0]) * (1.0 if t % 2 else 0.01)  # norm 5 (clipped to 0.5) or 0.05
+        updates, state = opt.update({"w": jnp.asarray(g, jnp.float32)}, state, params)
+        params = {"w": params["w"] + updates["w"]}
+        g = g * min(1.0, 0.5 / np.linalg.norm(g))
+        lr = 0.1 * t / 2 if t < 2 else 0.1 * (0.25 + 0.75 * 0.5 * (1 + np.cos(np.pi * min(t - 2, 18) / 18)))
+        mu, nu = 0.9 * mu + 0.1 * g, 0.999 * nu + 0.001 * g * g
+        step = (mu / (1 - 0.9 ** (t + 1))) / (np.sqrt(nu / (1 - 0.999 ** (t + 1))) + 1e-8) + 0.2 * w
+        w = w - lr * step
+        np.testing.assert_allclose(np.asarray(params["w"]), w, rtol=1e-4, atol=1e-5)  # float32 vs float64
+    assert lr == 0.1 * 0.25  # the last steps ran at the floor
+
+
+def test_a_second_run_into_the_same_out_is_refused_with_the_holders_pid(tmp_path, capsys):
+    """The lock on --out (issue 10.2): a live holder's PID is named at once; it is gone after the holder is
+    killed (no stale lock), and a finished run releases it."""
+    out = str(tmp_path / "run")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from models.train._outdir import RunLock; RunLock(sys.argv[1]).acquire(); "
+         "print('locked', flush=True); sys.stdin.read()", out],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        from models.train import RunLockedError
+
+        message = (f"models.train: --out={out!r} is in use by another run (PID {holder.pid}, lock "
+                   f"{os.path.join(out, '.lock')!r}); wait for that run to end (or stop it), or choose another --out.")
+        with pytest.raises(RunLockedError, match=re.escape(message)):
+            run(parse_args([*TINY_M, "--out", out]))
+        assert main([*TINY_M, "--out", out, "--no-progress"]) == 2 and message in capsys.readouterr().err
+        assert sorted(os.listdir(out)) == [".lock"]  # nothing else written
+    finally:
+        holder.kill()  # SIGKILL: the OS drops the lock
+        holder.wait(timeout=30)
+    assert main([*TINY_M, "--out", out, "--no-progress"]) == 0
+    assert main([*TINY_M, "--out", out, "--no-progress", "--overwrite"]) == 0  # the first run released it
+
+
+def test_a_run_without_checkpoints_is_not_replaced_silently(tmp_path):
+    """Issue 10.10: checkpoints/ deleted, metrics.json and loss.png remain: a new run is refused, --resume
+    says there is nothing to resume and points at --overwrite, --overwrite replaces the run."""
+    out = str(tmp_path)
+    assert main([*TINY_M, "--out", out, "--no-progress"]) == 0
+    shutil.rmtree(os.path.join(out, "checkpoints"))
+    before = open(os.path.join(out, "metrics.json")).read()
+    with pytest.raises(ValueError, match=re.escape(
+            f"models.train: --out={out!r} already holds the outputs of a run (metrics.json, loss.png) but no finished "
+            "checkpoint; pass --overwrite to replace it (there is nothing to --resume), or choose another --out.")):
+        run(parse_args([*TINY_M, "--out", out]))
+    with pytest.raises(CheckpointError, match=re.escape(
+            "only the outputs of a run (metrics.json, loss.png); there is nothing to resume: pass --overwrite instead "
+            "of --resume")):
+        run(parse_args([*TINY_M, "--out", out, "--resume"]))
+    assert open(os.path.join(out, "metrics.json")).read() == before
+    assert main([*TINY_M, "--out", out, "--no-progress", "--overwrite", "--seed", "2"]) == 0
+    assert _outputs(out)["config"]["seed"] == 2
+
+
+def test_advice_after_a_kill_during_the_first_save_is_not_circular(tmp_path):
+    """Issue 10.10: SIGKILL during the first save leaves only checkpoints/2.orbax-checkpoint-tmp; without
+    flags the job points at --overwrite (not --resume), with --resume it points at --overwrite too."""
+    out = str(tmp_path)
+    tmp = os.path.join(out, "checkpoints", "2.orbax-checkpoint-tmp")
+    os.makedirs(os.path.join(tmp, "state"))
+    with pytest.raises(ValueError, match=re.escape(
+            f"models.train: --out={out!r} already holds an unfinished checkpoint save (2.orbax-checkpoint-tmp: the "
+            "run stopped while saving) but no finished checkpoint; pass --overwrite to replace it")) as plain:
+        run(parse_args([*TINY_M, "--out", out]))
+    with pytest.raises(CheckpointError, match=re.escape(
+            "only an unfinished checkpoint save (2.orbax-checkpoint-tmp: the run stopped while saving); there is "
+            "nothing to resume: pass --overwrite instead of --resume")) as resumed:
+        run(parse_args([*TINY_M, "--out", out, "--resume"]))
+    assert "pass --resume" not in str(plain.value) and "without --resume" not in str(resumed.value)
+    assert main([*TINY_M, "--out", out, "--no-progress", "--overwrite"]) == 0
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2", "3"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ from models.train._config import DATA_DIMS, Config, parse_mesh
 from models.train._eval import make_eval_step
 from spmd import DeviceMesh, distribute_tensor, init_device_mesh
 
-__all__ = ["build_mesh", "data_dims", "make_task", "layout", "task_dims", "make_model", "cross_entropy",
+__all__ = ["build_mesh", "data_dims", "check_fits", "device_memory", "make_task", "layout", "task_dims", "make_model", "cross_entropy",
            "make_optimizer", "Programs", "programs", "place_batch"]
 
 
@@ -53,6 +54,50 @@ def build_mesh(spec: str | None) -> DeviceMesh:
 def data_dims(mesh: DeviceMesh) -> tuple[str, ...]:
     """The mesh dims the batch is split over."""
     return tuple(n for n in mesh.mesh_dim_names if n in DATA_DIMS)
+
+
+def device_memory() -> int | None:
+    """Bytes one local device can hold: the accelerator's limit, or the host's memory shared by the local
+    CPU devices; None if JAX does not say."""
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if dev.platform == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
+    return None
+
+
+def _step_floor_bytes(cfg: Config, n_data: int) -> int:
+    """A lower bound on one device's memory for a train step: the parameters, their gradients and AdamW's
+    two moments (4 copies; shapes from an abstract init, nothing allocated), the float32 logits of the
+    device's micro-batch and, for the transformer, the attention scores every layer keeps for the backward
+    pass (batch x heads x T x T)."""
+    vocab, seq_len, out_len = task_dims(cfg)
+    shapes = jax.eval_shape(make_model(cfg).init, jax.random.key(0), jax.ShapeDtypeStruct((1, seq_len), jnp.int32))
+    micro = max(1, cfg.batch_size // (n_data * cfg.accum_steps))
+    floor = 4 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) + micro * out_len * vocab * 4
+    if cfg.model == "transformer":
+        floor += cfg.layers * micro * cfg.heads * seq_len * seq_len * 4
+    return floor
+
+
+def check_fits(cfg: Config, n_data: int, memory: int | None) -> None:
+    """Refuse a run whose train step cannot fit in ``memory`` bytes per device (before anything is compiled)."""
+    need = _step_floor_bytes(cfg, n_data)
+    if memory is None or need <= memory:
+        return
+    _, seq_len, _ = task_dims(cfg)
+    size = f"--context={cfg.context}" if cfg.text is not None else f"--length={cfg.length}"
+    gib = 2**30
+    raise ValueError(
+        f"models.train: {size} (sequences of {seq_len} tokens) needs at least {need / gib:,.1f} GiB per device for "
+        f"one train step (parameters, gradients, optimizer state and the logits"
+        f"{' and attention scores' if cfg.model == 'transformer' else ''} of "
+        f"{cfg.batch_size // (n_data * cfg.accum_steps)} examples per device), more than the {memory / gib:,.1f} "
+        f"GiB a device has; use a smaller {size.split('=')[0]}, --batch-size"
+        f"{', --layers or --d-model' if cfg.model == 'transformer' else ' or --hidden'}, or more --accum-steps."
+    )
 
 
 def make_task(cfg: Config):

@@ -23,7 +23,8 @@ from models._ddp import TrainState
 from models.train._config import Config, check_config, check_resume_config, run_config
 from models.train._loop import MetricLog, report, train_loop
 from models.train._outdir import OutFolder, RunLock, write_outputs
-from models.train._programs import build_mesh, data_dims, layout, make_task, place_batch, programs, task_dims
+from models.train._programs import (build_mesh, check_fits, data_dims, device_memory, layout, make_task, place_batch,
+                                    programs, task_dims)
 from spmd import DeviceMesh
 
 __all__ = ["run", "restore_state"]
@@ -73,6 +74,7 @@ def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None
     mesh = build_mesh(cfg.mesh)
     n_data = math.prod(mesh.size(d) for d in data_dims(mesh))
     eval_size = _check_batch_sizes(cfg, n_data)
+    check_fits(cfg, n_data, device_memory())
     lead = jax.process_index() == 0
     lock = RunLock(cfg.out).acquire() if lead else None
     try:
