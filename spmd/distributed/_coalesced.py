@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from placements import ReduceOp
 from spmd._x64 import exact_array, x64_for
+from spmd.distributed._groups import member_group
+from spmd.distributed._work import write_into
 
 __all__ = ["all_reduce_coalesced"]
 
@@ -22,6 +23,8 @@ def all_reduce_coalesced(tensors: Any, op: Any = ReduceOp.SUM, group: Any = None
     import spmd.distributed as dist
 
     where = "all_reduce_coalesced"
+    if member_group(group, where) is None:
+        return None  # not a member: warned, nothing to do (as torch)
     if isinstance(tensors, (str, bytes)) or not isinstance(tensors, (list, tuple)) or not tensors:
         raise TypeError(f"{where}: tensors={tensors!r} must be a non-empty list of tensors.")
     arrays = []
@@ -42,18 +45,5 @@ def all_reduce_coalesced(tensors: Any, op: Any = ReduceOp.SUM, group: Any = None
             for k, i in enumerate(idx):
                 results[i] = out[offsets[k]:offsets[k + 1]].reshape(arrays[i].shape)
     for t, r in zip(tensors, results):
-        _write_into(t, r)
+        write_into(t, r)  # a writable NumPy array / CPU torch tensor gets its result, as all_reduce does
     return dist.Work(results) if async_op else results
-
-
-def _write_into(target: Any, value: jax.Array) -> None:
-    """Write ``value`` into ``target`` when it is a writable host buffer (a NumPy array, or a CPU
-    torch tensor through its NumPy view); JAX arrays are immutable and are left as they are."""
-    if isinstance(target, jax.Array):
-        return
-    try:
-        view = target.numpy() if type(target).__module__.startswith("torch") else target
-    except Exception:
-        return
-    if isinstance(view, np.ndarray) and view.flags.writeable and view.shape == value.shape:
-        view[...] = np.asarray(value)

@@ -28,8 +28,11 @@ def _key(src: int, dst: int, n: int) -> str:
     return f"spmd/object_p2p/{src}->{dst}/{n}"
 
 
-def _peer(group: Any, peer: Any, group_peer: Any, where: str, arg: str, *, required: bool) -> tuple[int, int | None]:
-    g = _objects.group_of(group, where)
+def _peer(group: Any, peer: Any, group_peer: Any, where: str, arg: str, *, required: bool):
+    """(this rank, the peer's global rank or None for any); None if this rank is not in ``group``."""
+    g = _objects.member_group(group, where)
+    if g is None:
+        return None
     me = _objects.state(where).rank
     if peer is None and group_peer is None:
         if required:
@@ -42,25 +45,32 @@ def _peer(group: Any, peer: Any, group_peer: Any, where: str, arg: str, *, requi
 
 
 def send_object_list(object_list: list, dst: int | None = None, group: Any = None, device: Any = None,
-                     group_dst: int | None = None, *, allow_pickle: bool = False) -> None:
+                     group_dst: int | None = None, use_batch: bool = False, *, allow_pickle: bool = False) -> None:
     """Send the objects of ``object_list`` to rank ``dst``, which calls :func:`recv_object_list`."""
     where = "send_object_list"
     if not isinstance(object_list, list):
         raise TypeError(f"{where}: object_list={object_list!r} must be a list.")
-    me, dst = _peer(group, dst, group_dst, where, "dst", required=True)
+    peers = _peer(group, dst, group_dst, where, "dst", required=True)
+    if peers is None:
+        return None  # not a member: warned, nothing to do (as torch)
+    me, dst = peers
     payload = dumps(list(object_list), allow_pickle=allow_pickle, where=where)
     n = next(_SENT.setdefault((me, dst), itertools.count()))
     _objects._client().key_value_set_bytes(_key(me, dst, n), payload)
 
 
 def recv_object_list(object_list: list, src: int | None = None, group: Any = None, device: Any = None,
-                     group_src: int | None = None, *, allow_pickle: bool = False, timeout: Any = None) -> int:
+                     group_src: int | None = None, use_batch: bool = False, *, allow_pickle: bool = False,
+                     timeout: Any = None) -> int:
     """Fill ``object_list`` (in place) with the objects rank ``src`` sent (any rank of the group
     if ``src`` is None); returns the sender's rank, as torch."""
     where = "recv_object_list"
     if not isinstance(object_list, list):
         raise TypeError(f"{where}: object_list={object_list!r} must be a list (of the length the sender sends).")
-    me, src = _peer(group, src, group_src, where, "src", required=False)
+    peers = _peer(group, src, group_src, where, "src", required=False)
+    if peers is None:
+        return -1  # not a member: warned, nothing received (torch returns -1 too)
+    me, src = peers
     timeout_s = _objects._timeout_s(timeout, where)
     peers = [src] if src is not None else [r for r in _objects.group_of(group, where).global_ranks() if r != me]
     if not peers:
@@ -100,7 +110,9 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
     (the first one, or all of them with ``wait_all_ranks=True``), as torch's; every rank
     then raises ``RuntimeError`` instead of waiting."""
     where = "monitored_barrier"
-    g = _objects.group_of(group, where)
+    g = _objects.member_group(group, where)
+    if g is None:
+        return None  # not a member: warned, nothing to do (as torch)
     st = _objects.state(where)
     timeout_s = _objects._timeout_s(timeout, where)
     if not isinstance(wait_all_ranks, bool):

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from spmd.distributed._env import seconds
-from spmd.distributed._groups import Group, group_of, peer_rank
+from spmd.distributed._groups import Group, group_of, member_group, peer_rank
 from spmd.distributed._state import state
 
 __all__ = [
@@ -234,7 +234,9 @@ def all_gather_object(object_list: Any, obj: Any, group: Any = None, *, allow_pi
     """Every rank gets every rank's ``obj``, by group rank; fills ``object_list`` (a list of the
     group's size) and returns it. Objects travel as tagged JSON (see the module notes)."""
     where = "all_gather_object"
-    g = group_of(group, where)
+    g = member_group(group, where)
+    if g is None:
+        return None  # not a member: warned, nothing to do (as torch)
     ranks = g.global_ranks()
     if object_list is not None and (not isinstance(object_list, list) or len(object_list) != len(ranks)):
         raise ValueError(f"{where}: object_list must be a list of {len(ranks)} entries (one per rank) or None.")
@@ -249,7 +251,9 @@ def all_gather_object(object_list: Any, obj: Any, group: Any = None, *, allow_pi
 def broadcast_object_list(object_list: list, src: int | None = None, group: Any = None, device: Any = None, *, group_src: int | None = None, allow_pickle: bool = False, timeout: Any = None) -> list:
     """Every rank's ``object_list`` becomes rank ``src``'s (in place, and returned)."""
     where = "broadcast_object_list"
-    g = group_of(group, where)
+    g = member_group(group, where)
+    if g is None:
+        return None  # not a member: warned, nothing to do (as torch)
     if not isinstance(object_list, list):
         raise TypeError(f"{where}: object_list={object_list!r} must be a list (its length is the same on every rank).")
     ranks = g.global_ranks()
@@ -270,7 +274,9 @@ def broadcast_object_list(object_list: list, src: int | None = None, group: Any 
 def gather_object(obj: Any, object_gather_list: Any = None, dst: int = 0, group: Any = None, *, allow_pickle: bool = False, timeout: Any = None):
     """Rank ``dst`` gets every rank's ``obj`` (a list by group rank); the others get None."""
     where = "gather_object"
-    g = group_of(group, where)
+    g = member_group(group, where)
+    if g is None:
+        return None  # not a member: warned, nothing to do (as torch)
     ranks = g.global_ranks()
     dst = ranks[peer_rank(g, dst, None, where, "dst")]
     me = state(where).rank
@@ -288,7 +294,9 @@ def gather_object(obj: Any, object_gather_list: Any = None, dst: int = 0, group:
 def scatter_object_list(scatter_object_output_list: list, scatter_object_input_list: Any = None, src: int = 0, group: Any = None, *, allow_pickle: bool = False, timeout: Any = None):
     """Rank ``i`` gets ``scatter_object_input_list[i]`` of rank ``src`` in ``scatter_object_output_list[0]``."""
     where = "scatter_object_list"
-    g = group_of(group, where)
+    g = member_group(group, where)
+    if g is None:
+        return None  # not a member: warned, nothing to do (as torch)
     ranks = g.global_ranks()
     src = ranks[peer_rank(g, src, None, where, "src")]
     me = state(where).rank
@@ -308,7 +316,9 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None, t
     """Wait until every rank of the group gets here (JAX's coordination-service barrier),
     at most the timeout; a :class:`TimeoutError` names the limit."""
     where = "barrier"
-    g = group_of(group, where)
+    g = member_group(group, where)
+    if g is None:
+        return None  # not a member: warned, nothing to do (as torch)
     st = state(where)
     timeout_s = _timeout_s(timeout, where)
     if not st.multiprocess:

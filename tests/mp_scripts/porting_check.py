@@ -149,6 +149,20 @@ Point = collections.namedtuple("Point", "x y")
 check("namedtuple refused with the allow_pickle hint", lambda: raises(
     lambda: dist.all_gather_object([None] * world, Point(1, 2)), TypeError, "allow_pickle=True"))
 
+SOLO = dist.new_group([0])
+if rank == 0:
+    check("object collective in a group of one", lambda: (dist.all_gather_object([None], {"a": 1}, group=SOLO), [{"a": 1}]))
+else:
+    import warnings  # noqa: E402
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got_none = [dist.all_gather_object([None], 1, group=SOLO), dist.broadcast_object_list([None], src=0, group=SOLO),
+                    dist.send_object_list([1], dst=0, group=SOLO), dist.barrier(group=SOLO)]
+    check("non-member object collectives warn and do nothing, as torch", lambda: (
+        [got_none, dist.recv_object_list([None], group=SOLO), sum("is not a member" in str(w.message) for w in caught)],
+        [[None, None, None, None], -1, 4]))
+
 # --- item 6: the names
 check("is_torchelastic_launched / get_node_local_rank", lambda: (
     [dist.is_torchelastic_launched(), dist.get_node_local_rank()], [True, int(os.environ["LOCAL_RANK"])]))
