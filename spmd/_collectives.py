@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from placements import ReduceOp
+from spmd._arrays import as_array
 from spmd._groups import group_axes
 from spmd._reduce import bool_op, check_op, extreme, kind, reduce_stacked, sum_contribution
 
@@ -73,9 +74,11 @@ def varying_axes(x) -> frozenset | None:
     return None if mat is None else frozenset(mat.varying)
 
 
-def _vary(x, axes):
+def _vary(x, axes, where: str):
     """Mark ``x`` device-varying over ``axes`` (a no-op outside ``check_vma``), so that a
-    replicated value is reduced as torch reduces it: each rank contributes its copy."""
+    replicated value is reduced as torch reduces it: each rank contributes its copy.
+    Every collective's input passes here: a str, object or ragged ``x`` gets the project's TypeError."""
+    as_array(x, where, "x")
     x = jnp.asarray(x)
     vma = varying_axes(x)
     if vma is None:
@@ -93,7 +96,7 @@ def all_reduce(x, op: Any = ReduceOp.SUM, *, group: Any = None):
     """
     where = "all_reduce"
     axes, n = group_axes(group, where)
-    x = _vary(x, axes)
+    x = _vary(x, axes, where)
     op = check_op(op, x.dtype, where)
     if kind(x.dtype) == "bool":
         name = bool_op(op)
@@ -131,7 +134,7 @@ def broadcast(x, src: int, *, group: Any = None):
     where = "broadcast"
     axes, n = group_axes(group, where)
     src = _check_rank(src, n, where, "src", axes)
-    bits, back = _bits(_vary(x, axes))
+    bits, back = _bits(_vary(x, axes, where))
     mine = lax.axis_index(axes) == src
     return back(lax.psum(jnp.where(mine, bits, jnp.zeros_like(bits)), axes))
 
@@ -140,7 +143,12 @@ def all_gather(x, *, axis: int = 0, tiled: bool = False, group: Any = None):
     """Every rank gets all ranks' ``x``: stacked on a new ``axis`` (or concatenated if ``tiled``)."""
     where = "all_gather"
     axes, n = group_axes(group, where)
-    x = _vary(x, axes)
+    if not isinstance(tiled, (bool, np.bool_)):
+        raise TypeError(
+            f"{where}: tiled={tiled!r} must be a bool: True concatenates the ranks' blocks along axis, False "
+            "stacks them on a new axis."
+        )
+    x = _vary(x, axes, where)
     axis = _check_axis(axis, x.ndim + (0 if tiled else 1), where, "axis")
     return _all_gather_invariant(x, axes, axis=axis, tiled=tiled)
 
@@ -150,7 +158,7 @@ def reduce(x, dst: int, op: Any = ReduceOp.SUM, *, group: Any = None):
     where = "reduce"
     axes, n = group_axes(group, where)
     dst = _check_rank(dst, n, where, "dst", axes)
-    x = _vary(x, axes)
+    x = _vary(x, axes, where)
     check_op(op, x.dtype, where)
     return jnp.where(lax.axis_index(axes) == dst, all_reduce(x, op, group=axes), x)
 
@@ -163,7 +171,7 @@ def scatter(x, src: int, *, group: Any = None):
     where = "scatter"
     axes, n = group_axes(group, where)
     src = _check_rank(src, n, where, "src", axes)
-    x = _vary(x, axes)
+    x = _vary(x, axes, where)
     if x.ndim == 0 or x.shape[0] != n:
         raise ValueError(
             f"{where}: the input has shape {x.shape}; it must have a leading axis of the group {axes}'s "
@@ -180,7 +188,7 @@ def gather(x, dst: int, *, group: Any = None):
     where = "gather"
     axes, n = group_axes(group, where)
     dst = _check_rank(dst, n, where, "dst", axes)
-    g = lax.all_gather(_vary(x, axes), axes, axis=0)
+    g = lax.all_gather(_vary(x, axes, where), axes, axis=0)
     return jnp.where(lax.axis_index(axes) == dst, g, jnp.zeros_like(g))
 
 
@@ -192,7 +200,7 @@ def reduce_scatter(x, op: Any = ReduceOp.SUM, *, scatter_dim: int = 0, group: An
     """
     where = "reduce_scatter"
     axes, n = group_axes(group, where)
-    x = _vary(x, axes)
+    x = _vary(x, axes, where)
     op = check_op(op, x.dtype, where)
     d = _check_axis(scatter_dim, x.ndim, where, "scatter_dim")
     _check_divisible(x, d, n, where, "scatter_dim", axes)
@@ -216,7 +224,7 @@ def all_to_all(x, split_axis: int = 0, concat_axis: int = 0, *, group: Any = Non
     what arrives along ``concat_axis`` in rank order (one all-to-all)."""
     where = "all_to_all"
     axes, n = group_axes(group, where)
-    x = _vary(x, axes)
+    x = _vary(x, axes, where)
     s = _check_axis(split_axis, x.ndim, where, "split_axis")
     c = _check_axis(concat_axis, x.ndim, where, "concat_axis")
     _check_divisible(x, s, n, where, "split_axis", axes)
@@ -263,7 +271,7 @@ def permute(x, pairs: Sequence[tuple[int, int]], *, group: Any = None):
         return out
 
     perm = [(to_mesh_order(int(a)), to_mesh_order(int(b))) for a, b in pairs]
-    return lax.ppermute(_vary(x, axes), ordered, perm=perm)
+    return lax.ppermute(_vary(x, axes, where), ordered, perm=perm)
 
 
 def axis_index(group: Any = None):

@@ -185,6 +185,14 @@ CASES = [
      "DeviceMesh.get_group: mesh_dim='pp' names 'pp', which is not a mesh dim"),
     # Raw tracebacks before (issue 10.12): NumPy's "inhomogeneous shape", Python's "unhashable type: 'list'",
     # JAX's "not a valid JAX array type", XLA's "UNIMPLEMENTED: Unsupported reduction computation".
+    ("collective input a str array", lambda m, m8: _in_region(m, lambda x: spmd.all_reduce(STR, group="tp") * 0 + x),
+     TypeError, "all_reduce: x=array(['0', '1', '2', '3', '4', '5', '6', '7'], dtype='<U1') is not a numeric array; "
+                "pass a NumPy or JAX array"),
+    ("collective input None", lambda m, m8: _in_region(m, lambda x: spmd.broadcast(None, 0, group="tp")), TypeError,
+     "broadcast: x=None is not a numeric array"),
+    ("all_gather tiled not a bool", lambda m, m8: _in_region(m, lambda x: spmd.all_gather(x, tiled="yes", group="tp")),
+     TypeError, "all_gather: tiled='yes' must be a bool: True concatenates the ranks' blocks along axis, False stacks "
+                "them on a new axis."),
     ("ragged device mesh", lambda m, m8: spmd.DeviceMesh("cpu", [[0, 1], [2]]), ValueError,
      "DeviceMesh: mesh=[[0, 1], [2]] is ragged (its rows have different lengths); give a rectangular nested list "
      "of device indices such as [[0, 1], [2, 3]]."),
