@@ -244,3 +244,61 @@ def test_advice_after_a_kill_during_the_first_save_is_not_circular(tmp_path):
     assert "pass --resume" not in str(plain.value) and "without --resume" not in str(resumed.value)
     assert main([*TINY_M, "--out", out, "--no-progress", "--overwrite"]) == 0
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2", "3"]
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_batch_split_over_every_data_dim_of_a_2d_mesh(model):
+    """The batch layout comes from batch_placements over all data dims: on a (2, 4) mesh whose two dims are
+    both data-parallel each device holds 1/8 of the batch, and the held-out accuracies equal a NumPy count
+    over the whole batch (greedy generation for the transformer)."""
+    import jax
+    import numpy as np
+
+    import spmd
+    from models import batch_placements
+    from models.train._eval import make_eval_step
+    from models.train._programs import layout, make_model, make_task, place_batch
+
+    cfg = parse_args(["--model", model, "--hidden", "16", "--layers", "1", "--d-model", "16", "--heads", "2",
+                      "--length", "3"])
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "fsdp"))
+    pl = batch_placements(mesh, ("dp", "fsdp"))
+    assert pl == [spmd.Shard(0), spmd.Shard(0)]
+    host = make_task(cfg).batch(0, 0, 32, layout(cfg), stream=1)
+    placed = place_batch(host, mesh, pl)
+    assert [t.shape for t in placed["inputs"].local_tensors()] == [(4, host["inputs"].shape[1])] * 8
+    np.testing.assert_array_equal(np.asarray(placed["targets"].full_tensor()), host["targets"])
+
+    net = make_model(cfg)
+    params = net.init(jax.random.key(1), host["inputs"][:2])["params"]
+    got = make_eval_step(net, mesh, ("dp", "fsdp"), digits=3 if model == "transformer" else None)(params, placed)
+    if model == "transformer":  # greedy generation, one digit at a time, on the host
+        buf, preds = host["inputs"].copy(), np.zeros((32, 3), np.int32)
+        buf[:, 4:] = 0  # digits and SEP kept; 6 input positions
+        for i in range(3):
+            preds[:, i] = np.argmax(np.asarray(net.apply({"params": params}, buf))[:, 3 + i], -1)
+            if 4 + i < buf.shape[1]:
+                buf[:, 4 + i] = preds[:, i]
+        right = preds == host["targets"][:, 3:]
+    else:
+        right = np.argmax(np.asarray(net.apply({"params": params}, host["inputs"])), -1) == host["targets"]
+    np.testing.assert_allclose(float(got["token_accuracy"]), right.mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(got["sequence_accuracy"]), right.all(axis=1).mean(), rtol=1e-6)
+
+
+def test_importing_the_job_leaves_the_environment_alone():
+    """Only the CLI entry point asks for 8 CPU devices; importing models.train (and its names) does not."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "WORLD_SIZE")}
+    code = ("import os, sys; from models.train import Config, run, restore_state, main; "
+            "print(os.environ.get('XLA_FLAGS'), 'jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["None", "True"], out.stderr[-2000:]
+    from models.train._cli import default_cpu_devices
+
+    environ = {"XLA_FLAGS": "--xla_cpu_foo"}
+    assert default_cpu_devices(environ, modules={}) and environ["XLA_FLAGS"] == (
+        "--xla_cpu_foo --xla_force_host_platform_device_count=8")
+    for environ, modules in [({}, {"jax": None}), ({"WORLD_SIZE": "2"}, {}), ({"SPMD_DEVICES_PER_PROC": "4"}, {}),
+                             ({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, {})]:
+        before = dict(environ)
+        assert not default_cpu_devices(environ, modules) and environ == before
