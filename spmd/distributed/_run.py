@@ -33,6 +33,7 @@ from spmd._x64 import x64_for
 from spmd.distributed import _guard
 from spmd.distributed._errors import PeerError
 from spmd.distributed._state import state
+from spmd.distributed._torch import is_torch_tensor, torch_numpy
 
 __all__ = ["rank_devices", "as_array", "run_on"]
 
@@ -92,7 +93,7 @@ def as_array(x: Any, where: str, arg: str) -> jax.Array | np.ndarray:
     if isinstance(x, jax.Array):
         return x
     try:
-        a = np.asarray(x)
+        a = torch_numpy(x) if is_torch_tensor(x) else np.asarray(x)  # torch bfloat16 too (port)
     except Exception:
         a = None
     if a is None or not (a.dtype == np.bool_ or jnp.issubdtype(a.dtype, jnp.number)):  # bfloat16 too (port)

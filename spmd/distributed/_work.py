@@ -24,6 +24,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from spmd.distributed._torch import is_torch_tensor, torch_numpy
+
 __all__ = ["Work", "maybe_async", "buffer_of", "write_into", "deliver", "DiscardedResultWarning"]
 
 
@@ -70,9 +72,9 @@ def buffer_of(x: Any) -> np.ndarray | None:
     """The writable NumPy buffer behind ``x`` (a NumPy array, a CPU torch tensor), or None."""
     if isinstance(x, np.ndarray):
         return x if x.flags.writeable else None
-    if type(x).__module__.startswith("torch") and hasattr(x, "numpy"):
+    if is_torch_tensor(x):
         try:
-            view = x.detach().numpy()  # a CPU tensor's memory; raises for a GPU tensor
+            view = torch_numpy(x)  # a CPU tensor's memory (bfloat16 too); raises for a GPU tensor
         except Exception:
             return None
         return view if view.flags.writeable else None
