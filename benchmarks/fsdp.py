@@ -1,0 +1,371 @@
+"""Benchmark: the fully sharded train step (models._fsdp) against GSPMD and torch FSDP2.
+
+For a GPT (the project's Transformer; d_model 256 x 4 layers, and a larger
+one) with AdamW + gradient clipping, side by side in one run on 8 CPU fake
+devices:
+
+- ours: ``dp=8`` (DDP), ``fsdp=8`` re-gathering each block for the backward
+  pass (``regather``) and keeping the forward gathers (``keep``), and
+  ``dp=2,fsdp=4`` (HSDP);
+- GSPMD: the same model as a JAX user writes it today, a global-view
+  ``jax.jit`` step with every parameter (and its AdamW moments) placed by
+  ``NamedSharding`` on its largest dim over the sharded mesh axis, for
+  ``fsdp=8`` and ``dp=2,fsdp=4``;
+- torch FSDP2 (``fully_shard`` per block, then the root; gloo, 8 CPU
+  processes, one thread each) when torch is installed.
+
+Reported per layout: samples/s, parameter + optimizer bytes per device (from
+the live arrays), the analytic peak of gathered parameter bytes and XLA's
+temp buffer bytes (``memory_analysis``), and the collectives the compiled step
+executes (loop bodies times their trips) next to the plan's analytic bound.
+
+On a CPU host the 8 devices share the cores: throughput measures the cost of
+the layout, not a speed-up; other processes on the host make it noisy.
+
+    python benchmarks/fsdp.py            # a few minutes on 2 cores
+    python benchmarks/fsdp.py --quick    # smoke run
+
+Writes benchmarks/results/fsdp.json and benchmarks/results/fsdp.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+VOCAB, SEQ, BATCH, LR = 11, 17, 32, 3e-3
+SIZES = {"d256x4": dict(d_model=256, layers=4, heads=4), "d384x6": dict(d_model=384, layers=6, heads=6)}
+
+
+def _batches(rank: int, world: int, n: int = 4):
+    import numpy as np
+
+    rng = np.random.default_rng(rank)
+    out = []
+    for _ in range(n):
+        seq = rng.integers(0, VOCAB, size=(BATCH // world, SEQ + 1)).astype(np.int32)
+        out.append({"inputs": seq[:, :-1], "targets": seq[:, 1:]})
+    return out
+
+
+# --- torch FSDP2 (its own process tree) -----------------------------------------------------------
+def _torch_worker(rank, world, size, steps, warmup, port, out_path):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)  # one thread per process on a shared host (see benchmarks/ddp.py)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=300))
+    d, layers, h = SIZES[size]["d_model"], SIZES[size]["layers"], SIZES[size]["heads"]
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc, self.fc_out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, h, d // h).unbind(2)
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+            return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, d)
+            self.pos = nn.Parameter(torch.randn(SEQ, d) * 0.02)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(d)
+
+        def forward(self, tokens):
+            x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+            for b in self.blocks:
+                x = b(x)
+            return self.ln_f(x) @ self.embed.weight.T
+
+    torch.manual_seed(0)
+    model = GPT()
+    mesh = init_device_mesh("cpu", (world,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    batches = [(torch.tensor(b["inputs"]).long(), torch.tensor(b["targets"]).long()) for b in _batches(rank, world)]
+
+    def step(i):
+        x, y = batches[i % len(batches)]
+        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    for i in range(warmup):
+        step(i)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(i)
+    dist.barrier()
+    dt = time.perf_counter() - t0
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    moments = sum(v.to_local().numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                  if hasattr(v, "to_local") and v.dim() > 0)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"samples_per_s": steps * BATCH / dt, "step_ms": 1000 * dt / steps,
+                       "state_bytes_per_device": local + moments}, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torch(size: str, world: int, steps: int, warmup: int, timeout: float = 400.0) -> dict:
+    out_path = os.path.join(RESULTS, f".torch_fsdp_{size}_{world}.json")
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", size, str(world), str(steps), str(warmup), out_path]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if proc.returncode != 0 or not os.path.exists(out_path):
+        return {"error": (proc.stderr or proc.stdout)[-800:]}
+    with open(out_path) as f:
+        res = json.load(f)
+    os.remove(out_path)
+    return res
+
+
+def _torch_main(size, world, steps, warmup, out_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_torch_worker, args=(world, size, steps, warmup, _free_port(), out_path), nprocs=world, join=True)
+
+
+# --- JAX ------------------------------------------------------------------------------------------
+def _ce(logits, batch):
+    import jax
+    import jax.numpy as jnp
+
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)), {}
+
+
+def _timed(step, state, batches, steps, warmup):
+    import jax
+
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+    for i in range(warmup):
+        state, m = compiled(state, batches[i % len(batches)])
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        state, m = compiled(state, batches[i % len(batches)])
+    jax.block_until_ready((state, m))
+    dt = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    return state, compiled, {"samples_per_s": steps * BATCH / dt, "step_ms": 1000 * dt / steps, "compile_s": compile_s,
+                             "xla_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
+
+
+def _state_bytes(state) -> int:
+    import jax
+
+    dev = jax.devices()[0]
+    return sum(s.data.nbytes for x in jax.tree.leaves((state.params, state.opt_state))
+               for s in x.addressable_shards if s.device == dev)
+
+
+def _optimizer():
+    import optax
+
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR, weight_decay=0.01))
+
+
+def run_ours(size: str, shape: tuple, names: tuple, steps: int, warmup: int, regather: bool = True) -> dict:
+    import jax
+
+    import spmd
+    from models import Transformer
+    from models._ddp import init_train_state, make_train_step
+    from models._fsdp import make_fsdp_train_step, shard_train_state
+    from spmd.parallel import hlo_executed_collectives, plan_params
+
+    model = Transformer(VOCAB, SEQ, SIZES[size]["layers"], SIZES[size]["d_model"], SIZES[size]["heads"])
+    mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    batches = _batches(0, 1)
+    params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
+    opt = _optimizer()
+    if "fsdp" in names:
+        plan = plan_params(params, mesh, units=model.fsdp_units())
+        step = make_fsdp_train_step(lambda p, b, g: _ce(model.apply({"params": p}, b["inputs"], gather=g), b),
+                                    opt, mesh, plan, regather=regather)
+        state = shard_train_state(init_train_state(params, opt), plan, mesh, opt)
+        bound = plan.communication(regather=regather, keep=model.fsdp_keep())["total"]
+        peak = plan.peak_gathered_bytes(regather=regather, keep=model.fsdp_keep())
+    else:
+        step = make_train_step(lambda p, b: _ce(model.apply({"params": p}, b["inputs"]), b), opt, mesh)
+        state = init_train_state(params, opt)
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        bound, peak = {"all-reduce": {"count": 1, "bytes": nbytes}}, 0
+    state, compiled, res = _timed(step, state, batches, steps, warmup)
+    got = hlo_executed_collectives(compiled.as_text())
+    res.update(state_bytes_per_device=_state_bytes(state), peak_gathered_bytes=peak,
+               collectives={k: v for k, v in got.items() if v["count"]}, bound=bound,
+               parameters=sum(x.size for x in jax.tree.leaves(params)))
+    return res
+
+
+def run_gspmd(size: str, shape: tuple, names: tuple, steps: int, warmup: int) -> dict:
+    """Global view: NamedSharding on each parameter's largest dim over ``fsdp``, the batch over every dim."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import spmd
+    from models import Transformer
+    from models._ddp import TrainState, init_train_state
+    from spmd.parallel import hlo_executed_collectives
+
+    model = Transformer(VOCAB, SEQ, SIZES[size]["layers"], SIZES[size]["d_model"], SIZES[size]["heads"])
+    mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names).jax_mesh
+    batches = _batches(0, 1)
+    params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
+    opt = _optimizer()
+
+    def spec(x):
+        if x.ndim == 0:
+            return NamedSharding(mesh, P())
+        d = max(range(x.ndim), key=lambda i: x.shape[i])
+        axes = [None] * x.ndim
+        axes[d] = "fsdp"
+        return NamedSharding(mesh, P(*axes))
+
+    state = init_train_state(params, opt)
+    shardings = TrainState(step=NamedSharding(mesh, P()), params=jax.tree.map(spec, state.params),
+                           opt_state=jax.tree.map(spec, state.opt_state))
+    state = jax.device_put(state, shardings)
+    data = NamedSharding(mesh, P(names))
+    batches = [jax.device_put(b, data) for b in batches]
+
+    def step(state, batch):
+        (loss, _), g = jax.value_and_grad(lambda p: _ce(model.apply({"params": p}, batch["inputs"]), batch),
+                                          has_aux=True)(state.params)
+        updates, opt_state = opt.update(g, state.opt_state, state.params)
+        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), {"loss": loss}
+
+    jitted = jax.jit(step, in_shardings=(shardings, data), out_shardings=(shardings, NamedSharding(mesh, P())))
+    state, compiled, res = _timed(jitted, state, batches, steps, warmup)
+    got = hlo_executed_collectives(compiled.as_text())
+    res.update(state_bytes_per_device=_state_bytes(state), collectives={k: v for k, v in got.items() if v["count"]})
+    return res
+
+
+LAYOUTS = [
+    ("ours dp=8", "ours", (8,), ("dp",), True),
+    ("ours fsdp=8 regather", "ours", (8,), ("fsdp",), True),
+    ("ours fsdp=8 keep", "ours", (8,), ("fsdp",), False),
+    ("ours dp=2,fsdp=4", "ours", (2, 4), ("dp", "fsdp"), True),
+    ("gspmd fsdp=8", "gspmd", (8,), ("fsdp",), None),
+    ("gspmd dp=2,fsdp=4", "gspmd", (2, 4), ("dp", "fsdp"), None),
+]
+
+
+def _plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(results["sizes"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in ((axes[0], "samples_per_s", "samples/s (higher is better)"),
+                           (axes[1], "state_bytes_per_device", "params + AdamW bytes per device")):
+        labels = [label for label, *_ in LAYOUTS] + ["torch FSDP2 8 procs"]
+        width = 0.8 / len(sizes)
+        for j, size in enumerate(sizes):
+            vals = [(results["sizes"][size].get(label) or {}).get(key) or 0 for label in labels]
+            ax.bar([i + j * width for i in range(len(labels))], vals, width, label=size)
+        ax.set_xticks([i + width * (len(sizes) - 1) / 2 for i in range(len(labels))])
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend()
+    fig.suptitle("FSDP on 8 CPU devices: ours vs GSPMD (NamedSharding) vs torch FSDP2")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: the small size, 2 steps")
+    p.add_argument("--no-torch", action="store_true", help="skip torch FSDP2")
+    p.add_argument("--torch-worker", nargs=5, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.torch_worker:
+        size, world, steps, warmup, out_path = a.torch_worker
+        _torch_main(size, int(world), int(steps), int(warmup), out_path)
+        return 0
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    sys.path.insert(0, ROOT)
+    import jax
+
+    try:
+        import torch
+
+        torch_version = None if a.no_torch else torch.__version__
+    except ImportError:
+        torch_version = None
+    steps, warmup = (2, 1) if a.quick else (6, 2)
+    sizes = ["d256x4"] if a.quick else list(SIZES)
+    results = {"jax": jax.__version__, "torch": torch_version, "batch": BATCH, "seq": SEQ, "steps": steps,
+               "sizes": {}}
+    for size in sizes:
+        entry = results["sizes"][size] = {}
+        for label, kind, shape, names, regather in LAYOUTS:
+            r = (run_ours(size, shape, names, steps, warmup, regather) if kind == "ours"
+                 else run_gspmd(size, shape, names, steps, warmup))
+            entry[label] = r
+            comm = ", ".join(f"{k} x{v['count']} {v['bytes'] / 2**20:.2f} MiB" for k, v in r["collectives"].items())
+            print(f"{size} {label:22s} {r['samples_per_s']:8.1f} samples/s  state {r['state_bytes_per_device'] / 2**20:6.2f} "
+                  f"MiB/device  temp {(r['xla_temp_bytes'] or 0) / 2**20:6.1f} MiB  {comm}", flush=True)
+        if torch_version:
+            r = entry["torch FSDP2 8 procs"] = run_torch(size, 8, steps, warmup)
+            print(f"{size} torch FSDP2 8 procs: " + (f"{r['samples_per_s']:8.1f} samples/s  state "
+                  f"{r['state_bytes_per_device'] / 2**20:6.2f} MiB/device" if "error" not in r else r["error"][-300:]),
+                  flush=True)
+    os.makedirs(RESULTS, exist_ok=True)
+    name = "fsdp_quick" if a.quick else "fsdp"
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    _plot(results, os.path.join(RESULTS, f"{name}.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
