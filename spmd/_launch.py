@@ -1,16 +1,18 @@
-"""What ``init_device_mesh`` does under a launcher: join the job first, as torch's does.
+"""``init_device_mesh`` under a launcher: never N independent single-process worlds.
 
-torch's ``init_device_mesh`` initialises the default process group when it is
-not; here that is what turns each process's few devices into the job's devices
-(JAX's distributed runtime). Without it, N processes started by a launcher
-would each build a mesh of their own devices: N independent worlds.
+torch's ``init_device_mesh`` (``torch.distributed.device_mesh``) initialises the
+default process group when it is not; ``spmd.distributed.init_device_mesh``
+does the same. ``spmd.init_device_mesh`` (this package's, below
+``spmd.distributed``) cannot start the job itself: under a launcher it refuses
+to build a mesh of this process's devices alone and says how to join, and its
+too-few-devices advice names the launcher's options instead of ``XLA_FLAGS``.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["launched_world_size", "join_if_launched", "missing_devices_hint"]
+__all__ = ["launched_world_size", "check_joined", "missing_devices_hint"]
 
 
 def launched_world_size() -> int:
@@ -19,13 +21,21 @@ def launched_world_size() -> int:
     return int(raw) if raw.strip().isdigit() else 1
 
 
-def join_if_launched() -> None:
-    """Under a launcher with several processes, call ``init_process_group()`` unless done."""
-    if launched_world_size() > 1:
-        import spmd.distributed as dist  # torch's init_device_mesh calls into c10d the same way
+def _joined() -> bool:
+    from jax._src import distributed as jdist
 
-        if not dist.is_initialized():
-            dist.init_process_group()
+    return jdist.global_state.client is not None
+
+
+def check_joined(where: str) -> None:
+    """Refuse a mesh of one process's devices in a process that a launcher started with others."""
+    world = launched_world_size()
+    if world > 1 and not _joined():
+        raise RuntimeError(
+            f"{where}: this process was started by a launcher with WORLD_SIZE={world} but has not joined the "
+            "job, so a mesh would hold this process's devices only; call spmd.distributed.init_process_group() "
+            "first, or use spmd.distributed.init_device_mesh, which joins the job as torch's init_device_mesh does."
+        )
 
 
 def missing_devices_hint(n: int, have: int, platform: str) -> str:
@@ -38,4 +48,4 @@ def missing_devices_hint(n: int, have: int, platform: str) -> str:
         )
     if platform == "cpu":
         return f"; for more CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX is imported"
-    return "; run more processes with spmdrun (init_device_mesh then joins the job)"
+    return "; run more processes with spmdrun and spmd.distributed.init_device_mesh"

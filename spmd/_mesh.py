@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmd._groups import resolve_mesh_dims
-from spmd._launch import join_if_launched, missing_devices_hint
+from spmd._launch import check_joined, missing_devices_hint
 from spmd._process_group import ProcessGroup
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
@@ -196,7 +196,7 @@ def init_device_mesh(
     if not mesh_shape or any(s < 1 for s in mesh_shape):
         raise ValueError(f"{where}: mesh_shape={tuple(mesh_shape)!r} must be non-empty with every size >= 1.")
     platform = _platform(device_type, where)
-    join_if_launched()  # as torch: under a launcher, join the job (init_process_group) first
+    check_joined(where)  # under a launcher: never a mesh of this process's devices alone
     devices = _devices_of(platform, device_type, where)
     n = math.prod(mesh_shape)
     if n > len(devices):

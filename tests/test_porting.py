@@ -137,6 +137,10 @@ def test_mesh_hint_under_a_launcher(monkeypatch):
     from spmd._launch import missing_devices_hint
 
     monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(RuntimeError, match=re.escape(
+            "init_device_mesh: this process was started by a launcher with WORLD_SIZE=4 but has not joined the job, "
+            "so a mesh would hold this process's devices only; call spmd.distributed.init_process_group() first")):
+        spmd.init_device_mesh("cpu", (2,))
     hint = missing_devices_hint(16, 4, "cpu")
     assert hint == ("; the 4 processes of this job hold 4 cpu device(s) in all: launch more processes or give each "
                     "more devices (spmdrun --nproc-per-node N --devices-per-proc K with N*K = 16)")
@@ -146,7 +150,13 @@ def test_mesh_hint_under_a_launcher(monkeypatch):
 
 # --- item 6: the names -------------------------------------------------------------------------
 def test_mesh_names_and_aliases_are_the_projects():
-    assert dist.DeviceMesh is spmd.DeviceMesh and dist.init_device_mesh is spmd.init_device_mesh
+    from spmd.distributed import device_mesh, tensor
+    from spmd.distributed.tensor import debug
+
+    assert dist.DeviceMesh is spmd.DeviceMesh is device_mesh.DeviceMesh is tensor.DeviceMesh
+    assert dist.init_device_mesh is device_mesh.init_device_mesh is tensor.init_device_mesh
+    assert (tensor.DTensor, tensor.distribute_tensor, tensor.Shard) == (spmd.DTensor, spmd.distribute_tensor, spmd.Shard)
+    assert (debug.CommDebugMode, debug.visualize_sharding) == (dist.CommDebugMode, dist.visualize_sharding)
     assert dist.reduce_op.SUM == dist.ReduceOp.SUM
     assert dist.is_gloo_available() and not dist.is_ucc_available()
     assert dist.get_default_backend_for_device("cuda:0") == "nccl"

@@ -17,10 +17,16 @@ import numpy as np
 import spmd
 import spmd.distributed as dist
 
-# item 4: under a launcher, init_device_mesh joins the job (init_process_group) as torch's does
-JOINED_BEFORE = dist.is_initialized()
+# item 4: under a launcher, spmd.init_device_mesh refuses a mesh of this process's devices alone, and
+# dist.init_device_mesh (torch's) joins the job (init_process_group) first
 world = int(os.environ["WORLD_SIZE"])
-MESH = spmd.init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
+try:
+    spmd.init_device_mesh("cpu", (1,))
+    ALONE = "no error"
+except RuntimeError as e:
+    ALONE = str(e)
+JOINED_BEFORE = dist.is_initialized()
+MESH = dist.init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
 rank = dist.get_rank()
 results = []
 
@@ -54,6 +60,9 @@ def raises(fn, exc, says):
     return "no error", True
 
 
+check("spmd.init_device_mesh before joining is refused", lambda: (
+    ALONE.startswith(f"init_device_mesh: this process was started by a launcher with WORLD_SIZE={world} but has not "
+                     "joined the job"), True))
 check("init_device_mesh joined the job", lambda: (
     [JOINED_BEFORE, dist.is_initialized(), dist.get_world_size(), MESH.size(), len({d.process_index for d in MESH.devices.flat})],
     [False, True, world, world, world]))

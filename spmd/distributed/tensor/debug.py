@@ -1,0 +1,5 @@
+"""``torch.distributed.tensor.debug``'s names: ``CommDebugMode`` and ``visualize_sharding``."""
+
+from spmd._debug import CommDebugMode, visualize_sharding
+
+__all__ = ["CommDebugMode", "visualize_sharding"]
