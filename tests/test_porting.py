@@ -133,6 +133,16 @@ def test_64_bit_dtensor(mesh2x4, dtype):
         assert np.array_equal(np.asarray(p.full_tensor()), np.full((2,), 8 * 2 ** 50 + 28, dtype))
 
 
+def test_64_bit_dtensor_ops(mesh2x4):
+    x = np.arange(8, dtype=np.int64) + 2 ** 40
+    dt = spmd.distribute_tensor(x, mesh2x4, [spmd.Shard(0), spmd.Replicate()])
+    assert np.array_equal(np.asarray((dt * 3 + 1).full_tensor()), x * 3 + 1)
+    total = dt.sum()
+    assert total.dtype == np.int64 and int(np.asarray(total.full_tensor())) == int(x.sum())
+    f = spmd.distribute_tensor(np.full(8, 1 + 1e-12), mesh2x4, [spmd.Shard(0), spmd.Replicate()])
+    assert float(np.asarray(f.sum().full_tensor())) == np.full(8, 1 + 1e-12).sum() != 8.0
+
+
 def test_mesh_hint_under_a_launcher(monkeypatch):
     from spmd._launch import missing_devices_hint
 

@@ -23,6 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from placements import Partial, format_placements, local_shape, padded_local_shape, rank_to_coord
 from placements._strategy import Operand, OpStrategy
+from spmd._debug import run as run_program
+from spmd._x64 import x64_for
 from spmd.tensor import _dispatch
 from spmd.tensor._storage import op_identity, sharding
 
@@ -150,7 +152,9 @@ def run(strat: OpStrategy, fn: Callable, args: list, *, params: tuple = (), fill
     mesh = tensors[0].device_mesh
     shapes = tuple(tuple(t.shape) for t in tensors)
     prog = _program(mesh, fn, params, strat, kinds, shapes, fill)
-    out = prog(*[_storage(t) for t in tensors], *[_scalar(a) for a in args if not is_dtensor(a)])
+    storages = [_storage(t) for t in tensors]
+    with x64_for(*storages):  # a 64-bit DTensor keeps its dtype and values (spmd/_x64.py)
+        out = run_program(strat.op, prog, *storages, *[_scalar(a) for a in args if not is_dtensor(a)])
     want = padded_local_shape(strat.out_shape, mesh.shape, strat.output)
     if tuple(out.shape[mesh.ndim:]) != want:
         raise RuntimeError(
