@@ -177,7 +177,8 @@ CASES = [
      ValueError, "init_device_mesh: mesh_dim_names=('a', 'a') repeats ['a']; names must be distinct."),
     ("device type not present", lambda m, m8: spmd.init_device_mesh("cuda", (2,)), ValueError,
      # The platforms JAX sees (and so the suggested device_type) are the host's, not the project's.
-     ("init_device_mesh: device_type='cuda' has no devices on this machine (JAX sees platform(s) ", "); use device_type=")),
+     ("init_device_mesh: device_type='cuda' has no devices on this machine (JAX sees platform(s) ",
+      "); use device_type=")),
     ("unknown sub-mesh name", lambda m, m8: m["pp"], ValueError,
      "DeviceMesh.__getitem__: mesh_dim_names='pp' names 'pp', which is not a mesh dim; the mesh has dims "
      "('dp', 'tp'): use one of them, or a tuple of them."),
