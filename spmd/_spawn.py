@@ -2,7 +2,7 @@
 
 Each process gets ``MASTER_ADDR``/``MASTER_PORT`` (127.0.0.1 and a free port
 unless already set), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, so ``dist.init_process_group()`` needs no arguments.
+``LOCAL_WORLD_SIZE`` and ``SPMD_JOB_ID`` (a fresh id), so ``dist.init_process_group()`` needs no arguments.
 When one process fails, the others get SIGTERM, then SIGKILL after
 ``stop_timeout`` seconds, and ``spawn`` raises naming the rank, its exit code
 and its traceback.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 from typing import Callable
 
 __all__ = ["spawn", "SpawnContext", "ProcessRaisedException", "ProcessExitedException", "free_port", "signal_name"]
@@ -153,6 +155,38 @@ class SpawnContext:
         raise ProcessExitedException(f"process {i} {how}", i, p.pid, exit_code=code, signal_name=sig)
 
 
+def _check_spawn(fn, args, nprocs, start_method, devices_per_proc, stop_timeout, env, where):
+    """Validate :func:`spawn`'s arguments before any process starts; the multiprocessing context."""
+    if not callable(fn):
+        raise TypeError(f"{where}: fn={fn!r} must be a callable fn(rank, *args).")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"{where}: nprocs={nprocs!r} must be an int >= 1.")
+    if not isinstance(args, tuple):
+        raise TypeError(f"{where}: args={args!r} must be a tuple.")
+    methods = multiprocessing.get_all_start_methods()
+    if start_method not in methods:
+        raise ValueError(f"{where}: start_method={start_method!r} is not one of this platform's {methods}.")
+    if devices_per_proc is not None and (isinstance(devices_per_proc, bool) or not isinstance(devices_per_proc, int)):
+        raise TypeError(f"{where}: devices_per_proc={devices_per_proc!r} must be an int >= 1 (or None).")
+    if devices_per_proc is not None and devices_per_proc < 1:
+        raise ValueError(f"{where}: devices_per_proc={devices_per_proc!r} must be an int >= 1 (or None).")
+    if isinstance(stop_timeout, bool) or not isinstance(stop_timeout, (int, float)):
+        raise TypeError(f"{where}: stop_timeout={stop_timeout!r} must be a number of seconds.")
+    if not stop_timeout > 0:
+        raise ValueError(f"{where}: stop_timeout={stop_timeout!r} must be positive (seconds between SIGTERM and SIGKILL).")
+    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise TypeError(f"{where}: env={env!r} must be a dict of str to str.")
+    if start_method != "fork":
+        try:  # the child unpickles (fn, args): refuse what cannot travel now, not as a child's traceback
+            pickle.dumps((fn, args))
+        except Exception as e:
+            raise TypeError(
+                f"{where}: fn={fn!r} and args must be picklable with start_method={start_method!r} ({e}); "
+                "use a module-level function (not a lambda or a nested function)."
+            ) from None
+    return multiprocessing.get_context(start_method)
+
+
 def spawn(
     fn: Callable,
     args: tuple = (),
@@ -174,15 +208,10 @@ def spawn(
     ``devices_per_proc`` sets each process's CPU device count.
     """
     where = "spawn"
-    if not callable(fn):
-        raise TypeError(f"{where}: fn={fn!r} must be a callable fn(rank, *args).")
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"{where}: nprocs={nprocs!r} must be an int >= 1.")
-    if not isinstance(args, tuple):
-        raise TypeError(f"{where}: args={args!r} must be a tuple.")
-    ctx = multiprocessing.get_context(start_method)
+    ctx = _check_spawn(fn, args, nprocs, start_method, devices_per_proc, stop_timeout, env, where)
     addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
     port = os.environ.get("MASTER_PORT") or str(free_port())
+    job = os.environ.get("SPMD_JOB_ID") or uuid.uuid4().hex
     tmp = tempfile.mkdtemp(prefix="spmd-spawn-")
     processes, files = [], []
     for i in range(nprocs):
@@ -193,9 +222,10 @@ def spawn(
             "WORLD_SIZE": str(nprocs),
             "LOCAL_RANK": str(i),
             "LOCAL_WORLD_SIZE": str(nprocs),
+            "SPMD_JOB_ID": job,
         }
         if devices_per_proc is not None:
-            child_env["SPMD_DEVICES_PER_PROC"] = str(int(devices_per_proc))
+            child_env["SPMD_DEVICES_PER_PROC"] = str(devices_per_proc)
         child_env.update(env or {})
         err = os.path.join(tmp, f"error-{i}.txt")
         p = ctx.Process(target=_child, args=(fn, i, args, child_env, err), daemon=daemon)

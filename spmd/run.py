@@ -3,8 +3,8 @@
     spmdrun --standalone --nproc-per-node 4 train.py --lr 0.1
 
 starts 4 processes of ``train.py`` with ``MASTER_ADDR``, ``MASTER_PORT``,
-``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (and
-``SPMD_DEVICES_PER_PROC`` with ``--devices-per-proc``) set, so
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``SPMD_JOB_ID``
+(and ``SPMD_DEVICES_PER_PROC`` with ``--devices-per-proc``) set, so
 ``dist.init_process_group()`` needs no arguments. Each output line is prefixed
 with its rank (``[rank0]: ...``). When a rank fails, the others get SIGTERM at
 once (their whole process groups), then SIGKILL after ``--stop-timeout``
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 from spmd._spawn import free_port, signal_name, stop_processes
 from spmd.distributed._errors import PEER_EXIT_CODE, parse_absent
@@ -61,7 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _flag(p, "devices-per-proc", type=int, default=None, help="CPU devices per process (SPMD_DEVICES_PER_PROC)")
     _flag(p, "stop-timeout", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)")
     _flag(p, "no-prefix", action="store_true", help="do not prefix output lines with [rankN]:")
+    _flag(p, "job-id", default=None,
+          help="the job's identity (SPMD_JOB_ID; torchrun's --rdzv-id): ranks of another job are refused. "
+               "Default: a fresh id with one node; with --nnodes > 1 pass the same value on every node")
     p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
+    p.add_argument("--rdzv-id", "--rdzv_id", dest="job_id", help=argparse.SUPPRESS)
     p.add_argument("script", help="the script (or module with -m) to run on every rank")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     args = p.parse_args(argv)
@@ -169,6 +174,15 @@ def _absent(ranks: list, failed: list) -> list:
     return [r for r in ranks if r.rank in named] or [r for r in ranks if r.alive()]
 
 
+def _job_id(args) -> str:
+    """``--job-id``, else SPMD_JOB_ID, else a fresh id (one node) or none (several nodes must agree)."""
+    if args.job_id is not None:
+        return args.job_id
+    if os.environ.get("SPMD_JOB_ID"):
+        return os.environ["SPMD_JOB_ID"]
+    return uuid.uuid4().hex if args.nnodes == 1 else ""
+
+
 def _process_state(pid: int) -> str:
     """What a live rank is doing, from /proc (Linux): stopped, or running/sleeping."""
     try:
@@ -190,6 +204,7 @@ def _run_once(args, port: int, restart: int, received: list[int]) -> tuple[int, 
     """Run every local rank once; (exit code, whether a signal to spmdrun ended it)."""
     n = args.nproc_per_node
     world = n * args.nnodes
+    job = _job_id(args)
     addr = "127.0.0.1" if args.standalone else args.master_addr
     base = [sys.executable, "-u", "-m", "spmd.distributed._worker"] + (["-m"] if args.module else [])
     lock = threading.Lock()
@@ -208,6 +223,7 @@ def _run_once(args, port: int, restart: int, received: list[int]) -> tuple[int, 
             GROUP_RANK=str(args.node_rank),
             NODE_RANK=str(args.node_rank),
             SPMD_RESTART_COUNT=str(restart),
+            SPMD_JOB_ID=job,
             TORCHELASTIC_RESTART_COUNT=str(restart),
             PYTHONUNBUFFERED="1",
         )

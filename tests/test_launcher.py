@@ -321,3 +321,140 @@ def test_parse_args_checks_its_input(capsys):
         with pytest.raises(SystemExit):
             parse_args(bad)
         assert says in capsys.readouterr().err
+
+
+# --- collectives that would hang or disagree (issue 10.3, 10.4, 10.9) ------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode,state", [
+    # the sleeping rank is running, unless JAX aborted it when rank 0 (the coordination service) left
+    ("late", r"is still running: busy elsewhere or hung|then was killed by SIGABRT \(exit code -6\)"),
+    ("stop", re.escape("is stopped: SIGSTOP or a debugger")),
+])
+def test_rank_that_never_arrives_is_named(mode, state):
+    # Rank 1 sleeps (or SIGSTOPs itself) instead of calling all_reduce: rank 0 gives up after the
+    # timeout naming it, and spmdrun blames rank 1, not the rank that gave up.
+    rc, out, err, took = spmdrun("--standalone", "--nproc-per-node", "2", "--stop-timeout", "2",
+                                 str(SCRIPTS / "guard.py"), mode, timeout=50, env=clean_env(SPMD_TIMEOUT="3"))
+    assert rc == PEER_EXIT_CODE, err[-3000:]
+    assert ("all_reduce: rank 0 waited 3 s (the timeout) in all_reduce (call #1 of Group(WORLD)) "
+            "(op=sum, dtype=float32, shape=(4,)); ranks [1] did not arrive: rank 1 is not in any collective") in err
+    assert re.search(rf"spmdrun: rank 1 \(local rank 1, pid \d+\) did not arrive at the collective its peers waited "
+                     rf"in \(it ({state})\)", err), err[-3000:]
+    assert "second collective done" not in out
+    assert took < 30
+    assert_gone(pids_in(out))
+
+
+@pytest.mark.timeout(60)
+def test_different_collectives_time_out_naming_each_other():
+    rc, out, err, took = spmdrun("--standalone", "--nproc-per-node", "2", "--stop-timeout", "2",
+                                 str(SCRIPTS / "guard.py"), "mismatch", timeout=50, env=clean_env(SPMD_TIMEOUT="3"))
+    assert rc == PEER_EXIT_CODE, err[-3000:]
+    assert ("ranks [1] did not arrive: rank 1 is in the same call with a different signature: "
+            "all_gather(axis=0, tiled=False, dtype=float32, shape=(4,))") in err
+    assert "ranks [0] did not arrive: rank 0 is in the same call with a different signature: all_reduce(op=sum" in err
+    assert took < 30
+    assert_gone(pids_in(out))
+
+
+@pytest.mark.timeout(60)
+def test_detail_mode_checks_signatures_across_ranks():
+    # float32 on rank 0, int32 on rank 1: without the check rank 1 gets garbage; with it, both ranks fail at once.
+    rc, out, err, took = spmdrun("--standalone", "--nproc-per-node", "2", "--stop-timeout", "2",
+                                 str(SCRIPTS / "guard.py"), "dtype", timeout=50,
+                                 env=clean_env(SPMD_TIMEOUT="20", TORCH_DISTRIBUTED_DEBUG="DETAIL"))
+    assert rc == 1, err[-3000:]
+    says = ("ValueError: all_reduce: the ranks of Group(WORLD) disagree on call #1: rank {me}: all_reduce(op=sum, "
+            "dtype={mine}, shape=(4,)); rank {other}: all_reduce(op=sum, dtype={theirs}, shape=(4,)).")
+    assert says.format(me=0, mine="float32", other=1, theirs="int32") in err
+    assert "second collective done" not in out
+    assert took < 30  # at once, not after the timeout
+    assert_gone(pids_in(out))
+
+
+# --- the coordinator's front door (issue 10.8, 10.12) ----------------------------------------------
+def _listening_addresses(pids: list[int]) -> set[str]:
+    """Local addresses of the TCP sockets in LISTEN state held by ``pids`` (Linux /proc)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                found.add(cols[1].rsplit(":", 1)[0])
+    return found
+
+
+@pytest.mark.timeout(90)
+def test_coordinator_on_loopback_refuses_outsiders_and_other_jobs():
+    port = free_port()
+    first = subprocess.Popen([sys.executable, "-m", "spmd.run", "--nproc-per-node", "2", "--master-port", str(port),
+                              str(SCRIPTS / "fail.py"), "linger"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=clean_env(), cwd=ROOT)
+    try:
+        seen, deadline = [], time.monotonic() + 40
+        while time.monotonic() < deadline and sum("second all_reduce" in s for s in seen) < 2:
+            seen.append(first.stdout.readline())
+        pids = pids_in("".join(seen))
+        loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::ffff:127.0.0.1
+        assert _listening_addresses(pids) <= loopback, _listening_addresses(pids)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:  # an outsider
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            assert s.recv(200).startswith(b"NO this port hosts an spmd job's coordinator")
+        rc, _, err, _ = spmdrun("--nproc-per-node", "2", "--master-port", str(port), "--stop-timeout", "2",
+                                str(SCRIPTS / "fail.py"), "ok", timeout=50)
+        assert rc == 1
+        assert "init_process_group: rank 1 was refused by the process on 127.0.0.1:" in err
+        assert "this port hosts another job (SPMD_JOB_ID=" in err
+        out, err1 = first.communicate(timeout=40)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err1[-2000:]  # the first job never noticed
+    assert sum("after linger [2.0, 2.0, 2.0, 2.0]" in line for line in out.splitlines()) == 2
+
+
+@pytest.mark.timeout(90)
+def test_ranks_disagreeing_on_world_size_or_rank_get_clear_errors():
+    def run(ranks_worlds, port):
+        procs = []
+        for r, w in ranks_worlds:
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "fail.py"), "ok"], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                          env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                                                        WORLD_SIZE=str(w), SPMD_TIMEOUT="4")))
+            time.sleep(0.5)  # the first one is rank 0 of the port
+        try:
+            return [(p.communicate(timeout=60)[1], p.returncode) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+
+    done = run([(0, 2), (1, 3)], free_port())  # was: a C++ abort
+    assert all(code == 1 and "was started with WORLD_SIZE=3 but rank 0 (pid" in err for err, code in done), done
+    assert "init_process_group: rank 1 was refused by the process on 127.0.0.1:" in done[1][0]
+    done = run([(0, 2), (0, 2)], free_port())  # two RANK=0: was a C++ abort
+    assert done[1][1] == 1
+    assert ("ValueError: init_process_group: rank 0 of this job is already running (pid "
+            in done[1][0]) and "two processes were given RANK=0" in done[1][0], done[1][0][-2000:]
+    assert done[0][1] == 1 and "timed out after 4 s waiting for all 2 ranks" in done[0][0]
+
+
+@pytest.mark.parametrize("kwargs,exc,says", [
+    ({"fn": lambda rank: None}, TypeError, "spawn: fn=<function"),
+    ({"fn": print, "devices_per_proc": "x"}, TypeError, "spawn: devices_per_proc='x' must be an int >= 1 (or None)."),
+    ({"fn": print, "start_method": "thread"}, ValueError, "spawn: start_method='thread' is not one of this platform's"),
+    ({"fn": print, "stop_timeout": -1}, ValueError, "spawn: stop_timeout=-1 must be positive"),
+])
+def test_spawn_checks_its_input_before_starting_processes(kwargs, exc, says):
+    import spmd
+
+    with pytest.raises(exc, match=re.escape(says)):
+        spmd.spawn(**kwargs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from spmd.distributed._state import current
 
@@ -65,8 +66,8 @@ def exit_code_for(exc: BaseException) -> int:
     return PEER_EXIT_CODE if isinstance(exc, PeerError) else 1
 
 
-def fail(message: str, code: int = 1) -> None:
-    """Print ``message`` and end this process now, skipping JAX's exit barrier."""
+def fail(message: str, code: int = 1, linger_s: float = 0.0) -> None:
+    """Print ``message`` and end this process (after ``linger_s`` seconds), skipping JAX's exit barrier."""
     try:
         sys.stdout.flush()
     except Exception:
@@ -76,6 +77,8 @@ def fail(message: str, code: int = 1) -> None:
         sys.stderr.flush()
     except Exception:
         pass
+    if linger_s > 0:
+        time.sleep(linger_s)
     os._exit(code)
 
 

@@ -93,7 +93,8 @@ class _Watchdog:
             if self.published is not call and now - call.start >= _PUBLISH_AFTER_S:
                 self._publish(call)
             if now >= call.deadline and self.active is call:
-                fail(self._timeout_message(call), PEER_EXIT_CODE)
+                # Rank 0 hosts the coordination service: it lingers so that the others can read it first.
+                fail(self._timeout_message(call), PEER_EXIT_CODE, 2 * _TICK_S + _PUBLISH_AFTER_S if self.rank == 0 else 0)
 
     def _publish(self, call: Call) -> None:
         try:
@@ -154,7 +155,7 @@ class _Watchdog:
             f"{call.where}: rank {self.rank} waited {timeout:g} s (the timeout) in {call.describe()} "
             f"({call.signature}); ranks {names} did not arrive: {detail}. Every rank of the group must call the "
             "same collectives in the same order; raise the limit with init_process_group(timeout=...) or "
-            "SPMD_TIMEOUT. Ending this rank now."
+            f"SPMD_TIMEOUT. Ending this rank now.\n{absent_line(names)}"
         )
 
 

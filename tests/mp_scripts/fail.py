@@ -1,4 +1,5 @@
-"""A rank that fails mid-collective: ``fail.py MODE``; MODE in raise, exit, hard, idle, ok, sleep, restart.
+"""A rank that fails mid-collective: ``fail.py MODE``; MODE in raise, exit, hard, idle, ok, sleep, restart, linger
+(every rank waits 8 s after its collectives, then runs one more: the job must still work).
 
 Every rank prints ``pid <pid>`` first so that tests can check none is left.
 """
@@ -38,3 +39,7 @@ y = dist.all_reduce(np.ones(4, np.float32))
 print(f"second all_reduce {np.asarray(y).tolist()}", flush=True)
 if mode == "sleep":
     time.sleep(60)
+if mode == "linger":
+    time.sleep(8)
+    z = dist.all_reduce(np.ones(4, np.float32))
+    print(f"after linger {np.asarray(z).tolist()}", flush=True)
