@@ -194,6 +194,9 @@ CASES = [
     ("all_gather tiled not a bool", lambda m, m8: _in_region(m, lambda x: spmd.all_gather(x, tiled="yes", group="tp")),
      TypeError, "all_gather: tiled='yes' must be a bool: True concatenates the ranks' blocks along axis, False stacks "
                 "them on a new axis."),
+    ("a jax Mesh passed to distribute_tensor", lambda m, m8: spmd.distribute_tensor(INT, m8.jax_mesh, [S0]), TypeError,
+     "distribute_tensor: device_mesh is a jax.sharding.Mesh with axis_names=('x',) and shape (8,); wrap it as "
+     "DeviceMesh.from_jax(mesh)."),
     ("ragged device mesh", lambda m, m8: spmd.DeviceMesh("cpu", [[0, 1], [2]]), ValueError,
      "DeviceMesh: mesh=[[0, 1], [2]] is ragged (its rows have different lengths); give a rectangular nested list "
      "of device indices such as [[0, 1], [2, 3]]."),

@@ -256,7 +256,8 @@ def test_fuzz_process_group(meshes, data):
     good_t = (np.arange(int(np.prod(shape))).reshape(shape) % 5).astype(dtype)
     names = [m for m in ARGS[coll] if m not in ("tiled", "axis")]  # the eager all_gather stacks on a new axis 0
     a = Args(data, ["t", *names])
-    t = a("t", st.just(good_t), pick(*NOT_ARRAYS, good_t[0], good_t.astype(str)))
+    uneven = (good_t[..., :3, :],) if coll in ("scatter", "reduce_scatter", "all_to_all") else ()
+    t = a("t", st.just(good_t), pick(*NOT_ARRAYS, good_t[0], good_t.astype(str), *uneven))
     kw = {k: v for k, v in _collective_kwargs(a, coll, n, dtype).items() if k in names}
     outcome(lambda: np.asarray(getattr(pg, method)(t, **kw)), a.bad, (f"ProcessGroup.{method}", coll))
 
@@ -320,11 +321,12 @@ def test_fuzz_from_local(meshes, data):
     locs = [_data((2, 3), dtype) + r for r in range(4)]
     bad_lists = (locs[:3], locs + locs[:1], locs[:3] + [locs[3][:1]], locs[:3] + [locs[3].astype(bool)],
                  locs[:3] + [locs[3][0]], [x.astype(str) for x in locs], [None] * 4, np.stack(locs), None, "abcd")
-    a = Args(data, ["locals", "placements", "shape"])
+    a = Args(data, ["locals", "device_mesh", "placements", "shape"])
     ls = a("locals", st.just(locs), pick(*bad_lists))
+    m = a("device_mesh", st.just(mesh), pick("cpu", None, mesh.jax_mesh, meshes[2]))
     pl = _placements(a, 1, 2, dtype)
     shape = a("shape", st.just(None), pick("8x3", (-8, 3), (8,), (8, 3, 1), (9, 3), 1.5))
-    dt = outcome(lambda: DTensor.from_local(ls, mesh, pl, shape=shape), a.bad, ("DTensor.from_local",))
+    dt = outcome(lambda: DTensor.from_local(ls, m, pl, shape=shape), a.bad, ("DTensor.from_local",))
     if dt is None:
         return
     p, stack = dt.placements[0], np.stack(locs)

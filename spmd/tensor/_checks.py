@@ -20,6 +20,11 @@ def is_tracer(x) -> bool:
 
 
 def check_mesh(mesh: Any, where: str) -> DeviceMesh:
+    if isinstance(mesh, jax.sharding.Mesh):  # named by its dims and shape: JAX's repr is not ours to print
+        raise TypeError(
+            f"{where}: device_mesh is a jax.sharding.Mesh with axis_names={tuple(mesh.axis_names)!r} and shape "
+            f"{tuple(mesh.axis_sizes)!r}; wrap it as DeviceMesh.from_jax(mesh)."
+        )
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"{where}: device_mesh={mesh!r} must be a DeviceMesh; make one with "
