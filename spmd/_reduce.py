@@ -51,11 +51,6 @@ def check_op(op: Any, dtype, where: str) -> ReduceOp:
             f"{where}: op={op!r} is refused on an input of dtype {np.dtype(dtype).name}: complex numbers have no "
             "order (torch refuses it too); reduce the real part or abs(x), or use SUM, AVG or PRODUCT."
         )
-    if op.name in ("max", "min") and jnp.issubdtype(np.dtype(dtype), jnp.complexfloating):
-        raise TypeError(
-            f"{where}: op={op!r} is refused on an input of dtype {np.dtype(dtype).name}: complex numbers have no "
-            "order (torch refuses it too); reduce the real part or abs(x), or use SUM, AVG or PRODUCT."
-        )
     if op.name == "avg" and k != "float":
         raise TypeError(
             f"{where}: op={op!r} is refused on an input of dtype {np.dtype(dtype).name} (torch allows AVG only "
