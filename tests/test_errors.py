@@ -212,6 +212,15 @@ CASES = [
      "distribute_tensor: x=array("),
     ("string arrays as locals", lambda m, m8: spmd.DTensor.from_local(list(STR), m8, [S0]), TypeError,
      "DTensor.from_local: locals[0]="),
+    ("complex all_reduce max", lambda m, m8: _in_region(m, lambda x: spmd.all_reduce(x, "max", group="tp"),
+                                                        jnp.ones((8, 8), jnp.complex64)), TypeError,
+     "all_reduce: op=ReduceOp.MAX is refused on an input of dtype complex64: complex numbers have no order (torch "
+     "refuses it too); reduce the real part or abs(x), or use SUM, AVG or PRODUCT."),
+    ("complex reduce_scatter min", lambda m, m8: _in_region(m, lambda x: spmd.reduce_scatter(x, "min", group="tp"),
+                                                            jnp.ones((8, 8), jnp.complex64)), TypeError,
+     "reduce_scatter: op=ReduceOp.MIN is refused on an input of dtype complex64"),
+    ("eager complex max", lambda m, m8: m.get_group("dp").allreduce(np.ones((2, 4, 2), np.complex64), "max"),
+     TypeError, "all_reduce: op=ReduceOp.MAX is refused on an input of dtype complex64"),
     ("complex Partial max", lambda m, m8: spmd.DTensor.from_local([CPLX] * 8, m8, [Partial("max")]), TypeError,
      "DTensor.from_local: placements[0]=P(max) on a complex64 tensor is refused: complex numbers have no order "
      "(torch refuses MAX/MIN on complex too); use Partial('sum'), or reduce abs() or the real part."),
