@@ -347,11 +347,20 @@ def test_fuzz_redistribute(meshes, data):
     if data.draw(st.booleans()):
         src[0] = Partial("sum")
     dt = distribute_tensor(x, mesh, src)
-    a = Args(data, ["device_mesh", "placements"])
-    m = a("device_mesh", st.just(None), pick(meshes[3 - mesh_ndim], "cpu", mesh.jax_mesh))
+    planned = data.draw(st.booleans())  # plan_redistribute(dt, placements) instead of dt.redistribute
+    a = Args(data, ["dt" if planned else "device_mesh", "placements"])
+    if planned:
+        d = a("dt", st.just(dt), pick(x, None, "dt", [dt]))
+    else:
+        m = a("device_mesh", st.just(None), pick(meshes[3 - mesh_ndim], "cpu", mesh.jax_mesh))
     dst = _placements(a, mesh_ndim, x.ndim, dtype)
     if not a.bad and any(s != d and s.is_partial() and d.is_partial() for s, d in zip(dt.placements, dst)):
         a.bad.append("placements (a Partial op switch)")
+    if planned:
+        plan = outcome(lambda: spmd.plan_redistribute(d, dst), a.bad, ("plan_redistribute",))
+        assert plan is None or (plan.src, plan.dst) == (dt.placements, tuple(
+            Shard(p.dim % x.ndim) if isinstance(p, Shard) else p for p in dst))
+        return
     out = outcome(lambda: dt.redistribute(m, dst), a.bad, ("DTensor.redistribute",))
     if out is not None:
         np.testing.assert_array_equal(np.asarray(out.full_tensor()), x)
