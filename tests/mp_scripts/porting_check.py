@@ -127,6 +127,8 @@ for dt in DTYPES:
     check(f"{name} all_reduce sum", lambda dt=dt, total=total: (dist.all_reduce(x_of(rank, dt)), total))
     check(f"{name} broadcast", lambda dt=dt, xs=xs: (dist.broadcast(x_of(rank, dt), src=world - 1), xs[-1]))
     check(f"{name} all_gather", lambda dt=dt, xs=xs: (np.stack(dist.all_gather(None, x_of(rank, dt))), np.stack(xs)))
+    if np.dtype(dt).itemsize < 8 and np.dtype(dt) not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.bool_)):
+        continue  # the other paths move bytes by width: 64-bit, bfloat16 and bool cover what differs
     check(f"{name} send/recv", lambda dt=dt, xs=xs: (
         dist.recv(np.zeros(4, dt), src=0) if rank == 1 else (dist.send(x_of(rank, dt), dst=1), xs[0])[1], xs[0]))
     if np.dtype(dt).kind not in "cb":
