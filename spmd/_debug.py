@@ -89,7 +89,8 @@ class CommDebugMode:
     def get_comm_bytes(self) -> dict[str, int]:
         return dict(self._bytes)
 
-    def generate_comm_debug_tracing_table(self) -> str:
+    def generate_comm_debug_tracing_table(self, noise_level: int = 3) -> str:
+        """The log as a text table (``noise_level`` is torch's knob; every call is listed here)."""
         w = max([len("call")] + [len(w) for w, _, _, _ in self.log])
         lines = [f"{'call':<{w}}  {'collective':<18}  {'count':>5}  {'bytes':>10}"]
         lines += [f"{c:<{w}}  {k:<18}  {n:>5}  {b:>10}" for c, k, n, b in self.log]
