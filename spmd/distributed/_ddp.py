@@ -28,6 +28,8 @@ from placements import ReduceOp
 
 __all__ = ["DistributedDataParallel"]
 
+_KEEP_COMPILED = 8  # loss functions whose jitted gradient a DDP keeps (define loss_fn once, outside the loop)
+
 
 def _dist():
     import spmd.distributed as dist  # the public facade (this module is re-exported by it)
@@ -98,9 +100,10 @@ class DistributedDataParallel:
         """``f(params, *args) -> (loss, grads)`` where ``grads`` is averaged over the group and
         ``loss`` (with its aux if ``has_aux``) is this rank's, as ``loss.backward()`` leaves them."""
         key = (loss_fn, has_aux)
-        if key not in self._grad_fns:
-            self._grad_fns[key] = jax.jit(jax.value_and_grad(loss_fn, has_aux=has_aux))
-        local = self._grad_fns[key]
+        local = self._grad_fns.pop(key, None) or jax.jit(jax.value_and_grad(loss_fn, has_aux=has_aux))
+        self._grad_fns[key] = local  # most recent last; a few loss functions are kept compiled
+        while len(self._grad_fns) > _KEEP_COMPILED:
+            self._grad_fns.pop(next(iter(self._grad_fns)))
 
         def fn(params: Any, *args: Any) -> tuple[Any, Any]:
             value, grads = local(params, *args)
