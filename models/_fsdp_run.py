@@ -24,8 +24,8 @@ from spmd import DeviceMesh
 from spmd.parallel import (ParamPlan, entry_sharding, executed_collectives, map_like_params, path_str, plan_params,
                            unshard_params)
 
-__all__ = ["fsdp_parts", "layout_meta", "restore_resharded", "memory_report", "collectives_report",
-           "logical_params"]
+__all__ = ["fsdp_parts", "layout_meta", "restore_resharded", "restore_job_state", "memory_report",
+           "collectives_report", "logical_params"]
 
 
 def fsdp_parts(model: Any, optimizer, loss: Callable, mesh: DeviceMesh, sample: Any, *, accum_steps: int = 1,
@@ -159,3 +159,15 @@ def collectives_report(train_step: Callable, state: TrainState, batch: Any) -> d
     """kind -> {"count", "bytes"} the compiled step executes per step (loop bodies times their trips)."""
     got = executed_collectives(train_step, state, batch)
     return {k: v for k, v in got.items() if v["count"]}
+
+
+def restore_job_state(checkpointer, target: TrainState, plan: ParamPlan | None, mesh: DeviceMesh, optimizer,
+                      model: Any, step: int | None = None) -> tuple[TrainState, dict]:
+    """``restore_resharded`` for the training job: the logical parameter shapes come from the plan
+    (or from ``target``, replicated, when there is none)."""
+    if plan is not None:
+        abstract = jax.tree_util.tree_unflatten(
+            plan.treedef, [jax.ShapeDtypeStruct(e.shape, np.dtype(e.dtype)) for e in plan.entries])
+    else:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target.params)
+    return restore_resharded(checkpointer, target, plan, mesh, optimizer, abstract, model.fsdp_units(), step)

@@ -25,9 +25,11 @@ __all__ = ["Config", "MODELS", "MESH_DIMS", "DATA_DIMS", "check_config", "parse_
 
 MODELS = ("transformer", "mlp")
 # The mesh dims the job knows (name -> what it does), in mesh order.
-MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replicated"}
+MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replicated",
+             "fsdp": "fully sharded data parallel: the batch is split over it, parameters, gradients and "
+                     "optimizer state sharded (models._fsdp)"}
 # The dims the batch is split over (Shard(0) on each of them).
-DATA_DIMS = ("dp",)
+DATA_DIMS = ("dp", "fsdp")
 _MAX_SEED = 2**63 - 1  # jax.random.key takes an int64
 
 

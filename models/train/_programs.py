@@ -155,6 +155,7 @@ class Programs:
     init: Callable  # (key, sample inputs) -> the step-0 TrainState, laid out by state_sharding
     train_step: Callable  # (state, batch) -> (state, metrics)
     eval_step: Callable  # (params, batch) -> {"token_accuracy", "sequence_accuracy"}
+    plan: Any = None  # the parameter placement plan on an fsdp mesh (spmd.parallel.ParamPlan); None: replicated
 
 
 def program_key(cfg: Config) -> Config:
@@ -175,11 +176,18 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
     dims = data_dims(mesh)
     placements = tuple(batch_placements(mesh, dims))
     replicated = NamedSharding(mesh.jax_mesh, P())
+    eval_step = make_eval_step(model, mesh, dims, digits=key.length if key.text is None and key.model == "transformer"
+                               else None)
+    if "fsdp" in mesh.mesh_dim_names:  # FSDP / HSDP: the state sharded by a plan (models._fsdp_run)
+        from models._fsdp_run import fsdp_parts
+
+        sample = jax.ShapeDtypeStruct((2, task_dims(key)[1]), jnp.int32)
+        plan, init, train_step, sharding = fsdp_parts(model, optimizer, cross_entropy, mesh, sample,
+                                                      accum_steps=key.accum_steps)
+        return Programs(model, optimizer, placements, sharding, init, train_step, eval_step, plan)
     init = jax.jit(lambda rng, x: init_train_state(model.init(rng, x)["params"], optimizer), out_shardings=replicated)
     train_step = make_train_step(lambda p, b: cross_entropy(model.apply({"params": p}, b["inputs"]), b),
                                  optimizer, mesh, accum_steps=key.accum_steps)
-    eval_step = make_eval_step(model, mesh, dims, digits=key.length if key.text is None and key.model == "transformer"
-                               else None)
     return Programs(model, optimizer, placements, replicated, init, train_step, eval_step)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from models._checkpoint import Checkpointer, CheckpointError, abstract_like
 from models._ddp import TrainState
+from models._fsdp_run import collectives_report, layout_meta, logical_params, memory_report, restore_job_state
 from models.train._config import Config, check_config, check_resume_config, run_config
 from models.train._loop import MetricLog, report, train_loop
 from models.train._outdir import OutFolder, RunLock, write_outputs
@@ -42,23 +43,26 @@ def _maybe_init_distributed() -> None:
         dist.init_process_group()
 
 
-def _check_batch_sizes(cfg: Config, n_data: int) -> int:
-    """The number of held-out examples; the batch sizes must split evenly over the ``n_data`` data ranks."""
+def _check_batch_sizes(cfg: Config, mesh: DeviceMesh) -> tuple[int, int]:
+    """(data-parallel size, held-out examples); the batch sizes must split evenly over the data ranks."""
+    dims = data_dims(mesh)
+    n_data = math.prod(mesh.size(d) for d in dims)
+    label = " x ".join(dims) + " size"  # "dp size", "dp x fsdp size"
     if cfg.batch_size % (n_data * cfg.accum_steps):
         unit = n_data * cfg.accum_steps
         raise ValueError(
-            f"models.train: --batch-size={cfg.batch_size} is not divisible by the dp size {n_data}"
+            f"models.train: --batch-size={cfg.batch_size} is not divisible by the {label} {n_data}"
             + (f" times --accum-steps={cfg.accum_steps}" if cfg.accum_steps > 1 else "")
             + f"; use a multiple of {unit} (e.g. {unit * max(1, cfg.batch_size // unit)})."
         )
     if cfg.eval_size is None:
-        return max(n_data, _EVAL_DEFAULT // n_data * n_data)
+        return n_data, max(n_data, _EVAL_DEFAULT // n_data * n_data)
     if cfg.eval_size % n_data:
         raise ValueError(
-            f"models.train: --eval-size={cfg.eval_size} is not divisible by the dp size {n_data}; use a multiple "
+            f"models.train: --eval-size={cfg.eval_size} is not divisible by the {label} {n_data}; use a multiple "
             f"of {n_data} (e.g. {n_data * max(1, cfg.eval_size // n_data)})."
         )
-    return cfg.eval_size
+    return n_data, cfg.eval_size
 
 
 def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None) -> dict:
@@ -72,8 +76,7 @@ def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None
     check_config(cfg)
     _maybe_init_distributed()
     mesh = build_mesh(cfg.mesh)
-    n_data = math.prod(mesh.size(d) for d in data_dims(mesh))
-    eval_size = _check_batch_sizes(cfg, n_data)
+    n_data, eval_size = _check_batch_sizes(cfg, mesh)
     check_fits(cfg, n_data, device_memory())
     lead = jax.process_index() == 0
     lock = RunLock(cfg.out).acquire() if lead else None
@@ -105,20 +108,24 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
             # The config first: a checkpoint of another model would fail to restore with a shape error that
             # blames the (good) checkpoint.
             check_resume_config(checkpointer.restore_meta().get("config", {}), cfg, folder.checkpoints)
-            state, meta = checkpointer.restore(state)
+            state, meta = restore_job_state(checkpointer, state, progs.plan, mesh, progs.optimizer, progs.model)
             history = list(meta.get("history", []))
         start = int(jax.device_get(state.step))
-        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+        n_params = (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params)) if progs.plan is None
+                    else sum(int(np.prod(e.shape)) for e in progs.plan.entries))  # a sharded state is padded
+        memory = memory_report(state, progs.plan, keep=progs.model.fsdp_keep())
         bar = None
         if cfg.progress and lead:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.model} {mesh_text}", unit="step",
+            bar = tqdm(total=cfg.steps, initial=start, unit="step",
+                       desc=f"{cfg.model} {mesh_text} {memory['state_bytes_per_device'] / 2**20:.2f}MiB/device",
                        dynamic_ncols=True)
         if start == 0:
             report(f"models.train: {cfg.model} ({n_params:,} parameters) on {task.name}, mesh {mesh_text} "
                    f"({jax.device_count()} {jax.devices()[0].platform} device(s), {jax.process_count()} "
-                   f"process(es)), batch {cfg.batch_size}, {cfg.steps} steps", lead)
+                   f"process(es)), batch {cfg.batch_size}, {cfg.steps} steps, "
+                   f"{memory['state_bytes_per_device']:,} state bytes per device", lead)
         log = MetricLog(start=start, batch_size=cfg.batch_size, history=history, bar=bar)
 
         def interrupted(step: int) -> None:
@@ -130,11 +137,14 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
             state, start=start, steps=cfg.steps, log_every=cfg.log_every, train_step=progs.train_step,
             next_batch=lambda s: place_batch(task.batch(cfg.seed, s, cfg.batch_size, lay), mesh,
                                              progs.batch_placements),
-            log=log, checkpointer=checkpointer, meta=lambda: {"config": run_config(cfg), "history": history},
+            log=log, checkpointer=checkpointer, meta=lambda: {"config": run_config(cfg), "history": history,
+                                                                 "layout": layout_meta(progs.plan)},
             on_step=on_step, interrupted=interrupted)
         wall = time.perf_counter() - t_start
         eval_batch = place_batch(task.batch(cfg.seed, 0, eval_size, lay, stream=1), mesh, progs.batch_placements)
-        evaluation = {k: float(v) for k, v in jax.device_get(progs.eval_step(state.params, eval_batch)).items()}
+        evaluation = {k: float(v) for k, v in jax.device_get(progs.eval_step(logical_params(state.params, progs.plan, mesh), eval_batch)).items()}
+        collectives = collectives_report(progs.train_step, state, place_batch(
+            task.batch(cfg.seed, 0, cfg.batch_size, lay), mesh, progs.batch_placements))
         checkpointer.wait()
     finally:
         checkpointer.close()
@@ -155,6 +165,8 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
         "final": {"train_loss": history[-1]["loss"] if history else None,
                   "train_accuracy": history[-1]["accuracy"] if history else None,
                   **{f"eval_{k}": v for k, v in evaluation.items()}},
+        "memory": memory,
+        "collectives": collectives,
         "history": history,
         "checkpoints": checkpointer.all_steps(),
     }
@@ -183,6 +195,8 @@ def restore_state(out: str, *, mesh: DeviceMesh | None = None, step: int | None 
         _, seq_len, _ = task_dims(cfg)
         progs = programs(cfg, mesh)
         target = jax.eval_shape(progs.init, jax.random.key(0), jax.ShapeDtypeStruct((2, seq_len), jnp.int32))
-        return checkpointer.restore(abstract_like(target, progs.state_sharding), step)
+        if progs.plan is None:
+            target = abstract_like(target, progs.state_sharding)
+        return restore_job_state(checkpointer, target, progs.plan, mesh, progs.optimizer, progs.model, step)
     finally:
         checkpointer.close()
