@@ -64,12 +64,18 @@ def dtype_of(x: Any) -> np.dtype | None:
 def x64_for(*values: Any) -> ContextManager:
     """``jax.enable_x64(True)`` if any of ``values`` (arrays, dtypes, pytrees of arrays) is
     64-bit, else a no-op context."""
-    for v in values:
-        leaves = [v] if isinstance(v, (np.dtype, type)) else jax.tree.leaves(v)
-        for leaf in leaves:
-            if is_wide(leaf if isinstance(leaf, (np.dtype, type)) else dtype_of(leaf)):
-                return jax.enable_x64(True)
+    if any(_has_wide(v) for v in values):
+        return jax.enable_x64(True)
     return contextlib.nullcontext()
+
+
+def _has_wide(v: Any) -> bool:
+    dt = getattr(v, "dtype", None)
+    if isinstance(dt, np.dtype):  # a NumPy / JAX array or scalar: the fast path of every collective
+        return dt in WIDE_DTYPES
+    if isinstance(v, (np.dtype, type)):
+        return is_wide(v)
+    return any(is_wide(dtype_of(leaf)) for leaf in jax.tree.leaves(v))
 
 
 def exact_array(x: Any) -> jax.Array:
