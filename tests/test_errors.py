@@ -17,7 +17,7 @@ def owned(msg) -> str:
     """A pattern for the parts of a message the project writes: a string is matched as it is; a tuple
     of strings in order, with anything (a JAX repr, the host's platform) between them."""
     parts = (msg,) if isinstance(msg, str) else msg
-    return ".*".join(re.escape(p) for p in parts)
+    return "(?s)" + ".*".join(re.escape(p) for p in parts)  # (a repr may span lines)
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +187,7 @@ CASES = [
     # Raw tracebacks before (issue 10.12): NumPy's "inhomogeneous shape", Python's "unhashable type: 'list'",
     # JAX's "not a valid JAX array type", XLA's "UNIMPLEMENTED: Unsupported reduction computation".
     ("collective input a str array", lambda m, m8: _in_region(m, lambda x: spmd.all_reduce(STR, group="tp") * 0 + x),
-     TypeError, "all_reduce: x=array(['0', '1', '2', '3', '4', '5', '6', '7'], dtype='<U1') is not a numeric array; "
-                "pass a NumPy or JAX array"),
+     TypeError, ("all_reduce: x=", " is not a numeric array; pass a NumPy or JAX array")),  # (x in NumPy's repr)
     ("collective input None", lambda m, m8: _in_region(m, lambda x: spmd.broadcast(None, 0, group="tp")), TypeError,
      "broadcast: x=None is not a numeric array"),
     ("all_gather tiled not a bool", lambda m, m8: _in_region(m, lambda x: spmd.all_gather(x, tiled="yes", group="tp")),
@@ -207,11 +206,11 @@ CASES = [
     ("eager axis a float", lambda m, m8: m.get_group("tp").reduce_scatter(jnp.ones((2, 4, 8)), scatter_dim=0.0),
      TypeError, "ProcessGroup.reduce_scatter: scatter_dim=0.0 must be an int."),
     ("eager string array", lambda m, m8: m.get_group("tp").allreduce(STR.reshape(2, 4, 1)), TypeError,
-     "ProcessGroup.allreduce: t=array("),
+     ("ProcessGroup.allreduce: t=", " is not a numeric array")),
     ("string array distributed", lambda m, m8: spmd.distribute_tensor(STR, m8, [S0]), TypeError,
-     "distribute_tensor: x=array("),
+     ("distribute_tensor: x=", " is not a numeric array")),
     ("string arrays as locals", lambda m, m8: spmd.DTensor.from_local(list(STR), m8, [S0]), TypeError,
-     "DTensor.from_local: locals[0]="),
+     ("DTensor.from_local: locals[0]=", " is not a numeric array")),
     ("complex all_reduce max", lambda m, m8: _in_region(m, lambda x: spmd.all_reduce(x, "max", group="tp"),
                                                         jnp.ones((8, 8), jnp.complex64)), TypeError,
      "all_reduce: op=ReduceOp.MAX is refused on an input of dtype complex64: complex numbers have no order (torch "
