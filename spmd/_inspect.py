@@ -76,5 +76,7 @@ def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 
 def collectives(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, dict[str, int]]:
     """What ``fn(*args)`` communicates once compiled: count and bytes per collective kind."""
+    if not callable(fn):
+        raise TypeError(f"collectives: fn={fn!r} is not callable; pass the function, then its arguments.")
     text = jax.jit(fn).lower(*args, **kwargs).compile().as_text()
     return hlo_collectives(text)

@@ -306,6 +306,8 @@ def spmd(
             f"spmd: mesh={mesh!r} must be a DeviceMesh; make one with init_device_mesh('cpu', (8,)) and pass it "
             "as @spmd(mesh, ...)."
         )
+    if not isinstance(check_vma, bool):  # "no" or "False" would silently mean True
+        raise TypeError(f"spmd: check_vma={check_vma!r} must be a bool (True: JAX checks replication).")
 
     def wrap(fn: Callable):
         if not callable(fn):

@@ -196,6 +196,12 @@ CASES = [
     ("a jax Mesh passed to distribute_tensor", lambda m, m8: spmd.distribute_tensor(INT, m8.jax_mesh, [S0]), TypeError,
      "distribute_tensor: device_mesh is a jax.sharding.Mesh with axis_names=('x',) and shape (8,); wrap it as "
      "DeviceMesh.from_jax(mesh)."),
+    ("check_vma not a bool", lambda m, m8: spmd.spmd(lambda x: x, m8, in_placements=S0, check_vma="no"), TypeError,
+     "spmd: check_vma='no' must be a bool (True: JAX checks replication)."),
+    ("run_check not a bool", lambda m, m8: spmd.DTensor.from_local([INT[:1]] * 8, m8, [S0], run_check="no"),
+     TypeError, "DTensor.from_local: run_check='no' must be a bool."),
+    ("collectives of a non-function", lambda m, m8: spmd.collectives("f", 1), TypeError,
+     "collectives: fn='f' is not callable; pass the function, then its arguments."),
     ("ragged device mesh", lambda m, m8: spmd.DeviceMesh("cpu", [[0, 1], [2]]), ValueError,
      "DeviceMesh: mesh=[[0, 1], [2]] is ragged (its rows have different lengths); give a rectangular nested list "
      "of device indices such as [[0, 1], [2, 3]]."),

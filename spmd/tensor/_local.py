@@ -29,6 +29,8 @@ def from_local_storage(locals, device_mesh, placements, shape, run_check):
     """(mesh, storage, placements, global shape) of ``DTensor.from_local``'s arguments."""
     where = "DTensor.from_local"
     mesh = check_mesh(device_mesh, where)
+    if not isinstance(run_check, bool):  # "no" would silently mean True
+        raise TypeError(f"{where}: run_check={run_check!r} must be a bool.")
     n = mesh.size()
     if placements is None:
         placements = [Replicate()] * mesh.ndim
