@@ -27,14 +27,15 @@ class _Attention(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
         h = self.num_heads
-        qkv = nn.Dense(3 * d, dtype=self.dtype, name="qkv")(x).reshape(b, t, 3, h, d // h)
+        # Head-major kernels, (D, 3, H, D/H) and (H, D/H, D): tensor parallelism cuts the heads dim (models._tp).
+        qkv = nn.DenseGeneral((3, h, d // h), dtype=self.dtype, name="qkv")(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(d // h, self.dtype))
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
         attn = jax.nn.softmax(scores, axis=-1)
-        y = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, d)
-        return nn.Dense(d, dtype=self.dtype, name="proj")(y)
+        y = jnp.einsum("bhqk,bkhd->bqhd", attn, v)
+        return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, name="proj")(y)
 
 
 class _Block(nn.Module):

@@ -25,7 +25,8 @@ def test_transformer_shapes_and_causality():
     x = rng.integers(0, 13, size=(3, 10)).astype(np.int32)
     params = jax.jit(model.init)(jax.random.key(1), x)["params"]
     assert sorted(params) == ["block_0", "block_1", "embed", "ln_f", "pos"]
-    assert params["block_0"]["attn"]["qkv"]["kernel"].shape == (16, 48)
+    assert params["block_0"]["attn"]["qkv"]["kernel"].shape == (16, 3, 4, 4)  # (D, q/k/v, heads, head dim)
+    assert params["block_0"]["attn"]["proj"]["kernel"].shape == (4, 4, 16)
     apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
     y = np.asarray(apply(params, x))
     assert y.shape == (3, 10, 13)

@@ -9,12 +9,17 @@ parameter path patterns to placements; the first match wins.
 from spmd.parallel._hlo import executed_collectives, hlo_executed_collectives
 from spmd.parallel._param_plan import ROOT, ParamPlan, PlanEntry, path_str, plan_params
 from spmd.parallel._rules import Rule, fully_shard, replicate
+from spmd.parallel._tp import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_rules
 from spmd.parallel._shard import entry_sharding, gather_unit, map_like_params, shard_params, unshard_params
 
 __all__ = [
     "Rule",
     "fully_shard",
     "replicate",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "parallelize_rules",
     "plan_params",
     "ParamPlan",
     "PlanEntry",

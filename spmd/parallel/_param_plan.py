@@ -235,6 +235,16 @@ def _mesh_dims(mesh: Any, where: str) -> tuple[tuple[str, ...], tuple[int, ...]]
     )
 
 
+def _default(is_fsdp: bool, gshape: tuple[int, ...], rule: Rule | None) -> Placement:
+    """``Shard(0)`` on the fsdp dim; when the rule cuts dim 0 on another mesh dim (tensor parallel's row-wise
+    and vocab cuts), the first dim no other mesh dim cuts (``Replicate`` if none): each device's block stays
+    one contiguous block of the other dim's shard, which an fsdp all-gather makes whole."""
+    if not is_fsdp or not gshape:
+        return Replicate()
+    taken = {p.dim % len(gshape) for _, p in (rule.placements if rule else ()) if isinstance(p, Shard)}
+    return next((Shard(d) for d in range(len(gshape)) if d not in taken), Replicate())
+
+
 def _unit_of(path: str, units: tuple[str, ...]) -> str:
     head = path.split("/", 1)[0]
     for pat in units:
@@ -292,7 +302,7 @@ def plan_params(
         for dim in names:
             p = rules[rule_i].placement_for(dim) if rule_i is not None else None
             if p is None:
-                p = Shard(0) if dim == fsdp and len(gshape) >= 1 else Replicate()
+                p = _default(dim == fsdp, gshape, rules[rule_i] if rule_i is not None else None)
             if isinstance(p, Shard) and not -len(gshape) <= p.dim < len(gshape):
                 src = f"rules[{rule_i}] ({rules[rule_i]})" if rule_i is not None else "the default"
                 raise ValueError(

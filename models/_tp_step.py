@@ -1,0 +1,225 @@
+"""The train step on n-D meshes: ``tp`` (tensor / sequence parallel) with ``fsdp`` and ``dp``.
+
+``make_tp_train_step(model, optimizer, mesh, plan)`` gives a jitted ``(state, batch) -> (state,
+metrics)`` with the contract of ``make_fsdp_train_step`` (state from ``shard_train_state``), on a mesh
+whose dims are ``dp``, ``fsdp`` and ``tp`` in any subset holding ``tp``:
+
+- ``tp``: the transformer runs on its ``tp`` blocks (``models._tp``: Megatron's layout, vocab-parallel
+  embedding and cross-entropy; ``sequence_parallel=True`` keeps the activations between blocks cut on
+  the sequence);
+- ``fsdp``: each unit's blocks are all-gathered on fsdp right before the unit runs and their gradients
+  reduce-scattered (``jax.grad`` of the gather), as in FSDP, on the tp-local blocks (fsdp cuts another
+  tensor dim than tp);
+- ``dp``: the gradients are averaged by one all-reduce per flat buffer;
+- a parameter ``Replicate`` on ``tp`` gets the same gradient on every tp rank without communication;
+  under sequence parallelism each rank's is a partial sum over its positions, all summed over ``tp``
+  by one all-reduce of one flat buffer;
+- ``accum_steps=k``: every unit gathered once, ``k`` micro-batches (each with its tp communication), one
+  reduce-scatter per unit.
+
+Flat buffers are per (dtype, whether the leaves are cut on ``tp``): a tp-replicated leaf must stay
+replicated over ``tp`` through the gather, or JAX would sum its gradient over ``tp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from models._ddp import TrainState, _varying
+from models._fsdp import _block_layouts_equal
+from models._tp import TPContext, check_tp_plan, tp_loss
+from placements import ReduceOp, Replicate, Shard
+from spmd import DeviceMesh, DTensor, all_reduce, spmd
+from spmd._collectives import varying_axes
+from spmd.parallel import ParamPlan, gather_unit, path_str
+
+__all__ = ["make_tp_train_step", "TPGather"]
+
+
+def _groups(leaves, idx, tp: str) -> list[list[int]]:
+    """``idx`` split by (dtype, varying over ``tp``), in first-seen order."""
+    out: dict[Any, list[int]] = {}
+    for i in idx:
+        vma = varying_axes(leaves[i])
+        out.setdefault((jnp.dtype(leaves[i].dtype), vma is not None and tp in vma), []).append(i)
+    return list(out.values())
+
+
+class TPGather:
+    """``gather(unit, params_of_unit)``: the unit's tp-local blocks made whole on fsdp, one all-gather
+    per (dtype, tp-cut or not) group of leaves."""
+
+    def __init__(self, plan: ParamPlan, tp: str, regather: bool):
+        self.plan, self.tp, self.regather = plan, tp, regather
+        self._fi = plan.mesh_dim_names.index(plan.fsdp)
+        self._n = plan.mesh_shape[self._fi]
+
+    def leaves(self, leaves: list, entries: list) -> list:
+        out = list(leaves)
+        for g in _groups(leaves, range(len(leaves)), self.tp):
+            for i, y in zip(g, gather_unit([leaves[i] for i in g], [entries[i] for i in g], self.plan.fsdp,
+                                           self._n, self._fi)):
+                out[i] = y
+        return out
+
+    def __call__(self, unit: str, params: Any) -> Any:
+        prefix = "" if unit == "root" else unit + "/"
+        kp, treedef = jax.tree_util.tree_flatten_with_path(params)
+        entries = [self.plan.entry(prefix + path_str(p)) for p, _ in kp]
+        return jax.tree_util.tree_unflatten(treedef, self.leaves([x for _, x in kp], entries))
+
+
+def _check(model, optimizer, mesh, plan, dp, tp, accum_steps, where) -> None:
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"{where}: optimizer={optimizer!r} must be an optax.GradientTransformation, e.g. optax.adamw(1e-3).")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{where}: mesh={mesh!r} must be a spmd.DeviceMesh, e.g. init_device_mesh('cpu', (2, 4), "
+                        "mesh_dim_names=('dp', 'tp')).")
+    if not isinstance(plan, ParamPlan):
+        raise TypeError(f"{where}: plan={plan!r} must be a spmd.parallel.ParamPlan; build it with "
+                        "plan_params(params, mesh, transformer_tp_rules()).")
+    if not all(hasattr(model, a) for a in ("num_layers", "vocab_size", "d_model")):
+        raise TypeError(f"{where}: model={model!r} must be a models.Transformer (the tensor-parallel forward pass "
+                        "is the transformer's).")
+    if plan.mesh_dim_names != mesh.mesh_dim_names or plan.mesh_shape != mesh.shape:
+        raise ValueError(
+            f"{where}: plan was built for the mesh {dict(zip(plan.mesh_dim_names, plan.mesh_shape))}, not "
+            f"{dict(zip(mesh.mesh_dim_names, mesh.shape))}; build it again with plan_params(params, mesh, rules)."
+        )
+    if tp not in mesh.mesh_dim_names:
+        raise ValueError(f"{where}: the mesh {mesh.mesh_dim_names} has no tensor-parallel dim tp={tp!r}; name one "
+                         "mesh dim 'tp' (e.g. mesh_dim_names=('dp', 'tp')), or use make_fsdp_train_step.")
+    for name in mesh.mesh_dim_names:
+        if name not in (dp, plan.fsdp, tp):
+            raise ValueError(f"{where}: mesh dim {name!r} is none of dp={dp!r}, fsdp={plan.fsdp!r}, tp={tp!r}; name "
+                             "the mesh dims from those three.")
+    for e in plan.entries:
+        for name, p in zip(mesh.mesh_dim_names, e.placements):
+            if name == dp and not isinstance(p, Replicate):
+                raise ValueError(f"{where}: the plan places parameter {e.path!r} as {p} on the data-parallel dim "
+                                 f"{name!r}, which keeps parameters Replicate(): shard them on fsdp or tp instead.")
+    check_tp_plan(plan, tp, where)
+    if not _block_layouts_equal(plan):
+        raise ValueError(f"{where}: the plan gives the blocks different layouts; the blocks run as one scanned "
+                         "program: give all blocks the same placements.")
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
+
+
+def make_tp_train_step(model: Any, optimizer: optax.GradientTransformation, mesh: DeviceMesh, plan: ParamPlan, *,
+                       dp: str = "dp", tp: str = "tp", sequence_parallel: bool = False, accum_steps: int = 1,
+                       regather: bool = True):
+    """The step (see the module doc). The batch is ``{"inputs", "targets"[, "mask"]}`` (mean
+    cross-entropy, masked when a mask is given); its leading dim must divide by ``dp x fsdp x accum_steps``."""
+    where = "make_tp_train_step"
+    _check(model, optimizer, mesh, plan, dp, tp, accum_steps, where)
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"{where}: sequence_parallel={sequence_parallel!r} must be a bool.")
+    names = mesh.mesh_dim_names
+    data = tuple(n for n in names if n in (dp, plan.fsdp))
+    n_data = 1
+    for d in data:
+        n_data *= mesh.size(d)
+    has_fsdp = plan.fsdp in names
+    fi = names.index(plan.fsdp) if has_fsdp else None
+    ti = names.index(tp)
+    n_fsdp = mesh.size(plan.fsdp) if has_fsdp else 1
+    has_dp = dp in names and mesh.size(dp) > 1
+    entries = list(plan.entries)
+    fsdp_cut = [has_fsdp and e.shard_dim(fi) is not None for e in entries]
+    tp_whole = [e.shard_dim(ti) is None for e in entries]
+    ctx = TPContext(tp, mesh.size(tp), sequence_parallel, model.dtype)
+    gather = TPGather(plan, tp, regather) if has_fsdp else None
+
+    def unflat(ls):
+        return jax.tree_util.tree_unflatten(plan.treedef, ls)
+
+    def flat_reduce(g: list, idx: list[int], fn) -> None:
+        for grp in _groups(g, idx, tp):
+            flat = fn(jnp.concatenate([g[i].reshape(-1) for i in grp]))
+            off = 0
+            for i in grp:
+                g[i] = flat[off:off + g[i].size].reshape(g[i].shape)
+                off += g[i].size
+
+    def local_grads(params: Any, batch: Any):
+        n_local = batch["inputs"].shape[0]
+        if n_local % accum_steps:
+            raise ValueError(
+                f"train_step: the global batch of {n_local * n_data} examples gives {n_local} per rank on {n_data} "
+                f"data-parallel ranks, which does not split into accum_steps={accum_steps} micro-batches; use a "
+                f"batch size divisible by {n_data * accum_steps}."
+            )
+        leaves = jax.tree_util.tree_leaves(params)
+        for d in data:  # local gradients over the data dims (see models._ddp), reduced once below
+            leaves = [_varying(x, d) for x in leaves]
+        if sequence_parallel:  # tp-replicated leaves meet sequence shards: partial gradients, summed below
+            leaves = [_varying(x, tp) for x in leaves]
+        if accum_steps == 1:
+            (loss, aux), g = jax.value_and_grad(lambda ls: tp_loss(model, unflat(ls), batch, ctx, gather),
+                                                has_aux=True)(leaves)
+        else:
+            def gather_all(ls):
+                if gather is None:
+                    return ls
+                out = list(ls)
+                for u in plan.units:
+                    idx = [i for i, e in enumerate(entries) if e.unit == u]
+                    for i, y in zip(idx, gather.leaves([ls[i] for i in idx], [entries[i] for i in idx])):
+                        out[i] = y
+                return out
+
+            full, scatter = jax.vjp(gather_all, leaves)
+            grad_fn = jax.value_and_grad(lambda ls, mb: tp_loss(model, unflat(ls), mb, ctx), has_aux=True)
+            micro = jax.tree.map(lambda x: x.reshape(accum_steps, n_local // accum_steps, *x.shape[1:]), batch)
+
+            (loss, aux), gf = grad_fn(full, jax.tree.map(lambda x: x[0], micro))
+
+            def acc(carry, mb):
+                (lo, au), gg = grad_fn(full, mb)
+                return jax.tree.map(jnp.add, carry, (lo, au, gg)), None
+
+            (loss, aux, gf), _ = lax.scan(acc, (loss, aux, gf), jax.tree.map(lambda x: x[1:], micro))
+            loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
+            (g,) = scatter([x / accum_steps for x in gf])
+        g = list(g)
+        cut = [i for i in range(len(g)) if fsdp_cut[i]]
+        whole = [i for i in range(len(g)) if not fsdp_cut[i]]
+        if cut:  # reduce-scattered (summed) over fsdp: the mean, then over dp
+            flat_reduce(g, cut, lambda f: all_reduce(f / n_fsdp, ReduceOp.AVG, group=dp) if has_dp else f / n_fsdp)
+        if whole and n_data > 1:
+            flat_reduce(g, whole, lambda f: all_reduce(f, ReduceOp.AVG, group=data))
+        if sequence_parallel:
+            flat_reduce(g, [i for i in range(len(g)) if tp_whole[i]], lambda f: all_reduce(f, ReduceOp.SUM, group=tp))
+        metrics = {"loss": loss, **aux}
+        if data:
+            metrics = jax.tree.map(lambda m: all_reduce(m, ReduceOp.AVG, group=data), metrics)
+        return unflat(g), metrics
+
+    rep = [Replicate()] * mesh.ndim
+    batch_pl = [Shard(0) if n in data else Replicate() for n in names]
+    placements = plan.placements_tree()
+    region = spmd(local_grads, mesh, in_placements=(placements, batch_pl), out_placements=(placements, rep))
+
+    def step(state: TrainState, batch: Any):
+        plan.check_params(state.params, "train_step", sharded=True)
+        n = jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, DTensor))[0].shape[0]
+        if n % (n_data * accum_steps):
+            raise ValueError(
+                f"train_step: the batch has {n} examples, not divisible by the data-parallel size "
+                f"{' x '.join(f'{d}={mesh.size(d)}' for d in data) or '1'} = {n_data}"
+                + (f" times accum_steps={accum_steps}" if accum_steps > 1 else "")
+                + f"; use a batch size that is a multiple of {n_data * accum_steps}."
+            )
+        grads, metrics = region(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return new, metrics
+
+    return jax.jit(step)
