@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from placements import Partial, Placement, Replicate, Shard, check_placements, format_placements
+from spmd._arrays import as_array
 from spmd._collectives import varying_axes
 from spmd._mesh import DeviceMesh
 from spmd.tensor._checks import check_target
@@ -188,6 +189,7 @@ class _Spmd:
             out_pl = _broadcast(self._out, out, "spmd: out_placements", nd)
             res, checked, ospecs, vmas = [], [], [], []
             for i, (y, pl) in enumerate(zip(out_leaves, out_pl)):
+                as_array(y, "spmd", f"the result's leaf {i}")  # a str or object: the project's TypeError, not JAX's
                 y = jnp.asarray(y)
                 pl = check_target(
                     [Replicate()] * nd if pl is None else pl, nd, y.ndim, y.dtype, "spmd", f"out_placements (leaf {i})"

@@ -196,6 +196,8 @@ CASES = [
     ("a jax Mesh passed to distribute_tensor", lambda m, m8: spmd.distribute_tensor(INT, m8.jax_mesh, [S0]), TypeError,
      "distribute_tensor: device_mesh is a jax.sharding.Mesh with axis_names=('x',) and shape (8,); wrap it as "
      "DeviceMesh.from_jax(mesh)."),
+    ("a result that is not an array", lambda m, m8: spmd.spmd(lambda x: "s", m8, in_placements=S0)(jnp.ones(8)),
+     TypeError, "spmd: the result's leaf 0='s' is not a numeric array"),
     ("check_vma not a bool", lambda m, m8: spmd.spmd(lambda x: x, m8, in_placements=S0, check_vma="no"), TypeError,
      "spmd: check_vma='no' must be a bool (True: JAX checks replication)."),
     ("run_check not a bool", lambda m, m8: spmd.DTensor.from_local([INT[:1]] * 8, m8, [S0], run_check="no"),
