@@ -222,7 +222,7 @@ def test_fuzz_spmd_decorator(meshes, data):
     """@spmd itself: the mesh, the argument's placements and the result's placements."""
     mesh_ndim = data.draw(pick(1, 2))
     mesh = meshes[mesh_ndim]
-    a = Args(data, ["mesh", "in_placements", "out_placements"])
+    a = Args(data, ["mesh", "in_placements", "out_placements", "check_vma"])
     m = a("mesh", st.just(mesh), pick("mesh", None, mesh.jax_mesh, 3, [mesh]))
     layouts = st.lists(pick(R, Shard(0), Shard(1), Shard(-1)), min_size=mesh_ndim, max_size=mesh_ndim)
     bad = st.one_of(st.lists(pick(R, Shard(0)), min_size=mesh_ndim + 1, max_size=mesh_ndim + 1),
@@ -231,9 +231,10 @@ def test_fuzz_spmd_decorator(meshes, data):
                     pick("S0", 7, [[R] * mesh_ndim, [R] * mesh_ndim]))
     pin = a("in_placements", layouts, bad)
     pout = a("out_placements", st.just(pin), bad)
+    vma = a("check_vma", pick(True, False), pick("no", 1, None, np.bool_(True)))
     x = jnp.arange(64.0).reshape(8, 8)
-    got = outcome(lambda: np.asarray(spmd.spmd(lambda v: v * 2, m, in_placements=pin, out_placements=pout)(x)),
-                  a.bad, ("spmd",))
+    got = outcome(lambda: np.asarray(spmd.spmd(lambda v: v * 2, m, in_placements=pin, out_placements=pout,
+                                               check_vma=vma)(x)), a.bad, ("spmd",))
     if got is not None:
         np.testing.assert_array_equal(got, 2 * np.asarray(x))
 
@@ -321,12 +322,14 @@ def test_fuzz_from_local(meshes, data):
     locs = [_data((2, 3), dtype) + r for r in range(4)]
     bad_lists = (locs[:3], locs + locs[:1], locs[:3] + [locs[3][:1]], locs[:3] + [locs[3].astype(bool)],
                  locs[:3] + [locs[3][0]], [x.astype(str) for x in locs], [None] * 4, np.stack(locs), None, "abcd")
-    a = Args(data, ["locals", "device_mesh", "placements", "shape"])
+    a = Args(data, ["locals", "device_mesh", "placements", "shape", "run_check"])
     ls = a("locals", st.just(locs), pick(*bad_lists))
     m = a("device_mesh", st.just(mesh), pick("cpu", None, mesh.jax_mesh, meshes[2]))
     pl = _placements(a, 1, 2, dtype)
     shape = a("shape", st.just(None), pick("8x3", (-8, 3), (8,), (8, 3, 1), (9, 3), 1.5))
-    dt = outcome(lambda: DTensor.from_local(ls, m, pl, shape=shape), a.bad, ("DTensor.from_local",))
+    run_check = a("run_check", pick(False, True), pick("no", 1, None))
+    dt = outcome(lambda: DTensor.from_local(ls, m, pl, shape=shape, run_check=run_check), a.bad,
+                 ("DTensor.from_local",))
     if dt is None:
         return
     p, stack = dt.placements[0], np.stack(locs)
