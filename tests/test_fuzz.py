@@ -147,6 +147,24 @@ def test_fuzz_meshes(data):
     assert a.bad or np.vectorize(lambda d: d.id)(got.devices).tolist() == ids
 
 
+@settings(max_examples=100, **SETTINGS)
+@given(st.data())
+def test_fuzz_mesh_lookups(meshes, data):
+    """mesh[dims], mesh.get_group(dims), mesh.size(dims) on a (dp=2, tp=4) mesh."""
+    mesh = meshes[2]
+    method = data.draw(pick("__getitem__", "get_group", "size"))
+    a = Args(data, ["dims"])
+    sizes = {"dp": 2, "tp": 4, 0: 2, 1: 4, -1: 4, -2: 2}
+    good = pick("dp", "tp", 0, 1, -1, -2, ("tp", "dp"), ["dp"], (0, 1), *(() if method == "__getitem__" else (None,)))
+    dims = a("dims", good, pick("pp", 2, -3, ("dp", "dp"), (), 1.5, True, object(), b"dp", ("dp", "pp"), [0, 2]))
+    got = outcome(lambda: getattr(mesh, method)(dims), a.bad, (f"DeviceMesh.{method}",))
+    if got is None:
+        return
+    items = (dims,) if isinstance(dims, (str, int)) else ("dp", "tp") if dims is None else tuple(dims)
+    n = int(np.prod([sizes[d] for d in items]))
+    assert (got if method == "size" else got.size if method == "get_group" else got.size()) == n
+
+
 # --- collectives inside @spmd -----------------------------------------------------------------------
 BLOCK = (8, 8)  # every rank's block: both dims divisible by every group size (2, 4, 8)
 GROUPS_OK = {None: 8, "dp": 2, "tp": 4, 0: 2, 1: 4, -1: 4, ("dp", "tp"): 8, ("tp", "dp"): 8, ("tp",): 4}
