@@ -211,7 +211,7 @@ def _collective_kwargs(a: Args, coll: str, n: int, dtype: str) -> dict:
     return kw
 
 
-@settings(max_examples=100, **SETTINGS)
+@settings(max_examples=80, **SETTINGS)
 @given(st.data())
 def test_fuzz_collectives_in_spmd(meshes, data):
     mesh = meshes[2]
@@ -234,7 +234,7 @@ def test_fuzz_collectives_in_spmd(meshes, data):
     outcome(lambda: np.asarray(f(jnp.ones((2 * BLOCK[0], 4 * BLOCK[1])))), a.bad, (coll, "spmd"))
 
 
-@settings(max_examples=50, **SETTINGS)
+@settings(max_examples=40, **SETTINGS)
 @given(st.data())
 def test_fuzz_spmd_decorator(meshes, data):
     """@spmd itself: the mesh, the argument's placements and the result's placements."""
@@ -262,7 +262,7 @@ METHODS = {"allreduce": "all_reduce", "broadcast": "broadcast", "all_gather": "a
            "scatter": "scatter", "gather": "gather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all"}
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=50, **SETTINGS)
 @given(st.data())
 def test_fuzz_process_group(meshes, data):
     mesh = meshes[2]
@@ -316,7 +316,7 @@ def _data(shape, dtype: str):
 SHAPES = ((8, 4), (5, 3), (7,), (2, 9))
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=50, **SETTINGS)
 @given(st.data())
 def test_fuzz_distribute_tensor(meshes, data):
     mesh_ndim = data.draw(pick(1, 2))
