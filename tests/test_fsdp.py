@@ -223,3 +223,42 @@ def test_checkpoints_restore_across_meshes_bit_for_bit(tmp_path):
         jax.random.key(0), np.zeros((2, 6), np.int32))["params"])
     with pytest.raises(ValueError, match=re.escape("restore_resharded: the checkpoint holds parameters of other paths or shapes than the plan was built for")):
         restore_resharded(Checkpointer(tmp_path / "fsdp8"), replicated_target, None, dp8, OPT, other, units)
+
+
+def test_training_job_fsdp_and_hsdp_match_dp_and_resume_across_layouts(tmp_path):
+    """`--mesh fsdp=8` gives the per-step losses of `--mesh dp=8` (same seed); a run saved on fsdp=8
+    resumes on dp=2,fsdp=4 and continues the dp=8 run's losses; metrics.json reports memory and collectives."""
+    import json
+    import shutil
+
+    from models.train import Config, restore_state, run
+
+    # The MLP keeps it fast (the transformer's sharded step is checked above, in-process and against 1 device).
+    tiny = dict(model="mlp", hidden=16, steps=4, batch_size=16, length=4, save_every=2, log_every=1, progress=False)
+    dp = run(Config(mesh="dp=8", out=str(tmp_path / "dp"), **tiny))
+    fs = run(Config(mesh="fsdp=8", out=str(tmp_path / "fsdp"), **tiny))
+    losses = [h["loss"] for h in dp["history"]]
+    np.testing.assert_allclose([h["loss"] for h in fs["history"]], losses, rtol=0, atol=1e-5)
+    assert fs["final"]["eval_token_accuracy"] == pytest.approx(dp["final"]["eval_token_accuracy"], abs=1e-6)
+    with open(tmp_path / "fsdp" / "metrics.json") as f:
+        saved = json.load(f)
+    mem, comm = saved["memory"], saved["collectives"]
+    assert mem["state_bytes_total"] == dp["memory"]["state_bytes_total"] == dp["memory"]["state_bytes_per_device"]
+    assert mem["state_bytes_total"] / 8 <= mem["state_bytes_per_device"] < mem["state_bytes_total"] / 4
+    assert mem["peak_gathered_bytes"] > 0 and dp["memory"]["peak_gathered_bytes"] == 0
+    assert comm["all-gather"]["count"] == comm["reduce-scatter"]["count"] == 3  # hidden_0, hidden_1, out
+    assert comm["all-reduce"]["bytes"] < 1024  # scalars only; dp=8 all-reduces every gradient byte:
+    assert dp["collectives"]["all-reduce"]["bytes"] * 4 > mem["state_bytes_total"] * 0.99 / 3
+    # Resume the fsdp=8 run from step 2 on dp=2,fsdp=4.
+    shutil.rmtree(tmp_path / "fsdp" / "checkpoints" / "4")
+    hs = run(Config(mesh="dp=2,fsdp=4", out=str(tmp_path / "fsdp"), resume=True, **tiny))
+    assert hs["resumed_from"] == 2 and hs["mesh"] == {"dp": 2, "fsdp": 4}
+    np.testing.assert_allclose([h["loss"] for h in hs["history"]], losses, rtol=0, atol=1e-5)
+    # The final (dp=2,fsdp=4) state restores whole on one device and on dp=8, bit for bit, close to the dp=8 run's.
+    one = spmd.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    got, _ = restore_state(str(tmp_path / "fsdp"), mesh=one)
+    again, _ = restore_state(str(tmp_path / "fsdp"))
+    want, _ = restore_state(str(tmp_path / "dp"), mesh=one)
+    for a, b, c in zip(jax.tree.leaves(got), jax.tree.leaves(again), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=0, atol=1e-5)
