@@ -220,12 +220,12 @@ def run_ours(size: str, shape: tuple, names: tuple, steps: int, warmup: int, reg
     params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
     opt = _optimizer()
     if "fsdp" in names:
-        plan = plan_params(params, mesh, units=model.fsdp_units())
+        plan = plan_params(params, mesh, units=model.fsdp_units(), keep=model.fsdp_keep())
         step = make_fsdp_train_step(lambda p, b, g: _ce(model.apply({"params": p}, b["inputs"], gather=g), b),
                                     opt, mesh, plan, regather=regather)
         state = shard_train_state(init_train_state(params, opt), plan, mesh, opt)
-        bound = plan.communication(regather=regather, keep=model.fsdp_keep())["total"]
-        peak = plan.peak_gathered_bytes(regather=regather, keep=model.fsdp_keep())
+        bound = plan.communication(regather=regather)["total"]
+        peak = plan.peak_gathered_bytes(regather=regather)
     else:
         step = make_train_step(lambda p, b: _ce(model.apply({"params": p}, b["inputs"]), b), opt, mesh)
         state = init_train_state(params, opt)

@@ -38,7 +38,7 @@ def fsdp_parts(model: Any, optimizer, loss: Callable, mesh: DeviceMesh, sample: 
     with that key).
     """
     abstract = jax.eval_shape(model.init, jax.random.key(0), sample)["params"]
-    plan = plan_params(abstract, mesh, units=model.fsdp_units())
+    plan = plan_params(abstract, mesh, units=model.fsdp_units(), keep=model.fsdp_keep())
     step = make_fsdp_train_step(lambda p, b, gather: loss(model.apply({"params": p}, b["inputs"], gather=gather), b),
                                 optimizer, mesh, plan, accum_steps=accum_steps, regather=regather)
     replicated = jax.jit(lambda key, x: init_train_state(model.init(key, x)["params"], optimizer),
@@ -136,8 +136,7 @@ def _shards_per_dim(sharding: NamedSharding, ndim: int) -> list[int]:
     return out
 
 
-def memory_report(state: TrainState, plan: ParamPlan | None, *, keep=("root",), regather: bool = True,
-                  accum_steps: int = 1) -> dict:
+def memory_report(state: TrainState, plan: ParamPlan | None, *, regather: bool = True, accum_steps: int = 1) -> dict:
     """Bytes of parameters + optimizer state on one device (read from the live arrays' shards on the
     first local device), the logical total, and the most gathered parameter bytes alive at once."""
     dev = jax.local_devices()[0]
@@ -150,7 +149,7 @@ def memory_report(state: TrainState, plan: ParamPlan | None, *, keep=("root",), 
         n_moments = sum(1 for x in jax.tree.leaves(state.opt_state) if x.ndim > 0) // max(len(plan.entries), 1)
         scalars = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim == 0)
         total = plan.total_bytes * (1 + n_moments) + scalars
-        peak = plan.peak_gathered_bytes(regather=regather, keep=keep, accum_steps=accum_steps)
+        peak = plan.peak_gathered_bytes(regather=regather, accum_steps=accum_steps)
     return {"state_bytes_per_device": int(per_device), "state_bytes_total": int(total),
             "peak_gathered_bytes": int(peak)}
 

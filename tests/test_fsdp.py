@@ -91,7 +91,7 @@ def _sharded(config):
     model = MODELS[name][0]
     params, batches = _data(name)
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
-    plan = plan_params(params, mesh, units=model.fsdp_units())
+    plan = plan_params(params, mesh, units=model.fsdp_units(), keep=model.fsdp_keep())
     step = make_fsdp_train_step(_loss_fn(name), OPT, mesh, plan, accum_steps=accum, regather=regather)
     state = shard_train_state(init_train_state(params, OPT), plan, mesh, OPT)
     compiled = step.lower(state, batches[0]).compile()  # one compile: runs the steps and gives the HLO
@@ -121,8 +121,7 @@ def test_matches_one_device(config):
 def test_collectives_equal_the_table(config):
     mesh, plan, _, _, text = _sharded(config)
     got = hlo_executed_collectives(text)
-    keep = MODELS[config[0]][0].fsdp_keep()
-    want = plan.communication(regather=config[4], keep=keep, accum_steps=config[3])["total"]
+    want = plan.communication(regather=config[4], accum_steps=config[3])["total"]
     assert got["all-gather"] == want["all-gather"]
     assert got["reduce-scatter"] == want["reduce-scatter"]
     assert got["all-to-all"]["count"] == got["collective-permute"]["count"] == 0

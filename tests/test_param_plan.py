@@ -87,6 +87,8 @@ def test_communication_table_by_hand(hsdp, fsdp8):
     keep = plan.communication(regather=False)["total"]
     assert keep["all-gather"] == {"count": 3, "bytes": 2 * 192 + 16}
     assert plan.communication(accum_steps=4)["total"] == keep
+    held = plan_params(TOY, mesh4, units=(r"block_\d+",), keep=(".*",))  # a model that holds every unit
+    assert held.communication()["total"] == keep and held.peak_gathered_bytes() == 16 + 2 * 192
     assert plan.peak_gathered_bytes() == 16 + 192 and plan.peak_gathered_bytes(regather=False) == 16 + 2 * 192
     hs = plan_params(TOY, hsdp, units=(r"block_\d+",)).communication()["total"]
     assert hs["all-reduce"] == {"count": 2, "bytes": (2 * 48 + 4) + 4}  # shard bytes over dp, the scalar over both

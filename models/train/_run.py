@@ -113,7 +113,7 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
         start = int(jax.device_get(state.step))
         n_params = (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params)) if progs.plan is None
                     else sum(int(np.prod(e.shape)) for e in progs.plan.entries))  # a sharded state is padded
-        memory = memory_report(state, progs.plan, keep=progs.model.fsdp_keep())
+        memory = memory_report(state, progs.plan)
         bar = None
         if cfg.progress and lead:
             from tqdm.auto import tqdm

@@ -85,6 +85,7 @@ class ParamPlan:
     entries: tuple[PlanEntry, ...]
     units: tuple[str, ...]  # gather units, in first-use order of the leaves
     treedef: Any  # the parameters' jax PyTreeDef (immutable)
+    keep: tuple[str, ...] = (ROOT,)  # regexes of the units gathered once and held for the backward pass
 
     # --- lookup -------------------------------------------------------------------------
     def entry(self, path: str) -> PlanEntry:
@@ -150,7 +151,7 @@ class ParamPlan:
                    if (unit is None or e.unit == unit) and (i is None or e.shard_dim(i) is None))
 
     # --- communication ------------------------------------------------------------------
-    def communication(self, *, dp: str | None = "dp", regather: bool = True, keep: Sequence[str] = (ROOT,),
+    def communication(self, *, dp: str | None = "dp", regather: bool = True, keep: Sequence[str] | None = None,
                       accum_steps: int = 1) -> dict:
         """What one train step communicates, per device (the nccl-tests byte convention of
         ``spmd.collectives``): ``{"units": [row, ...], "total": {kind: {"count", "bytes"}}}``.
@@ -158,7 +159,7 @@ class ParamPlan:
         Per unit with sharded parameters: one all-gather before it runs in the
         forward pass, one more before its backward pass when ``regather`` (not
         for the units matching a ``keep`` regex, gathered once and held like
-        torch's root module (a model says which: ``model.fsdp_keep()``), nor
+        torch's root module (default: the plan's ``keep``), nor
         with ``accum_steps > 1``, which holds every unit's gathered parameters
         across the micro-batches), and one reduce-scatter of its
         gradient. With a ``dp`` dim: one all-reduce of all sharded gradient
@@ -166,6 +167,7 @@ class ParamPlan:
         gradients over the data-parallel dims. Scalars (loss, metrics, norms)
         are not counted here.
         """
+        keep = self.keep if keep is None else tuple(keep)
         rows = []
         total = {k: {"count": 0, "bytes": 0} for k in ("all-gather", "reduce-scatter", "all-reduce")}
 
@@ -190,9 +192,11 @@ class ParamPlan:
             add("all-reduce", self.replicated_bytes())
         return {"units": rows, "total": total}
 
-    def peak_gathered_bytes(self, *, regather: bool = True, keep: Sequence[str] = (ROOT,), accum_steps: int = 1) -> int:
+    def peak_gathered_bytes(self, *, regather: bool = True, keep: Sequence[str] | None = None,
+                            accum_steps: int = 1) -> int:
         """The most gathered parameter bytes alive at once: the kept units plus the largest
         other unit when re-gathering per block, else every unit (held for the backward pass)."""
+        keep = self.keep if keep is None else tuple(keep)
         held = [any(re.fullmatch(k, u) for k in keep) for u in self.units]
         kept = sum(self.gathered_bytes(u) for u, h in zip(self.units, held) if h)
         others = [self.gathered_bytes(u) for u, h in zip(self.units, held) if not h]
@@ -260,6 +264,7 @@ def plan_params(
     *,
     fsdp: str = "fsdp",
     units: Sequence[str] = (),
+    keep: Sequence[str] = (ROOT,),
 ) -> ParamPlan:
     """Place every leaf of ``params`` (arrays or ``jax.ShapeDtypeStruct``) on ``mesh``.
 
@@ -268,7 +273,9 @@ def plan_params(
     (a mesh without it keeps every parameter ``Replicate``: plain DDP).
     ``units``: regexes over the first path component; each matching
     component (``block_0``, ``block_1``, ...) is a gather unit, everything
-    else belongs to the ``"root"`` unit.
+    else belongs to the ``"root"`` unit. ``keep``: regexes of the units whose
+    gathered parameters are held for the backward pass rather than gathered
+    again (a model says which: ``model.fsdp_keep()``; torch keeps the root).
     """
     where = "plan_params"
     names, shape = _mesh_dims(mesh, where)
@@ -287,6 +294,8 @@ def plan_params(
     if isinstance(units, str) or not all(isinstance(u, str) for u in units):
         raise TypeError(f"{where}: units={units!r} must be a sequence of regex strings, e.g. (r'block_\\d+',).")
     units = tuple(units)
+    if isinstance(keep, str) or not all(isinstance(k, str) for k in keep):
+        raise TypeError(f"{where}: keep={keep!r} must be a sequence of regex strings, e.g. ('root',).")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     if not leaves:
         raise ValueError(f"{where}: params={params!r} holds no arrays; pass the model's parameter pytree.")
@@ -326,4 +335,4 @@ def plan_params(
                 f"{where}: rules[{i}] ({rules[i]}) matches no parameter; the paths look like "
                 f"{[e.path for e in entries[:3]]}: fix the pattern or drop the rule."
             )
-    return ParamPlan(names, shape, fsdp, tuple(entries), tuple(order), treedef)
+    return ParamPlan(names, shape, fsdp, tuple(entries), tuple(order), treedef, tuple(keep))
