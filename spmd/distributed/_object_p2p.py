@@ -76,33 +76,49 @@ def recv_object_list(object_list: list, src: int | None = None, group: Any = Non
     if not peers:
         raise ValueError(f"{where}: rank {me} is alone in its group; there is no rank to receive from.")
     client = _objects._client()
+    sender, payload = _wait_for_message(client, me, peers, timeout_s)
+    if payload is None:
+        who = f"rank {src}" if src is not None else f"any of ranks {peers}"
+        raise TimeoutError(
+            f"{where}: rank {me} waited {timeout_s:g} s for objects from {who}, which sent none; the sender "
+            "must call send_object_list (raise the limit with timeout= or init_process_group(timeout=...))."
+        )
+    values = loads(payload, allow_pickle=allow_pickle, where=where)
+    if len(values) != len(object_list):
+        raise ValueError(
+            f"{where}: rank {sender} sent {len(values)} object(s) but object_list has {len(object_list)} "
+            "entries; give it the sender's length."
+        )
+    object_list[:] = values
+    return sender
+
+
+def _wait_for_message(client, me: int, peers: list[int], timeout_s: float) -> tuple[int, bytes | None]:
+    """(sender, payload) of the next message to ``me`` from one of ``peers`` (consumed), or
+    (-1, None) after ``timeout_s``. One peer: a blocking read; several: polling, backing off."""
     deadline = time.monotonic() + timeout_s
+    pause = _POLL_S
     while True:
         for p in peers:
             key = _key(p, me, _RECEIVED.get((p, me), 0))
             try:
-                payload = client.key_value_try_get_bytes(key)
+                if len(peers) == 1:
+                    payload = client.blocking_key_value_get_bytes(key, max(1, int((deadline - time.monotonic()) * 1000)))
+                else:
+                    payload = client.key_value_try_get_bytes(key)
             except Exception as e:
-                if "NOT_FOUND" not in str(e):
-                    raise
-                continue
+                if "NOT_FOUND" in str(e):
+                    continue
+                if "DEADLINE" in str(e).upper():
+                    return -1, None
+                raise
             _RECEIVED[(p, me)] = _RECEIVED.get((p, me), 0) + 1
             client.key_value_delete(key)
-            values = loads(payload, allow_pickle=allow_pickle, where=where)
-            if len(values) != len(object_list):
-                raise ValueError(
-                    f"{where}: rank {p} sent {len(values)} object(s) but object_list has {len(object_list)} "
-                    "entries; give it the sender's length."
-                )
-            object_list[:] = values
-            return p
+            return p, payload
         if time.monotonic() >= deadline:
-            who = f"rank {src}" if src is not None else f"any of ranks {peers}"
-            raise TimeoutError(
-                f"{where}: rank {me} waited {timeout_s:g} s for objects from {who}, which sent none; the sender "
-                "must call send_object_list (raise the limit with timeout= or init_process_group(timeout=...))."
-            )
-        time.sleep(_POLL_S)
+            return -1, None
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:

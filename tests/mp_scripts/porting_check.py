@@ -207,6 +207,9 @@ else:
     one = [None]
     check("second message", lambda: ([dist.recv_object_list(one, src=0), one], [0, ["second"]]))
     dist.send_object_list(["pong"], dst=0)
+check("recv_object_list times out naming the sender", lambda: raises(
+    lambda: dist.recv_object_list([None], src=1 - rank, timeout=0.2), TimeoutError,
+    f"recv_object_list: rank {rank} waited 0.2 s for objects from rank {1 - rank}, which sent none"))
 check("monitored_barrier, everyone on time", lambda: (dist.monitored_barrier(timeout=30), None))
 if rank == 1:
     time.sleep(1.2)
