@@ -153,21 +153,28 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
             raise RuntimeError(verdict.decode())
         return None
     deadline = time.monotonic() + timeout_s
-    want = set(ranks[1:])
-    while True:
-        arrived = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get_bytes(f"{base}/arrive/")}
-        missing = sorted(want - arrived)
-        if not missing:
-            client.key_value_set_bytes(f"{base}/release", b"ok")
-            for r in want:
-                client.key_value_delete(f"{base}/arrive/{r}")
-            return None
-        if time.monotonic() >= deadline:
-            named = missing if wait_all_ranks else missing[:1]
-            message = (
-                f"{where}: rank(s) {named} failed to pass the monitored barrier of {g!r} within {timeout_s:g} s "
-                "(they did not reach it: see their output)."
-            )
-            client.key_value_set_bytes(f"{base}/release", message.encode())
-            raise RuntimeError(message)
-        time.sleep(_POLL_S * 5)
+    want = ranks[1:]
+    missing = [r for r in want if not _arrives(client, f"{base}/arrive/{r}", deadline)]
+    if not missing:
+        client.key_value_set_bytes(f"{base}/release", b"ok")
+        for r in want:
+            client.key_value_delete(f"{base}/arrive/{r}")
+        return None
+    named = missing if wait_all_ranks else missing[:1]
+    message = (
+        f"{where}: rank(s) {named} failed to pass the monitored barrier of {g!r} within {timeout_s:g} s "
+        "(they did not reach it: see their output)."
+    )
+    client.key_value_set_bytes(f"{base}/release", message.encode())
+    raise RuntimeError(message)
+
+
+def _arrives(client, key: str, deadline: float) -> bool:
+    """Whether ``key`` is set by ``deadline`` (a blocking read; after the deadline, a look)."""
+    try:
+        client.blocking_key_value_get_bytes(key, max(1, int((deadline - time.monotonic()) * 1000)))
+        return True
+    except Exception as e:
+        if "DEADLINE" in str(e).upper():
+            return False
+        raise
