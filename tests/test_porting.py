@@ -208,6 +208,10 @@ def test_stores_in_one_process(world1):
         p.add("x", 1)
     with pytest.raises(TypeError, match=re.escape("Store.set: value=3 must be str or bytes.")):
         h.set("k", 3)
+    with pytest.raises(TypeError, match=re.escape("TCPStore: port='29500' must be an int such as 29500.")):
+        dist.TCPStore("127.0.0.1", "29500")
+    with pytest.raises(ValueError, match=re.escape("TCPStore: port=70000 must be in 0..65535.")):
+        dist.TCPStore("127.0.0.1", 70000)
 
 
 def test_future_and_coalesced(world1):
@@ -227,6 +231,8 @@ def test_subgroups_and_object_p2p_checks(world1):
         dist.new_subgroups(group_size=2)
     with pytest.raises(ValueError, match=re.escape("new_subgroups_by_enumeration: rank(s) [0] appear in more than one")):
         dist.new_subgroups_by_enumeration([[0], [0]])
+    with pytest.raises(TypeError, match=re.escape("new_subgroups_by_enumeration: ranks_per_subgroup_list=0 must be a list")):
+        dist.new_subgroups_by_enumeration(0)
     with pytest.raises(ValueError, match=re.escape("send_object_list: dst=0 is this rank")):
         dist.send_object_list([1], dst=0)
     with pytest.raises(ValueError, match=re.escape("recv_object_list: rank 0 is alone in its group")):

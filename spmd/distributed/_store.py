@@ -238,10 +238,14 @@ class TCPStore(Store):
         where = "TCPStore"
         if not isinstance(host_name, str) or not host_name:
             raise TypeError(f"{where}: host_name={host_name!r} must be a host name such as '127.0.0.1'.")
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"{where}: port={port!r} must be an int in 0..65535.")
-        if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
-            raise ValueError(f"{where}: world_size={world_size!r} must be an int >= 1 or None.")
+        if isinstance(port, bool) or not isinstance(port, int):
+            raise TypeError(f"{where}: port={port!r} must be an int such as 29500.")
+        if not 0 <= port < 65536:
+            raise ValueError(f"{where}: port={port!r} must be in 0..65535.")
+        if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)):
+            raise TypeError(f"{where}: world_size={world_size!r} must be an int or None.")
+        if world_size is not None and world_size < 1:
+            raise ValueError(f"{where}: world_size={world_size!r} must be >= 1 (or None).")
         self.host = host_name
         self.port = port
         super().__init__(_job_kv(where), f"spmd/store/tcp/{host_name}:{port}/", timeout)

@@ -42,8 +42,10 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Any, timeout: Any = No
     """One group per list of ranks (disjoint); returns (this rank's subgroup or None, every subgroup)."""
     where = "new_subgroups_by_enumeration"
     me = _objects.state(where).rank
-    if not isinstance(ranks_per_subgroup_list, (list, tuple)) or not ranks_per_subgroup_list:
-        raise ValueError(f"{where}: ranks_per_subgroup_list={ranks_per_subgroup_list!r} must be a non-empty list of rank lists.")
+    if not isinstance(ranks_per_subgroup_list, (list, tuple)):
+        raise TypeError(f"{where}: ranks_per_subgroup_list={ranks_per_subgroup_list!r} must be a list of rank lists such as [[0, 1], [2, 3]].")
+    if not ranks_per_subgroup_list:
+        raise ValueError(f"{where}: ranks_per_subgroup_list=[] names no subgroup; give at least one list of ranks.")
     seen: set[int] = set()
     for ranks in ranks_per_subgroup_list:
         if not isinstance(ranks, (list, tuple)):
