@@ -9,7 +9,12 @@ per-rank input for reduce_scatter; busbw = algbw * 2(n-1)/n for all_reduce,
 * (n-1)/n for the others) and the time ratio spmd / torch. torch is skipped
 when it is not installed.
 
-    python benchmarks/multiprocess.py [--quick] [--out benchmarks/results]
+Each row also keeps the first call's time (tracing + compilation included).
+``--check-cost`` instead measures what the cross-rank signature check
+(``TORCH_DISTRIBUTED_DEBUG=DETAIL``) and the always-on timeout guard add to a
+4 KiB all_reduce.
+
+    python benchmarks/multiprocess.py [--quick] [--check-cost] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -39,12 +44,16 @@ def _elems(op: str, size: int, n: int) -> int:
 
 
 # --- worker (runs on every rank under spmdrun) ------------------------------------------------------
-def _time_calls(call, sync, agree, budget: float, max_iters: int) -> float:
-    """Median seconds per call; every rank runs the same number of calls (``agree`` = max over ranks)."""
+def _time_calls(call, sync, agree, budget: float, max_iters: int) -> tuple[float, float]:
+    """(median seconds per call, seconds of the first call: compilation included); every rank runs
+    the same number of calls (``agree`` = max over ranks)."""
+    sync()
     t0 = time.perf_counter()
-    for _ in range(2):
-        call()
-    warm = (time.perf_counter() - t0) / 2
+    call()
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    call()
+    warm = time.perf_counter() - t0
     iters = int(agree(max(3, min(max_iters, int(budget / max(warm, 1e-6))))))
     sync()
     times = []
@@ -52,7 +61,7 @@ def _time_calls(call, sync, agree, budget: float, max_iters: int) -> float:
         t0 = time.perf_counter()
         call()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times), first
 
 
 def worker(framework: str, sizes: list[int], out: str, budget: float) -> None:
@@ -106,11 +115,11 @@ def worker(framework: str, sizes: list[int], out: str, budget: float) -> None:
         for size in sizes:
             e = _elems(op, size, n)
             try:
-                t = _time_calls(make(op, e), sync, agree, budget, 50)
+                t, first = _time_calls(make(op, e), sync, agree, budget, 50)
                 err = None
             except Exception as ex:  # noqa: BLE001 - record what a backend cannot do
-                t, err = None, f"{type(ex).__name__}: {str(ex)[:200]}"
-            rows.append({"op": op, "size": size, "elems": e, "seconds": t, "error": err})
+                t, first, err = None, None, f"{type(ex).__name__}: {str(ex)[:200]}"
+            rows.append({"op": op, "size": size, "elems": e, "seconds": t, "first_seconds": first, "error": err})
     # Each rank measured; keep the slowest rank's time (the collective ends when all have it).
     if framework == "torch":
         ts = torch.tensor([r["seconds"] or 0.0 for r in rows], dtype=torch.float64)
@@ -129,9 +138,10 @@ def worker(framework: str, sizes: list[int], out: str, budget: float) -> None:
 
 
 # --- driver ----------------------------------------------------------------------------------------
-def _launch(framework: str, nproc: int, sizes: list[int], budget: float, tmp: str) -> dict:
-    out = os.path.join(tmp, f"{framework}-{nproc}.json")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def _launch(framework: str, nproc: int, sizes: list[int], budget: float, tmp: str, **extra_env: str) -> dict:
+    out = os.path.join(tmp, f"{framework}-{nproc}-{len(os.listdir(tmp))}.json")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TORCH_DISTRIBUTED_DEBUG", "SPMD_DISTRIBUTED_DEBUG")}
+    env.update(extra_env)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "spmd.run", "--standalone", "--nproc-per-node", str(nproc), "--no-prefix",
@@ -175,17 +185,150 @@ def _plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+# --- where the time of one call goes (--floor) ---------------------------------------------------------
+def floor_worker(sizes: list[int], torch_port: int, out: str, rounds: int = 15, calls: int = 20) -> None:
+    """In the same 2 processes, interleaved: spmd's all_reduce with a NumPy / a JAX input, the same
+    compiled XLA program called alone (XLA's floor), and torch's gloo all_reduce."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import torch.distributed as tdist
+
+    import spmd.distributed as dist
+    from spmd.distributed import _run
+    from spmd.distributed._state import state
+
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank, world_size=n)
+    rows = []
+    for size in sizes:
+        e = size // 4
+        xn, xj, xt = np.ones(e, np.float32), jnp.ones(e, jnp.float32), torch.ones(e)
+        dist.all_reduce(xn)
+        devs = _run.rank_devices()
+        prog = _run._program(devs, rank, "all_reduce", (("op", dist.ReduceOp.SUM),), (e,), np.dtype(np.float32))
+        garr = jax.make_array_from_single_device_arrays(prog.global_shape, prog.sharding,
+                                                        [jax.device_put(xn[None], prog.device)])
+        variants = {
+            "spmd_numpy": lambda: dist.all_reduce(xn),
+            "spmd_jax": lambda: dist.all_reduce(xj),
+            "xla_program_alone": lambda: prog.compiled(garr).block_until_ready(),
+            "torch_gloo": lambda: tdist.all_reduce(xt),
+        }
+        got: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(rounds):
+            for name, call in variants.items():
+                tdist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                got[name].append((time.perf_counter() - t0) / calls)
+        med = {k: statistics.median(v) for k, v in got.items()}
+        slow = torch.tensor([med[k] for k in variants], dtype=torch.float64)
+        tdist.all_reduce(slow, op=tdist.ReduceOp.MAX)
+        rows.append({"size": size, **{k: float(v) for k, v in zip(variants, slow.tolist())}})
+    state("floor")
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"nproc": n, "rows": rows}, f)
+    tdist.barrier()
+    tdist.destroy_process_group()
+    dist.destroy_process_group()
+
+
+def floor(sizes: list[int], out_dir: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    from spmd._spawn import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "floor.json")
+        cmd = [sys.executable, "-m", "spmd.run", "--standalone", "--nproc-per-node", "2", "--no-prefix",
+               os.path.abspath(__file__), "--worker", "floor", "--sizes", ",".join(map(str, sizes)),
+               "--torch-port", str(free_port()), "--result", out]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+        if p.returncode != 0:
+            raise RuntimeError(f"floor run failed:\n{p.stderr[-3000:]}")
+        with open(out) as f:
+            res = json.load(f)
+    print(f"{'size':>8s} {'spmd numpy':>11s} {'spmd jax':>9s} {'XLA alone':>10s} {'torch gloo':>11s}   (us per call, 2 processes)")
+    for r in res["rows"]:
+        print(f"{r['size']:8d} {r['spmd_numpy'] * 1e6:11.0f} {r['spmd_jax'] * 1e6:9.0f} "
+              f"{r['xla_program_alone'] * 1e6:10.0f} {r['torch_gloo'] * 1e6:11.0f}")
+    os.makedirs(out_dir, exist_ok=True)
+    res["note"] = ("all_reduce float32, 2 processes on loopback; per variant the median over 15 rounds of 20 calls, "
+                   "rounds interleaved across variants, slowest rank; 'xla_program_alone' calls the compiled "
+                   "program on a prepared global array (no conversion, no guard, no result reshape)")
+    with open(os.path.join(out_dir, "multiprocess_floor.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def _guard_cost(n: int = 20000) -> float:
+    """Seconds per call of the always-on part of the collective guard (enter + leave), in this process."""
+    from spmd.distributed import _guard
+    from spmd.distributed._backend import resolve_backend
+    from spmd.distributed._state import State
+
+    st = State(0, 2, resolve_backend("gloo", "bench"), 120.0, True)
+    opts = (("op", "sum"),)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        _guard.leave(_guard.enter(st, "all_reduce", (0, 1), opts, (1024,), "float32"))
+    return (time.perf_counter() - t0) / n
+
+
+def check_cost(out_dir: str, rounds: int = 3) -> None:
+    """The cost of the cross-rank signature check (TORCH_DISTRIBUTED_DEBUG=DETAIL) and of the
+    always-on timeout guard on a 4 KiB all_reduce over 2 processes; runs alternate to share the noise."""
+    times: dict[str, list[float]] = {"OFF": [], "DETAIL": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(rounds):
+            for level in times:
+                res = _launch("spmd", 2, [4096], 0.5, tmp, TORCH_DISTRIBUTED_DEBUG=level)
+                times[level].append(next(r["seconds"] for r in res["rows"] if r["op"] == "all_reduce"))
+    off, detail = statistics.median(times["OFF"]), statistics.median(times["DETAIL"])
+    guard = _guard_cost()
+    result = {"all_reduce_4KiB_seconds": {"default": off, "DETAIL": detail}, "runs": times,
+              "detail_overhead_fraction": detail / off - 1, "guard_seconds_per_call": guard,
+              "guard_overhead_fraction": guard / off,
+              "note": "2 processes on loopback; median over runs of the slowest rank's median time per call"}
+    print(f"4 KiB all_reduce, 2 processes: default {off * 1e6:.0f} us, DETAIL {detail * 1e6:.0f} us "
+          f"(+{(detail / off - 1) * 100:.0f}%); always-on guard {guard * 1e6:.2f} us per call "
+          f"({guard / off * 100:.2f}%)")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "multiprocess_check_cost.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 processes, sizes up to 256 KiB")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    ap.add_argument("--worker", choices=("spmd", "torch"), help=argparse.SUPPRESS)
+    ap.add_argument("--check-cost", action="store_true",
+                    help="only measure the cross-rank check (DETAIL) and the timeout guard on a 4 KiB all_reduce")
+    ap.add_argument("--floor", action="store_true",
+                    help="only measure where one all_reduce's time goes: spmd (NumPy / JAX input), the XLA program "
+                         "alone and torch gloo, interleaved in the same 2 processes")
+    ap.add_argument("--worker", choices=("spmd", "torch", "floor"), help=argparse.SUPPRESS)
+    ap.add_argument("--torch-port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sizes", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=0.25, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker == "floor":
+        floor_worker([int(s) for s in args.sizes.split(",")], args.torch_port, args.result)
+        return
     if args.worker:
         worker(args.worker, [int(s) for s in args.sizes.split(",")], args.result, args.budget)
+        return
+    if args.floor:
+        floor([4096 * 4**i for i in range(4)], args.out)
+        return
+    if args.check_cost:
+        check_cost(args.out)
         return
     sizes = [4096 * 4**i for i in range(4 if args.quick else 7)]  # 4 KiB .. 16 MiB
     procs = (2,) if args.quick else (2, 4)
@@ -213,6 +356,8 @@ def main() -> None:
                 th = by.get("torch", {}).get((op, s))
                 row = {"op": op, "nproc": n, "size": s,
                        "spmd_seconds": sp["seconds"], "torch_seconds": th["seconds"] if th else None,
+                       "spmd_first_call_seconds": sp.get("first_seconds"),
+                       "torch_first_call_seconds": th.get("first_seconds") if th else None,
                        "torch_error": th["error"] if th else None}
                 for fw in ("spmd", "torch"):
                     t = row[f"{fw}_seconds"]

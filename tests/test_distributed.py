@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import fractions
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ import spmd.distributed as dist
 from spmd.distributed import _backend, _env, _state
 from spmd.distributed._objects import dumps, loads
 
-_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "SPMD_TIMEOUT", "MPITRAMPOLINE_LIB")
+_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "SPMD_TIMEOUT", "MPITRAMPOLINE_LIB",
+        "TORCH_DISTRIBUTED_DEBUG", "SPMD_DISTRIBUTED_DEBUG")
 
 
 @pytest.fixture
@@ -204,3 +206,62 @@ def test_pickle_only_when_both_sides_opt_in():
     assert loads(data, allow_pickle=True) == f
     with pytest.raises(TypeError, match=re.escape("object array")):
         dumps(np.array([object()]))
+
+
+# --- results written in place, as torch (issue 12.2) ------------------------------------------------
+def test_collectives_write_into_writable_buffers(world1):
+    twice = dist.ReduceOp.PREMUL_SUM(2.0)  # one rank: the result differs from the input
+    t = x_of()
+    returned = dist.all_reduce(t, op=twice)
+    np.testing.assert_array_equal(t, 2 * x_of())
+    np.testing.assert_array_equal(returned, 2 * x_of())
+    u = x_of()
+    work = dist.all_reduce(u, op=dist.ReduceOp.PREMUL_SUM(3.0), async_op=True)
+    assert work.wait()
+    np.testing.assert_array_equal(u, 3 * x_of())
+    out = np.zeros((2, 3), np.float32)
+    dist.scatter(out, [x_of()], src=0)
+    np.testing.assert_array_equal(out, x_of())
+    cat = np.zeros((2, 3), np.float32)
+    dist.all_gather_into_tensor(cat, x_of())
+    np.testing.assert_array_equal(cat, x_of())
+    rs = np.zeros((2, 3), np.float32)
+    dist.reduce_scatter_tensor(rs, x_of(), op=twice)
+    np.testing.assert_array_equal(rs, 2 * x_of())
+    bufs = [np.zeros((2, 3), np.float32)]
+    first = bufs[0]
+    dist.all_gather(bufs, x_of())
+    assert bufs[0] is first
+    np.testing.assert_array_equal(first, x_of())
+    frozen = x_of()
+    frozen.flags.writeable = False
+    np.testing.assert_array_equal(dist.all_reduce(frozen, op=twice), 2 * x_of())  # returned, input untouched
+    np.testing.assert_array_equal(frozen, x_of())
+
+
+def test_torch_cpu_tensors_are_written_in_place(world1):
+    torch = pytest.importorskip("torch")
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    dist.all_reduce(t, op=dist.ReduceOp.PREMUL_SUM(2.0))
+    assert t.tolist() == [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]]
+
+
+def test_a_dropped_result_of_a_jax_input_warns(world1):
+    import jax.numpy as jnp
+
+    x = jnp.asarray(x_of())
+    with pytest.warns(dist.DiscardedResultWarning, match=re.escape(
+            "all_reduce: the result was discarded, and tensor is a jax.Array, which cannot change in place")):
+        dist.all_reduce(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = dist.all_reduce(x)  # kept: no warning
+        dist.all_reduce(x_of())  # NumPy input: written in place, no warning
+    np.testing.assert_array_equal(y, x_of())
+
+
+def test_debug_level_is_checked(clean):
+    clean.setenv("TORCH_DISTRIBUTED_DEBUG", "LOUD")
+    with pytest.raises(ValueError, match=re.escape("init_process_group: the environment variable "
+                                                   "TORCH_DISTRIBUTED_DEBUG='LOUD' must be one of ['OFF', 'INFO', 'DETAIL'].")):
+        dist.init_process_group()

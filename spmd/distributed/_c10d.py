@@ -41,8 +41,8 @@ __all__ = [
 ]
 
 
-def _run(g: Group, name: str, where: str, x: jax.Array, **kwargs) -> jax.Array:
-    return run_on(g.global_ranks(), name, x, where=where, **kwargs)
+def _run(g: Group, name: str, where: str, x: jax.Array, into: Any = None, **kwargs) -> jax.Array:
+    return run_on(g.global_ranks(), name, x, where=where, into=into, **kwargs)
 
 
 def _stack(items: Any, n: int, where: str, arg: str) -> jax.Array:
@@ -79,7 +79,7 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op:
     if g is None:
         return None
     x = as_array(tensor, where, "tensor")
-    out = _run(g, "all_reduce", where, x, op=as_reduce_op(op, where=f"{where}: op"))
+    out = _run(g, "all_reduce", where, x, into=tensor, op=as_reduce_op(op, where=f"{where}: op"))
     return maybe_async(deliver(tensor, out, where, "tensor"), async_op)
 
 
@@ -91,7 +91,7 @@ def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: 
         return None
     s = peer_rank(g, src, group_src, where, "src")
     x = as_array(tensor, where, "tensor")
-    return maybe_async(deliver(tensor, _run(g, "broadcast", where, x, src=s), where, "tensor"), async_op)
+    return maybe_async(deliver(tensor, _run(g, "broadcast", where, x, into=tensor, src=s), where, "tensor"), async_op)
 
 
 def all_gather(tensor_list: Any, tensor: Any, group: Any = None, async_op: bool = False):
@@ -132,7 +132,7 @@ def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = N
             )
     if x.ndim == 0:
         stacked = True
-    out = _run(g, "all_gather", where, x, axis=0, tiled=not stacked)
+    out = _run(g, "all_gather", where, x, into=output_tensor, axis=0, tiled=not stacked)
     return maybe_async(deliver(output_tensor, out, where, "output_tensor"), async_op)
 
 
@@ -144,7 +144,7 @@ def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: A
         return None
     d = peer_rank(g, dst, group_dst, where, "dst")
     x = as_array(tensor, where, "tensor")
-    out = _run(g, "reduce", where, x, dst=d, op=as_reduce_op(op, where=f"{where}: op"))
+    out = _run(g, "reduce", where, x, into=tensor, dst=d, op=as_reduce_op(op, where=f"{where}: op"))
     return maybe_async(deliver(tensor, out, where, "tensor"), async_op)
 
 
@@ -174,7 +174,7 @@ def scatter(tensor: Any, scatter_list: Any = None, src: int | None = None, group
             raise ValueError(f"{where}: tensor is None on a rank that receives; pass an array of the piece's shape and dtype.")
         t = as_array(tensor, where, "tensor")
         x = zeros((n,) + tuple(t.shape), t.dtype)
-    return maybe_async(deliver(tensor, _run(g, "scatter", where, x, src=s), where, "tensor"), async_op)
+    return maybe_async(deliver(tensor, _run(g, "scatter", where, x, into=tensor, src=s), where, "tensor"), async_op)
 
 
 def gather(tensor: Any, gather_list: Any = None, dst: int | None = None, group: Any = None, async_op: bool = False, group_dst: int | None = None):
@@ -214,7 +214,7 @@ def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group
         raise ValueError(
             f"{where}: input has shape {tuple(x.shape)}; its dim 0 must be a multiple of the group size {n}."
         )
-    out = _run(g, "reduce_scatter", where, x, op=as_reduce_op(op, where=f"{where}: op"), scatter_dim=0)
+    out = _run(g, "reduce_scatter", where, x, into=output, op=as_reduce_op(op, where=f"{where}: op"), scatter_dim=0)
     return maybe_async(deliver(output, out, where, "output"), async_op)
 
 
@@ -247,5 +247,5 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None, i
             )
     if x.ndim == 0 or x.shape[0] % n:
         raise ValueError(f"{where}: input has shape {tuple(x.shape)}; its dim 0 must be a multiple of the group size {n}.")
-    out = _run(g, "all_to_all", where, x, split_axis=0, concat_axis=0)
+    out = _run(g, "all_to_all", where, x, into=output, split_axis=0, concat_axis=0)
     return maybe_async(deliver(output, out, where, "output"), async_op)

@@ -35,10 +35,10 @@ class _P2P:
 _PENDING: list[_P2P] = []
 
 
-def _exchange(src: int, dst: int, x: jax.Array, where: str) -> jax.Array:
-    """One program over ranks {src, dst}: ``dst`` gets ``src``'s ``x``."""
+def _exchange(src: int, dst: int, x: jax.Array, where: str, into: Any = None) -> Any:
+    """One program over ranks {src, dst}: ``dst`` gets ``src``'s ``x`` (in ``into`` when it can)."""
     pair = tuple(sorted((src, dst)))
-    return run_on(pair, "permute", x, where=where, pairs=((pair.index(src), pair.index(dst)),))
+    return run_on(pair, "permute", x, where=where, into=into, pairs=((pair.index(src), pair.index(dst)),))
 
 
 def _flush() -> None:
@@ -48,8 +48,8 @@ def _flush() -> None:
     keyed = sorted(enumerate(ops), key=lambda io: ((me, io[1].peer) if io[1].send else (io[1].peer, me), io[0]))
     for _, op in keyed:
         src, dst = (me, op.peer) if op.send else (op.peer, me)
-        out = _exchange(src, dst, op.array, "send/recv")
-        if not op.send:
+        out = _exchange(src, dst, op.array, "send/recv", None if op.send else op.target)
+        if not op.send and out is not op.target:
             write_into(op.target, out)
         op.work.tensor = None if op.send else out
         op.work._flush = None

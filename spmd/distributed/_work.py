@@ -104,11 +104,11 @@ def write_into(target: Any, result: Any) -> bool:
 
 
 def deliver(target: Any, result: Any, where: str, arg: str, depth: int = 2) -> Any:
-    """Write ``result`` into ``target`` when it is a writable buffer of the same shape; warn
-    when ``target`` is a JAX array and the caller (``depth`` frames up) drops the result.
-    Returns ``result``."""
-    if write_into(target, result):
-        return result
+    """Write ``result`` into ``target`` when it is a writable buffer of the same shape and return
+    ``target`` (as torch, whose result is the tensor); otherwise return ``result``, warning when
+    ``target`` is a JAX array and the caller (``depth`` frames up) drops it."""
+    if result is target or write_into(target, result):
+        return target
     if isinstance(target, jax.Array):
         frame = sys._getframe(depth)
         if _pops_result(frame.f_code, frame.f_lasti):
