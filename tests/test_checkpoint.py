@@ -109,6 +109,9 @@ def test_resume_on_a_smaller_mesh_continues(uninterrupted, tmp_path):
 def test_resume_without_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match=re.escape("--resume found no checkpoint under")):
         run(Config(out=str(tmp_path), resume=True, **TINY))
+    with pytest.raises(CheckpointError, match=re.escape("start the run without --resume")):
+        run(Config(out=str(tmp_path / "none"), resume=True, **TINY))
+    assert not os.path.exists(tmp_path / "none")  # a refused run creates nothing
     with pytest.raises(CheckpointError, match=re.escape("Checkpointer.restore: no checkpoint under")):
         Checkpointer(str(tmp_path / "empty")).restore({"x": np.zeros(2)})
 
