@@ -10,6 +10,7 @@ import numpy as np
 from placements import Replicate, Shard, coord_to_rank, format_placements, local_shape, rank_to_coord
 from spmd._arrays import as_array
 from spmd._x64 import x64_for
+from spmd.tensor._source import replicas_from_coordinate_zero
 from spmd.tensor._checks import check_mesh, check_shape, check_target
 from spmd.tensor._storage import storage_of_blocks
 
@@ -35,7 +36,7 @@ def from_local_storage(locals, device_mesh, placements, shape, run_check):
     if placements is None:
         placements = [Replicate()] * mesh.ndim
     if jax.process_count() > 1 and not callable(locals) and not isinstance(locals, (list, tuple)):
-        return (mesh, *_process_storage(locals, mesh, placements, shape, where))
+        return (mesh, *_process_storage(locals, mesh, placements, shape, run_check, where))
     if callable(locals) and not isinstance(locals, (jax.Array, np.ndarray)):
         fn = locals
         locals = [fn(r) for r in range(n)]
@@ -99,7 +100,7 @@ def _global_shape(shape, a, mesh, pl, where: str):
     return gshape, "check shape= or the locals"
 
 
-def _process_storage(local, mesh, placements, shape, where: str):
+def _process_storage(local, mesh, placements, shape, run_check: bool, where: str):
     """Multi-process: ``local`` is this process's tensor (one device per process)."""
     a = as_array(local, where, "local_tensor")
     pl = check_target(placements, mesh.ndim, a.ndim, a.dtype, where)
@@ -125,5 +126,8 @@ def _process_storage(local, mesh, placements, shape, where: str):
                 f"{format_placements(pl)} of a global shape {gshape} give coordinate {coord} the shape {want}; "
                 "give shape= (the global shape) for uneven shards."
             )
+    a = np.asarray(a)
+    if run_check:  # as torch: replicas take coordinate 0's tensor along Replicate mesh dims
+        a = replicas_from_coordinate_zero(a, mesh, pl)
     with x64_for(a.dtype):
-        return storage_of_blocks({coord: np.asarray(a) for coord in mine}, mesh, pl, gshape), pl, gshape
+        return storage_of_blocks({coord: a for coord in mine}, mesh, pl, gshape), pl, gshape

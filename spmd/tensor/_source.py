@@ -18,7 +18,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-__all__ = ["from_source"]
+from placements import Replicate
+
+__all__ = ["from_source", "replicas_from_coordinate_zero"]
 
 
 def from_source(arr: np.ndarray, mesh, src_data_rank, where: str) -> np.ndarray:
@@ -37,3 +39,22 @@ def from_source(arr: np.ndarray, mesh, src_data_rank, where: str) -> np.ndarray:
     raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
     got = multihost_utils.broadcast_one_to_all(raw, is_source=jax.process_index() == owner)
     return np.asarray(got).view(arr.dtype).reshape(arr.shape)
+
+
+def replicas_from_coordinate_zero(a: np.ndarray, mesh, placements) -> np.ndarray:
+    """torch's ``DTensor.from_local(..., run_check=True)`` across processes: along the Replicate
+    mesh dims every process takes the local tensor of the process at coordinate 0 (bit for bit),
+    so replicas agree. Every process of the job calls this."""
+    rep = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
+    if not rep or len({d.process_index for d in mesh.devices.flat}) == 1:
+        return a
+    me = jax.process_index()
+    coord = next(c for c in np.ndindex(*mesh.shape) if mesh.devices[c].process_index == me)
+    src = tuple(0 if d in rep else c for d, c in enumerate(coord))
+    source = mesh.devices[src].process_index
+    raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([raw.size], np.int32))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: raw.size] = raw
+    every = np.asarray(multihost_utils.process_allgather(padded))  # one row per process (uneven shards padded)
+    return every[source][: sizes[source]].view(a.dtype).reshape(a.shape)

@@ -90,6 +90,10 @@ SPECIAL = np.array([-0.0, np.nan, 5e-324, 1.0 + rank])
 check("bit-exact from rank 0 (-0.0, NaN, denormal)", lambda: (
     np.asarray(spmd.distribute_tensor(SPECIAL, MESH, [spmd.Replicate()]).to_local()),
     np.array([-0.0, np.nan, 5e-324, 1.0])))
+check("from_local(run_check=True): replicas take coordinate 0's tensor, as torch", lambda: (
+    np.stack([np.asarray(spmd.DTensor.from_local(MINE, MESH, [spmd.Replicate()], run_check=True).to_local()),
+              np.asarray(spmd.DTensor.from_local(MINE, MESH, [spmd.Replicate()]).to_local())]),
+    np.stack([RANK0, MINE])))
 BIG = np.arange(2 * world, dtype=np.int64) + 2 ** 50 + rank
 check("int64 DTensor across processes: shards, full_tensor", lambda: (
     [np.asarray(spmd.distribute_tensor(BIG, MESH, [spmd.Shard(0)]).to_local()),
