@@ -12,7 +12,7 @@ fast path costs two attribute writes per call: nothing is sent unless a call
 is slow.
 
 **Cross-rank check (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, or
-``SPMD_DISTRIBUTED_DEBUG=DETAIL``).** Before each call every rank publishes
+``SPMD_DISTRIBUTED_DEBUG=DETAIL``; always for a group's first call).** Before each call every rank publishes
 its signature (collective, op, src/dst, dtype, shape, group) and reads the
 others', within the timeout; a difference raises ValueError on every rank
 naming what differs, a rank missing raises :class:`PeerError` naming it.
@@ -180,7 +180,9 @@ def enter(st: State, where: str, ranks: tuple, opts: tuple, shape: tuple, dtype:
     now = time.monotonic()
     call = Call(where, ranks, wd.next_seq(ranks), _signature(opts, shape, dtype), _group_label(ranks, st.world_size),
                 now, now + st.timeout_s)
-    if st.check_calls:
+    if st.check_calls or call.seq == 0:
+        # The first call of a group always meets here: gloo connects the group at its first
+        # collective with a fixed 30 s limit, which must not cut a longer timeout short.
         _check_across_ranks(wd, call)
     wd.active = call
     return call
@@ -234,6 +236,6 @@ def _check_across_ranks(wd: _Watchdog, call: Call) -> None:
         listing = "; ".join([f"rank {wd.rank}: {mine}"] + [f"rank {r}: {s}" for r, s in sorted(differ.items())])
         raise ValueError(
             f"{call.where}: the ranks of {call.group} disagree on call #{call.seq}: {listing}. Every rank must call "
-            "the same collective with the same op, src/dst, dtype and shape (checked because "
-            "TORCH_DISTRIBUTED_DEBUG=DETAIL)."
+            "the same collective with the same op, src/dst, dtype and shape (checked on a group's first call, "
+            "and on every call with TORCH_DISTRIBUTED_DEBUG=DETAIL)."
         )
