@@ -20,7 +20,7 @@ from typing import Any
 
 from models._data import DigitTask
 
-__all__ = ["Config", "MODELS", "MESH_DIMS", "DATA_DIMS", "check_config", "parse_mesh", "run_config",
+__all__ = ["Config", "MODELS", "MESH_DIMS", "DATA_DIMS", "STATE_DIMS", "check_config", "parse_mesh", "run_config",
            "check_resume_config"]
 
 MODELS = ("transformer", "mlp")
@@ -30,6 +30,8 @@ MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replica
                      "optimizer state sharded (models._fsdp)"}
 # The dims the batch is split over (Shard(0) on each of them).
 DATA_DIMS = ("dp", "fsdp")
+# The dims the train state (parameters, gradients, optimizer state) is sharded over.
+STATE_DIMS = ("fsdp",)
 _MAX_SEED = 2**63 - 1  # jax.random.key takes an int64
 
 

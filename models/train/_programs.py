@@ -25,7 +25,7 @@ from models._data import DigitTask, TextTask
 from models._ddp import batch_placements, init_train_state, make_train_step
 from models._mlp import MLP
 from models._transformer import Transformer
-from models.train._config import DATA_DIMS, Config, parse_mesh
+from models.train._config import DATA_DIMS, STATE_DIMS, Config, parse_mesh
 from models.train._eval import make_eval_step
 from spmd import DeviceMesh, distribute_tensor, init_device_mesh
 
@@ -68,23 +68,29 @@ def device_memory() -> int | None:
     return None
 
 
-def _step_floor_bytes(cfg: Config, n_data: int) -> int:
+def _step_floor_bytes(cfg: Config, n_data: int, n_state: int) -> int:
     """A lower bound on one device's memory for a train step: the parameters, their gradients and AdamW's
-    two moments (4 copies; shapes from an abstract init, nothing allocated), the float32 logits of the
+    two moments (4 copies, split ``n_state`` ways when the state is sharded, plus the largest parameter and
+    its gradient whole; shapes from an abstract init, nothing allocated), the float32 logits of the
     device's micro-batch and, for the transformer, the attention scores every layer keeps for the backward
     pass (batch x heads x T x T)."""
     vocab, seq_len, out_len = task_dims(cfg)
     shapes = jax.eval_shape(make_model(cfg).init, jax.random.key(0), jax.ShapeDtypeStruct((1, seq_len), jnp.int32))
     micro = max(1, cfg.batch_size // (n_data * cfg.accum_steps))
-    floor = 4 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) + micro * out_len * vocab * 4
+    sizes = [x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)]
+    floor = 4 * sum(sizes) // n_state
+    if n_state > 1:  # a sharded parameter is gathered whole to be used, and its gradient is whole before it is reduced
+        floor += 2 * max(sizes)
+    floor += micro * out_len * vocab * 4
     if cfg.model == "transformer":
         floor += cfg.layers * micro * cfg.heads * seq_len * seq_len * 4
     return floor
 
 
-def check_fits(cfg: Config, n_data: int, memory: int | None) -> None:
+def check_fits(cfg: Config, mesh: DeviceMesh, memory: int | None) -> None:
     """Refuse a run whose train step cannot fit in ``memory`` bytes per device (before anything is compiled)."""
-    need = _step_floor_bytes(cfg, n_data)
+    n_data = math.prod(mesh.size(d) for d in data_dims(mesh))
+    need = _step_floor_bytes(cfg, n_data, math.prod(mesh.size(d) for d in mesh.mesh_dim_names if d in STATE_DIMS))
     if memory is None or need <= memory:
         return
     _, seq_len, _ = task_dims(cfg)
