@@ -70,41 +70,30 @@ class group:  # noqa: N801 - torch's name: dist.group.WORLD
 
 
 def group_of(g: Any, where: str) -> Group:
-    """The :class:`Group` meant by ``group=``: None (WORLD) or a Group; checks membership."""
-    st = state(where)
-    if g is None:
-        g = group.WORLD
-    if not isinstance(g, Group):
-        raise TypeError(
-            f"{where}: group={g!r} must be None (all ranks) or a group from dist.new_group(ranks)."
-        )
-    if g.ranks is not None and st.rank not in g.ranks:
+    """The :class:`Group` meant by ``group=``: None (WORLD) or a Group; a non-member is refused."""
+    resolved = group_of_any(g, where)
+    me = state(where).rank
+    if resolved.rank() < 0:
         raise ValueError(
-            f"{where}: rank {st.rank} is not a member of group={g!r}; only the group's ranks call its "
+            f"{where}: rank {me} is not a member of group={resolved!r}; only the group's ranks call its "
             "collectives (as in torch)."
         )
-    return g
+    return resolved
 
 
 def member_group(g: Any, where: str) -> Group | None:
     """Like :func:`group_of`, but a non-member gets None and a warning, as in torch (whose
     collectives do nothing on a rank outside the group)."""
-    st = state(where)
-    if g is None:
-        g = group.WORLD
-    if not isinstance(g, Group):
-        raise TypeError(
-            f"{where}: group={g!r} must be None (all ranks) or a group from dist.new_group(ranks)."
-        )
-    if g.ranks is not None and st.rank not in g.ranks:
+    resolved = group_of_any(g, where)
+    if resolved.rank() < 0:
         warnings.warn(
-            f"{where}: rank {st.rank} is not a member of group={g!r}; the call does nothing on this rank "
-            "(as in torch) and returns None.",
+            f"{where}: rank {state(where).rank} is not a member of group={resolved!r}; the call does nothing "
+            "on this rank (as in torch) and returns None.",
             NotAMemberWarning,
             stacklevel=3,
         )
         return None
-    return g
+    return resolved
 
 
 def _group_rank(g: Group, global_rank: Any, where: str, arg: str) -> int:
