@@ -299,10 +299,11 @@ def test_dead_peer_while_others_idle_is_noticed_by_the_heartbeat():
 
 
 # --- the console script and spawn ----------------------------------------------------------------
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(130)
 def test_spawn_runs_fn_per_rank_and_reports_a_failure():
+    # ~20 s alone (two spawns of 4 processes); the limit only catches a hang on a loaded machine
     p = subprocess.run([sys.executable, str(SCRIPTS / "spawn_demo.py")], capture_output=True, text=True,
-                       timeout=50, cwd=ROOT, env=clean_env())
+                       timeout=120, cwd=ROOT, env=clean_env())
     assert p.returncode == 0, p.stderr[-3000:]
     assert sorted(line for line in p.stdout.splitlines() if line.startswith("spawned")) == [
         "spawned rank 0/4 identical True matches reference True"] + [f"spawned rank {r}/4 identical True" for r in (1, 2, 3)]
