@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd._torch import is_torch_tensor, torch_numpy
+
 __all__ = ["as_array"]
 
 
@@ -20,7 +22,7 @@ def as_array(x: Any, where: str, arg: str):
     if isinstance(x, jax.Array):
         return x
     try:
-        a = np.asarray(x)
+        a = torch_numpy(x) if is_torch_tensor(x) else np.asarray(x)  # a torch tensor: requires_grad / bfloat16 too
     except Exception:
         a = None
     if a is None or not (a.dtype == np.bool_ or jnp.issubdtype(a.dtype, jnp.number)):  # bfloat16 & co. too

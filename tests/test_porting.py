@@ -143,6 +143,18 @@ def test_64_bit_dtensor_ops(mesh2x4):
     assert float(np.asarray(f.sum().full_tensor())) == np.full(8, 1 + 1e-12).sum() != 8.0
 
 
+def test_torch_tensors_into_dtensor_and_the_facade(world1, mesh2x4):
+    torch = pytest.importorskip("torch")
+    w = torch.randn(8, 4, requires_grad=True)  # a parameter, as torch's DTensor README distributes
+    dt = spmd.distribute_tensor(w, mesh2x4, [spmd.Shard(0), spmd.Shard(1)])
+    assert np.array_equal(np.asarray(dt.full_tensor()), w.detach().numpy())
+    b = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
+    assert np.asarray(spmd.DTensor.from_local([b] * 8, mesh2x4, [spmd.Replicate()] * 2).full_tensor()).tolist() == [1.5, -2.25]
+    t = torch.tensor([2 ** 40 + 3])
+    dist.all_reduce(t)  # in place, int64
+    assert t.tolist() == [2 ** 40 + 3] and t.dtype == torch.int64
+
+
 def test_mesh_hint_under_a_launcher(monkeypatch):
     from spmd._launch import missing_devices_hint
 

@@ -29,12 +29,12 @@ from jax.sharding import PartitionSpec as P
 
 from spmd._debug import record
 from spmd._program import collective_program
+from spmd._torch import is_torch_tensor, torch_numpy
 from spmd._x64 import x64_for
 from spmd.distributed import _guard
 from spmd.distributed._errors import PeerError
 from spmd.distributed._state import state
 from spmd.distributed._work import buffer_of
-from spmd.distributed._torch import is_torch_tensor, torch_numpy
 
 __all__ = ["rank_devices", "as_array", "run_on"]
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from spmd.distributed._torch import is_torch_tensor, torch_numpy
+from spmd._torch import is_torch_tensor, torch_numpy
 
 __all__ = ["Work", "maybe_async", "buffer_of", "write_into", "deliver", "DiscardedResultWarning"]
 

@@ -1,4 +1,5 @@
-"""A CPU torch tensor as a NumPy array sharing its memory (bfloat16 included), without importing torch.
+"""A CPU torch tensor as a NumPy array sharing its memory (bfloat16 included), without importing torch
+(used wherever the project takes a tensor: the c10d facade, its in-place writes, DTensor constructors).
 
 NumPy has no bfloat16, so ``tensor.numpy()`` refuses it; its bits are viewed as
 int16 by torch, then as ``ml_dtypes.bfloat16`` (JAX's bfloat16) by NumPy: same
