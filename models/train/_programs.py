@@ -56,15 +56,15 @@ def data_dims(mesh: DeviceMesh) -> tuple[str, ...]:
     return tuple(n for n in mesh.mesh_dim_names if n in DATA_DIMS)
 
 
-def device_memory() -> int | None:
-    """Bytes one local device can hold: the accelerator's limit, or the host's memory shared by the local
-    CPU devices; None if JAX does not say."""
-    dev = jax.local_devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+def device_memory(mesh: DeviceMesh) -> int | None:
+    """Bytes one of this process's devices in ``mesh`` can hold: the accelerator's limit, or the host's memory
+    shared by this process's CPU devices in the mesh; None if JAX does not say."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    stats = local[0].memory_stats() if hasattr(local[0], "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
-    if dev.platform == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
+    if local[0].platform == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(local)
     return None
 
 

@@ -77,7 +77,7 @@ def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None
     _maybe_init_distributed()
     mesh = build_mesh(cfg.mesh)
     n_data, eval_size = _check_batch_sizes(cfg, mesh)
-    check_fits(cfg, mesh, device_memory())
+    check_fits(cfg, mesh, device_memory(mesh))
     OutFolder.read(cfg.out).check(cfg)  # refuse before the lock creates --out; checked again under the lock
     lead = jax.process_index() == 0
     lock = RunLock(cfg.out).acquire() if lead else None
