@@ -7,6 +7,7 @@ Comparisons are elementwise (as torch and jax.numpy), so a DTensor is not hashab
 from __future__ import annotations
 
 from spmd.tensor import _ops_elementwise as E
+from spmd.tensor import _ops_interop as I
 from spmd.tensor import _ops_linalg as L
 from spmd.tensor import _ops_reduce as Rd
 from spmd.tensor import _ops_views as V
@@ -114,3 +115,12 @@ class DTensorOps(DTensorBase):
 
     def astype(self, dtype):
         return E.astype(self, dtype)
+
+    def to_jax(self):
+        """This tensor as a ``jax.Array`` with the matching ``NamedSharding`` (even, no Partial)."""
+        return I.to_jax(self)
+
+    @classmethod
+    def from_jax(cls, arr, device_mesh):
+        """A DTensor from a ``jax.Array`` sharded by a ``NamedSharding`` over ``device_mesh``."""
+        return I.from_jax(cls, arr, device_mesh)
