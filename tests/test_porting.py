@@ -340,12 +340,14 @@ def ported(program: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.timeout(200)
 def test_torch_program_ports_by_changing_the_import(tmp_path):
+    """The program makes its tensors with torch (as every torch program does), so it needs torch
+    installed even under spmd; without torch, tests/mp_scripts/porting_check.py covers the same items."""
+    pytest.importorskip("torch")
     program = PROGRAMS / "tutorial.py"
     expected = (PROGRAMS / "tutorial.expected").read_text().splitlines()
     rc, out, err, _ = spmdrun("--standalone", "--nproc-per-node", "2", str(ported(program, tmp_path)), timeout=90)
     assert rc == 0, err[-3000:]
     assert program_lines(out) == expected
-    pytest.importorskip("torch")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "--tee", "3", str(program)], capture_output=True, text=True, timeout=100,
                        env=clean_env(OMP_NUM_THREADS="1"), cwd=tmp_path)
