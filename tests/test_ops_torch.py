@@ -102,7 +102,10 @@ CASES = [
 ]
 
 #: Cases where our output placements differ from torch 2.13's on purpose (index -> reason).
-DIFFERENT: dict[int, str] = {}
+DIFFERENT: dict[int, str] = {
+    42: "layer_norm over a sharded normalised dim of an (8, 8) tensor: torch all-gathers it to R (each device "
+        "receives 3/4 of the tensor); we all-to-all to S(0) (3/4 of one block, 4x fewer bytes) and the rows stay sharded",
+}
 
 WORKER = textwrap.dedent(
     """
@@ -176,22 +179,26 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def torch_results(tmp_path_factory):
-    pytest.importorskip("torch")
-    tmp = tmp_path_factory.mktemp("torch_ops")
+def run_torch(tmp):
+    """Each rank's results of every case, from torch DTensor in 4 gloo processes."""
     script = tmp / "worker.py"
     script.write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
         [sys.executable, str(script), str(_free_port()), str(tmp / "out"), repr(CASES), repr(TORCH_OPS)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, capture_output=True, text=True, timeout=540,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [pickle.loads((tmp / f"out.{r}").read_bytes()) for r in range(4)]
 
 
-def test_output_placements_and_local_tensors_agree_with_torch(torch_results):
+@pytest.mark.timeout(600)  # 4 torch processes: ~30 s alone, minutes on a loaded 2-core machine
+def test_output_placements_and_local_tensors_agree_with_torch(tmp_path):
+    pytest.importorskip("torch")
+    compare(run_torch(tmp_path))
+
+
+def compare(torch_results) -> None:
     S, P, R = Shard, Partial, Replicate
     agree, report = 0, []
     for i, (mshape, op, args) in enumerate(CASES):
