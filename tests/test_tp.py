@@ -1,0 +1,221 @@
+"""Tensor / sequence parallelism on dp x fsdp x tp meshes: 1-device equivalence, HLO collectives vs the
+Megatron / ZeRO table, the styles as plan entries, errors.
+
+Each configuration compiles once (lru_cache) and trains 20 AdamW steps of a tiny transformer whose
+heads (6), vocabulary (7) and MLP width do not divide every tp size (torch.chunk shards, zero padded).
+AdamW eps=1e-6 for the reason given in tests/test_fsdp.py.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmd
+from models import Transformer
+from models._ddp import TrainState, init_train_state
+from models._fsdp import shard_train_state
+from models._tp import transformer_tp_rules
+from models._tp_comm import tp_communication
+from models._tp_step import make_tp_train_step
+from spmd import Replicate, Shard
+from spmd.parallel import (ColwiseParallel, RowwiseParallel, Rule, SequenceParallel, hlo_executed_collectives,
+                           parallelize_rules, plan_params, unshard_params)
+
+STEPS, BATCH, SEQ = 20, 16, 8
+OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1, eps=1e-6))
+MODEL = Transformer(vocab_size=7, max_len=SEQ, num_layers=2, d_model=12, num_heads=6, mlp_ratio=2)
+# (mesh shape, dim names, sequence parallel, accum steps)
+CONFIGS = [
+    ((8,), ("tp",), False, 1),
+    ((8,), ("tp",), True, 1),
+    ((2, 4), ("dp", "tp"), False, 2),
+    ((2, 4), ("dp", "tp"), True, 1),
+    ((2, 4), ("fsdp", "tp"), False, 1),
+    ((2, 4), ("fsdp", "tp"), True, 2),
+    ((2, 2, 2), ("dp", "fsdp", "tp"), False, 1),
+    ((2, 2, 2), ("dp", "fsdp", "tp"), True, 2),
+]
+
+
+def _id(c):
+    return ",".join(f"{n}={s}" for n, s in zip(c[1], c[0])) + ("-sp" if c[2] else "") + f"-accum{c[3]}"
+
+
+@functools.lru_cache(maxsize=None)
+def _data():
+    rng = np.random.default_rng(1)
+    batches = []
+    for _ in range(STEPS):
+        toks = rng.integers(0, 7, (BATCH, SEQ)).astype(np.int32)
+        batches.append({"inputs": toks, "targets": np.sort(toks, axis=1)})
+    return MODEL.init(jax.random.key(0), batches[0]["inputs"])["params"], batches
+
+
+@functools.lru_cache(maxsize=None)
+def _reference():
+    params, batches = _data()
+
+    def loss_fn(p, b):
+        logp = jax.nn.log_softmax(MODEL.apply({"params": p}, b["inputs"]))
+        return -jnp.mean(jnp.take_along_axis(logp, b["targets"][..., None], axis=-1))
+
+    @jax.jit
+    def step(state, b):
+        loss, g = jax.value_and_grad(loss_fn)(state.params, b)
+        updates, opt_state = OPT.update(g, state.opt_state, state.params)
+        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), loss
+
+    state, losses = init_train_state(params, OPT), []
+    for b in batches:
+        state, loss = step(state, b)
+        losses.append(float(loss))
+    return losses, state
+
+
+@functools.lru_cache(maxsize=None)
+def _run(config):
+    shape, names, sp, accum = config
+    params, batches = _data()
+    mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    plan = plan_params(params, mesh, transformer_tp_rules(sp), units=MODEL.fsdp_units())
+    step = make_tp_train_step(MODEL, OPT, mesh, plan, sequence_parallel=sp, accum_steps=accum)
+    state = shard_train_state(init_train_state(params, OPT), plan, mesh, OPT)
+    compiled = step.lower(state, batches[0]).compile()
+    losses = []
+    for b in batches:
+        state, metrics = compiled(state, b)
+        losses.append(float(metrics["loss"]))
+    return mesh, plan, losses, state, compiled.as_text()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_id)
+def test_matches_one_device(config):
+    mesh, plan, losses, state, _ = _run(config)
+    ref_losses, ref = _reference()
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(unshard_params(state.params, plan, mesh)), jax.tree.leaves(ref.params), strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    opt = unshard_params(state.opt_state, plan, mesh, optimizer=OPT)
+    for a, b in zip(jax.tree.leaves(opt), jax.tree.leaves(ref.opt_state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+def _without_scalar_all_reduces(text: str) -> str:
+    """The HLO with the 0-d elements of every all-reduce's result dropped (their bytes are not counted)."""
+    scalar = re.compile(r"\b[a-z]+\d+\[\](?!\w)")
+    return "\n".join(scalar.sub("", line) if re.search(r"\ball-reduce(-start)?\(", line) else line
+                     for line in text.splitlines())
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_id)
+def test_collectives_equal_the_megatron_zero_table(config):
+    shape, names, sp, accum = config
+    mesh, plan, _, _, text = _run(config)
+    got = hlo_executed_collectives(text)
+    want = tp_communication(plan, batch=BATCH, seq_len=SEQ, d_model=12, num_layers=2, sequence_parallel=sp,
+                            accum_steps=accum)
+    assert got["all-gather"] == want["total"]["all-gather"]
+    assert got["reduce-scatter"] == want["total"]["reduce-scatter"]
+    assert got["all-to-all"]["count"] == got["collective-permute"]["count"] == 0
+    # All-reduces: the table's bytes exactly once the scalars (loss, metrics, the global norm's per-leaf sums)
+    # are left out; XLA fuses scalars into gradient all-reduces, so counts are not compared.
+    tensors = hlo_executed_collectives(_without_scalar_all_reduces(text))
+    assert tensors["all-reduce"]["bytes"] == want["total"]["all-reduce"]["bytes"]
+    assert got["all-reduce"]["bytes"] > tensors["all-reduce"]["bytes"]  # there are scalars
+    size = dict(zip(names, shape))
+    b = BATCH // (size.get("dp", 1) * size.get("fsdp", 1) * accum)  # one rank's micro-batch
+    a = b * SEQ * 12 * 4  # b x T x D activations, f32
+    act = want["activations"]
+    ce = 16 * b * SEQ  # vocab-parallel cross-entropy: max, argmax, sum-exp + target logit
+    if sp:  # Megatron-SP: 4L + 2 all-gather / reduce-scatter pairs of b*T*D per micro-batch
+        assert act["all-gather"] == act["reduce-scatter"] == {"count": 10 * accum, "bytes": 10 * accum * a}
+        assert act["all-reduce"]["bytes"] == accum * ce
+    else:  # Megatron: 2 all-reduces forward + 2 backward per block, the embedding's and the output projection's
+        assert act["all-reduce"]["bytes"] == accum * (10 * a + ce)
+        assert act["all-gather"]["count"] == act["reduce-scatter"]["count"] == 0
+
+
+@pytest.mark.parametrize("config", [CONFIGS[4], CONFIGS[6]], ids=_id)
+def test_state_bytes_per_device(config):
+    mesh, plan, _, state, _ = _run(config)
+    dev = mesh.jax_mesh.devices.flat[0]
+
+    def on_dev(tree):
+        return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == dev)
+
+    assert on_dev(state.params) == plan.bytes_per_device
+    n = mesh.size(("fsdp", "tp"))
+    # cut over fsdp x tp up to the padding and the tp-only / replicated small leaves
+    assert plan.total_bytes / n < plan.bytes_per_device < plan.total_bytes / n * 1.6
+
+
+def test_styles_are_plan_entries_mixed_with_fsdp():
+    params, _ = _data()
+    mesh = {"dp": 2, "fsdp": 2, "tp": 2}
+    plan = plan_params(params, mesh, transformer_tp_rules(True), units=MODEL.fsdp_units())
+    R, S = Replicate(), Shard
+    expect = {
+        "embed/embedding": (R, S(1), S(0)),  # vocab on tp, fsdp cuts the other dim
+        "block_0/attn/qkv/kernel": (R, S(0), S(2)),  # heads on tp
+        "block_0/attn/qkv/bias": (R, S(0), S(1)),
+        "block_0/attn/proj/kernel": (R, S(1), S(0)),
+        "block_0/attn/proj/bias": (R, S(0), R),
+        "block_0/fc/kernel": (R, S(0), S(1)),
+        "block_0/fc/bias": (R, R, S(0)),  # 1-d, cut on tp: whole on fsdp
+        "block_0/fc_out/kernel": (R, S(1), S(0)),
+        "block_1/ln2/scale": (R, S(0), R),
+        "pos": (R, S(0), R),
+    }
+    for path, placements in expect.items():
+        assert plan.entry(path).placements == placements, path
+    assert plan.entry("block_0/attn/qkv/kernel").local_shape == (6, 3, 3, 2)
+    assert plan.entry("block_1/ln2/scale").rule == r"SequenceParallel('block_\\d+/ln[12]|ln_f')"
+    # Without tp rules the fsdp default is unchanged: Shard(0) everywhere.
+    fs = plan_params(params, {"fsdp": 4})
+    assert {e.placements for e in fs.entries} == {(S(0),)}
+    rules = parallelize_rules({"a/b": ColwiseParallel(), "c": RowwiseParallel(dim=1), "n": SequenceParallel()}, "mp")
+    assert [(r.pattern, r.placements) for r in rules] == [
+        ("(?:a/b)/(?:kernel|bias)", (("mp", S(-1)),)),
+        ("(?:c)/(?:kernel|embedding)", (("mp", S(1)),)),
+        ("(?:n)/(?:scale|bias)", (("mp", R),)),
+    ]
+
+
+def test_uneven_heads_and_bad_layouts_are_clear_errors():
+    params, batches = _data()
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    # 6 heads over tp=4: torch.chunk 2, 2, 2, 0 (the last rank's block is one zero-padded head pair).
+    plan = plan_params(params, mesh, transformer_tp_rules(), units=MODEL.fsdp_units())
+    assert plan.entry("block_0/attn/qkv/kernel").local_shape == (12, 3, 2, 2)
+    cut_head_dim = parallelize_rules({r"block_\d+/attn/qkv": ColwiseParallel()}) + transformer_tp_rules()
+    with pytest.raises(ValueError, match=re.escape(
+            "make_tp_train_step: parameter 'block_0/attn/qkv/bias' of shape (3, 6, 2) is S(2) on 'tp' (tp=4), which "
+            "cuts dim 2 (size 2); the tensor-parallel transformer needs it S(1): cut the heads with Shard(1)")):
+        make_tp_train_step(MODEL, OPT, mesh, plan_params(params, mesh, cut_head_dim, units=MODEL.fsdp_units()))
+    both = plan_params(params, {"fsdp": 2, "tp": 4}, [Rule("embed/embedding", {"fsdp": Shard(0), "tp": Shard(0)}),
+                                                      *transformer_tp_rules()])
+    fsdp_tp = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("fsdp", "tp"))
+    with pytest.raises(ValueError, match=re.escape(
+            "make_tp_train_step: parameter 'embed/embedding' of shape (7, 12) is cut on dim 0 by both 'tp' and 'fsdp'")):
+        make_tp_train_step(MODEL, OPT, fsdp_tp, both)
+    dp8 = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    with pytest.raises(ValueError, match=re.escape("make_tp_train_step: the mesh ('dp',) has no tensor-parallel dim tp='tp'")):
+        make_tp_train_step(MODEL, OPT, dp8, plan_params(params, dp8))
+    sp = make_tp_train_step(MODEL, OPT, mesh, plan_params(params, mesh, transformer_tp_rules(True)),
+                            sequence_parallel=True)
+    state = shard_train_state(init_train_state(params, OPT), plan, mesh, OPT)
+    short = {k: v[:, :6] for k, v in batches[0].items()}
+    with pytest.raises(ValueError, match=re.escape(
+            "tp_loss: sequence parallelism cuts the sequence over tp=4, but the input has 6 positions; use a "
+            "sequence length that is a multiple of 4, or sequence_parallel=False.")):
+        sp(state, short)
+    with pytest.raises(TypeError, match=re.escape("parallelize_rules: plan['fc']='col' must be ColwiseParallel()")):
+        parallelize_rules({"fc": "col"})
+    with pytest.raises(TypeError, match=re.escape("ColwiseParallel: dim=1.5 must be an int")):
+        ColwiseParallel(dim=1.5)
