@@ -150,7 +150,13 @@ def all_gather(x, *, axis: int = 0, tiled: bool = False, group: Any = None):
         )
     x = _vary(x, axes, where)
     axis = _check_axis(axis, x.ndim + (0 if tiled else 1), where, "axis")
-    return _all_gather_invariant(x, axes, axis=axis, tiled=tiled)
+    # Tracked (check_vma=True): typed replicated over the group, so it can be returned as Replicate.
+    # Untracked (check_vma=False: redistribute's programs, @spmd(check_vma=False)): the varying all-gather,
+    # whose transpose sums every copy's cotangent (reduce-scatter), as jax.grad needs when nothing says
+    # the copies are equal. The same HLO all-gather either way.
+    tracked = set(axes) <= (varying_axes(x) or frozenset())
+    gather = _all_gather_invariant if tracked else lax.all_gather
+    return gather(x, axes, axis=axis, tiled=tiled)
 
 
 def reduce(x, dst: int, op: Any = ReduceOp.SUM, *, group: Any = None):

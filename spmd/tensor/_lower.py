@@ -68,9 +68,9 @@ def _compact(x, dim: int, table: np.ndarray, lin, fill=0):
 # --- one lowering per transition kind (placements/_transitions.py) ------------------------------
 def _all_gather(step: Step, g: Geometry, x, lin, axes):
     a = step.src.dim
-    # lax.all_gather, not C.all_gather (typed replicated, all_gather_invariant): blocks are independent
-    # variables here, so the transpose must sum every copy's cotangent (psum_scatter) for jax.grad.
-    y = lax.all_gather(x, axes, axis=a, tiled=True) if g.k > 1 else x
+    # (check_vma=False here: C.all_gather is the varying all-gather, whose transpose sums every copy's
+    # cotangent, as jax.grad through a DTensor needs.)
+    y = C.all_gather(x, axis=a, tiled=True, group=axes) if g.k > 1 else x
     return _compact(y, a, g.gather(a), lin)
 
 
