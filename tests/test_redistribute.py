@@ -403,3 +403,16 @@ def test_program_cache_is_bounded_and_evicts_one_at_a_time(monkeypatch):
         assert _entries_for(("cache_bounded",)) == [3]
     keys = list(_dispatch._BY_MESH[mesh])
     assert keys[-1] == ((Replicate(),), (8, 4), dt.dtype, (R,))  # the last request is the most recent entry
+
+
+def test_grad_through_all_gather_sums_every_copy(meshes):
+    """S -> R lowers to the varying all-gather (check_vma=False program): its transpose sums the cotangent
+    of every copy, so jax.grad through redistribute/full_tensor is the true gradient on a 2-D mesh."""
+    x = data((8, 4))
+    for src in (parse("S0S1"), parse("S0S0"), parse("S1R")):
+        dt = spmd.distribute_tensor(x, meshes[(2, 4)], src)
+        g = jax.grad(lambda d: (d.redistribute(placements=[R, R]).full_tensor() ** 2).sum())(dt)
+        assert g.placements == src
+        # A replicated mesh dim splits the cotangent between its copies: summed over them, it is 2x.
+        copies = math.prod(s for s, p in zip((2, 4), src) if p == R)
+        np.testing.assert_array_equal(np.asarray(g.full_tensor()) * copies, 2 * x)
