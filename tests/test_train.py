@@ -90,9 +90,12 @@ def test_cli_parses_every_option():
      "models.train: --batch-size=12 is not divisible by the dp size 8; use a multiple of 8 (e.g. 8)."),
     (["--batch-size", "16", "--accum-steps", "4"], ValueError,
      "--batch-size=16 is not divisible by the dp size 8 times --accum-steps=4; use a multiple of 32"),
-    (["--mesh", "tp=2"], ValueError,
-     "models.train: --mesh='tp=2' names the mesh dim 'tp', which this job does not know; use the dims ('dp', "
-     "'fsdp') (e.g. --mesh dp=N)."),
+    (["--mesh", "pp=2"], ValueError,
+     "models.train: --mesh='pp=2' names the mesh dim 'pp', which this job does not know; use the dims ('dp', "
+     "'fsdp', 'tp') (e.g. --mesh dp=N)."),
+    (["--mesh", "dp=8", "--sequence-parallel"], ValueError,
+     "models.train: --sequence-parallel cuts the sequence over the tp mesh dim, but --mesh='dp=8' has no tp dim of "
+     "size >= 2; add one (e.g. --mesh dp=2,tp=4) or drop the flag."),
     (["--mesh", "dp=16"], ValueError,
      "models.train: --mesh='dp=16' needs 16 devices but only 8 cpu device(s) are visible; use --mesh dp=N with "
      "N <= 8, or set XLA_FLAGS=--xla_force_host_platform_device_count=16 before starting."),
