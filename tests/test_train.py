@@ -318,3 +318,30 @@ def test_a_state_too_large_for_the_devices_is_refused(mesh, need):
             "train step (parameters, gradients, optimizer state and the logits of ")):
         check_fits(cfg, build_mesh(mesh), int(2.9 * 2**30))
     check_fits(parse_args(["--model", "mlp", "--mesh", mesh]), build_mesh(mesh), int(2.9 * 2**30))  # the default fits
+
+
+def test_out_of_device_memory_during_the_run_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    """What the fit check cannot foresee: XLA's RESOURCE_EXHAUSTED becomes the job's ValueError (exit 2), the
+    lock is released, and any other runtime error passes through unchanged."""
+    import jax
+
+    import models.train._run as job
+
+    def oom(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 44.1TiB.\nmore")
+
+    monkeypatch.setattr(job, "train_loop", oom)
+    out = str(tmp_path)
+    message = ("models.train: the run does not fit in device memory (XLA: RESOURCE_EXHAUSTED: Out of memory while "
+               "trying to allocate 44.1TiB.); the checkpoints saved so far are kept. Use a smaller --batch-size (or "
+               "more --accum-steps), --length or model, or a mesh that shards the state (--mesh fsdp=N).")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run(parse_args([*TINY_M, "--out", out, "--no-progress"]))
+    assert main([*TINY_M, "--out", out, "--no-progress"]) == 2 and message in capsys.readouterr().err
+
+    def other(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(job, "train_loop", other)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
+        run(parse_args([*TINY_M, "--out", out, "--no-progress"]))

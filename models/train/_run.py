@@ -83,6 +83,15 @@ def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None
     lock = RunLock(cfg.out).acquire() if lead else None
     try:
         return _run_locked(cfg, mesh, n_data, eval_size, lead, on_step)
+    except jax.errors.JaxRuntimeError as e:
+        if not str(e).startswith("RESOURCE_EXHAUSTED"):  # XLA's status code for an allocation that failed
+            raise
+        size = "--context" if cfg.text is not None else "--length"
+        raise ValueError(
+            f"models.train: the run does not fit in device memory (XLA: {str(e).splitlines()[0][:200]}); the "
+            f"checkpoints saved so far are kept. Use a smaller --batch-size (or more --accum-steps), {size} or "
+            "model, or a mesh that shards the state (--mesh fsdp=N)."
+        ) from e
     finally:
         if lock is not None:
             lock.release()
