@@ -101,8 +101,12 @@ class DeviceMesh:
     def _init(self, device_type: str, jax_mesh: Mesh) -> None:
         self._device_type = device_type
         self._jax_mesh = jax_mesh
-        # Value identity (equality and hash): the devices, the shape and the dim names.
-        self._key = (tuple(d.id for d in jax_mesh.devices.flat), tuple(jax_mesh.devices.shape), tuple(jax_mesh.axis_names))
+        # Value identity (equality and hash): the devices, the shape, the dim names and their JAX axis types
+        # (two meshes equal here run each other's compiled programs).
+        self._key = (
+            tuple(d.id for d in jax_mesh.devices.flat), tuple(jax_mesh.devices.shape), tuple(jax_mesh.axis_names),
+            tuple(getattr(jax_mesh, "axis_types", ())),
+        )
 
     @classmethod
     def from_jax(cls, jax_mesh: Mesh, device_type: str | None = None) -> "DeviceMesh":

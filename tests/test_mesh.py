@@ -91,6 +91,9 @@ def test_explicit_device_mesh_and_value_semantics():
     assert w.jax_mesh is jm and w.shape == (2, 2) and w.device_type == "cpu"
     assert init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")) == init_device_mesh(
         "cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    # The same devices and names with other JAX axis types are another mesh (they compile other programs).
+    ex = Mesh(jm.devices, ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    assert DeviceMesh.from_jax(ex) != w and DeviceMesh.from_jax(ex) == DeviceMesh.from_jax(ex)
 
 
 def test_mesh_devices_read_only(mesh2x4):
