@@ -11,6 +11,8 @@ checksums, trims the saved padding and pads and places them for the new plan:
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Callable
 
 import jax
@@ -20,8 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from models._ddp import TrainState, init_train_state
 from models._fsdp import make_fsdp_train_step, shard_train_state, state_shardings
+from placements import Replicate, Shard
 from spmd import DeviceMesh
-from spmd.parallel import (ParamPlan, entry_sharding, executed_collectives, map_like_params, path_str, plan_params,
+from spmd.parallel import (ParamPlan, Rule, entry_sharding, executed_collectives, map_like_params, path_str, plan_params,
                            unshard_params)
 
 __all__ = ["fsdp_parts", "layout_meta", "restore_resharded", "restore_job_state", "memory_report",
@@ -29,18 +32,20 @@ __all__ = ["fsdp_parts", "layout_meta", "restore_resharded", "restore_job_state"
 
 
 def fsdp_parts(model: Any, optimizer, loss: Callable, mesh: DeviceMesh, sample: Any, *, accum_steps: int = 1,
-               regather: bool = True) -> tuple[ParamPlan, Callable, Callable, Any]:
+               regather: bool = True, rules=(), make_step: Callable | None = None
+               ) -> tuple[ParamPlan, Callable, Callable, Any]:
     """``(plan, init, train_step, state_sharding)`` of a run on a mesh with an ``fsdp`` dim.
 
     ``loss(logits, batch) -> (loss, metrics)``; ``sample``: model inputs for the
     abstract init (shapes only). ``init(key, inputs)`` builds the step-0 state
     placed by the plan (the same values as the replicated init of a ``dp`` run
-    with that key).
+    with that key). ``rules``/``make_step(plan)``: other layouts' plan rules and train step (tensor parallel).
     """
     abstract = jax.eval_shape(model.init, jax.random.key(0), sample)["params"]
-    plan = plan_params(abstract, mesh, units=model.fsdp_units(), keep=model.fsdp_keep())
-    step = make_fsdp_train_step(lambda p, b, gather: loss(model.apply({"params": p}, b["inputs"], gather=gather), b),
-                                optimizer, mesh, plan, accum_steps=accum_steps, regather=regather)
+    plan = plan_params(abstract, mesh, rules, units=model.fsdp_units(), keep=model.fsdp_keep())
+    step = make_step(plan) if make_step is not None else make_fsdp_train_step(
+        lambda p, b, gather: loss(model.apply({"params": p}, b["inputs"], gather=gather), b),
+        optimizer, mesh, plan, accum_steps=accum_steps, regather=regather)
     replicated = jax.jit(lambda key, x: init_train_state(model.init(key, x)["params"], optimizer),
                          out_shardings=NamedSharding(mesh.jax_mesh, P()))
 
@@ -63,7 +68,9 @@ def layout_meta(plan: ParamPlan | None) -> dict:
     if plan is None:
         return {"mesh": None, "fsdp": None, "shapes": None}
     return {"mesh": dict(zip(plan.mesh_dim_names, plan.mesh_shape)), "fsdp": plan.fsdp,
-            "shapes": {e.path: list(e.shape) for e in plan.entries}}
+            "shapes": {e.path: list(e.shape) for e in plan.entries},
+            "placements": {e.path: [[p.dim] if isinstance(p, Shard) else [] for p in e.placements]
+                           for e in plan.entries}}  # [d]: Shard(d), []: Replicate (tensor-parallel layouts too)
 
 
 def _saved_plan(layout: dict | None, abstract_params: Any, units, where: str) -> ParamPlan | None:
@@ -78,7 +85,9 @@ def _saved_plan(layout: dict | None, abstract_params: Any, units, where: str) ->
             f"{where}: the checkpoint holds parameters of other paths or shapes than the plan was built for "
             f"(first differences: {diff}); restore it with the model it was saved from, or train a new run."
         )
-    return plan_params(abstract_params, layout["mesh"], fsdp=layout["fsdp"], units=units)
+    rules = [Rule(re.escape(path), {n: Shard(p[0]) if p else Replicate() for n, p in zip(layout["mesh"], pl)})
+             for path, pl in layout.get("placements", {}).items()]  # the saved placements, exactly
+    return plan_params(abstract_params, layout["mesh"], rules, fsdp=layout["fsdp"], units=units)
 
 
 def _paths(tree: Any):

@@ -38,7 +38,7 @@ from spmd import DeviceMesh, DTensor, all_reduce, spmd
 from spmd._collectives import varying_axes
 from spmd.parallel import ParamPlan, gather_unit, path_str
 
-__all__ = ["make_tp_train_step", "TPGather"]
+__all__ = ["make_tp_train_step", "TPGather", "tp_parts"]
 
 
 def _groups(leaves, idx, tp: str) -> list[list[int]]:
@@ -216,6 +216,9 @@ def make_tp_train_step(model: Any, optimizer: optax.GradientTransformation, mesh
                 + (f" times accum_steps={accum_steps}" if accum_steps > 1 else "")
                 + f"; use a batch size that is a multiple of {n_data * accum_steps}."
             )
+        # A DTensor enters a region varying over every mesh dim; as its global array it is replicated over tp.
+        batch = jax.tree.map(lambda x: x.to_jax() if isinstance(x, DTensor) else x, batch,
+                             is_leaf=lambda x: isinstance(x, DTensor))
         grads, metrics = region(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
@@ -223,3 +226,20 @@ def make_tp_train_step(model: Any, optimizer: optax.GradientTransformation, mesh
         return new, metrics
 
     return jax.jit(step)
+
+
+def tp_parts(model: Any, optimizer, mesh: DeviceMesh, sample: Any, *, sequence_parallel: bool = False,
+             accum_steps: int = 1, regather: bool = True):
+    """``(plan, init, train_step, state_sharding)`` of a training job on a mesh with a ``tp`` dim (the
+    transformer's Megatron plan composed with fsdp's default; see ``models._fsdp_run.fsdp_parts``)."""
+    from models._fsdp_run import fsdp_parts
+    from models._tp import transformer_tp_rules
+
+    if not hasattr(model, "num_heads"):
+        raise ValueError(f"models.train: a mesh with a 'tp' dim runs the transformer's tensor-parallel layout; "
+                         f"{type(model).__name__} has none: use --model transformer, or a mesh without tp.")
+    return fsdp_parts(model, optimizer, None, mesh, sample, accum_steps=accum_steps, regather=regather,
+                      rules=transformer_tp_rules(sequence_parallel),
+                      make_step=lambda plan: make_tp_train_step(model, optimizer, mesh, plan,
+                                                                sequence_parallel=sequence_parallel,
+                                                                accum_steps=accum_steps, regather=regather))

@@ -219,3 +219,50 @@ def test_uneven_heads_and_bad_layouts_are_clear_errors():
         parallelize_rules({"fc": "col"})
     with pytest.raises(TypeError, match=re.escape("ColwiseParallel: dim=1.5 must be an int")):
         ColwiseParallel(dim=1.5)
+
+
+def test_checkpoints_restore_across_layouts_bit_for_bit(tmp_path):
+    """Saved on fsdp=2 x tp=4 (sequence parallel), restored on dp=8, 1 device and dp=2 x fsdp=2 x tp=2, saved
+    there again and restored onto dp=2 x tp=4: the logical state is the same bits every time."""
+    from models._checkpoint import Checkpointer
+    from models._fsdp_run import layout_meta, restore_resharded
+
+    mesh, plan, _, state, _ = _run(CONFIGS[5])
+    params, _ = _data()
+    units = MODEL.fsdp_units()
+    abstract = jax.eval_shape(lambda: params)
+    replicated = init_train_state(params, OPT)
+
+    def logical(st, pl, m):
+        if pl is None:
+            return jax.device_get(st)
+        return jax.device_get(TrainState(st.step, unshard_params(st.params, pl, m),
+                                         unshard_params(st.opt_state, pl, m, optimizer=OPT)))
+
+    want = logical(state, plan, mesh)
+
+    def save(name, st, pl):
+        ckpt = Checkpointer(tmp_path / name)
+        ckpt.save(20, st, {"layout": layout_meta(pl)}, force=True)
+        ckpt.close()
+        return Checkpointer(tmp_path / name)
+
+    def same(got):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+    saved = save("fsdp2tp4", state, plan)
+    for shape, names in [((8,), ("dp",)), ((1,), ("dp",))]:
+        m = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
+        st, _ = restore_resharded(saved, replicated, None, m, OPT, abstract, units)
+        same(logical(st, None, m))
+    m3 = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "fsdp", "tp"))
+    p3 = plan_params(params, m3, transformer_tp_rules(), units=units)
+    st3, _ = restore_resharded(saved, shard_train_state(replicated, p3, m3, OPT), p3, m3, OPT, abstract, units)
+    assert tuple(st3.params["embed"]["embedding"].sharding.spec) == ("tp", "fsdp")  # vocab on tp, D on fsdp
+    same(logical(st3, p3, m3))
+    m2 = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    p2 = plan_params(params, m2, transformer_tp_rules(), units=units)
+    st2, _ = restore_resharded(save("3d", st3, p3), shard_train_state(replicated, p2, m2, OPT), p2, m2, OPT,
+                               abstract, units)
+    same(logical(st2, p2, m2))

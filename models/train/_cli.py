@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-size", type=int, default=None,
                    help="held-out examples for the final evaluation, a multiple of the dp size (default: 512 "
                         "rounded down to one)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with a tp mesh dim: layer norms and activations between blocks cut on the sequence over tp")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 

@@ -27,11 +27,13 @@ MODELS = ("transformer", "mlp")
 # The mesh dims the job knows (name -> what it does), in mesh order.
 MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replicated",
              "fsdp": "fully sharded data parallel: the batch is split over it, parameters, gradients and "
-                     "optimizer state sharded (models._fsdp)"}
+                     "optimizer state sharded (models._fsdp)",
+             "tp": "tensor parallel (Megatron): heads, MLP width and vocabulary cut, the batch replicated over it "
+                   "(models._tp; --sequence-parallel also cuts the sequence between blocks)"}
 # The dims the batch is split over (Shard(0) on each of them).
 DATA_DIMS = ("dp", "fsdp")
 # The dims the train state (parameters, gradients, optimizer state) is sharded over.
-STATE_DIMS = ("fsdp",)
+STATE_DIMS = ("fsdp", "tp")
 _MAX_SEED = 2**63 - 1  # jax.random.key takes an int64
 
 
@@ -62,6 +64,7 @@ class Config:
     d_model: int = 64
     heads: int = 4
     hidden: int = 256  # MLP width (two hidden layers)
+    sequence_parallel: bool = False  # with a tp mesh dim: activations between blocks cut on the sequence
     log_every: int = 10
     eval_size: int | None = None  # held-out examples; None: 512 rounded down to a multiple of the data size
     progress: bool = True
@@ -124,7 +127,10 @@ def check_config(cfg: Config) -> None:
             f"models.train: --out={cfg.out!r} is a file, not a folder; give a folder for the run's outputs "
             "(it is created if missing)."
         )
-    parse_mesh(cfg.mesh)
+    dims = dict(parse_mesh(cfg.mesh) or ())
+    if cfg.sequence_parallel and dims.get("tp", 1) < 2:
+        raise ValueError(f"models.train: --sequence-parallel cuts the sequence over the tp mesh dim, but --mesh="
+                         f"{cfg.mesh!r} has no tp dim of size >= 2; add one (e.g. --mesh dp=2,tp=4) or drop the flag.")
 
 
 def parse_mesh(spec: str | None) -> tuple[tuple[str, int], ...] | None:

@@ -50,8 +50,9 @@ def make_eval_step(model: Any, mesh: DeviceMesh, data_dims: tuple[str, ...], *, 
             right = (jnp.argmax(logits, -1) == batch["targets"]) | (batch["mask"] == 0)
         acc = {"token_accuracy": jnp.mean(right.astype(jnp.float32)),
                "sequence_accuracy": jnp.mean(jnp.all(right, axis=1).astype(jnp.float32))}
-        # Equal blocks on every rank: the mean of the ranks' means is the mean over the whole batch.
-        return {k: all_reduce(v, ReduceOp.AVG, group=data_dims) for k, v in acc.items()}
+        # Equal blocks on every rank: the mean of the ranks' means is the mean over the whole batch. Over every
+        # mesh dim: a DTensor batch is varying on the non-data dims (tp) too, where the ranks hold equal copies.
+        return {k: all_reduce(v, ReduceOp.AVG, group=tuple(mesh.mesh_dim_names)) for k, v in acc.items()}
 
     rep = [Replicate()] * mesh.ndim
     return spmd(local, mesh, in_placements=(rep, None), out_placements=rep)

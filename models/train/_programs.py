@@ -184,6 +184,12 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
     replicated = NamedSharding(mesh.jax_mesh, P())
     eval_step = make_eval_step(model, mesh, dims, digits=key.length if key.text is None and key.model == "transformer"
                                else None)
+    if "tp" in mesh.mesh_dim_names:  # tensor (sequence) parallel, with fsdp/dp dims too (models._tp_step)
+        from models._tp_step import tp_parts
+
+        plan, init, train_step, sharding = tp_parts(model, optimizer, mesh, jax.ShapeDtypeStruct(
+            (2, task_dims(key)[1]), jnp.int32), sequence_parallel=key.sequence_parallel, accum_steps=key.accum_steps)
+        return Programs(model, optimizer, placements, sharding, init, train_step, eval_step, plan)
     if "fsdp" in mesh.mesh_dim_names:  # FSDP / HSDP: the state sharded by a plan (models._fsdp_run)
         from models._fsdp_run import fsdp_parts
 
