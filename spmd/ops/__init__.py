@@ -7,6 +7,7 @@ the local op on every rank as one jitted program; it composes with ``jax.jit``.
 ``explain(fn, *args)`` prints what a function will communicate before it runs.
 """
 
+from spmd.tensor._ops_crossmesh import plan_cross_mesh
 from spmd.tensor._ops_elementwise import (
     abs,
     add,
@@ -46,4 +47,5 @@ __all__ = [
     "sum", "mean", "max", "min", "prod", "softmax", "log_softmax", "layer_norm",
     "matmul", "einsum", "transpose", "reshape", "getitem",
     "explain", "Explanation", "grad", "value_and_grad", "placed_gradient",
+    "plan_cross_mesh",
 ]

@@ -30,6 +30,7 @@ from spmd._mesh import DeviceMesh
 from spmd.tensor import _dispatch
 from spmd.tensor._checks import check_mesh, check_target, is_tracer
 from spmd.tensor._local import from_local_storage
+from spmd.tensor._ops_crossmesh import redistribute_cross_mesh
 from spmd.tensor._ops_methods import DTensorOps
 from spmd.tensor._storage import block_of
 from spmd.tensor._visualize import visualize
@@ -166,13 +167,7 @@ class DTensor(DTensorOps):
     # --- redistribute ---------------------------------------------------------------------
     def _target(self, device_mesh, placements, where: str):
         if device_mesh is not None:
-            check_mesh(device_mesh, where)
-            if device_mesh != self._mesh:
-                raise ValueError(
-                    f"{where}: device_mesh={device_mesh!r} is not this DTensor's mesh {self._mesh!r}; redistributing "
-                    "across meshes is not supported (nor in torch): redistribute on this mesh, then use "
-                    ".full_tensor() and distribute_tensor onto the other mesh."
-                )
+            check_mesh(device_mesh, where)  # another mesh went to redistribute_cross_mesh
         if placements is None:
             raise ValueError(
                 f"{where}: placements is needed, e.g. placements=[Replicate()] * {self._mesh.ndim} (one per mesh dim)."
@@ -187,8 +182,8 @@ class DTensor(DTensorOps):
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None):
         """This tensor with new ``placements`` on the same mesh (one jitted program).
 
-        ``device_mesh``, as in torch, may only name this tensor's own mesh. The plan it
-        runs is :func:`plan_redistribute`'s.
+        The plan it runs is :func:`plan_redistribute`'s. Another ``device_mesh`` (other shape or
+        devices; torch refuses it) runs ``spmd.ops.plan_cross_mesh``'s plan, eagerly.
         """
         key = None
         if (
@@ -203,6 +198,8 @@ class DTensor(DTensorOps):
                 dst, fn = hit
                 return self if fn is None else DTensor(run(_WHERE, fn, self._physical), self._mesh, dst, self._shape)
         where = "DTensor.redistribute"
+        if isinstance(device_mesh, DeviceMesh) and device_mesh != self._mesh:  # spmd/tensor/_ops_crossmesh.py
+            return redistribute_cross_mesh(self, device_mesh, placements)
         dst = self._target(device_mesh, placements, where)
         plan = self._plan(dst, where)
         fn = _dispatch.program(self._mesh, plan) if plan.steps else None
