@@ -1,5 +1,5 @@
-"""``CommDebugMode`` (count the collectives run inside it) and ``visualize_sharding``,
-as ``torch.distributed.tensor.debug``.
+"""``CommDebugMode`` (count the collectives run inside it), as ``torch.distributed.tensor.debug``
+(its ``visualize_sharding`` is ``spmd/tensor/_debug.py``'s).
 
 Every eager entry point of the project that runs a compiled program
 (``spmd.distributed``'s collectives, ``ProcessGroup`` methods, DTensor's
@@ -27,7 +27,7 @@ import jax
 from spmd._inspect import KINDS, hlo_collectives
 from spmd._x64 import x64_for
 
-__all__ = ["CommDebugMode", "record", "visualize_sharding"]
+__all__ = ["CommDebugMode", "record", "run"]
 
 _ACTIVE: contextvars.ContextVar[tuple["CommDebugMode", ...]] = contextvars.ContextVar("spmd_comm_debug", default=())
 
@@ -96,20 +96,6 @@ class CommDebugMode:
         lines += [f"{c:<{w}}  {k:<18}  {n:>5}  {b:>10}" for c, k, n, b in self.log]
         lines.append(f"total: {self.get_total_counts()} collective(s)")
         return "\n".join(lines)
-
-
-def visualize_sharding(dtensor: Any, header: str = "", use_rich: bool = False) -> None:
-    """Print which ranks hold which block of ``dtensor`` (torch's ``visualize_sharding``), under
-    ``header`` if given."""
-    from spmd import DTensor
-
-    if not isinstance(dtensor, DTensor):
-        raise TypeError(
-            f"visualize_sharding: dtensor={dtensor!r} must be a DTensor; make one with distribute_tensor or "
-            "DTensor.from_local."
-        )
-    text = dtensor.visualize(print_out=False)
-    print(f"{header}\n{text}" if header else text)
 
 
 def run(where: str, fn: Callable, *args: Any) -> Any:

@@ -53,7 +53,8 @@ from spmd.distributed._objects import (
 )
 from spmd._spawn import ProcessExitedException, ProcessRaisedException
 # torch names a port uses (issue 12.6), added by helper "port":
-from spmd._debug import CommDebugMode, visualize_sharding
+from spmd._debug import CommDebugMode
+from spmd.tensor._debug import visualize_sharding
 from spmd.distributed.device_mesh import DeviceMesh, init_device_mesh
 from spmd.distributed._availability import (
     get_default_backend_for_device,
