@@ -11,7 +11,7 @@ Layout of the package (internal modules):
 * ``_tables.py``: the index tables of a redistribute step (NumPy);
 * ``_lower.py``: one JAX lowering per transition kind, the plan's program;
 * ``_dispatch.py``: the one program cache (per mesh, weak, bounded);
-* ``_visualize.py``: ``DTensor.visualize``;
+* ``_visualize.py``: ``DTensor.visualize``; ``_debug.py``: ``visualize_sharding`` (torch's debug name);
 * ``_source.py``: a multi-process ``distribute_tensor``'s source rank;
 * ``_ops_*.py``: DTensor operators and methods (``spmd.ops``), executed per op strategy.
 """
