@@ -14,7 +14,9 @@ devices:
 - torch FSDP2 (``fully_shard`` per block, then the root; gloo, 8 CPU
   processes, one thread each) when torch is installed.
 
-Reported per layout: samples/s, parameter + optimizer bytes per device (from
+Reported per layout: samples/s, CPU time per step (all threads of the process,
+or of the 8 torch processes: less sensitive to other load on the host than
+wall time), parameter + optimizer bytes per device (from
 the live arrays), the analytic peak of gathered parameter bytes and XLA's
 temp buffer bytes (``memory_analysis``), and the collectives the compiled step
 executes (loop bodies times their trips) next to the plan's analytic bound.
@@ -118,17 +120,18 @@ def _torch_worker(rank, world, size, steps, warmup, port, out_path):
     for i in range(warmup):
         step(i)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(steps):
         step(i)
     dist.barrier()
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     moments = sum(v.to_local().numel() * v.element_size() for s in opt.state.values() for v in s.values()
                   if hasattr(v, "to_local") and v.dim() > 0)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"samples_per_s": steps * BATCH / dt, "step_ms": 1000 * dt / steps,
+                   "cpu_ms_per_step": 1000 * cpu * world / steps,  # rank 0's CPU time times the ranks
                        "state_bytes_per_device": local + moments}, f)
     dist.destroy_process_group()
 
@@ -181,13 +184,14 @@ def _timed(step, state, batches, steps, warmup):
     for i in range(warmup):
         state, m = compiled(state, batches[i % len(batches)])
     jax.block_until_ready(m)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(steps):
         state, m = compiled(state, batches[i % len(batches)])
     jax.block_until_ready((state, m))
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     mem = compiled.memory_analysis()
-    return state, compiled, {"samples_per_s": steps * BATCH / dt, "step_ms": 1000 * dt / steps, "compile_s": compile_s,
+    return state, compiled, {"samples_per_s": steps * BATCH / dt, "step_ms": 1000 * dt / steps,
+                             "cpu_ms_per_step": 1000 * cpu / steps, "compile_s": compile_s,
                              "xla_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
 
 
@@ -352,7 +356,7 @@ def main(argv=None) -> int:
                  else run_gspmd(size, shape, names, steps, warmup))
             entry[label] = r
             comm = ", ".join(f"{k} x{v['count']} {v['bytes'] / 2**20:.2f} MiB" for k, v in r["collectives"].items())
-            print(f"{size} {label:22s} {r['samples_per_s']:8.1f} samples/s  state {r['state_bytes_per_device'] / 2**20:6.2f} "
+            print(f"{size} {label:22s} {r['samples_per_s']:8.1f} samples/s  cpu {r['cpu_ms_per_step']:7.0f} ms/step  state {r['state_bytes_per_device'] / 2**20:6.2f} "
                   f"MiB/device  temp {(r['xla_temp_bytes'] or 0) / 2**20:6.1f} MiB  {comm}", flush=True)
         if torch_version:
             r = entry["torch FSDP2 8 procs"] = run_torch(size, 8, steps, warmup)

@@ -191,13 +191,7 @@ def make_fsdp_train_step(
         return out
 
     def local_grads(params: Any, batch: Any) -> tuple[Any, dict]:
-        n_local = jax.tree.leaves(batch)[0].shape[0]
-        if n_local % accum_steps:
-            raise ValueError(
-                f"train_step: the global batch of {n_local * n_data} examples gives {n_local} per rank on {n_data} "
-                f"data-parallel ranks ({' x '.join(data)}), which does not split into accum_steps={accum_steps} "
-                f"micro-batches; use a batch size divisible by {n_data * accum_steps}."
-            )
+        n_local = jax.tree.leaves(batch)[0].shape[0]  # divides by accum_steps: step() checked the batch
         leaves = jax.tree_util.tree_leaves(params)
         # Local gradients, no implicit psum (the JAX trap): differentiate w.r.t. device-varying copies.
         for d in data:
