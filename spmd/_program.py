@@ -23,15 +23,20 @@ from spmd import _collectives as C
 __all__ = ["block_program", "collective_program"]
 
 
-def block_program(jax_mesh: jax.sharding.Mesh, body: Callable) -> Callable:
+def block_program(jax_mesh: jax.sharding.Mesh, body: Callable, *, stacked: bool = True) -> Callable:
     """The jitted program that maps every device's block through ``body``.
 
     ``body`` takes one block (the leading mesh axes removed) inside the SPMD
     region, may call the functional collectives over the mesh's axes, and
-    returns one block; the result is stacked the same way.
+    returns one block; the result is stacked the same way. ``stacked=False``
+    (1-D meshes): the blocks are concatenated on dim 0 instead, so a device's
+    block is ``body``'s argument and result as they are (no reshape on either
+    side: the c10d facade's per-rank tensors).
     """
     nd = len(jax_mesh.axis_names)
     spec = P(*jax_mesh.axis_names)
+    if not stacked:
+        return jax.jit(jax.shard_map(body, mesh=jax_mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
     def per_device(block):
         out = body(block.reshape(block.shape[nd:]))
@@ -52,16 +57,16 @@ class _Collective:
         return getattr(C, self.name)(block, group=self.group, **{k: v for k, _, v in self.kwargs})
 
 
-def collective_program(jax_mesh: jax.sharding.Mesh, name: str, group: Any, **kwargs) -> Callable:
+def collective_program(jax_mesh: jax.sharding.Mesh, name: str, group: Any, *, stacked: bool = True, **kwargs) -> Callable:
     """The cached :func:`block_program` running collective ``name`` of ``spmd._collectives``.
 
     The cache key holds each option's type, so ``src=False`` or ``src=1.0`` never
     reuses the program built for ``src=0`` or ``src=1`` (their validation runs).
     """
     key = tuple(sorted((k, type(v), v) for k, v in kwargs.items()))
-    return _cached(jax_mesh, _Collective(name, group, key))
+    return _cached(jax_mesh, _Collective(name, group, key), stacked)
 
 
 @functools.lru_cache(maxsize=512)
-def _cached(jax_mesh: jax.sharding.Mesh, body: _Collective) -> Callable:
-    return block_program(jax_mesh, body)
+def _cached(jax_mesh: jax.sharding.Mesh, body: _Collective, stacked: bool = True) -> Callable:
+    return block_program(jax_mesh, body, stacked=stacked)

@@ -395,11 +395,11 @@ def _listening_addresses(pids: list[int]) -> set[str]:
 
 
 @pytest.mark.timeout(90)
-def test_coordinator_on_loopback_refuses_outsiders_and_other_jobs():
-    port = free_port()
+def test_coordinator_on_loopback_refuses_outsiders_and_other_jobs(tmp_path):
+    port, release = free_port(), tmp_path / "release"
     first = subprocess.Popen([sys.executable, "-m", "spmd.run", "--nproc-per-node", "2", "--master-port", str(port),
-                              str(SCRIPTS / "fail.py"), "linger"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=clean_env(), cwd=ROOT)
+                              str(SCRIPTS / "fail.py"), "linger", str(release)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)
     try:
         seen, deadline = [], time.monotonic() + 40
         while time.monotonic() < deadline and sum("second all_reduce" in s for s in seen) < 2:
@@ -415,6 +415,7 @@ def test_coordinator_on_loopback_refuses_outsiders_and_other_jobs():
         assert rc == 1
         assert "init_process_group: rank 1 was refused by the process on 127.0.0.1:" in err
         assert "this port hosts another job (SPMD_JOB_ID=" in err
+        release.touch()
         out, err1 = first.communicate(timeout=40)
     finally:
         first.kill()

@@ -25,6 +25,7 @@ check costs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -45,15 +46,27 @@ def _group_label(ranks: tuple, world: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One collective call of this rank: what, over which ranks, the group's call number."""
+    """One collective call of this rank: what, over which ranks, the group's call number.
+    Its texts are formatted only when needed (a slow call, a check, an error)."""
 
     where: str
     ranks: tuple[int, ...]
     seq: int
-    signature: str
-    group: str
+    opts: tuple
+    shape: tuple
+    dtype: Any
+    world: int
     start: float
     deadline: float
+
+    @functools.cached_property
+    def signature(self) -> str:
+        parts = [f"{k}={v}" for k, v in self.opts] + [f"dtype={self.dtype}", f"shape={tuple(self.shape)}"]
+        return ", ".join(parts)
+
+    @functools.cached_property
+    def group(self) -> str:
+        return _group_label(self.ranks, self.world)
 
     def position(self) -> str:
         return f"{self.group}|{self.seq}|{self.where}|{self.signature}"
@@ -169,17 +182,11 @@ def _watchdog(st: State, where: str) -> _Watchdog:
     return _WATCHDOG
 
 
-def _signature(opts: tuple, shape: tuple, dtype: Any) -> str:
-    parts = [f"{k}={v}" for k, v in opts] + [f"dtype={dtype}", f"shape={tuple(shape)}"]
-    return ", ".join(parts)
-
-
 def enter(st: State, where: str, ranks: tuple, opts: tuple, shape: tuple, dtype: Any) -> Call:
     """This rank enters a collective: counted, watched, and checked across ranks if asked."""
     wd = _watchdog(st, where)
     now = time.monotonic()
-    call = Call(where, ranks, wd.next_seq(ranks), _signature(opts, shape, dtype), _group_label(ranks, st.world_size),
-                now, now + st.timeout_s)
+    call = Call(where, ranks, wd.next_seq(ranks), opts, shape, dtype, st.world_size, now, now + st.timeout_s)
     if st.check_calls or call.seq == 0:
         # The first call of a group always meets here: gloo connects the group at its first
         # collective with a fixed 30 s limit, which must not cut a longer timeout short.

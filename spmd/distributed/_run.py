@@ -4,7 +4,8 @@ Every collective is one program from :func:`spmd._program.collective_program`
 (the project's one ``jit(shard_map)`` builder) over a 1-D mesh of the group's
 ranks (each rank's first device), running a functional collective of
 :mod:`spmd._collectives`. This rank's tensor is its block of a global array
-stacked on a leading rank axis.
+concatenated on dim 0 (``stacked=False``: no reshape on the way in or out; a
+scalar is stacked on a new leading axis instead).
 
 A program is lowered and compiled once per (group, collective, options,
 shape, dtype) and the compiled executable is called directly afterwards. It is
@@ -64,7 +65,8 @@ class _Program:
     sharding: NamedSharding
     device: Any  # this rank's device
     on_default: bool  # it is JAX's default device: jnp.asarray puts the block there
-    global_shape: tuple[int, ...]  # (group size, *block shape): one block per rank
+    stacked: bool  # a scalar's layout: blocks stacked on a new axis; else concatenated on dim 0
+    global_shape: tuple[int, ...]  # one block per rank
     out_shape: tuple[int, ...]  # this rank's result
     jitted: Callable  # what CommDebugMode inspects
     compiled: Callable  # what runs
@@ -80,13 +82,15 @@ def _program(devices: tuple, me: int, name: str, opts: tuple, shape: tuple, dtyp
     """Trace, lower and compile (no communication), once per (group, collective, options,
     shape, dtype): argument errors surface here, on the rank that made them."""
     mesh = _mesh(devices)
-    jitted = collective_program(mesh, name, _AXIS, **dict(opts))
+    n, stacked = len(devices), not shape  # concatenated blocks need no reshape: only a scalar is stacked
+    jitted = collective_program(mesh, name, _AXIS, stacked=stacked, **dict(opts))
     sharding = NamedSharding(mesh, P(_AXIS))
-    gshape = (len(devices),) + tuple(shape)
+    gshape = (n,) + tuple(shape) if stacked else (n * shape[0],) + tuple(shape[1:])
     compiled = jitted.lower(jax.ShapeDtypeStruct(gshape, dtype, sharding=sharding)).compile()
-    out_shape = tuple(compiled.out_info.shape[1:])
+    out = tuple(compiled.out_info.shape)
+    out_shape = out[1:] if stacked else (out[0] // n,) + out[1:]
     device = mesh.devices[me]
-    return _Program(sharding, device, device == jax.local_devices()[0], gshape, out_shape, jitted, compiled)
+    return _Program(sharding, device, device == jax.local_devices()[0], stacked, gshape, out_shape, jitted, compiled)
 
 
 def as_array(x: Any, where: str, arg: str) -> jax.Array | np.ndarray:
@@ -125,12 +129,13 @@ def _run(ranks: tuple, name: str, x: jax.Array, where: str, kwargs: dict, into: 
     devs = rank_devices()
     opts = tuple(sorted(kwargs.items()))
     prog = _program(tuple(devs[r] for r in ranks), ranks.index(st.rank), name, opts, tuple(x.shape), np.dtype(x.dtype))
-    # This rank's block of the stacked global array: one host-to-device copy for NumPy (jnp.asarray
-    # measured faster than device_put), one reshape for a JAX array.
+    # This rank's block of the global array: the tensor as it is (a scalar gets a leading axis);
+    # NumPy goes to the device with one copy (jnp.asarray measured faster than device_put).
     if isinstance(x, np.ndarray):
-        local = jnp.asarray(x[None]) if prog.on_default else jax.device_put(x[None], prog.device)
+        block = x[None] if prog.stacked else x
+        local = jnp.asarray(block) if prog.on_default else jax.device_put(block, prog.device)
     else:
-        local = jax.device_put(x.reshape((1,) + tuple(x.shape)), prog.device)
+        local = jax.device_put(x.reshape((1,)) if prog.stacked else x, prog.device)
     garr = jax.make_array_from_single_device_arrays(prog.global_shape, prog.sharding, [local])
     record(where, prog.jitted, garr)
     if not st.multiprocess:
@@ -143,12 +148,12 @@ def _run(ranks: tuple, name: str, x: jax.Array, where: str, kwargs: dict, into: 
             raise PeerError(_guard.broken_message(st, call, e)) from e
         finally:
             _guard.leave(call)
-    local_out = out.addressable_data(0)
+    local_out = out.addressable_data(0)  # this rank's block: the result as it is, unless stacked
     buf = None if into is None else buffer_of(into)
     if buf is not None and buf.shape == prog.out_shape and buf.dtype == local_out.dtype:
         np.copyto(buf, np.asarray(local_out).reshape(prog.out_shape))  # a host view of the device buffer
         return into
-    return local_out.reshape(prog.out_shape)
+    return local_out.reshape(prog.out_shape) if prog.stacked else local_out
 
 
 def stack(arrays: list) -> jax.Array | np.ndarray:

@@ -1,5 +1,6 @@
 """A rank that fails mid-collective: ``fail.py MODE``; MODE in raise, exit, hard, idle, ok, sleep, restart, linger
-(every rank waits 8 s after its collectives, then runs one more: the job must still work).
+(``linger PATH``: every rank waits until PATH exists after its collectives, then runs one more: the job
+must still work).
 
 Every rank prints ``pid <pid>`` first so that tests can check none is left.
 """
@@ -39,7 +40,9 @@ y = dist.all_reduce(np.ones(4, np.float32))
 print(f"second all_reduce {np.asarray(y).tolist()}", flush=True)
 if mode == "sleep":
     time.sleep(60)
-if mode == "linger":
-    time.sleep(8)
+if mode == "linger":  # until the file named by the argument exists (at most 60 s)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     z = dist.all_reduce(np.ones(4, np.float32))
     print(f"after linger {np.asarray(z).tolist()}", flush=True)
