@@ -219,6 +219,13 @@ def test_uneven_heads_and_bad_layouts_are_clear_errors():
         parallelize_rules({"fc": "col"})
     with pytest.raises(TypeError, match=re.escape("ColwiseParallel: dim=1.5 must be an int")):
         ColwiseParallel(dim=1.5)
+    from models import MLP
+    from models._tp_step import tp_parts
+
+    with pytest.raises(ValueError, match=re.escape(
+            "models.train: a mesh with a 'tp' dim runs the transformer's tensor-parallel layout; MLP has none: use "
+            "--model transformer, or a mesh without tp.")):
+        tp_parts(MLP(7, 3, (10,)), OPT, mesh, jax.ShapeDtypeStruct((2, 5), jnp.int32))
 
 
 def test_checkpoints_restore_across_layouts_bit_for_bit(tmp_path):
