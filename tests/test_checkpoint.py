@@ -237,21 +237,24 @@ def test_an_edited_meta_fails_the_checksum(uninterrupted, tmp_path):
 
 
 def test_flipped_bytes_in_a_run_stop_the_resume(tmp_path):
-    """The issue's probe on the job: 16 bytes flipped in the largest file under checkpoints/2/state/ (the
-    array data: hidden=96 puts the arrays in a data file of their own) stop --resume and restore_state with
-    the step and the array named; the files stay as they were; without step 2 the run resumes from step 1."""
+    """The issue's probe on the job: 16 bytes flipped in the middle of the largest file under
+    checkpoints/2/state/ (the array data: hidden=96 puts the arrays in a data file of their own) stop --resume
+    and restore_state naming the step; the files stay as they were; without step 2 the run resumes from step 1.
+    Orbax writes the arrays into that file in no fixed order, so the flip lands in raw values (the checksum
+    names the array) or in an encoded block (orbax cannot read it); test_flipped_bytes_in_the_state_fail_the_checksum
+    pins the first case."""
     out = str(tmp_path / "run")
     cfg = {**TINY, "hidden": 96, "steps": 2, "save_every": 1}
     run(Config(out=out, **cfg))
     _flip_16_bytes_of_the_largest_file(os.path.join(out, "checkpoints", "2", "state"))
     before = _snapshot(out)
     step_dir = os.path.join(out, "checkpoints", "2")
-    message = f"the checkpoint at {step_dir!r} (step 2) fails its checksum: the array state."
-    with pytest.raises(CheckpointError, match=re.escape(message)) as e:
-        run(Config(out=out, resume=True, **cfg))
-    assert "saved: [1]" in str(e.value) and "it was left untouched" in str(e.value)
-    with pytest.raises(CheckpointError, match=re.escape(message)):
-        restore_state(out)
+    for attempt in (lambda: run(Config(out=out, resume=True, **cfg)), lambda: restore_state(out)):
+        with pytest.raises(CheckpointError, match=re.escape(f"the checkpoint at {step_dir!r} (step 2) ")) as e:
+            attempt()
+        text = str(e.value)
+        assert "fails its checksum: the array state." in text or "cannot be read" in text, text
+        assert "saved: [1]" in text and "it was left untouched" in text
     assert _snapshot(out) == before
     shutil.rmtree(step_dir)
     assert run(Config(out=out, resume=True, **cfg))["resumed_from"] == 1
