@@ -402,6 +402,8 @@ def test_errors(mesh8, mesh3, mesh2x4):
         ops.exp(1.0)
     with raises(TypeError, "explain: fn=3 is not callable"):
         ops.explain(3)
+    with raises(TypeError, "placed_gradient: g=1 and primal=2 must both be DTensors"):
+        ops.placed_gradient(1, 2)
     with pytest.raises(TypeError, match="unhashable"):
         hash(x)
 

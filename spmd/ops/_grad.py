@@ -28,7 +28,10 @@ def placed_gradient(g, primal):
     """``g`` (``jax.grad``'s cotangent of DTensor ``primal``) as a DTensor with torch's gradient
     placements: ``Shard`` kept, ``Replicate`` and ``Partial`` mesh dims ``Replicate``."""
     if not (is_dtensor(g) and is_dtensor(primal)):
-        raise TypeError(f"placed_gradient: g={g!r} and primal={primal!r} must both be DTensors.")
+        raise TypeError(
+            f"placed_gradient: g={g!r} and primal={primal!r} must both be DTensors: pass jax.grad's result for a "
+            "DTensor argument and that argument."
+        )
     pl = primal.placements
     meaning = [Partial("sum") if isinstance(p, Replicate) else Replicate() if isinstance(p, Partial) else p for p in pl]
     (leaf,) = jax.tree_util.tree_leaves(g)
