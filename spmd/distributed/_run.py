@@ -28,9 +28,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd._arrays import as_array  # the one coercion rule (torch tensors, bfloat16 included)
 from spmd._debug import record
 from spmd._program import collective_program
-from spmd._torch import is_torch_tensor, torch_numpy
 from spmd._x64 import x64_for
 from spmd.distributed import _guard
 from spmd.distributed._errors import PeerError
@@ -91,24 +91,6 @@ def _program(devices: tuple, me: int, name: str, opts: tuple, shape: tuple, dtyp
     out_shape = out[1:] if stacked else (out[0] // n,) + out[1:]
     device = mesh.devices[me]
     return _Program(sharding, device, device == jax.local_devices()[0], stacked, gshape, out_shape, jitted, compiled)
-
-
-def as_array(x: Any, where: str, arg: str) -> jax.Array | np.ndarray:
-    """``x`` as an array this module runs: a ``jax.Array`` as it is, anything else as a NumPy
-    array (copied to the device once, in :func:`run_on`); a TypeError naming ``where``/``arg``
-    for what is not a numeric array."""
-    if isinstance(x, jax.Array):
-        return x
-    try:
-        a = torch_numpy(x) if is_torch_tensor(x) else np.asarray(x)  # torch bfloat16 too (port)
-    except Exception:
-        a = None
-    if a is None or not (a.dtype == np.bool_ or jnp.issubdtype(a.dtype, jnp.number)):  # bfloat16 too (port)
-        raise TypeError(
-            f"{where}: {arg}={x!r} must be a numeric array (jax, NumPy, or anything np.asarray takes"
-            f"{'' if a is None else f'; this one has dtype {a.dtype}'})."
-        )
-    return a
 
 
 def run_on(ranks: Sequence[int], name: str, x: jax.Array, *, where: str | None = None, into: Any = None, **kwargs):
