@@ -3,12 +3,14 @@
 Entries live under their ``DeviceMesh`` in a ``weakref.WeakKeyDictionary``: when
 the mesh dies its programs go with it (a program holds the ``jax.sharding.Mesh``,
 never the ``DeviceMesh``). Under a mesh, at most ``MAX_PER_MESH`` entries; a new
-one pushes out the least recently used, one at a time. Two kinds of keys:
+one pushes out the least recently used, one at a time. Kinds of keys:
 
 * a plan (``placements.Plan``, a value): its jitted program;
 * a redistribute request ``(src placements, shape, dtype, requested placements)``:
   the checked destination placements and the program, so that a repeated
-  ``redistribute`` is one look-up and the jitted call.
+  ``redistribute`` is one look-up and the jitted call;
+* ``("op", ...)`` / ``("interop", ...)``: the program of a DTensor op call (``_ops_exec.py``) or of a
+  ``to_jax`` / ``from_jax`` conversion (``_ops_interop.py``).
 
 A memo only: what it returns is what it would compute again.
 """

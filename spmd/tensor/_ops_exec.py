@@ -11,7 +11,6 @@ that dim's padding with the op's identity, from a static per-device table of loc
 from __future__ import annotations
 
 import contextvars
-import functools
 import math
 from typing import Any, Callable
 
@@ -83,9 +82,18 @@ def _size_table(shape, mesh_shape, placements, dims) -> np.ndarray:
     return np.array([[row[d] for d in dims] for row in rows], dtype=np.int32).reshape(n, len(dims))
 
 
-@functools.lru_cache(maxsize=2048)
 def _program(mesh, fn: Callable, params: tuple, strat: OpStrategy, kinds: tuple, shapes: tuple, fill: str | None):
-    """The jitted ``(physical inputs..., scalars...) -> physical output`` of one op call."""
+    """The jitted ``(physical inputs..., scalars...) -> physical output`` of one op call, kept in the
+    one DTensor program cache (``_dispatch.py``: per mesh, weakly held, bounded)."""
+    key = ("op", fn, params, strat, kinds, shapes, fill)
+    prog = _dispatch.lookup(mesh, key)
+    if prog is None:
+        prog = _build(mesh, fn, params, strat, kinds, shapes, fill)
+        _dispatch.remember(mesh, key, prog)
+    return prog
+
+
+def _build(mesh, fn: Callable, params: tuple, strat: OpStrategy, kinds: tuple, shapes: tuple, fill: str | None):
     names = mesh.mesh_dim_names
     nd = mesh.ndim
     mesh_shape = tuple(mesh.shape)

@@ -10,14 +10,13 @@ dims ``m1 < m2`` (torch's nesting: ``m1`` cuts first) is JAX's ``P((a1, a2))`` f
 
 from __future__ import annotations
 
-import functools
-
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from placements import Partial, Replicate, Shard, format_placements
-from spmd.tensor._ops_exec import is_dtensor
+from spmd.tensor import _dispatch
 from spmd.tensor._checks import check_mesh
+from spmd.tensor._ops_exec import is_dtensor
 
 __all__ = ["to_jax", "from_jax", "partition_spec"]
 
@@ -36,7 +35,16 @@ def _storage(t):
     return leaf
 
 
-@functools.lru_cache(maxsize=256)
+def _cached(mesh, kind: str, build, spec: P):
+    """The program of ``kind`` for ``spec`` in the one DTensor program cache (``_dispatch.py``)."""
+    key = ("interop", kind, spec)
+    prog = _dispatch.lookup(mesh, key)
+    if prog is None:
+        prog = build(mesh.jax_mesh, mesh.ndim, spec)
+        _dispatch.remember(mesh, key, prog)
+    return prog
+
+
 def _to_global(jax_mesh, nd: int, spec: P):
     names = jax_mesh.axis_names
     f = jax.shard_map(lambda b: b.reshape(b.shape[nd:]), mesh=jax_mesh, in_specs=P(*names), out_specs=spec,
@@ -44,7 +52,6 @@ def _to_global(jax_mesh, nd: int, spec: P):
     return jax.jit(f, out_shardings=NamedSharding(jax_mesh, spec))
 
 
-@functools.lru_cache(maxsize=256)
 def _to_storage(jax_mesh, nd: int, spec: P):
     names = jax_mesh.axis_names
     f = jax.shard_map(lambda b: b.reshape((1,) * nd + b.shape), mesh=jax_mesh, in_specs=spec,
@@ -78,7 +85,7 @@ def to_jax(x) -> jax.Array:
                 f"{k}, or redistribute it to Replicate() first."
             )
     spec = partition_spec(pl, mesh.mesh_dim_names, x.ndim)
-    return _to_global(mesh.jax_mesh, mesh.ndim, spec)(_storage(x))
+    return _cached(mesh, "to_jax", _to_global, spec)(_storage(x))
 
 
 def _placements_of(arr, mesh, where: str):
@@ -118,5 +125,5 @@ def from_jax(cls, arr, mesh):
         raise TypeError(f"{where}: arr={arr!r} is not a jax.Array; use distribute_tensor for NumPy values.")
     pl = _placements_of(arr, mesh, where)
     spec = partition_spec(pl, mesh.mesh_dim_names, arr.ndim)
-    storage = _to_storage(mesh.jax_mesh, mesh.ndim, spec)(arr)
+    storage = _cached(mesh, "from_jax", _to_storage, spec)(arr)
     return cls.tree_unflatten((mesh, pl, tuple(arr.shape)), (storage,))
