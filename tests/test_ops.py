@@ -527,3 +527,12 @@ def test_interop_errors(mesh2x4, mesh8):
     swapped = jax.device_put(data((8, 4)), NamedSharding(mesh2x4.jax_mesh, PartitionSpec(("tp", "dp"))))
     with raises(ValueError, "DTensor.from_jax: dim 0 is sharded over ('tp', 'dp') (minor mesh dim first)"):
         DTensor.from_jax(swapped, mesh2x4)
+
+
+def test_op_results_feed_spmd_with_their_placements(mesh2x4):
+    x = data((8, 8), 5)
+    d = ops.exp(make(x, mesh2x4, [S(0), S(1)]) / 10)  # a DTensor op result, placed S(0)S(1)
+    total = spmd.spmd(lambda a: jax.lax.psum(a.sum(), ("dp", "tp")), mesh2x4, out_placements=[R, R])
+    np.testing.assert_allclose(total(d), np.exp(x / 10).sum(), rtol=1e-5)  # in_placements taken from the DTensor
+    blocks = spmd.spmd(lambda a: a * 2, mesh2x4, out_placements=[S(0), S(1)])(d)
+    np.testing.assert_allclose(np.asarray(blocks), 2 * np.exp(x / 10), rtol=1e-5)
