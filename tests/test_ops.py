@@ -515,11 +515,28 @@ def test_to_jax_and_from_jax(mesh2x4, pl, spec):
     check(DTensor.from_jax(b, mesh2x4) + 1, x + 1, pl)
 
 
+def test_partial_sum_is_jax_unreduced(mesh2x4):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    x = data((8, 6), 4)
+    d = make(x, mesh2x4, [S(0), P("sum")])  # a non-trivial split over tp
+    a = d.to_jax()
+    assert a.sharding.spec == PartitionSpec("dp", None, unreduced={"tp"})
+    assert sum(v["count"] for v in spmd.collectives(lambda t: t.to_jax(), d).values()) == 0
+    reduced = jax.jit(lambda u: jax.sharding.reshard(u, NamedSharding(a.sharding.mesh, PartitionSpec("dp", None))))(a)
+    np.testing.assert_array_equal(np.asarray(reduced), x)  # JAX's reshard sums the unreduced values
+    back = DTensor.from_jax(a, mesh2x4)
+    assert back.placements == (S(0), P("sum"))
+    for u, v in zip(back.local_tensors(), d.local_tensors()):  # the very same per-rank partial values
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    check(back, x)
+
+
 def test_interop_errors(mesh2x4, mesh8):
     from jax.sharding import NamedSharding, PartitionSpec
 
-    with raises(ValueError, "DTensor.to_jax: placements P(sum)R hold unreduced Partial values, which a NamedSharding jax.Array cannot; reduce them first: x.redistribute(placements=[Replicate(), Replicate()]).to_jax()"):
-        make(data((4, 4)), mesh2x4, [P("sum"), R]).to_jax()
+    with raises(ValueError, "DTensor.to_jax: placements P(max)R hold Partial values other than sums, which a NamedSharding jax.Array cannot (JAX's unreduced is a sum); reduce them first: x.redistribute(placements=[Replicate(), Replicate()]).to_jax()"):
+        make(data((4, 4)), mesh2x4, [P("max"), R]).to_jax()
     with raises(ValueError, "DTensor.to_jax: dim 0 of shape (5, 3) is cut into 8 uneven shards by S(0); a NamedSharding needs even ones"):
         make(data((5, 3)), mesh8, [S(0)]).to_jax()
     with raises(TypeError, "DTensor.from_jax: arr=array("):

@@ -1,17 +1,20 @@
-"""DTensor <-> jax.Array with a NamedSharding (evenly placed, no Partial).
+"""DTensor <-> jax.Array with a NamedSharding (evenly placed; Partial(sum) as ``unreduced``).
 
 A DTensor's storage already holds one block per device; a ``NamedSharding`` array
 with the matching ``PartitionSpec`` holds the same blocks on the same devices. The
 conversion is a per-device reshape in one ``shard_map`` (no communication, checked
 in tests on the compiled HLO), eagerly or inside ``jax.jit``. ``Shard(d)`` on mesh
 dims ``m1 < m2`` (torch's nesting: ``m1`` cuts first) is JAX's ``P((a1, a2))`` for dim
-``d``: the major axis first, as in JAX.
+``d``: the major axis first, as in JAX. ``Partial(sum)`` mesh dims are JAX's ``unreduced``
+axes, which JAX allows on ``Explicit`` mesh axes only: such an array lives on the
+``Explicit`` twin of the DTensor's mesh (same devices and names); JAX reduces it when
+it is resharded. Other Partial ops have no JAX counterpart and are refused.
 """
 
 from __future__ import annotations
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from placements import Partial, Replicate, Shard, format_placements
 from spmd.tensor import _dispatch
@@ -22,12 +25,19 @@ __all__ = ["to_jax", "from_jax", "partition_spec"]
 
 
 def partition_spec(placements, names, ndim: int) -> P:
-    """The ``PartitionSpec`` of a placement list without Partial."""
+    """The ``PartitionSpec`` of a placement list; ``Partial`` mesh dims become ``unreduced`` axes."""
     entries: list[list[str]] = [[] for _ in range(ndim)]
     for name, p in zip(names, placements):
         if isinstance(p, Shard):
             entries[p.dim].append(name)
-    return P(*[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries])
+    unreduced = frozenset(n for n, p in zip(names, placements) if isinstance(p, Partial))
+    spec = [None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries]
+    return P(*spec, unreduced=unreduced) if unreduced else P(*spec)
+
+
+def _explicit(jax_mesh: Mesh) -> Mesh:
+    """The same devices and axis names with ``Explicit`` axes (where JAX allows ``unreduced``)."""
+    return Mesh(jax_mesh.devices, jax_mesh.axis_names, axis_types=(AxisType.Explicit,) * len(jax_mesh.axis_names))
 
 
 def _storage(t):
@@ -47,6 +57,12 @@ def _cached(mesh, kind: str, build, spec: P):
 
 def _to_global(jax_mesh, nd: int, spec: P):
     names = jax_mesh.axis_names
+    if spec.unreduced:
+        em = _explicit(jax_mesh)
+        sm = jax.shard_map(lambda b: b.reshape(b.shape[nd:]), mesh=em, in_specs=P(*names), out_specs=spec,
+                           check_vma=False)
+        f = lambda st: sm(jax.sharding.reshard(st, NamedSharding(em, P(*names))))  # noqa: E731 - same blocks
+        return jax.jit(f, out_shardings=NamedSharding(em, spec))
     f = jax.shard_map(lambda b: b.reshape(b.shape[nd:]), mesh=jax_mesh, in_specs=P(*names), out_specs=spec,
                       check_vma=False)
     return jax.jit(f, out_shardings=NamedSharding(jax_mesh, spec))
@@ -54,25 +70,30 @@ def _to_global(jax_mesh, nd: int, spec: P):
 
 def _to_storage(jax_mesh, nd: int, spec: P):
     names = jax_mesh.axis_names
-    f = jax.shard_map(lambda b: b.reshape((1,) * nd + b.shape), mesh=jax_mesh, in_specs=spec,
-                      out_specs=P(*names), check_vma=False)
-    return jax.jit(f, out_shardings=NamedSharding(jax_mesh, P(*names)))
+    src = _explicit(jax_mesh) if spec.unreduced else jax_mesh
+    f = jax.jit(jax.shard_map(lambda b: b.reshape((1,) * nd + b.shape), mesh=src, in_specs=spec,
+                              out_specs=P(*names), check_vma=False))
+    if not spec.unreduced:
+        return f
+    return lambda arr: jax.device_put(f(arr), NamedSharding(jax_mesh, P(*names)))  # same blocks, the DTensor's mesh
 
 
 def to_jax(x) -> jax.Array:
     """``x`` as a global ``jax.Array`` sharded by the matching ``NamedSharding`` (no communication).
 
-    Needs even shards and no Partial: redistribute first otherwise (JAX's ``NamedSharding``
-    has no uneven shards and no max/min/product partial values)."""
+    Needs even shards, and Partial only as ``sum`` (JAX's ``unreduced``, on the ``Explicit`` twin
+    of the mesh): redistribute first otherwise (JAX's ``NamedSharding`` has no uneven shards and
+    no avg/max/min/product partial values)."""
     where = "DTensor.to_jax"
     if not is_dtensor(x):
         raise TypeError(f"{where}: x={x!r} is not a DTensor.")
     pl, mesh = x.placements, x.device_mesh
-    if any(isinstance(p, Partial) for p in pl):
+    if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in pl):
         fix = [Replicate() if isinstance(p, Partial) else p for p in pl]
         raise ValueError(
-            f"{where}: placements {format_placements(pl)} hold unreduced Partial values, which a NamedSharding "
-            f"jax.Array cannot; reduce them first: x.redistribute(placements={fix!r}).to_jax()."
+            f"{where}: placements {format_placements(pl)} hold Partial values other than sums, which a NamedSharding "
+            f"jax.Array cannot (JAX's unreduced is a sum); reduce them first: "
+            f"x.redistribute(placements={fix!r}).to_jax()."
         )
     for d in sorted({p.dim for p in pl if isinstance(p, Shard)}):
         k = 1
@@ -99,11 +120,12 @@ def _placements_of(arr, mesh, where: str):
         [d.id for d in sh.mesh.devices.flat] != [d.id for d in mesh.devices.flat]
     ):
         raise ValueError(f"{where}: arr is sharded over mesh {dict(sh.mesh.shape)}, not over {mesh!r}; pass its mesh.")
-    if getattr(sh.spec, "unreduced", None) or getattr(sh.spec, "reduced", None):
-        raise ValueError(f"{where}: arr's PartitionSpec {sh.spec} has unreduced/reduced axes, which are not supported.")
+    if sh.spec.reduced:
+        raise ValueError(f"{where}: arr's PartitionSpec {sh.spec} has reduced axes, which have no placement; reshard first.")
     names = mesh.mesh_dim_names
-    pl: list = [Replicate()] * mesh.ndim
-    for d, entry in enumerate(tuple(sh.spec) + (None,) * (arr.ndim - len(sh.spec))):
+    pl: list = [Partial("sum") if n in sh.spec.unreduced else Replicate() for n in names]
+    parts = tuple(sh.spec.partitions)
+    for d, entry in enumerate(parts + (None,) * (arr.ndim - len(parts))):
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         idx = [names.index(a) for a in axes]
         if idx != sorted(idx):
