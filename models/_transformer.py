@@ -106,7 +106,8 @@ class Transformer(nn.Module):
 
     def _sharded(self, tokens: jax.Array, gather: Any) -> jax.Array:
         """The same forward pass on parameter shards: root gathered once and held, blocks
-        scanned with one gather each (again in the backward pass when ``gather.regather``)."""
+        scanned with one gather each (again in the backward pass when ``gather.regather``;
+        otherwise the scan is unrolled)."""
         params = self.variables["params"]
         blocks = [params[f"block_{i}"] for i in range(self.num_layers)]
         root = gather("root", {k: v for k, v in params.items() if not k.startswith("block_")})
@@ -124,6 +125,8 @@ class Transformer(nn.Module):
             # recomputed in the backward pass: one more all-gather per block, one block alive.
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
         if blocks:
-            x, _ = jax.lax.scan(body, x, jax.tree.map(lambda *b: jnp.stack(b), *blocks))
+            # Re-gathering needs the loop (a loop body's gather cannot be merged with the forward one);
+            # keeping the gathers, the blocks run unrolled, which XLA:CPU schedules faster.
+            x, _ = jax.lax.scan(body, x, jax.tree.map(lambda *b: jnp.stack(b), *blocks), unroll=not gather.regather)
         x = nn.LayerNorm(dtype=self.dtype, parent=None).apply({"params": root["ln_f"]}, x)
         return embed.apply({"params": root["embed"]}, x, method=nn.Embed.attend)
