@@ -103,13 +103,17 @@ def shard_train_state(state: TrainState, plan: ParamPlan, mesh: DeviceMesh, opti
 
 def _check(loss_fn, optimizer, mesh, plan, dp, accum_steps, where: str) -> None:
     if not callable(loss_fn):
-        raise TypeError(f"{where}: loss_fn={loss_fn!r} must be callable as loss_fn(params, batch, gather) -> (loss, metrics).")
+        raise TypeError(
+            f"{where}: loss_fn={loss_fn!r} must be callable as loss_fn(params, batch, gather) -> (loss, metrics).")
     if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(f"{where}: optimizer={optimizer!r} must be an optax.GradientTransformation, e.g. optax.adamw(1e-3).")
+        raise TypeError(
+            f"{where}: optimizer={optimizer!r} must be an optax.GradientTransformation, e.g. optax.adamw(1e-3).")
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{where}: mesh={mesh!r} must be a spmd.DeviceMesh, e.g. init_device_mesh('cpu', (8,), mesh_dim_names=('fsdp',)).")
+        raise TypeError(f"{where}: mesh={mesh!r} must be a spmd.DeviceMesh, e.g. init_device_mesh('cpu', (8,), "
+                        "mesh_dim_names=('fsdp',)).")
     if not isinstance(plan, ParamPlan):
-        raise TypeError(f"{where}: plan={plan!r} must be a spmd.parallel.ParamPlan; build it with plan_params(params, mesh).")
+        raise TypeError(
+            f"{where}: plan={plan!r} must be a spmd.parallel.ParamPlan; build it with plan_params(params, mesh).")
     if plan.mesh_dim_names != mesh.mesh_dim_names or plan.mesh_shape != mesh.shape:
         raise ValueError(
             f"{where}: plan was built for the mesh {dict(zip(plan.mesh_dim_names, plan.mesh_shape))}, not "

@@ -269,8 +269,9 @@ def plan_params(
     """Place every leaf of ``params`` (arrays or ``jax.ShapeDtypeStruct``) on ``mesh``.
 
     ``rules``: first match wins, per parameter; every rule must match some
-    parameter path (a rule that only ever loses to an earlier one is allowed). ``fsdp``: the mesh dim that ``fully_shard``'s default cuts
-    (a mesh without it keeps every parameter ``Replicate``: plain DDP).
+    parameter path (a rule that only ever loses to an earlier one is allowed).
+    ``fsdp``: the mesh dim that ``fully_shard``'s default cuts (a mesh without
+    it keeps every parameter ``Replicate``: plain DDP).
     ``units``: regexes over the first path component; each matching
     component (``block_0``, ``block_1``, ...) is a gather unit, everything
     else belongs to the ``"root"`` unit. ``keep``: regexes of the units whose
@@ -284,7 +285,8 @@ def plan_params(
     rules = tuple(rules)
     for i, r in enumerate(rules):
         if not isinstance(r, Rule):
-            raise TypeError(f"{where}: rules[{i}]={r!r} must be a spmd.parallel.Rule (or fully_shard(...), replicate(...)).")
+            raise TypeError(
+                f"{where}: rules[{i}]={r!r} must be a spmd.parallel.Rule (or fully_shard(...), replicate(...)).")
         for dim, _ in r.placements:
             if dim not in names:
                 raise ValueError(

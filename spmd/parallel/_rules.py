@@ -38,7 +38,8 @@ class Rule:
     def __init__(self, pattern: str, placements: Mapping[str, Placement], name: str = ""):
         where = "Rule"
         if not isinstance(pattern, str):
-            raise TypeError(f"{where}: pattern={pattern!r} must be a str regex over '/'-joined parameter paths, e.g. r'block_\\d+/.*'.")
+            raise TypeError(f"{where}: pattern={pattern!r} must be a str regex over '/'-joined parameter paths, "
+                            "e.g. r'block_\\d+/.*'.")
         try:
             re.compile(pattern)
         except re.error as e:
