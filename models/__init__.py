@@ -18,6 +18,8 @@ __all__ = [
     "init_train_state",
     "make_train_step",
     "batch_placements",
+    "make_fsdp_train_step",
+    "shard_train_state",
     "Checkpointer",
     "CheckpointError",
 ]
@@ -31,6 +33,8 @@ _WHERE = {
     "init_train_state": "models._ddp",
     "make_train_step": "models._ddp",
     "batch_placements": "models._ddp",
+    "make_fsdp_train_step": "models._fsdp",
+    "shard_train_state": "models._fsdp",
     "Checkpointer": "models._checkpoint",
     "CheckpointError": "models._checkpoint",
 }
