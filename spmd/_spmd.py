@@ -192,7 +192,8 @@ class _Spmd:
                 as_array(y, "spmd", f"the result's leaf {i}")  # a str or object: the project's TypeError, not JAX's
                 y = jnp.asarray(y)
                 pl = check_target(
-                    [Replicate()] * nd if pl is None else pl, nd, y.ndim, y.dtype, "spmd", f"out_placements (leaf {i})"
+                    [Replicate()] * nd if pl is None else pl, nd, y.ndim, y.dtype, "spmd", f"out_placements (leaf {i})",
+                    pad=False,  # @spmd names every mesh dim: a short list is an error, never a silent Replicate
                 )
                 checked.append(pl)
                 vmas.append(varying_axes(y))

@@ -93,7 +93,7 @@ def test_transfer_bytes(meshes):
 
 def test_cross_mesh_errors(meshes):
     d = distribute_tensor(np.ones((8, 4), np.float32), meshes["lo4"], [S(0)])
-    with pytest.raises(ValueError, match=re.escape("DTensor.redistribute: placements=S(0) has 1 placement(s) but the mesh has 2 dim(s)")):
-        d.redistribute(meshes["2x4"], [S(0)])
+    with pytest.raises(ValueError, match=re.escape("DTensor.redistribute: placements=S(0)RR has 3 placement(s) but the mesh has 2 dim(s)")):
+        d.redistribute(meshes["2x4"], [S(0), R, R])
     with pytest.raises(TypeError, match=re.escape("DTensor.redistribute: redistributing onto another mesh")):
         jax.jit(lambda t: t.redistribute(meshes["hi4"], [R]))(d)

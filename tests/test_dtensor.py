@@ -212,8 +212,8 @@ def raises(exc, msg):
 def test_error_messages(mesh4, mesh2x4, mesh8):
     x = data((8, 4))
     dt = distribute_tensor(x, mesh4, [Shard(0)])
-    with raises(ValueError, "distribute_tensor: placements=S(0) has 1 placement(s) but the mesh has 2 dim(s)"):
-        distribute_tensor(x, mesh2x4, [Shard(0)])
+    with raises(ValueError, "distribute_tensor: placements=S(0)S(0)R has 3 placement(s) but the mesh has 2 dim(s)"):
+        distribute_tensor(x, mesh2x4, [Shard(0), Shard(0), Replicate()])
     with raises(ValueError, "distribute_tensor: placements[0]=Shard(dim=2) is out of range for a tensor of rank 2; use a dim in [-2, 1]"):
         distribute_tensor(x, mesh4, [Shard(2)])
     with raises(TypeError, "distribute_tensor: device_mesh='cpu' must be a DeviceMesh"):
@@ -386,3 +386,18 @@ def test_negative_zero_through_partial(mesh8):
         assert np.signbit(firsts[0]) and all(np.signbit(v) or (op == "product" and v == 1) for v in firsts), op
         if op in ("product", "max", "min"):
             assert np.signbit(np.asarray(dt.redistribute(placements=[R]).full_tensor())[0]), op
+
+
+def test_short_placement_list_is_padded_with_replicate_as_torch(mesh2x4):
+    # torch's distribute_tensor / from_local / redistribute complete a short list with Replicate()
+    x = data((8, 4))
+    dt = distribute_tensor(x, mesh2x4, [Shard(0)])
+    assert dt.placements == (Shard(0), Replicate())
+    assert [t.shape for t in dt.local_tensors()] == [(4, 4)] * 4 + [(4, 4)] * 4
+    np.testing.assert_array_equal(np.asarray(dt.local_tensors()[5]), x[4:])
+    out = dt.redistribute(placements=[Replicate()])
+    assert out.placements == (Replicate(), Replicate())
+    np.testing.assert_array_equal(np.asarray(out.full_tensor()), x)
+    loc = DTensor.from_local([x[:4]] * 4 + [x[4:]] * 4, mesh2x4, [Shard(0)])
+    assert loc.placements == (Shard(0), Replicate())
+    np.testing.assert_array_equal(np.asarray(loc.full_tensor()), x)

@@ -292,12 +292,12 @@ def _placements(a: Args, mesh_ndim: int, ndim: int, dtype: str, name: str = "pla
     a bad one does not."""
     ops = PARTIAL_FOR[dtype]
     one = [R] + [Shard(d) for d in range(-ndim, ndim)] + [Partial(op) for op in ops]
-    good = st.lists(pick(*one), min_size=mesh_ndim, max_size=mesh_ndim).filter(
+    # a list shorter than the mesh is good too: torch completes it with Replicate() on the trailing dims
+    good = st.lists(pick(*one), min_size=max(mesh_ndim - 1, 0), max_size=mesh_ndim).filter(
         lambda pl: len({p.reduce_op for p in pl if isinstance(p, Partial)}) <= 1)
     rest = st.lists(pick(*one[: 1 + 2 * ndim]), min_size=mesh_ndim - 1, max_size=mesh_ndim - 1)
     bad = [
         st.lists(pick(*one), min_size=mesh_ndim + 1, max_size=mesh_ndim + 1),
-        st.lists(pick(*one), min_size=mesh_ndim - 1, max_size=mesh_ndim - 1),
         st.tuples(pick(Shard(ndim), Shard(-ndim - 1), "R", None, Shard), rest).map(lambda t: [t[0], *t[1]]),
         pick("S0", 0, Shard(0) if mesh_ndim > 1 else "R"),
     ]
@@ -373,14 +373,15 @@ def test_fuzz_redistribute(meshes, data):
     if planned:
         d = a("dt", st.just(dt), pick(x, None, "dt", [dt]))
     else:
-        m = a("device_mesh", st.just(None), pick(meshes[3 - mesh_ndim], "cpu", mesh.jax_mesh))
+        m = a("device_mesh", st.just(None), pick("cpu", mesh.jax_mesh, 2))  # another DeviceMesh is a cross-mesh move
     dst = _placements(a, mesh_ndim, x.ndim, dtype)
-    if not a.bad and any(s != d and s.is_partial() and d.is_partial() for s, d in zip(dt.placements, dst)):
+    padded = [*dst, *[R] * (mesh_ndim - len(dst))] if isinstance(dst, list) else dst
+    if not a.bad and any(s != d and s.is_partial() and d.is_partial() for s, d in zip(dt.placements, padded)):
         a.bad.append("placements (a Partial op switch)")
     if planned:
         plan = outcome(lambda: spmd.plan_redistribute(d, dst), a.bad, ("plan_redistribute",))
         assert plan is None or (plan.src, plan.dst) == (dt.placements, tuple(
-            Shard(p.dim % x.ndim) if isinstance(p, Shard) else p for p in dst))
+            Shard(p.dim % x.ndim) if isinstance(p, Shard) else p for p in padded))
         return
     out = outcome(lambda: dt.redistribute(m, dst), a.bad, ("DTensor.redistribute",))
     if out is not None:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from placements import Partial, check_placements
+from placements import Partial, Replicate, check_placements
 from placements._plan import check_partial_mix
 from spmd._mesh import DeviceMesh
 
@@ -57,9 +57,17 @@ def check_partial_dtype(placements, dtype, where: str, arg: str = "placements") 
             )
 
 
-def check_target(placements: Any, mesh_ndim: int, ndim: int, dtype, where: str, arg: str = "placements"):
+def check_target(
+    placements: Any, mesh_ndim: int, ndim: int, dtype, where: str, arg: str = "placements", *, pad: bool = True
+):
     """A placement list for a tensor of rank ``ndim`` and ``dtype`` on a mesh of ``mesh_ndim`` dims:
-    checked as a list, for mixed Partial ops and for the dtype; returned as a tuple."""
+    checked as a list, for mixed Partial ops and for the dtype; returned as a tuple.
+
+    With ``pad`` (DTensor's entry points), a list shorter than the mesh is completed with ``Replicate()``
+    on the trailing mesh dims, as torch's ``distribute_tensor`` / ``from_local`` / ``redistribute`` do;
+    a longer one is refused."""
+    if pad and isinstance(placements, (list, tuple)) and len(placements) < mesh_ndim:
+        placements = tuple(placements) + (Replicate(),) * (mesh_ndim - len(placements))
     pl = check_placements(placements, mesh_ndim=mesh_ndim, tensor_ndim=ndim, where=f"{where}: {arg}")
     check_partial_mix(pl, f"{where}: {arg}")
     check_partial_dtype(pl, dtype, where, arg)
