@@ -201,7 +201,10 @@ def tp_loss(model: Any, params: dict, batch: dict, ctx: TPContext, gather: Any =
             jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(TP_COMM))
         body = jax.checkpoint(body, policy=policy)
     blocks = [params[f"block_{i}"] for i in range(model.num_layers)]
-    if blocks:
+    if gather is None:  # whole on fsdp already: the blocks unrolled (no stacked copy of their parameters)
+        for p in blocks:
+            x = _block(p, x, ctx)
+    elif blocks:  # scanned: one block gathered at a time
         x, _ = lax.scan(body, x, jax.tree.map(lambda *b: jnp.stack(b), *blocks))
     x = _ln(root["ln_f"], x, ctx)
     return _vocab_parallel_ce(x, root["embed"]["embedding"], batch, model.vocab_size, ctx)
