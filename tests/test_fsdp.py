@@ -224,6 +224,21 @@ def test_checkpoints_restore_across_meshes_bit_for_bit(tmp_path):
         restore_resharded(Checkpointer(tmp_path / "fsdp8"), replicated_target, None, dp8, OPT, other, units)
 
 
+# The MLP keeps the job tests fast (the transformer's sharded step is checked above, against 1 device).
+JOB = dict(model="mlp", hidden=16, steps=4, batch_size=16, length=4, save_every=2, log_every=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _job_dp8():
+    """The reference run of the job tests: --mesh dp=8 (summary, with its --out as "out")."""
+    import tempfile
+
+    from models.train import Config, run
+
+    out = tempfile.mkdtemp(prefix="fsdp_job_dp8_")
+    return dict(run(Config(mesh="dp=8", out=out, progress=False, **JOB)), out=out)
+
+
 def test_training_job_fsdp_and_hsdp_match_dp_and_resume_across_layouts(tmp_path):
     """`--mesh fsdp=8` gives the per-step losses of `--mesh dp=8` (same seed); a run saved on fsdp=8
     resumes on dp=2,fsdp=4 and continues the dp=8 run's losses; metrics.json reports memory and collectives."""
@@ -232,9 +247,8 @@ def test_training_job_fsdp_and_hsdp_match_dp_and_resume_across_layouts(tmp_path)
 
     from models.train import Config, restore_state, run
 
-    # The MLP keeps it fast (the transformer's sharded step is checked above, in-process and against 1 device).
-    tiny = dict(model="mlp", hidden=16, steps=4, batch_size=16, length=4, save_every=2, log_every=1, progress=False)
-    dp = run(Config(mesh="dp=8", out=str(tmp_path / "dp"), **tiny))
+    tiny = dict(JOB, progress=False)
+    dp = _job_dp8()
     fs = run(Config(mesh="fsdp=8", out=str(tmp_path / "fsdp"), **tiny))
     losses = [h["loss"] for h in dp["history"]]
     np.testing.assert_allclose([h["loss"] for h in fs["history"]], losses, rtol=0, atol=1e-5)
@@ -257,7 +271,36 @@ def test_training_job_fsdp_and_hsdp_match_dp_and_resume_across_layouts(tmp_path)
     one = spmd.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
     got, _ = restore_state(str(tmp_path / "fsdp"), mesh=one)
     again, _ = restore_state(str(tmp_path / "fsdp"))
-    want, _ = restore_state(str(tmp_path / "dp"), mesh=one)
+    want, _ = restore_state(dp["out"], mesh=one)
     for a, b, c in zip(jax.tree.leaves(got), jax.tree.leaves(again), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(a, c, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_training_job_fsdp_under_spmdrun_matches_dp(tmp_path):
+    """`spmdrun --nproc-per-node 2 --devices-per-proc 4 -m models.train --mesh fsdp=8`: each process holds
+    its 4 devices' shards; the per-step losses are the one-process dp=8 run's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    drop = ("XLA_FLAGS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+            "SPMD_DEVICES_PER_PROC")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""))
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in JOB.items()]
+    out = tmp_path / "mp"
+    proc = subprocess.run([sys.executable, "-m", "spmd.run", "--standalone", "--nproc-per-node", "2",
+                           "--devices-per-proc", "4", "-m", "models.train", "--mesh", "fsdp=8", *flags, "--no-progress",
+                           "--out", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "metrics.json") as f:
+        summary = json.load(f)
+    assert summary["processes"] == 2 and summary["mesh"] == {"fsdp": 8}
+    dp = _job_dp8()
+    np.testing.assert_allclose([h["loss"] for h in summary["history"]], [h["loss"] for h in dp["history"]],
+                               rtol=0, atol=1e-5)
+    assert summary["memory"]["state_bytes_per_device"] < dp["memory"]["state_bytes_per_device"] / 4
