@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the job from the command line; the exit code (0, 2 for a refused input, 130 on Ctrl-C)."""
     cfg = parse_args(argv)
     default_cpu_devices()
+    # JAX and the job load only here, after default_cpu_devices() had its chance to set XLA_FLAGS.
     import jax
 
     from models._checkpoint import CheckpointError

@@ -23,7 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 from models._data import DigitTask, TextTask
 from models._ddp import batch_placements, init_train_state, make_train_step
+from models._fsdp_run import fsdp_parts
 from models._mlp import MLP
+from models._tp_step import tp_parts
 from models._transformer import Transformer
 from models.train._config import DATA_DIMS, STATE_DIMS, Config, parse_mesh
 from models.train._eval import make_eval_step
@@ -185,14 +187,10 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
     eval_step = make_eval_step(model, mesh, dims, digits=key.length if key.text is None and key.model == "transformer"
                                else None)
     if "tp" in mesh.mesh_dim_names:  # tensor (sequence) parallel, with fsdp/dp dims too (models._tp_step)
-        from models._tp_step import tp_parts
-
         plan, init, train_step, sharding = tp_parts(model, optimizer, mesh, jax.ShapeDtypeStruct(
             (2, task_dims(key)[1]), jnp.int32), sequence_parallel=key.sequence_parallel, accum_steps=key.accum_steps)
         return Programs(model, optimizer, placements, sharding, init, train_step, eval_step, plan)
     if "fsdp" in mesh.mesh_dim_names:  # FSDP / HSDP: the state sharded by a plan (models._fsdp_run)
-        from models._fsdp_run import fsdp_parts
-
         sample = jax.ShapeDtypeStruct((2, task_dims(key)[1]), jnp.int32)
         plan, init, train_step, sharding = fsdp_parts(model, optimizer, cross_entropy, mesh, sample,
                                                       accum_steps=key.accum_steps)

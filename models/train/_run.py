@@ -27,6 +27,7 @@ from models.train._outdir import OutFolder, RunLock, write_outputs
 from models.train._programs import (build_mesh, check_fits, data_dims, device_memory, layout, make_task, place_batch,
                                     programs, task_dims)
 from spmd import DeviceMesh
+from spmd.distributed import init_process_group, is_initialized
 
 __all__ = ["run", "restore_state"]
 
@@ -37,10 +38,8 @@ def _maybe_init_distributed() -> None:
     """Join the process group when started by a launcher (spmdrun / torchrun variables)."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return
-    import spmd.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group()
+    if not is_initialized():
+        init_process_group()
 
 
 def _check_batch_sizes(cfg: Config, mesh: DeviceMesh) -> tuple[int, int]:

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from placements import ReduceOp, as_reduce_op
-from spmd.distributed._groups import Group, member_group, peer_rank
+from spmd.distributed._groups import Group, members_only, peer_rank
 from spmd.distributed._run import as_array, run_on, stack, zeros
 from spmd.distributed._state import state
 from spmd.distributed._work import deliver, maybe_async, write_into
@@ -72,53 +72,45 @@ def _fill(target: Any, values: list) -> list:
 
 
 # --- collectives ------------------------------------------------------------------------------
+@members_only
 def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False):
     """Reduce every rank's ``tensor`` with ``op``; returns the result on every rank."""
     where = "all_reduce"
-    g = member_group(group, where)
-    if g is None:
-        return None
     x = as_array(tensor, where, "tensor")
-    out = _run(g, "all_reduce", where, x, into=tensor, op=as_reduce_op(op, where=f"{where}: op"))
+    out = _run(group, "all_reduce", where, x, into=tensor, op=as_reduce_op(op, where=f"{where}: op"))
     return maybe_async(deliver(tensor, out, where, "tensor"), async_op)
 
 
+@members_only
 def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: bool = False, group_src: int | None = None):
     """Every rank gets rank ``src``'s ``tensor`` (``src`` is a global rank; ``group_src`` a group rank)."""
     where = "broadcast"
-    g = member_group(group, where)
-    if g is None:
-        return None
-    s = peer_rank(g, src, group_src, where, "src")
+    s = peer_rank(group, src, group_src, where, "src")
     x = as_array(tensor, where, "tensor")
-    return maybe_async(deliver(tensor, _run(g, "broadcast", where, x, into=tensor, src=s), where, "tensor"), async_op)
+    return maybe_async(deliver(tensor, _run(group, "broadcast", where, x, into=tensor, src=s), where, "tensor"), async_op)
 
 
+@members_only
 def all_gather(tensor_list: Any, tensor: Any, group: Any = None, async_op: bool = False):
     """Every rank gets every rank's ``tensor``: a list indexed by group rank (``tensor_list``
     is filled if it is a list of the group's size; it may also be None)."""
     where = "all_gather"
-    g = member_group(group, where)
-    if g is None:
-        return None
     x = as_array(tensor, where, "tensor")
     if tensor_list is not None and not isinstance(tensor_list, list):
         raise TypeError(f"{where}: tensor_list={tensor_list!r} must be a list (or None).")
-    if isinstance(tensor_list, list) and tensor_list and len(tensor_list) != g.size():
-        raise ValueError(f"{where}: tensor_list holds {len(tensor_list)} entries; the group has {g.size()} ranks.")
-    out = _run(g, "all_gather", where, x, axis=0, tiled=False)
-    return maybe_async(_fill(tensor_list, [out[i] for i in range(g.size())]), async_op)
+    if isinstance(tensor_list, list) and tensor_list and len(tensor_list) != group.size():
+        raise ValueError(f"{where}: tensor_list holds {len(tensor_list)} entries; the group has {group.size()} ranks.")
+    out = _run(group, "all_gather", where, x, axis=0, tiled=False)
+    return maybe_async(_fill(tensor_list, [out[i] for i in range(group.size())]), async_op)
 
 
+@members_only
 def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = None, async_op: bool = False):
     """Every rank's ``input_tensor`` concatenated along dim 0 (or stacked, when ``output_tensor``
     has shape ``(group size, *input.shape)``); ``output_tensor`` may be None."""
     where = "all_gather_into_tensor"
-    g = member_group(group, where)
-    if g is None:
-        return None
     x = as_array(input_tensor, where, "input_tensor")
-    n = g.size()
+    n = group.size()
     stacked = False
     if output_tensor is not None:
         out_shape = tuple(np.shape(output_tensor))
@@ -132,22 +124,21 @@ def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = N
             )
     if x.ndim == 0:
         stacked = True
-    out = _run(g, "all_gather", where, x, into=output_tensor, axis=0, tiled=not stacked)
+    out = _run(group, "all_gather", where, x, into=output_tensor, axis=0, tiled=not stacked)
     return maybe_async(deliver(output_tensor, out, where, "output_tensor"), async_op)
 
 
+@members_only
 def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, group_dst: int | None = None):
     """Rank ``dst`` gets the reduction; the other ranks get their ``tensor`` back (as torch)."""
     where = "reduce"
-    g = member_group(group, where)
-    if g is None:
-        return None
-    d = peer_rank(g, dst, group_dst, where, "dst")
+    d = peer_rank(group, dst, group_dst, where, "dst")
     x = as_array(tensor, where, "tensor")
-    out = _run(g, "reduce", where, x, into=tensor, dst=d, op=as_reduce_op(op, where=f"{where}: op"))
+    out = _run(group, "reduce", where, x, into=tensor, dst=d, op=as_reduce_op(op, where=f"{where}: op"))
     return maybe_async(deliver(tensor, out, where, "tensor"), async_op)
 
 
+@members_only
 def scatter(tensor: Any, scatter_list: Any = None, src: int | None = None, group: Any = None, async_op: bool = False, group_src: int | None = None):
     """Rank ``i`` gets ``scatter_list[i]`` of rank ``src``; returns it.
 
@@ -155,12 +146,9 @@ def scatter(tensor: Any, scatter_list: Any = None, src: int | None = None, group
     tensor) gives the shape and dtype; on ``src`` it may be None.
     """
     where = "scatter"
-    g = member_group(group, where)
-    if g is None:
-        return None
-    s = peer_rank(g, 0 if src is None and group_src is None else src, group_src, where, "src")
-    n = g.size()
-    if g.rank() == s:
+    s = peer_rank(group, 0 if src is None and group_src is None else src, group_src, where, "src")
+    n = group.size()
+    if group.rank() == s:
         x = _stack(scatter_list, n, where, "scatter_list")
         if tensor is not None and tuple(np.shape(tensor)) != tuple(x.shape[1:]):
             raise ValueError(
@@ -174,71 +162,61 @@ def scatter(tensor: Any, scatter_list: Any = None, src: int | None = None, group
             raise ValueError(f"{where}: tensor is None on a rank that receives; pass an array of the piece's shape and dtype.")
         t = as_array(tensor, where, "tensor")
         x = zeros((n,) + tuple(t.shape), t.dtype)
-    return maybe_async(deliver(tensor, _run(g, "scatter", where, x, into=tensor, src=s), where, "tensor"), async_op)
+    return maybe_async(deliver(tensor, _run(group, "scatter", where, x, into=tensor, src=s), where, "tensor"), async_op)
 
 
+@members_only
 def gather(tensor: Any, gather_list: Any = None, dst: int | None = None, group: Any = None, async_op: bool = False, group_dst: int | None = None):
     """Rank ``dst`` gets every rank's ``tensor`` as a list by group rank; the others get ``[]``."""
     where = "gather"
-    g = member_group(group, where)
-    if g is None:
-        return None
-    d = peer_rank(g, 0 if dst is None and group_dst is None else dst, group_dst, where, "dst")
+    d = peer_rank(group, 0 if dst is None and group_dst is None else dst, group_dst, where, "dst")
     x = as_array(tensor, where, "tensor")
-    out = _run(g, "gather", where, x, dst=d)
-    if g.rank() != d:
+    out = _run(group, "gather", where, x, dst=d)
+    if group.rank() != d:
         return maybe_async([], async_op)  # as torch: only dst gets the list
-    return maybe_async(_fill(gather_list, [out[i] for i in range(g.size())]), async_op)
+    return maybe_async(_fill(gather_list, [out[i] for i in range(group.size())]), async_op)
 
 
+@members_only
 def reduce_scatter(output: Any, input_list: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False):
     """Rank ``i`` gets the reduction over ranks of their ``input_list[i]``; returns it."""
     where = "reduce_scatter"
-    g = member_group(group, where)
-    if g is None:
-        return None
-    x = _stack(input_list, g.size(), where, "input_list")
-    out = _run(g, "reduce_scatter", where, x, op=as_reduce_op(op, where=f"{where}: op"), scatter_dim=0)[0]
+    x = _stack(input_list, group.size(), where, "input_list")
+    out = _run(group, "reduce_scatter", where, x, op=as_reduce_op(op, where=f"{where}: op"), scatter_dim=0)[0]
     return maybe_async(deliver(output, out, where, "output"), async_op)
 
 
+@members_only
 def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False):  # noqa: A002
     """Reduce ``input`` over ranks and give rank ``i`` the ``i``-th chunk of dim 0."""
     where = "reduce_scatter_tensor"
-    g = member_group(group, where)
-    if g is None:
-        return None
     x = as_array(input, where, "input")
-    n = g.size()
+    n = group.size()
     if x.ndim == 0 or x.shape[0] % n:
         raise ValueError(
             f"{where}: input has shape {tuple(x.shape)}; its dim 0 must be a multiple of the group size {n}."
         )
-    out = _run(g, "reduce_scatter", where, x, into=output, op=as_reduce_op(op, where=f"{where}: op"), scatter_dim=0)
+    out = _run(group, "reduce_scatter", where, x, into=output, op=as_reduce_op(op, where=f"{where}: op"), scatter_dim=0)
     return maybe_async(deliver(output, out, where, "output"), async_op)
 
 
+@members_only
 def all_to_all(output_tensor_list: Any, input_tensor_list: Any, group: Any = None, async_op: bool = False):
     """Rank ``i`` sends ``input_tensor_list[j]`` to rank ``j``; returns what each rank sent it, by rank."""
     where = "all_to_all"
-    g = member_group(group, where)
-    if g is None:
-        return None
-    n = g.size()
+    n = group.size()
     x = _stack(input_tensor_list, n, where, "input_tensor_list")
-    out = _run(g, "all_to_all", where, x, split_axis=0, concat_axis=0)
+    out = _run(group, "all_to_all", where, x, split_axis=0, concat_axis=0)
     return maybe_async(_fill(output_tensor_list, [out[i] for i in range(n)]), async_op)
 
 
+@members_only
 def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None, input_split_sizes: Any = None, group: Any = None, async_op: bool = False):  # noqa: A002
     """Cut ``input``'s dim 0 into group-size equal chunks, send chunk ``j`` to rank ``j``,
     concatenate what arrives in rank order. Uneven split sizes are refused."""
     where = "all_to_all_single"
-    g = member_group(group, where)
-    if g is None:
-        return None
     x = as_array(input, where, "input")
-    n = g.size()
+    n = group.size()
     for arg, sizes in (("input_split_sizes", input_split_sizes), ("output_split_sizes", output_split_sizes)):
         if sizes is not None and (len(sizes) != n or len(set(sizes)) > 1):
             raise ValueError(
@@ -247,5 +225,5 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None, i
             )
     if x.ndim == 0 or x.shape[0] % n:
         raise ValueError(f"{where}: input has shape {tuple(x.shape)}; its dim 0 must be a multiple of the group size {n}.")
-    out = _run(g, "all_to_all", where, x, into=output, split_axis=0, concat_axis=0)
+    out = _run(group, "all_to_all", where, x, into=output, split_axis=0, concat_axis=0)
     return maybe_async(deliver(output, out, where, "output"), async_op)

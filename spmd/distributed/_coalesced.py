@@ -9,22 +9,20 @@ import numpy as np
 
 from placements import ReduceOp
 from spmd._x64 import exact_array, x64_for
-from spmd.distributed._groups import member_group
-from spmd.distributed._work import write_into
+from spmd.distributed._c10d import all_reduce
+from spmd.distributed._groups import members_only
+from spmd.distributed._work import Work, write_into
 
 __all__ = ["all_reduce_coalesced"]
 
 
+@members_only
 def all_reduce_coalesced(tensors: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False):
     """Reduce every tensor of ``tensors`` over the group, as ``all_reduce`` on each, with one
     collective per dtype (the tensors of a dtype travel flattened into one buffer). Returns the
     results as a list in input order (a ``Work`` with ``async_op=True``); where an input is a
     writable buffer, the result is also written into it, as ``all_reduce`` does."""
-    import spmd.distributed as dist
-
     where = "all_reduce_coalesced"
-    if member_group(group, where) is None:
-        return None  # not a member: warned, nothing to do (as torch)
     if isinstance(tensors, (str, bytes)) or not isinstance(tensors, (list, tuple)) or not tensors:
         raise TypeError(f"{where}: tensors={tensors!r} must be a non-empty list of tensors.")
     arrays = []
@@ -40,10 +38,10 @@ def all_reduce_coalesced(tensors: Any, op: Any = ReduceOp.SUM, group: Any = None
     for dtype, idx in by_dtype.items():
         with x64_for(dtype):
             flat = jnp.concatenate([arrays[i].reshape(-1) for i in idx])
-            out = jnp.asarray(dist.all_reduce(flat, op=op, group=group))
+            out = jnp.asarray(all_reduce(flat, op=op, group=group))
             offsets = np.cumsum([0] + [arrays[i].size for i in idx])
             for k, i in enumerate(idx):
                 results[i] = out[offsets[k]:offsets[k + 1]].reshape(arrays[i].shape)
     for t, r in zip(tensors, results):
         write_into(t, r)  # a writable NumPy array / CPU torch tensor gets its result, as all_reduce does
-    return dist.Work(results) if async_op else results
+    return Work(results) if async_op else results

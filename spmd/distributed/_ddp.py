@@ -25,16 +25,13 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from placements import ReduceOp
+from spmd.distributed._c10d import all_reduce, broadcast
+from spmd.distributed._groups import get_process_group_ranks, get_rank
+from spmd.distributed._objects import all_gather_object
 
 __all__ = ["DistributedDataParallel"]
 
 _KEEP_COMPILED = 8  # loss functions whose jitted gradient a DDP keeps (define loss_fn once, outside the loop)
-
-
-def _dist():
-    import spmd.distributed as dist  # the public facade (this module is re-exported by it)
-
-    return dist
 
 
 class DistributedDataParallel:
@@ -57,30 +54,28 @@ class DistributedDataParallel:
         leaves = jax.tree.leaves(params)
         if not leaves:
             raise ValueError(f"{where}: params has no arrays; pass the model's parameter pytree.")
-        dist = _dist()
         self.module = module
         self._apply = apply
         self._group = process_group
         self._optimizer = optimizer
         self._check_same_everywhere(params, where)
         flat, self._unravel = ravel_pytree(params)
-        src_rank = dist.get_process_group_ranks(process_group)[0] if src is None else src
-        self.params = self._unravel(_as_jax(dist.broadcast(flat, src_rank, group=process_group)))
+        src_rank = get_process_group_ranks(process_group)[0] if src is None else src
+        self.params = self._unravel(_as_jax(broadcast(flat, src_rank, group=process_group)))
         self.opt_state = optimizer.init(self.params) if optimizer is not None else None
         self._grad_fns: dict = {}
         self._update = jax.jit(self._apply_update) if optimizer is not None else None
 
     def _check_same_everywhere(self, params: Any, where: str) -> None:
-        dist = _dist()
         mine = (str(jax.tree.structure(params)),
                 [(tuple(np.shape(x)), str(np.asarray(x).dtype)) for x in jax.tree.leaves(params)])
-        everyone = dist.all_gather_object(None, mine, group=self._group)
-        ranks = dist.get_process_group_ranks(self._group)
+        everyone = all_gather_object(None, mine, group=self._group)
+        ranks = get_process_group_ranks(self._group)
         for r, theirs in zip(ranks, everyone):
             if [theirs[0], [tuple(s) for s in theirs[1]]] != [mine[0], mine[1]]:
                 raise ValueError(
                     f"{where}: rank {r}'s params differ in structure, shapes or dtypes from rank "
-                    f"{dist.get_rank()}'s; every rank must build the same model."
+                    f"{get_rank()}'s; every rank must build the same model."
                 )
 
     # --- what torch's DDP module does -----------------------------------------------------
@@ -94,7 +89,7 @@ class DistributedDataParallel:
     def average_gradients(self, grads: Any) -> Any:
         """The mean of ``grads`` over the group: one all-reduce of the flattened gradients."""
         flat, unravel = ravel_pytree(grads)
-        return unravel(_as_jax(_dist().all_reduce(flat, op=ReduceOp.AVG, group=self._group)))
+        return unravel(_as_jax(all_reduce(flat, op=ReduceOp.AVG, group=self._group)))
 
     def value_and_grad(self, loss_fn: Callable, *, has_aux: bool = False) -> Callable:
         """``f(params, *args) -> (loss, grads)`` where ``grads`` is averaged over the group and

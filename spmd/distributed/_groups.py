@@ -8,20 +8,21 @@ is every rank. ``group_of`` resolves a collective's ``group=`` argument and
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import numbers
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from spmd.distributed._backend import resolve_backend
 from spmd.distributed._state import state
 
 __all__ = [
     "NotAMemberWarning",
-    "member_group",
+    "members_only",
     "Group",
     "group",
     "group_of",
-    "group_of_any",
     "peer_rank",
     "new_group",
     "get_process_group_ranks",
@@ -69,31 +70,48 @@ class group:  # noqa: N801 - torch's name: dist.group.WORLD
     WORLD = Group(None)
 
 
-def group_of(g: Any, where: str) -> Group:
-    """The :class:`Group` meant by ``group=``: None (WORLD) or a Group; a non-member is refused."""
-    resolved = group_of_any(g, where)
+def group_of(g: Any, where: str, *, non_member: str = "warn") -> Group | None:
+    """The :class:`Group` meant by ``group=``: None (WORLD) or a Group. On a rank outside it,
+    ``non_member`` says what happens: ``"warn"`` gives None and a :class:`NotAMemberWarning`, as in
+    torch (whose collectives do nothing there); ``"raise"`` refuses with a ValueError; ``"allow"``
+    returns the group anyway (the rank queries, which answer -1 there)."""
+    state(where)
+    resolved = group.WORLD if g is None else g
+    if not isinstance(resolved, Group):
+        raise TypeError(f"{where}: group={g!r} must be None (all ranks) or a group from dist.new_group(ranks).")
+    if non_member == "allow" or resolved.rank() >= 0:
+        return resolved
     me = state(where).rank
-    if resolved.rank() < 0:
+    if non_member == "raise":
         raise ValueError(
             f"{where}: rank {me} is not a member of group={resolved!r}; only the group's ranks call its "
             "collectives (as in torch)."
         )
-    return resolved
+    warnings.warn(
+        f"{where}: rank {me} is not a member of group={resolved!r}; the call does nothing "
+        "on this rank (as in torch) and returns None.",
+        NotAMemberWarning,
+        stacklevel=3,
+    )
+    return None
 
 
-def member_group(g: Any, where: str) -> Group | None:
-    """Like :func:`group_of`, but a non-member gets None and a warning, as in torch (whose
-    collectives do nothing on a rank outside the group)."""
-    resolved = group_of_any(g, where)
-    if resolved.rank() < 0:
-        warnings.warn(
-            f"{where}: rank {state(where).rank} is not a member of group={resolved!r}; the call does nothing "
-            "on this rank (as in torch) and returns None.",
-            NotAMemberWarning,
-            stacklevel=3,
-        )
-        return None
-    return resolved
+def members_only(fn: Callable) -> Callable:
+    """Decorate a collective ``fn(..., group=None, ...)``: it runs with ``group=`` resolved to a
+    :class:`Group` by :func:`group_of`; on a rank outside the group it warns and returns None,
+    doing nothing, as torch's collectives do there."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        g = group_of(bound.arguments.get("group"), fn.__name__)
+        if g is None:
+            return None
+        bound.arguments["group"] = g
+        return fn(*bound.args, **bound.kwargs)
+
+    return collective
 
 
 def _group_rank(g: Group, global_rank: Any, where: str, arg: str) -> int:
@@ -156,46 +174,37 @@ def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_op
 
 
 def get_process_group_ranks(group: Any = None) -> list[int]:
-    g = group_of_any(group, "get_process_group_ranks")
+    g = group_of(group, "get_process_group_ranks", non_member="allow")
     return list(g.global_ranks())
 
 
 def get_group_rank(group: Any, global_rank: int) -> int:
-    return _group_rank(group_of_any(group, "get_group_rank"), global_rank, "get_group_rank", "global_rank")
+    return _group_rank(group_of(group, "get_group_rank", non_member="allow"), global_rank, "get_group_rank", "global_rank")
 
 
 def get_global_rank(group: Any, group_rank: int) -> int:
-    g = group_of_any(group, "get_global_rank")
+    g = group_of(group, "get_global_rank", non_member="allow")
     ranks = g.global_ranks()
     if isinstance(group_rank, bool) or not isinstance(group_rank, int) or not 0 <= group_rank < len(ranks):
         raise ValueError(f"get_global_rank: group_rank={group_rank!r} is out of range for {g!r} of size {len(ranks)}.")
     return ranks[group_rank]
 
 
-def group_of_any(g: Any, where: str) -> Group:
-    """Like :func:`group_of` without the membership check."""
-    state(where)
-    g = group.WORLD if g is None else g
-    if not isinstance(g, Group):
-        raise TypeError(f"{where}: group={g!r} must be None (all ranks) or a group from dist.new_group(ranks).")
-    return g
-
-
 def get_rank(group: Any = None) -> int:
     """This process's rank (in ``group`` if given; -1 if not a member), as torch."""
     if group is None:
         return state("get_rank").rank
-    return group_of_any(group, "get_rank").rank()
+    return group_of(group, "get_rank", non_member="allow").rank()
 
 
 def get_world_size(group: Any = None) -> int:
     """The number of ranks (of ``group`` if given; -1 if this rank is not a member), as torch."""
     if group is None:
         return state("get_world_size").world_size
-    g = group_of_any(group, "get_world_size")
+    g = group_of(group, "get_world_size", non_member="allow")
     return g.size() if g.rank() >= 0 else -1
 
 
 def get_backend(group: Any = None) -> str:
-    group_of_any(group, "get_backend")
+    group_of(group, "get_backend", non_member="allow")
     return state("get_backend").backend.name

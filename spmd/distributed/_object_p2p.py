@@ -13,7 +13,9 @@ import time
 from typing import Any
 
 from spmd.distributed import _objects
+from spmd.distributed._groups import group_of, members_only, peer_rank
 from spmd.distributed._objects import dumps, loads
+from spmd.distributed._state import state
 
 __all__ = ["send_object_list", "recv_object_list", "monitored_barrier"]
 
@@ -30,15 +32,15 @@ def _key(src: int, dst: int, n: int) -> str:
 
 def _peer(group: Any, peer: Any, group_peer: Any, where: str, arg: str, *, required: bool):
     """(this rank, the peer's global rank or None for any); None if this rank is not in ``group``."""
-    g = _objects.member_group(group, where)
+    g = group_of(group, where)
     if g is None:
         return None
-    me = _objects.state(where).rank
+    me = state(where).rank
     if peer is None and group_peer is None:
         if required:
             raise ValueError(f"{where}: {arg}= is required; name the rank to send to.")
         return me, None
-    p = g.global_ranks()[_objects.peer_rank(g, peer, group_peer, where, arg)]
+    p = g.global_ranks()[peer_rank(g, peer, group_peer, where, arg)]
     if p == me:
         raise ValueError(f"{where}: {arg}={p} is this rank; send to / receive from another rank.")
     return me, p
@@ -72,7 +74,7 @@ def recv_object_list(object_list: list, src: int | None = None, group: Any = Non
         return -1  # not a member: warned, nothing received (torch returns -1 too)
     me, src = peers
     timeout_s = _objects._timeout_s(timeout, where)
-    peers = [src] if src is not None else [r for r in _objects.group_of(group, where).global_ranks() if r != me]
+    peers = [src] if src is not None else [r for r in group_of(group, where, non_member="raise").global_ranks() if r != me]
     if not peers:
         raise ValueError(f"{where}: rank {me} is alone in its group; there is no rank to receive from.")
     client = _objects._client()
@@ -121,22 +123,20 @@ def _wait_for_message(client, me: int, peers: list[int], timeout_s: float) -> tu
         pause = min(pause * 2, 0.05)
 
 
+@members_only
 def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
     """A barrier whose first rank names the ranks that did not arrive within ``timeout``
     (the first one, or all of them with ``wait_all_ranks=True``), as torch's; every rank
     then raises ``RuntimeError`` instead of waiting."""
     where = "monitored_barrier"
-    g = _objects.member_group(group, where)
-    if g is None:
-        return None  # not a member: warned, nothing to do (as torch)
-    st = _objects.state(where)
+    st = state(where)
     timeout_s = _objects._timeout_s(timeout, where)
     if not isinstance(wait_all_ranks, bool):
         raise TypeError(f"{where}: wait_all_ranks={wait_all_ranks!r} must be a bool.")
     if not st.multiprocess:
         return None
-    ranks = g.global_ranks()
-    base = _objects._next_id(where, g)
+    ranks = group.global_ranks()
+    base = _objects._next_id(where, group)
     client = _objects._client()
     if st.rank != ranks[0]:
         client.key_value_set_bytes(f"{base}/arrive/{st.rank}", b"1")
@@ -162,7 +162,7 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
         return None
     named = missing if wait_all_ranks else missing[:1]
     message = (
-        f"{where}: rank(s) {named} failed to pass the monitored barrier of {g!r} within {timeout_s:g} s "
+        f"{where}: rank(s) {named} failed to pass the monitored barrier of {group!r} within {timeout_s:g} s "
         "(they did not reach it: see their output)."
     )
     client.key_value_set_bytes(f"{base}/release", message.encode())

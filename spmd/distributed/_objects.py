@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from spmd.distributed._env import seconds
-from spmd.distributed._groups import Group, group_of, member_group, peer_rank
+from spmd.distributed._groups import Group, members_only, peer_rank
 from spmd.distributed._state import state
 
 __all__ = [
@@ -230,17 +230,15 @@ def _exchange(
 
 
 # --- public -------------------------------------------------------------------------------------
+@members_only
 def all_gather_object(object_list: Any, obj: Any, group: Any = None, *, allow_pickle: bool = False, timeout: Any = None) -> list:
     """Every rank gets every rank's ``obj``, by group rank; fills ``object_list`` (a list of the
     group's size) and returns it. Objects travel as tagged JSON (see the module notes)."""
     where = "all_gather_object"
-    g = member_group(group, where)
-    if g is None:
-        return None  # not a member: warned, nothing to do (as torch)
-    ranks = g.global_ranks()
+    ranks = group.global_ranks()
     if object_list is not None and (not isinstance(object_list, list) or len(object_list) != len(ranks)):
         raise ValueError(f"{where}: object_list must be a list of {len(ranks)} entries (one per rank) or None.")
-    got = _exchange(g, dumps(obj, allow_pickle=allow_pickle, where=where), ranks, where, timeout)
+    got = _exchange(group, dumps(obj, allow_pickle=allow_pickle, where=where), ranks, where, timeout)
     values = [loads(got[r], allow_pickle=allow_pickle, where=where) for r in ranks]
     if object_list is None:
         return values
@@ -248,19 +246,17 @@ def all_gather_object(object_list: Any, obj: Any, group: Any = None, *, allow_pi
     return object_list
 
 
+@members_only
 def broadcast_object_list(object_list: list, src: int | None = None, group: Any = None, device: Any = None, *, group_src: int | None = None, allow_pickle: bool = False, timeout: Any = None) -> list:
     """Every rank's ``object_list`` becomes rank ``src``'s (in place, and returned)."""
     where = "broadcast_object_list"
-    g = member_group(group, where)
-    if g is None:
-        return None  # not a member: warned, nothing to do (as torch)
     if not isinstance(object_list, list):
         raise TypeError(f"{where}: object_list={object_list!r} must be a list (its length is the same on every rank).")
-    ranks = g.global_ranks()
-    src = ranks[peer_rank(g, 0 if src is None and group_src is None else src, group_src, where, "src")]
+    ranks = group.global_ranks()
+    src = ranks[peer_rank(group, 0 if src is None and group_src is None else src, group_src, where, "src")]
     me = state(where).rank
     payload = dumps(list(object_list), allow_pickle=allow_pickle, where=where) if me == src else None
-    got = _exchange(g, payload, (src,), where, timeout)
+    got = _exchange(group, payload, (src,), where, timeout)
     values = loads(got[src], allow_pickle=allow_pickle, where=where)
     if len(values) != len(object_list):
         raise ValueError(
@@ -271,17 +267,15 @@ def broadcast_object_list(object_list: list, src: int | None = None, group: Any 
     return object_list
 
 
+@members_only
 def gather_object(obj: Any, object_gather_list: Any = None, dst: int = 0, group: Any = None, *, allow_pickle: bool = False, timeout: Any = None):
     """Rank ``dst`` gets every rank's ``obj`` (a list by group rank); the others get None."""
     where = "gather_object"
-    g = member_group(group, where)
-    if g is None:
-        return None  # not a member: warned, nothing to do (as torch)
-    ranks = g.global_ranks()
-    dst = ranks[peer_rank(g, dst, None, where, "dst")]
+    ranks = group.global_ranks()
+    dst = ranks[peer_rank(group, dst, None, where, "dst")]
     me = state(where).rank
     # Every rank publishes; only the destination reads.
-    got = _exchange(g, dumps(obj, allow_pickle=allow_pickle, where=where), ranks, where, timeout, read=me == dst)
+    got = _exchange(group, dumps(obj, allow_pickle=allow_pickle, where=where), ranks, where, timeout, read=me == dst)
     if me != dst:
         return None
     values = [loads(got[r], allow_pickle=allow_pickle, where=where) for r in ranks]
@@ -291,46 +285,42 @@ def gather_object(obj: Any, object_gather_list: Any = None, dst: int = 0, group:
     return values
 
 
+@members_only
 def scatter_object_list(scatter_object_output_list: list, scatter_object_input_list: Any = None, src: int = 0, group: Any = None, *, allow_pickle: bool = False, timeout: Any = None):
     """Rank ``i`` gets ``scatter_object_input_list[i]`` of rank ``src`` in ``scatter_object_output_list[0]``."""
     where = "scatter_object_list"
-    g = member_group(group, where)
-    if g is None:
-        return None  # not a member: warned, nothing to do (as torch)
-    ranks = g.global_ranks()
-    src = ranks[peer_rank(g, src, None, where, "src")]
+    ranks = group.global_ranks()
+    src = ranks[peer_rank(group, src, None, where, "src")]
     me = state(where).rank
     payload = None
     if me == src:
         if not isinstance(scatter_object_input_list, list) or len(scatter_object_input_list) != len(ranks):
             raise ValueError(f"{where}: scatter_object_input_list must be a list of {len(ranks)} objects on src.")
         payload = dumps(scatter_object_input_list, allow_pickle=allow_pickle, where=where)
-    got = _exchange(g, payload, (src,), where, timeout)
+    got = _exchange(group, payload, (src,), where, timeout)
     value = loads(got[src], allow_pickle=allow_pickle, where=where)[ranks.index(me)]
     if isinstance(scatter_object_output_list, list) and scatter_object_output_list:
         scatter_object_output_list[0] = value
     return value
 
 
+@members_only
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None, timeout: Any = None) -> None:
     """Wait until every rank of the group gets here (JAX's coordination-service barrier),
     at most the timeout; a :class:`TimeoutError` names the limit."""
     where = "barrier"
-    g = member_group(group, where)
-    if g is None:
-        return None  # not a member: warned, nothing to do (as torch)
     st = state(where)
     timeout_s = _timeout_s(timeout, where)
     if not st.multiprocess:
         return None
-    ranks = g.global_ranks()
-    bid = _next_id(where, g).replace("/", "_")
+    ranks = group.global_ranks()
+    bid = _next_id(where, group).replace("/", "_")
     try:
-        _client().wait_at_barrier(bid, int(timeout_s * 1000), None if g.ranks is None else list(ranks))
+        _client().wait_at_barrier(bid, int(timeout_s * 1000), None if group.ranks is None else list(ranks))
     except Exception as e:
         if "DEADLINE" in str(e).upper() or "timed out" in str(e).lower():
             raise TimeoutError(
-                f"{where}: rank {st.rank} waited {timeout_s:g} s at a barrier of {g!r} and not every rank came; "
+                f"{where}: rank {st.rank} waited {timeout_s:g} s at a barrier of {group!r} and not every rank came; "
                 "raise the limit with barrier(timeout=...) or init_process_group(timeout=...)."
             ) from None
         raise

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from spmd.distributed._groups import member_group, peer_rank
+from spmd.distributed._groups import group_of, peer_rank
 from spmd.distributed._run import as_array, run_on, zeros
 from spmd.distributed._state import state
 from spmd.distributed._work import Work, write_into
@@ -56,7 +56,7 @@ def _flush() -> None:
 
 
 def _p2p(send_: bool, tensor: Any, peer: Any, group: Any, group_peer: Any, where: str) -> _P2P | None:
-    g = member_group(group, where)
+    g = group_of(group, where)
     if g is None:
         return None
     arg = "dst" if send_ else "src"

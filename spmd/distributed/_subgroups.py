@@ -5,15 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from spmd.distributed import _objects
+from spmd.distributed._groups import group_of, new_group
+from spmd.distributed._state import state
 
 __all__ = ["new_subgroups", "new_subgroups_by_enumeration"]
-
-
-def _new_group(ranks, timeout, backend, pg_options):
-    import spmd.distributed as dist
-
-    return dist.new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options)
 
 
 def new_subgroups(group_size: int | None = None, group: Any = None, timeout: Any = None, backend: Any = None,
@@ -22,7 +17,7 @@ def new_subgroups(group_size: int | None = None, group: Any = None, timeout: Any
     returns (this rank's subgroup, every subgroup). ``group_size`` defaults to the ranks per
     node (``LOCAL_WORLD_SIZE``, which spmdrun sets; torch uses the GPUs per node)."""
     where = "new_subgroups"
-    ranks = list(_objects.group_of(group, where).global_ranks())
+    ranks = list(group_of(group, where, non_member="raise").global_ranks())
     if group_size is None:
         raw = os.environ.get("LOCAL_WORLD_SIZE")
         group_size = int(raw) if raw and raw.isdigit() else len(ranks)
@@ -41,7 +36,7 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Any, timeout: Any = No
                                  pg_options: Any = None, group_desc: str | None = None) -> tuple[Any, list]:
     """One group per list of ranks (disjoint); returns (this rank's subgroup or None, every subgroup)."""
     where = "new_subgroups_by_enumeration"
-    me = _objects.state(where).rank
+    me = state(where).rank
     if not isinstance(ranks_per_subgroup_list, (list, tuple)):
         raise TypeError(f"{where}: ranks_per_subgroup_list={ranks_per_subgroup_list!r} must be a list of rank lists such as [[0, 1], [2, 3]].")
     if not ranks_per_subgroup_list:
@@ -54,6 +49,6 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Any, timeout: Any = No
         if overlap:
             raise ValueError(f"{where}: rank(s) {sorted(overlap)} appear in more than one subgroup; subgroups must be disjoint.")
         seen.update(ranks)
-    subgroups = [_new_group(list(ranks), timeout, backend, pg_options) for ranks in ranks_per_subgroup_list]
+    subgroups = [new_group(list(ranks), timeout, backend, pg_options) for ranks in ranks_per_subgroup_list]
     mine = next((g for g, ranks in zip(subgroups, ranks_per_subgroup_list) if me in ranks), None)
     return mine, subgroups

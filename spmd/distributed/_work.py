@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from spmd._torch import is_torch_tensor, torch_numpy
+from spmd.distributed._future import Future
 
 __all__ = ["Work", "maybe_async", "buffer_of", "write_into", "deliver", "DiscardedResultWarning"]
 
@@ -59,8 +60,6 @@ class Work:
 
     def get_future(self):
         """A ``torch.futures.Future``-like handle: ``.wait()`` / ``.value()`` give ``result()``."""
-        from spmd.distributed._future import Future
-
         return Future.of_work(self)
 
 
@@ -103,10 +102,11 @@ def write_into(target: Any, result: Any) -> bool:
     return True
 
 
-def deliver(target: Any, result: Any, where: str, arg: str, depth: int = 2) -> Any:
+def deliver(target: Any, result: Any, where: str, arg: str, depth: int = 3) -> Any:
     """Write ``result`` into ``target`` when it is a writable buffer of the same shape and return
     ``target`` (as torch, whose result is the tensor); otherwise return ``result``, warning when
-    ``target`` is a JAX array and the caller (``depth`` frames up) drops it."""
+    ``target`` is a JAX array and the caller (``depth`` frames up: past the collective and its
+    ``members_only`` wrapper) drops it."""
     if result is target or write_into(target, result):
         return target
     if isinstance(target, jax.Array):
