@@ -35,10 +35,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
+
+from _common import free_port, run_torch_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -136,34 +136,15 @@ def _torch_worker(rank, world, size, steps, warmup, port, out_path):
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_torch(size: str, world: int, steps: int, warmup: int, timeout: float = 400.0) -> dict:
     out_path = os.path.join(RESULTS, f".torch_fsdp_{size}_{world}.json")
-    if os.path.exists(out_path):
-        os.remove(out_path)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", size, str(world), str(steps), str(warmup), out_path]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    if proc.returncode != 0 or not os.path.exists(out_path):
-        return {"error": (proc.stderr or proc.stdout)[-800:]}
-    with open(out_path) as f:
-        res = json.load(f)
-    os.remove(out_path)
-    return res
+    return run_torch_worker(__file__, [size, world, steps, warmup], out_path, timeout, tail=800)
 
 
 def _torch_main(size, world, steps, warmup, out_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_torch_worker, args=(world, size, steps, warmup, _free_port(), out_path), nprocs=world, join=True)
+    mp.spawn(_torch_worker, args=(world, size, steps, warmup, free_port(), out_path), nprocs=world, join=True)
 
 
 # --- JAX ------------------------------------------------------------------------------------------

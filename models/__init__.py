@@ -7,7 +7,7 @@ package does not import JAX (its names load on first use), so the job can set
 
 from __future__ import annotations
 
-import importlib
+from models._lazy import lazy_names
 
 __all__ = [
     "MLP",
@@ -40,14 +40,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str):
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, globals())

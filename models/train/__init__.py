@@ -24,7 +24,7 @@ Importing this package does not import JAX; its names load on first use.
 
 from __future__ import annotations
 
-import importlib
+from models._lazy import lazy_names
 
 __all__ = ["Config", "run", "main", "parse_args", "build_mesh", "restore_state", "parse_mesh", "cross_entropy",
            "RunLockedError"]
@@ -42,14 +42,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str):
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'models.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, globals())
