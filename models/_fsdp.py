@@ -36,15 +36,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import optax
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models._ddp import TrainState, _varying
+from models._step_parts import accumulated, check_batch, flat_apply, optimizer_step
 from placements import ReduceOp, Replicate, Shard
-from spmd import DeviceMesh, DTensor, all_reduce, spmd
+from spmd import DeviceMesh, all_reduce, spmd
 from spmd.parallel import ParamPlan, entry_sharding, gather_unit, map_like_params, path_str, shard_params
 
 __all__ = ["make_fsdp_train_step", "shard_train_state", "state_shardings", "UnitGather", "data_dims"]
@@ -175,9 +174,6 @@ def make_fsdp_train_step(
             "a scanned model runs one program for every block: give all blocks the same placements."
         )
     data = data_dims(mesh, plan, dp)
-    n_data = 1
-    for d in data:
-        n_data *= mesh.size(d)
     fsdp, n_fsdp = plan.fsdp, mesh.size(plan.fsdp)
     fi = mesh.mesh_dim_names.index(fsdp)
     has_dp = dp in mesh.mesh_dim_names and mesh.size(dp) > 1
@@ -195,7 +191,6 @@ def make_fsdp_train_step(
         return out
 
     def local_grads(params: Any, batch: Any) -> tuple[Any, dict]:
-        n_local = jax.tree.leaves(batch)[0].shape[0]  # divides by accum_steps: step() checked the batch
         leaves = jax.tree_util.tree_leaves(params)
         # Local gradients, no implicit psum (the JAX trap): differentiate w.r.t. device-varying copies.
         for d in data:
@@ -206,38 +201,15 @@ def make_fsdp_train_step(
 
         if accum_steps == 1:
             (loss, aux), g = jax.value_and_grad(lambda ls: loss_fn(unflat(ls), batch, gather), has_aux=True)(leaves)
-        else:
-            full, scatter = jax.vjp(gather_all, leaves)
+        else:  # step() checked that the local batch splits into accum_steps micro-batches
             grad_fn = jax.value_and_grad(lambda ls, mb: loss_fn(unflat(ls), mb, None), has_aux=True)
-            micro = jax.tree.map(lambda x: x.reshape(accum_steps, n_local // accum_steps, *x.shape[1:]), batch)
-
-            def one(carry, mb):
-                (loss, aux), gf = grad_fn(full, mb)
-                return jax.tree.map(jnp.add, carry, (loss, aux, gf)), None
-
-            (loss, aux), gf = grad_fn(full, jax.tree.map(lambda x: x[0], micro))
-            (loss, aux, gf), _ = lax.scan(one, (loss, aux, gf), jax.tree.map(lambda x: x[1:], micro))
-            loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
-            (g,) = scatter([x / accum_steps for x in gf])
+            (loss, aux), g = accumulated(grad_fn, gather_all, leaves, batch, accum_steps)
         # Sharded leaves came back reduce-scattered (summed over fsdp); average them over fsdp, and over dp
         # with one all-reduce of all shard bytes. Leaves replicated on fsdp: one all-reduce over the data dims.
         g = list(g)
-        groups = [(i for i in range(len(g)) if sharded[i]), (i for i in range(len(g)) if not sharded[i])]
-        for k, idx in enumerate(groups):
-            idx = list(idx)
-            if not idx:
-                continue
-            flat = jnp.concatenate([g[i].reshape(-1) for i in idx])
-            if k == 0:
-                flat = flat / n_fsdp
-                if has_dp:
-                    flat = all_reduce(flat, ReduceOp.AVG, group=dp)
-            else:
-                flat = all_reduce(flat, ReduceOp.AVG, group=data)
-            off = 0
-            for i in idx:
-                g[i] = flat[off:off + g[i].size].reshape(g[i].shape)
-                off += g[i].size
+        flat_apply(g, (i for i in range(len(g)) if sharded[i]),
+                   lambda f: all_reduce(f / n_fsdp, ReduceOp.AVG, group=dp) if has_dp else f / n_fsdp)
+        flat_apply(g, (i for i in range(len(g)) if not sharded[i]), lambda f: all_reduce(f, ReduceOp.AVG, group=data))
         metrics = jax.tree.map(lambda m: all_reduce(m, ReduceOp.AVG, group=data), {"loss": loss, **aux})
         return unflat(g), metrics
 
@@ -248,18 +220,8 @@ def make_fsdp_train_step(
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         plan.check_params(state.params, "train_step", sharded=True)
-        n = jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, DTensor))[0].shape[0]
-        if n % (n_data * accum_steps):
-            split = " x ".join(f"{d}={mesh.size(d)}" for d in data)
-            raise ValueError(
-                f"train_step: the batch has {n} examples, not divisible by the data-parallel size {split} = {n_data}"
-                + (f" times accum_steps={accum_steps}" if accum_steps > 1 else "")
-                + f"; use a batch size that is a multiple of {n_data * accum_steps}."
-            )
+        check_batch(batch, mesh, data, accum_steps)
         grads, metrics = region(state.params, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        return new, metrics
+        return optimizer_step(state, grads, metrics, optimizer)
 
     return jax.jit(step)

@@ -28,9 +28,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from models._ddp import TrainState, _varying
+from models._step_parts import accumulated, check_batch, data_size, flat_apply, optimizer_step
 from models._fsdp import _block_layouts_equal
 from models._tp import TPContext, check_tp_plan, tp_loss
 from placements import ReduceOp, Replicate, Shard
@@ -122,9 +122,7 @@ def make_tp_train_step(model: Any, optimizer: optax.GradientTransformation, mesh
         raise TypeError(f"{where}: sequence_parallel={sequence_parallel!r} must be a bool.")
     names = mesh.mesh_dim_names
     data = tuple(n for n in names if n in (dp, plan.fsdp))
-    n_data = 1
-    for d in data:
-        n_data *= mesh.size(d)
+    n_data = data_size(mesh, data)
     has_fsdp = plan.fsdp in names
     fi = names.index(plan.fsdp) if has_fsdp else None
     ti = names.index(tp)
@@ -141,11 +139,7 @@ def make_tp_train_step(model: Any, optimizer: optax.GradientTransformation, mesh
 
     def flat_reduce(g: list, idx: list[int], fn) -> None:
         for grp in _groups(g, idx, tp):
-            flat = fn(jnp.concatenate([g[i].reshape(-1) for i in grp]))
-            off = 0
-            for i in grp:
-                g[i] = flat[off:off + g[i].size].reshape(g[i].shape)
-                off += g[i].size
+            flat_apply(g, grp, fn)
 
     def local_grads(params: Any, batch: Any):
         n_local = batch["inputs"].shape[0]
@@ -174,19 +168,8 @@ def make_tp_train_step(model: Any, optimizer: optax.GradientTransformation, mesh
                         out[i] = y
                 return out
 
-            full, scatter = jax.vjp(gather_all, leaves)
             grad_fn = jax.value_and_grad(lambda ls, mb: tp_loss(model, unflat(ls), mb, ctx), has_aux=True)
-            micro = jax.tree.map(lambda x: x.reshape(accum_steps, n_local // accum_steps, *x.shape[1:]), batch)
-
-            (loss, aux), gf = grad_fn(full, jax.tree.map(lambda x: x[0], micro))
-
-            def acc(carry, mb):
-                (lo, au), gg = grad_fn(full, mb)
-                return jax.tree.map(jnp.add, carry, (lo, au, gg)), None
-
-            (loss, aux, gf), _ = lax.scan(acc, (loss, aux, gf), jax.tree.map(lambda x: x[1:], micro))
-            loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
-            (g,) = scatter([x / accum_steps for x in gf])
+            (loss, aux), g = accumulated(grad_fn, gather_all, leaves, batch, accum_steps)
         g = list(g)
         cut = [i for i in range(len(g)) if fsdp_cut[i]]
         whole = [i for i in range(len(g)) if not fsdp_cut[i]]
@@ -208,22 +191,12 @@ def make_tp_train_step(model: Any, optimizer: optax.GradientTransformation, mesh
 
     def step(state: TrainState, batch: Any):
         plan.check_params(state.params, "train_step", sharded=True)
-        n = jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, DTensor))[0].shape[0]
-        if n % (n_data * accum_steps):
-            raise ValueError(
-                f"train_step: the batch has {n} examples, not divisible by the data-parallel size "
-                f"{' x '.join(f'{d}={mesh.size(d)}' for d in data) or '1'} = {n_data}"
-                + (f" times accum_steps={accum_steps}" if accum_steps > 1 else "")
-                + f"; use a batch size that is a multiple of {n_data * accum_steps}."
-            )
+        check_batch(batch, mesh, data, accum_steps)
         # A DTensor enters a region varying over every mesh dim; as its global array it is replicated over tp.
         batch = jax.tree.map(lambda x: x.to_jax() if isinstance(x, DTensor) else x, batch,
                              is_leaf=lambda x: isinstance(x, DTensor))
         grads, metrics = region(state.params, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        return new, metrics
+        return optimizer_step(state, grads, metrics, optimizer)
 
     return jax.jit(step)
 
