@@ -23,5 +23,34 @@ def mesh2x4():
     return spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
 
 
+# What a launcher sets (spmdrun / torchrun) and the debug settings: cleared for the one-process tests.
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SPMD_TIMEOUT",
+               "SPMD_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "MPITRAMPOLINE_LIB", "TORCH_DISTRIBUTED_DEBUG",
+               "SPMD_DISTRIBUTED_DEBUG")
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    """No launcher environment and no process group, before and after the test."""
+    import spmd.distributed as dist
+
+    for k in _LAUNCH_ENV:
+        monkeypatch.delenv(k, raising=False)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield monkeypatch
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def world1(clean):
+    """A process group of this one process (world size 1)."""
+    import spmd.distributed as dist
+
+    dist.init_process_group()
+    return clean
+
+
 def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {len(jax.devices())} x {jax.devices()[0].platform}"

@@ -15,27 +15,6 @@ import spmd.distributed as dist
 from spmd.distributed import _backend, _env, _state
 from spmd.distributed._objects import dumps, loads
 
-_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "SPMD_TIMEOUT", "MPITRAMPOLINE_LIB",
-        "TORCH_DISTRIBUTED_DEBUG", "SPMD_DISTRIBUTED_DEBUG")
-
-
-@pytest.fixture
-def clean(monkeypatch):
-    for k in _ENV:
-        monkeypatch.delenv(k, raising=False)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield monkeypatch
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-@pytest.fixture
-def world1(clean):
-    dist.init_process_group()
-    return clean
-
-
 def x_of(shape=(2, 3), dtype=np.float32):
     return (np.arange(int(np.prod(shape))).reshape(shape) + 1).astype(dtype)
 

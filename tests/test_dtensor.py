@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import pytest
 import spmd
 from placements import Partial, Replicate, Shard, shard_size_and_offset
 from spmd import DTensor, distribute_tensor, plan_redistribute
+from spmd._spawn import free_port
 
 R = Replicate()
 
@@ -322,12 +322,6 @@ TORCH_CASES = [
 ]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_same_numbers_as_torch_dtensor(tmp_path):
     pytest.importorskip("torch")
     import pickle
@@ -337,7 +331,7 @@ def test_same_numbers_as_torch_dtensor(tmp_path):
     cases = "[" + ", ".join(f"({m!r}, {s!r}, {a}, {b})" for m, s, a, b in TORCH_CASES) + "]"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
-        [sys.executable, str(script), str(_free_port()), str(tmp_path / "out"), cases],
+        [sys.executable, str(script), str(free_port()), str(tmp_path / "out"), cases],
         env=env, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import spmd
 import spmd.ops as ops
 from placements import Partial, Replicate, Shard, format_placements
 from spmd import DTensor, distribute_tensor
+from spmd._spawn import free_port
 
 # The same op on both sides: torch's name and ours (a, b, c: the DTensor operands).
 TORCH_OPS = {
@@ -181,19 +181,13 @@ def _placements(torch_pl):
     return tuple(Shard(p[1]) if p[0] == "S" else Partial(p[1]) if p[0] == "P" else Replicate() for p in torch_pl)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_torch(tmp):
     """Each rank's results of every case, from torch DTensor in 4 gloo processes."""
     script = tmp / "worker.py"
     script.write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
-        [sys.executable, str(script), str(_free_port()), str(tmp / "out"), repr(CASES), repr(TORCH_OPS)],
+        [sys.executable, str(script), str(free_port()), str(tmp / "out"), repr(CASES), repr(TORCH_OPS)],
         env=env, capture_output=True, text=True, timeout=540,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import datetime
 import enum
-import json
 import re
 import subprocess
 import sys
@@ -23,22 +22,7 @@ import spmd.distributed as dist
 from spmd.distributed._objects import dumps, loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_launcher import SCRIPTS, clean_env, spmdrun  # noqa: E402
-
-_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SPMD_TIMEOUT",
-        "SPMD_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
-
-
-@pytest.fixture
-def world1(monkeypatch):
-    for k in _ENV:
-        monkeypatch.delenv(k, raising=False)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group()
-    yield monkeypatch
-    if dist.is_initialized():
-        dist.destroy_process_group()
+from test_launcher import SCRIPTS, clean_env, rank_results, spmdrun  # noqa: E402
 
 
 # --- item 7: object collectives keep types, or refuse with the allow_pickle hint -----------------
@@ -187,15 +171,13 @@ def test_mesh_names_and_aliases_are_the_projects():
         dist.get_default_backend_for_device("xpu")
 
 
-def test_launch_queries(monkeypatch):
-    for k in _ENV:
-        monkeypatch.delenv(k, raising=False)
+def test_launch_queries(clean):
     assert not dist.is_torchelastic_launched()
     assert dist.get_node_local_rank(fallback_rank=3) == 3
     with pytest.raises(RuntimeError, match=re.escape("get_node_local_rank: LOCAL_RANK is not in the environment")):
         dist.get_node_local_rank()
-    monkeypatch.setenv("LOCAL_RANK", "2")
-    monkeypatch.setenv("SPMD_RESTART_COUNT", "0")
+    clean.setenv("LOCAL_RANK", "2")
+    clean.setenv("SPMD_RESTART_COUNT", "0")
     assert dist.get_node_local_rank() == 2 and dist.is_torchelastic_launched()
 
 
@@ -307,11 +289,7 @@ def test_porting_checks_on_2_ranks(tmp_path):
     rc, out, err, _ = spmdrun("--standalone", "--nproc-per-node", "2", str(SCRIPTS / "porting_check.py"),
                               str(tmp_path), timeout=140)
     assert rc == 0, err[-3000:]
-    for r in range(2):
-        results = json.loads((tmp_path / f"rank{r}.json").read_text())
-        bad = [f"{x['name']}: {x['detail']}" for x in results if not x["ok"]]
-        assert not bad, f"rank {r}:\n" + "\n".join(bad)
-        names = {x["name"] for x in results}
+    for names in rank_results(tmp_path, 2):
         for must in ("int64 all_reduce sum", "bfloat16 all_gather", "uint64 send/recv", "complex128 broadcast",
                      "complex MAX refused before any work", "Counter arrives as Counter", "TCPStore add is atomic across ranks",
                      "monitored_barrier names the late rank", "DDP 3 steps == one process on the whole batch"):

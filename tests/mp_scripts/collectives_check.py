@@ -8,25 +8,15 @@ import fractions
 import json
 import os
 import sys
-import traceback
 import warnings
 
 import numpy as np
 
 import spmd.distributed as dist
+from _checks import Checks, raises
 
 dist.init_process_group()
 rank, world = dist.get_rank(), dist.get_world_size()
-results = []
-
-
-def check(name, fn):
-    try:
-        got, want = fn()
-        ok = _same(got, want)
-        results.append({"name": name, "ok": bool(ok), "detail": "" if ok else f"got {_show(got)} want {_show(want)}"})
-    except Exception as e:  # noqa: BLE001 - report, keep going
-        results.append({"name": name, "ok": False, "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
 
 
 def _show(x):
@@ -46,6 +36,9 @@ def _same(got, want):
     if w.dtype.kind == "f":
         return np.allclose(g, w, rtol=1e-5, atol=1e-6)
     return np.array_equal(g, w)
+
+
+check = Checks(_same, _show)
 
 
 def x_of(r, dtype=np.float32, shape=(2, 3)):
@@ -122,11 +115,7 @@ def bad_op_on_one_rank():
     # validated before any communication: the same TypeError as in one process, on that rank only
     if rank != world - 1:
         return True, True
-    try:
-        dist.all_reduce(x_of(rank, np.int32), op="avg")
-    except TypeError as e:
-        return "all_reduce" in str(e), True
-    return "no error", True
+    return raises(lambda: dist.all_reduce(x_of(rank, np.int32), op="avg"), TypeError, "all_reduce")
 check("bad op on one rank raises TypeError before communicating", bad_op_on_one_rank)
 
 # --- broadcast from every source, bit-exact
@@ -232,17 +221,9 @@ check("scatter_object_list", lambda: (repr(dist.scatter_object_list([None], [f"t
 check("all_gather_object pickle opt-in", lambda: (repr(dist.all_gather_object(None, fractions.Fraction(rank, 7), allow_pickle=True)),
                                                   repr([fractions.Fraction(r, 7) for r in range(world)])))
 
-def not_json():
-    try:
-        dist.all_gather_object(None, fractions.Fraction(1, 3))
-    except TypeError as e:
-        return "allow_pickle=True" in str(e), True
-    return False, True
-check("all_gather_object refuses non-JSON", not_json)
+check("all_gather_object refuses non-JSON", lambda: raises(
+    lambda: dist.all_gather_object(None, fractions.Fraction(1, 3)), TypeError, "allow_pickle=True"))
 
 dist.barrier()
-out = sys.argv[1]
-with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump(results, f)
-print(f"checks done: {sum(r['ok'] for r in results)}/{len(results)} ok")
+check.write(sys.argv[1], rank)
 dist.destroy_process_group()

@@ -6,10 +6,7 @@ process: a 2-D mesh over all processes' devices, distribute_tensor, redistribute
 full_tensor.
 """
 
-import json
-import os
 import sys
-import traceback
 
 import jax
 import numpy as np
@@ -17,19 +14,17 @@ import numpy as np
 import spmd
 import spmd.distributed as dist
 from spmd import Partial, Replicate, Shard
+from _checks import Checks, raises
 
 dist.init_process_group()
 rank, world = dist.get_rank(), dist.get_world_size()
-results = []
 
 
-def check(name, fn):
-    try:
-        got, want = fn()
-        ok = np.asarray(got).shape == np.asarray(want).shape and np.allclose(np.asarray(got), np.asarray(want))
-        results.append({"name": name, "ok": bool(ok), "detail": "" if ok else f"got {np.asarray(got).tolist()} want {np.asarray(want).tolist()}"})
-    except Exception as e:  # noqa: BLE001 - report, keep going
-        results.append({"name": name, "ok": False, "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+def _same(got, want):
+    return np.asarray(got).shape == np.asarray(want).shape and np.allclose(np.asarray(got), np.asarray(want))
+
+
+check = Checks(_same, lambda x: np.asarray(x).tolist())
 
 
 G = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
@@ -76,16 +71,8 @@ else:
     rows = 8 // world
     rd = spmd.DTensor.from_local(G[rank * rows:(rank + 1) * rows], mesh, [Shard(0), Replicate()])
     check("from_local S(0)R, 2 devices per process", lambda: (rd.full_tensor(), G))
-
-    def refused():
-        try:
-            spmd.DTensor.from_local(G, mesh, [Replicate(), Shard(0)])
-        except ValueError as e:
-            return "one local tensor cannot fill them" in str(e), True
-        return False, True
-    check("from_local refuses a Shard inside a process", refused)
+    check("from_local refuses a Shard inside a process", lambda: raises(
+        lambda: spmd.DTensor.from_local(G, mesh, [Replicate(), Shard(0)]), ValueError, "one local tensor cannot fill them"))
 
 dist.barrier()
-with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
-    json.dump(results, f)
-print(f"checks done: {sum(r['ok'] for r in results)}/{len(results)} ok")
+check.write(sys.argv[1], rank)

@@ -5,17 +5,16 @@ Run with ``spmdrun --standalone --nproc-per-node 2 porting_check.py OUT_DIR``.
 """
 
 import collections
-import json
 import os
 import sys
 import time
-import traceback
 
 import ml_dtypes
 import numpy as np
 
 import spmd
 import spmd.distributed as dist
+from _checks import Checks, raises
 
 # item 4: under a launcher, spmd.init_device_mesh refuses a mesh of this process's devices alone, and
 # dist.init_device_mesh (torch's) joins the job (init_process_group) first
@@ -28,21 +27,6 @@ except RuntimeError as e:
 JOINED_BEFORE = dist.is_initialized()
 MESH = dist.init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
 rank = dist.get_rank()
-results = []
-
-
-_T = [time.time()]
-
-
-def check(name, fn):
-    if os.environ.get("PORT_TIMING"):
-        print(f"{time.time() - _T[0]:.2f}s before {name}", flush=True)
-    try:
-        got, want = fn()
-        ok = _same(got, want)
-        results.append({"name": name, "ok": bool(ok), "detail": "" if ok else f"got {got!r} want {want!r}"})
-    except Exception as e:  # noqa: BLE001 - report, keep going
-        results.append({"name": name, "ok": False, "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
 
 
 def _same(got, want):
@@ -52,12 +36,7 @@ def _same(got, want):
     return type(got) is type(want) and got == want
 
 
-def raises(fn, exc, says):
-    try:
-        fn()
-    except exc as e:
-        return says in str(e), True
-    return "no error", True
+check = Checks(_same)
 
 
 check("spmd.init_device_mesh before joining is refused", lambda: (
@@ -260,7 +239,5 @@ check("DDP 3 steps == one process on the whole batch", lambda: (
     bool(all(np.allclose(ddp.params[k], ref[k], rtol=1e-5, atol=1e-6) for k in ref)), True))
 check("DDP forward", lambda: (bool(np.allclose(ddp(X), apply(ref, X), rtol=1e-5, atol=1e-6)), True))
 
-os.makedirs(sys.argv[1], exist_ok=True)
-with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
-    json.dump(results, f)
+check.write(sys.argv[1], rank)
 dist.destroy_process_group()
