@@ -3,11 +3,34 @@ in a child process (``SCRIPT --torch-worker ARGS OUT_PATH``, without this proces
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
 import subprocess
 import sys
+
+
+def parse_args(argv, doc: str, quick_help: str, torch_name: str) -> argparse.Namespace:
+    """A benchmark's command line: ``--quick``, ``--no-torch`` and the hidden ``--torch-worker`` (see
+    :func:`torch_worker_args`) its :func:`run_torch_worker` child gets."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--no-torch", action="store_true", help=f"skip {torch_name}")
+    p.add_argument("--torch-worker", nargs=5, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def torch_worker_args(a: argparse.Namespace) -> tuple[str, int, int, int, str]:
+    """``(what, world, steps, warmup, out_path)`` of a ``--torch-worker`` child."""
+    what, world, steps, warmup, out_path = a.torch_worker
+    return what, int(world), int(steps), int(warmup), out_path
+
+
+def cpu_devices(n: int, root: str) -> None:
+    """Ask JAX (not yet imported) for ``n`` CPU devices, and put the project ``root`` on ``sys.path``."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
+    sys.path.insert(0, root)
 
 
 def free_port() -> int:

@@ -22,13 +22,12 @@ Writes benchmarks/results/ddp.json and benchmarks/results/ddp.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
-from _common import free_port, run_torch_worker
+from _common import cpu_devices, free_port, parse_args, run_torch_worker, torch_worker_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -230,19 +229,13 @@ def _plot(results: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="few steps, a smoke run")
-    p.add_argument("--no-torch", action="store_true", help="skip torch DDP")
-    p.add_argument("--torch-worker", nargs=5, help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    a = parse_args(argv, __doc__, "few steps, a smoke run", "torch DDP")
     if a.torch_worker:
-        name, world, steps, warmup, out_path = a.torch_worker
-        _torch_main(name, int(world), int(steps), int(warmup), out_path)
+        _torch_main(*torch_worker_args(a))
         return 0
 
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    cpu_devices(8, ROOT)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, ROOT)
     import jax
 
     steps, warmup = (10, 2) if a.quick else (40, 3)

@@ -32,13 +32,12 @@ Writes benchmarks/results/fsdp.json and benchmarks/results/fsdp.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
-from _common import free_port, run_torch_worker
+from _common import cpu_devices, free_port, parse_args, run_torch_worker, torch_worker_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -307,17 +306,11 @@ def _plot(results: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: the small size, 2 steps")
-    p.add_argument("--no-torch", action="store_true", help="skip torch FSDP2")
-    p.add_argument("--torch-worker", nargs=5, help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    a = parse_args(argv, __doc__, "smoke run: the small size, 2 steps", "torch FSDP2")
     if a.torch_worker:
-        size, world, steps, warmup, out_path = a.torch_worker
-        _torch_main(size, int(world), int(steps), int(warmup), out_path)
+        _torch_main(*torch_worker_args(a))
         return 0
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    sys.path.insert(0, ROOT)
+    cpu_devices(8, ROOT)
     import jax
 
     try:

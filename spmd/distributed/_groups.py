@@ -24,6 +24,7 @@ __all__ = [
     "group",
     "group_of",
     "peer_rank",
+    "peer_of",
     "new_group",
     "get_process_group_ranks",
     "get_group_rank",
@@ -136,6 +137,15 @@ def peer_rank(g: Group, global_rank: Any, group_rank: Any, where: str, arg: str)
         raise TypeError(f"{where}: {arg}= is required.")
     return _group_rank(g, global_rank, where, arg)
 
+
+
+def peer_of(g: Group, global_rank: Any, group_rank: Any, where: str, arg: str) -> int:
+    """The global rank of a point-to-point peer (``dst=``/``src=``, or ``group_dst=``/``group_src=``);
+    this rank itself is refused."""
+    p = g.global_ranks()[peer_rank(g, global_rank, group_rank, where, arg)]
+    if p == state(where).rank:
+        raise ValueError(f"{where}: {arg}={p} is this rank; send to / receive from another rank.")
+    return p
 
 def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_options: Any = None, **kwargs) -> Group:
     """A group of some ranks, as ``torch.distributed.new_group(ranks)``.

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from spmd.distributed import _objects
-from spmd.distributed._groups import group_of, members_only, peer_rank
+from spmd.distributed._groups import group_of, members_only, peer_of
 from spmd.distributed._objects import dumps, loads
 from spmd.distributed._state import state
 
@@ -40,10 +40,7 @@ def _peer(group: Any, peer: Any, group_peer: Any, where: str, arg: str, *, requi
         if required:
             raise ValueError(f"{where}: {arg}= is required; name the rank to send to.")
         return me, None
-    p = g.global_ranks()[peer_rank(g, peer, group_peer, where, arg)]
-    if p == me:
-        raise ValueError(f"{where}: {arg}={p} is this rank; send to / receive from another rank.")
-    return me, p
+    return me, peer_of(g, peer, group_peer, where, arg)
 
 
 def send_object_list(object_list: list, dst: int | None = None, group: Any = None, device: Any = None,

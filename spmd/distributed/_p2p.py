@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from spmd.distributed._groups import group_of, peer_rank
+from spmd.distributed._groups import group_of, peer_of
 from spmd.distributed._run import as_array, run_on, zeros
 from spmd.distributed._state import state
 from spmd.distributed._work import Work, write_into
@@ -62,10 +62,7 @@ def _p2p(send_: bool, tensor: Any, peer: Any, group: Any, group_peer: Any, where
     arg = "dst" if send_ else "src"
     if peer is None and group_peer is None:
         raise ValueError(f"{where}: {arg}= is required ({'recv from any rank' if not send_ else 'a destination'} cannot be expressed as an XLA program).")
-    p = g.global_ranks()[peer_rank(g, peer, group_peer, where, arg)]
-    me = state(where).rank
-    if p == me:
-        raise ValueError(f"{where}: {arg}={p} is this rank; send to / receive from another rank.")
+    p = peer_of(g, peer, group_peer, where, arg)
     x = as_array(tensor, where, "tensor")
     if not send_:
         x = zeros(x.shape, x.dtype)
