@@ -11,26 +11,32 @@ import subprocess
 import sys
 
 
-def parse_args(argv, doc: str, quick_help: str, torch_name: str) -> argparse.Namespace:
-    """A benchmark's command line: ``--quick``, ``--no-torch`` and the hidden ``--torch-worker`` (see
-    :func:`torch_worker_args`) its :func:`run_torch_worker` child gets."""
+def benchmark_args(argv, doc: str, quick_help: str, torch_name: str, torch_main, root: str):
+    """A benchmark's command line: ``--quick``, ``--no-torch``, and the hidden ``--torch-worker WHAT WORLD
+    STEPS WARMUP OUT_PATH`` of its :func:`run_torch_worker` child, which runs ``torch_main`` with those
+    and gives None. Otherwise JAX (not yet imported) is asked for 8 CPU devices, the project ``root``
+    goes on ``sys.path``, and the parsed arguments come back."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--no-torch", action="store_true", help=f"skip {torch_name}")
     p.add_argument("--torch-worker", nargs=5, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
-
-
-def torch_worker_args(a: argparse.Namespace) -> tuple[str, int, int, int, str]:
-    """``(what, world, steps, warmup, out_path)`` of a ``--torch-worker`` child."""
-    what, world, steps, warmup, out_path = a.torch_worker
-    return what, int(world), int(steps), int(warmup), out_path
-
-
-def cpu_devices(n: int, root: str) -> None:
-    """Ask JAX (not yet imported) for ``n`` CPU devices, and put the project ``root`` on ``sys.path``."""
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
+    a = p.parse_args(argv)
+    if a.torch_worker:
+        what, world, steps, warmup, out_path = a.torch_worker
+        torch_main(what, int(world), int(steps), int(warmup), out_path)
+        return None
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     sys.path.insert(0, root)
+    return a
+
+
+def save_figure(fig, path: str) -> None:
+    """Lay out, write (110 dpi) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def free_port() -> int:

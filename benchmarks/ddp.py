@@ -27,7 +27,7 @@ import os
 import sys
 import time
 
-from _common import cpu_devices, free_port, parse_args, run_torch_worker, torch_worker_args
+from _common import benchmark_args, free_port, run_torch_worker, save_figure
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -223,18 +223,13 @@ def _plot(results: dict, path: str) -> None:
     ax.set_title(f"Data-parallel train step, global batch {BATCH}, AdamW ({results['cpu_count']} CPU cores)")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    a = parse_args(argv, __doc__, "few steps, a smoke run", "torch DDP")
-    if a.torch_worker:
-        _torch_main(*torch_worker_args(a))
+    a = benchmark_args(argv, __doc__, "few steps, a smoke run", "torch DDP", _torch_main, ROOT)
+    if a is None:
         return 0
-
-    cpu_devices(8, ROOT)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
