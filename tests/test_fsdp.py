@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import spmd
+from _one_device import train_one_device
 from models import MLP, Transformer
 from models._ddp import TrainState, init_train_state
 from models._fsdp import make_fsdp_train_step, shard_train_state
@@ -71,18 +72,7 @@ def _reference(name):
     """1 device, the whole batch: losses and the final state."""
     params, batches = _data(name)
     loss_fn = _loss_fn(name)
-
-    @jax.jit
-    def step(state, b):
-        (loss, _), g = jax.value_and_grad(lambda p: loss_fn(p, b, None), has_aux=True)(state.params)
-        updates, opt_state = OPT.update(g, state.opt_state, state.params)
-        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), loss
-
-    state, losses = init_train_state(params, OPT), []
-    for b in batches:
-        state, loss = step(state, b)
-        losses.append(float(loss))
-    return losses, state
+    return train_one_device(params, batches, lambda p, b: loss_fn(p, b, None), OPT, has_aux=True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import spmd
+from _one_device import train_one_device
 from models import Transformer
 from models._ddp import TrainState, init_train_state
 from models._fsdp import shard_train_state
@@ -64,17 +65,7 @@ def _reference():
         logp = jax.nn.log_softmax(MODEL.apply({"params": p}, b["inputs"]))
         return -jnp.mean(jnp.take_along_axis(logp, b["targets"][..., None], axis=-1))
 
-    @jax.jit
-    def step(state, b):
-        loss, g = jax.value_and_grad(loss_fn)(state.params, b)
-        updates, opt_state = OPT.update(g, state.opt_state, state.params)
-        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), loss
-
-    state, losses = init_train_state(params, OPT), []
-    for b in batches:
-        state, loss = step(state, b)
-        losses.append(float(loss))
-    return losses, state
+    return train_one_device(params, batches, loss_fn, OPT)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,26 @@
+"""The reference the sharded-training tests compare with: plain training on one device."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from models._ddp import TrainState, init_train_state
+
+
+def train_one_device(params, batches, loss_fn, optimizer, *, has_aux: bool = False):
+    """``(losses, final state)`` of ``len(batches)`` steps of ``optimizer`` on ``loss_fn(params, batch)``
+    over the whole batch on one device (``has_aux``: ``loss_fn`` returns ``(loss, aux)``)."""
+
+    @jax.jit
+    def step(state, b):
+        out, g = jax.value_and_grad(lambda p: loss_fn(p, b), has_aux=has_aux)(state.params)
+        updates, opt_state = optimizer.update(g, state.opt_state, state.params)
+        loss = out[0] if has_aux else out
+        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), loss
+
+    state, losses = init_train_state(params, optimizer), []
+    for b in batches:
+        state, loss = step(state, b)
+        losses.append(float(loss))
+    return losses, state
