@@ -62,3 +62,41 @@ def run_torch_worker(script: str, args: list, out_path: str, timeout: float, tai
         res = json.load(f)
     os.remove(out_path)
     return res
+
+
+def torch_gpt(vocab: int, seq: int, d: int, layers: int, heads: int):
+    """The torch twin of the project's Transformer that the benchmarks time: pre-LayerNorm blocks
+    (causal attention, GELU MLP), learned positions for ``seq`` tokens, the embedding tied as output."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc, self.fc_out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).unbind(2)
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+            return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(d)
+
+        def forward(self, tokens):
+            x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+            for block in self.blocks:
+                x = block(x)
+            return self.ln_f(x) @ self.embed.weight.T
+
+    return GPT()

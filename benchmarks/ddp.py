@@ -27,7 +27,7 @@ import os
 import sys
 import time
 
-from _common import benchmark_args, free_port, run_torch_worker, save_figure
+from _common import benchmark_args, free_port, run_torch_worker, save_figure, torch_gpt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -44,7 +44,6 @@ LR = 3e-3
 
 # --- torch DDP (runs in its own process tree) --------------------------------------------------
 def _torch_models():
-    import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
@@ -60,37 +59,10 @@ def _torch_models():
             x = F.relu(self.h1(F.relu(self.h0(x))))
             return self.out(x).view(tokens.shape[0], LENGTH, VOCAB)
 
-    class Block(nn.Module):
-        def __init__(self, d, h):
-            super().__init__()
-            self.h = h
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc, self.fc_out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+    def gpt():
+        return torch_gpt(VOCAB, 2 * LENGTH, TF["d_model"], TF["layers"], TF["heads"])
 
-        def forward(self, x):
-            b, t, d = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.h, d // self.h).unbind(2)
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-            return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            d = TF["d_model"]
-            self.embed = nn.Embedding(VOCAB, d)
-            self.pos = nn.Parameter(torch.randn(2 * LENGTH, d) * 0.02)
-            self.blocks = nn.ModuleList([Block(d, TF["heads"]) for _ in range(TF["layers"])])
-            self.ln_f = nn.LayerNorm(d)
-
-        def forward(self, tokens):
-            x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-            for blk in self.blocks:
-                x = blk(x)
-            return self.ln_f(x) @ self.embed.weight.T
-
-    return {"mlp": MLP, "transformer": GPT}
+    return {"mlp": MLP, "transformer": gpt}
 
 
 def _torch_worker(rank, world, model_name, steps, warmup, port, out_path):

@@ -37,7 +37,7 @@ import os
 import sys
 import time
 
-from _common import benchmark_args, free_port, run_torch_worker, save_figure
+from _common import benchmark_args, free_port, run_torch_worker, save_figure, torch_gpt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -61,7 +61,6 @@ def _batches(rank: int, world: int, n: int = 4):
 def _torch_worker(rank, world, size, steps, warmup, port, out_path):
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -71,36 +70,8 @@ def _torch_worker(rank, world, size, steps, warmup, port, out_path):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=300))
     d, layers, h = SIZES[size]["d_model"], SIZES[size]["layers"], SIZES[size]["heads"]
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc, self.fc_out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            b, t, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, h, d // h).unbind(2)
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-            return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(VOCAB, d)
-            self.pos = nn.Parameter(torch.randn(SEQ, d) * 0.02)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.ln_f = nn.LayerNorm(d)
-
-        def forward(self, tokens):
-            x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-            for b in self.blocks:
-                x = b(x)
-            return self.ln_f(x) @ self.embed.weight.T
-
     torch.manual_seed(0)
-    model = GPT()
+    model = torch_gpt(VOCAB, SEQ, d, layers, h)
     mesh = init_device_mesh("cpu", (world,))
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
