@@ -151,6 +151,10 @@ def _bind_error(config: JobConfig, e: OSError, where: str) -> Exception:
         reply = ""
     if reply.startswith("NO rank 0 of this job is already running"):
         return ValueError(f"{where}: {reply[3:]}")
+    if reply.startswith("NO "):  # another spmd job's door: name it instead of a bare "in use"
+        return RuntimeError(
+            f"{where}: rank 0 was refused by the process on {host_port(config.addr, config.port)}: {reply[3:]}"
+        )
     return RuntimeError(
         f"{where}: rank 0 could not start the coordinator on port {config.port} (already in use?): {e}. "
         "Choose a free MASTER_PORT, or run spmdrun --standalone, which picks one."
