@@ -25,7 +25,7 @@
   communication of one step).
 
 ``regather=True`` (default) all-gathers each block again for its backward pass
-(``jax.checkpoint`` keeps only the matmul outputs): one block's parameters
+(``jax.checkpoint`` keeps only each block's input and recomputes the block): one block's parameters
 alive at a time, one more all-gather per block. ``regather=False`` keeps the
 forward pass's gathered parameters for the backward pass: fewer collectives,
 full-size parameter memory.

@@ -121,9 +121,11 @@ class Transformer(nn.Module):
             return block.apply({"params": gather("block_0", shards)}, x), None
 
         if gather.regather:
-            # Keep the matmul outputs; the gathered parameters (and cheap elementwise ops) are
-            # recomputed in the backward pass: one more all-gather per block, one block alive.
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
+            # Save only the block's input: the backward pass gathers the block again and recomputes
+            # it (one more all-gather per block, one block's parameters alive). Saving the matmul
+            # outputs too (dots_saveable) measured slower and larger: copying residuals into the
+            # scan's stacks costs more than recomputing a block (benchmarks/fsdp.py).
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
         if blocks:
             # Re-gathering needs the loop (a loop body's gather cannot be merged with the forward one);
             # keeping the gathers, the blocks run unrolled, which XLA:CPU schedules faster.

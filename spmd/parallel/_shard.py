@@ -94,12 +94,12 @@ def gather_unit(shards: Sequence[jax.Array], entries: Sequence[PlanEntry], fsdp:
     for idx in by_dtype.values():
         flat = jnp.concatenate([shards[i].reshape(-1) for i in idx])
         g = lax.all_gather(flat, fsdp, axis=0, tiled=False)  # (n, F)
-        off = 0
-        for i in idx:
+        # Copy-out with lax.split, not one slice per leaf: the transpose of a split is one
+        # concatenate into the flat gradient buffer (of slices: a zero pad and add per leaf).
+        for i, piece in zip(idx, lax.split(g, [shards[i].size for i in idx], axis=1)):
             x, e = shards[i], entries[i]
             d = e.shard_dim(fsdp_index)
-            piece = g[:, off:off + x.size].reshape((n,) + x.shape)
-            off += x.size
+            piece = piece.reshape((n,) + x.shape)
             piece = jnp.moveaxis(piece, 0, d)  # (..., n, chunk, ...): rank-major, as torch.chunk
             full = piece.reshape(x.shape[:d] + (n * x.shape[d],) + x.shape[d + 1:])
             out[i] = lax.slice_in_dim(full, 0, e.shape[d], axis=d) if full.shape[d] != e.shape[d] else full
