@@ -248,7 +248,9 @@ def test_training_job_fsdp_and_hsdp_match_dp_and_resume_across_layouts(tmp_path)
     mem, comm = saved["memory"], saved["collectives"]
     assert mem["state_bytes_total"] == dp["memory"]["state_bytes_total"] == dp["memory"]["state_bytes_per_device"]
     assert mem["state_bytes_total"] / 8 <= mem["state_bytes_per_device"] < mem["state_bytes_total"] / 4
-    assert mem["peak_gathered_bytes"] > 0 and dp["memory"]["peak_gathered_bytes"] == 0
+    # the MLP keeps every unit gathered (fsdp_keep): all parameters, f32, plus at most half again of chunk padding
+    n_params = saved["parameters"]
+    assert 4 * n_params <= mem["peak_gathered_bytes"] <= 6 * n_params and dp["memory"]["peak_gathered_bytes"] == 0
     assert comm["all-gather"]["count"] == comm["reduce-scatter"]["count"] == 3  # hidden_0, hidden_1, out
     assert comm["all-reduce"]["bytes"] < 1024  # scalars only; dp=8 all-reduces every gradient byte:
     assert dp["collectives"]["all-reduce"]["bytes"] * 4 > mem["state_bytes_total"] * 0.99 / 3

@@ -180,7 +180,6 @@ def test_partial_result_is_a_dtensor(mesh8, op, want):
 
     x = jnp.arange(16.0)
     d = f(x)
-    assert isinstance(d, DTensor)
     assert d.placements == (Partial(op),) and d.shape == (1,) and d.device_mesh == mesh8
     locals_ = [float(t[0]) for t in d.local_tensors()]
     assert locals_ == [float(x[2 * r] + x[2 * r + 1]) for r in range(8)]  # unreduced until asked
