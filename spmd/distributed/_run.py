@@ -83,7 +83,7 @@ def _program(devices: tuple, me: int, name: str, opts: tuple, shape: tuple, dtyp
     shape, dtype): argument errors surface here, on the rank that made them."""
     mesh = _mesh(devices)
     n, stacked = len(devices), not shape  # concatenated blocks need no reshape: only a scalar is stacked
-    jitted = collective_program(mesh, name, _AXIS, stacked=stacked, **dict(opts))
+    jitted = collective_program(mesh, name, _AXIS, stacked=stacked, **{k: v for k, _, v in opts})
     sharding = NamedSharding(mesh, P(_AXIS))
     gshape = (n,) + tuple(shape) if stacked else (n * shape[0],) + tuple(shape[1:])
     compiled = jitted.lower(jax.ShapeDtypeStruct(gshape, dtype, sharding=sharding)).compile()
@@ -110,7 +110,8 @@ def _run(ranks: tuple, name: str, x: jax.Array, where: str, kwargs: dict, into: 
     st = state(where)
     devs = rank_devices()
     opts = tuple(sorted(kwargs.items()))
-    prog = _program(tuple(devs[r] for r in ranks), ranks.index(st.rank), name, opts, tuple(x.shape), np.dtype(x.dtype))
+    typed = tuple((k, type(v), v) for k, v in opts)  # keyed like collective_program: src=False is not src=0
+    prog = _program(tuple(devs[r] for r in ranks), ranks.index(st.rank), name, typed, tuple(x.shape), np.dtype(x.dtype))
     # This rank's block of the global array: the tensor as it is (a scalar gets a leading axis);
     # NumPy goes to the device with one copy (jnp.asarray measured faster than device_put).
     if isinstance(x, np.ndarray):
