@@ -82,6 +82,19 @@ def _varying(tree: Any, axis: str) -> Any:
     return jax.tree.map(one, tree)
 
 
+
+def check_optimizer(optimizer: Any, where: str) -> None:
+    """A train step's ``optimizer`` must be an optax transformation."""
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"{where}: optimizer={optimizer!r} must be an optax.GradientTransformation, e.g. optax.adamw(1e-3).")
+
+
+def check_accum_steps(accum_steps: Any, where: str) -> None:
+    """A train step's ``accum_steps`` must be an int >= 1."""
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
+
+
 def make_train_step(
     loss_fn: Callable[[Any, Any], tuple[jax.Array, dict]],
     optimizer: optax.GradientTransformation,
@@ -100,11 +113,9 @@ def make_train_step(
     where = "make_train_step"
     if not callable(loss_fn):
         raise TypeError(f"{where}: loss_fn={loss_fn!r} must be callable as loss_fn(params, batch) -> (loss, metrics).")
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(f"{where}: optimizer={optimizer!r} must be an optax.GradientTransformation, e.g. optax.adamw(1e-3).")
+    check_optimizer(optimizer, where)
     _check_dp(mesh, dp, where)
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
+    check_accum_steps(accum_steps, where)
     n_dp = mesh.size(dp)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 

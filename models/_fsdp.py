@@ -40,7 +40,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models._ddp import TrainState, _varying
+from models._ddp import TrainState, _varying, check_accum_steps, check_optimizer
 from models._step_parts import accumulated, check_batch, flat_apply, optimizer_step
 from placements import ReduceOp, Replicate, Shard
 from spmd import DeviceMesh, all_reduce, spmd
@@ -104,9 +104,7 @@ def _check(loss_fn, optimizer, mesh, plan, dp, accum_steps, where: str) -> None:
     if not callable(loss_fn):
         raise TypeError(
             f"{where}: loss_fn={loss_fn!r} must be callable as loss_fn(params, batch, gather) -> (loss, metrics).")
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(
-            f"{where}: optimizer={optimizer!r} must be an optax.GradientTransformation, e.g. optax.adamw(1e-3).")
+    check_optimizer(optimizer, where)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{where}: mesh={mesh!r} must be a spmd.DeviceMesh, e.g. init_device_mesh('cpu', (8,), "
                         "mesh_dim_names=('fsdp',)).")
@@ -136,8 +134,7 @@ def _check(loss_fn, optimizer, mesh, plan, dp, accum_steps, where: str) -> None:
                     f"{where}: the plan places parameter {e.path!r} as {p} on mesh dim {name!r}; the data-parallel "
                     f"dim {name!r} keeps parameters Replicate(): shard them on {plan.fsdp!r} instead."
                 )
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
+    check_accum_steps(accum_steps, where)
 
 
 def _block_layouts_equal(plan: ParamPlan) -> bool:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from models._ddp import TrainState, _varying
+from models._ddp import TrainState, _varying, check_accum_steps, check_optimizer
 from models._step_parts import accumulated, check_batch, data_size, flat_apply, optimizer_step
 from models._fsdp import _block_layouts_equal
 from models._tp import TPContext, check_tp_plan, tp_loss
@@ -75,8 +75,7 @@ class TPGather:
 
 
 def _check(model, optimizer, mesh, plan, dp, tp, accum_steps, where) -> None:
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(f"{where}: optimizer={optimizer!r} must be an optax.GradientTransformation, e.g. optax.adamw(1e-3).")
+    check_optimizer(optimizer, where)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{where}: mesh={mesh!r} must be a spmd.DeviceMesh, e.g. init_device_mesh('cpu', (2, 4), "
                         "mesh_dim_names=('dp', 'tp')).")
@@ -107,8 +106,7 @@ def _check(model, optimizer, mesh, plan, dp, tp, accum_steps, where) -> None:
     if not _block_layouts_equal(plan):
         raise ValueError(f"{where}: the plan gives the blocks different layouts; the blocks run as one scanned "
                          "program: give all blocks the same placements.")
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
+    check_accum_steps(accum_steps, where)
 
 
 def make_tp_train_step(model: Any, optimizer: optax.GradientTransformation, mesh: DeviceMesh, plan: ParamPlan, *,
