@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -16,7 +13,7 @@ import pytest
 import spmd
 from placements import Partial, Replicate, Shard, shard_size_and_offset
 from spmd import DTensor, distribute_tensor, plan_redistribute
-from spmd._spawn import free_port
+from _torch_ref import run_torch_ranks
 
 R = Replicate()
 
@@ -296,9 +293,7 @@ TORCH_WORKER = textwrap.dedent(
                 dt = distribute_tensor(x, mesh, src)
             out_dt = dt.redistribute(mesh, dst)
             results.append(out_dt.to_local().numpy())
-        with open(f"{out}.{rank}", "wb") as f:
-            pickle.dump(results, f)
-        dist.destroy_process_group()
+        save(out, rank, results)
 
     if __name__ == "__main__":
         import torch.multiprocessing as mp
@@ -324,18 +319,8 @@ TORCH_CASES = [
 
 def test_same_numbers_as_torch_dtensor(tmp_path):
     pytest.importorskip("torch")
-    import pickle
-
-    script = tmp_path / "worker.py"
-    script.write_text(TORCH_WORKER)
     cases = "[" + ", ".join(f"({m!r}, {s!r}, {a}, {b})" for m, s, a, b in TORCH_CASES) + "]"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run(
-        [sys.executable, str(script), str(free_port()), str(tmp_path / "out"), cases],
-        env=env, capture_output=True, text=True, timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    torch_out = [pickle.loads((tmp_path / f"out.{r}").read_bytes()) for r in range(4)]
+    torch_out = run_torch_ranks(tmp_path, TORCH_WORKER, [cases], timeout=180)
     S, P = Shard, Partial
     for i, (mshape, shape, src, dst) in enumerate(TORCH_CASES):
         mesh = spmd.init_device_mesh("cpu", mshape)

@@ -4,10 +4,6 @@ or be listed in ``DIFFERENT`` with the reason (README "DTensor ops": where we di
 
 from __future__ import annotations
 
-import os
-import pickle
-import subprocess
-import sys
 import textwrap
 
 import jax.numpy as jnp
@@ -18,7 +14,7 @@ import spmd
 import spmd.ops as ops
 from placements import Partial, Replicate, Shard, format_placements
 from spmd import DTensor, distribute_tensor
-from spmd._spawn import free_port
+from _torch_ref import run_torch_ranks
 
 # The same op on both sides: torch's name and ours (a, b, c: the DTensor operands).
 TORCH_OPS = {
@@ -153,9 +149,7 @@ WORKER = textwrap.dedent(
                 results.append((pl, y.to_local().float().numpy(), y.full_tensor().float().numpy()))
             except Exception as e:
                 results.append(("error", f"{type(e).__name__}: {e}"[:300], None))
-        with open(f"{out}.{rank}", "wb") as f:
-            pickle.dump(results, f)
-        dist.destroy_process_group()
+        save(out, rank, results)
 
     if __name__ == "__main__":
         import torch.multiprocessing as mp
@@ -183,15 +177,7 @@ def _placements(torch_pl):
 
 def run_torch(tmp):
     """Each rank's results of every case, from torch DTensor in 4 gloo processes."""
-    script = tmp / "worker.py"
-    script.write_text(WORKER)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run(
-        [sys.executable, str(script), str(free_port()), str(tmp / "out"), repr(CASES), repr(TORCH_OPS)],
-        env=env, capture_output=True, text=True, timeout=540,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [pickle.loads((tmp / f"out.{r}").read_bytes()) for r in range(4)]
+    return run_torch_ranks(tmp, WORKER, [repr(CASES), repr(TORCH_OPS)])
 
 
 @pytest.mark.timeout(600)  # 4 torch processes: ~30 s alone, minutes on a loaded 2-core machine
