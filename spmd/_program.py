@@ -23,12 +23,18 @@ from spmd import _collectives as C
 __all__ = ["block_program", "collective_program"]
 
 
-def block_program(jax_mesh: jax.sharding.Mesh, body: Callable, *, stacked: bool = True) -> Callable:
+def block_program(
+    jax_mesh: jax.sharding.Mesh, body: Callable, *, stacked: bool = True, specs: tuple | None = None,
+    check_vma: bool = False,
+) -> Callable:
     """The jitted program that maps every device's block through ``body``.
 
     ``body`` takes one block (the leading mesh axes removed) inside the SPMD
     region, may call the functional collectives over the mesh's axes, and
-    returns one block; the result is stacked the same way. ``stacked=False``
+    returns one block; the result is stacked the same way. ``specs``: the
+    (input, output) ``PartitionSpec`` of the leading axes, for values stored
+    once along a mesh dim (a DTensor's ``Replicate``; ``check_vma=True``
+    checks it); by default every leading axis is sharded. ``stacked=False``
     (1-D meshes): the blocks are concatenated on dim 0 instead, so a device's
     block is ``body``'s argument and result as they are (no reshape on either
     side: the c10d facade's per-rank tensors).
@@ -36,13 +42,16 @@ def block_program(jax_mesh: jax.sharding.Mesh, body: Callable, *, stacked: bool 
     nd = len(jax_mesh.axis_names)
     spec = P(*jax_mesh.axis_names)
     if not stacked:
-        return jax.jit(jax.shard_map(body, mesh=jax_mesh, in_specs=spec, out_specs=spec, check_vma=False))
+        return jax.jit(jax.shard_map(body, mesh=jax_mesh, in_specs=spec, out_specs=spec, check_vma=check_vma))
+    in_spec, out_spec = specs or (spec, spec)
 
     def per_device(block):
         out = body(block.reshape(block.shape[nd:]))
         return out.reshape((1,) * nd + out.shape)
 
-    return jax.jit(jax.shard_map(per_device, mesh=jax_mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    sm = jax.shard_map(per_device, mesh=jax_mesh, in_specs=in_spec, out_specs=out_spec, check_vma=check_vma)
+    # out_shardings: XLA would lay out a zero-size result replicated, not one block per device.
+    return jax.jit(sm, out_shardings=jax.sharding.NamedSharding(jax_mesh, out_spec))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ from spmd._mesh import DeviceMesh
 from spmd.tensor._checks import check_target
 from spmd.tensor._dtensor import DTensor, from_physical, physical
 from spmd.tensor._local import even_global_shape
+from spmd.tensor._storage import spec as storage_spec
 
 __all__ = ["spmd"]
 
@@ -131,7 +132,7 @@ class _Spmd:
                         f"spmd: argument{path} is a DTensor {x!r} with uneven shards on dim {p.dim}; a region "
                         "needs equal blocks on every rank: redistribute it (e.g. to Replicate) or pad the dim."
                     )
-            return x, P(*names), "dtensor"
+            return x, storage_spec(mesh, x.placements), "dtensor"
         if plist is None:
             raise ValueError(
                 f"spmd: argument{path} has no placements; give in_placements for it (e.g. [Replicate()] * "
@@ -197,9 +198,9 @@ class _Spmd:
                 )
                 checked.append(pl)
                 vmas.append(varying_axes(y))
-                if _has_partial(pl):  # stored per rank: a DTensor's storage
+                if _has_partial(pl):  # a DTensor's storage (spmd/tensor/_storage.py)
                     res.append(y.reshape((1,) * nd + y.shape))
-                    ospecs.append(P(*names))
+                    ospecs.append(storage_spec(mesh, pl))
                 else:
                     res.append(y)
                     ospecs.append(_spec(pl, names, y.ndim))
@@ -230,13 +231,14 @@ class _Spmd:
 
 
 def _check_replicated(vma, pl, names, i: int, check_vma: bool) -> None:
-    """A result placed Replicate on a mesh dim must not differ across it. JAX checks plain results
-    under ``check_vma=True``; a Partial result is stored per rank (JAX does not see its Replicate
-    dims) and ``check_vma=False`` checks nothing (JAX would keep device 0's value): check those here,
-    from the varying axes the probe trace found (``vma``; None if the function cannot be traced
-    with check_vma=True, and then a Replicate dim cannot be checked and is refused)."""
+    """A result placed Replicate on a mesh dim must not differ across it. JAX checks it under
+    ``check_vma=True`` (a Partial result's storage too: its Replicate dims are stored once, see
+    ``spmd/tensor/_storage.py``); ``check_vma=False`` checks nothing (JAX would keep device 0's
+    value): check it here, from the varying axes the probe trace found (``vma``; None if the
+    function cannot be traced with check_vma=True, and then a Replicate dim cannot be checked and
+    is refused)."""
     rep = [n for n, p in zip(names, pl) if isinstance(p, Replicate)]
-    if not rep or (vma is None and check_vma and not _has_partial(pl)):
+    if not rep or (vma is None and check_vma):
         return  # (a JAX without vma types: shard_map's own check)
     if vma is None:
         raise ValueError(

@@ -14,7 +14,7 @@ import pytest
 
 import spmd
 import spmd.ops as ops
-from placements import Partial, Replicate, Shard, local_shape_and_offset, rank_to_coord
+from placements import Partial, Replicate, Shard, format_placements, local_shape_and_offset, rank_to_coord
 from spmd import DTensor, distribute_tensor
 
 R = Replicate()
@@ -466,8 +466,8 @@ def test_mlp_forward_backward_vs_numpy_and_spmd(mesh2x4):
     dx, dt = make(x, mesh2x4, [S(0), R]), make(t, mesh2x4, [S(0), R])
     d1, d2 = make(w1, mesh2x4, [R, S(1)]), make(w2, mesh2x4, [R, S(0)])
 
-    def loss(w1, w2, x, t):  # DTensor ops, global view
-        d = ops.relu(x @ w1) @ w2 - t
+    def loss(w1, w2, x, t):  # DTensor ops, global view; the row-parallel output Replicate, as torch's RowwiseParallel
+        d = (ops.relu(x @ w1) @ w2).redistribute(placements=[S(0), R]) - t
         return ((d * d).sum() / (B * O)).full_tensor()
 
     def local(w1, w2, x, t):  # the same, by hand, on each device's blocks
@@ -481,20 +481,41 @@ def test_mlp_forward_backward_vs_numpy_and_spmd(mesh2x4):
     gy = 2 * d / (B * O)
     g2 = h.T @ gy
     g1 = x.T @ ((gy @ w2.T) * (h > 0))
-    value, (a, b) = jax.jit(ops.value_and_grad(loss, argnums=(0, 1)))(d1, d2, dx, dt)
-    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for vg in (jax.value_and_grad, ops.value_and_grad):  # plain jax.grad gives torch's gradient placements too
+        value, (a, b) = jax.jit(vg(loss, argnums=(0, 1)))(d1, d2, dx, dt)
+        np.testing.assert_allclose(value, want, rtol=1e-5)
+        check(a, g1, [R, S(1)], tol=1e-5)  # gradients keep the weights' layout (dp all-reduced)
+        check(b, g2, [R, S(0)], tol=1e-5)
     np.testing.assert_allclose(hand(w1, w2, x, t), want, rtol=1e-5)
-    check(a, g1, [R, S(1)], tol=1e-5)  # gradients keep the weights' layout (dp all-reduced)
-    check(b, g2, [R, S(0)], tol=1e-5)
     fwd, fwd_hand = spmd.collectives(loss, d1, d2, dx, dt), spmd.collectives(hand, w1, w2, x, t)
     assert fwd == fwd_hand  # the same collectives: all_reduce of (4, 4) over tp, of the scalar over dp x tp
     assert fwd["all-reduce"] == {"count": 2, "bytes": 4 * 4 * 4 + 4}
-    bwd = spmd.collectives(ops.grad(loss, argnums=(0, 1)), d1, d2, dx, dt)
+    bwd = spmd.collectives(jax.grad(loss, argnums=(0, 1)), d1, d2, dx, dt)
     bwd_hand = spmd.collectives(jax.grad(hand, argnums=(0, 1)), w1, w2, x, t)
-    assert {k for k, v in bwd.items() if v["count"]} == {k for k, v in bwd_hand.items() if v["count"]} == {"all-reduce"}
-    # One difference, documented in the README: blocks are independent variables under jax.grad, so the
-    # transpose of each forward all-reduce is an all-reduce too (the hand-written version types them replicated).
-    assert bwd["all-reduce"]["bytes"] == bwd_hand["all-reduce"]["bytes"] + fwd["all-reduce"]["bytes"]
+    assert bwd == bwd_hand  # backward too: the tp all-reduce's transpose is free, the weights' dp all-reduce
+    assert bwd["all-reduce"] == {"count": 2, "bytes": 4 * 4 * 4 + (6 * 4 + 4 * 4) * 4}
+
+
+def test_square_of_a_partial_follows_torch(mesh2x4):
+    """``d * d`` of a Partial(sum) ``d`` is torch's ``P * R -> P`` (one operand reduced, checked against torch
+    2.13: 1 collective, Partial(sum)): the forward has the hand-written collectives, and the backward one
+    all-reduce more (the reduced operand's gradient, from the unreduced one, is summed over tp)."""
+    rng = np.random.default_rng(1)
+    h, w = rng.standard_normal((8, 16)).astype(np.float32), rng.standard_normal((16, 4)).astype(np.float32)
+    dh, dw = make(h, mesh2x4, [S(0), S(1)]), make(w, mesh2x4, [R, S(0)])
+
+    def loss(w, h):
+        d = h @ w
+        assert d.placements == (S(0), P())
+        return (d * d).sum().full_tensor()
+
+    (strat,) = [s for s in ops.explain(loss, dw, dh, print_out=False) if s.op == "multiply"]
+    assert strat.output == (S(0), P()) and [format_placements(p.dst) for p in strat.plans] == ["S(0)P(sum)", "S(0)R"]
+    g = jax.grad(loss)(dw, dh)
+    check(g, 2 * h.T @ (h @ w), [R, S(0)], tol=1e-4)
+    fwd, bwd = spmd.collectives(loss, dw, dh), spmd.collectives(jax.grad(loss), dw, dh)
+    assert fwd["all-reduce"] == {"count": 2, "bytes": 4 * 4 * 4 + 4}
+    assert bwd["all-reduce"]["bytes"] == 4 * 4 * 4 + 4 * 4 * 4 + 4 * 4 * 4  # fwd (4, 4) block, its transpose, dw over dp
 
 
 # --- JAX interop ------------------------------------------------------------------------------------

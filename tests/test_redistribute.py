@@ -33,6 +33,7 @@ from placements import (
 from spmd._inspect import hlo_collectives
 from spmd.tensor._dispatch import program
 from spmd.tensor._dtensor import from_physical, physical
+from spmd.tensor._storage import extents
 from spmd.testing import np_storage, simulate_plan
 
 R = Replicate()
@@ -95,6 +96,9 @@ def full_from_blocks(blocks, shape, mesh_shape, pl):
 
 
 def unpadded_blocks(phys, shape, mesh_shape, pl):
+    """Each device's unpadded block of a storage array (a value stored once is every device's block)."""
+    assert phys.shape[: len(mesh_shape)] == extents(mesh_shape, pl)
+    phys = np.broadcast_to(phys, tuple(mesh_shape) + phys.shape[len(mesh_shape):])
     out = {}
     for c in coords_of(mesh_shape):
         ls = local_shape_and_offset(shape, mesh_shape, pl, c)[0]
@@ -131,7 +135,7 @@ def check_sim(x, mesh_shape, src, dst):
     p = plan(mesh_shape, x.shape, x.dtype.itemsize, src, dst)
     phys = np_distribute(x, mesh_shape, src)
     out = simulate_plan(p, phys)
-    assert out.shape == tuple(mesh_shape) + padded_local_shape(x.shape, mesh_shape, dst)
+    assert out.shape == extents(mesh_shape, dst) + padded_local_shape(x.shape, mesh_shape, dst)
     blocks = unpadded_blocks(out, x.shape, mesh_shape, dst)
     got = full_from_blocks(blocks, x.shape, mesh_shape, dst)
     np.testing.assert_array_equal(got, x, err_msg=f"{mesh_shape} {format_placements(src)} -> {format_placements(dst)}")
@@ -405,14 +409,18 @@ def test_program_cache_is_bounded_and_evicts_one_at_a_time(monkeypatch):
     assert keys[-1] == ((Replicate(),), (8, 4), dt.dtype, (R,))  # the last request is the most recent entry
 
 
-def test_grad_through_all_gather_sums_every_copy(meshes):
-    """S -> R lowers to the varying all-gather (check_vma=False program): its transpose sums the cotangent
-    of every copy, so jax.grad through redistribute/full_tensor is the true gradient on a 2-D mesh."""
+def test_grad_through_all_gather_is_torchs_gradient(meshes):
+    """S -> R lowers to the invariant all-gather (a Replicate value is stored once): jax.grad through
+    redistribute/full_tensor is the true gradient, placed as the input (torch's), on a 2-D mesh, and the
+    backward of the all-gather is a local slice (no collective)."""
     x = data((8, 4))
-    for src in (parse("S0S1"), parse("S0S0"), parse("S1R")):
+    for src in (parse("S0S1"), parse("S0S0"), parse("S1R"), parse("RR")):
         dt = spmd.distribute_tensor(x, meshes[(2, 4)], src)
-        g = jax.grad(lambda d: (d.redistribute(placements=[R, R]).full_tensor() ** 2).sum())(dt)
+        f = jax.grad(lambda d: (d.redistribute(placements=[R, R]).full_tensor() ** 2).sum())
+        g = f(dt)
         assert g.placements == src
-        # A replicated mesh dim splits the cotangent between its copies: summed over them, it is 2x.
-        copies = math.prod(s for s, p in zip((2, 4), src) if p == R)
-        np.testing.assert_array_equal(np.asarray(g.full_tensor()) * copies, 2 * x)
+        np.testing.assert_array_equal(np.asarray(g.full_tensor()), 2 * x)
+        hlo = hlo_collectives(jax.jit(f).lower(dt).compile().as_text())
+        forward = spmd.plan_redistribute(dt, [R, R]).steps  # all-gathers only; the backward adds nothing
+        assert hlo["all-gather"]["count"] == len(forward), (format_placements(src), hlo)
+        assert hlo["all-reduce"]["count"] == hlo["reduce-scatter"]["count"] == 0, hlo

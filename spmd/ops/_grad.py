@@ -1,15 +1,13 @@
 """Gradients of functions of DTensors, with torch autograd's gradient placements.
 
-``jax.grad`` differentiates a DTensor through its storage, one block per device,
-each block an independent variable. That derivative is exact, but it is laid out
-as the blocks are used, not as the input's placements say: along a ``Replicate``
-mesh dim the copies' gradients *sum* to the gradient (a ``Partial(sum)``), along a
-``Partial`` mesh dim every block holds the whole gradient (a ``Replicate``); along a
-``Shard`` dim each block is exactly its shard's gradient. :func:`grad` and
-:func:`value_and_grad` relabel each DTensor gradient accordingly and reduce it as
-torch does: the gradient of a ``Replicate`` input comes back ``Replicate``
-(all-reduced over those mesh dims, once, as DDP's gradient all-reduce), of a
-``Shard`` input ``Shard``, of a ``Partial`` input ``Replicate``.
+``jax.grad`` differentiates a DTensor through its storage (``spmd/tensor/_storage.py``).
+A ``Replicate`` value is stored once, so its gradient is one value, already reduced
+as torch's autograd reduces it (one all-reduce where it met varying blocks), and a
+``Shard`` block's gradient is its shard's: for inputs placed ``Shard`` / ``Replicate``,
+``jax.grad``'s DTensor is torch's gradient, placements included. A ``Partial`` value
+is one independent block per rank, and every block's gradient is the whole gradient:
+torch labels it ``Replicate``, which :func:`grad` / :func:`value_and_grad` (and
+:func:`placed_gradient` for ``jax.grad``'s result) do, without communication.
 """
 
 from __future__ import annotations
@@ -18,25 +16,36 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from placements import Partial, Replicate, Shard
+from placements import Partial, Replicate
+from spmd._program import block_program
+from spmd.tensor import _dispatch
 from spmd.tensor._ops_exec import is_dtensor
+from spmd.tensor._storage import spec
 
 __all__ = ["grad", "value_and_grad", "placed_gradient"]
 
 
 def placed_gradient(g, primal):
     """``g`` (``jax.grad``'s cotangent of DTensor ``primal``) as a DTensor with torch's gradient
-    placements: ``Shard`` kept, ``Replicate`` and ``Partial`` mesh dims ``Replicate``."""
+    placements: ``Shard`` and ``Replicate`` kept, ``Partial`` mesh dims ``Replicate`` (every block
+    already holds the whole gradient: a relabel, no communication)."""
     if not (is_dtensor(g) and is_dtensor(primal)):
         raise TypeError(
             f"placed_gradient: g={g!r} and primal={primal!r} must both be DTensors: pass jax.grad's result for a "
             "DTensor argument and that argument."
         )
     pl = primal.placements
-    meaning = [Partial("sum") if isinstance(p, Replicate) else Replicate() if isinstance(p, Partial) else p for p in pl]
+    if not any(isinstance(p, Partial) for p in pl):
+        return g
+    mesh = g.device_mesh
+    target = tuple(Replicate() if isinstance(p, Partial) else p for p in pl)
     (leaf,) = jax.tree_util.tree_leaves(g)
-    exact = type(g).tree_unflatten((g.device_mesh, tuple(meaning), tuple(g.shape)), (leaf,))
-    return exact.redistribute(placements=[p if isinstance(p, Shard) else Replicate() for p in pl])
+    key = ("placed_gradient", pl, target)
+    keep = _dispatch.lookup(mesh, key)
+    if keep is None:  # the equal blocks of the Partial dims, stored once (trusted: check_vma=False)
+        keep = block_program(mesh.jax_mesh, lambda b: b, specs=(spec(mesh, pl), spec(mesh, target)))
+        _dispatch.remember(mesh, key, keep)
+    return type(g).tree_unflatten((mesh, target, tuple(g.shape)), (keep(leaf),))
 
 
 def _fix(grads, primals):

@@ -60,8 +60,8 @@ def _distribute_traced(x, mesh: DeviceMesh, placements, where: str) -> DTensor:
     """Inside jax.jit: replicate, then run the plan ``R... -> placements``."""
     pl = check_target(placements, mesh.ndim, x.ndim, x.dtype, where)
     rep = (Replicate(),) * mesh.ndim
-    phys = jnp.broadcast_to(x, tuple(mesh.shape) + tuple(x.shape))
-    phys = jax.lax.with_sharding_constraint(phys, sharding(mesh))
+    phys = jnp.reshape(x, (1,) * mesh.ndim + tuple(x.shape))  # Replicate: stored once (_storage.py)
+    phys = jax.lax.with_sharding_constraint(phys, sharding(mesh, rep))
     plan = make_plan(mesh.shape, x.shape, np.dtype(x.dtype).itemsize, rep, pl, where=where)
     if plan.steps:
         phys = _dispatch.program(mesh, plan)(phys)

@@ -21,7 +21,6 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from placements import Placement, Replicate, format_placements, rank_to_coord
 from placements._plan import Plan, plan as make_plan
@@ -149,20 +148,10 @@ class DTensor(DTensorOps):
 
     def full_tensor(self):
         """The logical global tensor: Partial reduced, shards gathered (uneven ones too)."""
-        rep = self.redistribute(placements=[Replicate()] * self._mesh.ndim)
-        nd = self._mesh.ndim
-        phys = rep._physical
+        phys = self.redistribute(placements=[Replicate()] * self._mesh.ndim)._physical
         if is_tracer(phys):
-            # Every device holds the whole value now: read the local block (no collective),
-            # as a replicated result, instead of indexing device 0's block (which would broadcast it).
-            names = self._mesh.mesh_dim_names
-            take = jax.shard_map(
-                lambda b: b.reshape(b.shape[nd:]), mesh=self._mesh.jax_mesh, in_specs=P(*names), out_specs=P(),
-                check_vma=False,
-            )
-            return take(phys)
-        b = phys.addressable_shards[0].data
-        return b.reshape(self._shape)
+            return phys.reshape(self._shape)  # Replicate is stored once (_storage.py): no collective
+        return phys.addressable_shards[0].data.reshape(self._shape)
 
     # --- redistribute ---------------------------------------------------------------------
     def _target(self, device_mesh, placements, where: str):
@@ -217,7 +206,7 @@ class DTensor(DTensorOps):
 
 
 def physical(dt: DTensor) -> jax.Array:
-    """The storage of ``dt``: ``mesh.shape + padded block``, block ``[i, j, ...]`` on device ``(i, j, ...)``."""
+    """The storage of ``dt``: one padded block per device, ``Replicate`` stored once (``_storage.py``)."""
     return dt._physical
 
 

@@ -72,18 +72,38 @@ def from_local_storage(locals, device_mesh, placements, shape, run_check):
                 f"{where}: locals[{r}] has shape {tuple(a.shape)} but placements {format_placements(pl)} of a global "
                 f"shape {gshape} give rank {r} the shape {want}; {hint}."
             )
-    if run_check:  # as torch: copy coordinate 0's value along Replicate mesh dims
-        rep_dims = [d for d, p in enumerate(pl) if isinstance(p, Replicate)]
-        src = []
-        for r in range(n):
-            c = list(rank_to_coord(r, mesh.shape))
-            for d in rep_dims:
-                c[d] = 0
-            src.append(arrs[coord_to_rank(c, mesh.shape)])
-        arrs = src
+    # A Replicate mesh dim holds one value (stored once, _storage.py): as torch's run_check=True, take
+    # coordinate 0's along it; without run_check the replicas must already agree (never one kept silently).
+    rep_dims = [d for d, p in enumerate(pl) if isinstance(p, Replicate)]
+    src = []
+    for r in range(n):
+        c = list(rank_to_coord(r, mesh.shape))
+        for d in rep_dims:
+            c[d] = 0
+        src.append(coord_to_rank(c, mesh.shape))
+    if not run_check:
+        _check_replicas(arrs, src, mesh, pl, where)
+    arrs = [arrs[s] for s in src]
     blocks = {rank_to_coord(r, mesh.shape): a for r, a in enumerate(arrs)}
     with x64_for(arrs[0].dtype):  # int64 / float64 storage keeps its dtype (spmd/_x64.py)
         return mesh, storage_of_blocks(blocks, mesh, pl, gshape), pl, gshape
+
+
+def _check_replicas(arrs, src, mesh, pl, where: str) -> None:
+    """Each rank's tensor equals (bit for bit) the one at coordinate 0 of its Replicate mesh dims."""
+    for r, s in enumerate(src):
+        if r != s and not _same_bits(arrs[r], arrs[s]):
+            rep = [n for n, p in zip(mesh.mesh_dim_names, pl) if isinstance(p, Replicate)]
+            raise ValueError(
+                f"{where}: placements {format_placements(pl)} replicate over mesh dim(s) {rep}, but locals[{r}] differs "
+                f"from locals[{s}]; a Replicate value is one tensor. Pass equal tensors, run_check=True to take "
+                "coordinate 0's (as torch), or Partial() if they are per-rank contributions to a sum."
+            )
+
+
+def _same_bits(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def _global_shape(shape, a, mesh, pl, where: str):

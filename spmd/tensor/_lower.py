@@ -1,10 +1,12 @@
 """The JAX lowering of a redistribute plan: one function per transition (``Step.lowering``).
 
 A plan runs as one jitted ``shard_map`` program over a DTensor's storage (built
-by ``spmd/_program.py``). Each step's lowering function takes this device's
-padded block, its linear position ``lin`` and the step's :class:`Geometry`
-(index tables, ``_tables.py``), and calls the project's collectives
-(``spmd/_collectives.py``) over the step's mesh dims. Which function runs is
+by ``spmd/_program.py``, with ``check_vma``: a ``Replicate`` result must be
+typed invariant, so JAX checks it and transposes it as torch's autograd does).
+Each step's lowering function takes this device's padded block, ``at`` (this
+device's row of a static per-device table, :func:`device_row`) and the step's
+:class:`Geometry` (index tables, ``_tables.py``), and calls the project's
+collectives (``spmd/_collectives.py``) over the step's mesh dims. Which function runs is
 the transition table's (``placements/_transitions.py``): the executor only
 dispatches on ``step.lowering``.
 """
@@ -12,6 +14,7 @@ dispatches on ``step.lowering``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
@@ -22,21 +25,36 @@ from placements import padded_local_shape
 from placements._plan import Plan, Step
 from spmd import _collectives as C
 from spmd._program import block_program
-from spmd.tensor._storage import op_identity
+from spmd.tensor._storage import op_identity, spec
 from spmd.tensor._tables import DONT_CARE, IDENTITY, Geometry, geometry
 
-__all__ = ["LOWERINGS", "build_program"]
+__all__ = ["LOWERINGS", "build_program", "device_row"]
 
 
-def _compact(x, dim: int, table: np.ndarray, lin, fill=0):
-    """``x`` gathered along ``dim`` by ``table[lin]`` (static table, dynamic device index)."""
+def device_row(table, names: tuple[str, ...], mesh_shape: tuple[int, ...]):
+    """This device's row of ``table`` (row = linear device position), indexed through only the mesh
+    dims along which the rows differ: a row equal along a mesh dim stays typed invariant there
+    (``check_vma``), as a ``Replicate`` result must be."""
+    table = np.asarray(table)
+    nd = len(mesh_shape)
+    t = table.reshape(tuple(mesh_shape) + table.shape[1:])
+    dims = [d for d in range(nd) if mesh_shape[d] > 1 and not (t == t.take([0], axis=d)).all()]
+    sub = t[tuple(slice(None) if d in dims else 0 for d in range(nd))]
+    if not dims:
+        return jnp.asarray(sub)
+    sizes = [mesh_shape[d] for d in dims]
+    lin = sum(lax.axis_index(names[d]) * math.prod(sizes[i + 1:]) for i, d in enumerate(dims))
+    return jnp.asarray(sub.reshape((-1,) + table.shape[1:]))[lin]
+
+
+def _compact(x, dim: int, table: np.ndarray, at, fill=0):
+    """``x`` gathered along ``dim`` by this device's row of ``table`` (``at``: static table, dynamic device)."""
     n_in = x.shape[dim]
     out_len = table.shape[1]
     if (table == IDENTITY).any():
         idx = np.where(table < 0, n_in, table)
         idx = np.where(table == DONT_CARE, n_in, idx)
-        row = jnp.asarray(idx.astype(np.int32))[lin]
-        return jnp.take(x, row, axis=dim, mode="fill", fill_value=fill)
+        return jnp.take(x, at(idx.astype(np.int32)), axis=dim, mode="fill", fill_value=fill)
     # Contiguous per device? Then a (dynamic) slice.
     starts = []
     t = np.arange(out_len)
@@ -59,53 +77,52 @@ def _compact(x, dim: int, table: np.ndarray, lin, fill=0):
             x = jnp.pad(x, pad)
         if len(set(starts)) == 1:
             return lax.slice_in_dim(x, starts[0], starts[0] + out_len, axis=dim)
-        return lax.dynamic_slice_in_dim(x, jnp.asarray(np.array(starts, np.int32))[lin], out_len, axis=dim)
+        return lax.dynamic_slice_in_dim(x, at(np.array(starts, np.int32)), out_len, axis=dim)
     idx = np.where(table < 0, 0, table)
-    row = jnp.asarray(idx.astype(np.int32))[lin]
-    return jnp.take(x, row, axis=dim, mode="clip")
+    return jnp.take(x, at(idx.astype(np.int32)), axis=dim, mode="clip")
 
 
 # --- one lowering per transition kind (placements/_transitions.py) ------------------------------
-def _all_gather(step: Step, g: Geometry, x, lin, axes):
+def _all_gather(step: Step, g: Geometry, x, at, axes):
     a = step.src.dim
-    # (check_vma=False here: C.all_gather is the varying all-gather, whose transpose sums every copy's
-    # cotangent, as jax.grad through a DTensor needs.)
+    # (the block varies over the group, so C.all_gather is the invariant all-gather: a Replicate result,
+    # whose transpose is a local slice, as torch's backward of Shard -> Replicate.)
     y = C.all_gather(x, axis=a, tiled=True, group=axes) if g.k > 1 else x
-    return _compact(y, a, g.gather(a), lin)
+    return _compact(y, a, g.gather(a), at)
 
 
-def _all_to_all(step: Step, g: Geometry, x, lin, axes):
+def _all_to_all(step: Step, g: Geometry, x, at, axes):
     a, b = step.src.dim, step.dst.dim
-    x = _compact(x, b, g.split(b), lin)
+    x = _compact(x, b, g.split(b), at)
     y = C.all_to_all(x, b, a, group=axes) if g.k > 1 else x
-    return _compact(y, a, g.gather(a), lin)
+    return _compact(y, a, g.gather(a), at)
 
 
-def _fill_identity(step: Step, g: Geometry, x, lin, axes):
+def _fill_identity(step: Step, g: Geometry, x, at, axes):
     a = step.src.dim
-    return _compact(x, a, g.local(a, fill_missing=True), lin, fill=op_identity(step.dst.reduce_op, x.dtype))
+    return _compact(x, a, g.local(a, fill_missing=True), at, fill=op_identity(step.dst.reduce_op, x.dtype))
 
 
-def _slice(step: Step, g: Geometry, x, lin, axes):
+def _slice(step: Step, g: Geometry, x, at, axes):
     b = step.dst.dim
-    return _compact(x, b, g.local(b, fill_missing=False), lin)
+    return _compact(x, b, g.local(b, fill_missing=False), at)
 
 
-def _partition(step: Step, g: Geometry, x, lin, axes):
+def _partition(step: Step, g: Geometry, x, at, axes):
     op = step.dst.reduce_op
     if op in ("avg", "max", "min") or g.k == 1:
         return x
-    keep = jnp.asarray(g.first)[lin]
+    keep = at(np.asarray(g.first))
     return jnp.where(keep, x, jnp.asarray(op_identity(op, x.dtype), x.dtype))
 
 
-def _all_reduce(step: Step, g: Geometry, x, lin, axes):
+def _all_reduce(step: Step, g: Geometry, x, at, axes):
     return C.all_reduce(x, step.src.reduce_op, group=axes) if g.k > 1 else x
 
 
-def _reduce_scatter(step: Step, g: Geometry, x, lin, axes):
+def _reduce_scatter(step: Step, g: Geometry, x, at, axes):
     b = step.dst.dim
-    x = _compact(x, b, g.split(b), lin)
+    x = _compact(x, b, g.split(b), at)
     return C.reduce_scatter(x, step.src.reduce_op, scatter_dim=b, group=axes) if g.k > 1 else x
 
 
@@ -126,16 +143,16 @@ class _RunPlan:
         mesh_shape = plan.mesh_shape
         if math.prod(plan.global_shape) == 0:  # zero elements: no collective can (or needs to) run
             return jnp.zeros(padded_local_shape(plan.global_shape, mesh_shape, plan.dst), x.dtype)
-        strides = [math.prod(mesh_shape[i + 1 :]) for i in range(len(mesh_shape))]
-        lin = sum(lax.axis_index(n) * s for n, s in zip(self.names, strides)) if mesh_shape else 0
+        at = functools.partial(device_row, names=self.names, mesh_shape=tuple(mesh_shape))
         for step in plan.steps:
             g = geometry(step, mesh_shape, plan.global_shape)
             axes = tuple(self.names[d] for d in step.mesh_dims)
-            x = LOWERINGS[step.lowering](step, g, x, lin, axes)
+            x = LOWERINGS[step.lowering](step, g, x, at, axes)
         return x
 
 
 def build_program(mesh, plan: Plan):
     """The jitted program ``storage -> storage`` that runs ``plan`` on ``mesh`` (not cached:
     ``_dispatch.py`` holds the one cache)."""
-    return block_program(mesh.jax_mesh, _RunPlan(plan, mesh.mesh_dim_names))
+    return block_program(mesh.jax_mesh, _RunPlan(plan, mesh.mesh_dim_names),
+                         specs=(spec(mesh, plan.src), spec(mesh, plan.dst)), check_vma=True)

@@ -2,8 +2,11 @@
 every device's block, as one jitted program per (op, placements, shapes, dtypes).
 
 The strategy (``placements/_strategy.py``) is pure placement logic; this module only
-executes it. Storage is the DTensor's (``mesh.shape + padded local block`` per device,
-see ``_storage.py``), read and rebuilt through the DTensor pytree (no import of the class): an elementwise op runs on the padded block and leaves garbage
+executes it. Storage is the DTensor's (one padded block per device, a ``Replicate`` value
+stored once, see ``_storage.py``), read and rebuilt through the DTensor pytree (no import of
+the class). The program runs with ``check_vma``: an input ``Replicate`` on a mesh dim is
+invariant there, so its gradient is reduced as torch's autograd reduces it, and a
+``Replicate`` output is checked by JAX. An elementwise op runs on the padded block and leaves garbage
 in the padding (never read); a reduction or contraction along a sharded dim first fills
 that dim's padding with the op's identity, from a static per-device table of local sizes.
 """
@@ -25,7 +28,8 @@ from placements._strategy import Operand, OpStrategy
 from spmd._debug import run as run_program
 from spmd._x64 import x64_for
 from spmd.tensor import _dispatch
-from spmd.tensor._storage import op_identity, sharding
+from spmd.tensor._lower import device_row
+from spmd.tensor._storage import op_identity, sharding, spec
 
 __all__ = ["DTensorBase", "run", "operand", "is_dtensor", "check_operands", "recording"]
 
@@ -97,7 +101,6 @@ def _build(mesh, fn: Callable, params: tuple, strat: OpStrategy, kinds: tuple, s
     names = mesh.mesh_dim_names
     nd = mesh.ndim
     mesh_shape = tuple(mesh.shape)
-    strides = [math.prod(mesh_shape[i + 1:]) for i in range(nd)]
     masks = [
         (dims, _size_table(shape, mesh_shape, pl, dims)) if dims else None
         for dims, shape, pl in zip(strat.masks, shapes, strat.inputs)
@@ -106,13 +109,12 @@ def _build(mesh, fn: Callable, params: tuple, strat: OpStrategy, kinds: tuple, s
 
     def body(*flat):
         blocks, scalars = list(flat[:n_t]), list(flat[n_t:])
-        lin = sum(lax.axis_index(a) * s for a, s in zip(names, strides)) if nd else 0
         locs = []
         for b, m in zip(blocks, masks):
             x = b.reshape(b.shape[nd:])
             if m is not None:
                 dims, table = m
-                sizes = jnp.asarray(table)[lin]
+                sizes = device_row(table, names, mesh_shape)
                 keep = jnp.ones(x.shape, bool)
                 for j, d in enumerate(dims):
                     keep &= lax.broadcasted_iota(jnp.int32, x.shape, d) < sizes[j]
@@ -125,16 +127,15 @@ def _build(mesh, fn: Callable, params: tuple, strat: OpStrategy, kinds: tuple, s
         return y.reshape((1,) * nd + y.shape)
 
     n_s = len(kinds) - n_t
-    sm = jax.shard_map(
-        body, mesh=mesh.jax_mesh, in_specs=(P(*names),) * n_t + (P(),) * n_s, out_specs=P(*names), check_vma=False
-    )
+    in_specs = tuple(spec(mesh, pl) for pl in strat.inputs) + (P(),) * n_s
+    sm = jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=in_specs, out_specs=spec(mesh, strat.output), check_vma=True)
 
     def f(*flat):
         phys = [_dispatch.program(mesh, p)(x) if p.steps else x for p, x in zip(strat.plans, flat[:n_t])]
         return sm(*phys, *flat[n_t:])
 
     # out_shardings: XLA would lay out a zero-size result replicated, not one block per device.
-    return jax.jit(f, out_shardings=sharding(mesh))
+    return jax.jit(f, out_shardings=sharding(mesh, strat.output))
 
 
 def _storage(t):

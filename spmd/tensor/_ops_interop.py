@@ -20,6 +20,7 @@ from placements import Partial, Replicate, Shard, format_placements
 from spmd.tensor import _dispatch
 from spmd.tensor._checks import check_mesh
 from spmd.tensor._ops_exec import is_dtensor
+from spmd.tensor._storage import spec as storage_spec
 
 __all__ = ["to_jax", "from_jax", "partition_spec"]
 
@@ -45,37 +46,36 @@ def _storage(t):
     return leaf
 
 
-def _cached(mesh, kind: str, build, spec: P):
-    """The program of ``kind`` for ``spec`` in the one DTensor program cache (``_dispatch.py``)."""
-    key = ("interop", kind, spec)
+def _cached(mesh, kind: str, build, spec: P, stored: P):
+    """The program of ``kind`` for ``spec`` (the jax.Array's) and ``stored`` (the storage's) in the one
+    DTensor program cache (``_dispatch.py``)."""
+    key = ("interop", kind, spec, stored)
     prog = _dispatch.lookup(mesh, key)
     if prog is None:
-        prog = build(mesh.jax_mesh, mesh.ndim, spec)
+        prog = build(mesh.jax_mesh, mesh.ndim, spec, stored)
         _dispatch.remember(mesh, key, prog)
     return prog
 
 
-def _to_global(jax_mesh, nd: int, spec: P):
-    names = jax_mesh.axis_names
+def _to_global(jax_mesh, nd: int, spec: P, stored: P):
     if spec.unreduced:
         em = _explicit(jax_mesh)
-        sm = jax.shard_map(lambda b: b.reshape(b.shape[nd:]), mesh=em, in_specs=P(*names), out_specs=spec,
+        sm = jax.shard_map(lambda b: b.reshape(b.shape[nd:]), mesh=em, in_specs=stored, out_specs=spec,
                            check_vma=False)
-        f = lambda st: sm(jax.sharding.reshard(st, NamedSharding(em, P(*names))))  # noqa: E731 - same blocks
+        f = lambda st: sm(jax.sharding.reshard(st, NamedSharding(em, stored)))  # noqa: E731 - same blocks
         return jax.jit(f, out_shardings=NamedSharding(em, spec))
-    f = jax.shard_map(lambda b: b.reshape(b.shape[nd:]), mesh=jax_mesh, in_specs=P(*names), out_specs=spec,
+    f = jax.shard_map(lambda b: b.reshape(b.shape[nd:]), mesh=jax_mesh, in_specs=stored, out_specs=spec,
                       check_vma=False)
     return jax.jit(f, out_shardings=NamedSharding(jax_mesh, spec))
 
 
-def _to_storage(jax_mesh, nd: int, spec: P):
-    names = jax_mesh.axis_names
+def _to_storage(jax_mesh, nd: int, spec: P, stored: P):
     src = _explicit(jax_mesh) if spec.unreduced else jax_mesh
     f = jax.jit(jax.shard_map(lambda b: b.reshape((1,) * nd + b.shape), mesh=src, in_specs=spec,
-                              out_specs=P(*names), check_vma=False))
+                              out_specs=stored, check_vma=False))
     if not spec.unreduced:
         return f
-    return lambda arr: jax.device_put(f(arr), NamedSharding(jax_mesh, P(*names)))  # same blocks, the DTensor's mesh
+    return lambda arr: jax.device_put(f(arr), NamedSharding(jax_mesh, stored))  # same blocks, the DTensor's mesh
 
 
 def to_jax(x) -> jax.Array:
@@ -106,7 +106,7 @@ def to_jax(x) -> jax.Array:
                 f"{k}, or redistribute it to Replicate() first."
             )
     spec = partition_spec(pl, mesh.mesh_dim_names, x.ndim)
-    return _cached(mesh, "to_jax", _to_global, spec)(_storage(x))
+    return _cached(mesh, "to_jax", _to_global, spec, storage_spec(mesh, pl))(_storage(x))
 
 
 def _placements_of(arr, mesh, where: str):
@@ -147,5 +147,5 @@ def from_jax(cls, arr, mesh):
         raise TypeError(f"{where}: arr={arr!r} is not a jax.Array; use distribute_tensor for NumPy values.")
     pl = _placements_of(arr, mesh, where)
     spec = partition_spec(pl, mesh.mesh_dim_names, arr.ndim)
-    storage = _cached(mesh, "from_jax", _to_storage, spec)(arr)
+    storage = _cached(mesh, "from_jax", _to_storage, spec, storage_spec(mesh, pl))(arr)
     return cls.tree_unflatten((mesh, pl, tuple(arr.shape)), (storage,))

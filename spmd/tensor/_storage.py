@@ -1,11 +1,17 @@
 """A DTensor's storage: one stacked jax.Array of padded blocks.
 
-Storage is one jax.Array of shape ``mesh.shape + padded_local_shape``, sharded
-so that device ``(i, j, ...)`` holds exactly its own block ``[i, j, ...]``.
-Each block is the rank's local tensor padded at the end of every dim to the
-largest local extent (uneven torch.chunk shards); padding never leaves the
-tensor package. Replicate and Partial blocks are full-shape; Partial blocks
-are unreduced.
+Storage is one jax.Array of shape ``extents + padded_local_shape``: one leading
+axis per mesh dim, of the mesh dim's size where the placement is ``Shard`` or
+``Partial`` (device ``(i, j, ...)`` holds block ``[i, j, ...]``) and of size 1
+where it is ``Replicate`` on a mesh dim of size > 1 (one value, replicated by
+the sharding, :func:`spec`). So a ``Replicate`` value is one JAX value, typed
+invariant over that mesh dim inside ``shard_map`` (``check_vma``): JAX checks
+that it is replicated, and ``jax.grad`` gives it one gradient, reduced as
+torch's autograd reduces it (the transpose of using a replicated value on
+varying blocks is one all-reduce; of an all-reduce, nothing). Each block is the
+rank's local tensor padded at the end of every dim to the largest local extent
+(uneven torch.chunk shards); padding never leaves the tensor package.
+Replicate and Partial blocks are full-shape; Partial blocks are unreduced.
 """
 
 from __future__ import annotations
@@ -15,9 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from placements import Partial, local_shape, local_shape_and_offset, padded_local_shape
+from placements import Partial, Replicate, local_shape, local_shape_and_offset, padded_local_shape
 
-__all__ = ["op_identity", "sharding", "pad_block", "np_block", "storage_of_global", "storage_of_blocks", "block_of"]
+__all__ = [
+    "op_identity", "stored_once", "extents", "spec", "sharding", "pad_block", "np_block", "storage_of_global",
+    "storage_of_blocks", "block_of",
+]
 
 
 def op_identity(op: str, dtype):
@@ -36,9 +45,25 @@ def op_identity(op: str, dtype):
     return -np.inf if op == "max" else np.inf
 
 
-def sharding(mesh) -> NamedSharding:
-    """Block ``[i, j, ...]`` on device ``(i, j, ...)``."""
-    return NamedSharding(mesh.jax_mesh, P(*mesh.mesh_dim_names))
+def stored_once(mesh_shape, placements) -> tuple[bool, ...]:
+    """Per mesh dim: is the value stored once (``Replicate`` on a mesh dim of size > 1)?"""
+    return tuple(isinstance(p, Replicate) and m > 1 for m, p in zip(mesh_shape, placements))
+
+
+def extents(mesh_shape, placements) -> tuple[int, ...]:
+    """The storage's leading axes: the mesh dim's size, or 1 where the value is stored once."""
+    return tuple(1 if once else m for m, once in zip(mesh_shape, stored_once(mesh_shape, placements)))
+
+
+def spec(mesh, placements) -> P:
+    """The storage's ``PartitionSpec``: each leading axis over its mesh dim, replicated where stored once."""
+    once = stored_once(mesh.shape, placements)
+    return P(*(None if o else n for n, o in zip(mesh.mesh_dim_names, once)))
+
+
+def sharding(mesh, placements) -> NamedSharding:
+    """Block ``[i, j, ...]`` on device ``(i, j, ...)`` (the one value on every device where stored once)."""
+    return NamedSharding(mesh.jax_mesh, spec(mesh, placements))
 
 
 def pad_block(x, padded, xp):
@@ -74,24 +99,26 @@ def storage_of_global(arr: np.ndarray, mesh, placements) -> jax.Array:
         coord = tuple(sl.start or 0 for sl in index[:nd])
         return np_block(arr, shape, mesh.shape, placements, coord).reshape((1,) * nd + padded)
 
-    return jax.make_array_from_callback(tuple(mesh.shape) + padded, sharding(mesh), cb)
+    return jax.make_array_from_callback(extents(mesh.shape, placements) + padded, sharding(mesh, placements), cb)
 
 
 def storage_of_blocks(blocks: dict, mesh, placements, gshape) -> jax.Array:
-    """The storage from unpadded local tensors at mesh coordinates (this process's devices)."""
+    """The storage from unpadded local tensors at mesh coordinates (this process's devices; the
+    blocks along a dim stored once must be equal: the caller checks or trusts it)."""
     padded = padded_local_shape(gshape, mesh.shape, placements)
     pieces = []
     for coord, a in blocks.items():
         xp = jnp if isinstance(a, jax.Array) else np
         b = pad_block(a, padded, xp).reshape((1,) * mesh.ndim + padded)
         pieces.append(jax.device_put(b, mesh.devices[coord]))
-    return jax.make_array_from_single_device_arrays(tuple(mesh.shape) + padded, sharding(mesh), pieces)
+    shape = extents(mesh.shape, placements) + padded
+    return jax.make_array_from_single_device_arrays(shape, sharding(mesh, placements), pieces)
 
 
 def block_of(shard, mesh, placements, gshape) -> tuple:
     """(mesh coordinate, unpadded local tensor) of one addressable shard of the storage."""
     nd = mesh.ndim
-    coord = tuple(sl.start or 0 for sl in shard.index[:nd])
+    coord = next(c for c, d in np.ndenumerate(mesh.devices) if d == shard.device)
     ls = local_shape(gshape, mesh.shape, placements, coord)
     b = shard.data
     return coord, b.reshape(b.shape[nd:])[tuple(slice(0, s) for s in ls)]

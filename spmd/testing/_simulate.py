@@ -15,7 +15,7 @@ import numpy as np
 
 from placements import padded_local_shape
 from placements._plan import Plan, Step
-from spmd.tensor._storage import np_block, op_identity
+from spmd.tensor._storage import extents, np_block, op_identity, stored_once
 from spmd.tensor._tables import Geometry, coords, geometry
 
 __all__ = ["simulate_plan", "np_storage", "SIMULATIONS"]
@@ -109,20 +109,29 @@ SIMULATIONS = {f.__name__[1:]: f for f in (
 )}  # by Step.lowering
 
 
+def _stored(every: np.ndarray, mesh_shape, placements) -> np.ndarray:
+    """Every device's block (``mesh_shape + block``) as storage: one block where stored once."""
+    once = stored_once(mesh_shape, placements)
+    return every[tuple(slice(0, 1) if o else slice(None) for o in once)]
+
+
 def simulate_plan(plan: Plan, physical: np.ndarray) -> np.ndarray:
-    """Run ``plan`` on a NumPy storage array (``mesh_shape + padded block``) with the same
+    """Run ``plan`` on a NumPy storage array (``spmd/tensor/_storage.py``'s layout) with the same
     tables as the jitted program and NumPy stand-ins for the collectives."""
-    mesh_shape = plan.mesh_shape
+    mesh_shape = tuple(plan.mesh_shape)
     gs = plan.global_shape
     if math.prod(gs) == 0:
-        return np.zeros(tuple(mesh_shape) + padded_local_shape(gs, mesh_shape, plan.dst), physical.dtype)
-    xs = [np.asarray(physical[c]) for c in coords(mesh_shape)]
+        return np.zeros(extents(mesh_shape, plan.dst) + padded_local_shape(gs, mesh_shape, plan.dst), physical.dtype)
+    every = np.broadcast_to(physical, mesh_shape + physical.shape[len(mesh_shape):])
+    xs = [np.asarray(every[c]) for c in coords(mesh_shape)]
     for step in plan.steps:
         xs = SIMULATIONS[step.lowering](step, geometry(step, mesh_shape, gs), xs)
-    return np.stack(xs).reshape(tuple(mesh_shape) + xs[0].shape)
+    return _stored(np.stack(xs).reshape(mesh_shape + xs[0].shape), mesh_shape, plan.dst)
 
 
 def np_storage(x: np.ndarray, mesh_shape, placements) -> np.ndarray:
     """The storage of a global NumPy ``x`` placed by ``placements`` (Partial as ``R -> P``)."""
+    mesh_shape = tuple(mesh_shape)
     blocks = [np_block(x, x.shape, mesh_shape, placements, c) for c in coords(mesh_shape)]
-    return np.stack(blocks).reshape(tuple(mesh_shape) + padded_local_shape(x.shape, mesh_shape, placements))
+    every = np.stack(blocks).reshape(mesh_shape + padded_local_shape(x.shape, mesh_shape, placements))
+    return _stored(every, mesh_shape, placements)
