@@ -7,20 +7,21 @@
 - on the ``fsdp`` mesh dim, parameters, gradients and optimizer state are the
   plan's ``Shard`` blocks (padded to the chunk size, uneven like torch.chunk);
 - the model all-gathers each unit's parameters right before the unit runs
-  (one all-gather per unit of one flat buffer, torch's copy-in / copy-out):
+  (one all-gather per parameter matrix, straight into its own buffer, and one
+  flat buffer for the unit's vectors: ``spmd.parallel.gather_unit``):
   ``loss_fn(params, batch, gather)`` hands ``gather`` to the model
   (``model.apply({"params": params}, x, gather=gather)``), and the transformer
   scans its blocks so one block's gathered parameters live at a time;
 - ``jax.grad`` of that all-gather is a reduce-scatter: gradients leave the
-  backward pass as shards, one reduce-scatter per unit, never a full-size
-  all-reduce;
+  backward pass as shards, one reduce-scatter per gathered buffer, never a
+  full-size all-reduce;
 - on a ``dp`` mesh dim (HSDP) the state is replicated and the sharded
   gradients are averaged by one all-reduce (of the shard bytes);
 - the optimizer (any optax transformation, global-norm clipping included)
   runs in global view on the sharded arrays: elementwise updates stay on the
   shards, a global norm costs one scalar all-reduce;
 - ``accum_steps=k`` gathers every unit once, accumulates full-size local
-  gradients over the k micro-batches and reduce-scatters once per unit (the
+  gradients over the k micro-batches and reduce-scatters once per buffer (the
   memory of torch's ``set_requires_gradient_sync(False)``, the
   communication of one step).
 
@@ -201,11 +202,12 @@ def make_fsdp_train_step(
         else:  # step() checked that the local batch splits into accum_steps micro-batches
             grad_fn = jax.value_and_grad(lambda ls, mb: loss_fn(unflat(ls), mb, None), has_aux=True)
             (loss, aux), g = accumulated(grad_fn, gather_all, leaves, batch, accum_steps)
-        # Sharded leaves came back reduce-scattered (summed over fsdp); average them over fsdp, and over dp
-        # with one all-reduce of all shard bytes. Leaves replicated on fsdp: one all-reduce over the data dims.
-        g = list(g)
-        flat_apply(g, (i for i in range(len(g)) if sharded[i]),
-                   lambda f: all_reduce(f / n_fsdp, ReduceOp.AVG, group=dp) if has_dp else f / n_fsdp)
+        # Sharded leaves came back reduce-scattered (summed over fsdp): averaged over fsdp leaf by leaf (the
+        # division fuses into the next use), over dp with one all-reduce of all shard bytes. Leaves replicated
+        # on fsdp: one all-reduce over the data dims.
+        g = [x / n_fsdp if s else x for x, s in zip(g, sharded)]
+        if has_dp:
+            flat_apply(g, (i for i in range(len(g)) if sharded[i]), lambda f: all_reduce(f, ReduceOp.AVG, group=dp))
         flat_apply(g, (i for i in range(len(g)) if not sharded[i]), lambda f: all_reduce(f, ReduceOp.AVG, group=data))
         metrics = jax.tree.map(lambda m: all_reduce(m, ReduceOp.AVG, group=data), {"loss": loss, **aux})
         return unflat(g), metrics

@@ -32,7 +32,7 @@ def accumulated(grad_fn: Callable, gather_all: Callable, leaves: list, batch: An
 
     ``gather_all(leaves)`` makes the parameters whole once; ``grad_fn(full, micro_batch)`` gives
     ``(loss, aux), full-size grads``; the grads are summed locally over the micro-batches (torch's
-    ``no_sync``) and sent back through the gather's transpose once (one reduce-scatter per unit).
+    ``no_sync``) and sent back through the gather's transpose once (one reduce-scatter per gathered buffer).
     """
     n_local = jax.tree.leaves(batch)[0].shape[0]
     full, scatter = jax.vjp(gather_all, leaves)

@@ -10,9 +10,10 @@ the micro-batch of one data-parallel rank (``B / (dp x fsdp x accum_steps)``), `
   all-reduces of ``A``; under sequence parallelism each becomes an all-gather + reduce-scatter pair of
   ``A`` each (``4L + 2`` of both); the vocab-parallel cross-entropy all-reduces ``b x T`` maxima, sums
   of exponentials and target logits, and ``b x T`` argmax indices (3 all-reduces, ``16 b T`` bytes);
-- fsdp (ZeRO-3, per unit and per flat buffer: one per dtype and tp-cut/tp-whole group, a single
-  group under sequence parallelism): one all-gather before the unit runs, one more for its backward pass
-  when re-gathering (not the held root, not with accumulation), one reduce-scatter of its gradient;
+- fsdp (ZeRO-3, per unit and per buffer: each dtype and tp-cut/tp-whole group, a single group under
+  sequence parallelism, cut into ``ParamPlan.gather_buffers``: each array of 2+ dims alone, the vectors
+  together): one all-gather before the unit runs, one more for its backward pass when re-gathering (not
+  the held root, not with accumulation), one reduce-scatter of its gradient;
 - dp: one all-reduce of the fsdp-cut gradient bytes (per group); parameters whole on fsdp: one
   all-reduce of their gradients over the data dims; under sequence parallelism one all-reduce over
   ``tp`` of the tp-replicated (norm, bias, position) gradients.
@@ -68,12 +69,18 @@ def tp_communication(plan: ParamPlan, *, batch: int, seq_len: int, d_model: int,
             out[group(e)] = out.get(group(e), 0) + e.local_nbytes
         return out
 
+    def buffers(entries):  # one per all-gather: each group cut into the plan's gather buffers, as TPGather does
+        by: dict = {}
+        for e in entries:
+            by.setdefault(group(e), []).append(e)
+        return [sum(e.local_nbytes for e in b) for g in by.values() for b in plan.gather_buffers(g)]
+
     cut = [e for e in plan.entries if fi is not None and e.shard_dim(fi) is not None]
     whole = [e for e in plan.entries if fi is None or e.shard_dim(fi) is None]
     for u in plan.units:
         held = any(re.fullmatch(k, u) for k in keep)
         gathers = 1 if (not regather or held or accum_steps > 1) else 2
-        for nbytes in grouped([e for e in cut if e.unit == u]).values():
+        for nbytes in buffers([e for e in cut if e.unit == u]):
             add(par, "all-gather", gathers, nbytes * n_fsdp)
             add(par, "reduce-scatter", 1, nbytes * n_fsdp)
     if size.get(dp, 1) > 1:

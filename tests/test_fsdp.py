@@ -119,8 +119,11 @@ def test_collectives_equal_the_table(config):
     extra = got["all-reduce"]["bytes"] - want["all-reduce"]["bytes"]
     assert 0 < extra <= 4 * 4 * (len(plan.entries) + 2), (got["all-reduce"], want["all-reduce"])
     if config[3] == 1 and config[0] == "transformer":
-        # The root once, then each of the 2 blocks right before it runs (and again for its backward pass).
-        assert got["all-gather"]["count"] == 1 + 2 * (2 if config[4] else 1)
+        # The root once (embed, pos, one flat buffer of ln_f's vectors), then each of the 2 blocks right before
+        # it runs (and again for its backward pass): its 5 arrays of 2+ dims (qkv kernel and bias, proj, fc and
+        # fc_out kernels) one by one and its 7 vectors (norms, biases) as one buffer.
+        assert got["all-gather"]["count"] == 3 + 2 * 6 * (2 if config[4] else 1)
+        assert got["reduce-scatter"]["count"] == 3 + 2 * 6
 
 
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3]], ids=["t-fsdp8", "t-dp2fsdp4", "mlp-fsdp4"])
@@ -251,7 +254,7 @@ def test_training_job_fsdp_and_hsdp_match_dp_and_resume_across_layouts(tmp_path)
     # the MLP keeps every unit gathered (fsdp_keep): all parameters, f32, plus at most half again of chunk padding
     n_params = saved["parameters"]
     assert 4 * n_params <= mem["peak_gathered_bytes"] <= 6 * n_params and dp["memory"]["peak_gathered_bytes"] == 0
-    assert comm["all-gather"]["count"] == comm["reduce-scatter"]["count"] == 3  # hidden_0, hidden_1, out
+    assert comm["all-gather"]["count"] == comm["reduce-scatter"]["count"] == 6  # kernel, bias of hidden_0/1, out
     assert comm["all-reduce"]["bytes"] < 1024  # scalars only; dp=8 all-reduces every gradient byte:
     assert dp["collectives"]["all-reduce"]["bytes"] * 4 > mem["state_bytes_total"] * 0.99 / 3
     # Resume the fsdp=8 run from step 2 on dp=2,fsdp=4.

@@ -94,6 +94,25 @@ def test_communication_table_by_hand(hsdp, fsdp8):
     assert hs["all-reduce"] == {"count": 2, "bytes": (2 * 48 + 4) + 4}  # shard bytes over dp, the scalar over both
 
 
+def test_gather_buffers_matrices_alone_vectors_together(fsdp8):
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    unit = {"a": jax.ShapeDtypeStruct((16, 4), f32), "b": jax.ShapeDtypeStruct((8,), f32),
+            "c": jax.ShapeDtypeStruct((9,), bf16), "d": jax.ShapeDtypeStruct((3, 2, 2), f32),
+            "e": jax.ShapeDtypeStruct((5,), f32), "f": jax.ShapeDtypeStruct((4,), f32)}
+    plan = plan_params(unit, fsdp8, [replicate("f")])
+    bufs = plan.gather_buffers(plan.unit_entries("root"))
+    # In first-seen order: each array of 2+ dims alone, the sharded vectors one flat buffer per dtype;
+    # the replicated vector travels in none.
+    assert [[e.path for e in b] for b in bufs] == [["a"], ["b", "e"], ["c"], ["d"]]
+    comm = plan.communication()["total"]  # the root is held: gathered once
+    # gathered bytes: a 16 x 4 x 4, b + e 8 x (1 + 1) x 4, c 8 x 2 x 2 (bf16, chunks of 2), d 8 x 2 x 2 x 4
+    nbytes = 256 + 64 + 32 + 128
+    assert comm["all-gather"] == comm["reduce-scatter"] == {"count": 4, "bytes": nbytes}
+    regather = plan_params(unit, fsdp8, [replicate("f")], keep=()).communication()["total"]
+    assert regather["all-gather"] == {"count": 8, "bytes": 2 * nbytes}
+    assert plan_params(unit, {"dp": 8}).gather_buffers(plan.entries) == ()  # no fsdp dim: nothing gathered
+
+
 def test_table_lists_every_parameter_and_totals(fsdp8):
     params = _abstract(MLP(7, 5, (10, 6)), 5)
     plan = plan_params(params, fsdp8, [replicate(r"out/bias")], units=MLP.fsdp_units())
@@ -106,7 +125,9 @@ def test_table_lists_every_parameter_and_totals(fsdp8):
     assert re.split(r"\s{2,}", row)[2:5] == ["R", "(35,)", "140"]
     total = next(line for line in lines if line.startswith("total"))
     assert f"{plan.bytes_per_device:,}" in total and f"of {plan.total_bytes:,} (fsdp=8)" in total
-    assert "  hidden_1: all-gather x2" in text
+    # hidden_1: kernel (10, 6) in chunks of 2 rows over 8 = 16 x 6 x 4 B, bias (6,) in chunks of 1 = 8 x 4 B;
+    # regathered for the backward pass (the plan's default keep is the root only).
+    assert "  hidden_1: 416 B gathered in 2 buffers: all-gather x4, reduce-scatter x2" in lines
 
 
 def test_bad_rules_and_params_are_clear_errors(fsdp8, hsdp):

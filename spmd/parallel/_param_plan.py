@@ -6,8 +6,10 @@ dims it names; the others take the default, ``fully_shard``'s ``Shard(0)`` on
 the fsdp dim (``Replicate`` for 0-d parameters, which have no dim to cut) and
 ``Replicate`` elsewhere. Shards are uneven like ``torch.chunk``; a device
 stores its block padded to the chunk size. Parameters are grouped into
-*units*, torch's ``fully_shard(module)`` granularity: one all-gather before
-the unit runs, one reduce-scatter of its gradient.
+*units*, torch's ``fully_shard(module)`` granularity: the unit's parameters
+are all-gathered before it runs, their gradients reduce-scattered, one
+collective per buffer (:func:`gather_buffers`: each matrix alone, the
+vectors together).
 
 The plan prints as a table (path, global shape, placements, local shape,
 bytes per device) and says what a train step communicates
@@ -28,7 +30,7 @@ from placements import Placement, Replicate, Shard, format_placements, padded_lo
 from spmd._mesh import DeviceMesh
 from spmd.parallel._rules import Rule
 
-__all__ = ["PlanEntry", "ParamPlan", "plan_params", "path_str", "ROOT"]
+__all__ = ["PlanEntry", "ParamPlan", "plan_params", "path_str", "gather_buffers", "ROOT"]
 
 ROOT = "root"
 
@@ -75,6 +77,29 @@ class PlanEntry:
         return p.dim if isinstance(p, Shard) else None
 
 
+def gather_buffers(entries: Sequence[PlanEntry], fsdp_index: int) -> tuple[tuple[int, ...], ...]:
+    """How a unit's parameters travel over the fsdp dim: index tuples into ``entries``, one per
+    all-gather (and per reduce-scatter of the gradients), in first-seen order.
+
+    Each sharded parameter of two or more dims is a buffer of its own (no copy in or out); the
+    sharded vectors (1-D: biases, norm scales) of one dtype share one flat buffer. Parameters
+    replicated on the fsdp dim are in none.
+    """
+    out: list[list[int]] = []
+    flat: dict[str, list[int]] = {}
+    for i, e in enumerate(entries):
+        if e.shard_dim(fsdp_index) is None:
+            continue
+        if len(e.shape) == 1:
+            if e.dtype not in flat:
+                flat[e.dtype] = []
+                out.append(flat[e.dtype])
+            flat[e.dtype].append(i)
+        else:
+            out.append([i])
+    return tuple(tuple(b) for b in out)
+
+
 @dataclass(frozen=True)
 class ParamPlan:
     """Placements of every parameter on a mesh: ``entries`` in pytree-leaf order."""
@@ -96,6 +121,14 @@ class ParamPlan:
 
     def unit_entries(self, unit: str) -> tuple[PlanEntry, ...]:
         return tuple(e for e in self.entries if e.unit == unit)
+
+    def gather_buffers(self, entries: Sequence[PlanEntry]) -> tuple[tuple[PlanEntry, ...], ...]:
+        """``entries`` grouped as they travel over the fsdp dim, one group per all-gather
+        (see the module function :func:`gather_buffers`); none without an fsdp dim."""
+        if self.fsdp not in self.mesh_dim_names:
+            return ()
+        fi = self.mesh_dim_names.index(self.fsdp)
+        return tuple(tuple(entries[i] for i in b) for b in gather_buffers(entries, fi))
 
     def mesh_size(self, name: str) -> int:
         return dict(zip(self.mesh_dim_names, self.mesh_shape)).get(name, 1)
@@ -156,35 +189,39 @@ class ParamPlan:
         """What one train step communicates, per device (the nccl-tests byte convention of
         ``spmd.collectives``): ``{"units": [row, ...], "total": {kind: {"count", "bytes"}}}``.
 
-        Per unit with sharded parameters: one all-gather before it runs in the
-        forward pass, one more before its backward pass when ``regather`` (not
-        for the units matching a ``keep`` regex, gathered once and held like
-        torch's root module (default: the plan's ``keep``), nor
-        with ``accum_steps > 1``, which holds every unit's gathered parameters
-        across the micro-batches), and one reduce-scatter of its
-        gradient. With a ``dp`` dim: one all-reduce of all sharded gradient
-        bytes. Parameters replicated on fsdp: one all-reduce of their
-        gradients over the data-parallel dims. Scalars (loss, metrics, norms)
-        are not counted here.
+        Per unit, for each of its buffers (:meth:`gather_buffers`: each
+        sharded parameter of 2+ dims, and one flat buffer of its sharded
+        vectors per dtype): one all-gather before the unit runs in the forward
+        pass, one more before its backward pass when ``regather`` (not for the
+        units matching a ``keep`` regex, gathered once and held like torch's
+        root module (default: the plan's ``keep``), nor with
+        ``accum_steps > 1``, which holds every unit's gathered parameters
+        across the micro-batches), and one reduce-scatter of its gradient.
+        With a ``dp`` dim: one all-reduce of all sharded gradient bytes.
+        Parameters replicated on fsdp: one all-reduce of their gradients over
+        the data-parallel dims. Scalars (loss, metrics, norms) are not
+        counted here.
         """
         keep = self.keep if keep is None else tuple(keep)
         rows = []
         total = {k: {"count": 0, "bytes": 0} for k in ("all-gather", "reduce-scatter", "all-reduce")}
 
-        def add(kind: str, nbytes: int) -> None:
+        def add(kind: str, nbytes: int, count: int = 1) -> None:
             if nbytes:
-                total[kind]["count"] += 1
-                total[kind]["bytes"] += nbytes
+                total[kind]["count"] += count
+                total[kind]["bytes"] += count * nbytes
 
         n_dp = self.mesh_size(dp) if dp else 1
+        n_fsdp = self.mesh_size(self.fsdp)
         for u in self.units:
-            g = self.gathered_bytes(u)
+            bufs = [sum(e.local_nbytes * n_fsdp for e in b) for b in self.gather_buffers(self.unit_entries(u))]
             held = any(re.fullmatch(k, u) for k in keep)
-            gathers = 0 if not g else (1 if (not regather or held or accum_steps > 1) else 2)
-            for _ in range(gathers):
-                add("all-gather", g)
-            add("reduce-scatter", g)
-            rows.append({"unit": u, "all-gather": gathers, "gathered_bytes": g, "reduce-scatter": int(bool(g))})
+            passes = 1 if (not regather or held or accum_steps > 1) else 2
+            for nbytes in bufs:
+                add("all-gather", nbytes, passes)
+                add("reduce-scatter", nbytes)
+            rows.append({"unit": u, "all-gather": passes * len(bufs), "gathered_bytes": self.gathered_bytes(u),
+                         "reduce-scatter": len(bufs)})
         shard_bytes = sum(self.gathered_bytes(u) for u in self.units) // max(self.mesh_size(self.fsdp), 1)
         if n_dp > 1:
             add("all-reduce", shard_bytes)
@@ -218,8 +255,8 @@ class ParamPlan:
         comm = self.communication()
         lines.append("communication per step (per device): " + ", ".join(
             f"{k} x{v['count']} = {v['bytes']:,} B" for k, v in comm["total"].items()))
-        lines += [f"  {r['unit']}: all-gather x{r['all-gather']} of {r['gathered_bytes']:,} B, "
-                  f"reduce-scatter x{r['reduce-scatter']}" for r in comm["units"]]
+        lines += [f"  {r['unit']}: {r['gathered_bytes']:,} B gathered in {r['reduce-scatter']} buffers: "
+                  f"all-gather x{r['all-gather']}, reduce-scatter x{r['reduce-scatter']}" for r in comm["units"]]
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from placements import Shard
 from spmd._mesh import DeviceMesh
-from spmd.parallel._param_plan import ParamPlan, PlanEntry
+from spmd.parallel._param_plan import ParamPlan, PlanEntry, gather_buffers
 
 __all__ = ["entry_sharding", "shard_params", "unshard_params", "gather_unit", "map_like_params"]
 
@@ -78,30 +78,29 @@ def gather_unit(shards: Sequence[jax.Array], entries: Sequence[PlanEntry], fsdp:
                 fsdp_index: int) -> list[jax.Array]:
     """Inside a region: the full parameters of one unit from this device's padded blocks.
 
-    One all-gather per dtype: the sharded blocks are flattened into one
-    buffer (torch FSDP2's copy-in), gathered, and cut back into parameters
-    (copy-out), trimming the padding. ``lax.all_gather`` (device-varying in,
-    device-varying out) is used on purpose: its transpose is one
-    reduce-scatter (``psum_scatter``) of the flat gradient buffer, so
-    ``jax.grad`` hands back reduce-scattered gradients. Leaves replicated on
-    ``fsdp`` pass through.
+    One all-gather per buffer of :func:`gather_buffers`: a sharded parameter
+    of two or more dims is gathered alone, straight into its own full-size
+    buffer (tiled along its shard dim: rank-major, as torch.chunk cuts); the
+    unit's sharded vectors (biases, norm scales) of one dtype travel as one
+    flat buffer, cut back into vectors (a copy of a few KiB, for one
+    rendezvous instead of one per vector; and a re-gather for the backward
+    pass fetches them all, like torch's FSDP2, even the one bias that no
+    gradient reads, whose own all-gather XLA would drop). The padding is
+    trimmed.
+    ``lax.all_gather`` (device-varying in, device-varying out) is used on
+    purpose: its transpose is one reduce-scatter (``psum_scatter``) per
+    buffer, so ``jax.grad`` hands back reduce-scattered gradients, with no
+    full-size copy into or out of a flat gradient buffer. Leaves replicated
+    on ``fsdp`` pass through.
     """
     out: list[Any] = list(shards)
-    by_dtype: dict[Any, list[int]] = {}
-    for i, (x, e) in enumerate(zip(shards, entries)):
-        if e.shard_dim(fsdp_index) is not None:
-            by_dtype.setdefault(jnp.dtype(x.dtype), []).append(i)
-    for idx in by_dtype.values():
-        flat = jnp.concatenate([shards[i].reshape(-1) for i in idx])
-        g = lax.all_gather(flat, fsdp, axis=0, tiled=False)  # (n, F)
-        # Copy-out with lax.split, not one slice per leaf: the transpose of a split is one
-        # concatenate into the flat gradient buffer (of slices: a zero pad and add per leaf).
-        for i, piece in zip(idx, lax.split(g, [shards[i].size for i in idx], axis=1)):
-            x, e = shards[i], entries[i]
-            d = e.shard_dim(fsdp_index)
-            piece = piece.reshape((n,) + x.shape)
-            piece = jnp.moveaxis(piece, 0, d)  # (..., n, chunk, ...): rank-major, as torch.chunk
-            full = piece.reshape(x.shape[:d] + (n * x.shape[d],) + x.shape[d + 1:])
+    for buf in gather_buffers(entries, fsdp_index):
+        if len(entries[buf[0]].shape) == 1:  # flat: (n, F), cut into each vector's n chunks
+            g = lax.all_gather(jnp.concatenate([shards[i] for i in buf]), fsdp, axis=0, tiled=False)
+            fulls = [piece.reshape(-1) for piece in lax.split(g, [shards[i].size for i in buf], axis=1)]
+        else:
+            fulls = [lax.all_gather(shards[buf[0]], fsdp, axis=entries[buf[0]].shard_dim(fsdp_index), tiled=True)]
+        for i, full in zip(buf, fulls):
+            e, d = entries[i], entries[i].shard_dim(fsdp_index)
             out[i] = lax.slice_in_dim(full, 0, e.shape[d], axis=d) if full.shape[d] != e.shape[d] else full
     return out
-
