@@ -22,6 +22,7 @@ from spmd._mesh import DeviceMesh, init_device_mesh
 from spmd._process_group import ProcessGroup
 from spmd._spawn import spawn
 from spmd._spmd import spmd
+from spmd._uneven import local_shape
 from spmd.tensor import DTensor, distribute_tensor, plan_redistribute
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "all_to_all",
     "permute",
     "axis_index",
+    "local_shape",
     "collectives",
     "spawn",
 ]

@@ -26,6 +26,7 @@ from placements import Partial, Placement, Replicate, Shard, check_placements, f
 from spmd._arrays import as_array
 from spmd._collectives import varying_axes
 from spmd._mesh import DeviceMesh
+from spmd._uneven import is_uneven, zero_padding
 from spmd.tensor._checks import check_target
 from spmd.tensor._dtensor import DTensor, from_physical, physical
 from spmd.tensor._local import even_global_shape
@@ -112,7 +113,8 @@ class _Spmd:
         self._check_vma = check_vma
 
     def _leaf_spec(self, x: Any, plist: Any, path: str):
-        """(PartitionSpec, kind) for one argument leaf; kind is 'array' or 'dtensor'."""
+        """(value, PartitionSpec, kind) for one argument leaf; kind is 'array', 'dtensor', or
+        ('uneven', shape, placements) for a DTensor with uneven shards (its padding zeroed in the region)."""
         mesh = self._mesh
         names = mesh.mesh_dim_names
         where = f"spmd: in_placements{path}"
@@ -126,13 +128,8 @@ class _Spmd:
                 want = check_placements(plist, mesh_ndim=mesh.ndim, tensor_ndim=x.ndim, where=where)
                 if want != x.placements:
                     x = x.redistribute(placements=want)
-            for d, p in enumerate(x.placements):
-                if isinstance(p, Shard) and x.shape[p.dim] % _shards_on(x.placements, mesh.shape, p.dim):
-                    raise ValueError(
-                        f"spmd: argument{path} is a DTensor {x!r} with uneven shards on dim {p.dim}; a region "
-                        "needs equal blocks on every rank: redistribute it (e.g. to Replicate) or pad the dim."
-                    )
-            return x, storage_spec(mesh, x.placements), "dtensor"
+            kind = ("uneven", x.shape, x.placements) if is_uneven(x.shape, mesh.shape, x.placements) else "dtensor"
+            return x, storage_spec(mesh, x.placements), kind
         if plist is None:
             raise ValueError(
                 f"spmd: argument{path} has no placements; give in_placements for it (e.g. [Replicate()] * "
@@ -167,7 +164,7 @@ class _Spmd:
         vals, specs, kinds = [], [], []
         for (path, x), pl in zip(with_path, plists):
             v, s, k = self._leaf_spec(x, pl, jax.tree_util.keystr(path))
-            vals.append(physical(v) if k == "dtensor" else v)
+            vals.append(v if k == "array" else physical(v))
             specs.append(s)
             kinds.append(k)
         sm, out_tree, out_pl = self._build(treedef, tuple(specs), tuple(kinds), vals)
@@ -184,7 +181,9 @@ class _Spmd:
         meta: dict = {}
 
         def body(*flat):
-            local = [x.reshape(x.shape[nd:]) if k == "dtensor" else x for x, k in zip(flat, kinds)]
+            local = [x if k == "array" else x.reshape(x.shape[nd:]) for x, k in zip(flat, kinds)]
+            local = [zero_padding(x, k[1], k[2], names, tuple(mesh.shape)) if isinstance(k, tuple) else x
+                     for x, k in zip(local, kinds)]
             out = self._f(*jax.tree_util.tree_unflatten(treedef, local))
             out_leaves, out_tree = jax.tree_util.tree_flatten(out)
             out_pl = _broadcast(self._out, out, "spmd: out_placements", nd)
@@ -287,8 +286,10 @@ def spmd(
     ``in_placements``: one entry per positional argument, each a placement list
     (one placement per mesh dim; a single placement on a 1-D mesh) or a pytree
     prefix of them; one placement list alone applies to every argument. A
-    ``DTensor`` argument brings its own placements (given ones redistribute it).
-    ``out_placements``: a pytree prefix of the result; ``None`` means Replicate,
+    ``DTensor`` argument brings its own placements (given ones redistribute it);
+    one with uneven shards arrives as its padded block (torch.chunk's largest
+    local shape), the padding zero, and :func:`spmd.local_shape` gives this
+    device's true local shape for masks. ``out_placements``: a pytree prefix of the result; ``None`` means Replicate,
     which JAX checks (``check_vma``) instead of silently replicating a value
     that differs across devices. Shard/Replicate results come back as global
     arrays, results with a Partial placement as ``DTensor``.

@@ -272,3 +272,55 @@ def test_out_placements_get_the_dtensor_checks(mesh8, mesh2x4, out, dtype, exc, 
     f = spmd.spmd(lambda b: b, mesh, in_placements=[S0] * mesh.ndim, out_placements=out)
     with pytest.raises(exc, match=re.escape(msg)):  # at trace time, not at full_tensor()
         f(np.ones(8, dtype))
+
+
+# --- uneven DTensor arguments (issue 13.4) -------------------------------------------------------------
+UNEVEN = [((8,), (5, 3), [S0]), ((8,), (3, 10), [S1]), ((3,), (7, 2), [S0]), ((2, 4), (10, 3), [S0, S0]),
+          ((2, 4), (5, 7), [S1, S0]), ((2, 4), (3, 9), [R, S1])]
+
+
+@pytest.mark.parametrize("mesh_shape, shape, pl", UNEVEN, ids=str)
+def test_uneven_dtensor_arguments(mesh_shape, shape, pl):
+    """An uneven DTensor arrives as its padded block with the padding zero (sums exact), even when an op left
+    garbage there; spmd.local_shape is each device's torch.chunk shape (masks for max and counts)."""
+    mesh = spmd.init_device_mesh("cpu", mesh_shape)
+    names = mesh.mesh_dim_names
+    sharded = tuple(n for n, p in zip(names, pl) if p != R)  # a Replicate dim's copies are not summed
+    x = (np.arange(np.prod(shape)) % 11 - 6).reshape(shape).astype(np.float32)
+    dt = spmd.distribute_tensor(x, mesh, pl) * 2 + 1  # an op result: its padding holds 1s, not zeros
+    locals_ = dt.local_tensors()
+    assert len({t.shape for t in locals_}) > 1  # uneven indeed
+
+    @spmd.spmd(mesh, out_placements=([R] * len(mesh_shape), [R] * len(mesh_shape), [S0] * len(mesh_shape)))
+    def stats(a):
+        n = spmd.local_shape(dt.shape, dt.placements)
+        valid = jnp.ones(a.shape, bool)
+        for d in range(a.ndim):
+            valid &= jax.lax.broadcasted_iota(jnp.int32, a.shape, d) < n[d]
+        biggest = spmd.all_reduce(jnp.where(valid, a, -jnp.inf).max(), "max", group=names)
+        return spmd.all_reduce(a.sum(), group=sharded), biggest, n[None]
+
+    total, biggest, shapes = stats(dt)
+    np.testing.assert_array_equal(total, (2 * x + 1).sum())
+    np.testing.assert_array_equal(biggest, (2 * x + 1).max())
+    np.testing.assert_array_equal(np.asarray(shapes), [t.shape for t in locals_])  # rank order
+
+
+def test_uneven_contraction_is_exact(mesh8):
+    """x @ w over an unevenly sharded contraction dim (10 over 8 ranks, two ranks empty): the zero padding
+    contributes nothing, as the hand-written Megatron row-parallel matmul needs."""
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((4, 10)).astype(np.float32), rng.standard_normal((10, 3)).astype(np.float32)
+    dx, dw = spmd.distribute_tensor(x, mesh8, [S1]) + 0, spmd.distribute_tensor(w, mesh8, [S0]) + 0
+    y = spmd.spmd(lambda a, b: spmd.all_reduce(a @ b), mesh8, out_placements=[R])(dx, dw)
+    np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-6)
+    partial = spmd.spmd(lambda a, b: a @ b, mesh8, out_placements=[Partial()])(dx, dw)
+    np.testing.assert_allclose(np.asarray(partial.full_tensor()), x @ w, rtol=1e-5, atol=1e-6)
+
+
+def test_local_shape_outside_a_region_and_bad_placements(mesh8):
+    with pytest.raises(ValueError, match=re.escape("spmd.local_shape: called outside an SPMD region")):
+        spmd.local_shape((5, 3), [S0])
+    with pytest.raises(ValueError, match=re.escape("spmd.local_shape: placements")):
+        spmd.spmd(lambda a: spmd.local_shape((5,), [Shard(3)]), mesh8, in_placements=[S0], out_placements=[R])(
+            jnp.ones(8))
