@@ -60,8 +60,8 @@ def mlp_programs(mesh, B, D, H, O):
     x, w1, w2, t = (rng.standard_normal(s).astype(np.float32) for s in [(B, D), (D, H), (H, O), (B, O)])
     n = B * O
 
-    def loss_dt(w1, w2, x, t):
-        d = ops.relu(x @ w1) @ w2 - t
+    def loss_dt(w1, w2, x, t):  # the row-parallel output laid out Replicate, as torch's RowwiseParallel
+        d = (ops.relu(x @ w1) @ w2).redistribute(placements=[S(0), R]) - t
         return ((d * d).sum() / n).full_tensor()
 
     def local(w1, w2, x, t):
@@ -80,7 +80,7 @@ def mlp_programs(mesh, B, D, H, O):
              distribute_tensor(x, mesh, [S(0), R]), distribute_tensor(t, mesh, [S(0), R]))
     gargs = (put(w1, None, "tp"), put(w2, "tp", None), put(x, "dp", None), put(t, "dp", None))
     return {
-        "dtensor_ops": (jax.jit(ops.value_and_grad(loss_dt, argnums=(0, 1))), dargs),
+        "dtensor_ops": (jax.jit(jax.value_and_grad(loss_dt, argnums=(0, 1))), dargs),  # torch's gradient placements
         "spmd_local": (jax.jit(jax.value_and_grad(hand, argnums=(0, 1))), (w1, w2, x, t)),
         "jit_named_sharding": (jax.jit(jax.value_and_grad(loss_global, argnums=(0, 1))), gargs),
     }
@@ -165,7 +165,7 @@ TORCH_WORKER = textwrap.dedent(
         d1 = distribute_tensor(w1, mesh, [R, S(1)]).requires_grad_()
         d2 = distribute_tensor(w2, mesh, [R, S(0)]).requires_grad_()
         def step():
-            d = torch.relu(dx @ d1) @ d2 - dt
+            d = (torch.relu(dx @ d1) @ d2).redistribute(mesh, [S(0), R]) - dt
             loss = (d * d).sum() / (B * O)
             loss.full_tensor().backward()
             g = (d1.grad.full_tensor(), d2.grad.full_tensor())

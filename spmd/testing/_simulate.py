@@ -1,6 +1,6 @@
 """A NumPy simulator of a redistribute plan, for tests and property checks.
 
-It runs a plan on a NumPy storage array (``mesh_shape + padded block``) with the
+It runs a plan on a NumPy storage array (``spmd/tensor/_storage.py``'s layout) with the
 same index tables as the jitted program (``spmd/tensor/_tables.py``) and NumPy
 stand-ins for the collectives: one function per transition lowering
 (``placements/_transitions.py``), as ``spmd/tensor/_lower.py`` has one JAX
