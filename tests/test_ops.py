@@ -456,6 +456,15 @@ def test_grad_placements_follow_torch_autograd(mesh8, pa, pb):
     check(gb, x.T @ g, [p if isinstance(p, Shard) else R for p in pb])
     gj = jax.jit(ops.grad(loss, argnums=1))(a, b)
     check(gj, x.T @ g, [p if isinstance(p, Shard) else R for p in pb])
+    # Plain jax.grad: a Replicate value is stored once, so its gradient is already torch's (reduced, Replicate);
+    # a Partial input's blocks each hold the whole gradient, which only ops.grad relabels Replicate.
+    ja, jb = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)
+    for got, want, pl in ((ja, g @ w.T, pa), (jb, x.T @ g, pb)):
+        if any(isinstance(p, Partial) for p in pl):
+            check(ops.placed_gradient(got, make(np.zeros(want.shape, np.float32), mesh8, pl)), want,
+                  [p if isinstance(p, Shard) else R for p in pl])
+        else:
+            check(got, want, pl)
 
 
 # --- a 2-layer MLP, column- then row-parallel, against NumPy and the hand-written @spmd version ----------
