@@ -15,13 +15,9 @@ from placements._crossmesh import CrossMeshPlan, cross_mesh_plan
 from spmd.tensor import _dispatch
 from spmd.tensor._checks import check_mesh, check_target, is_tracer
 from spmd.tensor._ops_interop import from_jax, partition_spec, to_jax
+from spmd.tensor._storage import of as storage_of
 
 __all__ = ["plan_cross_mesh", "redistribute_cross_mesh"]
-
-
-def _storage(t):
-    (leaf,) = jax.tree_util.tree_leaves(t)
-    return leaf
 
 
 def plan_cross_mesh(x, mesh, placements, where: str = "DTensor.redistribute") -> CrossMeshPlan:
@@ -42,15 +38,15 @@ def _on(x, mesh, placements, storage):
 def redistribute_cross_mesh(x, mesh, placements):
     """``x`` on ``mesh`` with ``placements`` (values exact: only data movement and the source's reductions)."""
     where = "DTensor.redistribute"
-    if is_tracer(_storage(x)):
+    if is_tracer(storage_of(x)):
         raise TypeError(
             f"{where}: redistributing onto another mesh ({mesh!r}) inside jax.jit is not supported (one jitted "
             "program runs on one mesh); call it outside jit."
         )
     p = plan_cross_mesh(x, mesh, placements, where)
     s1, s3 = p.src_plan, p.dst_plan
-    mid = _on(x, x.device_mesh, s1.dst, _dispatch.program(x.device_mesh, s1)(_storage(x))) if s1.steps else x
+    mid = _on(x, x.device_mesh, s1.dst, _dispatch.program(x.device_mesh, s1)(storage_of(x))) if s1.steps else x
     arr = to_jax(mid)
     moved = jax.device_put(arr, NamedSharding(mesh.jax_mesh, partition_spec(s3.src, mesh.mesh_dim_names, x.ndim)))
     y = from_jax(type(x), moved, mesh)
-    return _on(y, mesh, s3.dst, _dispatch.program(mesh, s3)(_storage(y))) if s3.steps else y
+    return _on(y, mesh, s3.dst, _dispatch.program(mesh, s3)(storage_of(y))) if s3.steps else y

@@ -29,7 +29,7 @@ from spmd._debug import run as run_program
 from spmd._x64 import x64_for
 from spmd.tensor import _dispatch
 from spmd.tensor._lower import device_row
-from spmd.tensor._storage import op_identity, sharding, spec
+from spmd.tensor._storage import of as storage_of, op_identity, sharding, spec
 
 __all__ = ["DTensorBase", "run", "operand", "is_dtensor", "check_operands", "recording"]
 
@@ -138,12 +138,6 @@ def _build(mesh, fn: Callable, params: tuple, strat: OpStrategy, kinds: tuple, s
     return jax.jit(f, out_shardings=sharding(mesh, strat.output))
 
 
-def _storage(t):
-    """A DTensor's storage, through its pytree (one leaf: the stacked padded blocks)."""
-    (leaf,) = jax.tree_util.tree_leaves(t)
-    return leaf
-
-
 def _scalar(x):
     """A Python/NumPy scalar or 0-d array as a jit argument (Python scalars stay weakly typed)."""
     if isinstance(x, (bool, int, float, complex)):
@@ -161,7 +155,7 @@ def run(strat: OpStrategy, fn: Callable, args: list, *, params: tuple = (), fill
     mesh = tensors[0].device_mesh
     shapes = tuple(tuple(t.shape) for t in tensors)
     prog = _program(mesh, fn, params, strat, kinds, shapes, fill)
-    storages = [_storage(t) for t in tensors]
+    storages = [storage_of(t) for t in tensors]
     with x64_for(*storages):  # a 64-bit DTensor keeps its dtype and values (spmd/_x64.py)
         out = run_program(strat.op, prog, *storages, *[_scalar(a) for a in args if not is_dtensor(a)])
     want = padded_local_shape(strat.out_shape, mesh.shape, strat.output)

@@ -20,7 +20,7 @@ from placements import Partial, Replicate, Shard, format_placements
 from spmd.tensor import _dispatch
 from spmd.tensor._checks import check_mesh
 from spmd.tensor._ops_exec import is_dtensor
-from spmd.tensor._storage import spec as storage_spec
+from spmd.tensor._storage import of as storage_of, spec as storage_spec
 
 __all__ = ["to_jax", "from_jax", "partition_spec"]
 
@@ -39,11 +39,6 @@ def partition_spec(placements, names, ndim: int) -> P:
 def _explicit(jax_mesh: Mesh) -> Mesh:
     """The same devices and axis names with ``Explicit`` axes (where JAX allows ``unreduced``)."""
     return Mesh(jax_mesh.devices, jax_mesh.axis_names, axis_types=(AxisType.Explicit,) * len(jax_mesh.axis_names))
-
-
-def _storage(t):
-    (leaf,) = jax.tree_util.tree_leaves(t)
-    return leaf
 
 
 def _cached(mesh, kind: str, build, spec: P, stored: P):
@@ -106,7 +101,7 @@ def to_jax(x) -> jax.Array:
                 f"{k}, or redistribute it to Replicate() first."
             )
     spec = partition_spec(pl, mesh.mesh_dim_names, x.ndim)
-    return _cached(mesh, "to_jax", _to_global, spec, storage_spec(mesh, pl))(_storage(x))
+    return _cached(mesh, "to_jax", _to_global, spec, storage_spec(mesh, pl))(storage_of(x))
 
 
 def _placements_of(arr, mesh, where: str):

@@ -24,9 +24,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from placements import Partial, Replicate, local_shape, local_shape_and_offset, padded_local_shape
 
 __all__ = [
+    "of",
     "op_identity", "stored_once", "extents", "spec", "sharding", "pad_block", "np_block", "storage_of_global",
     "storage_of_blocks", "block_of",
 ]
+
+
+def of(t) -> jax.Array:
+    """A DTensor's storage, read through its pytree (one leaf), so that no module needs the class."""
+    (leaf,) = jax.tree_util.tree_leaves(t)
+    return leaf
 
 
 def op_identity(op: str, dtype):
