@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import jax
 
-__all__ = ["MeshGroup", "resolve_mesh_dims", "group_axes"]
+__all__ = ["MeshGroup", "resolve_mesh_dims", "region_mesh", "group_axes"]
 
 
 class MeshGroup:
@@ -78,12 +78,8 @@ def resolve_mesh_dims(group: Any, names: Sequence[str], *, where: str, arg: str 
     return tuple(dims)
 
 
-def group_axes(group: Any, where: str) -> tuple[tuple[str, ...], int]:
-    """Mesh axis names and size of ``group`` inside the current SPMD region.
-
-    ``group``: a mesh dim name, an int mesh dim, a tuple of them, a group
-    (``mesh.get_group(...)``), or None for every mesh dim of the region.
-    """
+def region_mesh(where: str) -> tuple[tuple[str, ...], dict[str, int]]:
+    """The current SPMD region's mesh axis names (in mesh order) and their sizes."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = tuple(getattr(mesh, "manual_axes", ()) or ())
     names = tuple(n for n in getattr(mesh, "axis_names", ()) if n in manual)
@@ -92,11 +88,20 @@ def group_axes(group: Any, where: str) -> tuple[tuple[str, ...], int]:
             f"{where}: called outside an SPMD region; call it inside a function decorated with "
             "@spmd(mesh, ...) (or jax.shard_map), or use mesh.get_group(dim) for eager per-rank arrays."
         )
+    return names, dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def group_axes(group: Any, where: str) -> tuple[tuple[str, ...], int]:
+    """Mesh axis names and size of ``group`` inside the current SPMD region.
+
+    ``group``: a mesh dim name, an int mesh dim, a tuple of them, a group
+    (``mesh.get_group(...)``), or None for every mesh dim of the region.
+    """
+    names, sizes = region_mesh(where)
     if isinstance(group, MeshGroup):
         group = group.dims
     if group is None:
         axes = names
     else:
         axes = tuple(names[d] for d in resolve_mesh_dims(group, names, where=where, arg="group"))
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     return axes, math.prod(sizes[a] for a in axes)

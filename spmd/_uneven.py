@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from placements import Placement, check_placements, local_shape as chunk_shape, padded_local_shape, rank_to_coord
+from spmd._groups import region_mesh
 from spmd.tensor._lower import device_row
 
 __all__ = ["local_shape", "zero_padding", "is_uneven"]
@@ -42,15 +42,7 @@ def local_shape(shape: Sequence[int], placements: Sequence[Placement]):
     ``DTensor.local_tensors()`` has them). Mask an uneven argument's padded block with it, e.g.
     ``rows = jnp.arange(x.shape[0]) < spmd.local_shape(dt.shape, dt.placements)[0]``."""
     where = "spmd.local_shape"
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = tuple(getattr(mesh, "manual_axes", ()) or ())
-    names = tuple(n for n in getattr(mesh, "axis_names", ()) if n in manual)
-    if not names:
-        raise ValueError(
-            f"{where}: called outside an SPMD region; call it inside a function decorated with @spmd(mesh, ...) "
-            "(outside one, read DTensor.local_tensors())."
-        )
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    names, sizes = region_mesh(where)
     mesh_shape = tuple(sizes[n] for n in names)
     shape = tuple(int(s) for s in shape)
     pl = check_placements(placements, mesh_ndim=len(names), tensor_ndim=len(shape), where=f"{where}: placements")
