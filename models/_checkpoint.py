@@ -111,7 +111,10 @@ class Checkpointer:
         step = int(step)
         if (step % self.save_every and not force) or step in self._manager.all_steps():
             return False
-        sums = {"arrays": array_digests(state), "meta": json_digest(json.loads(json.dumps(meta)))}
+        # A copy: the save is asynchronous, and the caller goes on appending to its history; orbax must write
+        # the meta as it is now, the one the digest is of (seen: a run's own step failing its checksum under load).
+        meta = json.loads(json.dumps(meta))
+        sums = {"arrays": array_digests(state), "meta": json_digest(meta)}
         return bool(self._manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),

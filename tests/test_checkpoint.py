@@ -258,3 +258,25 @@ def test_flipped_bytes_in_a_run_stop_the_resume(tmp_path):
     assert _snapshot(out) == before
     shutil.rmtree(step_dir)
     assert run(Config(out=out, resume=True, **cfg))["resumed_from"] == 1
+
+
+def test_meta_changed_after_an_async_save_is_saved_as_it_was(tmp_path, monkeypatch):
+    """The job goes on appending to the history it passed to an asynchronous save: the step keeps the meta of
+    its own step, and its checksum verifies (before, a slow writer saved the later history: the run's own step
+    then failed its checksum, seen in CI under load). The writer is made slow here so that the race is certain."""
+    import asyncio
+
+    handler = pytest.importorskip("orbax.checkpoint._src.handlers.json_checkpoint_handler").JsonCheckpointHandler
+    write = handler._save_fn
+
+    async def slow(self, x, directory):
+        await asyncio.sleep(0.3)
+        return await write(self, x, directory)
+
+    monkeypatch.setattr(handler, "_save_fn", slow)
+    history = [{"loss": 1.0}]
+    state = {"w": np.arange(4096, dtype=np.float32)}
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, state, {"history": history})
+        history.extend({"loss": float(i)} for i in range(1000))  # while orbax may still be writing
+    assert Checkpointer(str(tmp_path)).restore_meta(1) == {"history": [{"loss": 1.0}]}
