@@ -45,7 +45,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import spmd  # noqa: E402
@@ -54,6 +53,7 @@ from placements._plan import make_step, torch_greedy_steps  # noqa: E402
 from spmd._inspect import hlo_collectives  # noqa: E402
 from spmd.tensor._dispatch import program  # noqa: E402
 from spmd.tensor._dtensor import physical  # noqa: E402
+from spmd.tensor._storage import spec as storage_spec  # noqa: E402
 
 R = Replicate()
 S0, S1 = Shard(0), Shard(1)
@@ -171,7 +171,9 @@ def handwritten(mesh, plan):
                 raise NotImplementedError(str(s))
         return x.reshape((1,) * nd + x.shape)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=P(*names), out_specs=P(*names), check_vma=False))
+    # the DTensor storage's specs (a Replicate mesh dim stored once: spmd/tensor/_storage.py)
+    return jax.jit(jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=storage_spec(mesh, plan.src),
+                                 out_specs=storage_spec(mesh, plan.dst), check_vma=False))
 
 
 def timeit(fns, reps):
