@@ -26,8 +26,8 @@
   communication of one step).
 
 ``regather=True`` (default) all-gathers each block again for its backward pass
-(``jax.checkpoint`` keeps only each block's input and recomputes the block): one block's parameters
-alive at a time, one more all-gather per block. ``regather=False`` keeps the
+(``jax.checkpoint`` saves the block's matmul outputs, not its gathered parameters): one block's
+parameters alive at a time, one more all-gather per buffer. ``regather=False`` keeps the
 forward pass's gathered parameters for the backward pass: fewer collectives,
 full-size parameter memory.
 """
