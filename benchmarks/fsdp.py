@@ -14,7 +14,10 @@ devices:
 - torch FSDP2 (``fully_shard`` per block, then the root; gloo, 8 CPU
   processes, one thread each) when torch is installed.
 
-Reported per layout: samples/s, CPU time per step (all threads of the process,
+Reported per layout: samples/s (the median of interleaved rounds: every JAX
+layout of a size is compiled first, then timed in 7 rounds of 4 steps, the
+layouts taking turns, so load from other processes on the host falls on all of
+them alike; the best round too), CPU time per step (all threads of the process,
 or of the 8 torch processes: less sensitive to other load on the host than
 wall time), parameter + optimizer bytes per device (from
 the live arrays), the analytic peak of gathered parameter bytes and XLA's
@@ -126,24 +129,39 @@ def _ce(logits, batch):
     return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)), {}
 
 
-def _timed(step, state, batches, steps, warmup):
-    import jax
+class _Prepared:
+    """A compiled step with its state and batches, timed in rounds interleaved with the other layouts."""
 
-    t0 = time.perf_counter()
-    compiled = step.lower(state, batches[0]).compile()
-    compile_s = time.perf_counter() - t0
-    for i in range(warmup):
-        state, m = compiled(state, batches[i % len(batches)])
-    jax.block_until_ready(m)
-    t0, c0 = time.perf_counter(), time.process_time()
-    for i in range(steps):
-        state, m = compiled(state, batches[i % len(batches)])
-    jax.block_until_ready((state, m))
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    mem = compiled.memory_analysis()
-    return state, compiled, {"samples_per_s": steps * BATCH / dt, "step_ms": 1000 * dt / steps,
-                             "cpu_ms_per_step": 1000 * cpu / steps, "compile_s": compile_s,
-                             "xla_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
+    def __init__(self, step, state, batches):
+        import jax
+
+        t0 = time.perf_counter()
+        self.compiled = step.lower(state, batches[0]).compile()
+        self.compile_s = time.perf_counter() - t0
+        self.state, self.batches = state, batches
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.state, m = self.compiled(self.state, batches[0])  # warm up
+        jax.block_until_ready(m)
+
+    def round(self, steps: int) -> None:
+        import jax
+
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in range(steps):
+            self.state, m = self.compiled(self.state, self.batches[i % len(self.batches)])
+        jax.block_until_ready((self.state, m))
+        self.wall.append((time.perf_counter() - t0) / steps)
+        self.cpu.append((time.process_time() - c0) / steps)
+
+    def report(self) -> dict:
+        import statistics
+
+        mem = self.compiled.memory_analysis()
+        wall, cpu = statistics.median(self.wall), statistics.median(self.cpu)
+        return {"samples_per_s": BATCH / wall, "samples_per_s_best": BATCH / min(self.wall),
+                "step_ms": 1000 * wall, "cpu_ms_per_step": 1000 * cpu, "rounds": len(self.wall),
+                "compile_s": self.compile_s, "xla_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
 
 
 def _state_bytes(state) -> int:
@@ -160,7 +178,7 @@ def _optimizer():
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR, weight_decay=0.01))
 
 
-def run_ours(size: str, shape: tuple, names: tuple, steps: int, warmup: int, regather: bool = True) -> dict:
+def prepare_ours(size: str, shape: tuple, names: tuple, regather: bool = True):
     import jax
 
     import spmd
@@ -186,15 +204,15 @@ def run_ours(size: str, shape: tuple, names: tuple, steps: int, warmup: int, reg
         state = init_train_state(params, opt)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
         bound, peak = {"all-reduce": {"count": 1, "bytes": nbytes}}, 0
-    state, compiled, res = _timed(step, state, batches, steps, warmup)
-    got = hlo_executed_collectives(compiled.as_text())
-    res.update(state_bytes_per_device=_state_bytes(state), peak_gathered_bytes=peak,
-               collectives={k: v for k, v in got.items() if v["count"]}, bound=bound,
-               parameters=sum(x.size for x in jax.tree.leaves(params)))
-    return res
+    prep = _Prepared(step, state, batches)
+    got = hlo_executed_collectives(prep.compiled.as_text())
+    prep.extra = dict(state_bytes_per_device=_state_bytes(prep.state), peak_gathered_bytes=peak,
+                      collectives={k: v for k, v in got.items() if v["count"]}, bound=bound,
+                      parameters=sum(x.size for x in jax.tree.leaves(params)))
+    return prep
 
 
-def run_gspmd(size: str, shape: tuple, names: tuple, steps: int, warmup: int) -> dict:
+def prepare_gspmd(size: str, shape: tuple, names: tuple):
     """Global view: NamedSharding on each parameter's largest dim over ``fsdp``, the batch over every dim."""
     import jax
     import optax
@@ -234,10 +252,11 @@ def run_gspmd(size: str, shape: tuple, names: tuple, steps: int, warmup: int) ->
         return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), {"loss": loss}
 
     jitted = jax.jit(step, in_shardings=(shardings, data), out_shardings=(shardings, NamedSharding(mesh, P())))
-    state, compiled, res = _timed(jitted, state, batches, steps, warmup)
-    got = hlo_executed_collectives(compiled.as_text())
-    res.update(state_bytes_per_device=_state_bytes(state), collectives={k: v for k, v in got.items() if v["count"]})
-    return res
+    prep = _Prepared(jitted, state, batches)
+    got = hlo_executed_collectives(prep.compiled.as_text())
+    prep.extra = dict(state_bytes_per_device=_state_bytes(prep.state),
+                      collectives={k: v for k, v in got.items() if v["count"]})
+    return prep
 
 
 LAYOUTS = [
@@ -286,21 +305,27 @@ def main(argv=None) -> int:
         torch_version = None if a.no_torch else torch.__version__
     except ImportError:
         torch_version = None
-    steps, warmup = (2, 1) if a.quick else (6, 2)
+    steps, rounds = (2, 2) if a.quick else (4, 7)
+    torch_steps, torch_warmup = (2, 1) if a.quick else (6, 2)
     sizes = ["d256x4"] if a.quick else list(SIZES)
     results = {"jax": jax.__version__, "torch": torch_version, "batch": BATCH, "seq": SEQ, "steps": steps,
-               "sizes": {}}
+               "rounds": rounds, "sizes": {}}
     for size in sizes:
         entry = results["sizes"][size] = {}
-        for label, kind, shape, names, regather in LAYOUTS:
-            r = (run_ours(size, shape, names, steps, warmup, regather) if kind == "ours"
-                 else run_gspmd(size, shape, names, steps, warmup))
-            entry[label] = r
+        preps = {label: prepare_ours(size, shape, names, regather) if kind == "ours"
+                 else prepare_gspmd(size, shape, names) for label, kind, shape, names, regather in LAYOUTS}
+        for _ in range(rounds):  # interleaved: load from other processes on the host hits every layout alike
+            for prep in preps.values():
+                prep.round(steps)
+        for label, prep in preps.items():
+            r = entry[label] = {**prep.report(), **prep.extra}
             comm = ", ".join(f"{k} x{v['count']} {v['bytes'] / 2**20:.2f} MiB" for k, v in r["collectives"].items())
-            print(f"{size} {label:22s} {r['samples_per_s']:8.1f} samples/s  cpu {r['cpu_ms_per_step']:7.0f} ms/step  state {r['state_bytes_per_device'] / 2**20:6.2f} "
+            print(f"{size} {label:22s} {r['samples_per_s']:8.1f} samples/s (best {r['samples_per_s_best']:6.1f})  "
+                  f"cpu {r['cpu_ms_per_step']:5.0f} ms/step  state {r['state_bytes_per_device'] / 2**20:6.2f} "
                   f"MiB/device  temp {(r['xla_temp_bytes'] or 0) / 2**20:6.1f} MiB  {comm}", flush=True)
+        del preps
         if torch_version:
-            r = entry["torch FSDP2 8 procs"] = run_torch(size, 8, steps, warmup)
+            r = entry["torch FSDP2 8 procs"] = run_torch(size, 8, torch_steps, torch_warmup)
             print(f"{size} torch FSDP2 8 procs: " + (f"{r['samples_per_s']:8.1f} samples/s  state "
                   f"{r['state_bytes_per_device'] / 2**20:6.2f} MiB/device" if "error" not in r else r["error"][-300:]),
                   flush=True)
