@@ -255,7 +255,8 @@ class ParamPlan:
         comm = self.communication()
         lines.append("communication per step (per device): " + ", ".join(
             f"{k} x{v['count']} = {v['bytes']:,} B" for k, v in comm["total"].items()))
-        lines += [f"  {r['unit']}: {r['gathered_bytes']:,} B gathered in {r['reduce-scatter']} buffers: "
+        lines += [f"  {r['unit']}: {r['gathered_bytes']:,} B gathered in {r['reduce-scatter']} "
+                  f"buffer{'' if r['reduce-scatter'] == 1 else 's'}: "
                   f"all-gather x{r['all-gather']}, reduce-scatter x{r['reduce-scatter']}" for r in comm["units"]]
         return "\n".join(lines)
 
