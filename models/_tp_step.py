@@ -51,8 +51,8 @@ def _groups(leaves, idx, tp: str) -> list[list[int]]:
 
 
 class TPGather:
-    """``gather(unit, params_of_unit)``: the unit's tp-local blocks made whole on fsdp, one all-gather
-    per (dtype, tp-cut or not) group of leaves."""
+    """``gather(unit, params_of_unit)``: the unit's tp-local blocks made whole on fsdp, by ``gather_unit``
+    on each (dtype, tp-cut or not) group of leaves (one all-gather per ``ParamPlan.gather_buffers`` buffer)."""
 
     def __init__(self, plan: ParamPlan, tp: str, regather: bool):
         self.plan, self.tp, self.regather = plan, tp, regather
