@@ -24,9 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from placements import Partial, Replicate, local_shape, local_shape_and_offset, padded_local_shape
 
 __all__ = [
-    "of",
-    "op_identity", "stored_once", "extents", "spec", "sharding", "pad_block", "np_block", "storage_of_global",
-    "storage_of_blocks", "block_of",
+    "of", "op_identity", "stored_once", "extents", "spec", "sharding", "pad_block", "np_block",
+    "storage_of_global", "storage_of_blocks", "block_of",
 ]
 
 
