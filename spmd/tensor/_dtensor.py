@@ -109,8 +109,9 @@ class DTensor(DTensorOps):
         ``rank -> array``; in a multi-process run, this process's local tensor.
         ``placements`` defaults to Replicate on every mesh dim (as torch).
         Without ``shape`` the global shape assumes even shards (as torch); give
-        ``shape`` for uneven ones. ``run_check=True`` checks shapes and dtypes and,
-        as torch, copies coordinate 0's value along Replicate mesh dims.
+        ``shape`` for uneven ones. A Replicate mesh dim holds one value: with
+        ``run_check=True`` coordinate 0's is copied along it (as torch); without,
+        the replicas must be equal (one process: checked, bit for bit).
         """
         mesh, storage, pl, gshape = from_local_storage(locals, device_mesh, placements, shape, run_check)
         return DTensor(storage, mesh, pl, gshape)
