@@ -1,7 +1,8 @@
 """Benchmark: the fully sharded train step (models._fsdp) against GSPMD and torch FSDP2.
 
 For a GPT (the project's Transformer; d_model 256 x 4 layers, and a larger
-one) with AdamW + gradient clipping, side by side in one run on 8 CPU fake
+one) with AdamW + gradient clipping, at a global batch of 32 sequences (4 per
+device) and of 128 (16 per device), side by side in one run on 8 CPU fake
 devices:
 
 - ours: ``dp=8`` (DDP), ``fsdp=8`` re-gathering each block for the backward
@@ -15,9 +16,10 @@ devices:
   processes, one thread each) when torch is installed.
 
 Reported per layout: samples/s (the median of interleaved rounds: every JAX
-layout of a size is compiled first, then timed in 7 rounds of 4 steps, the
-layouts taking turns, so load from other processes on the host falls on all of
-them alike; the best round too), CPU time per step (all threads of the process,
+layout of a run is compiled first, then timed in 7 rounds of 4 steps, 2 at
+the larger batch, the layouts taking turns, so load from other processes on
+the host falls on all of them alike; the best round too; the batches are on
+the devices already, for ours as for GSPMD), CPU time per step (all threads of the process,
 or of the 8 torch processes: less sensitive to other load on the host than
 wall time), parameter + optimizer bytes per device (from
 the live arrays), the analytic peak of gathered parameter bytes and XLA's
@@ -27,7 +29,7 @@ executes (loop bodies times their trips) next to the plan's analytic bound.
 On a CPU host the 8 devices share the cores: throughput measures the cost of
 the layout, not a speed-up; other processes on the host make it noisy.
 
-    python benchmarks/fsdp.py            # a few minutes on 2 cores
+    python benchmarks/fsdp.py            # about 15 minutes on 2 loaded cores
     python benchmarks/fsdp.py --quick    # smoke run
 
 Writes benchmarks/results/fsdp.json and benchmarks/results/fsdp.png.
@@ -45,23 +47,25 @@ from _common import benchmark_args, free_port, run_torch_worker, save_figure, to
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-VOCAB, SEQ, BATCH, LR = 11, 17, 32, 3e-3
+VOCAB, SEQ, LR = 11, 17, 3e-3
 SIZES = {"d256x4": dict(d_model=256, layers=4, heads=4), "d384x6": dict(d_model=384, layers=6, heads=6)}
+# (size, global batch): 4 sequences of 17 tokens per device, then 16.
+RUNS = [("d256x4", 32), ("d384x6", 32), ("d256x4", 128), ("d384x6", 128)]
 
 
-def _batches(rank: int, world: int, n: int = 4):
+def _batches(rank: int, world: int, batch: int, n: int = 4):
     import numpy as np
 
     rng = np.random.default_rng(rank)
     out = []
     for _ in range(n):
-        seq = rng.integers(0, VOCAB, size=(BATCH // world, SEQ + 1)).astype(np.int32)
+        seq = rng.integers(0, VOCAB, size=(batch // world, SEQ + 1)).astype(np.int32)
         out.append({"inputs": seq[:, :-1], "targets": seq[:, 1:]})
     return out
 
 
 # --- torch FSDP2 (its own process tree) -----------------------------------------------------------
-def _torch_worker(rank, world, size, steps, warmup, port, out_path):
+def _torch_worker(rank, world, run, steps, warmup, port, out_path):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -71,6 +75,8 @@ def _torch_worker(rank, world, size, steps, warmup, port, out_path):
     torch.set_num_threads(1)  # one thread per process on a shared host (see benchmarks/ddp.py)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=300))
+    size, batch = run.split(":")
+    batch = int(batch)
     d, layers, h = SIZES[size]["d_model"], SIZES[size]["layers"], SIZES[size]["heads"]
 
     torch.manual_seed(0)
@@ -80,7 +86,7 @@ def _torch_worker(rank, world, size, steps, warmup, port, out_path):
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    batches = [(torch.tensor(b["inputs"]).long(), torch.tensor(b["targets"]).long()) for b in _batches(rank, world)]
+    batches = [(torch.tensor(b["inputs"]).long(), torch.tensor(b["targets"]).long()) for b in _batches(rank, world, batch)]
 
     def step(i):
         x, y = batches[i % len(batches)]
@@ -103,15 +109,15 @@ def _torch_worker(rank, world, size, steps, warmup, port, out_path):
                   if hasattr(v, "to_local") and v.dim() > 0)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"samples_per_s": steps * BATCH / dt, "step_ms": 1000 * dt / steps,
+            json.dump({"samples_per_s": steps * batch / dt, "step_ms": 1000 * dt / steps,
                    "cpu_ms_per_step": 1000 * cpu * world / steps,  # rank 0's CPU time times the ranks
                        "state_bytes_per_device": local + moments}, f)
     dist.destroy_process_group()
 
 
-def run_torch(size: str, world: int, steps: int, warmup: int, timeout: float = 400.0) -> dict:
-    out_path = os.path.join(RESULTS, f".torch_fsdp_{size}_{world}.json")
-    return run_torch_worker(__file__, [size, world, steps, warmup], out_path, timeout, tail=800)
+def run_torch(size: str, batch: int, world: int, steps: int, warmup: int, timeout: float = 400.0) -> dict:
+    out_path = os.path.join(RESULTS, f".torch_fsdp_{size}_{batch}_{world}.json")
+    return run_torch_worker(__file__, [f"{size}:{batch}", world, steps, warmup], out_path, timeout, tail=800)
 
 
 def _torch_main(size, world, steps, warmup, out_path):
@@ -132,9 +138,10 @@ def _ce(logits, batch):
 class _Prepared:
     """A compiled step with its state and batches, timed in rounds interleaved with the other layouts."""
 
-    def __init__(self, step, state, batches):
+    def __init__(self, step, state, batches, batch: int):
         import jax
 
+        self.batch = batch
         t0 = time.perf_counter()
         self.compiled = step.lower(state, batches[0]).compile()
         self.compile_s = time.perf_counter() - t0
@@ -159,7 +166,7 @@ class _Prepared:
 
         mem = self.compiled.memory_analysis()
         wall, cpu = statistics.median(self.wall), statistics.median(self.cpu)
-        return {"samples_per_s": BATCH / wall, "samples_per_s_best": BATCH / min(self.wall),
+        return {"samples_per_s": self.batch / wall, "samples_per_s_best": self.batch / min(self.wall),
                 "step_ms": 1000 * wall, "cpu_ms_per_step": 1000 * cpu, "rounds": len(self.wall),
                 "compile_s": self.compile_s, "xla_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
 
@@ -178,8 +185,10 @@ def _optimizer():
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR, weight_decay=0.01))
 
 
-def prepare_ours(size: str, shape: tuple, names: tuple, regather: bool = True):
+def prepare_ours(size: str, batch: int, shape: tuple, names: tuple, regather: bool = True):
     import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import spmd
     from models import Transformer
@@ -189,7 +198,7 @@ def prepare_ours(size: str, shape: tuple, names: tuple, regather: bool = True):
 
     model = Transformer(VOCAB, SEQ, SIZES[size]["layers"], SIZES[size]["d_model"], SIZES[size]["heads"])
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
-    batches = _batches(0, 1)
+    batches = _batches(0, 1, batch)
     params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
     opt = _optimizer()
     if "fsdp" in names:
@@ -204,7 +213,9 @@ def prepare_ours(size: str, shape: tuple, names: tuple, regather: bool = True):
         state = init_train_state(params, opt)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
         bound, peak = {"all-reduce": {"count": 1, "bytes": nbytes}}, 0
-    prep = _Prepared(step, state, batches)
+    # On the devices already, split over every mesh dim as the step reads them (as the GSPMD step's batches).
+    batches = [jax.device_put(b, NamedSharding(mesh.jax_mesh, P(names))) for b in batches]
+    prep = _Prepared(step, state, batches, batch)
     got = hlo_executed_collectives(prep.compiled.as_text())
     prep.extra = dict(state_bytes_per_device=_state_bytes(prep.state), peak_gathered_bytes=peak,
                       collectives={k: v for k, v in got.items() if v["count"]}, bound=bound,
@@ -212,7 +223,7 @@ def prepare_ours(size: str, shape: tuple, names: tuple, regather: bool = True):
     return prep
 
 
-def prepare_gspmd(size: str, shape: tuple, names: tuple):
+def prepare_gspmd(size: str, batch: int, shape: tuple, names: tuple):
     """Global view: NamedSharding on each parameter's largest dim over ``fsdp``, the batch over every dim."""
     import jax
     import optax
@@ -226,7 +237,7 @@ def prepare_gspmd(size: str, shape: tuple, names: tuple):
 
     model = Transformer(VOCAB, SEQ, SIZES[size]["layers"], SIZES[size]["d_model"], SIZES[size]["heads"])
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names).jax_mesh
-    batches = _batches(0, 1)
+    batches = _batches(0, 1, batch)
     params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
     opt = _optimizer()
 
@@ -252,7 +263,7 @@ def prepare_gspmd(size: str, shape: tuple, names: tuple):
         return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), {"loss": loss}
 
     jitted = jax.jit(step, in_shardings=(shardings, data), out_shardings=(shardings, NamedSharding(mesh, P())))
-    prep = _Prepared(jitted, state, batches)
+    prep = _Prepared(jitted, state, batches, batch)
     got = hlo_executed_collectives(prep.compiled.as_text())
     prep.extra = dict(state_bytes_per_device=_state_bytes(prep.state),
                       collectives={k: v for k, v in got.items() if v["count"]})
@@ -275,14 +286,14 @@ def _plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = list(results["sizes"])
+    sizes = list(results["runs"])
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, title in ((axes[0], "samples_per_s", "samples/s (higher is better)"),
                            (axes[1], "state_bytes_per_device", "params + AdamW bytes per device")):
         labels = [label for label, *_ in LAYOUTS] + ["torch FSDP2 8 procs"]
         width = 0.8 / len(sizes)
         for j, size in enumerate(sizes):
-            vals = [(results["sizes"][size].get(label) or {}).get(key) or 0 for label in labels]
+            vals = [(results["runs"][size].get(label) or {}).get(key) or 0 for label in labels]
             ax.bar([i + j * width for i in range(len(labels))], vals, width, label=size)
         ax.set_xticks([i + width * (len(sizes) - 1) / 2 for i in range(len(labels))])
         ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
@@ -305,28 +316,29 @@ def main(argv=None) -> int:
         torch_version = None if a.no_torch else torch.__version__
     except ImportError:
         torch_version = None
-    steps, rounds = (2, 2) if a.quick else (4, 7)
+    rounds = 2 if a.quick else 7
     torch_steps, torch_warmup = (2, 1) if a.quick else (6, 2)
-    sizes = ["d256x4"] if a.quick else list(SIZES)
-    results = {"jax": jax.__version__, "torch": torch_version, "batch": BATCH, "seq": SEQ, "steps": steps,
-               "rounds": rounds, "sizes": {}}
-    for size in sizes:
-        entry = results["sizes"][size] = {}
-        preps = {label: prepare_ours(size, shape, names, regather) if kind == "ours"
-                 else prepare_gspmd(size, shape, names) for label, kind, shape, names, regather in LAYOUTS}
+    runs = [("d256x4", 32)] if a.quick else RUNS
+    results = {"jax": jax.__version__, "torch": torch_version, "seq": SEQ, "rounds": rounds, "runs": {}}
+    for size, batch in runs:
+        name = f"{size}, batch {batch}"
+        steps = 2 if a.quick or batch > 32 else 4  # per round
+        entry = results["runs"][name] = {"size": size, "batch": batch, "steps_per_round": steps}
+        preps = {label: prepare_ours(size, batch, shape, names, regather) if kind == "ours"
+                 else prepare_gspmd(size, batch, shape, names) for label, kind, shape, names, regather in LAYOUTS}
         for _ in range(rounds):  # interleaved: load from other processes on the host hits every layout alike
             for prep in preps.values():
                 prep.round(steps)
         for label, prep in preps.items():
             r = entry[label] = {**prep.report(), **prep.extra}
             comm = ", ".join(f"{k} x{v['count']} {v['bytes'] / 2**20:.2f} MiB" for k, v in r["collectives"].items())
-            print(f"{size} {label:22s} {r['samples_per_s']:8.1f} samples/s (best {r['samples_per_s_best']:6.1f})  "
+            print(f"{name} {label:22s} {r['samples_per_s']:8.1f} samples/s (best {r['samples_per_s_best']:6.1f})  "
                   f"cpu {r['cpu_ms_per_step']:5.0f} ms/step  state {r['state_bytes_per_device'] / 2**20:6.2f} "
                   f"MiB/device  temp {(r['xla_temp_bytes'] or 0) / 2**20:6.1f} MiB  {comm}", flush=True)
         del preps
         if torch_version:
-            r = entry["torch FSDP2 8 procs"] = run_torch(size, 8, torch_steps, torch_warmup)
-            print(f"{size} torch FSDP2 8 procs: " + (f"{r['samples_per_s']:8.1f} samples/s  state "
+            r = entry["torch FSDP2 8 procs"] = run_torch(size, batch, 8, torch_steps, torch_warmup)
+            print(f"{name} torch FSDP2 8 procs: " + (f"{r['samples_per_s']:8.1f} samples/s  state "
                   f"{r['state_bytes_per_device'] / 2**20:6.2f} MiB/device" if "error" not in r else r["error"][-300:]),
                   flush=True)
     os.makedirs(RESULTS, exist_ok=True)
