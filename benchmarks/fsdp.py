@@ -47,10 +47,10 @@ from _common import benchmark_args, free_port, run_torch_worker, save_figure, to
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-VOCAB, SEQ, LR = 11, 17, 3e-3
+VOCAB, SEQ, BATCH, LR = 11, 17, 32, 3e-3  # BATCH: also benchmarks/tensor_parallel.py's
 SIZES = {"d256x4": dict(d_model=256, layers=4, heads=4), "d384x6": dict(d_model=384, layers=6, heads=6)}
 # (size, global batch): 4 sequences of 17 tokens per device, then 16.
-RUNS = [("d256x4", 32), ("d384x6", 32), ("d256x4", 128), ("d384x6", 128)]
+RUNS = [("d256x4", BATCH), ("d384x6", BATCH), ("d256x4", 4 * BATCH), ("d384x6", 4 * BATCH)]
 
 
 def _batches(rank: int, world: int, batch: int, n: int = 4):
@@ -169,6 +169,18 @@ class _Prepared:
         return {"samples_per_s": self.batch / wall, "samples_per_s_best": self.batch / min(self.wall),
                 "step_ms": 1000 * wall, "cpu_ms_per_step": 1000 * cpu, "rounds": len(self.wall),
                 "compile_s": self.compile_s, "xla_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
+
+
+def _timed(step, state, batches, steps: int, warmup: int, batch: int = BATCH):
+    """One layout timed alone, ``steps`` steps after ``warmup`` (benchmarks/tensor_parallel.py):
+    ``(state, compiled, report)``."""
+    prep = _Prepared(step, state, batches, batch)  # its first step warms up
+    if warmup > 1:
+        prep.round(warmup - 1)
+        prep.wall.clear()
+        prep.cpu.clear()
+    prep.round(steps)
+    return prep.state, prep.compiled, prep.report()
 
 
 def _state_bytes(state) -> int:
@@ -322,7 +334,7 @@ def main(argv=None) -> int:
     results = {"jax": jax.__version__, "torch": torch_version, "seq": SEQ, "rounds": rounds, "runs": {}}
     for size, batch in runs:
         name = f"{size}, batch {batch}"
-        steps = 2 if a.quick or batch > 32 else 4  # per round
+        steps = 2 if a.quick or batch > BATCH else 4  # per round
         entry = results["runs"][name] = {"size": size, "batch": batch, "steps_per_round": steps}
         preps = {label: prepare_ours(size, batch, shape, names, regather) if kind == "ours"
                  else prepare_gspmd(size, batch, shape, names) for label, kind, shape, names, regather in LAYOUTS}
