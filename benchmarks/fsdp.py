@@ -171,18 +171,6 @@ class _Prepared:
                 "compile_s": self.compile_s, "xla_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
 
 
-def _timed(step, state, batches, steps: int, warmup: int, batch: int = BATCH):
-    """One layout timed alone, ``steps`` steps after ``warmup`` (benchmarks/tensor_parallel.py):
-    ``(state, compiled, report)``."""
-    prep = _Prepared(step, state, batches, batch)  # its first step warms up
-    if warmup > 1:
-        prep.round(warmup - 1)
-        prep.wall.clear()
-        prep.cpu.clear()
-    prep.round(steps)
-    return prep.state, prep.compiled, prep.report()
-
-
 def _state_bytes(state) -> int:
     import jax
 

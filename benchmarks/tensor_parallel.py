@@ -11,6 +11,10 @@ with AdamW + gradient clipping, side by side in one run on 8 CPU fake devices:
   vocabulary on ``tp``, the other dim on ``fsdp``), the batch over the data dims, XLA's partitioner
   choosing the communication.
 
+Every JAX layout is compiled first, then all are timed in interleaved rounds (the median round is
+reported, the best too), so load from other processes falls on all layouts alike; every step's batch is
+on the devices already, laid out over the data dims, for ours as for GSPMD.
+
 Reported per layout: samples/s, CPU ms per step (less sensitive than wall time to other load on the host),
 parameter + optimizer bytes per device (live arrays), the collectives the compiled step executes (loop
 bodies times their trips) and, for ours, the analytic Megatron / ZeRO bound (``models._tp_comm``).
@@ -41,7 +45,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-VOCAB, SEQ, D, LAYERS, HEADS, BATCH = 32, 16, 256, 4, 8, 32  # BATCH: benchmarks/fsdp.py's, which _timed reports
+VOCAB, SEQ, D, LAYERS, HEADS, BATCH = 32, 16, 256, 4, 8, 32  # BATCH: benchmarks/fsdp.py's (fb.BATCH)
 # (label, kind, mesh shape, dim names, sequence parallel)
 LAYOUTS = [
     ("ours dp=8", "ours", (8,), ("dp",), False),
@@ -87,7 +91,17 @@ def _setup(shape, names, sp):
     return fb, model, mesh, batches, params, plan
 
 
-def run_ours(shape, names, sp, steps, warmup) -> dict:
+def _on_devices(batches, mesh, names):
+    """The batches on the devices, split over the data dims (dp, fsdp) and replicated over tp."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    data = NamedSharding(mesh.jax_mesh, P(tuple(n for n in names if n in ("dp", "fsdp")) or None))
+    return [jax.device_put(b, data) for b in batches]
+
+
+def prepare_ours(shape, names, sp):
     import jax
 
     from models._ddp import init_train_state, make_train_step
@@ -108,11 +122,11 @@ def run_ours(shape, names, sp, steps, warmup) -> dict:
         state = init_train_state(params, opt)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
         bound = {"total": {"all-reduce": {"count": 1, "bytes": nbytes}}, "activations": {}}
-    state, compiled, res = fb._timed(step, state, batches, steps, warmup)
-    got = hlo_executed_collectives(compiled.as_text())
-    res.update(state_bytes_per_device=fb._state_bytes(state), bound=bound,
-               collectives={k: v for k, v in got.items() if v["count"]})
-    return res
+    prep = fb._Prepared(step, state, _on_devices(batches, mesh, names), fb.BATCH)
+    got = hlo_executed_collectives(prep.compiled.as_text())
+    prep.extra = dict(state_bytes_per_device=fb._state_bytes(prep.state), bound=bound,
+                      collectives={k: v for k, v in got.items() if v["count"]})
+    return prep
 
 
 def _prod(sizes: dict, axes) -> int:
@@ -122,7 +136,7 @@ def _prod(sizes: dict, axes) -> int:
     return out
 
 
-def run_gspmd(shape, names, steps, warmup) -> dict:
+def prepare_gspmd(shape, names):
     """Global view: the plan's placements as NamedShardings, GSPMD partitions the step."""
     import jax
     import optax
@@ -146,8 +160,8 @@ def run_gspmd(shape, names, steps, warmup) -> dict:
     shardings = TrainState(step=rep, params=map_like_params(plan, state.params, sharding),
                            opt_state=map_like_params(plan, state.opt_state, sharding, optimizer=opt, other=lambda x: rep))
     state = jax.device_put(state, shardings)
-    data = NamedSharding(mesh.jax_mesh, P(tuple(n for n in names if n in ("dp", "fsdp")) or None))
-    batches = [jax.device_put(b, data) for b in batches]
+    batches = _on_devices(batches, mesh, names)
+    data = batches[0]["inputs"].sharding
 
     def step(state, batch):
         (loss, _), g = jax.value_and_grad(lambda p: fb._ce(model.apply({"params": p}, batch["inputs"]), batch),
@@ -156,10 +170,11 @@ def run_gspmd(shape, names, steps, warmup) -> dict:
         return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), {"loss": loss}
 
     jitted = jax.jit(step, in_shardings=(shardings, data), out_shardings=(shardings, rep))
-    state, compiled, res = fb._timed(jitted, state, batches, steps, warmup)
-    got = hlo_executed_collectives(compiled.as_text())
-    res.update(state_bytes_per_device=fb._state_bytes(state), collectives={k: v for k, v in got.items() if v["count"]})
-    return res
+    prep = fb._Prepared(jitted, state, batches, fb.BATCH)
+    got = hlo_executed_collectives(prep.compiled.as_text())
+    prep.extra = dict(state_bytes_per_device=fb._state_bytes(prep.state),
+                      collectives={k: v for k, v in got.items() if v["count"]})
+    return prep
 
 
 # --- torch: parallelize_module (Megatron plan) + fully_shard on gloo CPU processes ------------------
@@ -345,6 +360,7 @@ def main(argv=None) -> int:
     import jax
 
     steps, warmup = (2, 1) if a.quick else (6, 2)
+    rounds, per_round = (2, 1) if a.quick else (7, 3)
     name = "tensor_parallel_quick" if a.quick else "tensor_parallel"
     path = os.path.join(RESULTS, f"{name}.json")
     results = {"jax": jax.__version__, "model": dict(d_model=D, layers=LAYERS, heads=HEADS, vocab=VOCAB, seq=SEQ),
@@ -358,8 +374,17 @@ def main(argv=None) -> int:
         results["torch"] = None if a.no_torch else torch.__version__
     except ImportError:
         results["torch"] = None
-    for label, kind, shape, names, sp in ([] if a.only_torch else LAYOUTS):
-        r = run_ours(shape, names, sp, steps, warmup) if kind == "ours" else run_gspmd(shape, names, steps, warmup)
+    preps = {label: prepare_ours(shape, names, sp) if kind == "ours" else prepare_gspmd(shape, names)
+             for label, kind, shape, names, sp in ([] if a.only_torch else LAYOUTS)}  # all compiled first
+    for prep in preps.values():  # warm-up round, not counted
+        prep.round(per_round)
+        prep.wall.clear()
+        prep.cpu.clear()
+    for _ in range(rounds):  # interleaved: load from other processes falls on every layout alike
+        for prep in preps.values():
+            prep.round(per_round)
+    for label, prep in preps.items():
+        r = {**prep.report(), **prep.extra}
         results["layouts"][label] = r
         comm = ", ".join(f"{k} x{v['count']} {v['bytes'] / 2**20:.2f} MiB" for k, v in r["collectives"].items())
         bound = ""

@@ -34,7 +34,7 @@ from models._step_parts import accumulated, check_batch, data_size, flat_apply, 
 from models._fsdp import _block_layouts_equal
 from models._tp import TPContext, check_tp_plan, tp_loss
 from placements import ReduceOp, Replicate, Shard
-from spmd import DeviceMesh, DTensor, all_reduce, spmd
+from spmd import DeviceMesh, all_reduce, spmd
 from spmd._collectives import varying_axes
 from spmd.parallel import ParamPlan, gather_unit, path_str
 
@@ -190,9 +190,6 @@ def make_tp_train_step(model: Any, optimizer: optax.GradientTransformation, mesh
     def step(state: TrainState, batch: Any):
         plan.check_params(state.params, "train_step", sharded=True)
         check_batch(batch, mesh, data, accum_steps)
-        # A DTensor enters a region varying over every mesh dim; as its global array it is replicated over tp.
-        batch = jax.tree.map(lambda x: x.to_jax() if isinstance(x, DTensor) else x, batch,
-                             is_leaf=lambda x: isinstance(x, DTensor))
         grads, metrics = region(state.params, batch)
         return optimizer_step(state, grads, metrics, optimizer)
 
