@@ -64,6 +64,23 @@ def run_torch_worker(script: str, args: list, out_path: str, timeout: float, tai
     return res
 
 
+def torch_timed(step, warmup: int, steps: int) -> tuple[float, float]:
+    """(wall s, this process's CPU s) of ``steps`` calls ``step(i)`` after ``warmup`` (torch workers; every
+    rank calls it: barriers before and after the timed steps)."""
+    import time
+
+    import torch.distributed as dist
+
+    for i in range(warmup):
+        step(i)
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(steps):
+        step(i)
+    dist.barrier()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
 def torch_gpt(vocab: int, seq: int, d: int, layers: int, heads: int):
     """The torch twin of the project's Transformer that the benchmarks time: pre-LayerNorm blocks
     (causal attention, GELU MLP), learned positions for ``seq`` tokens, the embedding tied as output."""

@@ -27,7 +27,7 @@ import os
 import sys
 import time
 
-from _common import benchmark_args, free_port, run_torch_worker, save_figure, torch_gpt
+from _common import benchmark_args, free_port, run_torch_worker, save_figure, torch_gpt, torch_timed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -105,14 +105,7 @@ def _torch_worker(rank, world, model_name, steps, warmup, port, out_path):
         opt.step()
         return loss
 
-    for i in range(warmup):
-        step(i)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        step(i)
-    dist.barrier()
-    dt = time.perf_counter() - t0
+    dt, _ = torch_timed(step, warmup, steps)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         with open(out_path, "w") as f:

@@ -42,7 +42,7 @@ import os
 import sys
 import time
 
-from _common import benchmark_args, free_port, run_torch_worker, save_figure, torch_gpt
+from _common import benchmark_args, free_port, run_torch_worker, save_figure, torch_gpt, torch_timed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -96,14 +96,7 @@ def _torch_worker(rank, world, run, steps, warmup, port, out_path):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    for i in range(warmup):
-        step(i)
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for i in range(steps):
-        step(i)
-    dist.barrier()
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    dt, cpu = torch_timed(step, warmup, steps)
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     moments = sum(v.to_local().numel() * v.element_size() for s in opt.state.values() for v in s.values()
                   if hasattr(v, "to_local") and v.dim() > 0)

@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -181,6 +180,8 @@ def prepare_gspmd(shape, names):
 def _torch_worker(rank, world, dims, steps, warmup, port, out_path):
     import datetime
 
+    from _common import torch_timed  # benchmarks/ is on the path: this script's folder
+
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -262,14 +263,7 @@ def _torch_worker(rank, world, dims, steps, warmup, port, out_path):
             loss.backward()
         opt.step()  # no clip_grad_norm_: torch cannot stack the norms of the fsdp-only and fsdp x tp parameters
 
-    for i in range(warmup):
-        step(i)
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for i in range(steps):
-        step(i)
-    dist.barrier()
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    dt, cpu = torch_timed(step, warmup, steps)
     local = lambda t: (t.to_local() if hasattr(t, "to_local") else t)  # noqa: E731
     nbytes = sum(local(p).numel() * p.element_size() for p in model.parameters())
     nbytes += sum(local(v).numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim() > 0)
