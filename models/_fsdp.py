@@ -69,13 +69,12 @@ class UnitGather:
         self.plan = plan
         self.regather = regather
         self._fsdp_index = plan.mesh_dim_names.index(plan.fsdp)
-        self._n = plan.mesh_shape[self._fsdp_index]
 
     def __call__(self, unit: str, params: Any) -> Any:
         prefix = "" if unit == "root" else unit + "/"
         kp, treedef = jax.tree_util.tree_flatten_with_path(params)
         entries = [self.plan.entry(prefix + path_str(p)) for p, _ in kp]
-        full = gather_unit([x for _, x in kp], entries, self.plan.fsdp, self._n, self._fsdp_index)
+        full = gather_unit([x for _, x in kp], entries, self.plan.fsdp, self._fsdp_index)
         return jax.tree_util.tree_unflatten(treedef, full)
 
 
@@ -183,7 +182,7 @@ def make_fsdp_train_step(
         out = list(leaves)
         for u in plan.units:
             idx = [i for i, e in enumerate(entries) if e.unit == u]
-            got = gather_unit([leaves[i] for i in idx], [entries[i] for i in idx], fsdp, n_fsdp, fi)
+            got = gather_unit([leaves[i] for i in idx], [entries[i] for i in idx], fsdp, fi)
             for i, g in zip(idx, got):
                 out[i] = g
         return out

@@ -57,13 +57,12 @@ class TPGather:
     def __init__(self, plan: ParamPlan, tp: str, regather: bool):
         self.plan, self.tp, self.regather = plan, tp, regather
         self._fi = plan.mesh_dim_names.index(plan.fsdp)
-        self._n = plan.mesh_shape[self._fi]
 
     def leaves(self, leaves: list, entries: list) -> list:
         out = list(leaves)
         for g in _groups(leaves, range(len(leaves)), self.tp):
             for i, y in zip(g, gather_unit([leaves[i] for i in g], [entries[i] for i in g], self.plan.fsdp,
-                                           self._n, self._fi)):
+                                           self._fi)):
                 out[i] = y
         return out
 

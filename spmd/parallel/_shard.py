@@ -74,7 +74,7 @@ def unshard_params(tree: Any, plan: ParamPlan, mesh: DeviceMesh, *, optimizer=No
     return trim(tree)
 
 
-def gather_unit(shards: Sequence[jax.Array], entries: Sequence[PlanEntry], fsdp: str, n: int,
+def gather_unit(shards: Sequence[jax.Array], entries: Sequence[PlanEntry], fsdp: str,
                 fsdp_index: int) -> list[jax.Array]:
     """Inside a region: the full parameters of one unit from this device's padded blocks.
 
