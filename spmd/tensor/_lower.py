@@ -26,9 +26,9 @@ from placements._plan import Plan, Step
 from spmd import _collectives as C
 from spmd._program import block_program
 from spmd.tensor._storage import op_identity, spec
-from spmd.tensor._tables import DONT_CARE, IDENTITY, Geometry, geometry
+from spmd.tensor._tables import DONT_CARE, IDENTITY, Geometry, geometry, size_table
 
-__all__ = ["LOWERINGS", "build_program", "device_row"]
+__all__ = ["LOWERINGS", "build_program", "device_row", "fill_padding"]
 
 
 def device_row(table, names: tuple[str, ...], mesh_shape: tuple[int, ...]):
@@ -45,6 +45,16 @@ def device_row(table, names: tuple[str, ...], mesh_shape: tuple[int, ...]):
     sizes = [mesh_shape[d] for d in dims]
     lin = sum(lax.axis_index(names[d]) * math.prod(sizes[i + 1:]) for i, d in enumerate(dims))
     return jnp.asarray(sub.reshape((-1,) + table.shape[1:]))[lin]
+
+
+def fill_padding(block, shape, placements, dims, value, names: tuple[str, ...], mesh_shape: tuple[int, ...]):
+    """This device's padded ``block`` of a tensor of global ``shape``, every element past the device's
+    local size along ``dims`` set to ``value`` (padding holds anything until then)."""
+    sizes = device_row(size_table(shape, mesh_shape, placements, dims), names, mesh_shape)
+    keep = jnp.ones(block.shape, bool)
+    for j, d in enumerate(dims):
+        keep &= lax.broadcasted_iota(jnp.int32, block.shape, d) < sizes[j]
+    return jnp.where(keep, block, jnp.asarray(value, block.dtype))
 
 
 def _compact(x, dim: int, table: np.ndarray, at, fill=0):

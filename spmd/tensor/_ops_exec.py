@@ -14,21 +14,19 @@ that dim's padding with the op's identity, from a static per-device table of loc
 from __future__ import annotations
 
 import contextvars
-import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from placements import Partial, format_placements, local_shape, padded_local_shape, rank_to_coord
+from placements import Partial, format_placements, padded_local_shape
 from placements._strategy import Operand, OpStrategy
 from spmd._debug import run as run_program
 from spmd._x64 import x64_for
 from spmd.tensor import _dispatch
-from spmd.tensor._lower import device_row
+from spmd.tensor._lower import fill_padding
 from spmd.tensor._storage import of as storage_of, op_identity, sharding, spec
 
 __all__ = ["DTensorBase", "run", "operand", "is_dtensor", "check_operands", "recording"]
@@ -79,13 +77,6 @@ def check_operands(op: str, tensors: list) -> Any:
     return mesh
 
 
-def _size_table(shape, mesh_shape, placements, dims) -> np.ndarray:
-    """Local size of each of ``dims`` on every device (row = linear device index)."""
-    n = math.prod(mesh_shape)
-    rows = [local_shape(shape, mesh_shape, placements, rank_to_coord(r, mesh_shape)) for r in range(n)]
-    return np.array([[row[d] for d in dims] for row in rows], dtype=np.int32).reshape(n, len(dims))
-
-
 def _program(mesh, fn: Callable, params: tuple, strat: OpStrategy, kinds: tuple, shapes: tuple, fill: str | None):
     """The jitted ``(physical inputs..., scalars...) -> physical output`` of one op call, kept in the
     one DTensor program cache (``_dispatch.py``: per mesh, weakly held, bounded)."""
@@ -101,24 +92,15 @@ def _build(mesh, fn: Callable, params: tuple, strat: OpStrategy, kinds: tuple, s
     names = mesh.mesh_dim_names
     nd = mesh.ndim
     mesh_shape = tuple(mesh.shape)
-    masks = [
-        (dims, _size_table(shape, mesh_shape, pl, dims)) if dims else None
-        for dims, shape, pl in zip(strat.masks, shapes, strat.inputs)
-    ]
     n_t = sum(k == "t" for k in kinds)
 
     def body(*flat):
         blocks, scalars = list(flat[:n_t]), list(flat[n_t:])
         locs = []
-        for b, m in zip(blocks, masks):
+        for b, dims, shape, pl in zip(blocks, strat.masks, shapes, strat.inputs, strict=True):
             x = b.reshape(b.shape[nd:])
-            if m is not None:
-                dims, table = m
-                sizes = device_row(table, names, mesh_shape)
-                keep = jnp.ones(x.shape, bool)
-                for j, d in enumerate(dims):
-                    keep &= lax.broadcasted_iota(jnp.int32, x.shape, d) < sizes[j]
-                x = jnp.where(keep, x, jnp.asarray(op_identity(fill, x.dtype), x.dtype))
+            if dims:
+                x = fill_padding(x, shape, pl, dims, op_identity(fill, x.dtype), names, mesh_shape)
             locs.append(x)
         args, it_t, it_s = [], iter(locs), iter(scalars)
         for k in kinds:

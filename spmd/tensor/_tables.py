@@ -19,10 +19,10 @@ import math
 
 import numpy as np
 
-from placements import local_shape_and_offset, padded_local_shape
+from placements import local_shape, local_shape_and_offset, padded_local_shape, rank_to_coord
 from placements._plan import Step
 
-__all__ = ["DONT_CARE", "IDENTITY", "Geometry", "geometry", "coords", "group_rank"]
+__all__ = ["DONT_CARE", "IDENTITY", "Geometry", "geometry", "coords", "group_rank", "size_table"]
 
 DONT_CARE = -1  # padding: any value
 IDENTITY = -2  # inside the logical block, but held by nobody: the op's identity
@@ -146,3 +146,12 @@ def geometry(step: Step, mesh_shape, global_shape) -> Geometry:
         math.prod(mesh_shape[d] for d in step.mesh_dims),
         np.array([group_rank(mesh_shape, step.mesh_dims, c) == 0 for c in coords(mesh_shape)]),
     )
+
+
+def size_table(shape, mesh_shape, placements, dims=None) -> np.ndarray:
+    """Every device's local size along ``dims`` (default: every dim), torch.chunk's: a row per
+    device, by linear position."""
+    dims = range(len(shape)) if dims is None else dims
+    n = math.prod(mesh_shape)
+    rows = [local_shape(shape, mesh_shape, placements, rank_to_coord(r, mesh_shape)) for r in range(n)]
+    return np.array([[row[d] for d in dims] for row in rows], dtype=np.int32).reshape(n, len(dims))
