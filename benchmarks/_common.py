@@ -117,3 +117,17 @@ def torch_gpt(vocab: int, seq: int, d: int, layers: int, heads: int):
             return self.ln_f(x) @ self.embed.weight.T
 
     return GPT()
+
+
+def gspmd_twin(label: str) -> str:
+    """The GSPMD layout on the same mesh as one of ours: ``"ours fsdp=8 keep"`` -> ``"gspmd fsdp=8"``."""
+    return "gspmd " + label.split()[1]
+
+
+def paired_ratio(ours, ref) -> dict:
+    """Ours over ``ref`` in samples/s, round by round (both timed in the same interleaved rounds, at the same
+    batch): the median and the range of the per-round ratios, so a difference can be told from the noise."""
+    import statistics
+
+    ratios = [r / o for o, r in zip(ours.wall, ref.wall)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}

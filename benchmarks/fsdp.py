@@ -24,7 +24,10 @@ or of the 8 torch processes: less sensitive to other load on the host than
 wall time), parameter + optimizer bytes per device (from
 the live arrays), the analytic peak of gathered parameter bytes and XLA's
 temp buffer bytes (``memory_analysis``), and the collectives the compiled step
-executes (loop bodies times their trips) next to the plan's analytic bound.
+executes (loop bodies times their trips) next to the plan's analytic bound. Each of our layouts is
+also compared with GSPMD's on the same mesh round by round (``vs_gspmd``: the median and the range of the
+per-round ratios of samples/s), which shows what of a difference is the host's noise. Both steps return
+the same metrics (the loss and the gradient norm).
 
 On a CPU host the 8 devices share the cores: throughput measures the cost of
 the layout, not a speed-up; other processes on the host make it noisy.
@@ -42,7 +45,8 @@ import os
 import sys
 import time
 
-from _common import benchmark_args, free_port, run_torch_worker, save_figure, torch_gpt, torch_timed
+from _common import (benchmark_args, free_port, gspmd_twin, paired_ratio, run_torch_worker, save_figure, torch_gpt,
+                     torch_timed)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -120,12 +124,31 @@ def _torch_main(size, world, steps, warmup, out_path):
 
 
 # --- JAX ------------------------------------------------------------------------------------------
-def _ce(logits, batch):
+def _ce(logits, batch, accuracy: bool = False):
     import jax
     import jax.numpy as jnp
 
     logp = jax.nn.log_softmax(logits)
-    return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)), {}
+    aux = {"accuracy": jnp.mean(jnp.argmax(logits, axis=-1) == batch["targets"])} if accuracy else {}
+    return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)), aux
+
+
+def gspmd_step(model, opt, accuracy: bool = False):
+    """The global-view train step a JAX user writes, returning the metrics ours returns (the loss, the
+    accuracy where ours computes it, the gradient norm), so both do the same work."""
+    import jax
+    import optax
+
+    from models._ddp import TrainState
+
+    def step(state, batch):
+        (loss, aux), g = jax.value_and_grad(
+            lambda p: _ce(model.apply({"params": p}, batch["inputs"]), batch, accuracy), has_aux=True)(state.params)
+        updates, opt_state = opt.update(g, state.opt_state, state.params)
+        new = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+        return new, {"loss": loss, **aux, "grad_norm": optax.tree.norm(g)}
+
+    return step
 
 
 class _Prepared:
@@ -219,7 +242,6 @@ def prepare_ours(size: str, batch: int, shape: tuple, names: tuple, regather: bo
 def prepare_gspmd(size: str, batch: int, shape: tuple, names: tuple):
     """Global view: NamedSharding on each parameter's largest dim over ``fsdp``, the batch over every dim."""
     import jax
-    import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -249,13 +271,7 @@ def prepare_gspmd(size: str, batch: int, shape: tuple, names: tuple):
     data = NamedSharding(mesh, P(names))
     batches = [jax.device_put(b, data) for b in batches]
 
-    def step(state, batch):
-        (loss, _), g = jax.value_and_grad(lambda p: _ce(model.apply({"params": p}, batch["inputs"]), batch),
-                                          has_aux=True)(state.params)
-        updates, opt_state = opt.update(g, state.opt_state, state.params)
-        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), {"loss": loss}
-
-    jitted = jax.jit(step, in_shardings=(shardings, data), out_shardings=(shardings, NamedSharding(mesh, P())))
+    jitted = jax.jit(gspmd_step(model, opt), in_shardings=(shardings, data), out_shardings=(shardings, NamedSharding(mesh, P())))
     prep = _Prepared(jitted, state, batches, batch)
     got = hlo_executed_collectives(prep.compiled.as_text())
     prep.extra = dict(state_bytes_per_device=_state_bytes(prep.state),
@@ -325,7 +341,12 @@ def main(argv=None) -> int:
         for label, prep in preps.items():
             r = entry[label] = {**prep.report(), **prep.extra}
             comm = ", ".join(f"{k} x{v['count']} {v['bytes'] / 2**20:.2f} MiB" for k, v in r["collectives"].items())
-            print(f"{name} {label:22s} {r['samples_per_s']:8.1f} samples/s (best {r['samples_per_s_best']:6.1f})  "
+            twin = preps.get(gspmd_twin(label)) if label.startswith("ours") else None
+            vs = ""
+            if twin is not None:
+                r["vs_gspmd"] = paired_ratio(prep, twin)
+                vs = "  vs GSPMD {median:.2f}x [{min:.2f}-{max:.2f}]".format(**r["vs_gspmd"])
+            print(f"{name} {label:22s} {r['samples_per_s']:8.1f} samples/s (best {r['samples_per_s_best']:6.1f}){vs}  "
                   f"cpu {r['cpu_ms_per_step']:5.0f} ms/step  state {r['state_bytes_per_device'] / 2**20:6.2f} "
                   f"MiB/device  temp {(r['xla_temp_bytes'] or 0) / 2**20:6.1f} MiB  {comm}", flush=True)
         del preps

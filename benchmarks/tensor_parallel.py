@@ -1,9 +1,10 @@
 """Benchmark: the tensor / sequence-parallel train step (models._tp_step) on n-D meshes against GSPMD.
 
 For a GPT (the project's Transformer, d_model 256 x 4 layers, 8 heads, vocabulary 32, sequences of 16)
-with AdamW + gradient clipping, side by side in one run on 8 CPU fake devices:
+with AdamW + gradient clipping, at a global batch of 32 sequences and of 128, side by side in one run on
+8 CPU fake devices:
 
-- ours: ``dp=8`` (DDP, the baseline), ``tp=8``, ``dp=2,tp=4`` (with and without sequence parallelism),
+- ours: ``dp=8`` (DDP, the baseline), ``tp=8`` and ``dp=2,tp=4`` (each with and without sequence parallelism),
   ``fsdp=2,tp=4`` with sequence parallelism and ``dp=2,fsdp=2,tp=2``: the Megatron plan
   (``models._tp.transformer_tp_rules``) composed with fsdp's default in one ``ParamPlan``;
 - GSPMD: the same layouts as a JAX user writes them today, a global-view ``jax.jit`` step with every
@@ -11,9 +12,11 @@ with AdamW + gradient clipping, side by side in one run on 8 CPU fake devices:
   vocabulary on ``tp``, the other dim on ``fsdp``), the batch over the data dims, XLA's partitioner
   choosing the communication.
 
-Every JAX layout is compiled first, then all are timed in interleaved rounds (the median round is
-reported, the best too), so load from other processes falls on all layouts alike; every step's batch is
-on the devices already, laid out over the data dims, for ours as for GSPMD.
+Every JAX layout of a batch size is compiled first, then all are timed in interleaved rounds (the median
+round is reported, the best too), so load from other processes falls on all layouts alike; every step's
+batch is on the devices already, laid out over the data dims, for ours as for GSPMD. Each of our layouts
+is also compared with GSPMD's on the same mesh round by round (``vs_gspmd``: the median and the range of
+the per-round ratios of samples/s), which shows what of a difference is the host's noise.
 
 Reported per layout: samples/s, CPU ms per step (less sensitive than wall time to other load on the host),
 parameter + optimizer bytes per device (live arrays), the collectives the compiled step executes (loop
@@ -26,9 +29,9 @@ and other processes on the host make it noisy.
   proj/fc_out ``RowwiseParallel``, vocab-parallel embedding and an untied ``ColwiseParallel`` output
   with ``loss_parallel``) on ``tp`` and ``fully_shard`` per block over the other dims (HSDP on
   ``dp x fsdp``), 8 gloo CPU processes of one thread each; AdamW without gradient clipping (torch's
-  ``clip_grad_norm_`` fails on parameters of a 1-D and a 2-D mesh together).
+  ``clip_grad_norm_`` fails on parameters of a 1-D and a 2-D mesh together); at the batch of 32 only.
 
-    python benchmarks/tensor_parallel.py           # a few minutes on 2 cores
+    python benchmarks/tensor_parallel.py           # about 10 minutes on 2 cores
     python benchmarks/tensor_parallel.py --quick   # smoke run
 
 Writes benchmarks/results/tensor_parallel.json and .png.
@@ -36,19 +39,22 @@ Writes benchmarks/results/tensor_parallel.json and .png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
+
+from _common import benchmark_args, free_port, gspmd_twin, paired_ratio, run_torch_worker, save_figure
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 VOCAB, SEQ, D, LAYERS, HEADS, BATCH = 32, 16, 256, 4, 8, 32  # BATCH: benchmarks/fsdp.py's (fb.BATCH)
+BATCHES = (BATCH, 4 * BATCH)  # global batches: 4 sequences per data-parallel rank of dp=8, then 16
 # (label, kind, mesh shape, dim names, sequence parallel)
 LAYOUTS = [
     ("ours dp=8", "ours", (8,), ("dp",), False),
     ("ours tp=8", "ours", (8,), ("tp",), False),
+    ("ours tp=8 sp", "ours", (8,), ("tp",), True),
     ("ours dp=2,tp=4", "ours", (2, 4), ("dp", "tp"), False),
     ("ours dp=2,tp=4 sp", "ours", (2, 4), ("dp", "tp"), True),
     ("ours fsdp=2,tp=4 sp", "ours", (2, 4), ("fsdp", "tp"), True),
@@ -67,7 +73,7 @@ TORCH_LAYOUTS = [
 ]
 
 
-def _setup(shape, names, sp):
+def _setup(shape, names, sp, batch):
     import jax
     import numpy as np
 
@@ -82,7 +88,7 @@ def _setup(shape, names, sp):
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(4):
-        seq = rng.integers(0, VOCAB, size=(fb.BATCH, SEQ + 1)).astype(np.int32)
+        seq = rng.integers(0, VOCAB, size=(batch, SEQ + 1)).astype(np.int32)
         batches.append({"inputs": seq[:, :-1], "targets": seq[:, 1:]})
     params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
     rules = transformer_tp_rules(sp) if "tp" in names else ()
@@ -100,7 +106,7 @@ def _on_devices(batches, mesh, names):
     return [jax.device_put(b, data) for b in batches]
 
 
-def prepare_ours(shape, names, sp):
+def prepare_ours(shape, names, sp, batch=BATCH):
     import jax
 
     from models._ddp import init_train_state, make_train_step
@@ -109,19 +115,19 @@ def prepare_ours(shape, names, sp):
     from models._tp_step import make_tp_train_step
     from spmd.parallel import hlo_executed_collectives
 
-    fb, model, mesh, batches, params, plan = _setup(shape, names, sp)
+    fb, model, mesh, batches, params, plan = _setup(shape, names, sp, batch)
     opt = fb._optimizer()
     if "tp" in names:
         step = make_tp_train_step(model, opt, mesh, plan, sequence_parallel=sp)
         state = shard_train_state(init_train_state(params, opt), plan, mesh, opt)
-        bound = tp_communication(plan, batch=fb.BATCH, seq_len=SEQ, d_model=D, num_layers=LAYERS,
+        bound = tp_communication(plan, batch=batch, seq_len=SEQ, d_model=D, num_layers=LAYERS,
                                  sequence_parallel=sp)
     else:
         step = make_train_step(lambda p, b: fb._ce(model.apply({"params": p}, b["inputs"]), b), opt, mesh)
         state = init_train_state(params, opt)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
         bound = {"total": {"all-reduce": {"count": 1, "bytes": nbytes}}, "activations": {}}
-    prep = fb._Prepared(step, state, _on_devices(batches, mesh, names), fb.BATCH)
+    prep = fb._Prepared(step, state, _on_devices(batches, mesh, names), batch)
     got = hlo_executed_collectives(prep.compiled.as_text())
     prep.extra = dict(state_bytes_per_device=fb._state_bytes(prep.state), bound=bound,
                       collectives={k: v for k, v in got.items() if v["count"]})
@@ -135,17 +141,16 @@ def _prod(sizes: dict, axes) -> int:
     return out
 
 
-def prepare_gspmd(shape, names):
+def prepare_gspmd(shape, names, batch=BATCH):
     """Global view: the plan's placements as NamedShardings, GSPMD partitions the step."""
     import jax
-    import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from models._ddp import TrainState, init_train_state
     from spmd.parallel import entry_sharding, hlo_executed_collectives, map_like_params
 
-    fb, model, mesh, batches, params, plan = _setup(shape, names, False)
+    fb, model, mesh, batches, params, plan = _setup(shape, names, False, batch)
     opt = fb._optimizer()
     rep = NamedSharding(mesh.jax_mesh, P())
     state = init_train_state(params, opt)
@@ -162,14 +167,8 @@ def prepare_gspmd(shape, names):
     batches = _on_devices(batches, mesh, names)
     data = batches[0]["inputs"].sharding
 
-    def step(state, batch):
-        (loss, _), g = jax.value_and_grad(lambda p: fb._ce(model.apply({"params": p}, batch["inputs"]), batch),
-                                          has_aux=True)(state.params)
-        updates, opt_state = opt.update(g, state.opt_state, state.params)
-        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), {"loss": loss}
-
-    jitted = jax.jit(step, in_shardings=(shardings, data), out_shardings=(shardings, rep))
-    prep = fb._Prepared(jitted, state, batches, fb.BATCH)
+    jitted = jax.jit(fb.gspmd_step(model, opt, accuracy=True), in_shardings=(shardings, data), out_shardings=(shardings, rep))
+    prep = fb._Prepared(jitted, state, batches, batch)
     got = hlo_executed_collectives(prep.compiled.as_text())
     prep.extra = dict(state_bytes_per_device=fb._state_bytes(prep.state),
                       collectives={k: v for k, v in got.items() if v["count"]})
@@ -276,39 +275,20 @@ def _torch_worker(rank, world, dims, steps, warmup, port, out_path):
 
 
 def run_torch(dims: dict, steps: int, warmup: int, timeout: float = 600.0) -> dict:
-    import socket
-    import subprocess
-
-    out_path = os.path.join(RESULTS, ".torch_tp.json")
-    if os.path.exists(out_path):
-        os.remove(out_path)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    spec = ",".join(f"{k}={v}" for k, v in dims.items())
-    cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", spec, str(steps), str(warmup), str(port),
-           out_path]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    if proc.returncode != 0 or not os.path.exists(out_path):
-        return {"error": (proc.stderr or proc.stdout)[-800:]}
-    with open(out_path) as f:
-        res = json.load(f)
-    os.remove(out_path)
-    return res
-
-
-def _torch_main(spec, steps, warmup, port, out_path):
-    import torch.multiprocessing as mp
-
-    dims = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
     world = 1
     for v in dims.values():
         world *= v
-    mp.spawn(_torch_worker, args=(world, dims, int(steps), int(warmup), int(port), out_path), nprocs=world, join=True)
+    spec = ",".join(f"{k}={v}" for k, v in dims.items())
+    return run_torch_worker(__file__, [spec, world, steps, warmup], os.path.join(RESULTS, ".torch_tp.json"), timeout,
+                            tail=800)
+
+
+def _torch_main(spec, world, steps, warmup, out_path):
+    import torch.multiprocessing as mp
+
+    dims = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+    mp.spawn(_torch_worker, args=(int(world), dims, int(steps), int(warmup), free_port(), out_path), nprocs=int(world),
+             join=True)
 
 
 def _plot(results: dict, path: str) -> None:
@@ -317,86 +297,83 @@ def _plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(results["layouts"])
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
+    runs = list(results["runs"].values())
+    fig, axes = plt.subplots(len(runs), 4, figsize=(20, 4.8 * len(runs)), squeeze=False)
     comm = lambda r: sum(v["bytes"] for v in r["collectives"].values()) / 2**20  # noqa: E731
     color = {"ours": "C0", "gspmd": "C1", "torch": "C2"}
-    for ax, fn, title in ((axes[0], lambda r: r["samples_per_s"], "samples/s (higher is better)"),
-                          (axes[1], lambda r: r["cpu_ms_per_step"], "CPU ms per step, all threads (lower is better)"),
-                          (axes[2], lambda r: r["state_bytes_per_device"] / 2**20, "params + AdamW MiB per device"),
-                          (axes[3], comm, "MiB communicated per device per step (XLA HLO)")):
-        ax.bar(range(len(labels)), [fn(results["layouts"][k]) for k in labels],
-               color=[color[k.split()[0]] for k in labels])
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
-        ax.set_title(title)
-        ax.grid(axis="y", alpha=0.3)
+    for row, run in zip(axes, runs):
+        labels = list(run["layouts"])
+        for ax, fn, title in ((row[0], lambda r: r["samples_per_s"], "samples/s (higher is better)"),
+                              (row[1], lambda r: r["cpu_ms_per_step"], "CPU ms per step, all threads (lower is better)"),
+                              (row[2], lambda r: r["state_bytes_per_device"] / 2**20, "params + AdamW MiB per device"),
+                              (row[3], comm, "MiB communicated per device per step (XLA HLO)")):
+            ax.bar(range(len(labels)), [fn(run["layouts"][k]) for k in labels],
+                   color=[color[k.split()[0]] for k in labels])
+            ax.set_xticks(range(len(labels)))
+            ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
+            ax.set_title(f"batch {run['batch']}: {title}", fontsize=10)
+            ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"Tensor parallel GPT d{D}x{LAYERS} on 8 CPU devices: ours (blue), GSPMD NamedSharding (orange), "
                  "torch parallelize_module + fully_shard (green)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def _fmt(collectives: dict) -> str:
+    return ", ".join(f"{k} x{v['count']} {v['bytes'] / 2**20:.2f} MiB" for k, v in collectives.items() if v["count"])
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 steps")
-    p.add_argument("--no-torch", action="store_true", help="skip torch parallelize_module + fully_shard")
-    p.add_argument("--only-torch", action="store_true", help="run only the torch layouts (add them to the JSON)")
-    p.add_argument("--torch-worker", nargs=5, help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    if a.torch_worker:
-        _torch_main(*a.torch_worker)
+    a = benchmark_args(argv, __doc__, "smoke run: the batch of 32, 2 rounds of 1 step",
+                       "torch parallelize_module + fully_shard", _torch_main, ROOT)
+    if a is None:
         return 0
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    sys.path.insert(0, ROOT)
-    sys.path.insert(0, HERE)
     import jax
 
     steps, warmup = (2, 1) if a.quick else (6, 2)
-    rounds, per_round = (2, 1) if a.quick else (7, 3)
+    rounds = 2 if a.quick else 7
     name = "tensor_parallel_quick" if a.quick else "tensor_parallel"
-    path = os.path.join(RESULTS, f"{name}.json")
-    results = {"jax": jax.__version__, "model": dict(d_model=D, layers=LAYERS, heads=HEADS, vocab=VOCAB, seq=SEQ),
-               "steps": steps, "layouts": {}}
-    if a.only_torch and os.path.exists(path):
-        with open(path) as f:
-            results = json.load(f)
     try:
         import torch
 
-        results["torch"] = None if a.no_torch else torch.__version__
+        torch_version = None if a.no_torch else torch.__version__
     except ImportError:
-        results["torch"] = None
-    preps = {label: prepare_ours(shape, names, sp) if kind == "ours" else prepare_gspmd(shape, names)
-             for label, kind, shape, names, sp in ([] if a.only_torch else LAYOUTS)}  # all compiled first
-    for prep in preps.values():  # warm-up round, not counted
-        prep.round(per_round)
-        prep.wall.clear()
-        prep.cpu.clear()
-    for _ in range(rounds):  # interleaved: load from other processes falls on every layout alike
-        for prep in preps.values():
+        torch_version = None
+    results = {"jax": jax.__version__, "torch": torch_version, "rounds": rounds,
+               "model": dict(d_model=D, layers=LAYERS, heads=HEADS, vocab=VOCAB, seq=SEQ), "runs": {}}
+    for batch in BATCHES[:1] if a.quick else BATCHES:
+        per_round = 1 if a.quick else max(1, 3 * BATCH // batch)
+        run = results["runs"][f"batch {batch}"] = {"batch": batch, "steps_per_round": per_round, "layouts": {}}
+        preps = {label: prepare_ours(shape, names, sp, batch) if kind == "ours" else prepare_gspmd(shape, names, batch)
+                 for label, kind, shape, names, sp in LAYOUTS}  # all compiled first
+        for prep in preps.values():  # warm-up round, not counted
             prep.round(per_round)
-    for label, prep in preps.items():
-        r = {**prep.report(), **prep.extra}
-        results["layouts"][label] = r
-        comm = ", ".join(f"{k} x{v['count']} {v['bytes'] / 2**20:.2f} MiB" for k, v in r["collectives"].items())
-        bound = ""
-        if "bound" in r:
-            bound = "  bound: " + ", ".join(f"{k} x{v['count']} {v['bytes'] / 2**20:.2f} MiB"
-                                            for k, v in r["bound"]["total"].items() if v["count"])
-        print(f"{label:24s} {r['samples_per_s']:8.1f} samples/s  cpu {r['cpu_ms_per_step']:7.0f} ms/step  state "
-              f"{r['state_bytes_per_device'] / 2**20:6.2f} MiB/device  {comm}{bound}", flush=True)
+            prep.wall.clear()
+            prep.cpu.clear()
+        for _ in range(rounds):  # interleaved: load from other processes falls on every layout alike
+            for prep in preps.values():
+                prep.round(per_round)
+        for label, prep in preps.items():
+            r = run["layouts"][label] = {**prep.report(), **prep.extra}
+            twin = preps.get(gspmd_twin(label)) if label.startswith("ours") else None
+            vs = ""
+            if twin is not None:
+                r["vs_gspmd"] = paired_ratio(prep, twin)
+                vs = "  vs GSPMD {median:.2f}x [{min:.2f}-{max:.2f}]".format(**r["vs_gspmd"])
+            bound = "  bound: " + _fmt(r["bound"]["total"]) if "bound" in r else ""
+            print(f"batch {batch} {label:24s} {r['samples_per_s']:8.1f} samples/s{vs}  cpu {r['cpu_ms_per_step']:5.0f} "
+                  f"ms/step  state {r['state_bytes_per_device'] / 2**20:6.2f} MiB/device  {_fmt(r['collectives'])}"
+                  f"{bound}", flush=True)
+        del preps
+        for label, dims in (TORCH_LAYOUTS if torch_version and batch == BATCH else []):
+            r = run_torch(dims, steps, warmup)
+            if "error" in r:
+                print(f"{label}: {r['error'][-400:]}", flush=True)
+                continue
+            run["layouts"][label] = r
+            print(f"batch {batch} {label:24s} {r['samples_per_s']:8.1f} samples/s  cpu {r['cpu_ms_per_step']:5.0f} "
+                  f"ms/step  state {r['state_bytes_per_device'] / 2**20:6.2f} MiB/device", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
-    for label, dims in (TORCH_LAYOUTS if results["torch"] else []):
-        r = run_torch(dims, steps, warmup)
-        if "error" in r:
-            print(f"{label}: {r['error'][-400:]}", flush=True)
-            continue
-        results["layouts"][label] = r
-        print(f"{label:24s} {r['samples_per_s']:8.1f} samples/s  cpu {r['cpu_ms_per_step']:7.0f} ms/step  state "
-              f"{r['state_bytes_per_device'] / 2**20:6.2f} MiB/device", flush=True)
-    with open(path, "w") as f:
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(results, f, indent=1)
     _plot(results, os.path.join(RESULTS, f"{name}.png"))
     return 0
