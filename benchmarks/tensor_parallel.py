@@ -5,7 +5,8 @@ with AdamW + gradient clipping, at a global batch of 32 sequences and of 128, si
 8 CPU fake devices:
 
 - ours: ``dp=8`` (DDP, the baseline), ``tp=8`` and ``dp=2,tp=4`` (each with and without sequence parallelism),
-  ``fsdp=2,tp=4`` with sequence parallelism and ``dp=2,fsdp=2,tp=2``: the Megatron plan
+  ``fsdp=2,tp=4`` with sequence parallelism and ``dp=2,fsdp=2,tp=2`` (re-gathering each block for its
+  backward pass, and keeping the forward's gathers as GSPMD does): the Megatron plan
   (``models._tp.transformer_tp_rules``) composed with fsdp's default in one ``ParamPlan``;
 - GSPMD: the same layouts as a JAX user writes them today, a global-view ``jax.jit`` step with every
   parameter and its AdamW moments placed by ``NamedSharding`` as the plan places it (heads / MLP width /
@@ -50,7 +51,8 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 VOCAB, SEQ, D, LAYERS, HEADS, BATCH = 32, 16, 256, 4, 8, 32  # BATCH: benchmarks/fsdp.py's (fb.BATCH)
 BATCHES = (BATCH, 4 * BATCH)  # global batches: 4 sequences per data-parallel rank of dp=8, then 16
-# (label, kind, mesh shape, dim names, sequence parallel)
+# (label, kind, mesh shape, dim names, sequence parallel); "keep": the forward's fsdp gathers kept for the
+# backward pass (regather=False: GSPMD's memory trade), otherwise each block is gathered again
 LAYOUTS = [
     ("ours dp=8", "ours", (8,), ("dp",), False),
     ("ours tp=8", "ours", (8,), ("tp",), False),
@@ -59,6 +61,7 @@ LAYOUTS = [
     ("ours dp=2,tp=4 sp", "ours", (2, 4), ("dp", "tp"), True),
     ("ours fsdp=2,tp=4 sp", "ours", (2, 4), ("fsdp", "tp"), True),
     ("ours dp=2,fsdp=2,tp=2", "ours", (2, 2, 2), ("dp", "fsdp", "tp"), False),
+    ("ours dp=2,fsdp=2,tp=2 keep", "ours", (2, 2, 2), ("dp", "fsdp", "tp"), False),
     ("gspmd tp=8", "gspmd", (8,), ("tp",), False),
     ("gspmd dp=2,tp=4", "gspmd", (2, 4), ("dp", "tp"), False),
     ("gspmd fsdp=2,tp=4", "gspmd", (2, 4), ("fsdp", "tp"), False),
@@ -106,7 +109,7 @@ def _on_devices(batches, mesh, names):
     return [jax.device_put(b, data) for b in batches]
 
 
-def prepare_ours(shape, names, sp, batch=BATCH):
+def prepare_ours(shape, names, sp, batch=BATCH, regather=True):
     import jax
 
     from models._ddp import init_train_state, make_train_step
@@ -118,10 +121,10 @@ def prepare_ours(shape, names, sp, batch=BATCH):
     fb, model, mesh, batches, params, plan = _setup(shape, names, sp, batch)
     opt = fb._optimizer()
     if "tp" in names:
-        step = make_tp_train_step(model, opt, mesh, plan, sequence_parallel=sp)
+        step = make_tp_train_step(model, opt, mesh, plan, sequence_parallel=sp, regather=regather)
         state = shard_train_state(init_train_state(params, opt), plan, mesh, opt)
         bound = tp_communication(plan, batch=batch, seq_len=SEQ, d_model=D, num_layers=LAYERS,
-                                 sequence_parallel=sp)
+                                 sequence_parallel=sp, regather=regather)
     else:
         step = make_train_step(lambda p, b: fb._ce(model.apply({"params": p}, b["inputs"]), b), opt, mesh)
         state = init_train_state(params, opt)
@@ -343,8 +346,8 @@ def main(argv=None) -> int:
     for batch in BATCHES[:1] if a.quick else BATCHES:
         per_round = 1 if a.quick else max(1, 3 * BATCH // batch)
         run = results["runs"][f"batch {batch}"] = {"batch": batch, "steps_per_round": per_round, "layouts": {}}
-        preps = {label: prepare_ours(shape, names, sp, batch) if kind == "ours" else prepare_gspmd(shape, names, batch)
-                 for label, kind, shape, names, sp in LAYOUTS}  # all compiled first
+        preps = {label: prepare_ours(shape, names, sp, batch, regather=not label.endswith("keep")) if kind == "ours"
+                 else prepare_gspmd(shape, names, batch) for label, kind, shape, names, sp in LAYOUTS}  # all compiled first
         for prep in preps.values():  # warm-up round, not counted
             prep.round(per_round)
             prep.wall.clear()

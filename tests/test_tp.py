@@ -69,12 +69,12 @@ def _reference():
 
 
 @functools.lru_cache(maxsize=None)
-def _run(config):
+def _run(config, regather=True):
     shape, names, sp, accum = config
     params, batches = _data()
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
     plan = plan_params(params, mesh, transformer_tp_rules(sp), units=MODEL.fsdp_units())
-    step = make_tp_train_step(MODEL, OPT, mesh, plan, sequence_parallel=sp, accum_steps=accum)
+    step = make_tp_train_step(MODEL, OPT, mesh, plan, sequence_parallel=sp, accum_steps=accum, regather=regather)
     state = shard_train_state(init_train_state(params, OPT), plan, mesh, OPT)
     compiled = step.lower(state, batches[0]).compile()
     losses = []
@@ -84,9 +84,7 @@ def _run(config):
     return mesh, plan, losses, state, compiled.as_text()
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_id)
-def test_matches_one_device(config):
-    mesh, plan, losses, state, _ = _run(config)
+def _check_matches_one_device(mesh, plan, losses, state):
     ref_losses, ref = _reference()
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     for a, b in zip(jax.tree.leaves(unshard_params(state.params, plan, mesh)), jax.tree.leaves(ref.params), strict=True):
@@ -95,6 +93,24 @@ def test_matches_one_device(config):
     opt = unshard_params(state.opt_state, plan, mesh, optimizer=OPT)
     for a, b in zip(jax.tree.leaves(opt), jax.tree.leaves(ref.opt_state), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_id)
+def test_matches_one_device(config):
+    mesh, plan, losses, state, _ = _run(config)
+    _check_matches_one_device(mesh, plan, losses, state)
+
+
+def test_keeping_the_gathers_matches_one_device_and_gathers_each_block_once():
+    config = CONFIGS[6]  # dp=2,fsdp=2,tp=2: the blocks unrolled, their forward gathers kept for the backward
+    mesh, plan, losses, state, text = _run(config, regather=False)
+    _check_matches_one_device(mesh, plan, losses, state)
+    got = hlo_executed_collectives(text)
+    keep = tp_communication(plan, batch=BATCH, seq_len=SEQ, d_model=12, num_layers=2, regather=False)["total"]
+    again = tp_communication(plan, batch=BATCH, seq_len=SEQ, d_model=12, num_layers=2)["total"]
+    assert got["all-gather"] == keep["all-gather"] and got["reduce-scatter"] == keep["reduce-scatter"]
+    assert keep["all-gather"]["count"] < again["all-gather"]["count"]  # the blocks' re-gathers are gone
+    assert keep["all-gather"]["bytes"] == keep["reduce-scatter"]["bytes"]  # every buffer gathered once
 
 
 def _without_scalar_all_reduces(text: str) -> str:
