@@ -32,7 +32,7 @@ the same metrics (the loss and the gradient norm).
 On a CPU host the 8 devices share the cores: throughput measures the cost of
 the layout, not a speed-up; other processes on the host make it noisy.
 
-    python benchmarks/fsdp.py            # about 15 minutes on 2 loaded cores
+    python benchmarks/fsdp.py            # about 8 minutes on 2 idle cores (torch included)
     python benchmarks/fsdp.py --quick    # smoke run
 
 Writes benchmarks/results/fsdp.json and benchmarks/results/fsdp.png.

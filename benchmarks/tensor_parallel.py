@@ -32,7 +32,7 @@ and other processes on the host make it noisy.
   ``dp x fsdp``), 8 gloo CPU processes of one thread each; AdamW without gradient clipping (torch's
   ``clip_grad_norm_`` fails on parameters of a 1-D and a 2-D mesh together); at the batch of 32 only.
 
-    python benchmarks/tensor_parallel.py           # about 10 minutes on 2 cores
+    python benchmarks/tensor_parallel.py           # about 7 minutes on 2 idle cores (torch included)
     python benchmarks/tensor_parallel.py --quick   # smoke run
 
 Writes benchmarks/results/tensor_parallel.json and .png.
