@@ -139,9 +139,10 @@ def test_state_bytes_per_device(config):
     assert on_dev(state.params) == plan.bytes_per_device
     moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
     assert on_dev(moments) == 2 * plan.bytes_per_device  # AdamW's mu and nu follow their parameter
-    # total / N up to padding: at most one chunk row per parameter.
-    rows = sum(e.itemsize * int(np.prod(e.shape)) // max(e.shape[0], 1) for e in plan.entries)
-    assert plan.total_bytes / n <= plan.bytes_per_device <= plan.total_bytes / n + rows
+    # total / N up to padding: every parameter cut on dim 0 (the default) as torch.chunk cuts, from the params' shapes
+    params, _ = _data(config[0])
+    assert plan.bytes_per_device == sum(-(-x.shape[0] // n) * int(np.prod(x.shape[1:])) * x.dtype.itemsize
+                                        for x in jax.tree.leaves(params))
 
 
 def test_bad_inputs_are_clear_errors():
@@ -233,6 +234,16 @@ def _job_dp8():
     return dict(run(Config(mesh="dp=8", out=out, progress=False, **JOB)), out=out)
 
 
+def _job_state_bytes(state):
+    """(whole parameter bytes, one device's fsdp=8 chunk of them, optimizer scalar bytes) of a restored job
+    state: each parameter cut Shard(0) over 8 as torch.chunk cuts (ceil), the scalars (step counts) on every
+    device. Parameters and AdamW's two moments make the state bytes."""
+    params = jax.tree.leaves(state.params)
+    whole = sum(x.nbytes for x in params)
+    chunk = sum(-(-x.shape[0] // 8) * int(np.prod(x.shape[1:])) * x.dtype.itemsize for x in params)
+    return whole, chunk, sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if np.ndim(x) == 0)
+
+
 def test_training_job_fsdp_and_hsdp_match_dp_and_resume_across_layouts(tmp_path):
     """`--mesh fsdp=8` gives the per-step losses of `--mesh dp=8` (same seed); a run saved on fsdp=8
     resumes on dp=2,fsdp=4 and continues the dp=8 run's losses; metrics.json reports memory and collectives."""
@@ -250,24 +261,29 @@ def test_training_job_fsdp_and_hsdp_match_dp_and_resume_across_layouts(tmp_path)
     with open(tmp_path / "fsdp" / "metrics.json") as f:
         saved = json.load(f)
     mem, comm = saved["memory"], saved["collectives"]
-    assert mem["state_bytes_total"] == dp["memory"]["state_bytes_total"] == dp["memory"]["state_bytes_per_device"]
-    assert mem["state_bytes_total"] / 8 <= mem["state_bytes_per_device"] < mem["state_bytes_total"] / 4
-    # the MLP keeps every unit gathered (fsdp_keep): all parameters, f32, plus at most half again of chunk padding
-    n_params = saved["parameters"]
-    assert 4 * n_params <= mem["peak_gathered_bytes"] <= 6 * n_params and dp["memory"]["peak_gathered_bytes"] == 0
-    assert comm["all-gather"]["count"] == comm["reduce-scatter"]["count"] == 6  # kernel, bias of hidden_0/1, out
-    assert comm["all-reduce"]["bytes"] < 1024  # scalars only; dp=8 all-reduces every gradient byte:
-    assert dp["collectives"]["all-reduce"]["bytes"] * 4 > mem["state_bytes_total"] * 0.99 / 3
+    one = spmd.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    want, _ = restore_state(dp["out"], mesh=one)
+    params = jax.tree.leaves(want.params)
+    whole, chunk, scalars = _job_state_bytes(want)
+    assert whole == 4 * saved["parameters"] and len(params) == 6  # kernel and bias of hidden_0, hidden_1, out
+    assert mem["state_bytes_total"] == dp["memory"]["state_bytes_total"] == 3 * whole + scalars
+    assert dp["memory"]["state_bytes_per_device"] == 3 * whole + scalars
+    assert mem["state_bytes_per_device"] == 3 * chunk + scalars
+    # the MLP keeps every unit gathered (fsdp_keep): all 8 padded chunks of every parameter
+    assert mem["peak_gathered_bytes"] == 8 * chunk and dp["memory"]["peak_gathered_bytes"] == 0
+    assert comm["all-gather"] == comm["reduce-scatter"] == {"count": 6, "bytes": 8 * chunk}  # one per parameter
+    # fsdp=8 all-reduces scalars only (the clip's and the grad_norm metric's per-leaf sums, loss, accuracy);
+    # dp=8 all-reduces every gradient byte, with the loss and accuracy
+    assert comm["all-reduce"]["bytes"] == 4 * (2 * len(params) + 2)
+    assert dp["collectives"]["all-reduce"]["bytes"] == whole + 4 * 2
     # Resume the fsdp=8 run from step 2 on dp=2,fsdp=4.
     shutil.rmtree(tmp_path / "fsdp" / "checkpoints" / "4")
     hs = run(Config(mesh="dp=2,fsdp=4", out=str(tmp_path / "fsdp"), resume=True, **tiny))
     assert hs["resumed_from"] == 2 and hs["mesh"] == {"dp": 2, "fsdp": 4}
     np.testing.assert_allclose([h["loss"] for h in hs["history"]], losses, rtol=0, atol=1e-5)
     # The final (dp=2,fsdp=4) state restores whole on one device and on dp=8, bit for bit, close to the dp=8 run's.
-    one = spmd.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
     got, _ = restore_state(str(tmp_path / "fsdp"), mesh=one)
     again, _ = restore_state(str(tmp_path / "fsdp"))
-    want, _ = restore_state(dp["out"], mesh=one)
     for a, b, c in zip(jax.tree.leaves(got), jax.tree.leaves(again), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(a, c, rtol=0, atol=1e-5)
@@ -299,4 +315,8 @@ def test_training_job_fsdp_under_spmdrun_matches_dp(tmp_path):
     dp = _job_dp8()
     np.testing.assert_allclose([h["loss"] for h in summary["history"]], [h["loss"] for h in dp["history"]],
                                rtol=0, atol=1e-5)
-    assert summary["memory"]["state_bytes_per_device"] < dp["memory"]["state_bytes_per_device"] / 4
+    from models.train import restore_state
+
+    whole, chunk, scalars = _job_state_bytes(restore_state(dp["out"])[0])
+    assert summary["memory"]["state_bytes_per_device"] == 3 * chunk + scalars  # each process's devices hold chunks
+    assert dp["memory"]["state_bytes_per_device"] == 3 * whole + scalars
