@@ -51,21 +51,21 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 VOCAB, SEQ, D, LAYERS, HEADS, BATCH = 32, 16, 256, 4, 8, 32  # BATCH: benchmarks/fsdp.py's (fb.BATCH)
 BATCHES = (BATCH, 4 * BATCH)  # global batches: 4 sequences per data-parallel rank of dp=8, then 16
-# (label, kind, mesh shape, dim names, sequence parallel); "keep": the forward's fsdp gathers kept for the
-# backward pass (regather=False: GSPMD's memory trade), otherwise each block is gathered again
+# (label, kind, mesh shape, dim names, sequence parallel, regather): regather=False ("keep") holds the forward
+# pass's fsdp gathers for the backward pass (GSPMD's memory trade); otherwise each block is gathered again
 LAYOUTS = [
-    ("ours dp=8", "ours", (8,), ("dp",), False),
-    ("ours tp=8", "ours", (8,), ("tp",), False),
-    ("ours tp=8 sp", "ours", (8,), ("tp",), True),
-    ("ours dp=2,tp=4", "ours", (2, 4), ("dp", "tp"), False),
-    ("ours dp=2,tp=4 sp", "ours", (2, 4), ("dp", "tp"), True),
-    ("ours fsdp=2,tp=4 sp", "ours", (2, 4), ("fsdp", "tp"), True),
-    ("ours dp=2,fsdp=2,tp=2", "ours", (2, 2, 2), ("dp", "fsdp", "tp"), False),
-    ("ours dp=2,fsdp=2,tp=2 keep", "ours", (2, 2, 2), ("dp", "fsdp", "tp"), False),
-    ("gspmd tp=8", "gspmd", (8,), ("tp",), False),
-    ("gspmd dp=2,tp=4", "gspmd", (2, 4), ("dp", "tp"), False),
-    ("gspmd fsdp=2,tp=4", "gspmd", (2, 4), ("fsdp", "tp"), False),
-    ("gspmd dp=2,fsdp=2,tp=2", "gspmd", (2, 2, 2), ("dp", "fsdp", "tp"), False),
+    ("ours dp=8", "ours", (8,), ("dp",), False, True),
+    ("ours tp=8", "ours", (8,), ("tp",), False, True),
+    ("ours tp=8 sp", "ours", (8,), ("tp",), True, True),
+    ("ours dp=2,tp=4", "ours", (2, 4), ("dp", "tp"), False, True),
+    ("ours dp=2,tp=4 sp", "ours", (2, 4), ("dp", "tp"), True, True),
+    ("ours fsdp=2,tp=4 sp", "ours", (2, 4), ("fsdp", "tp"), True, True),
+    ("ours dp=2,fsdp=2,tp=2", "ours", (2, 2, 2), ("dp", "fsdp", "tp"), False, True),
+    ("ours dp=2,fsdp=2,tp=2 keep", "ours", (2, 2, 2), ("dp", "fsdp", "tp"), False, False),
+    ("gspmd tp=8", "gspmd", (8,), ("tp",), False, None),
+    ("gspmd dp=2,tp=4", "gspmd", (2, 4), ("dp", "tp"), False, None),
+    ("gspmd fsdp=2,tp=4", "gspmd", (2, 4), ("fsdp", "tp"), False, None),
+    ("gspmd dp=2,fsdp=2,tp=2", "gspmd", (2, 2, 2), ("dp", "fsdp", "tp"), False, None),
 ]
 
 # torch: parallelize_module on tp, fully_shard over the other dims (HSDP on dp x fsdp), gloo, 8 processes
@@ -346,8 +346,9 @@ def main(argv=None) -> int:
     for batch in BATCHES[:1] if a.quick else BATCHES:
         per_round = 1 if a.quick else max(1, 3 * BATCH // batch)
         run = results["runs"][f"batch {batch}"] = {"batch": batch, "steps_per_round": per_round, "layouts": {}}
-        preps = {label: prepare_ours(shape, names, sp, batch, regather=not label.endswith("keep")) if kind == "ours"
-                 else prepare_gspmd(shape, names, batch) for label, kind, shape, names, sp in LAYOUTS}  # all compiled first
+        preps = {label: prepare_ours(shape, names, sp, batch, regather) if kind == "ours"
+                 else prepare_gspmd(shape, names, batch)
+                 for label, kind, shape, names, sp, regather in LAYOUTS}  # all compiled first
         for prep in preps.values():  # warm-up round, not counted
             prep.round(per_round)
             prep.wall.clear()

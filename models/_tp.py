@@ -205,7 +205,7 @@ def tp_loss(model: Any, params: dict, batch: dict, ctx: TPContext, gather: Any =
         for p in blocks:
             x = _block(p, x, ctx)
     elif blocks:  # scanned: one block gathered at a time; keeping the gathers, unrolled (as models.Transformer:
-        # the loop would stack every block's gathered parameters as residuals: 1.1x the CPU per step on
+        # the loop would stack every block's gathered parameters as residuals: 1.15x the CPU per step on
         # dp=2,fsdp=2,tp=2 in benchmarks/tensor_parallel.py's interleaved A/B)
         x, _ = lax.scan(body, x, jax.tree.map(lambda *b: jnp.stack(b), *blocks), unroll=not gather.regather)
     x = _ln(root["ln_f"], x, ctx)
