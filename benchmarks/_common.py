@@ -119,15 +119,16 @@ def torch_gpt(vocab: int, seq: int, d: int, layers: int, heads: int):
     return GPT()
 
 
-def gspmd_twin(label: str) -> str:
-    """The GSPMD layout on the same mesh as one of ours: ``"ours fsdp=8 keep"`` -> ``"gspmd fsdp=8"``."""
-    return "gspmd " + label.split()[1]
-
-
-def paired_ratio(ours, ref) -> dict:
-    """Ours over ``ref`` in samples/s, round by round (both timed in the same interleaved rounds, at the same
-    batch): the median and the range of the per-round ratios, so a difference can be told from the noise."""
+def versus_gspmd(label: str, preps: dict) -> tuple[dict | None, str]:
+    """Our layout ``label`` over GSPMD's on the same mesh (``"ours fsdp=8 keep"`` -> ``"gspmd fsdp=8"``) in
+    samples/s, round by round (both timed in the same interleaved rounds, at the same batch): ``({"median",
+    "min", "max"} of the per-round ratios, printable text)``, so a difference can be told from the noise;
+    ``(None, "")`` for a layout without a GSPMD twin."""
     import statistics
 
-    ratios = [r / o for o, r in zip(ours.wall, ref.wall)]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    twin = preps.get("gspmd " + label.split()[1]) if label.startswith("ours") else None
+    if twin is None:
+        return None, ""
+    ratios = [r / o for o, r in zip(preps[label].wall, twin.wall)]
+    got = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return got, "  vs GSPMD {median:.2f}x [{min:.2f}-{max:.2f}]".format(**got)

@@ -45,8 +45,7 @@ import os
 import sys
 import time
 
-from _common import (benchmark_args, free_port, gspmd_twin, paired_ratio, run_torch_worker, save_figure, torch_gpt,
-                     torch_timed)
+from _common import benchmark_args, free_port, run_torch_worker, save_figure, torch_gpt, torch_timed, versus_gspmd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -271,7 +270,8 @@ def prepare_gspmd(size: str, batch: int, shape: tuple, names: tuple):
     data = NamedSharding(mesh, P(names))
     batches = [jax.device_put(b, data) for b in batches]
 
-    jitted = jax.jit(gspmd_step(model, opt), in_shardings=(shardings, data), out_shardings=(shardings, NamedSharding(mesh, P())))
+    jitted = jax.jit(gspmd_step(model, opt), in_shardings=(shardings, data),
+                     out_shardings=(shardings, NamedSharding(mesh, P())))
     prep = _Prepared(jitted, state, batches, batch)
     got = hlo_executed_collectives(prep.compiled.as_text())
     prep.extra = dict(state_bytes_per_device=_state_bytes(prep.state),
@@ -341,11 +341,9 @@ def main(argv=None) -> int:
         for label, prep in preps.items():
             r = entry[label] = {**prep.report(), **prep.extra}
             comm = ", ".join(f"{k} x{v['count']} {v['bytes'] / 2**20:.2f} MiB" for k, v in r["collectives"].items())
-            twin = preps.get(gspmd_twin(label)) if label.startswith("ours") else None
-            vs = ""
-            if twin is not None:
-                r["vs_gspmd"] = paired_ratio(prep, twin)
-                vs = "  vs GSPMD {median:.2f}x [{min:.2f}-{max:.2f}]".format(**r["vs_gspmd"])
+            ratio, vs = versus_gspmd(label, preps)
+            if ratio is not None:
+                r["vs_gspmd"] = ratio
             print(f"{name} {label:22s} {r['samples_per_s']:8.1f} samples/s (best {r['samples_per_s_best']:6.1f}){vs}  "
                   f"cpu {r['cpu_ms_per_step']:5.0f} ms/step  state {r['state_bytes_per_device'] / 2**20:6.2f} "
                   f"MiB/device  temp {(r['xla_temp_bytes'] or 0) / 2**20:6.1f} MiB  {comm}", flush=True)

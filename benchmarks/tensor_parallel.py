@@ -44,7 +44,7 @@ import json
 import os
 import sys
 
-from _common import benchmark_args, free_port, gspmd_twin, paired_ratio, run_torch_worker, save_figure
+from _common import benchmark_args, free_port, run_torch_worker, save_figure, versus_gspmd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -170,7 +170,8 @@ def prepare_gspmd(shape, names, batch=BATCH):
     batches = _on_devices(batches, mesh, names)
     data = batches[0]["inputs"].sharding
 
-    jitted = jax.jit(fb.gspmd_step(model, opt, accuracy=True), in_shardings=(shardings, data), out_shardings=(shardings, rep))
+    jitted = jax.jit(fb.gspmd_step(model, opt, accuracy=True), in_shardings=(shardings, data),
+                     out_shardings=(shardings, rep))
     prep = fb._Prepared(jitted, state, batches, batch)
     got = hlo_executed_collectives(prep.compiled.as_text())
     prep.extra = dict(state_bytes_per_device=fb._state_bytes(prep.state),
@@ -307,7 +308,7 @@ def _plot(results: dict, path: str) -> None:
     for row, run in zip(axes, runs):
         labels = list(run["layouts"])
         for ax, fn, title in ((row[0], lambda r: r["samples_per_s"], "samples/s (higher is better)"),
-                              (row[1], lambda r: r["cpu_ms_per_step"], "CPU ms per step, all threads (lower is better)"),
+                              (row[1], lambda r: r["cpu_ms_per_step"], "CPU ms/step, all threads (lower is better)"),
                               (row[2], lambda r: r["state_bytes_per_device"] / 2**20, "params + AdamW MiB per device"),
                               (row[3], comm, "MiB communicated per device per step (XLA HLO)")):
             ax.bar(range(len(labels)), [fn(run["layouts"][k]) for k in labels],
@@ -358,11 +359,9 @@ def main(argv=None) -> int:
                 prep.round(per_round)
         for label, prep in preps.items():
             r = run["layouts"][label] = {**prep.report(), **prep.extra}
-            twin = preps.get(gspmd_twin(label)) if label.startswith("ours") else None
-            vs = ""
-            if twin is not None:
-                r["vs_gspmd"] = paired_ratio(prep, twin)
-                vs = "  vs GSPMD {median:.2f}x [{min:.2f}-{max:.2f}]".format(**r["vs_gspmd"])
+            ratio, vs = versus_gspmd(label, preps)
+            if ratio is not None:
+                r["vs_gspmd"] = ratio
             bound = "  bound: " + _fmt(r["bound"]["total"]) if "bound" in r else ""
             print(f"batch {batch} {label:24s} {r['samples_per_s']:8.1f} samples/s{vs}  cpu {r['cpu_ms_per_step']:5.0f} "
                   f"ms/step  state {r['state_bytes_per_device'] / 2**20:6.2f} MiB/device  {_fmt(r['collectives'])}"
