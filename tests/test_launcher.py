@@ -484,3 +484,19 @@ def test_spawn_checks_its_input_before_starting_processes(kwargs, exc, says):
 
     with pytest.raises(exc, match=re.escape(says)):
         spmd.spawn(**kwargs)
+
+
+# --- back-to-back jobs on one fixed port (issue 21.7) ----------------------------------------------
+@pytest.mark.timeout(120)
+def test_back_to_back_jobs_on_one_fixed_port():
+    # The torch tutorials' way: MASTER_PORT fixed, one program right after another. The first job's connections
+    # to the port linger in TIME_WAIT; the coordinator's socket must set SO_REUSEADDR (as torch's store does) or
+    # the second job's rank 0 cannot bind and its peers wait out their timeout.
+    port = free_port()
+    for attempt in (1, 2):
+        rc, out, err, _ = spmdrun("--nproc-per-node", "2", "--master-port", str(port), "--stop-timeout", "2",
+                                  str(SCRIPTS / "fail.py"), "ok", timeout=50, env=clean_env(SPMD_TIMEOUT="15"))
+        assert rc == 0, f"job {attempt} on port {port}:\n{err[-3000:]}"
+        assert "already in use" not in err
+        assert sum("second all_reduce [2.0, 2.0, 2.0, 2.0]" in line for line in out.splitlines()) == 2, out
+        assert_gone(pids_in(out))

@@ -128,6 +128,10 @@ def serve(config: JobConfig, where: str) -> int:
     """Rank 0: open the door on MASTER_ADDR:MASTER_PORT; the coordination service's port."""
     addr, port = config.addr, config.port
     sock = socket.socket(_family(addr), socket.SOCK_STREAM)
+    # As torch's TCPStore: the previous job's connections to this port linger in TIME_WAIT for a minute after
+    # it ends; without SO_REUSEADDR the next job on the same MASTER_PORT could not bind it. (On Linux a port
+    # that a live process still listens on stays refused, so a second rank 0 is still caught below.)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((addr, port))
     except OSError as e:
