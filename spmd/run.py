@@ -11,7 +11,9 @@ once (their whole process groups), then SIGKILL after ``--stop-timeout``
 seconds; spmdrun prints which rank failed, its exit code and its last lines,
 and exits non-zero (after relaunching every rank up to ``--max-restarts``
 times). SIGINT / SIGTERM are forwarded to every rank the same way. Ranks die
-with spmdrun (``PR_SET_PDEATHSIG``), so none is left behind.
+with spmdrun (``PR_SET_PDEATHSIG``), so none is left behind. gloo's
+``[Gloo] Rank N is connected to M peer ranks`` lines are dropped unless
+``--verbose`` (or ``SPMD_VERBOSE=1``); a short-of-peers one is always shown.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import argparse
 import collections
 import ctypes
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -40,11 +44,23 @@ _JAX_VICTIM_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
 )
+# gloo prints one such line to stdout per communicator it connects (C++, unconditionally: no switch turns it
+# off); spmdrun drops the healthy ones (all expected peers connected) unless --verbose / SPMD_VERBOSE=1.
+_GLOO_CONNECTED = re.compile(rb"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                             rb"Expected number of connected peer ranks is : (\d+)\s*$")
+
+
+def _chatter(line: bytes) -> bool:
+    """Whether ``line`` is gloo's note that a communicator connected all its peers."""
+    m = _GLOO_CONNECTED.match(line)
+    return m is not None and m.group(1) == m.group(2)
+
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kw) -> None:
-    # torchrun accepts both --nproc-per-node and --nproc_per_node.
-    parser.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kw)
+    # torchrun accepts both --nproc-per-node and --nproc_per_node (a one-word name has no second spelling).
+    names = dict.fromkeys((f"--{name}", f"--{name.replace('-', '_')}"))
+    parser.add_argument(*names, **kw)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _flag(p, "job-id", default=None,
           help="the job's identity (SPMD_JOB_ID; torchrun's --rdzv-id): ranks of another job are refused. "
                "Default: a fresh id with one node; with --nnodes > 1 pass the same value on every node")
+    p.add_argument("-v", "--verbose", action="store_true", default=None,
+                   help="also pass on the ranks' runtime chatter (gloo's '[Gloo] Rank N is connected to M peer "
+                        "ranks' lines); SPMD_VERBOSE=1 does the same")
     p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     p.add_argument("--rdzv-id", "--rdzv_id", dest="job_id", help=argparse.SUPPRESS)
     p.add_argument("script", help="the script (or module with -m) to run on every rank")
@@ -85,6 +104,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stop-timeout must be positive")
     if not 0 < args.master_port < 65536:
         p.error("--master-port must be in 1..65535")
+    if not args.standalone:
+        try:
+            socket.getaddrinfo(args.master_addr, args.master_port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            p.error(f"--master-addr={args.master_addr!r} does not resolve to an address ({e}); give rank 0's host "
+                    "name or IP address (or --standalone on one machine)")
+    if args.verbose is None:
+        args.verbose = os.environ.get("SPMD_VERBOSE", "").strip().lower() not in ("", "0", "false", "no", "off")
     return args
 
 
@@ -98,8 +125,10 @@ def _die_with_parent() -> None:
 
 
 class _Rank:
-    def __init__(self, rank: int, local_rank: int, cmd: list[str], env: dict, prefix: bool, lock: threading.Lock):
+    def __init__(self, rank: int, local_rank: int, cmd: list[str], env: dict, prefix: bool, lock: threading.Lock,
+                 verbose: bool = False):
         self.rank = rank
+        self.verbose = verbose
         self.local_rank = local_rank
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
         self.err_tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
@@ -132,6 +161,8 @@ class _Rank:
     def _pump(self, src, dst, tag: bytes, is_err: bool) -> None:
         out = getattr(dst, "buffer", None)
         for line in iter(src.readline, b""):
+            if not self.verbose and _chatter(line):
+                continue
             text = line.decode(errors="replace").rstrip("\n")
             self.tail.append(text)
             if is_err:
@@ -229,7 +260,8 @@ def _run_once(args, port: int, restart: int, received: list[int]) -> tuple[int, 
         )
         if args.devices_per_proc is not None:
             env["SPMD_DEVICES_PER_PROC"] = str(args.devices_per_proc)
-        ranks.append(_Rank(rank, local, base + [args.script, *args.script_args], env, not args.no_prefix, lock))
+        ranks.append(_Rank(rank, local, base + [args.script, *args.script_args], env, not args.no_prefix, lock,
+                           args.verbose))
 
     def stop_all() -> float:
         t0 = time.monotonic()

@@ -332,10 +332,70 @@ def test_parse_args_checks_its_input(capsys):
     assert (a.nproc_per_node, a.standalone, a.script, a.script_args) == (4, True, "train.py", ["--lr", "0.1"])
     for bad, says in ((["--nproc-per-node", "0", "x.py"], "--nproc-per-node=0 must be >= 1"),
                       (["--nnodes", "2", "--node-rank", "2", "x.py"], "--node-rank=2 must be in [0, 1]"),
-                      (["--standalone", "--nnodes", "2", "x.py"], "--standalone runs on one node")):
+                      (["--standalone", "--nnodes", "2", "x.py"], "--standalone runs on one node"),
+                      # the cause is the host name, not the port (issue 21.8)
+                      (["--master-addr", "no.such.host.invalid", "x.py"],
+                       "--master-addr='no.such.host.invalid' does not resolve to an address (")):
         with pytest.raises(SystemExit):
             parse_args(bad)
         assert says in capsys.readouterr().err
+
+
+def test_help_shows_each_flag_spelling_once(capsys):
+    from spmd.run import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "--nnodes NNODES, --nnodes NNODES" not in out and "--nnodes NNODES " in out
+    assert "--nproc-per-node NPROC_PER_NODE, --nproc_per_node NPROC_PER_NODE" in out  # torchrun's two spellings
+    assert not re.search(r"(--[\w-]+ [A-Z_]+), \1\b", out), out
+
+
+@pytest.mark.timeout(60)
+def test_unresolvable_master_addr_is_named_by_every_rank():
+    # Started by hand (no spmdrun to check it first): each rank says the name does not resolve, at once.
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "fail.py"), "ok"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=clean_env(MASTER_ADDR="no.such.host.invalid", MASTER_PORT=str(free_port()),
+                                            RANK=str(r), WORLD_SIZE="2", SPMD_TIMEOUT="20"))
+             for r in (0, 1)]
+    try:
+        done = [p.communicate(timeout=50) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, (_, err)) in enumerate(zip(procs, done)):
+        assert p.returncode == 1, err[-2000:]
+        assert (f"ValueError: init_process_group: rank {r} cannot use MASTER_ADDR='no.such.host.invalid': the host "
+                "name does not resolve to an address (") in err, err[-2000:]
+        assert "already in use" not in err and "within 20 s" not in err
+
+
+# --- quiet by default (issue 21.6) -----------------------------------------------------------------
+def test_gloo_connection_lines_are_recognised():
+    from spmd.run import _chatter
+
+    assert _chatter(b"[Gloo] Rank 5 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n")
+    # a communicator short of peers is news, and is passed on
+    assert not _chatter(b"[Gloo] Rank 5 is connected to 6 peer ranks. Expected number of connected peer ranks is : 7\n")
+    assert not _chatter(b"[Gloo] something else\n")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["default", "--verbose", "SPMD_VERBOSE=1"])
+def test_gloo_connection_lines_only_when_asked(how):
+    flags = ["--verbose"] if how == "--verbose" else []
+    env = clean_env(SPMD_VERBOSE="1") if how == "SPMD_VERBOSE=1" else clean_env()
+    rc, out, err, _ = spmdrun("--standalone", "--nproc-per-node", "2", *flags, str(SCRIPTS / "fail.py"), "ok",
+                              timeout=60, env=env)
+    assert rc == 0, err[-3000:]
+    assert sum("second all_reduce" in line for line in out.splitlines()) == 2
+    gloo = [line for line in (out + err).splitlines() if "[Gloo]" in line]
+    if how == "default":
+        assert gloo == []
+    else:  # the same run prints them (so the default's silence is the filter's doing)
+        assert gloo and all("is connected to 1 peer ranks" in line for line in gloo), gloo
 
 
 # --- collectives that would hang or disagree (issue 10.3, 10.4, 10.9) ------------------------------

@@ -143,7 +143,16 @@ def serve(config: JobConfig, where: str) -> int:
     return coordinator_port
 
 
+def _unresolved(config: JobConfig, e: OSError, where: str) -> ValueError:
+    return ValueError(
+        f"{where}: rank {config.rank} cannot use MASTER_ADDR={config.addr!r}: the host name does not resolve to an "
+        f"address ({e}); set MASTER_ADDR (spmdrun --master-addr) to rank 0's host name or IP address."
+    )
+
+
 def _bind_error(config: JobConfig, e: OSError, where: str) -> Exception:
+    if isinstance(e, socket.gaierror):  # before the port: no address, so the port was never tried
+        return _unresolved(config, e, where)
     if e.errno == errno.EADDRNOTAVAIL:
         return ValueError(
             f"{where}: rank 0 cannot listen on MASTER_ADDR={config.addr!r}: it is not an address of this machine "
@@ -179,6 +188,10 @@ def knock(config: JobConfig, deadline: float, where: str) -> int:
         left = deadline - time.monotonic()
         try:
             reply = _knock_once(config, job, max(0.5, left))
+        except socket.gaierror as e:
+            if e.errno != socket.EAI_AGAIN:  # a name that does not exist will not start to: say so now
+                raise _unresolved(config, e, where) from None
+            last = e
         except OSError as e:
             last = e
         else:
