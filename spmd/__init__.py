@@ -52,3 +52,19 @@ __all__ = [
     "collectives",
     "spawn",
 ]
+
+# Subpackages that load on first use (PEP 562), so ``import spmd`` then ``spmd.ops.exp(x)`` works as
+# ``import torch`` then ``torch.distributed...`` does, and ``import spmd`` costs no more than before.
+_LAZY_SUBMODULES = ("ops", "distributed", "parallel", "testing")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"spmd.{name}")  # the import also sets spmd.<name>
+    raise AttributeError(f"module 'spmd' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
