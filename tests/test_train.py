@@ -34,6 +34,10 @@ def _check_accuracies(summary, tokens_per_example):
     sequences than the all-right tokens allow."""
     final, examples = summary["final"], summary["eval_examples"]
     tokens = examples * tokens_per_example
+    if "eval_sequence_accuracy" not in final:  # a text run: no sequences to count (issue 21.4)
+        right_tokens = final["eval_token_accuracy"] * tokens
+        assert right_tokens == int(right_tokens) and right_tokens <= tokens, final
+        return
     right_tokens, right_seqs = final["eval_token_accuracy"] * tokens, final["eval_sequence_accuracy"] * examples
     assert right_tokens == int(right_tokens) and right_seqs == int(right_seqs), final
     assert right_seqs * tokens_per_example <= right_tokens <= tokens, final
@@ -47,7 +51,13 @@ def test_job_as_a_module_sets_8_cpu_devices_itself(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "models.train", *TINY_T, "--out", out], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "samples_s=" in proc.stderr and "loss=" in proc.stderr and "acc=" in proc.stderr  # the tqdm bar
+    assert "samples_s=" in proc.stderr and "loss=" in proc.stderr and "acc=" in proc.stderr  # the progress
+    # stderr is a pipe here: whole progress lines, none glued to the header (issue 21.6)
+    assert "\r" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    header = [line for line in lines if "state bytes per device" in line]
+    assert len(header) == 1 and header[0].startswith("models.train: transformer ("), proc.stderr
+    assert any(line.startswith("models.train: step 3/3 loss=") for line in lines), proc.stderr
     assert "held-out token accuracy" in proc.stderr
     summary = _outputs(out)
     assert summary["devices"] == 8 and summary["mesh"] == {"dp": 8}
@@ -71,12 +81,16 @@ def test_job_options(tmp_path, extra):
     assert abs(summary["history"][0]["loss"] - math.log(10)) < 0.5, summary["history"]
 
 
-def test_job_on_a_text_file(tmp_path):
+def test_job_on_a_text_file(tmp_path, capsys):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
     out = str(tmp_path / "lm")
     assert main([*TINY_T, "--text", str(text), "--context", "8", "--out", out, "--no-progress"]) == 0
+    # every context window of a text is one "sequence": its share right means nothing, and is not printed
+    err = capsys.readouterr().err
+    assert "held-out token accuracy" in err and "sequence accuracy" not in err, err
     summary = _outputs(out)
+    assert "eval_sequence_accuracy" not in summary["final"]
     assert summary["task"] == "text corpus.txt" and len(summary["history"]) == 3
     _check_accuracies(summary, tokens_per_example=8)  # next-byte accuracy on the held-out tenth
 
@@ -348,3 +362,83 @@ def test_out_of_device_memory_during_the_run_is_a_clear_error(tmp_path, monkeypa
     monkeypatch.setattr(job, "train_loop", other)
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
         run(parse_args([*TINY_M, "--out", out, "--no-progress"]))
+
+
+# --- the command line a newcomer types (issue 21.4, 21.6) ------------------------------------------
+def _stop_at(k):
+    def hook(step, state):
+        if step == k:
+            raise KeyboardInterrupt
+
+    return hook
+
+
+def test_resume_takes_the_runs_flags_and_reports_this_invocation(tmp_path, capsys):
+    """--resume with no other flag continues the run as it was started (its model, sizes and steps come from
+    the checkpoint), says where it resumed, and reports the steps it ran itself with a measured throughput."""
+    out = str(tmp_path / "run")
+    flags = [*TINY_M, "--steps", "8", "--seed", "3", "--out", out, "--no-progress"]
+    with pytest.raises(KeyboardInterrupt):
+        run(parse_args(flags), on_step=_stop_at(2))
+    capsys.readouterr()
+    assert main(["--resume", "--out", out, "--no-progress", "--log-every", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"models.train: resumed from step 2 (of 8) in {os.path.join(out, 'checkpoints')!r}" in err, err
+    last = err.strip().splitlines()[-1]
+    assert re.match(r"models\.train: 6 steps \(steps 3-8\) in \d+\.\d s \([\d,]+ samples/s\); train loss ", last), last
+    assert "nan" not in err
+    summary = _outputs(out)
+    assert summary["steps_run"] == 6 and summary["resumed_from"] == 2 and summary["steps"] == 8
+    assert (summary["config"]["model"], summary["config"]["hidden"], summary["config"]["seed"]) == ("mlp", 16, 3)
+    assert [h["step"] for h in summary["history"]] == list(range(1, 9))
+
+
+def test_resume_refuses_a_flag_given_with_another_value(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main([*TINY_M, "--out", out, "--no-progress"]) == 0
+    capsys.readouterr()
+    # the same value again is fine (and a finished run has nothing to do); another names both values
+    assert main(["--resume", "--out", out, "--no-progress", "--model", "mlp", "--steps", "3"]) == 0
+    assert main(["--resume", "--out", out, "--no-progress", "--steps", "6", "--hidden", "16"]) == 2
+    assert (f"models.train: --resume continues the run in {os.path.join(out, 'checkpoints')!r} with its saved "
+            "flags, but the command line gives --steps 6 where the run was saved with --steps 3; leave --steps out "
+            "to continue that run, or start a new run in another --out.") in capsys.readouterr().err
+
+
+def test_resume_of_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main([*TINY_M, "--out", out, "--no-progress"]) == 0
+    before = _outputs(out)
+    capsys.readouterr()
+    assert main(["--resume", "--out", out]) == 0
+    err = capsys.readouterr().err
+    assert (f"models.train: the run in {out!r} is finished (step 3 of --steps 3); nothing to do. Its results are in "
+            "metrics.json and loss.png there") in err, err
+    assert "nan" not in err and "samples/s" not in err and "resumed from" not in err
+    assert _outputs(out) == before  # left as the run wrote them
+
+
+def test_help_names_every_parallelism(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Data-parallel training" not in text
+    assert "data parallel (dp: DDP), fully sharded (fsdp: FSDP / ZeRO-3) and tensor parallel (tp: Megatron" in text
+
+
+def test_progress_without_a_terminal_is_whole_lines():
+    import io
+
+    from models.train._loop import LineProgress, progress_bar
+
+    stream = io.StringIO()
+    bar = progress_bar(total=100, initial=40, desc="mlp dp=8", stream=stream)
+    assert isinstance(bar, LineProgress)  # a StringIO is not a terminal
+    for step in range(41, 101):
+        bar.set_postfix(loss=f"{1 / step:.4f}", refresh=False)
+        bar.update(1)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue() and stream.getvalue().endswith("\n")
+    assert lines[0] == "models.train: step 46/100 loss=0.0217" and lines[-1] == "models.train: step 100/100 loss=0.0100"
+    assert len(lines) == 10

@@ -1,9 +1,10 @@
-"""The training job: data-parallel training of a flax model on all visible devices.
+"""The training job: a flax model trained on all visible devices, data parallel (dp), fully sharded (fsdp) and
+tensor parallel (tp), as ``--mesh`` says.
 
     python -m models.train                       # transformer sorting digits, 8 CPU fake devices
     python -m models.train --model mlp --steps 300
     python -m models.train --text README.md --steps 200 --out runs/text
-    python -m models.train --resume              # continue runs/default from its last checkpoint
+    python -m models.train --resume              # continue runs/default from its last checkpoint, its flags
 
 With no ``XLA_FLAGS`` set (and no multi-process launcher), the command line
 asks JAX for 8 CPU fake devices before JAX starts. Under ``spmdrun``
@@ -13,6 +14,11 @@ same program and process 0 writes the progress bar, the plot and the metrics.
 Outputs under ``--out`` (default ``runs/default``): ``checkpoints/<step>/``
 (orbax, with checksums), ``metrics.json`` (config, per-step history, final
 evaluation, timing) and ``loss.png``; ``.lock`` while a run holds the folder.
+
+``--resume`` takes the run's flags from its checkpoint (a flag given again must have the saved value; the
+mesh, ``--save-every`` and ``--log-every`` may change), says the step it resumed from, and reports the steps it
+ran itself; a finished run has nothing to do. Without a terminal (a pipe, a log, ``spmdrun``) the progress
+bar is whole lines.
 
 The parts: ``_config`` (the frozen ``Config``, its checks, the mesh spec; no
 JAX), ``_programs`` (mesh, task, model, loss, optimizer, batch layout, the

@@ -15,7 +15,7 @@ import sys
 from models._data import DigitTask
 from models.train._config import MESH_DIMS, MODELS, Config
 
-__all__ = ["parse_args", "main", "default_cpu_devices"]
+__all__ = ["parse_args", "main", "default_cpu_devices", "summary_line"]
 
 CPU_DEVICES = 8
 
@@ -37,8 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     d = Config()
     p = argparse.ArgumentParser(
         prog="python -m models.train",
-        description="Data-parallel training (DDP on JAX): every device holds the parameters, the batch is split "
-                    "over the data-parallel mesh dims, gradients are averaged.",
+        description="Train a flax model on a device mesh: data parallel (dp: DDP), fully sharded (fsdp: FSDP / "
+                    "ZeRO-3) and tensor parallel (tp: Megatron, optionally sequence parallel), alone or combined "
+                    "(e.g. --mesh dp=2,fsdp=2,tp=2). --resume continues a run with its saved flags.",
     )
     p.add_argument("--mesh", default=None, help=f"the mesh, e.g. dp=8; dims: {', '.join(MESH_DIMS)} (default: every "
                                                "visible device on dp)")
@@ -50,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default=None, metavar="FILE", help="byte-level language model on this text file "
                                                                  "(default: the built-in digit task)")
     p.add_argument("--out", default=d.out, metavar="DIR", help=f"outputs and checkpoints (default {d.out})")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its last checkpoint, with the flags it was started with (a "
+                        "flag given again must have the same value)")
     p.add_argument("--overwrite", action="store_true", help="replace the run (checkpoints, outputs) in --out")
     p.add_argument("--save-every", type=int, default=d.save_every, help=f"checkpoint every K steps (default {d.save_every})")
     p.add_argument("--seed", type=int, default=d.seed, help="parameter init and data order, in [0, 2**63) (default 0)")
@@ -82,13 +85,45 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> Config:
     """The ``Config`` of a command line (argparse exits with its usage message on a malformed one)."""
+    return _parse(argv)[0]
+
+
+def _parse(argv: list[str] | None) -> tuple[Config, frozenset[str]]:
+    """The ``Config`` and the names of the fields the command line gave (``--resume`` takes the others from the
+    run's checkpoint)."""
     a = _parser().parse_args(argv)
-    return Config(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Config) if hasattr(a, f.name)})
+    given = _parser()
+    for action in given._actions:
+        action.default = argparse.SUPPRESS  # a second parse that keeps only what was typed
+    typed = vars(given.parse_args(argv))
+    names = [f.name for f in dataclasses.fields(Config) if hasattr(a, f.name)]
+    return Config(**{n: getattr(a, n) for n in names}), frozenset(n for n in names if n in typed)
+
+
+def summary_line(summary: dict, out: str) -> str:
+    """The job's last line: what this invocation ran (not the run's total), its throughput when measured, and
+    the held-out metrics the task has."""
+    f, n = summary["final"], summary.get("steps_run", summary["steps"])
+    if n:
+        rate = summary["samples_per_s"]
+        done = (f"{n} step{'s' if n != 1 else ''}" + (f" (steps {summary['resumed_from'] + 1}-{summary['steps']})"
+                                if summary.get("resumed_from") else "")
+                + f" in {summary['wall_time_s']:.1f} s" + (f" ({rate:,.0f} samples/s)" if rate else ""))
+    else:
+        done = f"nothing to train (the run is finished at step {summary['steps']})"
+    parts = []
+    if f.get("train_loss") is not None:
+        parts.append(f"train loss {f['train_loss']:.4f}")
+    if f.get("eval_token_accuracy") is not None:
+        parts.append(f"held-out token accuracy {f['eval_token_accuracy']:.4f}")
+    if f.get("eval_sequence_accuracy") is not None:
+        parts.append(f"sequence accuracy {f['eval_sequence_accuracy']:.4f}")
+    return f"models.train: {done}; " + ", ".join(parts) + f"; outputs in {os.path.abspath(out)}"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the job from the command line; the exit code (0, 2 for a refused input, 130 on Ctrl-C)."""
-    cfg = parse_args(argv)
+    cfg, given = _parse(argv)
     default_cpu_devices()
     # JAX and the job load only here, after default_cpu_devices() had its chance to set XLA_FLAGS.
     import jax
@@ -98,21 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     from models.train._run import run
 
     try:
-        summary = run(cfg)
+        summary = run(cfg, given=given)
     except (ValueError, TypeError, FileNotFoundError, CheckpointError, RunLockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    if jax.process_index() == 0:
-        f = summary["final"]
-        acc = f.get("eval_sequence_accuracy")
-        print(
-            f"models.train: {summary['steps']} steps in {summary['wall_time_s']:.1f} s "
-            f"({summary['samples_per_s'] or float('nan'):,.0f} samples/s); train loss {f['train_loss']:.4f}, "
-            f"held-out token accuracy {f['eval_token_accuracy']:.4f}"
-            + (f", sequence accuracy {acc:.4f}" if acc is not None else "")
-            + f"; outputs in {os.path.abspath(cfg.out)}",
-            file=sys.stderr,
-        )
+    if jax.process_index() == 0 and not summary.get("nothing_to_do"):
+        print(summary_line(summary, cfg.out), file=sys.stderr)
     return 0

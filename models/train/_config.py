@@ -21,7 +21,7 @@ from typing import Any
 from models._data import DigitTask
 
 __all__ = ["Config", "MODELS", "MESH_DIMS", "DATA_DIMS", "STATE_DIMS", "check_config", "parse_mesh", "run_config",
-           "check_resume_config"]
+           "check_resume_config", "resume_config"]
 
 MODELS = ("transformer", "mlp")
 # The mesh dims the job knows (name -> what it does), in mesh order.
@@ -191,3 +191,20 @@ def check_resume_config(saved: dict, cfg: Config, where: str) -> None:
             f"models.train: --resume from {where!r} with a different run config ({listed}); resume with the "
             "saved values, or start a new run in another --out."
         )
+
+
+def resume_config(saved: dict, cfg: Config, given: frozenset[str] | set[str], where: str) -> Config:
+    """The config of a ``--resume`` from the command line: the run's saved values for the flags left out, the
+    command line's for the rest (``--mesh``, ``--save-every``, ... need not match); a flag ``given`` whose value
+    differs from the saved one is refused, naming both. A key the save lacks takes its default."""
+    defaults = run_config(Config())
+    was = {k: saved.get(k, defaults[k]) for k in _RUN_KEYS}
+    diff = {k: (was[k], getattr(cfg, k)) for k in _RUN_KEYS if k in given and was[k] != getattr(cfg, k)}
+    if diff:
+        listed = ", ".join(f"{_flag(k)} {b!r} where the run was saved with {_flag(k)} {a!r}" for k, (a, b) in diff.items())
+        raise ValueError(
+            f"models.train: --resume continues the run in {where!r} with its saved flags, but the command line gives "
+            f"{listed}; leave {' and '.join(_flag(k) for k in diff)} out to continue that run, or start a new run "
+            "in another --out."
+        )
+    return dataclasses.replace(cfg, **{k: was[k] for k in _RUN_KEYS if k not in given})

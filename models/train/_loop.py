@@ -6,6 +6,7 @@ steps, before a save and at the end), so the loop does not wait on the devices a
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any, Callable
@@ -14,7 +15,43 @@ import jax
 
 from models._checkpoint import Checkpointer
 
-__all__ = ["MetricLog", "train_loop"]
+__all__ = ["MetricLog", "train_loop", "progress_bar", "LineProgress"]
+
+
+class LineProgress:
+    """The progress bar where stderr is not a terminal (a pipe, a log file, ``spmdrun``): whole lines, about
+    ``lines`` of them over the run, instead of a bar redrawn with ``\\r`` that other lines would be glued to.
+    Takes the calls the loop makes on a tqdm bar (``update``, ``set_postfix``, ``close``)."""
+
+    def __init__(self, *, total: int, initial: int = 0, stream: Any = None, lines: int = 10):
+        self.total, self.n, self.stream = total, initial, stream
+        self._every = max(1, -(-(total - initial) // lines))
+        self._first = initial
+        self._postfix: dict = {}
+
+    def set_postfix(self, refresh: bool = False, **values: Any) -> None:
+        self._postfix = values
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if (self.n - self._first) % self._every == 0 or self.n >= self.total:
+            shown = " ".join(f"{k}={v}" for k, v in self._postfix.items())
+            print(f"models.train: step {self.n}/{self.total} {shown}".rstrip(), file=self.stream or sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(*, total: int, initial: int, desc: str, stream: Any = None) -> Any:
+    """A tqdm bar on a terminal, else a ``LineProgress``."""
+    stream = stream or sys.stderr
+    isatty = getattr(stream, "isatty", None)
+    if isatty is not None and isatty():
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, initial=initial, unit="step", desc=desc, dynamic_ncols=True, file=stream)
+    return LineProgress(total=total, initial=initial, stream=stream)
 
 
 class MetricLog:
@@ -56,8 +93,8 @@ class MetricLog:
         self._pending.clear()
         if self.bar is not None:
             last = self.history[-1]
-            self.bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['accuracy']:.3f}",
-                                 samples_s=f"{self.last_samples_per_s:,.0f}", refresh=False)
+            rate = {} if math.isnan(self.last_samples_per_s) else {"samples_s": f"{self.last_samples_per_s:,.0f}"}
+            self.bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['accuracy']:.3f}", **rate, refresh=False)
 
     @property
     def samples_per_s(self) -> float | None:

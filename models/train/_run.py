@@ -9,10 +9,11 @@ Order of a run: check the config (no device, no file written) -> join the proces
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
-from typing import Callable
+from typing import Callable, Collection
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,8 @@ import numpy as np
 from models._checkpoint import Checkpointer, CheckpointError, abstract_like
 from models._ddp import TrainState
 from models._fsdp_run import collectives_report, layout_meta, logical_params, memory_report, restore_job_state
-from models.train._config import Config, check_config, check_resume_config, run_config
-from models.train._loop import MetricLog, report, train_loop
+from models.train._config import Config, check_config, check_resume_config, resume_config, run_config
+from models.train._loop import MetricLog, progress_bar, report, train_loop
 from models.train._outdir import OutFolder, RunLock, write_outputs
 from models.train._programs import (build_mesh, check_fits, data_dims, device_memory, layout, make_task, place_batch,
                                     programs, task_dims)
@@ -64,16 +65,38 @@ def _check_batch_sizes(cfg: Config, mesh: DeviceMesh) -> tuple[int, int]:
     return n_data, cfg.eval_size
 
 
-def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None) -> dict:
+def _saved_run_config(cfg: Config, given: Collection[str]) -> Config:
+    """``--resume`` from the command line: the flags not ``given`` come from the run's latest checkpoint."""
+    folder = OutFolder.read(cfg.out)
+    if not folder.steps:
+        return cfg  # nothing to read: OutFolder.check says why there is nothing to resume
+    checkpointer = Checkpointer(folder.checkpoints)
+    try:
+        saved = checkpointer.restore_meta().get("config", {})
+    finally:
+        checkpointer.close()
+    resumed = resume_config(saved, cfg, frozenset(given), folder.checkpoints)
+    check_config(resumed)
+    return resumed
+
+
+def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None,
+        given: Collection[str] | None = None) -> dict:
     """Train as ``cfg`` says; returns the summary also written to ``metrics.json``.
 
     ``on_step(step, state)`` is called after each step (a hook for tests and
     tools). A ``KeyboardInterrupt`` (Ctrl-C, or raised by the hook) saves a
     checkpoint of the last finished step before it propagates, so ``--resume``
     continues exactly where the run stopped.
+
+    ``given``: with ``cfg.resume``, the names of the fields the user set (the command line's flags); the
+    run's other settings come from its checkpoint, and a given one that differs from it is refused. None
+    (the default): every field of ``cfg`` is the user's, and must match the saved run.
     """
     check_config(cfg)
     _maybe_init_distributed()
+    if cfg.resume and given is not None:
+        cfg = _saved_run_config(cfg, given)
     mesh = build_mesh(cfg.mesh)
     n_data, eval_size = _check_batch_sizes(cfg, mesh)
     check_fits(cfg, mesh, device_memory(mesh))
@@ -120,21 +143,27 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
             state, meta = restore_job_state(checkpointer, state, progs.plan, mesh, progs.optimizer, progs.model)
             history = list(meta.get("history", []))
         start = int(jax.device_get(state.step))
+        if cfg.resume and start >= cfg.steps:
+            report(f"models.train: the run in {folder.out!r} is finished (step {start} of --steps {cfg.steps}); "
+                   "nothing to do. Its results are in metrics.json and loss.png there; to train more, start a new "
+                   "run (another --out, or --overwrite).", lead)
+            done = _finished_summary(folder.out, start)
+            if done is not None:
+                return done
+        elif cfg.resume:
+            report(f"models.train: resumed from step {start} (of {cfg.steps}) in {folder.checkpoints!r}", lead)
         n_params = (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params)) if progs.plan is None
                     else sum(int(np.prod(e.shape)) for e in progs.plan.entries))  # a sharded state is padded
         memory = memory_report(state, progs.plan)
-        bar = None
-        if cfg.progress and lead:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=cfg.steps, initial=start, unit="step",
-                       desc=f"{cfg.model} {mesh_text} {memory['state_bytes_per_device'] / 2**20:.2f}MiB/device",
-                       dynamic_ncols=True)
-        if start == 0:
+        if start == 0:  # before the bar starts: a line written under a live bar is glued to it
             report(f"models.train: {cfg.model} ({n_params:,} parameters) on {task.name}, mesh {mesh_text} "
                    f"({jax.device_count()} {jax.devices()[0].platform} device(s), {jax.process_count()} "
                    f"process(es)), batch {cfg.batch_size}, {cfg.steps} steps, "
                    f"{memory['state_bytes_per_device']:,} state bytes per device", lead)
+        bar = None
+        if cfg.progress and lead and start < cfg.steps:
+            bar = progress_bar(total=cfg.steps, initial=start,
+                               desc=f"{cfg.model} {mesh_text} {memory['state_bytes_per_device'] / 2**20:.2f}MiB/device")
         log = MetricLog(start=start, batch_size=cfg.batch_size, history=history, bar=bar)
 
         def interrupted(step: int) -> None:
@@ -152,6 +181,8 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
         wall = time.perf_counter() - t_start
         eval_batch = place_batch(task.batch(cfg.seed, 0, eval_size, lay, stream=1), mesh, progs.batch_placements)
         evaluation = {k: float(v) for k, v in jax.device_get(progs.eval_step(logical_params(state.params, progs.plan, mesh), eval_batch)).items()}
+        if cfg.text is not None:  # every context window of a text is one "sequence": the share right means nothing
+            evaluation.pop("sequence_accuracy", None)
         collectives = collectives_report(progs.train_step, state, place_batch(
             task.batch(cfg.seed, 0, cfg.batch_size, lay), mesh, progs.batch_placements))
         checkpointer.wait()
@@ -167,6 +198,7 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
         "processes": jax.process_count(),
         "parameters": n_params,
         "steps": cfg.steps,
+        "steps_run": max(0, cfg.steps - start),  # by this invocation (a resume runs the rest)
         "resumed_from": start if cfg.resume else None,
         "wall_time_s": wall,
         "samples_per_s": log.samples_per_s,
@@ -182,6 +214,17 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
     if lead:
         write_outputs(cfg.out, summary, f"{cfg.model} on {task.name}, {mesh_text}, batch {cfg.batch_size}")
     return summary
+
+
+def _finished_summary(out: str, step: int) -> dict | None:
+    """What a resume of a finished run returns: the run's own ``metrics.json`` (None if it has none: then the
+    resume evaluates and writes it, running no step)."""
+    try:
+        with open(os.path.join(out, "metrics.json")) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return {**summary, "steps_run": 0, "resumed_from": step, "nothing_to_do": True}
 
 
 def restore_state(out: str, *, mesh: DeviceMesh | None = None, step: int | None = None) -> tuple[TrainState, dict]:
