@@ -33,7 +33,7 @@ def is_nccl_available() -> bool:
 
 
 def is_mpi_available() -> bool:
-    """Whether an MPI library is reachable through MPItrampoline (``MPITRAMPOLINE_LIB``)."""
+    """Whether mpi4py (and so an MPI library) is installed: ``pip install 'spmd[mpi]'``."""
     return _backend._has_mpi()
 
 
@@ -47,20 +47,25 @@ def is_torchelastic_launched() -> bool:
     return "SPMD_RESTART_COUNT" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")  # spmdrun/torchrun, MPICH, Open MPI
+
+
 def get_node_local_rank(fallback_rank: int | None = None) -> int:
-    """This process's rank on its node (``LOCAL_RANK``, which spmdrun sets), else ``fallback_rank``."""
-    raw = os.environ.get("LOCAL_RANK")
-    if raw is not None:
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"get_node_local_rank: the environment variable LOCAL_RANK={raw!r} must be an integer.") from None
+    """This process's rank on its node (``LOCAL_RANK``, which spmdrun sets; under mpiexec the MPI
+    launcher's ``MPI_LOCALRANKID`` / ``OMPI_COMM_WORLD_LOCAL_RANK``), else ``fallback_rank``."""
+    for var in _LOCAL_RANK_VARS:
+        raw = os.environ.get(var)
+        if raw is not None:
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"get_node_local_rank: the environment variable {var}={raw!r} must be an integer.") from None
     if fallback_rank is not None:
         if isinstance(fallback_rank, bool) or not isinstance(fallback_rank, int):
             raise TypeError(f"get_node_local_rank: fallback_rank={fallback_rank!r} must be an int.")
         return fallback_rank
     raise RuntimeError(
-        "get_node_local_rank: LOCAL_RANK is not in the environment; launch with spmdrun (which sets it) "
+        "get_node_local_rank: LOCAL_RANK is not in the environment; launch with spmdrun or mpiexec (which set it) "
         "or pass fallback_rank=."
     )
 

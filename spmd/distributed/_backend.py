@@ -4,19 +4,24 @@
 | ------------- | ------------ | ------------------------------------ |
 | ``nccl``      | ``cuda``     | NCCL (XLA's GPU collectives)         |
 | ``gloo``      | ``cpu``      | gloo over TCP (``jax_cpu_collectives_implementation='gloo'``) |
-| ``mpi``       | ``cpu``      | MPI through MPItrampoline (``MPITRAMPOLINE_LIB``) |
+| ``mpi``       | ``cpu``      | eager c10d calls over MPI (mpi4py); XLA's own over gloo |
 | ``ucc``       | none         | refused, with the alternatives named |
+
+``mpi`` is torch's MPI backend: rank and world size come from the MPI launch
+(``mpiexec -n N python script.py``), the eager collectives of
+``spmd.distributed`` on host buffers run as MPI calls through mpi4py (the
+``spmd[mpi]`` extra brings mpi4py and MPICH), and the collectives inside
+compiled programs (``@spmd``, DTensor) stay on gloo: see ``docs/mpi.md``.
 """
 
 from __future__ import annotations
 
-import ctypes.util
 import dataclasses
 import importlib.util
 import os
 from typing import Any
 
-__all__ = ["Backend", "BackendSpec", "resolve_backend"]
+__all__ = ["Backend", "BackendSpec", "resolve_backend", "mpi_launched"]
 
 
 class Backend(str):
@@ -69,9 +74,41 @@ def _platforms_env() -> str:
     return (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or "").lower()
 
 
+# What MPI launchers put in each process's environment (MPICH/Hydra and Intel MPI: PMI_*; Open MPI;
+# PMIx-based launchers, Slurm's srun --mpi=pmix included).
+_MPI_LAUNCH_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+
+
+def _has_mpi4py() -> bool:
+    try:
+        return importlib.util.find_spec("mpi4py") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _has_mpi() -> bool:
-    lib = os.environ.get("MPITRAMPOLINE_LIB")
-    return bool(lib) and os.path.exists(lib)
+    """mpi4py is installed (the ``spmd[mpi]`` extra)."""
+    return _has_mpi4py()
+
+
+def mpi_launched() -> bool:
+    """This process was started by an MPI launcher (``mpiexec``)."""
+    return any(v in os.environ for v in _MPI_LAUNCH_VARS)
+
+
+def _check_mpi(backend: Any, where: str) -> None:
+    if not _has_mpi4py():
+        raise RuntimeError(
+            f"{where}: backend={backend!r} needs mpi4py and an MPI library, which are not installed: "
+            "pip install 'spmd[mpi]' (mpi4py and MPICH, whose mpiexec launches the job), then run "
+            "mpiexec -n N python script.py. Use backend='gloo' for CPU collectives over TCP, which needs no MPI."
+        )
+    if not mpi_launched():
+        raise RuntimeError(
+            f"{where}: backend={backend!r} needs an MPI launch, and this process was not started by one "
+            f"(none of {', '.join(_MPI_LAUNCH_VARS)} is set): run the script as mpiexec -n N python script.py "
+            "(MPICH's mpiexec comes with pip install 'spmd[mpi]'). Use backend='gloo' under spmdrun otherwise."
+        )
 
 
 def resolve_backend(backend: Any, where: str = "init_process_group") -> BackendSpec:
@@ -98,19 +135,12 @@ def resolve_backend(backend: Any, where: str = "init_process_group") -> BackendS
             )
         return BackendSpec("nccl", "cuda", None)
     if name == "mpi":
-        if not _has_mpi():
-            found = ctypes.util.find_library("mpi")
-            hint = f" (an MPI library was found at {found!r}; build MPIwrapper against it)" if found else ""
-            raise RuntimeError(
-                f"{where}: backend={backend!r} needs an MPI library loaded through MPItrampoline: set "
-                f"MPITRAMPOLINE_LIB to the path of libmpiwrapper.so{hint}; none is set here. "
-                "Use backend='gloo' for CPU collectives over TCP, which needs no MPI."
-            )
-        return BackendSpec("mpi", "cpu", "mpi")
+        _check_mpi(backend, where)
+        return BackendSpec("mpi", "cpu", "gloo")  # eager calls over MPI; compiled programs' collectives on gloo
     if name == "ucc":
         raise RuntimeError(
             f"{where}: backend={backend!r} is not available: XLA has no UCC collectives. "
-            "Use backend='nccl' on NVIDIA GPUs, backend='gloo' on CPU, or backend='mpi' where an MPI library exists."
+            "Use backend='nccl' on NVIDIA GPUs, backend='gloo' on CPU, or backend='mpi' (pip install 'spmd[mpi]')."
         )
     raise ValueError(
         f"{where}: backend={backend!r} is unknown; use one of 'gloo' (CPU), 'nccl' (NVIDIA GPU), "

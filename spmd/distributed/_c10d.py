@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from placements import ReduceOp, as_reduce_op
+from spmd.distributed import _mpi_ops
 from spmd.distributed._groups import Group, members_only, peer_rank
 from spmd.distributed._run import as_array, run_on, stack, zeros
 from spmd.distributed._state import state
@@ -42,6 +43,9 @@ __all__ = [
 
 
 def _run(g: Group, name: str, where: str, x: jax.Array, into: Any = None, **kwargs) -> jax.Array:
+    st = state(where)
+    if st.backend.name == "mpi" and st.multiprocess:  # one MPI call (spmd/distributed/_mpi_ops.py)
+        return _mpi_ops.run_on(g.global_ranks(), name, x, where=where, into=into, **kwargs)
     return run_on(g.global_ranks(), name, x, where=where, into=into, **kwargs)
 
 

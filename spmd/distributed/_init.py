@@ -20,11 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from spmd.distributed._backend import resolve_backend
 from spmd.distributed._env import read_config
 from spmd.distributed._errors import install_excepthook
 from spmd.distributed import _groups
 from spmd.distributed._jaxconf import configure_multiprocess, configure_single_process
 from spmd.distributed._join import join
+from spmd.distributed import _mpi
 from spmd.distributed._state import State, current, set_state, state
 
 __all__ = ["init_process_group", "destroy_process_group"]
@@ -50,7 +52,8 @@ def init_process_group(
     on ``MASTER_PORT``; every rank calls ``jax.distributed.initialize``.
 
     ``backend``: ``"gloo"`` (CPU collectives over TCP), ``"nccl"`` (GPUs),
-    ``"mpi"`` (CPU over MPI, needs ``MPITRAMPOLINE_LIB``), or None to pick the one
+    ``"mpi"`` (under ``mpiexec``: rank and world size from MPI, eager calls over MPI;
+    ``pip install 'spmd[mpi]'``, see ``docs/mpi.md``), or None to pick the one
     this machine runs; ``"ucc"`` is refused. ``timeout`` (timedelta or seconds)
     bounds the wait for the other ranks; see the module notes for every bound.
     """
@@ -61,6 +64,10 @@ def init_process_group(
         )
     if store is not None:
         raise ValueError(f"{where}: store={store!r} is not supported; use init_method='env://' or 'tcp://host:port'.")
+    if resolve_backend(backend, where).name == "mpi":  # launched by mpiexec: rank and world size from MPI
+        set_state(_mpi.init(backend, init_method, timeout, world_size, rank, where))
+        install_excepthook()
+        return
     config = read_config(backend, init_method, timeout, world_size, rank, where)
     if config.world_size == 1:
         configure_single_process(config)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from spmd.distributed import _mpi_ops
 from spmd.distributed._groups import group_of, peer_of
 from spmd.distributed._run import as_array, run_on, zeros
 from spmd.distributed._state import state
@@ -69,23 +70,26 @@ def _p2p(send_: bool, tensor: Any, peer: Any, group: Any, group_peer: Any, where
     return _P2P(send_, p, x, tensor, Work(None, _flush))
 
 
-def _queue(op: _P2P | None) -> Work | None:
+def _queue(op: _P2P | None, tag: int = 0, where: str = "send/recv") -> Work | None:
     if op is None:
         return None
+    st = state(where)
+    if st.backend.name == "mpi" and st.multiprocess:  # started now: MPI_Isend / MPI_Irecv
+        return _mpi_ops.start_p2p(op.send, op.array, op.target, op.peer, tag, where)
     _PENDING.append(op)
     return op.work
 
 
 def isend(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None) -> Work | None:
     """Queue a send of ``tensor`` to ``dst``; runs at the first ``wait()`` (with every op queued)."""
-    return _queue(_p2p(True, tensor, dst, group, group_dst, "isend"))
+    return _queue(_p2p(True, tensor, dst, group, group_dst, "isend"), tag, "isend")
 
 
 def irecv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0, group_src: int | None = None) -> Work | None:
     """Queue a receive from ``src`` of an array shaped like ``tensor``; ``work.wait()`` then
     ``work.tensor`` (or ``work.result()[0]``) is what arrived (also written into ``tensor``
     when it is a writable NumPy array / CPU torch tensor)."""
-    return _queue(_p2p(False, tensor, src, group, group_src, "irecv"))
+    return _queue(_p2p(False, tensor, src, group, group_src, "irecv"), tag, "irecv")
 
 
 def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None) -> None:
@@ -129,4 +133,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
         raise TypeError(f"{where}: p2p_op_list={p2p_op_list!r} must be a list of dist.P2POp.")
     works = [p.op(p.tensor, p.peer, p.group, p.tag, **({"group_dst": p.group_peer} if p.op is isend else {"group_src": p.group_peer})) for p in p2p_op_list]
     _flush()
+    for w in works:  # MPI's requests (the XLA path's ran in _flush)
+        if w is not None:
+            w.wait()
     return works

@@ -65,7 +65,7 @@ NP_OPS = {
 
 # --- basics
 check("rank/world/backend", lambda: ([rank, world, dist.get_backend(), dist.is_initialized()],
-                                     [int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "gloo", True]))
+                                     [int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ.get("SPMD_TEST_BACKEND", "gloo"), True]))
 
 # --- all_reduce: every op, float and int; bool; premul_sum
 for op in ("sum", "avg", "product", "min", "max"):

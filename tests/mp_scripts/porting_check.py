@@ -159,7 +159,8 @@ else:
 
 # --- item 6: the names
 check("is_torchelastic_launched / get_node_local_rank", lambda: (
-    [dist.is_torchelastic_launched(), dist.get_node_local_rank()], [True, int(os.environ["LOCAL_RANK"])]))
+    [dist.is_torchelastic_launched(), dist.get_node_local_rank()],
+    [os.environ.get("SPMD_TEST_BACKEND", "gloo") != "mpi", int(os.environ.get("LOCAL_RANK", rank))]))  # mpiexec: not torchelastic
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0)
 if rank == 0:
     store.set("greeting", "hello from 0")

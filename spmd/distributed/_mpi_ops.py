@@ -1,0 +1,330 @@
+"""The eager collectives and point-to-point transfers of ``backend="mpi"``: one MPI call each.
+
+:func:`run_on` takes the same (ranks, collective, this rank's block, options)
+as the XLA path (:func:`spmd.distributed._run.run_on`) and gives the same
+result, with the same semantics as on gloo (``spmd/_reduce.py``):
+
+* the op is checked before any communication (:func:`spmd._reduce.check_op`:
+  the same TypeError / ValueError as on gloo, on the rank that made it);
+* AVG divides the sum by the group size (floats narrower than float32 are
+  pre-divided, as NCCL does), PREMUL_SUM multiplies before summing (in float32
+  at least, rounded once);
+* MAX / MIN of floats propagate NaN: the float's bits are mapped to integers
+  of the same width in float order, NaN beyond +-inf, and reduced as integers
+  (the same bytes, MPI's own integer MAX / MIN); bools reduce as torch's
+  (SUM -> or, PRODUCT -> and);
+* 64-bit dtypes are MPI's own (exact); float16 / bfloat16 sums run in float32
+  and round once; data movement (broadcast, gathers, scatter, all-to-all,
+  send / recv) moves bytes, bit for bit, for every dtype.
+
+A writable, C-contiguous NumPy array or CPU torch tensor of the result's shape
+and dtype (``into``) receives the result directly (``MPI_IN_PLACE`` for
+all_reduce / broadcast): no copy, as torch. Every call runs under
+:mod:`spmd.distributed._guard`, as on gloo: bounded by the timeout on every
+rank, checked across ranks on a group's first call and with
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from spmd import _debug
+from spmd._reduce import bool_op, check_op, kind
+from spmd._x64 import exact_array
+from spmd.distributed import _guard, _mpi
+from spmd.distributed._errors import PEER_EXIT_CODE, PeerError, absent_line, fail
+from spmd.distributed._state import state
+from spmd.distributed._work import Work, buffer_of, write_into
+
+__all__ = ["run_on", "start_p2p"]
+
+_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+# --- buffers --------------------------------------------------------------------------------------
+def _host(x: Any) -> np.ndarray:
+    """This rank's block as a C-contiguous NumPy array (a jax.Array's host copy: exact, 64-bit too)."""
+    a = np.asarray(x)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1).view(np.uint8)
+
+
+def _target(into: Any, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
+    """The caller's buffer the result can be written straight into, or None."""
+    if into is None:
+        return None
+    buf = buffer_of(into)
+    if buf is None or buf.shape != shape or buf.dtype != dtype or not buf.flags.c_contiguous:
+        return None
+    return buf
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return a is b or a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+
+
+def _narrow(dtype: np.dtype) -> bool:
+    return dtype.kind not in "biuc" and dtype.itemsize < 4  # float16, bfloat16, float8s
+
+
+# --- reductions -----------------------------------------------------------------------------------
+def _mpi_op(name: str):
+    M = _mpi.MPI
+    return {"sum": M.SUM, "product": M.PROD, "max": M.MAX, "min": M.MIN, "band": M.BAND, "bor": M.BOR,
+            "bxor": M.BXOR}[name]
+
+
+def _prepare(x: np.ndarray, op: Any, n: int, where: str):
+    """(what this rank sends, the MPI op, the way back from the reduced buffer to the result);
+    ``back`` is None when the reduced buffer is the result as it is."""
+    M = _mpi.MPI
+    dtype = x.dtype
+    op = check_op(op, dtype, where)
+    k = kind(dtype)
+    if k == "bool":
+        name = bool_op(op)
+        return x, {"max": M.LOR, "min": M.LAND, "bxor": M.LXOR}[name], None
+    if op.name in ("sum", "avg", "premul_sum"):
+        narrow = _narrow(dtype)
+        if op.name == "premul_sum":
+            y = (x.astype(np.float32) * np.float32(op.factor)) if narrow else x * np.asarray(op.factor).astype(dtype)
+            divide = False
+        elif op.name == "avg" and narrow:
+            y, divide = (x.astype(np.float32) / np.float32(n)).astype(dtype), False
+        else:
+            y, divide = x, op.name == "avg"
+        if narrow:  # MPI has no 16-bit floats: sum in float32, round once
+            y = y.astype(np.float32)
+            return y, M.SUM, lambda r: (r / np.float32(n) if divide else r).astype(dtype)
+        if divide:
+            return y, M.SUM, lambda r: np.divide(r, n, out=r, casting="unsafe")
+        return y, M.SUM, None
+    if op.name in ("max", "min") and k == "float" and dtype.kind != "c":
+        it = _SIGNED[dtype.itemsize]
+        info = np.iinfo(it)
+        flip = it(info.max)  # negative floats: flip the magnitude bits, so integer order is float order
+        nan = it(info.max if op.name == "max" else info.min)  # beyond +inf (max) or -inf (min)
+        b = x.view(it)
+        key = np.where(np.isnan(x), nan, np.where(b < 0, b ^ flip, b)).astype(it)
+
+        def back(r):
+            out = np.where(r < 0, r ^ flip, r).astype(it).view(dtype)
+            return np.where(r == nan, np.array(np.nan, dtype), out)
+
+        return key, _mpi_op(op.name), back
+    if _narrow(dtype):  # PRODUCT of float16 / bfloat16
+        return x.astype(np.float32), _mpi_op(op.name), lambda r: r.astype(dtype)
+    return x, _mpi_op(op.name), None
+
+
+# --- the collectives ------------------------------------------------------------------------------
+def _all_reduce(c, x, into, op, where):
+    send, mop, back = _prepare(x, op, c.Get_size(), where)
+    buf = _target(into, x.shape, x.dtype)
+    if back is None and buf is not None:
+        if not _same_memory(send, buf):
+            np.copyto(buf, send)
+        c.Allreduce(_mpi.MPI.IN_PLACE, buf, mop)
+        return into
+    out = np.empty_like(send)
+    c.Allreduce(send, out, mop)
+    return out if back is None else back(out)
+
+
+def _reduce(c, x, into, op, dst, where):
+    send, mop, back = _prepare(x, op, c.Get_size(), where)
+    if c.Get_rank() != dst:
+        c.Reduce(send, None, mop, root=dst)
+        return x  # as torch: the other ranks keep their tensor
+    out = np.empty_like(send)
+    c.Reduce(send, out, mop, root=dst)
+    return out if back is None else back(out)
+
+
+def _broadcast(c, x, into, src):
+    buf = _target(into, x.shape, x.dtype)
+    if buf is None:
+        out = x.copy() if c.Get_rank() != src else x
+        c.Bcast(_bytes(out), root=src)
+        return out
+    if c.Get_rank() == src and not _same_memory(buf, x):
+        np.copyto(buf, x)
+    c.Bcast(_bytes(buf), root=src)
+    return into
+
+
+def _all_gather(c, x, into, tiled):
+    n = c.Get_size()
+    shape = ((n * x.shape[0],) + x.shape[1:]) if tiled else (n,) + x.shape
+    out = _target(into, shape, x.dtype)
+    result = into if out is not None else None
+    if out is None:
+        out = np.empty(shape, x.dtype)
+    c.Allgather(_bytes(x), _bytes(out))
+    return out if result is None else result
+
+
+def _gather(c, x, dst):
+    n = c.Get_size()
+    if c.Get_rank() != dst:
+        c.Gather(_bytes(x), None, root=dst)
+        return x
+    out = np.empty((n,) + x.shape, x.dtype)
+    c.Gather(_bytes(x), _bytes(out), root=dst)
+    return out
+
+
+def _scatter(c, x, into, src):
+    shape = x.shape[1:]
+    out = _target(into, shape, x.dtype)
+    result = into if out is not None else None
+    if out is None:
+        out = np.empty(shape, x.dtype)
+    c.Scatter(_bytes(x) if c.Get_rank() == src else None, _bytes(out), root=src)
+    return out if result is None else result
+
+
+def _reduce_scatter(c, x, into, op, where):
+    n = c.Get_size()
+    send, mop, back = _prepare(x, op, n, where)
+    shape = (x.shape[0] // n,) + x.shape[1:]
+    out = np.empty(shape, send.dtype)
+    c.Reduce_scatter_block(send, out, mop)
+    return out if back is None else back(out)
+
+
+def _all_to_all(c, x, into):
+    out = _target(into, x.shape, x.dtype)
+    if out is None or _same_memory(out, x):
+        out = np.empty_like(x)
+        c.Alltoall(_bytes(x), _bytes(out))
+        return out
+    c.Alltoall(_bytes(x), _bytes(out))
+    return into
+
+
+# CommDebugMode's kinds (HLO names) for the MPI calls: what the same call counts on gloo.
+_KIND = {"all_reduce": "all-reduce", "reduce": "all-reduce", "broadcast": "all-reduce", "all_gather": "all-gather",
+         "gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_to_all": "all-to-all",
+         "scatter": "all-to-all", "permute": "collective-permute"}
+
+
+def _record(where: str, name: str, nbytes: int) -> None:
+    """Count one MPI call in the active ``CommDebugMode``s (one context-variable read otherwise)."""
+    modes = _debug._ACTIVE.get()
+    for mode in modes:
+        kind_ = _KIND[name]
+        mode._counts[kind_] += 1
+        mode._bytes[kind_] += nbytes
+        mode.log.append((where, kind_, 1, nbytes))
+
+
+def _check_options(name: str, x: np.ndarray, kwargs: dict, n: int, where: str) -> None:
+    """What the XLA path would refuse at compile time, refused before communicating."""
+    if name in ("all_reduce", "reduce", "reduce_scatter"):
+        check_op(kwargs.get("op"), x.dtype, where)
+    if name in ("reduce_scatter", "all_to_all") and (x.ndim == 0 or x.shape[0] % n):
+        raise ValueError(f"{where}: input has shape {tuple(x.shape)}; its dim 0 must be a multiple of the group size {n}.")
+
+
+def run_on(ranks: Sequence[int], name: str, x: Any, *, where: str | None = None, into: Any = None, **kwargs):
+    """Run collective ``name`` over global ``ranks`` with this rank's block ``x``; this rank's result
+    (``into`` itself when the result was written there; a ``jax.Array`` for a ``jax.Array`` input)."""
+    where = where or name
+    ranks = tuple(ranks)
+    st = state(where)
+    is_jax = isinstance(x, jax.Array)
+    a = _host(x)
+    _check_options(name, a, kwargs, len(ranks), where)
+    _record(where, name, a.nbytes)
+    opts = tuple(sorted(kwargs.items()))
+    call = _guard.enter(st, where, ranks, opts, a.shape, a.dtype)
+    try:
+        c = _mpi.comm(ranks)
+        if name == "all_reduce":
+            out = _all_reduce(c, a, into, kwargs["op"], where)
+        elif name == "broadcast":
+            out = _broadcast(c, a, into, kwargs["src"])
+        elif name == "all_gather":
+            out = _all_gather(c, a, into, kwargs.get("tiled", False))
+        elif name == "reduce":
+            out = _reduce(c, a, into, kwargs["op"], kwargs["dst"], where)
+        elif name == "scatter":
+            out = _scatter(c, a, into, kwargs["src"])
+        elif name == "gather":
+            out = _gather(c, a, kwargs["dst"])
+        elif name == "reduce_scatter":
+            out = _reduce_scatter(c, a, into, kwargs["op"], where)
+        elif name == "all_to_all":
+            out = _all_to_all(c, a, into)
+        else:
+            raise NotImplementedError(f"{where}: collective {name!r} has no MPI implementation.")
+    except _mpi.MPI.Exception as e:
+        raise PeerError(_guard.broken_message(st, call, e)) from e
+    finally:
+        _guard.leave(call)
+    if out is into or out is x:
+        return out
+    if is_jax:
+        return exact_array(out)
+    return out
+
+
+# --- point to point -------------------------------------------------------------------------------
+def start_p2p(send: bool, array: Any, tensor: Any, peer: int, tag: int, where: str) -> Work:
+    """Start an ``MPI_Isend`` of ``array`` / an ``MPI_Irecv`` of an array shaped like it, with ``peer``
+    (a global rank); the :class:`Work` waits for it (bounded by the timeout; a receive writes into
+    ``tensor``, the caller's, when it is a writable buffer)."""
+    st = state(where)
+    M = _mpi.MPI
+    c = M.COMM_WORLD
+    if send:
+        a = _host(array)
+        req = c.Isend(_bytes(a), dest=peer, tag=tag)
+        into = None
+    else:
+        into = _target(tensor, tuple(array.shape), np.dtype(array.dtype))
+        a = into if into is not None else np.empty(array.shape, array.dtype)
+        req = c.Irecv(_bytes(a), source=peer, tag=tag)
+    work = Work(None)
+
+    def finish() -> None:
+        status = M.Status()
+        try:
+            done = _mpi.wait(req, st.timeout_s, status)
+        except M.Exception as e:  # e.g. a longer message than this receive's buffer
+            raise PeerError(
+                f"{where}: rank {st.rank}'s transfer with rank {peer} (tag {tag}, {a.dtype}{list(a.shape)}) failed: "
+                f"{e}. A send and its recv must have the same shape and dtype."
+            ) from e
+        if not done:
+            fail(
+                f"{where}: rank {st.rank} waited {st.timeout_s:g} s (the timeout) for rank {peer} to "
+                f"{'receive' if send else 'send'} {a.dtype}{list(a.shape)} (tag {tag}); it did not. Every send needs "
+                "a matching recv of the same shape and dtype; raise the limit with init_process_group(timeout=...) "
+                f"or SPMD_TIMEOUT. Ending this rank now.\n{absent_line([peer])}",
+                PEER_EXIT_CODE,
+            )
+        work._flush = None
+        if send:
+            return
+        if status.Get_count(M.BYTE) != a.nbytes:
+            raise PeerError(
+                f"{where}: rank {st.rank} received {status.Get_count(M.BYTE)} bytes from rank {peer} (tag {tag}) "
+                f"into a buffer of {a.nbytes} bytes ({a.dtype}{list(a.shape)}). A send and its recv must have the "
+                "same shape and dtype."
+            )
+        if into is not None or write_into(tensor, a):
+            work.tensor = tensor
+        else:
+            work.tensor = exact_array(a) if isinstance(tensor, jax.Array) else a
+
+    work._flush = finish
+    return work

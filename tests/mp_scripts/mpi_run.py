@@ -1,0 +1,35 @@
+"""Run a check script of this folder on ``backend="mpi"``: ``mpiexec -n N python mpi_run.py SCRIPT ARGS...``.
+
+The scripts are written for ``spmdrun`` (``init_process_group()``, ``RANK`` / ``WORLD_SIZE`` read back
+to check them). Here ``init_process_group()`` without a backend joins with ``backend="mpi"``, and
+``RANK`` / ``WORLD_SIZE`` are set from the MPI launch before the script starts (so the same checks
+run on both backends; init_process_group checks that they agree with MPI). ``MASTER_ADDR`` /
+``MASTER_PORT``, when the caller sets them, name JAX's coordination service (porting_check.py's
+TCPStore reads them).
+"""
+
+import functools
+import os
+import runpy
+import sys
+
+os.environ["RANK"] = os.environ["PMI_RANK"]
+os.environ["WORLD_SIZE"] = os.environ["PMI_SIZE"]
+os.environ["SPMD_TEST_BACKEND"] = "mpi"
+
+import spmd.distributed as dist  # noqa: E402
+from spmd.distributed import _init as init_module, device_mesh  # noqa: E402
+
+_init = init_module.init_process_group
+
+
+@functools.wraps(_init)
+def init_process_group(backend=None, *args, **kwargs):
+    return _init("mpi" if backend in (None, "gloo") else backend, *args, **kwargs)
+
+
+dist.init_process_group = init_module.init_process_group = device_mesh.init_process_group = init_process_group
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+runpy.run_path(script, run_name="__main__")
