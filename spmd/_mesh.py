@@ -169,7 +169,14 @@ class DeviceMesh:
         sub = devs[index]  # kept dims in mesh order
         kept = [i for i in range(self.ndim) if i in dims]
         sub = np.transpose(sub, [kept.index(d) for d in dims])
-        return DeviceMesh.from_jax(Mesh(sub, tuple(self.mesh_dim_names[d] for d in dims)), self._device_type)
+        out = DeviceMesh.from_jax(Mesh(sub, tuple(self.mesh_dim_names[d] for d in dims)), self._device_type)
+        out._root = self.root_mesh  # as torch's sub-meshes: layouts composed on sub-meshes run over the whole
+        return out
+
+    @property
+    def root_mesh(self) -> "DeviceMesh":
+        """The mesh this one was cut from by ``mesh[...]`` (itself when it was not cut from another)."""
+        return getattr(self, "_root", None) or self
 
     # --- value semantics --------------------------------------------------------------
     def __eq__(self, other: object) -> bool:

@@ -1,25 +1,44 @@
-"""Sharded training layouts: parameter placement plans (FSDP / ZeRO, later tensor parallel).
+"""Sharded training for any flax model: torch's ``parallelize_module`` / ``fully_shard`` and one train step.
 
-``plan_params(params, mesh, rules)`` is data: each parameter's placements per
-mesh dim, local (padded) shape, bytes per device, gather unit, and what a train
-step communicates. Rules (``Rule``, ``fully_shard``, ``replicate``) map
-parameter path patterns to placements; the first match wins.
+```python
+model = parallelize_module(model, mesh["tp"], {"layers_*.mlp.up_proj": ColwiseParallel(), ...})
+model = fully_shard(model, mesh=mesh["dp", "fsdp"], units=["layers_*"])
+state = init_train_state(model, optimizer, params=params)
+step = make_train_step(model, loss_fn, optimizer)
+```
+
+The layouts are data: ``model.plan(params)`` (or ``state.plan``) is a ``ParamPlan``, each parameter's
+placements per mesh dim, local shapes, bytes per device and what a step communicates, printable before
+anything runs. ``Rule`` / ``shard_rule`` / ``replicate`` / ``plan_params`` build plans by hand.
 """
 
 from spmd.parallel._hlo import executed_collectives, hlo_executed_collectives
 from spmd.parallel._param_plan import ROOT, ParamPlan, PlanEntry, path_str, plan_params
-from spmd.parallel._rules import Rule, fully_shard, replicate
-from spmd.parallel._tp import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_rules
-from spmd.parallel._shard import entry_sharding, gather_unit, map_like_params, shard_params, unshard_params
+from spmd.parallel._rules import Rule, replicate, shard_rule
+from spmd.parallel._shard import entry_sharding, gather_unit, map_like_params, pad_tree, shard_params, unshard_tree
+from spmd.parallel._step import TrainState, init_train_state, make_train_step, unshard_params
+from spmd.parallel._styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
+                                   RowwiseParallel, SequenceParallel)
+from spmd.parallel._transforms import MixedPrecisionPolicy, ParallelModule, fully_shard, parallelize_module
 
 __all__ = [
-    "Rule",
+    "parallelize_module",
     "fully_shard",
-    "replicate",
+    "ParallelModule",
     "ColwiseParallel",
     "RowwiseParallel",
     "SequenceParallel",
-    "parallelize_rules",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "ParallelStyle",
+    "MixedPrecisionPolicy",
+    "TrainState",
+    "init_train_state",
+    "make_train_step",
+    "unshard_params",
+    "Rule",
+    "shard_rule",
+    "replicate",
     "plan_params",
     "ParamPlan",
     "PlanEntry",
@@ -27,7 +46,8 @@ __all__ = [
     "path_str",
     "entry_sharding",
     "shard_params",
-    "unshard_params",
+    "unshard_tree",
+    "pad_tree",
     "gather_unit",
     "map_like_params",
     "executed_collectives",

@@ -288,10 +288,12 @@ def _default(is_fsdp: bool, gshape: tuple[int, ...], rule: Rule | None) -> Place
 
 
 def _unit_of(path: str, units: tuple[str, ...]) -> str:
-    head = path.split("/", 1)[0]
-    for pat in units:
-        if re.fullmatch(pat, head):
-            return head
+    """The longest proper prefix of ``path`` (``"/"``-joined components) that a unit regex matches in full."""
+    comps = path.split("/")
+    for i in range(len(comps) - 1, 0, -1):
+        prefix = "/".join(comps[:i])
+        if any(re.fullmatch(pat, prefix) for pat in units):
+            return prefix
     return ROOT
 
 

@@ -5,8 +5,8 @@ is a regular expression matched in full against the parameter's path
 (``"block_0/attn/qkv/kernel"``), ``placements`` gives a placement per mesh dim
 *name*. Mesh dims a rule does not name keep the plan's default (``Shard(0)``
 on the fsdp dim, ``Replicate`` elsewhere), so a tensor-parallel rule on
-``tp`` composes with ``fully_shard`` on ``fsdp``. The first matching rule
-wins. Shorthands build rules: ``fully_shard``, ``replicate`` (and, with
+``tp`` composes with ``shard_rule`` on ``fsdp``. The first matching rule
+wins. Shorthands build rules: ``shard_rule``, ``replicate`` (and, with
 tensor parallelism, column/row-wise ones that name the ``tp`` dim).
 """
 
@@ -18,7 +18,7 @@ from typing import Mapping
 
 from placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["Rule", "fully_shard", "replicate"]
+__all__ = ["Rule", "shard_rule", "replicate"]
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,10 @@ class Rule:
         return f"{self.name}: {body}" if self.name != self.pattern else f"{self.pattern!r} -> {body}"
 
 
-def fully_shard(pattern: str = ".*", *, dim: int = 0, mesh_dim: str = "fsdp") -> Rule:
-    """torch's ``fully_shard``: the matched parameters are ``Shard(dim)`` on ``mesh_dim``."""
-    return Rule(pattern, {mesh_dim: Shard(dim)}, name=f"fully_shard({pattern!r}, dim={dim})")
+def shard_rule(pattern: str = ".*", *, dim: int = 0, mesh_dim: str = "fsdp") -> Rule:
+    """The matched parameters are ``Shard(dim)`` on ``mesh_dim`` (a plan rule; the module transform is
+    ``spmd.parallel.fully_shard``)."""
+    return Rule(pattern, {mesh_dim: Shard(dim)}, name=f"shard_rule({pattern!r}, dim={dim})")
 
 
 def replicate(pattern: str, *, mesh_dim: str = "fsdp") -> Rule:

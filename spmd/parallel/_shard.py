@@ -21,7 +21,7 @@ from placements import Shard
 from spmd._mesh import DeviceMesh
 from spmd.parallel._param_plan import ParamPlan, PlanEntry, gather_buffers
 
-__all__ = ["entry_sharding", "shard_params", "unshard_params", "gather_unit", "map_like_params"]
+__all__ = ["entry_sharding", "shard_params", "unshard_tree", "pad_tree", "gather_unit", "map_like_params"]
 
 
 def entry_sharding(e: PlanEntry, mesh: DeviceMesh) -> NamedSharding:
@@ -66,8 +66,17 @@ def shard_params(tree: Any, plan: ParamPlan, mesh: DeviceMesh, *, optimizer=None
     return pad(tree)
 
 
-def unshard_params(tree: Any, plan: ParamPlan, mesh: DeviceMesh, *, optimizer=None) -> Any:
-    """The logical (unpadded) values, replicated on ``mesh``: the inverse of ``shard_params``."""
+def pad_tree(tree: Any, plan: ParamPlan) -> Any:
+    """Each parameter padded to its plan's stored shape (inside a jitted init)."""
+    return map_like_params(plan, tree, lambda x, e: _pad(x, e, plan))
+
+
+def unshard_tree(tree: Any, plan: ParamPlan, mesh: DeviceMesh | None = None, *, optimizer=None) -> Any:
+    """The logical (unpadded) values, replicated on ``mesh`` (default: the arrays' own mesh): the inverse
+    of ``shard_params``."""
+    if mesh is None:
+        first = next((x for x in jax.tree.leaves(tree) if hasattr(x, "sharding")), None)
+        mesh = DeviceMesh.from_jax(first.sharding.mesh)
     rep = NamedSharding(mesh.jax_mesh, P())
     trim = jax.jit(lambda t: map_like_params(plan, t, lambda x, e: _trim(x, e), optimizer=optimizer,
                                              other=lambda x: x), out_shardings=rep)

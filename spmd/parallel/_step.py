@@ -1,0 +1,322 @@
+"""One train step for every layout: ``init_train_state``, ``make_train_step``, ``unshard_params``.
+
+``make_train_step(model, loss_fn, optimizer)`` gives a jitted ``(state, batch) -> (state, metrics)`` for a
+model laid out by ``parallelize_module`` / ``fully_shard`` (or neither: DDP over every dim of ``mesh``):
+
+- the region (``spmd.parallel._hooks``) is manual over the data dims (every mesh dim but tp): each device
+  takes its rows of the batch and runs ``loss_fn(params, batch)``, the user's own 1-device loss, on them;
+  the root unit is gathered once, each FSDP unit right before it runs, the tp styles put their layouts;
+- ``jax.grad`` hands back each sharded parameter's gradient reduce-scattered over the shard dim (the
+  all-gather's transpose), averaged over the shard dim, then over the replicate dims (HSDP) by one
+  all-reduce of the shard bytes; parameters whole on the data dims: one all-reduce over them;
+- the optimizer (any optax transformation) runs in global view on the stored arrays: elementwise on the
+  shards, a global norm costs a scalar all-reduce;
+- ``accum_steps=k`` gathers every unit once, accumulates the full local gradients over ``k``
+  micro-batches and reduces once (torch's ``no_sync``).
+
+The state is a ``TrainState`` whose ``plan`` (static) is the ``ParamPlan`` it was laid out by; a step
+refuses a state of another plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from placements import Shard
+from spmd._mesh import DeviceMesh
+from spmd.parallel._heads import check_head_cuts
+from spmd.parallel._hooks import Hooks
+from spmd.parallel._nnx import is_nnx, nnx_loss, nnx_params
+from spmd.parallel._param_plan import ROOT, ParamPlan
+from spmd.parallel._shard import entry_sharding, map_like_params, shard_params, unshard_tree
+from spmd.parallel._transforms import ParallelModule, as_parallel, build_plan
+
+__all__ = ["TrainState", "init_train_state", "make_train_step", "unshard_params", "state_shardings"]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a run carries from step to step: ``step``, ``params`` and ``opt_state`` as stored
+    (padded shards), and the ``plan`` that laid them out (static)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    plan: ParamPlan | None = flax.struct.field(pytree_node=False, default=None)
+
+
+def _check_optimizer(optimizer: Any, where: str) -> None:
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"{where}: optimizer={optimizer!r} must be an optax.GradientTransformation, e.g. "
+                        "optax.adamw(1e-3).")
+
+
+def state_shardings(plan: ParamPlan, mesh: DeviceMesh, params: Any, opt_state: Any, optimizer) -> tuple:
+    rep = NamedSharding(mesh.jax_mesh, P())
+    return (map_like_params(plan, params, lambda x, e: entry_sharding(e, mesh)),
+            map_like_params(plan, opt_state, lambda x, e: entry_sharding(e, mesh), optimizer=optimizer,
+                            other=lambda x: rep))
+
+
+def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_args: Any, params: Any = None,
+                     mesh: DeviceMesh | None = None) -> TrainState:
+    """Step 0, laid out by the model's layouts.
+
+    ``params=``: place these (logical) parameters. Otherwise ``init_args = (rng, *example_inputs)``:
+    initialize straight into the shards (``model.init`` compiled with the shards as its outputs) with the
+    values the unwrapped model's ``init`` gives for that rng. An nnx model holds its parameters: give none.
+    ``mesh=``: for a model with neither transform (DDP over every dim of ``mesh``).
+    """
+    where = "init_train_state"
+    _check_optimizer(optimizer, where)
+    pm = as_parallel(model, mesh, where)
+    mesh = pm.mesh
+    inner = pm.module
+    if is_nnx(inner):
+        if params is None:
+            params = nnx_params(inner)
+        init_args = ()
+    if params is None:
+        if not init_args:
+            raise TypeError(f"{where}: give params=, or (rng, *example_inputs) to initialize the model.")
+        rng, *xs = init_args
+        abstract = jax.eval_shape(lambda r: inner.init(r, *xs)["params"], rng)
+        plan = build_plan(pm, abstract)
+        shardings = map_like_params(plan, abstract, lambda x, e: entry_sharding(e, mesh))
+        from spmd.parallel._shard import pad_tree
+
+        stored = jax.jit(lambda r: pad_tree(inner.init(r, *xs)["params"], plan), out_shardings=shardings)(rng)
+    else:
+        plan = build_plan(pm, params)
+        stored = shard_params(params, plan, mesh)
+    opt_abstract = jax.eval_shape(optimizer.init, stored)
+    _, opt_sh = state_shardings(plan, mesh, stored, opt_abstract, optimizer)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(stored)
+    pm._plans[plan.treedef] = plan
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh.jax_mesh, P()))
+    return TrainState(step=step, params=stored, opt_state=opt_state, plan=plan)
+
+
+def unshard_params(model: Any, params: Any) -> Any:
+    """The logical (unpadded) parameter values, replicated: the inverse of ``init_train_state``'s layout.
+
+    ``params``: ``state.params`` (or a ``TrainState``) of a state built by ``init_train_state(model, ...)``.
+    """
+    where = "unshard_params"
+    if isinstance(params, TrainState):
+        plan, params = params.plan, params.params
+    else:
+        plans = getattr(model, "_plans", {})
+        plan = plans.get(jax.tree_util.tree_structure(params))
+    if plan is None:
+        raise ValueError(f"{where}: these parameters were not laid out by init_train_state(model, ...) for "
+                         f"{model!r}; pass that state (or its .params).")
+    return unshard_tree(params, plan, model.mesh if isinstance(model, ParallelModule) else None)
+
+
+def _split_loss(out: Any, where: str) -> tuple[jax.Array, dict]:
+    if isinstance(out, tuple) and len(out) == 2:
+        loss, aux = out
+    else:
+        loss, aux = out, {}
+    if not isinstance(aux, dict):
+        aux = {"aux": aux}
+    if not hasattr(loss, "shape") or np.shape(loss) != ():
+        raise ValueError(f"{where}: loss_fn returned {loss!r}; it must return a scalar loss, or (loss, aux) with aux "
+                         "a dict of scalar metrics.")
+    return loss, aux
+
+
+def _check_batch(batch: Any, n_data: int, accum_steps: int, data: tuple[str, ...], sizes: dict) -> None:
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("train_step: batch holds no arrays.")
+    n = np.shape(leaves[0])[0] if np.ndim(leaves[0]) else None
+    for x in leaves:
+        if not np.ndim(x) or np.shape(x)[0] != n:
+            raise ValueError(f"train_step: every batch leaf needs the same leading (batch) dim; got shapes "
+                             f"{[np.shape(y) for y in leaves]}.")
+    if n % (n_data * accum_steps):
+        split = " x ".join(f"{d}={sizes[d]}" for d in data) or "1"
+        raise ValueError(
+            f"train_step: the batch has {n} examples, not divisible by the data-parallel size {split} = {n_data}"
+            + (f" times accum_steps={accum_steps}" if accum_steps > 1 else "")
+            + f"; use a batch size that is a multiple of {n_data * accum_steps}.")
+
+
+def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, *, accum_steps: int = 1,
+                    mesh: DeviceMesh | None = None) -> Callable:
+    """The train step ``(state, batch) -> (state, metrics)`` of any layout (see the module doc).
+
+    ``loss_fn(params, batch)``: what the user writes on one device (an nnx model: ``loss_fn(model, batch)``);
+    it returns the mean loss over its batch, or ``(loss, aux)`` with ``aux`` a dict of scalar metrics.
+    ``batch``: a pytree of global arrays (host arrays are fine) whose leading dim the data dims divide.
+    Metrics: ``loss``, the ``aux`` entries (averaged over the data dims) and ``grad_norm``.
+    """
+    where = "make_train_step"
+    if not callable(loss_fn):
+        raise TypeError(f"{where}: loss_fn={loss_fn!r} must be callable as loss_fn(params, batch) -> loss or "
+                        "(loss, aux).")
+    _check_optimizer(optimizer, where)
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
+    pm = as_parallel(model, mesh, where)
+    build = functools.lru_cache(maxsize=4)(lambda plan: _build(pm, loss_fn, optimizer, accum_steps, plan))
+
+    def step(state: TrainState, batch: Any):
+        if not isinstance(state, TrainState) or state.plan is None:
+            raise TypeError(f"train_step: state={type(state).__name__} must be the TrainState init_train_state(model, "
+                            "optimizer, ...) returns.")
+        want = build_plan(pm, jax.tree_util.tree_unflatten(
+            state.plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in state.plan.entries]))
+        if want != state.plan:
+            raise ValueError("train_step: the state was laid out for another model or plan than this step's "
+                             f"({pm!r}); build it with init_train_state on the same model.")
+        return build(state.plan)(state, batch)
+
+    return step
+
+
+def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, plan: ParamPlan) -> Callable:
+    mesh = pm.mesh
+    names = mesh.mesh_dim_names
+    sizes = dict(zip(names, mesh.shape))
+    tp = pm.tp.mesh_dim if pm.tp else None
+    data = pm.data_dims
+    n_data = int(np.prod([sizes[d] for d in data])) if data else 1
+    fsdp = pm.fsdp.shard_dim if pm.fsdp else None
+    fi = names.index(fsdp) if fsdp else None
+    n_fsdp = sizes[fsdp] if fsdp else 1
+    rep_dims = tuple(d for d in data if d != fsdp)
+    entries = plan.entries
+    cut = [fsdp is not None and e.shard_dim(fi) is not None for e in entries]
+    nnx_model = is_nnx(pm.module)
+
+    def manual_spec(e) -> P:
+        spec: list[list[str]] = [[] for _ in e.shape]
+        for n, p in zip(names, e.placements):
+            if n != tp and isinstance(p, Shard):
+                spec[p.dim].append(n)
+        return P(*[None if not s else (s[0] if len(s) == 1 else tuple(s)) for s in spec])
+
+    param_specs = jax.tree_util.tree_unflatten(plan.treedef, [manual_spec(e) for e in entries])
+    batch_spec = P(data if len(data) > 1 else (data[0] if data else None))
+
+    def unflat(ls):
+        return jax.tree_util.tree_unflatten(plan.treedef, ls)
+
+    def run_loss(hooks: Hooks, params_tree, mb):
+        with hooks.installed():
+            out = nnx_loss(pm.module, loss_fn, params_tree, mb, hooks) if nnx_model else loss_fn(params_tree, mb)
+        return _split_loss(out, "make_train_step")
+
+    def gathered(hooks: Hooks, leaves, units):
+        out = list(leaves)
+        for u in units:
+            idx = [i for i, e in enumerate(entries) if e.unit == u]
+            for i, y in zip(idx, hooks.gather([leaves[i] for i in idx], [entries[i] for i in idx])):
+                out[i] = y
+        return out
+
+    def reduce(hooks: Hooks, g: list) -> list:
+        g = list(g)
+        groups = [([i for i in range(len(g)) if cut[i]], rep_dims, n_fsdp),
+                  ([i for i in range(len(g)) if not cut[i]], data, 1)]
+        for idx, axes, scale in groups:
+            if not idx:
+                continue
+            if scale != 1:
+                for i in idx:
+                    g[i] = g[i] / scale
+            if axes and int(np.prod([sizes[a] for a in axes])) > 1:
+                red = hooks.island(lambda *xs: tuple(lax.pmean(list(xs), axes)), [entries[i] for i in idx],
+                                   [g[i] for i in idx])
+                for i, y in zip(idx, red):
+                    g[i] = y
+        return g
+
+    def local_grads(params, batch):
+        leaves = jax.tree_util.tree_leaves(params)
+        hooks = Hooks(pm, plan)
+        if accum_steps == 1:
+            def loss_of(ls):
+                return run_loss(hooks, unflat(gathered(hooks, ls, [ROOT])), batch)
+
+            (loss, aux), g = jax.value_and_grad(loss_of, has_aux=True)(leaves)
+        else:
+            whole = Hooks(pm, plan, gather_units=False)
+            n_local = jax.tree.leaves(batch)[0].shape[0]
+            full, scatter = jax.vjp(lambda ls: gathered(hooks, ls, plan.units), leaves)
+            micro = jax.tree.map(lambda x: x.reshape(accum_steps, n_local // accum_steps, *x.shape[1:]), batch)
+            grad_fn = jax.value_and_grad(lambda ls, mb: run_loss(whole, unflat(ls), mb), has_aux=True)
+
+            def one(carry, mb):
+                return jax.tree.map(jnp.add, carry, grad_fn(full, mb)), None
+
+            first = grad_fn(full, jax.tree.map(lambda x: x[0], micro))
+            ((loss, aux), gf), _ = lax.scan(one, first, jax.tree.map(lambda x: x[1:], micro))
+            loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
+            (g,) = scatter([x / accum_steps for x in gf])
+        g = reduce(hooks, g)
+        metrics = {"loss": loss, **aux}
+        if data:
+            metrics = jax.tree.map(lambda m: lax.pmean(m, data), metrics)
+        return unflat(g), metrics, hooks.types
+
+    types_seen: dict = {}
+
+    def region(params, batch):
+        def body(p, b):
+            g, m, types = local_grads(p, b)
+            types_seen.update(types)
+            return g, m
+
+        if not data:
+            return body(params, batch)
+        return jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=(param_specs, batch_spec),
+                             out_specs=(param_specs, P()), axis_names=set(data), check_vma=False)(params, batch)
+
+    def step(state: TrainState, batch: Any):
+        grads, metrics = region(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                         opt_state=opt_state, plan=state.plan)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return new, metrics
+
+    jitted = jax.jit(step)
+    checked = []
+
+    def run(state: TrainState, batch: Any):
+        batch = _as_arrays(batch)
+        _check_batch(batch, n_data, accum_steps, data, sizes)
+        if not checked:
+            if tp is not None:
+                check_head_cuts(jax.make_jaxpr(step)(state, batch).jaxpr)
+            checked.append(True)
+        return jitted(state, batch)
+
+    run.jitted = jitted
+    run.plan = plan
+    return run
+
+
+def _as_arrays(batch: Any) -> Any:
+    from spmd.tensor import DTensor
+
+    def one(x):
+        if isinstance(x, DTensor):
+            return x.to_jax() if hasattr(x, "to_jax") else x.full_tensor()
+        return x
+
+    return jax.tree.map(one, batch, is_leaf=lambda x: isinstance(x, DTensor))
