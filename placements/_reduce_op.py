@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 __all__ = ["ReduceOp", "as_reduce_op"]
@@ -43,6 +44,11 @@ class ReduceOp:
                 "ReduceOp: a factor goes with 'premul_sum' and only with it; "
                 "write ReduceOp.PREMUL_SUM(factor)."
             )
+        if self.factor is not None and not math.isfinite(self.factor):  # and nan would break __eq__ / __hash__
+            raise ValueError(
+                f"ReduceOp: factor={self.factor!r} is not a finite number; write ReduceOp.PREMUL_SUM(f) with a "
+                "finite f, e.g. ReduceOp.PREMUL_SUM(0.5)."
+            )
 
     @staticmethod
     def PREMUL_SUM(factor: float) -> "ReduceOp":  # noqa: N802 - torch's name
@@ -51,6 +57,11 @@ class ReduceOp:
             raise TypeError(
                 f"ReduceOp.PREMUL_SUM: factor must be a Python number, got {factor!r}; "
                 "pass e.g. ReduceOp.PREMUL_SUM(0.5)."
+            )
+        if not math.isfinite(factor):  # nan or inf: every rank's product is nan (or inf * 0), the sum too
+            raise ValueError(
+                f"ReduceOp.PREMUL_SUM: factor={factor!r} is not a finite number; the factor multiplies every "
+                "rank's input, so pass a finite one, e.g. ReduceOp.PREMUL_SUM(0.5)."
             )
         return ReduceOp("premul_sum", float(factor))
 

@@ -233,6 +233,30 @@ CASES = [
      "(torch refuses MAX/MIN on complex too); use Partial('sum'), or reduce abs() or the real part."),
     ("complex Partial min distributed", lambda m, m8: spmd.distribute_tensor(CPLX, m8, [Partial("min")]), TypeError,
      "distribute_tensor: placements[0]=P(min) on a complex64 tensor is refused"),
+    # issue 21.8: the last unclear messages
+    ("@spmd given a string", lambda m, m8: spmd.spmd(lambda x: x, m8, in_placements=[S0], out_placements=[S0])("abc"),
+     TypeError, "spmd: argument[0]='abc' (a str) is not an array; every argument of an @spmd function must be an "
+     "array, a DTensor or a pytree of them. Pass a setting through a closure or functools.partial instead, or "
+     "convert the value (np.asarray)."),
+    ("@spmd given a string in a pytree",
+     lambda m, m8: spmd.spmd(lambda x, c: x, m8, in_placements=([S0], None))(jnp.ones(8), {"mode": "fast"}),
+     TypeError, "spmd: argument[1]['mode']='fast' (a str) is not an array;"),
+    ("PREMUL_SUM of nan", lambda m, m8: ReduceOp.PREMUL_SUM(float("nan")), ValueError,
+     "ReduceOp.PREMUL_SUM: factor=nan is not a finite number; the factor multiplies every rank's input, so pass a "
+     "finite one, e.g. ReduceOp.PREMUL_SUM(0.5)."),
+    ("PREMUL_SUM of -inf", lambda m, m8: ReduceOp.PREMUL_SUM(float("-inf")), ValueError,
+     "ReduceOp.PREMUL_SUM: factor=-inf is not a finite number;"),
+    ("ReduceOp built with a nan factor", lambda m, m8: ReduceOp("premul_sum", float("nan")), ValueError,
+     "ReduceOp: factor=nan is not a finite number; write ReduceOp.PREMUL_SUM(f) with a finite f"),
+    ("from_local replicas of two shapes",
+     lambda m, m8: spmd.DTensor.from_local([np.ones(4)] * 7 + [np.ones(5)], m8, [R]), ValueError,
+     "DTensor.from_local: locals[7] has shape (5,) but placements R of a global shape (4,) give rank 7 the shape "
+     "(4,); dim 0 is not sharded by R, so every rank holds all of it: give every rank's local tensor the same size "
+     "there (locals[0] has shape (4,))."),
+    ("from_local unsharded dim of another size",
+     lambda m, m8: spmd.DTensor.from_local([np.ones((2, 3))] * 3 + [np.ones((2, 4))] * 5, m, [S0, R]), ValueError,
+     "DTensor.from_local: locals[3] has shape (2, 4) but placements S(0)R of a global shape (4, 3) give rank 3 the "
+     "shape (2, 3); dim 1 is not sharded by S(0)R, so every rank holds all of it"),
 ]
 
 
@@ -240,3 +264,50 @@ CASES = [
 def test_bad_input(m24, m8, call, exc, msg):
     with pytest.raises(exc, match=owned(msg)):
         call(m24, m8)
+
+
+def test_from_local_uneven_shard_still_advises_shape():
+    # a sharded dim of another size is uneven shards: there shape= is the fix
+    with pytest.raises(ValueError, match=owned("give rank 7 the shape (3,); give shape= (the global shape) for "
+                                               "uneven shards; assuming even shards it is (24,).")):
+        spmd.DTensor.from_local([np.ones(3)] * 7 + [np.ones(1)], spmd.init_device_mesh("cpu", (8,)), [S0])
+
+
+class _Service:
+    """A stand-in for JAX's coordination client: every read fails at once (the service went away)."""
+
+    def key_value_set(self, key, value):
+        pass
+
+    def key_value_delete(self, key):
+        pass
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        raise RuntimeError("UNAVAILABLE: recvmsg:Connection reset by peer\nmore GRPC detail")
+
+
+@pytest.mark.parametrize("timed_out", [False, True])
+def test_signature_check_reports_the_real_wait(monkeypatch, timed_out):
+    """Issue 21.8: a rank whose check of the group's first call fails because the service is gone (rank 0 ended)
+    must not say it waited its whole timeout; one whose read did time out says that."""
+    import time
+    import types
+
+    from spmd.distributed import _guard
+    from spmd.distributed._errors import PeerError
+
+    monkeypatch.setattr(_guard, "_client", lambda: _Service())
+    now = time.monotonic()
+    start = now - 20.0 if timed_out else now
+    call = _guard.Call("all_reduce", (0, 1), 0, (("op", "max"),), (4,), "float32", 2, start, start + 20.0)
+    with pytest.raises(PeerError) as e:
+        _guard._check_across_ranks(types.SimpleNamespace(rank=1), call)
+    if timed_out:
+        assert str(e.value).startswith("all_reduce: rank 1 waited 20 s (the timeout) for ranks [0] to reach "
+                                       "all_reduce (call #0 of Group(WORLD)); they did not arrive.")
+    else:
+        assert re.match(re.escape("all_reduce: rank 1 stopped waiting after ") + r"\d+\.\d s" + re.escape(
+            " (of its 20 s timeout) for ranks [0] to reach all_reduce (call #0 of Group(WORLD)): the coordination "
+            "service stopped answering (UNAVAILABLE: recvmsg:Connection reset by peer). Rank 0 hosts it: rank 0 "
+            "most likely ended first (see its output for why)."), str(e.value)), str(e.value)
+        assert "(the timeout)" not in str(e.value)

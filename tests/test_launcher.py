@@ -442,6 +442,24 @@ def test_different_collectives_time_out_naming_each_other():
 
 
 @pytest.mark.timeout(60)
+def test_different_ops_on_a_first_call_report_the_real_wait():
+    # sum on rank 0, max on rank 1: rank 0 names both calls and ends; rank 1 may lose the coordination service
+    # (rank 0 hosts it) before it reads rank 0's call, and must then say so, not that it waited its timeout.
+    rc, out, err, _ = spmdrun("--standalone", "--nproc-per-node", "2", "--stop-timeout", "2",
+                              str(SCRIPTS / "guard.py"), "ops", timeout=50, env=clean_env(SPMD_TIMEOUT="20"))
+    assert rc != 0
+    assert ("ValueError: all_reduce: the ranks of Group(WORLD) disagree on call #0: rank 0: all_reduce(op=sum, "
+            "dtype=float32, shape=(4,)); rank 1: all_reduce(op=max, dtype=float32, shape=(4,)).") in err, err[-3000:]
+    assert "waited 20 s (the timeout)" not in err, err[-3000:]
+    for line in lines_of(err, 1):
+        if "PeerError" in line:
+            assert re.search(r"rank 1 stopped waiting after \d+\.\d s \(of its 20 s timeout\) for ranks \[0\] to "
+                             r"reach all_reduce \(call #0 of Group\(WORLD\)\): the coordination service stopped "
+                             r"answering \(", line), line
+    assert_gone(pids_in(out))
+
+
+@pytest.mark.timeout(60)
 def test_detail_mode_checks_signatures_across_ranks():
     # float32 on rank 0, int32 on rank 1: without the check rank 1 gets garbage; with it, both ranks fail at once.
     rc, out, err, took = spmdrun("--standalone", "--nproc-per-node", "2", "--stop-timeout", "2",

@@ -38,6 +38,7 @@ __all__ = ["Call", "enter", "leave", "broken_message"]
 
 _TICK_S = 0.1
 _PUBLISH_AFTER_S = 0.5
+_EARLY_S = 0.5  # a signature read that fails this long before the deadline did not time out
 
 
 def _group_label(ranks: tuple, world: int) -> str:
@@ -217,19 +218,30 @@ def _check_across_ranks(wd: _Watchdog, call: Call) -> None:
     client.key_value_set(f"{base}/{wd.rank}", f"{call.where}({call.signature})")
     got: dict[int, str] = {}
     missing = []
+    broke: Exception | None = None  # a read that failed before the deadline: the service stopped answering
     for r in call.ranks:
         if r == wd.rank:
             continue
         left_ms = max(1, int((call.deadline - time.monotonic()) * 1000))
         try:
             got[r] = client.blocking_key_value_get(f"{base}/{r}", left_ms)
-        except Exception:
+        except Exception as e:  # noqa: BLE001 - a timeout, or the service (rank 0) is gone
             missing.append(r)
+            if broke is None and time.monotonic() < call.deadline - _EARLY_S:
+                broke = e
     if call.seq:
         try:
             client.key_value_delete(f"spmd/sig/{call.group}/{call.seq - 1}/{wd.rank}")  # every peer has read it
         except Exception:
             pass
+    if missing and broke is not None:
+        elapsed = time.monotonic() - call.start
+        first = (str(broke).strip().splitlines() or [type(broke).__name__])[0][:200]
+        raise PeerError(
+            f"{call.where}: rank {wd.rank} stopped waiting after {elapsed:.1f} s (of its {call.deadline - call.start:g} "
+            f"s timeout) for ranks {missing} to reach {call.describe()}: the coordination service stopped answering "
+            f"({first}). Rank 0 hosts it: rank 0 most likely ended first (see its output for why)."
+        )
     if missing:
         raise PeerError(
             f"{call.where}: rank {wd.rank} waited {call.deadline - call.start:g} s (the timeout) for ranks {missing} "

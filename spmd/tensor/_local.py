@@ -70,7 +70,7 @@ def from_local_storage(locals, device_mesh, placements, shape, run_check):
         if tuple(a.shape) != want:
             raise ValueError(
                 f"{where}: locals[{r}] has shape {tuple(a.shape)} but placements {format_placements(pl)} of a global "
-                f"shape {gshape} give rank {r} the shape {want}; {hint}."
+                f"shape {gshape} give rank {r} the shape {want}; {_mismatch_hint(a.shape, want, pl, hint, arrs[0])}."
             )
     # A Replicate mesh dim holds one value (stored once, _storage.py): as torch's run_check=True, take
     # coordinate 0's along it; without run_check the replicas must already agree (never one kept silently).
@@ -99,6 +99,18 @@ def _check_replicas(arrs, src, mesh, pl, where: str) -> None:
                 f"from locals[{s}]; a Replicate value is one tensor. Pass equal tensors, run_check=True to take "
                 "coordinate 0's (as torch), or Partial() if they are per-rank contributions to a sum."
             )
+
+
+def _mismatch_hint(got, want, pl, hint: str, first) -> str:
+    """The fix for a local of the wrong shape: ``hint`` (uneven shards: shape=) when a dim that differs is
+    sharded; else every rank holds those dims whole, and shape= cannot help."""
+    sharded = {p.dim % len(want) for p in pl if isinstance(p, Shard)}
+    off = [d for d in range(len(want)) if got[d] != want[d]]
+    if any(d in sharded for d in off):
+        return hint
+    dims = f"dim {off[0]} is" if len(off) == 1 else f"dims {off} are"
+    return (f"{dims} not sharded by {format_placements(pl)}, so every rank holds all of it: give every rank's "
+            f"local tensor the same size there (locals[0] has shape {tuple(first.shape)})")
 
 
 def _same_bits(a, b) -> bool:

@@ -2,7 +2,8 @@
 
 MODE: ``late`` (the last rank sleeps instead of calling all_reduce), ``stop`` (the last
 rank SIGSTOPs itself), ``mismatch`` (rank 0 all_reduce, the others all_gather),
-``dtype`` (the last rank sends int32, the others float32), ``cost`` (times a 4 KiB
+``dtype`` (the last rank sends int32, the others float32), ``ops`` (the first call: all_reduce with
+sum on rank 0, max on the others), ``cost`` (times a 4 KiB
 all_reduce; prints ``us_per_call <float>`` on rank 0). Every rank prints ``pid <pid>`` first.
 """
 
@@ -21,6 +22,8 @@ dist.init_process_group()
 rank, world = dist.get_rank(), dist.get_world_size()
 last = rank == world - 1
 x = np.ones(4, np.float32)
+if mode == "ops":  # the group's first call differs: sum on rank 0, max on the others
+    dist.all_reduce(x, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
 dist.all_reduce(x)  # every rank gets here: programs compiled, gloo connected
 print("first all_reduce done", flush=True)
 if mode == "late":
