@@ -26,7 +26,6 @@ from placements import Partial, Placement, Replicate, Shard, check_placements, f
 from spmd._arrays import as_array
 from spmd._collectives import varying_axes
 from spmd._mesh import DeviceMesh
-from spmd._torch import is_torch_tensor
 from spmd._uneven import is_uneven, zero_padding
 from spmd.tensor._checks import check_target
 from spmd.tensor._dtensor import DTensor, from_physical, physical
@@ -325,44 +324,9 @@ def spmd(
             return region._trace(*args)
 
         functools.update_wrapper(traced, fn)
-        # All placement handling runs at trace time: the result is a jax.jit
-        # function, so a call costs what a hand-written jitted shard_map costs
-        # (and .lower() / .trace() work as on any jitted function).
-        jitted = jax.jit(traced)
-
-        @functools.wraps(fn)
-        def call(*args):
-            try:
-                return jitted(*args)
-            except TypeError:  # JAX's "abstract array" error for a str / object argument: say it in our words
-                _check_arguments(args)
-                raise
-
-        for name in ("lower", "trace", "eval_shape", "clear_cache"):
-            setattr(call, name, getattr(jitted, name))
-        return call
+        # All placement handling runs at trace time: the result is a plain
+        # jax.jit function, so a call costs what a hand-written jitted shard_map
+        # costs (and .lower() / .trace() work as on any jitted function).
+        return jax.jit(traced)
 
     return wrap if f is None else wrap(f)
-
-
-def _check_arguments(args: tuple) -> None:
-    """Every leaf of a region's arguments must be an array (or a DTensor, or a number); the first that is not is
-    a ``TypeError`` naming its path and value."""
-    for path, x in jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_dtensor)[0]:
-        if isinstance(x, (DTensor, jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
-            continue
-        try:
-            jax.typeof(x)  # anything else JAX takes as an array (a tracer, an object with __jax_array__, ...)
-            continue
-        except TypeError:
-            pass
-        if is_torch_tensor(x):
-            raise TypeError(
-                f"spmd: argument{jax.tree_util.keystr(path)} is a torch.Tensor (shape {tuple(x.shape)}); an @spmd "
-                "function takes NumPy or JAX arrays or DTensors: pass x.detach().cpu().numpy()."
-            )
-        raise TypeError(
-            f"spmd: argument{jax.tree_util.keystr(path)}={x!r} (a {type(x).__name__}) is not an array; every "
-            "argument of an @spmd function must be an array, a DTensor or a pytree of them. Pass a setting "
-            "through a closure or functools.partial instead, or convert the value (np.asarray)."
-        )
