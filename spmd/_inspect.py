@@ -45,13 +45,16 @@ def _group_size(line: str, default: int) -> int:
 
 
 def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Count collectives in HLO text: ``{kind: {"count": n, "bytes": b}}`` for every kind.
+    """Count collectives in HLO text: ``{kind: {"count": n, "bytes": b, "buffers": k}}`` for every kind.
+
+    ``count`` is the collective ops; ``buffers`` the arrays they move (XLA combines independent
+    collectives of a kind into one op over several buffers: one count, several buffers).
 
     ``bytes`` is per device, in the nccl-tests convention: the buffer for
     all-reduce, all-to-all and collective-permute, the gathered result for
     all-gather, the input (result times the group size) for reduce-scatter.
     """
-    out = {k: {"count": 0, "bytes": 0} for k in KINDS}
+    out = {k: {"count": 0, "bytes": 0, "buffers": 0} for k in KINDS}
     m = _PARTITIONS.search(hlo_text)
     n_devices = int(m[1]) if m else 1
     for line in hlo_text.splitlines():
@@ -61,16 +64,19 @@ def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
             continue
         kind = m["kind"]
         size_of = m["result"]
+        shapes = _SHAPE.findall(m["result"])
+        buffers = max(len(shapes), 1)  # XLA combines independent collectives into one op of many buffers
         if m["start"] and kind in ("all-gather", "collective-permute", "reduce-scatter"):
             # async start ops return (operand, result[, ...]) tuples: count the result.
-            shapes = _SHAPE.findall(m["result"])
             size_of = "%s[%s]" % shapes[-1] if shapes else m["result"]
+            buffers = 1
         nbytes = _bytes(size_of)
         if kind == "reduce-scatter":
             # Compiled HLO does not print operand shapes: the input is the result times the group size.
             nbytes *= _group_size(line, n_devices)
         out[kind]["count"] += 1
         out[kind]["bytes"] += nbytes
+        out[kind]["buffers"] += buffers
     return out
 
 

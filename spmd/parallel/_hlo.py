@@ -65,8 +65,8 @@ def hlo_executed_collectives(text: str) -> dict[str, dict[str, int]]:
                 if callee in comps and callee not in stack and callee != name:
                     sub = walk(callee, stack + (name,))
                     for k, v in sub.items():
-                        out[k]["count"] += times * v["count"]
-                        out[k]["bytes"] += times * v["bytes"]
+                        for f in v:
+                            out[k][f] += times * v[f]
         memo[name] = out
         return out
 

@@ -210,6 +210,39 @@ class Hooks:
             return
         _kernel_dim(name, fqn, typ, tuple(kernel_shape or ()), None, 0)
 
+    def call_unit(self, run: Callable, shards: list, arrays: list) -> Any:
+        """``run(shards, arrays)``: a unit gathering its parameters and running. With
+        ``reshard_after_forward``, the backward pass gathers them again: ``jax.checkpoint`` keeps the matmul
+        outputs and drops the gathered parameters, and the shards it keeps get ``+ 0`` computed from the
+        incoming cotangent, so the re-gather is a new all-gather of the backward pass (XLA:CPU drops
+        optimization barriers before it merges equal ops, and would merge it with the forward pass's
+        all-gather, holding the parameters all along, when the blocks are a Python loop)."""
+        if not self.regather:
+            return run(shards, arrays)
+        ckpt = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_saveable)
+
+        @jax.custom_vjp
+        def unit(shards, arrays):
+            return ckpt(shards, arrays)
+
+        def fwd(shards, arrays):
+            return jax.vjp(ckpt, shards, arrays)
+
+        kinds = {(tuple(np.shape(x)), jnp.dtype(x.dtype)) for x in shards}
+
+        def bwd(res, ct):
+            leaves, treedef = jax.tree_util.tree_flatten(res)
+            first = next((c for c in jax.tree.leaves(ct) if jnp.issubdtype(c.dtype, jnp.floating) and c.size), None)
+            if first is not None:
+                c = first.reshape(-1)[0]
+                zero = c - c  # 0, computed from the cotangent: the re-gather cannot run (or merge) before it
+                leaves = [x + zero.astype(x.dtype) if (tuple(np.shape(x)), jnp.dtype(x.dtype)) in kinds else x
+                          for x in leaves]
+            return jax.tree_util.tree_unflatten(treedef, leaves)(ct)
+
+        unit.defvjp(fwd, bwd)
+        return unit(shards, arrays)
+
     # --- linen ------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def installed(self):
@@ -259,9 +292,7 @@ class Hooks:
                 self.prefix = saved
                 self.active.discard(spath)
 
-        if self.regather:
-            run = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_saveable)
-        return run(shards, arrays)
+        return self.call_unit(run, shards, arrays)
 
     # --- nnx --------------------------------------------------------------------------------------
     def nnx_call(self, fqn: str, sub: Any, orig: Callable, args: tuple, kwargs: dict) -> Any:
@@ -299,6 +330,4 @@ class Hooks:
                     v.value = x
                 self.active.discard(spath)
 
-        if self.regather:
-            run = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_saveable)
-        return run([v.value for _, v in params], arrays)
+        return self.call_unit(run, [v.value for _, v in params], arrays)

@@ -184,6 +184,11 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
                              f"({pm!r}); build it with init_train_state on the same model.")
         return build(state.plan)(state, batch)
 
+    def lower(state: TrainState, batch: Any):
+        """The jitted step lowered for ``(state, batch)`` (``.compile().as_text()``: its HLO)."""
+        return build(state.plan).jitted.lower(state, _as_arrays(batch))
+
+    step.lower = lower
     return step
 
 
