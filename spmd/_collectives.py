@@ -18,7 +18,7 @@ from jax import lax
 from placements import ReduceOp
 from spmd._arrays import as_array
 from spmd._groups import group_axes
-from spmd._reduce import bool_op, check_op, extreme, kind, reduce_stacked, sum_contribution
+from spmd._reduce import bool_op, check_op, divide_by, extreme, kind, reduce_stacked, sum_contribution
 
 try:  # the same all-gather, typed as replicated over the group (so Replicate outputs pass check_vma)
     from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
@@ -107,7 +107,7 @@ def all_reduce(x, op: Any = ReduceOp.SUM, *, group: Any = None):
     if op.name in ("sum", "avg", "premul_sum"):
         y, divide = sum_contribution(x, op, n)
         y = lax.psum(y, axes)
-        return y / n if divide else y
+        return divide_by(y, n) if divide else y
     if op.name in ("max", "min"):
         return extreme(x, op.name, axes)
     return reduce_stacked(_all_gather_invariant(x, axes, axis=0), op.name, 0)
@@ -214,7 +214,7 @@ def reduce_scatter(x, op: Any = ReduceOp.SUM, *, scatter_dim: int = 0, group: An
     if name in ("sum", "avg", "premul_sum"):
         y, divide = sum_contribution(x, op, n)
         y = lax.psum_scatter(y, axes, scatter_dimension=d, tiled=True)
-        return y / n if divide else y
+        return divide_by(y, n) if divide else y
     c = x.shape[d] // n
     xs = x.reshape(x.shape[:d] + (n, c) + x.shape[d + 1 :])
     if xs.dtype == jnp.bool_:

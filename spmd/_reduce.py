@@ -11,6 +11,11 @@ torch and NumPy where XLA:CPU's primitives differ:
   float32, rounded once), so the sum cannot overflow where the average does not.
   Wider floats sum, then divide (exact for the values the sum holds exactly).
 * PREMUL_SUM multiplies in float32 at least, then rounds once to the input dtype.
+* Complex PRODUCT and AVG keep infinities where the value is exact: a complex multiply by the identity
+  ``1+0j`` (what a ``Replicate -> Partial(product)`` puts on the other ranks) gives the other factor
+  (``(inf+0j) * (1+0j)`` is ``inf+nanj`` in IEEE arithmetic), and AVG divides the real and imaginary parts
+  by the group size (a complex division by ``n+0j`` turns ``inf+0j`` into ``inf+nanj``). So a redistribute
+  through ``Partial(product)`` / ``Partial(avg)`` never changes a complex value, as the placements promise.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from jax import lax
 
 from placements import ReduceOp, as_reduce_op
 
-__all__ = ["kind", "check_op", "bool_op", "reduce_stacked", "sum_contribution", "extreme"]
+__all__ = ["kind", "check_op", "bool_op", "reduce_stacked", "sum_contribution", "divide_by", "extreme"]
 
 _SIGNED = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 
@@ -71,11 +76,18 @@ def bool_op(op: ReduceOp) -> str:
     return {"sum": "max", "product": "min", "max": "max", "min": "min", "band": "min", "bor": "max", "bxor": "bxor"}[op.name]
 
 
+def _complex_times(a, b):
+    """``a * b`` where a factor that is exactly ``1+0j`` gives the other one unchanged (infinities too)."""
+    return jnp.where(b == 1, a, jnp.where(a == 1, b, a * b))
+
+
 def reduce_stacked(g, name: str, axis: int):
     """Reduce the gathered contributions ``g`` along ``axis`` with a non-primitive op."""
-    if name == "product":
+    complex_ = jnp.issubdtype(g.dtype, jnp.complexfloating)
+    if name == "product" and not complex_:
         return jnp.prod(g, axis=axis, dtype=g.dtype)
-    fn = {"band": lax.bitwise_and, "bor": lax.bitwise_or, "bxor": lax.bitwise_xor, "max": lax.max, "min": lax.min}[name]
+    fn = {"band": lax.bitwise_and, "bor": lax.bitwise_or, "bxor": lax.bitwise_xor, "max": lax.max, "min": lax.min,
+          "product": _complex_times}[name]
     parts = [lax.index_in_dim(g, i, axis, keepdims=False) for i in range(g.shape[axis])]
     return functools.reduce(fn, parts)
 
@@ -95,6 +107,14 @@ def sum_contribution(x, op: ReduceOp, n: int):
     if op.name == "avg" and narrow:
         return (x.astype(jnp.float32) / np.float32(n)).astype(x.dtype), False
     return x, op.name == "avg"
+
+
+def divide_by(y, n: int):
+    """``y / n`` for an AVG over ``n`` ranks; complex parts are divided one by one (exact as for floats)."""
+    if jnp.issubdtype(y.dtype, jnp.complexfloating):
+        d = np.asarray(n, jnp.real(y).dtype)
+        return lax.complex(jnp.real(y) / d, jnp.imag(y) / d)
+    return y / n
 
 
 def extreme(x, name: str, axes):
