@@ -1,13 +1,18 @@
-"""Multi-process collectives: spmd.distributed (JAX over gloo) against torch.distributed (gloo).
+"""Multi-process collectives: spmd.distributed on mpi and on gloo, torch.distributed on gloo, raw mpi4py.
 
 all_reduce, all_gather (into one tensor) and reduce_scatter (from one tensor)
-over float32 messages of 4 KiB .. 16 MiB, in 2 and 4 processes on this
-machine (loopback), both launched by spmdrun in the same run. Reports the
-median time per call, algbw and busbw (nccl-tests formulas: size S is the
-per-rank buffer for all_reduce, the gathered output for all_gather, the
+over float32 messages of 4 B .. 64 MiB (``--quick``: 4 B .. 64 KiB and 1 MiB,
+2 processes only), in 2 and 4 processes on this machine (loopback). Four
+systems, each in its own job: ``spmd-mpi`` (``init_process_group("mpi")``
+under ``mpiexec``), ``mpi4py`` (the same MPI calls written by hand on NumPy
+buffers: the floor), ``spmd-gloo`` (``spmdrun``, the XLA program over gloo) and
+``torch`` (torch.distributed's gloo, ``spmdrun``). spmd's inputs are NumPy
+buffers updated in place, torch's CPU tensors, as the seed's examples.
+Reports the median time per call, algbw and busbw (nccl-tests formulas: size S
+is the per-rank buffer for all_reduce, the gathered output for all_gather, the
 per-rank input for reduce_scatter; busbw = algbw * 2(n-1)/n for all_reduce,
-* (n-1)/n for the others) and the time ratio spmd / torch. torch is skipped
-when it is not installed.
+* (n-1)/n for the others) and the ratios spmd-mpi / mpi4py and spmd-mpi /
+torch. A system whose package is missing (torch, mpi4py) is skipped.
 
 Each row also keeps the first call's time (tracing + compilation included).
 ``--check-cost`` instead measures what the cross-rank signature check
@@ -31,6 +36,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
+SYSTEMS = ("spmd-mpi", "mpi4py", "spmd-gloo", "torch")
 
 
 def _factor(op: str, n: int) -> float:
@@ -90,21 +96,41 @@ def worker(framework: str, sizes: list[int], out: str, budget: float) -> None:
             t = torch.tensor([v], dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return int(t.item())
-    else:
-        import jax.numpy as jnp
+    elif framework == "mpi4py":
+        from mpi4py import MPI
 
+        comm = MPI.COMM_WORLD
+        n = comm.Get_size()
+
+        def make(op, e):
+            x = np.ones(e, np.float32)
+            if op == "all_reduce":
+                return lambda: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+            if op == "all_gather":
+                o = np.empty(e * n, np.float32)
+                return lambda: comm.Allgather(x, o)
+            o = np.empty(e // n, np.float32)
+            return lambda: comm.Reduce_scatter_block(x, o, MPI.SUM)
+
+        sync = comm.Barrier
+
+        def agree(v):
+            return comm.allreduce(v, op=MPI.MAX)
+    else:
         import spmd.distributed as dist
 
-        dist.init_process_group("gloo")
+        dist.init_process_group(framework.split("-")[1])  # spmd-mpi / spmd-gloo
         n = dist.get_world_size()
 
         def make(op, e):
-            x = jnp.ones(e, jnp.float32)
+            x = np.ones(e, np.float32)
             if op == "all_reduce":
                 return lambda: dist.all_reduce(x)
             if op == "all_gather":
-                return lambda: dist.all_gather_into_tensor(None, x)
-            return lambda: dist.reduce_scatter_tensor(None, x)
+                o = np.empty(e * n, np.float32)
+                return lambda: dist.all_gather_into_tensor(o, x)
+            o = np.empty(e // n, np.float32)
+            return lambda: dist.reduce_scatter_tensor(o, x)
 
         sync = dist.barrier
 
@@ -121,34 +147,59 @@ def worker(framework: str, sizes: list[int], out: str, budget: float) -> None:
                 t, first, err = None, None, f"{type(ex).__name__}: {str(ex)[:200]}"
             rows.append({"op": op, "size": size, "elems": e, "seconds": t, "first_seconds": first, "error": err})
     # Each rank measured; keep the slowest rank's time (the collective ends when all have it).
+    mine = np.array([r["seconds"] or 0.0 for r in rows], np.float64)
     if framework == "torch":
-        ts = torch.tensor([r["seconds"] or 0.0 for r in rows], dtype=torch.float64)
+        ts = torch.from_numpy(mine.copy())
         dist.all_reduce(ts, op=dist.ReduceOp.MAX)
-        slow = ts.tolist()
+        slow, rank = ts.tolist(), dist.get_rank()
+    elif framework == "mpi4py":
+        got = np.empty_like(mine)
+        comm.Allreduce(mine, got, MPI.MAX)
+        slow, rank = got.tolist(), comm.Get_rank()
     else:
-        slow = np.asarray(dist.all_reduce(np.array([r["seconds"] or 0.0 for r in rows], np.float32), op="max")).tolist()
+        slow, rank = np.asarray(dist.all_reduce(mine, op="max")).tolist(), dist.get_rank()
     for r, t in zip(rows, slow):
         if r["seconds"] is not None:
             r["seconds"] = float(t)
-    if dist.get_rank() == 0:
+    if rank == 0:
         with open(out, "w") as f:
             json.dump({"framework": framework, "nproc": n, "rows": rows}, f)
+    if framework == "mpi4py":
+        comm.Barrier()
+        return
     dist.barrier()
     dist.destroy_process_group()
 
 
 # --- driver ----------------------------------------------------------------------------------------
+def _mpiexec() -> str:
+    import shutil
+
+    return shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec") or "mpiexec"
+
+
+def _available(framework: str) -> bool:
+    import importlib.util
+
+    need = {"torch": "torch", "spmd-mpi": "mpi4py", "mpi4py": "mpi4py"}.get(framework)
+    return need is None or importlib.util.find_spec(need) is not None
+
+
 def _launch(framework: str, nproc: int, sizes: list[int], budget: float, tmp: str, **extra_env: str) -> dict:
     out = os.path.join(tmp, f"{framework}-{nproc}-{len(os.listdir(tmp))}.json")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TORCH_DISTRIBUTED_DEBUG", "SPMD_DISTRIBUTED_DEBUG")}
     env.update(extra_env)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "spmd.run", "--standalone", "--nproc-per-node", str(nproc), "--no-prefix",
-           os.path.abspath(__file__), "--worker", framework, "--sizes", ",".join(map(str, sizes)),
-           "--budget", str(budget), "--result", out]
+    worker_args = [os.path.abspath(__file__), "--worker", framework, "--sizes", ",".join(map(str, sizes)),
+                   "--budget", str(budget), "--result", out]
+    if framework in ("spmd-mpi", "mpi4py"):
+        cmd = [_mpiexec(), "-n", str(nproc), sys.executable, *worker_args]
+    else:
+        cmd = [sys.executable, "-m", "spmd.run", "--standalone", "--nproc-per-node", str(nproc), "--no-prefix",
+               *worker_args]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     if p.returncode != 0:
         raise RuntimeError(f"{framework} with {nproc} processes failed:\n{p.stderr[-3000:]}")
     with open(out) as f:
@@ -164,7 +215,7 @@ def _plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(OPS), figsize=(15, 4.2))
-    styles = {"spmd": "-", "torch": "--"}
+    styles = {"spmd-mpi": "-", "mpi4py": ":", "spmd-gloo": "-.", "torch": "--", "spmd": "-"}
     for ax, op in zip(axes, OPS):
         for res in results:
             rows = [r for r in res["rows"] if r["op"] == op and r["seconds"]]
@@ -173,14 +224,15 @@ def _plot(results: list[dict], path: str) -> None:
             n = res["nproc"]
             xs = [r["size"] for r in rows]
             ys = [r["size"] / r["seconds"] * _factor(op, n) / 1e9 for r in rows]
-            ax.plot(xs, ys, styles[res["framework"]], marker="o", label=f"{res['framework']} gloo, {n} proc")
+            ax.plot(xs, ys, styles[res["framework"]], marker="o", label=f"{res['framework']}, {n} proc")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_title(f"{op} busbw")
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("GB/s")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("spmd.distributed vs torch.distributed, gloo over loopback (CPU)")
+    fig.suptitle("spmd.distributed on mpi / gloo vs torch.distributed gloo vs raw mpi4py, loopback (CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -292,7 +344,7 @@ def check_cost(out_dir: str, rounds: int = 3) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):
             for level in times:
-                res = _launch("spmd", 2, [4096], 0.5, tmp, TORCH_DISTRIBUTED_DEBUG=level)
+                res = _launch("spmd-gloo", 2, [4096], 0.5, tmp, TORCH_DISTRIBUTED_DEBUG=level)
                 times[level].append(next(r["seconds"] for r in res["rows"] if r["op"] == "all_reduce"))
     off, detail = statistics.median(times["OFF"]), statistics.median(times["DETAIL"])
     guard = _guard_cost()
@@ -310,14 +362,14 @@ def check_cost(out_dir: str, rounds: int = 3) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 processes, sizes up to 256 KiB")
+    ap.add_argument("--quick", action="store_true", help="2 processes, sizes 4 B .. 64 KiB and 1 MiB")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--check-cost", action="store_true",
                     help="only measure the cross-rank check (DETAIL) and the timeout guard on a 4 KiB all_reduce")
     ap.add_argument("--floor", action="store_true",
                     help="only measure where one all_reduce's time goes: spmd (NumPy / JAX input), the XLA program "
                          "alone and torch gloo, interleaved in the same 2 processes")
-    ap.add_argument("--worker", choices=("spmd", "torch", "floor"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=(*SYSTEMS, "floor"), help=argparse.SUPPRESS)
     ap.add_argument("--torch-port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sizes", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=0.25, help=argparse.SUPPRESS)
@@ -335,49 +387,55 @@ def main() -> None:
     if args.check_cost:
         check_cost(args.out)
         return
-    sizes = [4096 * 4**i for i in range(4 if args.quick else 7)]  # 4 KiB .. 16 MiB
+    sizes = [4, 64, 256, 1024, 4096, 16384, 65536] + ([1 << 20] if args.quick else [1 << 20, 1 << 22, 1 << 24, 1 << 26])
     procs = (2,) if args.quick else (2, 4)
-    try:
-        import torch  # noqa: F401
-
-        frameworks = ("spmd", "torch")
-    except ImportError:
-        frameworks = ("spmd",)
-        print("torch is not installed: measuring spmd only")
+    frameworks = tuple(f for f in SYSTEMS if _available(f))
+    for f in SYSTEMS:
+        if f not in frameworks:
+            print(f"{f}: its package is not installed; skipped")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in procs:
             for fw in frameworks:
                 res = _launch(fw, n, sizes, 0.1 if args.quick else 0.25, tmp)
                 results.append(res)
-                print(f"{fw:5s} nproc={n}: {res['wall_seconds']:.1f} s wall", flush=True)
+                print(f"{fw:9s} nproc={n}: {res['wall_seconds']:.1f} s wall", flush=True)
     table = []
-    print(f"\n{'op':15s} {'n':>2s} {'size':>10s} {'spmd ms':>9s} {'torch ms':>9s} {'spmd busbw':>11s} {'torch busbw':>12s} {'ratio':>6s}")
+    heads = "".join(f"{f + ' us':>14s}" for f in frameworks)
+    print(f"\n{'op':15s} {'n':>2s} {'size':>9s}{heads} {'mpi/mpi4py':>11s} {'mpi/torch':>10s} {'busbw GB/s mpi/torch':>21s}")
     for n in procs:
-        by = {(r["framework"]): {(x["op"], x["size"]): x for x in r["rows"]} for r in results if r["nproc"] == n}
+        by = {r["framework"]: {(x["op"], x["size"]): x for x in r["rows"]} for r in results if r["nproc"] == n}
         for op in OPS:
             for s in sizes:
-                sp = by["spmd"][(op, s)]
-                th = by.get("torch", {}).get((op, s))
-                row = {"op": op, "nproc": n, "size": s,
-                       "spmd_seconds": sp["seconds"], "torch_seconds": th["seconds"] if th else None,
-                       "spmd_first_call_seconds": sp.get("first_seconds"),
-                       "torch_first_call_seconds": th.get("first_seconds") if th else None,
-                       "torch_error": th["error"] if th else None}
-                for fw in ("spmd", "torch"):
-                    t = row[f"{fw}_seconds"]
+                row = {"op": op, "nproc": n, "size": s}
+                for fw in frameworks:
+                    x = by[fw][(op, s)]
+                    t = x["seconds"]
+                    row[f"{fw}_seconds"] = t
+                    row[f"{fw}_first_call_seconds"] = x.get("first_seconds")
+                    row[f"{fw}_error"] = x["error"]
                     row[f"{fw}_busbw_GBps"] = s / t * _factor(op, n) / 1e9 if t else None
-                row["ratio_spmd_over_torch"] = (sp["seconds"] / th["seconds"]) if th and th["seconds"] and sp["seconds"] else None
+
+                def ratio(a, b):
+                    ta, tb = row.get(f"{a}_seconds"), row.get(f"{b}_seconds")
+                    return ta / tb if ta and tb else None
+
+                row["ratio_mpi_over_mpi4py"] = ratio("spmd-mpi", "mpi4py")
+                row["ratio_mpi_over_torch"] = ratio("spmd-mpi", "torch")
+                row["ratio_gloo_over_torch"] = ratio("spmd-gloo", "torch")
                 table.append(row)
-                fmt = lambda v, k=1e3: f"{v * k:9.3f}" if v else f"{'-':>9s}"  # noqa: E731
-                print(f"{op:15s} {n:2d} {s:10d} {fmt(row['spmd_seconds'])} {fmt(row['torch_seconds'])} "
-                      f"{fmt(row['spmd_busbw_GBps'], 1):>11s} {fmt(row['torch_busbw_GBps'], 1):>12s} "
-                      f"{row['ratio_spmd_over_torch'] or float('nan'):6.2f}")
+                us = "".join(f"{row[f'{fw}_seconds'] * 1e6:14.1f}" if row[f"{fw}_seconds"] else f"{'-':>14s}"
+                             for fw in frameworks)
+                r1, r2 = row["ratio_mpi_over_mpi4py"], row["ratio_mpi_over_torch"]
+                bw = (f"{row.get('spmd-mpi_busbw_GBps') or 0:.3f}/{row.get('torch_busbw_GBps') or 0:.3f}")
+                print(f"{op:15s} {n:2d} {s:9d}{us} {r1 or float('nan'):11.2f} {r2 or float('nan'):10.2f} {bw:>21s}")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "multiprocess" + ("_quick" if args.quick else ""))
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "sizes": sizes, "nprocs": list(procs), "frameworks": list(frameworks),
-            "note": "time per call = median over iterations, slowest rank; busbw by nccl-tests formulas"}
+            "note": ("time per call = median over iterations, slowest rank; busbw by nccl-tests formulas; spmd's "
+                     "inputs are NumPy buffers updated in place (output buffers given), torch's CPU tensors, "
+                     "mpi4py's the same NumPy buffers with MPI_IN_PLACE; each system in its own job")}
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": table, "raw": results}, f, indent=1)
     _plot(results, stem + ".png")
