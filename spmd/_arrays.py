@@ -21,6 +21,8 @@ def as_array(x: Any, where: str, arg: str):
     """
     if isinstance(x, jax.Array):
         return x
+    if type(x) is np.ndarray and x.dtype.kind in "biufc":  # the common case, without jnp.issubdtype
+        return x
     try:
         a = torch_numpy(x) if is_torch_tensor(x) else np.asarray(x)  # a torch tensor: requires_grad / bfloat16 too
     except Exception:

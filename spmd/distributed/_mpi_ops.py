@@ -27,6 +27,7 @@ rank, checked across ranks on a group's first call and with
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -78,50 +79,69 @@ def _narrow(dtype: np.dtype) -> bool:
 def _mpi_op(name: str):
     M = _mpi.MPI
     return {"sum": M.SUM, "product": M.PROD, "max": M.MAX, "min": M.MIN, "band": M.BAND, "bor": M.BOR,
-            "bxor": M.BXOR}[name]
+            "bxor": M.BXOR, "lor": M.LOR, "land": M.LAND, "lxor": M.LXOR}[name]
 
 
-def _prepare(x: np.ndarray, op: Any, n: int, where: str):
-    """(what this rank sends, the MPI op, the way back from the reduced buffer to the result);
-    ``back`` is None when the reduced buffer is the result as it is."""
-    M = _mpi.MPI
-    dtype = x.dtype
+def _key_fns(dtype: np.dtype, name: str):
+    """MAX / MIN of floats as integers: the bits mapped to the float order, NaN beyond +-inf."""
+    it = _SIGNED[dtype.itemsize]
+    info = np.iinfo(it)
+    flip = it(info.max)  # negative floats: flip the magnitude bits, so integer order is float order
+    nan = it(info.max if name == "max" else info.min)  # beyond +inf (max) or -inf (min)
+    nan_value = np.array(np.nan, dtype)
+
+    def pre(x):
+        b = x.view(it)
+        return np.where(np.isnan(x), nan, np.where(b < 0, b ^ flip, b)).astype(it)
+
+    def post(r):
+        out = np.where(r < 0, r ^ flip, r).astype(it).view(dtype)
+        return np.where(r == nan, nan_value, out)
+
+    return pre, post
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(op: Any, dtype: np.dtype, n: int, where: str):
+    pre, name, post = _plan_names(op, dtype, n, where)
+    return pre, _mpi_op(name), post
+
+
+def _plan_names(op: Any, dtype: np.dtype, n: int, where: str):
+    """How ``op`` reduces ``dtype`` over ``n`` ranks here: (pre, MPI op name, post); ``pre`` turns this
+    rank's block into what it sends, ``post`` the reduced buffer into the result (None: as it is).
+    Checked first (the same errors as on gloo); cached per (op, dtype, n)."""
     op = check_op(op, dtype, where)
     k = kind(dtype)
     if k == "bool":
-        name = bool_op(op)
-        return x, {"max": M.LOR, "min": M.LAND, "bxor": M.LXOR}[name], None
+        return None, {"max": "lor", "min": "land", "bxor": "lxor"}[bool_op(op)], None
+    narrow = _narrow(dtype)
     if op.name in ("sum", "avg", "premul_sum"):
-        narrow = _narrow(dtype)
+        f32 = np.float32
         if op.name == "premul_sum":
-            y = (x.astype(np.float32) * np.float32(op.factor)) if narrow else x * np.asarray(op.factor).astype(dtype)
-            divide = False
-        elif op.name == "avg" and narrow:
-            y, divide = (x.astype(np.float32) / np.float32(n)).astype(dtype), False
-        else:
-            y, divide = x, op.name == "avg"
-        if narrow:  # MPI has no 16-bit floats: sum in float32, round once
-            y = y.astype(np.float32)
-            return y, M.SUM, lambda r: (r / np.float32(n) if divide else r).astype(dtype)
-        if divide:
-            return y, M.SUM, lambda r: np.divide(r, n, out=r, casting="unsafe")
-        return y, M.SUM, None
+            factor = np.asarray(op.factor).astype(dtype) if not narrow else f32(op.factor)
+            if narrow:  # in float32, rounded once to the dtype; summed in float32 (MPI has no 16-bit floats)
+                return (lambda x: (x.astype(f32) * factor).astype(dtype).astype(f32)), "sum", (lambda r: r.astype(dtype))
+            return (lambda x: x * factor), "sum", None
+        if narrow:  # AVG pre-divided (as NCCL, in float32, rounded once), every sum in float32
+            if op.name == "avg":
+                return (lambda x: (x.astype(f32) / f32(n)).astype(dtype).astype(f32)), "sum", (lambda r: r.astype(dtype))
+            return (lambda x: x.astype(f32)), "sum", (lambda r: r.astype(dtype))
+        if op.name == "avg":
+            return None, "sum", (lambda r: np.divide(r, n, out=r, casting="unsafe"))
+        return None, "sum", None
     if op.name in ("max", "min") and k == "float" and dtype.kind != "c":
-        it = _SIGNED[dtype.itemsize]
-        info = np.iinfo(it)
-        flip = it(info.max)  # negative floats: flip the magnitude bits, so integer order is float order
-        nan = it(info.max if op.name == "max" else info.min)  # beyond +inf (max) or -inf (min)
-        b = x.view(it)
-        key = np.where(np.isnan(x), nan, np.where(b < 0, b ^ flip, b)).astype(it)
+        pre, post = _key_fns(dtype, op.name)
+        return pre, op.name, post
+    if narrow:  # PRODUCT of float16 / bfloat16
+        return (lambda x: x.astype(np.float32)), op.name, (lambda r: r.astype(dtype))
+    return None, op.name, None
 
-        def back(r):
-            out = np.where(r < 0, r ^ flip, r).astype(it).view(dtype)
-            return np.where(r == nan, np.array(np.nan, dtype), out)
 
-        return key, _mpi_op(op.name), back
-    if _narrow(dtype):  # PRODUCT of float16 / bfloat16
-        return x.astype(np.float32), _mpi_op(op.name), lambda r: r.astype(dtype)
-    return x, _mpi_op(op.name), None
+def _prepare(x: np.ndarray, op: Any, n: int, where: str):
+    """(what this rank sends, the MPI op, the way back from the reduced buffer to the result)."""
+    pre, mop, post = _plan(op, x.dtype, n, where)
+    return (x if pre is None else pre(x)), mop, post
 
 
 # --- the collectives ------------------------------------------------------------------------------
@@ -210,6 +230,17 @@ def _all_to_all(c, x, into):
     return into
 
 
+_DISPATCH = {
+    "all_reduce": lambda c, a, into, kw, where: _all_reduce(c, a, into, kw["op"], where),
+    "broadcast": lambda c, a, into, kw, where: _broadcast(c, a, into, kw["src"]),
+    "all_gather": lambda c, a, into, kw, where: _all_gather(c, a, into, kw.get("tiled", False)),
+    "reduce": lambda c, a, into, kw, where: _reduce(c, a, into, kw["op"], kw["dst"], where),
+    "scatter": lambda c, a, into, kw, where: _scatter(c, a, into, kw["src"]),
+    "gather": lambda c, a, into, kw, where: _gather(c, a, kw["dst"]),
+    "reduce_scatter": lambda c, a, into, kw, where: _reduce_scatter(c, a, into, kw["op"], where),
+    "all_to_all": lambda c, a, into, kw, where: _all_to_all(c, a, into),
+}
+
 # CommDebugMode's kinds (HLO names) for the MPI calls: what the same call counts on gloo.
 _KIND = {"all_reduce": "all-reduce", "reduce": "all-reduce", "broadcast": "all-reduce", "all_gather": "all-gather",
          "gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_to_all": "all-to-all",
@@ -229,7 +260,7 @@ def _record(where: str, name: str, nbytes: int) -> None:
 def _check_options(name: str, x: np.ndarray, kwargs: dict, n: int, where: str) -> None:
     """What the XLA path would refuse at compile time, refused before communicating."""
     if name in ("all_reduce", "reduce", "reduce_scatter"):
-        check_op(kwargs.get("op"), x.dtype, where)
+        _plan(kwargs.get("op"), x.dtype, n, where)
     if name in ("reduce_scatter", "all_to_all") and (x.ndim == 0 or x.shape[0] % n):
         raise ValueError(f"{where}: input has shape {tuple(x.shape)}; its dim 0 must be a multiple of the group size {n}.")
 
@@ -238,34 +269,17 @@ def run_on(ranks: Sequence[int], name: str, x: Any, *, where: str | None = None,
     """Run collective ``name`` over global ``ranks`` with this rank's block ``x``; this rank's result
     (``into`` itself when the result was written there; a ``jax.Array`` for a ``jax.Array`` input)."""
     where = where or name
-    ranks = tuple(ranks)
     st = state(where)
-    is_jax = isinstance(x, jax.Array)
-    a = _host(x)
+    if type(x) is np.ndarray and x.flags.c_contiguous:  # the common case, first
+        a, is_jax = x, False
+    else:
+        is_jax, a = isinstance(x, jax.Array), _host(x)
     _check_options(name, a, kwargs, len(ranks), where)
     _record(where, name, a.nbytes)
-    opts = tuple(sorted(kwargs.items()))
+    opts = tuple(sorted(kwargs.items())) if len(kwargs) > 1 else tuple(kwargs.items())
     call = _guard.enter(st, where, ranks, opts, a.shape, a.dtype)
     try:
-        c = _mpi.comm(ranks)
-        if name == "all_reduce":
-            out = _all_reduce(c, a, into, kwargs["op"], where)
-        elif name == "broadcast":
-            out = _broadcast(c, a, into, kwargs["src"])
-        elif name == "all_gather":
-            out = _all_gather(c, a, into, kwargs.get("tiled", False))
-        elif name == "reduce":
-            out = _reduce(c, a, into, kwargs["op"], kwargs["dst"], where)
-        elif name == "scatter":
-            out = _scatter(c, a, into, kwargs["src"])
-        elif name == "gather":
-            out = _gather(c, a, kwargs["dst"])
-        elif name == "reduce_scatter":
-            out = _reduce_scatter(c, a, into, kwargs["op"], where)
-        elif name == "all_to_all":
-            out = _all_to_all(c, a, into)
-        else:
-            raise NotImplementedError(f"{where}: collective {name!r} has no MPI implementation.")
+        out = _DISPATCH[name](_mpi.comm(ranks), a, into, kwargs, where)
     except _mpi.MPI.Exception as e:
         raise PeerError(_guard.broken_message(st, call, e)) from e
     finally:
