@@ -11,9 +11,21 @@ a contraction over an index that both inputs shard, ``P(sum)`` out; a few
 ``Partial`` pass-throughs where the op commutes with the reduction (``exp``
 keeps ``P(max)``, ``-`` turns ``P(max)`` into ``P(min)``, ``+`` keeps ``P(sum)``
 when both sides are ``P(sum)``). A full strategy picks one rule per mesh dim;
-the chosen one is the cheapest, in the redistribute planner's cost model, to
-reach from the placements the inputs have (ties: fewer collectives, fewer
-redistribute steps, then rule order). Reductions and softmax
+the chosen one is the cheapest to reach from the placements the inputs have, in one of
+two cost models. Two ways to choose, named by ``STRATEGIES``:
+
+* ``"torch"`` (the default): torch 2.13's choice, so a ported program sees the placements (and
+  ``to_local()`` shapes) it saw under torch. torch's rules (a ``Shard`` rule only when some input
+  is sharded; ``R`` first), its cost model (``_collective_utils.py``: latency plus ring bandwidth
+  of a CPU mesh, an all-to-all priced as an all-gather plus a penalty) and its search
+  (``expand_to_full_mesh_op_strategy`` then ``_select_min_cost_strategy``: every combination of
+  rules, the inputs kept as they are if that costs nothing, else the first of least cost).
+* ``"cheapest"``: the strategy with the fewest communicated bytes in spmd's redistribute planner
+  (ties: fewer collectives, fewer redistribute steps, then rule order); e.g. a nonlinear op on
+  ``P(sum)`` reduce-scatters to ``S(0)`` where torch all-reduces to ``R``.
+
+Under ``"torch"`` a strategy also carries the cheapest one as ``alternative`` when it differs, so
+that ``explain`` can show both costs. Reductions and softmax
 follow their input as torch does (no search): a reduction over a sharded dim
 gives ``Partial(op)``, and anything the op cannot pass through is replicated first.
 
@@ -31,10 +43,12 @@ import itertools
 import math
 from typing import Sequence
 
-from placements._plan import ALL_TO_ALL_WEIGHT, LATENCY_BYTES, LINEAR_OPS, Plan, PlanCost, plan
+from placements._plan import ALL_TO_ALL_WEIGHT, LATENCY_BYTES, LINEAR_OPS, Plan, PlanCost, plan, torch_greedy_steps
 from placements._types import Partial, Placement, Replicate, Shard, format_placements
 
 __all__ = [
+    "STRATEGIES",
+    "check_strategy",
     "Operand",
     "OpStrategy",
     "PARTIAL_RULES",
@@ -49,6 +63,18 @@ __all__ = [
 ]
 
 R = Replicate()
+
+#: The ways an op can choose its strategy (see the module docstring); the first is the default.
+STRATEGIES = ("torch", "cheapest")
+
+
+def check_strategy(strategy, where: str = "placement_strategy") -> str:
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"{where}: strategy={strategy!r} is not one of {STRATEGIES!r}; use 'torch' (torch 2.13's output "
+            "placements, the default) or 'cheapest' (fewest communicated bytes)."
+        )
+    return strategy
 
 #: Partial pass-through rules of elementwise ops, as torch 2.13 registers them
 #: (``_pointwise_ops.py``): ``(output op, input ops...)``, ``None`` for Replicate.
@@ -101,6 +127,8 @@ class OpStrategy:
     out_shape: tuple[int, ...]
     plans: tuple[Plan, ...]
     masks: tuple[tuple[int, ...], ...] = ()
+    #: The cheapest strategy (``"cheapest"``) where it differs from this one (torch's), else None.
+    alternative: "OpStrategy | None" = dataclasses.field(default=None, compare=False, repr=False)
 
     def cost(self) -> PlanCost:
         cs = [p.cost() for p in self.plans]
@@ -113,6 +141,12 @@ class OpStrategy:
         for i, p in enumerate(self.plans):
             for s in p.steps:
                 lines.append(f"    input {i}: {s}")
+        a = self.alternative
+        if a is not None:
+            lines.append(f"    cheapest: -> {format_placements(a.output)}  [{a.cost()}]  (placement_strategy('cheapest'))")
+            for i, p in enumerate(a.plans):
+                for s in p.steps:
+                    lines.append(f"        input {i}: {s}")
         return "\n".join(lines)
 
 
@@ -128,13 +162,17 @@ def _score(p: Plan) -> tuple[float, int]:
     return w + LATENCY_BYTES * n, n
 
 
-def _try_plan(mesh_shape, x: Operand, dst, op: str) -> Plan | None:
+def _try_plan(mesh_shape, x: Operand, dst, op: str, *, via_partial: bool = False) -> Plan | None:
+    """The planner's plan from ``x`` to ``dst``, or None. A plan with a ``Shard -> Partial`` step
+    (local, but a full-size block per rank) is refused as a strategy's target, as torch refuses
+    it; ``via_partial``: accepted as a route to a target torch chose (e.g. ``RS(1) -> P(sum)S(0)``,
+    which the planner routes through a reduce-scatter)."""
     try:
         p = plan(mesh_shape, x.shape, x.itemsize, x.placements, dst, where=op)
     except ValueError:
         return None  # e.g. P(max) cannot become P(sum)
-    if any(isinstance(s.src, Shard) and isinstance(s.dst, Partial) for s in p.steps):
-        return None  # local but full-size per rank; torch refuses it, and so do op strategies
+    if not via_partial and any(isinstance(s.src, Shard) and isinstance(s.dst, Partial) for s in p.steps):
+        return None
     return p
 
 
@@ -146,9 +184,8 @@ def _fmt_inputs(xs: Sequence[Operand]) -> str:
     return ", ".join(f"{format_placements(x.placements)} {x.shape}" for x in xs)
 
 
-@functools.lru_cache(maxsize=4096)
-def _search(op: str, mesh_shape: tuple[int, ...], xs: tuple[Operand, ...], rules: tuple, out_shape, masks) -> OpStrategy:
-    """The cheapest full-mesh strategy out of ``rules`` (single-dim rules, output first)."""
+def _cheapest(op: str, mesh_shape, xs, rules, out_shape, masks) -> OpStrategy | None:
+    """The cheapest full-mesh strategy out of ``rules`` in spmd's planner, or None if none applies."""
     best = None
     for idx, combo in enumerate(itertools.product(rules, repeat=len(mesh_shape))):
         out = tuple(r[0] for r in combo)
@@ -168,13 +205,145 @@ def _search(op: str, mesh_shape: tuple[int, ...], xs: tuple[Operand, ...], rules
             if best is None or key < best[0]:
                 best = (key, ins, out, tuple(plans))
     if best is None:
+        return None
+    _, ins, out, plans = best
+    return _strategy(op, mesh_shape, ins, out, out_shape, plans, masks)
+
+
+def _strategy(op, mesh_shape, ins, out, out_shape, plans, masks, alternative=None) -> OpStrategy:
+    mk = tuple(tuple(d for d in m if any(isinstance(p, Shard) and p.dim == d for p in pl)) for m, pl in zip(masks, ins))
+    return OpStrategy(op, mesh_shape, ins, out, tuple(out_shape), tuple(plans), mk, alternative)
+
+
+# --- torch 2.13's choice -------------------------------------------------------------------------
+# torch's cost model (``torch/distributed/tensor/_collective_utils.py``), in microseconds: a ring
+# collective's base latency plus per-hop latency plus bytes over bandwidth. On a CPU mesh torch
+# counts one device per host, so every mesh dim spanning more than one device uses its inter-host
+# numbers (87.7 GB/s * 0.22, 2.7 us per hop).
+_TORCH_BASE_US = 6.6
+_TORCH_BW_GBS = (87.7, 87.7 * 0.22)  # intra-host, inter-host
+_TORCH_HOP_US = (0.6, 2.7)
+
+
+def _torch_topology(mesh_shape) -> list[tuple[float, float]]:
+    topo, total = [], 1
+    for n in reversed(mesh_shape):
+        total *= n
+        inter = int(total > 1)
+        topo.append((_TORCH_BW_GBS[inter], _TORCH_HOP_US[inter]))
+    return topo[::-1]
+
+
+def _torch_step_cost(cur: Placement, dst: Placement, k: int, topo, gb: float) -> tuple[float, float]:
+    """torch's ``_compute_placement_transition_cost``: (cost, bytes in GB after the step)."""
+    if cur == dst:
+        return 0.0, gb
+    bw, hop = topo
+
+    def ring(g, hops):
+        return _TORCH_BASE_US + hops * hop + (g * hops / k) / bw * 1e6
+
+    if isinstance(cur, Shard) and isinstance(dst, Replicate):
+        return ring(gb * k, k - 1), gb * k
+    if isinstance(cur, Shard) and isinstance(dst, Shard):
+        return ring(gb, k - 1) + 1.0, gb  # torch prices an all-to-all as an all-gather plus 1
+    if isinstance(cur, Partial) and isinstance(dst, Replicate):
+        return ring(gb, 2 * (k - 1)), gb
+    if isinstance(cur, Partial) and isinstance(dst, Shard):
+        return ring(gb, k - 1), gb / k
+    if isinstance(dst, Partial) and not isinstance(cur, Replicate):
+        return math.inf, gb  # Shard -> Partial and Partial -> another Partial: banned
+    if isinstance(cur, Replicate) and isinstance(dst, Shard):
+        return 0.0, gb / k
+    return 0.0, gb
+
+
+def _shardable(shape, mesh_shape, pl) -> bool:
+    """torch's ``is_tensor_shardable``: every sharded dim has at least as many elements as shards."""
+    n = [1] * len(shape)
+    for k, p in zip(mesh_shape, pl):
+        if isinstance(p, Shard):
+            if p.dim >= len(shape):
+                return False
+            n[p.dim] *= k
+            if shape[p.dim] < n[p.dim]:
+                return False
+    return True
+
+
+def _torch_cost(mesh_shape, topo, x: Operand, dst) -> float:
+    """torch's ``redistribute_cost``: its greedy plan's steps (``torch_greedy_steps``), each priced by
+    ``_compute_placement_transition_cost``; nothing for a replicated input (torch's short cut)."""
+    if all(isinstance(p, Replicate) for p in x.placements) or tuple(dst) == x.placements:
+        return 0.0
+    n = math.prod(k for k, p in zip(mesh_shape, x.placements) if isinstance(p, Shard))
+    gb = x.itemsize * math.prod(x.shape) / n / 1024**3
+    cost = 0.0
+    for m, c, t, _ in torch_greedy_steps(x.placements, dst):
+        step, gb = _torch_step_cost(c, t, mesh_shape[m], topo[m], gb)
+        if step == math.inf:
+            return math.inf
+        cost += step
+    return cost
+
+
+def _torch_choice(mesh_shape, xs, rules, uneven_ok: bool, fixed: bool = False):
+    """torch 2.13's strategy out of ``rules``: ``(input placements, output placements)`` or None.
+
+    As torch's ``expand_to_full_mesh_op_strategy`` and ``_select_min_cost_strategy``: a ``Shard``
+    rule exists only if some input placement is a ``Shard`` (torch fills its placeholders with the
+    inputs' shard types); every combination of rules over the mesh dims, in order, minus mixed
+    Partial ops and inputs with fewer elements than shards on a dim (unless kept as they are, where
+    ``uneven_ok``); then the last combination that keeps every input as it is at no cost, else the
+    first of no cost, else the first of least cost. ``fixed``: rules of an op torch registers with
+    concrete ``Shard`` rules (``dot``), kept whatever the inputs' placements."""
+    has_shard = fixed or any(isinstance(p, Shard) for x in xs for p in x.placements)
+    rules = [r for r in rules if has_shard or not any(isinstance(p, Shard) for p in r)]
+    topo = _torch_topology(mesh_shape)
+    initial = tuple(x.placements for x in xs)
+    keep = zero = best = None
+    for combo in itertools.product(rules, repeat=len(mesh_shape)):
+        out = tuple(r[0] for r in combo)
+        ins = tuple(tuple(r[i + 1] for r in combo) for i in range(len(xs)))
+        if not _partial_ok(out) or not all(_partial_ok(p) for p in ins):
+            continue
+        if not all(_shardable(x.shape, mesh_shape, pl) or (uneven_ok and pl == x.placements) for x, pl in zip(xs, ins)):
+            continue
+        cost = sum(_torch_cost(mesh_shape, topo, x, pl) for x, pl in zip(xs, ins))
+        if cost == 0 and ins == initial:
+            keep = (ins, out)
+        elif cost == 0 and zero is None:
+            zero = (ins, out)
+        if best is None or cost < best[0]:
+            best = (cost, ins, out)
+    if keep is not None or zero is not None:
+        return keep or zero
+    return None if best is None or best[0] == math.inf else best[1:]
+
+
+@functools.lru_cache(maxsize=4096)
+def _search(
+    op: str, mesh_shape: tuple[int, ...], xs: tuple[Operand, ...], rules: tuple, out_shape, masks,
+    strategy: str = "torch", uneven_ok: bool = True, fixed: bool = False,
+) -> OpStrategy:
+    """The full-mesh strategy out of ``rules`` (single-dim rules, output first) that ``strategy``
+    picks; ``uneven_ok``: torch keeps an input's placements as they are even where a dim has fewer
+    elements than shards (elementwise ops do, contractions do not)."""
+    cheap = _cheapest(op, mesh_shape, xs, rules, out_shape, masks)
+    if strategy == "torch":
+        found = _torch_choice(mesh_shape, xs, rules, uneven_ok, fixed)
+        if found is not None and _partial_ok(found[1]):
+            ins, out = found
+            plans = [_try_plan(mesh_shape, x, dst, op, via_partial=True) for x, dst in zip(xs, ins)]
+            if all(p is not None for p in plans):
+                same = cheap is not None and (cheap.inputs, cheap.output) == (ins, out)
+                return _strategy(op, mesh_shape, ins, out, out_shape, plans, masks, None if same else cheap)
+    if cheap is None:
         raise ValueError(
             f"{op}: no strategy for inputs placed {_fmt_inputs(xs)} on a mesh of shape {mesh_shape}; "
             "redistribute the inputs to Replicate() first."
         )
-    _, ins, out, plans = best
-    mk = tuple(tuple(d for d in m if any(isinstance(p, Shard) and p.dim == d for p in pl)) for m, pl in zip(masks, ins))
-    return OpStrategy(op, mesh_shape, ins, out, tuple(out_shape), plans, mk)
+    return cheap
 
 
 def _partial(op: str | None) -> Placement:
@@ -203,10 +372,11 @@ def broadcast_shape(shapes: Sequence[Sequence[int]], op: str, placements: Sequen
 
 
 def pointwise_strategy(
-    op: str, mesh_shape: Sequence[int], xs: Sequence[Operand], partial_rules: str = "none"
+    op: str, mesh_shape: Sequence[int], xs: Sequence[Operand], partial_rules: str = "none", *, strategy: str = "torch"
 ) -> OpStrategy:
     """Elementwise op over broadcast inputs: ``S(i)`` follows the output dim ``i`` into every
-    input that has it (``R`` where an input broadcasts), plus ``PARTIAL_RULES[partial_rules]``."""
+    input that has it (``R`` where an input broadcasts), plus ``PARTIAL_RULES[partial_rules]``;
+    chosen as ``strategy`` (``STRATEGIES``) says."""
     xs = tuple(xs)
     out_shape = broadcast_shape([x.shape for x in xs], op, [x.placements for x in xs])
     n = len(out_shape)
@@ -220,14 +390,14 @@ def pointwise_strategy(
     for pr in PARTIAL_RULES[partial_rules]:
         if len(pr) == len(xs) + 1:
             rules.append(tuple(_partial(o) for o in pr))
-    return _search(op, tuple(mesh_shape), xs, tuple(rules), out_shape, ((),) * len(xs))
+    return _search(op, tuple(mesh_shape), xs, tuple(rules), out_shape, ((),) * len(xs), check_strategy(strategy, op))
 
 
-def astype_strategy(mesh_shape, x: Operand, *, float_to_float: bool) -> OpStrategy:
+def astype_strategy(mesh_shape, x: Operand, *, float_to_float: bool, strategy: str = "torch") -> OpStrategy:
     """A dtype cast keeps Shard; keeps ``P(max|min)`` (casts are monotone); keeps ``P(sum|avg)``
     only between floating dtypes (as torch; an integer cast of partial sums would not be exact)."""
     rules = "all_partial" if float_to_float else "order_partial"
-    return pointwise_strategy("astype", mesh_shape, (x,), rules)
+    return pointwise_strategy("astype", mesh_shape, (x,), rules, strategy=strategy)
 
 
 # --- contractions ---------------------------------------------------------------------------------
@@ -243,7 +413,7 @@ def parse_einsum(equation: str, ndims: Sequence[int]) -> tuple[tuple[str, ...], 
     if len(ins) != len(ndims):
         raise ValueError(f"{where}: equation={equation!r} names {len(ins)} operand(s) but {len(ndims)} were given.")
     for k, (s, nd) in enumerate(zip(ins + (out,), tuple(ndims) + (None,))):
-        if not s.isalpha() or len(set(s)) != len(s):
+        if not (s.isalpha() or (s == "" and nd is None)) or len(set(s)) != len(s):  # "k,k->": a scalar
             raise ValueError(
                 f"{where}: equation={equation!r}: {s!r} must be distinct letters per operand (no '...', no repeated "
                 "index such as a trace)."
@@ -256,11 +426,17 @@ def parse_einsum(equation: str, ndims: Sequence[int]) -> tuple[tuple[str, ...], 
     return ins, out
 
 
-def einsum_strategy(op: str, mesh_shape: Sequence[int], equation: str, xs: Sequence[Operand]) -> OpStrategy:
+def einsum_strategy(
+    op: str, mesh_shape: Sequence[int], equation: str, xs: Sequence[Operand], *, strategy: str = "torch",
+    linear: Sequence[str] = ("sum", "avg"), fixed: bool = False,
+) -> OpStrategy:
     """torch's einsum rules, per mesh dim: batch index -> ``S`` everywhere; index contracted by
     all inputs -> ``P(sum)`` out with both inputs ``S`` on it; free index of one input -> ``S``
     on it and the output, ``R`` on the others; an index summed inside one input -> ``P(sum)``;
-    linearity: one input ``P(sum|avg)``, the others ``R``."""
+    linearity: one input ``P(sum|avg)``, the others ``R`` (all inputs when every index is a batch
+    index); chosen as ``strategy`` (``STRATEGIES``) says. ``linear``: the Partial ops of the
+    linearity rules (torch's ``mv`` has only ``sum``, its ``dot`` none); ``fixed``: torch's rules
+    hold whatever the inputs' placements (``dot``, an op torch registers without placeholders)."""
     xs = tuple(xs)
     ins, out = parse_einsum(equation, [len(x.shape) for x in xs])
     sizes: dict[str, int] = {}
@@ -282,10 +458,14 @@ def einsum_strategy(op: str, mesh_shape: Sequence[int], equation: str, xs: Seque
                 masks[k].add(ins[k].index(c))
         if c in out or len(holders) == len(xs) or len(holders) == 1:
             rules.append((o,) + tuple(Shard(ins[k].index(c)) if k in holders else R for k in range(len(xs))))
-    for op_name in sorted(LINEAR_OPS, reverse=True):
+    for op_name in sorted(set(linear) & LINEAR_OPS, reverse=True):
         for k in range(len(xs)):
             rules.append((Partial(op_name),) + tuple(Partial(op_name) if j == k else R for j in range(len(xs))))
-    return _search(op, tuple(mesh_shape), xs, tuple(rules), out_shape, tuple(tuple(sorted(m)) for m in masks))
+    if all(all(c in s for s in ins) and c in out for c in "".join(ins)):
+        for op_name in sorted(set(linear) & LINEAR_OPS, reverse=True):
+            rules.append((Partial(op_name),) * (len(xs) + 1))
+    return _search(op, tuple(mesh_shape), xs, tuple(rules), out_shape, tuple(tuple(sorted(m)) for m in masks),
+                   check_strategy(strategy, op), False, fixed)
 
 
 # --- reductions and normalisations -----------------------------------------------------------------
@@ -342,8 +522,11 @@ def softmax_strategy(op: str, mesh_shape: Sequence[int], x: Operand, axis: int) 
     return OpStrategy(op, mesh_shape, (pl,), pl, tuple(x.shape), (p,), ((),))
 
 
-def normalize_strategy(op: str, mesh_shape: Sequence[int], x: Operand, axis) -> OpStrategy:
-    """torch's layer-norm rules: ``S`` on a dim that is not normalised, else ``R`` (searched)."""
+def normalize_strategy(op: str, mesh_shape: Sequence[int], x: Operand, axis, *, strategy: str = "torch") -> OpStrategy:
+    """torch's layer-norm rules: ``S`` on a dim that is not normalised, else ``R``, chosen as
+    ``strategy`` says (under ``"cheapest"`` a sharded normalised dim may move to another dim by
+    all-to-all where torch gathers it)."""
+    mesh_shape = tuple(mesh_shape)
     axes = _axes(axis, len(x.shape), op)
     rules = [(R, R)] + [(Shard(d), Shard(d)) for d in range(len(x.shape)) if d not in axes]
-    return _search(op, tuple(mesh_shape), (x,), tuple(rules), tuple(x.shape), ((),))
+    return _search(op, mesh_shape, (x,), tuple(rules), tuple(x.shape), ((),), check_strategy(strategy, op))

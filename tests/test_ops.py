@@ -434,17 +434,51 @@ def test_errors(mesh8, mesh3, mesh2x4):
 
 # --- explain, jit, grad --------------------------------------------------------------------------
 def test_explain_prints_the_plan_before_running(mesh8, capsys):
-    x, w = make(data((5, 6)), mesh8, [S(1)]), make(data((6, 4)), mesh8, [S(0)])
+    x, w = make(data((5, 8)), mesh8, [S(1)]), make(data((8, 4)), mesh8, [S(0)])
     out = ops.explain(lambda a, b: ops.relu(a @ b).sum(0), x, w)
     text = capsys.readouterr().out
     assert [s.op for s in out] == ["matmul", "relu", "sum"]
-    assert out[0].output == (P("sum"),) and out[0].cost().collectives == 0
-    # relu is not linear: the cheapest way out of P(sum) is a reduce_scatter (8 x 1 x 4 floats per device)
-    assert out[1].inputs == ((S(0),),) and out[1].plans[0].collectives == ("reduce_scatter",)
-    assert out[1].cost().bytes == 8 * 4 * 4
-    assert out[2].output == (P("sum"),)
-    assert "matmul(S(1), S(0)) -> P(sum) (5, 4)" in text and "P(sum) -> S(0)  [mesh dim 0: P(sum) -> S(0), reduce_scatter" in text
-    assert text.startswith("3 op(s), ") and str(out.cost()) in text
+    assert out[0].output == (P("sum"),) and out[0].cost().collectives == 0 and out[0].alternative is None
+    # relu is not linear: torch all-reduces the P(sum) to R (a (5, 4) float32 block per device); the
+    # cheapest strategy reduce-scatters it to S(0) (8 x 1 x 4 floats per device), and explain shows both
+    assert out[1].inputs == ((R,),) and out[1].plans[0].collectives == ("all_reduce",)
+    assert out[1].cost().bytes == 5 * 4 * 4
+    alt = out[1].alternative
+    assert alt.inputs == ((S(0),),) and alt.plans[0].collectives == ("reduce_scatter",) and alt.cost().bytes == 8 * 4 * 4
+    assert out[2].output == (R,)
+    assert "matmul(S(1), S(0)) -> P(sum) (5, 4)" in text and "P(sum) -> R  [mesh dim 0: P(sum) -> R, all_reduce" in text
+    assert "    cheapest: -> S(0)  [128 B per device in 1 collective(s)]  (placement_strategy('cheapest'))" in text
+    assert "P(sum) -> S(0)  [mesh dim 0: P(sum) -> S(0), reduce_scatter" in text
+    assert text.startswith(f"3 op(s), {out.cost()} to redistribute inputs (the cheapest strategy per op: "
+                           f"{out.cheapest_cost()}):")
+    assert out.cost().bytes == 80 and out.cheapest_cost().bytes == 128  # cheapest in bytes for one op, not in all
+    with ops.placement_strategy("cheapest"):
+        cheap = ops.explain(lambda a, b: ops.relu(a @ b).sum(0), x, w, print_out=False)
+    assert cheap[1].inputs == ((S(0),),) and cheap[1].alternative is None and cheap[2].output == (P("sum"),)
+    assert "(the cheapest" not in str(cheap)
+
+
+def test_placement_strategy_setting(mesh8):
+    """torch's placements by default; ``placement_strategy("cheapest")`` opts into the cheaper ones for the
+    ops inside its block only (nested blocks restore the outer setting), and is checked."""
+    x = data((8, 6))
+    ps = make(x, mesh8, [P("sum")])
+    check(ops.exp(ps), np.exp(x), [R], tol=1e-4)
+    check(ps + 1, x + 1, [R])
+    with ops.placement_strategy("cheapest") as st:
+        assert repr(st) == "placement_strategy('cheapest')"
+        check(ops.exp(ps), np.exp(x), [S(0)], tol=1e-4)  # reduce_scatter instead of all_reduce
+        check(ps + 1, x + 1, [S(0)])
+        with ops.placement_strategy("torch"):
+            check(ops.tanh(ps), np.tanh(x), [R], tol=1e-4)
+        check(ops.relu(ps), np.maximum(x, 0), [S(0)])
+    check(ops.relu(ps), np.maximum(x, 0), [R])
+    a, b = make(data((9, 8)), mesh8, [S(0)]), make(data((8, 9)), mesh8, [S(0)])
+    check(a @ b, data((9, 8)) @ data((8, 9)), [S(0)], tol=1e-4)  # torch all-gathers b
+    with ops.placement_strategy("cheapest"):
+        check(a @ b, data((9, 8)) @ data((8, 9)), [P("sum")], tol=1e-4)  # an all-to-all of a instead
+    with raises(ValueError, "placement_strategy: strategy='fast' is not one of ('torch', 'cheapest'); use 'torch'"):
+        ops.placement_strategy("fast")
 
 
 def test_jit_one_program_and_its_collectives(mesh2x4):

@@ -1,13 +1,15 @@
-"""Global-view ops on DTensors, with torch DTensor's output placements.
+"""Global-view ops on DTensors, with torch DTensor's output placements by default.
 
 ``jax.numpy`` / ``jax.nn`` names; the same ops are DTensor operators and methods
 (``x @ w``, ``y.sum(0)``, ``x.T``). Each op picks a strategy (placement rules in
 ``placements._strategy``), redistributes its inputs if the strategy asks, and runs
 the local op on every rank as one jitted program; it composes with ``jax.jit``.
-``explain(fn, *args)`` prints what a function will communicate before it runs.
+``explain(fn, *args)`` prints what a function will communicate before it runs, with the cost of
+the cheapest strategy beside torch's; ``with placement_strategy("cheapest"):`` opts into it.
 """
 
 from spmd.tensor._ops_crossmesh import plan_cross_mesh
+from spmd.tensor._ops_exec import placement_strategy
 from spmd.tensor._ops_elementwise import (
     abs,
     add,
@@ -47,5 +49,5 @@ __all__ = [
     "sum", "mean", "max", "min", "prod", "softmax", "log_softmax", "layer_norm",
     "matmul", "einsum", "transpose", "reshape", "getitem",
     "explain", "Explanation", "grad", "value_and_grad", "placed_gradient",
-    "plan_cross_mesh",
+    "plan_cross_mesh", "placement_strategy",
 ]

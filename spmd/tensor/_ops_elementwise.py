@@ -10,7 +10,7 @@ import numpy as np
 
 from placements import format_placements
 from placements._strategy import astype_strategy, pointwise_strategy
-from spmd.tensor._ops_exec import check_operands, is_dtensor, operand, run
+from spmd.tensor._ops_exec import check_operands, current_strategy, is_dtensor, operand, run
 
 __all__ = [
     "exp", "log", "tanh", "sqrt", "abs", "negative", "relu", "gelu", "sigmoid",
@@ -44,7 +44,9 @@ def _check_args(op: str, args: tuple) -> list:
 
 def _elementwise(op: str, fn, args: tuple, rules: str, *, params: tuple = ()):
     tensors = _check_args(op, args)
-    strat = pointwise_strategy(op, tensors[0].device_mesh.shape, [operand(t) for t in tensors], rules)
+    strat = pointwise_strategy(
+        op, tensors[0].device_mesh.shape, [operand(t) for t in tensors], rules, strategy=current_strategy()
+    )
     return run(strat, fn, list(args), params=params)
 
 
@@ -178,5 +180,5 @@ def astype(x, dtype):
         raise TypeError(f"astype: dtype={dtype!r} is not a dtype; use e.g. 'float32' or jnp.int32.") from None
     src = np.dtype(x.dtype)
     fl = jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dt, jnp.floating)
-    strat = astype_strategy(x.device_mesh.shape, operand(x), float_to_float=bool(fl))
+    strat = astype_strategy(x.device_mesh.shape, operand(x), float_to_float=bool(fl), strategy=current_strategy())
     return run(strat, _astype, [x], params=(dt.name,))

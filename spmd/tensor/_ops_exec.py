@@ -22,14 +22,17 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from placements import Partial, format_placements, padded_local_shape
-from placements._strategy import Operand, OpStrategy
+from placements._strategy import STRATEGIES, Operand, OpStrategy, check_strategy
 from spmd._debug import run as run_program
 from spmd._x64 import x64_for
 from spmd.tensor import _dispatch
 from spmd.tensor._lower import fill_padding
 from spmd.tensor._storage import of as storage_of, op_identity, sharding, spec
 
-__all__ = ["DTensorBase", "run", "operand", "is_dtensor", "check_operands", "recording"]
+__all__ = [
+    "DTensorBase", "run", "operand", "is_dtensor", "check_operands", "recording", "placement_strategy",
+    "current_strategy",
+]
 
 
 class DTensorBase:
@@ -54,6 +57,46 @@ class recording:
 
     def __exit__(self, *exc) -> None:
         _RECORD.reset(self._token)
+
+
+#: The strategy setting of the ops run inside ``placement_strategy(...)``; outside it, torch's.
+_STRATEGY: contextvars.ContextVar = contextvars.ContextVar("spmd_ops_strategy", default=STRATEGIES[0])
+
+
+class placement_strategy:
+    """How DTensor ops inside the ``with`` block choose their output placements.
+
+    ``"torch"`` (the default, also outside any block): torch 2.13's placements, so a ported
+    program's ``.placements`` and ``.to_local()`` shapes are the ones it had under torch.
+    ``"cheapest"``: the strategy with the fewest communicated bytes in spmd's planner, e.g. a
+    nonlinear op on ``P(sum)`` reduce-scatters to ``S(0)`` (torch all-reduces to ``R``) and
+    ``S(0) @ S(0)`` gives ``P(sum)`` (torch all-gathers the right operand and gives ``S(0)``).
+    docs/placements.md lists where the two differ. The setting is scoped: it holds for the
+    calls made inside the block (in this thread or task) and ends with it. An op traced by
+    ``jax.jit`` reads it when traced: enter the block inside the jitted function.
+
+        with spmd.ops.placement_strategy("cheapest"):
+            y = spmd.ops.exp(x)
+    """
+
+    def __init__(self, strategy: str) -> None:
+        self.strategy = check_strategy(strategy)
+        self._tokens: list = []
+
+    def __enter__(self) -> "placement_strategy":
+        self._tokens.append(_STRATEGY.set(self.strategy))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _STRATEGY.reset(self._tokens.pop())
+
+    def __repr__(self) -> str:
+        return f"placement_strategy({self.strategy!r})"
+
+
+def current_strategy() -> str:
+    """The strategy setting ops use here: the innermost ``placement_strategy`` block's, else ``"torch"``."""
+    return _STRATEGY.get()
 
 
 def is_dtensor(x: Any) -> bool:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from placements import format_placements
 from placements._strategy import einsum_strategy
-from spmd.tensor._ops_exec import check_operands, is_dtensor, operand, run
+from spmd.tensor._ops_exec import check_operands, current_strategy, is_dtensor, operand, run
 
 __all__ = ["matmul", "einsum"]
 
@@ -31,11 +31,13 @@ def _check(op: str, xs) -> None:
 def einsum(equation: str, *operands):
     """``jnp.einsum`` with an explicit output (``"bmk,kn->bmn"``) over DTensors.
 
-    Output placements follow torch's einsum strategy; a contraction over an index
-    both operands shard gives ``Partial(sum)``.
+    Output placements follow torch's einsum strategy (``placement_strategy`` chooses among its
+    rules); a contraction over an index both operands keep sharded gives ``Partial(sum)``.
     """
     _check("einsum", operands)
-    strat = einsum_strategy("einsum", operands[0].device_mesh.shape, equation, [operand(x) for x in operands])
+    strat = einsum_strategy(
+        "einsum", operands[0].device_mesh.shape, equation, [operand(x) for x in operands], strategy=current_strategy()
+    )
     return run(strat, _einsum, list(operands), params=(equation.replace(" ", ""),), fill="sum")
 
 
@@ -76,5 +78,9 @@ def matmul(x, y):
     batch = [(i, x.shape[i], y.shape[i]) for i in range(x.ndim - 2) if y.ndim == x.ndim and x.shape[i] != y.shape[i]]
     if batch:
         raise ValueError(f"matmul: batch dims of shapes {x.shape} and {y.shape} differ at {batch}; make them equal.")
-    strat = einsum_strategy("matmul", x.device_mesh.shape, eq, [operand(x), operand(y)])
+    # torch's rules per case: dot (1-D @ 1-D) has concrete rules and no Partial input; mv (n-D @ 1-D)
+    # passes only P(sum) through; the rest are mm / bmm (placeholders, P(sum) and P(avg)).
+    linear = () if x.ndim == y.ndim == 1 else ("sum",) if y.ndim == 1 else ("sum", "avg")
+    strat = einsum_strategy("matmul", x.device_mesh.shape, eq, [operand(x), operand(y)], strategy=current_strategy(),
+                            linear=linear, fixed=x.ndim == y.ndim == 1)
     return run(strat, _einsum, [x, y], params=(eq,), fill="sum")

@@ -8,7 +8,7 @@ import numpy as np
 
 from placements import format_placements
 from placements._strategy import normalize_strategy, reduction_strategy, softmax_strategy
-from spmd.tensor._ops_exec import is_dtensor, operand, run
+from spmd.tensor._ops_exec import current_strategy, is_dtensor, operand, run
 
 __all__ = ["sum", "mean", "max", "min", "prod", "softmax", "log_softmax", "layer_norm"]
 
@@ -95,8 +95,9 @@ def _layer_norm(x, axes, eps):
 def layer_norm(x, axis=-1, eps: float = 1e-5):
     """``(x - mean) / sqrt(var + eps)`` over ``axis`` (an int or a tuple): torch's layer norm
     without the affine part (scale and shift with ``*`` and ``+``). The normalised dims are
-    replicated first; other dims keep their shards."""
+    replicated first and other dims keep their shards, as in torch (under
+    ``placement_strategy("cheapest")`` a sharded normalised dim may move to another dim instead)."""
     _float_x("layer_norm", x)
-    strat = normalize_strategy("layer_norm", x.device_mesh.shape, operand(x), axis)
+    strat = normalize_strategy("layer_norm", x.device_mesh.shape, operand(x), axis, strategy=current_strategy())
     axes = tuple(a % x.ndim for a in ((axis,) if isinstance(axis, int) else axis))
     return run(strat, _layer_norm, [x], params=(axes, float(eps)))
