@@ -37,7 +37,8 @@ from jax.sharding import PartitionSpec as P
 from placements import Replicate, Shard
 from spmd.parallel._param_plan import ROOT, ParamPlan, PlanEntry, path_str
 from spmd.parallel._shard import gather_unit
-from spmd.parallel._styles import KNOWN_EMBED, KNOWN_LINEAR, ColwiseParallel, RowwiseParallel, _kernel_dim
+from spmd.parallel._styles import (KNOWN_EMBED, KNOWN_LINEAR, ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                   _kernel_dim)
 from spmd.parallel._transforms import ParallelModule
 
 __all__ = ["Hooks", "COLWISE_MARK"]
@@ -81,6 +82,8 @@ class Hooks:
         self.prefix: tuple[str, ...] = ()
         self.active: set[str] = set()
         self.types: dict[str, str] = {}
+        self.records: list[tuple] = []  # (module, style, input bytes, output bytes) of each styled call
+        self.bypass = False
 
     # --- layouts over tp ----------------------------------------------------------------------------
     def constrain(self, x: Any, layout: Any) -> Any:
@@ -167,14 +170,23 @@ class Hooks:
                             tree)
 
     # --- the module call --------------------------------------------------------------------------
-    def around(self, fqn: str, typ: str, call: Callable, args: tuple, kwargs: dict, kernel_shape=None) -> Any:
-        """A tensor-parallel style's layouts around ``call(*args, **kwargs)`` of module ``fqn``."""
-        hit = self.model.tp.style_for(fqn) if self.model.tp else None
+    def around(self, fqn: str, typ: str, call: Callable, args: tuple, kwargs: dict, params=(), run_local=None) -> Any:
+        """A tensor-parallel style's layouts around ``call(*args, **kwargs)`` of module ``fqn``.
+
+        ``params``: the module's own ``(plan path, value)`` pairs; ``run_local(values, args, kwargs,
+        zero_bias)``: the module's computation on this device's tp blocks of them."""
+        hit = self.model.tp.style_for(fqn) if self.model.tp and not self.bypass else None
         if hit is None:
             return call(*args, **kwargs)
         style = hit[1]
         if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-            self.check_type(fqn, typ, style, kernel_shape)
+            self.check_type(fqn, typ, style, next((np.shape(v) for p, v in params if p.split("/")[-1] in (
+                "kernel", "embedding") or p.endswith(("/kernel/value", "/embedding/value"))), ()))
+        if isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)) and args and _is_array(args[0]):
+            return self._island_call(fqn, typ, style, params, run_local, args, kwargs)
+        return self._constrained(style, typ, call, args, kwargs)
+
+    def _constrained(self, style, typ, call, args, kwargs):
         given, desired = style.input_layouts_for(typ)
         args = list(args)
         if given is not None or desired is not None:
@@ -182,7 +194,7 @@ class Hooks:
             ds = desired if isinstance(desired, (tuple, list)) else (desired,)
             for i, (g, d) in enumerate(zip(gs, ds)):
                 if i < len(args):
-                    args[i] = self.constrain(self.constrain(args[i], g), d) if g != d else self.constrain(args[i], g)
+                    args[i] = self.constrain(self.constrain(args[i], g), d)
         kg, kd = style.kwarg_layouts()
         kwargs = dict(kwargs)
         for k in set(kg) | set(kd):
@@ -193,15 +205,100 @@ class Hooks:
         if isinstance(y, (tuple, list)) and isinstance(desired, (tuple, list)):
             gs = given if isinstance(given, (tuple, list)) else (given,) * len(desired)
             return type(y)(self.constrain(self.constrain(v, g), d) for v, g, d in zip(y, gs, desired))
-        first = y[0] if isinstance(y, (tuple, list)) and y else y
-        out = self.constrain(first, given) if given is not None else first
-        out = self.constrain(out, desired)
-        if isinstance(style, ColwiseParallel) and isinstance(desired, Shard) and desired.dim in (-1, np.ndim(out) - 1) \
-                and _is_array(out) and typ not in KNOWN_EMBED:
-            out = checkpoint_name(out, f"{COLWISE_MARK}{fqn}|{self.n_tp}")
         if isinstance(y, (tuple, list)) and y:
-            return type(y)([out, *y[1:]])
-        return out
+            return type(y)([self.constrain(self.constrain(y[0], given), desired), *y[1:]])
+        return self.constrain(self.constrain(y, given), desired)
+
+    def _layout_spec(self, layout, ndim: int) -> P:
+        spec: list = [None] * ndim
+        if isinstance(layout, Shard):
+            spec[layout.dim % ndim] = self.tp
+        return P(*spec)
+
+    def _island_call(self, fqn, typ, style, params, run_local, args, kwargs):
+        """The styled module on this device's tp blocks, in a region manual over tp: every tp collective
+        of the style written out (Megatron's f and g; sequence parallelism's all-gather / reduce-scatter)."""
+        tp = self.tp
+        x, rest = args[0], tuple(args[1:])
+        paths = [p for p, _ in params]
+        ents = [self.plan.entry(p) for p in paths]
+        vals = [v for _, v in params]
+        names = [p[:-len("/value")].split("/")[-1] if p.endswith("/value") else p.split("/")[-1] for p in paths]
+        given, desired = style.input_layouts_for(typ)
+        _, out = style.output_layouts_for(typ)
+        gather_seq = None
+        if isinstance(style, ColwiseParallel):
+            x_layout = given if isinstance(given, Shard) else Replicate()
+            gather_seq = given.dim if isinstance(given, Shard) else None
+        elif isinstance(style, RowwiseParallel):  # the input arrives cut as it says (default: the last dim)
+            x_layout = Replicate() if typ in KNOWN_EMBED else given
+        else:
+            x_layout = given
+        rowwise = isinstance(style, RowwiseParallel)
+        bias_after = rowwise and "bias" in names
+        bias_outside = bias_after and not isinstance(out, Shard)  # whole output: every rank's bias gradient is whole
+        x_bytes = int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize
+        if gather_seq is not None:
+            x_bytes *= self.n_tp
+
+        def body(vals, x):
+            if gather_seq is not None:
+                x = jax.lax.all_gather(x, tp, axis=gather_seq % x.ndim, tiled=True)
+            y = run_local(list(vals), (x, *rest), kwargs, bias_after)
+            if rowwise:
+                if isinstance(out, Shard):
+                    y = jax.lax.psum_scatter(y, tp, scatter_dimension=out.dim % y.ndim, tiled=True)
+                else:
+                    y = jax.lax.psum(y, tp)
+                if bias_after and not bias_outside:
+                    y = y + vals[names.index("bias")].astype(y.dtype)
+            elif isinstance(style, ColwiseParallel) and not isinstance(out, Shard):
+                y = jax.lax.all_gather(y, tp, axis=y.ndim - 1, tiled=True)
+            return y
+
+        local_vals = [jax.ShapeDtypeStruct(self._local_shape(e, np.shape(v)), v.dtype) for e, v in zip(ents, vals)]
+        local_x = jax.ShapeDtypeStruct(self._local_layout_shape(x_layout, np.shape(x)), x.dtype)
+        if rowwise and typ in KNOWN_EMBED:  # its lookup reads the tp rank: no shape to evaluate outside the region
+            ndim = np.ndim(x) + 1
+        else:
+            ndim = len(jax.eval_shape(lambda v, x: run_local(list(v), (x, *rest), kwargs, bias_after), local_vals,
+                                      local_x if gather_seq is None else jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+                                      ).shape)
+        out_layout = out if (rowwise or isinstance(style, SequenceParallel)) else (
+            Shard(ndim - 1) if isinstance(out, Shard) else Replicate())
+        if isinstance(style, ColwiseParallel) and isinstance(out, Shard):
+            out_layout = Shard(ndim - 1)
+        in_specs = (tuple(self.tp_spec(e, np.ndim(v)) for e, v in zip(ents, vals)), self._layout_spec(x_layout, x.ndim))
+        y = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
+                          out_specs=self._layout_spec(out_layout, ndim), axis_names={tp}, check_vma=False)(tuple(vals), x)
+        if bias_outside:
+            y = y + vals[names.index("bias")].astype(y.dtype)
+        y_bytes = int(np.prod(y.shape)) * jnp.dtype(y.dtype).itemsize
+        self.records.append((fqn, type(style).__name__, x_bytes, y_bytes))
+        if isinstance(style, ColwiseParallel) and isinstance(out, Shard) and typ not in KNOWN_EMBED:
+            y = checkpoint_name(y, f"{COLWISE_MARK}{fqn}|{self.n_tp}")
+        return y
+
+    def _local_shape(self, e: PlanEntry, shape) -> tuple:
+        shape = list(shape)
+        if self.ti is not None and isinstance(e.placements[self.ti], Shard):
+            shape[e.placements[self.ti].dim] //= self.n_tp
+        return tuple(shape)
+
+    def _local_layout_shape(self, layout, shape) -> tuple:
+        shape = list(shape)
+        if isinstance(layout, Shard):
+            shape[layout.dim % len(shape)] //= self.n_tp
+        return tuple(shape)
+
+    @contextlib.contextmanager
+    def bypassing(self):
+        """Module calls pass straight through (a styled module's own code on its local blocks)."""
+        saved, self.bypass = self.bypass, True
+        try:
+            yield
+        finally:
+            self.bypass = saved
 
     def check_type(self, fqn: str, typ: str, style: Any, kernel_shape) -> None:
         """A style on a module type it does not know, without ``dim=``: the error that names the fix."""
@@ -255,16 +352,51 @@ class Hooks:
         mod = context.module
         if context.method_name == "setup" or getattr(mod, "scope", None) is None:
             return next_fun(*args, **kwargs)
+        if self.bypass:
+            return next_fun(*args, **kwargs)
         path = self.prefix + tuple(str(p) for p in mod.scope.path)
         fqn, spath = ".".join(path), "/".join(path)
         typ = type(mod).__name__
         self.types.setdefault(fqn, typ)
         if self.gather_units and spath in self.units and spath not in self.active:
             return self._linen_unit(spath, path, mod, context.method_name, args, kwargs)
-        if context.method_name != "__call__":
+        if context.method_name != "__call__" or self.model.tp is None or self.model.tp.style_for(fqn) is None:
             return next_fun(*args, **kwargs)
-        kernel = mod.variables.get("params", {}).get("kernel") if hasattr(mod.variables, "get") else None
-        return self.around(fqn, typ, next_fun, args, kwargs, None if kernel is None else np.shape(kernel))
+        own = mod.variables.get("params", {})
+        kp, pdef = jax.tree_util.tree_flatten_with_path(own)
+        params = [(spath + "/" + path_str(k), v) for k, v in kp]
+
+        def run_local(vals, a, k, zero_bias):
+            tree = jax.tree_util.tree_unflatten(pdef, vals)
+            if zero_bias and "bias" in tree:
+                tree = {**tree, "bias": jnp.zeros_like(tree["bias"])}
+            style = self.model.tp.style_for(fqn)[1]
+            if isinstance(style, RowwiseParallel) and typ in KNOWN_EMBED:
+                return self._embed_rows(tree["embedding"], a[0], getattr(mod, "dtype", None))
+            attrs = {}
+            if isinstance(style, ColwiseParallel) and typ in ("Dense", "DenseGeneral", "Embed"):
+                attrs["features"] = self._local_features(typ, mod, tree)
+            with self.bypassing():
+                return mod.clone(parent=None, **attrs).apply({"params": tree}, *a, **k)
+
+        return self.around(fqn, typ, next_fun, args, kwargs, params, run_local)
+
+    def _local_features(self, typ: str, mod, tree) -> Any:
+        if typ == "Embed":
+            return tree["embedding"].shape[-1]
+        if typ == "Dense":
+            return tree["kernel"].shape[-1]
+        feats = mod.features if isinstance(mod.features, tuple) else (mod.features,)
+        return tuple(tree["kernel"].shape[-len(feats):]) if isinstance(mod.features, tuple) else tree["kernel"].shape[-1]
+
+    def _embed_rows(self, table, ids, dtype):
+        """A vocabulary-parallel lookup on this device's rows: the rows it holds, zeros elsewhere (summed after)."""
+        vc = table.shape[0]
+        local = ids - jax.lax.axis_index(self.tp) * vc
+        ok = (local >= 0) & (local < vc)
+        e = jnp.take(table, jnp.clip(local, 0, vc - 1), axis=0)
+        e = jnp.where(ok[..., None], e, jnp.zeros((), e.dtype))
+        return e.astype(dtype) if dtype is not None else e
 
     def _linen_unit(self, spath: str, path: tuple, mod, method: str, args, kwargs):
         variables = mod.variables
@@ -302,9 +434,30 @@ class Hooks:
         self.types.setdefault(fqn, typ)
         if self.gather_units and spath in self.units and spath not in self.active:
             return self._nnx_unit(spath, sub, orig, args, kwargs)
-        kernel = getattr(sub, "kernel", None)
-        shape = None if kernel is None else np.shape(getattr(kernel, "value", kernel))
-        return self.around(fqn, typ, lambda *a, **k: orig(sub, *a, **k), args, kwargs, shape)
+        call = lambda *a, **k: orig(sub, *a, **k)  # noqa: E731
+        if self.bypass or self.model.tp is None or self.model.tp.style_for(fqn) is None:
+            return call(*args, **kwargs)
+        from spmd.parallel._nnx import nnx_unit_params
+
+        own = [(rel, v) for rel, v in nnx_unit_params(sub) if "/" not in rel]
+        params = [(f"{spath}/{rel}/value", v.value) for rel, v in own]
+
+        def run_local(vals, a, k, zero_bias):
+            style = self.model.tp.style_for(fqn)[1]
+            rels = [rel for rel, _ in own]
+            if isinstance(style, RowwiseParallel) and typ in KNOWN_EMBED:
+                return self._embed_rows(vals[rels.index("embedding")], a[0], getattr(sub, "dtype", None))
+            old = [v.value for _, v in own]
+            for (rel, v), x in zip(own, vals):
+                v.value = jnp.zeros_like(x) if zero_bias and rel == "bias" else x
+            try:
+                with self.bypassing():
+                    return orig(sub, *a, **k)
+            finally:
+                for (_, v), x in zip(own, old):
+                    v.value = x
+
+        return self.around(fqn, typ, call, args, kwargs, params, run_local)
 
     def _nnx_unit(self, spath: str, sub: Any, orig: Callable, args, kwargs):
         from spmd.parallel._nnx import nnx_unit_params
