@@ -25,7 +25,7 @@ from spmd.distributed import _mpi_ops
 from spmd.distributed._groups import Group, members_only, peer_rank
 from spmd.distributed._run import as_array, run_on, stack, zeros
 from spmd.distributed._state import state
-from spmd.distributed._work import deliver, maybe_async, write_into
+from spmd.distributed._work import Work, deliver, maybe_async, write_into
 
 __all__ = [
     "all_reduce",
@@ -42,10 +42,12 @@ __all__ = [
 ]
 
 
-def _run(g: Group, name: str, where: str, x: jax.Array, into: Any = None, **kwargs) -> jax.Array:
+def _run(g: Group, name: str, where: str, x: jax.Array, into: Any = None, async_op: bool = False, **kwargs):
+    """This rank's result; on mpi with ``async_op`` a :class:`Work` instead when the MPI request
+    writes straight into ``into`` (its ``wait()`` completes the call)."""
     st = state(where)
     if st.backend.name == "mpi" and st.multiprocess:  # one MPI call (spmd/distributed/_mpi_ops.py)
-        return _mpi_ops.run_on(g.global_ranks(), name, x, where=where, into=into, **kwargs)
+        return _mpi_ops.run_on(g.global_ranks(), name, x, where=where, into=into, async_op=async_op, **kwargs)
     return run_on(g.global_ranks(), name, x, where=where, into=into, **kwargs)
 
 
@@ -81,7 +83,9 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op:
     """Reduce every rank's ``tensor`` with ``op``; returns the result on every rank."""
     where = "all_reduce"
     x = as_array(tensor, where, "tensor")
-    out = _run(group, "all_reduce", where, x, into=tensor, op=as_reduce_op(op, where=f"{where}: op"))
+    out = _run(group, "all_reduce", where, x, into=tensor, async_op=async_op, op=as_reduce_op(op, where=f"{where}: op"))
+    if isinstance(out, Work):
+        return out
     return maybe_async(deliver(tensor, out, where, "tensor"), async_op)
 
 
@@ -91,7 +95,10 @@ def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: 
     where = "broadcast"
     s = peer_rank(group, src, group_src, where, "src")
     x = as_array(tensor, where, "tensor")
-    return maybe_async(deliver(tensor, _run(group, "broadcast", where, x, into=tensor, src=s), where, "tensor"), async_op)
+    out = _run(group, "broadcast", where, x, into=tensor, async_op=async_op, src=s)
+    if isinstance(out, Work):
+        return out
+    return maybe_async(deliver(tensor, out, where, "tensor"), async_op)
 
 
 @members_only
@@ -128,7 +135,9 @@ def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = N
             )
     if x.ndim == 0:
         stacked = True
-    out = _run(group, "all_gather", where, x, into=output_tensor, axis=0, tiled=not stacked)
+    out = _run(group, "all_gather", where, x, into=output_tensor, async_op=async_op, axis=0, tiled=not stacked)
+    if isinstance(out, Work):
+        return out
     return maybe_async(deliver(output_tensor, out, where, "output_tensor"), async_op)
 
 
@@ -200,7 +209,10 @@ def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group
         raise ValueError(
             f"{where}: input has shape {tuple(x.shape)}; its dim 0 must be a multiple of the group size {n}."
         )
-    out = _run(group, "reduce_scatter", where, x, into=output, op=as_reduce_op(op, where=f"{where}: op"), scatter_dim=0)
+    out = _run(group, "reduce_scatter", where, x, into=output, async_op=async_op, op=as_reduce_op(op, where=f"{where}: op"),
+               scatter_dim=0)
+    if isinstance(out, Work):
+        return out
     return maybe_async(deliver(output, out, where, "output"), async_op)
 
 
@@ -229,5 +241,7 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None, i
             )
     if x.ndim == 0 or x.shape[0] % n:
         raise ValueError(f"{where}: input has shape {tuple(x.shape)}; its dim 0 must be a multiple of the group size {n}.")
-    out = _run(group, "all_to_all", where, x, into=output, split_axis=0, concat_axis=0)
+    out = _run(group, "all_to_all", where, x, into=output, async_op=async_op, split_axis=0, concat_axis=0)
+    if isinstance(out, Work):
+        return out
     return maybe_async(deliver(output, out, where, "output"), async_op)

@@ -28,7 +28,7 @@ rank, checked across ranks on a group's first call and with
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -265,9 +265,71 @@ def _check_options(name: str, x: np.ndarray, kwargs: dict, n: int, where: str) -
         raise ValueError(f"{where}: input has shape {tuple(x.shape)}; its dim 0 must be a multiple of the group size {n}.")
 
 
-def run_on(ranks: Sequence[int], name: str, x: Any, *, where: str | None = None, into: Any = None, **kwargs):
+def _start(c, name: str, a: np.ndarray, into: Any, kw: dict, where: str):
+    """The non-blocking MPI call of ``name`` writing straight into the caller's buffer ``into`` (a request),
+    or None where the result needs a step after the transfer (AVG, MAX of floats, a new buffer...)."""
+    M = _mpi.MPI
+    n = c.Get_size()
+    if name in ("all_reduce", "reduce_scatter"):
+        pre, mop, post = _plan(kw["op"], a.dtype, n, where)
+        if pre is not None or post is not None:
+            return None
+        if name == "all_reduce":
+            buf = _target(into, a.shape, a.dtype)
+            if buf is None:
+                return None
+            if not _same_memory(a, buf):
+                np.copyto(buf, a)
+            return c.Iallreduce(M.IN_PLACE, buf, mop)
+        buf = _target(into, (a.shape[0] // n,) + a.shape[1:], a.dtype)
+        return None if buf is None else c.Ireduce_scatter_block(a, buf, mop)
+    if name == "broadcast":
+        buf = _target(into, a.shape, a.dtype)
+        if buf is None:
+            return None
+        if c.Get_rank() == kw["src"] and not _same_memory(a, buf):
+            np.copyto(buf, a)
+        return c.Ibcast(_bytes(buf), root=kw["src"])
+    if name == "all_gather":
+        shape = ((n * a.shape[0],) + a.shape[1:]) if kw.get("tiled") else (n,) + a.shape
+        buf = _target(into, shape, a.dtype)
+        return None if buf is None else c.Iallgather(_bytes(a), _bytes(buf))
+    if name == "all_to_all":
+        buf = _target(into, a.shape, a.dtype)
+        return None if buf is None or _same_memory(a, buf) else c.Ialltoall(_bytes(a), _bytes(buf))
+    return None
+
+
+def _pending(st, call: _guard.Call, req, into: Any, where: str) -> Work:
+    """A :class:`Work` whose ``wait()`` waits for the MPI request, at most the timeout (then this
+    rank ends naming the call, as a blocking collective would)."""
+    work = Work(into)
+
+    def finish() -> None:
+        try:
+            done = _mpi.wait(req, st.timeout_s)
+        except _mpi.MPI.Exception as e:
+            raise PeerError(_guard.broken_message(st, call, e)) from e
+        if not done:
+            fail(
+                f"{where}: rank {st.rank} waited {st.timeout_s:g} s (the timeout) for {call.describe()} "
+                f"({call.signature}, async_op=True) to complete; ranks {[r for r in call.ranks if r != st.rank]} "
+                "did not all take part. Every rank of the group must call the same collectives in the same order; "
+                "raise the limit with init_process_group(timeout=...) or SPMD_TIMEOUT. Ending this rank now.",
+                PEER_EXIT_CODE,
+            )
+        work._flush = None
+
+    work._flush = finish
+    return work
+
+
+def run_on(ranks: tuple[int, ...], name: str, x: Any, *, where: str | None = None, into: Any = None,
+           async_op: bool = False, **kwargs):
     """Run collective ``name`` over global ``ranks`` with this rank's block ``x``; this rank's result
-    (``into`` itself when the result was written there; a ``jax.Array`` for a ``jax.Array`` input)."""
+    (``into`` itself when the result was written there; a ``jax.Array`` for a ``jax.Array`` input).
+    With ``async_op``, a :class:`Work` holding the MPI request when the call can write straight into
+    ``into``; otherwise the call completes here, as on gloo."""
     where = where or name
     st = state(where)
     if type(x) is np.ndarray and x.flags.c_contiguous:  # the common case, first
@@ -278,6 +340,15 @@ def run_on(ranks: Sequence[int], name: str, x: Any, *, where: str | None = None,
     _record(where, name, a.nbytes)
     opts = tuple(sorted(kwargs.items())) if len(kwargs) > 1 else tuple(kwargs.items())
     call = _guard.enter(st, where, ranks, opts, a.shape, a.dtype)
+    if async_op and into is not None:
+        try:
+            req = _start(_mpi.comm(ranks), name, a, into, kwargs, where)
+        except _mpi.MPI.Exception as e:
+            _guard.leave(call)
+            raise PeerError(_guard.broken_message(st, call, e)) from e
+        if req is not None:
+            _guard.leave(call)  # the Work's wait() is bounded by the timeout itself
+            return _pending(st, call, req, into, where)
     try:
         out = _DISPATCH[name](_mpi.comm(ranks), a, into, kwargs, where)
     except _mpi.MPI.Exception as e:

@@ -100,6 +100,24 @@ if torch is not None:
             np.full(3, world * (world - 1) / 2, np.float32), np.array([1, 1], np.int64), np.full(2, world, np.float32)]
     check("in place on torch tensors (bfloat16 async too)", in_place_torch)
 
+# --- async_op=True: MPI requests in flight together, waited for in any order
+def in_flight():
+    a, b = np.full(4, rank, np.float32), np.full(2, rank, np.int64)
+    g = np.zeros(world * 2, np.float32)
+    wa = dist.all_reduce(a, async_op=True)
+    wb = dist.broadcast(b, src=world - 1, async_op=True)
+    wg = dist.all_gather_into_tensor(g, np.full(2, rank, np.float32), async_op=True)
+    pending = [not w.is_completed() for w in (wa, wb, wg)]
+    for w in (wg, wb, wa):
+        w.wait()
+    return [pending, a, b, g, wa.result()[0] is a], [
+        [True, True, True], np.full(4, world * (world - 1) / 2, np.float32), np.full(2, world - 1, np.int64),
+        np.repeat(np.arange(world, dtype=np.float32), 2), True]
+check("async collectives in flight together", in_flight)
+check("async avg completes at the call (a step after the transfer)", lambda: (
+    dist.all_reduce(np.full(2, 2.0 * rank, np.float32), op="avg", async_op=True).result()[0],
+    np.full(2, world - 1.0, np.float32)))
+
 # --- point to point: MPI requests, tags match out of order, a mismatched size is refused
 nxt, prv = (rank + 1) % world, (rank - 1) % world
 def tagged():
