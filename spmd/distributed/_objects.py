@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from spmd.distributed import _mpi
 from spmd.distributed._env import seconds
 from spmd.distributed._groups import Group, members_only, peer_rank
 from spmd.distributed._state import state
@@ -314,6 +315,15 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None, t
     if not st.multiprocess:
         return None
     ranks = group.global_ranks()
+    if st.backend.name == "mpi":  # MPI_Ibarrier of the group's communicator, waited for at most the timeout
+        try:
+            _mpi.barrier(ranks, timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{where}: rank {st.rank} waited {timeout_s:g} s at a barrier of {group!r} and not every rank came; "
+                "raise the limit with barrier(timeout=...) or init_process_group(timeout=...)."
+            ) from None
+        return None
     bid = _next_id(where, group).replace("/", "_")
     try:
         _client().wait_at_barrier(bid, int(timeout_s * 1000), None if group.ranks is None else list(ranks))

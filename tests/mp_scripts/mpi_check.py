@@ -163,6 +163,14 @@ summed = spmd.spmd(lambda b: spmd.all_reduce(b, "sum", group="x"), mesh, in_plac
                    out_placements=[spmd.Replicate()])
 check("@spmd psum across the MPI ranks", lambda: (np.asarray(summed(dt).addressable_data(0)), G.sum(0, keepdims=True)))
 check("DTensor full_tensor", lambda: (np.asarray(dt.full_tensor()), G))
+def late_barrier():
+    if rank == world - 1:
+        import time
+        time.sleep(1.0)
+        dist.barrier()  # the one the others gave up on
+        return True, True
+    return raises(lambda: dist.barrier(timeout=0.3), TimeoutError, "waited 0.3 s at a barrier of Group(WORLD)")
+check("barrier (MPI_Ibarrier) times out naming its limit", late_barrier)
 check("all_gather_object", lambda: (repr(dist.all_gather_object(None, {"r": rank})), repr([{"r": r} for r in range(world)])))
 
 dist.barrier()
