@@ -123,13 +123,6 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
                 on_step: Callable | None) -> dict:
     folder = OutFolder.read(cfg.out)
     folder.check(cfg)
-    if cfg.resume and max(folder.steps) >= cfg.steps:  # before any program is built: nothing will run
-        report(f"models.train: the run in {folder.out!r} is finished (step {max(folder.steps)} of --steps "
-               f"{cfg.steps}); nothing to do. Its results are in metrics.json and loss.png there; to train more, "
-               "start a new run (another --out, or --overwrite).", lead)
-        done = _finished_summary(folder.out, max(folder.steps))
-        if done is not None:
-            return done  # else (no metrics.json: the run ended before writing it) evaluate and write it
     if cfg.overwrite and lead:
         folder.clear()
     task = make_task(cfg)
@@ -150,7 +143,14 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
             state, meta = restore_job_state(checkpointer, state, progs.plan, mesh, progs.optimizer, progs.model)
             history = list(meta.get("history", []))
         start = int(jax.device_get(state.step))
-        if cfg.resume and start < cfg.steps:
+        if cfg.resume and start >= cfg.steps:
+            report(f"models.train: the run in {folder.out!r} is finished (step {start} of --steps {cfg.steps}); "
+                   "nothing to do. Its results are in metrics.json and loss.png there; to train more, start a new "
+                   "run (another --out, or --overwrite).", lead)
+            done = _finished_summary(folder.out, start)
+            if done is not None:
+                return done
+        elif cfg.resume:
             report(f"models.train: resumed from step {start} (of {cfg.steps}) in {folder.checkpoints!r}", lead)
         n_params = (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params)) if progs.plan is None
                     else sum(int(np.prod(e.shape)) for e in progs.plan.entries))  # a sharded state is padded
