@@ -19,6 +19,7 @@ non-members need not call ``new_group``), once per process.
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import threading
 import time
@@ -38,9 +39,20 @@ __all__ = ["MPI", "init", "comm"]
 MPI: Any = None  # mpi4py.MPI, once init ran
 
 
+def _loopback_only() -> None:
+    """A job whose ranks all run on this host (Hydra's MPI_LOCALNRANKS equals the world size) keeps
+    MPICH's network modules (UCX, libfabric's tcp) off the host's other interfaces: they listen on
+    loopback only. Set before MPI starts; a value the user set wins."""
+    local, size = os.environ.get("MPI_LOCALNRANKS"), os.environ.get("PMI_SIZE")
+    if local is not None and local == size:
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        os.environ.setdefault("FI_TCP_IFACE", "lo")
+
+
 def _import_mpi(where: str):
     global MPI
     if MPI is None:
+        _loopback_only()
         try:
             from mpi4py import MPI as mpi  # initializes MPI (MPI_Init_thread) on first import
         except ImportError as e:  # resolve_backend checked the package; its library may still fail to load

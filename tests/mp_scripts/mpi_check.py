@@ -173,6 +173,20 @@ def late_barrier():
 check("barrier (MPI_Ibarrier) times out naming its limit", late_barrier)
 check("all_gather_object", lambda: (repr(dist.all_gather_object(None, {"r": rank})), repr([{"r": r} for r in range(world)])))
 
+def listeners():
+    """Every socket this process listens on (alone: not the launcher's, which it inherits) is on loopback."""
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("ss") is None:
+        return "no ss here", "no ss here"
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=20).stdout
+    mine = [line.split()[3] for line in out.splitlines() if f"pid={os.getpid()}," in line and line.count("pid=") == 1]
+    bad = [a for a in mine if not a.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:") in ("127.0.0.1", "::1")]
+    return [bool(mine), bad], [True, []]
+check("this rank listens on loopback only", listeners)
+
 dist.barrier()
 check.write(sys.argv[1], rank)
 dist.destroy_process_group()
