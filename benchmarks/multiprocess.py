@@ -322,6 +322,84 @@ def floor(sizes: list[int], out_dir: str) -> None:
         json.dump(res, f, indent=1)
 
 
+# --- spmd on mpi against the same MPI calls by hand, interleaved in one job (--mpi-pair) ---------------------
+def pair_worker(sizes: list[int], out: str, rounds: int = 9, calls: int = 30) -> None:
+    """In the same processes (one mpiexec job), round by round: spmd's call on mpi, then the same MPI call
+    written with mpi4py on the same buffers; both see the same load, so their ratio is the layer's cost."""
+    import numpy as np
+    from mpi4py import MPI
+
+    import spmd.distributed as dist
+
+    dist.init_process_group("mpi")
+    comm, n = MPI.COMM_WORLD, dist.get_world_size()
+    rows = []
+    for op in OPS:
+        for size in sizes:
+            e = _elems(op, size, n)
+            x = np.ones(e, np.float32)
+            if op == "all_reduce":
+                ours, raw = (lambda: dist.all_reduce(x)), (lambda: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM))
+            elif op == "all_gather":
+                o = np.empty(e * n, np.float32)
+                ours, raw = (lambda: dist.all_gather_into_tensor(o, x)), (lambda: comm.Allgather(x, o))
+            else:
+                o = np.empty(e // n, np.float32)
+                ours = lambda: dist.reduce_scatter_tensor(o, x)  # noqa: E731
+                raw = lambda: comm.Reduce_scatter_block(x, o, MPI.SUM)  # noqa: E731
+            ours(), raw()
+            k = max(3, min(calls, int(0.02 / max(1e-6, _once(raw)))))
+            k = comm.allreduce(k, op=MPI.MAX)
+            got = {"spmd": [], "mpi4py": []}
+            for _ in range(rounds):
+                for name, fn in (("spmd", ours), ("mpi4py", raw)):
+                    comm.Barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(k):
+                        fn()
+                    got[name].append((time.perf_counter() - t0) / k)
+            med = np.array([statistics.median(got["spmd"]), statistics.median(got["mpi4py"])])
+            slow = np.empty_like(med)
+            comm.Allreduce(med, slow, MPI.MAX)
+            rows.append({"op": op, "size": size, "spmd_seconds": float(slow[0]), "mpi4py_seconds": float(slow[1]),
+                         "ratio": float(slow[0] / slow[1])})
+    if comm.Get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"nproc": n, "rows": rows}, f)
+    dist.barrier()
+
+
+def _once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def mpi_pair(sizes: list[int], out_dir: str, nproc: int = 2) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TORCH_DISTRIBUTED_DEBUG", "SPMD_DISTRIBUTED_DEBUG")}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "pair.json")
+        cmd = [_mpiexec(), "-n", str(nproc), sys.executable, os.path.abspath(__file__), "--worker", "pair",
+               "--sizes", ",".join(map(str, sizes)), "--result", out]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+        if p.returncode != 0:
+            raise RuntimeError(f"the mpi pair run failed:\n{p.stderr[-3000:]}")
+        with open(out) as f:
+            res = json.load(f)
+    print(f"\nspmd on mpi vs the same mpi4py calls, interleaved in one job of {nproc} processes (us per call):")
+    print(f"{'op':15s} {'size':>9s} {'spmd-mpi':>9s} {'mpi4py':>8s} {'ratio':>6s}")
+    for r in res["rows"]:
+        print(f"{r['op']:15s} {r['size']:9d} {r['spmd_seconds'] * 1e6:9.1f} {r['mpi4py_seconds'] * 1e6:8.1f} "
+              f"{r['ratio']:6.2f}")
+    res["note"] = ("float32, NumPy buffers in place; per size the median over 9 rounds, spmd and mpi4py alternating "
+                   "round by round in the same processes, slowest rank")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"multiprocess_mpi_pair_{nproc}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def _guard_cost(n: int = 20000) -> float:
     """Seconds per call of the always-on part of the collective guard (enter + leave), in this process."""
     from spmd.distributed import _guard
@@ -369,12 +447,17 @@ def main() -> None:
     ap.add_argument("--floor", action="store_true",
                     help="only measure where one all_reduce's time goes: spmd (NumPy / JAX input), the XLA program "
                          "alone and torch gloo, interleaved in the same 2 processes")
-    ap.add_argument("--worker", choices=(*SYSTEMS, "floor"), help=argparse.SUPPRESS)
+    ap.add_argument("--mpi-pair", action="store_true",
+                    help="only measure spmd on mpi against the same mpi4py calls, interleaved in one mpiexec job")
+    ap.add_argument("--worker", choices=(*SYSTEMS, "floor", "pair"), help=argparse.SUPPRESS)
     ap.add_argument("--torch-port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sizes", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=0.25, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker == "pair":
+        pair_worker([int(s) for s in args.sizes.split(",")], args.result)
+        return
     if args.worker == "floor":
         floor_worker([int(s) for s in args.sizes.split(",")], args.torch_port, args.result)
         return
@@ -388,6 +471,10 @@ def main() -> None:
         check_cost(args.out)
         return
     sizes = [4, 64, 256, 1024, 4096, 16384, 65536] + ([1 << 20] if args.quick else [1 << 20, 1 << 22, 1 << 24, 1 << 26])
+    if args.mpi_pair:
+        for n in (2,) if args.quick else (2, 4):
+            mpi_pair(sizes, args.out, n)
+        return
     procs = (2,) if args.quick else (2, 4)
     frameworks = tuple(f for f in SYSTEMS if _available(f))
     for f in SYSTEMS:
