@@ -20,7 +20,6 @@ import pytest
 import spmd.distributed as dist
 from spmd._spawn import free_port
 from spmd.distributed import _backend
-from spmd.distributed._errors import PEER_EXIT_CODE
 from test_launcher import SCRIPTS, clean_env, rank_results  # noqa: E402
 
 _MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
