@@ -452,7 +452,7 @@ def test_different_ops_on_a_first_call_report_the_real_wait():
             "dtype=float32, shape=(4,)); rank 1: all_reduce(op=max, dtype=float32, shape=(4,)).") in err, err[-3000:]
     assert "waited 20 s (the timeout)" not in err, err[-3000:]
     for line in lines_of(err, 1):
-        if "PeerError" in line:
+        if "PeerError: " in line:  # the exception's line (not the traceback's source line)
             assert re.search(r"rank 1 stopped waiting after \d+\.\d s \(of its 20 s timeout\) for ranks \[0\] to "
                              r"reach all_reduce \(call #0 of Group\(WORLD\)\): the coordination service stopped "
                              r"answering \(", line), line
