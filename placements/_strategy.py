@@ -49,6 +49,7 @@ from placements._types import Partial, Placement, Replicate, Shard, format_place
 __all__ = [
     "STRATEGIES",
     "check_strategy",
+    "format_cost",
     "Operand",
     "OpStrategy",
     "PARTIAL_RULES",
@@ -137,17 +138,25 @@ class OpStrategy:
     def __str__(self) -> str:
         srcs = ", ".join(format_placements(p.src) for p in self.plans)
         c = self.cost()
-        lines = [f"{self.op}({srcs}) -> {format_placements(self.output)} {self.out_shape}  [{c}]"]
+        lines = [f"{self.op}({srcs}) -> {format_placements(self.output)} {self.out_shape}  [{format_cost(c)}]"]
         for i, p in enumerate(self.plans):
             for s in p.steps:
                 lines.append(f"    input {i}: {s}")
         a = self.alternative
         if a is not None:
-            lines.append(f"    cheapest: -> {format_placements(a.output)}  [{a.cost()}]  (placement_strategy('cheapest'))")
+            lines.append(
+                f"    cheapest: -> {format_placements(a.output)}  [{format_cost(a.cost())}]  (placement_strategy('cheapest'))"
+            )
             for i, p in enumerate(a.plans):
                 for s in p.steps:
                     lines.append(f"        input {i}: {s}")
         return "\n".join(lines)
+
+
+def format_cost(c: PlanCost) -> str:
+    """``PlanCost`` with its ring traffic (what the cheapest strategy minimises: an all_reduce
+    moves twice a reduce_scatter's bytes over the same buffer)."""
+    return f"{c}, {c.traffic:.0f} B traffic"
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -277,7 +286,7 @@ def _torch_cost(mesh_shape, topo, x: Operand, dst) -> float:
     if all(isinstance(p, Replicate) for p in x.placements) or tuple(dst) == x.placements:
         return 0.0
     n = math.prod(k for k, p in zip(mesh_shape, x.placements) if isinstance(p, Shard))
-    gb = x.itemsize * math.prod(x.shape) / n / 1024**3
+    gb = x.itemsize * math.prod(x.shape) / n / 1024 / 1024 / 1024  # in torch's order: ties are decided by the last bit
     cost = 0.0
     for m, c, t, _ in torch_greedy_steps(x.placements, dst):
         step, gb = _torch_step_cost(c, t, mesh_shape[m], topo[m], gb)

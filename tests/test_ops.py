@@ -447,11 +447,12 @@ def test_explain_prints_the_plan_before_running(mesh8, capsys):
     assert alt.inputs == ((S(0),),) and alt.plans[0].collectives == ("reduce_scatter",) and alt.cost().bytes == 8 * 4 * 4
     assert out[2].output == (R,)
     assert "matmul(S(1), S(0)) -> P(sum) (5, 4)" in text and "P(sum) -> R  [mesh dim 0: P(sum) -> R, all_reduce" in text
-    assert "    cheapest: -> S(0)  [128 B per device in 1 collective(s)]  (placement_strategy('cheapest'))" in text
+    assert "    cheapest: -> S(0)  [128 B per device in 1 collective(s), 112 B traffic]  (placement_strategy('cheapest'))" in text
     assert "P(sum) -> S(0)  [mesh dim 0: P(sum) -> S(0), reduce_scatter" in text
-    assert text.startswith(f"3 op(s), {out.cost()} to redistribute inputs (the cheapest strategy per op: "
-                           f"{out.cheapest_cost()}):")
-    assert out.cost().bytes == 80 and out.cheapest_cost().bytes == 128  # cheapest in bytes for one op, not in all
+    assert "-> R (5, 4)  [80 B per device in 1 collective(s), 140 B traffic]" in text  # 2 x 80 x 7/8 for the all_reduce
+    assert text.startswith(f"3 op(s), {out.cost()}, 140 B traffic to redistribute inputs (the cheapest strategy per op: "
+                           f"{out.cheapest_cost()}, 112 B traffic):")
+    assert out.cost().bytes == 80 and out.cheapest_cost().bytes == 128  # the padded blocks of 5 rows on 8 ranks
     with ops.placement_strategy("cheapest"):
         cheap = ops.explain(lambda a, b: ops.relu(a @ b).sum(0), x, w, print_out=False)
     assert cheap[1].inputs == ((S(0),),) and cheap[1].alternative is None and cheap[2].output == (P("sum"),)

@@ -1,6 +1,6 @@
 """Output placements and local tensors of DTensor ops, case by case against torch 2.13's DTensor
 run in 4 gloo processes. Every case must agree on placements and on every rank's local tensor,
-or be listed in ``DIFFERENT`` with the reason (README "DTensor ops": where we differ from torch)."""
+or be listed in ``DIFFERENT`` with the reason (docs/placements.md: where we differ from torch)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 import spmd
 import spmd.ops as ops
-from placements import Partial, Replicate, Shard, format_placements
+from placements import Partial, Replicate, Shard, format_placements, rank_to_coord
 from spmd import DTensor, distribute_tensor
 from _torch_ref import run_torch_ranks
 
@@ -103,13 +103,24 @@ CASES = [
     ((2, 2), "sum1", [((8, 6), "[S(0), S(1)]")]),
     ((2, 2), "add", [((5, 3), "[S(0), S(1)]"), ((3,), "[R(), R()]")]),
     ((2, 2), "t", [((8, 6), "[S(0), P()]")]),
+    # torch's choices where the cheapest strategy differs (placement_strategy("cheapest"))
+    ((4,), "exp", [((8, 6), "[P()]")]),
+    ((4,), "relu", [((8, 6), "[P('avg')]")]),
+    ((4,), "shift", [((8, 6), "[P()]")]),
+    ((4,), "mm", [((8, 6), "[S(0)]"), ((6, 4), "[S(0)]")]),
+    ((4,), "mm", [((5, 6), "[S(1)]"), ((6, 3), "[S(1)]")]),
+    ((4,), "add", [((8, 6), "[R()]"), ((8, 6), "[P()]")]),
+    ((4,), "mul", [((8, 6), "[S(0)]"), ((8, 6), "[P()]")]),
+    ((4,), "add", [((8, 6), "[S(0)]"), ((8, 6), "[S(1)]")]),
+    ((2, 2), "add", [((8, 6), "[R(), S(1)]"), ((8, 6), "[P(), R()]")]),  # R S(1) -> P(sum) S(0): via a reduce-scatter
+    ((2, 2), "sub", [((8, 6), "[P(), P()]"), ((8, 6), "[R(), P()]")]),
+    ((2, 2), "layer_norm", [((8, 6), "[S(1), P()]")]),
+    ((2, 2), "mm", [((8, 6), "[S(1), S(0)]"), ((6, 4), "[S(1), S(1)]")]),
+    ((4,), "add", [((5, 3), "[S(1)]"), ((3,), "[R()]")]),  # 3 elements on 4 ranks: torch gathers
 ]
 
-#: Cases where our output placements differ from torch 2.13's on purpose (index -> reason).
-DIFFERENT: dict[int, str] = {
-    42: "layer_norm over a sharded normalised dim of an (8, 8) tensor: torch all-gathers it to R (each device "
-        "receives 3/4 of the tensor); we all-to-all to S(0) (3/4 of one block, 4x fewer bytes) and the rows stay sharded",
-}
+#: Cases where our output placements differ from torch 2.13's on purpose (index -> reason; docs/placements.md).
+DIFFERENT: dict[int, str] = {}
 
 WORKER = textwrap.dedent(
     """
@@ -128,7 +139,11 @@ WORKER = textwrap.dedent(
         if not any(isinstance(p, Partial) for p in pl):
             return distribute_tensor(x, mesh, pl)
         base = distribute_tensor(x, mesh, [Replicate() if isinstance(p, Partial) else p for p in pl]).to_local()
-        return DTensor.from_local(base * (rank + 1), mesh, pl, run_check=False, shape=x.shape, stride=x.stride())
+        f = 1  # a different contribution per coordinate of the Partial mesh dims, equal along the others
+        for m, p in enumerate(pl):
+            if isinstance(p, Partial):
+                f *= mesh.get_coordinate()[m] + 1
+        return DTensor.from_local(base * f, mesh, pl, run_check=False, shape=x.shape, stride=x.stride())
 
     def main(rank, port, out, cases, ops):
         S, R, P = Shard, Replicate, Partial
@@ -168,7 +183,11 @@ def _operand(mesh, shape, pl, seed):
     if not any(isinstance(p, Partial) for p in pl):
         return distribute_tensor(x, mesh, pl)
     base = distribute_tensor(x, mesh, [Replicate() if isinstance(p, Partial) else p for p in pl]).local_tensors()
-    return DTensor.from_local([np.asarray(b) * (r + 1) for r, b in enumerate(base)], mesh, pl, shape=shape)
+    def f(r):
+        c = rank_to_coord(r, mesh.shape)
+        return int(np.prod([c[m] + 1 for m, p in enumerate(pl) if isinstance(p, Partial)]))
+
+    return DTensor.from_local([np.asarray(b) * f(r) for r, b in enumerate(base)], mesh, pl, shape=shape)
 
 
 def _placements(torch_pl):

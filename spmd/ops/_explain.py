@@ -7,6 +7,7 @@ from typing import Any, Callable
 import jax
 
 from placements import PlanCost
+from placements._strategy import format_cost
 from spmd.tensor._ops_exec import recording
 
 __all__ = ["explain", "Explanation"]
@@ -35,8 +36,8 @@ class Explanation(tuple):
 
     def __str__(self) -> str:
         cost, cheap = self.cost(), self.cheapest_cost()
-        alt = "" if cheap == cost else f" (the cheapest strategy per op: {cheap})"
-        lines = [f"{len(self)} op(s), {cost} to redistribute inputs{alt}:"]
+        alt = "" if cheap == cost else f" (the cheapest strategy per op: {format_cost(cheap)})"
+        lines = [f"{len(self)} op(s), {format_cost(cost)} to redistribute inputs{alt}:"]
         lines += [f"  {i}. " + str(s).replace("\n", "\n  ") for i, s in enumerate(self)]
         return "\n".join(lines)
 
