@@ -215,6 +215,10 @@ def _reduce_scatter(c, x, into, op, where):
     n = c.Get_size()
     send, mop, back = _prepare(x, op, n, where)
     shape = (x.shape[0] // n,) + x.shape[1:]
+    buf = _target(into, shape, x.dtype) if back is None else None
+    if buf is not None and not _same_memory(buf, send):
+        c.Reduce_scatter_block(send, buf, mop)
+        return into
     out = np.empty(shape, send.dtype)
     c.Reduce_scatter_block(send, out, mop)
     return out if back is None else back(out)
