@@ -237,6 +237,11 @@ class Hooks:
         rowwise = isinstance(style, RowwiseParallel)
         bias_after = rowwise and "bias" in names
         bias_outside = bias_after and not isinstance(out, Shard)  # whole output: every rank's bias gradient is whole
+        # a column-parallel output is cut where its kernel is: the kernel's output axes end the output's dims
+        # (Dense (in, out): the last; DenseGeneral (D, 3, H, hd) cut on the heads (dim=2): the third from the end)
+        kern = next((e for e, n in zip(ents, names) if n in ("kernel", "embedding")), None)
+        col_back = (len(kern.shape) - kern.shard_dim(self.ti) if kern is not None and self.ti is not None
+                    and kern.shard_dim(self.ti) is not None and typ not in KNOWN_EMBED else 1)
         x_bytes = int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize
         if gather_seq is not None:
             x_bytes *= self.n_tp
@@ -253,7 +258,7 @@ class Hooks:
                 if bias_after and not bias_outside:
                     y = y + vals[names.index("bias")].astype(y.dtype)
             elif isinstance(style, ColwiseParallel) and not isinstance(out, Shard):
-                y = jax.lax.all_gather(y, tp, axis=y.ndim - 1, tiled=True)
+                y = jax.lax.all_gather(y, tp, axis=y.ndim - col_back, tiled=True)
             return y
 
         local_vals = [jax.ShapeDtypeStruct(self._local_shape(e, np.shape(v)), v.dtype) for e, v in zip(ents, vals)]
@@ -265,9 +270,9 @@ class Hooks:
                                       local_x if gather_seq is None else jax.ShapeDtypeStruct(np.shape(x), x.dtype)
                                       ).shape)
         out_layout = out if (rowwise or isinstance(style, SequenceParallel)) else (
-            Shard(ndim - 1) if isinstance(out, Shard) else Replicate())
+            Shard(ndim - col_back) if isinstance(out, Shard) else Replicate())
         if isinstance(style, ColwiseParallel) and isinstance(out, Shard):
-            out_layout = Shard(ndim - 1)
+            out_layout = Shard(ndim - col_back)
         in_specs = (tuple(self.tp_spec(e, np.ndim(v)) for e, v in zip(ents, vals)), self._layout_spec(x_layout, x.ndim))
         y = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
                           out_specs=self._layout_spec(out_layout, ndim), axis_names={tp}, check_vma=False)(tuple(vals), x)
