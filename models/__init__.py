@@ -1,4 +1,4 @@
-"""Flax models, the data-parallel train step and the training job.
+"""Flax models (plain: the job lays them out with ``spmd.parallel``), tasks and the training job.
 
 ``python -m models.train`` (or ``spmd-train``) runs the job. Importing this
 package does not import JAX (its names load on first use), so the job can set
@@ -15,11 +15,10 @@ __all__ = [
     "DigitTask",
     "TextTask",
     "TrainState",
-    "init_train_state",
-    "make_train_step",
     "batch_placements",
-    "make_fsdp_train_step",
-    "shard_train_state",
+    "transformer_tp_plan",
+    "shard_units",
+    "layout_model",
     "Checkpointer",
     "CheckpointError",
 ]
@@ -30,11 +29,10 @@ _WHERE = {
     "DigitTask": "models._data",
     "TextTask": "models._data",
     "TrainState": "models._ddp",
-    "init_train_state": "models._ddp",
-    "make_train_step": "models._ddp",
     "batch_placements": "models._ddp",
-    "make_fsdp_train_step": "models._fsdp",
-    "shard_train_state": "models._fsdp",
+    "transformer_tp_plan": "models._plans",
+    "shard_units": "models._plans",
+    "layout_model": "models._plans",
     "Checkpointer": "models._checkpoint",
     "CheckpointError": "models._checkpoint",
 }

@@ -1,18 +1,18 @@
-"""The training job's sharded parts: programs on an ``fsdp`` mesh, what ``metrics.json`` reports
-(``"memory"``, ``"collectives"``), and checkpoints that restore onto any other mesh and plan.
+"""The training job's sharded-state parts: what ``metrics.json`` reports (``"memory"``, ``"collectives"``),
+the logical parameters evaluation reads, and checkpoints that restore onto any other mesh and plan.
 
-A checkpoint stores each array as the state held it (padded blocks, each
-process writing its own shards through orbax) and the meta records the layout
-(``layout_meta``): the mesh and every parameter's logical shape. Restoring
-reads the arrays in their saved (padded) shapes, checks them against their
-checksums, trims the saved padding and pads and places them for the new plan:
-``fsdp=8 -> dp=8 -> fsdp=2 -> 1 device`` keeps every value bit for bit.
+Every job state is a ``spmd.parallel.TrainState`` whose static ``plan`` (a ``ParamPlan``) says how its
+arrays are laid out (DDP: every parameter ``Replicate``). A checkpoint stores each array as the state held
+it (padded blocks, each process writing its own shards through orbax) and the meta records the layout
+(``layout_meta(state.plan)``): the mesh, every parameter's logical shape and placements. Restoring reads
+the arrays in their saved (padded) shapes, checks them against their checksums, trims the saved padding
+and pads and places them for the new plan: ``fsdp=8 -> dp=8 -> fsdp=2 -> 1 device`` keeps every value bit
+for bit.
 """
 
 from __future__ import annotations
 
 import re
-
 from typing import Any, Callable
 
 import jax
@@ -20,47 +20,34 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models._ddp import TrainState, init_train_state
-from models._fsdp import make_fsdp_train_step, shard_train_state, state_shardings
 from placements import Replicate, Shard
 from spmd import DeviceMesh
-from spmd.parallel import (ParamPlan, Rule, entry_sharding, executed_collectives, map_like_params, path_str, plan_params,
-                           unshard_params)
+from spmd.parallel import (ParamPlan, Rule, TrainState, entry_sharding, executed_collectives, map_like_params,
+                           path_str, plan_params, shard_params, unshard_tree)
 
-__all__ = ["fsdp_parts", "layout_meta", "restore_resharded", "restore_job_state", "memory_report",
-           "collectives_report", "logical_params"]
-
-
-def fsdp_parts(model: Any, optimizer, loss: Callable, mesh: DeviceMesh, sample: Any, *, accum_steps: int = 1,
-               regather: bool = True, rules=(), make_step: Callable | None = None
-               ) -> tuple[ParamPlan, Callable, Callable, Any]:
-    """``(plan, init, train_step, state_sharding)`` of a run on a mesh with an ``fsdp`` dim.
-
-    ``loss(logits, batch) -> (loss, metrics)``; ``sample``: model inputs for the
-    abstract init (shapes only). ``init(key, inputs)`` builds the step-0 state
-    placed by the plan (the same values as the replicated init of a ``dp`` run
-    with that key). ``rules``/``make_step(plan)``: other layouts' plan rules and train step (tensor parallel).
-    """
-    abstract = jax.eval_shape(model.init, jax.random.key(0), sample)["params"]
-    plan = plan_params(abstract, mesh, rules, units=model.fsdp_units(), keep=model.fsdp_keep())
-    step = make_step(plan) if make_step is not None else make_fsdp_train_step(
-        lambda p, b, gather: loss(model.apply({"params": p}, b["inputs"], gather=gather), b),
-        optimizer, mesh, plan, accum_steps=accum_steps, regather=regather)
-    replicated = jax.jit(lambda key, x: init_train_state(model.init(key, x)["params"], optimizer),
-                         out_shardings=NamedSharding(mesh.jax_mesh, P()))
-
-    def init(key, x):
-        return shard_train_state(replicated(key, x), plan, mesh, optimizer)
-
-    abstract_state = jax.eval_shape(lambda: init_train_state(
-        jax.tree.map(lambda e: jax.ShapeDtypeStruct(plan.padded_shape(e), e.dtype),
-                     jax.tree_util.tree_unflatten(plan.treedef, list(plan.entries))), optimizer))
-    return plan, init, step, state_shardings(abstract_state, plan, mesh, optimizer)
+__all__ = ["layout_meta", "restore_resharded", "restore_job_state", "memory_report", "collectives_report",
+           "logical_params", "logical_state", "place_state"]
 
 
 def logical_params(params: Any, plan: ParamPlan | None, mesh: DeviceMesh) -> Any:
-    """The parameters' logical values, replicated on ``mesh`` (what evaluation reads)."""
-    return params if plan is None else unshard_params(params, plan, mesh)
+    """The parameters' logical (unpadded) values, replicated on ``mesh`` (what evaluation reads)."""
+    return params if plan is None else unshard_tree(params, plan, mesh)
+
+
+def logical_state(state: TrainState, mesh: DeviceMesh, optimizer) -> TrainState:
+    """``state`` with its parameters and optimizer moments logical (unpadded) and replicated on ``mesh``."""
+    plan = state.plan
+    return TrainState(step=state.step, params=unshard_tree(state.params, plan, mesh),
+                      opt_state=unshard_tree(state.opt_state, plan, mesh, optimizer=optimizer), plan=plan)
+
+
+def place_state(state: TrainState, plan: ParamPlan, mesh: DeviceMesh, optimizer) -> TrainState:
+    """A logical (replicated or host) state laid out by ``plan`` on ``mesh``: each parameter and its optimizer
+    moments padded to the plan's chunks and placed."""
+    plan.check_params(state.params, "place_state")
+    return TrainState(step=jax.device_put(state.step, NamedSharding(mesh.jax_mesh, P())),
+                      params=shard_params(state.params, plan, mesh),
+                      opt_state=shard_params(state.opt_state, plan, mesh, optimizer=optimizer), plan=plan)
 
 
 def layout_meta(plan: ParamPlan | None) -> dict:
@@ -73,7 +60,7 @@ def layout_meta(plan: ParamPlan | None) -> dict:
                            for e in plan.entries}}  # [d]: Shard(d), []: Replicate (tensor-parallel layouts too)
 
 
-def _saved_plan(layout: dict | None, abstract_params: Any, units, where: str) -> ParamPlan | None:
+def _saved_plan(layout: dict | None, abstract_params: Any, where: str) -> ParamPlan | None:
     """The plan the checkpoint was saved with (None: saved whole, replicated)."""
     if not layout or not layout.get("mesh"):
         return None
@@ -87,53 +74,56 @@ def _saved_plan(layout: dict | None, abstract_params: Any, units, where: str) ->
         )
     rules = [Rule(re.escape(path), {n: Shard(p[0]) if p else Replicate() for n, p in zip(layout["mesh"], pl)})
              for path, pl in layout.get("placements", {}).items()]  # the saved placements, exactly
-    return plan_params(abstract_params, layout["mesh"], rules, fsdp=layout["fsdp"], units=units)
+    return plan_params(abstract_params, layout["mesh"], rules, fsdp=layout["fsdp"] or "")
 
 
 def _paths(tree: Any):
     return [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def restore_resharded(checkpointer, target: TrainState, plan: ParamPlan | None, mesh: DeviceMesh, optimizer,
-                      abstract_params: Any, units=(), step: int | None = None) -> tuple[TrainState, dict]:
-    """The state saved at ``step`` laid out by ``plan`` on ``mesh`` (``plan=None``: replicated, as a
-    ``dp`` run holds it), whatever mesh and plan it was saved with; and its meta.
+def _abstract_params(plan: ParamPlan) -> Any:
+    return jax.tree_util.tree_unflatten(plan.treedef,
+                                        [jax.ShapeDtypeStruct(e.shape, np.dtype(e.dtype)) for e in plan.entries])
 
-    ``abstract_params``: the model's logical parameter shapes. A checkpoint of
-    other parameters is a ``ValueError``, never a silent reshape.
+
+def restore_resharded(checkpointer, target: TrainState, mesh: DeviceMesh, optimizer,
+                      step: int | None = None) -> tuple[TrainState, dict]:
+    """The state saved at ``step`` laid out like ``target`` (a state or ``jax.eval_shape`` of one: its
+    ``plan``, on ``mesh``), whatever mesh and plan it was saved with; and its meta.
+
+    A checkpoint of other parameters is a ``ValueError``, never a silent reshape.
     """
     where = "restore_resharded"
+    plan = target.plan
+    if not isinstance(plan, ParamPlan):
+        raise TypeError(f"{where}: target={type(target).__name__} must be a TrainState laid out by "
+                        "spmd.parallel.init_train_state (its .plan says the layout to restore onto).")
     meta = checkpointer.restore_meta(step)
-    saved = _saved_plan(meta.get("layout"), abstract_params, units, where)
-    if plan is not None:
-        plan.check_params(abstract_params, where)
-    if saved is None and plan is None:
-        return checkpointer.restore(target, step)
+    abstract_params = _abstract_params(plan)
+    saved = _saved_plan(meta.get("layout"), abstract_params, where)
+    ref = saved if saved is not None else plan_params(abstract_params, dict(zip(plan.mesh_dim_names, plan.mesh_shape)),
+                                                      [Rule(".*", {n: Replicate() for n in plan.mesh_dim_names})])
     rep = NamedSharding(mesh.jax_mesh, P())
 
     def saved_struct(x, e):  # the saved (padded) shape; sharded like the new plan where it divides, else replicated
-        shape = saved.padded_shape(e) if saved is not None else e.shape
+        shape = ref.padded_shape(e)
         s = rep
-        if plan is not None:
-            want = entry_sharding(plan.entry(e.path), mesh)
-            if all(d % n == 0 for d, n in zip(shape, _shards_per_dim(want, len(shape)))):
-                s = want
+        want = entry_sharding(plan.entry(e.path), mesh)
+        if all(d % n == 0 for d, n in zip(shape, _shards_per_dim(want, len(shape)))):
+            s = want
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=s)
 
-    ref_plan = saved if saved is not None else plan
     abstract = TrainState(
         step=jax.ShapeDtypeStruct((), target.step.dtype, sharding=rep),
-        params=map_like_params(ref_plan, target.params, saved_struct),
-        opt_state=map_like_params(ref_plan, target.opt_state, saved_struct, optimizer=optimizer,
+        params=map_like_params(ref, target.params, saved_struct),
+        opt_state=map_like_params(ref, target.opt_state, saved_struct, optimizer=optimizer,
                                   other=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)),
+        plan=ref,
     )
     state, meta = checkpointer.restore(abstract, step)
-    if saved is not None:
-        state = TrainState(step=state.step, params=unshard_params(state.params, saved, mesh),
-                           opt_state=unshard_params(state.opt_state, saved, mesh, optimizer=optimizer))
-    if plan is not None:
-        state = shard_train_state(state, plan, mesh, optimizer)
-    return state, meta
+    logical = TrainState(step=state.step, params=unshard_tree(state.params, ref, mesh),
+                         opt_state=unshard_tree(state.opt_state, ref, mesh, optimizer=optimizer), plan=ref)
+    return place_state(logical, plan, mesh, optimizer), meta
 
 
 def _shards_per_dim(sharding: NamedSharding, ndim: int) -> list[int]:
@@ -145,20 +135,18 @@ def _shards_per_dim(sharding: NamedSharding, ndim: int) -> list[int]:
     return out
 
 
-def memory_report(state: TrainState, plan: ParamPlan | None, *, regather: bool = True, accum_steps: int = 1) -> dict:
+def memory_report(state: TrainState, plan: ParamPlan | None = None, *, accum_steps: int = 1) -> dict:
     """Bytes of parameters + optimizer state on one device (read from the live arrays' shards on the
-    first local device), the logical total, and the most gathered parameter bytes alive at once."""
+    first local device), the logical total, and the most gathered parameter bytes alive at once
+    (``plan``: default ``state.plan``)."""
+    plan = plan if plan is not None else state.plan
     dev = jax.local_devices()[0]
     leaves = [x for x in jax.tree.leaves((state.params, state.opt_state)) if hasattr(x, "addressable_shards")]
     per_device = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == dev)
-    if plan is None:
-        total = sum(x.nbytes for x in leaves)
-        peak = 0
-    else:
-        n_moments = sum(1 for x in jax.tree.leaves(state.opt_state) if x.ndim > 0) // max(len(plan.entries), 1)
-        scalars = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim == 0)
-        total = plan.total_bytes * (1 + n_moments) + scalars
-        peak = plan.peak_gathered_bytes(regather=regather, accum_steps=accum_steps)
+    n_moments = sum(1 for x in jax.tree.leaves(state.opt_state) if x.ndim > 0) // max(len(plan.entries), 1)
+    scalars = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim == 0)
+    total = plan.total_bytes * (1 + n_moments) + scalars
+    peak = plan.peak_gathered_bytes(accum_steps=accum_steps)
     return {"state_bytes_per_device": int(per_device), "state_bytes_total": int(total),
             "peak_gathered_bytes": int(peak)}
 
@@ -166,16 +154,13 @@ def memory_report(state: TrainState, plan: ParamPlan | None, *, regather: bool =
 def collectives_report(train_step: Callable, state: TrainState, batch: Any) -> dict:
     """kind -> {"count", "bytes"} the compiled step executes per step (loop bodies times their trips)."""
     got = executed_collectives(train_step, state, batch)
-    return {k: v for k, v in got.items() if v["count"]}
+    return {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in got.items() if v["count"]}
 
 
 def restore_job_state(checkpointer, target: TrainState, plan: ParamPlan | None, mesh: DeviceMesh, optimizer,
-                      model: Any, step: int | None = None) -> tuple[TrainState, dict]:
-    """``restore_resharded`` for the training job: the logical parameter shapes come from the plan
-    (or from ``target``, replicated, when there is none)."""
-    if plan is not None:
-        abstract = jax.tree_util.tree_unflatten(
-            plan.treedef, [jax.ShapeDtypeStruct(e.shape, np.dtype(e.dtype)) for e in plan.entries])
-    else:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target.params)
-    return restore_resharded(checkpointer, target, plan, mesh, optimizer, abstract, model.fsdp_units(), step)
+                      model: Any = None, step: int | None = None) -> tuple[TrainState, dict]:
+    """``restore_resharded`` for the training job onto ``target``'s layout (``plan``, when given, must be
+    ``target.plan``; ``model`` is not needed: kept for the job's call)."""
+    if plan is not None and plan != target.plan:
+        raise ValueError("restore_job_state: plan is not the target state's plan; pass the state the programs built.")
+    return restore_resharded(checkpointer, target, mesh, optimizer, step)

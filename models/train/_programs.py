@@ -1,9 +1,14 @@
 """What a run computes with: the mesh, the task, the model, the loss, the optimizer, the batch layout and
 the jitted programs (init, train step, eval step), built once per (config, mesh).
 
-The batch layout is stated once: ``Programs.batch_placements`` (``batch_placements`` of the train step:
-``Shard(0)`` over every data-parallel mesh dim of ``DATA_DIMS``, ``Replicate`` on the others). ``place_batch``
-lays a host batch out by it as DTensors, which the train step and the eval step take as they are.
+Every ``--mesh`` layout goes through ``spmd.parallel``'s contract: the plain model laid out by
+``models._plans.layout_model`` (``parallelize_module`` for ``tp``, ``fully_shard`` for ``fsdp``, neither for
+``dp``: DDP), ``init_train_state``, and one ``make_train_step`` on the job's plain 1-device loss
+(``make_loss_fn``).
+
+The batch layout is stated once: ``Programs.batch_placements`` (``Shard(0)`` over every data-parallel mesh
+dim of ``DATA_DIMS``, ``Replicate`` on the others). ``place_batch`` lays a host batch out by it as DTensors,
+which the train step and the eval step take as they are.
 """
 
 from __future__ import annotations
@@ -18,20 +23,19 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from models._data import DigitTask, TextTask
-from models._ddp import batch_placements, init_train_state, make_train_step
-from models._fsdp_run import fsdp_parts
+from models._ddp import batch_placements
 from models._mlp import MLP
-from models._tp_step import tp_parts
+from models._plans import layout_model
 from models._transformer import Transformer
 from models.train._config import DATA_DIMS, STATE_DIMS, Config, parse_mesh
 from models.train._eval import make_eval_step
 from spmd import DeviceMesh, distribute_tensor, init_device_mesh
+from spmd.parallel import ParallelModule, init_train_state, make_train_step
 
 __all__ = ["build_mesh", "data_dims", "check_fits", "device_memory", "make_task", "layout", "task_dims", "make_model", "cross_entropy",
+           "make_loss_fn",
            "make_optimizer", "Programs", "programs", "place_batch"]
 
 
@@ -143,6 +147,15 @@ def cross_entropy(logits: jax.Array, batch: dict) -> tuple[jax.Array, dict]:
     return jnp.sum(nll * mask) / total, {"accuracy": acc}
 
 
+def make_loss_fn(model: Any) -> Callable:
+    """The job's loss as a user writes it on one device: ``loss_fn(params, batch) -> (loss, {"accuracy"})``."""
+
+    def loss_fn(params: Any, batch: dict):
+        return cross_entropy(model.apply({"params": params}, batch["inputs"]), batch)
+
+    return loss_fn
+
+
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     """AdamW (``--weight-decay``) on a warmup-cosine schedule from 0 to ``--lr`` down to ``lr * --lr-floor``,
     after clipping the gradient to ``--clip-norm``."""
@@ -156,14 +169,15 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 class Programs:
     """The jitted programs of a run on one mesh, and the layouts they agree on."""
 
-    model: Any
+    model: Any  # the plain model (what evaluation applies)
     optimizer: optax.GradientTransformation
     batch_placements: tuple  # the batch's placements on the mesh (the one statement of the data layout)
-    state_sharding: Any  # the train state's sharding (a pytree prefix of the state)
-    init: Callable  # (key, sample inputs) -> the step-0 TrainState, laid out by state_sharding
+    state_sharding: Any  # the train state's sharding (a pytree of NamedSharding like the state)
+    init: Callable  # (key, sample inputs) -> the step-0 TrainState, laid out by the plan
     train_step: Callable  # (state, batch) -> (state, metrics)
     eval_step: Callable  # (params, batch) -> {"token_accuracy", "sequence_accuracy"}
-    plan: Any = None  # the parameter placement plan on an fsdp mesh (spmd.parallel.ParamPlan); None: replicated
+    plan: Any = None  # the state's spmd.parallel.ParamPlan (every layout has one; DDP: all Replicate)
+    layout: Any = None  # the model as laid out (spmd.parallel.ParallelModule, or the plain model for DDP)
 
 
 def program_key(cfg: Config) -> Config:
@@ -183,22 +197,18 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
     optimizer = make_optimizer(key)
     dims = data_dims(mesh)
     placements = tuple(batch_placements(mesh, dims))
-    replicated = NamedSharding(mesh.jax_mesh, P())
     eval_step = make_eval_step(model, mesh, dims, digits=key.length if key.text is None and key.model == "transformer"
                                else None)
-    if "tp" in mesh.mesh_dim_names:  # tensor (sequence) parallel, with fsdp/dp dims too (models._tp_step)
-        plan, init, train_step, sharding = tp_parts(model, optimizer, mesh, jax.ShapeDtypeStruct(
-            (2, task_dims(key)[1]), jnp.int32), sequence_parallel=key.sequence_parallel, accum_steps=key.accum_steps)
-        return Programs(model, optimizer, placements, sharding, init, train_step, eval_step, plan)
-    if "fsdp" in mesh.mesh_dim_names:  # FSDP / HSDP: the state sharded by a plan (models._fsdp_run)
-        sample = jax.ShapeDtypeStruct((2, task_dims(key)[1]), jnp.int32)
-        plan, init, train_step, sharding = fsdp_parts(model, optimizer, cross_entropy, mesh, sample,
-                                                      accum_steps=key.accum_steps)
-        return Programs(model, optimizer, placements, sharding, init, train_step, eval_step, plan)
-    init = jax.jit(lambda rng, x: init_train_state(model.init(rng, x)["params"], optimizer), out_shardings=replicated)
-    train_step = make_train_step(lambda p, b: cross_entropy(model.apply({"params": p}, b["inputs"]), b),
-                                 optimizer, mesh, accum_steps=key.accum_steps)
-    return Programs(model, optimizer, placements, replicated, init, train_step, eval_step)
+    laid = layout_model(model, mesh, sequence_parallel=key.sequence_parallel)
+    plain = None if isinstance(laid, ParallelModule) else mesh  # DDP: the model has no layout, the step a mesh
+
+    def init(rng, x):
+        return init_train_state(laid, optimizer, rng, x, mesh=plain)
+
+    train_step = make_train_step(laid, make_loss_fn(model), optimizer, accum_steps=key.accum_steps, mesh=plain)
+    abstract = jax.eval_shape(init, jax.random.key(0), jax.ShapeDtypeStruct((2, task_dims(key)[1]), jnp.int32))
+    sharding = jax.tree.map(lambda x: x.sharding, abstract)
+    return Programs(model, optimizer, placements, sharding, init, train_step, eval_step, abstract.plan, laid)
 
 
 def place_batch(batch: dict, mesh: DeviceMesh, placements) -> dict:

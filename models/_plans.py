@@ -1,0 +1,94 @@
+"""How the job lays out the project's own models with ``spmd.parallel``: model knowledge, in one place.
+
+- ``shard_units(model)``: the ``fully_shard`` units (torch's ``fully_shard`` on each block / layer);
+- ``transformer_tp_plan(sequence_parallel)``: Megatron-LM's plan of ``models.Transformer`` for
+  ``parallelize_module``: a vocabulary-parallel embedding (the tied output projection ``embed.attend``
+  stays in global view), the attention's ``qkv`` column-parallel on the heads (its ``DenseGeneral``
+  kernel is ``(D, 3, H, D/H)``: ``dim=2``), ``proj`` row-parallel on its heads input (kernel
+  ``(H, D/H, D)``, input ``(b, t, H, D/H)`` cut on dim 2), the MLP's ``fc`` column- and ``fc_out``
+  row-parallel; with sequence parallelism the norms run on the device's positions and the activations
+  between the blocks stay cut on the sequence (``Shard(1)``). ``spmd.parallel`` cuts evenly only, so a
+  vocabulary the tp size does not divide (the digit task's 11 tokens over tp=4) keeps the embedding whole
+  (replicated; under sequence parallelism its output is then cut on the sequence, a local slice);
+- ``layout_model(model, mesh, sequence_parallel)``: the model wrapped for a job mesh of ``dp`` / ``fsdp``
+  / ``tp`` dims (a plain model for ``dp`` only: DDP over ``mesh``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from placements import Replicate, Shard
+from spmd import DeviceMesh
+from spmd.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel, fully_shard, parallelize_module
+
+__all__ = ["shard_units", "transformer_tp_plan", "layout_model", "DATA"]
+
+DATA = ("dp", "fsdp")  # the mesh dims the batch is split over
+
+
+def shard_units(model: Any) -> list[str]:
+    """The ``fully_shard`` units of a project model: each transformer block, each MLP layer."""
+    from models._mlp import MLP
+    from models._transformer import Transformer
+
+    if isinstance(model, Transformer):
+        return ["block_*"]
+    if isinstance(model, MLP):
+        return ["hidden_*", "out"]
+    raise TypeError(f"shard_units: model={type(model).__name__} is not a project model (Transformer or MLP).")
+
+
+def transformer_tp_plan(sequence_parallel: bool = False, *, vocab_size: int | None = None,
+                        tp_size: int | None = None) -> dict:
+    """The Megatron (sequence-parallel) plan of ``models.Transformer`` (see the module doc).
+
+    ``vocab_size`` / ``tp_size``: when given and ``tp_size`` does not divide ``vocab_size``, the embedding
+    stays whole (``spmd.parallel`` refuses uneven tensor-parallel cuts)."""
+    vocab_parallel = vocab_size is None or tp_size is None or vocab_size % tp_size == 0
+    if not sequence_parallel:
+        plan = {
+            "embed": RowwiseParallel(),  # vocabulary-parallel lookup, output whole
+            "block_*.attn.qkv": ColwiseParallel(dim=2),  # kernel (D, 3, H, D/H): cut the heads
+            "block_*.attn.proj": RowwiseParallel(input_layouts=Shard(2)),  # input (b, t, H, D/H) cut on the heads
+            "block_*.fc": ColwiseParallel(),
+            "block_*.fc_out": RowwiseParallel(),
+        }
+        if not vocab_parallel:
+            del plan["embed"]
+        return plan
+    return {
+        "embed": (RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)) if vocab_parallel else
+                  PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))),
+        "block_*.ln1": SequenceParallel(),
+        "block_*.ln2": SequenceParallel(),
+        "ln_f": SequenceParallel(),
+        "block_*.attn.qkv": ColwiseParallel(dim=2, input_layouts=Shard(1)),
+        "block_*.attn.proj": RowwiseParallel(input_layouts=Shard(2), output_layouts=Shard(1)),
+        "block_*.fc": ColwiseParallel(input_layouts=Shard(1)),
+        "block_*.fc_out": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def layout_model(model: Any, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> Any:
+    """``model`` laid out for ``mesh`` (dims from ``dp``, ``fsdp``, ``tp``), through the public contract.
+
+    ``tp``: ``parallelize_module`` with the transformer's plan; ``fsdp``: ``fully_shard`` over the data
+    dims (2-D ``dp, fsdp``: HSDP), each block / layer a unit, resharded after its forward pass; neither:
+    the model itself (DDP: give ``mesh=`` to ``init_train_state`` / ``make_train_step``).
+    """
+    from models._transformer import Transformer
+
+    names = mesh.mesh_dim_names
+    out = model
+    if "tp" in names:
+        if not isinstance(model, Transformer):
+            raise ValueError(f"models.train: a mesh with a 'tp' dim runs the transformer's tensor-parallel plan; "
+                             f"{type(model).__name__} has none: use --model transformer, or a mesh without tp.")
+        out = parallelize_module(out, mesh["tp"], transformer_tp_plan(
+            sequence_parallel, vocab_size=model.vocab_size, tp_size=mesh.size("tp")))
+    if "fsdp" in names:
+        data = tuple(n for n in names if n in DATA)
+        out = fully_shard(out, mesh=mesh[data] if len(data) > 1 else mesh["fsdp"], units=shard_units(model),
+                          reshard_after_forward=True)
+    return out
