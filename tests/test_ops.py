@@ -481,6 +481,13 @@ def test_placement_strategy_setting(mesh8):
     with raises(ValueError, "placement_strategy: strategy='fast' is not one of ('torch', 'cheapest'); use 'torch'"):
         ops.placement_strategy("fast")
 
+    def cheap_exp(d):  # the setting entered inside the jitted function is part of what jit traces
+        with ops.placement_strategy("cheapest"):
+            return ops.exp(d)
+
+    check(jax.jit(cheap_exp)(ps), np.exp(x), [S(0)], tol=1e-4)
+    check(jax.jit(ops.exp)(ps), np.exp(x), [R], tol=1e-4)
+
 
 def test_jit_one_program_and_its_collectives(mesh2x4):
     x, w1, w2 = data((8, 6), 1), data((6, 8), 2) / 4, data((8, 4), 3) / 4
