@@ -393,6 +393,19 @@ def test_resume_takes_the_runs_flags_and_reports_this_invocation(tmp_path, capsy
     assert [h["step"] for h in summary["history"]] == list(range(1, 9))
 
 
+def test_resume_takes_the_saved_mesh_unless_given(tmp_path, capsys):
+    """The layout flags come from the checkpoint too, but a resume may change them (another mesh)."""
+    out = str(tmp_path / "run")
+    with pytest.raises(KeyboardInterrupt):
+        run(parse_args([*TINY_M, "--steps", "4", "--mesh", "dp=4", "--out", out, "--no-progress"]), on_step=_stop_at(2))
+    assert main(["--resume", "--out", out, "--no-progress"]) == 0
+    assert _outputs(out)["mesh"] == {"dp": 4}
+    shutil.rmtree(os.path.join(out, "checkpoints", "4"))
+    os.remove(os.path.join(out, "metrics.json"))
+    assert main(["--resume", "--out", out, "--no-progress", "--mesh", "dp=2"]) == 0
+    assert _outputs(out)["mesh"] == {"dp": 2}
+
+
 def test_resume_refuses_a_flag_given_with_another_value(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert main([*TINY_M, "--out", out, "--no-progress"]) == 0

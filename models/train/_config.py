@@ -21,7 +21,7 @@ from typing import Any
 from models._data import DigitTask
 
 __all__ = ["Config", "MODELS", "MESH_DIMS", "DATA_DIMS", "STATE_DIMS", "check_config", "parse_mesh", "run_config",
-           "check_resume_config", "resume_config"]
+           "check_resume_config", "resume_config", "job_flags"]
 
 MODELS = ("transformer", "mlp")
 # The mesh dims the job knows (name -> what it does), in mesh order.
@@ -174,6 +174,17 @@ _RUN_KEYS = ("model", "task", "text", "seed", "batch_size", "accum_steps", "leng
              "heads", "hidden", "lr", "warmup", "lr_floor", "clip_norm", "weight_decay", "steps")
 
 
+# What a checkpoint also records for --resume to reuse when the flag is left out, but which a resume may change
+# (a run continues on another mesh, saving or logging more often).
+_JOB_KEYS = ("mesh", "sequence_parallel", "save_every", "log_every", "eval_size")
+
+
+def job_flags(cfg: Config) -> dict:
+    """The settings a checkpoint records besides ``run_config``: a resume takes them when not given."""
+    d = dataclasses.asdict(cfg)
+    return {k: d[k] for k in _JOB_KEYS}
+
+
 def run_config(cfg: Config) -> dict:
     """The part of ``cfg`` a checkpoint records and a resume must match."""
     d = dataclasses.asdict(cfg)
@@ -193,10 +204,12 @@ def check_resume_config(saved: dict, cfg: Config, where: str) -> None:
         )
 
 
-def resume_config(saved: dict, cfg: Config, given: frozenset[str] | set[str], where: str) -> Config:
+def resume_config(saved: dict, cfg: Config, given: frozenset[str] | set[str], where: str,
+                  flags: dict | None = None) -> Config:
     """The config of a ``--resume`` from the command line: the run's saved values for the flags left out, the
-    command line's for the rest (``--mesh``, ``--save-every``, ... need not match); a flag ``given`` whose value
-    differs from the saved one is refused, naming both. A key the save lacks takes its default."""
+    command line's for the rest; a run flag ``given`` whose value differs from the saved one is refused, naming
+    both. A key the save lacks takes its default. ``flags``: the saved ``job_flags`` (``--mesh``,
+    ``--save-every``, ...), taken when left out and free to change when given."""
     defaults = run_config(Config())
     was = {k: saved.get(k, defaults[k]) for k in _RUN_KEYS}
     diff = {k: (was[k], getattr(cfg, k)) for k in _RUN_KEYS if k in given and was[k] != getattr(cfg, k)}
@@ -207,4 +220,5 @@ def resume_config(saved: dict, cfg: Config, given: frozenset[str] | set[str], wh
             f"{listed}; leave {' and '.join(_flag(k) for k in diff)} out to continue that run, or start a new run "
             "in another --out."
         )
-    return dataclasses.replace(cfg, **{k: was[k] for k in _RUN_KEYS if k not in given})
+    job = {k: v for k, v in (flags or {}).items() if k in _JOB_KEYS and k not in given}
+    return dataclasses.replace(cfg, **{k: was[k] for k in _RUN_KEYS if k not in given}, **job)

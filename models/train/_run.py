@@ -22,7 +22,7 @@ import numpy as np
 from models._checkpoint import Checkpointer, CheckpointError, abstract_like
 from models._ddp import TrainState
 from models._fsdp_run import collectives_report, layout_meta, logical_params, memory_report, restore_job_state
-from models.train._config import Config, check_config, check_resume_config, resume_config, run_config
+from models.train._config import Config, check_config, check_resume_config, job_flags, resume_config, run_config
 from models.train._loop import MetricLog, progress_bar, report, train_loop
 from models.train._outdir import OutFolder, RunLock, write_outputs
 from models.train._programs import (build_mesh, check_fits, data_dims, device_memory, layout, make_task, place_batch,
@@ -72,10 +72,10 @@ def _saved_run_config(cfg: Config, given: Collection[str]) -> Config:
         return cfg  # nothing to read: OutFolder.check says why there is nothing to resume
     checkpointer = Checkpointer(folder.checkpoints)
     try:
-        saved = checkpointer.restore_meta().get("config", {})
+        meta = checkpointer.restore_meta()
     finally:
         checkpointer.close()
-    resumed = resume_config(saved, cfg, frozenset(given), folder.checkpoints)
+    resumed = resume_config(meta.get("config", {}), cfg, frozenset(given), folder.checkpoints, meta.get("flags"))
     check_config(resumed)
     return resumed
 
@@ -175,8 +175,9 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
             state, start=start, steps=cfg.steps, log_every=cfg.log_every, train_step=progs.train_step,
             next_batch=lambda s: place_batch(task.batch(cfg.seed, s, cfg.batch_size, lay), mesh,
                                              progs.batch_placements),
-            log=log, checkpointer=checkpointer, meta=lambda: {"config": run_config(cfg), "history": history,
-                                                                 "layout": layout_meta(progs.plan)},
+            log=log, checkpointer=checkpointer,
+            meta=lambda: {"config": run_config(cfg), "flags": job_flags(cfg), "history": history,
+                          "layout": layout_meta(progs.plan)},
             on_step=on_step, interrupted=interrupted)
         wall = time.perf_counter() - t_start
         eval_batch = place_batch(task.batch(cfg.seed, 0, eval_size, lay, stream=1), mesh, progs.batch_placements)
