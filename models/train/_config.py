@@ -214,7 +214,8 @@ def resume_config(saved: dict, cfg: Config, given: frozenset[str] | set[str], wh
     was = {k: saved.get(k, defaults[k]) for k in _RUN_KEYS}
     diff = {k: (was[k], getattr(cfg, k)) for k in _RUN_KEYS if k in given and was[k] != getattr(cfg, k)}
     if diff:
-        listed = ", ".join(f"{_flag(k)} {b!r} where the run was saved with {_flag(k)} {a!r}" for k, (a, b) in diff.items())
+        listed = ", ".join(f"{_flag(k)} {b!r} where the run was saved with {_flag(k)} {a!r}"
+                           for k, (a, b) in diff.items())
         raise ValueError(
             f"models.train: --resume continues the run in {where!r} with its saved flags, but the command line gives "
             f"{listed}; leave {' and '.join(_flag(k) for k in diff)} out to continue that run, or start a new run "

@@ -235,12 +235,12 @@ def _check_across_ranks(wd: _Watchdog, call: Call) -> None:
         except Exception:
             pass
     if missing and broke is not None:
-        elapsed = time.monotonic() - call.start
+        elapsed, limit = time.monotonic() - call.start, call.deadline - call.start
         first = (str(broke).strip().splitlines() or [type(broke).__name__])[0][:200]
         raise PeerError(
-            f"{call.where}: rank {wd.rank} stopped waiting after {elapsed:.1f} s (of its {call.deadline - call.start:g} "
-            f"s timeout) for ranks {missing} to reach {call.describe()}: the coordination service stopped answering "
-            f"({first}). Rank 0 hosts it: rank 0 most likely ended first (see its output for why)."
+            f"{call.where}: rank {wd.rank} stopped waiting after {elapsed:.1f} s (of its {limit:g} s timeout) for "
+            f"ranks {missing} to reach {call.describe()}: the coordination service stopped answering ({first}). "
+            "Rank 0 hosts it: rank 0 most likely ended first (see its output for why)."
         )
     if missing:
         raise PeerError(
