@@ -115,7 +115,8 @@ def test_mpi_semantics_and_spmd_regions(tmp_path):
     names = set().union(*rank_results(tmp_path, 4))
     assert {"all_reduce max keeps NaN float32", "@spmd psum across the MPI ranks",
             "recv into a bigger buffer is refused", "async collectives in flight together",
-            "barrier (MPI_Ibarrier) times out naming its limit", "this rank listens on loopback only"} <= names
+            "barrier (MPI_Ibarrier) times out naming its limit", "this rank listens on loopback only",
+            "object collectives in a group (1 MB, MPI bytes)"} <= names
 
 
 @pytest.mark.timeout(150)

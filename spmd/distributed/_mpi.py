@@ -198,3 +198,37 @@ def wait(req, timeout_s: float, status=None) -> bool:
             return False
         if now > spin_until:
             time.sleep(0.0002)
+
+
+def exchange(ranks: tuple[int, ...], payload: bytes | None, senders: tuple[int, ...], me: int, timeout_s: float,
+             where: str) -> dict[int, bytes]:
+    """The object collectives' transfer over MPI: every rank of ``ranks`` gets {sender: payload} of
+    ``senders`` (all ranks: ``MPI_Iallgatherv``; one: ``MPI_Ibcast``), each wait at most ``timeout_s``
+    (a TimeoutError). Bytes only: what arrives is decoded by the caller (never unpickled here)."""
+    import numpy as np
+
+    c = comm(ranks)
+
+    def waited(req, what: str) -> None:
+        if not wait(req, timeout_s):
+            absent = [r for r in senders if r != me] if len(senders) == 1 else [r for r in ranks if r != me]
+            raise TimeoutError(
+                f"{where}: rank {me} waited {timeout_s:g} s for {what} from ranks {absent}, which did not take part; "
+                "every rank of the group must call it (raise the limit with init_process_group(timeout=...) or "
+                "SPMD_TIMEOUT)."
+            )
+
+    if len(senders) == 1:
+        root = ranks.index(senders[0])
+        size = np.array([len(payload) if me == senders[0] else 0], np.int64)
+        waited(c.Ibcast(size, root=root), "the objects' size")
+        buf = np.frombuffer(payload, np.uint8).copy() if me == senders[0] else np.empty(int(size[0]), np.uint8)
+        waited(c.Ibcast(buf, root=root), "the objects")
+        return {senders[0]: payload if me == senders[0] else buf.tobytes()}
+    mine = np.frombuffer(payload, np.uint8)
+    sizes = np.empty(len(ranks), np.int64)
+    waited(c.Iallgather(np.array([mine.size], np.int64), sizes), "the objects' sizes")
+    out = np.empty(int(sizes.sum()), np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    waited(c.Iallgatherv(mine, [out, sizes, offsets, MPI.BYTE]), "the objects")
+    return {r: out[offsets[i]:offsets[i] + sizes[i]].tobytes() for i, r in enumerate(ranks)}

@@ -221,6 +221,8 @@ def _exchange(
     timeout_s = _timeout_s(timeout, where)
     if not st.multiprocess:
         return {st.rank: payload} if st.rank in senders else {}
+    if st.backend.name == "mpi":  # MPI_Iallgatherv / MPI_Ibcast of the bytes, on the group's communicator
+        return _mpi.exchange(g.global_ranks(), payload, senders, st.rank, timeout_s, where)
     client = _client()
     base = _next_id(where, g)
     if st.rank in senders:

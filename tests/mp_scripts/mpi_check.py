@@ -151,6 +151,10 @@ if rank in (0, 2, 3):
     check("group [0,2,3] broadcast from global rank 3", lambda: (dist.broadcast(np.array([rank]), src=3, group=g023),
                                                                  np.array([3])))
     dist.barrier(group=g023)
+    check("object collectives in a group (1 MB, MPI bytes)", lambda: (
+        [dist.broadcast_object_list([b"x" * (1 << 20) if rank == 0 else None], src=0, group=g023)[0][-3:],
+         dist.all_gather_object(None, {"r": rank, "b": bytes(rank)}, group=g023)],
+        [b"xxx", [{"r": r, "b": bytes(r)} for r in (0, 2, 3)]]))
 mine, _ = dist.new_subgroups(group_size=2)
 check("subgroups of 2 all_reduce", lambda: (dist.all_reduce(np.array([rank]), group=mine),
                                             np.array([(rank // 2) * 4 + 1])))
