@@ -44,11 +44,12 @@ def _group_size(line: str, default: int) -> int:
     return default
 
 
-def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+def hlo_collectives(hlo_text: str, *, scalars: bool = True) -> dict[str, dict[str, int]]:
     """Count collectives in HLO text: ``{kind: {"count": n, "bytes": b, "buffers": k}}`` for every kind.
 
     ``count`` is the collective ops; ``buffers`` the arrays they move (XLA combines independent
     collectives of a kind into one op over several buffers: one count, several buffers).
+    ``scalars=False`` leaves out the rank-0 buffers of all-reduces (losses, metrics, norms).
 
     ``bytes`` is per device, in the nccl-tests convention: the buffer for
     all-reduce, all-to-all and collective-permute, the gathered result for
@@ -65,6 +66,11 @@ def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         kind = m["kind"]
         size_of = m["result"]
         shapes = _SHAPE.findall(m["result"])
+        if not scalars and kind == "all-reduce":  # drop rank-0 buffers (loss, metrics, norms' partial sums)
+            shapes = [s for s in shapes if s[1]]
+            if not shapes:
+                continue
+            size_of = " ".join(f"{d}[{s}]" for d, s in shapes)
         buffers = max(len(shapes), 1)  # XLA combines independent collectives into one op of many buffers
         if m["start"] and kind in ("all-gather", "collective-permute", "reduce-scatter"):
             # async start ops return (operand, result[, ...]) tuples: count the result.

@@ -43,7 +43,7 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
-def hlo_executed_collectives(text: str) -> dict[str, dict[str, int]]:
+def hlo_executed_collectives(text: str, *, scalars: bool = True) -> dict[str, dict[str, int]]:
     """``{kind: {"count", "bytes"}}`` executed by one run of the compiled module ``text``."""
     comps, entry = _computations(text)
     header = next((line for line in text.splitlines() if line.startswith("HloModule")), "")
@@ -53,7 +53,7 @@ def hlo_executed_collectives(text: str) -> dict[str, dict[str, int]]:
         if name in memo:
             return memo[name]
         lines = comps.get(name, [])
-        out = hlo_collectives(header + "\n" + "\n".join(lines))
+        out = hlo_collectives(header + "\n" + "\n".join(lines), scalars=scalars)
         for line in lines:
             w = _WHILE.search(line)
             if w:
@@ -71,13 +71,13 @@ def hlo_executed_collectives(text: str) -> dict[str, dict[str, int]]:
         return out
 
     if entry is None:
-        return hlo_collectives(text)
+        return hlo_collectives(text, scalars=scalars)
     return walk(entry)
 
 
-def executed_collectives(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, dict[str, int]]:
+def executed_collectives(fn: Callable, *args: Any, scalars: bool = True, **kwargs: Any) -> dict[str, dict[str, int]]:
     """What one call of ``fn(*args)`` communicates once compiled, loops unrolled in the count.
 
     A jitted ``fn`` that already ran is not compiled again (JAX caches its executable)."""
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return hlo_executed_collectives(jitted.lower(*args, **kwargs).compile().as_text())
+    return hlo_executed_collectives(jitted.lower(*args, **kwargs).compile().as_text(), scalars=scalars)

@@ -44,6 +44,10 @@ from spmd.parallel._transforms import ParallelModule
 __all__ = ["Hooks", "COLWISE_MARK"]
 
 COLWISE_MARK = "spmd.colwise|"  # checkpoint_name prefix on column-parallel outputs (the head-cut check reads it)
+TP_COMM = "spmd.tp_comm"  # checkpoint_name of the tp collectives' results: a re-gathering unit keeps them
+# (with the matmul outputs) and recomputes the rest, so its backward pass repeats no tp communication
+_SAVED = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(TP_COMM))
 
 
 def _is_array(x: Any) -> bool:
@@ -62,6 +66,20 @@ def _split_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
         return jax.tree_util.tree_unflatten(treedef, out)
 
     return [leaves[i] for i in where], rebuild
+
+
+def _reduce_forward(y: jax.Array, axis: str, n: int) -> jax.Array:
+    """Megatron's ``g``: the row-parallel output's all-reduce, with no communication backward. The
+    output's gradient is whole on every rank; ``shard_map`` (``check_vma=False``) hands the region
+    ``1/n`` of a whole output's cotangent and ``psum``'s own transpose would all-reduce the pieces back:
+    ``n x`` restores it locally."""
+
+    @jax.custom_vjp
+    def g(y):
+        return jax.lax.psum(y, axis)
+
+    g.defvjp(lambda y: (jax.lax.psum(y, axis), None), lambda _, ct: (ct * n,))
+    return g(y)
 
 
 class Hooks:
@@ -123,20 +141,32 @@ class Hooks:
             out = [x.astype(pd) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in out]
         if not cut:
             return out
-        ents = [entries[i] for i in cut]
+        for group in self.tp_groups([entries[i] for i in cut], cut):
+            ents = [entries[i] for i in group]
+            in_island = self.tp is not None and self.tp_cut(ents[0])
 
-        def gather_in(*ls):
-            return tuple(gather_unit(list(ls), ents, self.fsdp, self.fi))
+            def gather_in(*ls, ents=ents):
+                return tuple(gather_unit(list(ls), ents, self.fsdp, self.fi))
 
-        if pd is None:
-            got = self.island(gather_in, ents, [out[i] for i in cut])
-        else:
-            got = self._gather_mixed(gather_in, ents, [leaves[i] for i in cut])
-        for i, y in zip(cut, got):
-            out[i] = y
+            run = (lambda *ls, f=gather_in, ents=ents: self.island(f, ents, ls)) if in_island else gather_in
+            got = run(*[out[i] for i in group]) if pd is None else self._gather_mixed(run, [leaves[i] for i in group])
+            for i, y in zip(group, got):
+                out[i] = y
         return out
 
-    def _gather_mixed(self, gather_in: Callable, ents: list, stored: list) -> tuple:
+    def tp_cut(self, e: PlanEntry) -> bool:
+        return self.ti is not None and isinstance(e.placements[self.ti], Shard)
+
+    def tp_groups(self, ents: Sequence[PlanEntry], idx: Sequence[int]) -> list[list[int]]:
+        """``idx`` split into the leaves cut over tp and those whole over tp (in first-seen order): the cut
+        ones gather in a region manual over tp too; the whole ones where they are (a region's transpose
+        would all-reduce their gradients over tp once more)."""
+        groups: dict[bool, list[int]] = {}
+        for e, i in zip(ents, idx):
+            groups.setdefault(self.tp_cut(e), []).append(i)
+        return list(groups.values())
+
+    def _gather_mixed(self, gather_in: Callable, stored: list) -> tuple:
         """Gather in ``param_dtype``; the gradients reduce-scattered in ``reduce_dtype``, then stored dtype."""
         pd, rd = self.mp.param_dtype, self.mp.reduce_dtype
         dtypes = [x.dtype for x in stored]
@@ -146,7 +176,7 @@ class Hooks:
 
         @jax.custom_vjp
         def gathered(*xs):
-            return self.island(gather_in, ents, cast(xs, pd))
+            return gather_in(*cast(xs, pd))
 
         def fwd(*xs):
             return gathered(*xs), None
@@ -156,7 +186,7 @@ class Hooks:
             cts = cast(cts, dt)
             prims = [jax.ShapeDtypeStruct(x.shape, dt if jnp.issubdtype(d, jnp.floating) else d)
                      for x, d in zip(stored, dtypes)]
-            (gs) = jax.linear_transpose(lambda *xs: self.island(gather_in, ents, list(xs)), *prims)(tuple(cts))
+            gs = jax.linear_transpose(lambda *xs: gather_in(*xs), *prims)(tuple(cts))
             return tuple(g.astype(d) for g, d in zip(gs, dtypes))
 
         gathered.defvjp(fwd, bwd)
@@ -242,19 +272,18 @@ class Hooks:
         kern = next((e for e, n in zip(ents, names) if n in ("kernel", "embedding")), None)
         col_back = (len(kern.shape) - kern.shard_dim(self.ti) if kern is not None and self.ti is not None
                     and kern.shard_dim(self.ti) is not None and typ not in KNOWN_EMBED else 1)
-        x_bytes = int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize
-        if gather_seq is not None:
-            x_bytes *= self.n_tp
+        x_bytes = int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize  # x is global over tp here
 
         def body(vals, x):
             if gather_seq is not None:
-                x = jax.lax.all_gather(x, tp, axis=gather_seq % x.ndim, tiled=True)
+                x = checkpoint_name(jax.lax.all_gather(x, tp, axis=gather_seq % x.ndim, tiled=True), TP_COMM)
             y = run_local(list(vals), (x, *rest), kwargs, bias_after)
             if rowwise:
                 if isinstance(out, Shard):
                     y = jax.lax.psum_scatter(y, tp, scatter_dimension=out.dim % y.ndim, tiled=True)
                 else:
-                    y = jax.lax.psum(y, tp)
+                    y = _reduce_forward(y, tp, self.n_tp)
+                y = checkpoint_name(y, TP_COMM)
                 if bias_after and not bias_outside:
                     y = y + vals[names.index("bias")].astype(y.dtype)
             elif isinstance(style, ColwiseParallel) and not isinstance(out, Shard):
@@ -278,8 +307,14 @@ class Hooks:
                           out_specs=self._layout_spec(out_layout, ndim), axis_names={tp}, check_vma=False)(tuple(vals), x)
         if bias_outside:
             y = y + vals[names.index("bias")].astype(y.dtype)
-        y_bytes = int(np.prod(y.shape)) * jnp.dtype(y.dtype).itemsize
-        self.records.append((fqn, type(style).__name__, x_bytes, y_bytes))
+        summed = [int(np.prod(np.shape(v))) * jnp.dtype(v.dtype).itemsize for e, n, v in zip(ents, names, vals)
+                  if e.shard_dim(self.ti) is None
+                  and (isinstance(style, SequenceParallel) or (n == "bias" and bias_after and not bias_outside))]
+        self.records.append({
+            "module": fqn, "style": type(style).__name__, "type": typ, "in_layout": x_layout, "out_layout": out,
+            "in_bytes": x_bytes, "out_bytes": int(np.prod(y.shape)) * jnp.dtype(y.dtype).itemsize,
+            "input_grad": bool(jnp.issubdtype(x.dtype, jnp.inexact)), "summed_params": summed,
+            "input_id": id(x)})  # modules reading one input (q, k, v) share its sequence all-gather (XLA merges them)
         if isinstance(style, ColwiseParallel) and isinstance(out, Shard) and typ not in KNOWN_EMBED:
             y = checkpoint_name(y, f"{COLWISE_MARK}{fqn}|{self.n_tp}")
         return y
@@ -315,13 +350,13 @@ class Hooks:
     def call_unit(self, run: Callable, shards: list, arrays: list) -> Any:
         """``run(shards, arrays)``: a unit gathering its parameters and running. With
         ``reshard_after_forward``, the backward pass gathers them again: ``jax.checkpoint`` keeps the matmul
-        outputs and drops the gathered parameters, and the shards it keeps get ``+ 0`` computed from the
+        outputs and the tp collectives' results and drops the gathered parameters, and the shards it keeps get ``+ 0`` computed from the
         incoming cotangent, so the re-gather is a new all-gather of the backward pass (XLA:CPU drops
         optimization barriers before it merges equal ops, and would merge it with the forward pass's
         all-gather, holding the parameters all along, when the blocks are a Python loop)."""
         if not self.regather:
             return run(shards, arrays)
-        ckpt = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_saveable)
+        ckpt = jax.checkpoint(run, policy=_SAVED)
 
         @jax.custom_vjp
         def unit(shards, arrays):
@@ -336,8 +371,9 @@ class Hooks:
             leaves, treedef = jax.tree_util.tree_flatten(res)
             first = next((c for c in jax.tree.leaves(ct) if jnp.issubdtype(c.dtype, jnp.floating) and c.size), None)
             if first is not None:
-                c = first.reshape(-1)[0]
-                zero = c - c  # 0, computed from the cotangent: the re-gather cannot run (or merge) before it
+                # 0, computed from the cotangent, so the re-gather cannot run (or merge) before it. A sum, not an
+                # element: the cotangent may be cut over tp (one element would be gathered; a sum is a scalar).
+                zero = jnp.sum(first * 0)
                 leaves = [x + zero.astype(x.dtype) if (tuple(np.shape(x)), jnp.dtype(x.dtype)) in kinds else x
                           for x in leaves]
             return jax.tree_util.tree_unflatten(treedef, leaves)(ct)

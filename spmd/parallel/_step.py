@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from placements import Shard
 from spmd._mesh import DeviceMesh
+from spmd.parallel._comm import format_communication, step_communication
 from spmd.parallel._heads import check_head_cuts
 from spmd.parallel._hooks import Hooks
 from spmd.parallel._nnx import is_nnx, nnx_loss, nnx_params
@@ -188,7 +189,17 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
         """The jitted step lowered for ``(state, batch)`` (``.compile().as_text()``: its HLO)."""
         return build(state.plan).jitted.lower(state, _as_arrays(batch))
 
+    def communication(state: TrainState, batch: Any) -> dict:
+        """What one step communicates per device, analytically (``spmd.parallel._comm``), before it runs."""
+        return build(state.plan).communication(state, _as_arrays(batch))
+
+    def table(state: TrainState, batch: Any) -> str:
+        """The plan and the step's communication, printable before anything runs."""
+        return state.plan.table() + "\n" + format_communication(communication(state, batch))
+
     step.lower = lower
+    step.communication = communication
+    step.table = table
     return step
 
 
@@ -260,6 +271,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             (loss, aux), g = jax.value_and_grad(loss_of, has_aux=True)(leaves)
         else:
             whole = Hooks(pm, plan, gather_units=False)
+            records = Hooks(pm, plan, gather_units=False)  # traces the first micro-batch alone
             n_local = jax.tree.leaves(batch)[0].shape[0]
             full, scatter = jax.vjp(lambda ls: gathered(hooks, ls, plan.units), leaves)
             micro = jax.tree.map(lambda x: x.reshape(accum_steps, n_local // accum_steps, *x.shape[1:]), batch)
@@ -268,7 +280,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             def one(carry, mb):
                 return jax.tree.map(jnp.add, carry, grad_fn(full, mb)), None
 
-            first = grad_fn(full, jax.tree.map(lambda x: x[0], micro))
+            first = jax.value_and_grad(lambda ls, mb: run_loss(records, unflat(ls), mb), has_aux=True)(
+                full, jax.tree.map(lambda x: x[0], micro))
             ((loss, aux), gf), _ = lax.scan(one, first, jax.tree.map(lambda x: x[1:], micro))
             loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
             (g,) = scatter([x / accum_steps for x in gf])
@@ -276,15 +289,16 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         metrics = {"loss": loss, **aux}
         if data:
             metrics = jax.tree.map(lambda m: lax.pmean(m, data), metrics)
-        return unflat(g), metrics, hooks.types
+        traced.clear()
+        traced.extend(records.records if accum_steps > 1 else hooks.records)
+        return unflat(g), metrics
 
-    types_seen: dict = {}
+    traced: list = []  # the styled calls of one micro-batch, (module, style, input bytes, output bytes): the
+    # activation terms of the communication table (filled when the step is traced)
 
     def region(params, batch):
         def body(p, b):
-            g, m, types = local_grads(p, b)
-            types_seen.update(types)
-            return g, m
+            return local_grads(p, b)
 
         if not data:
             return body(params, batch)
@@ -311,8 +325,13 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             checked.append(True)
         return jitted(state, batch)
 
+    def communication(state: TrainState, batch: Any) -> dict:
+        jax.eval_shape(step, state, _as_arrays(batch))  # a trace: the styled calls and their shapes
+        return step_communication(plan, pm, traced, accum_steps=accum_steps)
+
     run.jitted = jitted
     run.plan = plan
+    run.communication = communication
     return run
 
 

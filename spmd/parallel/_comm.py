@@ -1,0 +1,134 @@
+"""The one cost model: what a train step communicates per device, by mesh dim role, before it runs.
+
+Per device, in the nccl-tests byte convention of ``spmd.collectives`` (all-reduce: the buffer; all-gather:
+the gathered result; reduce-scatter: the input). ``count`` is the number of collectives the algorithm
+runs, one per buffer (XLA may combine independent ones of a kind into one op of several buffers: the
+HLO reader's ``buffers`` and ``bytes`` are what equal this table).
+
+- **fsdp** (ZeRO-3, per unit and per gather buffer of ``ParamPlan.gather_buffers``): one all-gather before
+  the unit runs, one more for its backward pass with ``reshard_after_forward`` (not the root unit, which
+  is gathered once per step, nor with accumulation, which gathers every unit once), one reduce-scatter of
+  its gradient;
+- **dp** (the replicate dims, HSDP): one all-reduce of the fsdp-cut gradient shards; parameters whole on
+  the data dims: one all-reduce of their gradients over every data dim (DDP);
+- **tp**, per styled module call and micro-batch (``A``: its activation bytes, global over tp):
+  ``ColwiseParallel`` input ``Replicate``: the input gradient's all-reduce (backward; none for token ids);
+  input ``Shard`` (sequence parallel): an all-gather forward (one per input: the modules reading it, such
+  as q, k and v, share it), a reduce-scatter backward (one per module); output
+  ``Replicate``: an all-gather forward, a reduce-scatter backward. ``RowwiseParallel`` output
+  ``Replicate``: an all-reduce forward; output ``Shard``: a reduce-scatter forward, an all-gather backward.
+  Parameters whole over tp that see only the device's positions (``SequenceParallel`` norms, a row-wise
+  bias added to ``Shard`` outputs): an all-reduce of their gradients.
+
+Scalars (the loss, metrics, the global norm's partial sums) are not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from placements import Replicate, Shard
+from spmd.parallel._param_plan import ROOT, ParamPlan
+
+__all__ = ["step_communication", "format_communication", "KINDS"]
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def _table() -> dict:
+    return {k: {"count": 0, "bytes": 0} for k in KINDS}
+
+
+def _add(table: dict, kind: str, nbytes: int, count: int = 1) -> None:
+    if nbytes and count:
+        table[kind]["count"] += count
+        table[kind]["bytes"] += count * nbytes
+
+
+def _gather_buffers(plan: ParamPlan, entries, ti) -> list:
+    """A unit's gather buffers: its tp-cut and tp-whole parameters apart (``Hooks.tp_groups``), each group
+    cut into ``ParamPlan.gather_buffers``."""
+    groups: dict = {}
+    for e in entries:
+        groups.setdefault(ti is not None and isinstance(e.placements[ti], Shard), []).append(e)
+    return [b for g in groups.values() for b in plan.gather_buffers(g)]
+
+
+def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dict:
+    """The fsdp and dp terms of one step."""
+    out = _table()
+    fsdp = model.fsdp
+    sizes = dict(zip(plan.mesh_dim_names, plan.mesh_shape))
+    data = model.data_dims
+    n_data = int(np.prod([sizes[d] for d in data])) if data else 1
+    shard = fsdp.shard_dim if fsdp else None
+    n_rep = int(np.prod([sizes[d] for d in data if d != shard])) if data else 1
+    fi = plan.mesh_dim_names.index(shard) if shard else None
+    n_fsdp = sizes.get(shard, 1) if shard else 1
+    ti = plan.mesh_dim_names.index(model.tp.mesh_dim) if model.tp else None
+    for u in plan.units:
+        regather = bool(fsdp and fsdp.reshard_after_forward) and u != ROOT and accum_steps == 1
+        for buf in _gather_buffers(plan, plan.unit_entries(u), ti):
+            nbytes = sum(e.local_nbytes for e in buf) * n_fsdp
+            _add(out, "all-gather", nbytes, 2 if regather else 1)
+            _add(out, "reduce-scatter", nbytes)
+    cut = [e for e in plan.entries if fi is not None and e.shard_dim(fi) is not None]
+    whole = [e for e in plan.entries if fi is None or e.shard_dim(fi) is None]
+    if cut and n_rep > 1:
+        out["all-reduce"]["count"] += len(cut)
+        out["all-reduce"]["bytes"] += sum(e.local_nbytes for e in cut)
+    if whole and n_data > 1:
+        out["all-reduce"]["count"] += len(whole)
+        out["all-reduce"]["bytes"] += sum(e.local_nbytes for e in whole)
+    return out
+
+
+def activation_terms(records: Sequence[dict], *, accum_steps: int = 1) -> dict:
+    """The tp terms of one step from the styled calls of one micro-batch (see the module doc)."""
+    out = _table()
+    gathered: set = set()
+    for r in records:
+        a_in, a_out = r["in_bytes"], r["out_bytes"]
+        if r["style"] == "ColwiseParallel":
+            if isinstance(r["in_layout"], Shard):
+                if r["input_id"] not in gathered:  # one all-gather per input, however many modules read it
+                    _add(out, "all-gather", a_in, accum_steps)
+                    gathered.add(r["input_id"])
+                _add(out, "reduce-scatter", a_in, accum_steps)
+            elif r["input_grad"]:
+                _add(out, "all-reduce", a_in, accum_steps)
+            if isinstance(r["out_layout"], Replicate):
+                _add(out, "all-gather", a_out, accum_steps)
+                _add(out, "reduce-scatter", a_out, accum_steps)
+        elif r["style"] == "RowwiseParallel":
+            if isinstance(r["out_layout"], Shard):
+                _add(out, "reduce-scatter", a_out, accum_steps)
+                _add(out, "all-gather", a_out, accum_steps)
+            else:
+                _add(out, "all-reduce", a_out, accum_steps)
+        for nbytes in r["summed_params"]:
+            _add(out, "all-reduce", nbytes, accum_steps)
+    return out
+
+
+def step_communication(plan: ParamPlan, model: Any, records: Sequence[dict], *, accum_steps: int = 1) -> dict:
+    """``{"parameters": {kind: {count, bytes}}, "activations": {...}, "total": {...}, "modules": [...]}``."""
+    par = parameter_terms(plan, model, accum_steps=accum_steps)
+    act = activation_terms(records, accum_steps=accum_steps)
+    total = {k: {f: par[k][f] + act[k][f] for f in ("count", "bytes")} for k in KINDS}
+    return {"parameters": par, "activations": act, "total": total, "modules": list(records)}
+
+
+def format_communication(comm: dict) -> str:
+    def line(t):
+        return ", ".join(f"{k} x{v['count']} = {v['bytes']:,} B" for k, v in t.items() if v["count"]) or "none"
+
+    lines = [f"step communication per device: {line(comm['total'])}",
+             f"  parameters (fsdp / dp): {line(comm['parameters'])}",
+             f"  activations (tp): {line(comm['activations'])}"]
+    for r in comm["modules"]:
+        lines.append(f"    {r['module']}: {r['style']} in {r['in_layout']} ({r['in_bytes']:,} B) -> out "
+                     f"{r['out_layout']} ({r['out_bytes']:,} B)")
+    return "\n".join(lines)
