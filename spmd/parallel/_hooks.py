@@ -271,7 +271,7 @@ class Hooks:
         # (Dense (in, out): the last; DenseGeneral (D, 3, H, hd) cut on the heads (dim=2): the third from the end)
         kern = next((e for e, n in zip(ents, names) if n in ("kernel", "embedding")), None)
         col_back = (len(kern.shape) - kern.shard_dim(self.ti) if kern is not None and self.ti is not None
-                    and kern.shard_dim(self.ti) is not None and typ not in KNOWN_EMBED else 1)
+                    and kern.shard_dim(self.ti) is not None and typ in KNOWN_LINEAR else 1)  # others: the last
         x_bytes = int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize  # x is global over tp here
 
         def body(vals, x):
@@ -417,8 +417,19 @@ class Hooks:
             attrs = {}
             if isinstance(style, ColwiseParallel) and typ in ("Dense", "DenseGeneral", "Embed"):
                 attrs["features"] = self._local_features(typ, mod, tree)
-            with self.bypassing():
-                return mod.clone(parent=None, **attrs).apply({"params": tree}, *a, **k)
+            elif isinstance(style, ColwiseParallel) and isinstance(getattr(mod, "features", None), int):
+                attrs["features"] = mod.features // self.n_tp  # a module type of its own (FlaxConv1D): its width
+            import flax.errors
+
+            try:
+                with self.bypassing():
+                    return mod.clone(parent=None, **attrs).apply({"params": tree}, *a, **k)
+            except flax.errors.ScopeParamShapeError as err:
+                raise ValueError(
+                    f"parallelize_module: {type(style).__name__} on {fqn!r} ({typ}): the module checks its "
+                    f"parameter shapes against its own attributes, and its code does not run on its tp blocks "
+                    f"({err}). Give it a 'features' attribute, use a known type ({', '.join(KNOWN_LINEAR)}), or "
+                    "leave it out of the plan.") from None
 
         return self.around(fqn, typ, next_fun, args, kwargs, params, run_local)
 
@@ -488,15 +499,12 @@ class Hooks:
             rels = [rel for rel, _ in own]
             if isinstance(style, RowwiseParallel) and typ in KNOWN_EMBED:
                 return self._embed_rows(vals[rels.index("embedding")], a[0], getattr(sub, "dtype", None))
-            old = [v.value for _, v in own]
-            for (rel, v), x in zip(own, vals):
-                v.value = jnp.zeros_like(x) if zero_bias and rel == "bias" else x
-            try:
-                with self.bypassing():
-                    return orig(sub, *a, **k)
-            finally:
-                for (_, v), x in zip(own, old):
-                    v.value = x
+            from spmd.parallel._nnx import with_values
+
+            local = with_values(sub, {rel: jnp.zeros_like(x) if zero_bias and rel == "bias" else x
+                                      for rel, x in zip(rels, vals)})
+            with self.bypassing():
+                return orig(local, *a, **k)
 
         return self.around(fqn, typ, call, args, kwargs, params, run_local)
 
@@ -508,20 +516,18 @@ class Hooks:
         mine = [i for i, e in enumerate(entries) if e.unit == spath]
         arrays, rebuild = _split_arrays((args, kwargs))
 
+        from spmd.parallel._nnx import with_values
+
         def run(shards, arrays):
             full = list(shards)
             for i, y in zip(mine, self.gather([shards[i] for i in mine], [entries[i] for i in mine])):
                 full[i] = y
-            old = [v.value for _, v in params]
-            for (_, v), x in zip(params, full):
-                v.value = x
+            local = with_values(sub, {rel: x for (rel, _), x in zip(params, full)})
             self.active.add(spath)
             try:
                 a, k = self.cast_inputs(rebuild(list(arrays)))
-                return orig(sub, *a, **k)
+                return orig(local, *a, **k)
             finally:
-                for (_, v), x in zip(params, old):
-                    v.value = x
                 self.active.discard(spath)
 
         return self.call_unit(run, [v.value for _, v in params], arrays)

@@ -61,3 +61,21 @@ def nnx_unit_params(sub: Any) -> list[tuple[str, Any]]:
     from flax import nnx
 
     return [("/".join(str(p) for p in path), v) for path, v in nnx.iter_graph(sub) if isinstance(v, nnx.Param)]
+
+
+def with_values(sub: Any, values: dict) -> Any:
+    """A fresh copy of ``sub`` whose parameters at relative paths ``values`` (``"kernel"``,
+    ``"up/bias"``) hold the given arrays: nnx refuses a Variable set from inside another trace, so
+    traced code gets its own copy (``nnx.merge``) rather than a mutated one."""
+    from flax import nnx
+
+    from spmd.parallel._param_plan import path_str
+
+    graphdef, state = nnx.split(sub)
+    kp, treedef = jax.tree_util.tree_flatten_with_path(state)
+    leaves = []
+    for k, x in kp:
+        rel = path_str(k)
+        rel = rel[: -len("/value")] if rel.endswith("/value") else rel
+        leaves.append(values.get(rel, x))
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))

@@ -315,7 +315,10 @@ def build_plan(model: ParallelModule, params: Any, module_types: Mapping[str, st
                 continue
             kshape, bshape = np.shape(dict(zip(paths, [v for _, v in leaves]))[kpath]), np.shape(x)
             kd = tp_of[kpath].dim if isinstance(tp_of[kpath], Shard) else None
-            bd = None if kd is None else kd - (len(kshape) - len(bshape))
+            bd = None if kd is None else kd - (len(kshape) - len(bshape))  # a kernel (in..., out...): trailing
+            if kd is not None and (bd is None or bd < 0 or bshape[bd] != kshape[kd]):  # (out, in), as FlaxConv1D
+                same = [d for d in range(len(bshape)) if bshape[d] == kshape[kd]]
+                bd = same[0] if len(same) == 1 else None
             tp_of[path] = Shard(bd) if bd is not None and bd >= 0 else Replicate()
     rules = []
     n_tp = sizes.get(tp.mesh_dim, 1) if tp else 1
