@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from models._ddp import TrainState, init_train_state
+from spmd.parallel import TrainState
 
 
 def train_one_device(params, batches, loss_fn, optimizer, *, has_aux: bool = False):
@@ -19,7 +20,7 @@ def train_one_device(params, batches, loss_fn, optimizer, *, has_aux: bool = Fal
         loss = out[0] if has_aux else out
         return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), loss
 
-    state, losses = init_train_state(params, optimizer), []
+    state, losses = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params)), []
     for b in batches:
         state, loss = step(state, b)
         losses.append(float(loss))
