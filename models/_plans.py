@@ -22,7 +22,7 @@ from placements import Replicate, Shard
 from spmd import DeviceMesh
 from spmd.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel, fully_shard, parallelize_module
 
-__all__ = ["shard_units", "transformer_tp_plan", "layout_model", "DATA"]
+__all__ = ["shard_units", "reshard_after_forward", "transformer_tp_plan", "layout_model", "DATA"]
 
 DATA = ("dp", "fsdp")  # the mesh dims the batch is split over
 
@@ -37,6 +37,23 @@ def shard_units(model: Any) -> list[str]:
     if isinstance(model, MLP):
         return ["hidden_*", "out"]
     raise TypeError(f"shard_units: model={type(model).__name__} is not a project model (Transformer or MLP).")
+
+
+def reshard_after_forward(model: Any) -> bool:
+    """Whether ``fully_shard`` gathers a project model's units again for their backward pass.
+
+    The transformer: yes (torch's default): one block's parameters alive at a time, for one more all-gather
+    per buffer. The MLP: no, each layer's gathered parameters are kept for its backward pass: resharding
+    would save almost nothing and make the step's all-gathers differ from the plan's table. Its last layer
+    ``out`` (the largest) runs its backward pass right after its forward pass, so it is alive either way;
+    ``hidden_0`` reads a one-hot of integer tokens, which has no gradient, so its kernel is not read
+    backward (XLA drops that re-gather); the biases are never read backward (dropped too). Only
+    ``hidden_1``'s kernel would be gathered again. Keeping them all costs the gathered bytes of
+    ``hidden_*`` on top of ``out``'s.
+    """
+    from models._mlp import MLP
+
+    return not isinstance(model, MLP)
 
 
 def transformer_tp_plan(sequence_parallel: bool = False, *, vocab_size: int | None = None,
@@ -90,5 +107,5 @@ def layout_model(model: Any, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
     if "fsdp" in names:
         data = tuple(n for n in names if n in DATA)
         out = fully_shard(out, mesh=mesh[data] if len(data) > 1 else mesh["fsdp"], units=shard_units(model),
-                          reshard_after_forward=True)
+                          reshard_after_forward=reshard_after_forward(model))
     return out

@@ -1,4 +1,5 @@
-"""The fully sharded (FSDP / HSDP) train step: 1-device equivalence, HLO collectives, state bytes, errors.
+"""FSDP / HSDP of the project models through the contract (fully_shard, init_train_state, make_train_step):
+1-device equivalence, HLO collectives vs the plan, state bytes, peak gathered bytes, errors, checkpoints, the job.
 
 Each configuration compiles once (lru_cache) and trains 20 AdamW steps on a
 tiny model whose dims do not divide the fsdp size (uneven torch.chunk shards).
@@ -20,10 +21,8 @@ import pytest
 import spmd
 from _one_device import train_one_device
 from models import MLP, Transformer
-from models._ddp import TrainState, init_train_state
-from models._fsdp import make_fsdp_train_step, shard_train_state
-from spmd import Replicate, Shard
-from spmd.parallel import Rule, hlo_executed_collectives, plan_params, unshard_params
+from models._plans import layout_model, reshard_after_forward, shard_units
+from spmd.parallel import TrainState, executed_collectives, fully_shard, init_train_state, make_train_step, unshard_tree
 
 STEPS = 20
 BATCH = 16
@@ -34,13 +33,16 @@ MODELS = {
     # one-hot input 5 x 7 = 35 rows: 9,9,9,8 over 4 and 18,17 over 2.
     "mlp": (MLP(7, 3, (10, 6)), 5, 3),
 }
+# (model, mesh shape, dim names, accum steps, reshard_after_forward); the job's choice
+# (models._plans.reshard_after_forward): the transformer's blocks re-gather, the MLP keeps its layers' gathers.
 CONFIGS = [
     ("transformer", (8,), ("fsdp",), 1, True),
     ("transformer", (2, 4), ("dp", "fsdp"), 2, True),
     ("transformer", (2,), ("fsdp",), 1, False),
+    ("mlp", (4,), ("fsdp",), 1, False),
+    ("mlp", (2,), ("fsdp",), 2, False),
+    ("mlp", (2, 4), ("dp", "fsdp"), 1, False),
     ("mlp", (4,), ("fsdp",), 1, True),
-    ("mlp", (2,), ("fsdp",), 2, True),
-    ("mlp", (2, 4), ("dp", "fsdp"), 1, True),
 ]
 
 
@@ -52,7 +54,7 @@ def _ce(logits, batch):
 
 def _loss_fn(name):
     model = MODELS[name][0]
-    return lambda p, b, gather: _ce(model.apply({"params": p}, b["inputs"], gather=gather), b)
+    return lambda p, b: _ce(model.apply({"params": p}, b["inputs"]), b)
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,65 +73,90 @@ def _data(name):
 def _reference(name):
     """1 device, the whole batch: losses and the final state."""
     params, batches = _data(name)
-    loss_fn = _loss_fn(name)
-    return train_one_device(params, batches, lambda p, b: loss_fn(p, b, None), OPT, has_aux=True)
+    return train_one_device(params, batches, _loss_fn(name), OPT, has_aux=True)
+
+
+def _layout(name, mesh, reshard):
+    model = MODELS[name][0]
+    if reshard == reshard_after_forward(model):
+        return layout_model(model, mesh)  # the job's layout
+    return fully_shard(model, mesh=mesh, units=shard_units(model), reshard_after_forward=reshard)
 
 
 @functools.lru_cache(maxsize=None)
 def _sharded(config):
-    name, shape, names, accum, regather = config
-    model = MODELS[name][0]
+    name, shape, names, accum, reshard = config
     params, batches = _data(name)
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
-    plan = plan_params(params, mesh, units=model.fsdp_units(), keep=model.fsdp_keep())
-    step = make_fsdp_train_step(_loss_fn(name), OPT, mesh, plan, accum_steps=accum, regather=regather)
-    state = shard_train_state(init_train_state(params, OPT), plan, mesh, OPT)
-    compiled = step.lower(state, batches[0]).compile()  # one compile: runs the steps and gives the HLO
+    model = _layout(name, mesh, reshard)
+    step = make_train_step(model, _loss_fn(name), OPT, accum_steps=accum)
+    state = init_train_state(model, OPT, params=params)
     losses = []
     for b in batches:
-        state, metrics = compiled(state, b)
+        state, metrics = step(state, b)
         losses.append(float(metrics["loss"]))
-    return mesh, plan, losses, state, compiled.as_text()
+    return mesh, model, step, losses, state, executed_collectives(step, state, batches[0])
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-accum{c[3]}-regather{c[4]}")
+def _logical(state, mesh):
+    return TrainState(state.step, unshard_tree(state.params, state.plan, mesh),
+                      unshard_tree(state.opt_state, state.plan, mesh, optimizer=OPT), state.plan)
+
+
+def _ids(c):
+    return f"{c[0]}-{'x'.join(map(str, c[1]))}-accum{c[3]}-reshard{c[4]}"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
 def test_matches_one_device(config):
-    mesh, plan, losses, state, _ = _sharded(config)
+    mesh, model, _, losses, state, _ = _sharded(config)
     ref_losses, ref = _reference(config[0])
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
-    full = unshard_params(state.params, plan, mesh)
-    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(ref.params), strict=True):
+    full = _logical(state, mesh)
+    for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(ref.params), strict=True):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
-    opt = unshard_params(state.opt_state, plan, mesh, optimizer=OPT)
-    for a, b in zip(jax.tree.leaves(opt), jax.tree.leaves(ref.opt_state), strict=True):
+    for a, b in zip(jax.tree.leaves(full.opt_state), jax.tree.leaves(ref.opt_state), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     assert int(state.step) == STEPS
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-accum{c[3]}-regather{c[4]}")
+@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
 def test_collectives_equal_the_table(config):
-    mesh, plan, _, _, text = _sharded(config)
-    got = hlo_executed_collectives(text)
-    want = plan.communication(regather=config[4], accum_steps=config[3])["total"]
-    assert got["all-gather"] == want["all-gather"]
-    assert got["reduce-scatter"] == want["reduce-scatter"]
+    mesh, _, _, _, state, got = _sharded(config)
+    plan = state.plan
+    want = plan.communication(dp="dp", accum_steps=config[3])["total"]
+    if config[0] == "mlp" and config[4]:
+        # The MLP resharded after forward: XLA drops the re-gathers nobody reads backward (hidden_0's kernel: its
+        # one-hot input has no gradient; every bias), which the table counts: 6 forward + 2 kernels again.
+        assert got["all-gather"]["count"] == 8 and want["all-gather"]["count"] == 12
+        assert {k: got["reduce-scatter"][k] for k in ("count", "bytes")} == want["reduce-scatter"]
+        return
+
+    def cb(d):
+        return {"count": d["count"], "bytes": d["bytes"]}
+
+    assert cb(got["all-gather"]) == want["all-gather"]
+    assert cb(got["reduce-scatter"]) == want["reduce-scatter"]
     assert got["all-to-all"]["count"] == got["collective-permute"]["count"] == 0
     # Beyond the table, only f32 scalars are all-reduced: per sharded leaf its sum of squares twice (the clip's
     # global norm and the grad_norm metric), plus the loss and the accuracy.
     extra = got["all-reduce"]["bytes"] - want["all-reduce"]["bytes"]
-    assert extra == 4 * (2 * len(plan.entries) + 2), (got["all-reduce"], want["all-reduce"])
+    assert extra == 4 * (2 * len(plan.entries) + 2), (extra, got["all-reduce"], want["all-reduce"])
     if config[3] == 1 and config[0] == "transformer":
         # The root once (embed, pos, one flat buffer of ln_f's vectors), then each of the 2 blocks right before
         # it runs (and again for its backward pass): its 5 arrays of 2+ dims (qkv kernel and bias, proj, fc and
         # fc_out kernels) one by one and its 7 vectors (norms, biases) as one buffer.
         assert got["all-gather"]["count"] == 3 + 2 * 6 * (2 if config[4] else 1)
         assert got["reduce-scatter"]["count"] == 3 + 2 * 6
+    if config[0] == "mlp" and config[3] == 1:  # 3 units (hidden_0, hidden_1, out) of 2 buffers (kernel, bias)
+        assert got["all-gather"]["count"] == 6 * (2 if config[4] else 1) and got["reduce-scatter"]["count"] == 6
 
 
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3]], ids=["t-fsdp8", "t-dp2fsdp4", "mlp-fsdp4"])
 def test_state_bytes_per_device(config):
-    mesh, plan, _, state, _ = _sharded(config)
+    mesh, _, _, _, state, _ = _sharded(config)
+    plan = state.plan
     n = mesh.size("fsdp")
     dev = mesh.jax_mesh.devices.flat[0]
 
@@ -143,36 +170,28 @@ def test_state_bytes_per_device(config):
     params, _ = _data(config[0])
     assert plan.bytes_per_device == sum(-(-x.shape[0] // n) * int(np.prod(x.shape[1:])) * x.dtype.itemsize
                                         for x in jax.tree.leaves(params))
+    # the peak of gathered parameters: the root held, plus one other unit at a time (resharded after forward), or
+    # every unit (the MLP keeps its layers' gathers)
+    others = [plan.gathered_bytes(u) for u in plan.units if u != "root"]
+    assert plan.peak_gathered_bytes() == plan.gathered_bytes("root") + (max(others) if config[4] else sum(others))
 
 
 def test_bad_inputs_are_clear_errors():
-    mesh, plan, _, state, _ = _sharded(CONFIGS[0])
+    mesh, model, step, _, state, _ = _sharded(CONFIGS[0])
     params, batches = _data("transformer")
-    step = make_fsdp_train_step(_loss_fn("transformer"), OPT, mesh, plan)
     odd = {k: v[:12] for k, v in batches[0].items()}
     with pytest.raises(ValueError, match=re.escape(
             "train_step: the batch has 12 examples, not divisible by the data-parallel size fsdp=8 = 8; use a batch "
             "size that is a multiple of 8.")):
         step(state, odd)
-    with pytest.raises(ValueError, match=re.escape("train_step: the sharded parameters (padded shapes) do not match the plan")):
-        step(init_train_state(params, OPT), batches[0])
     mesh4 = spmd.init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))
-    with pytest.raises(ValueError, match=re.escape("make_fsdp_train_step: plan was built for the mesh {'fsdp': 8}, not {'fsdp': 4}")):
-        make_fsdp_train_step(_loss_fn("transformer"), OPT, mesh4, plan)
-    dp_tp = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-    with pytest.raises(ValueError, match=re.escape("make_fsdp_train_step: the plan's fsdp dim 'fsdp' is not a dim of the mesh ('dp', 'tp')")):
-        make_fsdp_train_step(_loss_fn("transformer"), OPT, dp_tp, plan_params(params, dp_tp))
-    hsdp = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "fsdp"))
-    bad = plan_params(params, hsdp, [Rule("pos", {"dp": Shard(0)})])
-    with pytest.raises(ValueError, match=re.escape("make_fsdp_train_step: the plan places parameter 'pos' as S(0) on mesh dim 'dp'")):
-        make_fsdp_train_step(_loss_fn("transformer"), OPT, hsdp, bad)
-    split = plan_params(params, hsdp, [Rule("block_1/.*", {"fsdp": Replicate()})], units=Transformer.fsdp_units())
-    with pytest.raises(ValueError, match=re.escape("make_fsdp_train_step: the plan gives the blocks different layouts")):
-        make_fsdp_train_step(_loss_fn("transformer"), OPT, hsdp, split)
-    with pytest.raises(ValueError, match=re.escape("make_fsdp_train_step: accum_steps=0 must be an int >= 1")):
-        make_fsdp_train_step(_loss_fn("transformer"), OPT, mesh, plan, accum_steps=0)
-    with pytest.raises(TypeError, match=re.escape("make_fsdp_train_step: plan=None must be a spmd.parallel.ParamPlan")):
-        make_fsdp_train_step(_loss_fn("transformer"), OPT, mesh, None)
+    other = init_train_state(layout_model(MODELS["transformer"][0], mesh4), OPT, params=params)
+    with pytest.raises(ValueError, match=re.escape("train_step: the state was laid out for another model or plan")):
+        step(other, batches[0])
+    with pytest.raises(ValueError, match=re.escape("make_train_step: accum_steps=0 must be an int >= 1")):
+        make_train_step(model, _loss_fn("transformer"), OPT, accum_steps=0)
+    with pytest.raises(ValueError, match=re.escape("fully_shard: unit 'layers_*' matches no module of the model")):
+        init_train_state(fully_shard(MODELS["transformer"][0], mesh=mesh, units=["layers_*"]), OPT, params=params)
 
 
 def test_checkpoints_restore_across_meshes_bit_for_bit(tmp_path):
@@ -180,43 +199,38 @@ def test_checkpoints_restore_across_meshes_bit_for_bit(tmp_path):
     from models._checkpoint import Checkpointer
     from models._fsdp_run import layout_meta, restore_resharded
 
-    mesh8, plan8, _, state8, _ = _sharded(CONFIGS[0])
+    mesh8, _, _, _, state8, _ = _sharded(CONFIGS[0])
+    model = MODELS["transformer"][0]
     params, _ = _data("transformer")
-    units = Transformer.fsdp_units()
-    abstract = jax.eval_shape(lambda: params)
-    logical = jax.device_get(TrainState(state8.step, unshard_params(state8.params, plan8, mesh8),
-                                        unshard_params(state8.opt_state, plan8, mesh8, optimizer=OPT)))
+    logical = jax.device_get(_logical(state8, mesh8))
     dp8 = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
     fsdp2 = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
     one = spmd.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    plan2 = plan_params(params, fsdp2, units=units)
-    replicated_target = init_train_state(params, OPT)
 
-    def save(name, state, plan):
+    def save(name, state):
         ckpt = Checkpointer(tmp_path / name)
-        ckpt.save(20, state, {"layout": layout_meta(plan)}, force=True)
+        ckpt.save(20, state, {"layout": layout_meta(state.plan)}, force=True)
         ckpt.close()
         return Checkpointer(tmp_path / name)
 
-    def same(state, plan, mesh):
-        got = state if plan is None else TrainState(state.step, unshard_params(state.params, plan, mesh),
-                                                     unshard_params(state.opt_state, plan, mesh, optimizer=OPT))
-        for a, b in zip(jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(logical), strict=True):
+    def same(state, mesh):
+        for a, b in zip(jax.tree.leaves(jax.device_get(_logical(state, mesh))), jax.tree.leaves(logical), strict=True):
             np.testing.assert_array_equal(a, b)
 
-    on_dp8, _ = restore_resharded(save("fsdp8", state8, plan8), replicated_target, None, dp8, OPT, abstract, units)
-    same(on_dp8, None, dp8)
+    on_dp8, _ = restore_resharded(save("fsdp8", state8), init_train_state(model, OPT, params=params, mesh=dp8), dp8, OPT)
+    same(on_dp8, dp8)
     assert on_dp8.params["pos"].sharding.is_fully_replicated
-    target2 = shard_train_state(replicated_target, plan2, fsdp2, OPT)
-    on_fsdp2, _ = restore_resharded(save("dp8", on_dp8, None), target2, plan2, fsdp2, OPT, abstract, units)
-    same(on_fsdp2, plan2, fsdp2)
+    on_fsdp2, _ = restore_resharded(save("dp8", on_dp8), init_train_state(layout_model(model, fsdp2), OPT,
+                                                                          params=params), fsdp2, OPT)
+    same(on_fsdp2, fsdp2)
     assert on_fsdp2.params["pos"].shape == (6, 12) and on_fsdp2.params["pos"].sharding.spec[0] == "fsdp"
-    on_one, _ = restore_resharded(save("fsdp2", on_fsdp2, plan2), replicated_target, None, one, OPT, abstract, units)
-    same(on_one, None, one)
-    other = jax.eval_shape(lambda: MODELS["transformer"][0].clone(d_model=8).init(
-        jax.random.key(0), np.zeros((2, 6), np.int32))["params"])
+    on_one, _ = restore_resharded(save("fsdp2", on_fsdp2), init_train_state(model, OPT, params=params, mesh=one),
+                                  one, OPT)
+    same(on_one, one)
+    other = model.clone(d_model=8).init(jax.random.key(0), np.zeros((2, 6), np.int32))["params"]
     with pytest.raises(ValueError, match=re.escape("restore_resharded: the checkpoint holds parameters of other paths or shapes than the plan was built for")):
-        restore_resharded(Checkpointer(tmp_path / "fsdp8"), replicated_target, None, dp8, OPT, other, units)
+        restore_resharded(Checkpointer(tmp_path / "fsdp8"), init_train_state(model.clone(d_model=8), OPT, params=other,
+                                                                              mesh=dp8), dp8, OPT)
 
 
 # The MLP keeps the job tests fast (the transformer's sharded step is checked above, against 1 device).
@@ -269,7 +283,7 @@ def test_training_job_fsdp_and_hsdp_match_dp_and_resume_across_layouts(tmp_path)
     assert mem["state_bytes_total"] == dp["memory"]["state_bytes_total"] == 3 * whole + scalars
     assert dp["memory"]["state_bytes_per_device"] == 3 * whole + scalars
     assert mem["state_bytes_per_device"] == 3 * chunk + scalars
-    # the MLP keeps every unit gathered (fsdp_keep): all 8 padded chunks of every parameter
+    # the MLP keeps every layer gathered (models._plans.reshard_after_forward): all 8 padded chunks of every parameter
     assert mem["peak_gathered_bytes"] == 8 * chunk and dp["memory"]["peak_gathered_bytes"] == 0
     assert comm["all-gather"] == comm["reduce-scatter"] == {"count": 6, "bytes": 8 * chunk}  # one per parameter
     # fsdp=8 all-reduces scalars only (the clip's and the grad_norm metric's per-leaf sums, loss, accuracy);
