@@ -11,7 +11,10 @@ import pytest
 import spmd
 from models import MLP, Transformer
 from spmd import Replicate, Shard
-from spmd.parallel import Rule, fully_shard, hlo_executed_collectives, plan_params, replicate
+from spmd.parallel import Rule, hlo_executed_collectives, plan_params, replicate, shard_rule
+
+TRANSFORMER_UNITS = (r"block_\d+",)  # plan_params' units are path regexes
+MLP_UNITS = (r"hidden_\d+", "out")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ TOY = {"block_0": {"w": jax.ShapeDtypeStruct((10, 4), jnp.float32)},
 
 def test_default_is_fully_shard_with_torch_chunks(fsdp8):
     params = _abstract(Transformer(vocab_size=11, max_len=9, num_layers=2, d_model=20, num_heads=2), 9)
-    plan = plan_params(params, fsdp8, units=Transformer.fsdp_units())
+    plan = plan_params(params, fsdp8, units=TRANSFORMER_UNITS)
     leaves = jax.tree_util.tree_leaves(params)
     assert len(plan.entries) == len(leaves)
     for e, x in zip(plan.entries, leaves):
@@ -63,7 +66,7 @@ def test_hsdp_replicates_on_dp(hsdp):
 
 
 def test_rules_first_match_wins_and_compose_with_the_default(hsdp):
-    rules = [replicate(r".*/w"), fully_shard(r"block_\d+/w", dim=1), Rule("head", {"dp": Replicate()})]
+    rules = [replicate(r".*/w"), shard_rule(r"block_\d+/w", dim=1), Rule("head", {"dp": Replicate()})]
     plan = plan_params(TOY, hsdp, rules[:1] + [Rule("head", {"dp": Replicate()})], units=(r"block_\d+",))
     assert plan.entry("block_0/w").placements == (Replicate(), Replicate())
     assert plan.entry("block_0/w").rule == "replicate('.*/w')"
@@ -115,7 +118,7 @@ def test_gather_buffers_matrices_alone_vectors_together(fsdp8):
 
 def test_table_lists_every_parameter_and_totals(fsdp8):
     params = _abstract(MLP(7, 5, (10, 6)), 5)
-    plan = plan_params(params, fsdp8, [replicate(r"out/bias")], units=MLP.fsdp_units())
+    plan = plan_params(params, fsdp8, [replicate(r"out/bias")], units=MLP_UNITS)
     text = str(plan)
     lines = text.splitlines()
     assert lines[0] == "ParamPlan on mesh (fsdp=8), fsdp dim 'fsdp'"
@@ -136,7 +139,7 @@ def test_bad_rules_and_params_are_clear_errors(fsdp8, hsdp):
     with pytest.raises(ValueError, match=re.escape("places mesh dim 'tp', which the mesh {'fsdp': 8} lacks")):
         plan_params(TOY, fsdp8, [Rule("head", {"tp": Shard(0)})])
     with pytest.raises(ValueError, match=re.escape("puts Shard(dim=2) on mesh dim 'fsdp' for parameter 'block_0/w' of shape (10, 4)")):
-        plan_params(TOY, fsdp8, [fully_shard(r"block_0/w", dim=2)])
+        plan_params(TOY, fsdp8, [shard_rule(r"block_0/w", dim=2)])
     with pytest.raises(ValueError, match=re.escape("Rule('w'): placements['fsdp']=Partial(reduce_op='sum'); a parameter is one value")):
         Rule("w", {"fsdp": spmd.Partial()})
     with pytest.raises(ValueError, match=re.escape("Rule: pattern='(' is not a valid regular expression")):
@@ -164,5 +167,5 @@ def test_executed_collectives_scale_loop_bodies_by_trip_count():
     text = jax.jit(f).lower(x).compile().as_text()
     static, executed = spmd.collectives(f, x)["all-reduce"], hlo_executed_collectives(text)["all-reduce"]
     assert static["count"] == 2
-    assert executed == {"count": 6, "bytes": 6 * 2 * 4}
+    assert executed == {"count": 6, "bytes": 6 * 2 * 4, "buffers": 6}
     np.testing.assert_allclose(f(x), np.asarray(x).reshape(4, 2).sum(0) * 4 ** 5 * 0.5 ** 5)
