@@ -1,4 +1,4 @@
-"""The data-parallel train step: N devices with a global batch B == one device with batch B."""
+"""DDP through the contract (a plain model, ``mesh=``): N devices with a global batch B == one device with batch B."""
 
 import functools
 import re
@@ -8,9 +8,12 @@ import numpy as np
 import optax
 import pytest
 
+import jax.numpy as jnp
+
 import spmd
-from models import MLP, DigitTask, Transformer, init_train_state, make_train_step
+from models import MLP, DigitTask, Transformer
 from models.train import cross_entropy
+from spmd.parallel import TrainState, executed_collectives, init_train_state, make_train_step
 
 STEPS = 20
 BATCH = 16
@@ -25,13 +28,16 @@ def _setup(kind):
     task = DigitTask("sort", 4)
     params = jax.jit(model.init)(jax.random.key(0), task.batch(0, 0, 2, layout)["inputs"])["params"]
     batches = [task.batch(0, i, BATCH, layout) for i in range(STEPS)]
-    return (lambda p, b: cross_entropy(model.apply({"params": p}, b["inputs"]), b)), params, batches
+    return model, (lambda p, b: cross_entropy(model.apply({"params": p}, b["inputs"]), b)), params, batches
 
 
-@functools.lru_cache(maxsize=None)
-def _init(kind, opt_name):
-    """The step-0 state (cached: arrays are immutable)."""
-    return jax.jit(lambda p: init_train_state(p, _OPTS[opt_name]()))(_setup(kind)[1])
+def _init(kind, opt_name, mesh=None):
+    """The step-0 state: on one device (plain), or laid out on ``mesh`` by ``init_train_state``."""
+    model, _, params, _ = _setup(kind)
+    opt = _OPTS[opt_name]()
+    if mesh is None:
+        return TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
+    return init_train_state(model, opt, params=params, mesh=mesh)
 
 
 def _reference(loss_fn, optimizer, state0, batches):
@@ -53,7 +59,7 @@ def _reference(loss_fn, optimizer, state0, batches):
 
 @functools.lru_cache(maxsize=None)
 def _ref(kind, opt_name):
-    loss_fn, _, batches = _setup(kind)
+    _, loss_fn, _, batches = _setup(kind)
     return _reference(loss_fn, _OPTS[opt_name](), _init(kind, opt_name), batches)
 
 
@@ -66,9 +72,9 @@ def _mesh(n):
 
 def _train(kind, opt_name, mesh, accum):
     """``STEPS`` data-parallel steps from the cached step-0 state: the final state and the losses."""
-    loss_fn, _, batches = _setup(kind)
-    step = make_train_step(loss_fn, _OPTS[opt_name](), mesh, accum_steps=accum)
-    state, losses = _init(kind, opt_name), []
+    model, loss_fn, _, batches = _setup(kind)
+    step = make_train_step(model, loss_fn, _OPTS[opt_name](), mesh=mesh, accum_steps=accum)
+    state, losses = _init(kind, opt_name, mesh), []
     for b in batches:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
@@ -104,10 +110,11 @@ def test_dp_equals_one_device_adam(n, accum):
 
 def test_gradient_is_the_mean_not_the_sum():
     """One SGD step without momentum: params move by lr * (mean gradient), as on one device."""
-    loss_fn, params, batches = _setup("mlp")
+    model, loss_fn, params, batches = _setup("mlp")
     optimizer = optax.sgd(1.0)
     grads = jax.jit(jax.grad(lambda p: loss_fn(p, batches[0])[0]))(params)
-    state, metrics = make_train_step(loss_fn, optimizer, _mesh(8))(init_train_state(params, optimizer), batches[0])
+    state, metrics = make_train_step(model, loss_fn, optimizer, mesh=_mesh(8))(
+        init_train_state(model, optimizer, params=params, mesh=_mesh(8)), batches[0])
     jax.tree.map(lambda new, old, g: np.testing.assert_allclose(old - new, g, rtol=1e-5, atol=1e-7),
                  state.params, params, grads)
     np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-5)
@@ -120,9 +127,10 @@ def test_gradient_is_the_mean_not_the_sum():
 
 
 def _all_reduces(kind, accum, n=4):
-    loss_fn, params, batches = _setup(kind)
-    step = make_train_step(loss_fn, _OPTS["sgd"](), _mesh(n), accum_steps=accum)
-    return spmd.collectives(step, _init(kind, "sgd"), batches[0]), params
+    model, loss_fn, params, batches = _setup(kind)
+    step = make_train_step(model, loss_fn, _OPTS["sgd"](), mesh=_mesh(n), accum_steps=accum)
+    got = executed_collectives(step, _init(kind, "sgd", _mesh(n)), batches[0])
+    return {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in got.items()}, params
 
 
 @pytest.mark.parametrize("kind,accums", [("mlp", (2, 4)), ("transformer", (4,))])
@@ -139,7 +147,8 @@ def test_accumulation_keeps_one_gradient_all_reduce_per_step(kind, accums):
         assert got["all-reduce"] == ar, (accum, got, ar)
 
 
-def test_on_a_2d_mesh_the_batch_is_sharded_on_dp_only(mesh2x4):
+def test_on_a_2d_mesh_the_batch_is_split_over_both_dims(mesh2x4):
+    """A plain model on a 2-D mesh: DDP over every dim of it (8 data-parallel ranks)."""
     ref_state, ref_losses = _ref("mlp", "sgd")
     state, losses = _train("mlp", "sgd", mesh2x4, 2)
     np.testing.assert_allclose(losses, ref_losses, **TOL)
@@ -147,23 +156,24 @@ def test_on_a_2d_mesh_the_batch_is_sharded_on_dp_only(mesh2x4):
 
 
 def test_errors(mesh8):
-    loss_fn, params, batches = _setup("mlp")
+    model, loss_fn, params, batches = _setup("mlp")
     opt = optax.sgd(0.1)
-    state = init_train_state(params, opt)
-    with pytest.raises(ValueError, match=re.escape("make_train_step: dp='dp' is not a dim of")):
-        make_train_step(loss_fn, opt, mesh8)
+    state = init_train_state(model, opt, params=params, mesh=_mesh(8))
+    with pytest.raises(TypeError, match=re.escape("make_train_step: the model has no layout (neither parallelize_module "
+                                                  "nor fully_shard); give mesh=")):
+        make_train_step(model, loss_fn, opt)
     with pytest.raises(TypeError, match=re.escape("make_train_step: loss_fn=3 must be callable")):
-        make_train_step(3, opt, _mesh(8))
+        make_train_step(model, 3, opt, mesh=_mesh(8))
     with pytest.raises(TypeError, match=re.escape("make_train_step: optimizer='sgd' must be an optax.GradientTransformation")):
-        make_train_step(loss_fn, "sgd", _mesh(8))
+        make_train_step(model, loss_fn, "sgd", mesh=_mesh(8))
     with pytest.raises(ValueError, match=re.escape("make_train_step: accum_steps=0 must be an int >= 1")):
-        make_train_step(loss_fn, opt, _mesh(8), accum_steps=0)
-    step = make_train_step(loss_fn, opt, _mesh(8))
+        make_train_step(model, loss_fn, opt, mesh=_mesh(8), accum_steps=0)
+    step = make_train_step(model, loss_fn, opt, mesh=_mesh(8))
     odd = jax.tree.map(lambda x: x[:12], batches[0])
-    with pytest.raises(ValueError, match=re.escape("is not divisible by 8")):
+    with pytest.raises(ValueError, match=re.escape("not divisible by the data-parallel size dp=8 = 8")):
         step(state, odd)
-    step = make_train_step(loss_fn, opt, _mesh(8), accum_steps=4)
+    step = make_train_step(model, loss_fn, opt, mesh=_mesh(8), accum_steps=4)
     with pytest.raises(ValueError, match=re.escape(
-            "the global batch of 16 examples gives 2 per rank on 8 data-parallel ranks, which does not split into "
-            "accum_steps=4 micro-batches; use a batch size divisible by 32.")):
+            "train_step: the batch has 16 examples, not divisible by the data-parallel size dp=8 = 8 times "
+            "accum_steps=4; use a batch size that is a multiple of 32.")):
         step(state, batches[0])
