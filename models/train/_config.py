@@ -27,9 +27,9 @@ MODELS = ("transformer", "mlp")
 # The mesh dims the job knows (name -> what it does), in mesh order.
 MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replicated",
              "fsdp": "fully sharded data parallel: the batch is split over it, parameters, gradients and "
-                     "optimizer state sharded (models._fsdp)",
+                     "optimizer state sharded (spmd.parallel.fully_shard)",
              "tp": "tensor parallel (Megatron): heads, MLP width and vocabulary cut, the batch replicated over it "
-                   "(models._tp; --sequence-parallel also cuts the sequence between blocks)"}
+                   "(spmd.parallel.parallelize_module; --sequence-parallel also cuts the sequence between blocks)"}
 # The dims the batch is split over (Shard(0) on each of them).
 DATA_DIMS = ("dp", "fsdp")
 # The dims the train state (parameters, gradients, optimizer state) is sharded over.
