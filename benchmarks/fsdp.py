@@ -1,4 +1,4 @@
-"""Benchmark: the fully sharded train step (models._fsdp) against GSPMD and torch FSDP2.
+"""Benchmark: the fully sharded train step (spmd.parallel: fully_shard + make_train_step) against GSPMD and torch FSDP2.
 
 For a GPT (the project's Transformer; d_model 256 x 4 layers, and a larger
 one) with AdamW + gradient clipping, at a global batch of 32 sequences (4 per
@@ -138,7 +138,7 @@ def gspmd_step(model, opt, accuracy: bool = False):
     import jax
     import optax
 
-    from models._ddp import TrainState
+    from spmd.parallel import TrainState
 
     def step(state, batch):
         (loss, aux), g = jax.value_and_grad(
@@ -207,25 +207,26 @@ def prepare_ours(size: str, batch: int, shape: tuple, names: tuple, regather: bo
 
     import spmd
     from models import Transformer
-    from models._ddp import init_train_state, make_train_step
-    from models._fsdp import make_fsdp_train_step, shard_train_state
-    from spmd.parallel import hlo_executed_collectives, plan_params
+    from models._plans import shard_units
+    from spmd.parallel import fully_shard, hlo_executed_collectives, init_train_state, make_train_step
 
     model = Transformer(VOCAB, SEQ, SIZES[size]["layers"], SIZES[size]["d_model"], SIZES[size]["heads"])
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
     batches = _batches(0, 1, batch)
     params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
     opt = _optimizer()
+    def loss_fn(p, b):
+        return _ce(model.apply({"params": p}, b["inputs"]), b)
+
     if "fsdp" in names:
-        plan = plan_params(params, mesh, units=model.fsdp_units(), keep=model.fsdp_keep())
-        step = make_fsdp_train_step(lambda p, b, g: _ce(model.apply({"params": p}, b["inputs"], gather=g), b),
-                                    opt, mesh, plan, regather=regather)
-        state = shard_train_state(init_train_state(params, opt), plan, mesh, opt)
-        bound = plan.communication(regather=regather)["total"]
-        peak = plan.peak_gathered_bytes(regather=regather)
+        laid = fully_shard(model, mesh=mesh, units=shard_units(model), reshard_after_forward=regather)
+        step = make_train_step(laid, loss_fn, opt)
+        state = init_train_state(laid, opt, params=params)
+        bound = state.plan.communication(dp="dp")["total"]
+        peak = state.plan.peak_gathered_bytes()
     else:
-        step = make_train_step(lambda p, b: _ce(model.apply({"params": p}, b["inputs"]), b), opt, mesh)
-        state = init_train_state(params, opt)
+        step = make_train_step(model, loss_fn, opt, mesh=mesh)
+        state = init_train_state(model, opt, params=params, mesh=mesh)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
         bound, peak = {"all-reduce": {"count": 1, "bytes": nbytes}}, 0
     # On the devices already, split over every mesh dim as the step reads them (as the GSPMD step's batches).
@@ -245,9 +246,10 @@ def prepare_gspmd(size: str, batch: int, shape: tuple, names: tuple):
     from jax.sharding import PartitionSpec as P
 
     import spmd
+    import jax.numpy as jnp
+
     from models import Transformer
-    from models._ddp import TrainState, init_train_state
-    from spmd.parallel import hlo_executed_collectives
+    from spmd.parallel import TrainState, hlo_executed_collectives
 
     model = Transformer(VOCAB, SEQ, SIZES[size]["layers"], SIZES[size]["d_model"], SIZES[size]["heads"])
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names).jax_mesh
@@ -263,7 +265,7 @@ def prepare_gspmd(size: str, batch: int, shape: tuple, names: tuple):
         axes[d] = "fsdp"
         return NamedSharding(mesh, P(*axes))
 
-    state = init_train_state(params, opt)
+    state = TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
     shardings = TrainState(step=NamedSharding(mesh, P()), params=jax.tree.map(spec, state.params),
                            opt_state=jax.tree.map(spec, state.opt_state))
     state = jax.device_put(state, shardings)
