@@ -5,7 +5,8 @@ the gathered result; reduce-scatter: the input). ``count`` is the number of coll
 runs, one per buffer (XLA may combine independent ones of a kind into one op of several buffers: the
 HLO reader's ``buffers`` and ``bytes`` are what equal this table).
 
-- **fsdp** (ZeRO-3, per unit and per gather buffer of ``ParamPlan.gather_buffers``): one all-gather before
+- **fsdp** (ZeRO-3, per unit and per gather buffer of ``ParamPlan.gather_buffers``; with a
+  ``MixedPrecisionPolicy`` the gathers move ``param_dtype`` bytes, the reductions ``reduce_dtype``): one all-gather before
   the unit runs, one more for its backward pass with ``reshard_after_forward`` (not the root unit, which
   is gathered once per step, nor with accumulation, which gathers every unit once), one reduce-scatter of
   its gradient;
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from placements import Replicate, Shard
@@ -56,6 +58,13 @@ def _gather_buffers(plan: ParamPlan, entries, ti) -> list:
     return [b for g in groups.values() for b in plan.gather_buffers(g)]
 
 
+def _cast(e, dtype) -> int:
+    """``e``'s stored block bytes in ``dtype`` (a mixed-precision gather or reduction), else as stored."""
+    if dtype is None or not jnp.issubdtype(np.dtype(e.dtype), jnp.floating):
+        return e.local_nbytes
+    return e.local_nbytes // e.itemsize * np.dtype(dtype).itemsize
+
+
 def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dict:
     """The fsdp and dp terms of one step."""
     out = _table()
@@ -68,12 +77,12 @@ def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dic
     fi = plan.mesh_dim_names.index(shard) if shard else None
     n_fsdp = sizes.get(shard, 1) if shard else 1
     ti = plan.mesh_dim_names.index(model.tp.mesh_dim) if model.tp else None
+    mp = fsdp.mp_policy if fsdp else None
     for u in plan.units:
         regather = bool(fsdp and fsdp.reshard_after_forward) and u != ROOT and accum_steps == 1
         for buf in _gather_buffers(plan, plan.unit_entries(u), ti):
-            nbytes = sum(e.local_nbytes for e in buf) * n_fsdp
-            _add(out, "all-gather", nbytes, 2 if regather else 1)
-            _add(out, "reduce-scatter", nbytes)
+            _add(out, "all-gather", sum(_cast(e, mp and mp.param_dtype) for e in buf) * n_fsdp, 2 if regather else 1)
+            _add(out, "reduce-scatter", sum(_cast(e, mp and (mp.reduce_dtype or mp.param_dtype)) for e in buf) * n_fsdp)
     cut = [e for e in plan.entries if fi is not None and e.shard_dim(fi) is not None]
     whole = [e for e in plan.entries if fi is None or e.shard_dim(fi) is None]
     if cut and n_rep > 1:

@@ -492,7 +492,7 @@ class Hooks:
         from spmd.parallel._nnx import nnx_unit_params
 
         own = [(rel, v) for rel, v in nnx_unit_params(sub) if "/" not in rel]
-        params = [(f"{spath}/{rel}/value", v.value) for rel, v in own]
+        params = [(f"{spath}/{rel}/value", v[...]) for rel, v in own]
 
         def run_local(vals, a, k, zero_bias):
             style = self.model.tp.style_for(fqn)[1]
@@ -530,4 +530,4 @@ class Hooks:
             finally:
                 self.active.discard(spath)
 
-        return self.call_unit(run, [v.value for _, v in params], arrays)
+        return self.call_unit(run, [v[...] for _, v in params], arrays)

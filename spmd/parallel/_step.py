@@ -326,7 +326,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         return jitted(state, batch)
 
     def communication(state: TrainState, batch: Any) -> dict:
-        jax.eval_shape(step, state, _as_arrays(batch))  # a trace: the styled calls and their shapes
+        if not traced:  # not traced yet: trace it (the styled calls and their shapes; nothing runs)
+            jax.eval_shape(step, state, _as_arrays(batch))
         return step_communication(plan, pm, traced, accum_steps=accum_steps)
 
     run.jitted = jitted

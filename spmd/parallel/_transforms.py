@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from placements import Placement, Replicate, Shard
@@ -54,7 +55,7 @@ class MixedPrecisionPolicy:
                 dt = np.dtype(v)
             except TypeError:
                 raise TypeError(f"MixedPrecisionPolicy: {arg}={v!r} is not a dtype; use e.g. jnp.bfloat16.") from None
-            if not np.issubdtype(dt, np.floating):
+            if not jnp.issubdtype(dt, jnp.floating):
                 raise ValueError(f"MixedPrecisionPolicy: {arg}={v!r} is not a floating dtype; parameters and gradients "
                                  "are floats: use jnp.bfloat16, jnp.float16 or jnp.float32.")
             object.__setattr__(self, arg, dt)
