@@ -13,9 +13,8 @@ a plan key or unit is such a name with ``*`` globs, each ``*`` within one name c
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import jax
