@@ -163,8 +163,17 @@ class _Prepared:
         self.state, self.batches = state, batches
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        before = [x.sharding for x in jax.tree.leaves(state)]
         self.state, m = self.compiled(self.state, batches[0])  # warm up
         jax.block_until_ready(m)
+        # A step whose output state is laid out otherwise than its input (seen: spmd.parallel's step on tp meshes,
+        # an optimizer moment of a tp-replicated parameter coming out cut on tp) is compiled again for the state
+        # it returns, once, so that the timed rounds call one executable.
+        self.state_layout_changed = [x.sharding for x in jax.tree.leaves(self.state)] != before
+        if self.state_layout_changed:
+            self.compiled = step.lower(self.state, batches[0]).compile()
+            self.state, m = self.compiled(self.state, batches[0])
+            jax.block_until_ready(m)
 
     def round(self, steps: int) -> None:
         import jax

@@ -1,4 +1,4 @@
-"""Benchmark: the tensor / sequence-parallel train step (models._tp_step) on n-D meshes against GSPMD.
+"""Benchmark: the tensor / sequence-parallel train step (spmd.parallel: parallelize_module + fully_shard + make_train_step) on n-D meshes against GSPMD.
 
 For a GPT (the project's Transformer, d_model 256 x 4 layers, 8 heads, vocabulary 32, sequences of 16)
 with AdamW + gradient clipping, at a global batch of 32 sequences and of 128, side by side in one run on
@@ -7,7 +7,7 @@ with AdamW + gradient clipping, at a global batch of 32 sequences and of 128, si
 - ours: ``dp=8`` (DDP, the baseline), ``tp=8`` and ``dp=2,tp=4`` (each with and without sequence parallelism),
   ``fsdp=2,tp=4`` with sequence parallelism and ``dp=2,fsdp=2,tp=2`` (re-gathering each block for its
   backward pass, and keeping the forward's gathers as GSPMD does): the Megatron plan
-  (``models._tp.transformer_tp_rules``) composed with fsdp's default in one ``ParamPlan``;
+  (``models._plans.transformer_tp_plan``) composed with fsdp's default in one ``ParamPlan``;
 - GSPMD: the same layouts as a JAX user writes them today, a global-view ``jax.jit`` step with every
   parameter and its AdamW moments placed by ``NamedSharding`` as the plan places it (heads / MLP width /
   vocabulary on ``tp``, the other dim on ``fsdp``), the batch over the data dims, XLA's partitioner
@@ -21,7 +21,7 @@ the per-round ratios of samples/s), which shows what of a difference is the host
 
 Reported per layout: samples/s, CPU ms per step (less sensitive than wall time to other load on the host),
 parameter + optimizer bytes per device (live arrays), the collectives the compiled step executes (loop
-bodies times their trips) and, for ours, the analytic Megatron / ZeRO bound (``models._tp_comm``).
+bodies times their trips) and, for ours, the plan's analytic ZeRO bound for the parameters (``ParamPlan.communication``; the tp activations' table is spmd.parallel's to give).
 
 On a CPU host the 8 devices share the cores: throughput measures the cost of a layout, not a speed-up,
 and other processes on the host make it noisy.
@@ -55,8 +55,9 @@ BATCHES = (BATCH, 4 * BATCH)  # global batches: 4 sequences per data-parallel ra
 # pass's fsdp gathers for the backward pass (GSPMD's memory trade); otherwise each block is gathered again
 LAYOUTS = [
     ("ours dp=8", "ours", (8,), ("dp",), False, True),
-    ("ours tp=8", "ours", (8,), ("tp",), False, True),
-    ("ours tp=8 sp", "ours", (8,), ("tp",), True, True),
+    # tp=8 runs as dp=1 x tp=8: spmd.parallel's step fails to trace on a mesh with no data dim
+    ("ours tp=8", "ours", (1, 8), ("dp", "tp"), False, True),
+    ("ours tp=8 sp", "ours", (1, 8), ("dp", "tp"), True, True),
     ("ours dp=2,tp=4", "ours", (2, 4), ("dp", "tp"), False, True),
     ("ours dp=2,tp=4 sp", "ours", (2, 4), ("dp", "tp"), True, True),
     ("ours fsdp=2,tp=4 sp", "ours", (2, 4), ("fsdp", "tp"), True, True),
@@ -83,8 +84,6 @@ def _setup(shape, names, sp, batch):
     import fsdp as fb  # benchmarks/fsdp.py: the timing, state bytes and optimizer of the FSDP benchmark
     import spmd
     from models import Transformer
-    from models._tp import transformer_tp_rules
-    from spmd.parallel import plan_params
 
     model = Transformer(VOCAB, SEQ, LAYERS, D, HEADS)
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -94,9 +93,25 @@ def _setup(shape, names, sp, batch):
         seq = rng.integers(0, VOCAB, size=(batch, SEQ + 1)).astype(np.int32)
         batches.append({"inputs": seq[:, :-1], "targets": seq[:, 1:]})
     params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
-    rules = transformer_tp_rules(sp) if "tp" in names else ()
-    plan = plan_params(params, mesh, rules, units=model.fsdp_units(), keep=model.fsdp_keep())
+    laid = _layout(model, mesh, sp)
+    plan = laid.plan(params) if hasattr(laid, "plan") else None
     return fb, model, mesh, batches, params, plan
+
+
+def _layout(model, mesh, sp, regather=True):
+    """The job's layout of ``model`` on ``mesh`` (models._plans), with ``reshard_after_forward=regather``."""
+    from models._plans import shard_units, transformer_tp_plan
+    from spmd.parallel import fully_shard, parallelize_module
+
+    names = mesh.mesh_dim_names
+    out = model
+    if "tp" in names:
+        out = parallelize_module(out, mesh["tp"], transformer_tp_plan(sp, vocab_size=model.vocab_size,
+                                                                      tp_size=mesh.size("tp")))
+    data = tuple(n for n in names if n in ("dp", "fsdp"))
+    if "fsdp" in names:
+        out = fully_shard(out, mesh=mesh[data], units=shard_units(model), reshard_after_forward=regather)
+    return out
 
 
 def _on_devices(batches, mesh, names):
@@ -112,22 +127,24 @@ def _on_devices(batches, mesh, names):
 def prepare_ours(shape, names, sp, batch=BATCH, regather=True):
     import jax
 
-    from models._ddp import init_train_state, make_train_step
-    from models._fsdp import shard_train_state
-    from models._tp_comm import tp_communication
-    from models._tp_step import make_tp_train_step
-    from spmd.parallel import hlo_executed_collectives
+    from spmd.parallel import ParallelModule, hlo_executed_collectives, init_train_state, make_train_step
 
-    fb, model, mesh, batches, params, plan = _setup(shape, names, sp, batch)
+    fb, model, mesh, batches, params, _ = _setup(shape, names, sp, batch)
     opt = fb._optimizer()
-    if "tp" in names:
-        step = make_tp_train_step(model, opt, mesh, plan, sequence_parallel=sp, regather=regather)
-        state = shard_train_state(init_train_state(params, opt), plan, mesh, opt)
-        bound = tp_communication(plan, batch=batch, seq_len=SEQ, d_model=D, num_layers=LAYERS,
-                                 sequence_parallel=sp, regather=regather)
+
+    def loss_fn(p, b):
+        return fb._ce(model.apply({"params": p}, b["inputs"]), b, accuracy=True)
+
+    laid = _layout(model, mesh, sp, regather)
+    if isinstance(laid, ParallelModule):
+        step = make_train_step(laid, loss_fn, opt)
+        state = init_train_state(laid, opt, params=params)
+        # the parameters' ZeRO bound; the tp activations' analytic table is spmd.parallel's (step.communication)
+        bound = (step.communication(state, batches[0]) if hasattr(step, "communication")
+                 else {"total": state.plan.communication(dp="dp")["total"], "activations": {}})
     else:
-        step = make_train_step(lambda p, b: fb._ce(model.apply({"params": p}, b["inputs"]), b), opt, mesh)
-        state = init_train_state(params, opt)
+        step = make_train_step(model, loss_fn, opt, mesh=mesh)
+        state = init_train_state(model, opt, params=params, mesh=mesh)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
         bound = {"total": {"all-reduce": {"count": 1, "bytes": nbytes}}, "activations": {}}
     prep = fb._Prepared(step, state, _on_devices(batches, mesh, names), batch)
@@ -150,13 +167,16 @@ def prepare_gspmd(shape, names, batch=BATCH):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from models._ddp import TrainState, init_train_state
-    from spmd.parallel import entry_sharding, hlo_executed_collectives, map_like_params
+    import jax.numpy as jnp
+
+    from spmd.parallel import TrainState, entry_sharding, hlo_executed_collectives, map_like_params, plan_params
 
     fb, model, mesh, batches, params, plan = _setup(shape, names, False, batch)
+    if plan is None:  # dp only: every parameter replicated
+        plan = plan_params(params, mesh, fsdp="")
     opt = fb._optimizer()
     rep = NamedSharding(mesh.jax_mesh, P())
-    state = init_train_state(params, opt)
+    state = TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
     sizes = dict(zip(names, shape))
 
     def sharding(x, e):  # the plan's spec, less the mesh axes a dim does not divide by (NamedSharding is even)
