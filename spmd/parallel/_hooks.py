@@ -11,16 +11,15 @@ wrapped in place) and:
   a tp-sharded operand, which it would first gather over tp), run the unit on them, and, with
   ``reshard_after_forward``, wrap that in ``jax.checkpoint`` (matmul outputs saved, gathered parameters
   not: the backward pass gathers again). ``jax.grad`` of the all-gather is one reduce-scatter per buffer.
-- **tensor-parallel style**: put the style's layouts on the module's inputs and outputs as sharding
-  constraints over ``tp`` (``ColwiseParallel``'s input ``Replicate``, output ``Shard(-1)``;
-  ``RowwiseParallel``'s output ``Replicate`` or ``Shard(1)``, ...). Activations keep their global shapes,
-  so attention that reshapes by its global head count runs as written; GSPMD inserts exactly the
-  all-reduce / all-gather / reduce-scatter each layout change needs.
+- **tensor-parallel style**: run the module on its tp blocks in a region manual over tp
+  (``spmd.parallel._tp_calls``), every tp collective of the style written out. Outside those regions the
+  model runs in global view over tp, so attention that reshapes by its global head count runs as written.
 
-Why this split: in global view over the data dims XLA reduces a gradient with an all-reduce and a slice
-(twice the bytes of FSDP's reduce-scatter) and we could not prove the bound; in local view over ``tp`` the
-model would see local head counts (torch users patch ``n_heads`` by hand). Manual where the collectives
-are the algorithm's, global where the model's own shapes must stay.
+Why this split: in global view XLA:CPU reduces a gradient with an all-reduce and a slice (twice the bytes
+of FSDP's reduce-scatter), and turns a sequence-parallel reduce-scatter into the same; a collective over
+the data dims on a tp-sharded operand makes XLA gather it over tp first; and in local view over tp the
+model would see local head counts (torch users patch ``n_heads`` by hand). So: manual wherever a
+collective is the algorithm's, global view where the model's own shapes must stay.
 """
 
 from __future__ import annotations

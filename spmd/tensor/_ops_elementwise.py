@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from placements import format_placements
-from placements._strategy import astype_strategy, pointwise_strategy
+from placements._strategy_ops import astype_strategy, pointwise_strategy
 from spmd.tensor._ops_exec import check_operands, current_strategy, is_dtensor, operand, run
 
 __all__ = [
@@ -171,7 +171,7 @@ def _astype(x, dtype):
 
 
 def astype(x, dtype):
-    """``x`` cast to ``dtype``; see ``placements._strategy.astype_strategy`` for Partial inputs."""
+    """``x`` cast to ``dtype``; see ``placements._strategy_ops.astype_strategy`` for Partial inputs."""
     if not is_dtensor(x):
         raise TypeError(f"astype: x={x!r} is not a DTensor; use jnp.asarray(x).astype(dtype) for plain arrays.")
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from placements import format_placements
-from placements._strategy import einsum_strategy
+from placements._strategy_ops import einsum_strategy
 from spmd.tensor._ops_exec import check_operands, current_strategy, is_dtensor, operand, run
 
 __all__ = ["matmul", "einsum"]

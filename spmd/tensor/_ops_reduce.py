@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from placements import format_placements
-from placements._strategy import normalize_strategy, reduction_strategy, softmax_strategy
+from placements._strategy_ops import normalize_strategy, reduction_strategy, softmax_strategy
 from spmd.tensor._ops_exec import current_strategy, is_dtensor, operand, run
 
 __all__ = ["sum", "mean", "max", "min", "prod", "softmax", "log_softmax", "layer_norm"]
