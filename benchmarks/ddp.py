@@ -1,4 +1,4 @@
-"""Benchmark: the data-parallel train step (models.make_train_step) against torch DDP.
+"""Benchmark: the data-parallel train step (spmd.parallel.make_train_step on a plain model, through the job's programs) against torch DDP.
 
 Side by side in one run, for the MLP and the transformer of the training job
 (same sizes, global batch, AdamW + gradient clipping):
