@@ -88,7 +88,7 @@ def _run(config, regather=True):
     for b in batches:
         state, metrics = step(state, b)
         losses.append(float(metrics["loss"]))
-    return mesh, model, losses, state, executed_collectives(step, state, batches[0])
+    return mesh, model, losses, state, executed_collectives(step, state, batches[0]), step, batches[0]
 
 
 def _check_matches_one_device(mesh, model, losses, state):
@@ -104,13 +104,13 @@ def _check_matches_one_device(mesh, model, losses, state):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_id)
 def test_matches_one_device(config):
-    mesh, model, losses, state, _ = _run(config)
+    mesh, model, losses, state, *_ = _run(config)
     _check_matches_one_device(mesh, model, losses, state)
 
 
 def test_keeping_the_gathers_matches_one_device_and_gathers_each_block_once():
     config = CONFIGS[6]  # dp=2,fsdp=2,tp=2: each block's forward gathers kept for its backward pass
-    mesh, model, losses, state, keep = _run(config, regather=False)
+    mesh, model, losses, state, keep, *_ = _run(config, regather=False)
     _check_matches_one_device(mesh, model, losses, state)
     again = _run(config)[4]
     plan = state.plan
@@ -125,7 +125,7 @@ def test_keeping_the_gathers_matches_one_device_and_gathers_each_block_once():
 def test_parameter_collectives_equal_the_plan(config):
     """Without sequence parallelism the tp activations travel by all-reduce only: every all-gather and
     reduce-scatter of the step is the plan's (FSDP's, per unit and buffer, on the tp-local blocks)."""
-    mesh, model, _, state, got = _run(config)
+    mesh, model, _, state, got, *_ = _run(config)
     want = state.plan.communication(dp="dp", accum_steps=config[3])["total"]
     for kind in ("all-gather", "reduce-scatter"):
         assert {k: got[kind][k] for k in ("count", "bytes")} == want[kind], kind
@@ -134,12 +134,28 @@ def test_parameter_collectives_equal_the_plan(config):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_id)
 def test_collectives_equal_the_megatron_zero_table(config):
-    pytest.skip("waiting for the tp activation table in spmd.parallel")
+    """Every tensor collective of the compiled step (buffers and bytes per kind; scalars aside) is the table's:
+    the fsdp / dp terms of the plan and the Megatron terms of the styled calls (``spmd.parallel._comm``)."""
+    mesh, model, _, state, _, step, batch = _run(config)
+    got = executed_collectives(step, state, batch, scalars=False)
+    want = step.communication(state, batch)["total"]
+    exact = ("reduce-scatter",) if config[2] else ("all-gather", "reduce-scatter")
+    for kind in exact:
+        assert (got[kind]["buffers"], got[kind]["bytes"]) == (want[kind]["count"], want[kind]["bytes"]), (kind, got, want)
+    # Known gap, kept visible: this model's tied output projection (embed.attend), the loss on its
+    # vocabulary-cut logits and, under sequence parallelism, its position table run in global view, where
+    # GSPMD adds small collectives (the projection's input gradient, per-token max / sum / target logit, a few
+    # KiB of all-gathers) that the table does not count yet. Everything the table counts is there; the Llama
+    # of tests/test_any_model.py (untied head) matches the table exactly on every layout.
+    for kind in ("all-gather", "all-reduce"):
+        assert got[kind]["buffers"] >= want[kind]["count"] and got[kind]["bytes"] >= want[kind]["bytes"], kind
+        assert got[kind]["bytes"] - want[kind]["bytes"] <= 0.15 * want[kind]["bytes"] + 16384, (kind, got, want)
+    assert want["all-reduce"]["count"] > 0
 
 
 @pytest.mark.parametrize("config", [CONFIGS[4], CONFIGS[6]], ids=_id)
 def test_state_bytes_per_device(config):
-    mesh, _, _, state, _ = _run(config)
+    mesh, _, _, state, *_ = _run(config)
     plan = state.plan
     dev = mesh.jax_mesh.devices.flat[0]
 
@@ -215,7 +231,7 @@ def test_checkpoints_restore_across_layouts_bit_for_bit(tmp_path):
     from models._checkpoint import Checkpointer
     from models._fsdp_run import layout_meta, logical_state, restore_resharded
 
-    mesh, model, _, state, _ = _run(CONFIGS[5])
+    mesh, model, _, state, *_ = _run(CONFIGS[5])
     params, _ = _data()
 
     def logical(st, m):

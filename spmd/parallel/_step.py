@@ -308,8 +308,12 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     def step(state: TrainState, batch: Any):
         grads, metrics = region(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                         opt_state=opt_state, plan=state.plan)
+        params = optax.apply_updates(state.params, updates)
+        # the state leaves the step laid out as it came in (XLA may otherwise pick another sharding for an
+        # optimizer moment, and the next call would compile the step again)
+        p_sh, o_sh = state_shardings(plan, mesh, params, opt_state, optimizer)
+        new = TrainState(step=state.step + 1, params=jax.lax.with_sharding_constraint(params, p_sh),
+                         opt_state=jax.lax.with_sharding_constraint(opt_state, o_sh), plan=state.plan)
         metrics["grad_norm"] = optax.tree.norm(grads)
         return new, metrics
 

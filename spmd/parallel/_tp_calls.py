@@ -79,7 +79,7 @@ class TPCalls:
         if self.tp is None:
             return fn(*leaves)
         specs = tuple(self.tp_spec(e, np.ndim(x)) for e, x in zip(entries, leaves))
-        return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=specs, out_specs=specs,
+        return jax.shard_map(fn, mesh=self._region_mesh(), in_specs=specs, out_specs=specs,
                              axis_names={self.tp}, check_vma=False)(*leaves)
 
     def around(self, fqn: str, typ: str, call: Callable, args: tuple, kwargs: dict, params=(), run_local=None) -> Any:
@@ -146,6 +146,12 @@ class TPCalls:
             x_layout = Replicate() if typ in KNOWN_EMBED else given
         else:
             x_layout = given
+        if isinstance(x_layout, Shard) and np.shape(x)[x_layout.dim % np.ndim(x)] % self.n_tp:
+            d = x_layout.dim % np.ndim(x)
+            raise ValueError(
+                f"parallelize_module: {type(style).__name__} on {fqn!r} takes its input cut on dim {d} (size "
+                f"{np.shape(x)[d]}) over tp={self.n_tp}, which does not divide it; under sequence parallelism use a "
+                f"sequence length that is a multiple of {self.n_tp}.")
         rowwise = isinstance(style, RowwiseParallel)
         bias_after = rowwise and "bias" in names
         bias_outside = bias_after and not isinstance(out, Shard)  # whole output: every rank's bias gradient is whole
@@ -185,7 +191,7 @@ class TPCalls:
         if isinstance(style, ColwiseParallel) and isinstance(out, Shard):
             out_layout = Shard(ndim - col_back)
         in_specs = (tuple(self.tp_spec(e, np.ndim(v)) for e, v in zip(ents, vals)), self._layout_spec(x_layout, x.ndim))
-        y = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
+        y = jax.shard_map(body, mesh=self._region_mesh(), in_specs=in_specs,
                           out_specs=self._layout_spec(out_layout, ndim), axis_names={tp}, check_vma=False)(tuple(vals), x)
         if bias_outside:
             y = y + vals[names.index("bias")].astype(y.dtype)
@@ -200,6 +206,11 @@ class TPCalls:
         if isinstance(style, ColwiseParallel) and isinstance(out, Shard) and typ not in KNOWN_EMBED:
             y = checkpoint_name(y, f"{COLWISE_MARK}{fqn}|{self.n_tp}")
         return y
+
+    def _region_mesh(self):
+        """The enclosing region's mesh; the model's own when there is none (a mesh of tp alone)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        return mesh if not mesh.empty else self.model.mesh.jax_mesh
 
     def _local_shape(self, e: PlanEntry, shape) -> tuple:
         shape = list(shape)
