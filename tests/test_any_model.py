@@ -133,6 +133,18 @@ def _layout(name: str, spec: str):
     return m, params, loss, mesh
 
 
+def _train(m, params, loss, mesh=None):
+    """(state, step, losses) of STEPS steps of ``m`` (a plain model trains DDP over ``mesh``)."""
+    kw = {} if isinstance(m, ParallelModule) else {"mesh": mesh}
+    state = init_train_state(m, OPT, params=params, **kw) if params is not None else init_train_state(m, OPT, **kw)
+    step = make_train_step(m, loss(m), OPT, **kw)
+    losses = []
+    for _ in range(STEPS):
+        state, metrics = step(state, _batches())
+        losses.append(float(metrics["loss"]))
+    return state, step, losses
+
+
 LAYOUTS = ["dp=8", "fsdp=8", "dp=2,fsdp=4", "dp=2,tp=4", "dp=2,fsdp=2,tp=2", "fsdp=2,tp=4+sp"]
 CASES = [(m, lay) for m in ("llama", "nnx", "hf_gpt2", "hf_llama") for lay in LAYOUTS
          if not (lay.endswith("+sp") and m != "llama")]
@@ -142,14 +154,8 @@ CASES = [(m, lay) for m in ("llama", "nnx", "hf_gpt2", "hf_llama") for lay in LA
 def test_layout_equals_one_device_and_its_plan(name, spec):
     ref_losses, ref_params = _reference(name)
     m, params, loss, mesh = _layout(name, spec)
-    kw = {} if isinstance(m, ParallelModule) else {"mesh": mesh}
-    state = init_train_state(m, OPT, params=params, **kw) if params is not None else init_train_state(m, OPT, **kw)
-    step = make_train_step(m, loss(m), OPT, **kw)
+    state, step, losses = _train(m, params, loss, mesh)
     batch = _batches()
-    losses = []
-    for _ in range(STEPS):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     got = unshard_params(m, state)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref_params)):
@@ -191,12 +197,7 @@ def test_vocabulary_parallel_head_with_plain_optax_cross_entropy():
     m0, params, loss, _ = _layout("llama", "dp=8")
     mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     m = parallelize_module(m0, mesh["tp"], {**_megatron("layers_*"), "lm_head": ColwiseParallel(output_layouts=Shard(-1))})
-    state = init_train_state(m, OPT, params=params)
-    step = make_train_step(m, loss(m), OPT)
-    losses = []
-    for _ in range(STEPS):
-        state, metrics = step(state, _batches())
-        losses.append(float(metrics["loss"]))
+    state, step, losses = _train(m, params, loss)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     text = step.lower(state, _batches()).compile().as_text()
     logits_bytes = 8 * 8 * VOCAB * 4  # a data rank's full logits
@@ -214,12 +215,7 @@ def test_mixed_precision_halves_the_gathered_bytes_and_stays_near_float32():
                        mp_policy=MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32))
     got = {}
     for key, m in (("f32", full), ("bf16", half)):
-        state = init_train_state(m, OPT, params=params)
-        step = make_train_step(m, loss(m), OPT)
-        losses = []
-        for _ in range(STEPS):
-            state, metrics = step(state, _batches())
-            losses.append(float(metrics["loss"]))
+        state, step, losses = _train(m, params, loss)
         got[key] = (losses, _stablehlo_bytes(step.lower(state, _batches()).as_text()),
                     step.communication(state, _batches())["total"], state)
     # The program handed to XLA gathers bf16 and reduce-scatters f32 (XLA:CPU then widens bf16 collectives
