@@ -68,6 +68,7 @@ def rank_to_coord(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def coord_to_rank(coord: Sequence[int], mesh_shape: Sequence[int]) -> int:
+    """The row-major rank of mesh coordinate ``coord`` on a mesh of ``mesh_shape`` (``(1, 2)`` on ``(2, 4)`` is 6)."""
     rank = 0
     for c, s in zip(coord, mesh_shape):
         rank = rank * s + c
@@ -101,6 +102,7 @@ def local_shape_and_offset(
 
 
 def local_shape(global_shape, mesh_shape, placements, coord) -> tuple[int, ...]:
+    """The shape of the block that mesh coordinate ``coord`` holds of ``global_shape`` (``torch.chunk`` cuts)."""
     return local_shape_and_offset(global_shape, mesh_shape, placements, coord)[0]
 
 

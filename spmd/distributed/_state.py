@@ -52,8 +52,10 @@ def state(where: str) -> State:
 
 
 def is_available() -> bool:
+    """``True``: the distributed package is always available (torch's ``dist.is_available()``)."""
     return True
 
 
 def is_initialized() -> bool:
+    """Whether ``init_process_group`` has run in this process and ``destroy_process_group`` has not."""
     return _STATE is not None

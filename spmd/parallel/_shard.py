@@ -25,6 +25,7 @@ __all__ = ["entry_sharding", "shard_params", "unshard_tree", "pad_tree", "gather
 
 
 def entry_sharding(e: PlanEntry, mesh: DeviceMesh) -> NamedSharding:
+    """The ``jax.sharding.NamedSharding`` of one plan entry's padded storage on ``mesh`` (its ``Shard`` mesh dims)."""
     spec: list[list[str]] = [[] for _ in e.shape]
     for name, p in zip(mesh.mesh_dim_names, e.placements):
         if isinstance(p, Shard):

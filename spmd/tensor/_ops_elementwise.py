@@ -60,34 +60,42 @@ def _float_only(op: str, x) -> None:
 
 # --- unary ------------------------------------------------------------------------------------
 def exp(x):
+    """``jnp.exp`` elementwise; ``Shard`` kept, ``Partial(max|min)`` kept (non-decreasing), other Partials reduced."""
     return _elementwise("exp", jnp.exp, (x,), "non_decreasing")
 
 
 def log(x):
+    """``jnp.log`` elementwise; ``Shard`` kept, a ``Partial`` input reduced first."""
     return _elementwise("log", jnp.log, (x,), "none")
 
 
 def tanh(x):
+    """``jnp.tanh`` elementwise; ``Shard`` kept, ``Partial(max|min)`` kept (non-decreasing), other Partials reduced."""
     return _elementwise("tanh", jnp.tanh, (x,), "non_decreasing")
 
 
 def sqrt(x):
+    """``jnp.sqrt`` elementwise; ``Shard`` kept, a ``Partial`` input reduced first."""
     return _elementwise("sqrt", jnp.sqrt, (x,), "none")
 
 
 def abs(x):  # noqa: A001 - the jax.numpy name
+    """``jnp.abs`` elementwise; ``Shard`` kept, a ``Partial`` input reduced first."""
     return _elementwise("abs", jnp.abs, (x,), "none")
 
 
 def negative(x):
+    """``-x``: ``P(sum) -> P(sum)``, ``P(max) -> P(min)``, ``P(min) -> P(max)``; ``Shard`` kept."""
     return _elementwise("negative", jnp.negative, (x,), "neg")
 
 
 def relu(x):
+    """``jax.nn.relu`` elementwise; ``Shard`` and ``Partial(max|min)`` kept (non-decreasing), other Partials reduced."""
     return _elementwise("relu", jax.nn.relu, (x,), "non_decreasing")
 
 
 def sigmoid(x):
+    """``jax.nn.sigmoid`` of a floating DTensor; ``Shard`` and ``Partial(max|min)`` kept, other Partials reduced."""
     _float_only("sigmoid", x)
     return _elementwise("sigmoid", jax.nn.sigmoid, (x,), "non_decreasing")
 
@@ -109,54 +117,67 @@ def _binary(op: str, fn, x, y, rules: str, reversed_rules: str):
 
 
 def add(x, y):
+    """``x + y`` with NumPy broadcasting (either may be a scalar); ``P(sum) + P(sum)`` stays ``P(sum)``, as in torch."""
     return _binary("add", jnp.add, x, y, "add", "add")
 
 
 def subtract(x, y):
+    """``x - y`` with NumPy broadcasting (either may be a scalar); ``P(sum) - P(sum)`` stays ``P(sum)``."""
     return _binary("subtract", jnp.subtract, x, y, "add", "none")
 
 
 def multiply(x, y):
+    """``x * y`` with NumPy broadcasting; ``P(sum|avg) * R`` (or a scalar) keeps the Partial, as in torch."""
     return _binary("multiply", jnp.multiply, x, y, "mul", "mul")
 
 
 def divide(x, y):
+    """``x / y`` (true division); a Partial numerator over a ``Replicate`` or scalar denominator is kept."""
     return _binary("divide", jnp.true_divide, x, y, "div", "none")
 
 
 def power(x, y):
+    """``x ** y`` elementwise with NumPy broadcasting; Partial operands are reduced first."""
     return _binary("power", jnp.power, x, y, "none", "none")
 
 
 def maximum(x, y):
+    """``jnp.maximum(x, y)``; ``P(max)`` of both operands (or with a ``Replicate``) is kept."""
     return _binary("maximum", jnp.maximum, x, y, "maximum", "maximum")
 
 
 def minimum(x, y):
+    """``jnp.minimum(x, y)``; ``P(min)`` of both operands (or with a ``Replicate``) is kept."""
     return _binary("minimum", jnp.minimum, x, y, "minimum", "minimum")
 
 
 def equal(x, y):
+    """``x == y`` elementwise (a bool DTensor); Partial operands are reduced first."""
     return _binary("equal", jnp.equal, x, y, "none", "none")
 
 
 def not_equal(x, y):
+    """``x != y`` elementwise (a bool DTensor); Partial operands are reduced first."""
     return _binary("not_equal", jnp.not_equal, x, y, "none", "none")
 
 
 def less(x, y):
+    """``x < y`` elementwise (a bool DTensor); Partial operands are reduced first."""
     return _binary("less", jnp.less, x, y, "none", "none")
 
 
 def less_equal(x, y):
+    """``x <= y`` elementwise (a bool DTensor); Partial operands are reduced first."""
     return _binary("less_equal", jnp.less_equal, x, y, "none", "none")
 
 
 def greater(x, y):
+    """``x > y`` elementwise (a bool DTensor); Partial operands are reduced first."""
     return _binary("greater", jnp.greater, x, y, "none", "none")
 
 
 def greater_equal(x, y):
+    """``x >= y`` elementwise (a bool DTensor); Partial operands are reduced first."""
     return _binary("greater_equal", jnp.greater_equal, x, y, "none", "none")
 
 

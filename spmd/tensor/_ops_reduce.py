@@ -41,22 +41,27 @@ def _reduction(name: str, x, axis, keepdims: bool):
 
 
 def sum(x, axis=None, keepdims: bool = False):  # noqa: A001 - the jax.numpy name
+    """``jnp.sum`` over ``axis`` (all dims if None); a sharded reduced dim gives ``Partial(sum)``, no communication."""
     return _reduction("sum", x, axis, keepdims)
 
 
 def mean(x, axis=None, keepdims: bool = False):
+    """``jnp.mean`` over ``axis``; an even sharded dim gives ``Partial(avg)``, an uneven one is gathered first."""
     return _reduction("mean", x, axis, keepdims)
 
 
 def max(x, axis=None, keepdims: bool = False):  # noqa: A001
+    """``jnp.max`` over ``axis``; a sharded reduced dim gives ``Partial(max)`` (empty shards hold the identity)."""
     return _reduction("max", x, axis, keepdims)
 
 
 def min(x, axis=None, keepdims: bool = False):  # noqa: A001
+    """``jnp.min`` over ``axis``; a sharded reduced dim gives ``Partial(min)`` (empty shards hold the identity)."""
     return _reduction("min", x, axis, keepdims)
 
 
 def prod(x, axis=None, keepdims: bool = False):
+    """``jnp.prod`` over ``axis``; a sharded reduced dim gives ``Partial(product)``."""
     return _reduction("prod", x, axis, keepdims)
 
 
@@ -81,6 +86,7 @@ def softmax(x, axis: int = -1):
 
 
 def log_softmax(x, axis: int = -1):
+    """``jax.nn.log_softmax`` over ``axis``; a sharded ``axis`` and every Partial are gathered first (as torch)."""
     _float_x("log_softmax", x)
     strat = softmax_strategy("log_softmax", x.device_mesh.shape, operand(x), axis)
     return run(strat, _softmax, [x], params=(axis, True))
