@@ -193,15 +193,18 @@ def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_op
 
 
 def get_process_group_ranks(group: Any = None) -> list[int]:
+    """The global ranks of ``group`` (``None``: the world), in group-rank order."""
     g = group_of(group, "get_process_group_ranks", non_member="allow")
     return list(g.global_ranks())
 
 
 def get_group_rank(group: Any, global_rank: int) -> int:
+    """The rank inside ``group`` of the process whose global rank is ``global_rank``."""
     return _group_rank(group_of(group, "get_group_rank", non_member="allow"), global_rank, "get_group_rank", "global_rank")
 
 
 def get_global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of the process whose rank inside ``group`` is ``group_rank``."""
     g = group_of(group, "get_global_rank", non_member="allow")
     ranks = g.global_ranks()
     if isinstance(group_rank, bool) or not isinstance(group_rank, int) or not 0 <= group_rank < len(ranks):
@@ -225,5 +228,6 @@ def get_world_size(group: Any = None) -> int:
 
 
 def get_backend(group: Any = None) -> str:
+    """The backend name of ``group`` (``None``: the world), e.g. ``'gloo'``, ``'nccl'`` or ``'mpi'``."""
     group_of(group, "get_backend", non_member="allow")
     return state("get_backend").backend.name
