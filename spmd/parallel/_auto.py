@@ -1,0 +1,282 @@
+"""Choose the layout by cost: ``auto_layout`` ranks every layout of a model on a set of devices.
+
+Candidates: every factorization of the device count over ``dp`` x ``fsdp`` x ``tp`` (``tp`` only with a
+tensor-parallel plan: ``plan=``; a cut the sizes do not allow, a head split, a batch the data dims do not
+divide: rejected, with the reason), ``reshard_after_forward`` on and off under FSDP, sequence parallelism
+on and off where the plan has it, and gradient accumulation where the memory budget needs it. Each is
+built through the contract (``apply_layout``) and traced on abstract inputs, nothing compiled:
+
+- **communication**: the step's own analytic table (``step.communication``, equal to the compiled HLO);
+- **memory**: peak bytes per device by kind (``spmd.parallel._memory``);
+- **time**: compute (flops / the calibrated matmul rate + bytes accessed / the elementwise rate) plus each
+  collective kind's calibrated ``latency x count + bytes / bandwidth`` over its group (``fsdp`` for the
+  gathers and reduce-scatters, the replicate dims for the gradients' all-reduce, ``tp`` for the
+  activations), plus the program's dispatch. No overlap of communication with compute is assumed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from spmd.parallel._auto_layout import Layout, apply_layout, devices_of, infer_units, tp_plan_for
+from spmd.parallel._calibrate import Calibration, calibrate
+from spmd.parallel._comm import KINDS
+from spmd.parallel._memory import Profile, compute_cost, memory_breakdown
+from spmd.parallel._shard import entry_sharding
+from spmd.parallel._step import TrainState, make_train_step
+from spmd.parallel._transforms import as_parallel
+
+__all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default_loss", "abstract_state"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout's predicted cost: ``predicted_s`` = ``compute_s`` + ``sum(comm_s.values())`` + ``dispatch_s``."""
+
+    layout: Layout
+    predicted_s: float
+    compute_s: float
+    comm_s: dict
+    dispatch_s: float
+    communication: dict  # step.communication(...): {"parameters", "activations", "total"}: {kind: {count, bytes}}
+    memory: dict  # spmd.parallel._memory.memory_breakdown
+    flops: float
+    fits: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(v["bytes"] for v in self.communication["total"].values())
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f}"
+
+
+@dataclass(frozen=True)
+class AutoLayout:
+    """``auto_layout``'s answer: ``candidates`` ranked (fitting ones first, fastest predicted first),
+    ``best``, ``rejected`` (``(layout name, reason)``), printable with ``table(top=)``."""
+
+    candidates: tuple[Candidate, ...]
+    rejected: tuple[tuple[str, str], ...] = ()
+    calibration: Calibration | None = None
+    budget: int | None = None
+    top: int = 5
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def why(self) -> str:
+        """Why the pick won over the runner-up: the time terms that differ most."""
+        if len(self.candidates) < 2:
+            return f"{self.best.name}: the only candidate."
+        a, b = self.candidates[0], self.candidates[1]
+        terms = [("compute", a.compute_s, b.compute_s)] + [
+            (k, a.comm_s.get(k, 0.0), b.comm_s.get(k, 0.0)) for k in sorted(set(a.comm_s) | set(b.comm_s))]
+        terms.sort(key=lambda t: -abs(t[2] - t[1]))
+        said = ", ".join(f"{k} {1e3 * x:.2f} vs {1e3 * y:.2f} ms" for k, x, y in terms[:3] if abs(y - x) > 0)
+        head = f"{a.name} wins over {b.name} by {1e3 * (b.predicted_s - a.predicted_s):.2f} ms/step"
+        if not b.fits:
+            head += " (the runner-up does not fit the memory budget)"
+        return f"{head}: {said or 'equal terms'}; it moves {_mib(a.comm_bytes)} MiB per device and step where " \
+               f"{b.name} moves {_mib(b.comm_bytes)} MiB."
+
+    def table(self, top: int | None = None) -> str:
+        top = self.top if top is None else top
+        head = ("#", "layout", "pred ms", "compute", "comm", "all-gather MiB", "reduce-scatter MiB", "all-reduce MiB",
+                "peak MiB", "fits")
+        rows = []
+        for i, c in enumerate(self.candidates[:top]):
+            t = c.communication["total"]
+            rows.append((str(i + 1), c.name, f"{1e3 * c.predicted_s:.2f}", f"{1e3 * c.compute_s:.2f}",
+                         f"{1e3 * sum(c.comm_s.values()):.2f}", *(_mib(t[k]["bytes"]) for k in KINDS),
+                         _mib(c.memory["peak"]), "yes" if c.fits else "no"))
+        w = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
+        fmt = lambda r: "  ".join(x.rjust(n) if j not in (1,) else x.ljust(n) for j, (x, n) in enumerate(zip(r, w)))  # noqa
+        lines = [f"auto_layout: {len(self.candidates)} candidates ranked by predicted step time"
+                 + (f" (memory budget {_mib(self.budget)} MiB per device)" if self.budget else ""),
+                 fmt(head), *[fmt(r) for r in rows], "pick: " + self.best.name + ". " + self.why()]
+        if self.rejected:
+            lines.append(f"rejected ({len(self.rejected)}): " + "; ".join(f"{n}: {r}" for n, r in self.rejected[:6])
+                         + (" ..." if len(self.rejected) > 6 else ""))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __iter__(self):
+        return iter(self.candidates)
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+
+def default_loss(model: Any) -> Callable:
+    """Next-token cross-entropy of ``model.apply({"params": p}, batch["inputs"])`` against ``batch["targets"]``."""
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    return loss_fn
+
+
+def abstract_state(laid: Any, params: Any, optimizer: Any, mesh) -> TrainState:
+    """A ``TrainState`` of shape structs laid out by ``laid``'s plan (what ``init_train_state`` would build)."""
+    pm = as_parallel(laid, mesh, "auto_layout")
+    plan = pm.plan(params)
+    stored = jax.tree_util.tree_unflatten(plan.treedef, [
+        jax.ShapeDtypeStruct(plan.padded_shape(e), e.dtype, sharding=entry_sharding(e, mesh)) for e in plan.entries])
+    return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=stored,
+                      opt_state=jax.eval_shape(optimizer.init, stored), plan=plan)
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype")
+                                                       else x.dtype), tree)
+
+
+def _groups(layout: Layout) -> dict:
+    n_data = layout.dp * layout.fsdp
+    ar = n_data if layout.fsdp == 1 else (layout.dp if layout.dp > 1 else layout.fsdp)
+    return {"parameters": {"all-gather": layout.fsdp, "reduce-scatter": layout.fsdp, "all-reduce": ar},
+            "activations": {k: layout.tp for k in KINDS}}
+
+
+def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any, layout: Layout, *,
+                    loss_fn: Callable | None = None, params: Any = None, calibration: Calibration | None = None,
+                    profile: Profile | None = None, budget: int | None = None) -> Candidate:
+    """``layout``'s predicted cost (see the module doc); raises ``ValueError`` when it cannot be built."""
+    where = "auto_layout"
+    devices = devices_of(devices, where)
+    cal = calibration if calibration is not None else calibrate(devices)
+    batch = _abstract(example_batch)
+    params = _params_of(model, batch, params, where)
+    laid, mesh = apply_layout(model, devices, layout)
+    loss = loss_fn if loss_fn is not None else default_loss(laid)
+    profile = profile or Profile(loss, params, optimizer)
+    state = abstract_state(laid, params, optimizer, mesh)
+    step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, mesh=mesh)
+    jax.eval_shape(step, state, batch)  # validates (batch split, head cuts) and traces the styled calls
+    comm = step.communication(state, batch)
+    n_data = layout.dp * layout.fsdp
+    b = jax.tree.leaves(batch)[0].shape[0]
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // (n_data * layout.accum_steps), *x.shape[1:]), x.dtype),
+                         batch)
+    local_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(batch)) // n_data
+    pm = as_parallel(laid, mesh, where)
+    mem = memory_breakdown(profile, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
+                           sequence_parallel=layout.sequence_parallel)
+    flops, nbytes = compute_cost(profile, state.plan, pm, micro, accum_steps=layout.accum_steps)
+    compute = flops / cal.matmul_flops_per_s + nbytes / cal.elementwise_bytes_per_s
+    groups = _groups(layout)
+    comm_s: dict = {}
+    for section in ("parameters", "activations"):
+        for kind, v in comm[section].items():
+            comm_s[kind] = comm_s.get(kind, 0.0) + cal.collective_s(kind, v["bytes"], v["count"], groups[section][kind])
+    total = compute + sum(comm_s.values()) + cal.dispatch_s
+    return Candidate(layout=layout, predicted_s=total, compute_s=compute, comm_s=comm_s, dispatch_s=cal.dispatch_s,
+                     communication={k: comm[k] for k in ("parameters", "activations", "total")}, memory=mem,
+                     flops=flops, fits=budget is None or mem["peak"] <= budget)
+
+
+def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
+    if params is not None:
+        return _abstract(params)
+    if not (isinstance(batch, Mapping) and "inputs" in batch):
+        raise TypeError(f"{where}: without params= the model is initialized on example_batch['inputs']; the batch "
+                        f"has {list(batch) if isinstance(batch, Mapping) else type(batch).__name__}: give params= "
+                        "(arrays or jax.ShapeDtypeStruct) or a batch dict with 'inputs'.")
+    return jax.eval_shape(lambda r: model.init(r, batch["inputs"])["params"], jax.random.key(0))
+
+
+def _factorizations(n: int) -> list[tuple[int, int, int]]:
+    out = []
+    for tp in range(1, n + 1):
+        for fsdp in range(1, n // tp + 1):
+            if n % (tp * fsdp) == 0:
+                out.append((n // (tp * fsdp), fsdp, tp))
+    return out
+
+
+def candidate_layouts(n: int, plan: Any, units: tuple[str, ...]) -> list[Layout]:
+    """Every layout ``auto_layout`` weighs on ``n`` devices (accumulation aside)."""
+    out = []
+    for dp, fsdp, tp in _factorizations(n):
+        sps = [None]
+        if tp > 1:
+            sps = [sp for sp in (False, True) if tp_plan_for(plan, sp, tp) is not None]
+        for sp, raf in itertools.product(sps, (True, False) if fsdp > 1 else (True,)):
+            out.append(Layout(dp=dp, fsdp=fsdp, tp=tp, reshard_after_forward=raf, sequence_parallel=bool(sp),
+                              units=units if fsdp > 1 else (), tp_plan=tp_plan_for(plan, bool(sp), tp) if tp > 1
+                              else None))
+    return out
+
+
+def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_devices: Any = None, *,
+                memory_budget_bytes: int | None = None, plan: Any = None, loss_fn: Callable | None = None,
+                params: Any = None, units: Any = None, calibration: Calibration | None = None,
+                layouts: Any = None, top: int = 5) -> AutoLayout:
+    """Rank the layouts of ``model`` on the devices by predicted step time (see the module doc).
+
+    ``example_batch``: a global batch (arrays or ``jax.ShapeDtypeStruct``); ``plan``: the tensor-parallel
+    plan, a dict (no sequence parallelism) or ``plan(sequence_parallel=, tp_size=) -> dict | None``;
+    ``loss_fn(params, batch)``: default next-token cross-entropy on ``batch["inputs"]`` /
+    ``["targets"]``; ``params``: the parameters (or shape structs; default: ``model.init`` on
+    ``example_batch["inputs"]``); ``units``: the ``fully_shard`` units (default: the repeated blocks);
+    ``calibration``: default ``calibrate(devices)`` (cached); ``layouts``: weigh these instead.
+    """
+    where = "auto_layout"
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"{where}: optimizer={optimizer!r} must be an optax.GradientTransformation.")
+    if memory_budget_bytes is not None and (isinstance(memory_budget_bytes, bool) or memory_budget_bytes <= 0):
+        raise ValueError(f"{where}: memory_budget_bytes={memory_budget_bytes!r} must be a positive int or None.")
+    devices = devices_of(mesh_shape_or_devices, where)
+    cal = calibration if calibration is not None else calibrate(devices)
+    batch = _abstract(example_batch)
+    params = _params_of(model, batch, params, where)
+    units = infer_units(params) if units is None else tuple(units)
+    loss = loss_fn if loss_fn is not None else default_loss(model)
+    profile = Profile(loss, params, optimizer)
+    todo = list(layouts) if layouts is not None else candidate_layouts(len(devices), plan, units)
+    got, rejected = [], []
+    for lay in todo:
+        try:
+            c = evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss, params=params, calibration=cal,
+                                profile=profile, budget=memory_budget_bytes)
+        except (ValueError, TypeError) as e:
+            rejected.append((lay.name, str(e).split("\n")[0][:200]))
+            continue
+        local = jax.tree.leaves(batch)[0].shape[0] // (lay.dp * lay.fsdp)
+        a = 2
+        while not c.fits and a <= local and local % a == 0:  # accumulate micro-batches until it fits
+            c2 = evaluate_layout(model, optimizer, batch, devices, replace(lay, accum_steps=a), loss_fn=loss,
+                                 params=params, calibration=cal, profile=profile, budget=memory_budget_bytes)
+            c = c2 if c2.fits else c
+            a *= 2
+        got.append(c)
+    if not got:
+        raise ValueError(f"{where}: no layout of {len(devices)} devices could be built for this model; "
+                         + "; ".join(f"{n}: {r}" for n, r in rejected[:4]))
+    got.sort(key=lambda c: (not c.fits, c.predicted_s))
+    if memory_budget_bytes is not None and not got[0].fits:
+        small = min(got, key=lambda c: c.memory["peak"])
+        raise ValueError(
+            f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,}; the smallest, {small.name}, "
+            f"needs {small.memory['peak']:,} B per device (state {small.memory['state']:,}, activations "
+            f"{small.memory['activations']:,}); use more devices, a larger budget, fully_shard units (fsdp), "
+            "more accumulation steps or activation checkpointing (jax.checkpoint in the model).")
+    return AutoLayout(tuple(got), tuple(rejected), cal, memory_budget_bytes, top)

@@ -1,0 +1,177 @@
+"""A layout as data (``Layout``) and applying it through the contract (``apply_layout``).
+
+A ``Layout`` names the mesh (``dp`` x ``fsdp`` x ``tp`` devices), the FSDP options (the units,
+``reshard_after_forward``), the tensor-parallel plan (with or without sequence parallelism) and the
+gradient-accumulation steps. ``apply_layout(model, devices, layout)`` builds it the way a user would:
+``init_device_mesh`` / ``parallelize_module(model, mesh["tp"], plan)`` /
+``fully_shard(model, mesh=mesh["dp", "fsdp"], units=...)``, and returns ``(model, mesh)``; then
+``init_train_state(model, optimizer, ..., mesh=mesh)`` and ``make_train_step(model, loss_fn, optimizer,
+accum_steps=layout.accum_steps, mesh=mesh)`` (``mesh=`` is what a model with neither transform, DDP,
+needs; the others accept it).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from spmd._mesh import DeviceMesh
+from spmd.parallel._param_plan import path_str
+from spmd.parallel._transforms import fully_shard, param_module, parallelize_module
+
+__all__ = ["Layout", "apply_layout", "layout_mesh", "infer_units", "devices_of", "tp_plan_for"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate layout (see the module doc). ``tp_plan``: the ``parallelize_module`` plan as
+    ``(fqn glob, style)`` pairs, present when ``tp > 1``."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    reshard_after_forward: bool = True
+    sequence_parallel: bool = False
+    accum_steps: int = 1
+    units: tuple[str, ...] = ()
+    tp_plan: tuple | None = None
+
+    def __post_init__(self):
+        for arg in ("dp", "fsdp", "tp", "accum_steps"):
+            v = getattr(self, arg)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Layout: {arg}={v!r} must be an int >= 1.")
+        if self.tp > 1 and not self.tp_plan:
+            raise ValueError(f"Layout: tp={self.tp} needs tp_plan=, the parallelize_module plan of the model "
+                             "(e.g. tuple({'layers_*.mlp.up_proj': ColwiseParallel(), ...}.items())).")
+        if self.fsdp > 1 and not isinstance(self.units, tuple):
+            raise TypeError(f"Layout: units={self.units!r} must be a tuple of module fqn globs.")
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.fsdp * self.tp
+
+    @property
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        """The mesh's ``(name, size)`` dims: those above 1, ``dp`` kept when it is the only data dim."""
+        dims = [(n, s) for n, s in (("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp)) if s > 1]
+        if not any(n in ("dp", "fsdp") for n, _ in dims):
+            dims.insert(0, ("dp", self.dp))
+        return tuple(dims)
+
+    @property
+    def name(self) -> str:
+        """``"dp=2,fsdp=4 regather"``, ``"fsdp=2,tp=4 sp keep"``, ``"dp=8 accum=2"``."""
+        mesh = ",".join(f"{n}={s}" for n, s in self.mesh_dims)
+        parts = [mesh]
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.fsdp > 1:
+            parts.append("regather" if self.reshard_after_forward else "keep")
+        if self.accum_steps > 1:
+            parts.append(f"accum={self.accum_steps}")
+        return " ".join(parts)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def devices_of(mesh_or_devices: Any, where: str) -> list:
+    """The devices a layout runs on: ``None`` (every device), an int (the first n), a mesh shape tuple
+    (the first ``prod``), a sequence of devices, or a ``DeviceMesh`` / ``jax.sharding.Mesh``."""
+    if mesh_or_devices is None:
+        return list(jax.devices())
+    if isinstance(mesh_or_devices, DeviceMesh):
+        return list(mesh_or_devices.jax_mesh.devices.ravel())
+    if isinstance(mesh_or_devices, jax.sharding.Mesh):
+        return list(mesh_or_devices.devices.ravel())
+    if isinstance(mesh_or_devices, bool):
+        raise TypeError(f"{where}: mesh_shape_or_devices={mesh_or_devices!r} must be a device count, a mesh shape, "
+                        "a list of devices or a DeviceMesh.")
+    if isinstance(mesh_or_devices, int) or (isinstance(mesh_or_devices, tuple) and mesh_or_devices
+                                            and all(isinstance(s, int) for s in mesh_or_devices)):
+        n = mesh_or_devices if isinstance(mesh_or_devices, int) else math.prod(mesh_or_devices)
+        have = jax.devices()
+        if n < 1 or n > len(have):
+            raise ValueError(f"{where}: mesh_shape_or_devices={mesh_or_devices!r} asks for {n} devices but "
+                             f"{len(have)} exist; give at most {len(have)}.")
+        return list(have[:n])
+    if isinstance(mesh_or_devices, (list, tuple)) and mesh_or_devices and all(
+            isinstance(d, jax.Device) for d in mesh_or_devices):
+        return list(mesh_or_devices)
+    raise TypeError(f"{where}: mesh_shape_or_devices={mesh_or_devices!r} must be a device count (8), a mesh shape "
+                    "((2, 4): its product), a list of jax devices or a DeviceMesh.")
+
+
+def layout_mesh(devices: Sequence, layout: Layout, where: str = "apply_layout") -> DeviceMesh:
+    """The ``DeviceMesh`` of ``layout`` over ``devices`` (row-major), named ``dp`` / ``fsdp`` / ``tp``."""
+    if len(devices) != layout.size:
+        raise ValueError(f"{where}: layout {layout.name!r} needs dp x fsdp x tp = {layout.size} devices, but "
+                         f"{len(devices)} were given; give {layout.size} devices or a layout for {len(devices)}.")
+    platform = devices[0].platform
+    index = {d: i for i, d in enumerate(jax.devices(platform))}
+    names, shape = zip(*layout.mesh_dims)
+    ids = np.array([index[d] for d in devices]).reshape(shape)
+    return DeviceMesh(platform, ids, mesh_dim_names=names)
+
+
+def apply_layout(model: Any, mesh_or_devices: Any, layout: Layout) -> tuple[Any, DeviceMesh]:
+    """``(the model laid out by layout, its mesh)`` through the contract (see the module doc)."""
+    where = "apply_layout"
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{where}: layout={layout!r} must be a Layout (auto_layout(...).best.layout).")
+    mesh = layout_mesh(devices_of(mesh_or_devices, where), layout, where)
+    out = model
+    if layout.tp > 1:
+        out = parallelize_module(out, mesh["tp"], dict(layout.tp_plan))
+    if layout.fsdp > 1:
+        sub = mesh["dp", "fsdp"] if layout.dp > 1 else mesh["fsdp"]
+        out = fully_shard(out, mesh=sub, units=list(layout.units), reshard_after_forward=layout.reshard_after_forward)
+    return out, mesh
+
+
+def infer_units(params: Any) -> tuple[str, ...]:
+    """``fully_shard`` units of a model nobody told us about: its repeated blocks, the first module level
+    whose names end in an index (``layers_0``, ``block_3``, ``transformer.h.0``, ``model.layers.1``) -> one
+    glob with ``*`` for the index (``layers_*``); ``()`` (the whole model one unit) when none repeats."""
+    modules = {param_module(path_str(kp))[0] for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    best: dict[str, set] = {}
+    for m in modules:
+        comps = m.split(".") if m else []
+        for i, c in enumerate(comps):
+            hit = re.fullmatch(r"(.*?_?)(\d+)", c)
+            if hit:
+                glob = ".".join(comps[:i] + [hit[1] + "*"])
+                best.setdefault(glob, set()).add(c)
+                break
+    globs = [g for g, members in best.items() if len(members) >= 2]
+    if not globs:
+        return ()
+    depth = min(g.count(".") for g in globs)
+    return tuple(sorted(g for g in globs if g.count(".") == depth))
+
+
+def tp_plan_for(plan: Any, sequence_parallel: bool, tp: int, where: str = "auto_layout") -> tuple | None:
+    """The ``(glob, style)`` pairs of the tensor-parallel plan for ``tp`` devices, or None where ``plan``
+    has none (a dict is a plan without sequence parallelism; a callable ``plan(sequence_parallel=,
+    tp_size=)`` returns a dict or None)."""
+    if plan is None:
+        return None
+    if isinstance(plan, Mapping):
+        got = None if sequence_parallel else plan
+    elif callable(plan):
+        got = plan(sequence_parallel=sequence_parallel, tp_size=tp)
+    else:
+        raise TypeError(f"{where}: plan={plan!r} must be a parallelize_module plan (dict of fqn glob -> style) or "
+                        "a callable plan(sequence_parallel=, tp_size=) -> dict or None.")
+    if got is None:
+        return None
+    if not isinstance(got, Mapping) or not got:
+        raise TypeError(f"{where}: plan(sequence_parallel={sequence_parallel}, tp_size={tp}) returned {got!r}; "
+                        "return a dict of module fqn glob -> style, or None where it has no plan.")
+    return tuple(got.items())

@@ -1,0 +1,172 @@
+"""What one device of a layout holds at its peak, and computes, estimated without compiling the layout's step.
+
+Memory (per device, bytes), as XLA's ``compiled.memory_analysis()`` counts a step that does not donate its
+state (``argument + output + temp``):
+
+- ``state``: the stored parameter shards plus the optimizer state (``ParamPlan`` local shapes), in the
+  arguments and again in the outputs;
+- ``batch``: the device's slice of the batch (an argument);
+- ``grads``: the gradient shards, plus, under FSDP, one unit's gathered gradient before its reduce-scatter;
+- ``gathered``: the gathered parameters alive at once (``ParamPlan.peak_gathered_bytes``: the root unit and
+  the largest other unit when re-gathering for the backward pass, every unit when kept or accumulating);
+- ``activations``: the residuals the backward pass reads (the ``jax.vjp`` closure of the user's loss on one
+  micro-batch, one device, its parameters taken out), the tensor-parallel part divided by ``tp``: a
+  residual holding a dim a tensor-parallel cut splits (heads, the MLP's hidden features), every batch- and
+  sequence-shaped residual under sequence parallelism;
+- ``updates``: the optimizer's update, one more copy of the parameter shards.
+
+Compute (per device, one step): the flops and bytes accessed of the user's loss and gradient on one
+micro-batch on one device (XLA's ``cost_analysis`` of the compiled single-device program), the matmuls of
+the tensor-parallel kernels (``6 x tokens x kernel size``) divided by ``tp``, times the micro-batches; plus
+the optimizer's update on the device's shards (its single-device cost scaled by the shard's share).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from placements import Shard
+
+__all__ = ["Profile", "memory_breakdown", "compute_cost"]
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _scalar_loss(loss_fn: Callable) -> Callable:
+    def f(p, b):
+        out = loss_fn(p, b)
+        return out[0] if isinstance(out, tuple) else out
+
+    return f
+
+
+class Profile:
+    """The user's model on one device, measured once per micro-batch size (shared by every candidate)."""
+
+    def __init__(self, loss_fn: Callable, params: Any, optimizer: Any):
+        self.loss = _scalar_loss(loss_fn)
+        self.params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+        self.optimizer = optimizer
+        self._grad: dict = {}
+        self._res: dict = {}
+        self._opt: tuple | None = None
+        self.param_bytes = _nbytes(self.params)
+
+    @staticmethod
+    def _key(batch: Any) -> tuple:
+        return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
+
+    def grad_cost(self, batch: Any) -> tuple[float, float]:
+        """(flops, bytes accessed) of the loss and its gradient on ``batch``, one device, compiled."""
+        k = self._key(batch)
+        if k not in self._grad:
+            dev = jax.devices()[0]
+            with jax.default_device(dev):
+                c = jax.jit(jax.value_and_grad(self.loss)).lower(self.params, batch).compile().cost_analysis()
+            c = c[0] if isinstance(c, (list, tuple)) else c
+            self._grad[k] = (float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0)))
+        return self._grad[k]
+
+    def optimizer_cost(self) -> tuple[float, float]:
+        """(flops, bytes accessed) of one optimizer update on the whole (unsharded) parameters."""
+        if self._opt is None:
+            opt = self.optimizer
+
+            def upd(g, p):
+                s = opt.init(p)
+                u, s = opt.update(g, s, p)
+                return jax.tree.map(jnp.add, p, u), s
+
+            c = jax.jit(upd).lower(self.params, self.params).compile().cost_analysis()
+            c = c[0] if isinstance(c, (list, tuple)) else c
+            self._opt = (float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0)))
+        return self._opt
+
+    def residuals(self, batch: Any) -> list:
+        """The activations the backward pass reads (shape structs), parameters taken out."""
+        k = self._key(batch)
+        if k not in self._res:
+            res = jax.eval_shape(lambda p, b: jax.vjp(lambda q: self.loss(q, b), p)[1], self.params, batch)
+            params = Counter(tuple(x.shape) for x in jax.tree.leaves(self.params))
+            b = jax.tree.leaves(batch)[0].shape[0]
+            out = []
+            for x in jax.tree.leaves(res):
+                s = tuple(x.shape)
+                if params.get(s):
+                    params[s] -= 1
+                    continue
+                if len(s) >= 1 and s[0] == b:
+                    out.append(x)
+            self._res[k] = out
+        return self._res[k]
+
+
+def _tp_sizes(plan, tp: str | None) -> set[int]:
+    """The sizes of the dims a tensor-parallel cut splits (heads, hidden features, vocabulary)."""
+    if tp is None or tp not in plan.mesh_dim_names:
+        return set()
+    ti = plan.mesh_dim_names.index(tp)
+    return {e.shape[e.placements[ti].dim] for e in plan.entries if isinstance(e.placements[ti], Shard)}
+
+
+def tp_kernel_numel(plan, tp: str | None) -> int:
+    """Elements of the tensor-parallel cut matmul kernels (not embedding tables: a lookup has no matmul)."""
+    if tp is None or tp not in plan.mesh_dim_names:
+        return 0
+    ti = plan.mesh_dim_names.index(tp)
+    return sum(math.prod(e.shape) for e in plan.entries
+               if isinstance(e.placements[ti], Shard) and len(e.shape) >= 2 and not e.path.endswith("embedding"))
+
+
+def activation_bytes(residuals: list, plan, tp: str | None, n_tp: int, sequence_parallel: bool) -> int:
+    cut = _tp_sizes(plan, tp)
+    total = 0
+    for x in residuals:
+        nb = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        split = n_tp > 1 and ((sequence_parallel and len(x.shape) >= 3) or any(d in cut for d in x.shape[1:]))
+        total += nb // n_tp if split else nb
+    return total
+
+
+def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batch_bytes: int, *, accum_steps: int,
+                     sequence_parallel: bool) -> dict:
+    """Peak bytes per device by kind (see the module doc) and ``"peak"``, their sum."""
+    local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in plan.entries]
+    params = sum(e.local_nbytes for e in plan.entries)
+    opt = _nbytes(jax.eval_shape(profile.optimizer.init, local))
+    fsdp = model.fsdp
+    n_fsdp = plan.mesh_size(fsdp.shard_dim) if fsdp else 1
+    regather = bool(fsdp and fsdp.reshard_after_forward)
+    gathered = plan.peak_gathered_bytes(regather=regather, accum_steps=accum_steps) if fsdp and n_fsdp > 1 else 0
+    unit_grad = max((plan.gathered_bytes(u) for u in plan.units), default=0) if fsdp and n_fsdp > 1 else 0
+    tp = model.tp.mesh_dim if model.tp else None
+    n_tp = plan.mesh_size(tp) if tp else 1
+    acts = activation_bytes(profile.residuals(micro_batch), plan, tp, n_tp, sequence_parallel)
+    out = {"state": 2 * (params + opt), "batch": local_batch_bytes, "grads": params + unit_grad,
+           "gathered": gathered, "activations": acts, "updates": params}
+    out["peak"] = sum(out.values())
+    out["params"], out["optimizer"] = params, opt
+    return out
+
+
+def compute_cost(profile: Profile, plan, model, micro_batch: Any, *, accum_steps: int) -> tuple[float, float]:
+    """(flops, bytes accessed) of one step on one device (see the module doc)."""
+    flops, nbytes = profile.grad_cost(micro_batch)
+    tp = model.tp.mesh_dim if model.tp else None
+    n_tp = plan.mesh_size(tp) if tp else 1
+    if n_tp > 1 and flops > 0:
+        first = jax.tree.leaves(micro_batch)[0]
+        tokens = math.prod(first.shape[:2])
+        cut = min(6.0 * tokens * tp_kernel_numel(plan, tp), flops)
+        local = flops - cut * (1 - 1 / n_tp)
+        nbytes, flops = nbytes * local / flops, local
+    of, ob = profile.optimizer_cost()
+    share = sum(e.local_nbytes for e in plan.entries) / max(profile.param_bytes, 1)
+    return accum_steps * flops + of * share, accum_steps * nbytes + ob * share
