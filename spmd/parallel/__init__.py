@@ -12,6 +12,9 @@ placements per mesh dim, local shapes, bytes per device and what a step communic
 anything runs. ``Rule`` / ``shard_rule`` / ``replicate`` / ``plan_params`` build plans by hand.
 """
 
+from spmd.parallel._auto import AutoLayout, Candidate, auto_layout
+from spmd.parallel._auto_layout import Layout, apply_layout
+from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._hlo import executed_collectives, hlo_executed_collectives
 from spmd.parallel._param_plan import ROOT, ParamPlan, PlanEntry, path_str, plan_params
 from spmd.parallel._rules import Rule, replicate, shard_rule
@@ -22,6 +25,13 @@ from spmd.parallel._styles import (ColwiseParallel, ParallelStyle, PrepareModule
 from spmd.parallel._transforms import MixedPrecisionPolicy, ParallelModule, fully_shard, parallelize_module
 
 __all__ = [
+    "auto_layout",
+    "apply_layout",
+    "calibrate",
+    "Layout",
+    "Calibration",
+    "AutoLayout",
+    "Candidate",
     "parallelize_module",
     "fully_shard",
     "ParallelModule",
