@@ -22,6 +22,7 @@ import numpy as np
 
 from placements import ReduceOp, as_reduce_op
 from spmd.distributed import _mpi_ops
+from spmd.distributed._mpi_fast import FAST
 from spmd.distributed._groups import Group, members_only, peer_rank
 from spmd.distributed._run import as_array, run_on, stack, zeros
 from spmd.distributed._state import state
@@ -78,7 +79,7 @@ def _fill(target: Any, values: list) -> list:
 
 
 # --- collectives ------------------------------------------------------------------------------
-@members_only
+@members_only(fast=FAST["all_reduce"])
 def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False):
     """Reduce every rank's ``tensor`` with ``op``; returns the result on every rank."""
     where = "all_reduce"
@@ -89,7 +90,7 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op:
     return maybe_async(deliver(tensor, out, where, "tensor"), async_op)
 
 
-@members_only
+@members_only(fast=FAST["broadcast"])
 def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: bool = False, group_src: int | None = None):
     """Every rank gets rank ``src``'s ``tensor`` (``src`` is a global rank; ``group_src`` a group rank)."""
     where = "broadcast"
@@ -115,7 +116,7 @@ def all_gather(tensor_list: Any, tensor: Any, group: Any = None, async_op: bool 
     return maybe_async(_fill(tensor_list, [out[i] for i in range(group.size())]), async_op)
 
 
-@members_only
+@members_only(fast=FAST["all_gather_into_tensor"])
 def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = None, async_op: bool = False):
     """Every rank's ``input_tensor`` concatenated along dim 0 (or stacked, when ``output_tensor``
     has shape ``(group size, *input.shape)``); ``output_tensor`` may be None."""
@@ -199,7 +200,7 @@ def reduce_scatter(output: Any, input_list: Any, op: Any = ReduceOp.SUM, group: 
     return maybe_async(deliver(output, out, where, "output"), async_op)
 
 
-@members_only
+@members_only(fast=FAST["reduce_scatter_tensor"])
 def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False):  # noqa: A002
     """Reduce ``input`` over ranks and give rank ``i`` the ``i``-th chunk of dim 0."""
     where = "reduce_scatter_tensor"
@@ -226,7 +227,7 @@ def all_to_all(output_tensor_list: Any, input_tensor_list: Any, group: Any = Non
     return maybe_async(_fill(output_tensor_list, [out[i] for i in range(n)]), async_op)
 
 
-@members_only
+@members_only(fast=FAST["all_to_all_single"])
 def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None, input_split_sizes: Any = None, group: Any = None, async_op: bool = False):  # noqa: A002
     """Cut ``input``'s dim 0 into group-size equal chunks, send chunk ``j`` to rank ``j``,
     concatenate what arrives in rank order. Uneven split sizes are refused."""

@@ -102,15 +102,27 @@ def group_of(g: Any, where: str, *, non_member: str = "warn") -> Group | None:
     return None
 
 
-def members_only(fn: Callable) -> Callable:
+def members_only(fn: Callable | None = None, /, *, fast: tuple[Callable, Callable] | None = None) -> Callable:
     """Decorate a collective ``fn(..., group=None, ...)``: it runs with ``group=`` resolved to a
     :class:`Group` by :func:`group_of`; on a rank outside the group it warns and returns None,
-    doing nothing, as torch's collectives do there."""
+    doing nothing, as torch's collectives do there.
+
+    ``fast=(hit, learn)`` (the MPI fast path, :mod:`spmd.distributed._mpi_fast`): ``hit`` takes the
+    caller's arguments first and gives the result of a cached call, or NotImplemented; then ``fn``
+    runs and ``learn(result, *args, **kwargs)`` may keep what the call resolved."""
+    if fn is None:
+        return functools.partial(members_only, fast=fast)
     names = list(inspect.signature(fn).parameters)
     at = names.index("group")  # group= by position or by name; no Signature.bind per call (~10 us)
+    hit, learn = fast if fast is not None else (None, None)
 
     @functools.wraps(fn)
     def collective(*args: Any, **kwargs: Any) -> Any:
+        if hit is not None:
+            out = hit(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+            given = (args, dict(kwargs))
         positional = len(args) > at
         g = group_of(args[at] if positional else kwargs.get("group"), fn.__name__)
         if g is None:
@@ -119,7 +131,10 @@ def members_only(fn: Callable) -> Callable:
             args = args[:at] + (g,) + args[at + 1:]
         else:
             kwargs["group"] = g
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+        if learn is not None:
+            learn(out, *given[0], **given[1])
+        return out
 
     return collective
 

@@ -9,7 +9,9 @@ group's positions and ends this rank (exit code ``PEER_EXIT_CODE``) with a
 message naming the collective, the group and the ranks that did not arrive
 (and where each of them is instead, when it is in another collective). The
 fast path costs two attribute writes per call: nothing is sent unless a call
-is slow.
+is slow. The cached MPI calls of :mod:`spmd.distributed._mpi_fast` mark the
+call with a ``(Spec, seq, start)`` tuple instead of a :class:`Call`: the
+watchdog makes the Call from it only for a slow call.
 
 **Cross-rank check (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, or
 ``SPMD_DISTRIBUTED_DEBUG=DETAIL``; always for a group's first call).** Before each call every rank publishes
@@ -34,7 +36,7 @@ from typing import Any
 from spmd.distributed._errors import PEER_EXIT_CODE, PeerError, absent_line, fail
 from spmd.distributed._state import State
 
-__all__ = ["Call", "enter", "leave", "broken_message"]
+__all__ = ["Call", "Spec", "opts_of", "as_call", "enter", "leave", "broken_message", "watchdog_of"]
 
 _TICK_S = 0.1
 _PUBLISH_AFTER_S = 0.5
@@ -76,6 +78,33 @@ class Call:
         return f"{self.where} (call #{self.seq} of {self.group})"
 
 
+class Spec:
+    """What a cached fast-path call (``spmd.distributed._mpi_fast``) repeats: everything of a
+    :class:`Call` but its number and start. The fast path marks the call it is in with the tuple
+    ``(spec, seq, start)``; the watchdog makes the :class:`Call` from it only when the call is slow."""
+
+    __slots__ = ("where", "ranks", "opts", "shape", "dtype", "world", "timeout_s")
+
+    def __init__(self, where: str, ranks: tuple, opts: tuple, shape: tuple, dtype: Any, world: int, timeout_s: float):
+        self.where, self.ranks, self.opts, self.shape = where, ranks, opts, shape
+        self.dtype, self.world, self.timeout_s = dtype, world, timeout_s
+
+    def call(self, seq: int, start: float) -> Call:
+        return Call(self.where, self.ranks, seq, self.opts, self.shape, self.dtype, self.world, start,
+                    start + self.timeout_s)
+
+
+def as_call(active: Any) -> Call:
+    """The :class:`Call` a watchdog mark stands for (a Call, or a fast path's ``(spec, seq, start)``)."""
+    return active if type(active) is Call else active[0].call(active[1], active[2])
+
+
+def opts_of(kwargs: dict) -> tuple:
+    """A call's options as its signature lists them (sorted by name): the full path and the fast path
+    must number and describe a call alike."""
+    return tuple(sorted(kwargs.items())) if len(kwargs) > 1 else tuple(kwargs.items())
+
+
 def _client():
     from jax._src import distributed as jdist  # JAX's runtime client: set by jax.distributed.initialize
 
@@ -87,38 +116,46 @@ class _Watchdog:
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
-        self.active: Call | None = None
-        self.published: Call | None = None
+        self.active: Any = None  # the call this rank is in: a Call, or a fast path's (spec, seq, start)
+        self.published: Any = None  # the mark whose position is published
         self._counters: dict[tuple, itertools.count] = {}
         self._thread = threading.Thread(target=self._watch, name="spmd-collective-watchdog", daemon=True)
         self._thread.start()
 
     def next_seq(self, ranks: tuple) -> int:
-        return next(self._counters.setdefault(ranks, itertools.count()))
+        return next(self.counter(ranks))
+
+    def counter(self, ranks: tuple) -> itertools.count:
+        """The call counter of the group of ``ranks`` (the fast path draws its numbers from it too)."""
+        return self._counters.setdefault(ranks, itertools.count())
 
     # --- the thread ---
     def _watch(self) -> None:
+        seen: tuple = (None, None)  # (mark, its Call): a fast path's mark becomes a Call once
         while True:
             time.sleep(_TICK_S)
-            call = self.active
-            if call is None:
+            mark = self.active
+            if mark is None:
                 continue
+            if seen[0] is not mark:
+                seen = (mark, as_call(mark))
+            call = seen[1]
             now = time.monotonic()
-            if self.published is not call and now - call.start >= _PUBLISH_AFTER_S:
-                self._publish(call)
-            if now >= call.deadline and self.active is call:
+            if self.published is not mark and now - call.start >= _PUBLISH_AFTER_S:
+                self._publish(mark, call)
+            if now >= call.deadline and self.active is mark:
                 # Rank 0 hosts the coordination service: it lingers so that the others can read it first.
                 fail(self._timeout_message(call), PEER_EXIT_CODE, 2 * _TICK_S + _PUBLISH_AFTER_S if self.rank == 0 else 0)
 
-    def _publish(self, call: Call) -> None:
+    def _publish(self, mark: Any, call: Call) -> None:
         try:
             _client().key_value_set(f"spmd/pos/{self.rank}", call.position(), allow_overwrite=True)
-            self.published = call
+            self.published = mark
         except Exception:  # the service is gone: the heartbeat ends this process soon
             pass
 
-    def unpublish(self, call: Call) -> None:
-        if self.published is call:
+    def unpublish(self, mark: Any) -> None:
+        if self.published is mark:
             self.published = None
             try:
                 _client().key_value_delete(f"spmd/pos/{self.rank}")
@@ -174,6 +211,12 @@ class _Watchdog:
 
 
 _WATCHDOG: _Watchdog | None = None
+
+
+def watchdog_of(st: State) -> _Watchdog | None:
+    """The watchdog of this process for ``st``, if it runs (the fast path marks its calls there)."""
+    wd = _WATCHDOG
+    return wd if wd is not None and (wd.rank, wd.world) == (st.rank, st.world_size) else None
 
 
 def _watchdog(st: State, where: str) -> _Watchdog:

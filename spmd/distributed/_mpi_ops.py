@@ -241,8 +241,7 @@ def run_on(ranks: tuple[int, ...], name: str, x: Any, *, where: str | None = Non
         is_jax, a = isinstance(x, jax.Array), _host(x)
     _check_options(name, a, kwargs, len(ranks), where)
     _record(where, name, a.nbytes)
-    opts = tuple(sorted(kwargs.items())) if len(kwargs) > 1 else tuple(kwargs.items())
-    call = _guard.enter(st, where, ranks, opts, a.shape, a.dtype)
+    call = _guard.enter(st, where, ranks, _guard.opts_of(kwargs), a.shape, a.dtype)
     if async_op and into is not None:
         try:
             req = _start(_mpi.comm(ranks), name, a, into, kwargs, where)

@@ -3,6 +3,7 @@ them to ``OUT_DIR/rank{r}.json``, which the tests read back (``test_launcher.ran
 
 import json
 import os
+import time
 import traceback
 
 
@@ -14,13 +15,14 @@ class Checks:
         self.same, self.show, self.results = same, show, []
 
     def __call__(self, name, fn):
+        t0 = time.perf_counter()
         try:
             got, want = fn()
             ok = bool(self.same(got, want))
             detail = "" if ok else f"got {self.show(got)} want {self.show(want)}"
         except Exception as e:  # noqa: BLE001 - report, keep going
             ok, detail = False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        self.results.append({"name": name, "ok": ok, "detail": detail})
+        self.results.append({"name": name, "ok": ok, "detail": detail, "s": round(time.perf_counter() - t0, 3)})
 
     def write(self, out_dir, rank):
         os.makedirs(out_dir, exist_ok=True)

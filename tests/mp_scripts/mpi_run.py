@@ -1,4 +1,6 @@
-"""Run a check script of this folder on ``backend="mpi"``: ``mpiexec -n N python mpi_run.py SCRIPT ARGS...``.
+"""Run check scripts of this folder on ``backend="mpi"``: ``mpiexec -n N python mpi_run.py SCRIPT ARGS... [+ SCRIPT
+ARGS...]``: several scripts, separated by ``+``, run one after the other in one job (one launch, one import of JAX,
+one JAX runtime: each script joins and leaves the process group again). A script that fails ends the job.
 
 The scripts are written for ``spmdrun`` (``init_process_group()``, ``RANK`` / ``WORLD_SIZE`` read back
 to check them). Here ``init_process_group()`` without a backend joins with ``backend="mpi"``, and
@@ -29,7 +31,19 @@ def init_process_group(backend=None, *args, **kwargs):
 
 
 dist.init_process_group = init_module.init_process_group = device_mesh.init_process_group = init_process_group
-script = sys.argv[1]
-sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-runpy.run_path(script, run_name="__main__")
+jobs, here = [[]], os.path.dirname(os.path.abspath(__file__))
+for arg in sys.argv[1:]:
+    if arg == "+":
+        jobs.append([])
+    else:
+        jobs[-1].append(arg)
+sys.path.insert(0, here)
+for job in jobs:
+    sys.argv = job
+    try:
+        runpy.run_path(job[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,254 @@
+"""The eager collectives' fast path on ``backend="mpi"``: a repeated call is one cached MPI call.
+
+A training loop calls the same collective on the same buffer again and again
+(``dist.all_reduce(grad)``). The first call of each (collective, group, op,
+src, dtype, shape) takes the full path (:mod:`spmd.distributed._c10d` ->
+:mod:`spmd.distributed._mpi_ops`): it resolves the group, checks the arguments
+and the op, and on a group's first call compares the ranks' signatures.
+When it ran as one plain MPI call into the caller's buffer (a writable,
+C-contiguous NumPy array; an op that needs no step before or after the
+transfer), what it resolved is kept here: the communicator, the MPI op, the
+root, the group's call counter, the call's :class:`~spmd.distributed._guard.Spec`.
+The next call with the same arguments is then that MPI call alone, under the
+same timeout guard (the watchdog's mark is a ``(spec, seq, start)`` tuple,
+made into a :class:`~spmd.distributed._guard.Call` only when the call is slow),
+numbered in the group's sequence as the full path numbers it.
+
+Nothing is cached, and every call takes the full path, when the cross-rank
+check runs on every call (``TORCH_DISTRIBUTED_DEBUG=DETAIL``), inside a
+``CommDebugMode`` (which counts calls), for ``async_op=True``, for anything but
+a NumPy array, or after the process group changed (the cache belongs to one
+``init_process_group``). The cache is keyed by the identity of the ``op`` and
+``group`` objects (kept alive by their entry) and bounded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from placements import ReduceOp, as_reduce_op
+from spmd import _debug
+from spmd.distributed import _guard, _mpi, _state
+from spmd.distributed._errors import PeerError
+from spmd.distributed._groups import group_of, peer_rank
+
+__all__ = ["FAST"]
+
+_DIRECT = frozenset("bBhHiIlLqQfdFD")  # dtypes mpi4py takes as they are; others move as bytes
+_MAX_ENTRIES = 512
+_ENTRIES: dict[tuple, "_Entry"] = {}
+_FOR: Any = None  # the State the entries belong to (None: no fast path now)
+_ACTIVE = _debug._ACTIVE
+_ND = np.ndarray
+_monotonic = time.monotonic
+
+
+class _Entry:
+    """One cached call: its spec, the group's counter, the watchdog, the bound MPI method, the MPI op,
+    the root (MPI_IN_PLACE for all_reduce), whether the buffers go as they are, and the key's objects."""
+
+    __slots__ = ("spec", "counter", "wd", "run", "mop", "root", "direct", "keep")
+
+    def __init__(self, spec, wd, comm, name: str, mop=None, root: Any = 0, direct: bool = True, keep=()):
+        self.spec, self.wd, self.counter = spec, wd, wd.counter(spec.ranks)
+        self.run = getattr(comm, name)
+        self.mop, self.root, self.direct, self.keep = mop, root, direct, keep
+
+
+def _broken(e: _Entry, mark: tuple, error: Exception):
+    raise PeerError(_guard.broken_message(_FOR, _guard.as_call(mark), error)) from error
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1).view(np.uint8)
+
+
+def _usable() -> Any:
+    """The state when cached calls may be made for it (the entries reset for a new state)."""
+    global _FOR
+    st = _state._STATE
+    if st is not _FOR:
+        _ENTRIES.clear()
+        ok = st is not None and st.backend.name == "mpi" and st.multiprocess and not st.check_calls
+        _FOR = st if ok else None
+    if _FOR is None or _guard.watchdog_of(st) is None:
+        return None
+    return st
+
+
+def _learn(key: tuple, where: str, group: Any, opts: dict, x: np.ndarray, name: str, keep: tuple, **kw) -> None:
+    st = _usable()
+    if st is None:
+        return
+    ranks = group_of(group, where, non_member="allow").global_ranks()
+    spec = _guard.Spec(where, ranks, _guard.opts_of(opts), x.shape, x.dtype, st.world_size, st.timeout_s)
+    if len(_ENTRIES) >= _MAX_ENTRIES:
+        _ENTRIES.clear()
+    _ENTRIES[key] = _Entry(spec, _guard.watchdog_of(st), _mpi.comm(ranks), name, keep=keep, **kw)
+
+
+def _reduction(op: Any, dtype: np.dtype, n: int, where: str):
+    """The MPI op of ``op`` on ``dtype`` when it needs no step before or after the transfer, else None."""
+    from spmd.distributed._mpi_plan import _plan
+
+    rop = as_reduce_op(op, where=f"{where}: op")
+    pre, mop, post = _plan(rop, dtype, n, where)
+    return (rop, mop) if pre is None and post is None else (rop, None)
+
+
+# --- all_reduce -------------------------------------------------------------------------------------
+def _all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    if type(tensor) is not _ND or async_op or _state._STATE is not _FOR or _ACTIVE.get():
+        return NotImplemented
+    e = _ENTRIES.get(("all_reduce", tensor.dtype, tensor.shape, id(op), id(group)))
+    if e is None:
+        return NotImplemented
+    f = tensor.flags
+    if not (f.writeable and f.c_contiguous):
+        return NotImplemented
+    wd = e.wd
+    wd.active = mark = (e.spec, next(e.counter), _monotonic())
+    try:
+        e.run(e.root, tensor, e.mop)  # root: MPI_IN_PLACE
+    except _mpi.MPI.Exception as err:
+        _broken(e, mark, err)
+    finally:
+        wd.active = None
+        if wd.published is mark:
+            wd.unpublish(mark)
+    return tensor
+
+
+def _all_reduce_learn(out, tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    if out is not tensor or type(tensor) is not _ND or async_op or _usable() is None:
+        return
+    n = len(group_of(group, "all_reduce", non_member="allow").global_ranks())
+    rop, mop = _reduction(op, tensor.dtype, n, "all_reduce")
+    if mop is not None:
+        _learn(("all_reduce", tensor.dtype, tensor.shape, id(op), id(group)), "all_reduce", group, {"op": rop},
+               tensor, "Allreduce", (op, group), mop=mop, root=_mpi.MPI.IN_PLACE)
+
+
+# --- broadcast --------------------------------------------------------------------------------------
+def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    if type(tensor) is not _ND or async_op or _state._STATE is not _FOR or _ACTIVE.get():
+        return NotImplemented
+    e = _ENTRIES.get(("broadcast", tensor.dtype, tensor.shape, src, group_src, id(group)))
+    if e is None:
+        return NotImplemented
+    f = tensor.flags
+    if not (f.writeable and f.c_contiguous):
+        return NotImplemented
+    wd = e.wd
+    wd.active = mark = (e.spec, next(e.counter), _monotonic())
+    try:
+        e.run(tensor if e.direct else _bytes(tensor), root=e.root)
+    except _mpi.MPI.Exception as err:
+        _broken(e, mark, err)
+    finally:
+        wd.active = None
+        if wd.published is mark:
+            wd.unpublish(mark)
+    return tensor
+
+
+def _broadcast_learn(out, tensor, src=None, group=None, async_op=False, group_src=None):
+    if out is not tensor or type(tensor) is not _ND or async_op or _usable() is None:
+        return
+    g = group_of(group, "broadcast", non_member="allow")
+    root = peer_rank(g, src, group_src, "broadcast", "src")
+    _learn(("broadcast", tensor.dtype, tensor.shape, src, group_src, id(group)), "broadcast", group, {"src": root},
+           tensor, "Bcast", (group,), root=root, direct=tensor.dtype.char in _DIRECT)
+
+
+# --- output <- input: all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single ---------------
+def _pair(name: str, output, input, op, group, async_op):  # noqa: A002
+    """The cached call of ``name`` from ``input`` into ``output``, or NotImplemented."""
+    if type(output) is not _ND or type(input) is not _ND or async_op or _state._STATE is not _FOR or _ACTIVE.get():
+        return NotImplemented
+    e = _ENTRIES.get((name, output.dtype, output.shape, input.dtype, input.shape, id(op), id(group)))
+    if e is None:
+        return NotImplemented
+    f = output.flags
+    if not (f.writeable and f.c_contiguous and input.flags.c_contiguous):
+        return NotImplemented
+    base = output.base
+    if output is input or base is not None and (base is input or base is input.base):  # aliased: the full path
+        return NotImplemented
+    wd = e.wd
+    wd.active = mark = (e.spec, next(e.counter), _monotonic())
+    try:
+        if e.mop is not None:
+            e.run(input, output, e.mop)
+        elif e.direct:
+            e.run(input, output)
+        else:
+            e.run(_bytes(input), _bytes(output))
+    except _mpi.MPI.Exception as err:
+        _broken(e, mark, err)
+    finally:
+        wd.active = None
+        if wd.published is mark:
+            wd.unpublish(mark)
+    return output
+
+
+def _pair_learn(name: str, where: str, out, output, input, op, group, async_op) -> None:  # noqa: A002
+    if (out is not output or type(output) is not _ND or type(input) is not _ND or async_op or _usable() is None
+            or input.ndim == 0):
+        return
+    n = len(group_of(group, where, non_member="allow").global_ranks())
+    key = (name, output.dtype, output.shape, input.dtype, input.shape, id(op), id(group))
+    direct = input.dtype.char in _DIRECT
+    if name == "all_gather_into_tensor":
+        tiled = output.shape != (n,) + input.shape
+        _learn(key, where, group, {"axis": 0, "tiled": tiled}, input, "Allgather", (op, group), direct=direct)
+    elif name == "reduce_scatter_tensor":
+        rop, mop = _reduction(op, input.dtype, n, where)
+        if mop is not None:
+            _learn(key, where, group, {"op": rop, "scatter_dim": 0}, input, "Reduce_scatter_block", (op, group), mop=mop)
+    else:
+        _learn(key, where, group, {"split_axis": 0, "concat_axis": 0}, input, "Alltoall", (op, group), direct=direct)
+
+
+def _all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    return _pair("all_gather_into_tensor", output_tensor, input_tensor, None, group, async_op)
+
+
+def _all_gather_into_tensor_learn(out, output_tensor, input_tensor, group=None, async_op=False):
+    _pair_learn("all_gather_into_tensor", "all_gather_into_tensor", out, output_tensor, input_tensor, None, group,
+                async_op)
+
+
+def _reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):  # noqa: A002
+    return _pair("reduce_scatter_tensor", output, input, op, group, async_op)
+
+
+def _reduce_scatter_tensor_learn(out, output, input, op=ReduceOp.SUM, group=None, async_op=False):  # noqa: A002
+    _pair_learn("reduce_scatter_tensor", "reduce_scatter_tensor", out, output, input, op, group, async_op)
+
+
+def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,  # noqa: A002
+                       async_op=False):
+    if output_split_sizes is not None or input_split_sizes is not None:
+        return NotImplemented
+    return _pair("all_to_all_single", output, input, None, group, async_op)
+
+
+def _all_to_all_single_learn(out, output, input, output_split_sizes=None, input_split_sizes=None, group=None,  # noqa: A002
+                             async_op=False):
+    if output_split_sizes is None and input_split_sizes is None:
+        _pair_learn("all_to_all_single", "all_to_all_single", out, output, input, None, group, async_op)
+
+
+# (try the cached call: its result or NotImplemented; after a full call: keep what it resolved), by collective
+FAST = {
+    "all_reduce": (_all_reduce, _all_reduce_learn),
+    "broadcast": (_broadcast, _broadcast_learn),
+    "all_gather_into_tensor": (_all_gather_into_tensor, _all_gather_into_tensor_learn),
+    "reduce_scatter_tensor": (_reduce_scatter_tensor, _reduce_scatter_tensor_learn),
+    "all_to_all_single": (_all_to_all_single, _all_to_all_single_learn),
+}
