@@ -80,6 +80,9 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
     """
     where = "init_train_state"
     _check_optimizer(optimizer, where)
+    own = getattr(type(model), "_spmd_init_train_state", None)  # a layout with a step of its own (pipeline)
+    if own is not None:
+        return own(model, optimizer, *init_args, params=params, mesh=mesh)
     pm = as_parallel(model, mesh, where)
     mesh = pm.mesh
     inner = pm.module
@@ -114,6 +117,8 @@ def unshard_params(model: Any, params: Any) -> Any:
     ``params``: ``state.params`` (or a ``TrainState``) of a state built by ``init_train_state(model, ...)``.
     """
     where = "unshard_params"
+    if getattr(type(model), "_spmd_unshard_params", None) is not None:
+        return model._spmd_unshard_params(params)
     if isinstance(params, TrainState):
         plan, params = params.plan, params.params
     else:
@@ -171,6 +176,8 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
     _check_optimizer(optimizer, where)
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
+    if getattr(type(model), "_spmd_make_train_step", None) is not None:  # a layout with a step of its own
+        return model._spmd_make_train_step(loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh)
     pm = as_parallel(model, mesh, where)
     build = functools.lru_cache(maxsize=4)(lambda plan: _build(pm, loss_fn, optimizer, accum_steps, plan))
 
