@@ -16,7 +16,9 @@ from spmd.parallel._auto import AutoLayout, Candidate, auto_layout
 from spmd.parallel._auto_layout import Layout, apply_layout
 from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._hlo import executed_collectives, hlo_executed_collectives
+from spmd.parallel._pipeline import PipelineModule, pipeline
 from spmd.parallel._param_plan import ROOT, ParamPlan, PlanEntry, path_str, plan_params
+from spmd.parallel._schedules import Schedule, build_schedule
 from spmd.parallel._rules import Rule, replicate, shard_rule
 from spmd.parallel._shard import entry_sharding, gather_unit, map_like_params, pad_tree, shard_params, unshard_tree
 from spmd.parallel._step import TrainState, init_train_state, make_train_step, unshard_params
@@ -34,6 +36,10 @@ __all__ = [
     "Candidate",
     "parallelize_module",
     "fully_shard",
+    "pipeline",
+    "PipelineModule",
+    "Schedule",
+    "build_schedule",
     "ParallelModule",
     "ColwiseParallel",
     "RowwiseParallel",

@@ -1,0 +1,333 @@
+"""torch's ``pipeline`` on any flax.linen model, unchanged: its repeated blocks split into pipeline stages.
+
+``pipeline(model, mesh["pp"], units="layers_*", num_microbatches=M, schedule="1f1b")`` returns a
+``PipelineModule``; ``init_train_state`` / ``make_train_step`` / ``unshard_params`` take it like any model.
+
+**The split.** The units are the submodules matching the ``units`` glob (``layers_*``, ``block_*``,
+``model.layers.*``), in the order the model calls them. The model must chain them: each unit takes the
+previous unit's output as its one argument and returns the next one (a decoder's blocks). ``S = pp x v``
+stages (``v = stages_per_rank``, interleaved only) take the units like ``numpy.array_split``: with ``L``
+units, the first ``L % S`` stages get ``ceil(L / S)`` units and the rest ``floor(L / S)``; a stage with one
+unit fewer stores a zero slot it skips. Stage ``c`` runs on rank ``c % pp``. What the model does before the
+first unit (embeddings) runs on the first stage, what it does after the last unit (final norm, head, the
+user's loss) on the last stage; their parameters are replicated over ``pp`` and their gradients summed over
+it (a tied embedding used by both ends is right by construction).
+
+**The mechanism.** The loss is never split by hand: the user's ``loss_fn(params, batch)`` runs with
+linen's ``nn.intercept_methods`` around the unit calls. *pre*: stop at the first unit call and return its
+input; *post*: every unit call returns the injected last activation (the code before it is dead and
+compiled away); a stage runs its units with their own module objects. The units' parameters are stacked
+into one array per parameter, leading dim ``pp x v x ceil(L / S)`` cut ``Shard(0)`` over ``pp``, so each
+rank stores its own stages only. The step (``spmd.parallel._pipeline_step``) is one ``shard_map`` manual
+over every mesh dim, running the schedule's tick table (``spmd.parallel._schedules``) unrolled: each tick a
+``lax.switch`` on the rank's action (idle, a chunk's forward, a chunk's backward), then one
+``collective-permute`` of activations forward and one of gradients backward whose source-target pairs are
+exactly the sends of that tick. Why unrolled and not a loop: the pairs of a ``ppermute`` are static, so a
+loop would send every tick on every boundary (bubble ticks carry garbage); unrolled, the compiled program
+moves each micro-batch across each boundary exactly once each way, which the HLO shows. The backward
+recomputes its chunk's forward from the stashed chunk input (activation checkpointing per chunk), so a
+rank holds one activation per live micro-batch: the schedule's slot count, its memory bound.
+
+The other mesh dims are data-parallel (DDP): each replica runs the pipeline on its rows of the batch and
+the gradients are averaged over them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spmd._mesh import DeviceMesh
+from spmd.parallel._param_plan import path_str, plan_params
+from spmd.parallel._pipeline_step import REST, STAGES, init_pipeline_state, make_pipeline_step, unshard_pipeline_params
+from spmd.parallel._rules import Rule
+from spmd.parallel._schedules import SCHEDULES, Schedule, build_schedule
+from spmd.parallel._transforms import ParallelModule, glob_regex
+
+__all__ = ["pipeline", "PipelineModule", "STAGES", "REST"]
+
+
+class _Stop(Exception):
+    def __init__(self, x):
+        super().__init__("first pipeline unit reached")
+        self.x = x
+
+
+class PipelineModule:
+    """The user's model split into pipeline stages (what ``pipeline`` returns); calls and attributes forward
+    to the model. ``schedule``: the tick table (``print(model.schedule)``)."""
+
+    def __init__(self, module, mesh: DeviceMesh, pp: str, units: str, schedule: Schedule):
+        for k, v in dict(module=module, mesh=mesh, pp=pp, units=units, schedule=schedule, _layouts={}).items():
+            object.__setattr__(self, k, v)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "module"), name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"PipelineModule is immutable; set {name!r} on the model before pipelining it.")
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        s = self.schedule
+        return (f"PipelineModule({type(self.module).__name__}; units {self.units!r} over {self.pp}={s.pp}, "
+                f"{s.name}, M={s.num_microbatches}, v={s.stages_per_rank}; mesh "
+                f"{dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))})")
+
+    @property
+    def data_dims(self) -> tuple[str, ...]:
+        return tuple(n for n in self.mesh.mesh_dim_names if n != self.pp)
+
+    def layout(self, params: Any) -> "Layout":
+        """The stage layout of ``params`` (arrays or shapes): which units, stacked how."""
+        treedef = jax.tree_util.tree_structure(params)
+        if treedef not in self._layouts:
+            self._layouts[treedef] = Layout(self, params)
+        return self._layouts[treedef]
+
+    # the contract's entry points (spmd.parallel._step dispatches here)
+    def _spmd_init_train_state(self, optimizer, *init_args, params=None, mesh=None):
+        return init_pipeline_state(self, optimizer, *init_args, params=params, mesh=mesh)
+
+    def _spmd_make_train_step(self, loss_fn, optimizer, *, accum_steps=1, mesh=None):
+        return make_pipeline_step(self, loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh)
+
+    def _spmd_unshard_params(self, params):
+        return unshard_pipeline_params(self, params)
+
+
+def _unit_modules(paths: list[str], units: str) -> list[str]:
+    """Module paths (``/``-joined) matching the glob, outermost only, in parameter order."""
+    pat = glob_regex(units, "/")
+    out: list[str] = []
+    for p in paths:
+        comps = p.split("/")
+        for i in range(1, len(comps)):
+            m = "/".join(comps[:i])
+            if re.fullmatch(pat, m):
+                if m not in out:
+                    out.append(m)
+                break
+    return out
+
+
+class Layout:
+    """The pipeline layout of one parameter tree: units (in call order), the stacked stage tree, the rest."""
+
+    def __init__(self, pm: PipelineModule, params: Any):
+        where = "pipeline"
+        leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
+        self.paths = [path_str(kp) for kp, _ in leaves]
+        self.shapes = {p: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for p, (_, x) in zip(self.paths, leaves)}
+        found = _unit_modules(self.paths, pm.units)
+        if not found:
+            mods = sorted({"/".join(p.split("/")[:i]).replace("/", ".") for p in self.paths
+                           for i in range(1, len(p.split("/")))})
+            raise ValueError(f"{where}: units={pm.units!r} matches no module of the model; its modules are: "
+                             f"{', '.join(mods[:40])}. Fix the glob (e.g. 'layers_*', 'model.layers.*').")
+        s = pm.schedule
+        n_st = s.num_stages
+        if len(found) < n_st:
+            raise ValueError(f"{where}: units={pm.units!r} matches {len(found)} modules ({', '.join(found)}), fewer "
+                             f"than the {n_st} stages ({pm.pp}={s.pp} x stages_per_rank={s.stages_per_rank}); use "
+                             "fewer stages or a deeper model.")
+        self.found = found
+        self.units = found  # reordered to call order by record()
+        rel0 = [p[len(found[0]) + 1:] for p in self.paths if p.startswith(found[0] + "/")]
+        for u in found[1:]:
+            rel = [p[len(u) + 1:] for p in self.paths if p.startswith(u + "/")]
+            same = rel == rel0 and all(self.shapes[f"{u}/{r}"] == self.shapes[f"{found[0]}/{r}"] for r in rel)
+            if not same:
+                raise ValueError(f"{where}: unit {u!r} has other parameters than {found[0]!r} ({rel} vs {rel0}); "
+                                 "pipeline stages stack repeated blocks of one shape: match only those.")
+        self.rel = rel0
+        self.unit_of = {p: u for p in self.paths for u in found if p.startswith(u + "/")}
+        self.rest = [p for p in self.paths if p not in self.unit_of]
+        n = len(found)
+        self.per_slot = -(-n // n_st)  # ceil(L / S): unit slots per stage
+        counts = [n // n_st + (1 if c < n % n_st else 0) for c in range(n_st)]
+        starts = np.cumsum([0] + counts)
+        self.stage_units = [list(range(starts[c], starts[c] + counts[c])) for c in range(n_st)]
+        v, pp, lc = s.stages_per_rank, s.pp, self.per_slot
+        # stacked row -> unit index (or -1: a skipped slot); rank-major: rank r holds its chunks j = 0..v-1
+        self.rows = [-1] * (pp * v * lc)
+        for c in range(n_st):
+            r, j = c % pp, c // pp
+            for l, u in enumerate(self.stage_units[c]):
+                self.rows[r * v * lc + j * lc + l] = u
+        self.valid = np.array(self.rows).reshape(pp, v, lc) >= 0
+        self.unit_mod = None
+        self.act = None
+
+    # --- the stored tree ----------------------------------------------------------------------------
+    def stored_shapes(self) -> dict:
+        n = len(self.rows)
+        st = {r: jax.ShapeDtypeStruct((n, *self.shapes[f"{self.units[0]}/{r}"].shape),
+                                      self.shapes[f"{self.units[0]}/{r}"].dtype) for r in self.rel}
+        return {STAGES: st, REST: {p: self.shapes[p] for p in self.rest}}
+
+    def stack(self, params: Any) -> dict:
+        flat = dict(zip(self.paths, jax.tree_util.tree_leaves(params)))
+        st = {}
+        for r in self.rel:
+            proto = flat[f"{self.units[0]}/{r}"]
+            st[r] = jnp.stack([flat[f"{self.units[u]}/{r}"] if u >= 0 else jnp.zeros_like(proto) for u in self.rows])
+        return {STAGES: st, REST: {p: flat[p] for p in self.rest}}
+
+    def unstack(self, stored: dict) -> Any:
+        flat = dict(stored[REST])
+        for i, u in enumerate(self.rows):
+            if u >= 0:
+                for r in self.rel:
+                    flat[f"{self.units[u]}/{r}"] = stored[STAGES][r][i]
+        return jax.tree_util.tree_unflatten(self.treedef, [flat[p] for p in self.paths])
+
+    def plan(self, mesh: DeviceMesh, pp: str):
+        sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+        return plan_params(self.stored_shapes(), sizes, [Rule(re.escape(STAGES) + "/.*", {pp: _shard0()},
+                                                               name="pipeline stages")], fsdp="")
+
+    def full_params(self, rest: dict) -> Any:
+        """The user's parameter tree from the rest: units get zeros (never read: their calls are intercepted)."""
+        leaves = [rest[p] if p in rest else jnp.zeros(self.shapes[p].shape, self.shapes[p].dtype) for p in self.paths]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def unit_tree(self, leaves: list) -> Any:
+        """One unit's parameters (the first unit's subtree structure) from its leaves in ``rel`` order."""
+        tree: dict = {}
+        for r, x in zip(self.rel, leaves):
+            node = tree
+            *head, last = r.split("/")
+            for h in head:
+                node = node.setdefault(h, {})
+            node[last] = x
+        return tree
+
+    # --- the model's calls ----------------------------------------------------------------------------
+    def _interceptor(self, on_unit):
+        def icpt(next_fun, args, kwargs, context):
+            mod = context.module
+            if context.method_name != "__call__" or getattr(mod, "scope", None) is None:
+                return next_fun(*args, **kwargs)
+            path = "/".join(str(p) for p in mod.scope.path)
+            if path not in self.unit_of.values() and path not in self.found:
+                return next_fun(*args, **kwargs)
+            return on_unit(path, mod, next_fun, args, kwargs)
+
+        return icpt
+
+    def record(self, loss_fn, params, mb) -> None:
+        """Trace ``loss_fn`` once (shapes only): the units' call order, that they chain, the activation."""
+        import flax.linen as nn
+
+        calls: list = []
+
+        def on_unit(path, mod, next_fun, args, kwargs):
+            arrays = [a for a in jax.tree.leaves((args, kwargs)) if hasattr(a, "shape")]
+            if len(arrays) != 1 or not args or arrays[0] is not args[0]:
+                raise ValueError(f"pipeline: unit {path!r} is called with {len(arrays)} array arguments; a stage "
+                                 "passes one activation between units (call each block as x = block(x)).")
+            if calls and calls[-1][2] is not args[0]:
+                raise ValueError(f"pipeline: unit {path!r} does not take the output of {calls[-1][0]!r}; the units "
+                                 "must chain (x = block(x) for each block, in order).")
+            out = next_fun(*args, **kwargs)
+            if not hasattr(out, "shape") or out.shape != args[0].shape or out.dtype != args[0].dtype:
+                raise ValueError(f"pipeline: unit {path!r} maps {args[0].shape} to {getattr(out, 'shape', out)!r}; "
+                                 "a unit must return one activation of its input's shape and dtype.")
+            calls.append((path, mod.clone(parent=None), out, args[0]))
+            return out
+
+        def run(p, b):
+            with nn.intercept_methods(self._interceptor(on_unit)):
+                return loss_fn(p, b)
+
+        jax.eval_shape(run, params, mb)
+        names = [c[0] for c in calls]
+        if sorted(names) != sorted(self.found) or len(set(names)) != len(names):
+            raise ValueError(f"pipeline: the model called the units {names}; every unit {self.found} must be called "
+                             "exactly once per loss_fn call.")
+        self.units = names
+        self.unit_mod = calls[0][1]
+        self.act = jax.ShapeDtypeStruct(calls[0][3].shape, calls[0][3].dtype)
+
+    def pre(self, loss_fn, rest, mb):
+        """The first unit's input: ``loss_fn`` run up to the first unit call."""
+        import flax.linen as nn
+
+        def on_unit(path, mod, next_fun, args, kwargs):
+            raise _Stop(args[0])
+
+        try:
+            with nn.intercept_methods(self._interceptor(on_unit)):
+                loss_fn(self.full_params(rest), mb)
+        except _Stop as s:
+            return s.x
+        raise ValueError("pipeline: loss_fn called no pipeline unit.")
+
+    def post(self, loss_fn, rest, mb, h):
+        """``loss_fn``'s output with the last unit's output replaced by ``h`` (the earlier code is dead)."""
+        import flax.linen as nn
+
+        last = self.units[-1]
+
+        def on_unit(path, mod, next_fun, args, kwargs):
+            return h if path == last else args[0]
+
+        with nn.intercept_methods(self._interceptor(on_unit)):
+            return loss_fn(self.full_params(rest), mb)
+
+    def apply_unit(self, leaves: list, x):
+        return self.unit_mod.apply({"params": self.unit_tree(leaves)}, x)
+
+
+def _shard0():
+    from placements import Shard
+
+    return Shard(0)
+
+
+def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_microbatches: int,
+             schedule: str = "1f1b", stages_per_rank: int = 1) -> PipelineModule:
+    """Split ``model``'s ``units`` into pipeline stages over the 1-D ``mesh`` (``mesh["pp"]``); see the module doc.
+
+    ``num_microbatches``: the per-replica batch is cut into this many micro-batches (it must divide it);
+    ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (``stages_per_rank`` chunks per rank, Megatron's
+    interleaved 1F1B; ``num_microbatches`` a multiple of pp).
+    """
+    where = "pipeline"
+    if isinstance(model, (ParallelModule, PipelineModule)):
+        raise ValueError(f"{where}: model={model!r} is already laid out; pipeline the plain model (composition with "
+                         "fully_shard / parallelize_module is not offered: the other mesh dims train it data-parallel).")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{where}: mesh={mesh!r} must be a spmd.DeviceMesh, the pipeline dim of the mesh (mesh['pp']).")
+    if mesh.ndim != 1:
+        raise ValueError(f"{where}: mesh={mesh!r} must be 1-D, the pipeline dim (mesh['pp']); the mesh has no single "
+                         "pipeline dim.")
+    if not hasattr(model, "apply") or not hasattr(model, "init"):
+        raise TypeError(f"{where}: model={model!r} must be a flax.linen Module (nnx models are not offered yet).")
+    if not isinstance(units, str) or not units:
+        raise TypeError(f"{where}: units={units!r} must be one module fqn glob, e.g. 'layers_*'.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{where}: schedule={schedule!r} is not offered; use one of {', '.join(SCHEDULES)}.")
+    pp = mesh.shape[0]
+    for arg, v in (("num_microbatches", num_microbatches), ("stages_per_rank", stages_per_rank)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where}: {arg}={v!r} must be an int >= 1.")
+    if schedule != "interleaved" and stages_per_rank != 1:
+        raise ValueError(f"{where}: stages_per_rank={stages_per_rank!r} needs schedule='interleaved' (got "
+                         f"{schedule!r}); leave it 1 or use the interleaved schedule.")
+    if schedule in ("1f1b", "interleaved") and num_microbatches < pp:
+        raise ValueError(f"{where}: num_microbatches={num_microbatches} is below {mesh.mesh_dim_names[0]}={pp}; "
+                         f"{schedule} needs at least one micro-batch per stage: use num_microbatches >= {pp}.")
+    if schedule == "interleaved" and num_microbatches % pp:
+        raise ValueError(f"{where}: num_microbatches={num_microbatches} is not a multiple of "
+                         f"{mesh.mesh_dim_names[0]}={pp}; the interleaved schedule runs micro-batches in groups of "
+                         f"pp: use {pp * -(-num_microbatches // pp)}.")
+    sched = build_schedule(schedule, pp, num_microbatches, stages_per_rank)
+    return PipelineModule(model, mesh.root_mesh, mesh.mesh_dim_names[0], units.replace(".", "/"), sched)

@@ -1,0 +1,328 @@
+"""The train step of a ``PipelineModule``: the schedule's tick table run in one SPMD program.
+
+One ``shard_map`` manual over every mesh dim: ``pp`` (each rank its stages' stacked parameters) and the
+data dims (each replica its rows of the batch, cut into ``num_microbatches`` micro-batches). The ticks are
+unrolled; at each, every rank looks up its own action in the table (indexed by ``axis_index(pp)``) and
+``lax.switch``-es to it:
+
+- ``F`` of chunk ``j`` on micro-batch ``m``: its input is the pre-unit code on the micro-batch (the first
+  stage) or the activation slot the table names; the output goes to the next stage, or (the last stage) the
+  user's loss is evaluated for the metrics;
+- ``B``: the chunk's forward recomputed from that input under ``jax.vjp``, pulled back with the received
+  gradient (the last stage: with ``1 / M`` of the loss), the parameter gradients accumulated, the input's
+  gradient sent to the previous stage;
+
+then the tick's sends: one ``ppermute`` forward and one backward, over exactly the pairs the table says.
+The unit gradients are averaged over the data dims; the rest (embeddings, head) summed over ``pp`` too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmd.parallel._shard import entry_sharding, map_like_params
+from spmd.parallel._step import TrainState, _as_arrays, _check_batch, _split_loss, state_shardings
+
+__all__ = ["init_pipeline_state", "make_pipeline_step", "unshard_pipeline_params", "pipeline_communication", "STAGES",
+           "REST"]
+
+STAGES, REST = "stages", "rest"  # the stored tree: the stacked unit parameters, the others by path
+
+# branch codes: idle, then (F, B) x (mid, first, last, only)
+_ROLES = ("mid", "first", "last", "only")
+
+
+def _place(pm: "PipelineModule", optimizer, params) -> TrainState:
+    lay = pm.layout(params)
+    plan = lay.plan(pm.mesh, pm.pp)
+    shard = map_like_params(plan, lay.stored_shapes(), lambda x, e: entry_sharding(e, pm.mesh))
+    stored = jax.jit(lay.stack, out_shardings=shard)(params)
+    _, opt_sh = state_shardings(plan, pm.mesh, stored, jax.eval_shape(optimizer.init, stored), optimizer)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(stored)
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(pm.mesh.jax_mesh, P()))
+    return TrainState(step=step, params=stored, opt_state=opt_state, plan=plan)
+
+
+def init_pipeline_state(pm: "PipelineModule", optimizer, *init_args, params=None, mesh=None) -> TrainState:
+    """Step 0: the units' parameters stacked per stage and cut over pp, the rest replicated."""
+    where = "init_train_state"
+    if mesh is not None and mesh.root_mesh != pm.mesh:
+        raise ValueError(f"{where}: mesh={mesh!r} is not the mesh the model was pipelined on ({pm.mesh!r}); leave "
+                         "mesh= out.")
+    if params is None:
+        if not init_args:
+            raise TypeError(f"{where}: give params=, or (rng, *example_inputs) to initialize the model.")
+        rng, *xs = init_args
+        params = jax.jit(lambda r: pm.module.init(r, *xs)["params"])(rng)
+    return _place(pm, optimizer, params)
+
+
+def unshard_pipeline_params(pm: "PipelineModule", params) -> Any:
+    """The user's parameter tree (unstacked, replicated) from a pipeline state's ``params``."""
+    if isinstance(params, TrainState):
+        params = params.params
+    if not isinstance(params, dict) or set(params) != {STAGES, REST}:
+        raise ValueError(f"unshard_params: these parameters were not laid out by init_train_state({pm!r}, ...); pass "
+                         "that state (or its .params).")
+    lay = next((lay for lay in pm._layouts.values()
+                if set(lay.rest) == set(params[REST]) and set(lay.rel) == set(params[STAGES])), None)
+    if lay is None:
+        raise ValueError(f"unshard_params: no layout of {pm!r} holds these parameters; build them with "
+                         "init_train_state on this model.")
+    rep = NamedSharding(pm.mesh.jax_mesh, P())
+    return jax.jit(lay.unstack, out_shardings=rep)(params)
+
+
+def pipeline_communication(pm: "PipelineModule", lay, n_local: int, accum_steps: int) -> dict:
+    """Per step and pipeline group: the activation / gradient transfers of the schedule (one micro-batch, one
+    stage boundary each), their elements and bytes; the data-parallel all-reduce of the gradients."""
+    s = pm.schedule
+    act = lay.act
+    elems = int(np.prod(act.shape))
+    t = s.transfers()
+    n_data = int(np.prod([pm.mesh.size(d) for d in pm.data_dims])) if pm.data_dims else 1
+    per = {k: v * accum_steps for k, v in t.items()}
+    st_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in lay.stored_shapes()[STAGES].values())
+    rest_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in lay.stored_shapes()[REST].values())
+    return {
+        "schedule": s.name, "pp": s.pp, "num_microbatches": s.num_microbatches,
+        "stages_per_rank": s.stages_per_rank, "stages": s.num_stages,
+        "activation_shape": tuple(act.shape), "activation_elements": elems,
+        "collective-permute": {"forward": per["forward"], "backward": per["backward"],
+                               "pairs": per["forward"] + per["backward"],
+                               "bytes": (per["forward"] + per["backward"]) * elems * act.dtype.itemsize},
+        "all-reduce": {"stage gradients over data dims (bytes per device)": st_bytes // s.pp if n_data > 1 else 0,
+                       "rest gradients over pp x data dims (bytes)": rest_bytes},
+        "bubble": s.bubble, "bubble_formula": s.formula,
+        "activation_slots": max(s.x_slots), "gradient_slots": max(s.g_slots),
+        "activation_bound_bytes": (max(s.x_slots) + max(s.g_slots)) * elems * act.dtype.itemsize,
+    }
+
+
+def format_pipeline_communication(c: dict) -> str:
+    cp = c["collective-permute"]
+    return (f"pipeline {c['schedule']} pp={c['pp']} M={c['num_microbatches']} v={c['stages_per_rank']}: "
+            f"{cp['forward']} activation + {cp['backward']} gradient transfers of {c['activation_shape']} "
+            f"({c['activation_elements']} elements) per pipeline = M x (stages - 1) each way; "
+            f"{cp['bytes']} bytes; bubble {c['bubble']:.4f} (formula {c['bubble_formula']:.4f}); "
+            f"{c['activation_slots']} activation + {c['gradient_slots']} gradient slots per rank "
+            f"({c['activation_bound_bytes']} bytes)")
+
+
+def _tables(pm: "PipelineModule") -> list[dict]:
+    """Per tick: per rank ``code, j, m, xs, gs`` and the receive slots; the send pairs."""
+    s = pm.schedule
+    pp, n_st = s.pp, s.num_stages
+    xs, gs = dict(s.x_slot), dict(s.g_slot)
+    kx, kg = max(s.x_slots), max(s.g_slots)
+    fwd, bwd = s.sends("F"), s.sends("B")
+    out = []
+    for t, row in enumerate(s.ticks):
+        code, j, m, xr, gr = (np.zeros(pp, np.int32) for _ in range(5))
+        rx, rg = np.full(pp, kx, np.int32), np.full(pp, kg, np.int32)
+        for r, a in enumerate(row):
+            if a is None:
+                continue
+            role = ("only" if n_st == 1 else "first") if a.chunk == 0 else ("last" if a.chunk == n_st - 1 else "mid")
+            code[r] = 1 + _ROLES.index(role) + (0 if a.kind == "F" else len(_ROLES))
+            j[r], m[r] = a.chunk // pp, a.mb
+            xr[r] = xs.get((r, a.chunk, a.mb), kx)
+            gr[r] = gs.get((r, a.chunk, a.mb), kg)
+            if a.kind == "F" and a.chunk < n_st - 1:
+                d = (a.chunk + 1) % pp
+                rx[d] = xs[(d, a.chunk + 1, a.mb)]
+            if a.kind == "B" and a.chunk > 0:
+                d = (a.chunk - 1) % pp
+                rg[d] = gs[(d, a.chunk - 1, a.mb)]
+        out.append(dict(code=code, j=j, m=m, xr=xr, gr=gr, rx=rx, rg=rg, fwd=fwd[t], bwd=bwd[t]))
+    return out
+
+
+def make_pipeline_step(pm: "PipelineModule", loss_fn: Callable, optimizer, *, accum_steps: int = 1,
+                       mesh=None) -> Callable:
+    """``(state, batch) -> (state, metrics)`` of a pipelined model (see the module doc)."""
+    where = "make_train_step"
+    if mesh is not None and mesh.root_mesh != pm.mesh:
+        raise ValueError(f"{where}: mesh={mesh!r} is not the mesh the model was pipelined on; leave mesh= out.")
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
+    data = pm.data_dims
+    sizes = dict(zip(pm.mesh.mesh_dim_names, pm.mesh.shape))
+    n_data = int(np.prod([sizes[d] for d in data])) if data else 1
+    m_count = pm.schedule.num_microbatches
+    builds: dict = {}
+
+    def build(state: TrainState, batch):
+        key = (state.plan, jax.tree_util.tree_structure(batch), tuple(np.shape(x) for x in jax.tree.leaves(batch)))
+        if key not in builds:
+            lay = next(lay for lay in pm._layouts.values() if lay.plan(pm.mesh, pm.pp) == state.plan)
+            n_local = jax.tree.leaves(batch)[0].shape[0] // n_data
+            mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n_local // (accum_steps * m_count), *np.shape(x)[1:]),
+                                                             jnp.result_type(x)), batch)
+            lay.record(loss_fn, jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths]), mb)
+            builds[key] = (_build(pm, lay, loss_fn, optimizer, accum_steps, state.plan), lay, n_local)
+        return builds[key]
+
+    def check(state, batch):
+        if not isinstance(state, TrainState) or state.plan is None:
+            raise TypeError(f"train_step: state={type(state).__name__} must be the TrainState init_train_state(model, "
+                            "optimizer, ...) returns.")
+        if not any(lay.plan(pm.mesh, pm.pp) == state.plan for lay in pm._layouts.values()):
+            raise ValueError(f"train_step: the state was laid out for another model than this step's ({pm!r}); build "
+                             "it with init_train_state on the same model.")
+        batch = _as_arrays(batch)
+        _check_batch(batch, n_data * m_count, accum_steps, data + (pm.pp + " micro-batches",),
+                     {**sizes, pm.pp + " micro-batches": m_count})
+        return batch
+
+    def step(state, batch):
+        batch = check(state, batch)
+        return build(state, batch)[0](state, batch)
+
+    def communication(state, batch) -> dict:
+        batch = check(state, batch)
+        _, lay, n_local = build(state, batch)
+        return pipeline_communication(pm, lay, n_local, accum_steps)
+
+    step.lower = lambda state, batch: build(state, check(state, batch))[0].lower(state, check(state, batch))
+    step.communication = communication
+    step.table = lambda state, batch: (state.plan.table() + "\n" + str(pm.schedule) + "\n"
+                                       + format_pipeline_communication(communication(state, batch)))
+    step.schedule = pm.schedule
+    return step
+
+
+def _build(pm: "PipelineModule", lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
+    mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
+    s = pm.schedule
+    m_count, v, lc = s.num_microbatches, s.stages_per_rank, lay.per_slot
+    tables = _tables(pm)
+    kx, kg = max(s.x_slots), max(s.g_slots)
+    act = lay.act
+    skip = not lay.valid.all()
+    valid = jnp.asarray(lay.valid)
+
+    def chunk(sp: dict, r, j, x):
+        for l in range(lc):
+            leaves = [lax.dynamic_index_in_dim(sp[rel], j * lc + l, keepdims=False) for rel in lay.rel]
+            y = lay.apply_unit(leaves, x)
+            x = jnp.where(valid[r, j, l], y, x) if skip else y
+        return x
+
+    def loss_aux(rest, mb, h):
+        return _split_loss(lay.post(loss_fn, rest, mb, h), "make_train_step")
+
+    def region(stored, batch):
+        r = lax.axis_index(ppd)
+        sp, rest = stored[STAGES], stored[REST]
+        n_local = jax.tree.leaves(batch)[0].shape[0]
+        micro = jax.tree.map(lambda x: x.reshape(accum_steps, m_count, n_local // (accum_steps * m_count),
+                                                 *x.shape[1:]), batch)
+        aux0 = jax.eval_shape(lambda: loss_aux(rest, jax.tree.map(lambda x: x[0, 0], micro),
+                                               jnp.zeros(act.shape, act.dtype))[1])
+
+        def one_pass(carry, mbs):
+            gsp, grest, loss, aux = carry
+            xbuf = jnp.zeros((kx + 1, *act.shape), act.dtype)
+            gbuf = jnp.zeros((kg + 1, *act.shape), act.dtype)
+            zero_act = jnp.zeros(act.shape, act.dtype)
+
+            def mb_of(m):
+                return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, m, keepdims=False), mbs)
+
+            def idle(c, j, m, xi, gi):
+                return c, zero_act, zero_act
+
+            def fwd(role):
+                def f(c, j, m, xi, gi):
+                    xb, gb, gsp, grest, loss, aux = c
+                    mb = mb_of(m)
+                    x = lay.pre(loss_fn, rest, mb) if role in ("first", "only") else xb[xi]
+                    y = chunk(sp, r, j, x)
+                    if role in ("last", "only"):
+                        lo, ax = loss_aux(rest, mb, y)
+                        return (xb, gb, gsp, grest, loss + lo / m_count,
+                                jax.tree.map(lambda a, b: a + b / m_count, aux, ax)), zero_act, zero_act
+                    return c, y, zero_act
+                return f
+
+            def bwd(role):
+                def f(c, j, m, xi, gi):
+                    xb, gb, gsp, grest, loss, aux = c
+                    mb = mb_of(m)
+                    first, last = role in ("first", "only"), role in ("last", "only")
+
+                    def g(rest_, sp_, x):
+                        h = chunk(sp_, r, j, lay.pre(loss_fn, rest_, mb) if first else x)
+                        return loss_aux(rest_, mb, h)[0] / m_count if last else h
+
+                    x = zero_act if first else xb[xi]
+                    out, pull = jax.vjp(g, rest, sp, x)
+                    drest, dsp, dx = pull(jnp.ones_like(out) if last else gb[gi])
+                    gsp = jax.tree.map(jnp.add, gsp, dsp)
+                    grest = jax.tree.map(jnp.add, grest, drest)
+                    return (xb, gb, gsp, grest, loss, aux), zero_act, (zero_act if first else dx)
+                return f
+
+            branches = [idle] + [fwd(ro) for ro in _ROLES] + [bwd(ro) for ro in _ROLES]
+            c = (xbuf, gbuf, gsp, grest, loss, aux)
+            for tb in tables:
+                pick = lambda a: jnp.asarray(a)[r]  # noqa: E731
+                used = sorted(set(tb["code"].tolist()))  # only the branches some rank runs at this tick
+                args = (c, pick(tb["j"]), pick(tb["m"]), pick(tb["xr"]), pick(tb["gr"]))
+                if len(used) == 1:
+                    c, sf, sb = branches[used[0]](*args)
+                else:
+                    local = np.array([used.index(k) for k in tb["code"]], np.int32)
+                    c, sf, sb = lax.switch(pick(local), [branches[k] for k in used], *args)
+                xb, gb, *others = c
+                if tb["fwd"]:
+                    xb = xb.at[pick(tb["rx"])].set(lax.ppermute(sf, ppd, tb["fwd"]))
+                if tb["bwd"]:
+                    gb = gb.at[pick(tb["rg"])].set(lax.ppermute(sb, ppd, tb["bwd"]))
+                c = (xb, gb, *others)
+            return tuple(c[2:]), None
+
+        zeros = jax.tree.map(jnp.zeros_like, (sp, rest))
+        init = (*zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0))
+        if accum_steps == 1:
+            (gsp, grest, loss, aux), _ = one_pass(init, jax.tree.map(lambda x: x[0], micro))
+        else:
+            (gsp, grest, loss, aux), _ = lax.scan(one_pass, init, micro)
+        k = accum_steps
+        gsp = jax.tree.map(lambda g: g / k, gsp)
+        grest = jax.tree.map(lambda g: g / k, grest)
+        metrics = {"loss": loss / k, **jax.tree.map(lambda a: a / k, aux)}
+        grest = lax.psum(grest, ppd)
+        metrics = lax.psum(metrics, ppd)
+        if data:
+            gsp, grest, metrics = lax.pmean((gsp, grest, metrics), data)
+        return {STAGES: gsp, REST: grest}, metrics
+
+    names = mesh.mesh_dim_names
+    st_spec = {rel: P(ppd) for rel in lay.rel}
+    specs = {STAGES: st_spec, REST: {p: P() for p in lay.rest}}
+    batch_spec = P(data if len(data) > 1 else (data[0] if data else None))
+
+    def step(state: TrainState, batch):
+        grads, metrics = jax.shard_map(region, mesh=mesh.jax_mesh, in_specs=(specs, batch_spec),
+                                       out_specs=(specs, P()), axis_names=set(names), check_vma=False)(
+            state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        p_sh, o_sh = state_shardings(plan, mesh, params, opt_state, optimizer)
+        new = TrainState(step=state.step + 1, params=lax.with_sharding_constraint(params, p_sh),
+                         opt_state=lax.with_sharding_constraint(opt_state, o_sh), plan=state.plan)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return new, metrics
+
+    return jax.jit(step)
+
