@@ -8,6 +8,7 @@ what is MPI's own. Skipped without the ``spmd[mpi]`` extra (mpi4py + MPICH).
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -31,18 +32,31 @@ def _needs_mpi():
         pytest.skip("no mpiexec on PATH or next to the interpreter (pip install 'spmd[mpi]' brings MPICH's)")
 
 
-def mpiexec(n: int, script: str, *args: str, timeout: float = 120, wrap: bool = True, out_dir: Path | None = None,
-            **env: str):
-    """``mpiexec -n N python [mpi_run.py] SCRIPT ARGS`` on this host; (returncode, stdout, stderr, seconds).
-    With ``out_dir``, each rank's stdout goes to ``out_dir/stdout.<rank>`` instead."""
+def mpiexec(n: int, scripts: list[str], *, timeout: float = 120, wrap: bool = True, out_dir: Path | None = None,
+            start: bool = False, **env: str):
+    """``mpiexec -n N python mpi_run.py SCRIPT ARGS [+ SCRIPT ARGS ...]`` on this host (``scripts`` from
+    :func:`_chain`); (returncode, stdout, stderr, seconds), or with ``start`` the running job for
+    :func:`finish`. With ``out_dir`` each rank's stdout goes to ``out_dir/stdout.<rank>``."""
     cmd = [_MPIEXEC, "-n", str(n)]
     cmd += ["-outfile-pattern", str(out_dir / "stdout.%r")] if out_dir is not None else []
     cmd += [sys.executable]
     cmd += [str(SCRIPTS / "mpi_run.py")] if wrap else []
-    cmd += [str(SCRIPTS / script), *args]
-    t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(**env))
-    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+    cmd += scripts
+    job = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(**env)),
+           time.monotonic())
+    return job if start else finish(job, timeout)
+
+
+def finish(job, timeout: float):
+    """Wait for a job :func:`mpiexec` started; (returncode, stdout, stderr, seconds)."""
+    proc, t0 = job
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the job did not end within {timeout} s:\n{err[-3000:]}") from None
+    return proc.returncode, out, err, time.monotonic() - t0
 
 
 # --- one process: what backend="mpi" says when it cannot run -----------------------------------
@@ -76,64 +90,54 @@ def test_node_local_rank_under_mpiexec(clean):
 
 
 # --- real jobs under mpiexec ---------------------------------------------------------------------
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_collectives_match_numpy_on_mpi(tmp_path, nproc):
+# Each job runs many check scripts one after the other (mpi_run.py SCRIPT ARGS + SCRIPT ARGS ...): one
+# launch, one import of JAX and one JAX runtime per world size. The failure modes end their job, so each
+# has its own; they run side by side (they mostly wait).
+def _chain(*scripts: tuple[str, ...]) -> list[str]:
+    """mpi_run.py's arguments for ``(script, *args)`` each (a script path relative to tests/mp_scripts, or absolute)."""
+    out: list[str] = []
+    for s in scripts:
+        out += (["+"] if out else []) + [str(SCRIPTS / s[0]) if not Path(s[0]).is_absolute() else s[0], *s[1:]]
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_one_job_of_4_ranks_runs_every_check_on_mpi(tmp_path):
+    """On 4 ranks: the shared collective checks (as on gloo), the porting checks (64-bit values, every dtype
+    gloo takes, NaN / -0.0 bits, the torch names, DDP), the seed's examples unchanged, MPI's own semantics
+    (NaN-propagating MAX/MIN, narrow floats, torch tensors in place, groups as communicators, @spmd and
+    DTensor across the MPI ranks), the fast path and async requests, a wrong WORLD_SIZE and DETAIL mode."""
     _needs_mpi()
-    rc, out, err, _ = mpiexec(nproc, "collectives_check.py", str(tmp_path), timeout=140)
+    d = {k: tmp_path / k for k in ("coll", "porting", "mpi", "fast", "stdout")}
+    d["stdout"].mkdir()
+    rc, out, err, _ = mpiexec(4, _chain(("porting_check.py", str(d["porting"])), ("collectives_check.py", str(d["coll"])),
+                                        ("mpi_check.py", str(d["mpi"])), ("seed_examples.py",),
+                                        ("mpi_fast_check.py", str(d["fast"]))),
+                              out_dir=d["stdout"], timeout=280, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     assert rc == 0, err[-3000:]
-    names = set().union(*rank_results(tmp_path, nproc))
+    names = set().union(*rank_results(d["coll"], 4))
     for expected in ("rank/world/backend", "all_reduce avg f32", "all_reduce premul_sum", "all_reduce product f32",
                      "all_reduce bxor i32", "all_reduce max bool", "broadcast src=1", "all_gather_into_tensor cat",
                      "reduce_scatter_tensor avg", "all_to_all_single", "batch_isend_irecv ring", "send/recv pairs",
                      "isend/irecv", "group all_reduce", "all_gather_object", "broadcast_object_list",
                      "in place: all_reduce, async all_reduce, broadcast, all_gather buffers",
-                     "bad op on one rank raises TypeError before communicating"):
+                     "bad op on one rank raises TypeError before communicating", "group of 3 reduce_scatter",
+                     "group non-member warns and does nothing"):
         assert expected in names
-    if nproc == 4:
-        assert "group of 3 reduce_scatter" in names and "group non-member warns and does nothing" in names
-
-
-@pytest.mark.timeout(150)
-def test_porting_checks_on_mpi(tmp_path):
-    """64-bit values, every dtype gloo takes, NaN / -0.0 bits, the torch names, DDP: on mpi."""
-    _needs_mpi()
-    rc, out, err, _ = mpiexec(2, "porting_check.py", str(tmp_path), timeout=140,
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    assert rc == 0, err[-3000:]
-    names = set().union(*rank_results(tmp_path, 2))
-    assert "int64 2**40 + rank summed exactly" in names and "CommDebugMode counts what ran" in names
-
-
-@pytest.mark.timeout(150)
-def test_mpi_semantics_and_spmd_regions(tmp_path):
-    """NaN-propagating MAX/MIN, AVG/PREMUL_SUM on every float dtype, in place on torch tensors, MPI
-    requests for isend/irecv, groups as communicators, @spmd / DTensor across the MPI ranks."""
-    _needs_mpi()
-    rc, out, err, _ = mpiexec(4, "mpi_check.py", str(tmp_path), wrap=False, timeout=140)
-    assert rc == 0, err[-3000:]
-    names = set().union(*rank_results(tmp_path, 4))
-    assert {"all_reduce max keeps NaN float32", "@spmd psum across the MPI ranks",
+    names = set().union(*rank_results(d["porting"], 4))
+    for must in ("int64 all_reduce sum", "bfloat16 all_gather", "uint64 send/recv", "complex128 broadcast",
+                 "int64 2**40 + rank summed exactly", "CommDebugMode counts what ran", "Counter arrives as Counter",
+                 "TCPStore add is atomic across ranks", "monitored_barrier names the late rank",
+                 "DDP 3 steps == one process on the whole batch"):
+        assert must in names
+    names = set().union(*rank_results(d["mpi"], 4))
+    assert {"all_reduce max keeps NaN float32", "@spmd psum across the MPI ranks", "DTensor full_tensor",
             "recv into a bigger buffer is refused", "async collectives in flight together",
             "barrier (MPI_Ibarrier) times out naming its limit", "this rank listens on loopback only",
             "object collectives in a group (1 MB, MPI bytes)"} <= names
-
-
-@pytest.mark.timeout(150)
-def test_dtensor_across_mpi_ranks(tmp_path):
-    _needs_mpi()
-    rc, out, err, _ = mpiexec(2, "dtensor_check.py", str(tmp_path), timeout=140)
-    assert rc == 0, err[-3000:]
-    assert "full_tensor S(0)" in set().union(*rank_results(tmp_path, 2))
-
-
-@pytest.mark.timeout(120)
-def test_seed_examples_under_mpiexec(tmp_path):
-    _needs_mpi()
-    rc, out, err, _ = mpiexec(4, "seed_examples.py", out_dir=tmp_path)
-    assert rc == 0, err[-3000:]
-    for r in range(4):
-        got = (tmp_path / f"stdout.{r}").read_text().splitlines()
+    assert len(set().union(*rank_results(d["fast"], 4))) == 7
+    for r in range(4):  # the seed's examples, as their comments say
+        got = (d["stdout"] / f"stdout.{r}").read_text().splitlines()
         assert f"Rank {r}/4" in got
         assert "all_reduce [10]" in got
         assert "broadcast [0.0]" in got
@@ -143,46 +147,50 @@ def test_seed_examples_under_mpiexec(tmp_path):
         assert ("gather [[0], [1], [2], [3]]" if r == 0 else "gather []") in got
 
 
-@pytest.mark.timeout(60)
-def test_world_size_disagreeing_with_mpi_is_refused():
+@pytest.mark.timeout(200)
+def test_one_job_of_2_ranks_dtensor_fast_path_and_a_torch_program(tmp_path):
+    """On 2 ranks: DTensors across the MPI ranks, the fast path, and (with torch installed) the torch tutorial
+    program ported by changing its import, printing what it prints under torch (tutorial.expected)."""
     _needs_mpi()
-    rc, out, err, took = mpiexec(2, "mpi_check.py", "-", wrap=False, WORLD_SIZE="3", timeout=50)
-    assert rc != 0
-    assert ("init_process_group: the environment variable WORLD_SIZE=3 disagrees with the MPI launch (world size 2); "
-            "unset WORLD_SIZE under mpiexec") in err, err[-3000:]
+    from test_porting import PROGRAMS, ported, program_lines
+
+    scripts = [("dtensor_check.py", str(tmp_path / "dt")), ("mpi_fast_check.py", str(tmp_path / "fast"))]
+    torch_here = importlib.util.find_spec("torch") is not None
+    if torch_here:
+        scripts.append((str(ported(PROGRAMS / "tutorial.py", tmp_path)),))
+    (tmp_path / "stdout").mkdir()
+    rc, out, err, _ = mpiexec(2, _chain(*scripts), timeout=180, out_dir=tmp_path / "stdout", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(free_port()))
+    assert rc == 0, err[-3000:]
+    assert "full_tensor S(0)" in set().union(*rank_results(tmp_path / "dt", 2))
+    assert len(set().union(*rank_results(tmp_path / "fast", 2))) == 7
+    if torch_here:
+        out = "\n".join(f"[rank{r}]: {line}" for r in range(2)
+                        for line in (tmp_path / "stdout" / f"stdout.{r}").read_text().splitlines())
+        # as under torchrun, but mpiexec is not torchelastic
+        want = [line.replace("launched True", "launched False")
+                for line in (PROGRAMS / "tutorial.expected").read_text().splitlines()]
+        assert program_lines(out) == want
 
 
-@pytest.mark.timeout(60)
-def test_stuck_collective_on_mpi_ends_every_rank_naming_the_absent():
+@pytest.mark.timeout(120)
+def test_failures_on_mpi_end_every_rank():
+    """A stuck collective (a fast-path call) ends every rank naming the absent one, within the timeout; a rank
+    that raises or dies ends the job at once (mpiexec ends the others)."""
     _needs_mpi()
-    rc, out, err, took = mpiexec(2, "guard.py", "late", SPMD_TIMEOUT="3", timeout=50)
+    jobs = {"stuck": mpiexec(2, _chain(("guard.py", "late")), start=True, SPMD_TIMEOUT="3"),
+            "raise": mpiexec(3, _chain(("fail.py", "raise")), start=True, SPMD_TIMEOUT="30"),
+            "hard": mpiexec(3, _chain(("fail.py", "hard")), start=True, SPMD_TIMEOUT="30")}
+    done = {name: finish(job, timeout=100) for name, job in jobs.items()}
+    rc, out, err, took = done["stuck"]
     assert rc != 0
     assert ("all_reduce: rank 0 waited 3 s (the timeout) in all_reduce (call #1 of Group(WORLD)) "
             "(op=sum, dtype=float32, shape=(4,)); ranks [1] did not arrive: rank 1 is not in any collective") in err
     assert "second collective done" not in out
-    assert took < 40  # the timeout, not the sleep (60 s)
-
-
-@pytest.mark.timeout(60)
-def test_mismatched_calls_on_mpi_are_refused_in_detail_mode():
-    _needs_mpi()
-    rc, out, err, took = mpiexec(2, "guard.py", "dtype", SPMD_TIMEOUT="20", TORCH_DISTRIBUTED_DEBUG="DETAIL",
-                                 timeout=50)
-    assert rc != 0
-    says = ("ValueError: all_reduce: the ranks of Group(WORLD) disagree on call #1: rank {me}: all_reduce(op=sum, "
-            "dtype={mine}, shape=(4,)); rank {other}: all_reduce(op=sum, dtype={theirs}, shape=(4,)).")
-    assert says.format(me=0, mine="float32", other=1, theirs="int32") in err, err[-3000:]
-    assert "second collective done" not in out
-    assert took < 40
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["raise", "hard"])
-def test_a_dead_rank_ends_every_rank_on_mpi(mode):
-    _needs_mpi()
-    rc, out, err, took = mpiexec(3, "fail.py", mode, SPMD_TIMEOUT="30", timeout=50)
-    assert rc != 0
-    assert "second all_reduce" not in out
-    assert took < 25  # well before the collective's timeout: mpiexec ends the job when a rank dies
-    if mode == "raise":
-        assert "RuntimeError: boom from rank 2" in err
+    assert took < 45  # the timeout, not the sleep (60 s)
+    for mode in ("raise", "hard"):
+        rc, out, err, took = done[mode]
+        assert rc != 0
+        assert "second all_reduce" not in out
+        assert took < 30  # well before the collective's timeout: mpiexec ends the job when a rank dies
+    assert "RuntimeError: boom from rank 2" in done["raise"][2]

@@ -14,6 +14,7 @@ import functools
 import os
 import runpy
 import sys
+import time
 
 os.environ["RANK"] = os.environ["PMI_RANK"]
 os.environ["WORLD_SIZE"] = os.environ["PMI_SIZE"]
@@ -40,6 +41,7 @@ for arg in sys.argv[1:]:
 sys.path.insert(0, here)
 for job in jobs:
     sys.argv = job
+    t0 = time.monotonic()
     try:
         runpy.run_path(job[0], run_name="__main__")
     except SystemExit as e:
@@ -47,3 +49,5 @@ for job in jobs:
             raise
     if dist.is_initialized():
         dist.destroy_process_group()
+    if os.environ.get("SPMD_TEST_TIMES"):
+        print(f"mpi_run: {os.path.basename(job[0])} took {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
