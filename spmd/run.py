@@ -14,6 +14,7 @@ times). SIGINT / SIGTERM are forwarded to every rank the same way. Ranks die
 with spmdrun (``PR_SET_PDEATHSIG``), so none is left behind. gloo's
 ``[Gloo] Rank N is connected to M peer ranks`` lines are dropped unless
 ``--verbose`` (or ``SPMD_VERBOSE=1``); a short-of-peers one is always shown.
+``--backend mpi`` starts the job with MPICH's ``mpiexec`` instead (:mod:`spmd._mpirun`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import threading
 import time
 import uuid
 
+from spmd import _mpirun
 from spmd._spawn import free_port, signal_name, stop_processes
 from spmd.distributed._errors import PEER_EXIT_CODE, parse_absent
 
@@ -84,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true", default=None,
                    help="also pass on the ranks' runtime chatter (gloo's '[Gloo] Rank N is connected to M peer "
                         "ranks' lines); SPMD_VERBOSE=1 does the same")
+    p.add_argument("--backend", choices=("gloo", "mpi"), default=None,
+                   help="mpi: start the job with MPICH's mpiexec (pip install 'spmd[mpi]'); the script's "
+                        "init_process_group() or ('gloo') joins with backend='mpi'. Default: spmdrun's own processes")
     p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     p.add_argument("--rdzv-id", "--rdzv_id", dest="job_id", help=argparse.SUPPRESS)
     p.add_argument("script", help="the script (or module with -m) to run on every rank")
@@ -102,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--devices-per-proc must be >= 1")
     if not args.stop_timeout > 0:
         p.error("--stop-timeout must be positive")
+    if args.backend == "mpi" and args.nnodes != 1:
+        p.error("--backend mpi runs on one node; for several hosts run mpiexec with a host file directly")
     if not 0 < args.master_port < 65536:
         p.error("--master-port must be in 1..65535")
     if not args.standalone:
@@ -345,8 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         restart = 0
         while True:
-            port = free_port() if args.standalone else args.master_port
-            code, signalled = _run_once(args, port, restart, received)
+            if args.backend == "mpi":
+                code, signalled = _mpirun.run_once(args, restart, received, _job_id(args), _say, _die_with_parent)
+            else:
+                port = free_port() if args.standalone else args.master_port
+                code, signalled = _run_once(args, port, restart, received)
             if code == 0 or signalled:
                 return code
             if restart >= args.max_restarts:

@@ -21,7 +21,8 @@ import pytest
 import spmd.distributed as dist
 from spmd._spawn import free_port
 from spmd.distributed import _backend
-from test_launcher import SCRIPTS, clean_env, rank_results  # noqa: E402
+from spmd import run
+from test_launcher import SCRIPTS, clean_env, rank_results, spmdrun  # noqa: E402
 
 _MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
@@ -194,3 +195,39 @@ def test_failures_on_mpi_end_every_rank():
         assert "second all_reduce" not in out
         assert took < 30  # well before the collective's timeout: mpiexec ends the job when a rank dies
     assert "RuntimeError: boom from rank 2" in done["raise"][2]
+
+
+@pytest.mark.timeout(120)
+def test_spmdrun_starts_mpiexec_and_restarts_the_job():
+    """``spmdrun --backend mpi``: mpiexec runs the ranks (rank and world size from MPI: spmdrun sets no RANK),
+    ``init_process_group()`` joins on mpi (SPMD_BACKEND), lines are prefixed by rank, a failing rank fails the job
+    and spmdrun relaunches it (SPMD_RESTART_COUNT), which then succeeds."""
+    _needs_mpi()
+    rc, out, err, took = spmdrun("--backend", "mpi", "--nproc-per-node", "2", "--max-restarts", "1",
+                                 str(SCRIPTS / "fail.py"), "restart", timeout=110)
+    assert rc == 0, err[-3000:]
+    text = out + err
+    assert "[rank1]: RuntimeError: boom from rank 1 on attempt 0" in text
+    assert "spmdrun: mpiexec's job of 2 ranks failed with exit code 1" in err
+    assert "spmdrun: restarting all ranks (restart 1 of 1)" in err
+    for r in range(2):
+        assert f"[rank{r}]: attempt 1" in text and f"[rank{r}]: second all_reduce [2.0, 2.0, 2.0, 2.0]" in text
+
+
+def test_spmdrun_backend_mpi_is_one_node():
+    with pytest.raises(SystemExit):
+        run.parse_args(["--backend", "mpi", "--nnodes", "2", "--master-addr", "127.0.0.1", "x.py"])
+
+
+def test_backend_none_under_mpiexec_and_spmdrun_backend_mpi_choose_mpi(clean):
+    pytest.importorskip("mpi4py", reason="the spmd[mpi] extra is not installed")
+    for var in ("RANK", "SPMD_BACKEND", *_backend._MPI_LAUNCH_VARS):
+        clean.delenv(var, raising=False)
+    assert _backend.resolve_backend(None).name == "gloo"
+    clean.setenv("PMI_RANK", "0")  # started by mpiexec, not by spmdrun / torchrun
+    assert _backend.resolve_backend(None).name == "mpi"
+    assert _backend.resolve_backend("gloo").name == "gloo"  # a backend named is the one used
+    clean.setenv("RANK", "0")
+    assert _backend.resolve_backend(None).name == "gloo"
+    clean.setenv("SPMD_BACKEND", "mpi")  # spmdrun --backend mpi: the script's CPU backend runs on MPI
+    assert _backend.resolve_backend("gloo").name == "mpi" and _backend.resolve_backend(None).name == "mpi"

@@ -12,6 +12,11 @@
 ``spmd.distributed`` on host buffers run as MPI calls through mpi4py (the
 ``spmd[mpi]`` extra brings mpi4py and MPICH), and the collectives inside
 compiled programs (``@spmd``, DTensor) stay on gloo: see ``docs/mpi.md``.
+
+``backend=None`` picks ``mpi`` in a process that ``mpiexec`` started (and not
+spmdrun / torchrun: no ``RANK``) when mpi4py is installed; under
+``spmdrun --backend mpi`` (``SPMD_BACKEND=mpi``) ``None`` and ``"gloo"`` both
+mean ``mpi``: the launcher chose how the script's CPU collectives run.
 """
 
 from __future__ import annotations
@@ -113,6 +118,11 @@ def _check_mpi(backend: Any, where: str) -> None:
 
 def resolve_backend(backend: Any, where: str = "init_process_group") -> BackendSpec:
     """Check ``backend`` and say what it means here; clear errors for what cannot run."""
+    launcher = os.environ.get("SPMD_BACKEND", "").strip().lower()  # spmdrun --backend mpi sets it
+    if launcher == "mpi" and (backend is None or (isinstance(backend, str) and backend.lower() in ("gloo", "cpu:gloo"))):
+        backend = "mpi"  # the launcher's choice: the script's CPU collectives run on MPI
+    elif backend is None and mpi_launched() and "RANK" not in os.environ and _has_mpi4py():
+        backend = "mpi"  # started by mpiexec, not by spmdrun / torchrun: MPI is how the ranks find each other
     if backend is None:
         platforms = _platforms_env()
         gpu = _has_cuda_plugin() and (not platforms or "cuda" in platforms or "gpu" in platforms)
