@@ -33,6 +33,7 @@ import numpy as np
 
 from placements import Replicate, Shard
 from spmd.parallel._param_plan import ROOT, ParamPlan
+from spmd.parallel._scan import scan_of, unstacked
 
 __all__ = ["step_communication", "format_communication", "KINDS"]
 
@@ -78,11 +79,19 @@ def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dic
     n_fsdp = sizes.get(shard, 1) if shard else 1
     ti = plan.mesh_dim_names.index(model.tp.mesh_dim) if model.tp else None
     mp = fsdp.mp_policy if fsdp else None
+    scans = dict(plan.scans)
     for u in plan.units:
         regather = bool(fsdp and fsdp.reshard_after_forward) and u != ROOT and accum_steps == 1
-        for buf in _gather_buffers(plan, plan.unit_entries(u), ti):
-            _add(out, "all-gather", sum(_cast(e, mp and mp.param_dtype) for e in buf) * n_fsdp, 2 if regather else 1)
-            _add(out, "reduce-scatter", sum(_cast(e, mp and (mp.reduce_dtype or mp.param_dtype)) for e in buf) * n_fsdp)
+        # a unit run inside an nn.scan (not with accumulation, which gathers every unit once, whole) gathers
+        # one layer per iteration: its buffers as the block sees them, once per layer
+        layers = scan_of(u, scans) if u != ROOT and accum_steps == 1 else 1
+        ents = plan.unit_entries(u)
+        ents = [unstacked(e) if layers > 1 and e.stacked is not None else e for e in ents]
+        for buf in _gather_buffers(plan, ents, ti):
+            _add(out, "all-gather", sum(_cast(e, mp and mp.param_dtype) for e in buf) * n_fsdp,
+                 (2 if regather else 1) * layers)
+            _add(out, "reduce-scatter", sum(_cast(e, mp and (mp.reduce_dtype or mp.param_dtype)) for e in buf) * n_fsdp,
+                 layers)
     cut = [e for e in plan.entries if fi is not None and e.shard_dim(fi) is not None]
     whole = [e for e in plan.entries if fi is None or e.shard_dim(fi) is None]
     if cut and n_rep > 1:

@@ -33,6 +33,7 @@ import numpy as np
 
 from placements import Shard
 from spmd.parallel._param_plan import ROOT, ParamPlan, PlanEntry, path_str
+from spmd.parallel._scan import unstacked
 from spmd.parallel._shard import gather_unit
 from spmd.parallel._styles import KNOWN_EMBED, KNOWN_LINEAR, ColwiseParallel, RowwiseParallel
 from spmd.parallel._tp_calls import COLWISE_MARK, TP_COMM, TPCalls, _is_array
@@ -104,6 +105,11 @@ class Hooks(TPCalls):
             for i, y in zip(group, got):
                 out[i] = y
         return out
+
+    def entry_for(self, path: str, value: Any) -> PlanEntry:
+        """The plan entry of ``path`` as a module sees ``value``: inside the scan that stacks it, one layer."""
+        e = self.plan.entry(path)
+        return unstacked(e) if e.stacked is not None and np.ndim(value) == len(e.shape) - 1 else e
 
     def tp_cut(self, e: PlanEntry) -> bool:
         return self.ti is not None and isinstance(e.placements[self.ti], Shard)
@@ -242,7 +248,7 @@ class Hooks(TPCalls):
         params = variables.get("params", {})
         others = {k: v for k, v in variables.items() if k != "params"}
         kp, treedef = jax.tree_util.tree_flatten_with_path(params)
-        entries = [self.plan.entry(spath + "/" + path_str(k)) for k, _ in kp]
+        entries = [self.entry_for(spath + "/" + path_str(k), x) for k, x in kp]
         shards = [x for _, x in kp]
         mine = [i for i, e in enumerate(entries) if e.unit == spath]
         arrays, rebuild = _split_arrays((args, kwargs))

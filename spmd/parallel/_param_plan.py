@@ -59,6 +59,7 @@ class PlanEntry:
     local_shape: tuple[int, ...]  # padded to the chunk size: what every device stores
     unit: str
     rule: str  # the rule that placed it, or "default"
+    stacked: int | None = None  # the layer axis nn.scan stacks it along (spmd.parallel._scan), never cut
 
     @property
     def itemsize(self) -> int:
@@ -111,6 +112,7 @@ class ParamPlan:
     units: tuple[str, ...]  # gather units, in first-use order of the leaves
     treedef: Any  # the parameters' jax PyTreeDef (immutable)
     keep: tuple[str, ...] = (ROOT,)  # regexes of the units gathered once and held for the backward pass
+    scans: tuple[tuple[str, int], ...] = ()  # (module path, length) of each nn.scan over stacked parameters
 
     # --- lookup -------------------------------------------------------------------------
     def entry(self, path: str) -> PlanEntry:
@@ -277,13 +279,13 @@ def _mesh_dims(mesh: Any, where: str) -> tuple[tuple[str, ...], tuple[int, ...]]
     )
 
 
-def _default(is_fsdp: bool, gshape: tuple[int, ...], rule: Rule | None) -> Placement:
+def _default(is_fsdp: bool, gshape: tuple[int, ...], rule: Rule | None, stacked: int | None = None) -> Placement:
     """``Shard(0)`` on the fsdp dim; when the rule cuts dim 0 on another mesh dim (tensor parallel's row-wise
     and vocab cuts), the first dim no other mesh dim cuts (``Replicate`` if none): each device's block stays
     one contiguous block of the other dim's shard, which an fsdp all-gather makes whole."""
     if not is_fsdp or not gshape:
         return Replicate()
-    taken = {p.dim % len(gshape) for _, p in (rule.placements if rule else ()) if isinstance(p, Shard)}
+    taken = {p.dim % len(gshape) for _, p in (rule.placements if rule else ()) if isinstance(p, Shard)} | {stacked}
     return next((Shard(d) for d in range(len(gshape)) if d not in taken), Replicate())
 
 
@@ -305,6 +307,7 @@ def plan_params(
     fsdp: str = "fsdp",
     units: Sequence[str] = (),
     keep: Sequence[str] = (ROOT,),
+    stacked: Mapping[str, tuple[str, int]] | None = None,
 ) -> ParamPlan:
     """Place every leaf of ``params`` (arrays or ``jax.ShapeDtypeStruct``) on ``mesh``.
 
@@ -316,7 +319,8 @@ def plan_params(
     component (``block_0``, ``block_1``, ...) is a gather unit, everything
     else belongs to the ``"root"`` unit. ``keep``: regexes of the units whose
     gathered parameters are held for the backward pass rather than gathered
-    again (a model says which: ``model.fsdp_keep()``; torch keeps the root).
+    again (torch keeps the root). ``stacked``: ``{path: (scan module, axis)}``
+    of the parameters ``nn.scan`` stacks (``spmd.parallel._scan.find_stacked``).
     """
     where = "plan_params"
     names, shape = _mesh_dims(mesh, where)
@@ -349,11 +353,12 @@ def plan_params(
         gshape = tuple(int(d) for d in np.shape(x))
         dtype = np.dtype(getattr(x, "dtype", np.float32)).name
         rule_i = next((i for i, r in enumerate(rules) if r.matches(path)), None)
+        axis = (stacked or {}).get(path, (None, None))[1]
         plist: list[Placement] = []
         for dim in names:
             p = rules[rule_i].placement_for(dim) if rule_i is not None else None
             if p is None:
-                p = _default(dim == fsdp, gshape, rules[rule_i] if rule_i is not None else None)
+                p = _default(dim == fsdp, gshape, rules[rule_i] if rule_i is not None else None, axis)
             if isinstance(p, Shard) and not -len(gshape) <= p.dim < len(gshape):
                 src = f"rules[{rule_i}] ({rules[rule_i]})" if rule_i is not None else "the default"
                 raise ValueError(
@@ -370,11 +375,12 @@ def plan_params(
         if unit not in order:
             order.append(unit)
         entries.append(PlanEntry(path, gshape, dtype, tuple(plist), padded_local_shape(gshape, shape, plist), unit,
-                                 rules[rule_i].name if rule_i is not None else "default"))
+                                 rules[rule_i].name if rule_i is not None else "default", axis))
     for i, ok in enumerate(used):
         if not ok:
             raise ValueError(
                 f"{where}: rules[{i}] ({rules[i]}) matches no parameter; the paths look like "
                 f"{[e.path for e in entries[:3]]}: fix the pattern or drop the rule."
             )
-    return ParamPlan(names, shape, fsdp, tuple(entries), tuple(order), treedef, tuple(keep))
+    scans = sorted({(stacked[e.path][0], e.shape[e.stacked]) for e in entries if e.stacked is not None})
+    return ParamPlan(names, shape, fsdp, tuple(entries), tuple(order), treedef, tuple(keep), tuple(scans))

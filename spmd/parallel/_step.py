@@ -40,7 +40,8 @@ from spmd.parallel._hooks import Hooks
 from spmd.parallel._nnx import is_nnx, nnx_loss, nnx_params
 from spmd.parallel._param_plan import ROOT, ParamPlan
 from spmd.parallel._shard import entry_sharding, map_like_params, shard_params, unshard_tree
-from spmd.parallel._transforms import ParallelModule, as_parallel, build_plan
+from spmd.parallel._scan import check_unscanned, find_stacked, stacked_in, trace_seen
+from spmd.parallel._transforms import ParallelModule, as_parallel, build_plan, stacked_of
 
 __all__ = ["TrainState", "init_train_state", "make_train_step", "unshard_params", "state_shardings"]
 
@@ -73,7 +74,8 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
                      mesh: DeviceMesh | None = None) -> TrainState:
     """Step 0, laid out by the model's layouts.
 
-    ``params=``: place these (logical) parameters. Otherwise ``init_args = (rng, *example_inputs)``:
+    ``params=``: place these (logical) parameters; ``init_args``, if given, are example inputs (a model
+    whose blocks run under ``nn.scan`` needs them: the plan must know the stacked layer axis). Otherwise ``init_args = (rng, *example_inputs)``:
     initialize straight into the shards (``model.init`` compiled with the shards as its outputs) with the
     values the unwrapped model's ``init`` gives for that rng. An nnx model holds its parameters: give none.
     ``mesh=``: for a model with neither transform (DDP over every dim of ``mesh``).
@@ -94,14 +96,14 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
         if not init_args:
             raise TypeError(f"{where}: give params=, or (rng, *example_inputs) to initialize the model.")
         rng, *xs = init_args
-        abstract = jax.eval_shape(lambda r: inner.init(r, *xs)["params"], rng)
-        plan = build_plan(pm, abstract)
+        abstract, seen = trace_seen(lambda r: inner.init(r, *xs)["params"], rng)
+        plan = build_plan(pm, abstract, find_stacked(seen, abstract))
         shardings = map_like_params(plan, abstract, lambda x, e: entry_sharding(e, mesh))
         from spmd.parallel._shard import pad_tree
 
         stored = jax.jit(lambda r: pad_tree(inner.init(r, *xs)["params"], plan), out_shardings=shardings)(rng)
     else:
-        plan = build_plan(pm, params)
+        plan = build_plan(pm, params, stacked_of(inner, params, init_args))
         stored = shard_params(params, plan, mesh)
     opt_abstract = jax.eval_shape(optimizer.init, stored)
     _, opt_sh = state_shardings(plan, mesh, stored, opt_abstract, optimizer)
@@ -180,16 +182,21 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
         return model._spmd_make_train_step(loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh)
     pm = as_parallel(model, mesh, where)
     build = functools.lru_cache(maxsize=4)(lambda plan: _build(pm, loss_fn, optimizer, accum_steps, plan))
+    verified: set = set()  # the plans checked against this step's model (once each)
 
     def step(state: TrainState, batch: Any):
         if not isinstance(state, TrainState) or state.plan is None:
             raise TypeError(f"train_step: state={type(state).__name__} must be the TrainState init_train_state(model, "
                             "optimizer, ...) returns.")
-        want = build_plan(pm, jax.tree_util.tree_unflatten(
-            state.plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in state.plan.entries]))
-        if want != state.plan:
-            raise ValueError("train_step: the state was laid out for another model or plan than this step's "
-                             f"({pm!r}); build it with init_train_state on the same model.")
+        if state.plan not in verified:
+            logical = jax.tree_util.tree_unflatten(
+                state.plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in state.plan.entries])
+            if build_plan(pm, logical, stacked_in(state.plan)) != state.plan:
+                raise ValueError("train_step: the state was laid out for another model or plan than this step's "
+                                 f"({pm!r}); build it with init_train_state on the same model.")
+            if (pm.tp or set(state.plan.units) - {ROOT}) and not is_nnx(pm.module):
+                check_unscanned(state.plan, loss_fn, logical, _as_arrays(batch))
+            verified.add(state.plan)
         return build(state.plan)(state, batch)
 
     def lower(state: TrainState, batch: Any):

@@ -149,9 +149,21 @@ class ParallelModule:
         tp = self.tp.mesh_dim if self.tp else None
         return tuple(n for n in self.mesh.mesh_dim_names if n != tp)
 
-    def plan(self, params: Any) -> ParamPlan:
-        """The ``ParamPlan`` of ``params`` (arrays or shapes) under these layouts."""
-        return build_plan(self, params)
+    def plan(self, params: Any, *example_inputs: Any) -> ParamPlan:
+        """The ``ParamPlan`` of ``params`` (arrays or shapes) under these layouts; ``example_inputs``: what
+        the model is applied to, for a model whose blocks run under ``nn.scan`` (their stacked axis)."""
+        return build_plan(self, params, stacked_of(self.module, params, example_inputs))
+
+
+def stacked_of(module: Any, params: Any, example_inputs: Sequence[Any]) -> dict | None:
+    """The parameters a linen ``module`` applied to ``example_inputs`` sees stacked by ``nn.scan`` (none given:
+    ``None``; an nnx module: none)."""
+    from spmd.parallel._nnx import is_nnx
+    from spmd.parallel._scan import find_stacked, trace_seen
+
+    if not example_inputs or is_nnx(module):
+        return None
+    return find_stacked(trace_seen(lambda p: module.apply({"params": p}, *example_inputs), params)[1], params)
 
 
 def _unwrap(module: Any, where: str) -> tuple[Any, DeviceMesh | None, TPSpec | None, FSDPSpec | None]:
@@ -271,8 +283,9 @@ def _no_match(where: str, arg: str, key: str, modules: list[str]) -> ValueError:
                       "Fix the name (globs: 'layers_*.mlp.up_proj', 'transformer.h.*').")
 
 
-def build_plan(model: ParallelModule, params: Any, module_types: Mapping[str, str] | None = None) -> ParamPlan:
-    """Every parameter's placements under the model's layouts (see the module doc)."""
+def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[str, int]] | None = None) -> ParamPlan:
+    """Every parameter's placements under the model's layouts (see the module doc). ``stacked``: the
+    parameters ``nn.scan`` stacks, ``{path: (scan module, axis)}`` (``spmd.parallel._scan``): never cut."""
     where = "init_train_state"
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     if not leaves:
@@ -291,16 +304,22 @@ def build_plan(model: ParallelModule, params: Any, module_types: Mapping[str, st
             if not any(re.fullmatch(glob_regex(u, "."), m) for m in modules):
                 raise _no_match("fully_shard", "unit", u, modules)
             unit_res.append(glob_regex(u, "/"))
-    types = dict(module_types or {})
+    stacked = dict(stacked or {})
     tp_of: dict[str, Placement] = {}
     for (kp, x), path in zip(leaves, paths):
         fqn, name = param_module(path)
         shape = tuple(int(d) for d in np.shape(x))
         p: Placement = Replicate()
         hit = tp.style_for(fqn) if tp else None
+        if hit is not None and path in stacked:
+            raise ValueError(
+                f"parallelize_module: {hit[1]!r} on {fqn!r}: the module runs under nn.scan "
+                f"({stacked[path][0]!r}: its parameters are stacked by layer), and tensor parallelism inside a "
+                "scan is not supported yet; leave the scanned blocks out of the plan (fully_shard and DDP run on "
+                "them), or build the blocks as a Python list.")
         if hit is not None:
             key, style = hit
-            p = style.param_placement(fqn, types.get(fqn), name, shape)
+            p = style.param_placement(fqn, None, name, shape)
             if isinstance(p, Shard):
                 p = Shard(p.dim % len(shape))
         tp_of[path] = p
@@ -336,13 +355,13 @@ def build_plan(model: ParallelModule, params: Any, module_types: Mapping[str, st
                     f"{shape[t.dim]}, another dim=, or leave the module out of the plan.")
             pl[tp.mesh_dim] = t
         if fsdp and shape:
-            taken = {t.dim} if isinstance(t, Shard) else set()
+            taken = ({t.dim} if isinstance(t, Shard) else set()) | {stacked.get(path, (None, None))[1]}
             free = next((d for d in range(len(shape)) if d not in taken), None)
             if free is not None:
                 pl[fsdp.shard_dim] = Shard(free)
         rules.append(Rule(re.escape(path), pl, name=_rule_name(model, path)))
     return plan_params(params, sizes, rules, fsdp=fsdp.shard_dim if fsdp else "", units=tuple(unit_res),
-                       keep=(ROOT,) if (fsdp is None or fsdp.reshard_after_forward) else (".*",))
+                       keep=(ROOT,) if (fsdp is None or fsdp.reshard_after_forward) else (".*",), stacked=stacked)
 
 
 def _rule_name(model: ParallelModule, path: str) -> str:

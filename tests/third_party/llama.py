@@ -25,6 +25,7 @@ class LlamaConfig:
     num_kv_heads: int = 2
     rope_theta: float = 10000.0
     eps: float = 1e-5
+    scan_layers: bool = False  # the blocks as one nn.scan (parameters stacked by layer), as MaxText offers
 
 
 class RMSNorm(nn.Module):
@@ -99,6 +100,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class ScannedLayer(DecoderLayer):
+    """A decoder layer as an ``nn.scan`` body: ``(carry, _) -> (carry, None)``."""
+
+    def __call__(self, x, _):
+        return super().__call__(x), None
+
+
 class Llama(nn.Module):
     """tokens (b, t) -> logits (b, t, vocab)."""
 
@@ -107,12 +115,19 @@ class Llama(nn.Module):
     def setup(self):
         c = self.cfg
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size)
-        self.layers = [DecoderLayer(c) for _ in range(c.num_layers)]
+        if c.scan_layers:
+            self.layers = nn.scan(ScannedLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                                  length=c.num_layers)(c)
+        else:
+            self.layers = [DecoderLayer(c) for _ in range(c.num_layers)]
         self.norm = RMSNorm(c.eps)
         self.lm_head = nn.Dense(c.vocab_size, use_bias=False)
 
     def __call__(self, tokens):
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer(x)
+        if self.cfg.scan_layers:
+            x, _ = self.layers(x, None)
+        else:
+            for layer in self.layers:
+                x = layer(x)
         return self.lm_head(self.norm(x))
