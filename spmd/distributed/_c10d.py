@@ -148,7 +148,9 @@ def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: A
     where = "reduce"
     d = peer_rank(group, dst, group_dst, where, "dst")
     x = as_array(tensor, where, "tensor")
-    out = _run(group, "reduce", where, x, into=tensor, dst=d, op=as_reduce_op(op, where=f"{where}: op"))
+    out = _run(group, "reduce", where, x, into=tensor, async_op=async_op, dst=d, op=as_reduce_op(op, where=f"{where}: op"))
+    if isinstance(out, Work):
+        return out
     return maybe_async(deliver(tensor, out, where, "tensor"), async_op)
 
 

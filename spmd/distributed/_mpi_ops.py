@@ -186,6 +186,18 @@ def _start(c, name: str, a: np.ndarray, into: Any, kw: dict, where: str):
             return c.Iallreduce(M.IN_PLACE, buf, mop)
         buf = _target(into, (a.shape[0] // n,) + a.shape[1:], a.dtype)
         return None if buf is None else c.Ireduce_scatter_block(a, buf, mop)
+    if name == "reduce":
+        pre, mop, post = _plan(kw["op"], a.dtype, n, where)
+        if pre is not None or post is not None:
+            return None
+        if c.Get_rank() != kw["dst"]:
+            return c.Ireduce(a, None, mop, root=kw["dst"])  # as torch: this rank keeps its tensor
+        buf = _target(into, a.shape, a.dtype)
+        if buf is None:
+            return None
+        if not _same_memory(a, buf):
+            np.copyto(buf, a)
+        return c.Ireduce(M.IN_PLACE, buf, mop, root=kw["dst"])
     if name == "broadcast":
         buf = _target(into, a.shape, a.dtype)
         if buf is None:

@@ -115,7 +115,8 @@ check("CommDebugMode, MAX of floats and read-only arrays take the full path", st
 # --- async_op=True: an MPI request per call, in flight together, NumPy's values at wait()
 def async_all():
     xs, ys, zs, ws = inputs(500, 4), inputs(501, 2, np.int64), inputs(502, 2 * world, np.float64), inputs(503, world)
-    vs = inputs(504, 3, np.int32)
+    vs, us = inputs(504, 3, np.int32), inputs(505, 3, np.int64)
+    u = us[rank].copy()
     a = xs[rank].copy()
     g = np.empty(2 * world, np.int64)
     rs = np.empty(2, np.float64)
@@ -124,14 +125,15 @@ def async_all():
     works = [dist.all_reduce(a, async_op=True), dist.all_gather_into_tensor(g, ys[rank], async_op=True),
              dist.reduce_scatter_tensor(rs, zs[rank], async_op=True),
              dist.all_to_all_single(t, ws[rank], async_op=True), dist.broadcast(b, src=0, async_op=True),
-             dist.all_reduce(np.full(2, 2.0 * rank, np.float32), op="avg", async_op=True)]
-    pending = [not w.is_completed() for w in works[:4]]
+             dist.all_reduce(np.full(2, 2.0 * rank, np.float32), op="avg", async_op=True),
+             dist.reduce(u, dst=world - 1, async_op=True)]
+    pending = [not w.is_completed() for w in works[:5] + works[6:]]
     for w in reversed(works):
         w.wait()
-    return ([pending, a, g, rs, t, b, works[5].result()[0], works[0].result()[0] is a],
-            [[True] * 4, np.sum(xs, 0), np.concatenate(ys), np.sum(zs, 0)[2 * rank:2 * rank + 2],
+    return ([pending, a, g, rs, t, b, works[5].result()[0], works[0].result()[0] is a, u, works[6].result()[0] is u],
+            [[True] * 6, np.sum(xs, 0), np.concatenate(ys), np.sum(zs, 0)[2 * rank:2 * rank + 2],
              np.array([ws[r][rank] for r in range(world)], np.float32), vs[0], np.full(2, world - 1.0, np.float32),
-             True])
+             True, np.sum(us, 0) if rank == world - 1 else us[rank], True])
 check("async collectives: MPI requests, NumPy's values at wait()", async_all)
 dist.destroy_process_group()
 
