@@ -136,7 +136,7 @@ def test_one_job_of_4_ranks_runs_every_check_on_mpi(tmp_path):
             "recv into a bigger buffer is refused", "async collectives in flight together",
             "barrier (MPI_Ibarrier) times out naming its limit", "this rank listens on loopback only",
             "object collectives in a group (1 MB, MPI bytes)"} <= names
-    assert len(set().union(*rank_results(d["fast"], 4))) == 7
+    assert len(set().union(*rank_results(d["fast"], 4))) == 8
     for r in range(4):  # the seed's examples, as their comments say
         got = (d["stdout"] / f"stdout.{r}").read_text().splitlines()
         assert f"Rank {r}/4" in got
@@ -164,7 +164,7 @@ def test_one_job_of_2_ranks_dtensor_fast_path_and_a_torch_program(tmp_path):
                               MASTER_PORT=str(free_port()))
     assert rc == 0, err[-3000:]
     assert "full_tensor S(0)" in set().union(*rank_results(tmp_path / "dt", 2))
-    assert len(set().union(*rank_results(tmp_path / "fast", 2))) == 7
+    assert len(set().union(*rank_results(tmp_path / "fast", 2))) == 8
     if torch_here:
         out = "\n".join(f"[rank{r}]: {line}" for r in range(2)
                         for line in (tmp_path / "stdout" / f"stdout.{r}").read_text().splitlines())

@@ -43,6 +43,7 @@ _ENTRIES: dict[tuple, "_Entry"] = {}
 _FOR: Any = None  # the State the entries belong to (None: no fast path now)
 _ACTIVE = _debug._ACTIVE
 _ND = np.ndarray
+_TORCH: Any = None  # torch.Tensor, once a call saw one (torch is never imported here)
 _monotonic = time.monotonic
 
 
@@ -60,6 +61,26 @@ class _Entry:
 
 def _broken(e: _Entry, mark: tuple, error: Exception):
     raise PeerError(_guard.broken_message(_FOR, _guard.as_call(mark), error)) from error
+
+
+def _view(x: Any) -> np.ndarray | None:
+    """The NumPy view of a plain CPU torch tensor (not a view of another, no grad), else None."""
+    if type(x) is not _TORCH or x.requires_grad or x._base is not None:
+        return None
+    try:
+        return x.numpy()  # raises for a tensor not in CPU memory, and for bfloat16 (the full path's)
+    except (TypeError, RuntimeError):
+        return None
+
+
+def _buffer(x: Any) -> np.ndarray | None:
+    """What the fast path calls MPI on for ``x``: a NumPy array itself, a torch tensor's view (noted)."""
+    global _TORCH
+    if type(x) is _ND:
+        return x
+    if _TORCH is None and type(x).__name__ == "Tensor" and type(x).__module__.startswith("torch"):
+        _TORCH = type(x)
+    return _view(x)
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
@@ -101,18 +122,19 @@ def _reduction(op: Any, dtype: np.dtype, n: int, where: str):
 
 # --- all_reduce -------------------------------------------------------------------------------------
 def _all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    if type(tensor) is not _ND or async_op or _state._STATE is not _FOR or _ACTIVE.get():
+    b = tensor if type(tensor) is _ND else _view(tensor)
+    if b is None or async_op or _state._STATE is not _FOR or _ACTIVE.get():
         return NotImplemented
-    e = _ENTRIES.get(("all_reduce", tensor.dtype, tensor.shape, id(op), id(group)))
+    e = _ENTRIES.get(("all_reduce", b.dtype, b.shape, id(op), id(group)))
     if e is None:
         return NotImplemented
-    f = tensor.flags
+    f = b.flags
     if not (f.writeable and f.c_contiguous):
         return NotImplemented
     wd = e.wd
     wd.active = mark = (e.spec, next(e.counter), _monotonic())
     try:
-        e.run(e.root, tensor, e.mop)  # root: MPI_IN_PLACE
+        e.run(e.root, b, e.mop)  # root: MPI_IN_PLACE
     except _mpi.MPI.Exception as err:
         _broken(e, mark, err)
     finally:
@@ -123,29 +145,31 @@ def _all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
 
 
 def _all_reduce_learn(out, tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    if out is not tensor or type(tensor) is not _ND or async_op or _usable() is None:
+    b = None if out is not tensor or async_op else _buffer(tensor)
+    if b is None or _usable() is None:
         return
     n = len(group_of(group, "all_reduce", non_member="allow").global_ranks())
-    rop, mop = _reduction(op, tensor.dtype, n, "all_reduce")
+    rop, mop = _reduction(op, b.dtype, n, "all_reduce")
     if mop is not None:
-        _learn(("all_reduce", tensor.dtype, tensor.shape, id(op), id(group)), "all_reduce", group, {"op": rop},
-               tensor, "Allreduce", (op, group), mop=mop, root=_mpi.MPI.IN_PLACE)
+        _learn(("all_reduce", b.dtype, b.shape, id(op), id(group)), "all_reduce", group, {"op": rop},
+               b, "Allreduce", (op, group), mop=mop, root=_mpi.MPI.IN_PLACE)
 
 
 # --- broadcast --------------------------------------------------------------------------------------
 def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    if type(tensor) is not _ND or async_op or _state._STATE is not _FOR or _ACTIVE.get():
+    b = tensor if type(tensor) is _ND else _view(tensor)
+    if b is None or async_op or _state._STATE is not _FOR or _ACTIVE.get():
         return NotImplemented
-    e = _ENTRIES.get(("broadcast", tensor.dtype, tensor.shape, src, group_src, id(group)))
+    e = _ENTRIES.get(("broadcast", b.dtype, b.shape, src, group_src, id(group)))
     if e is None:
         return NotImplemented
-    f = tensor.flags
+    f = b.flags
     if not (f.writeable and f.c_contiguous):
         return NotImplemented
     wd = e.wd
     wd.active = mark = (e.spec, next(e.counter), _monotonic())
     try:
-        e.run(tensor if e.direct else _bytes(tensor), root=e.root)
+        e.run(b if e.direct else _bytes(b), root=e.root)
     except _mpi.MPI.Exception as err:
         _broken(e, mark, err)
     finally:
@@ -156,19 +180,26 @@ def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
 
 
 def _broadcast_learn(out, tensor, src=None, group=None, async_op=False, group_src=None):
-    if out is not tensor or type(tensor) is not _ND or async_op or _usable() is None:
+    b = None if out is not tensor or async_op else _buffer(tensor)
+    if b is None or _usable() is None:
         return
     g = group_of(group, "broadcast", non_member="allow")
     root = peer_rank(g, src, group_src, "broadcast", "src")
-    _learn(("broadcast", tensor.dtype, tensor.shape, src, group_src, id(group)), "broadcast", group, {"src": root},
-           tensor, "Bcast", (group,), root=root, direct=tensor.dtype.char in _DIRECT)
+    _learn(("broadcast", b.dtype, b.shape, src, group_src, id(group)), "broadcast", group, {"src": root},
+           b, "Bcast", (group,), root=root, direct=b.dtype.char in _DIRECT)
 
 
 # --- output <- input: all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single ---------------
 def _pair(name: str, output, input, op, group, async_op):  # noqa: A002
     """The cached call of ``name`` from ``input`` into ``output``, or NotImplemented."""
-    if type(output) is not _ND or type(input) is not _ND or async_op or _state._STATE is not _FOR or _ACTIVE.get():
+    result = output
+    if output is input or async_op or _state._STATE is not _FOR or _ACTIVE.get():
         return NotImplemented
+    if type(output) is not _ND or type(input) is not _ND:  # torch tensors: neither a view of another
+        output = output if type(output) is _ND else _view(output)
+        input = input if type(input) is _ND else _view(input)
+        if output is None or input is None:
+            return NotImplemented
     e = _ENTRIES.get((name, output.dtype, output.shape, input.dtype, input.shape, id(op), id(group)))
     if e is None:
         return NotImplemented
@@ -176,7 +207,7 @@ def _pair(name: str, output, input, op, group, async_op):  # noqa: A002
     if not (f.writeable and f.c_contiguous and input.flags.c_contiguous):
         return NotImplemented
     base = output.base
-    if output is input or base is not None and (base is input or base is input.base):  # aliased: the full path
+    if type(result) is _ND and base is not None and (base is input or base is input.base):  # aliased: full path
         return NotImplemented
     wd = e.wd
     wd.active = mark = (e.spec, next(e.counter), _monotonic())
@@ -193,12 +224,14 @@ def _pair(name: str, output, input, op, group, async_op):  # noqa: A002
         wd.active = None
         if wd.published is mark:
             wd.unpublish(mark)
-    return output
+    return result
 
 
 def _pair_learn(name: str, where: str, out, output, input, op, group, async_op) -> None:  # noqa: A002
-    if (out is not output or type(output) is not _ND or type(input) is not _ND or async_op or _usable() is None
-            or input.ndim == 0):
+    if out is not output or output is input or async_op:
+        return
+    output, input = _buffer(output), _buffer(input)
+    if output is None or input is None or input.ndim == 0 or _usable() is None:
         return
     n = len(group_of(group, where, non_member="allow").global_ranks())
     key = (name, output.dtype, output.shape, input.dtype, input.shape, id(op), id(group))

@@ -112,6 +112,40 @@ def steps_aside():
 check("CommDebugMode, MAX of floats and read-only arrays take the full path", steps_aside)
 
 
+def torch_tensors():
+    """CPU torch tensors take the cached calls too (their NumPy views); a tensor that requires grad, a view of
+    another and a bfloat16 one take the full path, with the same values."""
+    try:
+        import torch
+    except ImportError:
+        return True, True
+    t = torch.zeros(5, dtype=torch.float64)
+    g = torch.zeros(world, 2, dtype=torch.int32)
+    sums, gathered = [], []
+    for step in range(3):
+        xs = inputs(600 + step, 5, np.float64)
+        t.copy_(torch.from_numpy(xs[rank]))
+        dist.all_reduce(t)
+        sums.append(t.numpy().copy())
+        ys = inputs(700 + step, 2, np.int32)
+        dist.all_gather_into_tensor(g, torch.from_numpy(ys[rank]))
+        gathered.append(g.numpy().copy())
+    cached = sorted(k[0] for k in _mpi_fast._ENTRIES
+                    if (k[1], k[2]) in ((np.dtype(np.float64), (5,)), (np.dtype(np.int32), (world, 2))))
+    big = torch.zeros(4)
+    view = big[:2]
+    bf = torch.ones(3, dtype=torch.bfloat16)
+    for _ in range(2):
+        view.fill_(1.0)
+        dist.all_reduce(view)
+        dist.all_reduce(bf)
+    return ([sums, gathered, cached, big.numpy(), bf.float().numpy()],
+            [[np.sum(inputs(600 + s, 5, np.float64), 0) for s in range(3)],
+             [np.stack(inputs(700 + s, 2, np.int32)) for s in range(3)], ["all_gather_into_tensor", "all_reduce"],
+             np.array([world, world, 0, 0], np.float32), np.full(3, float(world) ** 2, np.float32)])
+check("torch tensors: cached calls on their NumPy views, the full path for views / bfloat16", torch_tensors)
+
+
 # --- async_op=True: an MPI request per call, in flight together, NumPy's values at wait()
 def async_all():
     xs, ys, zs, ws = inputs(500, 4), inputs(501, 2, np.int64), inputs(502, 2 * world, np.float64), inputs(503, world)
