@@ -131,6 +131,28 @@ class SpmdApi(SphinxDirective):
         return node.children
 
 
+def fences_to_rst(app, what, name, obj, options, lines: list[str]) -> None:
+    """Docstrings use markdown fences (```python); autodoc reads reST: make them code-block directives."""
+    out: list[str] = []
+    fence = None
+    for line in lines:
+        stripped = line.strip()
+        indent = line[: len(line) - len(line.lstrip())]
+        if fence is None and stripped.startswith("```"):
+            fence = indent
+            lang = stripped[3:].strip() or "text"
+            out += [f"{indent}.. code-block:: {lang}", ""]
+        elif fence is not None and stripped == "```":
+            fence = None
+            out.append("")
+        elif fence is not None:
+            out.append(f"{fence}   {line[len(fence):]}" if line.strip() else "")
+        else:
+            out.append(line)
+    lines[:] = out
+
+
 def setup(app):
     app.add_directive("spmd-api", SpmdApi)
+    app.connect("autodoc-process-docstring", fences_to_rst)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
