@@ -189,6 +189,11 @@ class Layout:
         return jax.tree_util.tree_unflatten(self.treedef, [flat[p] for p in self.paths])
 
     def plan(self, mesh: DeviceMesh, pp: str):
+        if getattr(self, "_plan", None) is None:
+            self._plan = self._make_plan(mesh, pp)
+        return self._plan
+
+    def _make_plan(self, mesh: DeviceMesh, pp: str):
         sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
         return plan_params(self.stored_shapes(), sizes, [Rule(re.escape(STAGES) + "/.*", {pp: _shard0()},
                                                                name="pipeline stages")], fsdp="")
@@ -216,7 +221,7 @@ class Layout:
             if context.method_name != "__call__" or getattr(mod, "scope", None) is None:
                 return next_fun(*args, **kwargs)
             path = "/".join(str(p) for p in mod.scope.path)
-            if path not in self.unit_of.values() and path not in self.found:
+            if path not in self.found:
                 return next_fun(*args, **kwargs)
             return on_unit(path, mod, next_fun, args, kwargs)
 

@@ -18,6 +18,7 @@ The unit gradients are averaged over the data dims; the rest (embeddings, head) 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import jax
@@ -32,7 +33,7 @@ from spmd.parallel._shard import entry_sharding, map_like_params
 from spmd.parallel._step import TrainState, _as_arrays, _check_batch, _split_loss, state_shardings
 
 __all__ = ["init_pipeline_state", "make_pipeline_step", "unshard_pipeline_params", "pipeline_communication", "STAGES",
-           "REST"]
+           "REST", "hlo_permute_pairs"]
 
 STAGES, REST = "stages", "rest"  # the stored tree: the stacked unit parameters, the others by path
 
@@ -81,40 +82,51 @@ def unshard_pipeline_params(pm: "PipelineModule", params) -> Any:
     return jax.jit(lay.unstack, out_shardings=rep)(params)
 
 
-def pipeline_communication(pm: "PipelineModule", lay, n_local: int, accum_steps: int) -> dict:
-    """Per step and pipeline group: the activation / gradient transfers of the schedule (one micro-batch, one
-    stage boundary each), their elements and bytes; the data-parallel all-reduce of the gradients."""
+def pipeline_communication(pm: "PipelineModule", lay, accum_steps: int) -> dict:
+    """What one step communicates per device, in ``spmd.parallel.hlo_executed_collectives``' terms (scalars
+    aside): one ``collective-permute`` per tick with sends each way, moving one micro-batch's activation
+    (``B / (M x data) x T x D`` elements) over each of ``pairs`` stage boundaries (``M x (stages - 1)`` each way per
+    pipeline); one all-reduce of the stage gradients over the data dims and one of the other gradients over
+    pp and the data dims. Plus the schedule's bubble and activation slots."""
     s = pm.schedule
     act = lay.act
     elems = int(np.prod(act.shape))
-    t = s.transfers()
+    ab = elems * act.dtype.itemsize
     n_data = int(np.prod([pm.mesh.size(d) for d in pm.data_dims])) if pm.data_dims else 1
-    per = {k: v * accum_steps for k, v in t.items()}
-    st_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in lay.stored_shapes()[STAGES].values())
+    ops = {k: sum(1 for p in s.sends(k) if p) * accum_steps for k in ("F", "B")}
+    pairs = {k: v * accum_steps for k, v in s.transfers().items()}
+    st_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in lay.stored_shapes()[STAGES].values()) // s.pp
     rest_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in lay.stored_shapes()[REST].values())
     return {
-        "schedule": s.name, "pp": s.pp, "num_microbatches": s.num_microbatches,
-        "stages_per_rank": s.stages_per_rank, "stages": s.num_stages,
-        "activation_shape": tuple(act.shape), "activation_elements": elems,
-        "collective-permute": {"forward": per["forward"], "backward": per["backward"],
-                               "pairs": per["forward"] + per["backward"],
-                               "bytes": (per["forward"] + per["backward"]) * elems * act.dtype.itemsize},
-        "all-reduce": {"stage gradients over data dims (bytes per device)": st_bytes // s.pp if n_data > 1 else 0,
-                       "rest gradients over pp x data dims (bytes)": rest_bytes},
-        "bubble": s.bubble, "bubble_formula": s.formula,
+        "collective-permute": {"count": ops["F"] + ops["B"], "bytes": (ops["F"] + ops["B"]) * ab,
+                               "pairs": pairs, "ops": {"forward": ops["F"], "backward": ops["B"]}},
+        "all-reduce": {"count": 1 + (n_data > 1), "bytes": rest_bytes + (st_bytes if n_data > 1 else 0)},
+        "schedule": s.name, "pp": s.pp, "num_microbatches": s.num_microbatches, "stages_per_rank": s.stages_per_rank,
+        "activation_shape": tuple(act.shape), "activation_bytes": ab, "bubble": s.bubble, "bubble_formula": s.formula,
         "activation_slots": max(s.x_slots), "gradient_slots": max(s.g_slots),
-        "activation_bound_bytes": (max(s.x_slots) + max(s.g_slots)) * elems * act.dtype.itemsize,
+        "activation_bound_bytes": (max(s.x_slots) + max(s.g_slots)) * ab,
     }
+
+
+def hlo_permute_pairs(text: str, n_replicas: int = 1) -> int:
+    """Source-target pairs of the collective-permutes in HLO ``text``, per pipeline (``n_replicas``: data
+    replicas, each its own pairs in one op); loop bodies counted once."""
+    pairs = 0
+    for line in text.splitlines():
+        if re.search(r"collective-permute(-start)?\(", line):
+            m = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+            pairs += m[1].count("{") if m else 0
+    return pairs // n_replicas
 
 
 def format_pipeline_communication(c: dict) -> str:
     cp = c["collective-permute"]
     return (f"pipeline {c['schedule']} pp={c['pp']} M={c['num_microbatches']} v={c['stages_per_rank']}: "
-            f"{cp['forward']} activation + {cp['backward']} gradient transfers of {c['activation_shape']} "
-            f"({c['activation_elements']} elements) per pipeline = M x (stages - 1) each way; "
-            f"{cp['bytes']} bytes; bubble {c['bubble']:.4f} (formula {c['bubble_formula']:.4f}); "
-            f"{c['activation_slots']} activation + {c['gradient_slots']} gradient slots per rank "
-            f"({c['activation_bound_bytes']} bytes)")
+            f"{cp['pairs']['forward']} activation + {cp['pairs']['backward']} gradient transfers of "
+            f"{c['activation_shape']} per pipeline (M x (stages - 1) each way) in {cp['count']} collective-permutes "
+            f"({cp['bytes']} bytes); all-reduce {c['all-reduce']['bytes']} bytes; bubble {c['bubble']:.4f} (formula "
+            f"{c['bubble_formula']:.4f}); {c['activation_slots']} activation + {c['gradient_slots']} gradient slots "
+            f"per rank ({c['activation_bound_bytes']} bytes)")
 
 
 def _tables(pm: "PipelineModule") -> list[dict]:
@@ -168,7 +180,7 @@ def make_pipeline_step(pm: "PipelineModule", loss_fn: Callable, optimizer, *, ac
             mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n_local // (accum_steps * m_count), *np.shape(x)[1:]),
                                                              jnp.result_type(x)), batch)
             lay.record(loss_fn, jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths]), mb)
-            builds[key] = (_build(pm, lay, loss_fn, optimizer, accum_steps, state.plan), lay, n_local)
+            builds[key] = [_build(pm, lay, loss_fn, optimizer, accum_steps, state.plan), lay, n_local]
         return builds[key]
 
     def check(state, batch):
@@ -179,20 +191,32 @@ def make_pipeline_step(pm: "PipelineModule", loss_fn: Callable, optimizer, *, ac
             raise ValueError(f"train_step: the state was laid out for another model than this step's ({pm!r}); build "
                              "it with init_train_state on the same model.")
         batch = _as_arrays(batch)
-        _check_batch(batch, n_data * m_count, accum_steps, data + (pm.pp + " micro-batches",),
-                     {**sizes, pm.pp + " micro-batches": m_count})
+        _check_batch(batch, n_data, 1, data, sizes)
+        n = np.shape(jax.tree.leaves(batch)[0])[0]
+        if n % (n_data * m_count * accum_steps):
+            raise ValueError(
+                f"train_step: the batch has {n} examples; each of the {n_data} data-parallel replicas cuts its rows into "
+                f"num_microbatches={m_count}" + (f" x accum_steps={accum_steps}" if accum_steps > 1 else "")
+                + f" micro-batches: use a batch size that is a multiple of {n_data * m_count * accum_steps}.")
         return batch
 
-    def step(state, batch):
+    def compiled(state, batch):
+        """The compiled step for ``(state, batch)`` (``.as_text()``, ``.memory_analysis()``); what ``step`` runs."""
         batch = check(state, batch)
-        return build(state, batch)[0](state, batch)
+        b = build(state, batch)
+        if len(b) == 3:
+            b.append(b[0].lower(state, batch).compile())
+        return b[3]
+
+    def step(state, batch):
+        return compiled(state, batch)(state, _as_arrays(batch))
 
     def communication(state, batch) -> dict:
         batch = check(state, batch)
-        _, lay, n_local = build(state, batch)
-        return pipeline_communication(pm, lay, n_local, accum_steps)
+        return pipeline_communication(pm, build(state, batch)[1], accum_steps)
 
     step.lower = lambda state, batch: build(state, check(state, batch))[0].lower(state, check(state, batch))
+    step.compiled = compiled
     step.communication = communication
     step.table = lambda state, batch: (state.plan.table() + "\n" + str(pm.schedule) + "\n"
                                        + format_pipeline_communication(communication(state, batch)))
@@ -301,10 +325,11 @@ def _build(pm: "PipelineModule", lay, loss_fn, optimizer, accum_steps: int, plan
         gsp = jax.tree.map(lambda g: g / k, gsp)
         grest = jax.tree.map(lambda g: g / k, grest)
         metrics = {"loss": loss / k, **jax.tree.map(lambda a: a / k, aux)}
-        grest = lax.psum(grest, ppd)
-        metrics = lax.psum(metrics, ppd)
+        # one all-reduce each: the rest over pp (summed: each end's part) and the data dims (averaged)
+        n_data = int(np.prod([mesh.size(d) for d in data])) if data else 1
+        grest, metrics = jax.tree.map(lambda g: g / n_data, lax.psum((grest, metrics), (ppd, *data)))
         if data:
-            gsp, grest, metrics = lax.pmean((gsp, grest, metrics), data)
+            gsp = lax.pmean(gsp, data)
         return {STAGES: gsp, REST: grest}, metrics
 
     names = mesh.mesh_dim_names
