@@ -160,6 +160,8 @@ def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     b = tensor if type(tensor) is _ND else _view(tensor)
     if b is None or async_op or _state._STATE is not _FOR or _ACTIVE.get():
         return NotImplemented
+    if not (type(src) is int or src is None) or not (type(group_src) is int or group_src is None):
+        return NotImplemented  # the full path says what is wrong with them
     e = _ENTRIES.get(("broadcast", b.dtype, b.shape, src, group_src, id(group)))
     if e is None:
         return NotImplemented
