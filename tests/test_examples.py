@@ -94,8 +94,8 @@ def test_own_model_3d():
     out = _run([sys.executable, "examples/own_model_3d.py"])
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
     tokens = np.random.default_rng(0).integers(0, 64, (32, 17)).astype(np.int32)
-    params = Llama(cfg).init(jax.random.key(0), tokens[:2, :-1])["params"]
-    logits = Llama(cfg).apply({"params": params}, tokens[:, :-1])
+    params = jax.jit(Llama(cfg).init)(jax.random.key(0), tokens[:2, :-1])["params"]
+    logits = jax.jit(Llama(cfg).apply)({"params": params}, tokens[:, :-1])
     loss0 = float(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean())  # 1 device
     losses = [float(v) for v in re.findall(r"^step \d: loss (\S+)$", out, re.M)]
     assert len(losses) == 5 and losses[0] == pytest.approx(loss0, abs=1e-4)
