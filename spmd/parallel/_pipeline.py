@@ -61,8 +61,9 @@ class PipelineModule:
     """The user's model split into pipeline stages (what ``pipeline`` returns); calls and attributes forward
     to the model. ``schedule``: the tick table (``print(model.schedule)``)."""
 
-    def __init__(self, module, mesh: DeviceMesh, pp: str, units: str, schedule: Schedule):
-        for k, v in dict(module=module, mesh=mesh, pp=pp, units=units, schedule=schedule, _layouts={}).items():
+    def __init__(self, module, mesh: DeviceMesh, pp: str, units: str, schedule: Schedule, unroll: bool = True):
+        for k, v in dict(module=module, mesh=mesh, pp=pp, units=units, schedule=schedule, unroll=unroll,
+                         _layouts={}).items():
             object.__setattr__(self, k, v)
 
     def __getattr__(self, name: str) -> Any:
@@ -298,12 +299,15 @@ def _shard0():
 
 
 def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_microbatches: int,
-             schedule: str = "1f1b", stages_per_rank: int = 1) -> PipelineModule:
+             schedule: str = "1f1b", stages_per_rank: int = 1, unroll: bool = True) -> PipelineModule:
     """Split ``model``'s ``units`` into pipeline stages over the 1-D ``mesh`` (``mesh["pp"]``); see the module doc.
 
     ``num_microbatches``: the per-replica batch is cut into this many micro-batches (it must divide it);
     ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (``stages_per_rank`` chunks per rank, Megatron's
-    interleaved 1F1B; ``num_microbatches`` a multiple of pp).
+    interleaved 1F1B; ``num_microbatches`` a multiple of pp). ``unroll=True``: the ticks unrolled, each
+    tick's collective-permute over exactly its sends (the compiled program moves each micro-batch once per
+    boundary each way); ``False``: one loop over the ticks, the sends picked per tick from the schedule's
+    distinct pair sets (a program the size of one tick: faster to compile for long schedules).
     """
     where = "pipeline"
     if isinstance(model, (ParallelModule, PipelineModule)):
@@ -334,5 +338,7 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
         raise ValueError(f"{where}: num_microbatches={num_microbatches} is not a multiple of "
                          f"{mesh.mesh_dim_names[0]}={pp}; the interleaved schedule runs micro-batches in groups of "
                          f"pp: use {pp * -(-num_microbatches // pp)}.")
+    if not isinstance(unroll, bool):
+        raise TypeError(f"{where}: unroll={unroll!r} must be a bool.")
     sched = build_schedule(schedule, pp, num_microbatches, stages_per_rank)
-    return PipelineModule(model, mesh.root_mesh, mesh.mesh_dim_names[0], units.replace(".", "/"), sched)
+    return PipelineModule(model, mesh.root_mesh, mesh.mesh_dim_names[0], units.replace(".", "/"), sched, unroll)

@@ -225,6 +225,7 @@ def make_pipeline_step(pm: "PipelineModule", loss_fn: Callable, optimizer, *, ac
 
 
 def _build(pm: "PipelineModule", lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
+    unroll = pm.unroll
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     s = pm.schedule
     m_count, v, lc = s.num_microbatches, s.stages_per_rank, lay.per_slot
@@ -252,6 +253,7 @@ def _build(pm: "PipelineModule", lay, loss_fn, optimizer, accum_steps: int, plan
                                                  *x.shape[1:]), batch)
         aux0 = jax.eval_shape(lambda: loss_aux(rest, jax.tree.map(lambda x: x[0, 0], micro),
                                                jnp.zeros(act.shape, act.dtype))[1])
+        aux0z = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0)
 
         def one_pass(carry, mbs):
             gsp, grest, loss, aux = carry
@@ -267,15 +269,11 @@ def _build(pm: "PipelineModule", lay, loss_fn, optimizer, accum_steps: int, plan
 
             def fwd(role):
                 def f(c, j, m, xi, gi):
-                    xb, gb, gsp, grest, loss, aux = c
+                    if role in ("last", "only"):  # the loss comes with the backward's recomputation
+                        return c, zero_act, zero_act
                     mb = mb_of(m)
-                    x = lay.pre(loss_fn, rest, mb) if role in ("first", "only") else xb[xi]
-                    y = chunk(sp, r, j, x)
-                    if role in ("last", "only"):
-                        lo, ax = loss_aux(rest, mb, y)
-                        return (xb, gb, gsp, grest, loss + lo / m_count,
-                                jax.tree.map(lambda a, b: a + b / m_count, aux, ax)), zero_act, zero_act
-                    return c, y, zero_act
+                    x = lay.pre(loss_fn, rest, mb) if role == "first" else c[0][xi]
+                    return c, chunk(sp, r, j, x), zero_act
                 return f
 
             def bwd(role):
@@ -286,33 +284,62 @@ def _build(pm: "PipelineModule", lay, loss_fn, optimizer, accum_steps: int, plan
 
                     def g(rest_, sp_, x):
                         h = chunk(sp_, r, j, lay.pre(loss_fn, rest_, mb) if first else x)
-                        return loss_aux(rest_, mb, h)[0] / m_count if last else h
+                        if not last:
+                            return h, aux0z
+                        lo, ax = loss_aux(rest_, mb, h)
+                        return lo / m_count, ax
 
                     x = zero_act if first else xb[xi]
-                    out, pull = jax.vjp(g, rest, sp, x)
+                    out, pull, ax = jax.vjp(g, rest, sp, x, has_aux=True)
                     drest, dsp, dx = pull(jnp.ones_like(out) if last else gb[gi])
                     gsp = jax.tree.map(jnp.add, gsp, dsp)
                     grest = jax.tree.map(jnp.add, grest, drest)
+                    if last:
+                        loss = loss + out
+                        aux = jax.tree.map(lambda a, b: a + b / m_count, aux, ax)
                     return (xb, gb, gsp, grest, loss, aux), zero_act, (zero_act if first else dx)
                 return f
 
             branches = [idle] + [fwd(ro) for ro in _ROLES] + [bwd(ro) for ro in _ROLES]
             c = (xbuf, gbuf, gsp, grest, loss, aux)
-            for tb in tables:
-                pick = lambda a: jnp.asarray(a)[r]  # noqa: E731
-                used = sorted(set(tb["code"].tolist()))  # only the branches some rank runs at this tick
-                args = (c, pick(tb["j"]), pick(tb["m"]), pick(tb["xr"]), pick(tb["gr"]))
+
+            def compute(c, code, used, row):
+                args = (c, *row)
                 if len(used) == 1:
-                    c, sf, sb = branches[used[0]](*args)
-                else:
+                    return branches[used[0]](*args)
+                return lax.switch(code, [branches[k] for k in used], *args)
+
+            if unroll:
+                for tb in tables:
+                    pick = lambda a: jnp.asarray(a)[r]  # noqa: E731
+                    used = sorted(set(tb["code"].tolist()))  # only the branches some rank runs at this tick
                     local = np.array([used.index(k) for k in tb["code"]], np.int32)
-                    c, sf, sb = lax.switch(pick(local), [branches[k] for k in used], *args)
-                xb, gb, *others = c
-                if tb["fwd"]:
-                    xb = xb.at[pick(tb["rx"])].set(lax.ppermute(sf, ppd, tb["fwd"]))
-                if tb["bwd"]:
-                    gb = gb.at[pick(tb["rg"])].set(lax.ppermute(sb, ppd, tb["bwd"]))
-                c = (xb, gb, *others)
+                    c, sf, sb = compute(c, pick(local), used, [pick(tb[k]) for k in ("j", "m", "xr", "gr")])
+                    xb, gb, *others = c
+                    if tb["fwd"]:
+                        xb = xb.at[pick(tb["rx"])].set(lax.ppermute(sf, ppd, tb["fwd"]))
+                    if tb["bwd"]:
+                        gb = gb.at[pick(tb["rg"])].set(lax.ppermute(sb, ppd, tb["bwd"]))
+                    c = (xb, gb, *others)
+            else:  # one loop over the ticks: each tick's sends picked from the distinct pair sets
+                used = sorted({k for tb in tables for k in tb["code"].tolist()})
+                cols = {k: jnp.asarray(np.stack([tb[k] for tb in tables])) for k in ("j", "m", "xr", "gr", "rx", "rg")}
+                code = jnp.asarray(np.stack([[used.index(k) for k in tb["code"]] for tb in tables]))
+                sends = {}
+                for d in ("fwd", "bwd"):
+                    sets = sorted({tuple(tb[d]) for tb in tables if tb[d]})
+                    sends[d] = (jnp.asarray([sets.index(tuple(tb[d])) + 1 if tb[d] else 0 for tb in tables]),
+                                [lambda x: jnp.zeros_like(x)] + [lambda x, p=p: lax.ppermute(x, ppd, list(p))
+                                                                 for p in sets])
+
+                def tick(t, c):
+                    c, sf, sb = compute(c, code[t, r], used, [cols[k][t, r] for k in ("j", "m", "xr", "gr")])
+                    xb, gb, *others = c
+                    xb = xb.at[cols["rx"][t, r]].set(lax.switch(sends["fwd"][0][t], sends["fwd"][1], sf))
+                    gb = gb.at[cols["rg"][t, r]].set(lax.switch(sends["bwd"][0][t], sends["bwd"][1], sb))
+                    return (xb, gb, *others)
+
+                c = lax.fori_loop(0, len(tables), tick, c)
             return tuple(c[2:]), None
 
         zeros = jax.tree.map(jnp.zeros_like, (sp, rest))
