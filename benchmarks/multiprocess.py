@@ -97,6 +97,9 @@ def worker(framework: str, sizes: list[int], out: str, budget: float) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return int(t.item())
     elif framework == "mpi4py":
+        from spmd.distributed._mpi import prepare_environment
+
+        prepare_environment()  # the MPICH settings spmd-mpi runs with (sleeping waits when oversubscribed)
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
@@ -327,9 +330,12 @@ def pair_worker(sizes: list[int], out: str, rounds: int = 9, calls: int = 30) ->
     """In the same processes (one mpiexec job), round by round: spmd's call on mpi, then the same MPI call
     written with mpi4py on the same buffers; both see the same load, so their ratio is the layer's cost."""
     import numpy as np
-    from mpi4py import MPI
 
     import spmd.distributed as dist
+    from spmd.distributed._mpi import prepare_environment
+
+    prepare_environment()  # before MPI starts, as init_process_group("mpi") does
+    from mpi4py import MPI
 
     dist.init_process_group("mpi")
     comm, n = MPI.COMM_WORLD, dist.get_world_size()

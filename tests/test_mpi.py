@@ -9,6 +9,7 @@ what is MPI's own. Skipped without the ``spmd[mpi]`` extra (mpi4py + MPICH).
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -231,3 +232,24 @@ def test_backend_none_under_mpiexec_and_spmdrun_backend_mpi_choose_mpi(clean):
     assert _backend.resolve_backend(None).name == "gloo"
     clean.setenv("SPMD_BACKEND", "mpi")  # spmdrun --backend mpi: the script's CPU backend runs on MPI
     assert _backend.resolve_backend("gloo").name == "mpi" and _backend.resolve_backend(None).name == "mpi"
+
+
+def test_mpich_settings_before_mpi_starts(clean):
+    """Loopback only when every rank runs here; sleeping waits with more ranks here than cores; the user's win."""
+    from spmd.distributed import _mpi
+
+    cores = len(os.sched_getaffinity(0))
+    for var in ("UCX_NET_DEVICES", "FI_TCP_IFACE", "MPIR_CVAR_ENABLE_HEAVY_YIELD"):
+        clean.delenv(var, raising=False)
+    clean.setenv("MPI_LOCALNRANKS", str(cores))
+    clean.setenv("PMI_SIZE", str(cores))
+    _mpi.prepare_environment()
+    assert (os.environ["UCX_NET_DEVICES"], os.environ["FI_TCP_IFACE"]) == ("lo", "lo")
+    assert "MPIR_CVAR_ENABLE_HEAVY_YIELD" not in os.environ  # one rank per core: spin (lower latency)
+    clean.setenv("MPI_LOCALNRANKS", str(cores + 1))
+    clean.setenv("UCX_NET_DEVICES", "eth0")
+    _mpi.prepare_environment()
+    assert os.environ["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "1" and os.environ["UCX_NET_DEVICES"] == "eth0"
+    clean.setenv("MPIR_CVAR_ENABLE_HEAVY_YIELD", "0")
+    _mpi.prepare_environment()
+    assert os.environ["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "0"
