@@ -23,7 +23,7 @@ import spmd.distributed as dist
 from spmd._spawn import free_port
 from spmd.distributed import _backend
 from spmd import run
-from test_launcher import SCRIPTS, clean_env, rank_results, spmdrun  # noqa: E402
+from test_launcher import ROOT, SCRIPTS, clean_env, rank_results  # noqa: E402
 
 _MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
@@ -175,15 +175,22 @@ def test_one_job_of_2_ranks_dtensor_fast_path_and_a_torch_program(tmp_path):
         assert program_lines(out) == want
 
 
-@pytest.mark.timeout(120)
-def test_failures_on_mpi_end_every_rank():
-    """A stuck collective (a fast-path call) ends every rank naming the absent one, within the timeout; a rank
-    that raises or dies ends the job at once (mpiexec ends the others)."""
+@pytest.mark.timeout(150)
+def test_failures_on_mpi_end_every_rank_and_spmdrun_relaunches():
+    """Side by side (they mostly wait): a stuck collective (a fast-path call) ends every rank naming the absent
+    one, within the timeout; a rank that raises or dies ends the job at once (mpiexec ends the others); and
+    ``spmdrun --backend mpi`` runs a job whose rank fails, says so, and relaunches it, which then succeeds."""
     _needs_mpi()
     jobs = {"stuck": mpiexec(2, _chain(("guard.py", "late")), start=True, SPMD_TIMEOUT="3"),
             "raise": mpiexec(3, _chain(("fail.py", "raise")), start=True, SPMD_TIMEOUT="30"),
             "hard": mpiexec(3, _chain(("fail.py", "hard")), start=True, SPMD_TIMEOUT="30")}
-    done = {name: finish(job, timeout=100) for name, job in jobs.items()}
+    # spmdrun starts mpiexec (no RANK: MPI gives it); init_process_group() joins on mpi (SPMD_BACKEND);
+    # lines prefixed by rank; the restart count reaches the script (SPMD_RESTART_COUNT)
+    jobs["spmdrun"] = (subprocess.Popen([sys.executable, "-m", "spmd.run", "--backend", "mpi", "--nproc-per-node", "2",
+                                         "--max-restarts", "1", str(SCRIPTS / "fail.py"), "restart"],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                                        cwd=ROOT), time.monotonic())
+    done = {name: finish(job, timeout=120) for name, job in jobs.items()}
     rc, out, err, took = done["stuck"]
     assert rc != 0
     assert ("all_reduce: rank 0 waited 3 s (the timeout) in all_reduce (call #1 of Group(WORLD)) "
@@ -196,16 +203,7 @@ def test_failures_on_mpi_end_every_rank():
         assert "second all_reduce" not in out
         assert took < 30  # well before the collective's timeout: mpiexec ends the job when a rank dies
     assert "RuntimeError: boom from rank 2" in done["raise"][2]
-
-
-@pytest.mark.timeout(120)
-def test_spmdrun_starts_mpiexec_and_restarts_the_job():
-    """``spmdrun --backend mpi``: mpiexec runs the ranks (rank and world size from MPI: spmdrun sets no RANK),
-    ``init_process_group()`` joins on mpi (SPMD_BACKEND), lines are prefixed by rank, a failing rank fails the job
-    and spmdrun relaunches it (SPMD_RESTART_COUNT), which then succeeds."""
-    _needs_mpi()
-    rc, out, err, took = spmdrun("--backend", "mpi", "--nproc-per-node", "2", "--max-restarts", "1",
-                                 str(SCRIPTS / "fail.py"), "restart", timeout=110)
+    rc, out, err, took = done["spmdrun"]
     assert rc == 0, err[-3000:]
     text = out + err
     assert "[rank1]: RuntimeError: boom from rank 1 on attempt 0" in text
