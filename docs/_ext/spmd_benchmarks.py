@@ -136,6 +136,7 @@ class BenchmarkTables(SphinxDirective):
     def run(self):
         name = self.arguments[0]
         path = RESULTS / name
+        self.env.temp_data.setdefault("spmd_benchmarks_used", set()).add(name)
         self.env.note_dependency(str(path))
         data = json.loads(path.read_text())
         where = self.options.get("path", "")
@@ -193,6 +194,37 @@ class BenchmarkTables(SphinxDirective):
         return out
 
 
+class BenchmarkOthers(SphinxDirective):
+    """``benchmark-others``: every results file no ``benchmark-tables`` above it on the page rendered, so a
+    new benchmark's JSON shows up without editing the page (tables where its records are found)."""
+
+    def run(self):
+        used = self.env.temp_data.get("spmd_benchmarks_used", set())
+        out: list[nodes.Node] = []
+        for path in sorted(RESULTS.glob("*.json")):
+            if path.name in used:
+                continue
+            self.env.note_dependency(str(path))
+            data = json.loads(path.read_text())
+            out.append(nodes.rubric(text=path.name))
+            groups = list(_records(data, "", lambda flat: _width(flat) <= MAX_COLUMNS))
+            for title, recs in groups:
+                keys: dict = {}
+                for _, f in recs:
+                    keys.update(dict.fromkeys(f))
+                named = any(k is not None for k, _ in recs)
+                header = ([""] if named else []) + list(keys)
+                rows = [([k] if named else []) + [_cell(f.get(c)) for c in keys] for k, f in recs]
+                if title:
+                    out.append(nodes.paragraph(text=title))
+                out.append(_table(header, rows))
+            if not groups:
+                top = ", ".join(map(str, data)) if isinstance(data, dict) else f"a list of {len(data)}"
+                out.append(nodes.paragraph(text=f"No table of records; its top-level entries: {top}."))
+        return out
+
+
 def setup(app):
     app.add_directive("benchmark-tables", BenchmarkTables)
+    app.add_directive("benchmark-others", BenchmarkOthers)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
