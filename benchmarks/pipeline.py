@@ -1,8 +1,8 @@
 """Benchmark: pipeline schedules side by side (spmd.parallel.pipeline: gpipe, 1f1b, interleaved).
 
-The project's Transformer (8 blocks, d_model 64, 4 heads, vocabulary 64, sequences of 16) on ``pp=4,dp=2``
-(8 CPU fake devices), a global batch of 64 sequences (32 per pipeline), AdamW + clipping, for each
-schedule at ``M = pp, 2pp, 4pp`` micro-batches (interleaved: ``v = 2`` chunks of one block per rank).
+The project's Transformer (8 blocks, d_model 64, 4 heads, vocabulary 64, sequences of 16) on ``pp=4``
+(4 CPU fake devices), a batch of 32 sequences, AdamW, for each schedule at ``M = pp, 2pp, 4pp``
+micro-batches (interleaved: ``v = 2`` chunks of one block per rank).
 Every layout is compiled first (the tick loop form, ``unroll=False``: one tick's program, so long schedules
 compile in seconds; the sends per tick are the schedule's), then timed in interleaved rounds (median round).
 
@@ -17,6 +17,10 @@ Reported per layout:
   rank's compute: the wall clock cannot show the bubble here; it shows each schedule's cost);
 - the compiled step's temp memory (``memory_analysis()``) and the schedule's activation bound (activation
   + gradient slots x one micro-batch's activation), and the collective-permutes the HLO holds.
+
+torch (when installed): ``torch.distributed.pipelining`` with the same schedule (``ScheduleGPipe``,
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``) and M, the same model split by hand into ``PipelineStage``s
+(the head untied: torch cannot tie weights across stages), 4 gloo CPU processes of one thread each.
 
     python benchmarks/pipeline.py           # a few minutes on 2 idle cores
     python benchmarks/pipeline.py --quick   # smoke run (M = pp only)
@@ -35,7 +39,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-VOCAB, SEQ, D, LAYERS, HEADS, BATCH, PP, DP = 64, 16, 64, 8, 4, 64, 4, 2
+VOCAB, SEQ, D, LAYERS, HEADS, BATCH, PP, DP = 64, 16, 64, 8, 4, 32, 4, 1
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 
 
@@ -95,9 +99,13 @@ def action_times(model, params, rows: int, layers: int) -> tuple[float, float]:
 
 
 def main(argv):
-    quick = "--quick" in argv
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, HERE)
+    from _common import benchmark_args
+
+    a = benchmark_args(argv, __doc__, "M = pp only", "torch.distributed.pipelining", _torch_main, ROOT)
+    if a is None:
+        return
+    quick = a.quick
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -109,10 +117,10 @@ def main(argv):
 
     model = Transformer(vocab_size=VOCAB, max_len=SEQ, num_layers=LAYERS, d_model=D, num_heads=HEADS, mlp_ratio=2)
     params = model.init(jax.random.key(0), jnp.zeros((2, SEQ), jnp.int32))["params"]
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    opt = optax.adamw(1e-3, weight_decay=0.01)
     tok = np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ + 1))
     batch = {"inputs": tok[:, :-1].astype(np.int32), "targets": tok[:, 1:].astype(np.int32)}
-    mesh = spmd.init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    mesh = spmd.init_device_mesh("cpu", (PP,), mesh_dim_names=("pp",))
     ms = (PP,) if quick else (PP, 2 * PP, 4 * PP)
     runs = []
     for m in ms:
@@ -174,16 +182,18 @@ def main(argv):
             "permute_ops_table": tb["collective-permute"]["count"], "hlo_permute_instructions": r["hlo_permutes"],
             "all_reduce_bytes_table": tb["all-reduce"]["bytes"], "all_reduce_bytes_hlo": r["hlo_all_reduce_bytes"],
         })
+        if not a.no_torch:
+            out[-1]["torch"] = run_torch(r["schedule"], r["M"], steps=3 if quick else 10, warmup=2)
         o = out[-1]
         print(f"{o['schedule']:>11} M={o['M']:>2}: bubble formula {o['bubble_formula']:.3f} table "
               f"{o['bubble_table']:.3f} timed lockstep {o['bubble_timed_lockstep']:.3f} async "
               f"{o['bubble_timed_async']:.3f}; step {o['step_ms']:.1f} ms ({o['samples_per_s']:.0f} samples/s); "
               f"temp {o['temp_bytes']} B, activation bound {o['activation_bound_bytes']} B "
-              f"({o['activation_slots']}+{o['gradient_slots']} slots)", flush=True)
+              f"({o['activation_slots']}+{o['gradient_slots']} slots); torch {o.get('torch')}", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     name = "pipeline_quick" if quick else "pipeline"
     meta = {"model": f"Transformer(vocab={VOCAB}, seq={SEQ}, d_model={D}, layers={LAYERS}, heads={HEADS})",
-            "global_batch": BATCH, "mesh": f"pp={PP},dp={DP}", "devices": "8 CPU fake devices",
+            "global_batch": BATCH, "mesh": f"pp={PP}", "devices": f"{PP} CPU fake devices (torch: {PP} gloo processes)",
             "jax": jax.__version__, "unroll": False}
     with open(os.path.join(RESULTS, name + ".json"), "w") as f:
         json.dump({"meta": meta, "runs": out}, f, indent=1)
@@ -207,7 +217,9 @@ def plot(out, path):
         ax[0].plot(ms, [o["bubble_formula"] for o in rs], "-", color=c, label=f"{name} formula")
         ax[0].plot(ms, [o["bubble_table"] for o in rs], "o", color=c, label=f"{name} table")
         ax[0].plot(ms, [o["bubble_timed_lockstep"] for o in rs], "x--", color=c, label=f"{name} timed (lockstep)")
-        ax[1].plot(ms, [o["step_ms"] for o in rs], "o-", color=c, label=name)
+        ax[1].plot(ms, [o["step_ms"] for o in rs], "o-", color=c, label=f"ours {name}")
+        if all("samples_per_s" in o.get("torch", {}) for o in rs):
+            ax[1].plot(ms, [o["torch"]["step_ms"] for o in rs], "s:", color=c, label=f"torch {name}")
         ax[2].plot(ms, [o["temp_bytes"] / 1024 for o in rs], "o-", color=c, label=f"{name} temp")
         ax[2].plot(ms, [o["activation_bound_bytes"] / 1024 for o in rs], "x--", color=c, label=f"{name} bound")
     ax[0].set(title=f"bubble, pp={PP}", xlabel="micro-batches M", ylabel="fraction of the step")
@@ -217,6 +229,104 @@ def plot(out, path):
         a.legend(fontsize=7)
         a.set_xscale("log", base=2)
     save_figure(fig, path)
+
+
+# --- torch.distributed.pipelining on gloo CPU processes -------------------------------------------------
+def _torch_worker(rank, world, name, m, steps, warmup, port, out_path):
+    import datetime
+
+    from _common import torch_timed  # benchmarks/ is on the path: this script's folder
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    v = 2 if name == "interleaved" else 1
+    n_st = world * v
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+            self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+            self.fc, self.fc_out = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, w = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, D // HEADS).unbind(2)
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), w.transpose(1, 2), is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, D))
+            return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+    class Stage(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.first, self.last = c == 0, c == n_st - 1
+            if self.first:
+                self.embed = nn.Embedding(VOCAB, D)
+                self.pos = nn.Parameter(torch.randn(SEQ, D) * 0.02)
+            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS // n_st))
+            if self.last:
+                self.ln_f, self.out = nn.LayerNorm(D), nn.Linear(D, VOCAB, bias=False)
+
+        def forward(self, x):
+            if self.first:
+                x = self.embed(x) + self.pos[: x.shape[1]]
+            for blk in self.blocks:
+                x = blk(x)
+            return self.out(self.ln_f(x)) if self.last else x
+
+    torch.manual_seed(0)
+    stages = [PipelineStage(Stage(c), c, n_st, torch.device("cpu")) for c in range(rank, n_st, world)]
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    if v == 1:
+        sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stages[0], m, loss_fn=loss_fn)
+    else:
+        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+    opt = torch.optim.AdamW([p for st in stages for p in st.submod.parameters()], lr=1e-3, weight_decay=0.01)
+    seq = torch.tensor(np.random.default_rng(0).integers(0, VOCAB, size=(BATCH, SEQ + 1))).long()
+    x, y = seq[:, :-1], seq[:, 1:]
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            sched.step(x)
+        elif rank == world - 1:
+            sched.step(target=y, losses=[])
+        else:
+            sched.step()
+        opt.step()
+
+    dt, cpu = torch_timed(step, warmup, steps)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"samples_per_s": steps * BATCH / dt, "step_ms": 1000 * dt / steps,
+                       "cpu_ms_per_step": 1000 * cpu * world / steps}, f)
+    dist.destroy_process_group()
+
+
+def _torch_main(what, world, steps, warmup, out_path):
+    import torch.multiprocessing as mp
+    from _common import free_port
+
+    name, m = what.split(":")
+    mp.spawn(_torch_worker, args=(world, name, int(m), steps, warmup, free_port(), out_path), nprocs=world, join=True)
+
+
+def run_torch(name: str, m: int, steps: int, warmup: int) -> dict:
+    from _common import run_torch_worker
+
+    return run_torch_worker(__file__, [f"{name}:{m}", PP, steps, warmup], os.path.join(RESULTS, ".torch_pp.json"), 600,
+                            tail=800)
 
 
 if __name__ == "__main__":
