@@ -2,8 +2,9 @@
 
 - ``shard_units(model)``: the ``fully_shard`` units (torch's ``fully_shard`` on each block / layer);
 - ``transformer_tp_plan(sequence_parallel)``: Megatron-LM's plan of ``models.Transformer`` for
-  ``parallelize_module``: a vocabulary-parallel embedding (the tied output projection ``embed.attend``
-  stays in global view), the attention's ``qkv`` column-parallel on the heads (its ``DenseGeneral``
+  ``parallelize_module``: a vocabulary-parallel embedding and its tied output projection ``embed.attend``
+  (column-parallel on the vocabulary, the logits gathered: the loss and accuracy then need no
+  collective; the digit task's vocabulary is tiny), the attention's ``qkv`` column-parallel on the heads (its ``DenseGeneral``
   kernel is ``(D, 3, H, D/H)``: ``dim=2``), ``proj`` row-parallel on its heads input (kernel
   ``(H, D/H, D)``, input ``(b, t, H, D/H)`` cut on dim 2), the MLP's ``fc`` column- and ``fc_out``
   row-parallel; with sequence parallelism the norms run on the device's positions and the activations
@@ -70,9 +71,10 @@ def transformer_tp_plan(sequence_parallel: bool = False, *, vocab_size: int | No
             "block_*.attn.proj": RowwiseParallel(input_layouts=Shard(2)),  # input (b, t, H, D/H) cut on the heads
             "block_*.fc": ColwiseParallel(),
             "block_*.fc_out": RowwiseParallel(),
+            "embed.attend": ColwiseParallel(output_layouts=Replicate()),  # the tied head on the vocabulary rows
         }
         if not vocab_parallel:
-            del plan["embed"]
+            del plan["embed"], plan["embed.attend"]
         return plan
     return {
         "embed": (RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)) if vocab_parallel else
@@ -84,6 +86,7 @@ def transformer_tp_plan(sequence_parallel: bool = False, *, vocab_size: int | No
         "block_*.attn.proj": RowwiseParallel(input_layouts=Shard(2), output_layouts=Shard(1)),
         "block_*.fc": ColwiseParallel(input_layouts=Shard(1)),
         "block_*.fc_out": RowwiseParallel(output_layouts=Shard(1)),
+        **({"embed.attend": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())} if vocab_parallel else {}),
     }
 
 

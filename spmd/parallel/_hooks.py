@@ -37,7 +37,7 @@ from spmd.parallel._scan import unstacked
 from spmd.parallel._shard import gather_unit
 from spmd.parallel._styles import KNOWN_EMBED, KNOWN_LINEAR, ColwiseParallel, RowwiseParallel
 from spmd.parallel._tp_calls import COLWISE_MARK, TP_COMM, TPCalls, _is_array
-from spmd.parallel._transforms import ParallelModule
+from spmd.parallel._transforms import METHODS, ParallelModule
 
 __all__ = ["Hooks", "COLWISE_MARK", "TP_COMM"]
 
@@ -76,7 +76,6 @@ class Hooks(TPCalls):
         self.units = set(plan.units) - {ROOT}
         self.prefix: tuple[str, ...] = ()
         self.active: set[str] = set()
-        self.types: dict[str, str] = {}
         self.records: list[tuple] = []  # (module, style, input bytes, output bytes) of each styled call
         self.bypass = False
 
@@ -208,20 +207,27 @@ class Hooks(TPCalls):
         path = self.prefix + tuple(str(p) for p in mod.scope.path)
         fqn, spath = ".".join(path), "/".join(path)
         typ = type(mod).__name__
-        self.types.setdefault(fqn, typ)
         if self.gather_units and spath in self.units and spath not in self.active:
             return self._linen_unit(spath, path, mod, context.method_name, args, kwargs)
-        if context.method_name != "__call__" or self.model.tp is None or self.model.tp.style_for(fqn) is None:
+        method = context.method_name
+        key = fqn if method == "__call__" else f"{fqn}.{method}"  # "embed.attend": a styled method
+        if method not in ("__call__", *METHODS) or self.model.tp is None or self.model.tp.style_for(key) is None:
             return next_fun(*args, **kwargs)
         own = mod.variables.get("params", {})
         kp, pdef = jax.tree_util.tree_flatten_with_path(own)
         params = [(spath + "/" + path_str(k), v) for k, v in kp]
+        if method == "attend":
+            self._check_attend(key, params)
 
         def run_local(vals, a, k, zero_bias):
             tree = jax.tree_util.tree_unflatten(pdef, vals)
             if zero_bias and "bias" in tree:
                 tree = {**tree, "bias": jnp.zeros_like(tree["bias"])}
-            style = self.model.tp.style_for(fqn)[1]
+            style = self.model.tp.style_for(key)[1]
+            if method == "attend":  # the tied head on this device's rows of the table: its vocabulary columns
+                with self.bypassing():
+                    return mod.clone(parent=None, num_embeddings=tree["embedding"].shape[0]).apply(
+                        {"params": tree}, *a, method="attend", **k)
             if isinstance(style, RowwiseParallel) and typ in KNOWN_EMBED:
                 return self._embed_rows(tree["embedding"], a[0], getattr(mod, "dtype", None))
             attrs = {}
@@ -241,7 +247,16 @@ class Hooks(TPCalls):
                     f"({err}). Give it a 'features' attribute, use a known type ({', '.join(KNOWN_LINEAR)}), or "
                     "leave it out of the plan.") from None
 
-        return self.around(fqn, typ, next_fun, args, kwargs, params, run_local)
+        return self.around(key, typ, next_fun, args, kwargs, params, run_local)
+
+    def _check_attend(self, key: str, params) -> None:
+        style = self.model.tp.style_for(key)[1]
+        e = self.plan.entry(params[0][0]) if params else None
+        if not isinstance(style, ColwiseParallel) or e is None or (self.ti is not None and e.shard_dim(self.ti) != 0):
+            raise ValueError(
+                f"parallelize_module: {style!r} on {key!r}: a tied output projection runs column-parallel on the "
+                "vocabulary, the embedding table's rows: use ColwiseParallel(output_layouts=Replicate()) (or "
+                f"Shard(-1)) on {key!r} with RowwiseParallel() (a vocabulary-cut lookup) or nothing on its module.")
 
     def _linen_unit(self, spath: str, path: tuple, mod, method: str, args, kwargs):
         variables = mod.variables
@@ -276,7 +291,6 @@ class Hooks(TPCalls):
         """A hooked nnx submodule's ``__call__`` (see ``spmd.parallel._nnx``)."""
         spath = fqn.replace(".", "/")
         typ = type(sub).__name__
-        self.types.setdefault(fqn, typ)
         if self.gather_units and spath in self.units and spath not in self.active:
             return self._nnx_unit(spath, sub, orig, args, kwargs)
         call = lambda *a, **k: orig(sub, *a, **k)  # noqa: E731

@@ -22,6 +22,12 @@ global shape, and a layout is a sharding constraint. So code that reshapes by th
 unchanged, and ``use_local_output`` is accepted for porting but changes nothing: the next module sees the
 global array either way.
 
+A plan key may also name a module's method: ``"embed.attend": ColwiseParallel(output_layouts=Replicate())``
+runs a tied output projection (linen ``Embed.attend``) column-parallel on the vocabulary, the table's rows
+(with ``"embed": RowwiseParallel()``, the vocabulary-parallel lookup, or alone): each device computes its
+vocabulary's logits; ``Replicate`` gathers them (the loss then needs no collective), ``Shard(-1)`` keeps
+them cut (the user's loss in global view: XLA reduces per token).
+
 ``dim=`` names the kernel dim to cut explicitly: needed for module types the styles do not know (Hugging
 Face's ``FlaxConv1D`` stores its kernel ``(out, in)``: ``ColwiseParallel(dim=0)``) and for a
 ``DenseGeneral`` whose first output axis is not the one to cut (heads of a ``(D, 3, H, hd)`` kernel:

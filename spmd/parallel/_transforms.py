@@ -87,6 +87,9 @@ class FSDPSpec:
     mp_policy: MixedPrecisionPolicy | None
 
 
+METHODS = ("attend",)  # module methods a plan key may style: "embed.attend", a tied output projection
+
+
 def glob_regex(glob: str, sep: str) -> str:
     """``layers_*.mlp`` -> a regex over ``sep``-joined paths, each ``*`` within one component."""
     atoms = re.split(r"[./]", glob)
@@ -296,7 +299,9 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
     if tp:
         for key, _ in tp.plan:
-            if not any(re.fullmatch(glob_regex(key, "."), m) for m in modules):
+            head, _, method = key.rpartition(".")
+            on = [key] + ([head] if method in METHODS else [])  # "embed.attend": a method of module "embed"
+            if not any(re.fullmatch(glob_regex(k, "."), m) for k in on for m in modules):
                 raise _no_match("parallelize_module", "plan key", key, modules)
     unit_res = []
     if fsdp:
@@ -317,7 +322,10 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
                 f"({stacked[path][0]!r}: its parameters are stacked by layer), and tensor parallelism inside a "
                 "scan is not supported yet; leave the scanned blocks out of the plan (fully_shard and DDP run on "
                 "them), or build the blocks as a Python list.")
-        if hit is not None:
+        if hit is None and tp and name == "embedding" and tp.style_for(fqn + ".attend"):
+            hit = tp.style_for(fqn + ".attend")  # a tied head alone: its vocabulary cut is the table's rows
+            p = Shard(0) if isinstance(hit[1], ColwiseParallel) else Replicate()
+        elif hit is not None:
             key, style = hit
             p = style.param_placement(fqn, None, name, shape)
             if isinstance(p, Shard):
