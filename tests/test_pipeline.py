@@ -19,7 +19,8 @@ import optax
 import pytest
 
 import spmd
-from spmd.parallel import build_schedule, hlo_executed_collectives, init_train_state, make_train_step, pipeline
+from spmd.parallel import (build_schedule, fully_shard, hlo_executed_collectives, init_train_state, make_train_step,
+                           pipeline)
 from spmd.parallel import unshard_params
 from spmd._inspect import hlo_collectives
 from spmd.parallel._pipeline_step import hlo_permute_pairs
@@ -112,6 +113,7 @@ CONFIGS = {  # name: (model, mesh, schedule, M, v, accum_steps, unroll)
     "pp4dp2-1f1b": ("llama", (4, 2), "1f1b", 4, 1, 1, True),
     "pp2dp4-interleaved": ("llama", (2, 4), "interleaved", 2, 2, 1, True),
     "pp2dp4-gpipe-transformer-uneven-loop": ("transformer", (2, 4), "gpipe", 2, 1, 1, False),
+    "pp2fsdp4-1f1b": ("llama", (2, 4), "1f1b", 2, 1, 1, True),  # the stages fully sharded over fsdp
 }
 
 
@@ -119,7 +121,10 @@ CONFIGS = {  # name: (model, mesh, schedule, M, v, accum_steps, unroll)
 def _run(config):
     name, shape, sched, m_count, v, accum, unroll = CONFIGS[config]
     model, params, units = _model(name)
-    mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp"))
+    data = "fsdp" if "fsdp" in config else "dp"
+    mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=("pp", data))
+    if data == "fsdp":
+        model = fully_shard(model, mesh=mesh["fsdp"])
     pm = pipeline(model, mesh["pp"], units=units, num_microbatches=m_count, schedule=sched, stages_per_rank=v,
                   unroll=unroll)
     state = init_train_state(pm, OPT, params=params)
@@ -160,11 +165,13 @@ def test_hlo_collectives_equal_table(config):
     run = _run(config)
     got = hlo_executed_collectives(run["text"], scalars=False)
     want = run["table"]
-    for kind in ("collective-permute", "all-reduce"):
-        assert got[kind]["count"] == want[kind]["count"], kind
+    assert got["collective-permute"]["count"] == want["collective-permute"]["count"]
+    for kind in ("collective-permute", "all-reduce", "all-gather", "reduce-scatter"):
         assert got[kind]["bytes"] == want[kind]["bytes"], kind
-    for kind in ("all-gather", "reduce-scatter", "all-to-all"):
-        assert got[kind]["count"] == 0
+    for kind in ("all-gather", "reduce-scatter"):  # fsdp: each stage parameter gathered once, its gradient cut once
+        assert got[kind]["buffers"] == want[kind]["buffers"], kind
+    assert got["all-to-all"]["count"] == 0
+    assert (got["all-gather"]["count"] > 0) == ("fsdp" in config)
     s = run["pm"].schedule
     per_pass = s.num_microbatches * (s.num_stages - 1)  # one per micro-batch and stage boundary, each way
     assert want["collective-permute"]["pairs"] == {"forward": per_pass * run["accum"], "backward": per_pass * run["accum"]}

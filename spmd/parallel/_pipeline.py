@@ -61,8 +61,9 @@ class PipelineModule:
     """The user's model split into pipeline stages (what ``pipeline`` returns); calls and attributes forward
     to the model. ``schedule``: the tick table (``print(model.schedule)``)."""
 
-    def __init__(self, module, mesh: DeviceMesh, pp: str, units: str, schedule: Schedule, unroll: bool = True):
-        for k, v in dict(module=module, mesh=mesh, pp=pp, units=units, schedule=schedule, unroll=unroll,
+    def __init__(self, module, mesh: DeviceMesh, pp: str, units: str, schedule: Schedule, unroll: bool = True,
+                 fsdp: str | None = None):
+        for k, v in dict(module=module, mesh=mesh, pp=pp, units=units, schedule=schedule, unroll=unroll, fsdp=fsdp,
                          _layouts={}).items():
             object.__setattr__(self, k, v)
 
@@ -78,7 +79,8 @@ class PipelineModule:
     def __repr__(self) -> str:
         s = self.schedule
         return (f"PipelineModule({type(self.module).__name__}; units {self.units!r} over {self.pp}={s.pp}, "
-                f"{s.name}, M={s.num_microbatches}, v={s.stages_per_rank}; mesh "
+                f"{s.name}, M={s.num_microbatches}, v={s.stages_per_rank}" + (f"; stages fsdp on {self.fsdp!r}"
+                                                                              if self.fsdp else "") + "; mesh "
                 f"{dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))})")
 
     @property
@@ -163,6 +165,7 @@ class Layout:
             for l, u in enumerate(self.stage_units[c]):
                 self.rows[r * v * lc + j * lc + l] = u
         self.valid = np.array(self.rows).reshape(pp, v, lc) >= 0
+        self.fsdp, self.n_fsdp = pm.fsdp, (pm.mesh.size(pm.fsdp) if pm.fsdp else 0)
         self.unit_mod = None
         self.act = None
 
@@ -194,10 +197,25 @@ class Layout:
             self._plan = self._make_plan(mesh, pp)
         return self._plan
 
+    def fsdp_dim(self, rel: str) -> int | None:
+        """The dim of stacked stage parameter ``rel`` cut over the fsdp dim: its largest dim after the stacked
+        one that the fsdp size divides (None: kept whole, as a vector too short to cut)."""
+        if not self.n_fsdp or self.n_fsdp == 1:
+            return None
+        shape = self.shapes[f"{self.units[0]}/{rel}"].shape
+        ok = [d for d in range(len(shape)) if shape[d] % self.n_fsdp == 0]
+        return 1 + max(ok, key=lambda d: shape[d]) if ok else None
+
     def _make_plan(self, mesh: DeviceMesh, pp: str):
+        from placements import Shard
+
         sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
-        return plan_params(self.stored_shapes(), sizes, [Rule(re.escape(STAGES) + "/.*", {pp: _shard0()},
-                                                               name="pipeline stages")], fsdp="")
+        rules = []
+        for rel in self.rel:
+            d = self.fsdp_dim(rel)
+            pl = {pp: Shard(0), **({self.fsdp: Shard(d)} if d is not None else {})}
+            rules.append(Rule(re.escape(f"{STAGES}/{rel}"), pl, name="pipeline stages" + (" + fully_shard" if d else "")))
+        return plan_params(self.stored_shapes(), sizes, rules, fsdp="")
 
     def full_params(self, rest: dict) -> Any:
         """The user's parameter tree from the rest: units get zeros (never read: their calls are intercepted)."""
@@ -292,12 +310,6 @@ class Layout:
         return self.unit_mod.apply({"params": self.unit_tree(leaves)}, x)
 
 
-def _shard0():
-    from placements import Shard
-
-    return Shard(0)
-
-
 def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_microbatches: int,
              schedule: str = "1f1b", stages_per_rank: int = 1, unroll: bool = True) -> PipelineModule:
     """Split ``model``'s ``units`` into pipeline stages over the 1-D ``mesh`` (``mesh["pp"]``); see the module doc.
@@ -310,9 +322,19 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     distinct pair sets (a program the size of one tick: faster to compile for long schedules).
     """
     where = "pipeline"
-    if isinstance(model, (ParallelModule, PipelineModule)):
-        raise ValueError(f"{where}: model={model!r} is already laid out; pipeline the plain model (composition with "
-                         "fully_shard / parallelize_module is not offered: the other mesh dims train it data-parallel).")
+    fsdp = None
+    if isinstance(model, PipelineModule):
+        raise ValueError(f"{where}: model={model!r} is already pipelined; pipeline the plain model once.")
+    if isinstance(model, ParallelModule):
+        if model.tp is not None or model.fsdp is None or model.fsdp.replicate_dims or model.fsdp.mp_policy:
+            raise ValueError(f"{where}: model={model!r}: pipeline composes with fully_shard(model, mesh=mesh['fsdp']) "
+                             "(1-D, no mp_policy) only; parallelize_module and HSDP with pipeline are not offered: "
+                             "leave them out (the mesh's other dims train data-parallel).")
+        fsdp = model.fsdp.shard_dim
+        if model.mesh != mesh.root_mesh:
+            raise ValueError(f"{where}: mesh={mesh!r} is not cut from the mesh the model was sharded on "
+                             f"({model.mesh!r}); cut every sub-mesh from one mesh.")
+        model = model.module
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{where}: mesh={mesh!r} must be a spmd.DeviceMesh, the pipeline dim of the mesh (mesh['pp']).")
     if mesh.ndim != 1:
@@ -341,4 +363,4 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     if not isinstance(unroll, bool):
         raise TypeError(f"{where}: unroll={unroll!r} must be a bool.")
     sched = build_schedule(schedule, pp, num_microbatches, stages_per_rank)
-    return PipelineModule(model, mesh.root_mesh, mesh.mesh_dim_names[0], units.replace(".", "/"), sched, unroll)
+    return PipelineModule(model, mesh.root_mesh, mesh.mesh_dim_names[0], units.replace(".", "/"), sched, unroll, fsdp)

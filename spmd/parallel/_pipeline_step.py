@@ -95,12 +95,22 @@ def pipeline_communication(pm: "PipelineModule", lay, accum_steps: int) -> dict:
     n_data = int(np.prod([pm.mesh.size(d) for d in pm.data_dims])) if pm.data_dims else 1
     ops = {k: sum(1 for p in s.sends(k) if p) * accum_steps for k in ("F", "B")}
     pairs = {k: v * accum_steps for k, v in s.transfers().items()}
-    st_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in lay.stored_shapes()[STAGES].values()) // s.pp
-    rest_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in lay.stored_shapes()[REST].values())
+    def nbytes(x):
+        return int(np.prod(x.shape)) * x.dtype.itemsize
+
+    st = lay.stored_shapes()[STAGES]
+    cut = [rel for rel in lay.rel if lay.fsdp_dim(rel) is not None]
+    whole = sum(nbytes(st[rel]) for rel in lay.rel if rel not in cut) // s.pp
+    gathered = sum(nbytes(st[rel]) for rel in cut) // s.pp  # a rank's stages, full over fsdp
+    n_other = n_data // (lay.n_fsdp or 1)
+    rest_bytes = sum(nbytes(x) for x in lay.stored_shapes()[REST].values())
+    ar = rest_bytes + (whole if n_data > 1 else 0) + (gathered // lay.n_fsdp if cut and n_other > 1 else 0)
     return {
         "collective-permute": {"count": ops["F"] + ops["B"], "bytes": (ops["F"] + ops["B"]) * ab,
                                "pairs": pairs, "ops": {"forward": ops["F"], "backward": ops["B"]}},
-        "all-reduce": {"count": 1 + (n_data > 1), "bytes": rest_bytes + (st_bytes if n_data > 1 else 0)},
+        "all-reduce": {"bytes": ar},
+        "all-gather": {"bytes": gathered, "buffers": len(cut)},
+        "reduce-scatter": {"bytes": gathered, "buffers": len(cut)},
         "schedule": s.name, "pp": s.pp, "num_microbatches": s.num_microbatches, "stages_per_rank": s.stages_per_rank,
         "activation_shape": tuple(act.shape), "activation_bytes": ab, "bubble": s.bubble, "bubble_formula": s.formula,
         "activation_slots": max(s.x_slots), "gradient_slots": max(s.g_slots),
@@ -245,9 +255,13 @@ def _build(pm: "PipelineModule", lay, loss_fn, optimizer, accum_steps: int, plan
     def loss_aux(rest, mb, h):
         return _split_loss(lay.post(loss_fn, rest, mb, h), "make_train_step")
 
+    fd = {rel: lay.fsdp_dim(rel) for rel in lay.rel}  # stage parameters cut over fsdp: gathered once per step
+
     def region(stored, batch):
         r = lax.axis_index(ppd)
         sp, rest = stored[STAGES], stored[REST]
+        sp = {rel: x if fd[rel] is None else lax.all_gather(x, lay.fsdp, axis=fd[rel], tiled=True)
+              for rel, x in sp.items()}
         n_local = jax.tree.leaves(batch)[0].shape[0]
         micro = jax.tree.map(lambda x: x.reshape(accum_steps, m_count, n_local // (accum_steps * m_count),
                                                  *x.shape[1:]), batch)
@@ -355,12 +369,21 @@ def _build(pm: "PipelineModule", lay, loss_fn, optimizer, accum_steps: int, plan
         # one all-reduce each: the rest over pp (summed: each end's part) and the data dims (averaged)
         n_data = int(np.prod([mesh.size(d) for d in data])) if data else 1
         grest, metrics = jax.tree.map(lambda g: g / n_data, lax.psum((grest, metrics), (ppd, *data)))
-        if data:
-            gsp = lax.pmean(gsp, data)
+        cut = {rel for rel in lay.rel if fd[rel] is not None}  # reduce-scattered over fsdp (the gather's transpose)
+        gsp = {rel: lax.psum_scatter(g, lay.fsdp, scatter_dimension=fd[rel], tiled=True) / lay.n_fsdp
+               if rel in cut else g for rel, g in gsp.items()}
+        others = tuple(d for d in data if d != lay.fsdp)
+        whole = {rel: g for rel, g in gsp.items() if rel not in cut}
+        if data and whole:
+            whole = lax.pmean(whole, data)
+        shards = {rel: g for rel, g in gsp.items() if rel in cut}
+        if others and shards:
+            shards = lax.pmean(shards, others)
+        gsp = {**whole, **shards}
         return {STAGES: gsp, REST: grest}, metrics
 
     names = mesh.mesh_dim_names
-    st_spec = {rel: P(ppd) for rel in lay.rel}
+    st_spec = {rel: P(ppd, *[None] * (fd[rel] - 1), lay.fsdp) if fd[rel] else P(ppd) for rel in lay.rel}
     specs = {STAGES: st_spec, REST: {p: P() for p in lay.rest}}
     batch_spec = P(data if len(data) > 1 else (data[0] if data else None))
 
