@@ -23,7 +23,7 @@ from spmd.parallel import (build_schedule, fully_shard, hlo_executed_collectives
                            pipeline)
 from spmd.parallel import unshard_params
 from spmd._inspect import hlo_collectives
-from spmd.parallel._pipeline_step import hlo_permute_pairs
+from spmd.parallel._pipeline_comm import hlo_permute_pairs
 from spmd.parallel._schedules import bubble_formula
 from tests.third_party.llama import Llama, LlamaConfig
 

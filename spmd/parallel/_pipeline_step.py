@@ -18,7 +18,6 @@ The unit gradients are averaged over the data dims; the rest (embeddings, head) 
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable
 
 import jax
@@ -29,19 +28,17 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd.parallel._pipeline_comm import REST, STAGES, format_pipeline_communication, pipeline_communication
 from spmd.parallel._shard import entry_sharding, map_like_params
 from spmd.parallel._step import TrainState, _as_arrays, _check_batch, _split_loss, state_shardings
 
-__all__ = ["init_pipeline_state", "make_pipeline_step", "unshard_pipeline_params", "pipeline_communication", "STAGES",
-           "REST", "hlo_permute_pairs"]
-
-STAGES, REST = "stages", "rest"  # the stored tree: the stacked unit parameters, the others by path
+__all__ = ["init_pipeline_state", "make_pipeline_step", "unshard_pipeline_params", "STAGES", "REST"]
 
 # branch codes: idle, then (F, B) x (mid, first, last, only)
 _ROLES = ("mid", "first", "last", "only")
 
 
-def _place(pm: "PipelineModule", optimizer, params) -> TrainState:
+def _place(pm, optimizer, params) -> TrainState:
     lay = pm.layout(params)
     plan = lay.plan(pm.mesh, pm.pp)
     shard = map_like_params(plan, lay.stored_shapes(), lambda x, e: entry_sharding(e, pm.mesh))
@@ -52,7 +49,7 @@ def _place(pm: "PipelineModule", optimizer, params) -> TrainState:
     return TrainState(step=step, params=stored, opt_state=opt_state, plan=plan)
 
 
-def init_pipeline_state(pm: "PipelineModule", optimizer, *init_args, params=None, mesh=None) -> TrainState:
+def init_pipeline_state(pm, optimizer, *init_args, params=None, mesh=None) -> TrainState:
     """Step 0: the units' parameters stacked per stage and cut over pp, the rest replicated."""
     where = "init_train_state"
     if mesh is not None and mesh.root_mesh != pm.mesh:
@@ -66,7 +63,7 @@ def init_pipeline_state(pm: "PipelineModule", optimizer, *init_args, params=None
     return _place(pm, optimizer, params)
 
 
-def unshard_pipeline_params(pm: "PipelineModule", params) -> Any:
+def unshard_pipeline_params(pm, params) -> Any:
     """The user's parameter tree (unstacked, replicated) from a pipeline state's ``params``."""
     if isinstance(params, TrainState):
         params = params.params
@@ -82,64 +79,7 @@ def unshard_pipeline_params(pm: "PipelineModule", params) -> Any:
     return jax.jit(lay.unstack, out_shardings=rep)(params)
 
 
-def pipeline_communication(pm: "PipelineModule", lay, accum_steps: int) -> dict:
-    """What one step communicates per device, in ``spmd.parallel.hlo_executed_collectives``' terms (scalars
-    aside): one ``collective-permute`` per tick with sends each way, moving one micro-batch's activation
-    (``B / (M x data) x T x D`` elements) over each of ``pairs`` stage boundaries (``M x (stages - 1)`` each way per
-    pipeline); one all-reduce of the stage gradients over the data dims and one of the other gradients over
-    pp and the data dims. Plus the schedule's bubble and activation slots."""
-    s = pm.schedule
-    act = lay.act
-    elems = int(np.prod(act.shape))
-    ab = elems * act.dtype.itemsize
-    n_data = int(np.prod([pm.mesh.size(d) for d in pm.data_dims])) if pm.data_dims else 1
-    ops = {k: sum(1 for p in s.sends(k) if p) * accum_steps for k in ("F", "B")}
-    pairs = {k: v * accum_steps for k, v in s.transfers().items()}
-    def nbytes(x):
-        return int(np.prod(x.shape)) * x.dtype.itemsize
-
-    st = lay.stored_shapes()[STAGES]
-    cut = [rel for rel in lay.rel if lay.fsdp_dim(rel) is not None]
-    whole = sum(nbytes(st[rel]) for rel in lay.rel if rel not in cut) // s.pp
-    gathered = sum(nbytes(st[rel]) for rel in cut) // s.pp  # a rank's stages, full over fsdp
-    n_other = n_data // (lay.n_fsdp or 1)
-    rest_bytes = sum(nbytes(x) for x in lay.stored_shapes()[REST].values())
-    ar = rest_bytes + (whole if n_data > 1 else 0) + (gathered // lay.n_fsdp if cut and n_other > 1 else 0)
-    return {
-        "collective-permute": {"count": ops["F"] + ops["B"], "bytes": (ops["F"] + ops["B"]) * ab,
-                               "pairs": pairs, "ops": {"forward": ops["F"], "backward": ops["B"]}},
-        "all-reduce": {"bytes": ar},
-        "all-gather": {"bytes": gathered, "buffers": len(cut)},
-        "reduce-scatter": {"bytes": gathered, "buffers": len(cut)},
-        "schedule": s.name, "pp": s.pp, "num_microbatches": s.num_microbatches, "stages_per_rank": s.stages_per_rank,
-        "activation_shape": tuple(act.shape), "activation_bytes": ab, "bubble": s.bubble, "bubble_formula": s.formula,
-        "activation_slots": max(s.x_slots), "gradient_slots": max(s.g_slots),
-        "activation_bound_bytes": (max(s.x_slots) + max(s.g_slots)) * ab,
-    }
-
-
-def hlo_permute_pairs(text: str, n_replicas: int = 1) -> int:
-    """Source-target pairs of the collective-permutes in HLO ``text``, per pipeline (``n_replicas``: data
-    replicas, each its own pairs in one op); loop bodies counted once."""
-    pairs = 0
-    for line in text.splitlines():
-        if re.search(r"collective-permute(-start)?\(", line):
-            m = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
-            pairs += m[1].count("{") if m else 0
-    return pairs // n_replicas
-
-
-def format_pipeline_communication(c: dict) -> str:
-    cp = c["collective-permute"]
-    return (f"pipeline {c['schedule']} pp={c['pp']} M={c['num_microbatches']} v={c['stages_per_rank']}: "
-            f"{cp['pairs']['forward']} activation + {cp['pairs']['backward']} gradient transfers of "
-            f"{c['activation_shape']} per pipeline (M x (stages - 1) each way) in {cp['count']} collective-permutes "
-            f"({cp['bytes']} bytes); all-reduce {c['all-reduce']['bytes']} bytes; bubble {c['bubble']:.4f} (formula "
-            f"{c['bubble_formula']:.4f}); {c['activation_slots']} activation + {c['gradient_slots']} gradient slots "
-            f"per rank ({c['activation_bound_bytes']} bytes)")
-
-
-def _tables(pm: "PipelineModule") -> list[dict]:
+def _tables(pm) -> list[dict]:
     """Per tick: per rank ``code, j, m, xs, gs`` and the receive slots; the send pairs."""
     s = pm.schedule
     pp, n_st = s.pp, s.num_stages
@@ -168,7 +108,7 @@ def _tables(pm: "PipelineModule") -> list[dict]:
     return out
 
 
-def make_pipeline_step(pm: "PipelineModule", loss_fn: Callable, optimizer, *, accum_steps: int = 1,
+def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1,
                        mesh=None) -> Callable:
     """``(state, batch) -> (state, metrics)`` of a pipelined model (see the module doc)."""
     where = "make_train_step"
@@ -234,11 +174,11 @@ def make_pipeline_step(pm: "PipelineModule", loss_fn: Callable, optimizer, *, ac
     return step
 
 
-def _build(pm: "PipelineModule", lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
+def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
     unroll = pm.unroll
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     s = pm.schedule
-    m_count, v, lc = s.num_microbatches, s.stages_per_rank, lay.per_slot
+    m_count, lc = s.num_microbatches, lay.per_slot
     tables = _tables(pm)
     kx, kg = max(s.x_slots), max(s.g_slots)
     act = lay.act
