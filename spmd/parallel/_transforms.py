@@ -172,6 +172,9 @@ def stacked_of(module: Any, params: Any, example_inputs: Sequence[Any]) -> dict 
 def _unwrap(module: Any, where: str) -> tuple[Any, DeviceMesh | None, TPSpec | None, FSDPSpec | None]:
     if isinstance(module, ParallelModule):
         return module.module, module.mesh, module.tp, module.fsdp
+    if getattr(type(module), "_spmd_make_train_step", None) is not None:  # a pipelined model: its step is its own
+        raise ValueError(f"{where}: model={module!r} is pipelined; apply {where} to the plain model first, then "
+                         f"pipeline it: pipeline({where}(model, ...), mesh['pp'], ...).")
     return module, None, None, None
 
 
