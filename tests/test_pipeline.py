@@ -229,5 +229,10 @@ def test_errors(mesh_pp):
                                                    "its rows into num_microbatches=4 micro-batches: use a batch size "
                                                    "that is a multiple of 16")):
         step(state, _batch(n=8))
-    with pytest.raises(ValueError, match=re.escape("pipeline the plain model")):
+    with pytest.raises(ValueError, match=re.escape("is already pipelined; pipeline the plain model once")):
         pipeline(pm, pp, num_microbatches=2)
+    with pytest.raises(ValueError, match=re.escape("is pipelined; apply fully_shard to the plain model first")):
+        fully_shard(pm, mesh=mesh_pp["dp"])
+    with pytest.raises(ValueError, match=re.escape("pipeline composes with fully_shard(model, mesh=mesh['fsdp']) (1-D, "
+                                                   "no mp_policy) only")):
+        pipeline(fully_shard(m, mesh=mesh_pp["pp", "dp"]), pp, num_microbatches=2)
