@@ -29,7 +29,13 @@ recomputes its chunk's forward from the stashed chunk input (activation checkpoi
 rank holds one activation per live micro-batch: the schedule's slot count, its memory bound.
 
 The other mesh dims are data-parallel (DDP): each replica runs the pipeline on its rows of the batch and
-the gradients are averaged over them.
+the gradients are averaged over them. ``pipeline(fully_shard(model, mesh=mesh["fsdp"]), mesh["pp"], ...)``
+also cuts each stacked stage parameter over ``fsdp`` (its largest dim that fsdp divides): a rank gathers its
+stages once per step, holds them through the schedule (torch's ``reshard_after_forward=False``, the usual
+choice under pipelining: a re-gather per micro-batch would multiply the traffic by M) and reduce-scatters
+their gradients once; the optimizer state stays cut. The rest (embeddings, head) stays replicated.
+Not offered: ``parallelize_module`` (tp) under a pipeline, HSDP, mixed precision, nnx models, units called
+with more than the one activation (attention masks), dropout rngs.
 """
 
 from __future__ import annotations
