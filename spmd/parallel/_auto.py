@@ -229,7 +229,7 @@ def candidate_layouts(n: int, plan: Any, units: tuple[str, ...]) -> list[Layout]
 def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_devices: Any = None, *,
                 memory_budget_bytes: int | None = None, plan: Any = None, loss_fn: Callable | None = None,
                 params: Any = None, units: Any = None, calibration: Calibration | None = None,
-                layouts: Any = None, top: int = 5) -> AutoLayout:
+                layouts: Any = None, top: int = 5, profile: Profile | None = None) -> AutoLayout:
     """Rank the layouts of ``model`` on the devices by predicted step time (see the module doc).
 
     ``example_batch``: a global batch (arrays or ``jax.ShapeDtypeStruct``); ``plan``: the tensor-parallel
@@ -237,7 +237,9 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     ``loss_fn(params, batch)``: default next-token cross-entropy on ``batch["inputs"]`` /
     ``["targets"]``; ``params``: the parameters (or shape structs; default: ``model.init`` on
     ``example_batch["inputs"]``); ``units``: the ``fully_shard`` units (default: the repeated blocks);
-    ``calibration``: default ``calibrate(devices)`` (cached); ``layouts``: weigh these instead.
+    ``calibration``: default ``calibrate(devices)`` (cached); ``layouts``: weigh these instead;
+    ``profile``: a ``spmd.parallel._memory.Profile`` of this loss, parameters and optimizer to reuse (its
+    single-device programs are compiled once per micro-batch size).
     """
     where = "auto_layout"
     if not isinstance(optimizer, optax.GradientTransformation):
@@ -250,7 +252,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     params = _params_of(model, batch, params, where)
     units = infer_units(params) if units is None else tuple(units)
     loss = loss_fn if loss_fn is not None else default_loss(model)
-    profile = Profile(loss, params, optimizer)
+    profile = profile or Profile(loss, params, optimizer)
     todo = list(layouts) if layouts is not None else candidate_layouts(len(devices), plan, units)
     got, rejected = [], []
     for lay in todo:
@@ -258,7 +260,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             c = evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss, params=params, calibration=cal,
                                 profile=profile, budget=memory_budget_bytes)
         except (ValueError, TypeError) as e:
-            rejected.append((lay.name, str(e).split("\n")[0][:200]))
+            rejected.append((lay.name, str(e).split("\n")[0][:400]))
             continue
         local = jax.tree.leaves(batch)[0].shape[0] // (lay.dp * lay.fsdp)
         a = 2

@@ -207,8 +207,8 @@ def calibrate(devices: Any = None, *, refresh: bool = False, quick: bool = False
             got = json.load(f)
         if got.get("quick", False) == quick or not got.get("quick", False):
             return Calibration.from_json(got["calibration"])
-    sizes = (1 << 14, 1 << 18) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 22)
-    cal = _measure(devices, sizes, repeats=2 if quick else 5, reps=2 if quick else 8)
+    sizes = (1 << 12, 1 << 16) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+    cal = _measure(devices, sizes, repeats=1 if quick else 5, reps=2 if quick else 8)
     if cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w") as f:

@@ -63,16 +63,36 @@ class Profile:
     def _key(batch: Any) -> tuple:
         return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
 
-    def grad_cost(self, batch: Any) -> tuple[float, float]:
-        """(flops, bytes accessed) of the loss and its gradient on ``batch``, one device, compiled."""
+    def _step(self, batch: Any) -> tuple[float, float, int]:
+        """(flops, bytes accessed, XLA temp bytes) of the whole step (loss, gradient, optimizer update) on
+        ``batch``, one device, compiled once per batch shape."""
         k = self._key(batch)
         if k not in self._grad:
-            dev = jax.devices()[0]
-            with jax.default_device(dev):
-                c = jax.jit(jax.value_and_grad(self.loss)).lower(self.params, batch).compile().cost_analysis()
+            opt, loss = self.optimizer, self.loss
+
+            def step(p, s, b):
+                g = jax.grad(loss)(p, b)
+                u, s = opt.update(g, s, p)
+                return jax.tree.map(jnp.add, p, u), s
+
+            with jax.default_device(jax.devices()[0]):
+                comp = jax.jit(step).lower(self.params, jax.eval_shape(opt.init, self.params), batch).compile()
+            c = comp.cost_analysis()
             c = c[0] if isinstance(c, (list, tuple)) else c
-            self._grad[k] = (float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0)))
+            temp = int(getattr(comp.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+            self._grad[k] = (float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0)), temp)
         return self._grad[k]
+
+    def grad_cost(self, batch: Any) -> tuple[float, float]:
+        """(flops, bytes accessed) of the loss and its gradient on ``batch``, one device (the step's less the
+        optimizer's)."""
+        f, b, _ = self._step(batch)
+        of, ob = self.optimizer_cost()
+        return max(f - of, 0.0), max(b - ob, 0.0)
+
+    def temp_bytes(self, batch: Any) -> int:
+        """XLA's temp bytes of the whole step on ``batch``, one device: the activations and work buffers."""
+        return self._step(batch)[2]
 
     def optimizer_cost(self) -> tuple[float, float]:
         """(flops, bytes accessed) of one optimizer update on the whole (unsharded) parameters."""
@@ -145,14 +165,19 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
     n_fsdp = plan.mesh_size(fsdp.shard_dim) if fsdp else 1
     regather = bool(fsdp and fsdp.reshard_after_forward)
     gathered = plan.peak_gathered_bytes(regather=regather, accum_steps=accum_steps) if fsdp and n_fsdp > 1 else 0
-    unit_grad = max((plan.gathered_bytes(u) for u in plan.units), default=0) if fsdp and n_fsdp > 1 else 0
     tp = model.tp.mesh_dim if model.tp else None
     n_tp = plan.mesh_size(tp) if tp else 1
-    acts = activation_bytes(profile.residuals(micro_batch), plan, tp, n_tp, sequence_parallel)
-    out = {"state": 2 * (params + opt), "batch": local_batch_bytes, "grads": params + unit_grad,
-           "gathered": gathered, "activations": acts, "updates": params}
+    res = profile.residuals(micro_batch)
+    full = activation_bytes(res, plan, None, 1, False)
+    split = activation_bytes(res, plan, tp, n_tp, sequence_parallel)
+    # the single-device step's work buffers, the activations' tensor-parallel share cut (its square root: XLA's
+    # buffers of the cut and whole parts overlap; fitted on the project's Transformer, see tests/test_auto_layout)
+    work = int(profile.temp_bytes(micro_batch) * math.sqrt(split / full if full else 1.0))
+    total_gathered = sum(plan.gathered_bytes(u) for u in plan.units) if fsdp and n_fsdp > 1 else 0
+    out = {"state": 2 * (params + opt), "batch": local_batch_bytes, "work": work, "gathered": gathered,
+           "gathered_grads": int(0.4 * total_gathered * (1 - 1 / n_fsdp))}
     out["peak"] = sum(out.values())
-    out["params"], out["optimizer"] = params, opt
+    out["params"], out["optimizer"], out["activations"] = params, opt, split
     return out
 
 

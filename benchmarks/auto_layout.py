@@ -1,0 +1,193 @@
+"""Benchmark: ``spmd.parallel.auto_layout``'s predicted step time and memory against the measured ones, and its
+pick against GSPMD's.
+
+For the project's Transformer (the sizes of benchmarks/fsdp.py) at global batches of 32 and 128 on 8 CPU fake
+devices: ``auto_layout`` ranks every candidate (dp x fsdp x tp, reshard_after_forward, sequence parallelism;
+``calibrate()`` on this machine); the top predicted candidates and a few lower-ranked ones are each built with
+``apply_layout`` + ``init_train_state`` + ``make_train_step``, compiled, and timed side by side in interleaved
+rounds (benchmarks/fsdp.py's timer) together with GSPMD's pick of the same model (a global-view ``jax.jit``
+step, each parameter and its AdamW moments cut on its largest dim over all 8 devices, the batch over all 8).
+
+Reported per config: predicted vs measured step time and peak memory per device (XLA's ``memory_analysis``:
+arguments + outputs + temp) for each measured candidate, the Spearman rank correlation of predicted and
+measured time, the pick's measured samples/s over the best measured candidate's, and over GSPMD's.
+
+On a CPU host the 8 devices share the cores (and other processes share the host): the times are noisy;
+compare within one run.
+
+    python benchmarks/auto_layout.py           # d256x4 and d384x6 at batches 32 and 128
+    python benchmarks/auto_layout.py --quick   # d256x4 at batch 32, 2 rounds
+
+Writes benchmarks/results/auto_layout.json and .png (auto_layout_quick.* with --quick).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, HERE)
+
+from _common import benchmark_args, save_figure  # noqa: E402
+
+RUNS = [("d256x4", 32), ("d256x4", 128), ("d384x6", 32), ("d384x6", 128)]
+
+
+def _ranks(x):
+    import numpy as np
+
+    order = np.argsort(x)
+    r = np.empty(len(x))
+    r[order] = np.arange(len(x))
+    return r
+
+
+def spearman(a, b) -> float:
+    import numpy as np
+
+    if len(a) < 2:
+        return float("nan")
+    return float(np.corrcoef(_ranks(np.asarray(a)), _ranks(np.asarray(b)))[0, 1])
+
+
+def _measured_peak(compiled) -> int:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def prepare_layout(size: str, batch: int, layout):
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from fsdp import SEQ, SIZES, VOCAB, _batches, _ce, _optimizer, _Prepared
+    from models import Transformer
+    from spmd.parallel import apply_layout, init_train_state, make_train_step
+
+    model = Transformer(VOCAB, SEQ, SIZES[size]["layers"], SIZES[size]["d_model"], SIZES[size]["heads"])
+    batches = _batches(0, 1, batch)
+    params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
+    laid, mesh = apply_layout(model, 8, layout)
+    opt = _optimizer()
+
+    def loss_fn(p, b):
+        return _ce(model.apply({"params": p}, b["inputs"]), b)
+
+    state = init_train_state(laid, opt, params=params, mesh=mesh)
+    step = make_train_step(laid, loss_fn, opt, accum_steps=layout.accum_steps, mesh=mesh)
+    data = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+    batches = [jax.device_put(b, NamedSharding(mesh.jax_mesh, P(data))) for b in batches]
+    return _Prepared(step, state, batches, batch)
+
+
+def _plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = list(results["runs"].items())
+    fig, axes = plt.subplots(2, len(runs), figsize=(4.5 * len(runs), 8), squeeze=False)
+    for j, (name, r) in enumerate(runs):
+        rows = r["candidates"]
+        for ax, key, unit in ((axes[0][j], "ms", "step ms"), (axes[1][j], "peak_mib", "peak MiB/device")):
+            pred = [c["predicted_" + key] for c in rows]
+            meas = [c["measured_" + key] for c in rows]
+            ax.scatter(pred, meas)
+            for c, x, y in zip(rows, pred, meas):
+                ax.annotate(c["layout"], (x, y), fontsize=6)
+            lo, hi = min(pred + meas), max(pred + meas)
+            ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+            ax.set_xlabel("predicted " + unit)
+            ax.set_ylabel("measured " + unit)
+            ax.grid(alpha=0.3)
+        axes[0][j].set_title(f"{name}: spearman {r['spearman']:.2f}, pick/best {r['pick_over_best']:.2f}x, "
+                             f"pick/GSPMD {r['pick_over_gspmd']:.2f}x", fontsize=8)
+    fig.suptitle("auto_layout on 8 CPU devices: predicted vs measured")
+    save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    a = benchmark_args(argv, __doc__, "smoke run: d256x4 at batch 32, 2 rounds", "torch", lambda *x: None, ROOT)
+    if a is None:
+        return 0
+    import statistics
+
+    import jax
+
+    from fsdp import SEQ, SIZES, VOCAB, _batches, _ce, _optimizer, prepare_gspmd
+    from models import Transformer
+    from models._plans import transformer_tp_plan
+    from spmd.parallel import auto_layout, calibrate
+
+    cal = calibrate(refresh=True)  # the host as loaded now (other processes share it)
+    rounds = 2 if a.quick else 5
+    runs = RUNS[:1] if a.quick else RUNS
+    n_measured = 4 if a.quick else 7
+    results = {"jax": jax.__version__, "calibration": cal.to_json(), "rounds": rounds, "runs": {}}
+    for size, batch in runs:
+        name = f"{size}, batch {batch}"
+        model = Transformer(VOCAB, SEQ, SIZES[size]["layers"], SIZES[size]["d_model"], SIZES[size]["heads"])
+        b0 = _batches(0, 1, batch)[0]
+
+        def loss_fn(p, b, model=model):
+            return _ce(model.apply({"params": p}, b["inputs"]), b)
+
+        ranked = auto_layout(model, _optimizer(), b0, 8, loss_fn=loss_fn, calibration=cal,
+                             plan=lambda sequence_parallel, tp_size: transformer_tp_plan(
+                                 sequence_parallel, vocab_size=VOCAB, tp_size=tp_size))
+        print(name, "\n" + ranked.table(top=8), flush=True)
+        cands = list(ranked.candidates)
+        # the top predicted, then evenly spread over the rest of the ranking
+        rest = cands[n_measured // 2:]
+        step = max(len(rest) // (n_measured - n_measured // 2), 1)
+        chosen = cands[: n_measured // 2] + rest[::step][: n_measured - n_measured // 2]
+        preps = {c.name: prepare_layout(size, batch, c.layout) for c in chosen}
+        preps["gspmd fsdp=8"] = prepare_gspmd(size, batch, (8,), ("fsdp",))
+        steps = 2 if batch > 32 or a.quick else 4
+        for _ in range(rounds):
+            for p in preps.values():
+                p.round(steps)
+        rows = []
+        for c in chosen:
+            p = preps[c.name]
+            ms = 1e3 * statistics.median(p.wall)
+            rows.append({"layout": c.name, "rank": cands.index(c) + 1, "predicted_ms": 1e3 * c.predicted_s,
+                         "measured_ms": ms, "measured_best_ms": 1e3 * min(p.wall),
+                         "predicted_compute_ms": 1e3 * c.compute_s,
+                         "predicted_comm_ms": {k: 1e3 * v for k, v in c.comm_s.items()},
+                         "bytes": c.communication["total"], "predicted_peak_mib": c.memory["peak"] / 2**20,
+                         "measured_peak_mib": _measured_peak(p.compiled) / 2**20, "memory": c.memory})
+        g = preps["gspmd fsdp=8"]
+        gspmd_ms = 1e3 * statistics.median(g.wall)
+        best_ms = min(r["measured_ms"] for r in rows)
+        pick_ms = rows[0]["measured_ms"]
+        entry = results["runs"][name] = {
+            "size": size, "batch": batch, "pick": ranked.best.name, "why": ranked.why(), "candidates": rows,
+            "n_candidates": len(cands), "rejected": ranked.rejected,
+            "spearman": spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows]),
+            "pick_over_best": best_ms / pick_ms, "gspmd_ms": gspmd_ms, "pick_over_gspmd": gspmd_ms / pick_ms,
+            "gspmd_peak_mib": _measured_peak(g.compiled) / 2**20,
+            "time_error": statistics.median(abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows),
+            "memory_error_max": max(abs(r["predicted_peak_mib"] / r["measured_peak_mib"] - 1) for r in rows)}
+        for r in rows:
+            print(f"  #{r['rank']:2d} {r['layout']:28s} predicted {r['predicted_ms']:7.2f} ms measured "
+                  f"{r['measured_ms']:7.2f} ms   peak predicted {r['predicted_peak_mib']:6.2f} measured "
+                  f"{r['measured_peak_mib']:6.2f} MiB", flush=True)
+        print(f"  gspmd fsdp=8 measured {gspmd_ms:7.2f} ms; spearman {entry['spearman']:.2f}, pick/best "
+              f"{entry['pick_over_best']:.2f}x, pick/GSPMD {entry['pick_over_gspmd']:.2f}x", flush=True)
+        del preps
+    os.makedirs(RESULTS, exist_ok=True)
+    out = "auto_layout_quick" if a.quick else "auto_layout"
+    with open(os.path.join(RESULTS, out + ".json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    _plot(results, os.path.join(RESULTS, out + ".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

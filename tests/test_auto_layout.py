@@ -1,0 +1,232 @@
+"""auto_layout: the candidates, their bytes (= the step's table = the compiled HLO), their memory (against XLA's
+memory_analysis), the time model's arithmetic and ranking under given calibrations, the memory budget,
+apply_layout, calibrate's cache, and the errors. Timings never decide a test: benchmarks/auto_layout.py
+measures the ranking."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from models import Transformer
+from models._plans import transformer_tp_plan
+from spmd.parallel import (Calibration, ColwiseParallel, Layout, apply_layout, auto_layout, calibrate, hlo_executed_collectives,
+                           init_train_state, make_train_step)
+from spmd.parallel._auto import candidate_layouts, default_loss, evaluate_layout
+from spmd.parallel._auto_layout import infer_units
+from spmd.parallel._memory import Profile
+
+VOCAB, T, B = 16, 8, 16
+MODEL = Transformer(VOCAB, T, num_layers=2, d_model=32, num_heads=4)
+OPT = optax.adamw(1e-3)
+KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def PLAN(sequence_parallel, tp_size):
+    return transformer_tp_plan(sequence_parallel, vocab_size=VOCAB, tp_size=tp_size)
+
+
+def _cal(lat=1e-4, bw=1e9, flops=1e10, ew=1e10) -> Calibration:
+    return Calibration(collectives={k: (lat, bw) for k in ("all-gather", "reduce-scatter", "all-reduce",
+                                                          "collective-permute")},
+                       matmul_flops_per_s=flops, elementwise_bytes_per_s=ew, dispatch_s=1e-4, group_size=8)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, VOCAB, (B, T + 1)).astype(np.int32)
+    batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+    params = MODEL.init(jax.random.key(0), batch["inputs"])["params"]
+    return batch, params, Profile(default_loss(MODEL), params, OPT)
+
+
+LAYOUTS = {  # the candidates compiled once for this module
+    "dp=8": Layout(dp=8),
+    "fsdp=8 regather": Layout(fsdp=8, units=("block_*",)),
+    "dp=4,tp=2": Layout(dp=4, tp=2, tp_plan=tuple(PLAN(False, 2).items())),
+}
+
+
+@pytest.fixture(scope="module")
+def built(data):
+    """name -> (Candidate, compiled step, step, state)."""
+    batch, params, prof = data
+    out = {}
+    for name, lay in LAYOUTS.items():
+        cand = evaluate_layout(MODEL, OPT, batch, 8, lay, calibration=_cal(), profile=prof)
+        laid, mesh = apply_layout(MODEL, 8, lay)
+        state = init_train_state(laid, OPT, params=params, mesh=mesh)
+        step = make_train_step(laid, default_loss(laid), OPT, mesh=mesh)
+        out[name] = (cand, step.lower(state, batch).compile(), step, state)
+    return out
+
+
+def test_candidates_are_every_factorization_with_tp_only_under_a_plan():
+    got = candidate_layouts(8, None, ("block_*",))
+    meshes = {(c.dp, c.fsdp, c.tp) for c in got}
+    assert meshes == {(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1)}
+    assert sum(c.fsdp > 1 for c in got) == 6  # reshard_after_forward on and off
+    with_tp = candidate_layouts(8, PLAN, ("block_*",))
+    assert {(c.dp, c.fsdp, c.tp) for c in with_tp} == {(a, b, 8 // (a * b)) for a in (1, 2, 4, 8) for b in (1, 2, 4, 8)
+                                                        if 8 % (a * b) == 0}
+    assert {c.sequence_parallel for c in with_tp if c.tp > 1} == {False, True}
+    # tp=1: dp=8 and 3 fsdp meshes x raf (7); tp=2: dp=4, dp=2,fsdp=2 x raf, fsdp=4 x raf, x sp (10);
+    # tp=4: dp=2, fsdp=2 x raf, x sp (6); tp=8: x sp (2)
+    assert len(with_tp) == 7 + 10 + 6 + 2
+    names = [c.name for c in with_tp]
+    assert len(set(names)) == len(names) and "dp=2,fsdp=2,tp=2 sp regather" in names and "dp=1,tp=8" in names
+
+
+def test_abstract_bytes_equal_the_built_steps_table_and_the_hlo(built, data):
+    batch = data[0]
+    for name, (cand, compiled, step, state) in built.items():
+        table = step.communication(state, batch)["total"]
+        assert cand.communication["total"] == table, name
+        hlo = hlo_executed_collectives(compiled.as_text(), scalars=False)
+        for k in KINDS:  # bytes of the parameter terms (and the tp activations on dp=4,tp=2) in the compiled step
+            if name != "dp=4,tp=2":
+                assert hlo[k]["bytes"] == table[k]["bytes"], (name, k, hlo[k], table[k])
+                assert hlo[k]["buffers"] == table[k]["count"], (name, k)
+        assert cand.comm_bytes == sum(v["bytes"] for v in table.values())
+
+
+def test_peak_memory_within_10_percent_of_xla_memory_analysis(built):
+    for name, (cand, compiled, _, _) in built.items():
+        m = compiled.memory_analysis()
+        measured = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        assert abs(cand.memory["peak"] / measured - 1) < 0.10, (name, cand.memory, measured)
+        # the arguments exactly: the state's shards and the batch's slice
+        assert cand.memory["state"] // 2 + cand.memory["batch"] == pytest.approx(m.argument_size_in_bytes, rel=0.01)
+
+
+def test_the_predicted_time_is_compute_plus_each_kinds_latency_and_bandwidth(built):
+    cand = built["fsdp=8 regather"][0]
+    cal = _cal()
+    ag = cand.communication["parameters"]["all-gather"]
+    assert cand.comm_s["all-gather"] == pytest.approx(ag["count"] * 1e-4 + ag["bytes"] / 1e9)
+    assert cand.predicted_s == pytest.approx(cand.compute_s + sum(cand.comm_s.values()) + cal.dispatch_s)
+    dp = built["dp=8"][0]
+    ar = dp.communication["parameters"]["all-reduce"]
+    assert dp.comm_s["all-reduce"] == pytest.approx(ar["count"] * 1e-4 + ar["bytes"] / 1e9)
+    tp = built["dp=4,tp=2"][0]  # the tp activations travel over groups of 2: half the ring traffic of 8
+    act = tp.communication["activations"]["all-reduce"]
+    par = tp.communication["parameters"]["all-reduce"]
+    want = cal.collective_s("all-reduce", act["bytes"], act["count"], 2) + cal.collective_s(
+        "all-reduce", par["bytes"], par["count"], 4)
+    assert tp.comm_s["all-reduce"] == pytest.approx(want)
+    assert cal.collective_s("all-reduce", 8e6, 1, 2) == pytest.approx(1e-4 + 8e6 * (1 / 2) / (7 / 8) / 1e9)
+    assert cal.collective_s("all-gather", 8e6, 3, 1) == 0.0
+    # compute: dp=8 runs AdamW on every parameter, fsdp=8 on an eighth
+    assert dp.flops > cand.flops
+
+
+def test_the_ranking_follows_the_calibration(data):
+    batch, params, prof = data
+    lays = [LAYOUTS["dp=8"], LAYOUTS["fsdp=8 regather"]]
+    slow_links = auto_layout(MODEL, OPT, batch, 8, layouts=lays, calibration=_cal(lat=1e-2, bw=1e7), profile=prof)
+    assert slow_links.best.name == "dp=8"  # the fewest collectives and bytes
+    free_links = auto_layout(MODEL, OPT, batch, 8, layouts=lays, calibration=_cal(lat=0.0, bw=1e18, ew=1e6), profile=prof)
+    assert free_links.best.name.startswith("fsdp=8")  # the optimizer on an eighth of the state
+    ranked = [c.predicted_s for c in slow_links]
+    assert ranked == sorted(ranked)
+    text = str(slow_links)
+    assert "pick: dp=8. dp=8 wins over fsdp=8 regather" in text and "peak MiB" in text
+
+
+def test_a_memory_budget_excludes_what_does_not_fit_and_none_fitting_is_a_clear_error(built, data):
+    batch = data[0]
+    dp, fs = built["dp=8"][0], built["fsdp=8 regather"][0]
+    assert fs.memory["peak"] < dp.memory["peak"]
+    lays = [LAYOUTS["dp=8"], LAYOUTS["fsdp=8 regather"]]
+    budget = (fs.memory["peak"] + dp.memory["peak"]) // 2
+    got = auto_layout(MODEL, OPT, batch, 8, layouts=lays, calibration=_cal(lat=1e-2, bw=1e7),
+                      memory_budget_bytes=budget, profile=data[2])
+    assert got.best.fits and got.best.memory["peak"] <= budget
+    assert all(c.fits == (c.memory["peak"] <= budget) for c in got)
+    with pytest.raises(ValueError, match=re.escape("auto_layout: no layout fits memory_budget_bytes=1,000; the "
+                                                   "smallest,")):
+        auto_layout(MODEL, OPT, batch, 8, layouts=lays, calibration=_cal(), memory_budget_bytes=1000, profile=data[2])
+
+
+def test_accumulation_is_added_where_memory_needs_it(data):
+    batch, params, prof = data
+    lay = LAYOUTS["dp=8"]
+    # dp=8's local batch is 2: accumulating 2 micro-batches of 1 shrinks the activations
+    one = evaluate_layout(MODEL, OPT, batch, 8, lay, calibration=_cal(), profile=prof)
+    two = evaluate_layout(MODEL, OPT, batch, 8, Layout(dp=8, accum_steps=2), calibration=_cal(), profile=prof)
+    assert two.memory["work"] < one.memory["work"] and two.memory["state"] == one.memory["state"]
+    budget = (one.memory["peak"] + two.memory["peak"]) // 2
+    got = auto_layout(MODEL, OPT, batch, 8, layouts=[lay], calibration=_cal(), memory_budget_bytes=budget,
+                      profile=prof)
+    assert got.best.layout == Layout(dp=8, accum_steps=2) and got.best.name == "dp=8 accum=2"
+
+
+def test_apply_layout_builds_the_mesh_and_the_transforms(data):
+    lay = Layout(dp=2, fsdp=2, tp=2, sequence_parallel=True, units=("block_*",), tp_plan=tuple(PLAN(True, 2).items()))
+    laid, mesh = apply_layout(MODEL, jax.devices()[:8], lay)
+    assert mesh.mesh_dim_names == ("dp", "fsdp", "tp") and mesh.shape == (2, 2, 2)
+    assert laid.tp.mesh_dim == "tp" and laid.fsdp.shard_dim == "fsdp" and laid.fsdp.replicate_dims == ("dp",)
+    assert laid.fsdp.units == ("block_*",) and laid.fsdp.reshard_after_forward
+    plain, mesh1 = apply_layout(MODEL, 8, Layout(dp=8))
+    assert plain is MODEL and mesh1.mesh_dim_names == ("dp",)
+    _, m = apply_layout(MODEL, 8, Layout(tp=8, tp_plan=(("block_*.fc", ColwiseParallel()),)))
+    assert m.mesh_dim_names == ("dp", "tp") and m.shape == (1, 8)
+
+
+def test_units_are_inferred_from_the_repeated_blocks():
+    from tests.third_party.llama import Llama, LlamaConfig
+
+    x = np.zeros((2, 4), np.int32)
+    assert infer_units(jax.eval_shape(lambda: MODEL.init(jax.random.key(0), x)["params"])) == ("block_*",)
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                      num_kv_heads=2)
+    llama = Llama(cfg)
+    assert infer_units(jax.eval_shape(lambda: llama.init(jax.random.key(0), x)["params"])) == ("layers_*",)
+    nested = {"transformer": {"h": {str(i): {"mlp": {"kernel": np.zeros(2)}} for i in range(3)},
+                              "wte": {"embedding": np.zeros(2)}}}
+    assert infer_units(nested) == ("transformer.h.*",)
+    assert infer_units({"dense": {"kernel": np.zeros(2)}}) == ()
+
+
+def test_calibrate_measures_caches_and_refreshes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path))
+    cal = calibrate(quick=True)
+    assert cal.matmul_flops_per_s > 0 and cal.elementwise_bytes_per_s > 0 and cal.group_size == 8
+    for kind, (lat, bw) in cal.collectives.items():
+        assert lat >= 0 and bw > 0, kind
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and json.loads(files[0].read_text())["calibration"]["group_size"] == 8
+    assert calibrate(quick=True) == cal  # from the cache
+    files[0].write_text(json.dumps({"quick": True, "calibration": {**cal.to_json(), "dispatch_s": 123.0}}))
+    assert calibrate(quick=True).dispatch_s == 123.0 and calibrate(quick=True, refresh=True).dispatch_s != 123.0
+    assert os.path.dirname(str(files[0])) == str(tmp_path)
+
+
+def test_bad_inputs_are_clear_errors(data):
+    batch = data[0]
+    with pytest.raises(ValueError, match=re.escape("Layout: tp=2 needs tp_plan=")):
+        Layout(tp=2)
+    with pytest.raises(ValueError, match=re.escape("Layout: dp=0 must be an int >= 1.")):
+        Layout(dp=0)
+    with pytest.raises(ValueError, match=re.escape("apply_layout: layout 'dp=4' needs dp x fsdp x tp = 4 devices, "
+                                                   "but 8 were given")):
+        apply_layout(MODEL, 8, Layout(dp=4))
+    with pytest.raises(TypeError, match=re.escape("auto_layout: mesh_shape_or_devices='eight' must be")):
+        auto_layout(MODEL, OPT, batch, "eight", calibration=_cal())
+    with pytest.raises(ValueError, match=re.escape("auto_layout: mesh_shape_or_devices=16 asks for 16 devices")):
+        auto_layout(MODEL, OPT, batch, 16, calibration=_cal())
+    with pytest.raises(ValueError, match=re.escape("auto_layout: memory_budget_bytes=0 must be a positive int")):
+        auto_layout(MODEL, OPT, batch, 8, memory_budget_bytes=0, calibration=_cal())
+    with pytest.raises(ValueError, match=re.escape("Calibration: collectives={} lacks 'all-gather'")):
+        Calibration(collectives={})
+    rejected = auto_layout(MODEL, OPT, batch, 8, plan=PLAN, calibration=_cal(),
+                           layouts=[Layout(dp=8), Layout(tp=8, tp_plan=tuple(PLAN(False, 8).items()))],
+                           profile=data[2]).rejected
+    assert [n for n, _ in rejected] == ["dp=1,tp=8"] and "does not divide" in rejected[0][1]
