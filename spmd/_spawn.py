@@ -14,11 +14,13 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -64,8 +66,52 @@ def signal_name(code: int) -> str | None:
     return None
 
 
+# gloo prints one such line to stdout per communicator it connects (C++, unconditionally: no switch turns it
+# off); spmdrun and spawn's ranks drop the healthy ones (all expected peers connected) unless --verbose /
+# SPMD_VERBOSE=1.
+_GLOO_CONNECTED = re.compile(rb"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                             rb"Expected number of connected peer ranks is : (\d+)\s*$")
+
+
+def chatter(line: bytes) -> bool:
+    """Whether ``line`` is gloo's note that a communicator connected all its peers."""
+    m = _GLOO_CONNECTED.match(line)
+    return m is not None and m.group(1) == m.group(2)
+
+
+def verbose() -> bool:
+    return os.environ.get("SPMD_VERBOSE", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _quiet_stdout() -> Callable[[], None]:
+    """This process's stdout (fd 1, where gloo's C++ writes) passed on without gloo's chatter lines; returns
+    the function that puts fd 1 back and drains the filter (call it before the process ends)."""
+    if verbose():
+        return lambda: None
+    out, (r, w) = os.dup(1), os.pipe()
+    os.dup2(w, 1)
+    os.close(w)
+
+    def pump() -> None:
+        with os.fdopen(r, "rb") as src:
+            for line in src:
+                if not chatter(line):
+                    os.write(out, line)
+
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+
+    def restore() -> None:
+        sys.stdout.flush()
+        os.dup2(out, 1)  # the pipe's last writer closes: the pump reads to its end
+        t.join(timeout=5)
+
+    return restore
+
+
 def _child(fn: Callable, i: int, args: tuple, env: dict, error_file: str) -> None:
     os.environ.update(env)
+    restore = _quiet_stdout()
     try:
         fn(i, *args)
     except SystemExit as e:
@@ -73,6 +119,7 @@ def _child(fn: Callable, i: int, args: tuple, env: dict, error_file: str) -> Non
             return
         with open(error_file, "w") as f:
             f.write(f"SystemExit({e.code!r})\n")
+        restore()
         os._exit(e.code if isinstance(e.code, int) and 0 < e.code < 256 else 1)
     except BaseException:
         text = traceback.format_exc()
@@ -82,8 +129,10 @@ def _child(fn: Callable, i: int, args: tuple, env: dict, error_file: str) -> Non
         finally:
             sys.stderr.write(text)
             sys.stderr.flush()
-            sys.stdout.flush()
+            restore()
             os._exit(1)
+    finally:
+        restore()
 
 
 def stop_processes(pids_alive: list[tuple[int, Callable[[], bool]]], grace: float, *, group: bool) -> None:

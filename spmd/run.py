@@ -33,6 +33,8 @@ import time
 import uuid
 
 from spmd import _mpirun
+from spmd._spawn import chatter as _chatter
+from spmd._spawn import verbose as spawn_verbose
 from spmd._spawn import free_port, signal_name, stop_processes
 from spmd.distributed._errors import PEER_EXIT_CODE, parse_absent
 
@@ -46,19 +48,6 @@ _JAX_VICTIM_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
 )
-# gloo prints one such line to stdout per communicator it connects (C++, unconditionally: no switch turns it
-# off); spmdrun drops the healthy ones (all expected peers connected) unless --verbose / SPMD_VERBOSE=1.
-_GLOO_CONNECTED = re.compile(rb"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
-                             rb"Expected number of connected peer ranks is : (\d+)\s*$")
-
-
-def _chatter(line: bytes) -> bool:
-    """Whether ``line`` is gloo's note that a communicator connected all its peers."""
-    m = _GLOO_CONNECTED.match(line)
-    return m is not None and m.group(1) == m.group(2)
-
-
-
 def _flag(parser: argparse.ArgumentParser, name: str, **kw) -> None:
     # torchrun accepts both --nproc-per-node and --nproc_per_node (a one-word name has no second spelling).
     names = dict.fromkeys((f"--{name}", f"--{name.replace('-', '_')}"))
@@ -118,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--master-addr={args.master_addr!r} does not resolve to an address ({e}); give rank 0's host "
                     "name or IP address (or --standalone on one machine)")
     if args.verbose is None:
-        args.verbose = os.environ.get("SPMD_VERBOSE", "").strip().lower() not in ("", "0", "false", "no", "off")
+        args.verbose = spawn_verbose()
     return args
 
 
