@@ -17,6 +17,7 @@ compare within one run.
 
     python benchmarks/auto_layout.py           # d256x4 and d384x6 at batches 32 and 128
     python benchmarks/auto_layout.py --quick   # d256x4 at batch 32, 2 rounds
+    AUTO_LAYOUT_RUNS=d256x4:32,d256x4:128 python benchmarks/auto_layout.py   # a part of the grid
 
 Writes benchmarks/results/auto_layout.json and .png (auto_layout_quick.* with --quick).
 """
@@ -127,6 +128,8 @@ def main(argv=None) -> int:
     cal = calibrate(refresh=True)  # the host as loaded now (other processes share it)
     rounds = 2 if a.quick else 5
     runs = RUNS[:1] if a.quick else RUNS
+    if os.environ.get("AUTO_LAYOUT_RUNS"):  # e.g. "d256x4:32,d256x4:128": a part of the grid
+        runs = [(r.split(":")[0], int(r.split(":")[1])) for r in os.environ["AUTO_LAYOUT_RUNS"].split(",")]
     n_measured = 4 if a.quick else 7
     results = {"jax": jax.__version__, "calibration": cal.to_json(), "rounds": rounds, "runs": {}}
     for size, batch in runs:

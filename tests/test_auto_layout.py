@@ -137,7 +137,11 @@ def test_the_ranking_follows_the_calibration(data):
     ranked = [c.predicted_s for c in slow_links]
     assert ranked == sorted(ranked)
     text = str(slow_links)
-    assert "pick: dp=8. dp=8 wins over fsdp=8 regather" in text and "peak MiB" in text
+    assert "pick: dp=8. dp=8 wins over fsdp=8 regather" in text
+    js = slow_links.to_json()
+    assert js["pick"] == "dp=8" and [r["layout"] for r in js["candidates"]] == ["dp=8", "fsdp=8 regather"]
+    assert js["candidates"][0]["predicted_ms"] == pytest.approx(1e3 * slow_links.best.predicted_s)
+    assert js["candidates"][1]["bytes"] == {k: v["bytes"] for k, v in slow_links.candidates[1].communication["total"].items()} and "peak MiB" in text
 
 
 def test_a_memory_budget_excludes_what_does_not_fit_and_none_fitting_is_a_clear_error(built, data):

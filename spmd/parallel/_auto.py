@@ -114,6 +114,17 @@ class AutoLayout:
                          + (" ..." if len(self.rejected) > 6 else ""))
         return "\n".join(lines)
 
+    def to_json(self, top: int | None = None) -> dict:
+        """The ranking as plain data (a job's ``metrics.json`` ``"layout"`` entry): the pick, why, and per
+        candidate its predicted time terms, bytes by kind and peak memory."""
+        rows = [{"layout": c.name, "predicted_ms": 1e3 * c.predicted_s, "compute_ms": 1e3 * c.compute_s,
+                 "comm_ms": {k: 1e3 * v for k, v in c.comm_s.items()},
+                 "bytes": {k: v["bytes"] for k, v in c.communication["total"].items()},
+                 "peak_bytes": int(c.memory["peak"]), "fits": c.fits}
+                for c in self.candidates[: (len(self.candidates) if top is None else top)]]
+        return {"pick": self.best.name, "why": self.why(), "candidates": rows, "rejected": [list(r) for r in
+                                                                                          self.rejected]}
+
     def __str__(self) -> str:
         return self.table()
 

@@ -6,14 +6,19 @@ state (``argument + output + temp``):
 - ``state``: the stored parameter shards plus the optimizer state (``ParamPlan`` local shapes), in the
   arguments and again in the outputs;
 - ``batch``: the device's slice of the batch (an argument);
-- ``grads``: the gradient shards, plus, under FSDP, one unit's gathered gradient before its reduce-scatter;
 - ``gathered``: the gathered parameters alive at once (``ParamPlan.peak_gathered_bytes``: the root unit and
   the largest other unit when re-gathering for the backward pass, every unit when kept or accumulating);
-- ``activations``: the residuals the backward pass reads (the ``jax.vjp`` closure of the user's loss on one
-  micro-batch, one device, its parameters taken out), the tensor-parallel part divided by ``tp``: a
-  residual holding a dim a tensor-parallel cut splits (heads, the MLP's hidden features), every batch- and
-  sequence-shaped residual under sequence parallelism;
-- ``updates``: the optimizer's update, one more copy of the parameter shards.
+- ``gathered_grads``: under FSDP, the unit gradients alive before their reduce-scatters (fitted: 0.4 x the
+  gathered bytes of every unit x (1 - 1/fsdp), on the project's Transformer);
+- ``work``: XLA's temp bytes of the user's whole step (gradient and optimizer update) on one device and one
+  micro-batch (activations, work buffers), times the square root of the activations' tensor-parallel share
+  (fitted: XLA's buffers of the cut and whole parts overlap), and, where units are re-gathered for their
+  backward pass (they run under ``jax.checkpoint`` saving matmul outputs), times the square root of the share of the
+  residuals that policy keeps;
+- ``activations`` (reported, inside ``work``): the residuals the backward pass reads (the ``jax.vjp``
+  closure of the user's loss on one micro-batch, one device, parameters taken out), the tensor-parallel
+  part divided by ``tp``: a residual holding a dim a tensor-parallel cut splits (heads, the MLP's hidden
+  features), every batch- and sequence-shaped residual under sequence parallelism.
 
 Compute (per device, one step): the flops and bytes accessed of the user's loss and gradient on one
 micro-batch on one device (XLA's ``cost_analysis`` of the compiled single-device program), the matmuls of
@@ -109,11 +114,16 @@ class Profile:
             self._opt = (float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0)))
         return self._opt
 
-    def residuals(self, batch: Any) -> list:
-        """The activations the backward pass reads (shape structs), parameters taken out."""
-        k = self._key(batch)
+    def residuals(self, batch: Any, *, dots_only: bool = False) -> list:
+        """The activations the backward pass reads (shape structs), parameters taken out; ``dots_only``: under
+        ``jax.checkpoint`` saving the matmul outputs alone (the policy of a unit re-gathered for its backward
+        pass, ``spmd.parallel._hooks``)."""
+        k = (self._key(batch), dots_only)
         if k not in self._res:
-            res = jax.eval_shape(lambda p, b: jax.vjp(lambda q: self.loss(q, b), p)[1], self.params, batch)
+            loss = self.loss
+            if dots_only:
+                loss = jax.checkpoint(loss, policy=jax.checkpoint_policies.dots_saveable)
+            res = jax.eval_shape(lambda p, b: jax.vjp(lambda q: loss(q, b), p)[1], self.params, batch)
             params = Counter(tuple(x.shape) for x in jax.tree.leaves(self.params))
             b = jax.tree.leaves(batch)[0].shape[0]
             out = []
@@ -170,9 +180,11 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
     res = profile.residuals(micro_batch)
     full = activation_bytes(res, plan, None, 1, False)
     split = activation_bytes(res, plan, tp, n_tp, sequence_parallel)
-    # the single-device step's work buffers, the activations' tensor-parallel share cut (its square root: XLA's
-    # buffers of the cut and whole parts overlap; fitted on the project's Transformer, see tests/test_auto_layout)
-    work = int(profile.temp_bytes(micro_batch) * math.sqrt(split / full if full else 1.0))
+    work = profile.temp_bytes(micro_batch) * math.sqrt(split / full if full else 1.0)
+    if regather and n_fsdp > 1 and accum_steps == 1:  # the units run under jax.checkpoint: matmul outputs saved
+        dots = activation_bytes(profile.residuals(micro_batch, dots_only=True), plan, None, 1, False)
+        work *= math.sqrt(min(dots / full, 1.0)) if full else 1.0
+    work = int(work)
     total_gathered = sum(plan.gathered_bytes(u) for u in plan.units) if fsdp and n_fsdp > 1 else 0
     out = {"state": 2 * (params + opt), "batch": local_batch_bytes, "work": work, "gathered": gathered,
            "gathered_grads": int(0.4 * total_gathered * (1 - 1 / n_fsdp))}
