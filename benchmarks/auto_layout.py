@@ -173,6 +173,7 @@ def main(argv=None) -> int:
             "size": size, "batch": batch, "pick": ranked.best.name, "why": ranked.why(), "candidates": rows,
             "n_candidates": len(cands), "rejected": ranked.rejected,
             "spearman": spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows]),
+            "spearman_best_rounds": spearman([r["predicted_ms"] for r in rows], [r["measured_best_ms"] for r in rows]),
             "pick_over_best": best_ms / pick_ms, "gspmd_ms": gspmd_ms, "pick_over_gspmd": gspmd_ms / pick_ms,
             "gspmd_peak_mib": _measured_peak(g.compiled) / 2**20,
             "time_error": statistics.median(abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows),
