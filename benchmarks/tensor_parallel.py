@@ -142,6 +142,7 @@ def prepare_ours(shape, names, sp, batch=BATCH, regather=True):
         # the parameters' ZeRO bound; the tp activations' analytic table is spmd.parallel's (step.communication)
         bound = (step.communication(state, batches[0]) if hasattr(step, "communication")
                  else {"total": state.plan.communication(dp="dp")["total"], "activations": {}})
+        bound = {k: v for k, v in bound.items() if k != "modules"}  # the per-call records: printed, not saved
     else:
         step = make_train_step(model, loss_fn, opt, mesh=mesh)
         state = init_train_state(model, opt, params=params, mesh=mesh)
