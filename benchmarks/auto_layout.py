@@ -187,6 +187,8 @@ def main(argv=None) -> int:
         del preps
     os.makedirs(RESULTS, exist_ok=True)
     out = "auto_layout_quick" if a.quick else "auto_layout"
+    if os.environ.get("AUTO_LAYOUT_OUT"):  # another name for a part of the grid
+        out = os.environ["AUTO_LAYOUT_OUT"]
     with open(os.path.join(RESULTS, out + ".json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     _plot(results, os.path.join(RESULTS, out + ".png"))
