@@ -23,6 +23,8 @@ from spmd.parallel._auto_layout import infer_units
 from spmd.parallel._memory import Profile
 
 VOCAB, T, B = 16, 8, 16
+pytestmark = pytest.mark.xdist_group("auto_layout")  # the tests share module fixtures that compile three steps
+
 MODEL = Transformer(VOCAB, T, num_layers=2, d_model=32, num_heads=4)
 OPT = optax.adamw(1e-3)
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")

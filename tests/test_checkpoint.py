@@ -55,6 +55,7 @@ def _interrupt_at(k):
     return hook
 
 
+@pytest.mark.xdist_group("checkpoint-uninterrupted")
 def test_interrupted_then_resumed_run_is_bitwise_the_uninterrupted_one(uninterrupted, tmp_path):
     _, full, full_state = uninterrupted
     out = str(tmp_path)
@@ -70,6 +71,7 @@ def test_interrupted_then_resumed_run_is_bitwise_the_uninterrupted_one(uninterru
     assert resumed["final"] == full["final"]
 
 
+@pytest.mark.xdist_group("checkpoint-uninterrupted")
 def test_a_killed_run_resumes_from_its_last_periodic_checkpoint(uninterrupted, tmp_path):
     _, full, full_state = uninterrupted
     out = str(tmp_path)
@@ -84,6 +86,7 @@ def test_a_killed_run_resumes_from_its_last_periodic_checkpoint(uninterrupted, t
     assert _bits(state) == _bits(full_state)
 
 
+@pytest.mark.xdist_group("checkpoint-uninterrupted")
 @pytest.mark.parametrize("n", [4, 2])
 def test_restore_onto_another_mesh(uninterrupted, n):
     out, _, full_state = uninterrupted
@@ -95,6 +98,7 @@ def test_restore_onto_another_mesh(uninterrupted, n):
     assert _bits(state) == _bits(full_state)
 
 
+@pytest.mark.xdist_group("checkpoint-uninterrupted")
 def test_resume_on_a_smaller_mesh_continues(uninterrupted, tmp_path):
     _, full, _ = uninterrupted
     out = str(tmp_path)
@@ -116,6 +120,7 @@ def test_resume_without_a_checkpoint(tmp_path):
         Checkpointer(str(tmp_path / "empty")).restore({"x": np.zeros(2)})
 
 
+@pytest.mark.xdist_group("checkpoint-uninterrupted")
 @pytest.mark.parametrize("damage", ["garbage", "missing"])
 def test_a_corrupt_checkpoint_gives_a_clear_error_and_is_left_alone(uninterrupted, tmp_path, damage):
     out = str(tmp_path / "run")
@@ -142,6 +147,7 @@ def test_a_corrupt_checkpoint_gives_a_clear_error_and_is_left_alone(uninterrupte
     assert run(Config(out=out, resume=True, **TINY))["resumed_from"] == 4
 
 
+@pytest.mark.xdist_group("checkpoint-uninterrupted")
 def test_resume_with_another_config_is_refused(uninterrupted, tmp_path):
     out = str(tmp_path / "run")
     shutil.copytree(uninterrupted[0], out)
@@ -215,6 +221,7 @@ def test_flipped_bytes_in_the_state_fail_the_checksum(saved_sharded, tmp_path):
     np.testing.assert_array_equal(np.asarray(state["w"]), saved_sharded[1])
 
 
+@pytest.mark.xdist_group("checkpoint-uninterrupted")
 def test_an_edited_meta_fails_the_checksum(uninterrupted, tmp_path):
     """A history edited in meta/ is refused by --resume and restore_state, naming the step and the meta."""
     out = str(tmp_path / "run")

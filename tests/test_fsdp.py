@@ -107,7 +107,12 @@ def _ids(c):
     return f"{c[0]}-{'x'.join(map(str, c[1]))}-accum{c[3]}-reshard{c[4]}"
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
+def _cases(configs):
+    """Each configuration's tests on one xdist worker (``--dist loadgroup``): they share its cached, compiled run."""
+    return [pytest.param(c, id=_ids(c), marks=pytest.mark.xdist_group("fsdp-" + _ids(c))) for c in configs]
+
+
+@pytest.mark.parametrize("config", _cases(CONFIGS))
 def test_matches_one_device(config):
     mesh, model, _, losses, state, _ = _sharded(config)
     ref_losses, ref = _reference(config[0])
@@ -121,7 +126,7 @@ def test_matches_one_device(config):
     assert int(state.step) == STEPS
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
+@pytest.mark.parametrize("config", _cases(CONFIGS))
 def test_collectives_equal_the_table(config):
     mesh, _, _, _, state, got = _sharded(config)
     plan = state.plan
@@ -153,7 +158,7 @@ def test_collectives_equal_the_table(config):
         assert got["all-gather"]["count"] == 6 * (2 if config[4] else 1) and got["reduce-scatter"]["count"] == 6
 
 
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3]], ids=["t-fsdp8", "t-dp2fsdp4", "mlp-fsdp4"])
+@pytest.mark.parametrize("config", _cases([CONFIGS[0], CONFIGS[1], CONFIGS[3]]))
 def test_state_bytes_per_device(config):
     mesh, _, _, _, state, _ = _sharded(config)
     plan = state.plan
@@ -176,6 +181,7 @@ def test_state_bytes_per_device(config):
     assert plan.peak_gathered_bytes() == plan.gathered_bytes("root") + (max(others) if config[4] else sum(others))
 
 
+@pytest.mark.xdist_group("fsdp-" + _ids(CONFIGS[0]))
 def test_bad_inputs_are_clear_errors():
     mesh, model, step, _, state, _ = _sharded(CONFIGS[0])
     params, batches = _data("transformer")
@@ -194,6 +200,7 @@ def test_bad_inputs_are_clear_errors():
         init_train_state(fully_shard(MODELS["transformer"][0], mesh=mesh, units=["layers_*"]), OPT, params=params)
 
 
+@pytest.mark.xdist_group("fsdp-" + _ids(CONFIGS[0]))
 def test_checkpoints_restore_across_meshes_bit_for_bit(tmp_path):
     """fsdp=8 -> dp=8 (replicated) -> fsdp=2 -> 1 device: each save written by its own layout."""
     from models._checkpoint import Checkpointer

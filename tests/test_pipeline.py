@@ -140,7 +140,16 @@ def _run(config):
                 memory=compiled.memory_analysis(), table=table, n_data=shape[1], accum=accum)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+def _cases(names):
+    """Each configuration's tests on one xdist worker (``--dist loadgroup``): they share its cached, compiled run."""
+    return [pytest.param(c, id=c, marks=pytest.mark.xdist_group(_group(c))) for c in names]
+
+
+def _group(config):  # the two accumulation runs together: test_gpipe_holds_more_activations_than_1f1b reads both
+    return "pp-accum" if config.endswith("-accum") else "pp-" + config
+
+
+@pytest.mark.parametrize("config", _cases(CONFIGS))
 def test_equals_one_device_training(config):
     run = _run(config)
     ref_losses, ref_params = _reference(CONFIGS[config][0])
@@ -152,6 +161,7 @@ def test_equals_one_device_training(config):
     assert ref_losses[-1] < ref_losses[0] - 0.2  # it trained
 
 
+@pytest.mark.xdist_group("pp-pp2dp4-gpipe-transformer-uneven-loop")
 def test_uneven_split_rule():
     lay = _run("pp2dp4-gpipe-transformer-uneven-loop")["pm"]._layouts
     (lay,) = lay.values()
@@ -160,7 +170,7 @@ def test_uneven_split_rule():
     assert lay.rows == [0, 1, 2, -1]  # rank 1's second slot is a skipped zero slot
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if CONFIGS[c][-1]])
+@pytest.mark.parametrize("config", _cases([c for c in CONFIGS if CONFIGS[c][-1]]))
 def test_hlo_collectives_equal_table(config):
     run = _run(config)
     got = hlo_executed_collectives(run["text"], scalars=False)
@@ -180,6 +190,7 @@ def test_hlo_collectives_equal_table(config):
     assert want["activation_shape"] == (rows, 8, 16)
 
 
+@pytest.mark.xdist_group("pp-pp2dp4-gpipe-transformer-uneven-loop")
 def test_loop_holds_one_permute_per_pair_set():
     run = _run("pp2dp4-gpipe-transformer-uneven-loop")
     s = run["pm"].schedule
@@ -188,6 +199,7 @@ def test_loop_holds_one_permute_per_pair_set():
     assert hlo_executed_collectives(run["text"], scalars=False)["all-reduce"]["bytes"] == run["table"]["all-reduce"]["bytes"]
 
 
+@pytest.mark.xdist_group("pp-accum")
 def test_gpipe_holds_more_activations_than_1f1b():
     gp, fb = _run("pp2dp4-gpipe-accum"), _run("pp2dp4-1f1b-accum")
     assert (gp["table"]["activation_slots"], fb["table"]["activation_slots"]) == (4, 2)

@@ -47,6 +47,11 @@ def _id(c):
     return ",".join(f"{n}={s}" for n, s in zip(c[1], c[0])) + ("-sp" if c[2] else "") + f"-accum{c[3]}"
 
 
+def _cases(configs):
+    """Each configuration's tests on one xdist worker (``--dist loadgroup``): they share its cached, compiled run."""
+    return [pytest.param(c, id=_id(c), marks=pytest.mark.xdist_group("tp-" + _id(c))) for c in configs]
+
+
 @functools.lru_cache(maxsize=None)
 def _data():
     rng = np.random.default_rng(1)
@@ -102,12 +107,13 @@ def _check_matches_one_device(mesh, model, losses, state):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_id)
+@pytest.mark.parametrize("config", _cases(CONFIGS))
 def test_matches_one_device(config):
     mesh, model, losses, state, *_ = _run(config)
     _check_matches_one_device(mesh, model, losses, state)
 
 
+@pytest.mark.xdist_group("tp-" + _id(CONFIGS[6]))
 def test_keeping_the_gathers_matches_one_device_and_gathers_each_block_once():
     config = CONFIGS[6]  # dp=2,fsdp=2,tp=2: each block's forward gathers kept for its backward pass
     mesh, model, losses, state, keep, *_ = _run(config, regather=False)
@@ -121,7 +127,7 @@ def test_keeping_the_gathers_matches_one_device_and_gathers_each_block_once():
     assert plan.peak_gathered_bytes() == sum(plan.gathered_bytes(u) for u in plan.units)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_id)
+@pytest.mark.parametrize("config", _cases(CONFIGS))
 def test_collectives_equal_the_megatron_zero_table(config):
     """Every tensor collective of the compiled step (buffers and bytes per kind; scalars aside) is the table's:
     the fsdp / dp terms of the plan and the Megatron terms of the styled calls (``spmd.parallel._comm``)."""
@@ -142,7 +148,7 @@ def test_collectives_equal_the_megatron_zero_table(config):
     assert got["all-to-all"]["count"] == got["collective-permute"]["count"] == 0
 
 
-@pytest.mark.parametrize("config", [CONFIGS[4], CONFIGS[6]], ids=_id)
+@pytest.mark.parametrize("config", _cases([CONFIGS[4], CONFIGS[6]]))
 def test_state_bytes_per_device(config):
     mesh, _, _, state, *_ = _run(config)
     plan = state.plan
@@ -219,6 +225,7 @@ def test_uneven_heads_and_bad_layouts_are_clear_errors():
         layout_model(MLP(7, 3, (10,)), mesh)
 
 
+@pytest.mark.xdist_group("tp-" + _id(CONFIGS[5]))
 def test_checkpoints_restore_across_layouts_bit_for_bit(tmp_path):
     """Saved on fsdp=2 x tp=4 (sequence parallel), restored on dp=8, 1 device and dp=2 x fsdp=2 x tp=2, saved
     there again and restored onto dp=2 x tp=4: the logical state is the same bits every time."""
