@@ -324,47 +324,9 @@ def spmd(
             return region._trace(*args)
 
         functools.update_wrapper(traced, fn)
-        # All placement handling runs at trace time: a call is the jax.jit function's call, costing what a
-        # hand-written jitted shard_map costs (.lower() / .trace() / .eval_shape() are the jitted function's).
-        # The one frame around it (about 0.1 us) turns JAX's "abstract array ... static_argnums" TypeError
-        # for a non-array argument into one naming the argument, its value and the fix.
-        jitted = jax.jit(traced)
-
-        @functools.wraps(fn)
-        def call(*args):
-            try:
-                return jitted(*args)
-            except TypeError:
-                _check_arguments(args)
-                raise
-
-        for name in ("lower", "trace", "eval_shape", "clear_cache"):
-            setattr(call, name, getattr(jitted, name))
-        call.jitted = jitted
-        return call
+        # All placement handling runs at trace time: the result is a plain
+        # jax.jit function, so a call costs what a hand-written jitted shard_map
+        # costs (and .lower() / .trace() work as on any jitted function).
+        return jax.jit(traced)
 
     return wrap if f is None else wrap(f)
-
-
-def _check_arguments(args: tuple) -> None:
-    """Every leaf of a region's arguments must be an array (or a DTensor, or a number); the first that is not
-    is a ``TypeError`` naming its path and value."""
-    from spmd._torch import is_torch_tensor
-
-    for path, x in jax.tree_util.tree_flatten_with_path(args, is_leaf=lambda v: isinstance(v, DTensor))[0]:
-        if isinstance(x, (DTensor, jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
-            continue
-        try:
-            jax.typeof(x)  # anything else JAX takes as an array (an object with __jax_array__, ...)
-            continue
-        except TypeError:
-            pass
-        where = f"argument{jax.tree_util.keystr(path)}"
-        if is_torch_tensor(x):
-            raise TypeError(
-                f"spmd: {where} is a torch.Tensor (shape {tuple(x.shape)}); an @spmd function takes NumPy or JAX "
-                "arrays or DTensors: pass x.detach().cpu().numpy().") from None
-        raise TypeError(
-            f"spmd: {where}={x!r} (a {type(x).__name__}) is not an array; every argument of an @spmd function "
-            "must be an array, a DTensor or a pytree of them. Pass a setting through a closure or "
-            "functools.partial instead, or convert the value (np.asarray).") from None

@@ -31,7 +31,7 @@ MAX_COLUMNS = 16
 
 def _is_collectives(v) -> bool:
     return isinstance(v, dict) and bool(v) and all(
-        isinstance(c, dict) and set(c) == {"count", "bytes"} for c in v.values())
+        isinstance(c, dict) and {"count", "bytes"} <= set(c) <= {"count", "bytes", "buffers"} for c in v.values())
 
 
 def _fmt_collectives(v: dict) -> str:
