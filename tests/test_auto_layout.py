@@ -20,6 +20,7 @@ from spmd.parallel import (Calibration, ColwiseParallel, Layout, apply_layout, a
                            init_train_state, make_train_step)
 from spmd.parallel._auto import candidate_layouts, default_loss, evaluate_layout
 from spmd.parallel._auto_layout import infer_units
+from spmd.parallel._calibrate import COLLECTIVE_KINDS, _fit
 from spmd.parallel._memory import Profile
 
 VOCAB, T, B = 16, 8, 16
@@ -201,12 +202,21 @@ def test_units_are_inferred_from_the_repeated_blocks():
     assert infer_units({"dense": {"kernel": np.zeros(2)}}) == ()
 
 
+def test_the_fit_recovers_latency_and_bandwidth():
+    """calibrate's least squares ``t = latency + bytes / bandwidth`` on points of a known line; a falling
+    line (noise) keeps no latency and the slowest point's bandwidth."""
+    pts = [(n, 2e-5 + n / 4e9) for n in (1 << 10, 1 << 16, 1 << 20, 1 << 24)]
+    lat, bw = _fit(pts)
+    assert lat == pytest.approx(2e-5, rel=1e-6) and bw == pytest.approx(4e9, rel=1e-6)
+    assert _fit([(100.0, 3e-3), (1000.0, 1e-3)]) == (0.0, pytest.approx(100.0 / 3e-3))
+    assert _fit([(1000.0, 1e-3)]) == (0.0, pytest.approx(1e6))
+
+
 def test_calibrate_measures_caches_and_refreshes(tmp_path, monkeypatch):
     monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path))
     cal = calibrate(quick=True)
     assert cal.matmul_flops_per_s > 0 and cal.elementwise_bytes_per_s > 0 and cal.group_size == 8
-    for kind, (lat, bw) in cal.collectives.items():
-        assert lat >= 0 and bw > 0, kind
+    assert set(cal.collectives) == set(COLLECTIVE_KINDS)
     files = list(tmp_path.iterdir())
     assert len(files) == 1 and json.loads(files[0].read_text())["calibration"]["group_size"] == 8
     assert calibrate(quick=True) == cal  # from the cache
