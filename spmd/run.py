@@ -23,7 +23,6 @@ import argparse
 import collections
 import ctypes
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -34,8 +33,8 @@ import uuid
 
 from spmd import _mpirun
 from spmd._spawn import chatter as _chatter
-from spmd._spawn import verbose as spawn_verbose
 from spmd._spawn import free_port, signal_name, stop_processes
+from spmd._spawn import verbose as spawn_verbose
 from spmd.distributed._errors import PEER_EXIT_CODE, parse_absent
 
 __all__ = ["main", "parse_args"]
