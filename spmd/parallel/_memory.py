@@ -44,6 +44,13 @@ def _nbytes(tree: Any) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def _cost(compiled) -> tuple[float, float]:
+    """(flops, bytes accessed) of a compiled program (XLA's ``cost_analysis``)."""
+    c = compiled.cost_analysis()
+    c = c[0] if isinstance(c, (list, tuple)) else c
+    return float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0))
+
+
 def _scalar_loss(loss_fn: Callable) -> Callable:
     def f(p, b):
         out = loss_fn(p, b)
@@ -82,10 +89,8 @@ class Profile:
 
             with jax.default_device(jax.devices()[0]):
                 comp = jax.jit(step).lower(self.params, jax.eval_shape(opt.init, self.params), batch).compile()
-            c = comp.cost_analysis()
-            c = c[0] if isinstance(c, (list, tuple)) else c
             temp = int(getattr(comp.memory_analysis(), "temp_size_in_bytes", 0) or 0)
-            self._grad[k] = (float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0)), temp)
+            self._grad[k] = (*_cost(comp), temp)
         return self._grad[k]
 
     def grad_cost(self, batch: Any) -> tuple[float, float]:
@@ -109,9 +114,7 @@ class Profile:
                 u, s = opt.update(g, s, p)
                 return jax.tree.map(jnp.add, p, u), s
 
-            c = jax.jit(upd).lower(self.params, self.params).compile().cost_analysis()
-            c = c[0] if isinstance(c, (list, tuple)) else c
-            self._opt = (float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0)))
+            self._opt = _cost(jax.jit(upd).lower(self.params, self.params).compile())
         return self._opt
 
     def residuals(self, batch: Any, *, dots_only: bool = False) -> list:
@@ -159,7 +162,7 @@ def activation_bytes(residuals: list, plan, tp: str | None, n_tp: int, sequence_
     cut = _tp_sizes(plan, tp)
     total = 0
     for x in residuals:
-        nb = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        nb = _nbytes(x)
         split = n_tp > 1 and ((sequence_parallel and len(x.shape) >= 3) or any(d in cut for d in x.shape[1:]))
         total += nb // n_tp if split else nb
     return total
@@ -169,7 +172,7 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
                      sequence_parallel: bool) -> dict:
     """Peak bytes per device by kind (see the module doc) and ``"peak"``, their sum."""
     local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in plan.entries]
-    params = sum(e.local_nbytes for e in plan.entries)
+    params = plan.bytes_per_device
     opt = _nbytes(jax.eval_shape(profile.optimizer.init, local))
     fsdp = model.fsdp
     n_fsdp = plan.mesh_size(fsdp.shard_dim) if fsdp else 1
@@ -178,11 +181,11 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
     tp = model.tp.mesh_dim if model.tp else None
     n_tp = plan.mesh_size(tp) if tp else 1
     res = profile.residuals(micro_batch)
-    full = activation_bytes(res, plan, None, 1, False)
+    full = _nbytes(res)
     split = activation_bytes(res, plan, tp, n_tp, sequence_parallel)
     work = profile.temp_bytes(micro_batch) * math.sqrt(split / full if full else 1.0)
     if regather and n_fsdp > 1 and accum_steps == 1:  # the units run under jax.checkpoint: matmul outputs saved
-        dots = activation_bytes(profile.residuals(micro_batch, dots_only=True), plan, None, 1, False)
+        dots = _nbytes(profile.residuals(micro_batch, dots_only=True))
         work *= math.sqrt(min(dots / full, 1.0)) if full else 1.0
     work = int(work)
     total_gathered = sum(plan.gathered_bytes(u) for u in plan.units) if fsdp and n_fsdp > 1 else 0
@@ -205,5 +208,5 @@ def compute_cost(profile: Profile, plan, model, micro_batch: Any, *, accum_steps
         local = flops - cut * (1 - 1 / n_tp)
         nbytes, flops = nbytes * local / flops, local
     of, ob = profile.optimizer_cost()
-    share = sum(e.local_nbytes for e in plan.entries) / max(profile.param_bytes, 1)
+    share = plan.bytes_per_device / max(profile.param_bytes, 1)
     return accum_steps * flops + of * share, accum_steps * nbytes + ob * share
