@@ -17,7 +17,6 @@ built through the contract (``apply_layout``) and traced on abstract inputs, not
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
@@ -29,9 +28,9 @@ import optax
 from spmd.parallel._auto_layout import Layout, apply_layout, devices_of, infer_units, tp_plan_for
 from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._comm import KINDS
-from spmd.parallel._memory import Profile, compute_cost, memory_breakdown
+from spmd.parallel._memory import Profile, _nbytes, compute_cost, memory_breakdown
 from spmd.parallel._shard import entry_sharding
-from spmd.parallel._step import TrainState, make_train_step
+from spmd.parallel._step import TrainState, _check_optimizer, make_train_step
 from spmd.parallel._transforms import as_parallel
 
 __all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default_loss", "abstract_state"]
@@ -187,7 +186,7 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     b = jax.tree.leaves(batch)[0].shape[0]
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // (n_data * layout.accum_steps), *x.shape[1:]), x.dtype),
                          batch)
-    local_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(batch)) // n_data
+    local_bytes = _nbytes(batch) // n_data
     pm = as_parallel(laid, mesh, where)
     mem = memory_breakdown(profile, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
                            sequence_parallel=layout.sequence_parallel)
@@ -253,8 +252,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     single-device programs are compiled once per micro-batch size).
     """
     where = "auto_layout"
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(f"{where}: optimizer={optimizer!r} must be an optax.GradientTransformation.")
+    _check_optimizer(optimizer, where)
     if memory_budget_bytes is not None and (isinstance(memory_budget_bytes, bool) or memory_budget_bytes <= 0):
         raise ValueError(f"{where}: memory_budget_bytes={memory_budget_bytes!r} must be a positive int or None.")
     devices = devices_of(mesh_shape_or_devices, where)
