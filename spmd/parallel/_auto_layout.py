@@ -90,11 +90,8 @@ def devices_of(mesh_or_devices: Any, where: str) -> list:
         return list(mesh_or_devices.jax_mesh.devices.ravel())
     if isinstance(mesh_or_devices, jax.sharding.Mesh):
         return list(mesh_or_devices.devices.ravel())
-    if isinstance(mesh_or_devices, bool):
-        raise TypeError(f"{where}: mesh_shape_or_devices={mesh_or_devices!r} must be a device count, a mesh shape, "
-                        "a list of devices or a DeviceMesh.")
-    if isinstance(mesh_or_devices, int) or (isinstance(mesh_or_devices, tuple) and mesh_or_devices
-                                            and all(isinstance(s, int) for s in mesh_or_devices)):
+    if (isinstance(mesh_or_devices, int) and not isinstance(mesh_or_devices, bool)) or (
+            isinstance(mesh_or_devices, tuple) and mesh_or_devices and all(isinstance(s, int) for s in mesh_or_devices)):
         n = mesh_or_devices if isinstance(mesh_or_devices, int) else math.prod(mesh_or_devices)
         have = jax.devices()
         if n < 1 or n > len(have):
@@ -113,11 +110,8 @@ def layout_mesh(devices: Sequence, layout: Layout, where: str = "apply_layout") 
     if len(devices) != layout.size:
         raise ValueError(f"{where}: layout {layout.name!r} needs dp x fsdp x tp = {layout.size} devices, but "
                          f"{len(devices)} were given; give {layout.size} devices or a layout for {len(devices)}.")
-    platform = devices[0].platform
-    index = {d: i for i, d in enumerate(jax.devices(platform))}
     names, shape = zip(*layout.mesh_dims)
-    ids = np.array([index[d] for d in devices]).reshape(shape)
-    return DeviceMesh(platform, ids, mesh_dim_names=names)
+    return DeviceMesh.from_jax(jax.sharding.Mesh(np.array(devices).reshape(shape), names))
 
 
 def apply_layout(model: Any, mesh_or_devices: Any, layout: Layout) -> tuple[Any, DeviceMesh]:
