@@ -78,8 +78,7 @@ def _machine_key(devices) -> str:
     import jax
 
     d = devices[0]
-    desc = f"{platform.node()}|{d.platform}|{getattr(d, 'device_kind', '')}|{len(devices)}|jax {jax.__version__}"
-    return desc
+    return f"{platform.node()}|{d.platform}|{getattr(d, 'device_kind', '')}|{len(devices)}|jax {jax.__version__}"
 
 
 def cache_path(devices=None) -> str:
@@ -127,7 +126,7 @@ def _collective_fn(kind: str, mesh, reps: int):
     n = mesh.devices.size
 
     def body(x):
-        def one(_, y):
+        def one(y):
             if kind == "all-reduce":
                 return lax.psum(y, "x") * (1.0 / n)
             if kind == "all-gather":
@@ -137,7 +136,7 @@ def _collective_fn(kind: str, mesh, reps: int):
                 return z * (1.0 / n)
             return lax.ppermute(y, "x", [(i, (i + 1) % n) for i in range(n)])
 
-        return lax.fori_loop(0, reps, one, x)
+        return _repeat(one, x, reps)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
 
@@ -165,14 +164,14 @@ def _measure(devices, sizes: Sequence[int], repeats: int, reps: int) -> Calibrat
             pts.append((float(elems * 4 * (n if kind in ("all-gather", "reduce-scatter") else 1)), max(t, 1e-9)))
         colls[kind] = _fit(pts)
     m = 256
-    a = jax.device_put(jnp.ones((n * m, m), jnp.float32), NamedSharding(mesh, P("x")))
-    mm = jax.jit(jax.shard_map(lambda x: lax_loop(lambda y: jnp.tanh(y @ x[:m]) , x[:m], reps),
+    a = jax.device_put(jnp.ones((n * m, m), jnp.float32), sh)
+    mm = jax.jit(jax.shard_map(lambda x: _repeat(lambda y: jnp.tanh(y @ x[:m]), x[:m], reps),
                                mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     t = max(_timed(mm, a, repeats=repeats) - dispatch, 1e-9)
     flops = reps * 2 * m ** 3 / t
     e = 1 << 18
     v = jax.device_put(jnp.ones((n * e,), jnp.float32), sh)
-    ew = jax.jit(jax.shard_map(lambda x: lax_loop(lambda y: y * 0.999 + x, x, reps), mesh=mesh, in_specs=P("x"),
+    ew = jax.jit(jax.shard_map(lambda x: _repeat(lambda y: y * 0.999 + x, x, reps), mesh=mesh, in_specs=P("x"),
                                out_specs=P("x")))
     t = max(_timed(ew, v, repeats=repeats) - dispatch, 1e-9)
     bw = reps * 3 * e * 4 / t
@@ -180,7 +179,8 @@ def _measure(devices, sizes: Sequence[int], repeats: int, reps: int) -> Calibrat
                        group_size=n, machine=_machine_key(devices))
 
 
-def lax_loop(f, x, reps: int):
+def _repeat(f, x, reps: int):
+    """``f`` applied ``reps`` times in one program (a ``fori_loop``)."""
     from jax import lax
 
     return lax.fori_loop(0, reps, lambda _, y: f(y), x)
@@ -205,7 +205,7 @@ def calibrate(devices: Any = None, *, refresh: bool = False, quick: bool = False
     if cache and not refresh and os.path.exists(path):
         with open(path) as f:
             got = json.load(f)
-        if got.get("quick", False) == quick or not got.get("quick", False):
+        if quick or not got.get("quick", False):  # a quick measurement serves quick calls only
             return Calibration.from_json(got["calibration"])
     sizes = (1 << 12, 1 << 16) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 22)
     cal = _measure(devices, sizes, repeats=1 if quick else 5, reps=2 if quick else 8)
