@@ -59,8 +59,18 @@ class _Entry:
         self.mop, self.root, self.direct, self.keep = mop, root, direct, keep
 
 
-def _broken(e: _Entry, mark: tuple, error: Exception):
-    raise PeerError(_guard.broken_message(_FOR, _guard.as_call(mark), error)) from error
+def _guarded(e: _Entry, *args: Any) -> None:
+    """``e``'s MPI call on ``args``, numbered in its group's sequence, under the timeout guard."""
+    wd = e.wd
+    wd.active = mark = (e.spec, next(e.counter), _monotonic())
+    try:
+        e.run(*args)
+    except _mpi.MPI.Exception as err:
+        raise PeerError(_guard.broken_message(_FOR, _guard.as_call(mark), err)) from err
+    finally:
+        wd.active = None
+        if wd.published is mark:
+            wd.unpublish(mark)
 
 
 def _view(x: Any) -> np.ndarray | None:
@@ -100,12 +110,9 @@ def _usable() -> Any:
     return st
 
 
-def _learn(key: tuple, where: str, group: Any, opts: dict, x: np.ndarray, name: str, keep: tuple, **kw) -> None:
-    st = _usable()
-    if st is None:
-        return
-    ranks = group_of(group, where, non_member="allow").global_ranks()
-    spec = _guard.Spec(where, ranks, _guard.opts_of(opts), x.shape, x.dtype, st.world_size, st.timeout_s)
+def _learn(st: Any, key: tuple, ranks: tuple, opts: dict, x: np.ndarray, name: str, keep: tuple, **kw) -> None:
+    """Keep the call of ``key`` (its collective first) on the group of ``ranks``: MPI method ``name`` on ``x``."""
+    spec = _guard.Spec(key[0], ranks, _guard.opts_of(opts), x.shape, x.dtype, st.world_size, st.timeout_s)
     if len(_ENTRIES) >= _MAX_ENTRIES:
         _ENTRIES.clear()
     _ENTRIES[key] = _Entry(spec, _guard.watchdog_of(st), _mpi.comm(ranks), name, keep=keep, **kw)
@@ -131,27 +138,19 @@ def _all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     f = b.flags
     if not (f.writeable and f.c_contiguous):
         return NotImplemented
-    wd = e.wd
-    wd.active = mark = (e.spec, next(e.counter), _monotonic())
-    try:
-        e.run(e.root, b, e.mop)  # root: MPI_IN_PLACE
-    except _mpi.MPI.Exception as err:
-        _broken(e, mark, err)
-    finally:
-        wd.active = None
-        if wd.published is mark:
-            wd.unpublish(mark)
+    _guarded(e, e.root, b, e.mop)  # root: MPI_IN_PLACE
     return tensor
 
 
 def _all_reduce_learn(out, tensor, op=ReduceOp.SUM, group=None, async_op=False):
     b = None if out is not tensor or async_op else _buffer(tensor)
-    if b is None or _usable() is None:
+    st = None if b is None else _usable()
+    if st is None:
         return
-    n = len(group_of(group, "all_reduce", non_member="allow").global_ranks())
-    rop, mop = _reduction(op, b.dtype, n, "all_reduce")
+    ranks = group_of(group, "all_reduce", non_member="allow").global_ranks()
+    rop, mop = _reduction(op, b.dtype, len(ranks), "all_reduce")
     if mop is not None:
-        _learn(("all_reduce", b.dtype, b.shape, id(op), id(group)), "all_reduce", group, {"op": rop},
+        _learn(st, ("all_reduce", b.dtype, b.shape, id(op), id(group)), ranks, {"op": rop},
                b, "Allreduce", (op, group), mop=mop, root=_mpi.MPI.IN_PLACE)
 
 
@@ -168,26 +167,18 @@ def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     f = b.flags
     if not (f.writeable and f.c_contiguous):
         return NotImplemented
-    wd = e.wd
-    wd.active = mark = (e.spec, next(e.counter), _monotonic())
-    try:
-        e.run(b if e.direct else _bytes(b), root=e.root)
-    except _mpi.MPI.Exception as err:
-        _broken(e, mark, err)
-    finally:
-        wd.active = None
-        if wd.published is mark:
-            wd.unpublish(mark)
+    _guarded(e, b if e.direct else _bytes(b), e.root)
     return tensor
 
 
 def _broadcast_learn(out, tensor, src=None, group=None, async_op=False, group_src=None):
     b = None if out is not tensor or async_op else _buffer(tensor)
-    if b is None or _usable() is None:
+    st = None if b is None else _usable()
+    if st is None:
         return
     g = group_of(group, "broadcast", non_member="allow")
     root = peer_rank(g, src, group_src, "broadcast", "src")
-    _learn(("broadcast", b.dtype, b.shape, src, group_src, id(group)), "broadcast", group, {"src": root},
+    _learn(st, ("broadcast", b.dtype, b.shape, src, group_src, id(group)), g.global_ranks(), {"src": root},
            b, "Bcast", (group,), root=root, direct=b.dtype.char in _DIRECT)
 
 
@@ -211,42 +202,35 @@ def _pair(name: str, output, input, op, group, async_op):  # noqa: A002
     base = output.base
     if type(result) is _ND and base is not None and (base is input or base is input.base):  # aliased: full path
         return NotImplemented
-    wd = e.wd
-    wd.active = mark = (e.spec, next(e.counter), _monotonic())
-    try:
-        if e.mop is not None:
-            e.run(input, output, e.mop)
-        elif e.direct:
-            e.run(input, output)
-        else:
-            e.run(_bytes(input), _bytes(output))
-    except _mpi.MPI.Exception as err:
-        _broken(e, mark, err)
-    finally:
-        wd.active = None
-        if wd.published is mark:
-            wd.unpublish(mark)
+    if e.mop is not None:
+        _guarded(e, input, output, e.mop)
+    elif e.direct:
+        _guarded(e, input, output)
+    else:
+        _guarded(e, _bytes(input), _bytes(output))
     return result
 
 
-def _pair_learn(name: str, where: str, out, output, input, op, group, async_op) -> None:  # noqa: A002
+def _pair_learn(name: str, out, output, input, op, group, async_op) -> None:  # noqa: A002
     if out is not output or output is input or async_op:
         return
     output, input = _buffer(output), _buffer(input)
-    if output is None or input is None or input.ndim == 0 or _usable() is None:
+    st = None if output is None or input is None or input.ndim == 0 else _usable()
+    if st is None:
         return
-    n = len(group_of(group, where, non_member="allow").global_ranks())
+    ranks = group_of(group, name, non_member="allow").global_ranks()
+    n = len(ranks)
     key = (name, output.dtype, output.shape, input.dtype, input.shape, id(op), id(group))
     direct = input.dtype.char in _DIRECT
     if name == "all_gather_into_tensor":
         tiled = output.shape != (n,) + input.shape
-        _learn(key, where, group, {"axis": 0, "tiled": tiled}, input, "Allgather", (op, group), direct=direct)
+        _learn(st, key, ranks, {"axis": 0, "tiled": tiled}, input, "Allgather", (op, group), direct=direct)
     elif name == "reduce_scatter_tensor":
-        rop, mop = _reduction(op, input.dtype, n, where)
+        rop, mop = _reduction(op, input.dtype, n, name)
         if mop is not None:
-            _learn(key, where, group, {"op": rop, "scatter_dim": 0}, input, "Reduce_scatter_block", (op, group), mop=mop)
+            _learn(st, key, ranks, {"op": rop, "scatter_dim": 0}, input, "Reduce_scatter_block", (op, group), mop=mop)
     else:
-        _learn(key, where, group, {"split_axis": 0, "concat_axis": 0}, input, "Alltoall", (op, group), direct=direct)
+        _learn(st, key, ranks, {"split_axis": 0, "concat_axis": 0}, input, "Alltoall", (op, group), direct=direct)
 
 
 def _all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
@@ -254,8 +238,7 @@ def _all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fa
 
 
 def _all_gather_into_tensor_learn(out, output_tensor, input_tensor, group=None, async_op=False):
-    _pair_learn("all_gather_into_tensor", "all_gather_into_tensor", out, output_tensor, input_tensor, None, group,
-                async_op)
+    _pair_learn("all_gather_into_tensor", out, output_tensor, input_tensor, None, group, async_op)
 
 
 def _reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):  # noqa: A002
@@ -263,7 +246,7 @@ def _reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=
 
 
 def _reduce_scatter_tensor_learn(out, output, input, op=ReduceOp.SUM, group=None, async_op=False):  # noqa: A002
-    _pair_learn("reduce_scatter_tensor", "reduce_scatter_tensor", out, output, input, op, group, async_op)
+    _pair_learn("reduce_scatter_tensor", out, output, input, op, group, async_op)
 
 
 def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,  # noqa: A002
@@ -276,7 +259,7 @@ def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes
 def _all_to_all_single_learn(out, output, input, output_split_sizes=None, input_split_sizes=None, group=None,  # noqa: A002
                              async_op=False):
     if output_split_sizes is None and input_split_sizes is None:
-        _pair_learn("all_to_all_single", "all_to_all_single", out, output, input, None, group, async_op)
+        _pair_learn("all_to_all_single", out, output, input, None, group, async_op)
 
 
 # (try the cached call: its result or NotImplemented; after a full call: keep what it resolved), by collective
