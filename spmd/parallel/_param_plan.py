@@ -59,7 +59,7 @@ class PlanEntry:
     local_shape: tuple[int, ...]  # padded to the chunk size: what every device stores
     unit: str
     rule: str  # the rule that placed it, or "default"
-    stacked: int | None = None  # the layer axis nn.scan stacks it along (spmd.parallel._scan), never cut
+    stacked: tuple[str, int] | None = None  # (the nn.scan module, the layer axis) it is stacked along: never cut
 
     @property
     def itemsize(self) -> int:
@@ -112,7 +112,11 @@ class ParamPlan:
     units: tuple[str, ...]  # gather units, in first-use order of the leaves
     treedef: Any  # the parameters' jax PyTreeDef (immutable)
     keep: tuple[str, ...] = (ROOT,)  # regexes of the units gathered once and held for the backward pass
-    scans: tuple[tuple[str, int], ...] = ()  # (module path, length) of each nn.scan over stacked parameters
+
+    @property
+    def scans(self) -> tuple[tuple[str, int], ...]:
+        """``(module path, length)`` of each ``nn.scan`` over stacked parameters."""
+        return tuple(sorted({(e.stacked[0], e.shape[e.stacked[1]]) for e in self.entries if e.stacked}))
 
     # --- lookup -------------------------------------------------------------------------
     def entry(self, path: str) -> PlanEntry:
@@ -353,12 +357,13 @@ def plan_params(
         gshape = tuple(int(d) for d in np.shape(x))
         dtype = np.dtype(getattr(x, "dtype", np.float32)).name
         rule_i = next((i for i, r in enumerate(rules) if r.matches(path)), None)
-        axis = (stacked or {}).get(path, (None, None))[1]
+        scan = (stacked or {}).get(path)
         plist: list[Placement] = []
         for dim in names:
             p = rules[rule_i].placement_for(dim) if rule_i is not None else None
             if p is None:
-                p = _default(dim == fsdp, gshape, rules[rule_i] if rule_i is not None else None, axis)
+                p = _default(dim == fsdp, gshape, rules[rule_i] if rule_i is not None else None,
+                             scan and scan[1])
             if isinstance(p, Shard) and not -len(gshape) <= p.dim < len(gshape):
                 src = f"rules[{rule_i}] ({rules[rule_i]})" if rule_i is not None else "the default"
                 raise ValueError(
@@ -375,12 +380,11 @@ def plan_params(
         if unit not in order:
             order.append(unit)
         entries.append(PlanEntry(path, gshape, dtype, tuple(plist), padded_local_shape(gshape, shape, plist), unit,
-                                 rules[rule_i].name if rule_i is not None else "default", axis))
+                                 rules[rule_i].name if rule_i is not None else "default", scan))
     for i, ok in enumerate(used):
         if not ok:
             raise ValueError(
                 f"{where}: rules[{i}] ({rules[i]}) matches no parameter; the paths look like "
                 f"{[e.path for e in entries[:3]]}: fix the pattern or drop the rule."
             )
-    scans = sorted({(stacked[e.path][0], e.shape[e.stacked]) for e in entries if e.stacked is not None})
-    return ParamPlan(names, shape, fsdp, tuple(entries), tuple(order), treedef, tuple(keep), tuple(scans))
+    return ParamPlan(names, shape, fsdp, tuple(entries), tuple(order), treedef, tuple(keep))

@@ -71,7 +71,7 @@ def find_stacked(seen: Mapping[str, Mapping[str, tuple[int, ...]]], params: Any)
 
 def unstacked(e: PlanEntry) -> PlanEntry:
     """``e`` as the scanned block sees it: without its stacked axis (the shard dims after it shift down)."""
-    a = e.stacked
+    a = e.stacked[1]
     drop = lambda t: t[:a] + t[a + 1:]  # noqa: E731
     places = tuple(Shard(p.dim - (p.dim > a)) if isinstance(p, Shard) else p for p in e.placements)
     return dataclasses.replace(e, shape=drop(e.shape), local_shape=drop(e.local_shape), placements=places,
@@ -87,13 +87,8 @@ def scan_of(unit: str, scans: Mapping[str, int]) -> int:
 
 
 def stacked_in(plan: Any) -> dict[str, tuple[str, int]]:
-    """The ``stacked`` map a plan was built with (``build_plan``'s argument), from its entries and scans."""
-    out = {}
-    for e in plan.entries:
-        if e.stacked is not None:
-            module = next(m for m, _ in plan.scans if e.path.startswith(m + "/"))
-            out[e.path] = (module, e.stacked)
-    return out
+    """The ``stacked`` map a plan was built with (``build_plan``'s argument)."""
+    return {e.path: e.stacked for e in plan.entries if e.stacked is not None}
 
 
 def check_unscanned(plan: Any, run: Callable, *args: Any) -> None:

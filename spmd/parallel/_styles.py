@@ -82,7 +82,7 @@ def _check_bool(style: str, arg: str, value: Any) -> None:
 class ParallelStyle:
     """What every style answers: a parameter's placement on ``tp`` and its activations' layouts."""
 
-    def param_placement(self, path: str, module_type: str | None, name: str, shape: tuple[int, ...]) -> Placement:
+    def param_placement(self, path: str, name: str, shape: tuple[int, ...]) -> Placement:
         return Replicate()
 
     def input_layouts_for(self, module_type: str | None) -> tuple[Any, Any]:
@@ -129,11 +129,11 @@ class ColwiseParallel(ParallelStyle):
         _check_bool("ColwiseParallel", "use_local_output", self.use_local_output)
         _check_dim("ColwiseParallel", self.dim)
 
-    def param_placement(self, path, module_type, name, shape):
+    def param_placement(self, path, name, shape):
         if name == "embedding":  # an Embed table (vocab, features): the features are its output
-            return Shard(_kernel_dim("ColwiseParallel", path, module_type, shape, self.dim, 1))
+            return Shard(_kernel_dim("ColwiseParallel", path, None, shape, self.dim, 1))
         if name == "kernel":
-            return Shard(_kernel_dim("ColwiseParallel", path, module_type, shape, self.dim, -1))
+            return Shard(_kernel_dim("ColwiseParallel", path, None, shape, self.dim, -1))
         if name == "bias" and len(shape) >= 1:
             return Shard(0)  # the plan aligns it with the kernel's cut output axis (``_layout.tp_placements``)
         return Replicate()
@@ -161,9 +161,9 @@ class RowwiseParallel(ParallelStyle):
         _check_bool("RowwiseParallel", "use_local_output", self.use_local_output)
         _check_dim("RowwiseParallel", self.dim)
 
-    def param_placement(self, path, module_type, name, shape):
+    def param_placement(self, path, name, shape):
         if name in ("kernel", "embedding"):  # kernel (in, out): the input rows; Embed (vocab, features): the vocab
-            return Shard(_kernel_dim("RowwiseParallel", path, module_type, shape, self.dim, 0))
+            return Shard(_kernel_dim("RowwiseParallel", path, None, shape, self.dim, 0))
         return Replicate()  # the bias, added once after the reduction
 
     def input_layouts_for(self, module_type):

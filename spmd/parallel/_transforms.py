@@ -330,7 +330,7 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             p = Shard(0) if isinstance(hit[1], ColwiseParallel) else Replicate()
         elif hit is not None:
             key, style = hit
-            p = style.param_placement(fqn, None, name, shape)
+            p = style.param_placement(fqn, name, shape)
             if isinstance(p, Shard):
                 p = Shard(p.dim % len(shape))
         tp_of[path] = p
@@ -354,8 +354,8 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
     n_tp = sizes.get(tp.mesh_dim, 1) if tp else 1
     for (kp, x), path in zip(leaves, paths):
         shape = tuple(int(d) for d in np.shape(x))
-        pl: dict[str, Placement] = {n: Replicate() for n in mesh.mesh_dim_names}
-        t = tp_of[path]
+        pl: dict[str, Placement] = {}  # tp's cut; plan_params' default cuts fsdp (the first dim tp and nn.scan
+        t = tp_of[path]  # leave whole) and keeps every other dim Replicate
         if tp:
             if isinstance(t, Shard) and shape[t.dim] % n_tp:
                 fqn, _ = param_module(path)
@@ -365,11 +365,6 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
                     f"tensor-parallel cut must be even (the model reads global shapes): use a tp size dividing "
                     f"{shape[t.dim]}, another dim=, or leave the module out of the plan.")
             pl[tp.mesh_dim] = t
-        if fsdp and shape:
-            taken = ({t.dim} if isinstance(t, Shard) else set()) | {stacked.get(path, (None, None))[1]}
-            free = next((d for d in range(len(shape)) if d not in taken), None)
-            if free is not None:
-                pl[fsdp.shard_dim] = Shard(free)
         rules.append(Rule(re.escape(path), pl, name=_rule_name(model, path)))
     return plan_params(params, sizes, rules, fsdp=fsdp.shard_dim if fsdp else "", units=tuple(unit_res),
                        keep=(ROOT,) if (fsdp is None or fsdp.reshard_after_forward) else (".*",), stacked=stacked)
