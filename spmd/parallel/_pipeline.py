@@ -47,12 +47,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from placements import Shard
 from spmd._mesh import DeviceMesh
-from spmd.parallel._param_plan import path_str, plan_params
+from spmd.parallel._param_plan import ParamPlan, path_str, plan_params
 from spmd.parallel._pipeline_step import REST, STAGES, init_pipeline_state, make_pipeline_step, unshard_pipeline_params
 from spmd.parallel._rules import Rule
 from spmd.parallel._schedules import SCHEDULES, Schedule, build_schedule
-from spmd.parallel._transforms import ParallelModule, glob_regex
+from spmd.parallel._transforms import ParallelModule, _modules, glob_regex
 
 __all__ = ["pipeline", "PipelineModule", "STAGES", "REST"]
 
@@ -136,8 +137,7 @@ class Layout:
         self.shapes = {p: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for p, (_, x) in zip(self.paths, leaves)}
         found = _unit_modules(self.paths, pm.units)
         if not found:
-            mods = sorted({"/".join(p.split("/")[:i]).replace("/", ".") for p in self.paths
-                           for i in range(1, len(p.split("/")))})
+            mods = sorted(_modules(self.paths))
             raise ValueError(f"{where}: units={pm.units!r} matches no module of the model; its modules are: "
                              f"{', '.join(mods[:40])}. Fix the glob (e.g. 'layers_*', 'model.layers.*').")
         s = pm.schedule
@@ -172,6 +172,7 @@ class Layout:
                 self.rows[r * v * lc + j * lc + l] = u
         self.valid = np.array(self.rows).reshape(pp, v, lc) >= 0
         self.fsdp, self.n_fsdp = pm.fsdp, (pm.mesh.size(pm.fsdp) if pm.fsdp else 0)
+        self.plan = self._make_plan(pm.mesh, pm.pp)
         self.unit_mod = None
         self.act = None
 
@@ -198,23 +199,16 @@ class Layout:
                     flat[f"{self.units[u]}/{r}"] = stored[STAGES][r][i]
         return jax.tree_util.tree_unflatten(self.treedef, [flat[p] for p in self.paths])
 
-    def plan(self, mesh: DeviceMesh, pp: str):
-        if getattr(self, "_plan", None) is None:
-            self._plan = self._make_plan(mesh, pp)
-        return self._plan
-
     def fsdp_dim(self, rel: str) -> int | None:
         """The dim of stacked stage parameter ``rel`` cut over the fsdp dim: its largest dim after the stacked
         one that the fsdp size divides (None: kept whole, as a vector too short to cut)."""
-        if not self.n_fsdp or self.n_fsdp == 1:
+        if self.n_fsdp <= 1:
             return None
         shape = self.shapes[f"{self.units[0]}/{rel}"].shape
         ok = [d for d in range(len(shape)) if shape[d] % self.n_fsdp == 0]
         return 1 + max(ok, key=lambda d: shape[d]) if ok else None
 
-    def _make_plan(self, mesh: DeviceMesh, pp: str):
-        from placements import Shard
-
+    def _make_plan(self, mesh: DeviceMesh, pp: str) -> ParamPlan:
         sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
         rules = []
         for rel in self.rel:

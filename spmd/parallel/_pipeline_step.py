@@ -40,7 +40,7 @@ _ROLES = ("mid", "first", "last", "only")
 
 def _place(pm, optimizer, params) -> TrainState:
     lay = pm.layout(params)
-    plan = lay.plan(pm.mesh, pm.pp)
+    plan = lay.plan
     shard = map_like_params(plan, lay.stored_shapes(), lambda x, e: entry_sharding(e, pm.mesh))
     stored = jax.jit(lay.stack, out_shardings=shard)(params)
     _, opt_sh = state_shardings(plan, pm.mesh, stored, jax.eval_shape(optimizer.init, stored), optimizer)
@@ -125,7 +125,7 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
     def build(state: TrainState, batch):
         key = (state.plan, jax.tree_util.tree_structure(batch), tuple(np.shape(x) for x in jax.tree.leaves(batch)))
         if key not in builds:
-            lay = next(lay for lay in pm._layouts.values() if lay.plan(pm.mesh, pm.pp) == state.plan)
+            lay = next(lay for lay in pm._layouts.values() if lay.plan == state.plan)
             n_local = jax.tree.leaves(batch)[0].shape[0] // n_data
             mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n_local // (accum_steps * m_count), *np.shape(x)[1:]),
                                                              jnp.result_type(x)), batch)
@@ -137,7 +137,7 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
         if not isinstance(state, TrainState) or state.plan is None:
             raise TypeError(f"train_step: state={type(state).__name__} must be the TrainState init_train_state(model, "
                             "optimizer, ...) returns.")
-        if not any(lay.plan(pm.mesh, pm.pp) == state.plan for lay in pm._layouts.values()):
+        if not any(lay.plan == state.plan for lay in pm._layouts.values()):
             raise ValueError(f"train_step: the state was laid out for another model than this step's ({pm!r}); build "
                              "it with init_train_state on the same model.")
         batch = _as_arrays(batch)
