@@ -150,22 +150,29 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
                 + f" micro-batches: use a batch size that is a multiple of {n_data * m_count * accum_steps}.")
         return batch
 
-    def compiled(state, batch):
-        """The compiled step for ``(state, batch)`` (``.as_text()``, ``.memory_analysis()``); what ``step`` runs."""
-        batch = check(state, batch)
+    def executable(state, batch):  # batch: check's
         b = build(state, batch)
         if len(b) == 3:
             b.append(b[0].lower(state, batch).compile())
         return b[3]
 
+    def compiled(state, batch):
+        """The compiled step for ``(state, batch)`` (``.as_text()``, ``.memory_analysis()``); what ``step`` runs."""
+        return executable(state, check(state, batch))
+
     def step(state, batch):
-        return compiled(state, batch)(state, _as_arrays(batch))
+        batch = check(state, batch)
+        return executable(state, batch)(state, batch)
+
+    def lower(state, batch):
+        batch = check(state, batch)
+        return build(state, batch)[0].lower(state, batch)
 
     def communication(state, batch) -> dict:
         batch = check(state, batch)
         return pipeline_communication(pm, build(state, batch)[1], accum_steps)
 
-    step.lower = lambda state, batch: build(state, check(state, batch))[0].lower(state, check(state, batch))
+    step.lower = lower
     step.compiled = compiled
     step.communication = communication
     step.table = lambda state, batch: (state.plan.table() + "\n" + str(pm.schedule) + "\n"
@@ -297,7 +304,7 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
             return tuple(c[2:]), None
 
         zeros = jax.tree.map(jnp.zeros_like, (sp, rest))
-        init = (*zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0))
+        init = (*zeros, jnp.zeros((), jnp.float32), aux0z)
         if accum_steps == 1:
             (gsp, grest, loss, aux), _ = one_pass(init, jax.tree.map(lambda x: x[0], micro))
         else:
