@@ -19,20 +19,21 @@ def pipeline_communication(pm, lay, accum_steps: int) -> dict:
     pp and the data dims. Plus the schedule's bubble and activation slots."""
     s = pm.schedule
     act = lay.act
-    elems = int(np.prod(act.shape))
-    ab = elems * act.dtype.itemsize
     n_data = int(np.prod([pm.mesh.size(d) for d in pm.data_dims])) if pm.data_dims else 1
     ops = {k: sum(1 for p in s.sends(k) if p) * accum_steps for k in ("F", "B")}
     pairs = {k: v * accum_steps for k, v in s.transfers().items()}
+
     def nbytes(x):
         return int(np.prod(x.shape)) * x.dtype.itemsize
 
-    st = lay.stored_shapes()[STAGES]
+    ab = nbytes(act)
+    stored = lay.stored_shapes()
+    st = stored[STAGES]
     cut = [rel for rel in lay.rel if lay.fsdp_dim(rel) is not None]
     whole = sum(nbytes(st[rel]) for rel in lay.rel if rel not in cut) // s.pp
     gathered = sum(nbytes(st[rel]) for rel in cut) // s.pp  # a rank's stages, full over fsdp
     n_other = n_data // (lay.n_fsdp or 1)
-    rest_bytes = sum(nbytes(x) for x in lay.stored_shapes()[REST].values())
+    rest_bytes = sum(nbytes(x) for x in stored[REST].values())
     ar = rest_bytes + (whole if n_data > 1 else 0) + (gathered // lay.n_fsdp if cut and n_other > 1 else 0)
     return {
         "collective-permute": {"count": ops["F"] + ops["B"], "bytes": (ops["F"] + ops["B"]) * ab,

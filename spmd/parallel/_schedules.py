@@ -39,7 +39,7 @@ class Action:
     mb: int
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.mb}" if self.chunk < 0 else f"{self.kind}{self.chunk}.{self.mb}"
+        return f"{self.kind}{self.chunk}.{self.mb}"
 
 
 def bubble_formula(schedule: str, pp: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
