@@ -234,6 +234,13 @@ CASES = [
     ("complex Partial min distributed", lambda m, m8: spmd.distribute_tensor(CPLX, m8, [Partial("min")]), TypeError,
      "distribute_tensor: placements[0]=P(min) on a complex64 tensor is refused"),
     # issue 21.8: the last unclear messages
+    ("@spmd given a string", lambda m, m8: spmd.spmd(lambda x: x, m8, in_placements=[S0], out_placements=[S0])("abc"),
+     TypeError, "spmd: argument[0]='abc' (a str) is not an array; every argument of an @spmd function must be an "
+     "array, a DTensor or a pytree of them. Pass a setting through a closure or functools.partial instead, or "
+     "convert the value (np.asarray)."),
+    ("@spmd given a string in a pytree",
+     lambda m, m8: spmd.spmd(lambda x, c: x, m8, in_placements=([S0], None))(jnp.ones(8), {"mode": "fast"}),
+     TypeError, "spmd: argument[1]['mode']='fast' (a str) is not an array;"),
     ("PREMUL_SUM of nan", lambda m, m8: ReduceOp.PREMUL_SUM(float("nan")), ValueError,
      "ReduceOp.PREMUL_SUM: factor=nan is not a finite number; the factor multiplies every rank's input, so pass a "
      "finite one, e.g. ReduceOp.PREMUL_SUM(0.5)."),

@@ -34,8 +34,13 @@ def test_decorator_and_call_forms(mesh8):
         np.testing.assert_array_equal(f(x), 2 * np.arange(16.0))
     assert set(seen) == {(2,)}  # each device sees its local block of 16 / 8 rows
     assert d.__name__ == "d"
-    # The result is a plain jitted function: no wrapper between the caller and XLA.
-    assert type(d) is type(jax.jit(double))
+    # A call is the jitted function's (one Python frame around it, for the non-array argument's message): its
+    # lower / trace / eval_shape forward to the jitted function, and its compiled program gives the values.
+    assert type(d.jitted) is type(jax.jit(double)) and d.__wrapped__.__name__ == "d"
+    assert d.lower(x).as_text() == d.jitted.lower(x).as_text()
+    assert d.eval_shape(x).shape == (16,) and d.trace(x).out_info.shape == (16,)
+    # jax.grad copies a function's attributes onto its gradient: a region's live on its class, so none leak.
+    assert not hasattr(jax.grad(lambda v: d(v).sum()), "lower")
     np.testing.assert_array_equal(d.lower(x).compile()(x), 2 * np.arange(16.0))
 
 
