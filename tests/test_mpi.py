@@ -135,6 +135,7 @@ def test_one_job_of_4_ranks_runs_every_check_on_mpi(tmp_path):
     names = set().union(*rank_results(d["mpi"], 4))
     assert {"all_reduce max keeps NaN float32", "@spmd psum across the MPI ranks", "DTensor full_tensor",
             "recv into a bigger buffer is refused", "async collectives in flight together",
+            "async list collectives return before the peers call",
             "barrier (MPI_Ibarrier) times out naming its limit", "this rank listens on loopback only",
             "object collectives in a group (1 MB, MPI bytes)"} <= names
     assert len(set().union(*rank_results(d["fast"], 4))) == 8
@@ -178,10 +179,11 @@ def test_one_job_of_2_ranks_dtensor_fast_path_and_a_torch_program(tmp_path):
 @pytest.mark.timeout(150)
 def test_failures_on_mpi_end_every_rank_and_spmdrun_relaunches():
     """Side by side (they mostly wait): a stuck collective (a fast-path call) ends every rank naming the absent
-    one, within the timeout; a rank that raises or dies ends the job at once (mpiexec ends the others); and
+    one, within the timeout, and so does the wait() of an async all_gather whose call returned at once; a rank that raises or dies ends the job at once (mpiexec ends the others); and
     ``spmdrun --backend mpi`` runs a job whose rank fails, says so, and relaunches it, which then succeeds."""
     _needs_mpi()
     jobs = {"stuck": mpiexec(2, _chain(("guard.py", "late")), start=True, SPMD_TIMEOUT="3"),
+            "stuck async": mpiexec(2, _chain(("mpi_async_late.py",)), start=True, SPMD_TIMEOUT="3"),
             "raise": mpiexec(3, _chain(("fail.py", "raise")), start=True, SPMD_TIMEOUT="30"),
             "hard": mpiexec(3, _chain(("fail.py", "hard")), start=True, SPMD_TIMEOUT="30")}
     # spmdrun starts mpiexec (no RANK: MPI gives it); init_process_group() joins on mpi (SPMD_BACKEND);
@@ -197,6 +199,13 @@ def test_failures_on_mpi_end_every_rank_and_spmdrun_relaunches():
             "(op=sum, dtype=float32, shape=(4,)); ranks [1] did not arrive: rank 1 is not in any collective") in err
     assert "second collective done" not in out
     assert took < 45  # the timeout, not the sleep (60 s)
+    rc, out, err, took = done["stuck async"]  # the call returned; its wait() is what times out
+    assert rc != 0
+    assert "returned pending=True" in out and "wait returned" not in out
+    assert ("all_gather: rank 0 waited 3 s (the timeout) for all_gather (call #1 of Group(WORLD)) "
+            "(axis=0, tiled=False, dtype=float32, shape=(2,), async_op=True) to complete; ranks [1] did not all take "
+            "part.") in err, err[-3000:]
+    assert took < 45
     for mode in ("raise", "hard"):
         rc, out, err, took = done[mode]
         assert rc != 0

@@ -44,12 +44,19 @@ __all__ = [
 
 
 def _run(g: Group, name: str, where: str, x: jax.Array, into: Any = None, async_op: bool = False, **kwargs):
-    """This rank's result; on mpi with ``async_op`` a :class:`Work` instead when the MPI request
-    writes straight into ``into`` (its ``wait()`` completes the call)."""
+    """This rank's result; on mpi with ``async_op`` a :class:`Work` holding the MPI request instead
+    (its ``wait()`` completes the call; :func:`_then` adds a step after it)."""
     st = state(where)
     if st.backend.name == "mpi" and st.multiprocess:  # one MPI call (spmd/distributed/_mpi_ops.py)
         return _mpi_ops.run_on(g.global_ranks(), name, x, where=where, into=into, async_op=async_op, **kwargs)
     return run_on(g.global_ranks(), name, x, where=where, into=into, **kwargs)
+
+
+def _then(out: Any, fn: Any, async_op: bool) -> Any:
+    """``fn(out)``, as a Work with ``async_op``; ``fn`` runs at ``wait()`` when ``out`` is MPI's pending Work."""
+    if isinstance(out, Work):
+        return _mpi_ops.then(out, fn)
+    return maybe_async(fn(out), async_op)
 
 
 def _stack(items: Any, n: int, where: str, arg: str) -> jax.Array:
@@ -112,8 +119,8 @@ def all_gather(tensor_list: Any, tensor: Any, group: Any = None, async_op: bool 
         raise TypeError(f"{where}: tensor_list={tensor_list!r} must be a list (or None).")
     if isinstance(tensor_list, list) and tensor_list and len(tensor_list) != group.size():
         raise ValueError(f"{where}: tensor_list holds {len(tensor_list)} entries; the group has {group.size()} ranks.")
-    out = _run(group, "all_gather", where, x, axis=0, tiled=False)
-    return maybe_async(_fill(tensor_list, [out[i] for i in range(group.size())]), async_op)
+    out = _run(group, "all_gather", where, x, async_op=async_op, axis=0, tiled=False)
+    return _then(out, lambda o: _fill(tensor_list, [o[i] for i in range(group.size())]), async_op)
 
 
 @members_only(fast=FAST["all_gather_into_tensor"])
@@ -178,7 +185,10 @@ def scatter(tensor: Any, scatter_list: Any = None, src: int | None = None, group
             raise ValueError(f"{where}: tensor is None on a rank that receives; pass an array of the piece's shape and dtype.")
         t = as_array(tensor, where, "tensor")
         x = zeros((n,) + tuple(t.shape), t.dtype)
-    return maybe_async(deliver(tensor, _run(group, "scatter", where, x, into=tensor, src=s), where, "tensor"), async_op)
+    out = _run(group, "scatter", where, x, into=tensor, async_op=async_op, src=s)
+    if isinstance(out, Work):
+        return out
+    return maybe_async(deliver(tensor, out, where, "tensor"), async_op)
 
 
 @members_only
@@ -187,10 +197,10 @@ def gather(tensor: Any, gather_list: Any = None, dst: int | None = None, group: 
     where = "gather"
     d = peer_rank(group, 0 if dst is None and group_dst is None else dst, group_dst, where, "dst")
     x = as_array(tensor, where, "tensor")
-    out = _run(group, "gather", where, x, dst=d)
+    out = _run(group, "gather", where, x, async_op=async_op, dst=d)
     if group.rank() != d:
-        return maybe_async([], async_op)  # as torch: only dst gets the list
-    return maybe_async(_fill(gather_list, [out[i] for i in range(group.size())]), async_op)
+        return _then(out, lambda o: [], async_op)  # as torch: only dst gets the list
+    return _then(out, lambda o: _fill(gather_list, [o[i] for i in range(group.size())]), async_op)
 
 
 @members_only
@@ -198,8 +208,11 @@ def reduce_scatter(output: Any, input_list: Any, op: Any = ReduceOp.SUM, group: 
     """Rank ``i`` gets the reduction over ranks of their ``input_list[i]``; returns it."""
     where = "reduce_scatter"
     x = _stack(input_list, group.size(), where, "input_list")
-    out = _run(group, "reduce_scatter", where, x, op=as_reduce_op(op, where=f"{where}: op"), scatter_dim=0)[0]
-    return maybe_async(deliver(output, out, where, "output"), async_op)
+    out = _run(group, "reduce_scatter", where, x, async_op=async_op, op=as_reduce_op(op, where=f"{where}: op"),
+               scatter_dim=0)
+    if isinstance(out, Work):
+        return _mpi_ops.then(out, lambda o: output if write_into(output, o[0]) else o[0])
+    return maybe_async(deliver(output, out[0], where, "output"), async_op)
 
 
 @members_only(fast=FAST["reduce_scatter_tensor"])
@@ -225,8 +238,8 @@ def all_to_all(output_tensor_list: Any, input_tensor_list: Any, group: Any = Non
     where = "all_to_all"
     n = group.size()
     x = _stack(input_tensor_list, n, where, "input_tensor_list")
-    out = _run(group, "all_to_all", where, x, split_axis=0, concat_axis=0)
-    return maybe_async(_fill(output_tensor_list, [out[i] for i in range(n)]), async_op)
+    out = _run(group, "all_to_all", where, x, async_op=async_op, split_axis=0, concat_axis=0)
+    return _then(out, lambda o: _fill(output_tensor_list, [o[i] for i in range(n)]), async_op)
 
 
 @members_only(fast=FAST["all_to_all_single"])

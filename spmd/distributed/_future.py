@@ -12,8 +12,8 @@ _UNSET = object()
 class Future:
     """``wait()`` / ``value()`` give the result (for a collective: ``[tensor]``, as torch's
     ``work.get_future()``); ``done()`` says whether it is there; ``then(fn)`` is a Future of
-    ``fn(self)``. Collectives here complete when called (or at ``wait()`` for queued
-    sends/receives), so the result is computed on first ask, never in the background."""
+    ``fn(self)``. Collectives here complete when called (or at ``wait()``: queued
+    sends/receives, MPI's requests), so the result is computed on first ask, never in the background."""
 
     def __init__(self, resolve: Callable[[], Any], is_done: Callable[[], bool] = lambda: False):
         self._resolve = resolve

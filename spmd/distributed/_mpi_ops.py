@@ -23,6 +23,13 @@ all_reduce / broadcast): no copy, as torch. Every call runs under
 :mod:`spmd.distributed._guard`, as on gloo: bounded by the timeout on every
 rank, checked across ranks on a group's first call and with
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
+
+``async_op=True`` is the same call in MPI's non-blocking form (``MPI_Iallreduce``, ``MPI_Iallgather``,
+``MPI_Iscatter``, ``MPI_Igather``...), returned as a :class:`Work` once this rank has started it (the
+group's first call, and every call under DETAIL, still meets the other ranks first to compare
+signatures). Its ``wait()`` waits at most the timeout (then this rank ends, naming the call and the
+group), then runs the step after the transfer (AVG's division, MAX / MIN's way back from ordered
+integers, a list filled) and writes the result into the caller's buffer.
 """
 
 from __future__ import annotations
@@ -39,109 +46,103 @@ from spmd.distributed._errors import PEER_EXIT_CODE, PeerError, absent_line, fai
 from spmd.distributed._state import state
 from spmd.distributed._work import Work, write_into
 
-__all__ = ["run_on", "start_p2p"]
+__all__ = ["run_on", "start_p2p", "then"]
 
 from spmd.distributed._mpi_plan import _bytes, _host, _plan, _prepare, _same_memory, _target
 
 
-def _all_reduce(c, x, into, op, where):
+def _call(c, name: str, nb: bool, *args):
+    """MPI collective ``name`` on ``c`` (``Allreduce``...); with ``nb`` its non-blocking form (``Iallreduce``...),
+    whose request is returned (None for the blocking form: the call is complete)."""
+    if nb:
+        return getattr(c, "I" + name.lower())(*args)
+    getattr(c, name)(*args)
+    return None
+
+
+# Each collective: (the MPI request, or None when complete; what gives the result once it is complete).
+def _all_reduce(c, x, into, op, where, nb):
     send, mop, back = _prepare(x, op, c.Get_size(), where)
     buf = _target(into, x.shape, x.dtype)
     if back is None and buf is not None:
         if not _same_memory(send, buf):
             np.copyto(buf, send)
-        c.Allreduce(_mpi.MPI.IN_PLACE, buf, mop)
-        return into
+        return _call(c, "Allreduce", nb, _mpi.MPI.IN_PLACE, buf, mop), lambda: into
     out = np.empty_like(send)
-    c.Allreduce(send, out, mop)
-    return out if back is None else back(out)
+    return _call(c, "Allreduce", nb, send, out, mop), lambda: out if back is None else back(out)
 
 
-def _reduce(c, x, into, op, dst, where):
+def _reduce(c, x, into, op, dst, where, nb):
     send, mop, back = _prepare(x, op, c.Get_size(), where)
     if c.Get_rank() != dst:
-        c.Reduce(send, None, mop, root=dst)
-        return x  # as torch: the other ranks keep their tensor
+        return _call(c, "Reduce", nb, send, None, mop, dst), lambda: x  # as torch: the others keep their tensor
     out = np.empty_like(send)
-    c.Reduce(send, out, mop, root=dst)
-    return out if back is None else back(out)
+    return _call(c, "Reduce", nb, send, out, mop, dst), lambda: out if back is None else back(out)
 
 
-def _broadcast(c, x, into, src):
+def _broadcast(c, x, into, src, nb):
     buf = _target(into, x.shape, x.dtype)
     if buf is None:
         out = x.copy() if c.Get_rank() != src else x
-        c.Bcast(_bytes(out), root=src)
-        return out
+        return _call(c, "Bcast", nb, _bytes(out), src), lambda: out
     if c.Get_rank() == src and not _same_memory(buf, x):
         np.copyto(buf, x)
-    c.Bcast(_bytes(buf), root=src)
-    return into
+    return _call(c, "Bcast", nb, _bytes(buf), src), lambda: into
 
 
-def _all_gather(c, x, into, tiled):
+def _new_or_into(into, shape, dtype):
+    """(the buffer an MPI call writes, what gives the result): ``into`` when it can take it, else a new array."""
+    buf = _target(into, shape, dtype)
+    return (np.empty(shape, dtype), None) if buf is None else (buf, into)
+
+
+def _all_gather(c, x, into, tiled, nb):
     n = c.Get_size()
-    shape = ((n * x.shape[0],) + x.shape[1:]) if tiled else (n,) + x.shape
-    out = _target(into, shape, x.dtype)
-    result = into if out is not None else None
-    if out is None:
-        out = np.empty(shape, x.dtype)
-    c.Allgather(_bytes(x), _bytes(out))
-    return out if result is None else result
+    out, result = _new_or_into(into, ((n * x.shape[0],) + x.shape[1:]) if tiled else (n,) + x.shape, x.dtype)
+    return _call(c, "Allgather", nb, _bytes(x), _bytes(out)), lambda: out if result is None else result
 
 
-def _gather(c, x, dst):
-    n = c.Get_size()
+def _gather(c, x, dst, nb):
     if c.Get_rank() != dst:
-        c.Gather(_bytes(x), None, root=dst)
-        return x
-    out = np.empty((n,) + x.shape, x.dtype)
-    c.Gather(_bytes(x), _bytes(out), root=dst)
-    return out
+        return _call(c, "Gather", nb, _bytes(x), None, dst), lambda: x
+    out = np.empty((c.Get_size(),) + x.shape, x.dtype)
+    return _call(c, "Gather", nb, _bytes(x), _bytes(out), dst), lambda: out
 
 
-def _scatter(c, x, into, src):
-    shape = x.shape[1:]
-    out = _target(into, shape, x.dtype)
-    result = into if out is not None else None
-    if out is None:
-        out = np.empty(shape, x.dtype)
-    c.Scatter(_bytes(x) if c.Get_rank() == src else None, _bytes(out), root=src)
-    return out if result is None else result
+def _scatter(c, x, into, src, nb):
+    out, result = _new_or_into(into, x.shape[1:], x.dtype)
+    req = _call(c, "Scatter", nb, _bytes(x) if c.Get_rank() == src else None, _bytes(out), src)
+    return req, lambda: out if result is None else result
 
 
-def _reduce_scatter(c, x, into, op, where):
+def _reduce_scatter(c, x, into, op, where, nb):
     n = c.Get_size()
     send, mop, back = _prepare(x, op, n, where)
     shape = (x.shape[0] // n,) + x.shape[1:]
     buf = _target(into, shape, x.dtype) if back is None else None
     if buf is not None and not _same_memory(buf, send):
-        c.Reduce_scatter_block(send, buf, mop)
-        return into
+        return _call(c, "Reduce_scatter_block", nb, send, buf, mop), lambda: into
     out = np.empty(shape, send.dtype)
-    c.Reduce_scatter_block(send, out, mop)
-    return out if back is None else back(out)
+    return _call(c, "Reduce_scatter_block", nb, send, out, mop), lambda: out if back is None else back(out)
 
 
-def _all_to_all(c, x, into):
+def _all_to_all(c, x, into, nb):
     out = _target(into, x.shape, x.dtype)
     if out is None or _same_memory(out, x):
         out = np.empty_like(x)
-        c.Alltoall(_bytes(x), _bytes(out))
-        return out
-    c.Alltoall(_bytes(x), _bytes(out))
-    return into
+        return _call(c, "Alltoall", nb, _bytes(x), _bytes(out)), lambda: out
+    return _call(c, "Alltoall", nb, _bytes(x), _bytes(out)), lambda: into
 
 
 _DISPATCH = {
-    "all_reduce": lambda c, a, into, kw, where: _all_reduce(c, a, into, kw["op"], where),
-    "broadcast": lambda c, a, into, kw, where: _broadcast(c, a, into, kw["src"]),
-    "all_gather": lambda c, a, into, kw, where: _all_gather(c, a, into, kw.get("tiled", False)),
-    "reduce": lambda c, a, into, kw, where: _reduce(c, a, into, kw["op"], kw["dst"], where),
-    "scatter": lambda c, a, into, kw, where: _scatter(c, a, into, kw["src"]),
-    "gather": lambda c, a, into, kw, where: _gather(c, a, kw["dst"]),
-    "reduce_scatter": lambda c, a, into, kw, where: _reduce_scatter(c, a, into, kw["op"], where),
-    "all_to_all": lambda c, a, into, kw, where: _all_to_all(c, a, into),
+    "all_reduce": lambda c, a, into, kw, where, nb: _all_reduce(c, a, into, kw["op"], where, nb),
+    "broadcast": lambda c, a, into, kw, where, nb: _broadcast(c, a, into, kw["src"], nb),
+    "all_gather": lambda c, a, into, kw, where, nb: _all_gather(c, a, into, kw.get("tiled", False), nb),
+    "reduce": lambda c, a, into, kw, where, nb: _reduce(c, a, into, kw["op"], kw["dst"], where, nb),
+    "scatter": lambda c, a, into, kw, where, nb: _scatter(c, a, into, kw["src"], nb),
+    "gather": lambda c, a, into, kw, where, nb: _gather(c, a, kw["dst"], nb),
+    "reduce_scatter": lambda c, a, into, kw, where, nb: _reduce_scatter(c, a, into, kw["op"], where, nb),
+    "all_to_all": lambda c, a, into, kw, where, nb: _all_to_all(c, a, into, nb),
 }
 
 # CommDebugMode's kinds (HLO names) for the MPI calls: what the same call counts on gloo.
@@ -168,57 +169,10 @@ def _check_options(name: str, x: np.ndarray, kwargs: dict, n: int, where: str) -
         raise ValueError(f"{where}: input has shape {tuple(x.shape)}; its dim 0 must be a multiple of the group size {n}.")
 
 
-def _start(c, name: str, a: np.ndarray, into: Any, kw: dict, where: str):
-    """The non-blocking MPI call of ``name`` writing straight into the caller's buffer ``into`` (a request),
-    or None where the result needs a step after the transfer (AVG, MAX of floats, a new buffer...)."""
-    M = _mpi.MPI
-    n = c.Get_size()
-    if name in ("all_reduce", "reduce_scatter"):
-        pre, mop, post = _plan(kw["op"], a.dtype, n, where)
-        if pre is not None or post is not None:
-            return None
-        if name == "all_reduce":
-            buf = _target(into, a.shape, a.dtype)
-            if buf is None:
-                return None
-            if not _same_memory(a, buf):
-                np.copyto(buf, a)
-            return c.Iallreduce(M.IN_PLACE, buf, mop)
-        buf = _target(into, (a.shape[0] // n,) + a.shape[1:], a.dtype)
-        return None if buf is None else c.Ireduce_scatter_block(a, buf, mop)
-    if name == "reduce":
-        pre, mop, post = _plan(kw["op"], a.dtype, n, where)
-        if pre is not None or post is not None:
-            return None
-        if c.Get_rank() != kw["dst"]:
-            return c.Ireduce(a, None, mop, root=kw["dst"])  # as torch: this rank keeps its tensor
-        buf = _target(into, a.shape, a.dtype)
-        if buf is None:
-            return None
-        if not _same_memory(a, buf):
-            np.copyto(buf, a)
-        return c.Ireduce(M.IN_PLACE, buf, mop, root=kw["dst"])
-    if name == "broadcast":
-        buf = _target(into, a.shape, a.dtype)
-        if buf is None:
-            return None
-        if c.Get_rank() == kw["src"] and not _same_memory(a, buf):
-            np.copyto(buf, a)
-        return c.Ibcast(_bytes(buf), root=kw["src"])
-    if name == "all_gather":
-        shape = ((n * a.shape[0],) + a.shape[1:]) if kw.get("tiled") else (n,) + a.shape
-        buf = _target(into, shape, a.dtype)
-        return None if buf is None else c.Iallgather(_bytes(a), _bytes(buf))
-    if name == "all_to_all":
-        buf = _target(into, a.shape, a.dtype)
-        return None if buf is None or _same_memory(a, buf) else c.Ialltoall(_bytes(a), _bytes(buf))
-    return None
-
-
-def _pending(st, call: _guard.Call, req, into: Any, where: str) -> Work:
+def _pending(st, call: _guard.Call, req, result, where: str) -> Work:
     """A :class:`Work` whose ``wait()`` waits for the MPI request, at most the timeout (then this
-    rank ends naming the call, as a blocking collective would)."""
-    work = Work(into)
+    rank ends naming the call, as a blocking collective would), then sets its tensor to ``result()``."""
+    work = Work(None)
 
     def finish() -> None:
         try:
@@ -233,9 +187,25 @@ def _pending(st, call: _guard.Call, req, into: Any, where: str) -> Work:
                 "raise the limit with init_process_group(timeout=...) or SPMD_TIMEOUT. Ending this rank now.",
                 PEER_EXIT_CODE,
             )
+        work.tensor = result()
         work._flush = None
 
     work._flush = finish
+    return work
+
+
+def then(work: Work, fn) -> Work:
+    """``work`` (from :func:`run_on` with ``async_op``) whose ``wait()`` also turns its result into
+    ``fn(result)`` (e.g. fills the caller's list), once."""
+    flush = work._flush
+
+    def finish() -> None:
+        flush()
+        work.tensor = fn(work.tensor)
+
+    work._flush = finish if flush is not None else None
+    if flush is None:
+        work.tensor = fn(work.tensor)
     return work
 
 
@@ -243,8 +213,9 @@ def run_on(ranks: tuple[int, ...], name: str, x: Any, *, where: str | None = Non
            async_op: bool = False, **kwargs):
     """Run collective ``name`` over global ``ranks`` with this rank's block ``x``; this rank's result
     (``into`` itself when the result was written there; a ``jax.Array`` for a ``jax.Array`` input).
-    With ``async_op``, a :class:`Work` holding the MPI request when the call can write straight into
-    ``into``; otherwise the call completes here, as on gloo."""
+    With ``async_op``, a :class:`Work` holding the MPI non-blocking request: its ``wait()`` (bounded by
+    the timeout) completes the call, writes the result into ``into`` when it is a writable buffer, and
+    sets ``work.tensor`` to what the blocking call would return."""
     where = where or name
     st = state(where)
     if type(x) is np.ndarray and x.flags.c_contiguous:  # the common case, first
@@ -254,26 +225,25 @@ def run_on(ranks: tuple[int, ...], name: str, x: Any, *, where: str | None = Non
     _check_options(name, a, kwargs, len(ranks), where)
     _record(where, name, a.nbytes)
     call = _guard.enter(st, where, ranks, _guard.opts_of(kwargs), a.shape, a.dtype)
-    if async_op and into is not None:
-        try:
-            req = _start(_mpi.comm(ranks), name, a, into, kwargs, where)
-        except _mpi.MPI.Exception as e:
-            _guard.leave(call)
-            raise PeerError(_guard.broken_message(st, call, e)) from e
-        if req is not None:
-            _guard.leave(call)  # the Work's wait() is bounded by the timeout itself
-            return _pending(st, call, req, into, where)
     try:
-        out = _DISPATCH[name](_mpi.comm(ranks), a, into, kwargs, where)
+        req, done = _DISPATCH[name](_mpi.comm(ranks), a, into, kwargs, where, async_op)
     except _mpi.MPI.Exception as e:
         raise PeerError(_guard.broken_message(st, call, e)) from e
     finally:
-        _guard.leave(call)
+        _guard.leave(call)  # an async call's wait() is bounded by the timeout itself
+    if async_op:
+        return _pending(st, call, req, lambda: _result(done(), x, into, is_jax, True), where)
+    return _result(done(), x, into, is_jax, False)
+
+
+def _result(out, x, into, is_jax: bool, deliver: bool):
+    """What the call returns: ``into`` / ``x`` when the result is there; with ``deliver`` (async: no
+    caller writes it afterwards) ``into`` once the result is written into it; a jax.Array for a jax input."""
     if out is into or out is x:
         return out
-    if is_jax:
-        return exact_array(out)
-    return out
+    if deliver and into is not None and write_into(into, out):
+        return into
+    return exact_array(out) if is_jax else out
 
 
 # --- point to point -------------------------------------------------------------------------------

@@ -114,9 +114,61 @@ def in_flight():
         [True, True, True], np.full(4, world * (world - 1) / 2, np.float32), np.full(2, world - 1, np.int64),
         np.repeat(np.arange(world, dtype=np.float32), 2), True]
 check("async collectives in flight together", in_flight)
-check("async avg completes at the call (a step after the transfer)", lambda: (
-    dist.all_reduce(np.full(2, 2.0 * rank, np.float32), op="avg", async_op=True).result()[0],
-    np.full(2, world - 1.0, np.float32)))
+
+
+def async_lists():
+    """The list collectives (and the calls with a step after the transfer) as MPI requests: every rank but the
+    last starts them all and only then tells the last rank, which starts its own after hearing from every other
+    rank. Were a call to wait for its peers, the others would never tell: the last rank gives up after 20 s
+    (the check fails) and calls anyway, so nothing hangs."""
+    import time
+
+    last, comm = world - 1, MPI.COMM_WORLD
+    heard = []
+    if rank == last:
+        flags = np.zeros(last, np.int32)
+        reqs = [comm.Irecv(flags[r:r + 1], source=r, tag=901) for r in range(last)]
+        deadline = time.monotonic() + 20
+        while not MPI.Request.Testall(reqs) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        heard = [bool(MPI.Request.Testall(reqs))]
+    lst, out_s, out_rs = [np.zeros(2, np.float32) for _ in range(world)], np.zeros(3), np.zeros(2, np.int64)
+    ga = [np.zeros(2, np.int32) for _ in range(world)]
+    entries = list(lst)
+    avg_buf = np.full(2, 2.0 * rank, np.float32)
+    nan_in = jax.numpy.asarray(np.array([rank, np.nan if rank == 1 else 0.0], np.float32))
+    works = [
+        dist.all_gather(lst, np.array([rank, 10 * rank], np.float32), async_op=True),
+        dist.all_gather(None, np.array([2 ** 40 + rank], np.int64), async_op=True),
+        dist.gather(np.full(2, rank, np.int32), ga if rank == 1 else None, dst=1, async_op=True),
+        dist.scatter(out_s, [np.full(3, 100.0 + i) for i in range(world)] if rank == 2 else None, src=2, async_op=True),
+        dist.reduce_scatter(out_rs, [np.full(2, rank * i, np.int64) for i in range(world)], async_op=True),
+        dist.all_to_all(None, [np.array([10 * rank + j]) for j in range(world)], async_op=True),
+        dist.all_reduce(avg_buf, op="avg", async_op=True),
+        dist.all_reduce(nan_in, op="max", async_op=True),
+    ]
+    pending = [not w.is_completed() for w in works]
+    if rank != last:
+        comm.Isend(np.ones(1, np.int32), dest=last, tag=901).Wait()
+    for w in reversed(works):
+        w.wait()
+    if rank == last:
+        MPI.Request.Waitall(reqs)
+    got = [w.result()[0] for w in works]
+    got[-1] = [type(got[-1]).__name__ == "ArrayImpl" or isinstance(got[-1], jax.Array), np.asarray(got[-1])]
+    return [heard, pending, got, [got[0] is lst, all(a is b for a, b in zip(lst, entries)), got[3] is out_s,
+                                  got[4] is out_rs, got[6] is avg_buf, got[2] is ga if rank == 1 else got[2] == []]], [
+        [True] if rank == last else [], [True] * len(works), [
+            [np.array([r, 10 * r], np.float32) for r in range(world)],
+            [np.array([2 ** 40 + r], np.int64) for r in range(world)],
+            [np.full(2, r, np.int32) for r in range(world)] if rank == 1 else [],
+            np.full(3, 100.0 + rank),
+            np.full(2, rank * world * (world - 1) // 2, np.int64),
+            [np.array([10 * j + rank]) for j in range(world)],
+            np.full(2, world - 1.0, np.float32),
+            [True, np.array([world - 1, np.nan], np.float32)]],
+        [True] * 6]
+check("async list collectives return before the peers call", async_lists)
 
 # --- point to point: MPI requests, tags match out of order, a mismatched size is refused
 nxt, prv = (rank + 1) % world, (rank - 1) % world
