@@ -13,7 +13,7 @@ import os
 import sys
 
 from models._data import DigitTask
-from models.train._config import MESH_DIMS, MODELS, Config
+from models.train._config import MESH_DIMS, MODELS, SCHEDULES, Config
 
 __all__ = ["parse_args", "main", "default_cpu_devices", "summary_line"]
 
@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m models.train",
         description="Train a flax model on a device mesh: data parallel (dp: DDP), fully sharded (fsdp: FSDP / "
                     "ZeRO-3) and tensor parallel (tp: Megatron, optionally sequence parallel), alone or combined "
-                    "(e.g. --mesh dp=2,fsdp=2,tp=2). --resume continues a run with its saved flags.",
+                    "(e.g. --mesh dp=2,fsdp=2,tp=2), and pipeline parallel (pp: the blocks in stages, --schedule, "
+                    "--microbatches; e.g. --mesh pp=2,fsdp=4). --resume continues a run with its saved flags.",
     )
     p.add_argument("--mesh", default=None, help=f"the mesh, e.g. dp=8; dims: {', '.join(MESH_DIMS)} (default: every "
                                                "visible device on dp)")
@@ -79,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
                         "rounded down to one)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with a tp mesh dim: layer norms and activations between blocks cut on the sequence over tp")
+    p.add_argument("--schedule", default=None, metavar="NAME",
+                   help=f"with a pp mesh dim: the pipeline schedule, one of {', '.join(SCHEDULES)} (default 1f1b)")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="with a pp mesh dim: micro-batches per step, dividing each replica's batch (default: the pp "
+                        "size)")
+    p.add_argument("--stages-per-rank", type=int, default=d.stages_per_rank, metavar="V",
+                   help="with --schedule interleaved: pipeline stages per pp rank (default 1)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 

@@ -8,6 +8,10 @@ cosine schedule's final fraction of ``--lr``, ``--clip-norm``,
 Mesh dims: ``MESH_DIMS`` names the dims the job knows and ``DATA_DIMS`` the
 ones the batch is split over (a new parallelism adds its dim to both tables
 where it is data-parallel, e.g. FSDP's ``fsdp``).
+
+Pipeline parallelism: a ``pp`` mesh dim splits the transformer's blocks into stages
+(``spmd.parallel.pipeline``); ``--schedule`` (default ``1f1b``), ``--microbatches`` (default the pp size) and
+``--stages-per-rank`` (interleaved only) say how, and are refused without a ``pp`` dim.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 from models._data import DigitTask
 
-__all__ = ["Config", "MODELS", "MESH_DIMS", "DATA_DIMS", "STATE_DIMS", "check_config", "parse_mesh", "run_config",
+__all__ = ["Config", "MODELS", "MESH_DIMS", "SCHEDULES", "pipeline_settings", "DATA_DIMS", "STATE_DIMS", "check_config", "parse_mesh", "run_config",
            "check_resume_config", "resume_config", "job_flags"]
 
 MODELS = ("transformer", "mlp")
@@ -29,11 +33,15 @@ MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replica
              "fsdp": "fully sharded data parallel: the batch is split over it, parameters, gradients and "
                      "optimizer state sharded (spmd.parallel.fully_shard)",
              "tp": "tensor parallel (Megatron): heads, MLP width and vocabulary cut, the batch replicated over it "
-                   "(spmd.parallel.parallelize_module; --sequence-parallel also cuts the sequence between blocks)"}
+                   "(spmd.parallel.parallelize_module; --sequence-parallel also cuts the sequence between blocks)",
+             "pp": "pipeline parallel: the transformer's blocks split into stages, the batch into --microbatches "
+                   "run by --schedule (spmd.parallel.pipeline)"}
+# The pipeline schedules (spmd.parallel's, named here without importing JAX).
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 # The dims the batch is split over (Shard(0) on each of them).
 DATA_DIMS = ("dp", "fsdp")
 # The dims the train state (parameters, gradients, optimizer state) is sharded over.
-STATE_DIMS = ("fsdp", "tp")
+STATE_DIMS = ("fsdp", "tp", "pp")
 _MAX_SEED = 2**63 - 1  # jax.random.key takes an int64
 
 
@@ -65,6 +73,9 @@ class Config:
     heads: int = 4
     hidden: int = 256  # MLP width (two hidden layers)
     sequence_parallel: bool = False  # with a tp mesh dim: activations between blocks cut on the sequence
+    schedule: str | None = None  # with a pp mesh dim: the pipeline schedule; None: 1f1b
+    microbatches: int | None = None  # with a pp mesh dim: micro-batches per step and replica; None: the pp size
+    stages_per_rank: int = 1  # with --schedule interleaved: pipeline stages per pp rank
     log_every: int = 10
     eval_size: int | None = None  # held-out examples; None: 512 rounded down to a multiple of the data size
     progress: bool = True
@@ -128,9 +139,60 @@ def check_config(cfg: Config) -> None:
             "(it is created if missing)."
         )
     dims = dict(parse_mesh(cfg.mesh) or ())
+    _check_pipeline(cfg, dims)
     if cfg.sequence_parallel and dims.get("tp", 1) < 2:
         raise ValueError(f"models.train: --sequence-parallel cuts the sequence over the tp mesh dim, but --mesh="
                          f"{cfg.mesh!r} has no tp dim of size >= 2; add one (e.g. --mesh dp=2,tp=4) or drop the flag.")
+
+
+def pipeline_settings(cfg: Config) -> tuple[str, int, int] | None:
+    """``(schedule, micro-batches, stages per rank)`` of a run with a ``pp`` mesh dim (defaults filled in);
+    None without one."""
+    pp = dict(parse_mesh(cfg.mesh) or ()).get("pp")
+    if pp is None:
+        return None
+    return cfg.schedule or "1f1b", cfg.microbatches or pp, cfg.stages_per_rank
+
+
+def _check_pipeline(cfg: Config, dims: dict) -> None:
+    """The pipeline flags: only with a ``pp`` mesh dim, and a schedule that can run on it."""
+    pp = dims.get("pp")
+    if cfg.microbatches is not None:
+        _positive("microbatches", cfg.microbatches)
+    _positive("stages_per_rank", cfg.stages_per_rank)
+    if pp is None:
+        for name, value in (("schedule", cfg.schedule), ("microbatches", cfg.microbatches),
+                            ("stages_per_rank", cfg.stages_per_rank if cfg.stages_per_rank != 1 else None)):
+            if value is not None:
+                raise ValueError(f"models.train: {_flag(name)}={value!r} runs a pipeline over the pp mesh dim, but "
+                                 f"--mesh={cfg.mesh!r} has no pp dim; add one (e.g. --mesh pp=2,fsdp=4) or drop "
+                                 f"{_flag(name)}.")
+        return
+    if cfg.schedule is not None and cfg.schedule not in SCHEDULES:
+        raise ValueError(f"models.train: --schedule={cfg.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
+    schedule, m, v = pipeline_settings(cfg)
+    if cfg.model != "transformer":
+        raise ValueError(f"models.train: --mesh={cfg.mesh!r} pipelines the transformer's blocks over pp, but --model="
+                         f"{cfg.model!r} has none of one shape; use --model transformer, or a mesh without pp.")
+    if v != 1 and schedule != "interleaved":
+        raise ValueError(f"models.train: --stages-per-rank={v} needs --schedule interleaved (got {schedule!r}); "
+                         "leave --stages-per-rank out or use --schedule interleaved.")
+    if schedule in ("1f1b", "interleaved") and m < pp:
+        raise ValueError(f"models.train: --microbatches={m} is below pp={pp}; --schedule {schedule} needs at least "
+                         f"one micro-batch per stage: use --microbatches >= {pp}.")
+    if schedule == "interleaved" and m % pp:
+        raise ValueError(f"models.train: --microbatches={m} is not a multiple of pp={pp}; --schedule interleaved "
+                         f"runs micro-batches in groups of pp: use --microbatches {pp * -(-m // pp)}.")
+    if cfg.layers < pp * v:
+        raise ValueError(f"models.train: --layers={cfg.layers} is fewer than the {pp * v} pipeline stages (pp={pp} x "
+                         f"--stages-per-rank={v}); use --layers >= {pp * v} or fewer stages.")
+    if "tp" in dims:
+        raise ValueError(f"models.train: --mesh={cfg.mesh!r} gives pp with tp; tensor parallelism inside pipeline "
+                         "stages is not offered: use pp with dp or fsdp (e.g. --mesh pp=2,fsdp=4), or tp without pp "
+                         "(e.g. --mesh dp=2,fsdp=2,tp=2).")
+    if dims.get("dp", 1) > 1 and dims.get("fsdp", 1) > 1:
+        raise ValueError(f"models.train: --mesh={cfg.mesh!r} gives pp with both dp and fsdp (HSDP), which a pipeline "
+                         "does not offer; use one of them beside pp (e.g. --mesh pp=2,fsdp=4).")
 
 
 def parse_mesh(spec: str | None) -> tuple[tuple[str, int], ...] | None:
@@ -176,7 +238,10 @@ _RUN_KEYS = ("model", "task", "text", "seed", "batch_size", "accum_steps", "leng
 
 # What a checkpoint also records for --resume to reuse when the flag is left out, but which a resume may change
 # (a run continues on another mesh, saving or logging more often).
-_JOB_KEYS = ("mesh", "sequence_parallel", "save_every", "log_every", "eval_size")
+_JOB_KEYS = ("mesh", "sequence_parallel", "save_every", "log_every", "eval_size", "schedule", "microbatches",
+             "stages_per_rank")
+# The pipeline's flags go with the mesh: a resume given a --mesh without pp drops the saved ones.
+_PIPELINE_KEYS = ("schedule", "microbatches", "stages_per_rank")
 
 
 def job_flags(cfg: Config) -> dict:
@@ -221,5 +286,6 @@ def resume_config(saved: dict, cfg: Config, given: frozenset[str] | set[str], wh
             f"{listed}; leave {' and '.join(_flag(k) for k in diff)} out to continue that run, or start a new run "
             "in another --out."
         )
-    job = {k: v for k, v in (flags or {}).items() if k in _JOB_KEYS and k not in given}
+    job = {k: v for k, v in (flags or {}).items() if k in _JOB_KEYS and k not in given
+           and not (k in _PIPELINE_KEYS and "mesh" in given and "pp" not in dict(parse_mesh(cfg.mesh) or ()))}
     return dataclasses.replace(cfg, **{k: was[k] for k in _RUN_KEYS if k not in given}, **job)

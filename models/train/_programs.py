@@ -3,7 +3,8 @@ the jitted programs (init, train step, eval step), built once per (config, mesh)
 
 Every ``--mesh`` layout goes through ``spmd.parallel``'s contract: the plain model laid out by
 ``models._plans.layout_model`` (``parallelize_module`` for ``tp``, ``fully_shard`` for ``fsdp``, neither for
-``dp``: DDP), ``init_train_state``, and one ``make_train_step`` on the job's plain 1-device loss
+``dp``: DDP), then, with a ``pp`` dim, ``pipeline`` over the blocks (``--schedule``, ``--microbatches``),
+``init_train_state``, and one ``make_train_step`` on the job's plain 1-device loss
 (``make_loss_fn``).
 
 The batch layout is stated once: ``Programs.batch_placements`` (``Shard(0)`` over every data-parallel mesh
@@ -27,12 +28,13 @@ import optax
 from models._data import DigitTask, TextTask
 from models._ddp import batch_placements
 from models._mlp import MLP
+from models._fsdp_run import logical_params
 from models._plans import layout_model
 from models._transformer import Transformer
-from models.train._config import DATA_DIMS, STATE_DIMS, Config, parse_mesh
+from models.train._config import DATA_DIMS, STATE_DIMS, Config, parse_mesh, pipeline_settings
 from models.train._eval import make_eval_step
 from spmd import DeviceMesh, distribute_tensor, init_device_mesh
-from spmd.parallel import ParallelModule, init_train_state, make_train_step
+from spmd.parallel import ParallelModule, PipelineModule, init_train_state, make_train_step, pipeline, unshard_params
 
 __all__ = ["build_mesh", "data_dims", "check_fits", "device_memory", "make_task", "layout", "task_dims", "make_model", "cross_entropy",
            "make_loss_fn",
@@ -177,7 +179,12 @@ class Programs:
     train_step: Callable  # (state, batch) -> (state, metrics)
     eval_step: Callable  # (params, batch) -> {"token_accuracy", "sequence_accuracy"}
     plan: Any = None  # the state's spmd.parallel.ParamPlan (every layout has one; DDP: all Replicate)
-    layout: Any = None  # the model as laid out (spmd.parallel.ParallelModule, or the plain model for DDP)
+    layout: Any = None  # the model as laid out (spmd.parallel.ParallelModule / PipelineModule, or the plain model)
+    logical: Callable | None = None  # the state's params -> the model's parameter tree (pipeline: unstacked)
+
+    @property
+    def pipelined(self) -> bool:
+        return isinstance(self.layout, PipelineModule)
 
 
 def program_key(cfg: Config) -> Config:
@@ -199,8 +206,13 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
     placements = tuple(batch_placements(mesh, dims))
     eval_step = make_eval_step(model, mesh, dims, digits=key.length if key.text is None and key.model == "transformer"
                                else None)
+    spec = ",".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape))
+    pipe = pipeline_settings(dataclasses.replace(key, mesh=spec))  # (schedule, M, v) with a pp dim, else None
     laid = layout_model(model, mesh, sequence_parallel=key.sequence_parallel)
-    plain = None if isinstance(laid, ParallelModule) else mesh  # DDP: the model has no layout, the step a mesh
+    if pipe is not None:
+        schedule, m, v = pipe
+        laid = pipeline(laid, mesh["pp"], units="block_*", num_microbatches=m, schedule=schedule, stages_per_rank=v)
+    plain = None if isinstance(laid, (ParallelModule, PipelineModule)) else mesh  # DDP: the model has no layout, the step a mesh
 
     def init(rng, x):
         return init_train_state(laid, optimizer, rng, x, mesh=plain)
@@ -208,8 +220,13 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
     train_step = make_train_step(laid, make_loss_fn(model), optimizer, accum_steps=key.accum_steps, mesh=plain)
     abstract = jax.eval_shape(init, jax.random.key(0), jax.ShapeDtypeStruct((2, task_dims(key)[1]), jnp.int32))
     sharding = jax.tree.map(lambda x: x.sharding, abstract)
-    return Programs(model, optimizer, placements, sharding, init, train_step, eval_step, abstract.plan, laid)
-
+    if pipe is not None:
+        def logical(params):
+            return unshard_params(laid, params)
+    else:
+        def logical(params):
+            return logical_params(params, abstract.plan, mesh)
+    return Programs(model, optimizer, placements, sharding, init, train_step, eval_step, abstract.plan, laid, logical)
 
 def place_batch(batch: dict, mesh: DeviceMesh, placements) -> dict:
     """The host batch (the same on every process) as DTensors laid out by ``placements``; each process

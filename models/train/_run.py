@@ -21,10 +21,12 @@ import numpy as np
 
 from models._checkpoint import Checkpointer, CheckpointError, abstract_like
 from models._ddp import TrainState
-from models._fsdp_run import collectives_report, layout_meta, logical_params, memory_report, restore_job_state
-from models.train._config import Config, check_config, check_resume_config, job_flags, resume_config, run_config
+from models._fsdp_run import collectives_report, layout_meta, memory_report, restore_job_state
+from models.train._config import (Config, check_config, check_resume_config, job_flags, pipeline_settings, resume_config,
+                                  run_config)
 from models.train._loop import MetricLog, progress_bar, report, train_loop
 from models.train._outdir import OutFolder, RunLock, write_outputs
+from models.train._pipeline import pipeline_report
 from models.train._programs import (build_mesh, check_fits, data_dims, device_memory, layout, make_task, place_batch,
                                     programs, task_dims)
 from spmd import DeviceMesh
@@ -47,13 +49,25 @@ def _check_batch_sizes(cfg: Config, mesh: DeviceMesh) -> tuple[int, int]:
     """(data-parallel size, held-out examples); the batch sizes must split evenly over the data ranks."""
     dims = data_dims(mesh)
     n_data = math.prod(mesh.size(d) for d in dims)
-    label = " x ".join(dims) + " size"  # "dp size", "dp x fsdp size"
+    label = (" x ".join(dims) or "data-parallel") + " size"  # "dp size", "dp x fsdp size"
     if cfg.batch_size % (n_data * cfg.accum_steps):
         unit = n_data * cfg.accum_steps
         raise ValueError(
             f"models.train: --batch-size={cfg.batch_size} is not divisible by the {label} {n_data}"
             + (f" times --accum-steps={cfg.accum_steps}" if cfg.accum_steps > 1 else "")
             + f"; use a multiple of {unit} (e.g. {unit * max(1, cfg.batch_size // unit)})."
+        )
+    pipe = pipeline_settings(cfg)
+    per_replica = cfg.batch_size // (n_data * cfg.accum_steps)
+    if pipe is not None and per_replica % pipe[1]:
+        m = pipe[1]
+        ok = [k for k in range(1, per_replica + 1) if per_replica % k == 0 and k >= mesh.size("pp")]
+        raise ValueError(
+            f"models.train: --microbatches={m} does not divide the {per_replica} examples each data-parallel replica "
+            f"runs per step (--batch-size={cfg.batch_size} over the {label} {n_data}"
+            + (f" and --accum-steps={cfg.accum_steps}" if cfg.accum_steps > 1 else "")
+            + f"); use --microbatches from {ok} or a --batch-size that is a multiple of "
+              f"{n_data * cfg.accum_steps * m}."
         )
     if cfg.eval_size is None:
         return n_data, max(n_data, _EVAL_DEFAULT // n_data * n_data)
@@ -152,7 +166,8 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
                 return done
         elif cfg.resume:
             report(f"models.train: resumed from step {start} (of {cfg.steps}) in {folder.checkpoints!r}", lead)
-        n_params = (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params)) if progs.plan is None
+        n_params = (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(jax.eval_shape(progs.logical, state.params)))
+                    if progs.plan is None or progs.pipelined
                     else sum(int(np.prod(e.shape)) for e in progs.plan.entries))  # a sharded state is padded
         memory = memory_report(state, progs.plan)
         if start == 0:  # before the bar starts: a line written under a live bar is glued to it
@@ -181,11 +196,15 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
             on_step=on_step, interrupted=interrupted)
         wall = time.perf_counter() - t_start
         eval_batch = place_batch(task.batch(cfg.seed, 0, eval_size, lay, stream=1), mesh, progs.batch_placements)
-        evaluation = {k: float(v) for k, v in jax.device_get(progs.eval_step(logical_params(state.params, progs.plan, mesh), eval_batch)).items()}
+        evaluation = {k: float(v) for k, v in jax.device_get(progs.eval_step(progs.logical(state.params), eval_batch)).items()}
         if cfg.text is not None:  # every context window of a text is one "sequence": the share right means nothing
             evaluation.pop("sequence_accuracy", None)
-        collectives = collectives_report(progs.train_step, state, place_batch(
-            task.batch(cfg.seed, 0, cfg.batch_size, lay), mesh, progs.batch_placements))
+        step_batch = place_batch(task.batch(cfg.seed, 0, cfg.batch_size, lay), mesh, progs.batch_placements)
+        pipe = None
+        if progs.pipelined:
+            collectives, pipe = pipeline_report(progs.train_step, state, step_batch)
+        else:
+            collectives = collectives_report(progs.train_step, state, step_batch)
         checkpointer.wait()
     finally:
         checkpointer.close()
@@ -209,6 +228,7 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
                   **{f"eval_{k}": v for k, v in evaluation.items()}},
         "memory": memory,
         "collectives": collectives,
+        **({"pipeline": pipe} if pipe is not None else {}),
         "history": history,
         "checkpoints": checkpointer.all_steps(),
     }

@@ -1,0 +1,137 @@
+"""The training job with a ``pp`` mesh dim: ``python -m models.train --mesh pp=2,fsdp=4 --schedule 1f1b``.
+
+A short run gives the per-step losses of ``--mesh dp=8`` (same seed, same batches); ``metrics.json`` carries
+the schedule, its bubble (formula and the idle ticks of the tick table the step compiled) and the compiled
+step's peak temporaries; a run resumes with its saved pipeline flags. Bad pipeline flags are refused before
+any compile, naming the flag, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+from models.train import Config, main, run
+from models.train._config import SCHEDULES as JOB_SCHEDULES
+from models.train._programs import task_dims
+from spmd.parallel import build_schedule
+from spmd.parallel._schedules import SCHEDULES
+
+# tiny: 2 blocks (one per stage), 4 rows per fsdp replica cut into 2 micro-batches
+JOB = dict(steps=4, batch_size=16, layers=2, d_model=16, heads=2, length=4, save_every=2, log_every=1, eval_size=16,
+           progress=False)
+PP = dict(mesh="pp=2,fsdp=4", schedule="1f1b", microbatches=2)
+GROUP = pytest.mark.xdist_group("pipeline-job")  # the two cached runs on one worker
+
+
+@functools.lru_cache(maxsize=None)
+def _job(mesh: str, **flags) -> dict:
+    out = tempfile.mkdtemp(prefix="pipeline_job_")
+    summary = run(Config(mesh=mesh, out=out, **JOB, **flags))
+    with open(os.path.join(out, "metrics.json")) as f:
+        saved = json.load(f)
+    return dict(summary=summary, saved=saved, out=out)
+
+
+def _losses(summary):
+    return [h["loss"] for h in summary["history"]]
+
+
+@GROUP
+def test_pp_fsdp_1f1b_job_equals_dp8():
+    dp, pp = _job("dp=8"), _job(**PP)
+    assert [h["step"] for h in pp["summary"]["history"]] == [1, 2, 3, 4]
+    np.testing.assert_allclose(_losses(pp["summary"]), _losses(dp["summary"]), rtol=0, atol=1e-5)
+    assert _losses(dp["summary"])[-1] < _losses(dp["summary"])[0]  # the losses move: the comparison means something
+    for k in ("eval_token_accuracy", "eval_sequence_accuracy"):
+        assert pp["summary"]["final"][k] == pytest.approx(dp["summary"]["final"][k], abs=1e-6)
+    assert pp["saved"]["mesh"] == {"pp": 2, "fsdp": 4}
+    assert pp["saved"]["parameters"] == dp["saved"]["parameters"]  # the model's count, not the stacked stages'
+    cfg = pp["saved"]["config"]
+    assert (cfg["schedule"], cfg["microbatches"], cfg["stages_per_rank"]) == ("1f1b", 2, 1)
+
+
+@GROUP
+def test_pp_job_metrics_carry_the_schedule_bubble_and_memory():
+    got = _job(**PP)["saved"]["pipeline"]
+    pp, m = 2, 2
+    s = build_schedule("1f1b", pp, m)
+    idle = sum(a is None for row in s.ticks for a in row)
+    assert (got["schedule"], got["pp"], got["microbatches"], got["stages_per_rank"]) == ("1f1b", pp, m, 1)
+    assert got["bubble_formula"] == (pp - 1) / (m + pp - 1)  # exactly the formula
+    assert (got["ticks"], got["idle_rank_ticks"]) == (len(s.ticks), idle) == (6, 4)
+    assert got["bubble_measured"] == idle / (len(s.ticks) * pp)
+    assert abs(got["bubble_measured"] - got["bubble_formula"]) <= 0.05 * got["bubble_formula"]
+    seq_len = task_dims(Config(**JOB))[1]
+    act = (16 // 4 // m) * seq_len * 16 * 4  # one micro-batch's (rows, T, D) float32
+    assert got["activation_bytes"] == act
+    assert got["activation_slots"] == max(s.x_slots) == min(pp, m)
+    assert got["activation_bound_bytes"] == (max(s.x_slots) + max(s.g_slots)) * act
+    assert got["peak_activation_bytes"] >= got["activation_bound_bytes"]
+    assert got["transfers"] == {"forward": m * (pp - 1), "backward": m * (pp - 1)}
+    coll = _job(**PP)["saved"]["collectives"]  # from the compiled step: one permute per micro-batch each way
+    assert coll["collective-permute"] == {"count": 2 * m, "bytes": 2 * m * act}
+
+
+@GROUP
+def test_pp_job_resumes_with_its_saved_pipeline_flags(tmp_path):
+    done = _job(**PP)
+    out = str(tmp_path / "run")
+    shutil.copytree(done["out"], out)
+    shutil.rmtree(os.path.join(out, "checkpoints", "4"))
+    assert main(["--resume", "--out", out, "--no-progress"]) == 0  # mesh and pipeline flags from the checkpoint
+    with open(os.path.join(out, "metrics.json")) as f:
+        again = json.load(f)
+    assert again["resumed_from"] == 2 and again["mesh"] == {"pp": 2, "fsdp": 4}
+    assert (again["config"]["schedule"], again["config"]["microbatches"]) == ("1f1b", 2)
+    np.testing.assert_allclose(_losses(again), _losses(done["summary"]), rtol=0, atol=1e-6)
+
+
+def test_job_schedules_are_spmds():
+    assert JOB_SCHEDULES == SCHEDULES
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(mesh="fsdp=8", schedule="1f1b"), "--schedule='1f1b' runs a pipeline over the pp mesh dim, but "
+     "--mesh='fsdp=8' has no pp dim; add one (e.g. --mesh pp=2,fsdp=4) or drop --schedule."),
+    (dict(mesh="dp=8", microbatches=4), "--microbatches=4 runs a pipeline over the pp mesh dim, but --mesh='dp=8' "
+     "has no pp dim"),
+    (dict(mesh="pp=2,fsdp=4", schedule="zero"), "--schedule='zero' is unknown; use one of gpipe, 1f1b, interleaved."),
+    (dict(mesh="pp=2,fsdp=4", microbatches=1), "--microbatches=1 is below pp=2; --schedule 1f1b needs at least one "
+     "micro-batch per stage: use --microbatches >= 2."),
+    (dict(mesh="pp=2,fsdp=4", microbatches=3, schedule="interleaved", stages_per_rank=2),
+     "--microbatches=3 is not a multiple of pp=2; --schedule interleaved runs micro-batches in groups of pp: use "
+     "--microbatches 4."),
+    (dict(mesh="pp=2,fsdp=4", stages_per_rank=2), "--stages-per-rank=2 needs --schedule interleaved (got '1f1b')"),
+    (dict(mesh="pp=2,fsdp=4", schedule="interleaved", stages_per_rank=2, layers=3),
+     "--layers=3 is fewer than the 4 pipeline stages (pp=2 x --stages-per-rank=2); use --layers >= 4"),
+    (dict(mesh="pp=2,fsdp=4", model="mlp"), "--mesh='pp=2,fsdp=4' pipelines the transformer's blocks over pp, but --model='mlp'"),
+    (dict(mesh="pp=2,dp=2,tp=2"), "--mesh='pp=2,dp=2,tp=2' gives pp with tp; tensor parallelism inside pipeline "
+     "stages is not offered: use pp with dp or fsdp (e.g. --mesh pp=2,fsdp=4), or tp without pp"),
+    (dict(mesh="pp=2,dp=2,fsdp=2"), "--mesh='pp=2,dp=2,fsdp=2' gives pp with both dp and fsdp (HSDP), which a pipeline does not offer"),
+    (dict(mesh="pp=2,fsdp=4", microbatches=3), "--microbatches=3 does not divide the 4 examples each data-parallel "
+     "replica runs per step (--batch-size=16 over the fsdp size 4); use --microbatches from [2, 4] or a "
+     "--batch-size that is a multiple of 12."),
+])
+def test_job_refuses_bad_pipeline_flags(tmp_path, flags, message):
+    tiny = {**JOB, "layers": 4, **flags}
+    with pytest.raises(ValueError, match=re.escape("models.train: " + message)):
+        run(Config(out=str(tmp_path / "run"), **tiny))
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")  # refused before anything ran
+
+
+def test_cli_pipeline_flags_reach_the_config(capsys):
+    from models.train import parse_args
+
+    cfg = parse_args(["--mesh", "pp=2,fsdp=4", "--schedule", "interleaved", "--microbatches", "8",
+                      "--stages-per-rank", "2"])
+    assert (cfg.schedule, cfg.microbatches, cfg.stages_per_rank) == ("interleaved", 8, 2)
+    assert main(["--mesh", "dp=8", "--schedule", "gpipe", "--out", "/nonexistent/never"]) == 2
+    assert "--schedule='gpipe' runs a pipeline over the pp mesh dim" in capsys.readouterr().err
