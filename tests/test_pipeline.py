@@ -19,11 +19,12 @@ import optax
 import pytest
 
 import spmd
-from spmd.parallel import (build_schedule, fully_shard, hlo_executed_collectives, init_train_state, make_train_step,
-                           pipeline)
+from spmd.parallel import (ColwiseParallel, SplitPoint, build_schedule, fully_shard, hlo_executed_collectives,
+                           init_train_state, make_train_step, parallelize_module, pipeline)
 from spmd.parallel import unshard_params
 from spmd._inspect import hlo_collectives
 from spmd.parallel._pipeline_comm import hlo_permute_pairs
+from spmd.parallel._pipeline_split import natural_key
 from spmd.parallel._schedules import bubble_formula
 from tests.third_party.llama import Llama, LlamaConfig
 
@@ -114,7 +115,9 @@ CONFIGS = {  # name: (model, mesh, schedule, M, v, accum_steps, unroll)
     "pp2dp4-interleaved": ("llama", (2, 4), "interleaved", 2, 2, 1, True),
     "pp2dp4-gpipe-transformer-uneven-loop": ("transformer", (2, 4), "gpipe", 2, 1, 1, False),
     "pp2fsdp4-1f1b": ("llama", (2, 4), "1f1b", 2, 1, 1, True),  # the stages fully sharded over fsdp
+    "pp2dp4-1f1b-split": ("llama", (2, 4), "1f1b", 2, 1, 1, True),  # SPLITS: stages of 1 and 3 layers
 }
+SPLITS = {"pp2dp4-1f1b-split": {"layers_1": SplitPoint.BEGINNING}}  # torch's split_spec
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,7 +129,7 @@ def _run(config):
     if data == "fsdp":
         model = fully_shard(model, mesh=mesh["fsdp"])
     pm = pipeline(model, mesh["pp"], units=units, num_microbatches=m_count, schedule=sched, stages_per_rank=v,
-                  unroll=unroll)
+                  unroll=unroll, split_points=SPLITS.get(config))
     state = init_train_state(pm, OPT, params=params)
     step = make_train_step(pm, _loss(pm), OPT, accum_steps=accum)
     batch = _batch()
@@ -168,6 +171,14 @@ def test_uneven_split_rule():
     assert lay.units == ["block_0", "block_1", "block_2"]
     assert lay.stage_units == [[0, 1], [2]]  # array_split: the first L % S stages take one more
     assert lay.rows == [0, 1, 2, -1]  # rank 1's second slot is a skipped zero slot
+
+
+@pytest.mark.xdist_group("pp-pp2dp4-1f1b-split")
+def test_split_points_rule():
+    (lay,) = _run("pp2dp4-1f1b-split")["pm"]._layouts.values()
+    assert lay.stage_units == [[0], [1, 2, 3]]  # a stage begins at layers_1
+    assert lay.per_slot == 3 and lay.rows == [0, -1, -1, 1, 2, 3]  # rank 0 skips its two extra slots
+    assert sorted(["layers_10", "layers_2", "layers_1"], key=natural_key) == ["layers_1", "layers_2", "layers_10"]
 
 
 @pytest.mark.parametrize("config", _cases([c for c in CONFIGS if CONFIGS[c][-1]]))
@@ -248,3 +259,30 @@ def test_errors(mesh_pp):
     with pytest.raises(ValueError, match=re.escape("pipeline composes with fully_shard(model, mesh=mesh['fsdp']) (1-D, "
                                                    "no mp_policy) only")):
         pipeline(fully_shard(m, mesh=mesh_pp["pp", "dp"]), pp, num_microbatches=2)
+
+
+def test_split_point_and_tp_errors(mesh_pp):
+    m, params, _ = _model("llama")
+    pp = mesh_pp["pp"]
+
+    def layout(**kw):
+        return init_train_state(pipeline(m, pp, num_microbatches=2, **kw), OPT, params=params)
+
+    with pytest.raises(ValueError, match=re.escape("pipeline: split_points names 'layers_9', which is no pipeline unit; "
+                                                   "the units are: layers_0, layers_1, layers_2, layers_3. Name one")):
+        layout(split_points={"layers_9": SplitPoint.BEGINNING})
+    with pytest.raises(ValueError, match=re.escape("cut the units into 3 stages, but the pipeline has 2 (pp=2 x "
+                                                   "stages_per_rank=1); give 1 split points.")):
+        layout(split_points={"layers_1": "beginning", "layers_2": "end"})
+    with pytest.raises(ValueError, match=re.escape("split_points['layers_3']=SplitPoint.END leaves a stage with no unit")):
+        layout(split_points={"layers_3": SplitPoint.END})
+    with pytest.raises(ValueError, match=re.escape("split_points['layers_1']='middle' is not a split point; use "
+                                                   "SplitPoint.BEGINNING or SplitPoint.END")):
+        pipeline(m, pp, num_microbatches=2, split_points={"layers_1": "middle"})
+    end = pipeline(m, pp, num_microbatches=2, split_points={"layers_2": SplitPoint.END}).layout(params)
+    assert (end.stage_units, end.rows) == ([[0, 1, 2], [3]], [0, 1, 2, 3, -1, -1])  # the next stage after layers_2
+    mesh3 = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    tpm = parallelize_module(m, mesh3["tp"], {"layers_*.mlp.up_proj": ColwiseParallel()})
+    with pytest.raises(ValueError, match=re.escape("is tensor-parallel (parallelize_module over 'tp'); tensor "
+                                                   "parallelism inside pipeline stages is not offered")):
+        pipeline(tpm, mesh3["pp"], num_microbatches=2)

@@ -16,7 +16,7 @@ from spmd.parallel._auto import AutoLayout, Candidate, auto_layout
 from spmd.parallel._auto_layout import Layout, apply_layout
 from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._hlo import executed_collectives, hlo_executed_collectives
-from spmd.parallel._pipeline import PipelineModule, pipeline
+from spmd.parallel._pipeline import PipelineModule, SplitPoint, pipeline
 from spmd.parallel._param_plan import ROOT, ParamPlan, PlanEntry, path_str, plan_params
 from spmd.parallel._schedules import Schedule, build_schedule
 from spmd.parallel._rules import Rule, replicate, shard_rule
@@ -38,6 +38,7 @@ __all__ = [
     "fully_shard",
     "pipeline",
     "PipelineModule",
+    "SplitPoint",
     "Schedule",
     "build_schedule",
     "ParallelModule",

@@ -4,11 +4,15 @@
 ``PipelineModule``; ``init_train_state`` / ``make_train_step`` / ``unshard_params`` take it like any model.
 
 **The split.** The units are the submodules matching the ``units`` glob (``layers_*``, ``block_*``,
-``model.layers.*``), in the order the model calls them. The model must chain them: each unit takes the
-previous unit's output as its one argument and returns the next one (a decoder's blocks). ``S = pp x v``
-stages (``v = stages_per_rank``, interleaved only) take the units like ``numpy.array_split``: with ``L``
-units, the first ``L % S`` stages get ``ceil(L / S)`` units and the rest ``floor(L / S)``; a stage with one
-unit fewer stores a zero slot it skips. Stage ``c`` runs on rank ``c % pp``. What the model does before the
+``model.layers.*``), in the order of their names' numbers (``layers_2`` before ``layers_10``), which must be
+the order the model calls them. The model must chain them: each unit takes the previous unit's output as its
+one argument and returns the next one (a decoder's blocks). ``S = pp x v`` stages (``v = stages_per_rank``,
+interleaved only) take the units like ``numpy.array_split``: with ``L`` units, the first ``L % S`` stages
+get ``ceil(L / S)`` units and the rest ``floor(L / S)``; a stage with one unit fewer stores a zero slot it
+skips. Or explicit split points, torch's ``split_spec``: ``split_points={"layers_3": SplitPoint.BEGINNING}``
+(``"beginning"``; ``SplitPoint.END``: the next stage begins after the unit) names the units where stages
+begin; ``S - 1`` of them, each stage at least one unit; unequal stages store ``max(count)`` slots per stage,
+the shorter ones skipping their extra zero slots (``spmd.parallel._pipeline_split``). Stage ``c`` runs on rank ``c % pp``. What the model does before the
 first unit (embeddings) runs on the first stage, what it does after the last unit (final norm, head, the
 user's loss) on the last stage; their parameters are replicated over ``pp`` and their gradients summed over
 it (a tied embedding used by both ends is right by construction).
@@ -50,12 +54,13 @@ import numpy as np
 from placements import Shard
 from spmd._mesh import DeviceMesh
 from spmd.parallel._param_plan import ParamPlan, path_str, plan_params
+from spmd.parallel._pipeline_split import SplitPoint, check_split_points, natural_key, stage_counts
 from spmd.parallel._pipeline_step import REST, STAGES, init_pipeline_state, make_pipeline_step, unshard_pipeline_params
 from spmd.parallel._rules import Rule
 from spmd.parallel._schedules import SCHEDULES, Schedule, build_schedule
 from spmd.parallel._transforms import ParallelModule, _modules, glob_regex
 
-__all__ = ["pipeline", "PipelineModule", "STAGES", "REST"]
+__all__ = ["pipeline", "PipelineModule", "SplitPoint", "STAGES", "REST"]
 
 
 class _Stop(Exception):
@@ -69,9 +74,9 @@ class PipelineModule:
     to the model. ``schedule``: the tick table (``print(model.schedule)``)."""
 
     def __init__(self, module, mesh: DeviceMesh, pp: str, units: str, schedule: Schedule, unroll: bool = True,
-                 fsdp: str | None = None):
+                 fsdp: str | None = None, split_points: dict | None = None):
         for k, v in dict(module=module, mesh=mesh, pp=pp, units=units, schedule=schedule, unroll=unroll, fsdp=fsdp,
-                         _layouts={}).items():
+                         split_points=split_points, _layouts={}).items():
             object.__setattr__(self, k, v)
 
     def __getattr__(self, name: str) -> Any:
@@ -135,7 +140,7 @@ class Layout:
         leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
         self.paths = [path_str(kp) for kp, _ in leaves]
         self.shapes = {p: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for p, (_, x) in zip(self.paths, leaves)}
-        found = _unit_modules(self.paths, pm.units)
+        found = sorted(_unit_modules(self.paths, pm.units), key=natural_key)
         if not found:
             mods = sorted(_modules(self.paths))
             raise ValueError(f"{where}: units={pm.units!r} matches no module of the model; its modules are: "
@@ -147,7 +152,7 @@ class Layout:
                              f"than the {n_st} stages ({pm.pp}={s.pp} x stages_per_rank={s.stages_per_rank}); use "
                              "fewer stages or a deeper model.")
         self.found = found
-        self.units = found  # reordered to call order by record()
+        self.units = found  # record() checks that the model calls them in this order
         rel0 = [p[len(found[0]) + 1:] for p in self.paths if p.startswith(found[0] + "/")]
         for u in found[1:]:
             rel = [p[len(u) + 1:] for p in self.paths if p.startswith(u + "/")]
@@ -159,8 +164,8 @@ class Layout:
         self.unit_of = {p: u for p in self.paths for u in found if p.startswith(u + "/")}
         self.rest = [p for p in self.paths if p not in self.unit_of]
         n = len(found)
-        self.per_slot = -(-n // n_st)  # ceil(L / S): unit slots per stage
-        counts = [n // n_st + (1 if c < n % n_st else 0) for c in range(n_st)]
+        counts = stage_counts(found, n, n_st, pm.split_points, f"{pm.pp}={s.pp} x stages_per_rank={s.stages_per_rank}")
+        self.per_slot = max(counts)  # unit slots per stage (the even rule: ceil(L / S))
         starts = np.cumsum([0] + counts)
         self.stage_units = [list(range(starts[c], starts[c] + counts[c])) for c in range(n_st)]
         v, pp, lc = s.stages_per_rank, s.pp, self.per_slot
@@ -276,7 +281,10 @@ class Layout:
         if sorted(names) != sorted(self.found) or len(set(names)) != len(names):
             raise ValueError(f"pipeline: the model called the units {names}; every unit {self.found} must be called "
                              "exactly once per loss_fn call.")
-        self.units = names
+        if names != self.found:
+            raise ValueError(f"pipeline: the model calls the units in the order {names}, not in the order of their "
+                             f"names' numbers {self.found}; the stages follow that order: name the units by their "
+                             "place in the chain.")
         self.unit_mod = calls[0][1]
         self.act = jax.ShapeDtypeStruct(calls[0][3].shape, calls[0][3].dtype)
 
@@ -311,7 +319,8 @@ class Layout:
 
 
 def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_microbatches: int,
-             schedule: str = "1f1b", stages_per_rank: int = 1, unroll: bool = True) -> PipelineModule:
+             schedule: str = "1f1b", stages_per_rank: int = 1, unroll: bool = True,
+             split_points: dict[str, SplitPoint | str] | None = None) -> PipelineModule:
     """Split ``model``'s ``units`` into pipeline stages over the 1-D ``mesh`` (``mesh["pp"]``); see the module doc.
 
     ``num_microbatches``: the per-replica batch is cut into this many micro-batches (it must divide it);
@@ -320,13 +329,20 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     tick's collective-permute over exactly its sends (the compiled program moves each micro-batch once per
     boundary each way); ``False``: one loop over the ticks, the sends picked per tick from the schedule's
     distinct pair sets (a program the size of one tick: faster to compile for long schedules).
+    ``split_points``: ``{unit name: SplitPoint.BEGINNING | SplitPoint.END}`` where stages begin instead of the
+    even split (the module doc's rule); a name that is no unit is refused with the units listed.
     """
     where = "pipeline"
     fsdp = None
     if isinstance(model, PipelineModule):
         raise ValueError(f"{where}: model={model!r} is already pipelined; pipeline the plain model once.")
     if isinstance(model, ParallelModule):
-        if model.tp is not None or model.fsdp is None or model.fsdp.replicate_dims or model.fsdp.mp_policy:
+        if model.tp is not None:
+            raise ValueError(f"{where}: model={model!r} is tensor-parallel (parallelize_module over "
+                             f"{model.tp.mesh_dim!r}); tensor parallelism inside pipeline stages is not offered: "
+                             "pipeline the plain model or fully_shard(model, mesh=mesh['fsdp']), and give the mesh's "
+                             "other dims to data parallelism (e.g. pp=2 x fsdp=4), or use tp without pp.")
+        if model.fsdp is None or model.fsdp.replicate_dims or model.fsdp.mp_policy:
             raise ValueError(f"{where}: model={model!r}: pipeline composes with fully_shard(model, mesh=mesh['fsdp']) "
                              "(1-D, no mp_policy) only; parallelize_module and HSDP with pipeline are not offered: "
                              "leave them out (the mesh's other dims train data-parallel).")
@@ -362,5 +378,7 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
                          f"pp: use {pp * -(-num_microbatches // pp)}.")
     if not isinstance(unroll, bool):
         raise TypeError(f"{where}: unroll={unroll!r} must be a bool.")
+    points = check_split_points(split_points)
     sched = build_schedule(schedule, pp, num_microbatches, stages_per_rank)
-    return PipelineModule(model, mesh.root_mesh, mesh.mesh_dim_names[0], units.replace(".", "/"), sched, unroll, fsdp)
+    return PipelineModule(model, mesh.root_mesh, mesh.mesh_dim_names[0], units.replace(".", "/"), sched, unroll, fsdp,
+                          points)
