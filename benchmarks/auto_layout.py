@@ -2,8 +2,9 @@
 pick against GSPMD's.
 
 For the project's Transformer (the sizes of benchmarks/fsdp.py) at global batches of 32 and 128 on 8 CPU fake
-devices: ``auto_layout`` ranks every candidate (dp x fsdp x tp, reshard_after_forward, sequence parallelism;
-``calibrate()`` on this machine); the top predicted candidates and a few lower-ranked ones are each built with
+devices: ``auto_layout`` ranks every candidate (dp x fsdp x tp, reshard_after_forward, sequence parallelism, the
+weight-stationary layout ``ws``; ``calibrate()`` on this machine); the top predicted candidates, a few lower-ranked
+ones and the best-ranked weight-stationary one are each built with
 ``apply_layout`` + ``init_train_state`` + ``make_train_step``, compiled, and timed side by side in interleaved
 rounds (benchmarks/fsdp.py's timer) together with GSPMD's pick of the same model (a global-view ``jax.jit``
 step, each parameter and its AdamW moments cut on its largest dim over all 8 devices, the batch over all 8).
@@ -149,6 +150,9 @@ def main(argv=None) -> int:
         rest = cands[n_measured // 2:]
         step = max(len(rest) // (n_measured - n_measured // 2), 1)
         chosen = cands[: n_measured // 2] + rest[::step][: n_measured - n_measured // 2]
+        ws = next((c for c in cands if c.layout.weight_stationary), None)  # GSPMD's own layout at small batch
+        if ws is not None and ws not in chosen:
+            chosen.append(ws)
         preps = {c.name: prepare_layout(size, batch, c.layout) for c in chosen}
         preps["gspmd fsdp=8"] = prepare_gspmd(size, batch, (8,), ("fsdp",))
         steps = 2 if batch > 32 or a.quick else 4

@@ -25,12 +25,14 @@ from spmd.parallel._step import TrainState, init_train_state, make_train_step, u
 from spmd.parallel._styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
                                    RowwiseParallel, SequenceParallel)
 from spmd.parallel._transforms import MixedPrecisionPolicy, ParallelModule, fully_shard, parallelize_module
+from spmd.parallel._weight_stationary import weight_stationary_plan
 
 __all__ = [
     "auto_layout",
     "apply_layout",
     "calibrate",
     "Layout",
+    "weight_stationary_plan",
     "Calibration",
     "AutoLayout",
     "Candidate",

@@ -3,7 +3,9 @@
 Candidates: every factorization of the device count over ``dp`` x ``fsdp`` x ``tp`` (``tp`` only with a
 tensor-parallel plan: ``plan=``; a cut the sizes do not allow, a head split, a batch the data dims do not
 divide: rejected, with the reason), ``reshard_after_forward`` on and off under FSDP, sequence parallelism
-on and off where the plan has it, and gradient accumulation where the memory budget needs it. Each is
+on and off where the plan has it, the weight-stationary layout (``ws``: the sequence-parallel plan with its
+cuts moved to the batch; weights never move, activations are gathered over the batch) for every ``tp``,
+and gradient accumulation where the memory budget needs it. Each is
 built through the contract (``apply_layout``) and traced on abstract inputs, nothing compiled:
 
 - **communication**: the step's own analytic table (``step.communication``, equal to the compiled HLO);
@@ -172,8 +174,9 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     """``layout``'s predicted cost (see the module doc); raises ``ValueError`` when it cannot be built."""
     where = "auto_layout"
     devices = devices_of(devices, where)
-    cal = calibration if calibration is not None else calibrate(devices)
     batch = _abstract(example_batch)
+    _check_batch_cut(batch, layout, where)
+    cal = calibration if calibration is not None else calibrate(devices)
     params = _params_of(model, batch, params, where)
     laid, mesh = apply_layout(model, devices, layout)
     loss = loss_fn if loss_fn is not None else default_loss(laid)
@@ -189,7 +192,7 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     local_bytes = _nbytes(batch) // n_data
     pm = as_parallel(laid, mesh, where)
     mem = memory_breakdown(profile, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
-                           sequence_parallel=layout.sequence_parallel)
+                           sequence_parallel=layout.sequence_parallel or layout.weight_stationary)
     flops, nbytes = compute_cost(profile, state.plan, pm, micro, accum_steps=layout.accum_steps)
     compute = flops / cal.matmul_flops_per_s + nbytes / cal.elementwise_bytes_per_s
     groups = _groups(layout)
@@ -201,6 +204,18 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     return Candidate(layout=layout, predicted_s=total, compute_s=compute, comm_s=comm_s, dispatch_s=cal.dispatch_s,
                      communication={k: comm[k] for k in ("parameters", "activations", "total")}, memory=mem,
                      flops=flops, fits=budget is None or mem["peak"] <= budget)
+
+
+def _check_batch_cut(batch: Any, layout: Layout, where: str) -> None:
+    """A weight-stationary layout cuts each micro-batch of a data replica over ``tp`` on the batch."""
+    if not layout.weight_stationary:
+        return
+    b = jax.tree.leaves(batch)[0].shape[0]
+    per = layout.dp * layout.fsdp * layout.accum_steps
+    if b % per or (b // per) % layout.tp:
+        raise ValueError(f"{where}: layout {layout.name!r} cuts each micro-batch of a data replica (batch {b} / "
+                         f"(dp x fsdp x accum_steps = {per})) over tp={layout.tp} on the batch, which does not "
+                         f"divide it; use a batch that is a multiple of {per * layout.tp}.")
 
 
 def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
@@ -223,16 +238,18 @@ def _factorizations(n: int) -> list[tuple[int, int, int]]:
 
 
 def candidate_layouts(n: int, plan: Any, units: tuple[str, ...]) -> list[Layout]:
-    """Every layout ``auto_layout`` weighs on ``n`` devices (accumulation aside)."""
+    """Every layout ``auto_layout`` weighs on ``n`` devices (accumulation aside): per factorization, the
+    tensor-parallel variants ``(sequence_parallel, weight_stationary)`` the plan has, each under FSDP with
+    and without ``reshard_after_forward``."""
     out = []
     for dp, fsdp, tp in _factorizations(n):
-        sps = [None]
+        variants = [(False, False, None)]
         if tp > 1:
-            sps = [sp for sp in (False, True) if tp_plan_for(plan, sp, tp) is not None]
-        for sp, raf in itertools.product(sps, (True, False) if fsdp > 1 else (True,)):
-            out.append(Layout(dp=dp, fsdp=fsdp, tp=tp, reshard_after_forward=raf, sequence_parallel=bool(sp),
-                              units=units if fsdp > 1 else (), tp_plan=tp_plan_for(plan, bool(sp), tp) if tp > 1
-                              else None))
+            variants = [(sp, ws, got) for sp, ws in ((False, False), (True, False), (False, True))
+                        if (got := tp_plan_for(plan, sp, tp, weight_stationary=ws)) is not None]
+        for (sp, ws, tp_plan), raf in itertools.product(variants, (True, False) if fsdp > 1 else (True,)):
+            out.append(Layout(dp=dp, fsdp=fsdp, tp=tp, reshard_after_forward=raf, sequence_parallel=sp,
+                              units=units if fsdp > 1 else (), tp_plan=tp_plan, weight_stationary=ws))
     return out
 
 
@@ -273,7 +290,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             continue
         local = jax.tree.leaves(batch)[0].shape[0] // (lay.dp * lay.fsdp)
         a = 2
-        while not c.fits and a <= local and local % a == 0:  # accumulate micro-batches until it fits
+        while not c.fits and a <= local and local % a == 0 and (  # accumulate micro-batches until it fits
+                not lay.weight_stationary or (local // a) % lay.tp == 0):
             c2 = evaluate_layout(model, optimizer, batch, devices, replace(lay, accum_steps=a), loss_fn=loss,
                                  params=params, calibration=cal, profile=profile, budget=memory_budget_bytes)
             c = c2 if c2.fits else c

@@ -1,8 +1,15 @@
 """A layout as data (``Layout``) and applying it through the contract (``apply_layout``).
 
 A ``Layout`` names the mesh (``dp`` x ``fsdp`` x ``tp`` devices), the FSDP options (the units,
-``reshard_after_forward``), the tensor-parallel plan (with or without sequence parallelism) and the
-gradient-accumulation steps. ``apply_layout(model, devices, layout)`` builds it the way a user would:
+``reshard_after_forward``), the tensor-parallel plan (with or without sequence parallelism, or
+weight-stationary) and the gradient-accumulation steps.
+
+``weight_stationary=True`` (named ``ws``): the ``tp`` devices form a data axis whose weights never move
+(``spmd.parallel._weight_stationary``): each styled kernel stays cut over ``tp``, the activations between
+the layers are cut on the batch, and each layer all-gathers its input over the batch and reduce-scatters
+its output back, so ``dp=1,tp=8 ws`` is what GSPMD runs on 8 devices at a few sequences per device (its
+``tp_plan`` is ``weight_stationary_plan`` of the sequence-parallel plan). The batch then splits over
+``dp x fsdp x tp``. ``apply_layout(model, devices, layout)`` builds it the way a user would:
 ``init_device_mesh`` / ``parallelize_module(model, mesh["tp"], plan)`` /
 ``fully_shard(model, mesh=mesh["dp", "fsdp"], units=...)``, and returns ``(model, mesh)``; then
 ``init_train_state(model, optimizer, ..., mesh=mesh)`` and ``make_train_step(model, loss_fn, optimizer,
@@ -23,6 +30,8 @@ import numpy as np
 from spmd._mesh import DeviceMesh
 from spmd.parallel._param_plan import path_str
 from spmd.parallel._transforms import fully_shard, param_module, parallelize_module
+from spmd.parallel._weight_stationary import _activation_cuts as _cuts
+from spmd.parallel._weight_stationary import is_batch_cut, weight_stationary_plan
 
 __all__ = ["Layout", "apply_layout", "layout_mesh", "infer_units", "devices_of", "tp_plan_for"]
 
@@ -30,7 +39,8 @@ __all__ = ["Layout", "apply_layout", "layout_mesh", "infer_units", "devices_of",
 @dataclass(frozen=True)
 class Layout:
     """One candidate layout (see the module doc). ``tp_plan``: the ``parallelize_module`` plan as
-    ``(fqn glob, style)`` pairs, present when ``tp > 1``."""
+    ``(fqn glob, style)`` pairs, present when ``tp > 1`` (with ``weight_stationary``: one cutting the
+    activations on the batch, ``weight_stationary_plan(sequence_parallel_plan)``)."""
 
     dp: int = 1
     fsdp: int = 1
@@ -40,6 +50,7 @@ class Layout:
     accum_steps: int = 1
     units: tuple[str, ...] = ()
     tp_plan: tuple | None = None
+    weight_stationary: bool = False
 
     def __post_init__(self):
         for arg in ("dp", "fsdp", "tp", "accum_steps"):
@@ -49,6 +60,17 @@ class Layout:
         if self.tp > 1 and not self.tp_plan:
             raise ValueError(f"Layout: tp={self.tp} needs tp_plan=, the parallelize_module plan of the model "
                              "(e.g. tuple({'layers_*.mlp.up_proj': ColwiseParallel(), ...}.items())).")
+        if not isinstance(self.weight_stationary, bool):
+            raise TypeError(f"Layout: weight_stationary={self.weight_stationary!r} must be a bool.")
+        if self.weight_stationary and (self.tp < 2 or self.sequence_parallel):
+            raise ValueError(f"Layout: weight_stationary=True with tp={self.tp}, sequence_parallel="
+                             f"{self.sequence_parallel}: the weight-stationary layout cuts the weights over tp >= 2 "
+                             "devices and the activations on the batch (not the sequence); give tp >= 2 and "
+                             "sequence_parallel=False.")
+        if self.weight_stationary and not is_batch_cut(self.tp_plan):
+            raise ValueError("Layout: weight_stationary=True needs a tp_plan that cuts the activations on the batch "
+                             "(dim 0) between the layers; this one does not: give "
+                             "tuple(weight_stationary_plan(sequence_parallel_plan).items()).")
         if self.fsdp > 1 and not isinstance(self.units, tuple):
             raise TypeError(f"Layout: units={self.units!r} must be a tuple of module fqn globs.")
 
@@ -66,11 +88,13 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """``"dp=2,fsdp=4 regather"``, ``"fsdp=2,tp=4 sp keep"``, ``"dp=8 accum=2"``."""
+        """``"dp=2,fsdp=4 regather"``, ``"fsdp=2,tp=4 sp keep"``, ``"dp=1,tp=8 ws"``, ``"dp=8 accum=2"``."""
         mesh = ",".join(f"{n}={s}" for n, s in self.mesh_dims)
         parts = [mesh]
         if self.sequence_parallel:
             parts.append("sp")
+        if self.weight_stationary:
+            parts.append("ws")
         if self.fsdp > 1:
             parts.append("regather" if self.reshard_after_forward else "keep")
         if self.accum_steps > 1:
@@ -150,10 +174,17 @@ def infer_units(params: Any) -> tuple[str, ...]:
     return tuple(sorted(g for g in globs if g.count(".") == depth))
 
 
-def tp_plan_for(plan: Any, sequence_parallel: bool, tp: int, where: str = "auto_layout") -> tuple | None:
+def tp_plan_for(plan: Any, sequence_parallel: bool, tp: int, where: str = "auto_layout", *,
+                weight_stationary: bool = False) -> tuple | None:
     """The ``(glob, style)`` pairs of the tensor-parallel plan for ``tp`` devices, or None where ``plan``
     has none (a dict is a plan without sequence parallelism; a callable ``plan(sequence_parallel=,
-    tp_size=)`` returns a dict or None)."""
+    tp_size=)`` returns a dict or None). ``weight_stationary``: ``weight_stationary_plan`` of the
+    sequence-parallel plan (None where there is none, or it cuts nothing on the sequence)."""
+    if weight_stationary:
+        got = tp_plan_for(plan, True, tp, where)
+        if got is None or not any(d == 1 for _, s in got for d in _cuts(s)):
+            return None
+        return tuple(weight_stationary_plan(dict(got)).items())
     if plan is None:
         return None
     if isinstance(plan, Mapping):

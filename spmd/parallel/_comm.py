@@ -19,7 +19,14 @@ HLO reader's ``buffers`` and ``bytes`` are what equal this table).
   ``Replicate``: an all-gather forward, a reduce-scatter backward. ``RowwiseParallel`` output
   ``Replicate``: an all-reduce forward; output ``Shard``: a reduce-scatter forward, an all-gather backward.
   Parameters whole over tp that see only the device's positions (``SequenceParallel`` norms, a row-wise
-  bias added to ``Shard`` outputs): an all-reduce of their gradients.
+  bias added to ``Shard`` outputs): an all-reduce of their gradients. ``PrepareModuleOutput`` from
+  ``Replicate`` to ``Shard`` (a whole embedding's output cut): a slice forward, an all-gather of its
+  gradient backward.
+- **tp, weight-stationary** (a plan cutting the activations on the batch, ``spmd.parallel._weight_stationary``):
+  the terms above, plus one all-reduce over tp per micro-batch of the gradient of each parameter whole over
+  tp that no ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` module reads (the model's own
+  code reads it on the device's sequences: a position table; GSPMD sums it). The whole parameter is
+  counted: a model reading a slice of it (``pos[:t]`` with ``t`` below its length) moves the slice.
 
 Scalars (the loss, metrics, the global norm's partial sums) are not counted.
 """
@@ -34,6 +41,8 @@ import numpy as np
 from placements import Replicate, Shard
 from spmd.parallel._param_plan import ROOT, ParamPlan
 from spmd.parallel._scan import scan_of, unstacked
+from spmd.parallel._styles import ColwiseParallel, RowwiseParallel, SequenceParallel
+from spmd.parallel._weight_stationary import is_batch_cut
 
 __all__ = ["step_communication", "format_communication", "KINDS"]
 
@@ -120,6 +129,8 @@ def activation_terms(records: Sequence[dict], *, accum_steps: int = 1) -> dict:
             if isinstance(r["out_layout"], Replicate):
                 _add(out, "all-gather", a_out, accum_steps)
                 _add(out, "reduce-scatter", a_out, accum_steps)
+        elif r["style"] == "PrepareModuleOutput":  # a whole output cut (a slice): its gradient all-gathered
+            _add(out, "all-gather", a_out, accum_steps)
         elif r["style"] == "RowwiseParallel":
             if isinstance(r["out_layout"], Shard):
                 _add(out, "reduce-scatter", a_out, accum_steps)
@@ -131,10 +142,30 @@ def activation_terms(records: Sequence[dict], *, accum_steps: int = 1) -> dict:
     return out
 
 
+def batch_cut_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dict:
+    """The weight-stationary term of one step (see the module doc): none unless the plan cuts the batch."""
+    out = _table()
+    tp = model.tp
+    if tp is None or not is_batch_cut(tp.plan):
+        return out
+    ti = plan.mesh_dim_names.index(tp.mesh_dim)
+    from spmd.parallel._transforms import param_module
+
+    for e in plan.entries:
+        hit = tp.style_for(param_module(e.path)[0])
+        if isinstance(e.placements[ti], Shard) or len(e.shape) == 0:
+            continue
+        if hit is None or not isinstance(hit[1], (ColwiseParallel, RowwiseParallel, SequenceParallel)):
+            _add(out, "all-reduce", e.nbytes, accum_steps)
+    return out
+
+
 def step_communication(plan: ParamPlan, model: Any, records: Sequence[dict], *, accum_steps: int = 1) -> dict:
     """``{"parameters": {kind: {count, bytes}}, "activations": {...}, "total": {...}, "modules": [...]}``."""
     par = parameter_terms(plan, model, accum_steps=accum_steps)
     act = activation_terms(records, accum_steps=accum_steps)
+    ws = batch_cut_terms(plan, model, accum_steps=accum_steps)
+    act = {k: {f: act[k][f] + ws[k][f] for f in ("count", "bytes")} for k in KINDS}
     total = {k: {f: par[k][f] + act[k][f] for f in ("count", "bytes")} for k in KINDS}
     return {"parameters": par, "activations": act, "total": total, "modules": list(records)}
 

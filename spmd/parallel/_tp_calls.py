@@ -96,9 +96,9 @@ class TPCalls:
                 "kernel", "embedding") or p.endswith(("/kernel/value", "/embedding/value"))), ()))
         if isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)) and args and _is_array(args[0]):
             return self._island_call(fqn, typ, style, params, run_local, args, kwargs)
-        return self._constrained(style, typ, call, args, kwargs)
+        return self._constrained(fqn, style, typ, call, args, kwargs)
 
-    def _constrained(self, style, typ, call, args, kwargs):
+    def _constrained(self, fqn, style, typ, call, args, kwargs):
         given, desired = style.input_layouts_for(typ)
         args = list(args)
         if given is not None or desired is not None:
@@ -114,6 +114,12 @@ class TPCalls:
                 kwargs[k] = self.constrain(self.constrain(kwargs[k], kg.get(k)), kd.get(k))
         y = call(*args, **kwargs)
         given, desired = style.output_layouts_for(typ)
+        if (isinstance(given, Replicate) and isinstance(desired, Shard) and _is_array(y)
+                and jnp.issubdtype(y.dtype, jnp.inexact)):  # a whole output cut: its gradient is gathered back
+            self.records.append({"module": fqn, "style": type(style).__name__, "type": typ, "in_layout": None,
+                                 "out_layout": desired, "in_bytes": 0, "out_bytes": int(np.prod(y.shape)) *
+                                 jnp.dtype(y.dtype).itemsize, "input_grad": False, "summed_params": [],
+                                 "input_id": None})
         if isinstance(y, (tuple, list)) and isinstance(desired, (tuple, list)):
             gs = given if isinstance(given, (tuple, list)) else (given,) * len(desired)
             return type(y)(self.constrain(self.constrain(v, g), d) for v, g, d in zip(y, gs, desired))
@@ -150,8 +156,10 @@ class TPCalls:
             d = x_layout.dim % np.ndim(x)
             raise ValueError(
                 f"parallelize_module: {type(style).__name__} on {fqn!r} takes its input cut on dim {d} (size "
-                f"{np.shape(x)[d]}) over tp={self.n_tp}, which does not divide it; under sequence parallelism use a "
-                f"sequence length that is a multiple of {self.n_tp}.")
+                f"{np.shape(x)[d]}) over tp={self.n_tp}, which does not divide it; "
+                + (f"under the weight-stationary layout (the batch cut over tp) use a batch per data replica and "
+                   f"micro-batch that is a multiple of {self.n_tp}." if d == 0 else
+                   f"under sequence parallelism use a sequence length that is a multiple of {self.n_tp}."))
         rowwise = isinstance(style, RowwiseParallel)
         bias_after = rowwise and "bias" in names
         bias_outside = bias_after and not isinstance(out, Shard)  # whole output: every rank's bias gradient is whole
