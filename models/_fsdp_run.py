@@ -8,6 +8,12 @@ it (padded blocks, each process writing its own shards through orbax) and the me
 the arrays in their saved (padded) shapes, checks them against their checksums, trims the saved padding
 and pads and places them for the new plan: ``fsdp=8 -> dp=8 -> fsdp=2 -> 1 device`` keeps every value bit
 for bit.
+
+A pipelined state (``spmd.parallel.pipeline``: the units' parameters stacked per stage) is saved as the
+model's own tree (``checkpoint_state``: ``PipelineModule.unstack_state``, each unit's parameter cut over fsdp
+as its stage was), so its checkpoint is one of the model's parameters like any other layout's and restores
+onto any mesh; restoring onto a pipeline stacks it again (``PipelineModule.stack_state``):
+``pp=2,fsdp=4 -> fsdp=8 -> 1 device`` and ``fsdp=8 -> pp=2,fsdp=4`` keep every value bit for bit.
 """
 
 from __future__ import annotations
@@ -22,11 +28,11 @@ from jax.sharding import PartitionSpec as P
 
 from placements import Replicate, Shard
 from spmd import DeviceMesh
-from spmd.parallel import (ParamPlan, Rule, TrainState, entry_sharding, executed_collectives, map_like_params,
-                           path_str, plan_params, shard_params, unshard_tree)
+from spmd.parallel import (ParamPlan, PipelineModule, Rule, TrainState, entry_sharding, executed_collectives,
+                           map_like_params, path_str, plan_params, shard_params, unshard_tree)
 
 __all__ = ["layout_meta", "restore_resharded", "restore_job_state", "memory_report", "collectives_report",
-           "logical_params", "logical_state", "place_state"]
+           "logical_params", "logical_state", "place_state", "checkpoint_state"]
 
 
 def logical_params(params: Any, plan: ParamPlan | None, mesh: DeviceMesh) -> Any:
@@ -157,10 +163,24 @@ def collectives_report(train_step: Callable, state: TrainState, batch: Any) -> d
     return {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in got.items() if v["count"]}
 
 
+def checkpoint_state(state: TrainState, model: Any, optimizer) -> TrainState:
+    """What the job's checkpoint holds of ``state``: a pipelined one (``model`` the ``PipelineModule``) as the
+    model's own tree, laid out on its mesh (``PipelineModule.unstack_state``); any other as it is."""
+    return model.unstack_state(state, optimizer) if isinstance(model, PipelineModule) else state
+
+
 def restore_job_state(checkpointer, target: TrainState, plan: ParamPlan | None, mesh: DeviceMesh, optimizer,
                       model: Any = None, step: int | None = None) -> tuple[TrainState, dict]:
     """``restore_resharded`` for the training job onto ``target``'s layout (``plan``, when given, must be
-    ``target.plan``; ``model`` is not needed: kept for the job's call)."""
+    ``target.plan``). ``model``: the model as laid out; a ``PipelineModule`` restores the model's own tree
+    (whatever layout saved it) and stacks it for the pipeline."""
     if plan is not None and plan != target.plan:
         raise ValueError("restore_job_state: plan is not the target state's plan; pass the state the programs built.")
-    return restore_resharded(checkpointer, target, mesh, optimizer, step)
+    if not isinstance(model, PipelineModule):
+        return restore_resharded(checkpointer, target, mesh, optimizer, step)
+    saved = (checkpointer.restore_meta(step).get("layout") or {}).get("shapes") or {}
+    if set(saved) == {e.path for e in target.plan.entries}:  # the stacked stages themselves, as this layout stores them
+        return restore_resharded(checkpointer, target, mesh, optimizer, step)
+    own = jax.eval_shape(lambda s: model.unstack_state(s, optimizer), target)
+    state, meta = restore_resharded(checkpointer, own, mesh, optimizer, step)
+    return model.stack_state(state, optimizer), meta

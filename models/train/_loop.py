@@ -108,8 +108,9 @@ class MetricLog:
 
 def train_loop(state: Any, *, start: int, steps: int, log_every: int, train_step: Callable,
                next_batch: Callable[[int], Any], log: MetricLog, checkpointer: Checkpointer,
-               meta: Callable[[], dict], on_step: Callable | None, interrupted: Callable[[int], None]) -> Any:
-    """Run steps ``start + 1 .. steps``; returns the final state.
+               meta: Callable[[], dict], on_step: Callable | None, interrupted: Callable[[int], None],
+               checkpoint: Callable[[Any], Any] = lambda state: state) -> Any:
+    """Run steps ``start + 1 .. steps``; returns the final state (``checkpoint(state)``: what a save writes).
 
     ``next_batch(step)`` gives the placed batch of ``step`` (0-based). Saves every ``save_every`` steps
     and at the end; on ``KeyboardInterrupt`` (Ctrl-C, or raised by ``on_step``) saves the last finished
@@ -127,12 +128,12 @@ def train_loop(state: Any, *, start: int, steps: int, log_every: int, train_step
                 log.bar.update(1)
             if step % checkpointer.save_every == 0 or step == steps:
                 log.flush()
-                checkpointer.save(step, state, meta(), force=step == steps)
+                checkpointer.save(step, checkpoint(state), meta(), force=step == steps)
             if on_step is not None:
                 on_step(step, state)
     except KeyboardInterrupt:
         log.flush()
-        checkpointer.save(step, state, meta(), force=True)
+        checkpointer.save(step, checkpoint(state), meta(), force=True)
         checkpointer.wait()
         log.close()
         interrupted(step)

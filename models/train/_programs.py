@@ -28,7 +28,7 @@ import optax
 from models._data import DigitTask, TextTask
 from models._ddp import batch_placements
 from models._mlp import MLP
-from models._fsdp_run import logical_params
+from models._fsdp_run import checkpoint_state, logical_params
 from models._plans import layout_model
 from models._transformer import Transformer
 from models.train._config import DATA_DIMS, STATE_DIMS, Config, parse_mesh, pipeline_settings
@@ -181,6 +181,8 @@ class Programs:
     plan: Any = None  # the state's spmd.parallel.ParamPlan (every layout has one; DDP: all Replicate)
     layout: Any = None  # the model as laid out (spmd.parallel.ParallelModule / PipelineModule, or the plain model)
     logical: Callable | None = None  # the state's params -> the model's parameter tree (pipeline: unstacked)
+    checkpoint: Callable | None = None  # the state -> what a checkpoint holds (pipeline: the model's own tree)
+    checkpoint_plan: Any = None  # the plan of what a checkpoint holds (its meta's "layout")
 
     @property
     def pipelined(self) -> bool:
@@ -226,7 +228,14 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
     else:
         def logical(params):
             return logical_params(params, abstract.plan, mesh)
-    return Programs(model, optimizer, placements, sharding, init, train_step, eval_step, abstract.plan, laid, logical)
+
+    def checkpoint(state):
+        return checkpoint_state(state, laid, optimizer)
+
+    saved_plan = jax.eval_shape(checkpoint, abstract).plan
+    return Programs(model, optimizer, placements, sharding, init, train_step, eval_step, abstract.plan, laid, logical,
+                    checkpoint, saved_plan)
+
 
 def place_batch(batch: dict, mesh: DeviceMesh, placements) -> dict:
     """The host batch (the same on every process) as DTensors laid out by ``placements``; each process

@@ -22,8 +22,8 @@ import numpy as np
 from models._checkpoint import Checkpointer, CheckpointError, abstract_like
 from models._ddp import TrainState
 from models._fsdp_run import collectives_report, layout_meta, memory_report, restore_job_state
-from models.train._config import (Config, check_config, check_resume_config, job_flags, pipeline_settings, resume_config,
-                                  run_config)
+from models.train._config import (Config, check_config, check_resume_config, job_flags, parse_mesh, pipeline_settings,
+                                  resume_config, run_config)
 from models.train._loop import MetricLog, progress_bar, report, train_loop
 from models.train._outdir import OutFolder, RunLock, write_outputs
 from models.train._pipeline import pipeline_report
@@ -154,7 +154,7 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
             # The config first: a checkpoint of another model would fail to restore with a shape error that
             # blames the (good) checkpoint.
             check_resume_config(checkpointer.restore_meta().get("config", {}), cfg, folder.checkpoints)
-            state, meta = restore_job_state(checkpointer, state, progs.plan, mesh, progs.optimizer, progs.model)
+            state, meta = restore_job_state(checkpointer, state, progs.plan, mesh, progs.optimizer, progs.layout)
             history = list(meta.get("history", []))
         start = int(jax.device_get(state.step))
         if cfg.resume and start >= cfg.steps:
@@ -192,8 +192,8 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
                                              progs.batch_placements),
             log=log, checkpointer=checkpointer,
             meta=lambda: {"config": run_config(cfg), "flags": job_flags(cfg), "history": history,
-                          "layout": layout_meta(progs.plan)},
-            on_step=on_step, interrupted=interrupted)
+                          "layout": layout_meta(progs.checkpoint_plan)},
+            on_step=on_step, interrupted=interrupted, checkpoint=progs.checkpoint)
         wall = time.perf_counter() - t_start
         eval_batch = place_batch(task.batch(cfg.seed, 0, eval_size, lay, stream=1), mesh, progs.batch_placements)
         evaluation = {k: float(v) for k, v in jax.device_get(progs.eval_step(progs.logical(state.params), eval_batch)).items()}
@@ -249,11 +249,13 @@ def _finished_summary(out: str, step: int) -> dict | None:
 
 
 def restore_state(out: str, *, mesh: DeviceMesh | None = None, step: int | None = None) -> tuple[TrainState, dict]:
-    """The train state saved by a run under ``out`` (default: its latest step), replicated on ``mesh``
-    (default: every device), and the run's saved meta (``config``, ``history``).
+    """The train state saved by a run under ``out`` (default: its latest step), laid out on ``mesh`` (default:
+    every device on ``dp``) as the job lays a run out there, and the run's saved meta (``config``, ``history``).
 
-    The mesh need not be the one the run trained on (saved on 8 devices,
-    restored on 4 or 2).
+    The mesh need not be the one the run trained on (saved on 8 devices, restored on 4 or 2; a pipelined
+    run's checkpoint holds the model's own tree, which restores onto any mesh). A mesh with a ``pp`` dim gives
+    the pipeline's stacked state, with the run's saved ``--schedule``, ``--microbatches`` and
+    ``--stages-per-rank`` when it was pipelined over the same pp size (else the job's defaults).
     """
     ckpt_dir = os.path.join(os.path.abspath(out), "checkpoints")
     if not os.path.isdir(ckpt_dir):
@@ -265,11 +267,27 @@ def restore_state(out: str, *, mesh: DeviceMesh | None = None, step: int | None 
         known = {f.name for f in dataclasses.fields(Config)}
         cfg = Config(**{k: v for k, v in meta.get("config", {}).items() if k in known})
         check_config(cfg)
+        if "pp" in mesh.mesh_dim_names:  # the pipeline's flags, checked against the mesh as the job checks them
+            spec = ",".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape))
+            cfg = dataclasses.replace(cfg, mesh=spec, **_pipeline_flags(meta, mesh))
+            try:
+                check_config(cfg)
+            except ValueError as e:
+                raise ValueError(f"restore_state: mesh={spec!r} cannot pipeline the run saved in {ckpt_dir!r} ({e}); "
+                                 "restore it onto a mesh the job could train it on.") from e
         _, seq_len, _ = task_dims(cfg)
         progs = programs(cfg, mesh)
         target = jax.eval_shape(progs.init, jax.random.key(0), jax.ShapeDtypeStruct((2, seq_len), jnp.int32))
         if progs.plan is None:
             target = abstract_like(target, progs.state_sharding)
-        return restore_job_state(checkpointer, target, progs.plan, mesh, progs.optimizer, progs.model, step)
+        return restore_job_state(checkpointer, target, progs.plan, mesh, progs.optimizer, progs.layout, step)
     finally:
         checkpointer.close()
+
+
+def _pipeline_flags(meta: dict, mesh: DeviceMesh) -> dict:
+    """The saved run's pipeline flags for a restore onto ``mesh``: kept when both pipeline over one pp size."""
+    flags = meta.get("flags") or {}
+    if dict(parse_mesh(flags.get("mesh")) or ()).get("pp") != mesh.size("pp"):
+        return {}
+    return {k: flags[k] for k in ("schedule", "microbatches", "stages_per_rank") if flags.get(k) is not None}

@@ -55,6 +55,7 @@ from placements import Shard
 from spmd._mesh import DeviceMesh
 from spmd.parallel._param_plan import ParamPlan, path_str, plan_params
 from spmd.parallel._pipeline_split import SplitPoint, check_split_points, natural_key, stage_counts
+from spmd.parallel._pipeline_state import stack_state, unstack_state
 from spmd.parallel._pipeline_step import REST, STAGES, init_pipeline_state, make_pipeline_step, unshard_pipeline_params
 from spmd.parallel._rules import Rule
 from spmd.parallel._schedules import SCHEDULES, Schedule, build_schedule
@@ -76,7 +77,7 @@ class PipelineModule:
     def __init__(self, module, mesh: DeviceMesh, pp: str, units: str, schedule: Schedule, unroll: bool = True,
                  fsdp: str | None = None, split_points: dict | None = None):
         for k, v in dict(module=module, mesh=mesh, pp=pp, units=units, schedule=schedule, unroll=unroll, fsdp=fsdp,
-                         split_points=split_points, _layouts={}).items():
+                         split_points=split_points, _layouts={}, _checkpoints={}).items():
             object.__setattr__(self, k, v)
 
     def __getattr__(self, name: str) -> Any:
@@ -115,6 +116,15 @@ class PipelineModule:
 
     def _spmd_unshard_params(self, params):
         return unshard_pipeline_params(self, params)
+
+    # a checkpoint holds the model's own tree (spmd.parallel._pipeline_state)
+    def unstack_state(self, state, optimizer):
+        """``state`` as the model's own (unstacked) parameters and optimizer state: what a checkpoint saves."""
+        return unstack_state(self, state, optimizer)
+
+    def stack_state(self, state, optimizer):
+        """The model's own state (restored from any layout) laid out for this pipeline again."""
+        return stack_state(self, state, optimizer)
 
 
 def _unit_modules(paths: list[str], units: str) -> list[str]:
