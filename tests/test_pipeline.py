@@ -257,7 +257,7 @@ def test_errors(mesh_pp):
     with pytest.raises(ValueError, match=re.escape("is pipelined; apply fully_shard to the plain model first")):
         fully_shard(pm, mesh=mesh_pp["dp"])
     with pytest.raises(ValueError, match=re.escape("pipeline composes with fully_shard(model, mesh=mesh['fsdp']) (1-D, "
-                                                   "no mp_policy) only")):
+                                                   "no mp_policy) or parallelize_module(model, mesh['tp'], plan) only")):
         pipeline(fully_shard(m, mesh=mesh_pp["pp", "dp"]), pp, num_microbatches=2)
 
 
@@ -283,6 +283,12 @@ def test_split_point_and_tp_errors(mesh_pp):
     assert (end.stage_units, end.rows) == ([[0, 1, 2], [3]], [0, 1, 2, 3, -1, -1])  # the next stage after layers_2
     mesh3 = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     tpm = parallelize_module(m, mesh3["tp"], {"layers_*.mlp.up_proj": ColwiseParallel()})
-    with pytest.raises(ValueError, match=re.escape("is tensor-parallel (parallelize_module over 'tp'); tensor "
-                                                   "parallelism inside pipeline stages is not offered")):
-        pipeline(tpm, mesh3["pp"], num_microbatches=2)
+    with pytest.raises(ValueError, match=re.escape("is both tensor-parallel and fully sharded; under a pipeline the "
+                                                   "stages take one of them: pipeline(parallelize_module(model")):
+        pipeline(fully_shard(tpm, mesh=mesh3["dp"]), mesh3["pp"], num_microbatches=2)
+    with pytest.raises(ValueError, match=re.escape("holds the tensor-parallel dim 'tp'; pipeline over another dim")):
+        pipeline(tpm, mesh3["tp"], num_microbatches=2)
+    with pytest.raises(ValueError, match=re.escape("is pipelined; apply parallelize_module to the plain model first, "
+                                                   "then pipeline it: pipeline(parallelize_module(model, ...)")):
+        parallelize_module(pipeline(m, mesh3["pp"], num_microbatches=2), mesh3["tp"],
+                           {"layers_*.mlp.up_proj": ColwiseParallel()})

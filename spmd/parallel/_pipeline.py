@@ -38,7 +38,9 @@ also cuts each stacked stage parameter over ``fsdp`` (its largest dim that fsdp 
 stages once per step, holds them through the schedule (torch's ``reshard_after_forward=False``, the usual
 choice under pipelining: a re-gather per micro-batch would multiply the traffic by M) and reduce-scatters
 their gradients once; the optimizer state stays cut. The rest (embeddings, head) stays replicated.
-Not offered: ``parallelize_module`` (tp) under a pipeline, HSDP, mixed precision, nnx models, units called
+``pipeline(parallelize_module(model, mesh["tp"], plan), mesh["pp"], ...)``: tensor-parallel stages, the
+region automatic over tp and the tp hooks inside each stage (``spmd.parallel._pipeline_tp``).
+Not offered: fsdp and tp together under a pipeline, HSDP, mixed precision, nnx models, units called
 with more than the one activation (attention masks), dropout rngs.
 """
 
@@ -56,6 +58,7 @@ from spmd._mesh import DeviceMesh
 from spmd.parallel._param_plan import ParamPlan, path_str, plan_params
 from spmd.parallel._pipeline_split import SplitPoint, check_split_points, natural_key, stage_counts
 from spmd.parallel._pipeline_state import stack_state, unstack_state
+from spmd.parallel._pipeline_tp import tp_placements, unwrap_layouts
 from spmd.parallel._pipeline_step import REST, STAGES, init_pipeline_state, make_pipeline_step, unshard_pipeline_params
 from spmd.parallel._rules import Rule
 from spmd.parallel._schedules import SCHEDULES, Schedule, build_schedule
@@ -75,9 +78,9 @@ class PipelineModule:
     to the model. ``schedule``: the tick table (``print(model.schedule)``)."""
 
     def __init__(self, module, mesh: DeviceMesh, pp: str, units: str, schedule: Schedule, unroll: bool = True,
-                 fsdp: str | None = None, split_points: dict | None = None):
+                 fsdp: str | None = None, split_points: dict | None = None, tp: ParallelModule | None = None):
         for k, v in dict(module=module, mesh=mesh, pp=pp, units=units, schedule=schedule, unroll=unroll, fsdp=fsdp,
-                         split_points=split_points, _layouts={}, _checkpoints={}).items():
+                         split_points=split_points, tp=tp, _layouts={}, _checkpoints={}).items():
             object.__setattr__(self, k, v)
 
     def __getattr__(self, name: str) -> Any:
@@ -93,12 +96,13 @@ class PipelineModule:
         s = self.schedule
         return (f"PipelineModule({type(self.module).__name__}; units {self.units!r} over {self.pp}={s.pp}, "
                 f"{s.name}, M={s.num_microbatches}, v={s.stages_per_rank}" + (f"; stages fsdp on {self.fsdp!r}"
-                                                                              if self.fsdp else "") + "; mesh "
+                                                                              if self.fsdp else "")
+                + (f"; tp on {self.tp.tp.mesh_dim!r}" if self.tp else "") + "; mesh "
                 f"{dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))})")
 
     @property
     def data_dims(self) -> tuple[str, ...]:
-        return tuple(n for n in self.mesh.mesh_dim_names if n != self.pp)
+        return tuple(n for n in self.mesh.mesh_dim_names if n not in (self.pp, self.tp and self.tp.tp.mesh_dim))
 
     def layout(self, params: Any) -> "Layout":
         """The stage layout of ``params`` (arrays or shapes): which units, stacked how."""
@@ -187,6 +191,7 @@ class Layout:
                 self.rows[r * v * lc + j * lc + l] = u
         self.valid = np.array(self.rows).reshape(pp, v, lc) >= 0
         self.fsdp, self.n_fsdp = pm.fsdp, (pm.mesh.size(pm.fsdp) if pm.fsdp else 0)
+        self._pm = pm
         self.plan = self._make_plan(pm.mesh, pm.pp)
         self.unit_mod = None
         self.act = None
@@ -225,11 +230,15 @@ class Layout:
 
     def _make_plan(self, mesh: DeviceMesh, pp: str) -> ParamPlan:
         sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+        tps, tpr = tp_placements(self._pm, self)  # the tp cuts (spmd.parallel._pipeline_tp); none without tp
+        tp = {self._pm.tp.tp.mesh_dim: None} if tps else {}
         rules = []
         for rel in self.rel:
             d = self.fsdp_dim(rel)
-            pl = {pp: Shard(0), **({self.fsdp: Shard(d)} if d is not None else {})}
-            rules.append(Rule(re.escape(f"{STAGES}/{rel}"), pl, name="pipeline stages" + (" + fully_shard" if d else "")))
+            pl = {pp: Shard(0), **({self.fsdp: Shard(d)} if d is not None else {}), **{t: tps[rel] for t in tp}}
+            rules.append(Rule(re.escape(f"{STAGES}/{rel}"), pl, name="pipeline stages" + (" + fully_shard" if d else "")
+                              + (" + tp" if tp else "")))
+        rules += [Rule(re.escape(f"{REST}/{p}"), {t: tpr[p]}, name="tp") for p in self.rest for t in tp]
         return plan_params(self.stored_shapes(), sizes, rules, fsdp="")
 
     def full_params(self, rest: dict) -> Any:
@@ -343,24 +352,9 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     even split (the module doc's rule); a name that is no unit is refused with the units listed.
     """
     where = "pipeline"
-    fsdp = None
     if isinstance(model, PipelineModule):
         raise ValueError(f"{where}: model={model!r} is already pipelined; pipeline the plain model once.")
-    if isinstance(model, ParallelModule):
-        if model.tp is not None:
-            raise ValueError(f"{where}: model={model!r} is tensor-parallel (parallelize_module over "
-                             f"{model.tp.mesh_dim!r}); tensor parallelism inside pipeline stages is not offered: "
-                             "pipeline the plain model or fully_shard(model, mesh=mesh['fsdp']), and give the mesh's "
-                             "other dims to data parallelism (e.g. pp=2 x fsdp=4), or use tp without pp.")
-        if model.fsdp is None or model.fsdp.replicate_dims or model.fsdp.mp_policy:
-            raise ValueError(f"{where}: model={model!r}: pipeline composes with fully_shard(model, mesh=mesh['fsdp']) "
-                             "(1-D, no mp_policy) only; parallelize_module and HSDP with pipeline are not offered: "
-                             "leave them out (the mesh's other dims train data-parallel).")
-        fsdp = model.fsdp.shard_dim
-        if model.mesh != mesh.root_mesh:
-            raise ValueError(f"{where}: mesh={mesh!r} is not cut from the mesh the model was sharded on "
-                             f"({model.mesh!r}); cut every sub-mesh from one mesh.")
-        model = model.module
+    model, fsdp, tp = unwrap_layouts(model, mesh, where)  # fully_shard / parallelize_module under the pipeline
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{where}: mesh={mesh!r} must be a spmd.DeviceMesh, the pipeline dim of the mesh (mesh['pp']).")
     if mesh.ndim != 1:
@@ -391,4 +385,4 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     points = check_split_points(split_points)
     sched = build_schedule(schedule, pp, num_microbatches, stages_per_rank)
     return PipelineModule(model, mesh.root_mesh, mesh.mesh_dim_names[0], units.replace(".", "/"), sched, unroll, fsdp,
-                          points)
+                          points, tp)

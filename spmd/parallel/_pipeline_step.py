@@ -1,7 +1,8 @@
 """The train step of a ``PipelineModule``: the schedule's tick table run in one SPMD program.
 
-One ``shard_map`` manual over every mesh dim: ``pp`` (each rank its stages' stacked parameters) and the
-data dims (each replica its rows of the batch, cut into ``num_microbatches`` micro-batches). The ticks are
+One ``shard_map`` manual over ``pp`` (each rank its stages' stacked parameters) and the data dims (each
+replica its rows of the batch, cut into ``num_microbatches`` micro-batches), automatic over ``tp`` (a
+tensor-parallel model: its styled calls run in regions manual over tp, ``spmd.parallel._pipeline_tp``). The ticks are
 unrolled; at each, every rank looks up its own action in the table (indexed by ``axis_index(pp)``) and
 ``lax.switch``-es to it:
 
@@ -18,6 +19,7 @@ The unit gradients are averaged over the data dims; the rest (embeddings, head) 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import jax
@@ -29,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd.parallel._pipeline_comm import REST, STAGES, format_pipeline_communication, pipeline_communication
+from spmd.parallel._pipeline_tp import reduce_tp_aware, stage_hooks
 from spmd.parallel._shard import entry_sharding, map_like_params
 from spmd.parallel._step import TrainState, _as_arrays, _check_batch, _split_loss, state_shardings
 
@@ -192,10 +195,14 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
     skip = not lay.valid.all()
     valid = jnp.asarray(lay.valid)
 
+    hooks = stage_hooks(pm, lay)  # tp: the styled calls in regions manual over tp (spmd.parallel._pipeline_tp)
+    unit_named = (lambda: hooks.unit(lay.units[0])) if hooks else contextlib.nullcontext  # noqa: E731
+
     def chunk(sp: dict, r, j, x):
         for l in range(lc):
             leaves = [lax.dynamic_index_in_dim(sp[rel], j * lc + l, keepdims=False) for rel in lay.rel]
-            y = lay.apply_unit(leaves, x)
+            with unit_named():
+                y = lay.apply_unit(leaves, x)
             x = jnp.where(valid[r, j, l], y, x) if skip else y
         return x
 
@@ -205,6 +212,10 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
     fd = {rel: lay.fsdp_dim(rel) for rel in lay.rel}  # stage parameters cut over fsdp: gathered once per step
 
     def region(stored, batch):
+        with hooks.installed() if hooks else contextlib.nullcontext():
+            return region_body(stored, batch)
+
+    def region_body(stored, batch):
         r = lax.axis_index(ppd)
         sp, rest = stored[STAGES], stored[REST]
         sp = {rel: x if fd[rel] is None else lax.all_gather(x, lay.fsdp, axis=fd[rel], tiled=True)
@@ -315,14 +326,19 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
         metrics = {"loss": loss / k, **jax.tree.map(lambda a: a / k, aux)}
         # one all-reduce each: the rest over pp (summed: each end's part) and the data dims (averaged)
         n_data = int(np.prod([mesh.size(d) for d in data])) if data else 1
-        grest, metrics = jax.tree.map(lambda g: g / n_data, lax.psum((grest, metrics), (ppd, *data)))
+        rp = list(grest)
+        grest = dict(zip(rp, [g / n_data for g in reduce_tp_aware(
+            hooks, [plan.entry(f"{REST}/{p}") for p in rp], [grest[p] for p in rp], (ppd, *data))]))
+        metrics = jax.tree.map(lambda g: g / n_data, lax.psum(metrics, (ppd, *data)))
         cut = {rel for rel in lay.rel if fd[rel] is not None}  # reduce-scattered over fsdp (the gather's transpose)
         gsp = {rel: lax.psum_scatter(g, lay.fsdp, scatter_dimension=fd[rel], tiled=True) / lay.n_fsdp
                if rel in cut else g for rel, g in gsp.items()}
         others = tuple(d for d in data if d != lay.fsdp)
         whole = {rel: g for rel, g in gsp.items() if rel not in cut}
         if data and whole:
-            whole = lax.pmean(whole, data)
+            wr = list(whole)
+            whole = dict(zip(wr, reduce_tp_aware(hooks, [plan.entry(f"{STAGES}/{rel}") for rel in wr],
+                                                 [whole[rel] for rel in wr], data, lax.pmean)))
         shards = {rel: g for rel, g in gsp.items() if rel in cut}
         if others and shards:
             shards = lax.pmean(shards, others)
@@ -330,13 +346,14 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
         return {STAGES: gsp, REST: grest}, metrics
 
     names = mesh.mesh_dim_names
+    tp_dim = {pm.tp.tp.mesh_dim} if pm.tp else set()  # automatic in the region (global view over tp)
     st_spec = {rel: P(ppd, *[None] * (fd[rel] - 1), lay.fsdp) if fd[rel] else P(ppd) for rel in lay.rel}
     specs = {STAGES: st_spec, REST: {p: P() for p in lay.rest}}
     batch_spec = P(data if len(data) > 1 else (data[0] if data else None))
 
     def step(state: TrainState, batch):
         grads, metrics = jax.shard_map(region, mesh=mesh.jax_mesh, in_specs=(specs, batch_spec),
-                                       out_specs=(specs, P()), axis_names=set(names), check_vma=False)(
+                                       out_specs=(specs, P()), axis_names=set(names) - tp_dim, check_vma=False)(
             state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
