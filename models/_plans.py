@@ -21,7 +21,8 @@ from typing import Any
 
 from placements import Replicate, Shard
 from spmd import DeviceMesh
-from spmd.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel, fully_shard, parallelize_module
+from spmd.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel, fully_shard,
+                           parallelize_module, weight_stationary_plan)
 
 __all__ = ["shard_units", "reshard_after_forward", "transformer_tp_plan", "layout_model", "DATA"]
 
@@ -57,6 +58,9 @@ def reshard_after_forward(model: Any) -> bool:
     return not isinstance(model, MLP)
 
 
+_model_default = reshard_after_forward  # layout_model's keyword of the same name shadows it
+
+
 def transformer_tp_plan(sequence_parallel: bool = False, *, vocab_size: int | None = None,
                         tp_size: int | None = None) -> dict:
     """The Megatron (sequence-parallel) plan of ``models.Transformer`` (see the module doc).
@@ -90,12 +94,17 @@ def transformer_tp_plan(sequence_parallel: bool = False, *, vocab_size: int | No
     }
 
 
-def layout_model(model: Any, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> Any:
+def layout_model(model: Any, mesh: DeviceMesh, *, sequence_parallel: bool = False, weight_stationary: bool = False,
+                 reshard_after_forward: bool | None = None) -> Any:
     """``model`` laid out for ``mesh`` (dims from ``dp``, ``fsdp``, ``tp``), through the public contract.
 
-    ``tp``: ``parallelize_module`` with the transformer's plan; ``fsdp``: ``fully_shard`` over the data
-    dims (2-D ``dp, fsdp``: HSDP), each block / layer a unit, resharded after its forward pass; neither:
-    the model itself (DDP: give ``mesh=`` to ``init_train_state`` / ``make_train_step``).
+    ``tp``: ``parallelize_module`` with the transformer's plan (``weight_stationary``: its sequence-parallel
+    plan with the cuts moved to the batch, ``spmd.parallel.weight_stationary_plan``); ``fsdp``:
+    ``fully_shard`` over the data dims (2-D ``dp, fsdp``: HSDP), each block / layer a unit, resharded after
+    its forward pass as ``reshard_after_forward`` says (None: the model's default, the function
+    ``reshard_after_forward(model)``); neither: the model itself
+    (DDP: give ``mesh=`` to ``init_train_state`` / ``make_train_step``). ``spmd.parallel.apply_layout`` of the
+    ``Layout`` with these plans and units builds the same.
     """
     from models._transformer import Transformer
 
@@ -105,10 +114,12 @@ def layout_model(model: Any, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
         if not isinstance(model, Transformer):
             raise ValueError(f"models.train: a mesh with a 'tp' dim runs the transformer's tensor-parallel plan; "
                              f"{type(model).__name__} has none: use --model transformer, or a mesh without tp.")
-        out = parallelize_module(out, mesh["tp"], transformer_tp_plan(
-            sequence_parallel, vocab_size=model.vocab_size, tp_size=mesh.size("tp")))
+        plan = transformer_tp_plan(sequence_parallel or weight_stationary, vocab_size=model.vocab_size,
+                                   tp_size=mesh.size("tp"))
+        out = parallelize_module(out, mesh["tp"], weight_stationary_plan(plan) if weight_stationary else plan)
     if "fsdp" in names:
         data = tuple(n for n in names if n in DATA)
         out = fully_shard(out, mesh=mesh[data] if len(data) > 1 else mesh["fsdp"], units=shard_units(model),
-                          reshard_after_forward=reshard_after_forward(model))
+                          reshard_after_forward=(_model_default(model) if reshard_after_forward is None
+                                                 else reshard_after_forward))
     return out

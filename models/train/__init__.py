@@ -24,7 +24,8 @@ The parts: ``_config`` (the frozen ``Config``, its checks, the mesh spec; no
 JAX), ``_programs`` (mesh, task, model, loss, optimizer, batch layout, the
 jitted programs), ``_eval`` (held-out accuracy), ``_loop`` (the step loop and
 its ``MetricLog``), ``_outdir`` (the ``--out`` lock, what may be replaced, the
-outputs), ``_run`` (``run``, ``restore_state``), ``_cli`` (argparse, ``main``).
+outputs), ``_auto`` (``--mesh auto``: ``auto_layout`` picks the layout, which runs as its explicit flags),
+``_run`` (``run``, ``restore_state``), ``_cli`` (argparse, ``main``).
 Importing this package does not import JAX; its names load on first use.
 """
 

@@ -13,7 +13,7 @@ import os
 import sys
 
 from models._data import DigitTask
-from models.train._config import MESH_DIMS, MODELS, SCHEDULES, Config
+from models.train._config import AUTO, MESH_DIMS, MODELS, SCHEDULES, Config, parse_bytes
 
 __all__ = ["parse_args", "main", "default_cpu_devices", "summary_line"]
 
@@ -43,7 +43,11 @@ def _parser() -> argparse.ArgumentParser:
                     "--microbatches; e.g. --mesh pp=2,fsdp=4). --resume continues a run with its saved flags.",
     )
     p.add_argument("--mesh", default=None, help=f"the mesh, e.g. dp=8; dims: {', '.join(MESH_DIMS)} (default: every "
-                                               "visible device on dp)")
+                                               f"visible device on dp); '{AUTO}': spmd.parallel.auto_layout picks the "
+                                               "layout by predicted step time, prints its top 5 and why, and records "
+                                               "predicted vs measured in metrics.json")
+    p.add_argument("--memory-budget", type=_budget, default=None, metavar="BYTES",
+                   help="with --mesh auto: the bytes per device the picked layout must fit, e.g. 2GiB or 512MB")
     p.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"global batch (default {d.batch_size})")
     p.add_argument("--accum-steps", type=int, default=d.accum_steps,
@@ -80,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
                         "rounded down to one)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with a tp mesh dim: layer norms and activations between blocks cut on the sequence over tp")
+    p.add_argument("--weight-stationary", action="store_true",
+                   help="with a tp mesh dim: the weights stay cut over tp and the activations between the layers are "
+                        "cut on the batch (gathered around each layer), the layout GSPMD runs at small batch")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="with an fsdp mesh dim: gather each unit again for its backward pass (default: yes for the "
+                        "transformer, no for the mlp); --no-reshard-after-forward keeps the gathered units")
     p.add_argument("--schedule", default=None, metavar="NAME",
                    help=f"with a pp mesh dim: the pipeline schedule, one of {', '.join(SCHEDULES)} (default 1f1b)")
     p.add_argument("--microbatches", type=int, default=None, metavar="M",
@@ -89,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --schedule interleaved: pipeline stages per pp rank (default 1)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
+
+
+def _budget(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("models.train: ")) from None
 
 
 def parse_args(argv: list[str] | None = None) -> Config:

@@ -12,6 +12,11 @@ where it is data-parallel, e.g. FSDP's ``fsdp``).
 Pipeline parallelism: a ``pp`` mesh dim splits the transformer's blocks into stages
 (``spmd.parallel.pipeline``); ``--schedule`` (default ``1f1b``), ``--microbatches`` (default the pp size) and
 ``--stages-per-rank`` (interleaved only) say how, and are refused without a ``pp`` dim.
+
+``--mesh auto``: ``spmd.parallel.auto_layout`` picks the layout (``models.train._auto``), which the job turns
+into the explicit flags of that layout (``--mesh``, ``--sequence-parallel``, ``--weight-stationary``,
+``--no-reshard-after-forward``, ``--accum-steps``) before anything else runs; ``--memory-budget`` bounds the
+per-device memory of the pick (``auto`` only).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from typing import Any
 
 from models._data import DigitTask
 
-__all__ = ["Config", "MODELS", "MESH_DIMS", "SCHEDULES", "pipeline_settings", "DATA_DIMS", "STATE_DIMS", "check_config", "parse_mesh", "run_config",
-           "check_resume_config", "resume_config", "job_flags"]
+__all__ = ["Config", "MODELS", "MESH_DIMS", "SCHEDULES", "AUTO", "pipeline_settings", "DATA_DIMS", "STATE_DIMS",
+           "check_config", "parse_mesh", "parse_bytes", "run_config", "check_resume_config", "resume_config",
+           "job_flags"]
 
 MODELS = ("transformer", "mlp")
 # The mesh dims the job knows (name -> what it does), in mesh order.
@@ -42,6 +48,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DATA_DIMS = ("dp", "fsdp")
 # The dims the train state (parameters, gradients, optimizer state) is sharded over.
 STATE_DIMS = ("fsdp", "tp", "pp")
+AUTO = "auto"  # --mesh auto: spmd.parallel.auto_layout picks the layout
 _MAX_SEED = 2**63 - 1  # jax.random.key takes an int64
 
 
@@ -49,7 +56,7 @@ _MAX_SEED = 2**63 - 1  # jax.random.key takes an int64
 class Config:
     """Everything that defines a run (the CLI flags)."""
 
-    mesh: str | None = None  # "dp=8"; None: every device on dp
+    mesh: str | None = None  # "dp=8"; None: every device on dp; "auto": auto_layout picks
     steps: int = 600
     batch_size: int = 128
     accum_steps: int = 1
@@ -73,6 +80,9 @@ class Config:
     heads: int = 4
     hidden: int = 256  # MLP width (two hidden layers)
     sequence_parallel: bool = False  # with a tp mesh dim: activations between blocks cut on the sequence
+    weight_stationary: bool = False  # with a tp mesh dim: weights stay cut, activations cut on the batch
+    reshard_after_forward: bool | None = None  # with an fsdp mesh dim; None: the model's default (models._plans)
+    memory_budget: int | None = None  # with --mesh auto: bytes per device the pick must fit
     schedule: str | None = None  # with a pp mesh dim: the pipeline schedule; None: 1f1b
     microbatches: int | None = None  # with a pp mesh dim: micro-batches per step and replica; None: the pp size
     stages_per_rank: int = 1  # with --schedule interleaved: pipeline stages per pp rank
@@ -138,17 +148,56 @@ def check_config(cfg: Config) -> None:
             f"models.train: --out={cfg.out!r} is a file, not a folder; give a folder for the run's outputs "
             "(it is created if missing)."
         )
+    if cfg.mesh == AUTO:
+        _check_auto(cfg)
+        return
+    if cfg.memory_budget is not None:
+        raise ValueError(f"models.train: --memory-budget={cfg.memory_budget!r} bounds the layout --mesh auto picks, "
+                         f"but --mesh={cfg.mesh!r} is explicit; use --mesh auto or drop --memory-budget.")
     dims = dict(parse_mesh(cfg.mesh) or ())
     _check_pipeline(cfg, dims)
-    if cfg.sequence_parallel and dims.get("tp", 1) < 2:
-        raise ValueError(f"models.train: --sequence-parallel cuts the sequence over the tp mesh dim, but --mesh="
-                         f"{cfg.mesh!r} has no tp dim of size >= 2; add one (e.g. --mesh dp=2,tp=4) or drop the flag.")
+    _check_layout_flags(cfg, dims)
+
+
+def _check_layout_flags(cfg: Config, dims: dict) -> None:
+    """--sequence-parallel / --weight-stationary need a tp dim; --[no-]reshard-after-forward an fsdp dim."""
+    for name, on in (("sequence_parallel", cfg.sequence_parallel), ("weight_stationary", cfg.weight_stationary)):
+        if on and dims.get("tp", 1) < 2:
+            what = "the sequence" if name == "sequence_parallel" else "the weights (the activations on the batch)"
+            raise ValueError(f"models.train: {_flag(name)} cuts {what} over the tp mesh dim, but --mesh={cfg.mesh!r} "
+                             "has no tp dim of size >= 2; add one (e.g. --mesh dp=2,tp=4) or drop the flag.")
+    if cfg.sequence_parallel and cfg.weight_stationary:
+        raise ValueError("models.train: --sequence-parallel and --weight-stationary cut the activations on the "
+                         "sequence and on the batch; give one of them.")
+    if cfg.reshard_after_forward is not None and cfg.reshard_after_forward not in (True, False):
+        raise TypeError(f"models.train: --reshard-after-forward={cfg.reshard_after_forward!r} must be a bool or None.")
+    if cfg.reshard_after_forward is not None and dims.get("fsdp", 1) < 2:
+        flag = "--reshard-after-forward" if cfg.reshard_after_forward else "--no-reshard-after-forward"
+        raise ValueError(f"models.train: {flag} says when fully_shard gathers the units again, but --mesh="
+                         f"{cfg.mesh!r} has no fsdp dim of size >= 2; add one (e.g. --mesh fsdp=8) or drop the flag.")
+
+
+def _check_auto(cfg: Config) -> None:
+    """``--mesh auto`` picks the mesh and the layout flags itself; the pipeline is not among its candidates."""
+    if cfg.memory_budget is not None and (isinstance(cfg.memory_budget, bool) or not isinstance(cfg.memory_budget, int)
+                                          or cfg.memory_budget < 1):
+        raise ValueError(f"models.train: --memory-budget={cfg.memory_budget!r} must be a number of bytes >= 1 "
+                         "(e.g. --memory-budget 2GiB).")
+    for name, value in (("sequence_parallel", cfg.sequence_parallel or None),
+                        ("weight_stationary", cfg.weight_stationary or None),
+                        ("reshard_after_forward", cfg.reshard_after_forward), ("schedule", cfg.schedule),
+                        ("microbatches", cfg.microbatches),
+                        ("stages_per_rank", cfg.stages_per_rank if cfg.stages_per_rank != 1 else None)):
+        if value is not None:
+            raise ValueError(f"models.train: {_flag(name)}={value!r} fixes part of the layout, which --mesh auto "
+                             f"chooses itself (a pipeline is not among its candidates); drop {_flag(name)}, or give "
+                             "the layout yourself with an explicit --mesh (e.g. --mesh dp=2,tp=4).")
 
 
 def pipeline_settings(cfg: Config) -> tuple[str, int, int] | None:
     """``(schedule, micro-batches, stages per rank)`` of a run with a ``pp`` mesh dim (defaults filled in);
     None without one."""
-    pp = dict(parse_mesh(cfg.mesh) or ()).get("pp")
+    pp = None if cfg.mesh == AUTO else dict(parse_mesh(cfg.mesh) or ()).get("pp")
     if pp is None:
         return None
     return cfg.schedule or "1f1b", cfg.microbatches or pp, cfg.stages_per_rank
@@ -195,6 +244,25 @@ def _check_pipeline(cfg: Config, dims: dict) -> None:
                          "does not offer; use one of them beside pp (e.g. --mesh pp=2,fsdp=4).")
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` or ``"1000000"`` as a number of bytes (``--memory-budget``)."""
+    s = str(text).strip().replace(" ", "").replace("_", "")
+    num = s.rstrip("bBkKmMgGtTiI")
+    unit = s[len(num):].lower()
+    try:
+        value = float(num)
+    except ValueError:
+        value = math.nan
+    if unit not in _UNITS or not math.isfinite(value) or value * _UNITS[unit] < 1:
+        raise ValueError(f"models.train: --memory-budget={text!r} is not a size in bytes; give a positive number "
+                         "with an optional unit B, KB, MB, GB, KiB, MiB, GiB (e.g. --memory-budget 2GiB).")
+    return int(value * _UNITS[unit])
+
+
 def parse_mesh(spec: str | None) -> tuple[tuple[str, int], ...] | None:
     """``"dp=2,fsdp=4"`` as ``(("dp", 2), ("fsdp", 4))`` (None: every device on ``dp``).
 
@@ -202,6 +270,9 @@ def parse_mesh(spec: str | None) -> tuple[tuple[str, int], ...] | None:
     """
     if spec is None:
         return None
+    if spec == AUTO:
+        raise ValueError("models.train: --mesh auto is resolved by models.train._auto.choose_layout before the "
+                         "mesh is built; give an explicit mesh such as 'dp=8' here.")
     if not isinstance(spec, str):
         raise TypeError(f"models.train: --mesh={spec!r} must be a string such as 'dp=8'.")
     dims: dict[str, int] = {}
@@ -238,10 +309,12 @@ _RUN_KEYS = ("model", "task", "text", "seed", "batch_size", "accum_steps", "leng
 
 # What a checkpoint also records for --resume to reuse when the flag is left out, but which a resume may change
 # (a run continues on another mesh, saving or logging more often).
-_JOB_KEYS = ("mesh", "sequence_parallel", "save_every", "log_every", "eval_size", "schedule", "microbatches",
-             "stages_per_rank")
-# The pipeline's flags go with the mesh: a resume given a --mesh without pp drops the saved ones.
-_PIPELINE_KEYS = ("schedule", "microbatches", "stages_per_rank")
+_JOB_KEYS = ("mesh", "sequence_parallel", "weight_stationary", "reshard_after_forward", "save_every", "log_every",
+             "eval_size", "schedule", "microbatches", "stages_per_rank")
+# The layout's flags go with the mesh dim they need: a resume given a --mesh without it (or --mesh auto, which
+# picks them itself) drops the saved ones.
+_MESH_KEYS = {"schedule": "pp", "microbatches": "pp", "stages_per_rank": "pp", "sequence_parallel": "tp",
+              "weight_stationary": "tp", "reshard_after_forward": "fsdp"}
 
 
 def job_flags(cfg: Config) -> dict:
@@ -286,6 +359,7 @@ def resume_config(saved: dict, cfg: Config, given: frozenset[str] | set[str], wh
             f"{listed}; leave {' and '.join(_flag(k) for k in diff)} out to continue that run, or start a new run "
             "in another --out."
         )
+    dims = {} if cfg.mesh == AUTO else dict(parse_mesh(cfg.mesh) or ())
     job = {k: v for k, v in (flags or {}).items() if k in _JOB_KEYS and k not in given
-           and not (k in _PIPELINE_KEYS and "mesh" in given and "pp" not in dict(parse_mesh(cfg.mesh) or ()))}
+           and not (k in _MESH_KEYS and "mesh" in given and _MESH_KEYS[k] not in dims)}
     return dataclasses.replace(cfg, **{k: was[k] for k in _RUN_KEYS if k not in given}, **job)

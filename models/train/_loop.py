@@ -7,6 +7,7 @@ steps, before a save and at the end), so the loop does not wait on the devices a
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -70,6 +71,7 @@ class MetricLog:
         self._n_window = 0
         self._timed_steps = 0
         self._timed_time = 0.0
+        self._window_step_s: list[float] = []  # seconds per step of each timed window
         self.last_samples_per_s = float("nan")
 
     def add(self, step: int, metrics: dict) -> None:
@@ -89,6 +91,7 @@ class MetricLog:
             self.last_samples_per_s = self._n_window * self.batch_size / (now - self._t_window)
             self._timed_steps += self._n_window
             self._timed_time += now - self._t_window
+            self._window_step_s.append((now - self._t_window) / self._n_window)
         self._t_window, self._n_window = now, 0
         self._pending.clear()
         if self.bar is not None:
@@ -100,6 +103,15 @@ class MetricLog:
     def samples_per_s(self) -> float | None:
         """Mean throughput over the timed windows (None if none was timed)."""
         return self._timed_steps * self.batch_size / self._timed_time if self._timed_time else None
+
+    @property
+    def step_s(self) -> float | None:
+        """The median over the timed windows of their seconds per step (None if none was timed)."""
+        return statistics.median(self._window_step_s) if self._window_step_s else None
+
+    @property
+    def timed_windows(self) -> int:
+        return len(self._window_step_s)
 
     def close(self) -> None:
         if self.bar is not None:

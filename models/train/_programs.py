@@ -192,7 +192,8 @@ class Programs:
 def program_key(cfg: Config) -> Config:
     """The config with only what decides the compiled programs (not the seed, the file or the paths)."""
     return dataclasses.replace(cfg, mesh=None, text=None if cfg.text is None else "", out="", resume=False,
-                               overwrite=False, save_every=1, seed=0, log_every=1, eval_size=None, progress=False)
+                               overwrite=False, save_every=1, seed=0, log_every=1, eval_size=None, progress=False,
+                               memory_budget=None)
 
 
 def programs(cfg: Config, mesh: DeviceMesh) -> Programs:
@@ -210,7 +211,8 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
                                else None)
     spec = ",".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape))
     pipe = pipeline_settings(dataclasses.replace(key, mesh=spec))  # (schedule, M, v) with a pp dim, else None
-    laid = layout_model(model, mesh, sequence_parallel=key.sequence_parallel)
+    laid = layout_model(model, mesh, sequence_parallel=key.sequence_parallel, weight_stationary=key.weight_stationary,
+                        reshard_after_forward=key.reshard_after_forward)
     if pipe is not None:
         schedule, m, v = pipe
         laid = pipeline(laid, mesh["pp"], units="block_*", num_microbatches=m, schedule=schedule, stages_per_rank=v)

@@ -1,7 +1,8 @@
 """``run(cfg)``: one training run from a config, and ``restore_state``: a saved run's state onto any mesh.
 
 Order of a run: check the config (no device, no file written) -> join the process group under a launcher
--> build the mesh and check the batch fits it -> lock ``--out`` and decide what may be done with what it holds
+-> with ``--mesh auto``, pick the layout (``_auto``: the config gets the pick's explicit flags) -> build the
+mesh and check the batch fits it -> lock ``--out`` and decide what may be done with what it holds
 -> build (or reuse) the programs -> initialise or restore the state -> the loop -> held-out evaluation ->
 ``metrics.json`` and ``loss.png``.
 """
@@ -22,7 +23,8 @@ import numpy as np
 from models._checkpoint import Checkpointer, CheckpointError, abstract_like
 from models._ddp import TrainState
 from models._fsdp_run import collectives_report, layout_meta, memory_report, restore_job_state
-from models.train._config import (Config, check_config, check_resume_config, job_flags, parse_mesh, pipeline_settings,
+from models.train._auto import Choice, choose_layout, layout_line, layout_report
+from models.train._config import (AUTO, Config, check_config, check_resume_config, job_flags, parse_mesh, pipeline_settings,
                                   resume_config, run_config)
 from models.train._loop import MetricLog, progress_bar, report, train_loop
 from models.train._outdir import OutFolder, RunLock, write_outputs
@@ -31,6 +33,7 @@ from models.train._programs import (build_mesh, check_fits, data_dims, device_me
                                     programs, task_dims)
 from spmd import DeviceMesh
 from spmd.distributed import init_process_group, is_initialized
+from spmd.parallel import hlo_executed_collectives
 
 __all__ = ["run", "restore_state"]
 
@@ -59,6 +62,15 @@ def _check_batch_sizes(cfg: Config, mesh: DeviceMesh) -> tuple[int, int]:
         )
     pipe = pipeline_settings(cfg)
     per_replica = cfg.batch_size // (n_data * cfg.accum_steps)
+    if cfg.weight_stationary and per_replica % mesh.size("tp"):
+        unit = n_data * cfg.accum_steps * mesh.size("tp")
+        raise ValueError(
+            f"models.train: --weight-stationary cuts each replica's {per_replica} examples per micro-batch "
+            f"(--batch-size={cfg.batch_size} over the {label} {n_data}"
+            + (f" and --accum-steps={cfg.accum_steps}" if cfg.accum_steps > 1 else "")
+            + f") over tp={mesh.size('tp')}, which does not divide them; use a --batch-size that is a multiple of "
+              f"{unit}, or drop --weight-stationary."
+        )
     if pipe is not None and per_replica % pipe[1]:
         m = pipe[1]
         ok = [k for k in range(1, per_replica + 1) if per_replica % k == 0 and k >= mesh.size("pp")]
@@ -111,6 +123,11 @@ def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None
     _maybe_init_distributed()
     if cfg.resume and given is not None:
         cfg = _saved_run_config(cfg, given)
+    choice = None
+    if cfg.mesh == AUTO:  # the pick becomes the run's explicit layout flags
+        OutFolder.read(cfg.out).check(cfg)  # refuse before the ranking's minute of work
+        cfg, choice = choose_layout(cfg, jax.process_index() == 0)
+        check_config(cfg)
     mesh = build_mesh(cfg.mesh)
     n_data, eval_size = _check_batch_sizes(cfg, mesh)
     check_fits(cfg, mesh, device_memory(mesh))
@@ -118,7 +135,7 @@ def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None
     lead = jax.process_index() == 0
     lock = RunLock(cfg.out).acquire() if lead else None
     try:
-        return _run_locked(cfg, mesh, n_data, eval_size, lead, on_step)
+        return _run_locked(cfg, mesh, n_data, eval_size, lead, on_step, choice)
     except jax.errors.JaxRuntimeError as e:
         if not str(e).startswith("RESOURCE_EXHAUSTED"):  # XLA's status code for an allocation that failed
             raise
@@ -134,7 +151,7 @@ def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None
 
 
 def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead: bool,
-                on_step: Callable | None) -> dict:
+                on_step: Callable | None, choice: Choice | None = None) -> dict:
     folder = OutFolder.read(cfg.out)
     folder.check(cfg)
     if cfg.overwrite and lead:
@@ -200,9 +217,15 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
         if cfg.text is not None:  # every context window of a text is one "sequence": the share right means nothing
             evaluation.pop("sequence_accuracy", None)
         step_batch = place_batch(task.batch(cfg.seed, 0, cfg.batch_size, lay), mesh, progs.batch_placements)
-        pipe = None
+        pipe = chosen = None
         if progs.pipelined:
             collectives, pipe = pipeline_report(progs.train_step, state, step_batch)
+        elif choice is not None:  # one compile of the step for its collectives and its memory
+            compiled = progs.train_step.lower(state, step_batch).compile()
+            collectives = {k: {"count": v["count"], "bytes": v["bytes"]}
+                           for k, v in hlo_executed_collectives(compiled.as_text()).items() if v["count"]}
+            chosen = layout_report(choice, log.step_s, log.timed_windows, compiled)
+            report(layout_line(chosen), lead)
         else:
             collectives = collectives_report(progs.train_step, state, step_batch)
         checkpointer.wait()
@@ -229,6 +252,7 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
         "memory": memory,
         "collectives": collectives,
         **({"pipeline": pipe} if pipe is not None else {}),
+        **({"layout": chosen} if chosen is not None else {}),
         "history": history,
         "checkpoints": checkpointer.all_steps(),
     }
@@ -269,7 +293,8 @@ def restore_state(out: str, *, mesh: DeviceMesh | None = None, step: int | None 
         check_config(cfg)
         if "pp" in mesh.mesh_dim_names:  # the pipeline's flags, checked against the mesh as the job checks them
             spec = ",".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape))
-            cfg = dataclasses.replace(cfg, mesh=spec, **_pipeline_flags(meta, mesh))
+            cfg = dataclasses.replace(cfg, mesh=spec, sequence_parallel=False, weight_stationary=False,
+                                      reshard_after_forward=None, **_pipeline_flags(meta, mesh))
             try:
                 check_config(cfg)
             except ValueError as e:

@@ -225,7 +225,8 @@ def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
         raise TypeError(f"{where}: without params= the model is initialized on example_batch['inputs']; the batch "
                         f"has {list(batch) if isinstance(batch, Mapping) else type(batch).__name__}: give params= "
                         "(arrays or jax.ShapeDtypeStruct) or a batch dict with 'inputs'.")
-    return jax.eval_shape(lambda r: model.init(r, batch["inputs"])["params"], jax.random.key(0))
+    # the inputs an argument (not a closed-over shape struct, which jnp.asarray refuses: jax.nn.one_hot)
+    return jax.eval_shape(lambda r, x: model.init(r, x)["params"], jax.random.key(0), batch["inputs"])
 
 
 def _factorizations(n: int) -> list[tuple[int, int, int]]:
@@ -289,7 +290,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             rejected.append((lay.name, str(e).split("\n")[0][:400]))
             continue
         local = jax.tree.leaves(batch)[0].shape[0] // (lay.dp * lay.fsdp)
-        a = 2
+        a = 2 * lay.accum_steps  # a layout given with accumulation: that is its least
         while not c.fits and a <= local and local % a == 0 and (  # accumulate micro-batches until it fits
                 not lay.weight_stationary or (local // a) % lay.tp == 0):
             c2 = evaluate_layout(model, optimizer, batch, devices, replace(lay, accum_steps=a), loss_fn=loss,

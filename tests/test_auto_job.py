@@ -1,0 +1,224 @@
+"""The training job with ``--mesh auto``: ``spmd.parallel.auto_layout`` picks the layout, the job prints the
+top 5 and why, runs the pick as its explicit flags and records predicted vs measured in ``metrics.json``.
+
+One short auto run (module fixture) on a tiny transformer, ranked on a fixed calibration written into a
+private calibration cache (so the ranking is the same on every machine and nothing is measured): its table,
+its ``"layout"`` entry (the pick is the table's first row; the measured peak is the compiled step's
+``memory_analysis``; the compiled step's collectives are the pick's table), its checkpoint's flags (a
+resume reuses the pick), and its loss curve equal to the same job run with the pick's explicit flags.
+``--memory-budget`` too small is the job's clear error; the flag rules are refused before any work.
+Timings never decide a test: the measured step time is only checked to be there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models._checkpoint import Checkpointer
+from models.train import Config, main
+from models.train._config import check_config, parse_bytes, resume_config
+from spmd import DeviceMesh
+from spmd.parallel import Calibration, hlo_executed_collectives
+from spmd.parallel._calibrate import cache_path
+
+pytestmark = pytest.mark.xdist_group("auto-job")  # the module's runs share a calibration cache and programs
+
+JOB = ["--steps", "6", "--batch-size", "32", "--layers", "2", "--d-model", "32", "--heads", "4", "--length", "4",
+       "--log-every", "1", "--save-every", "3", "--eval-size", "32", "--no-progress"]
+# a machine like this one's measurements (calibrate() on 8 CPU fake devices), fixed
+CAL = Calibration(collectives={"all-gather": (7e-5, 1.5e9), "reduce-scatter": (1e-5, 4e8), "all-reduce": (1.8e-4, 6e8),
+                               "collective-permute": (1e-5, 4e8)},
+                  matmul_flops_per_s=1.1e10, elementwise_bytes_per_s=1.1e10, dispatch_s=9e-4, group_size=8)
+
+
+def _main(argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A calibration cache holding ``CAL`` for these devices (what ``calibrate()`` reads)."""
+    root = tmp_path_factory.mktemp("calibration")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPMD_CACHE_DIR", str(root))
+        path = cache_path(jax.devices())
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"quick": False, "calibration": CAL.to_json()}, f)
+        yield path
+
+
+@pytest.fixture(scope="module")
+def auto(cache, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("auto"))
+    rc, err = _main(["--mesh", "auto", "--out", out, *JOB])
+    assert rc == 0, err
+    with open(os.path.join(out, "metrics.json")) as f:
+        return dict(out=out, err=err, metrics=json.load(f))
+
+
+def _rows(err: str) -> list[list[str]]:
+    """The printed table's rows (after its header), split on runs of 2+ spaces."""
+    lines = err.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("#  layout"))
+    rows = []
+    for line in lines[head + 1:]:
+        if not re.match(r"\d+ ", line):
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))
+    return rows
+
+
+def test_auto_prints_the_top_5_and_why_the_pick_won(auto):
+    err, layout = auto["err"], auto["metrics"]["layout"]
+    n = int(re.search(r"auto_layout: (\d+) candidates ranked by predicted step time", err)[1])
+    assert n == len(layout["candidates"]) > 5
+    rows = _rows(err)
+    assert [r[0] for r in rows] == ["1", "2", "3", "4", "5"]
+    assert [r[1] for r in rows] == [c["layout"] for c in layout["candidates"][:5]]
+    pred = [float(r[2]) for r in rows]
+    assert pred == sorted(pred) and all(p > 0 for p in pred)
+    assert f"pick: {layout['pick']}. {layout['why']}" in err
+    assert f"picked {layout['pick']}: the same run as {layout['flags']}" in err
+    assert re.search(rf"--mesh auto: {re.escape(layout['pick'])} predicted [\d.]+ ms/step and [\d.]+ MiB per device; "
+                     r"measured [\d.]+ ms/step \(median of \d+ timed windows\) and [\d.]+ MiB", err)
+
+
+def _compiled(cfg: Config, mesh: DeviceMesh):
+    """The run's train step compiled for its (abstract) state and its batch, as the job compiles it."""
+    from models.train._programs import layout, make_task, place_batch, programs, task_dims
+
+    progs = programs(cfg, mesh)
+    state = jax.eval_shape(progs.init, jax.random.key(0), jax.ShapeDtypeStruct((2, task_dims(cfg)[1]), jnp.int32))
+    batch = place_batch(make_task(cfg).batch(cfg.seed, 0, cfg.batch_size, layout(cfg)), mesh, progs.batch_placements)
+    return progs.train_step.lower(state, batch).compile()
+
+
+def test_auto_metrics_layout_entry_is_the_pick_predicted_and_measured(auto):
+    from models.train import build_mesh
+
+    m = auto["metrics"]
+    layout = m["layout"]
+    first = layout["candidates"][0]
+    assert layout["pick"] == first["layout"] == _rows(auto["err"])[0][1]
+    assert first["fits"] and layout["memory_budget"] is None
+    # the run ran the pick: its config is the pick's flags, its mesh the pick's
+    cfg = Config(**{k: v for k, v in m["config"].items() if k in Config.__dataclass_fields__})
+    mesh_flag = shlex.split(layout["flags"])[1]
+    assert cfg.mesh == mesh_flag and ",".join(f"{k}={v}" for k, v in m["mesh"].items()) == mesh_flag
+    assert layout["pick"].split(" ")[0] == mesh_flag
+    p, meas = layout["predicted"], layout["measured"]
+    assert p["step_ms"] == pytest.approx(first["predicted_ms"]) and p["peak_bytes"] == first["peak_bytes"] > 0
+    assert meas["step_ms"] > 0 and meas["timed_windows"] >= 3
+    assert layout["measured_over_predicted"]["peak"] == pytest.approx(meas["peak_bytes"] / p["peak_bytes"])
+    # the measured peak is the compiled step's memory_analysis (arguments + outputs + temporaries - aliased)
+    compiled = _compiled(cfg, build_mesh(cfg.mesh))
+    ma = compiled.memory_analysis()
+    assert meas["peak_bytes"] == (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                                  - ma.alias_size_in_bytes)
+    assert meas["argument"] == ma.argument_size_in_bytes and meas["temp"] == ma.temp_size_in_bytes
+    # what the chooser costed is what ran: the compiled step moves the pick's bytes
+    hlo = hlo_executed_collectives(compiled.as_text(), scalars=False)
+    for kind, nbytes in first["bytes"].items():
+        assert hlo[kind]["bytes"] == nbytes, (layout["pick"], kind, hlo[kind], nbytes)
+    assert sum(first["bytes"].values()) > 0
+
+
+def test_auto_checkpoint_records_the_pick_for_resume(auto):
+    flags = shlex.split(auto["metrics"]["layout"]["flags"])
+    checkpointer = Checkpointer(os.path.join(auto["out"], "checkpoints"))
+    try:
+        meta = checkpointer.restore_meta()
+    finally:
+        checkpointer.close()
+    resumed = resume_config(meta["config"], Config(resume=True, out=auto["out"]), frozenset({"resume", "out"}),
+                            auto["out"], meta["flags"])
+    assert resumed.mesh == flags[1] == meta["flags"]["mesh"]
+    want = {"sequence_parallel": "--sequence-parallel" in flags, "weight_stationary": "--weight-stationary" in flags,
+            "reshard_after_forward": (False if "--no-reshard-after-forward" in flags else
+                                      True if "--reshard-after-forward" in flags else None)}
+    assert {k: getattr(resumed, k) for k in want} == want
+    check_config(resumed)  # a resume of the pick is a valid explicit run
+
+
+def test_auto_losses_equal_the_explicit_flags_of_its_pick(auto, tmp_path):
+    rc, err = _main([*shlex.split(auto["metrics"]["layout"]["flags"]), "--out", str(tmp_path), *JOB])
+    assert rc == 0, err
+    with open(tmp_path / "metrics.json") as f:
+        explicit = json.load(f)
+    assert "layout" not in explicit and "auto_layout" not in err
+    got = [h["loss"] for h in auto["metrics"]["history"]]
+    want = [h["loss"] for h in explicit["history"]]
+    assert len(got) == 6 and got[-1] < got[0]  # the losses move: the comparison means something
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert explicit["collectives"] == auto["metrics"]["collectives"]
+
+
+def test_weight_stationary_job_moves_the_chooser_bytes_and_trains_equal(auto, tmp_path):
+    """The job's --weight-stationary is the chooser's ws layout: the compiled step moves that candidate's bytes,
+    and it trains as the pick does."""
+    rc, err = _main(["--mesh", "dp=2,tp=4", "--weight-stationary", "--out", str(tmp_path), *JOB])
+    assert rc == 0, err
+    with open(tmp_path / "metrics.json") as f:
+        ws = json.load(f)
+    from models.train import build_mesh
+
+    row = next(c for c in auto["metrics"]["layout"]["candidates"] if c["layout"] == "dp=2,tp=4 ws")
+    cfg = Config(**{k: v for k, v in ws["config"].items() if k in Config.__dataclass_fields__})
+    assert cfg.weight_stationary and ws["mesh"] == {"dp": 2, "tp": 4}
+    hlo = hlo_executed_collectives(_compiled(cfg, build_mesh(cfg.mesh)).as_text(), scalars=False)
+    assert {k: hlo[k]["bytes"] for k in row["bytes"]} == row["bytes"] and row["bytes"]["all-gather"] > 0
+    np.testing.assert_allclose([h["loss"] for h in ws["history"]], [h["loss"] for h in auto["metrics"]["history"]],
+                               rtol=0, atol=1e-5)
+
+
+def test_auto_memory_budget_no_layout_fits_is_a_clear_error(cache, tmp_path):
+    rc, err = _main(["--mesh", "auto", "--memory-budget", "1KiB", "--model", "mlp", "--hidden", "32",
+                     "--out", str(tmp_path), *JOB])
+    assert rc == 2
+    assert "error: models.train: --memory-budget=1,024 B (0.00 MiB) per device fits no layout --mesh auto weighs: " \
+           "no layout fits memory_budget_bytes=1,024; the smallest, " in err
+    assert re.search(r"needs [\d,]+ B per device \(state [\d,]+, activations [\d,]+\); use more devices, a larger "
+                     r"budget", err)
+    assert not os.path.exists(tmp_path / "metrics.json")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mesh", "auto", "--sequence-parallel"], "--sequence-parallel=True fixes part of the layout, which --mesh auto "
+                                                "chooses itself"),
+    (["--mesh", "auto", "--schedule", "1f1b"], "--schedule='1f1b' fixes part of the layout"),
+    (["--mesh", "dp=8", "--memory-budget", "2GiB"], "--memory-budget=2147483648 bounds the layout --mesh auto picks, "
+                                                    "but --mesh='dp=8' is explicit; use --mesh auto"),
+    (["--mesh", "dp=8", "--weight-stationary"], "--weight-stationary cuts the weights (the activations on the batch) "
+                                                "over the tp mesh dim, but --mesh='dp=8' has no tp dim"),
+    (["--mesh", "dp=2,tp=4", "--weight-stationary", "--sequence-parallel"], "give one of them"),
+    (["--mesh", "dp=8", "--no-reshard-after-forward"], "--no-reshard-after-forward says when fully_shard gathers the "
+                                                       "units again, but --mesh='dp=8' has no fsdp dim"),
+])
+def test_auto_and_layout_flags_are_refused_naming_the_flag(argv, message, capsys):
+    assert main([*argv, "--out", "/nonexistent/never"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_memory_budget_sizes(capsys):
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("1.5 KiB") == 1536 and parse_bytes("1000") == 1000
+    with pytest.raises(ValueError, match=re.escape("--memory-budget='lots' is not a size in bytes; give a positive "
+                                                   "number with an optional unit")):
+        parse_bytes("lots")
+    with pytest.raises(SystemExit):
+        main(["--mesh", "auto", "--memory-budget=0B"])
+    assert "argument --memory-budget: --memory-budget='0B' is not a size in bytes" in capsys.readouterr().err
