@@ -121,3 +121,50 @@ def test_stage_parameters_carry_the_tp_cut(config):
     assert (str(emb.placements[0]), str(emb.placements[2])) == ("R", "S(0)")
     arr = state.params["stages"]["attn/qkv/kernel"]
     assert arr.addressable_shards[0].data.shape == qkv.local_shape  # stored as the plan says
+
+
+@pytest.mark.parametrize("config", _cases())
+def test_hlo_collectives_equal_table(config):
+    run = _run(config)
+    got = hlo_executed_collectives(run["text"], scalars=False)
+    want, s = run["table"], run["pm"].schedule
+    # the pipeline's own: one collective-permute per tick with sends each way, one pair per micro-batch and
+    # boundary (a sequence-parallel activation crosses cut over tp: half the bytes)
+    assert got["collective-permute"]["count"] == want["collective-permute"]["count"]
+    assert got["collective-permute"]["bytes"] == want["collective-permute"]["bytes"]
+    per_pass = s.num_microbatches * (s.num_stages - 1)
+    assert hlo_permute_pairs(run["text"], 4) == 2 * per_pass  # 4 pipelines: dp x tp
+    cut = want["tp"]["activation_cut"]
+    assert cut == (2 if CONFIGS[config][0] else 1)
+    assert want["collective-permute"]["bytes"] == want["collective-permute"]["count"] * want["activation_bytes"] // cut
+    # the tp terms: every styled call of every branch the program holds, fwd and bwd (see tp_terms)
+    assert want["tp"]["program"]["all-reduce"]["count"] > 0
+    if not CONFIGS[config][0]:  # Megatron: every kind exact
+        for kind in ("all-reduce", "all-gather", "reduce-scatter"):
+            assert got[kind]["bytes"] == want[kind]["bytes"], kind
+        assert got["all-gather"]["count"] == want["tp"]["program"]["all-gather"]["count"]
+    else:  # sequence parallel: exact but for the position table's gradient (whole over tp, read on the
+        # device's positions in global view): GSPMD reduces its position-cut half over pp x dp and gathers it
+        # over tp once per pass, which the table (its whole gradient in the all-reduce) does not model
+        pos = 4 * T * D
+        assert got["reduce-scatter"]["bytes"] == want["reduce-scatter"]["bytes"]
+        assert got["all-reduce"]["bytes"] == want["all-reduce"]["bytes"] - pos // 2
+        assert got["all-gather"]["bytes"] == want["all-gather"]["bytes"] + pos * run["accum"]
+
+
+@pytest.mark.xdist_group("pptp-megatron-1f1b")
+def test_table_prints_tp_terms_and_per_rank_work():
+    run = _run("megatron-1f1b")
+    tp = run["table"]["tp"]
+    # 1f1b, pp=2, M=2, two units a stage: rank 0 runs F(first) and B(first) twice, rank 1 B(last) twice; a
+    # unit's forward all-reduces 2 (attn.proj, fc_out), its backward 2 (the qkv and fc inputs' gradients);
+    # the embedding 1 forward; the tied head: its input's gradient (1), its logits gathered and scattered
+    unit_f, unit_b = 2, 2
+    f_first = 1 + 2 * unit_f
+    b_first = 1 + 2 * unit_f - 1 + 2 * unit_b  # the recomputed chunk's last all-reduce (fc_out) is dead
+    b_last = 2 * unit_f + 1 + 2 * unit_b
+    assert [t["all-reduce"]["count"] for t in tp["per_rank"]] == [2 * (f_first + b_first), 2 * b_last]
+    assert tp["program"]["all-reduce"]["count"] == 2 * (f_first + b_first + b_last)  # pp=2: ranks' branches differ
+    assert [t["all-gather"]["count"] for t in tp["per_rank"]] == [0, 2]
+    text = make_train_step(run["pm"], _loss(run["pm"]), OPT).table(run["state"], _batch())
+    assert "tp in the program: all-reduce x44" in text and "per rank: all-reduce x26 | all-reduce x18" in text

@@ -112,33 +112,39 @@ def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dic
     return out
 
 
-def activation_terms(records: Sequence[dict], *, accum_steps: int = 1) -> dict:
-    """The tp terms of one step from the styled calls of one micro-batch (see the module doc)."""
+def activation_terms(records: Sequence[dict], *, accum_steps: int = 1, part: str | None = None) -> dict:
+    """The tp terms of one step from the styled calls of one micro-batch (see the module doc). ``part``:
+    ``"forward"`` or ``"backward"``: that pass's terms alone (a pipeline counts them per branch)."""
     out = _table()
     gathered: set = set()
+
+    def add(direction, kind, nbytes):
+        if part is None or part == direction:
+            _add(out, kind, nbytes, accum_steps)
+
     for r in records:
         a_in, a_out = r["in_bytes"], r["out_bytes"]
         if r["style"] == "ColwiseParallel":
             if isinstance(r["in_layout"], Shard):
                 if r["input_id"] not in gathered:  # one all-gather per input, however many modules read it
-                    _add(out, "all-gather", a_in, accum_steps)
+                    add("forward", "all-gather", a_in)
                     gathered.add(r["input_id"])
-                _add(out, "reduce-scatter", a_in, accum_steps)
+                add("backward", "reduce-scatter", a_in)
             elif r["input_grad"]:
-                _add(out, "all-reduce", a_in, accum_steps)
+                add("backward", "all-reduce", a_in)
             if isinstance(r["out_layout"], Replicate):
-                _add(out, "all-gather", a_out, accum_steps)
-                _add(out, "reduce-scatter", a_out, accum_steps)
+                add("forward", "all-gather", a_out)
+                add("backward", "reduce-scatter", a_out)
         elif r["style"] == "PrepareModuleOutput":  # a whole output cut (a slice): its gradient all-gathered
-            _add(out, "all-gather", a_out, accum_steps)
+            add("backward", "all-gather", a_out)
         elif r["style"] == "RowwiseParallel":
             if isinstance(r["out_layout"], Shard):
-                _add(out, "reduce-scatter", a_out, accum_steps)
-                _add(out, "all-gather", a_out, accum_steps)
+                add("forward", "reduce-scatter", a_out)
+                add("backward", "all-gather", a_out)
             else:
-                _add(out, "all-reduce", a_out, accum_steps)
+                add("forward", "all-reduce", a_out)
         for nbytes in r["summed_params"]:
-            _add(out, "all-reduce", nbytes, accum_steps)
+            add("backward", "all-reduce", nbytes)
     return out
 
 

@@ -23,7 +23,7 @@ input; *post*: every unit call returns the injected last activation (the code be
 compiled away); a stage runs its units with their own module objects. The units' parameters are stacked
 into one array per parameter, leading dim ``pp x v x ceil(L / S)`` cut ``Shard(0)`` over ``pp``, so each
 rank stores its own stages only. The step (``spmd.parallel._pipeline_step``) is one ``shard_map`` manual
-over every mesh dim, running the schedule's tick table (``spmd.parallel._schedules``) unrolled: each tick a
+over every mesh dim but tp, running the schedule's tick table (``spmd.parallel._schedules``) unrolled: each tick a
 ``lax.switch`` on the rank's action (idle, a chunk's forward, a chunk's backward), then one
 ``collective-permute`` of activations forward and one of gradients backward whose source-target pairs are
 exactly the sends of that tick. Why unrolled and not a loop: the pairs of a ``ppermute`` are static, so a
@@ -32,7 +32,7 @@ moves each micro-batch across each boundary exactly once each way, which the HLO
 recomputes its chunk's forward from the stashed chunk input (activation checkpointing per chunk), so a
 rank holds one activation per live micro-batch: the schedule's slot count, its memory bound.
 
-The other mesh dims are data-parallel (DDP): each replica runs the pipeline on its rows of the batch and
+The other mesh dims (but tp) are data-parallel (DDP): each replica runs the pipeline on its rows of the batch and
 the gradients are averaged over them. ``pipeline(fully_shard(model, mesh=mesh["fsdp"]), mesh["pp"], ...)``
 also cuts each stacked stage parameter over ``fsdp`` (its largest dim that fsdp divides): a rank gathers its
 stages once per step, holds them through the schedule (torch's ``reshard_after_forward=False``, the usual

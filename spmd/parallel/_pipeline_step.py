@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd.parallel._pipeline_comm import REST, STAGES, format_pipeline_communication, pipeline_communication
-from spmd.parallel._pipeline_tp import reduce_tp_aware, stage_hooks
+from spmd.parallel._pipeline_tp import reduce_tp_aware, segment_records, stage_hooks
 from spmd.parallel._shard import entry_sharding, map_like_params
 from spmd.parallel._step import TrainState, _as_arrays, _check_batch, _split_loss, state_shardings
 
@@ -124,6 +124,7 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
     n_data = int(np.prod([sizes[d] for d in data])) if data else 1
     m_count = pm.schedule.num_microbatches
     builds: dict = {}
+    mbs: dict = {}  # the micro-batch's shapes per build (the tp terms trace one)
 
     def build(state: TrainState, batch):
         key = (state.plan, jax.tree_util.tree_structure(batch), tuple(np.shape(x) for x in jax.tree.leaves(batch)))
@@ -133,6 +134,7 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
             mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n_local // (accum_steps * m_count), *np.shape(x)[1:]),
                                                              jnp.result_type(x)), batch)
             lay.record(loss_fn, jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths]), mb)
+            mbs[key] = mb
             builds[key] = [_build(pm, lay, loss_fn, optimizer, accum_steps, state.plan), lay, n_local]
         return builds[key]
 
@@ -173,7 +175,11 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
 
     def communication(state, batch) -> dict:
         batch = check(state, batch)
-        return pipeline_communication(pm, build(state, batch)[1], accum_steps)
+        lay = build(state, batch)[1]
+        key = next(k for k, b in builds.items() if b[1] is lay)
+        recs = segment_records(pm, lay, loss_fn, mbs[key])
+        ticks = [tb["code"].tolist() for tb in _tables(pm)] if recs is not None else None
+        return pipeline_communication(pm, lay, accum_steps, recs, ticks)
 
     step.lower = lower
     step.compiled = compiled

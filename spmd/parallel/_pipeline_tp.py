@@ -20,7 +20,15 @@ order, ``parallelize_module(pipeline(...))``, is refused naming this one). The s
   pp and the data dims in regions manual over tp too (a data-dim collective on a tp-cut operand would make
   XLA gather it over tp first).
 
-Not offered with tp: ``fully_shard`` of the stages (fsdp and tp together under a pipeline).
+**The table** (``spmd.parallel._pipeline_comm.tp_terms``): the styled calls of one micro-batch are traced
+by segment (``segment_records``: the pre-unit code, one unit, the post-unit code), each call's terms as
+``spmd.parallel._comm`` writes them, forward and backward apart; a branch's terms follow from what it runs
+(``F``: the chunk's forward; ``B``: the recomputed forward and the backward), and the program's are the sum
+over ticks of the branches some rank runs then. The activation crosses a stage boundary cut over tp when
+the unit's last styled call leaves it cut (sequence parallelism): ``1 / tp`` of the permute bytes.
+
+Not offered with tp: ``fully_shard`` of the stages (fsdp and tp together under a pipeline); a checkpoint
+(``PipelineModule.unstack_state``) holds the units whole over tp.
 """
 
 from __future__ import annotations
@@ -29,7 +37,6 @@ import contextlib
 from typing import Any, Sequence
 
 import jax
-import numpy as np
 from jax import lax
 
 from placements import Placement, Replicate, Shard
@@ -131,5 +138,22 @@ def reduce_tp_aware(hooks: StageHooks | None, entries: Sequence, leaves: Sequenc
     return out
 
 
-def n_of(mesh, dims: Sequence[str]) -> int:
-    return int(np.prod([mesh.size(d) for d in dims])) if dims else 1
+def segment_records(pm, lay, loss_fn, mb) -> dict[str, list] | None:
+    """The styled calls of one micro-batch by segment, traced (shapes only) with the region's hooks:
+    ``pre`` (before the first unit: the embedding), ``unit`` (one unit), ``post`` (after the last: the
+    head); ``None`` without tp."""
+    hooks = stage_hooks(pm, lay)
+    if hooks is None:
+        return None
+    rest = {p: lay.shapes[p] for p in lay.rest}
+    unit = [lay.shapes[f"{lay.units[0]}/{rel}"] for rel in lay.rel]
+    out = {}
+    for name, f, args in (("pre", lambda r, b: lay.pre(loss_fn, r, b), (rest, mb)),
+                          ("unit", lambda ls, x: lay.apply_unit(ls, x), (unit, lay.act)),
+                          ("post", lambda r, b, h: lay.post(loss_fn, r, b, h), (rest, mb, lay.act))):
+        hooks.records = []
+        with hooks.installed(), (hooks.unit(lay.units[0]) if name == "unit" else contextlib.nullcontext()):
+            jax.eval_shape(f, *args)
+        out[name] = list(hooks.records)
+    out["post"] = out["post"][len(out["pre"]):]  # post runs the pre-unit code again, dead (its units return h)
+    return out
