@@ -1,4 +1,4 @@
-"""The training job with a ``pp`` mesh dim: ``python -m models.train --mesh pp=2,fsdp=4 --schedule 1f1b``.
+"""The training job with a ``pp`` mesh dim: ``python -m models.train --mesh pp=2,fsdp=4 --schedule 1f1b`` (and ``pp=2,dp=2,tp=2``).
 
 A short run gives the per-step losses of ``--mesh dp=8`` (same seed, same batches); ``metrics.json`` carries
 the schedule, its bubble (formula and the idle ticks of the tick table the step compiled) and the compiled
@@ -28,7 +28,7 @@ from spmd.parallel._schedules import SCHEDULES
 JOB = dict(steps=4, batch_size=16, layers=2, d_model=16, heads=2, length=4, save_every=2, log_every=1, eval_size=16,
            progress=False)
 PP = dict(mesh="pp=2,fsdp=4", schedule="1f1b", microbatches=2)
-GROUP = pytest.mark.xdist_group("pipeline-job")  # the two cached runs on one worker
+GROUP = pytest.mark.xdist_group("pipeline-job")  # the cached runs on one worker
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,6 +80,24 @@ def test_pp_job_metrics_carry_the_schedule_bubble_and_memory():
     assert coll["collective-permute"] == {"count": 2 * m, "bytes": 2 * m * act}
 
 
+PP_TP = dict(mesh="pp=2,dp=2,tp=2", schedule="1f1b", microbatches=2)
+
+
+@GROUP
+def test_pp_dp_tp_1f1b_job_equals_dp8():
+    """pipeline(parallelize_module(model, mesh['tp'], plan), mesh['pp'], ...): the batch over dp only."""
+    dp, pt = _job("dp=8"), _job(**PP_TP)
+    assert [h["step"] for h in pt["summary"]["history"]] == [1, 2, 3, 4]
+    np.testing.assert_allclose(_losses(pt["summary"]), _losses(dp["summary"]), rtol=0, atol=1e-5)
+    assert pt["saved"]["mesh"] == {"pp": 2, "dp": 2, "tp": 2}
+    assert pt["saved"]["parameters"] == dp["saved"]["parameters"]
+    got = pt["saved"]["pipeline"]
+    assert (got["schedule"], got["pp"], got["microbatches"], got["stages_per_rank"]) == ("1f1b", 2, 2, 1)
+    assert got["transfers"] == {"forward": 2, "backward": 2}
+    coll = pt["saved"]["collectives"]  # the tp terms: the row-parallel all-reduces beside the stage permutes
+    assert coll["collective-permute"]["count"] >= 4 and coll["all-reduce"]["count"] > 0
+
+
 @GROUP
 def test_pp_job_resumes_with_its_saved_pipeline_flags(tmp_path):
     done = _job(**PP)
@@ -113,8 +131,11 @@ def test_job_schedules_are_spmds():
     (dict(mesh="pp=2,fsdp=4", schedule="interleaved", stages_per_rank=2, layers=3),
      "--layers=3 is fewer than the 4 pipeline stages (pp=2 x --stages-per-rank=2); use --layers >= 4"),
     (dict(mesh="pp=2,fsdp=4", model="mlp"), "--mesh='pp=2,fsdp=4' pipelines the transformer's blocks over pp, but --model='mlp'"),
-    (dict(mesh="pp=2,dp=2,tp=2"), "--mesh='pp=2,dp=2,tp=2' gives pp with tp; tensor parallelism inside pipeline "
-     "stages is not offered: use pp with dp or fsdp (e.g. --mesh pp=2,fsdp=4), or tp without pp"),
+    (dict(mesh="pp=2,fsdp=2,tp=2"), "--mesh='pp=2,fsdp=2,tp=2' gives pp with both fsdp and tp; a pipeline's "
+     "tensor-parallel stages do not take fsdp: use dp beside pp and tp (e.g. --mesh pp=2,dp=2,tp=2)"),
+    (dict(mesh="pp=2,dp=2,tp=2", batch_size=6), "--microbatches=2 does not divide the 3 examples each "
+     "data-parallel replica runs per step (--batch-size=6 over the dp size 2); use --microbatches from [3] or a "
+     "--batch-size that is a multiple of 4."),
     (dict(mesh="pp=2,dp=2,fsdp=2"), "--mesh='pp=2,dp=2,fsdp=2' gives pp with both dp and fsdp (HSDP), which a pipeline does not offer"),
     (dict(mesh="pp=2,fsdp=4", microbatches=3), "--microbatches=3 does not divide the 4 examples each data-parallel "
      "replica runs per step (--batch-size=16 over the fsdp size 4); use --microbatches from [2, 4] or a "

@@ -235,10 +235,10 @@ def _check_pipeline(cfg: Config, dims: dict) -> None:
     if cfg.layers < pp * v:
         raise ValueError(f"models.train: --layers={cfg.layers} is fewer than the {pp * v} pipeline stages (pp={pp} x "
                          f"--stages-per-rank={v}); use --layers >= {pp * v} or fewer stages.")
-    if "tp" in dims:
-        raise ValueError(f"models.train: --mesh={cfg.mesh!r} gives pp with tp; tensor parallelism inside pipeline "
-                         "stages is not offered: use pp with dp or fsdp (e.g. --mesh pp=2,fsdp=4), or tp without pp "
-                         "(e.g. --mesh dp=2,fsdp=2,tp=2).")
+    if "tp" in dims and "fsdp" in dims:
+        raise ValueError(f"models.train: --mesh={cfg.mesh!r} gives pp with both fsdp and tp; a pipeline's "
+                         "tensor-parallel stages do not take fsdp: use dp beside pp and tp (e.g. --mesh "
+                         "pp=2,dp=2,tp=2), or pp with fsdp and no tp (e.g. --mesh pp=2,fsdp=4).")
     if dims.get("dp", 1) > 1 and dims.get("fsdp", 1) > 1:
         raise ValueError(f"models.train: --mesh={cfg.mesh!r} gives pp with both dp and fsdp (HSDP), which a pipeline "
                          "does not offer; use one of them beside pp (e.g. --mesh pp=2,fsdp=4).")
