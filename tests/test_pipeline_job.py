@@ -94,8 +94,14 @@ def test_pp_dp_tp_1f1b_job_equals_dp8():
     got = pt["saved"]["pipeline"]
     assert (got["schedule"], got["pp"], got["microbatches"], got["stages_per_rank"]) == ("1f1b", 2, 2, 1)
     assert got["transfers"] == {"forward": 2, "backward": 2}
-    coll = pt["saved"]["collectives"]  # the tp terms: the row-parallel all-reduces beside the stage permutes
-    assert coll["collective-permute"]["count"] >= 4 and coll["all-reduce"]["count"] > 0
+    # the compiled step: one permute per micro-batch each way, a whole (Megatron: replicated over tp) activation
+    # of the dp replica's micro-batch; the tp terms' row-parallel all-reduces beside them (tests/test_pipeline_tp
+    # checks those against the table exactly)
+    m, seq_len = PP_TP["microbatches"], task_dims(Config(**JOB))[1]
+    act = (16 // 2 // m) * seq_len * 16 * 4  # (rows of a dp=2 replica's micro-batch, T, D) float32
+    coll = pt["saved"]["collectives"]
+    assert coll["collective-permute"] == {"count": 2 * m, "bytes": 2 * m * act}
+    assert coll["all-reduce"]["count"] > 0
 
 
 @GROUP
