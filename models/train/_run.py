@@ -62,24 +62,22 @@ def _check_batch_sizes(cfg: Config, mesh: DeviceMesh) -> tuple[int, int]:
         )
     pipe = pipeline_settings(cfg)
     per_replica = cfg.batch_size // (n_data * cfg.accum_steps)
+    split = (f"--batch-size={cfg.batch_size} over the {label} {n_data}"
+             + (f" and --accum-steps={cfg.accum_steps}" if cfg.accum_steps > 1 else ""))
     if cfg.weight_stationary and per_replica % mesh.size("tp"):
         unit = n_data * cfg.accum_steps * mesh.size("tp")
         raise ValueError(
             f"models.train: --weight-stationary cuts each replica's {per_replica} examples per micro-batch "
-            f"(--batch-size={cfg.batch_size} over the {label} {n_data}"
-            + (f" and --accum-steps={cfg.accum_steps}" if cfg.accum_steps > 1 else "")
-            + f") over tp={mesh.size('tp')}, which does not divide them; use a --batch-size that is a multiple of "
-              f"{unit}, or drop --weight-stationary."
+            f"({split}) over tp={mesh.size('tp')}, which does not divide them; use a --batch-size that is a "
+            f"multiple of {unit}, or drop --weight-stationary."
         )
     if pipe is not None and per_replica % pipe[1]:
         m = pipe[1]
         ok = [k for k in range(1, per_replica + 1) if per_replica % k == 0 and k >= mesh.size("pp")]
         raise ValueError(
             f"models.train: --microbatches={m} does not divide the {per_replica} examples each data-parallel replica "
-            f"runs per step (--batch-size={cfg.batch_size} over the {label} {n_data}"
-            + (f" and --accum-steps={cfg.accum_steps}" if cfg.accum_steps > 1 else "")
-            + f"); use --microbatches from {ok} or a --batch-size that is a multiple of "
-              f"{n_data * cfg.accum_steps * m}."
+            f"runs per step ({split}); use --microbatches from {ok} or a --batch-size that is a multiple of "
+            f"{n_data * cfg.accum_steps * m}."
         )
     if cfg.eval_size is None:
         return n_data, max(n_data, _EVAL_DEFAULT // n_data * n_data)
