@@ -17,10 +17,13 @@ first unit (embeddings) runs on the first stage, what it does after the last uni
 user's loss) on the last stage; their parameters are replicated over ``pp`` and their gradients summed over
 it (a tied embedding used by both ends is right by construction).
 
-**The mechanism.** The loss is never split by hand: the user's ``loss_fn(params, batch)`` runs with
-linen's ``nn.intercept_methods`` around the unit calls. *pre*: stop at the first unit call and return its
-input; *post*: every unit call returns the injected last activation (the code before it is dead and
-compiled away); a stage runs its units with their own module objects. The units' parameters are stacked
+**The mechanism.** The loss is never split by hand: the user's ``loss_fn`` (``(params, batch)``; an nnx
+model's ``(model, batch)``) runs with the unit calls intercepted (``spmd.parallel._pipeline_calls``: linen,
+Hugging Face Flax models, nnx). *pre*: stop at the first unit call and return its input; *post*: every unit
+call returns the injected last activation (the code before it is dead and compiled away); a stage runs its
+units with their own module objects. A unit's other arguments (an attention mask, position ids, flags)
+must be the same for every unit and free of the parameters: each stage computes them again from its
+micro-batch. The units' parameters are stacked
 into one array per parameter, leading dim ``pp x v x ceil(L / S)`` cut ``Shard(0)`` over ``pp``, so each
 rank stores its own stages only. The step (``spmd.parallel._pipeline_step``) is one ``shard_map`` manual
 over every mesh dim but tp, running the schedule's tick table (``spmd.parallel._schedules``) unrolled: each tick a
@@ -40,8 +43,8 @@ choice under pipelining: a re-gather per micro-batch would multiply the traffic 
 their gradients once; the optimizer state stays cut. The rest (embeddings, head) stays replicated.
 ``pipeline(parallelize_module(model, mesh["tp"], plan), mesh["pp"], ...)``: tensor-parallel stages, the
 region automatic over tp and the tp hooks inside each stage (``spmd.parallel._pipeline_tp``).
-Not offered: fsdp and tp together under a pipeline, HSDP, mixed precision, nnx models, units called
-with more than the one activation (attention masks), dropout rngs.
+Not offered: fsdp and tp together under a pipeline, HSDP, mixed precision, tp stages of an nnx model,
+dropout rngs.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import numpy as np
 from placements import Shard
 from spmd._mesh import DeviceMesh
 from spmd.parallel._param_plan import ParamPlan, path_str, plan_params
+from spmd.parallel._pipeline_calls import UnitCalls, model_kind
 from spmd.parallel._pipeline_split import SplitPoint, check_split_points, natural_key, stage_counts
 from spmd.parallel._pipeline_state import stack_state, unstack_state
 from spmd.parallel._pipeline_tp import tp_placements, unwrap_layouts
@@ -65,12 +69,6 @@ from spmd.parallel._schedules import SCHEDULES, Schedule, build_schedule
 from spmd.parallel._transforms import ParallelModule, _modules, glob_regex
 
 __all__ = ["pipeline", "PipelineModule", "SplitPoint", "STAGES", "REST"]
-
-
-class _Stop(Exception):
-    def __init__(self, x):
-        super().__init__("first pipeline unit reached")
-        self.x = x
 
 
 class PipelineModule:
@@ -193,8 +191,7 @@ class Layout:
         self.fsdp, self.n_fsdp = pm.fsdp, (pm.mesh.size(pm.fsdp) if pm.fsdp else 0)
         self._pm = pm
         self.plan = self._make_plan(pm.mesh, pm.pp)
-        self.unit_mod = None
-        self.act = None
+        self.calls = UnitCalls(self, pm.module)
 
     # --- the stored tree ----------------------------------------------------------------------------
     def stored_shapes(self) -> dict:
@@ -257,84 +254,23 @@ class Layout:
             node[last] = x
         return tree
 
-    # --- the model's calls ----------------------------------------------------------------------------
-    def _interceptor(self, on_unit):
-        def icpt(next_fun, args, kwargs, context):
-            mod = context.module
-            if context.method_name != "__call__" or getattr(mod, "scope", None) is None:
-                return next_fun(*args, **kwargs)
-            path = "/".join(str(p) for p in mod.scope.path)
-            if path not in self.found:
-                return next_fun(*args, **kwargs)
-            return on_unit(path, mod, next_fun, args, kwargs)
-
-        return icpt
+    # --- the model's calls (spmd.parallel._pipeline_calls) ------------------------------------------------
+    @property
+    def act(self):
+        return self.calls.act
 
     def record(self, loss_fn, params, mb) -> None:
-        """Trace ``loss_fn`` once (shapes only): the units' call order, that they chain, the activation."""
-        import flax.linen as nn
-
-        calls: list = []
-
-        def on_unit(path, mod, next_fun, args, kwargs):
-            arrays = [a for a in jax.tree.leaves((args, kwargs)) if hasattr(a, "shape")]
-            if len(arrays) != 1 or not args or arrays[0] is not args[0]:
-                raise ValueError(f"pipeline: unit {path!r} is called with {len(arrays)} array arguments; a stage "
-                                 "passes one activation between units (call each block as x = block(x)).")
-            if calls and calls[-1][2] is not args[0]:
-                raise ValueError(f"pipeline: unit {path!r} does not take the output of {calls[-1][0]!r}; the units "
-                                 "must chain (x = block(x) for each block, in order).")
-            out = next_fun(*args, **kwargs)
-            if not hasattr(out, "shape") or out.shape != args[0].shape or out.dtype != args[0].dtype:
-                raise ValueError(f"pipeline: unit {path!r} maps {args[0].shape} to {getattr(out, 'shape', out)!r}; "
-                                 "a unit must return one activation of its input's shape and dtype.")
-            calls.append((path, mod.clone(parent=None), out, args[0]))
-            return out
-
-        def run(p, b):
-            with nn.intercept_methods(self._interceptor(on_unit)):
-                return loss_fn(p, b)
-
-        jax.eval_shape(run, params, mb)
-        names = [c[0] for c in calls]
-        if sorted(names) != sorted(self.found) or len(set(names)) != len(names):
-            raise ValueError(f"pipeline: the model called the units {names}; every unit {self.found} must be called "
-                             "exactly once per loss_fn call.")
-        if names != self.found:
-            raise ValueError(f"pipeline: the model calls the units in the order {names}, not in the order of their "
-                             f"names' numbers {self.found}; the stages follow that order: name the units by their "
-                             "place in the chain.")
-        self.unit_mod = calls[0][1]
-        self.act = jax.ShapeDtypeStruct(calls[0][3].shape, calls[0][3].dtype)
+        self.calls.record(loss_fn, params, mb)
 
     def pre(self, loss_fn, rest, mb):
-        """The first unit's input: ``loss_fn`` run up to the first unit call."""
-        import flax.linen as nn
-
-        def on_unit(path, mod, next_fun, args, kwargs):
-            raise _Stop(args[0])
-
-        try:
-            with nn.intercept_methods(self._interceptor(on_unit)):
-                loss_fn(self.full_params(rest), mb)
-        except _Stop as s:
-            return s.x
-        raise ValueError("pipeline: loss_fn called no pipeline unit.")
+        """``(the first unit's input, the units' side arrays)``."""
+        return self.calls.pre(loss_fn, rest, mb)
 
     def post(self, loss_fn, rest, mb, h):
-        """``loss_fn``'s output with the last unit's output replaced by ``h`` (the earlier code is dead)."""
-        import flax.linen as nn
+        return self.calls.post(loss_fn, rest, mb, h)
 
-        last = self.units[-1]
-
-        def on_unit(path, mod, next_fun, args, kwargs):
-            return h if path == last else args[0]
-
-        with nn.intercept_methods(self._interceptor(on_unit)):
-            return loss_fn(self.full_params(rest), mb)
-
-    def apply_unit(self, leaves: list, x):
-        return self.unit_mod.apply({"params": self.unit_tree(leaves)}, x)
+    def apply_unit(self, leaves: list, x, side: list = ()):
+        return self.calls.apply_unit(leaves, x, side)
 
 
 def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_microbatches: int,
@@ -360,8 +296,13 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     if mesh.ndim != 1:
         raise ValueError(f"{where}: mesh={mesh!r} must be 1-D, the pipeline dim (mesh['pp']); the mesh has no single "
                          "pipeline dim.")
-    if not hasattr(model, "apply") or not hasattr(model, "init"):
-        raise TypeError(f"{where}: model={model!r} must be a flax.linen Module (nnx models are not offered yet).")
+    kind = model_kind(model)
+    if kind is None:
+        raise TypeError(f"{where}: model={type(model).__name__} must be a flax.linen Module, a Hugging Face Flax model "
+                        "or a flax.nnx Module.")
+    if kind == "nnx" and tp is not None:
+        raise ValueError(f"{where}: tensor-parallel stages of an nnx model are not offered; pipeline the nnx model "
+                         "with fully_shard or plain (the other mesh dims data-parallel), or use a linen model.")
     if not isinstance(units, str) or not units:
         raise TypeError(f"{where}: units={units!r} must be one module fqn glob, e.g. 'layers_*'.")
     if schedule not in SCHEDULES:

@@ -30,6 +30,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd.parallel._nnx import nnx_params
+from spmd.parallel._pipeline_calls import model_kind
 from spmd.parallel._pipeline_comm import REST, STAGES, format_pipeline_communication, pipeline_communication
 from spmd.parallel._pipeline_tp import reduce_tp_aware, segment_records, stage_hooks
 from spmd.parallel._shard import entry_sharding, map_like_params
@@ -58,7 +60,12 @@ def init_pipeline_state(pm, optimizer, *init_args, params=None, mesh=None) -> Tr
     if mesh is not None and mesh.root_mesh != pm.mesh:
         raise ValueError(f"{where}: mesh={mesh!r} is not the mesh the model was pipelined on ({pm.mesh!r}); leave "
                          "mesh= out.")
-    if params is None:
+    kind = model_kind(pm.module)
+    if params is None and kind == "nnx":
+        params = nnx_params(pm.module)  # an nnx model holds its parameters
+    elif params is None and kind == "hf":
+        params = pm.module.params
+    elif params is None:
         if not init_args:
             raise TypeError(f"{where}: give params=, or (rng, *example_inputs) to initialize the model.")
         rng, *xs = init_args
@@ -204,13 +211,16 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
     hooks = stage_hooks(pm, lay)  # tp: the styled calls in regions manual over tp (spmd.parallel._pipeline_tp)
     unit_named = (lambda: hooks.unit(lay.units[0])) if hooks else contextlib.nullcontext  # noqa: E731
 
-    def chunk(sp: dict, r, j, x):
+    def chunk(sp: dict, r, j, x, side):
         for l in range(lc):
             leaves = [lax.dynamic_index_in_dim(sp[rel], j * lc + l, keepdims=False) for rel in lay.rel]
             with unit_named():
-                y = lay.apply_unit(leaves, x)
+                y = lay.apply_unit(leaves, x, side)
             x = jnp.where(valid[r, j, l], y, x) if skip else y
         return x
+
+    def side_of(rest, mb):  # the units' side arrays (a mask), computed again on a stage after the first
+        return lay.pre(loss_fn, rest, mb)[1] if lay.calls.side_shapes else []
 
     def loss_aux(rest, mb, h):
         return _split_loss(lay.post(loss_fn, rest, mb, h), "make_train_step")
@@ -250,8 +260,8 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
                     if role in ("last", "only"):  # the loss comes with the backward's recomputation
                         return c, zero_act, zero_act
                     mb = mb_of(m)
-                    x = lay.pre(loss_fn, rest, mb) if role == "first" else c[0][xi]
-                    return c, chunk(sp, r, j, x), zero_act
+                    x, side = lay.pre(loss_fn, rest, mb) if role == "first" else (c[0][xi], side_of(rest, mb))
+                    return c, chunk(sp, r, j, x, side), zero_act
                 return f
 
             def bwd(role):
@@ -259,9 +269,10 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
                     xb, gb, gsp, grest, loss, aux = c
                     mb = mb_of(m)
                     first, last = role in ("first", "only"), role in ("last", "only")
+                    side = None if first else side_of(rest, mb)
 
                     def g(rest_, sp_, x):
-                        h = chunk(sp_, r, j, lay.pre(loss_fn, rest_, mb) if first else x)
+                        h = chunk(sp_, r, j, *(lay.pre(loss_fn, rest_, mb) if first else (x, side)))
                         if not last:
                             return h, aux0z
                         lo, ax = loss_aux(rest_, mb, h)

@@ -149,7 +149,7 @@ def segment_records(pm, lay, loss_fn, mb) -> dict[str, list] | None:
     unit = [lay.shapes[f"{lay.units[0]}/{rel}"] for rel in lay.rel]
     out = {}
     for name, f, args in (("pre", lambda r, b: lay.pre(loss_fn, r, b), (rest, mb)),
-                          ("unit", lambda ls, x: lay.apply_unit(ls, x), (unit, lay.act)),
+                          ("unit", lambda ls, x, sd: lay.apply_unit(ls, x, sd), (unit, lay.act, lay.calls.side_shapes)),
                           ("post", lambda r, b, h: lay.post(loss_fn, r, b, h), (rest, mb, lay.act))):
         hooks.records = []
         with hooks.installed(), (hooks.unit(lay.units[0]) if name == "unit" else contextlib.nullcontext()):

@@ -1,0 +1,195 @@
+"""Pipeline stages of models the project did not write, unchanged: Hugging Face's FlaxGPT2LMHeadModel and
+FlaxLlamaForCausalLM (their blocks take an attention mask and position ids beside the activation and return
+a tuple), and a flax.nnx model (its blocks in an ``nnx.List``).
+
+Each layout trains 20 AdamW steps equal to 1-device training within 1e-5 (f32), and its compiled step's
+collectives (permutes, all-reduces, all-gathers, reduce-scatters: count and bytes) equal the step's table.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmd
+from spmd.parallel import (ColwiseParallel, RowwiseParallel, fully_shard, hlo_executed_collectives, init_train_state,
+                           make_train_step, parallelize_module, pipeline, unshard_params)
+
+OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1, eps=1e-6))
+STEPS = 20
+VOCAB = 64
+
+
+def _batch(n=16, t=8):
+    tok = np.random.default_rng(0).integers(0, VOCAB, (n, t + 1))
+    return {"inputs": tok[:, :-1].astype(np.int32), "targets": tok[:, 1:].astype(np.int32)}
+
+
+def _ce(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def _hf_loss(mod):
+    return lambda p, b: _ce(mod(b["inputs"], params=p).logits, b)
+
+
+def _model(name):
+    """(model, params or None, loss_fn of a model, units glob, tp plan)."""
+    if name == "nnx":
+        from flax import nnx
+
+        from tests.third_party.nnx_mlp import TokenMLP
+
+        return TokenMLP(vocab=VOCAB, depth=4, rngs=nnx.Rngs(0)), None, lambda mod: lambda m, b: _ce(m(b["inputs"]), b), \
+            "blocks.*", None
+    transformers = pytest.importorskip("transformers")
+    if name == "hf_gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=4, n_head=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        hf = transformers.FlaxGPT2LMHeadModel(cfg, seed=0)
+        plan = {"transformer.h.*.mlp.c_fc": ColwiseParallel(dim=0), "transformer.h.*.mlp.c_proj": RowwiseParallel(dim=1)}
+        return hf, hf.params, _hf_loss, "transformer.h.*", plan
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16)
+    hf = transformers.FlaxLlamaForCausalLM(cfg, seed=0)
+    return hf, hf.params, _hf_loss, "model.layers.*", None
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(name):
+    """Per-step losses and final parameters of 1-device training."""
+    m, params, loss, *_ = _model(name)
+    if name == "nnx":
+        from flax import nnx
+
+        graphdef, params = nnx.split(m, nnx.Param)
+        lf = lambda p, b: loss(None)(nnx.merge(graphdef, p), b)  # noqa: E731
+    else:
+        lf = loss(m)
+    batch = _batch()
+
+    @jax.jit
+    def step(p, s):
+        value, g = jax.value_and_grad(lf)(p, batch)
+        u, s = OPT.update(g, s, p)
+        return optax.apply_updates(p, u), s, value
+
+    s, losses = OPT.init(params), []
+    for _ in range(STEPS):
+        params, s, value = step(params, s)
+        losses.append(float(value))
+    return losses, params
+
+
+CONFIGS = {  # name: (model, mesh, schedule, M, v, accum_steps)
+    "hf_gpt2-pp2dp4-1f1b": ("hf_gpt2", {"pp": 2, "dp": 4}, "1f1b", 2, 1, 1),
+    "hf_gpt2-pp2dp2tp2-1f1b": ("hf_gpt2", {"pp": 2, "dp": 2, "tp": 2}, "1f1b", 2, 1, 1),
+    "hf_llama-pp4dp2-1f1b-accum": ("hf_llama", {"pp": 4, "dp": 2}, "1f1b", 4, 1, 2),
+    "hf_llama-pp2fsdp4-gpipe": ("hf_llama", {"pp": 2, "fsdp": 4}, "gpipe", 2, 1, 1),
+    "nnx-pp2dp4-interleaved": ("nnx", {"pp": 2, "dp": 4}, "interleaved", 2, 2, 1),
+    "nnx-pp2fsdp4-1f1b": ("nnx", {"pp": 2, "fsdp": 4}, "1f1b", 2, 1, 1),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _run(config):
+    name, dims, sched, m_count, v, accum = CONFIGS[config]
+    model, params, loss, units, plan = _model(name)
+    mesh = spmd.init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+    if "tp" in dims:
+        model = parallelize_module(model, mesh["tp"], plan)
+    if "fsdp" in dims:
+        model = fully_shard(model, mesh=mesh["fsdp"])
+    pm = pipeline(model, mesh["pp"], units=units, num_microbatches=m_count, schedule=sched, stages_per_rank=v)
+    state = init_train_state(pm, OPT, params=params) if params is not None else init_train_state(pm, OPT)
+    step = make_train_step(pm, loss(pm), OPT, accum_steps=accum)
+    batch = _batch()
+    text = step.compiled(state, batch).as_text()
+    table = step.communication(state, batch)
+    losses = []
+    for _ in range(STEPS):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return dict(losses=losses, params=unshard_params(pm, state), text=text, table=table, pm=pm)
+
+
+def _cases():  # each configuration's tests on one xdist worker: they share its compiled run
+    return [pytest.param(c, id=c, marks=pytest.mark.xdist_group("ppm-" + c)) for c in CONFIGS]
+
+
+@pytest.mark.parametrize("config", _cases())
+def test_equals_one_device_training(config):
+    run = _run(config)
+    ref_losses, ref_params = _reference(CONFIGS[config][0])
+    np.testing.assert_allclose(run["losses"], ref_losses, rtol=1e-5, atol=1e-5)
+    flat, ref = jax.tree_util.tree_leaves_with_path(run["params"]), jax.tree_util.tree_leaves_with_path(ref_params)
+    assert [k for k, _ in flat] == [k for k, _ in ref]
+    for (k, a), (_, b) in zip(flat, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=str(k))
+    assert ref_losses[-1] < ref_losses[0] - 0.2  # it trained
+
+
+@pytest.mark.parametrize("config", _cases())
+def test_hlo_collectives_equal_table(config):
+    run = _run(config)
+    got, want = hlo_executed_collectives(run["text"], scalars=False), run["table"]
+    for kind in ("collective-permute", "all-reduce", "all-gather", "reduce-scatter"):
+        assert got[kind]["bytes"] == want[kind]["bytes"], kind
+    assert got["collective-permute"]["count"] == want["collective-permute"]["count"]
+    s, accum = run["pm"].schedule, CONFIGS[config][-1]
+    per_pass = s.num_microbatches * (s.num_stages - 1)  # one per micro-batch and stage boundary, each way
+    assert want["collective-permute"]["pairs"] == {"forward": per_pass * accum, "backward": per_pass * accum}
+    dims = CONFIGS[config][1]
+    assert (got["all-gather"]["bytes"] > 0) == ("fsdp" in dims)  # the stages gathered once per step under fsdp
+
+
+# --- what a stage cannot compute again is refused ----------------------------------------------------------
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, bias):
+        return x + nn.Dense(x.shape[-1])(x) + bias
+
+
+class _Biased(nn.Module):
+    """Blocks that take a side array: the same parameter (``shared``) or a different one per block (``per_unit``)."""
+    mode: str
+
+    @nn.compact
+    def __call__(self, tok):
+        x = nn.Embed(VOCAB, 8)(tok)
+        bias = self.param("bias", nn.initializers.zeros, (8,))
+        for i in range(2):
+            side = bias if self.mode == "shared" else jnp.full((8,), float(i))
+            x = _Block(name=f"layers_{i}")(x, side)
+        return x.sum()
+
+
+@pytest.mark.parametrize("mode,match", [("shared", "depends on the parameters"),
+                                        ("per_unit", "called with other arguments than 'layers_0'")])
+def test_side_arrays_a_stage_cannot_compute_again_are_refused(mode, match):
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    m = _Biased(mode)
+    params = m.init(jax.random.key(0), jnp.zeros((2, 4), jnp.int32))["params"]
+    pm = pipeline(m, mesh["pp"], units="layers_*", num_microbatches=2, schedule="1f1b")
+    state = init_train_state(pm, OPT, params=params)
+    step = make_train_step(pm, lambda p, b: pm.apply({"params": p}, b["inputs"]), OPT)
+    with pytest.raises(ValueError, match=match):
+        step.lower(state, {"inputs": np.zeros((16, 4), np.int32)})
+
+
+def test_tensor_parallel_stages_of_an_nnx_model_are_refused():
+    from flax import nnx
+
+    from tests.third_party.nnx_mlp import TokenMLP
+
+    mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    m = parallelize_module(TokenMLP(vocab=VOCAB, depth=2, rngs=nnx.Rngs(0)), mesh["tp"],
+                           {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()})
+    with pytest.raises(ValueError, match="tensor-parallel stages of an nnx model are not offered"):
+        pipeline(m, mesh["pp"], units="blocks.*", num_microbatches=2)
