@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import spmd
-from spmd.parallel import (ColwiseParallel, SplitPoint, build_schedule, fully_shard, hlo_executed_collectives,
+from spmd.parallel import (ColwiseParallel, MixedPrecisionPolicy, SplitPoint, build_schedule, fully_shard, hlo_executed_collectives,
                            init_train_state, make_train_step, parallelize_module, pipeline)
 from spmd.parallel import unshard_params
 from spmd._inspect import hlo_collectives
@@ -116,6 +116,7 @@ CONFIGS = {  # name: (model, mesh, schedule, M, v, accum_steps, unroll)
     "pp2dp4-gpipe-transformer-uneven-loop": ("transformer", (2, 4), "gpipe", 2, 1, 1, False),
     "pp2fsdp4-1f1b": ("llama", (2, 4), "1f1b", 2, 1, 1, True),  # the stages fully sharded over fsdp
     "pp2dp4-1f1b-split": ("llama", (2, 4), "1f1b", 2, 1, 1, True),  # SPLITS: stages of 1 and 3 layers
+    "pp2dp2fsdp2-hsdp-1f1b": ("llama", (2, 2, 2), "1f1b", 2, 1, 1, True),  # HSDP stages: cut over fsdp, dp averages
 }
 SPLITS = {"pp2dp4-1f1b-split": {"layers_1": SplitPoint.BEGINNING}}  # torch's split_spec
 
@@ -124,10 +125,10 @@ SPLITS = {"pp2dp4-1f1b-split": {"layers_1": SplitPoint.BEGINNING}}  # torch's sp
 def _run(config):
     name, shape, sched, m_count, v, accum, unroll = CONFIGS[config]
     model, params, units = _model(name)
-    data = "fsdp" if "fsdp" in config else "dp"
-    mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=("pp", data))
-    if data == "fsdp":
-        model = fully_shard(model, mesh=mesh["fsdp"])
+    data = ("dp", "fsdp") if "hsdp" in config else ("fsdp",) if "fsdp" in config else ("dp",)
+    mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=("pp", *data))
+    if "fsdp" in data:
+        model = fully_shard(model, mesh=mesh[data])
     pm = pipeline(model, mesh["pp"], units=units, num_microbatches=m_count, schedule=sched, stages_per_rank=v,
                   unroll=unroll, split_points=SPLITS.get(config))
     state = init_train_state(pm, OPT, params=params)
@@ -140,7 +141,7 @@ def _run(config):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     return dict(pm=pm, losses=losses, params=unshard_params(pm, state), text=compiled.as_text(),
-                memory=compiled.memory_analysis(), table=table, n_data=shape[1], accum=accum)
+                memory=compiled.memory_analysis(), table=table, n_data=int(np.prod(shape[1:])), accum=accum)
 
 
 def _cases(names):
@@ -256,9 +257,12 @@ def test_errors(mesh_pp):
         pipeline(pm, pp, num_microbatches=2)
     with pytest.raises(ValueError, match=re.escape("is pipelined; apply fully_shard to the plain model first")):
         fully_shard(pm, mesh=mesh_pp["dp"])
-    with pytest.raises(ValueError, match=re.escape("pipeline composes with fully_shard(model, mesh=mesh['fsdp']) (1-D, "
-                                                   "no mp_policy) or parallelize_module(model, mesh['tp'], plan) only")):
+    with pytest.raises(ValueError, match=re.escape("holds the dim 'pp' the model is laid out on; pipeline over another "
+                                                   "dim of the mesh (mesh['pp'])")):
         pipeline(fully_shard(m, mesh=mesh_pp["pp", "dp"]), pp, num_microbatches=2)
+    bf16 = MixedPrecisionPolicy(param_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=re.escape("mixed precision under a pipeline is not offered; leave mp_policy out")):
+        pipeline(fully_shard(m, mesh=mesh_pp["dp"], mp_policy=bf16), pp, num_microbatches=2)
 
 
 def test_split_point_and_tp_errors(mesh_pp):
@@ -283,10 +287,7 @@ def test_split_point_and_tp_errors(mesh_pp):
     assert (end.stage_units, end.rows) == ([[0, 1, 2], [3]], [0, 1, 2, 3, -1, -1])  # the next stage after layers_2
     mesh3 = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     tpm = parallelize_module(m, mesh3["tp"], {"layers_*.mlp.up_proj": ColwiseParallel()})
-    with pytest.raises(ValueError, match=re.escape("is both tensor-parallel and fully sharded; under a pipeline the "
-                                                   "stages take one of them: pipeline(parallelize_module(model")):
-        pipeline(fully_shard(tpm, mesh=mesh3["dp"]), mesh3["pp"], num_microbatches=2)
-    with pytest.raises(ValueError, match=re.escape("holds the tensor-parallel dim 'tp'; pipeline over another dim")):
+    with pytest.raises(ValueError, match=re.escape("holds the dim 'tp' the model is laid out on; pipeline over another dim")):
         pipeline(tpm, mesh3["tp"], num_microbatches=2)
     with pytest.raises(ValueError, match=re.escape("is pipelined; apply parallelize_module to the plain model first, "
                                                    "then pipeline it: pipeline(parallelize_module(model, ...)")):

@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -105,6 +107,36 @@ def test_pp_dp_tp_1f1b_job_equals_dp8():
 
 
 @GROUP
+def test_pp_fsdp_tp_1f1b_job_equals_dp8():
+    """pipeline(fully_shard(parallelize_module(model, mesh['tp'], plan), mesh=mesh['fsdp']), mesh['pp'], ...)."""
+    dp, ft = _job("dp=8"), _job(mesh="pp=2,fsdp=2,tp=2", schedule="1f1b", microbatches=2)
+    np.testing.assert_allclose(_losses(ft["summary"]), _losses(dp["summary"]), rtol=0, atol=1e-5)
+    assert ft["saved"]["mesh"] == {"pp": 2, "fsdp": 2, "tp": 2}
+    coll = ft["saved"]["collectives"]  # the stages gathered over fsdp once per step, their gradients cut once
+    assert coll["all-gather"]["bytes"] == coll["reduce-scatter"]["bytes"] > 0
+
+
+@GROUP
+def test_4d_pp_dp_fsdp_tp_job_on_16_devices_equals_dp8(tmp_path):
+    """The 4-D mesh pp=2,dp=2,fsdp=2,tp=2: a job in its own process with 16 CPU devices, the same losses."""
+    flags = ["--mesh", "pp=2,dp=2,fsdp=2,tp=2", "--schedule", "1f1b", "--microbatches", "2", "--out", str(tmp_path),
+             "--no-progress"]
+    for k, v in JOB.items():
+        if k != "progress":
+            flags += [f"--{k.replace('_', '-')}", str(v)]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16 --xla_backend_optimization_level=0")
+    out = subprocess.run([sys.executable, "-m", "models.train", *flags], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(tmp_path / "metrics.json") as f:
+        saved = json.load(f)
+    assert saved["mesh"] == {"pp": 2, "dp": 2, "fsdp": 2, "tp": 2}
+    np.testing.assert_allclose([h["loss"] for h in saved["history"]], _losses(_job("dp=8")["summary"]), rtol=0,
+                               atol=1e-5)
+    assert saved["collectives"]["all-gather"]["bytes"] == saved["collectives"]["reduce-scatter"]["bytes"] > 0
+
+
+@GROUP
 def test_pp_job_resumes_with_its_saved_pipeline_flags(tmp_path):
     done = _job(**PP)
     out = str(tmp_path / "run")
@@ -137,12 +169,9 @@ def test_job_schedules_are_spmds():
     (dict(mesh="pp=2,fsdp=4", schedule="interleaved", stages_per_rank=2, layers=3),
      "--layers=3 is fewer than the 4 pipeline stages (pp=2 x --stages-per-rank=2); use --layers >= 4"),
     (dict(mesh="pp=2,fsdp=4", model="mlp"), "--mesh='pp=2,fsdp=4' pipelines the transformer's blocks over pp, but --model='mlp'"),
-    (dict(mesh="pp=2,fsdp=2,tp=2"), "--mesh='pp=2,fsdp=2,tp=2' gives pp with both fsdp and tp; a pipeline's "
-     "tensor-parallel stages do not take fsdp: use dp beside pp and tp (e.g. --mesh pp=2,dp=2,tp=2)"),
     (dict(mesh="pp=2,dp=2,tp=2", batch_size=6), "--microbatches=2 does not divide the 3 examples each "
      "data-parallel replica runs per step (--batch-size=6 over the dp size 2); use --microbatches from [3] or a "
      "--batch-size that is a multiple of 4."),
-    (dict(mesh="pp=2,dp=2,fsdp=2"), "--mesh='pp=2,dp=2,fsdp=2' gives pp with both dp and fsdp (HSDP), which a pipeline does not offer"),
     (dict(mesh="pp=2,fsdp=4", microbatches=3), "--microbatches=3 does not divide the 4 examples each data-parallel "
      "replica runs per step (--batch-size=16 over the fsdp size 4); use --microbatches from [2, 4] or a "
      "--batch-size that is a multiple of 12."),

@@ -18,7 +18,7 @@ import pytest
 
 import spmd
 from models._plans import transformer_tp_plan
-from spmd.parallel import (hlo_executed_collectives, init_train_state, make_train_step, parallelize_module, pipeline,
+from spmd.parallel import (fully_shard, hlo_executed_collectives, init_train_state, make_train_step, parallelize_module, pipeline,
                            unshard_params)
 from spmd.parallel._pipeline_comm import hlo_permute_pairs
 
@@ -66,19 +66,22 @@ def _reference():
     return losses, p
 
 
-CONFIGS = {  # name: (sequence parallel, schedule, M, v, accum_steps)
-    "megatron-1f1b": (False, "1f1b", 2, 1, 1),
-    "sp-gpipe-accum": (True, "gpipe", 2, 1, 2),
-    "megatron-interleaved": (False, "interleaved", 2, 2, 1),
+CONFIGS = {  # name: (sequence parallel, schedule, M, v, accum_steps, the data dim)
+    "megatron-1f1b": (False, "1f1b", 2, 1, 1, "dp"),
+    "sp-gpipe-accum": (True, "gpipe", 2, 1, 2, "dp"),
+    "megatron-interleaved": (False, "interleaved", 2, 2, 1, "dp"),
+    "megatron-fsdp-1f1b": (False, "1f1b", 2, 1, 1, "fsdp"),  # the stages cut over fsdp and tp on two dims
 }
 
 
 @functools.lru_cache(maxsize=None)
 def _run(config):
-    sp, sched, m_count, v, accum = CONFIGS[config]
+    sp, sched, m_count, v, accum, data = CONFIGS[config]
     model, params = _model()
-    mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", data, "tp"))
     tpm = parallelize_module(model, mesh["tp"], transformer_tp_plan(sp))
+    if data == "fsdp":
+        tpm = fully_shard(tpm, mesh=mesh["fsdp"])
     pm = pipeline(tpm, mesh["pp"], units="block_*", num_microbatches=m_count, schedule=sched, stages_per_rank=v)
     state = init_train_state(pm, OPT, params=params)
     step = make_train_step(pm, _loss(pm), OPT, accum_steps=accum)
@@ -116,7 +119,9 @@ def test_stage_parameters_carry_the_tp_cut(config):
     mesh = dict(zip(plan.mesh_dim_names, plan.mesh_shape))
     qkv = plan.entry("stages/attn/qkv/kernel")  # (stages, D, 3, H, D/H): heads cut over tp, stages over pp
     assert (str(qkv.placements[0]), str(qkv.placements[2])) == ("S(0)", "S(3)")
-    assert qkv.local_shape == (qkv.shape[0] // mesh["pp"], D, 3, 1, D // 2)
+    fsdp = CONFIGS[config][-1] == "fsdp"  # fsdp cuts the largest dim tp does not: D
+    assert str(qkv.placements[1]) == ("S(1)" if fsdp else "R")
+    assert qkv.local_shape == (qkv.shape[0] // mesh["pp"], D // 2 if fsdp else D, 3, 1, D // 2)
     emb = plan.entry("rest/embed/embedding")  # vocabulary-parallel, replicated over pp
     assert (str(emb.placements[0]), str(emb.placements[2])) == ("R", "S(0)")
     arr = state.params["stages"]["attn/qkv/kernel"]
@@ -142,7 +147,9 @@ def test_hlo_collectives_equal_table(config):
     if not CONFIGS[config][0]:  # Megatron: every kind exact
         for kind in ("all-reduce", "all-gather", "reduce-scatter"):
             assert got[kind]["bytes"] == want[kind]["bytes"], kind
-        assert got["all-gather"]["count"] == want["tp"]["program"]["all-gather"]["count"]
+        # the tp gathers, plus (fsdp) one gather per stage parameter cut over fsdp, once per step
+        assert got["all-gather"]["count"] == want["tp"]["program"]["all-gather"]["count"] + want["all-gather"]["buffers"]
+        assert want["all-gather"]["buffers"] == (11 if CONFIGS[config][-1] == "fsdp" else 0)
     else:  # sequence parallel: exact but for the position table's gradient (whole over tp, read on the
         # device's positions in global view): GSPMD reduces its position-cut half over pp x dp and gathers it
         # over tp once per pass, which the table (its whole gradient in the all-reduce) does not model

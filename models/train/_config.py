@@ -235,13 +235,6 @@ def _check_pipeline(cfg: Config, dims: dict) -> None:
     if cfg.layers < pp * v:
         raise ValueError(f"models.train: --layers={cfg.layers} is fewer than the {pp * v} pipeline stages (pp={pp} x "
                          f"--stages-per-rank={v}); use --layers >= {pp * v} or fewer stages.")
-    if "tp" in dims and "fsdp" in dims:
-        raise ValueError(f"models.train: --mesh={cfg.mesh!r} gives pp with both fsdp and tp; a pipeline's "
-                         "tensor-parallel stages do not take fsdp: use dp beside pp and tp (e.g. --mesh "
-                         "pp=2,dp=2,tp=2), or pp with fsdp and no tp (e.g. --mesh pp=2,fsdp=4).")
-    if dims.get("dp", 1) > 1 and dims.get("fsdp", 1) > 1:
-        raise ValueError(f"models.train: --mesh={cfg.mesh!r} gives pp with both dp and fsdp (HSDP), which a pipeline "
-                         "does not offer; use one of them beside pp (e.g. --mesh pp=2,fsdp=4).")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,

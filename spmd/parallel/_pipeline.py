@@ -42,9 +42,10 @@ stages once per step, holds them through the schedule (torch's ``reshard_after_f
 choice under pipelining: a re-gather per micro-batch would multiply the traffic by M) and reduce-scatters
 their gradients once; the optimizer state stays cut. The rest (embeddings, head) stays replicated.
 ``pipeline(parallelize_module(model, mesh["tp"], plan), mesh["pp"], ...)``: tensor-parallel stages, the
-region automatic over tp and the tp hooks inside each stage (``spmd.parallel._pipeline_tp``).
-Not offered: fsdp and tp together under a pipeline, HSDP, mixed precision, tp stages of an nnx model,
-dropout rngs.
+region automatic over tp and the tp hooks inside each stage (``spmd.parallel._pipeline_tp``); both
+(``fully_shard(parallelize_module(...), mesh=mesh["fsdp"])``): the stages cut over fsdp and tp on two dims,
+``pp x dp x fsdp x tp``. HSDP (``fully_shard(model, mesh=mesh["dp", "fsdp"])``): the stages cut over fsdp,
+their shards averaged over dp. Not offered: mixed precision, tp stages of an nnx model, dropout rngs.
 """
 
 from __future__ import annotations
@@ -218,11 +219,13 @@ class Layout:
 
     def fsdp_dim(self, rel: str) -> int | None:
         """The dim of stacked stage parameter ``rel`` cut over the fsdp dim: its largest dim after the stacked
-        one that the fsdp size divides (None: kept whole, as a vector too short to cut)."""
+        one that the fsdp size divides and tp does not cut (None: kept whole, as a vector too short to cut)."""
         if self.n_fsdp <= 1:
             return None
         shape = self.shapes[f"{self.units[0]}/{rel}"].shape
-        ok = [d for d in range(len(shape)) if shape[d] % self.n_fsdp == 0]
+        tp_cut = tp_placements(self._pm, self)[0].get(rel)  # fsdp cuts another dim than tp (stacked: one later)
+        ok = [d for d in range(len(shape)) if shape[d] % self.n_fsdp == 0
+              and not (isinstance(tp_cut, Shard) and tp_cut.dim == d + 1)]
         return 1 + max(ok, key=lambda d: shape[d]) if ok else None
 
     def _make_plan(self, mesh: DeviceMesh, pp: str) -> ParamPlan:

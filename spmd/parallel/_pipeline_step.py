@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from spmd.parallel._nnx import nnx_params
 from spmd.parallel._pipeline_calls import model_kind
 from spmd.parallel._pipeline_comm import REST, STAGES, format_pipeline_communication, pipeline_communication
-from spmd.parallel._pipeline_tp import reduce_tp_aware, segment_records, stage_hooks
+from spmd.parallel._pipeline_tp import map_tp_aware, reduce_tp_aware, segment_records, stage_hooks
 from spmd.parallel._shard import entry_sharding, map_like_params
 from spmd.parallel._step import TrainState, _as_arrays, _check_batch, _split_loss, state_shardings
 
@@ -226,6 +226,8 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
         return _split_loss(lay.post(loss_fn, rest, mb, h), "make_train_step")
 
     fd = {rel: lay.fsdp_dim(rel) for rel in lay.rel}  # stage parameters cut over fsdp: gathered once per step
+    rels = list(lay.rel)
+    st_entries = [plan.entry(f"{STAGES}/{rel}") for rel in rels]
 
     def region(stored, batch):
         with hooks.installed() if hooks else contextlib.nullcontext():
@@ -234,8 +236,8 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
     def region_body(stored, batch):
         r = lax.axis_index(ppd)
         sp, rest = stored[STAGES], stored[REST]
-        sp = {rel: x if fd[rel] is None else lax.all_gather(x, lay.fsdp, axis=fd[rel], tiled=True)
-              for rel, x in sp.items()}
+        sp = dict(zip(rels, map_tp_aware(hooks, st_entries, [sp[rel] for rel in rels], lambda i, x: x if fd[rels[i]] is None
+                                         else lax.all_gather(x, lay.fsdp, axis=fd[rels[i]], tiled=True))))
         n_local = jax.tree.leaves(batch)[0].shape[0]
         micro = jax.tree.map(lambda x: x.reshape(accum_steps, m_count, n_local // (accum_steps * m_count),
                                                  *x.shape[1:]), batch)
@@ -348,8 +350,9 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
             hooks, [plan.entry(f"{REST}/{p}") for p in rp], [grest[p] for p in rp], (ppd, *data))]))
         metrics = jax.tree.map(lambda g: g / n_data, lax.psum(metrics, (ppd, *data)))
         cut = {rel for rel in lay.rel if fd[rel] is not None}  # reduce-scattered over fsdp (the gather's transpose)
-        gsp = {rel: lax.psum_scatter(g, lay.fsdp, scatter_dimension=fd[rel], tiled=True) / lay.n_fsdp
-               if rel in cut else g for rel, g in gsp.items()}
+        gsp = dict(zip(rels, map_tp_aware(hooks, st_entries, [gsp[rel] for rel in rels], lambda i, g: g if fd[rels[i]] is None
+                                          else lax.psum_scatter(g, lay.fsdp, scatter_dimension=fd[rels[i]], tiled=True)
+                                          / lay.n_fsdp)))
         others = tuple(d for d in data if d != lay.fsdp)
         whole = {rel: g for rel, g in gsp.items() if rel not in cut}
         if data and whole:
@@ -357,8 +360,10 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
             whole = dict(zip(wr, reduce_tp_aware(hooks, [plan.entry(f"{STAGES}/{rel}") for rel in wr],
                                                  [whole[rel] for rel in wr], data, lax.pmean)))
         shards = {rel: g for rel, g in gsp.items() if rel in cut}
-        if others and shards:
-            shards = lax.pmean(shards, others)
+        if others and shards:  # HSDP: the shards averaged over the other data dims
+            sr = list(shards)
+            shards = dict(zip(sr, reduce_tp_aware(hooks, [plan.entry(f"{STAGES}/{rel}") for rel in sr],
+                                                  [shards[rel] for rel in sr], others, lax.pmean)))
         gsp = {**whole, **shards}
         return {STAGES: gsp, REST: grest}, metrics
 

@@ -27,8 +27,10 @@ by segment (``segment_records``: the pre-unit code, one unit, the post-unit code
 over ticks of the branches some rank runs then. The activation crosses a stage boundary cut over tp when
 the unit's last styled call leaves it cut (sequence parallelism): ``1 / tp`` of the permute bytes.
 
-Not offered with tp: ``fully_shard`` of the stages (fsdp and tp together under a pipeline); a checkpoint
-(``PipelineModule.unstack_state``) holds the units whole over tp.
+With ``fully_shard`` too (``pipeline(fully_shard(parallelize_module(model, mesh["tp"], plan),
+mesh=mesh["fsdp"]), mesh["pp"])``), each stacked stage parameter is cut over fsdp on another dim than its
+tp cut, gathered once per step and its gradient reduce-scattered once, both in regions manual over tp
+(``map_tp_aware``). A checkpoint (``PipelineModule.unstack_state``) holds the units whole over tp.
 """
 
 from __future__ import annotations
@@ -43,34 +45,29 @@ from placements import Placement, Replicate, Shard
 from spmd.parallel._hooks import Hooks
 from spmd.parallel._param_plan import ParamPlan
 
-__all__ = ["StageHooks", "tp_placements", "stage_hooks", "reduce_tp_aware", "unwrap_layouts"]
+__all__ = ["StageHooks", "tp_placements", "stage_hooks", "map_tp_aware", "reduce_tp_aware", "unwrap_layouts"]
 
 
 def unwrap_layouts(model, mesh, where: str) -> tuple[Any, str | None, Any]:
-    """``(plain model, the fsdp dim or None, the tp layout (a ParallelModule) or None)`` of ``pipeline``'s
-    model: ``fully_shard(model, mesh=mesh['fsdp'])`` (1-D, no mp_policy) or ``parallelize_module(model,
-    mesh['tp'], plan)``, not both."""
+    """``(plain model, the fsdp shard dim or None, the tp layout (a ParallelModule) or None)`` of
+    ``pipeline``'s model: ``fully_shard(model, mesh=mesh['fsdp'])`` (or HSDP's ``mesh['dp', 'fsdp']``; no
+    mp_policy), ``parallelize_module(model, mesh['tp'], plan)``, or both."""
     from spmd.parallel._transforms import ParallelModule
 
     if not isinstance(model, ParallelModule):
         return model, None, None
-    if model.tp is not None and model.fsdp is not None:
-        raise ValueError(f"{where}: model={model!r} is both tensor-parallel and fully sharded; under a pipeline the "
-                         "stages take one of them: pipeline(parallelize_module(model, mesh['tp'], plan), mesh['pp'], "
-                         "...) (the other dims data-parallel) or pipeline(fully_shard(model, mesh=mesh['fsdp']), "
-                         "mesh['pp'], ...).")
-    if model.tp is None and (model.fsdp is None or model.fsdp.replicate_dims or model.fsdp.mp_policy):
-        raise ValueError(f"{where}: model={model!r}: pipeline composes with fully_shard(model, mesh=mesh['fsdp']) "
-                         "(1-D, no mp_policy) or parallelize_module(model, mesh['tp'], plan) only; HSDP and mixed "
-                         "precision with pipeline are not offered: leave them out (the mesh's other dims train "
-                         "data-parallel).")
+    if model.fsdp is not None and model.fsdp.mp_policy:
+        raise ValueError(f"{where}: model={model!r}: mixed precision under a pipeline is not offered; leave mp_policy "
+                         "out of fully_shard.")
     if model.mesh != mesh.root_mesh:
         raise ValueError(f"{where}: mesh={mesh!r} is not cut from the mesh the model was sharded on "
                          f"({model.mesh!r}); cut every sub-mesh from one mesh.")
-    if model.tp is not None and model.tp.mesh_dim in mesh.mesh_dim_names:
-        raise ValueError(f"{where}: mesh={mesh!r} holds the tensor-parallel dim {model.tp.mesh_dim!r}; pipeline "
-                         "over another dim of the mesh (mesh['pp']).")
-    return model.module, (model.fsdp.shard_dim if model.tp is None else None), (model if model.tp else None)
+    laid = {model.tp.mesh_dim} if model.tp else set()
+    laid |= {model.fsdp.shard_dim, *model.fsdp.replicate_dims} if model.fsdp else set()
+    if laid & set(mesh.mesh_dim_names):
+        raise ValueError(f"{where}: mesh={mesh!r} holds the dim {sorted(laid & set(mesh.mesh_dim_names))[0]!r} the "
+                         "model is laid out on; pipeline over another dim of the mesh (mesh['pp']).")
+    return model.module, (model.fsdp.shard_dim if model.fsdp else None), (model if model.tp else None)
 
 
 def user_plan(pm, lay) -> ParamPlan:
@@ -113,6 +110,22 @@ class StageHooks(Hooks):
 
 def stage_hooks(pm, lay) -> StageHooks | None:
     return StageHooks(pm.tp, user_plan(pm, lay), gather_units=False) if pm.tp is not None else None
+
+
+def map_tp_aware(hooks: StageHooks | None, entries: Sequence, leaves: Sequence[Any], fn) -> list:
+    """``fn(i, leaf)`` of each leaf (``entries``: their stored plan entries), the tp-cut ones in a region manual
+    over tp too (each device its tp block: a collective over a data dim never sees a tp-sharded operand)."""
+    leaves = list(leaves)
+    if hooks is None:
+        return [fn(i, x) for i, x in enumerate(leaves)]
+    cut = [i for i, e in enumerate(entries) if isinstance(e.placements[hooks.ti], Shard)]
+    out = [x if i in cut else fn(i, x) for i, x in enumerate(leaves)]
+    if cut:
+        ys = hooks.island(lambda *xs: tuple(fn(i, x) for i, x in zip(cut, xs)), [entries[i] for i in cut],
+                          [leaves[i] for i in cut])
+        for i, y in zip(cut, ys):
+            out[i] = y
+    return out
 
 
 def reduce_tp_aware(hooks: StageHooks | None, entries: Sequence, leaves: Sequence[Any], axes: tuple[str, ...],
