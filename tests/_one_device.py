@@ -25,3 +25,13 @@ def train_one_device(params, batches, loss_fn, optimizer, *, has_aux: bool = Fal
         state, loss = step(state, b)
         losses.append(float(loss))
     return losses, state
+
+
+def assert_trees_close(got, ref, *, atol: float = 1e-5) -> None:
+    """``got`` and ``ref`` hold the same paths, each leaf equal within ``atol`` (and the same relative tolerance)."""
+    import numpy as np
+
+    flat, want = jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves_with_path(ref)
+    assert [k for k, _ in flat] == [k for k, _ in want]
+    for (k, a), (_, b) in zip(flat, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=atol, atol=atol, err_msg=jax.tree_util.keystr(k))

@@ -20,6 +20,7 @@ import pytest
 import spmd
 from spmd.parallel import (ColwiseParallel, RowwiseParallel, fully_shard, hlo_executed_collectives, init_train_state,
                            make_train_step, parallelize_module, pipeline, unshard_params)
+from tests._one_device import assert_trees_close, train_one_device
 
 OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1, eps=1e-6))
 STEPS = 20
@@ -72,19 +73,8 @@ def _reference(name):
         lf = lambda p, b: loss(None)(nnx.merge(graphdef, p), b)  # noqa: E731
     else:
         lf = loss(m)
-    batch = _batch()
-
-    @jax.jit
-    def step(p, s):
-        value, g = jax.value_and_grad(lf)(p, batch)
-        u, s = OPT.update(g, s, p)
-        return optax.apply_updates(p, u), s, value
-
-    s, losses = OPT.init(params), []
-    for _ in range(STEPS):
-        params, s, value = step(params, s)
-        losses.append(float(value))
-    return losses, params
+    losses, state = train_one_device(params, [_batch()] * STEPS, lf, OPT)
+    return losses, state.params
 
 
 CONFIGS = {  # name: (model, mesh, schedule, M, v, accum_steps)
@@ -128,10 +118,7 @@ def test_equals_one_device_training(config):
     run = _run(config)
     ref_losses, ref_params = _reference(CONFIGS[config][0])
     np.testing.assert_allclose(run["losses"], ref_losses, rtol=1e-5, atol=1e-5)
-    flat, ref = jax.tree_util.tree_leaves_with_path(run["params"]), jax.tree_util.tree_leaves_with_path(ref_params)
-    assert [k for k, _ in flat] == [k for k, _ in ref]
-    for (k, a), (_, b) in zip(flat, ref):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=str(k))
+    assert_trees_close(run["params"], ref_params, atol=1e-5)
     assert ref_losses[-1] < ref_losses[0] - 0.2  # it trained
 
 
