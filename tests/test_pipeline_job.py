@@ -1,9 +1,10 @@
 """The training job with a ``pp`` mesh dim: ``python -m models.train --mesh pp=2,fsdp=4 --schedule 1f1b`` (and ``pp=2,dp=2,tp=2``).
 
 A short run gives the per-step losses of ``--mesh dp=8`` (same seed, same batches); ``metrics.json`` carries
-the schedule, its bubble (formula and the idle ticks of the tick table the step compiled) and the compiled
-step's peak temporaries; a run resumes with its saved pipeline flags. Bad pipeline flags are refused before
-any compile, naming the flag, the value and the fix.
+the schedule, its bubble (formula and the idle ticks of the tick table the step compiled), the activation
+stash measured from ``memory_analysis()`` (equal to the schedule's bound) and the compiled step's
+temporaries; a run resumes with its saved pipeline flags. Bad pipeline flags are refused before any
+compile, naming the flag, the value and the fix.
 """
 
 from __future__ import annotations
@@ -76,7 +77,12 @@ def test_pp_job_metrics_carry_the_schedule_bubble_and_memory():
     assert got["activation_bytes"] == act
     assert got["activation_slots"] == max(s.x_slots) == min(pp, m)
     assert got["activation_bound_bytes"] == (max(s.x_slots) + max(s.g_slots)) * act
-    assert got["peak_activation_bytes"] >= got["activation_bound_bytes"]
+    # the stash measured from memory_analysis() (spmd.parallel._pipeline_memory; the loop form at M = 2, 3 of
+    # gpipe and this 1f1b's M = 2) is the bound to the byte; the job's own step's temp holds it and more
+    assert got["activation_bytes_per_slot"] == act
+    assert got["activation_measured_bytes"] == got["activation_bound_bytes"]
+    assert got["activation_measure_compiles"] == 3
+    assert got["peak_temp_bytes"] >= got["activation_bound_bytes"]
     assert got["transfers"] == {"forward": m * (pp - 1), "backward": m * (pp - 1)}
     coll = _job(**PP)["saved"]["collectives"]  # from the compiled step: one permute per micro-batch each way
     assert coll["collective-permute"] == {"count": 2 * m, "bytes": 2 * m * act}
@@ -96,6 +102,7 @@ def test_pp_dp_tp_1f1b_job_equals_dp8():
     got = pt["saved"]["pipeline"]
     assert (got["schedule"], got["pp"], got["microbatches"], got["stages_per_rank"]) == ("1f1b", 2, 2, 1)
     assert got["transfers"] == {"forward": 2, "backward": 2}
+    assert got["activation_measured_bytes"] == got["activation_bound_bytes"]  # tp stages too: measured = bound
     # the compiled step: one permute per micro-batch each way, a whole (Megatron: replicated over tp) activation
     # of the dp replica's micro-batch; the tp terms' row-parallel all-reduces beside them (tests/test_pipeline_tp
     # checks those against the table exactly)

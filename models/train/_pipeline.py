@@ -3,9 +3,14 @@
 - ``bubble_formula``: ``(pp - 1) / (M + pp - 1)`` (gpipe, 1f1b) or ``(pp - 1) / (v M + pp - 1)`` (interleaved);
 - ``bubble_measured``: the idle rank-ticks of the tick table the step is compiled from (one action per
   rank per tick, a chunk's forward and backward one tick each), over all rank-ticks;
-- ``peak_activation_bytes``: the compiled step's temporaries (``compiled.memory_analysis()``'s
-  ``temp_size_in_bytes``: the activation slots, the gathered stages and their gradients), beside the
-  schedule's bound ``activation_bound_bytes`` (its activation and gradient slots, one micro-batch each).
+- ``activation_bound_bytes``: the schedule's bound (its activation and gradient slots, one micro-batch each);
+  ``activation_measured_bytes``: the memory the stash takes per device, measured from
+  ``compiled.memory_analysis()`` by ``spmd.parallel._pipeline_memory.measure_activation_stash`` (its module
+  doc: the method), with ``activation_bytes_per_slot`` (what one more live micro-batch costs, fitted) and
+  ``activation_measure_compiles``: the extra compiles it took (the step's loop form, the state donated, at a
+  few micro-batch counts), made for these metrics only;
+- ``peak_temp_bytes``: the job's compiled step's temporaries (``memory_analysis()``'s ``temp_size_in_bytes``:
+  the stash, the chunk's working buffers, the gathered stages and their gradients).
 
 The collectives are read from the same compiled step (``step.compiled``: the executable the loop ran, not a
 second compile).
@@ -13,28 +18,35 @@ second compile).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
+from models.train._programs import make_loss_fn
 from spmd.parallel import hlo_executed_collectives
+from spmd.parallel._pipeline_memory import measure_activation_stash
 
 __all__ = ["pipeline_report"]
 
 
-def pipeline_report(train_step: Callable, state: Any, batch: Any) -> tuple[dict, dict]:
-    """``(collectives, pipeline)`` of a pipelined step: kind -> ``{"count", "bytes"}`` per step, and the
-    schedule's section of ``metrics.json`` (see the module doc)."""
+def pipeline_report(progs: Any, state: Any, batch: Any, accum_steps: int = 1) -> tuple[dict, dict]:
+    """``(collectives, pipeline)`` of a pipelined run's step (``progs``: its ``models.train._programs.Programs``):
+    kind -> ``{"count", "bytes"}`` per step, and the schedule's section of ``metrics.json`` (see the module doc)."""
+    train_step = progs.train_step
     compiled = train_step.compiled(state, batch)
     got = hlo_executed_collectives(compiled.as_text())
     collectives = {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in got.items() if v["count"]}
     s = train_step.schedule
     table = train_step.communication(state, batch)
     idle = sum(a is None for row in s.ticks for a in row)
+    stash = measure_activation_stash(progs.layout, make_loss_fn(progs.model), progs.optimizer, state, batch,
+                                     accum_steps=accum_steps)
     return collectives, {
         "schedule": s.name, "pp": s.pp, "microbatches": s.num_microbatches, "stages_per_rank": s.stages_per_rank,
         "ticks": len(s.ticks), "idle_rank_ticks": idle,
         "bubble_formula": s.formula, "bubble_measured": idle / (len(s.ticks) * s.pp),
         "activation_bytes": table["activation_bytes"], "activation_slots": table["activation_slots"],
         "gradient_slots": table["gradient_slots"], "activation_bound_bytes": table["activation_bound_bytes"],
-        "peak_activation_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+        "activation_measured_bytes": stash["measured"][0]["measured_bytes"],
+        "activation_bytes_per_slot": stash["bytes_per_slot"], "activation_measure_compiles": stash["compiles"],
+        "peak_temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
         "transfers": table["collective-permute"]["pairs"],
     }

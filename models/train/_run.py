@@ -217,7 +217,7 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
         step_batch = place_batch(task.batch(cfg.seed, 0, cfg.batch_size, lay), mesh, progs.batch_placements)
         pipe = chosen = None
         if progs.pipelined:
-            collectives, pipe = pipeline_report(progs.train_step, state, step_batch)
+            collectives, pipe = pipeline_report(progs, state, step_batch, accum_steps=cfg.accum_steps)
         elif choice is not None:  # one compile of the step for its collectives and its memory
             compiled = progs.train_step.lower(state, step_batch).compile()
             collectives = {k: {"count": v["count"], "bytes": v["bytes"]}
