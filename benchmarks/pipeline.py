@@ -15,8 +15,10 @@ Reported per layout:
   ``async`` (each rank starts an action as soon as its inputs exist, as an MPMD runtime would);
 - step time and samples/s (on a CPU host the 8 devices share the cores, so a rank's bubble is another
   rank's compute: the wall clock cannot show the bubble here; it shows each schedule's cost);
-- the compiled step's temp memory (``memory_analysis()``) and the schedule's activation bound (activation
-  + gradient slots x one micro-batch's activation), and the collective-permutes the HLO holds.
+- the compiled step's temp memory (``memory_analysis()``), the activation stash measured from
+  ``memory_analysis()`` (``spmd.parallel._pipeline_memory.measure_activation_stash``: extra loop-form
+  compiles, state donated) beside the schedule's bound (activation + gradient slots x one micro-batch's
+  activation), and the collective-permutes the HLO holds.
 
 torch (when installed): ``torch.distributed.pipelining`` with the same schedule (``ScheduleGPipe``,
 ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) and M, the same model split by hand into ``PipelineStage``s
@@ -115,6 +117,7 @@ def main(argv):
     from models import Transformer
     from spmd._inspect import hlo_collectives
     from spmd.parallel import hlo_executed_collectives, init_train_state, make_train_step, pipeline
+    from spmd.parallel._pipeline_memory import measure_activation_stash
 
     model = Transformer(vocab_size=VOCAB, max_len=SEQ, num_layers=LAYERS, d_model=D, num_heads=HEADS, mlp_ratio=2)
     params = model.init(jax.random.key(0), jnp.zeros((2, SEQ), jnp.int32))["params"]
@@ -123,7 +126,7 @@ def main(argv):
     batch = {"inputs": tok[:, :-1].astype(np.int32), "targets": tok[:, 1:].astype(np.int32)}
     mesh = spmd.init_device_mesh("cpu", (PP,), mesh_dim_names=("pp",))
     ms = (PP,) if quick else (PP, 2 * PP, 4 * PP)
-    runs = []
+    runs, stash_cache = [], {}  # the stash measurements' reference compiles, shared by the schedules
     for m in ms:
         for name, v in SCHEDULES:
             pm = pipeline(model, mesh["pp"], units="block_*", num_microbatches=m, schedule=name, stages_per_rank=v,
@@ -139,11 +142,12 @@ def main(argv):
             compiled = step.compiled(state, batch)
             compile_s = time.perf_counter() - t
             table = step.communication(state, batch)
+            stash = measure_activation_stash(pm, loss_fn, opt, state, batch, cache=stash_cache)["measured"][0]
             hlo = hlo_executed_collectives(compiled.as_text(), scalars=False)
             static = hlo_collectives(compiled.as_text())["collective-permute"]["count"]
             runs.append(dict(schedule=name, v=v, M=m, pp=PP, dp=DP, step=step, state=state, compile_s=compile_s,
                              table=table, memory=compiled.memory_analysis().temp_size_in_bytes,
-                             hlo_permutes=static,
+                             hlo_permutes=static, stash=stash,
                              hlo_all_reduce_bytes=hlo["all-reduce"]["bytes"]))
             print(f"compiled {name} M={m} in {compile_s:.1f} s", flush=True)
     # timed rounds, interleaved over the layouts
@@ -180,6 +184,7 @@ def main(argv):
             "compile_s": r["compile_s"], "temp_bytes": r["memory"], "activation_slots": tb["activation_slots"],
             "gradient_slots": tb["gradient_slots"], "activation_bytes": tb["activation_bytes"],
             "activation_bound_bytes": tb["activation_bound_bytes"],
+            "activation_measured_bytes": r["stash"]["measured_bytes"],
             "transfers_per_pipeline": tb["collective-permute"]["pairs"],
             "permute_ops_table": tb["collective-permute"]["count"],
             # the loop form holds one collective-permute per distinct pair set (run at the ticks that send)
@@ -193,7 +198,8 @@ def main(argv):
         print(f"{o['schedule']:>11} M={o['M']:>2}: bubble formula {o['bubble_formula']:.3f} table "
               f"{o['bubble_table']:.3f} timed lockstep {o['bubble_timed_lockstep']:.3f} async "
               f"{o['bubble_timed_async']:.3f}; step {o['step_ms']:.1f} ms ({o['samples_per_s']:.0f} samples/s); "
-              f"temp {o['temp_bytes']} B, activation bound {o['activation_bound_bytes']} B "
+              f"temp {o['temp_bytes']} B, activation measured {o['activation_measured_bytes']} B, bound "
+              f"{o['activation_bound_bytes']} B "
               f"({o['activation_slots']}+{o['gradient_slots']} slots); torch {o.get('torch')}", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     name = "pipeline_quick" if quick else "pipeline"

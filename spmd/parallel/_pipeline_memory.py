@@ -90,14 +90,15 @@ def _check(where, arg, value, name, pp, v, least):
 
 def measure_activation_stash(pm: PipelineModule, loss_fn: Callable, optimizer, state, batch: Any, *,
                              accum_steps: int = 1, reference: Sequence[int] | None = None,
-                             microbatches: Sequence[int] | None = None) -> dict:
+                             microbatches: Sequence[int] | None = None, cache: dict | None = None) -> dict:
     """The activation stash of ``pm``'s schedule per device, measured (see the module doc), beside its bound.
 
     ``state`` / ``batch``: what ``make_train_step(pm, loss_fn, optimizer, accum_steps=...)`` takes (their
     shapes and shardings; the micro-batch: ``batch``'s rows over data x M x accum). ``reference``: the
     micro-batch counts of the reference compiles (gpipe with one chunk per rank, else interleaved); default
     ``(2, 3)`` / ``(pp, 2 pp)``. ``microbatches``: the counts to measure ``pm``'s schedule at (default its
-    own ``M``), at the same micro-batch shape. Compiles ``len(reference) + len(microbatches)`` steps, less
+    own ``M``), at the same micro-batch shape. ``cache``: a dict shared by calls on one model, mesh and batch
+    (the schedules of a benchmark), so each reference compile is made once. Compiles ``len(reference) + len(microbatches)`` steps, less
     those that are reference ones (``compiles``). Returns the fit (``bytes_per_slot``, ``base_bytes``), the
     ``reference`` points (each with its ``residual_bytes`` off the line) and ``measured``: per count,
     ``measured_bytes`` beside ``bound_bytes``, with the compile's ``temp_bytes`` and ``table_bytes``."""
@@ -121,8 +122,12 @@ def measure_activation_stash(pm: PipelineModule, loss_fn: Callable, optimizer, s
     batch = _as_arrays(batch)
     per_m = np.shape(jax.tree.leaves(batch)[0])[0] // s.num_microbatches  # data x micro-batch rows x accum
     done: dict = {}
+    shared = cache if cache is not None else {}
 
     def point(name, m):
+        key = (name, m, per_m, accum_steps)
+        if (name, m) not in done and key in shared:
+            done[name, m] = shared[key]
         if (name, m) not in done:
             pv = _variant(pm, name, m)
             temp, act = _compile(pv, shapes, loss_fn, optimizer, state, batch, per_m * m, accum_steps)
@@ -130,6 +135,7 @@ def measure_activation_stash(pm: PipelineModule, loss_fn: Callable, optimizer, s
             done[name, m] = {"schedule": name, "num_microbatches": m, "activation_slots": max(r.x_slots),
                              "gradient_slots": max(r.g_slots), "temp_bytes": temp,
                              "table_bytes": _table_bytes(pv, pv.layout(shapes)), "act": act}
+            shared[key] = done[name, m]
         return done[name, m]
 
     pts = [point(ref_name, m) for m in ref]
