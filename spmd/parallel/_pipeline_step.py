@@ -229,6 +229,10 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
     rels = list(lay.rel)
     st_entries = [plan.entry(f"{STAGES}/{rel}") for rel in rels]
 
+    def over_fsdp(tree: dict, op) -> dict:  # op(x, dim) of each stage parameter cut over fsdp, on its tp block
+        return dict(zip(rels, map_tp_aware(hooks, st_entries, [tree[rel] for rel in rels],
+                                           lambda i, x: x if fd[rels[i]] is None else op(x, fd[rels[i]]))))
+
     def region(stored, batch):
         with hooks.installed() if hooks else contextlib.nullcontext():
             return region_body(stored, batch)
@@ -236,8 +240,7 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
     def region_body(stored, batch):
         r = lax.axis_index(ppd)
         sp, rest = stored[STAGES], stored[REST]
-        sp = dict(zip(rels, map_tp_aware(hooks, st_entries, [sp[rel] for rel in rels], lambda i, x: x if fd[rels[i]] is None
-                                         else lax.all_gather(x, lay.fsdp, axis=fd[rels[i]], tiled=True))))
+        sp = over_fsdp(sp, lambda x, d: lax.all_gather(x, lay.fsdp, axis=d, tiled=True))
         n_local = jax.tree.leaves(batch)[0].shape[0]
         micro = jax.tree.map(lambda x: x.reshape(accum_steps, m_count, n_local // (accum_steps * m_count),
                                                  *x.shape[1:]), batch)
@@ -350,9 +353,7 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
             hooks, [plan.entry(f"{REST}/{p}") for p in rp], [grest[p] for p in rp], (ppd, *data))]))
         metrics = jax.tree.map(lambda g: g / n_data, lax.psum(metrics, (ppd, *data)))
         cut = {rel for rel in lay.rel if fd[rel] is not None}  # reduce-scattered over fsdp (the gather's transpose)
-        gsp = dict(zip(rels, map_tp_aware(hooks, st_entries, [gsp[rel] for rel in rels], lambda i, g: g if fd[rels[i]] is None
-                                          else lax.psum_scatter(g, lay.fsdp, scatter_dimension=fd[rels[i]], tiled=True)
-                                          / lay.n_fsdp)))
+        gsp = over_fsdp(gsp, lambda g, d: lax.psum_scatter(g, lay.fsdp, scatter_dimension=d, tiled=True) / lay.n_fsdp)
         others = tuple(d for d in data if d != lay.fsdp)
         whole = {rel: g for rel, g in gsp.items() if rel not in cut}
         if data and whole:
