@@ -29,7 +29,6 @@ from models.train import Config, main
 from models.train._config import check_config, parse_bytes, resume_config
 from spmd import DeviceMesh
 from spmd.parallel import Calibration, hlo_executed_collectives
-from spmd.parallel._calibrate import cache_path
 
 pytestmark = pytest.mark.xdist_group("auto-job")  # the module's runs share a calibration cache and programs
 
@@ -54,7 +53,7 @@ def cache(tmp_path_factory):
     root = tmp_path_factory.mktemp("calibration")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPMD_CACHE_DIR", str(root))
-        path = cache_path(jax.devices())
+        path = Calibration.cache_path(jax.devices())
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             json.dump({"quick": False, "calibration": CAL.to_json()}, f)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -18,10 +19,10 @@ from models import Transformer
 from models._plans import transformer_tp_plan
 from spmd.parallel import (Calibration, ColwiseParallel, Layout, apply_layout, auto_layout, calibrate, hlo_executed_collectives,
                            init_train_state, make_train_step, weight_stationary_plan)
-from spmd.parallel._auto import candidate_layouts, default_loss, evaluate_layout
+from spmd.parallel._auto import _abstract, candidate_layouts, default_loss, evaluate_layout
 from spmd.parallel._auto_layout import infer_units
-from spmd.parallel._calibrate import COLLECTIVE_KINDS, _fit
-from spmd.parallel._memory import Profile
+from spmd.parallel._calibrate import COLLECTIVE_KINDS, _fit, _in_step, program_ops
+from spmd.parallel._memory import Profile, reference_cost
 
 VOCAB, T, B = 16, 8, 16
 pytestmark = pytest.mark.xdist_group("auto_layout")  # the tests share module fixtures that compile three steps
@@ -35,10 +36,11 @@ def PLAN(sequence_parallel, tp_size):
     return transformer_tp_plan(sequence_parallel, vocab_size=VOCAB, tp_size=tp_size)
 
 
-def _cal(lat=1e-4, bw=1e9, flops=1e10, ew=1e10) -> Calibration:
+def _cal(lat=1e-4, bw=1e9, flops=1e10, ew=1e10, op_s=0.0, measured=False) -> Calibration:
     return Calibration(collectives={k: (lat, bw) for k in ("all-gather", "reduce-scatter", "all-reduce",
                                                           "collective-permute")},
-                       matmul_flops_per_s=flops, elementwise_bytes_per_s=ew, dispatch_s=1e-4, group_size=8)
+                       matmul_flops_per_s=flops, elementwise_bytes_per_s=ew, dispatch_s=1e-4, group_size=8,
+                       op_s=op_s, measured=measured)
 
 
 @pytest.fixture(scope="module")
@@ -244,13 +246,17 @@ def test_calibrate_measures_caches_and_refreshes(tmp_path, monkeypatch):
     monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path))
     cal = calibrate(quick=True)
     assert cal.matmul_flops_per_s > 0 and cal.elementwise_bytes_per_s > 0 and cal.group_size == 8
-    assert set(cal.collectives) == set(COLLECTIVE_KINDS)
+    assert set(cal.collectives) == set(COLLECTIVE_KINDS) and cal.measured and cal.op_s >= 0
     files = list(tmp_path.iterdir())
+    assert [str(f) for f in files] == [Calibration.cache_path()]
     assert len(files) == 1 and json.loads(files[0].read_text())["calibration"]["group_size"] == 8
     assert calibrate(quick=True) == cal  # from the cache
     files[0].write_text(json.dumps({"quick": True, "calibration": {**cal.to_json(), "dispatch_s": 123.0}}))
     assert calibrate(quick=True).dispatch_s == 123.0 and calibrate(quick=True, refresh=True).dispatch_s != 123.0
     assert os.path.dirname(str(files[0])) == str(tmp_path)
+    old = {k: v for k, v in cal.to_json().items() if k not in ("op_s", "measured")}  # a cache from before op_s
+    files[0].write_text(json.dumps({"quick": True, "calibration": {**old, "dispatch_s": 123.0}}))
+    assert calibrate(quick=True).dispatch_s != 123.0  # measured again
 
 
 def test_bad_inputs_are_clear_errors(data):
@@ -274,3 +280,103 @@ def test_bad_inputs_are_clear_errors(data):
                            layouts=[Layout(dp=8), Layout(tp=8, tp_plan=tuple(PLAN(False, 8).items()))],
                            profile=data[2]).rejected
     assert [n for n, _ in rejected] == ["dp=1,tp=8"] and "does not divide" in rejected[0][1]
+
+
+def test_program_ops_counts_the_launched_instructions_of_the_entry():
+    text = """HloModule m
+
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %t = f32[4]{0} tanh(%p)
+}
+
+ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %c = f32[] constant(1)
+  %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused
+  %b = f32[2,2]{1,0} bitcast(%f)
+  %d = f32[2,2]{1,0} dot(%b, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %r = f32[4]{0} all-reduce(%f), replica_groups={}, to_apply=%fused
+  ROOT %out = (f32[4]{0}, f32[4]{0}) tuple(%f, %r)
+}
+"""
+    assert program_ops(text) == 3  # the fusion, the dot, the all-reduce; not parameters, constants, bitcasts, tuples
+
+
+def test_the_in_step_collective_programs_run_one_collective_of_each_kind_per_segment():
+    """calibrate's collective programs (a collective between small kernels, ``segments`` times) move the
+    buffer in the cost model's convention: the all-reduce's buffer, the all-gather's result, the
+    reduce-scatter's input, the permute's buffer."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    elems, segments = 8 * 1024, 3
+    x = jax.ShapeDtypeStruct((8 * elems,), np.float32, sharding=jax.sharding.NamedSharding(mesh, P("x")))
+    w = jax.ShapeDtypeStruct((8 * 64, 64), np.float32, sharding=jax.sharding.NamedSharding(mesh, P("x")))
+    for kind in COLLECTIVE_KINDS:
+        hlo = hlo_executed_collectives(_in_step(kind, mesh, elems, segments).lower(x, w).compile().as_text(),
+                                       scalars=False)
+        assert hlo[kind]["count"] == segments, (kind, hlo)
+        assert hlo[kind]["bytes"] == segments * elems * 4, (kind, hlo[kind])
+        assert all(v["count"] == 0 for k, v in hlo.items() if k != kind), (kind, hlo)
+    none = hlo_executed_collectives(_in_step(None, mesh, elems, segments).lower(x, w).compile().as_text())
+    assert all(v["count"] == 0 for v in none.values())
+
+
+def test_compute_is_flops_bytes_and_ops_at_the_calibrated_rates(built, data):
+    """``compute_s`` = flops / matmul rate + bytes / elementwise rate + operations x op_s, the operations
+    those the one-device step launches (its compiled HLO) times the micro-batches."""
+    batch, params, prof = data
+    cal = _cal(op_s=3e-6)
+    assert cal.compute_s(2e10, 1e10, 1000) == pytest.approx(2.0 + 1.0 + 3e-3)
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8, *x.shape[1:]), x.dtype), _abstract(batch))
+    with jax.default_device(jax.devices()[0]):
+        one = jax.jit(prof._fn()).lower(params, OPT.init(params), micro).compile()
+    assert prof.ops(micro) == program_ops(one.as_text()) > 10
+    assert reference_cost(prof, micro) == (*prof._step(micro)[:2], prof.ops(micro))
+    for lay in (LAYOUTS["dp=8"], Layout(dp=8, accum_steps=2)):
+        c = evaluate_layout(MODEL, OPT, batch, 8, lay, calibration=cal, profile=prof)
+        opt_f, opt_b = prof.optimizer_cost()
+        f, b = prof.grad_cost(jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8 // lay.accum_steps, *x.shape[1:]),
+                                                                          x.dtype), micro))
+        ops = lay.accum_steps * prof.ops(jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((B // 8 // lay.accum_steps, *x.shape[1:]), x.dtype), micro))
+        want = cal.compute_s(lay.accum_steps * f + opt_f, lay.accum_steps * b + opt_b, ops)
+        assert c.compute_s == pytest.approx(want)
+
+
+def test_a_measured_calibration_anchors_compute_on_the_models_timed_step(data, monkeypatch):
+    """Under a measured calibration each candidate's compute estimate is scaled by the one-device step's
+    measured seconds (less dispatch) over its estimate, the step taken on the batch split over every
+    device: one factor for every candidate. The timing is stubbed here (tests never time)."""
+    batch, params, prof = data
+    est, got = _cal(op_s=2e-6), _cal(op_s=2e-6, measured=True)
+    anchor_micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8, *x.shape[1:]), x.dtype), _abstract(batch))
+    seen = []
+    monkeypatch.setattr(prof, "step_seconds", lambda b, devices: seen.append(Profile._key(b)) or 0.05)
+    factor = (0.05 - got.dispatch_s) / got.compute_s(*reference_cost(prof, anchor_micro))
+    for name in ("dp=8", "fsdp=8 regather", "dp=4,tp=2"):
+        a = evaluate_layout(MODEL, OPT, batch, 8, LAYOUTS[name], calibration=est, profile=prof)
+        m = evaluate_layout(MODEL, OPT, batch, 8, LAYOUTS[name], calibration=got, profile=prof)
+        assert m.compute_s == pytest.approx(a.compute_s * factor), name
+        assert m.comm_s == a.comm_s and m.memory == a.memory
+    assert set(seen) == {Profile._key(anchor_micro)}
+
+
+def test_the_profile_times_its_step_on_every_device_at_once(data):
+    batch, params, prof = data
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8, *x.shape[1:]), x.dtype), _abstract(batch))
+    t = prof.step_seconds(micro, jax.devices(), rounds=1)
+    assert t > 0 and prof.step_seconds(micro, jax.devices(), rounds=1) == t  # measured once
+
+
+def test_accum_steps_is_every_candidates_least(data):
+    batch, params, prof = data
+    got = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, accum_steps=2,
+                      layouts=[LAYOUTS["dp=8"], replace(LAYOUTS["dp=4,tp=2"], accum_steps=4)])
+    assert sorted((c.layout.accum_steps, c.name) for c in got) == [(2, "dp=8 accum=2"), (4, "dp=4,tp=2 accum=4")]
+    with pytest.raises(ValueError, match=re.escape("auto_layout: accum_steps=0 must be an int >= 1")):
+        auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, accum_steps=0)
+    with pytest.raises(ValueError, match=re.escape("Calibration: op_s=-1.0 must be >= 0")):
+        _cal(op_s=-1.0)

@@ -5,13 +5,13 @@ candidates: every ``dp`` x ``fsdp`` x ``tp`` mesh, sequence parallel, weight-sta
 ``reshard_after_forward`` on and off, accumulation where ``--memory-budget`` needs it; no pipeline) with the
 job's own model, loss, optimizer and first batch, the transformer's tensor-parallel plan
 (``models._plans.transformer_tp_plan``) and ``fully_shard`` units (``shard_units``), on this machine's
-calibration (``spmd.parallel.calibrate``: measured once, about 15 s on 8 CPU fake devices, then read from
-its cache). Ranking traces every candidate's step on abstract inputs (nothing of them is compiled but the
-single-device programs the memory and compute estimates read): about a minute for the default config on 8
-CPU fake devices. It prints the top 5 and why the pick won, and returns the config with the pick as the
-explicit flags an ``--mesh`` run takes (``layout_config``): the run, its checkpoints and ``--resume`` then
-see exactly what ``--mesh fsdp=8 --no-reshard-after-forward`` would have given, and a resume without
-``--mesh`` reuses the pick.
+calibration (``spmd.parallel.calibrate``: measured once, about 10 s on 8 CPU fake devices, then read from its
+cache). Ranking traces every candidate's step on abstract inputs (nothing of them is compiled but the
+single-device programs the memory and compute estimates read, and that step timed on every device at once
+under a measured calibration): about a minute for the default config on 8 CPU fake devices. It prints the top
+5 and why the pick won, and returns the config with the pick as the explicit flags an ``--mesh`` run takes
+(``layout_config``): the run, its checkpoints and ``--resume`` then see exactly what ``--mesh fsdp=8
+--no-reshard-after-forward`` would have given, and a resume without ``--mesh`` reuses the pick.
 
 ``layout_report`` is ``metrics.json``'s ``"layout"``: the ranking (``AutoLayout.to_json``: the pick, why,
 every candidate's predicted time terms, bytes by kind and peak memory, the rejected layouts), the pick's
@@ -34,9 +34,7 @@ from models._plans import reshard_after_forward, shard_units, transformer_tp_pla
 from models.train._config import Config
 from models.train._loop import report
 from models.train._programs import layout, make_loss_fn, make_model, make_optimizer, make_task
-from spmd.parallel import AutoLayout, Layout, auto_layout, calibrate
-from spmd.parallel._auto import candidate_layouts
-from spmd.parallel._calibrate import cache_path
+from spmd.parallel import AutoLayout, Calibration, Layout, auto_layout, calibrate
 
 __all__ = ["Choice", "choose_layout", "layout_config", "layout_flags", "layout_report", "layout_line", "TOP"]
 
@@ -106,23 +104,19 @@ def choose_layout(cfg: Config, lead: bool) -> tuple[Config, Choice]:
     t0 = time.perf_counter()
     model, optimizer = make_model(cfg), make_optimizer(cfg)
     batch = make_task(cfg).batch(cfg.seed, 0, cfg.batch_size, layout(cfg))
-    path = cache_path(devices)
+    path = Calibration.cache_path(devices)
     if not os.path.exists(path):
-        report(f"models.train: --mesh auto: measuring this machine's collectives and compute (once, about 15 s on "
+        report(f"models.train: --mesh auto: measuring this machine's collectives and compute (once, about 10 s on "
                f"8 CPU fake devices; cached in {path})", lead)
     calibration = calibrate(devices)
     units = tuple(shard_units(model))
     plan = _plan(model, cfg)
-    layouts = None
-    if cfg.accum_steps > 1:  # the user's accumulation is each candidate's least
-        layouts = [dataclasses.replace(lay, accum_steps=cfg.accum_steps)
-                   for lay in candidate_layouts(len(devices), plan, units)]
     report(f"models.train: --mesh auto: ranking the layouts of {cfg.model} on {len(devices)} "
            f"{devices[0].platform} devices at batch {cfg.batch_size} ...", lead)
     try:
         ranking = auto_layout(model, optimizer, batch, devices, memory_budget_bytes=cfg.memory_budget, plan=plan,
-                              loss_fn=make_loss_fn(model), units=units, calibration=calibration, layouts=layouts,
-                              top=TOP)
+                              loss_fn=make_loss_fn(model), units=units, calibration=calibration, top=TOP,
+                              accum_steps=cfg.accum_steps)  # the user's accumulation is each candidate's least
     except ValueError as e:
         reason = str(e).removeprefix("auto_layout: ")
         if cfg.memory_budget is not None and "no layout fits" in reason:

@@ -10,10 +10,13 @@ built through the contract (``apply_layout``) and traced on abstract inputs, not
 
 - **communication**: the step's own analytic table (``step.communication``, equal to the compiled HLO);
 - **memory**: peak bytes per device by kind (``spmd.parallel._memory``);
-- **time**: compute (flops / the calibrated matmul rate + bytes accessed / the elementwise rate) plus each
-  collective kind's calibrated ``latency x count + bytes / bandwidth`` over its group (``fsdp`` for the
-  gathers and reduce-scatters, the replicate dims for the gradients' all-reduce, ``tp`` for the
-  activations), plus the program's dispatch. No overlap of communication with compute is assumed.
+- **time**: compute (flops / the calibrated matmul rate + bytes accessed / the elementwise rate + operations x
+  the per-operation cost: ``Calibration.compute_s``), under a measured calibration scaled by the user's own
+  one-device step timed on every device at once over that same estimate of it (``Profile.step_seconds``:
+  the rates say how the layouts differ, the model's measured step how fast its kernels really run on this
+  host), plus each collective kind's calibrated ``latency x count + bytes / bandwidth`` over its group
+  (``fsdp`` for the gathers and reduce-scatters, the replicate dims for the gradients' all-reduce, ``tp``
+  for the activations), plus the program's dispatch. No overlap of communication with compute is assumed.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import optax
 from spmd.parallel._auto_layout import Layout, apply_layout, devices_of, infer_units, tp_plan_for
 from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._comm import KINDS
-from spmd.parallel._memory import Profile, _nbytes, compute_cost, memory_breakdown
+from spmd.parallel._memory import Profile, _nbytes, compute_cost, memory_breakdown, reference_cost
 from spmd.parallel._shard import entry_sharding
 from spmd.parallel._step import TrainState, _check_optimizer, make_train_step
 from spmd.parallel._transforms import as_parallel
@@ -193,8 +196,8 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     pm = as_parallel(laid, mesh, where)
     mem = memory_breakdown(profile, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
                            sequence_parallel=layout.sequence_parallel or layout.weight_stationary)
-    flops, nbytes = compute_cost(profile, state.plan, pm, micro, accum_steps=layout.accum_steps)
-    compute = flops / cal.matmul_flops_per_s + nbytes / cal.elementwise_bytes_per_s
+    flops, nbytes, ops = compute_cost(profile, state.plan, pm, micro, accum_steps=layout.accum_steps)
+    compute = cal.compute_s(flops, nbytes, ops) * _anchor(profile, batch, micro, devices, cal)
     groups = _groups(layout)
     comm_s: dict = {}
     for section in ("parameters", "activations"):
@@ -204,6 +207,20 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     return Candidate(layout=layout, predicted_s=total, compute_s=compute, comm_s=comm_s, dispatch_s=cal.dispatch_s,
                      communication={k: comm[k] for k in ("parameters", "activations", "total")}, memory=mem,
                      flops=flops, fits=budget is None or mem["peak"] <= budget)
+
+
+def _anchor(profile: Profile, batch: Any, micro: Any, devices: list, cal: Calibration) -> float:
+    """Measured over estimated seconds of the one-device step (see the module doc) on the batch split over
+    every device (one measurement serves every candidate; ``micro`` where that does not divide); 1 under a
+    hand-built calibration."""
+    if not cal.measured or len(devices) < 2:
+        return 1.0
+    b, n = jax.tree.leaves(batch)[0].shape[0], len(devices)
+    if b % n == 0:
+        micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // n, *x.shape[1:]), x.dtype), batch)
+    est = cal.compute_s(*reference_cost(profile, micro))
+    got = profile.step_seconds(micro, devices) - cal.dispatch_s
+    return got / est if est > 0 and got > 0 else 1.0
 
 
 def _check_batch_cut(batch: Any, layout: Layout, where: str) -> None:
@@ -257,7 +274,8 @@ def candidate_layouts(n: int, plan: Any, units: tuple[str, ...]) -> list[Layout]
 def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_devices: Any = None, *,
                 memory_budget_bytes: int | None = None, plan: Any = None, loss_fn: Callable | None = None,
                 params: Any = None, units: Any = None, calibration: Calibration | None = None,
-                layouts: Any = None, top: int = 5, profile: Profile | None = None) -> AutoLayout:
+                layouts: Any = None, top: int = 5, profile: Profile | None = None,
+                accum_steps: int = 1) -> AutoLayout:
     """Rank the layouts of ``model`` on the devices by predicted step time (see the module doc).
 
     ``example_batch``: a global batch (arrays or ``jax.ShapeDtypeStruct``); ``plan``: the tensor-parallel
@@ -267,7 +285,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     ``example_batch["inputs"]``); ``units``: the ``fully_shard`` units (default: the repeated blocks);
     ``calibration``: default ``calibrate(devices)`` (cached); ``layouts``: weigh these instead;
     ``profile``: a ``spmd.parallel._memory.Profile`` of this loss, parameters and optimizer to reuse (its
-    single-device programs are compiled once per micro-batch size).
+    single-device programs are compiled once per micro-batch size); ``accum_steps``: the least gradient
+    accumulation of every candidate (the user's own; more where the memory budget needs it).
     """
     where = "auto_layout"
     _check_optimizer(optimizer, where)
@@ -280,7 +299,11 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     units = infer_units(params) if units is None else tuple(units)
     loss = loss_fn if loss_fn is not None else default_loss(model)
     profile = profile or Profile(loss, params, optimizer)
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (the least gradient "
+                         "accumulation of every candidate).")
     todo = list(layouts) if layouts is not None else candidate_layouts(len(devices), plan, units)
+    todo = [lay if lay.accum_steps >= accum_steps else replace(lay, accum_steps=accum_steps) for lay in todo]
     got, rejected = [], []
     for lay in todo:
         try:

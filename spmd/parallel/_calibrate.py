@@ -1,12 +1,24 @@
 """The machine's costs, measured: per collective kind a latency and a bandwidth, matmul and elementwise throughput.
 
 ``calibrate()`` times, on every device at once (as a train step runs), each collective of
-``spmd.parallel._comm.KINDS`` plus ``collective-permute`` over a few sizes and fits ``time = latency +
-bytes / bandwidth`` (bytes in the nccl-tests convention of the cost model: the all-reduce's buffer, the
-all-gather's result, the reduce-scatter's input); a matmul's flop rate and an elementwise kernel's byte
-rate per device while all devices run (on a CPU host the fake devices share the cores: the rates are what
-each gets); and the fixed cost of dispatching one program. The result is a ``Calibration``, cached per
-machine as JSON under ``$SPMD_CACHE_DIR`` (default ``~/.cache/spmd``) and reused unless ``refresh=True``.
+``spmd.parallel._comm.KINDS`` plus ``collective-permute`` over a few sizes, each between small kernels in a
+straight-line program as a step runs it (less the same program without it: on CPU fake devices, where a
+collective is a rendezvous of the devices' threads and memcpys, one between kernels costs 0.2-1 ms where a
+loop of back-to-back collectives fitted a latency near 0), and fits ``time = latency + bytes / bandwidth`` (bytes in the nccl-tests convention of the cost
+model: the all-reduce's buffer, the all-gather's result, the reduce-scatter's input); a matmul's flop rate and
+an elementwise kernel's byte rate per device while all devices run (on a CPU host the fake devices share the
+cores: the rates are what each gets); the cost of one more operation in a device's program (``op_s``: a chain
+of tiny dependent ops, all devices busy: the per-kernel launch and synchronisation a step's hundreds of
+fusions pay); and the fixed cost of dispatching one program. The result is a ``Calibration``, cached per
+machine as JSON under ``$SPMD_CACHE_DIR`` (default ``~/.cache/spmd``; ``Calibration.cache_path(devices)``) and
+reused unless ``refresh=True``.
+
+A measured calibration (``measured=True``) also tells ``auto_layout`` to time the user's own one-device
+step on every device at once (``spmd.parallel._memory.Profile.step_seconds``): the rates above are those
+of small kernels of one shape each, and a model's step mixes shapes whose efficiency they do not predict
+(on this 2-core host with 8 fake devices a 256^3 matmul ran at about 13-16 GFLOP/s per device, the d64
+transformer's ``[256,64]x[64,256]`` dots at about 6). A hand-built calibration (tests) predicts from its rates
+alone, deterministically.
 """
 
 from __future__ import annotations
@@ -16,13 +28,14 @@ import hashlib
 import json
 import os
 import platform
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Calibration", "calibrate", "cache_path", "COLLECTIVE_KINDS"]
+__all__ = ["Calibration", "calibrate", "cache_path", "program_ops", "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 
@@ -33,7 +46,9 @@ class Calibration:
 
     ``collectives``: ``{kind: (latency_s, bandwidth_bytes_per_s)}`` measured over ``group_size`` devices;
     ``matmul_flops_per_s`` and ``elementwise_bytes_per_s``: per device, all devices busy;
-    ``dispatch_s``: the fixed cost of one step's program.
+    ``dispatch_s``: the fixed cost of one step's program; ``op_s``: the cost of one more operation of a
+    device's program, all devices busy; ``measured``: made by ``calibrate()`` on this machine (see the
+    module doc: ``auto_layout`` then anchors its compute estimate on the model's measured step).
     """
 
     collectives: dict = field(default_factory=dict)
@@ -42,6 +57,8 @@ class Calibration:
     dispatch_s: float = 0.0
     group_size: int = 8
     machine: str = ""
+    op_s: float = 0.0
+    measured: bool = False
 
     def __post_init__(self):
         for k in COLLECTIVE_KINDS:
@@ -51,6 +68,19 @@ class Calibration:
         for name in ("matmul_flops_per_s", "elementwise_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Calibration: {name}={getattr(self, name)!r} must be > 0.")
+        if not self.op_s >= 0:
+            raise ValueError(f"Calibration: op_s={self.op_s!r} must be >= 0 (seconds per operation).")
+
+    @staticmethod
+    def cache_path(devices=None) -> str:
+        """Where ``calibrate`` keeps the calibration of ``devices`` (default ``jax.devices()``) on this
+        machine: ``$SPMD_CACHE_DIR`` or ``~/.cache/spmd``."""
+        return cache_path(devices)
+
+    def compute_s(self, flops: float, nbytes: float, ops: float) -> float:
+        """Seconds of one device's program of ``flops``, ``nbytes`` accessed and ``ops`` operations, all
+        devices busy: ``flops / matmul rate + bytes / elementwise rate + ops x op_s``."""
+        return flops / self.matmul_flops_per_s + nbytes / self.elementwise_bytes_per_s + ops * self.op_s
 
     def collective_s(self, kind: str, nbytes: float, count: int, group: int) -> float:
         """Seconds for ``count`` collectives of ``kind`` moving ``nbytes`` in all over ``group`` devices.
@@ -118,27 +148,65 @@ def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return float(a), float(1.0 / b)
 
 
-def _collective_fn(kind: str, mesh, reps: int):
+def _in_step(kind: str | None, mesh, elems: int, segments: int):
+    """A straight-line program of ``segments`` steps, each a little compute (four dependent 64x64 matmuls, as
+    a layer's) then, unless ``kind`` is None, one collective of ``kind`` on the ``elems``-float buffer the
+    compute updated: collectives as a train step runs them, between kernels, with every device's program
+    sharing the host (back-to-back in a loop they cost a third as much on CPU fake devices)."""
     import jax
+    import jax.numpy as jnp
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
     n = mesh.devices.size
 
-    def body(x):
-        def one(y):
+    def body(x, w):
+        for _ in range(segments):
+            h = x[: 64 * 64].reshape(64, 64)
+            for _ in range(4):
+                h = jnp.tanh(h @ w)
+            x = x + jnp.pad(h.reshape(-1), (0, x.shape[0] - 64 * 64))
             if kind == "all-reduce":
-                return lax.psum(y, "x") * (1.0 / n)
-            if kind == "all-gather":
-                return lax.all_gather(y, "x", tiled=True)[: y.shape[0]] * 0.5
-            if kind == "reduce-scatter":
-                z = lax.psum_scatter(jax.numpy.tile(y, (n,)), "x", tiled=True)
-                return z * (1.0 / n)
-            return lax.ppermute(y, "x", [(i, (i + 1) % n) for i in range(n)])
+                x = lax.psum(x, "x") * (1.0 / n)
+            elif kind == "all-gather":  # the result is the buffer: each device gives 1/n of it
+                x = lax.all_gather(x[: elems // n], "x", tiled=True) * 0.5 + x
+            elif kind == "reduce-scatter":  # the input is the buffer
+                x = jnp.tile(lax.psum_scatter(x, "x", tiled=True), n) * (1.0 / n) + x
+            elif kind == "collective-permute":
+                x = lax.ppermute(x, "x", [(i, (i + 1) % n) for i in range(n)]) * 0.5 + x
+        return x
 
-        return _repeat(one, x, reps)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"), check_vma=False))
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+
+def _collectives(mesh, sizes: Sequence[int], repeats: int, segments: int) -> dict:
+    """``{kind: (latency, bandwidth)}`` fitted on the in-step cost of one collective per size (``_in_step``
+    with the collective less without, over ``segments``; the median of ``repeats`` interleaved rounds)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.devices.size
+    sh = NamedSharding(mesh, P("x"))
+    w = jax.device_put(jnp.full((n * 64, 64), 0.01, jnp.float32), sh)
+    pts: dict = {k: [] for k in COLLECTIVE_KINDS}
+    for nbytes in sizes:  # the table's bytes per device: all-gather's result, reduce-scatter's input
+        elems = max(nbytes // 4 // n, 64 * 64 // n) * n
+        x = jax.device_put(jnp.ones((n * elems,), jnp.float32), sh)
+        fns = {k: _in_step(k, mesh, elems, segments) for k in (None, *COLLECTIVE_KINDS)}
+        got: dict = {k: [] for k in fns}
+        for f in fns.values():
+            jax.block_until_ready(f(x, w))  # compile and warm up
+        for _ in range(repeats):
+            for k, f in fns.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(x, w))
+                got[k].append(time.perf_counter() - t0)
+        base = float(np.median(got[None]))
+        for k in COLLECTIVE_KINDS:
+            pts[k].append((float(elems * 4), max((float(np.median(got[k])) - base) / segments, 1e-9)))
+    return {k: _fit(v) for k, v in pts.items()}
 
 
 def _measure(devices, sizes: Sequence[int], repeats: int, reps: int) -> Calibration:
@@ -153,16 +221,7 @@ def _measure(devices, sizes: Sequence[int], repeats: int, reps: int) -> Calibrat
     empty = jax.jit(jax.shard_map(lambda x: x + 1.0, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     tiny = jax.device_put(jnp.zeros((n * 8,), jnp.float32), sh)
     dispatch = _timed(empty, tiny, repeats=repeats)
-    colls = {}
-    for kind in COLLECTIVE_KINDS:
-        fn = _collective_fn(kind, mesh, reps)
-        pts = []
-        for nbytes in sizes:  # the table's bytes per device: all-gather's result, reduce-scatter's input
-            elems = max(nbytes // 4 // (n if kind == "all-gather" else 1), 1)
-            x = jax.device_put(jnp.ones((n * elems,), jnp.float32), sh)
-            t = (_timed(fn, x, repeats=repeats) - dispatch) / reps
-            pts.append((float(elems * 4 * (n if kind in ("all-gather", "reduce-scatter") else 1)), max(t, 1e-9)))
-        colls[kind] = _fit(pts)
+    colls = _collectives(mesh, sizes, repeats=max(repeats, 3), segments=2 * reps)
     m = 256
     a = jax.device_put(jnp.ones((n * m, m), jnp.float32), sh)
     mm = jax.jit(jax.shard_map(lambda x: _repeat(lambda y: jnp.tanh(y @ x[:m]), x[:m], reps),
@@ -176,7 +235,42 @@ def _measure(devices, sizes: Sequence[int], repeats: int, reps: int) -> Calibrat
     t = max(_timed(ew, v, repeats=repeats) - dispatch, 1e-9)
     bw = reps * 3 * e * 4 / t
     return Calibration(collectives=colls, matmul_flops_per_s=flops, elementwise_bytes_per_s=bw, dispatch_s=dispatch,
-                       group_size=n, machine=_machine_key(devices))
+                       group_size=n, machine=_machine_key(devices), op_s=_op_seconds(mesh, repeats),
+                       measured=True)
+
+
+def _op_seconds(mesh, repeats: int, k: int = 128) -> float:
+    """Seconds per operation (``program_ops``) of a chain of ``k`` tiny dependent matmul+tanh links, all
+    devices busy, less the same program with one link: the launch cost each op of a step pays."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def chain(m):
+        def f(x):
+            for _ in range(m):
+                x = jnp.tanh(x @ x)
+            return x
+
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+    n = mesh.devices.size
+    x = jax.device_put(jnp.full((n * 8, 8), 0.01, jnp.float32), NamedSharding(mesh, P("x")))
+    long, short = chain(k), chain(1)
+    extra = program_ops(long.lower(x).compile().as_text()) - program_ops(short.lower(x).compile().as_text())
+    diffs = [_timed(long, x, repeats=3) - _timed(short, x, repeats=3) for _ in range(max(repeats, 3))]
+    return max(float(np.median(diffs)), 0.0) / max(extra, 1)  # interleaved pairs: the host's load varies
+
+
+def program_ops(hlo_text: str) -> int:
+    """The operations a compiled program launches: its entry computation's instructions less parameters,
+    constants, tuples and bitcasts (which cost nothing at run time)."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):] if "\nENTRY" in hlo_text else hlo_text
+    body = entry[entry.index("{") + 1:]
+    body = body[: body.index("\n}")] if "\n}" in body else body
+    free = re.compile(r"\s(parameter|constant|get-tuple-element|tuple|bitcast)\(")  # the op after the shape
+    return sum(1 for line in body.split("\n") if " = " in line and not free.search(line))
 
 
 def _repeat(f, x, reps: int):
@@ -205,9 +299,11 @@ def calibrate(devices: Any = None, *, refresh: bool = False, quick: bool = False
     if cache and not refresh and os.path.exists(path):
         with open(path) as f:
             got = json.load(f)
-        if quick or not got.get("quick", False):  # a quick measurement serves quick calls only
+        # a quick measurement serves quick calls only; one from before the in-step collectives, op_s and
+        # measured (no "measured" key) is measured again
+        if (quick or not got.get("quick", False)) and "measured" in got["calibration"]:
             return Calibration.from_json(got["calibration"])
-    sizes = (1 << 12, 1 << 16) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+    sizes = (1 << 15, 1 << 18) if quick else (1 << 15, 1 << 18, 1 << 20)
     cal = _measure(devices, sizes, repeats=1 if quick else 5, reps=2 if quick else 8)
     if cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -23,7 +23,12 @@ state (``argument + output + temp``):
 Compute (per device, one step): the flops and bytes accessed of the user's loss and gradient on one
 micro-batch on one device (XLA's ``cost_analysis`` of the compiled single-device program), the matmuls of
 the tensor-parallel kernels (``6 x tokens x kernel size``) divided by ``tp``, times the micro-batches; plus
-the optimizer's update on the device's shards (its single-device cost scaled by the shard's share).
+the optimizer's update on the device's shards (its single-device cost scaled by the shard's share); and the
+operations the program launches (``program_ops`` of the single-device step, times the micro-batches).
+``Profile.step_seconds``: that single-device step timed on every device at once (a ``shard_map`` of it
+with no collective: on a host whose fake devices share the cores, the sum over the devices' programs
+divided by what the host runs at once, as it really runs; on one accelerator per device, one device's
+time), which ``auto_layout`` anchors the compute estimate on when the calibration was measured.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from placements import Shard
 
-__all__ = ["Profile", "memory_breakdown", "compute_cost"]
+from spmd.parallel._calibrate import program_ops
+
+__all__ = ["Profile", "memory_breakdown", "compute_cost", "reference_cost"]
 
 
 def _nbytes(tree: Any) -> int:
@@ -49,6 +56,21 @@ def _cost(compiled) -> tuple[float, float]:
     c = compiled.cost_analysis()
     c = c[0] if isinstance(c, (list, tuple)) else c
     return float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0))
+
+
+def _median_seconds(fn: Callable, args: tuple, rounds: int) -> float:
+    """The median wall seconds of ``fn(*args)`` over ``rounds`` calls after two warm-up calls (compile)."""
+    import statistics
+    import time
+
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    got = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        got.append(time.perf_counter() - t0)
+    return statistics.median(got)
 
 
 def _scalar_loss(loss_fn: Callable) -> Callable:
@@ -69,34 +91,66 @@ class Profile:
         self._grad: dict = {}
         self._res: dict = {}
         self._opt: tuple | None = None
+        self._timed: dict = {}
         self.param_bytes = _nbytes(self.params)
 
     @staticmethod
     def _key(batch: Any) -> tuple:
         return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
 
-    def _step(self, batch: Any) -> tuple[float, float, int]:
-        """(flops, bytes accessed, XLA temp bytes) of the whole step (loss, gradient, optimizer update) on
-        ``batch``, one device, compiled once per batch shape."""
+    def _fn(self) -> Callable:
+        opt, loss = self.optimizer, self.loss
+
+        def step(p, s, b):
+            g = jax.grad(loss)(p, b)
+            u, s = opt.update(g, s, p)
+            return jax.tree.map(jnp.add, p, u), s
+
+        return step
+
+    def _step(self, batch: Any) -> tuple[float, float, int, int]:
+        """(flops, bytes accessed, XLA temp bytes, operations) of the whole step (loss, gradient, optimizer
+        update) on ``batch``, one device, compiled once per batch shape."""
         k = self._key(batch)
         if k not in self._grad:
-            opt, loss = self.optimizer, self.loss
-
-            def step(p, s, b):
-                g = jax.grad(loss)(p, b)
-                u, s = opt.update(g, s, p)
-                return jax.tree.map(jnp.add, p, u), s
-
             with jax.default_device(jax.devices()[0]):
-                comp = jax.jit(step).lower(self.params, jax.eval_shape(opt.init, self.params), batch).compile()
+                comp = jax.jit(self._fn()).lower(self.params, jax.eval_shape(self.optimizer.init, self.params),
+                                                 batch).compile()
             temp = int(getattr(comp.memory_analysis(), "temp_size_in_bytes", 0) or 0)
-            self._grad[k] = (*_cost(comp), temp)
+            self._grad[k] = (*_cost(comp), temp, program_ops(comp.as_text()))
         return self._grad[k]
+
+    def ops(self, batch: Any) -> int:
+        """The operations the one-device step on ``batch`` launches (``program_ops``)."""
+        return self._step(batch)[3]
+
+    def step_seconds(self, batch: Any, devices: list, *, rounds: int = 9) -> float:
+        """Seconds of the one-device step on ``batch`` run on every device of ``devices`` at once (see the
+        module doc): a ``shard_map`` of it over them, no collective, the median of ``rounds`` timed calls
+        after a warm-up; measured once per batch shape and device set."""
+        k = (self._key(batch), tuple(d.id for d in devices))
+        if k not in self._timed:
+            from jax.sharding import Mesh, NamedSharding
+            from jax.sharding import PartitionSpec as P
+
+            mesh = Mesh(np.array(devices), ("_profile",))
+            fn = jax.jit(jax.shard_map(self._fn(), mesh=mesh, in_specs=(P(), P(), P("_profile")), out_specs=(P(), P()),
+                                       check_vma=False))
+            zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), t)  # noqa: E731
+            rep = NamedSharding(mesh, P())
+            params = jax.device_put(jax.jit(lambda: zeros(self.params))(), rep)
+            state = jax.device_put(jax.jit(lambda: zeros(jax.eval_shape(self.optimizer.init, self.params)))(), rep)
+            n = len(devices)
+            data = jax.device_put(jax.jit(lambda: zeros(jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((n * x.shape[0], *x.shape[1:]), x.dtype), batch)))(),
+                NamedSharding(mesh, P("_profile")))
+            self._timed[k] = _median_seconds(fn, (params, state, data), rounds)
+        return self._timed[k]
 
     def grad_cost(self, batch: Any) -> tuple[float, float]:
         """(flops, bytes accessed) of the loss and its gradient on ``batch``, one device (the step's less the
         optimizer's)."""
-        f, b, _ = self._step(batch)
+        f, b = self._step(batch)[:2]
         of, ob = self.optimizer_cost()
         return max(f - of, 0.0), max(b - ob, 0.0)
 
@@ -196,8 +250,8 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
     return out
 
 
-def compute_cost(profile: Profile, plan, model, micro_batch: Any, *, accum_steps: int) -> tuple[float, float]:
-    """(flops, bytes accessed) of one step on one device (see the module doc)."""
+def compute_cost(profile: Profile, plan, model, micro_batch: Any, *, accum_steps: int) -> tuple[float, float, int]:
+    """(flops, bytes accessed, operations) of one step on one device (see the module doc)."""
     flops, nbytes = profile.grad_cost(micro_batch)
     tp = model.tp.mesh_dim if model.tp else None
     n_tp = plan.mesh_size(tp) if tp else 1
@@ -209,4 +263,10 @@ def compute_cost(profile: Profile, plan, model, micro_batch: Any, *, accum_steps
         nbytes, flops = nbytes * local / flops, local
     of, ob = profile.optimizer_cost()
     share = plan.bytes_per_device / max(profile.param_bytes, 1)
-    return accum_steps * flops + of * share, accum_steps * nbytes + ob * share
+    return accum_steps * flops + of * share, accum_steps * nbytes + ob * share, accum_steps * profile.ops(micro_batch)
+
+
+def reference_cost(profile: Profile, micro_batch: Any) -> tuple[float, float, int]:
+    """(flops, bytes accessed, operations) of the one-device step ``Profile.step_seconds`` times."""
+    f, b, _, ops = profile._step(micro_batch)
+    return f, b, ops
