@@ -17,7 +17,7 @@ On a CPU host the 8 devices share the cores (and other processes share the host)
 compare within one run.
 
     python benchmarks/auto_layout.py           # d256x4 and d384x6 at batches 32 and 128
-    python benchmarks/auto_layout.py --quick   # d256x4 at batch 32, 2 rounds
+    python benchmarks/auto_layout.py --quick   # d256x4 at batch 32, 6 candidates, 4 rounds
     AUTO_LAYOUT_RUNS=d256x4:32,d256x4:128 python benchmarks/auto_layout.py   # a part of the grid
 
 Writes benchmarks/results/auto_layout.json and .png (auto_layout_quick.* with --quick).
@@ -114,7 +114,7 @@ def _plot(results: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    a = benchmark_args(argv, __doc__, "smoke run: d256x4 at batch 32, 2 rounds", "torch", lambda *x: None, ROOT)
+    a = benchmark_args(argv, __doc__, "smoke run: d256x4 at batch 32, 6 candidates, 4 rounds", "torch", lambda *x: None, ROOT)
     if a is None:
         return 0
     import statistics
@@ -127,12 +127,14 @@ def main(argv=None) -> int:
     from spmd.parallel import auto_layout, calibrate
 
     cal = calibrate(refresh=True)  # the host as loaded now (other processes share it)
-    rounds = 2 if a.quick else 5
+    rounds = 4 if a.quick else 5
     runs = RUNS[:1] if a.quick else RUNS
     if os.environ.get("AUTO_LAYOUT_RUNS"):  # e.g. "d256x4:32,d256x4:128": a part of the grid
         runs = [(r.split(":")[0], int(r.split(":")[1])) for r in os.environ["AUTO_LAYOUT_RUNS"].split(",")]
-    n_measured = 4 if a.quick else 7
-    results = {"jax": jax.__version__, "calibration": cal.to_json(), "rounds": rounds, "runs": {}}
+    n_measured = 6 if a.quick else 7
+    # the host's load (1-minute average) as the run goes: other processes share these cores
+    results = {"jax": jax.__version__, "calibration": cal.to_json(), "rounds": rounds, "runs": {},
+               "cores": os.cpu_count(), "load_at_start": os.getloadavg()[0]}
     for size, batch in runs:
         name = f"{size}, batch {batch}"
         model = Transformer(VOCAB, SEQ, SIZES[size]["layers"], SIZES[size]["d_model"], SIZES[size]["heads"])
@@ -156,9 +158,11 @@ def main(argv=None) -> int:
         preps = {c.name: prepare_layout(size, batch, c.layout) for c in chosen}
         preps["gspmd fsdp=8"] = prepare_gspmd(size, batch, (8,), ("fsdp",))
         steps = 2 if batch > 32 or a.quick else 4
+        load = []
         for _ in range(rounds):
             for p in preps.values():
                 p.round(steps)
+            load.append(os.getloadavg()[0])
         rows = []
         for c in chosen:
             p = preps[c.name]
@@ -179,7 +183,7 @@ def main(argv=None) -> int:
             "spearman": spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows]),
             "spearman_best_rounds": spearman([r["predicted_ms"] for r in rows], [r["measured_best_ms"] for r in rows]),
             "pick_over_best": best_ms / pick_ms, "gspmd_ms": gspmd_ms, "pick_over_gspmd": gspmd_ms / pick_ms,
-            "gspmd_peak_mib": _measured_peak(g.compiled) / 2**20,
+            "gspmd_peak_mib": _measured_peak(g.compiled) / 2**20, "load_per_round": load,
             "time_error": statistics.median(abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows),
             "memory_error_max": max(abs(r["predicted_peak_mib"] / r["measured_peak_mib"] - 1) for r in rows)}
         for r in rows:
