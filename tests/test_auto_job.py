@@ -13,11 +13,13 @@ Timings never decide a test: the measured step time is only checked to be there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
 import re
 import shlex
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +49,18 @@ def _main(argv: list[str]) -> tuple[int, str]:
     return rc, err.getvalue()
 
 
+@functools.lru_cache(maxsize=None)
+def _calibration_root() -> str:
+    return tempfile.mkdtemp(prefix="spmd_calibration_")
+
+
+# The module's expensive results are cached in the module, not only in module fixtures: xdist may run
+# another module's test between two of this group's, and pytest then tears module fixtures down and
+# builds them again (the auto run cost its ~55 s twice).
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
+def cache():
     """A calibration cache holding ``CAL`` for these devices (what ``calibrate()`` reads)."""
-    root = tmp_path_factory.mktemp("calibration")
+    root = _calibration_root()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPMD_CACHE_DIR", str(root))
         path = Calibration.cache_path(jax.devices())
@@ -60,13 +70,18 @@ def cache(tmp_path_factory):
         yield path
 
 
-@pytest.fixture(scope="module")
-def auto(cache, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("auto"))
+@functools.lru_cache(maxsize=None)
+def _auto_run() -> dict:
+    out = tempfile.mkdtemp(prefix="auto_job_")
     rc, err = _main(["--mesh", "auto", "--out", out, *JOB])
     assert rc == 0, err
     with open(os.path.join(out, "metrics.json")) as f:
         return dict(out=out, err=err, metrics=json.load(f))
+
+
+@pytest.fixture(scope="module")
+def auto(cache):
+    return _auto_run()
 
 
 def _rows(err: str) -> list[list[str]]:

@@ -5,6 +5,7 @@ measures the ranking."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -43,8 +44,15 @@ def _cal(lat=1e-4, bw=1e9, flops=1e10, ew=1e10, op_s=0.0, measured=False) -> Cal
                        op_s=op_s, measured=measured)
 
 
+# The module's compiles are cached in the module, not only in module fixtures: xdist may run another
+# module's test between two of this group's, and pytest then builds module fixtures again (~1 min each).
 @pytest.fixture(scope="module")
 def data():
+    return _data()
+
+
+@functools.lru_cache(maxsize=None)
+def _data():
     rng = np.random.default_rng(0)
     tok = rng.integers(0, VOCAB, (B, T + 1)).astype(np.int32)
     batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
@@ -62,9 +70,14 @@ LAYOUTS = {  # the candidates compiled once for this module
 
 
 @pytest.fixture(scope="module")
-def built(data):
+def built():
+    return _built()
+
+
+@functools.lru_cache(maxsize=None)
+def _built():
     """name -> (Candidate, compiled step, step, state)."""
-    batch, params, prof = data
+    batch, params, prof = _data()
     out = {}
     for name, lay in LAYOUTS.items():
         cand = evaluate_layout(MODEL, OPT, batch, 8, lay, calibration=_cal(), profile=prof)
