@@ -1,17 +1,18 @@
-"""Benchmark: pipeline schedules side by side (spmd.parallel.pipeline: gpipe, 1f1b, interleaved).
+"""Benchmark: pipeline schedules side by side (spmd.parallel.pipeline: gpipe, 1f1b, interleaved, looped_bfs).
 
 The project's Transformer (8 blocks, d_model 64, 4 heads, vocabulary 64, sequences of 16) on ``pp=4``
 (4 CPU fake devices), a batch of 32 sequences, AdamW, for each schedule at ``M = pp, 2pp, 4pp``
-micro-batches (interleaved: ``v = 2`` chunks of one block per rank).
+micro-batches (interleaved and looped_bfs: ``v = 2`` chunks of one block per rank).
 Every layout is compiled first (the tick loop form, ``unroll=False``: one tick's program, so long schedules
 compile in seconds; the sends per tick are the schedule's), then timed in interleaved rounds (median round).
 
 Reported per layout:
 
-- the bubble three ways: the **formula**; the **table's** (idle rank-ticks / all rank-ticks of the tick
-  table the compiled program runs); and **timed**: the schedule replayed with the measured durations of one
-  chunk's forward and backward (the backward recomputes the forward, so it is ~3x a forward, not the
-  formula's 1x) -- ``lockstep`` (each tick lasts its slowest action, as the SPMD program runs) and
+- the bubble three ways: the **formula**; the **table's** (the tick table the compiled program runs: a
+  tick holds at most one forward and one backward per rank, every action one unit, idle rank-units over
+  all); and **timed** (``Schedule.timed``): the schedule replayed with the measured durations of one
+  chunk's forward and backward (the backward recomputes the forward, so it is ~2-3x a forward, not the
+  formula's 1x) -- ``lockstep`` (each tick lasts its slowest rank, as the SPMD program runs) and
   ``async`` (each rank starts an action as soon as its inputs exist, as an MPMD runtime would);
 - step time and samples/s (on a CPU host the 8 devices share the cores, so a rank's bubble is another
   rank's compute: the wall clock cannot show the bubble here; it shows each schedule's cost);
@@ -21,7 +22,7 @@ Reported per layout:
   activation), and the collective-permutes the HLO holds.
 
 torch (when installed): ``torch.distributed.pipelining`` with the same schedule (``ScheduleGPipe``,
-``Schedule1F1B``, ``ScheduleInterleaved1F1B``) and M, the same model split by hand into ``PipelineStage``s
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``) and M, the same model split by hand into ``PipelineStage``s
 (the head untied: torch cannot tie weights across stages), 4 gloo CPU processes of one thread each.
 
     python benchmarks/pipeline.py           # a few minutes on 2 idle cores
@@ -42,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 VOCAB, SEQ, D, LAYERS, HEADS, BATCH, PP, DP = 64, 16, 64, 8, 4, 32, 4, 1
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("looped_bfs", 2))
 
 
 def _timed(fn, *args, reps=5):
@@ -55,26 +56,6 @@ def _timed(fn, *args, reps=5):
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
-
-
-def replay(schedule, t_f: float, t_b: float) -> dict:
-    """The tick table replayed with action durations: lockstep (SPMD) and async (MPMD) bubbles."""
-    pp, stages = schedule.pp, schedule.num_stages
-    dur = {"F": t_f, "B": t_b}
-    busy = sum(dur[a.kind] for row in schedule.ticks for a in row if a is not None)
-    lock = sum(max((dur[a.kind] for a in row if a is not None), default=0.0) for row in schedule.ticks)
-    free, fin = [0.0] * pp, {}
-    for row in schedule.ticks:
-        for r, a in enumerate(row):
-            if a is None:
-                continue
-            deps = [("F", a.chunk - 1, a.mb)] if a.kind == "F" and a.chunk > 0 else []
-            if a.kind == "B":
-                deps += [("F", a.chunk, a.mb)] + ([("B", a.chunk + 1, a.mb)] if a.chunk < stages - 1 else [])
-            start = max([free[r]] + [fin[d] for d in deps])
-            fin[(a.kind, a.chunk, a.mb)] = free[r] = start + dur[a.kind]
-    return {"lockstep": 1 - busy / (pp * lock), "async": 1 - busy / (pp * max(free)),
-            "lockstep_s": lock, "async_s": max(free)}
 
 
 def action_times(model, params, rows: int, layers: int) -> tuple[float, float]:
@@ -173,7 +154,7 @@ def main(argv):
         if (rows, layers) not in durations:
             durations[(rows, layers)] = action_times(model, params, rows, layers)
         t_f, t_b = durations[(rows, layers)]
-        rep = replay(s, t_f, t_b)
+        rep = s.timed(t_f, t_b)
         tb = r["table"]
         out.append({
             "schedule": r["schedule"], "M": r["M"], "pp": PP, "dp": DP, "v": r["v"], "ticks": len(s.ticks),
@@ -253,12 +234,13 @@ def _torch_worker(rank, world, name, m, steps, warmup, port, out_path):
     import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleLoopedBFS)
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    v = 2 if name == "interleaved" else 1
+    v = 2 if name in ("interleaved", "looped_bfs") else 1
     n_st = world * v
 
     class Block(nn.Module):
@@ -302,7 +284,7 @@ def _torch_worker(rank, world, name, m, steps, warmup, port, out_path):
     if v == 1:
         sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stages[0], m, loss_fn=loss_fn)
     else:
-        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+        sched = {"interleaved": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS}[name](stages, m, loss_fn=loss_fn)
     opt = torch.optim.AdamW([p for st in stages for p in st.submod.parameters()], lr=1e-3, weight_decay=0.01)
     seq = torch.tensor(np.random.default_rng(0).integers(0, VOCAB, size=(BATCH, SEQ + 1))).long()
     x, y = seq[:, :-1], seq[:, 1:]

@@ -66,16 +66,17 @@ def test_pp_job_metrics_carry_the_schedule_bubble_and_memory():
     got = _job(**PP)["saved"]["pipeline"]
     pp, m = 2, 2
     s = build_schedule("1f1b", pp, m)
-    idle = sum(a is None for row in s.ticks for a in row)
+    widths = [max(len(acts) for acts in row) for row in s.ticks]  # F0.0 | F0.1, F1.0 | F1.1+B1.0 | B0.0, B1.1 | B0.1
+    idle = sum(w - len(acts) for w, row in zip(widths, s.ticks) for acts in row)
     assert (got["schedule"], got["pp"], got["microbatches"], got["stages_per_rank"]) == ("1f1b", pp, m, 1)
     assert got["bubble_formula"] == (pp - 1) / (m + pp - 1)  # exactly the formula
-    assert (got["ticks"], got["idle_rank_ticks"]) == (len(s.ticks), idle) == (6, 4)
-    assert got["bubble_measured"] == idle / (len(s.ticks) * pp)
-    assert abs(got["bubble_measured"] - got["bubble_formula"]) <= 0.05 * got["bubble_formula"]
+    assert (got["ticks"], got["tick_units"], got["idle_rank_units"]) == (len(s.ticks), sum(widths), idle) == (5, 6, 4)
+    assert got["bubble_measured"] == idle / (sum(widths) * pp) == pytest.approx(got["bubble_formula"], rel=1e-12)
+    assert got["bubble_timed_lockstep"] == pytest.approx(got["bubble_formula"], rel=1e-12)
     seq_len = task_dims(Config(**JOB))[1]
     act = (16 // 4 // m) * seq_len * 16 * 4  # one micro-batch's (rows, T, D) float32
     assert got["activation_bytes"] == act
-    assert got["activation_slots"] == max(s.x_slots) == min(pp, m)
+    assert got["activation_slots"] == max(s.x_slots) == min(2 * (pp - 1), m)
     assert got["activation_bound_bytes"] == (max(s.x_slots) + max(s.g_slots)) * act
     # the stash measured from memory_analysis() (spmd.parallel._pipeline_memory; the loop form at M = 2, 3 of
     # gpipe and this 1f1b's M = 2) is the bound to the byte; the job's own step's temp holds it and more
@@ -166,13 +167,13 @@ def test_job_schedules_are_spmds():
      "--mesh='fsdp=8' has no pp dim; add one (e.g. --mesh pp=2,fsdp=4) or drop --schedule."),
     (dict(mesh="dp=8", microbatches=4), "--microbatches=4 runs a pipeline over the pp mesh dim, but --mesh='dp=8' "
      "has no pp dim"),
-    (dict(mesh="pp=2,fsdp=4", schedule="zero"), "--schedule='zero' is unknown; use one of gpipe, 1f1b, interleaved."),
+    (dict(mesh="pp=2,fsdp=4", schedule="zero"), "--schedule='zero' is unknown; use one of gpipe, 1f1b, interleaved, looped_bfs."),
     (dict(mesh="pp=2,fsdp=4", microbatches=1), "--microbatches=1 is below pp=2; --schedule 1f1b needs at least one "
      "micro-batch per stage: use --microbatches >= 2."),
     (dict(mesh="pp=2,fsdp=4", microbatches=3, schedule="interleaved", stages_per_rank=2),
      "--microbatches=3 is not a multiple of pp=2; --schedule interleaved runs micro-batches in groups of pp: use "
      "--microbatches 4."),
-    (dict(mesh="pp=2,fsdp=4", stages_per_rank=2), "--stages-per-rank=2 needs --schedule interleaved (got '1f1b')"),
+    (dict(mesh="pp=2,fsdp=4", stages_per_rank=2), "--stages-per-rank=2 needs --schedule interleaved or looped_bfs (got '1f1b')"),
     (dict(mesh="pp=2,fsdp=4", schedule="interleaved", stages_per_rank=2, layers=3),
      "--layers=3 is fewer than the 4 pipeline stages (pp=2 x --stages-per-rank=2); use --layers >= 4"),
     (dict(mesh="pp=2,fsdp=4", model="mlp"), "--mesh='pp=2,fsdp=4' pipelines the transformer's blocks over pp, but --model='mlp'"),

@@ -4,7 +4,8 @@
 tests/test_pipeline.py (4 layers, hidden 16) over pp=2 (2 devices), one micro-batch of 2 x 8 x 16 float32
 (1 KiB): the temp bytes of the looped, donated step at several M fit a line whose slope is exactly one
 activation per stash slot, and each schedule's measured stash is exactly its slot count x the activation
-bytes: gpipe M activations (+1 gradient), 1f1b pp (+1) at every M >= pp, interleaved v=2 its own count.
+bytes: gpipe M activations (+1 gradient), 1f1b 2 (pp - 1) (+1) at every M >= pp, interleaved v=2 its own
+count (fitted on looped BFS, GPipe over the two chunks).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def test_gpipe_stash_equals_bound_and_grows_with_m():
     assert [p["residual_bytes"] for p in ref] == [0, 0, 0]  # three compiles on one line, to the byte
     assert [p["bound_bytes"] for p in ref] == [_bound("gpipe", m) for m in (2, 3, 4)] == [3 * ACT, 4 * ACT, 5 * ACT]
     assert [p["measured_bytes"] for p in ref] == [3 * ACT, 4 * ACT, 5 * ACT]  # M activations + 1 gradient slot
-    # the tick table's uniform column (the chunk index, int32 (ticks, pp)) in temp: 6, 8, 10 ticks -> 64, 64, 128 B
+    # the tick table's uniform column (the chunk index, int32 (ticks, pp)) in temp: 5, 7, 9 ticks -> 64, 64, 128 B
     assert [p["table_bytes"] for p in ref] == [64, 64, 128]
     assert [b["temp_bytes"] - a["temp_bytes"] for a, b in zip(ref, ref[1:])] == [ACT, ACT + 64]
 
@@ -78,21 +79,24 @@ def test_1f1b_stash_equals_bound_and_stays_flat():
     got = _v1()
     two, four = got["measured"]
     assert (two["num_microbatches"], four["num_microbatches"]) == (2, 4)
-    assert two["measured_bytes"] == four["measured_bytes"] == _bound("1f1b", 4) == 3 * ACT  # pp activations + 1
-    assert (two["table_bytes"], four["table_bytes"]) == (64, 128)  # 6 and 10 ticks
+    assert two["measured_bytes"] == four["measured_bytes"] == _bound("1f1b", 4) == 3 * ACT  # 2 (pp - 1) + 1
+    assert (two["table_bytes"], four["table_bytes"]) == (64, 64)  # 5 and 7 ticks
     # at M = 4 1f1b's step holds what gpipe's holds at M = pp = 2 (gpipe's at M = 4: two activations more)
     g2, g4 = got["reference"][0], got["reference"][2]
     assert four["temp_bytes"] - four["table_bytes"] == g2["temp_bytes"] - g2["table_bytes"]
-    assert g4["temp_bytes"] - four["temp_bytes"] == 2 * ACT
+    assert (g4["temp_bytes"] - g4["table_bytes"]) - (four["temp_bytes"] - four["table_bytes"]) == 2 * ACT
 
 
 def test_interleaved_stash_equals_bound():
-    got = _measure("interleaved", 4, 2, (2, 4), (2, 4, 6))
-    assert got["compiles"] == 3 and got["bytes_per_slot"] == ACT
-    bounds = [_bound("interleaved", m, 2) for m in (2, 4, 6)]
-    assert bounds == [5 * ACT, 6 * ACT, 6 * ACT]  # 4 activation slots; 1, then 2 gradient slots
+    got = _measure("interleaved", 4, 2, (2, 3), (2, 4))  # looped BFS's references at M = 2, 3: 4 compiles
+    assert got["compiles"] == 4 and got["bytes_per_slot"] == ACT
+    ref = got["reference"]  # GPipe over v = 2 chunks: 2 M activation slots, M - 1 gradient slots (M >= 2)
+    assert [p["bound_bytes"] for p in ref] == [_bound("looped_bfs", m, 2) for m in (2, 3)] == [5 * ACT, 8 * ACT]
+    assert [p["residual_bytes"] for p in ref] == [0, 0]
+    bounds = [_bound("interleaved", m, 2) for m in (2, 4)]
+    assert bounds == [5 * ACT, 5 * ACT]  # 4 activation slots and 1 gradient slot at every M
     assert [e["measured_bytes"] for e in got["measured"]] == bounds
-    assert [e["table_bytes"] for e in got["measured"]] == [0, 0, 0]  # two chunks per rank: no uniform column
+    assert [e["table_bytes"] for e in got["measured"]] == [0, 0]  # two chunks per rank: no uniform column
 
 
 def test_errors():

@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="with a pp mesh dim: micro-batches per step, dividing each replica's batch (default: the pp "
                         "size)")
     p.add_argument("--stages-per-rank", type=int, default=d.stages_per_rank, metavar="V",
-                   help="with --schedule interleaved: pipeline stages per pp rank (default 1)")
+                   help="with --schedule interleaved or looped_bfs: pipeline stages per pp rank (default 1)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 

@@ -43,7 +43,7 @@ MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replica
              "pp": "pipeline parallel: the transformer's blocks split into stages, the batch into --microbatches "
                    "run by --schedule (spmd.parallel.pipeline)"}
 # The pipeline schedules (spmd.parallel's, named here without importing JAX).
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs")
 # The dims the batch is split over (Shard(0) on each of them).
 DATA_DIMS = ("dp", "fsdp")
 # The dims the train state (parameters, gradients, optimizer state) is sharded over.
@@ -223,10 +223,10 @@ def _check_pipeline(cfg: Config, dims: dict) -> None:
     if cfg.model != "transformer":
         raise ValueError(f"models.train: --mesh={cfg.mesh!r} pipelines the transformer's blocks over pp, but --model="
                          f"{cfg.model!r} has none of one shape; use --model transformer, or a mesh without pp.")
-    if v != 1 and schedule != "interleaved":
-        raise ValueError(f"models.train: --stages-per-rank={v} needs --schedule interleaved (got {schedule!r}); "
-                         "leave --stages-per-rank out or use --schedule interleaved.")
-    if schedule in ("1f1b", "interleaved") and m < pp:
+    if v != 1 and schedule not in ("interleaved", "looped_bfs"):
+        raise ValueError(f"models.train: --stages-per-rank={v} needs --schedule interleaved or looped_bfs (got "
+                         f"{schedule!r}); leave --stages-per-rank out or use one of those.")
+    if schedule != "gpipe" and m < pp:
         raise ValueError(f"models.train: --microbatches={m} is below pp={pp}; --schedule {schedule} needs at least "
                          f"one micro-batch per stage: use --microbatches >= {pp}.")
     if schedule == "interleaved" and m % pp:

@@ -1,8 +1,12 @@
 """What ``metrics.json`` says about a pipelined run (a ``pp`` mesh dim): the schedule, its bubble and its memory.
 
-- ``bubble_formula``: ``(pp - 1) / (M + pp - 1)`` (gpipe, 1f1b) or ``(pp - 1) / (v M + pp - 1)`` (interleaved);
-- ``bubble_measured``: the idle rank-ticks of the tick table the step is compiled from (one action per
-  rank per tick, a chunk's forward and backward one tick each), over all rank-ticks;
+- ``bubble_formula``: ``(pp - 1) / (M + pp - 1)`` (gpipe, 1f1b) or ``(pp - 1) / (v M + pp - 1)``
+  (interleaved, looped_bfs);
+- ``bubble_measured``: counted in the tick table the step is compiled from (a tick holds at most one
+  forward and one backward per rank and lasts the most actions a rank runs in it, every action one unit):
+  ``idle_rank_units`` over ``pp x tick_units``;
+- ``bubble_timed_lockstep``: the table replayed with the chunk's backward 2x its forward, each tick lasting
+  its slowest rank, as the step runs (``Schedule.timed``);
 - ``activation_bound_bytes``: the schedule's bound (its activation and gradient slots, one micro-batch each);
   ``activation_measured_bytes``: the memory the stash takes per device, measured from
   ``compiled.memory_analysis()`` by ``spmd.parallel._pipeline_memory.measure_activation_stash`` (its module
@@ -36,13 +40,13 @@ def pipeline_report(progs: Any, state: Any, batch: Any, accum_steps: int = 1) ->
     collectives = {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in got.items() if v["count"]}
     s = train_step.schedule
     table = train_step.communication(state, batch)
-    idle = sum(a is None for row in s.ticks for a in row)
     stash = measure_activation_stash(progs.layout, make_loss_fn(progs.model), progs.optimizer, state, batch,
                                      accum_steps=accum_steps)
     return collectives, {
         "schedule": s.name, "pp": s.pp, "microbatches": s.num_microbatches, "stages_per_rank": s.stages_per_rank,
-        "ticks": len(s.ticks), "idle_rank_ticks": idle,
-        "bubble_formula": s.formula, "bubble_measured": idle / (len(s.ticks) * s.pp),
+        "ticks": len(s.ticks), "tick_units": sum(s.widths), "idle_rank_units": s.idle,
+        "bubble_formula": s.formula, "bubble_measured": s.bubble,
+        "bubble_timed_lockstep": s.timed(1.0, 2.0)["lockstep"],
         "activation_bytes": table["activation_bytes"], "activation_slots": table["activation_slots"],
         "gradient_slots": table["gradient_slots"], "activation_bound_bytes": table["activation_bound_bytes"],
         "activation_measured_bytes": stash["measured"][0]["measured_bytes"],

@@ -66,7 +66,7 @@ from spmd.parallel._pipeline_state import stack_state, unstack_state
 from spmd.parallel._pipeline_tp import tp_placements, unwrap_layouts
 from spmd.parallel._pipeline_step import REST, STAGES, init_pipeline_state, make_pipeline_step, unshard_pipeline_params
 from spmd.parallel._rules import Rule
-from spmd.parallel._schedules import SCHEDULES, Schedule, build_schedule
+from spmd.parallel._schedules import CHUNKED, SCHEDULES, Schedule, build_schedule
 from spmd.parallel._transforms import ParallelModule, _modules, glob_regex
 
 __all__ = ["pipeline", "PipelineModule", "SplitPoint", "STAGES", "REST"]
@@ -282,8 +282,9 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     """Split ``model``'s ``units`` into pipeline stages over the 1-D ``mesh`` (``mesh["pp"]``); see the module doc.
 
     ``num_microbatches``: the per-replica batch is cut into this many micro-batches (it must divide it);
-    ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (``stages_per_rank`` chunks per rank, Megatron's
-    interleaved 1F1B; ``num_microbatches`` a multiple of pp). ``unroll=True``: the ticks unrolled, each
+    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (``stages_per_rank`` chunks per rank, Megatron's
+    interleaved 1F1B; ``num_microbatches`` a multiple of pp) or ``"looped_bfs"`` (``stages_per_rank`` chunks
+    per rank run GPipe-like, torch's ``ScheduleLoopedBFS``). ``unroll=True``: the ticks unrolled, each
     tick's collective-permute over exactly its sends (the compiled program moves each micro-batch once per
     boundary each way); ``False``: one loop over the ticks, the sends picked per tick from the schedule's
     distinct pair sets (a program the size of one tick: faster to compile for long schedules).
@@ -314,10 +315,10 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     for arg, v in (("num_microbatches", num_microbatches), ("stages_per_rank", stages_per_rank)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{where}: {arg}={v!r} must be an int >= 1.")
-    if schedule != "interleaved" and stages_per_rank != 1:
-        raise ValueError(f"{where}: stages_per_rank={stages_per_rank!r} needs schedule='interleaved' (got "
-                         f"{schedule!r}); leave it 1 or use the interleaved schedule.")
-    if schedule in ("1f1b", "interleaved") and num_microbatches < pp:
+    if schedule not in CHUNKED and stages_per_rank != 1:
+        raise ValueError(f"{where}: stages_per_rank={stages_per_rank!r} needs schedule='interleaved' or "
+                         f"'looped_bfs' (got {schedule!r}); leave it 1 or use one of those.")
+    if schedule != "gpipe" and num_microbatches < pp:
         raise ValueError(f"{where}: num_microbatches={num_microbatches} is below {mesh.mesh_dim_names[0]}={pp}; "
                          f"{schedule} needs at least one micro-batch per stage: use num_microbatches >= {pp}.")
     if schedule == "interleaved" and num_microbatches % pp:

@@ -7,6 +7,7 @@ import re
 import numpy as np
 
 from placements import Shard
+from spmd.parallel._pipeline_tables import ROLES
 
 __all__ = ["STAGES", "REST", "pipeline_communication", "format_pipeline_communication", "hlo_permute_pairs",
            "tp_terms"]
@@ -21,7 +22,7 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
     pipeline); one all-reduce of the stage gradients over the data dims and one of the other gradients over
     pp and the data dims (each device's bytes: its tp block of a tp-cut one). Plus the schedule's bubble and
     activation slots. ``tp_records`` / ``ticks`` (a tensor-parallel model): the styled calls by segment and the
-    tick table's branch codes, for the tp terms (``tp_terms``)."""
+    tick table's ``(forward, backward)`` branch codes per rank, for the tp terms (``tp_terms``)."""
     s = pm.schedule
     act = lay.act
     n_data = int(np.prod([pm.mesh.size(d) for d in pm.data_dims])) if pm.data_dims else 1
@@ -57,7 +58,6 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
 
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter")
-_ROLES = ("mid", "first", "last", "only")  # branch codes: idle, then (F, B) x roles (spmd.parallel._pipeline_step)
 
 
 def _sum(*tables, scale: int = 1) -> dict:
@@ -77,8 +77,8 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
       styled call, a ``RowwiseParallel`` one whose output a residual block adds (``x + proj(h)``), is dead
       and compiled away.
 
-    ``program``: what the compiled program holds (each tick's switch holds each branch some rank runs once;
-    the loop form: every branch once, run every tick); ``per_rank``: what each rank runs; both per step
+    ``program``: what the compiled program holds (each tick's forward switch and backward switch hold each
+    branch some rank runs once; the loop form: every branch once, run every tick); ``per_rank``: what each rank runs; both per step
     (``accum_steps`` passes). ``activation_cut``: ``tp`` when the activation between units is cut over tp
     (the unit's last styled call's output is ``Shard``: sequence parallelism), else 1."""
     from spmd.parallel._comm import activation_terms
@@ -98,15 +98,15 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
             _sum(live, cb), _sum(fwd["pre"], live, cb, bwd["pre"]), _sum(cf, fwd["post"], bwd["post"], cb),
             _sum(fwd["pre"], cf, fwd["post"], bwd["post"], cb, bwd["pre"])]
     if pm.unroll:
-        program = _sum(*[cost[k] for codes in ticks for k in sorted(set(codes))], scale=accum_steps)
+        program = _sum(*[cost[k] for codes in ticks for k in {k for pair in codes for k in pair}], scale=accum_steps)
     else:
-        used = sorted({k for codes in ticks for k in codes})
+        used = sorted({k for codes in ticks for pair in codes for k in pair})
         program = _sum(*[cost[k] for k in used], scale=accum_steps * len(ticks))
-    per_rank = [_sum(*[cost[codes[r]] for codes in ticks], scale=accum_steps) for r in range(s.pp)]
+    per_rank = [_sum(*[cost[k] for codes in ticks for k in codes[r]], scale=accum_steps) for r in range(s.pp)]
     out_layout = last["out_layout"] if last is not None else None
     n_tp = pm.mesh.size(pm.tp.tp.mesh_dim)
     return {"program": program, "per_rank": per_rank, "branches": dict(zip(
-        ["idle"] + [f"{d}-{r}" for d in "FB" for r in _ROLES], cost)), "dead_recompute": dead,
+        ["idle"] + [f"{d}-{r}" for d in "FB" for r in ROLES], cost)), "dead_recompute": dead,
         "activation_cut": n_tp if isinstance(out_layout, Shard) else 1}
 
 

@@ -16,14 +16,14 @@ whose. The method makes the stash the only thing that changes between a few comp
   in the step's output buffers (empty until the step ends), at some ``M`` and not at others; the unrolled
   form (the job's step) grows with ``M`` (one ``lax.switch`` per tick) and does both: its temp moves by
   other amounts than the stash (gpipe pp=2, 1 KiB activations: +4 KiB per micro-batch);
-- the reference compiles (gpipe at ``M`` = 2, 3 for one chunk per rank: ``kx = M``; interleaved at
-  ``M`` = pp, 2 pp otherwise) fit the line ``temp = base + bytes_per_slot x (kx + kg) + table``:
+- the reference compiles (gpipe at ``M`` = 2, 3 for one chunk per rank: ``kx = M``; looped BFS, GPipe
+  over the chunks, at ``M`` = pp, pp + 1 otherwise: ``kx = v M``) fit the line ``temp = base + bytes_per_slot x (kx + kg) + table``:
   ``bytes_per_slot`` is what one more live micro-batch costs, ``base`` the working buffers, the gradient
   accumulators and the two scratch slots, which no schedule changes;
 - ``table``: the tick table's int32 ``(ticks, pp)`` columns that hold one value throughout and index a
-  dim longer than 1 (the chunk index ``j`` with one chunk of 2 or more units per rank); XLA rewrites such a
-  column as a broadcast carried through the loop, so it sits in temp, rounded up to 64 bytes, and grows
-  with the tick count: it is subtracted;
+  dim longer than 1 (the chunk index of the forward and of the backward, with one chunk of 2 or more units
+  per rank); XLA rewrites such a column as a broadcast carried through the loop (equal columns as one), so
+  it sits in temp, rounded up to 64 bytes, and grows with the tick count: it is subtracted;
 - the schedule's own step, compiled the same way: ``measured = temp - base - table``.
 
 On CPU this is exact to the byte (``tests/test_pipeline_memory.py``): ``bytes_per_slot`` equals the
@@ -41,7 +41,8 @@ import jax
 import numpy as np
 
 from spmd.parallel._pipeline import PipelineModule
-from spmd.parallel._pipeline_step import _build, _tables
+from spmd.parallel._pipeline_step import _build
+from spmd.parallel._pipeline_tables import tick_tables
 from spmd.parallel._schedules import build_schedule
 from spmd.parallel._step import _as_arrays
 
@@ -58,10 +59,12 @@ def _variant(pm: PipelineModule, name: str, m: int) -> PipelineModule:
 def _table_bytes(pm: PipelineModule, lay) -> int:
     """Temp bytes of the tick table's uniform int32 columns that index a dim longer than 1 (a dim of 1 is
     indexed by a constant 0, the column dropped): 64-byte rounded."""
-    s, tables = pm.schedule, _tables(pm)
+    s, tables = pm.schedule, tick_tables(pm)
     size = {"j": s.stages_per_rank * lay.per_slot, "m": s.num_microbatches}  # the rest index 2 or more
-    cols = [np.stack([t[k] for t in tables]) for k in ("code", "j", "m", "xr", "gr", "rx", "rg") if size.get(k, 2) > 1]
-    return sum(-(-c.nbytes // 64) * 64 for c in cols if (c == c.flat[0]).all())
+    keys = ("fcode", "fj", "fm", "fxr", "bcode", "bj", "bm", "bxr", "bgr", "rx", "rg")
+    cols = [np.stack([t[k] for t in tables]) for k in keys if size.get(k[1:], 2) > 1]
+    uniform = {(c.shape, int(c.flat[0])) for c in cols if (c == c.flat[0]).all()}  # equal columns: one constant
+    return sum(-(-int(np.prod(shape)) * 4 // 64) * 64 for shape, _ in uniform)
 
 
 def _compile(pm: PipelineModule, shapes, loss_fn, optimizer, state, batch, rows: int, accum: int) -> tuple[int, int]:
@@ -81,11 +84,12 @@ def _compile(pm: PipelineModule, shapes, loss_fn, optimizer, state, batch, rows:
     return int(temp), int(np.prod(lay.act.shape)) * lay.act.dtype.itemsize
 
 
-def _check(where, arg, value, name, pp, v, least):
-    ok = [m for m in value if isinstance(m, int) and not isinstance(m, bool) and m >= least and (v == 1 or m % pp == 0)]
+def _check(where, arg, value, name, pp, least):
+    whole = name == "interleaved"  # its micro-batches run in groups of pp
+    ok = [m for m in value if isinstance(m, int) and not isinstance(m, bool) and m >= least and (not whole or m % pp == 0)]
     if len(ok) != len(value) or len(set(ok)) != len(ok) or not ok:
         raise ValueError(f"{where}: {arg}={tuple(value)!r} must be distinct {name} micro-batch counts >= {least}"
-                         + ("" if v == 1 else f", multiples of pp={pp}") + f"; use e.g. {arg}={(least, 2 * least)}.")
+                         + (f", multiples of pp={pp}" if whole else "") + f"; use e.g. {arg}={(least, 2 * least)}.")
 
 
 def measure_activation_stash(pm: PipelineModule, loss_fn: Callable, optimizer, state, batch: Any, *,
@@ -95,8 +99,8 @@ def measure_activation_stash(pm: PipelineModule, loss_fn: Callable, optimizer, s
 
     ``state`` / ``batch``: what ``make_train_step(pm, loss_fn, optimizer, accum_steps=...)`` takes (their
     shapes and shardings; the micro-batch: ``batch``'s rows over data x M x accum). ``reference``: the
-    micro-batch counts of the reference compiles (gpipe with one chunk per rank, else interleaved); default
-    ``(2, 3)`` / ``(pp, 2 pp)``. ``microbatches``: the counts to measure ``pm``'s schedule at (default its
+    micro-batch counts of the reference compiles (gpipe with one chunk per rank, else looped_bfs); default
+    ``(2, 3)`` / ``(pp, pp + 1)``. ``microbatches``: the counts to measure ``pm``'s schedule at (default its
     own ``M``), at the same micro-batch shape. ``cache``: a dict shared by calls on one model, mesh and batch
     (the schedules of a benchmark), so each reference compile is made once. Compiles ``len(reference) + len(microbatches)`` steps, less
     those that are reference ones (``compiles``). Returns the fit (``bytes_per_slot``, ``base_bytes``), the
@@ -106,11 +110,11 @@ def measure_activation_stash(pm: PipelineModule, loss_fn: Callable, optimizer, s
     if not isinstance(pm, PipelineModule):
         raise TypeError(f"{where}: pm={type(pm).__name__} must be the PipelineModule pipeline() returns.")
     s = pm.schedule
-    ref_name, v = ("gpipe", 1) if s.stages_per_rank == 1 else ("interleaved", s.stages_per_rank)
-    ref = tuple(reference) if reference is not None else ((2, 3) if v == 1 else (s.pp, 2 * s.pp))
-    _check(where, "reference", ref, ref_name, s.pp, v, 2 if v == 1 else s.pp)
+    ref_name, v = ("gpipe", 1) if s.stages_per_rank == 1 else ("looped_bfs", s.stages_per_rank)
+    ref = tuple(reference) if reference is not None else ((2, 3) if v == 1 else (s.pp, s.pp + 1))
+    _check(where, "reference", ref, ref_name, s.pp, 2 if v == 1 else s.pp)
     own = tuple(microbatches) if microbatches is not None else (s.num_microbatches,)
-    _check(where, "microbatches", own, s.name, s.pp, v, 1 if s.name == "gpipe" else s.pp)
+    _check(where, "microbatches", own, s.name, s.pp, 1 if s.name == "gpipe" else s.pp)
     sched = {(n, m): build_schedule(n, s.pp, m, v) for n, ms in ((ref_name, ref), (s.name, own)) for m in ms}
     if len({max(sched[ref_name, m].x_slots) + max(sched[ref_name, m].g_slots) for m in ref}) < 2:
         raise ValueError(f"{where}: reference={ref!r}: {ref_name} holds as many slots at each of these counts; the fit "

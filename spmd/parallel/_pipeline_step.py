@@ -3,8 +3,9 @@
 One ``shard_map`` manual over ``pp`` (each rank its stages' stacked parameters) and the data dims (each
 replica its rows of the batch, cut into ``num_microbatches`` micro-batches), automatic over ``tp`` (a
 tensor-parallel model: its styled calls run in regions manual over tp, ``spmd.parallel._pipeline_tp``). The ticks are
-unrolled; at each, every rank looks up its own action in the table (indexed by ``axis_index(pp)``) and
-``lax.switch``-es to it:
+unrolled; at each, every rank looks up its own forward and backward in the table
+(``spmd.parallel._pipeline_tables``, indexed by ``axis_index(pp)``) and ``lax.switch``-es to each (a tick
+holds at most one of each per rank, ``spmd.parallel._schedules`` says why):
 
 - ``F`` of chunk ``j`` on micro-batch ``m``: its input is the pre-unit code on the micro-batch (the first
   stage) or the activation slot the table names; the output goes to the next stage, or (the last stage) the
@@ -33,14 +34,13 @@ from jax.sharding import PartitionSpec as P
 from spmd.parallel._nnx import nnx_params
 from spmd.parallel._pipeline_calls import model_kind
 from spmd.parallel._pipeline_comm import REST, STAGES, format_pipeline_communication, pipeline_communication
+from spmd.parallel._pipeline_tables import ROLES, branch_codes, tick_tables
 from spmd.parallel._pipeline_tp import map_tp_aware, reduce_tp_aware, segment_records, stage_hooks
 from spmd.parallel._shard import entry_sharding, map_like_params
 from spmd.parallel._step import TrainState, _as_arrays, _check_batch, _split_loss, state_shardings
 
 __all__ = ["init_pipeline_state", "make_pipeline_step", "unshard_pipeline_params", "STAGES", "REST"]
 
-# branch codes: idle, then (F, B) x (mid, first, last, only)
-_ROLES = ("mid", "first", "last", "only")
 
 
 def _place(pm, optimizer, params) -> TrainState:
@@ -87,35 +87,6 @@ def unshard_pipeline_params(pm, params) -> Any:
                          "init_train_state on this model.")
     rep = NamedSharding(pm.mesh.jax_mesh, P())
     return jax.jit(lay.unstack, out_shardings=rep)(params)
-
-
-def _tables(pm) -> list[dict]:
-    """Per tick: per rank ``code, j, m, xs, gs`` and the receive slots; the send pairs."""
-    s = pm.schedule
-    pp, n_st = s.pp, s.num_stages
-    xs, gs = dict(s.x_slot), dict(s.g_slot)
-    kx, kg = max(s.x_slots), max(s.g_slots)
-    fwd, bwd = s.sends("F"), s.sends("B")
-    out = []
-    for t, row in enumerate(s.ticks):
-        code, j, m, xr, gr = (np.zeros(pp, np.int32) for _ in range(5))
-        rx, rg = np.full(pp, kx, np.int32), np.full(pp, kg, np.int32)
-        for r, a in enumerate(row):
-            if a is None:
-                continue
-            role = ("only" if n_st == 1 else "first") if a.chunk == 0 else ("last" if a.chunk == n_st - 1 else "mid")
-            code[r] = 1 + _ROLES.index(role) + (0 if a.kind == "F" else len(_ROLES))
-            j[r], m[r] = a.chunk // pp, a.mb
-            xr[r] = xs.get((r, a.chunk, a.mb), kx)
-            gr[r] = gs.get((r, a.chunk, a.mb), kg)
-            if a.kind == "F" and a.chunk < n_st - 1:
-                d = (a.chunk + 1) % pp
-                rx[d] = xs[(d, a.chunk + 1, a.mb)]
-            if a.kind == "B" and a.chunk > 0:
-                d = (a.chunk - 1) % pp
-                rg[d] = gs[(d, a.chunk - 1, a.mb)]
-        out.append(dict(code=code, j=j, m=m, xr=xr, gr=gr, rx=rx, rg=rg, fwd=fwd[t], bwd=bwd[t]))
-    return out
 
 
 def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1,
@@ -185,7 +156,7 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
         lay = build(state, batch)[1]
         key = next(k for k, b in builds.items() if b[1] is lay)
         recs = segment_records(pm, lay, loss_fn, mbs[key])
-        ticks = [tb["code"].tolist() for tb in _tables(pm)] if recs is not None else None
+        ticks = branch_codes(tick_tables(pm)) if recs is not None else None
         return pipeline_communication(pm, lay, accum_steps, recs, ticks)
 
     step.lower = lower
@@ -202,7 +173,7 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     s = pm.schedule
     m_count, lc = s.num_microbatches, lay.per_slot
-    tables = _tables(pm)
+    tables = tick_tables(pm)
     kx, kg = max(s.x_slots), max(s.g_slots)
     act = lay.act
     skip = not lay.valid.all()
@@ -257,21 +228,24 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
             def mb_of(m):
                 return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, m, keepdims=False), mbs)
 
-            def idle(c, j, m, xi, gi):
-                return c, zero_act, zero_act
+            def idle_f(x, j, m):
+                return zero_act
+
+            def idle_b(acc, x, g, j, m):
+                return acc, zero_act
 
             def fwd(role):
-                def f(c, j, m, xi, gi):
+                def f(x, j, m):
                     if role in ("last", "only"):  # the loss comes with the backward's recomputation
-                        return c, zero_act, zero_act
+                        return zero_act
                     mb = mb_of(m)
-                    x, side = lay.pre(loss_fn, rest, mb) if role == "first" else (c[0][xi], side_of(rest, mb))
-                    return c, chunk(sp, r, j, x, side), zero_act
+                    x, side = lay.pre(loss_fn, rest, mb) if role == "first" else (x, side_of(rest, mb))
+                    return chunk(sp, r, j, x, side)
                 return f
 
             def bwd(role):
-                def f(c, j, m, xi, gi):
-                    xb, gb, gsp, grest, loss, aux = c
+                def f(acc, x, g_in, j, m):
+                    gsp, grest, loss, aux = acc
                     mb = mb_of(m)
                     first, last = role in ("first", "only"), role in ("last", "only")
                     side = None if first else side_of(rest, mb)
@@ -283,32 +257,49 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
                         lo, ax = loss_aux(rest_, mb, h)
                         return lo / m_count, ax
 
-                    x = zero_act if first else xb[xi]
-                    out, pull, ax = jax.vjp(g, rest, sp, x, has_aux=True)
-                    drest, dsp, dx = pull(jnp.ones_like(out) if last else gb[gi])
+                    out, pull, ax = jax.vjp(g, rest, sp, zero_act if first else x, has_aux=True)
+                    drest, dsp, dx = pull(jnp.ones_like(out) if last else g_in)
                     gsp = jax.tree.map(jnp.add, gsp, dsp)
                     grest = jax.tree.map(jnp.add, grest, drest)
                     if last:
                         loss = loss + out
                         aux = jax.tree.map(lambda a, b: a + b / m_count, aux, ax)
-                    return (xb, gb, gsp, grest, loss, aux), zero_act, (zero_act if first else dx)
+                    return (gsp, grest, loss, aux), (zero_act if first else dx)
                 return f
 
-            branches = [idle] + [fwd(ro) for ro in _ROLES] + [bwd(ro) for ro in _ROLES]
+            f_branches = [idle_f] + [fwd(ro) for ro in ROLES]  # code k: f_branches[k]
+            b_branches = [idle_b] + [bwd(ro) for ro in ROLES]  # code k: b_branches[k - len(ROLES)] (k > 0)
             c = (xbuf, gbuf, gsp, grest, loss, aux)
 
-            def compute(c, code, used, row):
-                args = (c, *row)
+            def run(branches, code, used, args):  # used: the codes some rank runs (index into branches)
                 if len(used) == 1:
                     return branches[used[0]](*args)
                 return lax.switch(code, [branches[k] for k in used], *args)
 
+            def compute(c, fc, bc, fused, bused, frow, brow):
+                # the branches get the stash slots they read, not the stash (a buffer two branches take as
+                # an operand is copied at every tick)
+                xb, gb, *acc = c
+                fj, fm, fxr = frow
+                bj, bm, bxr, bgr = brow
+                sf = run(f_branches, fc, fused, (xb[fxr], fj, fm))
+                acc, sb = run(b_branches, bc, bused, (tuple(acc), xb[bxr], gb[bgr], bj, bm))
+                return (xb, gb, *acc), sf, sb
+
+            fcols, bcols = ("fj", "fm", "fxr"), ("bj", "bm", "bxr", "bgr")
+
+            def local_codes(codes, shift):  # a tick's (or the step's) codes -> the used list and each rank's index
+                codes = np.asarray(codes)
+                used = sorted({int(k) - shift if k else 0 for k in codes.flat})
+                return used, np.vectorize(lambda k: used.index(int(k) - shift if k else 0))(codes).astype(np.int32)
+
             if unroll:
                 for tb in tables:
                     pick = lambda a: jnp.asarray(a)[r]  # noqa: E731
-                    used = sorted(set(tb["code"].tolist()))  # only the branches some rank runs at this tick
-                    local = np.array([used.index(k) for k in tb["code"]], np.int32)
-                    c, sf, sb = compute(c, pick(local), used, [pick(tb[k]) for k in ("j", "m", "xr", "gr")])
+                    fused, fl = local_codes(tb["fcode"], 0)  # only the branches some rank runs at this tick
+                    bused, bl = local_codes(tb["bcode"], len(ROLES))
+                    c, sf, sb = compute(c, pick(fl), pick(bl), fused, bused, [pick(tb[k]) for k in fcols],
+                                        [pick(tb[k]) for k in bcols])
                     xb, gb, *others = c
                     if tb["fwd"]:
                         xb = xb.at[pick(tb["rx"])].set(lax.ppermute(sf, ppd, tb["fwd"]))
@@ -316,9 +307,10 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
                         gb = gb.at[pick(tb["rg"])].set(lax.ppermute(sb, ppd, tb["bwd"]))
                     c = (xb, gb, *others)
             else:  # one loop over the ticks: each tick's sends picked from the distinct pair sets
-                used = sorted({k for tb in tables for k in tb["code"].tolist()})
-                cols = {k: jnp.asarray(np.stack([tb[k] for tb in tables])) for k in ("j", "m", "xr", "gr", "rx", "rg")}
-                code = jnp.asarray(np.stack([[used.index(k) for k in tb["code"]] for tb in tables]))
+                fused, fl = local_codes(np.stack([tb["fcode"] for tb in tables]), 0)
+                bused, bl = local_codes(np.stack([tb["bcode"] for tb in tables]), len(ROLES))
+                fl, bl = jnp.asarray(fl), jnp.asarray(bl)
+                cols = {k: jnp.asarray(np.stack([tb[k] for tb in tables])) for k in (*fcols, *bcols, "rx", "rg")}
                 sends = {}
                 for d in ("fwd", "bwd"):
                     sets = sorted({tuple(tb[d]) for tb in tables if tb[d]})
@@ -327,7 +319,8 @@ def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
                                                                  for p in sets])
 
                 def tick(t, c):
-                    c, sf, sb = compute(c, code[t, r], used, [cols[k][t, r] for k in ("j", "m", "xr", "gr")])
+                    c, sf, sb = compute(c, fl[t, r], bl[t, r], fused, bused, [cols[k][t, r] for k in fcols],
+                                        [cols[k][t, r] for k in bcols])
                     xb, gb, *others = c
                     xb = xb.at[cols["rx"][t, r]].set(lax.switch(sends["fwd"][0][t], sends["fwd"][1], sf))
                     gb = gb.at[cols["rg"][t, r]].set(lax.switch(sends["bwd"][0][t], sends["bwd"][1], sb))
