@@ -213,10 +213,12 @@ def plot(out, path):
         if all("samples_per_s" in o.get("torch", {}) for o in rs):
             ax[1].plot(ms, [o["torch"]["step_ms"] for o in rs], "s:", color=c, label=f"torch {name}")
         ax[2].plot(ms, [o["temp_bytes"] / 1024 for o in rs], "o-", color=c, label=f"{name} temp")
-        ax[2].plot(ms, [o["activation_bound_bytes"] / 1024 for o in rs], "x--", color=c, label=f"{name} bound")
+        ax[2].plot(ms, [o["activation_bound_bytes"] / 1024 for o in rs], "x--", color=c, label=f"{name} stash bound")
+        ax[2].plot(ms, [o["activation_measured_bytes"] / 1024 for o in rs], "+", ms=12, color=c,
+                   label=f"{name} stash measured")
     ax[0].set(title=f"bubble, pp={PP}", xlabel="micro-batches M", ylabel="fraction of the step")
     ax[1].set(title=f"step time ({PP} CPU fake devices / torch: {PP} gloo processes)", xlabel="micro-batches M", ylabel="ms")
-    ax[2].set(title="compiled temp memory vs activation bound", xlabel="micro-batches M", ylabel="KiB per device")
+    ax[2].set(title="compiled temp memory; activation stash measured vs bound", xlabel="micro-batches M", ylabel="KiB per device")
     for a in ax:
         a.legend(fontsize=7)
         a.set_xscale("log", base=2)
