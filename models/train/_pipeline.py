@@ -13,6 +13,9 @@
   doc: the method), with ``activation_bytes_per_slot`` (what one more live micro-batch costs, fitted) and
   ``activation_measure_compiles``: the extra compiles it took (the step's loop form, the state donated, at a
   few micro-batch counts), made for these metrics only;
+- ``bytes_table`` / ``bytes_hlo``: per collective kind, the bytes a device moves per step by the step's
+  analytic table (``step.communication``) and in the compiled step (scalars aside: the loss's and the
+  gradient norm's reductions);
 - ``peak_temp_bytes``: the job's compiled step's temporaries (``memory_analysis()``'s ``temp_size_in_bytes``:
   the stash, the chunk's working buffers, the gathered stages and their gradients).
 
@@ -30,6 +33,8 @@ from spmd.parallel._pipeline_memory import measure_activation_stash
 
 __all__ = ["pipeline_report"]
 
+_KINDS = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter")
+
 
 def pipeline_report(progs: Any, state: Any, batch: Any, accum_steps: int = 1) -> tuple[dict, dict]:
     """``(collectives, pipeline)`` of a pipelined run's step (``progs``: its ``models.train._programs.Programs``):
@@ -37,6 +42,7 @@ def pipeline_report(progs: Any, state: Any, batch: Any, accum_steps: int = 1) ->
     train_step = progs.train_step
     compiled = train_step.compiled(state, batch)
     got = hlo_executed_collectives(compiled.as_text())
+    nonscalar = hlo_executed_collectives(compiled.as_text(), scalars=False)  # the table leaves scalars aside
     collectives = {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in got.items() if v["count"]}
     s = train_step.schedule
     table = train_step.communication(state, batch)
@@ -53,4 +59,6 @@ def pipeline_report(progs: Any, state: Any, batch: Any, accum_steps: int = 1) ->
         "activation_bytes_per_slot": stash["bytes_per_slot"], "activation_measure_compiles": stash["compiles"],
         "peak_temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
         "transfers": table["collective-permute"]["pairs"],
+        "bytes_table": {k: table[k]["bytes"] for k in _KINDS},  # the analytic table beside the compiled step's
+        "bytes_hlo": {k: nonscalar[k]["bytes"] for k in _KINDS},
     }
