@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from spmd.parallel._pipeline import PipelineModule
-from spmd.parallel._pipeline_step import _build
+from spmd.parallel._pipeline_step import build_pipeline_step
 from spmd.parallel._pipeline_tables import tick_tables
 from spmd.parallel._schedules import build_schedule
 from spmd.parallel._step import _as_arrays
@@ -79,7 +79,7 @@ def _compile(pm: PipelineModule, shapes, loss_fn, optimizer, state, batch, rows:
     n_data = int(np.prod([pm.mesh.size(d) for d in pm.data_dims])) if pm.data_dims else 1
     mb = rows // (n_data * pm.schedule.num_microbatches * accum)
     lay.record(loss_fn, shapes, jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb, *np.shape(x)[1:]), x.dtype), like))
-    step = _build(pm, lay, loss_fn, optimizer, accum, state.plan)
+    step = build_pipeline_step(pm, lay, loss_fn, optimizer, accum, state.plan)
     temp = jax.jit(step, donate_argnums=0).lower(state, like).compile().memory_analysis().temp_size_in_bytes
     return int(temp), int(np.prod(lay.act.shape)) * lay.act.dtype.itemsize
 

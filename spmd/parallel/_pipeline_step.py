@@ -39,7 +39,8 @@ from spmd.parallel._pipeline_tp import map_tp_aware, reduce_tp_aware, segment_re
 from spmd.parallel._shard import entry_sharding, map_like_params
 from spmd.parallel._step import TrainState, _as_arrays, _check_batch, _split_loss, state_shardings
 
-__all__ = ["init_pipeline_state", "make_pipeline_step", "unshard_pipeline_params", "STAGES", "REST"]
+__all__ = ["init_pipeline_state", "make_pipeline_step", "build_pipeline_step", "unshard_pipeline_params", "STAGES",
+           "REST"]
 
 
 
@@ -113,7 +114,7 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
                                                              jnp.result_type(x)), batch)
             lay.record(loss_fn, jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths]), mb)
             mbs[key] = mb
-            builds[key] = [_build(pm, lay, loss_fn, optimizer, accum_steps, state.plan), lay, n_local]
+            builds[key] = [build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps, state.plan), lay, n_local]
         return builds[key]
 
     def check(state, batch):
@@ -168,7 +169,10 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
     return step
 
 
-def _build(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
+def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
+    """The jitted ``(state, batch) -> (state, metrics)`` of ``pm`` on layout ``lay`` (its unit calls recorded
+    at the micro-batch's shapes), unchecked: what ``make_train_step`` compiles once per layout and batch shape,
+    and what ``spmd.parallel._pipeline_memory`` compiles at other micro-batch counts."""
     unroll = pm.unroll
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     s = pm.schedule
