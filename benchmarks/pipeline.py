@@ -22,8 +22,9 @@ Reported per layout:
   activation), and the collective-permutes the HLO holds.
 
 torch (when installed): ``torch.distributed.pipelining`` with the same schedule (``ScheduleGPipe``,
-``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``) and M, the same model split by hand into ``PipelineStage``s
-(the head untied: torch cannot tie weights across stages), 4 gloo CPU processes of one thread each.
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``) and M, the same model split by hand
+into ``PipelineStage``s (the head untied: torch cannot tie weights across stages), 4 gloo CPU processes of
+one thread each.
 
     python benchmarks/pipeline.py           # a few minutes on 2 idle cores
     python benchmarks/pipeline.py --quick   # smoke run (M = pp only)
@@ -218,7 +219,8 @@ def plot(out, path):
                    label=f"{name} stash measured")
     ax[0].set(title=f"bubble, pp={PP}", xlabel="micro-batches M", ylabel="fraction of the step")
     ax[1].set(title=f"step time ({PP} CPU fake devices / torch: {PP} gloo processes)", xlabel="micro-batches M", ylabel="ms")
-    ax[2].set(title="compiled temp memory; activation stash measured vs bound", xlabel="micro-batches M", ylabel="KiB per device")
+    ax[2].set(title="compiled temp memory; activation stash measured vs bound", xlabel="micro-batches M",
+              ylabel="KiB per device")
     for a in ax:
         a.legend(fontsize=7)
         a.set_xscale("log", base=2)
@@ -286,7 +288,8 @@ def _torch_worker(rank, world, name, m, steps, warmup, port, out_path):
     if v == 1:
         sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stages[0], m, loss_fn=loss_fn)
     else:
-        sched = {"interleaved": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS}[name](stages, m, loss_fn=loss_fn)
+        chunked = {"interleaved": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS}[name]
+        sched = chunked(stages, m, loss_fn=loss_fn)
     opt = torch.optim.AdamW([p for st in stages for p in st.submod.parameters()], lr=1e-3, weight_decay=0.01)
     seq = torch.tensor(np.random.default_rng(0).integers(0, VOCAB, size=(BATCH, SEQ + 1))).long()
     x, y = seq[:, :-1], seq[:, 1:]

@@ -78,7 +78,8 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
       and compiled away.
 
     ``program``: what the compiled program holds (each tick's forward switch and backward switch hold each
-    branch some rank runs once; the loop form: every branch once, run every tick); ``per_rank``: what each rank runs; both per step
+    branch some rank runs once; the loop form: every branch once, run every tick); ``per_rank``: what each
+    rank runs; both per step
     (``accum_steps`` passes). ``activation_cut``: ``tp`` when the activation between units is cut over tp
     (the unit's last styled call's output is ``Shard``: sequence parallelism), else 1."""
     from spmd.parallel._comm import activation_terms

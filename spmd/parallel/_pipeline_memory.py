@@ -17,7 +17,8 @@ whose. The method makes the stash the only thing that changes between a few comp
   form (the job's step) grows with ``M`` (one ``lax.switch`` per tick) and does both: its temp moves by
   other amounts than the stash (gpipe pp=2, 1 KiB activations: +4 KiB per micro-batch);
 - the reference compiles (gpipe at ``M`` = 2, 3 for one chunk per rank: ``kx = M``; looped BFS, GPipe
-  over the chunks, at ``M`` = pp, pp + 1 otherwise: ``kx = v M``) fit the line ``temp = base + bytes_per_slot x (kx + kg) + table``:
+  over the chunks, at ``M`` = pp, pp + 1 otherwise: ``kx = v M``) fit the line
+  ``temp = base + bytes_per_slot x (kx + kg) + table``:
   ``bytes_per_slot`` is what one more live micro-batch costs, ``base`` the working buffers, the gradient
   accumulators and the two scratch slots, which no schedule changes;
 - ``table``: the tick table's int32 ``(ticks, pp)`` columns that hold one value throughout and index a
@@ -86,7 +87,8 @@ def _compile(pm: PipelineModule, shapes, loss_fn, optimizer, state, batch, rows:
 
 def _check(where, arg, value, name, pp, least):
     whole = name == "interleaved"  # its micro-batches run in groups of pp
-    ok = [m for m in value if isinstance(m, int) and not isinstance(m, bool) and m >= least and (not whole or m % pp == 0)]
+    ok = [m for m in value
+          if isinstance(m, int) and not isinstance(m, bool) and m >= least and (not whole or m % pp == 0)]
     if len(ok) != len(value) or len(set(ok)) != len(ok) or not ok:
         raise ValueError(f"{where}: {arg}={tuple(value)!r} must be distinct {name} micro-batch counts >= {least}"
                          + (f", multiples of pp={pp}" if whole else "") + f"; use e.g. {arg}={(least, 2 * least)}.")

@@ -22,9 +22,9 @@ tick lasts ``t_F + t_B`` on every rank, and the bubble equals the formula at any
 price is the warm-up: a micro-batch's round trip from rank ``r`` to the last stage and back takes
 ``2 (pp - 1 - r) + 1`` ticks, and rank ``r`` starts one forward per tick meanwhile, so under 1F1B a rank
 ``r > 0`` stashes ``min(2 (pp - r), M)`` received activations (rank 1: ``2 pp - 2``; still independent of
-``M``) where one action per tick stashed ``min(pp - r + 1, M)``. A lockstep program cannot have that stash and the
-formula's bubble both when a backward outlasts a forward; torch's MPMD runtime can, its ranks not waiting
-for each other's ticks.
+``M``) where one action per tick stashed ``min(pp - r + 1, M)``. A lockstep program cannot have that
+stash and the formula's bubble both when a backward outlasts a forward; torch's MPMD runtime can, its
+ranks not waiting for each other's ticks.
 
 The table then assigns buffer *slots*: an activation a rank receives is written into an activation slot at
 the end of the tick it was sent and read by the forward and the backward (which recomputes the stage from
@@ -77,7 +77,8 @@ def _orders(schedule: str, pp: int, m: int, v: int) -> list[list[Action]]:
             o += [Action("B", r, i) for i in range(m - w, m)]
         elif schedule == "looped_bfs":
             cs = [k * pp + r for k in range(v)]
-            o = [Action("F", c, i) for c in cs for i in range(m)] + [Action("B", c, i) for c in cs[::-1] for i in range(m)]
+            o = ([Action("F", c, i) for c in cs for i in range(m)]
+                 + [Action("B", c, i) for c in cs[::-1] for i in range(m)])
         else:  # Megatron's interleaved 1F1B (M a multiple of pp)
             total = m * v
 
@@ -102,7 +103,8 @@ def _orders(schedule: str, pp: int, m: int, v: int) -> list[list[Action]]:
 @dataclass(frozen=True)
 class Schedule:
     """The tick table of one schedule (see the module doc). ``ticks[t][r]``: rank ``r``'s actions at tick ``t``
-    (a tuple: empty when idle, else a forward, a backward or one of each, forward first). ``x_slot`` / ``g_slot``: ``{(rank, chunk, mb): slot}`` of the activations and gradients a
+    (a tuple: empty when idle, else a forward, a backward or one of each, forward first). ``x_slot`` /
+    ``g_slot``: ``{(rank, chunk, mb): slot}`` of the activations and gradients a
     rank receives; ``x_slots`` / ``g_slots``: slots per rank."""
 
     name: str
