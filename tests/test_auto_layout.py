@@ -22,6 +22,7 @@ from spmd.parallel import (Calibration, ColwiseParallel, Layout, apply_layout, a
                            init_train_state, make_train_step, weight_stationary_plan)
 from spmd.parallel._auto import _abstract, candidate_layouts, default_loss, evaluate_layout
 from spmd.parallel._auto_layout import infer_units
+from spmd.parallel._auto_pipeline import PERMUTE, pipeline_layouts
 from spmd.parallel._calibrate import COLLECTIVE_KINDS, _fit, _in_step, program_ops
 from spmd.parallel._memory import Profile, reference_cost
 
@@ -67,6 +68,11 @@ LAYOUTS = {  # the candidates compiled once for this module
     "dp=2,tp=4 ws": Layout(dp=2, tp=4, tp_plan=tuple(weight_stationary_plan(PLAN(True, 4)).items()),
                            weight_stationary=True),
 }
+PIPELINED = {  # the pipelined candidates compiled once for this module (each stage one of the two blocks)
+    "pp=2,fsdp=4 1f1b M=2": Layout(pp=2, fsdp=4, units=("block_*",), reshard_after_forward=False, microbatches=2),
+    "pp=2,dp=2,tp=2 1f1b M=4": Layout(pp=2, dp=2, tp=2, units=("block_*",), microbatches=4,
+                                      tp_plan=tuple(PLAN(False, 2).items())),
+}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +91,24 @@ def _built():
         state = init_train_state(laid, OPT, params=params, mesh=mesh)
         step = make_train_step(laid, default_loss(laid), OPT, mesh=mesh)
         out[name] = (cand, step.lower(state, batch).compile(), step, state)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipelined():
+    return _pipelined()
+
+
+@functools.lru_cache(maxsize=None)
+def _pipelined():
+    """name -> (Candidate, compiled step, the PipelineModule)."""
+    batch, params, prof = _data()
+    out = {}
+    for name, lay in PIPELINED.items():
+        cand = evaluate_layout(MODEL, OPT, batch, 8, lay, calibration=_cal(op_s=1e-6), profile=prof)
+        laid, _ = apply_layout(MODEL, 8, lay)
+        state = init_train_state(laid, OPT, params=params)
+        out[name] = (cand, make_train_step(laid, default_loss(laid), OPT).compiled(state, batch), laid)
     return out
 
 
@@ -278,7 +302,7 @@ def test_bad_inputs_are_clear_errors(data):
         Layout(tp=2)
     with pytest.raises(ValueError, match=re.escape("Layout: dp=0 must be an int >= 1.")):
         Layout(dp=0)
-    with pytest.raises(ValueError, match=re.escape("apply_layout: layout 'dp=4' needs dp x fsdp x tp = 4 devices, "
+    with pytest.raises(ValueError, match=re.escape("apply_layout: layout 'dp=4' needs pp x dp x fsdp x tp = 4 devices, "
                                                    "but 8 were given")):
         apply_layout(MODEL, 8, Layout(dp=4))
     with pytest.raises(TypeError, match=re.escape("auto_layout: mesh_shape_or_devices='eight' must be")):
@@ -293,6 +317,15 @@ def test_bad_inputs_are_clear_errors(data):
                            layouts=[Layout(dp=8), Layout(tp=8, tp_plan=tuple(PLAN(False, 8).items()))],
                            profile=data[2]).rejected
     assert [n for n, _ in rejected] == ["dp=1,tp=8"] and "does not divide" in rejected[0][1]
+    with pytest.raises(ValueError, match=re.escape("Layout: pp=2 with units=('a_*', 'b_*'): the pipeline's stages are "
+                                                   "one glob")):
+        Layout(pp=2, dp=4, units=("a_*", "b_*"), microbatches=2)
+    with pytest.raises(ValueError, match=re.escape("Layout: schedule='zb' is not offered")):
+        Layout(pp=2, dp=4, units=("block_*",), schedule="zb")
+    with pytest.raises(ValueError, match=re.escape("Layout: stages_per_rank=2 needs schedule 'interleaved'")):
+        Layout(pp=2, dp=4, units=("block_*",), stages_per_rank=2)
+    with pytest.raises(ValueError, match=re.escape("reshard_after_forward=True: a pipeline keeps its stages gathered")):
+        Layout(pp=2, fsdp=4, units=("block_*",))
 
 
 def test_program_ops_counts_the_launched_instructions_of_the_entry():
@@ -393,3 +426,67 @@ def test_accum_steps_is_every_candidates_least(data):
         auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, accum_steps=0)
     with pytest.raises(ValueError, match=re.escape("Calibration: op_s=-1.0 must be >= 0")):
         _cal(op_s=-1.0)
+
+
+def test_pipelined_candidates_are_pp_over_the_divisors_with_1f1b_and_interleaved():
+    deep = jax.eval_shape(lambda: Transformer(VOCAB, T, num_layers=4, d_model=32, num_heads=4).init(
+        jax.random.key(0), np.zeros((2, T), np.int32))["params"])
+    got = [lay.name for lay in pipeline_layouts(4, None, ("block_*",), deep, 16)]
+    assert got == ["pp=2,dp=2 1f1b M=2", "pp=2,dp=2 1f1b M=4", "pp=2,dp=2 1f1b M=8", "pp=2,dp=2 interleaved v=2 M=8",
+                   "pp=2,fsdp=2 1f1b M=2", "pp=2,fsdp=2 1f1b M=4", "pp=2,fsdp=2 1f1b M=8",
+                   "pp=2,fsdp=2 interleaved v=2 M=8", "pp=4 1f1b M=4", "pp=4 1f1b M=8", "pp=4 1f1b M=16"]
+    with_tp = [lay.name for lay in pipeline_layouts(4, PLAN, ("block_*",), deep, 4)]  # 2 rows per replica of dp=2
+    assert with_tp == ["pp=2,dp=2 1f1b M=2", "pp=2,dp=2 interleaved v=2 M=2", "pp=2,fsdp=2 1f1b M=2",
+                       "pp=2,fsdp=2 interleaved v=2 M=2", "pp=2,tp=2 1f1b M=2", "pp=2,tp=2 1f1b M=4",
+                       "pp=2,tp=2 interleaved v=2 M=4", "pp=4 1f1b M=4"]
+    assert pipeline_layouts(8, None, ("block_*", "head_*"), deep, 16) == []  # the stages are one glob
+    assert [lay.pp for lay in pipeline_layouts(8, None, ("block_*",), _data()[1], 16)] == [2] * 6  # 2 blocks: pp=2, M = 2, 4
+
+
+def test_pipelined_bytes_equal_the_compiled_hlo_and_memory_is_within_15_percent(pipelined):
+    for name, (cand, compiled, laid) in pipelined.items():
+        assert cand.name == name and type(laid).__name__ == "PipelineModule" and laid.schedule.pp == 2
+        hlo = hlo_executed_collectives(compiled.as_text(), scalars=False)
+        for k in (*KINDS, PERMUTE):  # the tp terms, the stages' gathers and every transfer, each as compiled
+            assert hlo[k]["bytes"] == cand.communication["total"][k]["bytes"], (name, k)
+            assert hlo[k]["buffers"] == cand.communication["total"][k]["count"], (name, k)
+        assert cand.communication["total"][PERMUTE]["count"] == 2 * laid.schedule.num_microbatches  # once each way
+        m = compiled.memory_analysis()
+        measured = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        assert abs(cand.memory["peak"] / measured - 1) < 0.15, (name, cand.memory, measured)
+        assert cand.memory["state"] // 2 + cand.memory["batch"] == pytest.approx(m.argument_size_in_bytes, rel=0.01)
+        s = laid.schedule
+        assert cand.memory["stash"] == (max(s.x_slots) + max(s.g_slots) + 2) * B // (4 if "fsdp" in name else 2) \
+            // s.num_microbatches * T * 32 * 4 // (2 if "fsdp" in name else 1) * (2 if "fsdp" in name else 1)
+
+
+def test_pipelined_time_is_the_schedules_lockstep_replay(pipelined, data):
+    cand, _, laid = pipelined["pp=2,fsdp=4 1f1b M=2"]
+    prof, cal, s = data[2], _cal(op_s=1e-6), laid.schedule
+    mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 4 // 2, *x.shape[1:]), x.dtype), _abstract(data[0]))
+    f, nb, _, ops = prof._step(mb)
+    lay = next(iter(laid._layouts.values()))
+    u = sum(int(np.prod(lay.shapes[p].shape)) * 4 for p in lay.unit_of) / prof.param_bytes
+    t_f = cal.compute_s(f, nb, ops) * u / 2 / 3  # one block of two per stage; a forward is a third of the step
+    of, ob = prof.optimizer_cost()
+    share = sum(e.local_nbytes for e in jax.eval_shape(lambda: init_train_state(laid, OPT, params=data[1])).plan.entries
+                ) / prof.param_bytes
+    want = (s.timed(t_f, 3 * t_f)["lockstep_s"] + 2 * cal.compute_s(f, nb, ops) * (1 - u) * 4 / 3
+            + cal.compute_s(of * share, ob * share, 0))
+    assert cand.compute_s == pytest.approx(want, rel=1e-9)
+    t = cand.communication["total"]
+    assert cand.comm_s[PERMUTE] == pytest.approx(1e-4 * t[PERMUTE]["count"] + t[PERMUTE]["bytes"] / 1e9, rel=1e-9)
+    assert cand.predicted_s == pytest.approx(cand.compute_s + sum(cand.comm_s.values()) + 1e-4, rel=1e-12)
+    # 1f1b at 2 micro-batches on 2 ranks: each rank busy 2 x (t_F + t_B) = 8 t_F of the lockstep's 12 t_F (the
+    # bubble (pp - 1) / (M + pp - 1) = 1/3 is in the time)
+    assert s.bubble == pytest.approx(1 / 3) and s.timed(t_f, 3 * t_f)["lockstep_s"] == pytest.approx(12 * t_f)
+
+
+def test_auto_layout_ranks_the_pipelines_beside_the_others(data):
+    batch, params, prof = data
+    ranked = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, plan=PLAN)
+    names = [c.name for c in ranked.candidates]
+    assert {"pp=2,dp=4 1f1b M=2", "pp=2,fsdp=4 1f1b M=4", "dp=8", "fsdp=8 regather"} <= set(names)
+    assert "permute MiB" in ranked.table(top=len(names))
+    pp = next(c for c in ranked.candidates if c.name == "pp=2,dp=4 1f1b M=2")
+    assert pp.communication["total"][PERMUTE]["bytes"] == 2 * 2 * (B // 4 // 2) * T * 32 * 4  # M x 1 boundary x 2 ways

@@ -2,7 +2,8 @@
 
 ``choose_layout(cfg)`` ranks the layouts of the job's model on the visible devices (``auto_layout``'s
 candidates: every ``dp`` x ``fsdp`` x ``tp`` mesh, sequence parallel, weight-stationary,
-``reshard_after_forward`` on and off, accumulation where ``--memory-budget`` needs it; no pipeline) with the
+``reshard_after_forward`` on and off, the pipelines over ``pp`` with their schedule and micro-batches,
+accumulation where ``--memory-budget`` needs it) with the
 job's own model, loss, optimizer and first batch, the transformer's tensor-parallel plan
 (``models._plans.transformer_tp_plan``) and ``fully_shard`` units (``shard_units``), on this machine's
 calibration (``spmd.parallel.calibrate``: measured once, about 10 s on 8 CPU fake devices, then read from its
@@ -11,7 +12,7 @@ single-device programs the memory and compute estimates read, and that step time
 under a measured calibration): about a minute for the default config on 8 CPU fake devices. It prints the top
 5 and why the pick won, and returns the config with the pick as the explicit flags an ``--mesh`` run takes
 (``layout_config``): the run, its checkpoints and ``--resume`` then see exactly what ``--mesh fsdp=8
---no-reshard-after-forward`` would have given, and a resume without ``--mesh`` reuses the pick.
+--no-reshard-after-forward`` (or ``--mesh pp=2,dp=4 --schedule 1f1b --microbatches 4``) would have given, and a resume without ``--mesh`` reuses the pick.
 
 ``layout_report`` is ``metrics.json``'s ``"layout"``: the ranking (``AutoLayout.to_json``: the pick, why,
 every candidate's predicted time terms, bytes by kind and peak memory, the rejected layouts), the pick's
@@ -55,11 +56,13 @@ class Choice:
 def layout_config(cfg: Config, lay: Layout, model: Any) -> Config:
     """``cfg`` with ``lay`` as the job's explicit layout flags (``reshard_after_forward`` left at None where
     it is the model's default, as a user would leave the flag out)."""
-    raf = None if lay.fsdp == 1 or lay.reshard_after_forward == reshard_after_forward(model) else \
-        lay.reshard_after_forward
+    raf = None if lay.fsdp == 1 or lay.pp > 1 or lay.reshard_after_forward == reshard_after_forward(model) else \
+        lay.reshard_after_forward  # a pipeline keeps its stages gathered: the flag is not the pipeline's
+    pipe = dict(schedule=lay.schedule, microbatches=lay.microbatches, stages_per_rank=lay.stages_per_rank) \
+        if lay.pp > 1 else {}
     return dataclasses.replace(cfg, mesh=",".join(f"{n}={s}" for n, s in lay.mesh_dims),
                                sequence_parallel=lay.sequence_parallel, weight_stationary=lay.weight_stationary,
-                               reshard_after_forward=raf, accum_steps=lay.accum_steps, memory_budget=None)
+                               reshard_after_forward=raf, accum_steps=lay.accum_steps, memory_budget=None, **pipe)
 
 
 def layout_flags(cfg: Config) -> str:
@@ -71,6 +74,10 @@ def layout_flags(cfg: Config) -> str:
         out.append("--weight-stationary")
     if cfg.reshard_after_forward is not None:
         out.append("--reshard-after-forward" if cfg.reshard_after_forward else "--no-reshard-after-forward")
+    if cfg.schedule is not None:
+        out.append(f"--schedule {cfg.schedule} --microbatches {cfg.microbatches}")
+    if cfg.stages_per_rank != 1:
+        out.append(f"--stages-per-rank {cfg.stages_per_rank}")
     if cfg.accum_steps > 1:
         out.append(f"--accum-steps {cfg.accum_steps}")
     return " ".join(out)

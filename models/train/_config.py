@@ -178,7 +178,7 @@ def _check_layout_flags(cfg: Config, dims: dict) -> None:
 
 
 def _check_auto(cfg: Config) -> None:
-    """``--mesh auto`` picks the mesh and the layout flags itself; the pipeline is not among its candidates."""
+    """``--mesh auto`` picks the mesh and the layout flags itself, the pipeline's among them."""
     if cfg.memory_budget is not None and (isinstance(cfg.memory_budget, bool) or not isinstance(cfg.memory_budget, int)
                                           or cfg.memory_budget < 1):
         raise ValueError(f"models.train: --memory-budget={cfg.memory_budget!r} must be a number of bytes >= 1 "
@@ -190,7 +190,7 @@ def _check_auto(cfg: Config) -> None:
                         ("stages_per_rank", cfg.stages_per_rank if cfg.stages_per_rank != 1 else None)):
         if value is not None:
             raise ValueError(f"models.train: {_flag(name)}={value!r} fixes part of the layout, which --mesh auto "
-                             f"chooses itself (a pipeline is not among its candidates); drop {_flag(name)}, or give "
+                             f"chooses itself (the pipeline's schedule too); drop {_flag(name)}, or give "
                              "the layout yourself with an explicit --mesh (e.g. --mesh dp=2,tp=4).")
 
 

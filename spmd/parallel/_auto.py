@@ -30,12 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from spmd.parallel._auto_layout import Layout, apply_layout, devices_of, infer_units, tp_plan_for
+from spmd.parallel._auto_layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
+from spmd.parallel._auto_pipeline import PERMUTE, pipeline_cost, pipeline_layouts
 from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._comm import KINDS
 from spmd.parallel._memory import Profile, _nbytes, compute_cost, memory_breakdown, reference_cost
 from spmd.parallel._shard import entry_sharding
-from spmd.parallel._step import TrainState, _check_optimizer, make_train_step
+from spmd.parallel._step import TrainState, _check_optimizer, init_train_state, make_train_step
 from spmd.parallel._transforms import as_parallel
 
 __all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default_loss", "abstract_state"]
@@ -101,12 +102,13 @@ class AutoLayout:
     def table(self, top: int | None = None) -> str:
         top = self.top if top is None else top
         head = ("#", "layout", "pred ms", "compute", "comm", "all-gather MiB", "reduce-scatter MiB", "all-reduce MiB",
-                "peak MiB", "fits")
+                "permute MiB", "peak MiB", "fits")
         rows = []
         for i, c in enumerate(self.candidates[:top]):
             t = c.communication["total"]
             rows.append((str(i + 1), c.name, f"{1e3 * c.predicted_s:.2f}", f"{1e3 * c.compute_s:.2f}",
                          f"{1e3 * sum(c.comm_s.values()):.2f}", *(_mib(t[k]["bytes"]) for k in KINDS),
+                         _mib(t.get(PERMUTE, {"bytes": 0})["bytes"]),
                          _mib(c.memory["peak"]), "yes" if c.fits else "no"))
         w = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
         fmt = lambda r: "  ".join(x.rjust(n) if j not in (1,) else x.ljust(n) for j, (x, n) in enumerate(zip(r, w)))  # noqa
@@ -184,6 +186,8 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     laid, mesh = apply_layout(model, devices, layout)
     loss = loss_fn if loss_fn is not None else default_loss(laid)
     profile = profile or Profile(loss, params, optimizer)
+    if layout.pp > 1:
+        return _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget)
     state = abstract_state(laid, params, optimizer, mesh)
     step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, mesh=mesh)
     jax.eval_shape(step, state, batch)  # validates (batch split, head cuts) and traces the styled calls
@@ -207,6 +211,21 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     return Candidate(layout=layout, predicted_s=total, compute_s=compute, comm_s=comm_s, dispatch_s=cal.dispatch_s,
                      communication={k: comm[k] for k in ("parameters", "activations", "total")}, memory=mem,
                      flops=flops, fits=budget is None or mem["peak"] <= budget)
+
+
+def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget) -> Candidate:
+    """A pipelined candidate (``spmd.parallel._auto_pipeline``): the state's shapes and the step's own table."""
+    state = jax.eval_shape(lambda: init_train_state(laid, optimizer, params=params))
+    step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps)
+    n_data = layout.dp * layout.fsdp
+    b = jax.tree.leaves(batch)[0].shape[0]
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // (n_data * layout.accum_steps), *x.shape[1:]), x.dtype),
+                         batch)
+    t = pipeline_cost(laid, state, step, batch, layout, profile, cal, _anchor(profile, batch, micro, devices, cal))
+    total = t["compute_s"] + sum(t["comm_s"].values()) + cal.dispatch_s
+    return Candidate(layout=layout, predicted_s=total, compute_s=t["compute_s"], comm_s=t["comm_s"],
+                     dispatch_s=cal.dispatch_s, communication=t["communication"], memory=t["memory"],
+                     flops=t["flops"], fits=budget is None or t["memory"]["peak"] <= budget)
 
 
 def _anchor(profile: Profile, batch: Any, micro: Any, devices: list, cal: Calibration) -> float:
@@ -246,21 +265,12 @@ def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
     return jax.eval_shape(lambda r, x: model.init(r, x)["params"], jax.random.key(0), batch["inputs"])
 
 
-def _factorizations(n: int) -> list[tuple[int, int, int]]:
-    out = []
-    for tp in range(1, n + 1):
-        for fsdp in range(1, n // tp + 1):
-            if n % (tp * fsdp) == 0:
-                out.append((n // (tp * fsdp), fsdp, tp))
-    return out
-
-
 def candidate_layouts(n: int, plan: Any, units: tuple[str, ...]) -> list[Layout]:
     """Every layout ``auto_layout`` weighs on ``n`` devices (accumulation aside): per factorization, the
     tensor-parallel variants ``(sequence_parallel, weight_stationary)`` the plan has, each under FSDP with
     and without ``reshard_after_forward``."""
     out = []
-    for dp, fsdp, tp in _factorizations(n):
+    for dp, fsdp, tp in factorizations(n):
         variants = [(False, False, None)]
         if tp > 1:
             variants = [(sp, ws, got) for sp, ws in ((False, False), (True, False), (False, True))
@@ -302,7 +312,9 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (the least gradient "
                          "accumulation of every candidate).")
-    todo = list(layouts) if layouts is not None else candidate_layouts(len(devices), plan, units)
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    todo = list(layouts) if layouts is not None else (
+        candidate_layouts(len(devices), plan, units) + pipeline_layouts(len(devices), plan, units, params, rows))
     todo = [lay if lay.accum_steps >= accum_steps else replace(lay, accum_steps=accum_steps) for lay in todo]
     got, rejected = [], []
     for lay in todo:

@@ -1,8 +1,10 @@
 """A layout as data (``Layout``) and applying it through the contract (``apply_layout``).
 
-A ``Layout`` names the mesh (``dp`` x ``fsdp`` x ``tp`` devices), the FSDP options (the units,
+A ``Layout`` names the mesh (``pp`` x ``dp`` x ``fsdp`` x ``tp`` devices), the FSDP options (the units,
 ``reshard_after_forward``), the tensor-parallel plan (with or without sequence parallelism, or
-weight-stationary) and the gradient-accumulation steps.
+weight-stationary), the pipeline (``pp > 1``: the schedule, its micro-batches and chunks per rank; the
+stages are the repeated blocks ``units[0]``, and FSDP under a pipeline keeps a rank's stages gathered
+through the schedule, ``reshard_after_forward=False``) and the gradient-accumulation steps.
 
 ``weight_stationary=True`` (named ``ws``): the ``tp`` devices form a data axis whose weights never move
 (``spmd.parallel._weight_stationary``): each styled kernel stays cut over ``tp``, the activations between
@@ -11,7 +13,8 @@ its output back, so ``dp=1,tp=8 ws`` is what GSPMD runs on 8 devices at a few se
 ``tp_plan`` is ``weight_stationary_plan`` of the sequence-parallel plan). The batch then splits over
 ``dp x fsdp x tp``. ``apply_layout(model, devices, layout)`` builds it the way a user would:
 ``init_device_mesh`` / ``parallelize_module(model, mesh["tp"], plan)`` /
-``fully_shard(model, mesh=mesh["dp", "fsdp"], units=...)``, and returns ``(model, mesh)``; then
+``fully_shard(model, mesh=mesh["dp", "fsdp"], units=...)`` / ``pipeline(model, mesh["pp"], units=units[0],
+num_microbatches=, schedule=, stages_per_rank=)``, and returns ``(model, mesh)``; then
 ``init_train_state(model, optimizer, ..., mesh=mesh)`` and ``make_train_step(model, loss_fn, optimizer,
 accum_steps=layout.accum_steps, mesh=mesh)`` (``mesh=`` is what a model with neither transform, DDP,
 needs; the others accept it).
@@ -29,11 +32,13 @@ import numpy as np
 
 from spmd._mesh import DeviceMesh
 from spmd.parallel._param_plan import path_str
+from spmd.parallel._pipeline import pipeline
+from spmd.parallel._schedules import CHUNKED, SCHEDULES
 from spmd.parallel._transforms import fully_shard, param_module, parallelize_module
 from spmd.parallel._weight_stationary import _activation_cuts as _cuts
 from spmd.parallel._weight_stationary import is_batch_cut, weight_stationary_plan
 
-__all__ = ["Layout", "apply_layout", "layout_mesh", "infer_units", "devices_of", "tp_plan_for"]
+__all__ = ["Layout", "apply_layout", "layout_mesh", "infer_units", "devices_of", "tp_plan_for", "factorizations"]
 
 
 @dataclass(frozen=True)
@@ -51,9 +56,13 @@ class Layout:
     units: tuple[str, ...] = ()
     tp_plan: tuple | None = None
     weight_stationary: bool = False
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    stages_per_rank: int = 1
 
     def __post_init__(self):
-        for arg in ("dp", "fsdp", "tp", "accum_steps"):
+        for arg in ("dp", "fsdp", "tp", "accum_steps", "pp", "microbatches", "stages_per_rank"):
             v = getattr(self, arg)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Layout: {arg}={v!r} must be an int >= 1.")
@@ -73,29 +82,50 @@ class Layout:
                              "tuple(weight_stationary_plan(sequence_parallel_plan).items()).")
         if self.fsdp > 1 and not isinstance(self.units, tuple):
             raise TypeError(f"Layout: units={self.units!r} must be a tuple of module fqn globs.")
+        if self.pp > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if not (isinstance(self.units, tuple) and len(self.units) == 1 and isinstance(self.units[0], str)):
+            raise ValueError(f"Layout: pp={self.pp} with units={self.units!r}: the pipeline's stages are one glob of "
+                             "repeated blocks; give units=('layers_*',) (infer_units(params) finds it).")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Layout: schedule={self.schedule!r} is not offered; use one of {', '.join(SCHEDULES)}.")
+        if self.stages_per_rank > 1 and self.schedule not in CHUNKED:
+            raise ValueError(f"Layout: stages_per_rank={self.stages_per_rank} needs schedule 'interleaved' or "
+                             f"'looped_bfs' (got {self.schedule!r}).")
+        if self.weight_stationary or self.reshard_after_forward and self.fsdp > 1:
+            raise ValueError(f"Layout: pp={self.pp} with weight_stationary={self.weight_stationary}, "
+                             f"reshard_after_forward={self.reshard_after_forward}: a pipeline keeps its stages "
+                             "gathered through the schedule and cuts the activations on no batch; give "
+                             "reshard_after_forward=False and weight_stationary=False.")
 
     @property
     def size(self) -> int:
-        return self.dp * self.fsdp * self.tp
+        return self.pp * self.dp * self.fsdp * self.tp
 
     @property
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
         """The mesh's ``(name, size)`` dims: those above 1, ``dp`` kept when it is the only data dim."""
-        dims = [(n, s) for n, s in (("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp)) if s > 1]
+        dims = [(n, s) for n, s in (("pp", self.pp), ("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp)) if s > 1]
         if not any(n in ("dp", "fsdp") for n, _ in dims):
-            dims.insert(0, ("dp", self.dp))
+            dims.insert(1 if self.pp > 1 else 0, ("dp", self.dp))
         return tuple(dims)
 
     @property
     def name(self) -> str:
-        """``"dp=2,fsdp=4 regather"``, ``"fsdp=2,tp=4 sp keep"``, ``"dp=1,tp=8 ws"``, ``"dp=8 accum=2"``."""
-        mesh = ",".join(f"{n}={s}" for n, s in self.mesh_dims)
+        """``"dp=2,fsdp=4 regather"``, ``"fsdp=2,tp=4 sp keep"``, ``"dp=1,tp=8 ws"``, ``"dp=8 accum=2"``,
+        ``"pp=2,dp=4 1f1b M=8"``, ``"pp=4,dp=2 interleaved v=2 M=8"``."""
+        mesh = ",".join(f"{n}={s}" for n, s in self.mesh_dims if not (self.pp > 1 and n == "dp" and s == 1))
         parts = [mesh]
+        if self.pp > 1:
+            parts.append(self.schedule + (f" v={self.stages_per_rank}" if self.stages_per_rank > 1 else "")
+                         + f" M={self.microbatches}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.weight_stationary:
             parts.append("ws")
-        if self.fsdp > 1:
+        if self.fsdp > 1 and self.pp == 1:
             parts.append("regather" if self.reshard_after_forward else "keep")
         if self.accum_steps > 1:
             parts.append(f"accum={self.accum_steps}")
@@ -103,6 +133,12 @@ class Layout:
 
     def __str__(self) -> str:
         return self.name
+
+
+def factorizations(n: int) -> list[tuple[int, int, int]]:
+    """Every ``(dp, fsdp, tp)`` whose product is ``n``."""
+    return [(n // (tp * fsdp), fsdp, tp) for tp in range(1, n + 1) for fsdp in range(1, n // tp + 1)
+            if n % (tp * fsdp) == 0]
 
 
 def devices_of(mesh_or_devices: Any, where: str) -> list:
@@ -132,7 +168,7 @@ def devices_of(mesh_or_devices: Any, where: str) -> list:
 def layout_mesh(devices: Sequence, layout: Layout, where: str = "apply_layout") -> DeviceMesh:
     """The ``DeviceMesh`` of ``layout`` over ``devices`` (row-major), named ``dp`` / ``fsdp`` / ``tp``."""
     if len(devices) != layout.size:
-        raise ValueError(f"{where}: layout {layout.name!r} needs dp x fsdp x tp = {layout.size} devices, but "
+        raise ValueError(f"{where}: layout {layout.name!r} needs pp x dp x fsdp x tp = {layout.size} devices, but "
                          f"{len(devices)} were given; give {layout.size} devices or a layout for {len(devices)}.")
     names, shape = zip(*layout.mesh_dims)
     return DeviceMesh.from_jax(jax.sharding.Mesh(np.array(devices).reshape(shape), names))
@@ -150,6 +186,9 @@ def apply_layout(model: Any, mesh_or_devices: Any, layout: Layout) -> tuple[Any,
     if layout.fsdp > 1:
         sub = mesh["dp", "fsdp"] if layout.dp > 1 else mesh["fsdp"]
         out = fully_shard(out, mesh=sub, units=list(layout.units), reshard_after_forward=layout.reshard_after_forward)
+    if layout.pp > 1:
+        out = pipeline(out, mesh["pp"], units=layout.units[0], num_microbatches=layout.microbatches,
+                       schedule=layout.schedule, stages_per_rank=layout.stages_per_rank)
     return out, mesh
 
 

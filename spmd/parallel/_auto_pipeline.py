@@ -1,0 +1,157 @@
+"""``auto_layout``'s pipeline candidates (``Layout(pp > 1)``): their cost from the schedule's tick table.
+
+The step is built through the contract (``apply_layout``: ``pipeline(fully_shard(parallelize_module(...)))``)
+and asked for its own table (``step.communication``, equal to the compiled HLO); nothing is compiled.
+
+- **communication**: the activations' and their gradients' ``collective-permute`` s and the tensor-parallel
+  terms of the rank that runs the most (``activations``); the stage and rest gradients' all-reduce and,
+  under FSDP, the stages' one all-gather and reduce-scatter per buffer (``parameters``).
+- **time**: the schedule replayed in lockstep (``Schedule.timed(t_F, t_B)``, each tick as long as its
+  slowest rank, as this SPMD program runs): ``t_F`` a chunk's forward on one micro-batch (a third of the
+  one-device step's cost on it, times the chunk's share of the model: its units over all units, times the
+  units' share of the parameters; the tensor-parallel units' work over ``tp``), ``t_B = 3 t_F`` (the
+  backward recomputes the chunk's forward from the stashed input); plus the code before and after the units
+  (embeddings, head, loss) once per micro-batch on the end ranks (4/3 of its step share: recomputed once),
+  the optimizer on the rank's shards, each collective kind's calibrated ``latency x count + bytes /
+  bandwidth`` and the dispatch.
+- **memory**: the state (arguments and outputs), the batch slice, the gradient accumulators (the rank's
+  parameters; under FSDP its stages full over ``fsdp``) and the gathered stages, the stash (the schedule's
+  ``activation_slots + gradient_slots`` and the two scratch slots, ``spmd.parallel._pipeline_memory``), and
+  the working set of one chunk's backward on one micro-batch (the one-device step's XLA temp bytes on it,
+  times the chunk's share); the gradient and gathered terms are fitted (``pipeline_cost``'s comment).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmd.parallel._comm import KINDS
+from spmd.parallel._auto_layout import Layout, factorizations, tp_plan_for
+from spmd.parallel._memory import _nbytes
+from spmd.parallel._param_plan import path_str
+from spmd.parallel._pipeline_comm import STAGES
+from spmd.parallel._transforms import glob_regex, param_module
+
+__all__ = ["pipeline_cost", "pipeline_layouts", "PERMUTE"]
+
+PERMUTE = "collective-permute"
+
+
+def count_units(params: Any, glob: str) -> int:
+    """How many modules of ``params`` the pipeline glob matches (the stages it can cut)."""
+    pat = glob_regex(glob, ".")
+    found = set()
+    for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        comps = param_module(path_str(kp))[0].split(".")
+        found |= {".".join(comps[:i]) for i in range(1, len(comps) + 1) if re.fullmatch(pat, ".".join(comps[:i]))}
+    return len(found)
+
+
+def pipeline_layouts(n: int, plan: Any, units: tuple[str, ...], params: Any, rows: int) -> list[Layout]:
+    """The pipelined layouts ``auto_layout`` weighs on ``n`` devices for a global batch of ``rows``: ``pp``
+    over the divisors of ``n`` up to the units' count, the rest of the devices over ``dp`` x ``fsdp`` x
+    ``tp`` (``tp`` with a plan, without sequence parallelism); 1F1B at ``M`` = pp, 2 pp and 4 pp micro-batches
+    (those the replica's rows divide), and the interleaved schedule (2 chunks per rank) at the largest of them
+    where the units allow 2 pp stages. None unless the units are one glob (the pipeline's stages)."""
+    if len(units) != 1:
+        return []
+    n_units = count_units(params, units[0])
+    out = []
+    for pp in range(2, min(n, n_units) + 1):
+        if n % pp:
+            continue
+        for dp, fsdp, tp in factorizations(n // pp):
+            tp_plan = tp_plan_for(plan, False, tp) if tp > 1 else None
+            if tp > 1 and tp_plan is None:
+                continue
+            per = rows // (dp * fsdp) if rows % (dp * fsdp) == 0 else 0
+            ms = [m for m in (pp, 2 * pp, 4 * pp) if per and per % m == 0]
+            base = dict(pp=pp, dp=dp, fsdp=fsdp, tp=tp, tp_plan=tp_plan, units=units, reshard_after_forward=fsdp == 1)
+            out += [Layout(**base, microbatches=m) for m in ms]
+            if ms and n_units >= 2 * pp:
+                out.append(Layout(**base, microbatches=ms[-1], schedule="interleaved", stages_per_rank=2))
+    return out
+
+
+def _share(lay) -> float:
+    """The units' share of the model's parameter bytes (their share of its matmul work, for a model whose
+    matmul kernels hold its parameters)."""
+    units = sum(int(np.prod(lay.shapes[p].shape)) * lay.shapes[p].dtype.itemsize for p in lay.unit_of)
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in lay.shapes.values())
+    return units / total if total else 1.0
+
+
+def pipeline_cost(laid, state, step, batch: Any, layout, profile, cal, anchor: float) -> dict:
+    """The terms of a pipelined candidate (see the module doc): ``compute_s``, ``comm_s``, ``communication``
+    (``{"parameters", "activations", "total"}: {kind: {count, bytes}}``), ``memory``, ``flops``."""
+    c = step.communication(state, batch)
+    s = laid.schedule
+    lay = next(iter(laid._layouts.values()))
+    n_data = layout.dp * layout.fsdp
+    rows = jax.tree.leaves(batch)[0].shape[0] // n_data
+    mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows // (layout.accum_steps * s.num_microbatches),
+                                                      *x.shape[1:]), x.dtype), batch)
+    flops, nbytes, _, ops = profile._step(mb)
+    of, ob = profile.optimizer_cost()
+    u = _share(lay)
+    chunk = u * lay.per_slot / len(lay.found) / layout.tp  # a chunk's share of the one-device step
+    t_f = cal.compute_s(flops, nbytes, ops) * chunk / 3
+    ends = cal.compute_s(flops, nbytes, ops) * (1 - u) * 4 / 3
+    share = state.plan.bytes_per_device / max(profile.param_bytes, 1)
+    per_step = s.timed(t_f, 3 * t_f)["lockstep_s"] + s.num_microbatches * ends
+    compute = (layout.accum_steps * per_step + cal.compute_s(of * share, ob * share, 0)) * anchor
+
+    tp = c.get("tp")
+    none = {k: {"count": 0, "bytes": 0} for k in KINDS}
+    program = tp["program"] if tp else none  # what the compiled program holds (= its HLO): the table
+    busiest = max(tp["per_rank"], key=lambda t: sum(v["bytes"] for v in t.values())) if tp else none  # the time
+    cp = c[PERMUTE]
+    ar = c["all-reduce"]["bytes"] - program["all-reduce"]["bytes"]  # the rest's gradients and the uncut stages'
+    # counts in buffers, as the other candidates' tables count them (XLA combines them into a few ops)
+    n_other = n_data // max(layout.fsdp, 1)
+    stage_leaves = [e for e in state.plan.entries if e.path.startswith(STAGES + "/")]
+    cut = sum(1 for e in stage_leaves if lay.fsdp_dim(e.path[len(STAGES) + 1:]) is not None)
+    ar_buffers = (len(state.plan.entries) - len(stage_leaves)) * (n_data * layout.pp > 1) + (
+        (len(stage_leaves) - cut) * (n_data > 1) + cut * (n_other > 1))
+    params = {"all-reduce": {"count": ar_buffers if ar else 0, "bytes": ar},
+              **{k: {"count": c[k]["buffers"], "bytes": c[k]["bytes"] - program[k]["bytes"]}
+                 for k in ("all-gather", "reduce-scatter")}, PERMUTE: {"count": 0, "bytes": 0}}
+    acts = {**{k: dict(program[k]) for k in KINDS}, PERMUTE: {"count": cp["count"], "bytes": cp["bytes"]}}
+    total = {k: {f: params[k][f] + acts[k][f] for f in ("count", "bytes")} for k in (*KINDS, PERMUTE)}
+    groups = {"all-reduce": n_data if n_data > 1 else layout.pp, "all-gather": layout.fsdp,
+              "reduce-scatter": layout.fsdp}
+    comm_s: dict = {}
+    for kind, v in params.items():
+        if kind != PERMUTE:
+            comm_s[kind] = cal.collective_s(kind, v["bytes"], v["count"], groups[kind])
+    for kind in KINDS:
+        comm_s[kind] += cal.collective_s(kind, busiest[kind]["bytes"], busiest[kind]["count"], layout.tp)
+    # point to point: the calibrated bytes / bandwidth as measured (no ring factor)
+    comm_s[PERMUTE] = cal.collective_s(PERMUTE, cp["bytes"], cp["count"], cal.group_size)
+
+    local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in state.plan.entries]
+    p_bytes = state.plan.bytes_per_device
+    opt = _nbytes(jax.eval_shape(profile.optimizer.init, local))
+    gathered = params["all-gather"]["bytes"]
+    cut = tp["activation_cut"] if tp else 1
+    stash = (c["activation_slots"] + c["gradient_slots"] + 2) * c["activation_bytes"] // cut
+    # tp cuts a chunk's hidden activations (all of them under sequence parallelism): its work by sqrt(tp), as
+    # spmd.parallel._memory fits XLA's overlapping buffers of the cut and whole parts
+    work = int(profile.temp_bytes(mb) * (chunk * layout.tp / (cut * math.sqrt(layout.tp / cut)) + (1 - u)))
+    # fitted on the project's Transformer (2-8 blocks, d 32-64, pp 2-4, M 2-4): without FSDP XLA's temp holds
+    # 1.2 x the rank's parameters beside the stash and one chunk's work (the gradient accumulators); under
+    # FSDP 3.3 x the gathered stages with one unit per stage, 4.5 x with more (the gathered stages, their
+    # gradient accumulators, a chunk's parameters and gradient as its branch gets and returns them)
+    grads = (3.3 if lay.per_slot == 1 else 4.5) * gathered - gathered if gathered else 1.2 * p_bytes
+    mem = {"state": 2 * (p_bytes + opt), "batch": _nbytes(batch) // n_data, "work": work, "gathered": gathered,
+           "grads": int(grads), "stash": stash}
+    mem["peak"] = sum(mem.values())
+    mem["params"], mem["optimizer"], mem["activations"] = p_bytes, opt, stash
+    return {"compute_s": compute, "comm_s": comm_s, "flops": layout.accum_steps * s.num_microbatches * flops * (
+        chunk * s.stages_per_rank + (1 - u)) + of * share, "memory": mem,
+            "communication": {"parameters": params, "activations": acts, "total": total}}
