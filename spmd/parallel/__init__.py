@@ -3,6 +3,7 @@
 ```python
 model = parallelize_module(model, mesh["tp"], {"layers_*.mlp.up_proj": ColwiseParallel(), ...})
 model = fully_shard(model, mesh=mesh["dp", "fsdp"], units=["layers_*"])
+model = activation_checkpointing(model, units=["layers_*"], policy="full")   # recompute in the backward pass
 state = init_train_state(model, optimizer, params=params)
 step = make_train_step(model, loss_fn, optimizer)
 ```
@@ -19,6 +20,7 @@ from spmd.parallel._hlo import executed_collectives, hlo_executed_collectives
 from spmd.parallel._pipeline import PipelineModule, SplitPoint, pipeline
 from spmd.parallel._param_plan import ROOT, ParamPlan, PlanEntry, path_str, plan_params
 from spmd.parallel._schedules import Schedule, build_schedule
+from spmd.parallel._remat import activation_checkpointing
 from spmd.parallel._rules import Rule, replicate, shard_rule
 from spmd.parallel._shard import entry_sharding, gather_unit, map_like_params, pad_tree, shard_params, unshard_tree
 from spmd.parallel._step import TrainState, init_train_state, make_train_step, unshard_params
@@ -38,6 +40,7 @@ __all__ = [
     "Candidate",
     "parallelize_module",
     "fully_shard",
+    "activation_checkpointing",
     "pipeline",
     "PipelineModule",
     "SplitPoint",

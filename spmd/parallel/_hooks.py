@@ -11,6 +11,10 @@ wrapped in place) and:
   a tp-sharded operand, which it would first gather over tp), run the unit on them, and, with
   ``reshard_after_forward``, wrap that in ``jax.checkpoint`` (matmul outputs saved, gathered parameters
   not: the backward pass gathers again). ``jax.grad`` of the all-gather is one reduce-scatter per buffer.
+- **activation-checkpointing unit** (``spmd.parallel._remat``): run the module's own apply under
+  ``jax.checkpoint`` with the unit's policy (the tp collectives' results always kept). An FSDP unit too:
+  re-gathering, its policy replaces the one above; keeping its gathers, only the apply after the gather is
+  checkpointed, so the gathered parameters are the recomputation's inputs, never gathered again.
 - **tensor-parallel style**: run the module on its tp blocks in a region manual over tp
   (``spmd.parallel._tp_calls``), every tp collective of the style written out. Outside those regions the
   model runs in global view over tp, so attention that reshapes by its global head count runs as written.
@@ -36,30 +40,16 @@ from spmd.parallel._param_plan import ROOT, ParamPlan, PlanEntry, path_str
 from spmd.parallel._scan import unstacked
 from spmd.parallel._shard import gather_unit
 from spmd.parallel._styles import KNOWN_EMBED, KNOWN_LINEAR, ColwiseParallel, RowwiseParallel
-from spmd.parallel._tp_calls import COLWISE_MARK, TP_COMM, TPCalls, _is_array
+from spmd.parallel._remat import RematCalls, checkpoint_policy
+from spmd.parallel._tp_calls import COLWISE_MARK, TP_COMM, TPCalls, _is_array, split_arrays
 from spmd.parallel._transforms import METHODS, ParallelModule
 
 __all__ = ["Hooks", "COLWISE_MARK", "TP_COMM"]
 
-_SAVED = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(TP_COMM))
+_SAVED = checkpoint_policy("dots")  # a re-gathering unit's residuals: the matmul outputs and the tp results
 
 
-def _split_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
-    """The array leaves of ``tree`` and a function putting (new) arrays back among the other leaves."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    where = [i for i, x in enumerate(leaves) if _is_array(x)]
-
-    def rebuild(arrays: list) -> Any:
-        out = list(leaves)
-        for i, a in zip(where, arrays):
-            out[i] = a
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    return [leaves[i] for i in where], rebuild
-
-
-class Hooks(TPCalls):
+class Hooks(TPCalls, RematCalls):
     """The layouts of one ``ParallelModule`` and ``ParamPlan`` inside the train step's region (one trace)."""
 
     def __init__(self, model: ParallelModule, plan: ParamPlan, *, gather_units: bool = True):
@@ -74,8 +64,10 @@ class Hooks(TPCalls):
         self.mp = fsdp.mp_policy if fsdp else None
         self.gather_units = gather_units and fsdp is not None
         self.units = set(plan.units) - {ROOT}
+        self.remat = model.remat
         self.prefix: tuple[str, ...] = ()
         self.active: set[str] = set()
+        self.in_remat: list[str] = []  # the checkpointed units being traced, outermost first
         self.records: list[tuple] = []  # (module, style, input bytes, output bytes) of each styled call
         self.bypass = False
 
@@ -156,16 +148,17 @@ class Hooks(TPCalls):
                             tree)
 
     # --- the module call --------------------------------------------------------------------------
-    def call_unit(self, run: Callable, shards: list, arrays: list) -> Any:
+    def call_unit(self, run: Callable, shards: list, arrays: list, policy: Callable | None = None) -> Any:
         """``run(shards, arrays)``: a unit gathering its parameters and running. With
         ``reshard_after_forward``, the backward pass gathers them again: ``jax.checkpoint`` keeps the matmul
         outputs and the tp collectives' results and drops the gathered parameters, and the shards it keeps get ``+ 0`` computed from the
         incoming cotangent, so the re-gather is a new all-gather of the backward pass (XLA:CPU drops
         optimization barriers before it merges equal ops, and would merge it with the forward pass's
-        all-gather, holding the parameters all along, when the blocks are a Python loop)."""
+        all-gather, holding the parameters all along, when the blocks are a Python loop). ``policy``: an
+        activation-checkpointing unit's, in place of the matmul outputs and tp results."""
         if not self.regather:
             return run(shards, arrays)
-        ckpt = jax.checkpoint(run, policy=_SAVED)
+        ckpt = jax.checkpoint(run, policy=policy or _SAVED)
 
         @jax.custom_vjp
         def unit(shards, arrays):
@@ -209,6 +202,8 @@ class Hooks(TPCalls):
         typ = type(mod).__name__
         if self.gather_units and spath in self.units and spath not in self.active:
             return self._linen_unit(spath, path, mod, context.method_name, args, kwargs)
+        if spath not in self.active and (policy := self.remat_policy(fqn)) is not None:
+            return self.linen_remat(spath, path, mod, context.method_name, args, kwargs, policy)
         method = context.method_name
         key = fqn if method == "__call__" else f"{fqn}.{method}"  # "embed.attend": a styled method
         if method not in ("__call__", *METHODS) or self.model.tp is None or self.model.tp.style_for(key) is None:
@@ -266,25 +261,17 @@ class Hooks(TPCalls):
         entries = [self.entry_for(spath + "/" + path_str(k), x) for k, x in kp]
         shards = [x for _, x in kp]
         mine = [i for i, e in enumerate(entries) if e.unit == spath]
-        arrays, rebuild = _split_arrays((args, kwargs))
+        arrays, rebuild = split_arrays((args, kwargs))
         clone = mod.clone(parent=None)
+        policy = self.remat_policy(".".join(path))
 
-        def run(shards, arrays):
-            full = list(shards)
-            for i, y in zip(mine, self.gather([shards[i] for i in mine], [entries[i] for i in mine])):
-                full[i] = y
+        def apply(full, arrays):
             a, k = self.cast_inputs(rebuild(list(arrays)))
-            saved = self.prefix
-            self.prefix = path
-            self.active.add(spath)
-            try:
+            with self.entered(spath, path, remat=policy is not None):
                 return clone.apply({"params": jax.tree_util.tree_unflatten(treedef, full), **others}, *a,
                                    method=method, **k)
-            finally:
-                self.prefix = saved
-                self.active.discard(spath)
 
-        return self.call_unit(run, shards, arrays)
+        return self.call_unit(self.gathering(apply, mine, entries, spath, policy), shards, arrays, policy)
 
     # --- nnx --------------------------------------------------------------------------------------
     def nnx_call(self, fqn: str, sub: Any, orig: Callable, args: tuple, kwargs: dict) -> Any:
@@ -293,6 +280,8 @@ class Hooks(TPCalls):
         typ = type(sub).__name__
         if self.gather_units and spath in self.units and spath not in self.active:
             return self._nnx_unit(spath, sub, orig, args, kwargs)
+        if not self.bypass and spath not in self.active and (policy := self.remat_policy(fqn)) is not None:
+            return self.nnx_remat(spath, sub, orig, args, kwargs, policy)
         call = lambda *a, **k: orig(sub, *a, **k)  # noqa: E731
         if self.bypass or self.model.tp is None or self.model.tp.style_for(fqn) is None:
             return call(*args, **kwargs)
@@ -321,20 +310,17 @@ class Hooks(TPCalls):
         params = nnx_unit_params(sub)
         entries = [self.plan.entry(f"{spath}/{rel}/value") for rel, _ in params]
         mine = [i for i, e in enumerate(entries) if e.unit == spath]
-        arrays, rebuild = _split_arrays((args, kwargs))
+        arrays, rebuild = split_arrays((args, kwargs))
 
         from spmd.parallel._nnx import with_values
 
-        def run(shards, arrays):
-            full = list(shards)
-            for i, y in zip(mine, self.gather([shards[i] for i in mine], [entries[i] for i in mine])):
-                full[i] = y
+        policy = self.remat_policy(spath.replace("/", "."))
+
+        def apply(full, arrays):
             local = with_values(sub, {rel: x for (rel, _), x in zip(params, full)})
-            self.active.add(spath)
-            try:
+            with self.entered(spath, remat=policy is not None):
                 a, k = self.cast_inputs(rebuild(list(arrays)))
                 return orig(local, *a, **k)
-            finally:
-                self.active.discard(spath)
 
-        return self.call_unit(run, [v[...] for _, v in params], arrays)
+        return self.call_unit(self.gathering(apply, mine, entries, spath, policy), [v[...] for _, v in params],
+                              arrays, policy)

@@ -56,6 +56,9 @@ def unwrap_layouts(model, mesh, where: str) -> tuple[Any, str | None, Any]:
 
     if not isinstance(model, ParallelModule):
         return model, None, None
+    if model.remat is not None:
+        raise ValueError(f"{where}: model={model!r}: activation checkpointing under a pipeline is not offered; "
+                         "pipeline the model without activation_checkpointing.")
     if model.fsdp is not None and model.fsdp.mp_policy:
         raise ValueError(f"{where}: model={model!r}: mixed precision under a pipeline is not offered; leave mp_policy "
                          "out of fully_shard.")

@@ -38,6 +38,20 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval")
 
 
+def split_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
+    """The array leaves of ``tree`` and a function putting (new) arrays back among the other leaves."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    where = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+    def rebuild(arrays: list) -> Any:
+        out = list(leaves)
+        for i, a in zip(where, arrays):
+            out[i] = a
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    return [leaves[i] for i in where], rebuild
+
+
 def _reduce_forward(y: jax.Array, axis: str, n: int) -> jax.Array:
     """Megatron's ``g``: the row-parallel output's all-reduce, with no communication backward. The
     output's gradient is whole on every rank; ``shard_map`` (``check_vma=False``) hands the region
@@ -183,7 +197,7 @@ class TPCalls:
                 if bias_after and not bias_outside:
                     y = y + vals[names.index("bias")].astype(y.dtype)
             elif isinstance(style, ColwiseParallel) and not isinstance(out, Shard):
-                y = jax.lax.all_gather(y, tp, axis=y.ndim - col_back, tiled=True)
+                y = checkpoint_name(jax.lax.all_gather(y, tp, axis=y.ndim - col_back, tiled=True), TP_COMM)
             return y
 
         local_vals = [jax.ShapeDtypeStruct(self._local_shape(e, np.shape(v)), v.dtype) for e, v in zip(ents, vals)]

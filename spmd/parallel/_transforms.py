@@ -119,11 +119,10 @@ class ParallelModule:
     model's ``model(input_ids, params=...)`` work as before; the layouts apply inside the train step.
     """
 
-    def __init__(self, module: Any, mesh: DeviceMesh, tp: TPSpec | None = None, fsdp: FSDPSpec | None = None):
-        object.__setattr__(self, "module", module)
-        object.__setattr__(self, "mesh", mesh)
-        object.__setattr__(self, "tp", tp)
-        object.__setattr__(self, "fsdp", fsdp)
+    def __init__(self, module: Any, mesh: DeviceMesh | None, tp: TPSpec | None = None, fsdp: FSDPSpec | None = None,
+                 remat: Any = None):  # mesh None: activation_checkpointing alone (DDP over the step's mesh=)
+        for name, value in (("module", module), ("mesh", mesh), ("tp", tp), ("fsdp", fsdp), ("remat", remat)):
+            object.__setattr__(self, name, value)
         object.__setattr__(self, "_plans", {})  # treedef -> the plan init_train_state laid them out by
 
     def __getattr__(self, name: str) -> Any:
@@ -143,7 +142,10 @@ class ParallelModule:
             parts.append(f"fsdp on {self.fsdp.shard_dim!r}" + (f", replicate on {self.fsdp.replicate_dims}"
                                                                 if self.fsdp.replicate_dims else "")
                          + f", units {list(self.fsdp.units)}")
-        return f"ParallelModule({'; '.join(parts)}; mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))})"
+        if self.remat:
+            parts.append(f"activation checkpointing {list(self.remat.units)} ({self.remat.policy})")
+        mesh = dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)) if self.mesh else "of make_train_step's mesh="
+        return f"ParallelModule({'; '.join(parts)}; mesh {mesh})"
 
     # --- the layout as data -------------------------------------------------------------------
     @property
@@ -155,6 +157,10 @@ class ParallelModule:
     def plan(self, params: Any, *example_inputs: Any) -> ParamPlan:
         """The ``ParamPlan`` of ``params`` (arrays or shapes) under these layouts; ``example_inputs``: what
         the model is applied to, for a model whose blocks run under ``nn.scan`` (their stacked axis)."""
+        if self.mesh is None:
+            raise TypeError("ParallelModule.plan: the model has no mesh (activation_checkpointing alone); the "
+                            "step's mesh= lays it out: init_train_state(model, optimizer, mesh=mesh, params=params)"
+                            ".plan.")
         return build_plan(self, params, stacked_of(self.module, params, example_inputs))
 
 
@@ -169,13 +175,13 @@ def stacked_of(module: Any, params: Any, example_inputs: Sequence[Any]) -> dict 
     return find_stacked(trace_seen(lambda p: module.apply({"params": p}, *example_inputs), params)[1], params)
 
 
-def _unwrap(module: Any, where: str) -> tuple[Any, DeviceMesh | None, TPSpec | None, FSDPSpec | None]:
+def _unwrap(module: Any, where: str) -> tuple[Any, DeviceMesh | None, TPSpec | None, FSDPSpec | None, Any]:
     if isinstance(module, ParallelModule):
-        return module.module, module.mesh, module.tp, module.fsdp
+        return module.module, module.mesh, module.tp, module.fsdp, module.remat
     if getattr(type(module), "_spmd_make_train_step", None) is not None:  # a pipelined model: its step is its own
         raise ValueError(f"{where}: model={module!r} is pipelined; apply {where} to the plain model first, then "
                          f"pipeline it: pipeline({where}(model, ...), mesh['pp'], ...).")
-    return module, None, None, None
+    return module, None, None, None, None
 
 
 def _same_root(have: DeviceMesh | None, mesh: DeviceMesh, where: str, arg: str) -> DeviceMesh:
@@ -195,7 +201,7 @@ def parallelize_module(module: Any, device_mesh: DeviceMesh, parallelize_plan: M
     activations laid out as the style says (see ``spmd.parallel._styles``).
     """
     where = "parallelize_module"
-    inner, have, tp, fsdp = _unwrap(module, where)
+    inner, have, tp, fsdp, remat = _unwrap(module, where)
     mesh = _mesh_of(device_mesh, where, "device_mesh")
     if mesh.ndim != 1:
         raise ValueError(f"{where}: device_mesh={mesh!r} must be 1-D, the tensor-parallel dim (mesh['tp']).")
@@ -218,7 +224,7 @@ def parallelize_module(module: Any, device_mesh: DeviceMesh, parallelize_plan: M
     if fsdp is not None and name in (fsdp.shard_dim, *fsdp.replicate_dims):
         raise ValueError(f"{where}: mesh dim {name!r} already shards or replicates the model under fully_shard; "
                          "use another mesh dim for tensor parallelism.")
-    return ParallelModule(inner, root, TPSpec(name, tuple(items)), fsdp)
+    return ParallelModule(inner, root, TPSpec(name, tuple(items)), fsdp, remat)
 
 
 def fully_shard(module: Any, *, mesh: DeviceMesh | None = None, units: Sequence[str] = (),
@@ -232,7 +238,7 @@ def fully_shard(module: Any, *, mesh: DeviceMesh | None = None, units: Sequence[
     alive at a time); ``False`` keeps the forward pass's. ``mp_policy``: a ``MixedPrecisionPolicy``.
     """
     where = "fully_shard"
-    inner, have, tp, fsdp = _unwrap(module, where)
+    inner, have, tp, fsdp, remat = _unwrap(module, where)
     if fsdp is not None:
         raise ValueError(f"{where}: the model is already fully sharded (units {list(fsdp.units)}); call fully_shard "
                          "once with every unit.")
@@ -255,19 +261,24 @@ def fully_shard(module: Any, *, mesh: DeviceMesh | None = None, units: Sequence[
                          "(mesh['dp', 'fsdp']).")
     spec = FSDPSpec(names[-1], tuple(names[:-1]), tuple(u.replace("/", ".") for u in units), reshard_after_forward,
                     mp_policy)
-    return ParallelModule(inner, root, tp, spec)
+    return ParallelModule(inner, root, tp, spec, remat)
 
 
 def as_parallel(model: Any, mesh: DeviceMesh | None, where: str) -> ParallelModule:
     """A model with neither transform, on ``mesh``: DDP over every mesh dim; a transformed one as it is."""
-    if isinstance(model, ParallelModule):
+    if isinstance(model, ParallelModule) and model.mesh is None and mesh is not None:  # activation_checkpointing
+        pm = ParallelModule(model.module, _mesh_of(mesh, where, "mesh").root_mesh, remat=model.remat)
+        object.__setattr__(pm, "_plans", model._plans)  # unshard_params(model, params) finds their plan
+        return pm
+    if isinstance(model, ParallelModule) and model.mesh is not None:
         if mesh is not None and mesh.root_mesh != model.mesh:
             raise ValueError(f"{where}: mesh={mesh!r} is not the mesh the model was laid out on ({model.mesh!r}); "
                              "leave mesh= out for a transformed model.")
         return model
     if mesh is None:
-        raise TypeError(f"{where}: the model has no layout (neither parallelize_module nor fully_shard); give "
-                        "mesh= to train it data-parallel over every dim of that mesh.")
+        raise TypeError(f"{where}: the model has no layout (neither parallelize_module nor fully_shard"
+                        + (", only activation_checkpointing" if isinstance(model, ParallelModule) else "")
+                        + "); give mesh= to train it data-parallel over every dim of that mesh.")
     return ParallelModule(model, _mesh_of(mesh, where, "mesh").root_mesh)
 
 
@@ -312,6 +323,8 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             if not any(re.fullmatch(glob_regex(u, "."), m) for m in modules):
                 raise _no_match("fully_shard", "unit", u, modules)
             unit_res.append(glob_regex(u, "/"))
+    if model.remat:
+        model.remat.check(modules)
     stacked = dict(stacked or {})
     tp_of: dict[str, Placement] = {}
     for (kp, x), path in zip(leaves, paths):
