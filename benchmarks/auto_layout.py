@@ -1,13 +1,15 @@
 """Benchmark: ``spmd.parallel.auto_layout``'s predicted step time and memory against the measured ones, and its
 pick against GSPMD's.
 
-For the project's Transformer (the sizes of benchmarks/fsdp.py) at global batches of 32 and 128 on 8 CPU fake
-devices: ``auto_layout`` ranks every candidate (dp x fsdp x tp, reshard_after_forward, sequence parallelism, the
-weight-stationary layout ``ws``; ``calibrate()`` on this machine); the top predicted candidates, a few lower-ranked
-ones and the best-ranked weight-stationary one are each built with
-``apply_layout`` + ``init_train_state`` + ``make_train_step``, compiled, and timed side by side in interleaved
-rounds (benchmarks/fsdp.py's timer) together with GSPMD's pick of the same model (a global-view ``jax.jit``
-step, each parameter and its AdamW moments cut on its largest dim over all 8 devices, the batch over all 8).
+For the project's Transformer (d256x4, d384x6 of benchmarks/fsdp.py and the 4x larger d768x6) at global batches
+of 32 and 128 on 8 CPU fake devices, with memory unlimited and under a tight budget (3/4 of the unlimited
+pick's predicted peak): ``auto_layout`` ranks every candidate (dp x fsdp x tp, reshard_after_forward, sequence
+parallelism, the weight-stationary layout ``ws``, the pipelines over pp; ``calibrate()`` on this machine);
+the top predicted candidates, a few lower-ranked ones, the best-ranked weight-stationary one and the
+best-ranked pipeline are each built with ``apply_layout`` + ``init_train_state`` + ``make_train_step``,
+compiled, and timed side by side in interleaved rounds (benchmarks/fsdp.py's timer) together with GSPMD's
+pick of the same model (a global-view ``jax.jit`` step, each parameter and its AdamW moments cut on its
+largest dim over all 8 devices, the batch over all 8).
 
 Reported per config: predicted vs measured step time and peak memory per device (XLA's ``memory_analysis``:
 arguments + outputs + temp) for each measured candidate, the Spearman rank correlation of predicted and
@@ -16,9 +18,9 @@ measured time, the pick's measured samples/s over the best measured candidate's,
 On a CPU host the 8 devices share the cores (and other processes share the host): the times are noisy;
 compare within one run.
 
-    python benchmarks/auto_layout.py           # d256x4 and d384x6 at batches 32 and 128
+    python benchmarks/auto_layout.py           # the grid: 3 sizes x batches 32, 128 x unlimited, tight
     python benchmarks/auto_layout.py --quick   # d256x4 at batch 32, 6 candidates, 4 rounds
-    AUTO_LAYOUT_RUNS=d256x4:32,d256x4:128 python benchmarks/auto_layout.py   # a part of the grid
+    AUTO_LAYOUT_RUNS=d256x4:32,d768x6:32:tight python benchmarks/auto_layout.py   # a part of the grid
 
 Writes benchmarks/results/auto_layout.json and .png (auto_layout_quick.* with --quick).
 """
@@ -36,7 +38,9 @@ sys.path.insert(0, HERE)
 
 from _common import benchmark_args, save_figure  # noqa: E402
 
-RUNS = [("d256x4", 32), ("d256x4", 128), ("d384x6", 32), ("d384x6", 128)]
+RUNS = [(size, batch, budget) for size in ("d256x4", "d384x6", "d768x6") for batch in (32, 128)
+        for budget in ("unlimited", "tight")]
+TIGHT = 0.75  # the tight budget: this share of the unlimited pick's predicted peak
 
 
 def _ranks(x):
@@ -81,7 +85,7 @@ def prepare_layout(size: str, batch: int, layout):
 
     state = init_train_state(laid, opt, params=params, mesh=mesh)
     step = make_train_step(laid, loss_fn, opt, accum_steps=layout.accum_steps, mesh=mesh)
-    data = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+    data = tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp"))
     batches = [jax.device_put(b, NamedSharding(mesh.jax_mesh, P(data))) for b in batches]
     return _Prepared(step, state, batches, batch)
 
@@ -125,37 +129,56 @@ def main(argv=None) -> int:
     from models import Transformer
     from models._plans import transformer_tp_plan
     from spmd.parallel import auto_layout, calibrate
+    from spmd.parallel._memory import Profile
 
     cal = calibrate(refresh=True)  # the host as loaded now (other processes share it)
     rounds = 4 if a.quick else 5
     runs = RUNS[:1] if a.quick else RUNS
-    if os.environ.get("AUTO_LAYOUT_RUNS"):  # e.g. "d256x4:32,d256x4:128": a part of the grid
-        runs = [(r.split(":")[0], int(r.split(":")[1])) for r in os.environ["AUTO_LAYOUT_RUNS"].split(",")]
+    if os.environ.get("AUTO_LAYOUT_RUNS"):  # e.g. "d256x4:32,d768x6:32:tight": a part of the grid
+        runs = [(r.split(":") + ["unlimited"])[:3] for r in os.environ["AUTO_LAYOUT_RUNS"].split(",")]
+        runs = [(s_, int(b), g) for s_, b, g in runs]
     n_measured = 6 if a.quick else 7
     # the host's load (1-minute average) as the run goes: other processes share these cores
     results = {"jax": jax.__version__, "calibration": cal.to_json(), "rounds": rounds, "runs": {},
                "cores": os.cpu_count(), "load_at_start": os.getloadavg()[0]}
-    for size, batch in runs:
-        name = f"{size}, batch {batch}"
+    unlimited_peak: dict = {}
+    profiles: dict = {}
+    for size, batch, budget in runs:
+        name = f"{size}, batch {batch}" + ("" if budget == "unlimited" else ", tight budget")
         model = Transformer(VOCAB, SEQ, SIZES[size]["layers"], SIZES[size]["d_model"], SIZES[size]["heads"])
         b0 = _batches(0, 1, batch)[0]
 
         def loss_fn(p, b, model=model):
             return _ce(model.apply({"params": p}, b["inputs"]), b)
 
-        ranked = auto_layout(model, _optimizer(), b0, 8, loss_fn=loss_fn, calibration=cal,
-                             plan=lambda sequence_parallel, tp_size: transformer_tp_plan(
-                                 sequence_parallel, vocab_size=VOCAB, tp_size=tp_size))
+        def rank(limit, model=model, b0=b0, loss_fn=loss_fn, key=(size, batch)):
+            if key not in profiles:
+                params = jax.eval_shape(lambda: model.init(jax.random.key(0), b0["inputs"])["params"])
+                profiles[key] = Profile(loss_fn, params, _optimizer())
+            return auto_layout(model, _optimizer(), b0, 8, loss_fn=loss_fn, calibration=cal, memory_budget_bytes=limit,
+                               profile=profiles[key], plan=lambda sequence_parallel, tp_size: transformer_tp_plan(
+                                   sequence_parallel, vocab_size=VOCAB, tp_size=tp_size))
+
+        limit = None
+        if budget == "tight":
+            if (size, batch) not in unlimited_peak:
+                unlimited_peak[size, batch] = rank(None).best.memory["peak"]
+            limit = int(TIGHT * unlimited_peak[size, batch])
+        ranked = rank(limit)
+        if limit is None:
+            unlimited_peak[size, batch] = ranked.best.memory["peak"]
         print(name, "\n" + ranked.table(top=8), flush=True)
-        cands = list(ranked.candidates)
+        cands = [c for c in ranked.candidates if c.fits]
         # the top predicted, then evenly spread over the rest of the ranking
         rest = cands[n_measured // 2:]
         step = max(len(rest) // (n_measured - n_measured // 2), 1)
         chosen = cands[: n_measured // 2] + rest[::step][: n_measured - n_measured // 2]
-        ws = next((c for c in cands if c.layout.weight_stationary), None)  # GSPMD's own layout at small batch
-        if ws is not None and ws not in chosen:
-            chosen.append(ws)
+        for pick in (lambda c: c.layout.weight_stationary, lambda c: c.layout.pp > 1):  # GSPMD's own layout at small
+            extra = next((c for c in cands if pick(c)), None)  # batch, and the best pipeline
+            if extra is not None and extra not in chosen:
+                chosen.append(extra)
         preps = {c.name: prepare_layout(size, batch, c.layout) for c in chosen}
+        print(f"  {len(preps)} candidates compiled", flush=True)
         preps["gspmd fsdp=8"] = prepare_gspmd(size, batch, (8,), ("fsdp",))
         steps = 2 if batch > 32 or a.quick else 4
         load = []
@@ -178,7 +201,7 @@ def main(argv=None) -> int:
         best_ms = min(r["measured_ms"] for r in rows)
         pick_ms = rows[0]["measured_ms"]
         entry = results["runs"][name] = {
-            "size": size, "batch": batch, "pick": ranked.best.name, "why": ranked.why(), "candidates": rows,
+            "size": size, "batch": batch, "budget_bytes": limit, "pick": ranked.best.name, "why": ranked.why(), "candidates": rows,
             "n_candidates": len(cands), "rejected": ranked.rejected,
             "spearman": spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows]),
             "spearman_best_rounds": spearman([r["predicted_ms"] for r in rows], [r["measured_best_ms"] for r in rows]),

@@ -51,7 +51,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 VOCAB, SEQ, BATCH, LR = 11, 17, 32, 3e-3  # BATCH: also benchmarks/tensor_parallel.py's
-SIZES = {"d256x4": dict(d_model=256, layers=4, heads=4), "d384x6": dict(d_model=384, layers=6, heads=6)}
+SIZES = {"d256x4": dict(d_model=256, layers=4, heads=4), "d384x6": dict(d_model=384, layers=6, heads=6),
+         "d768x6": dict(d_model=768, layers=6, heads=12)}  # d768x6: benchmarks/auto_layout.py's 4x larger model
 # (size, global batch): 4 sequences of 17 tokens per device, then 16.
 RUNS = [("d256x4", BATCH), ("d384x6", BATCH), ("d256x4", 4 * BATCH), ("d384x6", 4 * BATCH)]
 

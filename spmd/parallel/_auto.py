@@ -5,7 +5,10 @@ tensor-parallel plan: ``plan=``; a cut the sizes do not allow, a head split, a b
 divide: rejected, with the reason), ``reshard_after_forward`` on and off under FSDP, sequence parallelism
 on and off where the plan has it, the weight-stationary layout (``ws``: the sequence-parallel plan with its
 cuts moved to the batch; weights never move, activations are gathered over the batch) for every ``tp``,
-and gradient accumulation where the memory budget needs it. Each is
+the pipelines (``pp`` over the divisors of the device count up to the repeated blocks, the rest over
+``dp`` x ``fsdp`` x ``tp``, 1F1B at pp, 2 pp and 4 pp micro-batches and interleaved with two chunks per
+rank; costed by ``spmd.parallel._auto_pipeline`` from the schedule's tick table), and gradient
+accumulation where the memory budget needs it. Each is
 built through the contract (``apply_layout``) and traced on abstract inputs, nothing compiled:
 
 - **communication**: the step's own analytic table (``step.communication``, equal to the compiled HLO);
