@@ -464,8 +464,8 @@ def test_pipelined_time_is_the_schedules_lockstep_replay(pipelined, data):
     cand, _, laid = pipelined["pp=2,fsdp=4 1f1b M=2"]
     prof, cal, s = data[2], _cal(op_s=1e-6), laid.schedule
     mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 4 // 2, *x.shape[1:]), x.dtype), _abstract(data[0]))
-    f, nb, _, ops = prof._step(mb)
-    lay = next(iter(laid._layouts.values()))
+    (f, nb), ops = prof.grad_cost(mb), prof.ops(mb)
+    lay = laid.layout(data[1])
     u = sum(int(np.prod(lay.shapes[p].shape)) * 4 for p in lay.unit_of) / prof.param_bytes
     t_f = cal.compute_s(f, nb, ops) * u / 2 / 3  # one block of two per stage; a forward is a third of the step
     of, ob = prof.optimizer_cost()

@@ -224,7 +224,8 @@ def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devic
     b = jax.tree.leaves(batch)[0].shape[0]
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // (n_data * layout.accum_steps), *x.shape[1:]), x.dtype),
                          batch)
-    t = pipeline_cost(laid, state, step, batch, layout, profile, cal, _anchor(profile, batch, micro, devices, cal))
+    t = pipeline_cost(laid, params, state, step, batch, layout, profile, cal,
+                      _anchor(profile, batch, micro, devices, cal))
     total = t["compute_s"] + sum(t["comm_s"].values()) + cal.dispatch_s
     return Candidate(layout=layout, predicted_s=total, compute_s=t["compute_s"], comm_s=t["comm_s"],
                      dispatch_s=cal.dispatch_s, communication=t["communication"], memory=t["memory"],

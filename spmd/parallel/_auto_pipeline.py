@@ -86,17 +86,18 @@ def _share(lay) -> float:
     return units / total if total else 1.0
 
 
-def pipeline_cost(laid, state, step, batch: Any, layout, profile, cal, anchor: float) -> dict:
+def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, cal, anchor: float) -> dict:
     """The terms of a pipelined candidate (see the module doc): ``compute_s``, ``comm_s``, ``communication``
     (``{"parameters", "activations", "total"}: {kind: {count, bytes}}``), ``memory``, ``flops``."""
     c = step.communication(state, batch)
     s = laid.schedule
-    lay = next(iter(laid._layouts.values()))
+    lay = laid.layout(params)
     n_data = layout.dp * layout.fsdp
     rows = jax.tree.leaves(batch)[0].shape[0] // n_data
     mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows // (layout.accum_steps * s.num_microbatches),
                                                       *x.shape[1:]), x.dtype), batch)
-    flops, nbytes, _, ops = profile._step(mb)
+    flops, nbytes = profile.grad_cost(mb)
+    ops = profile.ops(mb)
     of, ob = profile.optimizer_cost()
     u = _share(lay)
     chunk = u * lay.per_slot / len(lay.found) / layout.tp  # a chunk's share of the one-device step
@@ -116,7 +117,7 @@ def pipeline_cost(laid, state, step, batch: Any, layout, profile, cal, anchor: f
     n_other = n_data // max(layout.fsdp, 1)
     stage_leaves = [e for e in state.plan.entries if e.path.startswith(STAGES + "/")]
     cut = sum(1 for e in stage_leaves if lay.fsdp_dim(e.path[len(STAGES) + 1:]) is not None)
-    ar_buffers = (len(state.plan.entries) - len(stage_leaves)) * (n_data * layout.pp > 1) + (
+    ar_buffers = (len(state.plan.entries) - len(stage_leaves)) + (  # the rest's: summed over pp at least
         (len(stage_leaves) - cut) * (n_data > 1) + cut * (n_other > 1))
     params = {"all-reduce": {"count": ar_buffers if ar else 0, "bytes": ar},
               **{k: {"count": c[k]["buffers"], "bytes": c[k]["bytes"] - program[k]["bytes"]}
@@ -138,11 +139,11 @@ def pipeline_cost(laid, state, step, batch: Any, layout, profile, cal, anchor: f
     p_bytes = state.plan.bytes_per_device
     opt = _nbytes(jax.eval_shape(profile.optimizer.init, local))
     gathered = params["all-gather"]["bytes"]
-    cut = tp["activation_cut"] if tp else 1
-    stash = (c["activation_slots"] + c["gradient_slots"] + 2) * c["activation_bytes"] // cut
+    act_cut = tp["activation_cut"] if tp else 1
+    stash = (c["activation_slots"] + c["gradient_slots"] + 2) * c["activation_bytes"] // act_cut
     # tp cuts a chunk's hidden activations (all of them under sequence parallelism): its work by sqrt(tp), as
     # spmd.parallel._memory fits XLA's overlapping buffers of the cut and whole parts
-    work = int(profile.temp_bytes(mb) * (chunk * layout.tp / (cut * math.sqrt(layout.tp / cut)) + (1 - u)))
+    work = int(profile.temp_bytes(mb) * (chunk * math.sqrt(layout.tp * act_cut) / act_cut + (1 - u)))
     # fitted on the project's Transformer (2-8 blocks, d 32-64, pp 2-4, M 2-4): without FSDP XLA's temp holds
     # 1.2 x the rank's parameters beside the stash and one chunk's work (the gradient accumulators); under
     # FSDP 3.3 x the gathered stages with one unit per stage, 4.5 x with more (the gathered stages, their
