@@ -216,14 +216,21 @@ def main(argv=None) -> int:
         print(f"  gspmd fsdp=8 measured {gspmd_ms:7.2f} ms; spearman {entry['spearman']:.2f}, pick/best "
               f"{entry['pick_over_best']:.2f}x, pick/GSPMD {entry['pick_over_gspmd']:.2f}x", flush=True)
         del preps
+        _save(results, a.quick)  # after each config: a part of the grid survives an interrupted run
+    _plot(results, _save(results, a.quick) + ".png")
+    return 0
+
+
+def _save(results: dict, quick: bool) -> str:
+    """Write the results' JSON; returns its path less the extension."""
     os.makedirs(RESULTS, exist_ok=True)
-    out = "auto_layout_quick" if a.quick else "auto_layout"
+    out = "auto_layout_quick" if quick else "auto_layout"
     if os.environ.get("AUTO_LAYOUT_OUT"):  # another name for a part of the grid
         out = os.environ["AUTO_LAYOUT_OUT"]
-    with open(os.path.join(RESULTS, out + ".json"), "w") as f:
+    path = os.path.join(RESULTS, out)
+    with open(path + ".json", "w") as f:
         json.dump(results, f, indent=1, default=str)
-    _plot(results, os.path.join(RESULTS, out + ".png"))
-    return 0
+    return path
 
 
 if __name__ == "__main__":

@@ -236,3 +236,22 @@ def test_memory_budget_sizes(capsys):
     with pytest.raises(SystemExit):
         main(["--mesh", "auto", "--memory-budget=0B"])
     assert "argument --memory-budget: --memory-budget='0B' is not a size in bytes" in capsys.readouterr().err
+
+
+def test_a_pipelined_pick_runs_as_the_explicit_pipeline_flags(auto):
+    """--mesh auto weighs the pipelines too; a pipelined pick becomes --mesh pp=... --schedule --microbatches."""
+    from models.train._auto import layout_config, layout_flags
+    from models.train._programs import make_model
+    from spmd.parallel import Layout
+
+    rows = [c for c in auto["metrics"]["layout"]["candidates"] if c["layout"].startswith("pp=2,")]
+    assert {r["layout"] for r in rows} >= {"pp=2,dp=4 1f1b M=2", "pp=2,fsdp=4 1f1b M=4"}
+    assert all(r["bytes"]["collective-permute"] > 0 for r in rows)  # each its activations' transfers
+    cfg = Config(**{k: v for k, v in auto["metrics"]["config"].items() if k in Config.__dataclass_fields__})
+    lay = Layout(pp=2, fsdp=4, units=("block_*",), reshard_after_forward=False, microbatches=4,
+                 schedule="interleaved", stages_per_rank=1)
+    picked = layout_config(cfg, lay, make_model(cfg))
+    assert (picked.mesh, picked.schedule, picked.microbatches, picked.reshard_after_forward) == \
+        ("pp=2,fsdp=4", "interleaved", 4, None)
+    assert layout_flags(picked) == "--mesh pp=2,fsdp=4 --schedule interleaved --microbatches 4"
+    check_config(picked)  # the job takes it as an explicit run

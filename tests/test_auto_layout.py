@@ -490,3 +490,21 @@ def test_auto_layout_ranks_the_pipelines_beside_the_others(data):
     assert "permute MiB" in ranked.table(top=len(names))
     pp = next(c for c in ranked.candidates if c.name == "pp=2,dp=4 1f1b M=2")
     assert pp.communication["total"][PERMUTE]["bytes"] == 2 * 2 * (B // 4 // 2) * T * 32 * 4  # M x 1 boundary x 2 ways
+
+
+def test_a_pipeline_accumulates_only_what_its_micro_batches_divide(data):
+    """Under a budget, a pipelined candidate accumulates while each step's rows still cut into its micro-batches;
+    past that the budget is the clear error, not the step's own batch error."""
+    batch, _, prof = data
+    lay = Layout(pp=2, dp=4, units=("block_*",), microbatches=2)  # 4 rows per replica: accumulation 2 at most
+    one = evaluate_layout(MODEL, OPT, batch, 8, lay, calibration=_cal(), profile=prof)
+    two = evaluate_layout(MODEL, OPT, batch, 8, replace(lay, accum_steps=2), calibration=_cal(), profile=prof)
+    assert two.memory["peak"] < one.memory["peak"]
+    got = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=[lay],
+                      memory_budget_bytes=two.memory["peak"])
+    assert [c.name for c in got] == ["pp=2,dp=4 1f1b M=2 accum=2"]
+    with pytest.raises(ValueError, match=re.escape(f"auto_layout: no layout fits memory_budget_bytes="
+                                                   f"{two.memory['peak'] - 1:,}; the smallest, pp=2,dp=4 1f1b M=2 accum=2, needs "
+                                                   f"{two.memory['peak']:,} B per device")):
+        auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=[lay],
+                    memory_budget_bytes=two.memory["peak"] - 1)

@@ -330,11 +330,11 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             continue
         local = jax.tree.leaves(batch)[0].shape[0] // (lay.dp * lay.fsdp)
         a = 2 * lay.accum_steps  # a layout given with accumulation: that is its least
-        while not c.fits and a <= local and local % a == 0 and (  # accumulate micro-batches until it fits
+        while not c.fits and a <= local and local % (a * lay.microbatches) == 0 and (  # accumulate until it fits
                 not lay.weight_stationary or (local // a) % lay.tp == 0):
             c2 = evaluate_layout(model, optimizer, batch, devices, replace(lay, accum_steps=a), loss_fn=loss,
                                  params=params, calibration=cal, profile=profile, budget=memory_budget_bytes)
-            c = c2 if c2.fits else c
+            c = c2 if c2.fits or c2.memory["peak"] < c.memory["peak"] else c  # none fitting: the smallest
             a *= 2
         got.append(c)
     if not got:
