@@ -28,6 +28,7 @@ import optax
 import pytest
 
 import spmd
+from _sort_task import sort_loss, sort_task
 from models import Transformer
 from models._plans import transformer_tp_plan
 from spmd.parallel import (ParallelModule, activation_checkpointing, fully_shard, hlo_executed_collectives,
@@ -50,17 +51,10 @@ def _on_its_worker(*cases):
 
 @functools.lru_cache(maxsize=None)
 def _data():
-    rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(STEPS):
-        toks = rng.integers(0, 8, (BATCH, SEQ)).astype(np.int32)
-        batches.append({"inputs": toks, "targets": np.sort(toks, axis=1)})
-    return MODEL.init(jax.random.key(0), batches[0]["inputs"])["params"], batches
+    return sort_task(MODEL, STEPS, BATCH, SEQ, seed=0)
 
 
-def loss_fn(p, b):
-    logp = jax.nn.log_softmax(MODEL.apply({"params": p}, b["inputs"]))
-    return -jnp.mean(jnp.take_along_axis(logp, b["targets"][..., None], axis=-1))
+loss_fn = sort_loss(MODEL)
 
 
 def _layout(spec: str, policy: str | None):
@@ -323,6 +317,7 @@ _MEMORY = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np, optax
 import spmd
+from _sort_task import sort_loss, sort_task
 from models import Transformer
 from spmd.parallel import activation_checkpointing, init_train_state, make_train_step
 

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 from _one_device import train_one_device
+from _sort_task import sort_loss, sort_task
 from models import Transformer
 from models._plans import transformer_tp_plan
 from spmd import Replicate, Shard
@@ -52,17 +53,10 @@ def _cases():
 
 @functools.lru_cache(maxsize=None)
 def _data():
-    rng = np.random.default_rng(1)
-    batches = []
-    for _ in range(STEPS):
-        toks = rng.integers(0, 8, (BATCH, SEQ)).astype(np.int32)
-        batches.append({"inputs": toks, "targets": np.sort(toks, axis=1)})
-    return MODEL.init(jax.random.key(0), batches[0]["inputs"])["params"], batches
+    return sort_task(MODEL, STEPS, BATCH, SEQ, seed=1)
 
 
-def loss_fn(p, b):
-    logp = jax.nn.log_softmax(MODEL.apply({"params": p}, b["inputs"]))
-    return -jnp.mean(jnp.take_along_axis(logp, b["targets"][..., None], axis=-1))
+loss_fn = sort_loss(MODEL)
 
 
 @functools.lru_cache(maxsize=None)
