@@ -166,7 +166,7 @@ def devices_of(mesh_or_devices: Any, where: str) -> list:
 
 
 def layout_mesh(devices: Sequence, layout: Layout, where: str = "apply_layout") -> DeviceMesh:
-    """The ``DeviceMesh`` of ``layout`` over ``devices`` (row-major), named ``dp`` / ``fsdp`` / ``tp``."""
+    """The ``DeviceMesh`` of ``layout`` over ``devices`` (row-major), named ``pp`` / ``dp`` / ``fsdp`` / ``tp``."""
     if len(devices) != layout.size:
         raise ValueError(f"{where}: layout {layout.name!r} needs pp x dp x fsdp x tp = {layout.size} devices, but "
                          f"{len(devices)} were given; give {layout.size} devices or a layout for {len(devices)}.")
