@@ -325,8 +325,11 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         try:
             c = evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss, params=params, calibration=cal,
                                 profile=profile, budget=memory_budget_bytes)
-        except (ValueError, TypeError) as e:
-            rejected.append((lay.name, str(e).split("\n")[0][:400]))
+        except Exception as e:  # noqa: BLE001 - a pipeline the model cannot take is no reason to rank nothing
+            plain = isinstance(e, (ValueError, TypeError))
+            if not plain and lay.pp == 1:
+                raise
+            rejected.append((lay.name, ("" if plain else f"{type(e).__name__}: ") + str(e).split("\n")[0][:400]))
             continue
         local = jax.tree.leaves(batch)[0].shape[0] // (lay.dp * lay.fsdp)
         a = 2 * lay.accum_steps  # a layout given with accumulation: that is its least
