@@ -317,7 +317,6 @@ _MEMORY = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np, optax
 import spmd
-from _sort_task import sort_loss, sort_task
 from models import Transformer
 from spmd.parallel import activation_checkpointing, init_train_state, make_train_step
 

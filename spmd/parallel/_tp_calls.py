@@ -225,6 +225,9 @@ class TPCalls:
             "in_bytes": x_bytes, "out_bytes": int(np.prod(y.shape)) * jnp.dtype(y.dtype).itemsize,
             "input_grad": bool(jnp.issubdtype(x.dtype, jnp.inexact)), "summed_params": summed,
             "input_id": id(x)})  # modules reading one input (q, k, v) share its sequence all-gather (XLA merges them)
+        # the input kept alive while these calls trace: a freed tracer's id may be given to another input, which
+        # the table would then count as shared (one all-gather fewer than the program's)
+        self.__dict__.setdefault("_inputs_alive", []).append(x)
         if isinstance(style, ColwiseParallel) and isinstance(out, Shard) and typ not in KNOWN_EMBED:
             y = checkpoint_name(y, f"{COLWISE_MARK}{fqn}|{self.n_tp}")
         return y
