@@ -24,7 +24,6 @@ and asked for its own table (``step.communication``, equal to the compiled HLO);
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import jax
@@ -35,7 +34,7 @@ from spmd.parallel._auto_layout import Layout, factorizations, tp_plan_for
 from spmd.parallel._memory import _nbytes
 from spmd.parallel._param_plan import path_str
 from spmd.parallel._pipeline_comm import STAGES
-from spmd.parallel._transforms import glob_regex, param_module
+from spmd.parallel._pipeline import unit_modules
 
 __all__ = ["pipeline_cost", "pipeline_layouts", "PERMUTE"]
 
@@ -44,12 +43,8 @@ PERMUTE = "collective-permute"
 
 def count_units(params: Any, glob: str) -> int:
     """How many modules of ``params`` the pipeline glob matches (the stages it can cut)."""
-    pat = glob_regex(glob, ".")
-    found = set()
-    for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        comps = param_module(path_str(kp))[0].split(".")
-        found |= {".".join(comps[:i]) for i in range(1, len(comps) + 1) if re.fullmatch(pat, ".".join(comps[:i]))}
-    return len(found)
+    paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return len(unit_modules(paths, glob.replace(".", "/")))
 
 
 def pipeline_layouts(n: int, plan: Any, units: tuple[str, ...], params: Any, rows: int) -> list[Layout]:

@@ -69,7 +69,7 @@ from spmd.parallel._rules import Rule
 from spmd.parallel._schedules import CHUNKED, SCHEDULES, Schedule, build_schedule
 from spmd.parallel._transforms import ParallelModule, _modules, glob_regex
 
-__all__ = ["pipeline", "PipelineModule", "SplitPoint", "STAGES", "REST"]
+__all__ = ["pipeline", "PipelineModule", "SplitPoint", "STAGES", "REST", "unit_modules"]
 
 
 class PipelineModule:
@@ -130,7 +130,7 @@ class PipelineModule:
         return stack_state(self, state, optimizer)
 
 
-def _unit_modules(paths: list[str], units: str) -> list[str]:
+def unit_modules(paths: list[str], units: str) -> list[str]:
     """Module paths (``/``-joined) matching the glob, outermost only, in parameter order."""
     pat = glob_regex(units, "/")
     out: list[str] = []
@@ -153,7 +153,7 @@ class Layout:
         leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
         self.paths = [path_str(kp) for kp, _ in leaves]
         self.shapes = {p: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for p, (_, x) in zip(self.paths, leaves)}
-        found = sorted(_unit_modules(self.paths, pm.units), key=natural_key)
+        found = sorted(unit_modules(self.paths, pm.units), key=natural_key)
         if not found:
             mods = sorted(_modules(self.paths))
             raise ValueError(f"{where}: units={pm.units!r} matches no module of the model; its modules are: "
