@@ -201,7 +201,8 @@ def main(argv=None) -> int:
         best_ms = min(r["measured_ms"] for r in rows)
         pick_ms = rows[0]["measured_ms"]
         entry = results["runs"][name] = {
-            "size": size, "batch": batch, "budget_bytes": limit, "pick": ranked.best.name, "why": ranked.why(), "candidates": rows,
+            "size": size, "batch": batch, "budget_bytes": limit, "pick": ranked.best.name,
+            "why": ranked.why(), "candidates": rows,
             "n_candidates": len(cands), "rejected": ranked.rejected,
             "spearman": spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows]),
             "spearman_best_rounds": spearman([r["predicted_ms"] for r in rows], [r["measured_best_ms"] for r in rows]),

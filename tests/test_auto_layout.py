@@ -440,7 +440,8 @@ def test_pipelined_candidates_are_pp_over_the_divisors_with_1f1b_and_interleaved
                        "pp=2,fsdp=2 interleaved v=2 M=2", "pp=2,tp=2 1f1b M=2", "pp=2,tp=2 1f1b M=4",
                        "pp=2,tp=2 interleaved v=2 M=4", "pp=4 1f1b M=4"]
     assert pipeline_layouts(8, None, ("block_*", "head_*"), deep, 16) == []  # the stages are one glob
-    assert [lay.pp for lay in pipeline_layouts(8, None, ("block_*",), _data()[1], 16)] == [2] * 6  # 2 blocks: pp=2, M = 2, 4
+    # 2 blocks: pp=2 only; 4 rows per replica of each of dp=4, dp=2,fsdp=2, fsdp=4: M = 2, 4
+    assert [lay.pp for lay in pipeline_layouts(8, None, ("block_*",), _data()[1], 16)] == [2] * 6
 
 
 def test_pipelined_bytes_equal_the_compiled_hlo_and_memory_is_within_15_percent(pipelined):

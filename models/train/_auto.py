@@ -12,7 +12,8 @@ single-device programs the memory and compute estimates read, and that step time
 under a measured calibration): about a minute for the default config on 8 CPU fake devices. It prints the top
 5 and why the pick won, and returns the config with the pick as the explicit flags an ``--mesh`` run takes
 (``layout_config``): the run, its checkpoints and ``--resume`` then see exactly what ``--mesh fsdp=8
---no-reshard-after-forward`` (or ``--mesh pp=2,dp=4 --schedule 1f1b --microbatches 4``) would have given, and a resume without ``--mesh`` reuses the pick.
+--no-reshard-after-forward`` (or ``--mesh pp=2,dp=4 --schedule 1f1b --microbatches 4``) would have given,
+and a resume without ``--mesh`` reuses the pick.
 
 ``layout_report`` is ``metrics.json``'s ``"layout"``: the ranking (``AutoLayout.to_json``: the pick, why,
 every candidate's predicted time terms, bytes by kind and peak memory, the rejected layouts), the pick's
