@@ -283,10 +283,11 @@ def test_calibrate_measures_caches_and_refreshes(tmp_path, monkeypatch):
     monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path))
     cal = calibrate(quick=True)
     assert cal.matmul_flops_per_s > 0 and cal.elementwise_bytes_per_s > 0 and cal.group_size == 8
-    assert set(cal.collectives) == set(COLLECTIVE_KINDS) and cal.measured and cal.op_s >= 0
+    assert set(cal.collectives) == set(COLLECTIVE_KINDS) and cal.measured
     files = list(tmp_path.iterdir())
     assert [str(f) for f in files] == [Calibration.cache_path()]
-    assert len(files) == 1 and json.loads(files[0].read_text())["calibration"]["group_size"] == 8
+    cached = json.loads(files[0].read_text())["calibration"]
+    assert len(files) == 1 and cached["group_size"] == 8 and cached["op_s"] == cal.op_s  # every measured term kept
     assert calibrate(quick=True) == cal  # from the cache
     files[0].write_text(json.dumps({"quick": True, "calibration": {**cal.to_json(), "dispatch_s": 123.0}}))
     assert calibrate(quick=True).dispatch_s == 123.0 and calibrate(quick=True, refresh=True).dispatch_s != 123.0
