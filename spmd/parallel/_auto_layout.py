@@ -4,7 +4,9 @@ A ``Layout`` names the mesh (``pp`` x ``dp`` x ``fsdp`` x ``tp`` devices), the F
 ``reshard_after_forward``), the tensor-parallel plan (with or without sequence parallelism, or
 weight-stationary), the pipeline (``pp > 1``: the schedule, its micro-batches and chunks per rank; the
 stages are the repeated blocks ``units[0]``, and FSDP under a pipeline keeps a rank's stages gathered
-through the schedule, ``reshard_after_forward=False``) and the gradient-accumulation steps.
+through the schedule, ``reshard_after_forward=False``), the activation-checkpointing policy of the blocks
+``units`` (``activation_checkpointing``: ``"full"`` or ``"dots"``, named ``ac=``; not under a pipeline,
+whose backward pass recomputes its stages already) and the gradient-accumulation steps.
 
 ``weight_stationary=True`` (named ``ws``): the ``tp`` devices form a data axis whose weights never move
 (``spmd.parallel._weight_stationary``): each styled kernel stays cut over ``tp``, the activations between
@@ -14,8 +16,8 @@ its output back, so ``dp=1,tp=8 ws`` is what GSPMD runs on 8 devices at a few se
 ``dp x fsdp x tp``. ``apply_layout(model, devices, layout)`` builds it the way a user would:
 ``init_device_mesh`` / ``parallelize_module(model, mesh["tp"], plan)`` /
 ``fully_shard(model, mesh=mesh["dp", "fsdp"], units=...)`` / ``pipeline(model, mesh["pp"], units=units[0],
-num_microbatches=, schedule=, stages_per_rank=)``, and returns ``(model, mesh)``; then
-``init_train_state(model, optimizer, ..., mesh=mesh)`` and ``make_train_step(model, loss_fn, optimizer,
+num_microbatches=, schedule=, stages_per_rank=)`` / ``activation_checkpointing(model, units=, policy=)``,
+and returns ``(model, mesh)``; then ``init_train_state(model, optimizer, ..., mesh=mesh)`` and ``make_train_step(model, loss_fn, optimizer,
 accum_steps=layout.accum_steps, mesh=mesh)`` (``mesh=`` is what a model with neither transform, DDP,
 needs; the others accept it).
 """
@@ -33,6 +35,7 @@ import numpy as np
 from spmd._mesh import DeviceMesh
 from spmd.parallel._param_plan import path_str
 from spmd.parallel._pipeline import pipeline
+from spmd.parallel._remat import POLICIES, activation_checkpointing
 from spmd.parallel._schedules import CHUNKED, SCHEDULES
 from spmd.parallel._transforms import fully_shard, param_module, parallelize_module
 from spmd.parallel._weight_stationary import _activation_cuts as _cuts
@@ -60,6 +63,7 @@ class Layout:
     schedule: str = "1f1b"
     microbatches: int = 1
     stages_per_rank: int = 1
+    activation_checkpointing: str | None = None
 
     def __post_init__(self):
         for arg in ("dp", "fsdp", "tp", "accum_steps", "pp", "microbatches", "stages_per_rank"):
@@ -84,6 +88,8 @@ class Layout:
             raise TypeError(f"Layout: units={self.units!r} must be a tuple of module fqn globs.")
         if self.pp > 1:
             self._check_pipeline()
+        if self.activation_checkpointing is not None:
+            self._check_checkpointing()
 
     def _check_pipeline(self) -> None:
         if not (isinstance(self.units, tuple) and len(self.units) == 1 and isinstance(self.units[0], str)):
@@ -100,6 +106,19 @@ class Layout:
                              "gathered through the schedule and cuts the activations on no batch; give "
                              "reshard_after_forward=False and weight_stationary=False.")
 
+    def _check_checkpointing(self) -> None:
+        ac = self.activation_checkpointing
+        if ac not in POLICIES:
+            raise ValueError(f"Layout: activation_checkpointing={ac!r} is not a policy; use None or one of "
+                             + ", ".join(repr(p) for p in POLICIES) + ".")
+        if self.pp > 1:
+            raise ValueError(f"Layout: pp={self.pp} with activation_checkpointing={ac!r}: a pipeline's backward "
+                             "pass already recomputes each stage from its stashed input; give "
+                             "activation_checkpointing=None.")
+        if not (isinstance(self.units, tuple) and self.units and all(isinstance(u, str) for u in self.units)):
+            raise ValueError(f"Layout: activation_checkpointing={ac!r} with units={self.units!r}: name the modules "
+                             "to recompute, e.g. units=('layers_*',) (infer_units(params) finds the repeated blocks).")
+
     @property
     def size(self) -> int:
         return self.pp * self.dp * self.fsdp * self.tp
@@ -115,7 +134,7 @@ class Layout:
     @property
     def name(self) -> str:
         """``"dp=2,fsdp=4 regather"``, ``"fsdp=2,tp=4 sp keep"``, ``"dp=1,tp=8 ws"``, ``"dp=8 accum=2"``,
-        ``"pp=2,dp=4 1f1b M=8"``, ``"pp=4,dp=2 interleaved v=2 M=8"``."""
+        ``"pp=2,dp=4 1f1b M=8"``, ``"pp=4,dp=2 interleaved v=2 M=8"``, ``"fsdp=8 keep ac=full"``."""
         mesh = ",".join(f"{n}={s}" for n, s in self.mesh_dims if not (self.pp > 1 and n == "dp" and s == 1))
         parts = [mesh]
         if self.pp > 1:
@@ -127,6 +146,8 @@ class Layout:
             parts.append("ws")
         if self.fsdp > 1 and self.pp == 1:
             parts.append("regather" if self.reshard_after_forward else "keep")
+        if self.activation_checkpointing:
+            parts.append(f"ac={self.activation_checkpointing}")
         if self.accum_steps > 1:
             parts.append(f"accum={self.accum_steps}")
         return " ".join(parts)
@@ -189,6 +210,8 @@ def apply_layout(model: Any, mesh_or_devices: Any, layout: Layout) -> tuple[Any,
     if layout.pp > 1:
         out = pipeline(out, mesh["pp"], units=layout.units[0], num_microbatches=layout.microbatches,
                        schedule=layout.schedule, stages_per_rank=layout.stages_per_rank)
+    if layout.activation_checkpointing:
+        out = activation_checkpointing(out, units=list(layout.units), policy=layout.activation_checkpointing)
     return out, mesh
 
 
