@@ -17,9 +17,9 @@ its output back, so ``dp=1,tp=8 ws`` is what GSPMD runs on 8 devices at a few se
 ``init_device_mesh`` / ``parallelize_module(model, mesh["tp"], plan)`` /
 ``fully_shard(model, mesh=mesh["dp", "fsdp"], units=...)`` / ``pipeline(model, mesh["pp"], units=units[0],
 num_microbatches=, schedule=, stages_per_rank=)`` / ``activation_checkpointing(model, units=, policy=)``,
-and returns ``(model, mesh)``; then ``init_train_state(model, optimizer, ..., mesh=mesh)`` and ``make_train_step(model, loss_fn, optimizer,
-accum_steps=layout.accum_steps, mesh=mesh)`` (``mesh=`` is what a model with neither transform, DDP,
-needs; the others accept it).
+and returns ``(model, mesh)``; then ``init_train_state(model, optimizer, ..., mesh=mesh)`` and
+``make_train_step(model, loss_fn, optimizer, accum_steps=layout.accum_steps, mesh=mesh)`` (``mesh=`` is what a
+model with neither transform, DDP, needs; the others accept it).
 """
 
 from __future__ import annotations
