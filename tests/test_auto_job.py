@@ -221,10 +221,77 @@ def test_auto_memory_budget_no_layout_fits_is_a_clear_error(cache, tmp_path):
     (["--mesh", "dp=2,tp=4", "--weight-stationary", "--sequence-parallel"], "give one of them"),
     (["--mesh", "dp=8", "--no-reshard-after-forward"], "--no-reshard-after-forward says when fully_shard gathers the "
                                                        "units again, but --mesh='dp=8' has no fsdp dim"),
+    (["--mesh", "auto", "--activation-checkpointing", "full"],
+     "--activation-checkpointing='full' fixes part of the layout, which --mesh auto chooses itself (the pipeline's "
+     "schedule too); drop --activation-checkpointing, or give the layout yourself with an explicit --mesh"),
+    (["--mesh", "pp=2,fsdp=4", "--activation-checkpointing", "dots"],
+     "--activation-checkpointing='dots' with --mesh='pp=2,fsdp=4': a pipeline's backward pass already recomputes "
+     "each stage from its stashed input; drop --activation-checkpointing, or use a mesh without pp"),
 ])
 def test_auto_and_layout_flags_are_refused_naming_the_flag(argv, message, capsys):
     assert main([*argv, "--out", "/nonexistent/never"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_activation_checkpointing_policies_are_spmds_and_others_are_refused(tmp_path, capsys):
+    from models.train import run
+    from models.train._config import CHECKPOINTING
+    from spmd.parallel._remat import POLICIES
+
+    assert CHECKPOINTING == tuple(POLICIES)
+    with pytest.raises(SystemExit):
+        main(["--activation-checkpointing", "some", "--out", "/nonexistent/never"])
+    assert "argument --activation-checkpointing: invalid choice: 'some' (choose from" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=re.escape("models.train: --activation-checkpointing='some' is not a policy; "
+                                                   "use one of full, dots, or leave the flag out")):
+        run(Config(activation_checkpointing="some", out=str(tmp_path / "run")))
+    assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("lay, flags", [
+    (dict(fsdp=8, activation_checkpointing="full"), "--mesh fsdp=8 --activation-checkpointing full"),
+    (dict(dp=2, fsdp=4, reshard_after_forward=False, activation_checkpointing="dots"),
+     "--mesh dp=2,fsdp=4 --no-reshard-after-forward --activation-checkpointing dots"),
+    (dict(dp=8, activation_checkpointing="full"), "--mesh dp=8 --activation-checkpointing full"),
+])
+def test_a_recomputing_pick_runs_as_its_explicit_flags(lay, flags):
+    """A layout auto_layout picks with activation_checkpointing becomes --activation-checkpointing; those flags
+    typed by hand are that config again."""
+    from models.train import parse_args
+    from models.train._auto import layout_config, layout_flags
+    from models.train._programs import make_model
+    from spmd.parallel import Layout
+
+    cfg = Config(steps=6, batch_size=32, layers=2, d_model=32, heads=4, length=4)
+    picked = layout_config(cfg, Layout(units=("block_*",), **lay), make_model(cfg))
+    assert picked.activation_checkpointing == lay["activation_checkpointing"]
+    assert layout_flags(picked) == flags
+    check_config(picked)  # the job takes it as an explicit run
+    typed = parse_args([*shlex.split(flags), "--steps", "6", "--batch-size", "32", "--layers", "2", "--d-model", "32",
+                        "--heads", "4", "--length", "4"])
+    assert typed == picked
+
+
+def test_resume_keeps_the_saved_activation_checkpointing_unless_the_mesh_cannot_take_it():
+    """A checkpoint records --activation-checkpointing (job_flags); a resume without it keeps it, with another
+    value takes that one, and with a --mesh that refuses it (a pp dim, auto) drops it."""
+    from models.train._config import job_flags
+
+    saved = Config(mesh="fsdp=8", activation_checkpointing="full", out="o")
+    flags = job_flags(saved)
+    assert flags["activation_checkpointing"] == "full"
+
+    def resumed(**given):
+        cfg = Config(resume=True, out="o", **given)
+        return resume_config({}, cfg, frozenset({"resume", "out", *given}), "o", flags)
+
+    assert (resumed().mesh, resumed().activation_checkpointing) == ("fsdp=8", "full")
+    assert resumed(activation_checkpointing="dots").activation_checkpointing == "dots"
+    assert resumed(mesh="dp=2,tp=4").activation_checkpointing == "full"
+    for mesh in ("pp=2,fsdp=4", "auto"):
+        again = resumed(mesh=mesh)
+        assert again.activation_checkpointing is None, mesh
+        check_config(again)
 
 
 def test_memory_budget_sizes(capsys):

@@ -81,6 +81,39 @@ def test_job_options(tmp_path, extra):
     assert abs(summary["history"][0]["loss"] - math.log(10)) < 0.5, summary["history"]
 
 
+def _recomputed(summary):
+    """(units, policy) of the activation checkpointing of the model the run's programs laid out, or None."""
+    from models.train import build_mesh
+    from models.train._programs import programs
+
+    cfg = Config(**{k: v for k, v in summary["config"].items() if k in Config.__dataclass_fields__})
+    remat = getattr(programs(cfg, build_mesh(cfg.mesh)).layout, "remat", None)
+    return None if remat is None else (remat.units, remat.policy)
+
+
+@pytest.mark.parametrize("argv, policies, units", [
+    ([*TINY_T, "--mesh", "fsdp=2,tp=2"], ("full", "dots"), ("block_*",)),  # after fully_shard and parallelize_module
+    ([*TINY_M, "--log-every", "1"], ("full",), ("hidden_*", "out")),  # DDP: the plain model and the step's mesh
+])
+def test_activation_checkpointing_trains_as_without_it(tmp_path, argv, policies, units):
+    """--activation-checkpointing recomputes the blocks (the model's fully_shard units) in the backward pass:
+    the same per-step losses and collectives as the run without it, the flag recorded in metrics.json."""
+    runs = {}
+    for ac in (None, *policies):
+        out = str(tmp_path / str(ac))
+        assert main([*argv, "--out", out, "--no-progress", *(["--activation-checkpointing", ac] if ac else [])]) == 0
+        runs[ac] = _outputs(out)
+    want = [h["loss"] for h in runs[None]["history"]]
+    assert len(want) == 3 and want[-1] != want[0]  # the losses move: the comparison means something
+    assert runs[None]["config"]["activation_checkpointing"] is None and _recomputed(runs[None]) is None
+    for ac in policies:
+        got = runs[ac]
+        assert got["config"]["activation_checkpointing"] == ac
+        assert _recomputed(got) == (units, ac)  # the flag reached the laid-out model: its blocks, its policy
+        assert [h["loss"] for h in got["history"]] == pytest.approx(want, rel=0, abs=1e-6), ac
+        assert got["collectives"] == runs[None]["collectives"], ac  # the recomputation repeats no collective
+
+
 def test_job_on_a_text_file(tmp_path, capsys):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
@@ -335,6 +368,23 @@ def test_a_state_too_large_for_the_devices_is_refused(mesh, need):
             "train step (parameters, gradients, optimizer state and the logits of ")):
         check_fits(cfg, build_mesh(mesh), int(2.9 * 2**30))
     check_fits(parse_args(["--model", "mlp", "--mesh", mesh]), build_mesh(mesh), int(2.9 * 2**30))  # the default fits
+
+
+def test_the_memory_floor_keeps_one_layers_attention_scores_under_full_recomputation():
+    """The transformer at --length 1000 keeps 2 layers x 16 examples x 4 heads x 2000^2 float32 attention scores
+    (1.9 GiB per device); --activation-checkpointing full keeps one layer's at a time (fits 1.5 GiB), dots
+    keeps every layer's (a matmul output), and the refusal names full as a fix."""
+    from models.train._programs import build_mesh, check_fits
+
+    mesh, memory = build_mesh("dp=8"), int(1.5 * 2**30)
+    for ac in ([], ["--activation-checkpointing", "dots"]):
+        with pytest.raises(ValueError, match=re.escape(
+                "models.train: --length=1000 (sequences of 2000 tokens) needs at least 1.9 GiB per device for one "
+                "train step (parameters, gradients, optimizer state and the logits and attention scores of 16 "
+                "examples per device), more than the 1.5 GiB a device has; use a smaller --length, --batch-size, "
+                "--layers or --d-model, or more --accum-steps (or --activation-checkpointing full).")):
+            check_fits(parse_args(["--length", "1000", *ac]), mesh, memory)
+    check_fits(parse_args(["--length", "1000", "--activation-checkpointing", "full"]), mesh, memory)
 
 
 def test_out_of_device_memory_during_the_run_is_a_clear_error(tmp_path, monkeypatch, capsys):

@@ -63,7 +63,8 @@ def layout_config(cfg: Config, lay: Layout, model: Any) -> Config:
         if lay.pp > 1 else {}
     return dataclasses.replace(cfg, mesh=",".join(f"{n}={s}" for n, s in lay.mesh_dims),
                                sequence_parallel=lay.sequence_parallel, weight_stationary=lay.weight_stationary,
-                               reshard_after_forward=raf, accum_steps=lay.accum_steps, memory_budget=None, **pipe)
+                               reshard_after_forward=raf, activation_checkpointing=lay.activation_checkpointing,
+                               accum_steps=lay.accum_steps, memory_budget=None, **pipe)
 
 
 def layout_flags(cfg: Config) -> str:
@@ -75,6 +76,8 @@ def layout_flags(cfg: Config) -> str:
         out.append("--weight-stationary")
     if cfg.reshard_after_forward is not None:
         out.append("--reshard-after-forward" if cfg.reshard_after_forward else "--no-reshard-after-forward")
+    if cfg.activation_checkpointing is not None:
+        out.append(f"--activation-checkpointing {cfg.activation_checkpointing}")
     if cfg.schedule is not None:
         out.append(f"--schedule {cfg.schedule} --microbatches {cfg.microbatches}")
     if cfg.stages_per_rank != 1:

@@ -13,7 +13,7 @@ import os
 import sys
 
 from models._data import DigitTask
-from models.train._config import AUTO, MESH_DIMS, MODELS, SCHEDULES, Config, parse_bytes
+from models.train._config import AUTO, CHECKPOINTING, MESH_DIMS, MODELS, SCHEDULES, Config, parse_bytes
 
 __all__ = ["parse_args", "main", "default_cpu_devices", "summary_line"]
 
@@ -90,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="with an fsdp mesh dim: gather each unit again for its backward pass (default: yes for the "
                         "transformer, no for the mlp); --no-reshard-after-forward keeps the gathered units")
+    p.add_argument("--activation-checkpointing", choices=CHECKPOINTING, default=None,
+                   help="recompute each block's forward pass in its backward pass instead of keeping its "
+                        "activations: full keeps only each block's input, dots its matmul outputs too (default: "
+                        "keep every activation; not with a pp mesh dim)")
     p.add_argument("--schedule", default=None, metavar="NAME",
                    help=f"with a pp mesh dim: the pipeline schedule, one of {', '.join(SCHEDULES)} (default 1f1b)")
     p.add_argument("--microbatches", type=int, default=None, metavar="M",

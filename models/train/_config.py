@@ -15,8 +15,12 @@ Pipeline parallelism: a ``pp`` mesh dim splits the transformer's blocks into sta
 
 ``--mesh auto``: ``spmd.parallel.auto_layout`` picks the layout (``models.train._auto``), which the job turns
 into the explicit flags of that layout (``--mesh``, ``--sequence-parallel``, ``--weight-stationary``,
-``--no-reshard-after-forward``, ``--accum-steps``) before anything else runs; ``--memory-budget`` bounds the
-per-device memory of the pick (``auto`` only).
+``--no-reshard-after-forward``, ``--activation-checkpointing``, ``--accum-steps``) before anything else runs;
+``--memory-budget`` bounds the per-device memory of the pick (``auto`` only).
+
+Activation checkpointing: ``--activation-checkpointing full`` (or ``dots``) recomputes each block's forward pass
+in its backward pass (``spmd.parallel.activation_checkpointing`` on the model's repeated blocks, after the
+layout's transforms); refused with a ``pp`` dim, whose backward pass already recomputes each stage.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from typing import Any
 
 from models._data import DigitTask
 
-__all__ = ["Config", "MODELS", "MESH_DIMS", "SCHEDULES", "AUTO", "pipeline_settings", "DATA_DIMS", "STATE_DIMS",
-           "check_config", "parse_mesh", "parse_bytes", "run_config", "check_resume_config", "resume_config",
-           "job_flags"]
+__all__ = ["Config", "MODELS", "MESH_DIMS", "SCHEDULES", "CHECKPOINTING", "AUTO", "pipeline_settings", "DATA_DIMS",
+           "STATE_DIMS", "check_config", "parse_mesh", "parse_bytes", "run_config", "check_resume_config",
+           "resume_config", "job_flags"]
 
 MODELS = ("transformer", "mlp")
 # The mesh dims the job knows (name -> what it does), in mesh order.
@@ -44,6 +48,8 @@ MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replica
                    "run by --schedule (spmd.parallel.pipeline)"}
 # The pipeline schedules (spmd.parallel's, named here without importing JAX).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs")
+# The activation-checkpointing policies (spmd.parallel's POLICIES, named here without importing JAX).
+CHECKPOINTING = ("full", "dots")
 # The dims the batch is split over (Shard(0) on each of them).
 DATA_DIMS = ("dp", "fsdp")
 # The dims the train state (parameters, gradients, optimizer state) is sharded over.
@@ -82,6 +88,7 @@ class Config:
     sequence_parallel: bool = False  # with a tp mesh dim: activations between blocks cut on the sequence
     weight_stationary: bool = False  # with a tp mesh dim: weights stay cut, activations cut on the batch
     reshard_after_forward: bool | None = None  # with an fsdp mesh dim; None: the model's default (models._plans)
+    activation_checkpointing: str | None = None  # "full" / "dots": the blocks recompute their forward pass; not with pp
     memory_budget: int | None = None  # with --mesh auto: bytes per device the pick must fit
     schedule: str | None = None  # with a pp mesh dim: the pipeline schedule; None: 1f1b
     microbatches: int | None = None  # with a pp mesh dim: micro-batches per step and replica; None: the pp size
@@ -157,6 +164,7 @@ def check_config(cfg: Config) -> None:
     dims = dict(parse_mesh(cfg.mesh) or ())
     _check_pipeline(cfg, dims)
     _check_layout_flags(cfg, dims)
+    _check_checkpointing(cfg, dims)
 
 
 def _check_layout_flags(cfg: Config, dims: dict) -> None:
@@ -177,6 +185,20 @@ def _check_layout_flags(cfg: Config, dims: dict) -> None:
                          f"{cfg.mesh!r} has no fsdp dim of size >= 2; add one (e.g. --mesh fsdp=8) or drop the flag.")
 
 
+def _check_checkpointing(cfg: Config, dims: dict) -> None:
+    """--activation-checkpointing: a known policy, and no pp dim (a pipeline already recomputes its stages)."""
+    ac = cfg.activation_checkpointing
+    if ac is None:
+        return
+    if ac not in CHECKPOINTING:
+        raise ValueError(f"models.train: --activation-checkpointing={ac!r} is not a policy; use one of "
+                         f"{', '.join(CHECKPOINTING)}, or leave the flag out to keep every activation.")
+    if "pp" in dims:
+        raise ValueError(f"models.train: --activation-checkpointing={ac!r} with --mesh={cfg.mesh!r}: a pipeline's "
+                         "backward pass already recomputes each stage from its stashed input; drop "
+                         "--activation-checkpointing, or use a mesh without pp (e.g. --mesh fsdp=8).")
+
+
 def _check_auto(cfg: Config) -> None:
     """``--mesh auto`` picks the mesh and the layout flags itself, the pipeline's among them."""
     if cfg.memory_budget is not None and (isinstance(cfg.memory_budget, bool) or not isinstance(cfg.memory_budget, int)
@@ -185,7 +207,8 @@ def _check_auto(cfg: Config) -> None:
                          "(e.g. --memory-budget 2GiB).")
     for name, value in (("sequence_parallel", cfg.sequence_parallel or None),
                         ("weight_stationary", cfg.weight_stationary or None),
-                        ("reshard_after_forward", cfg.reshard_after_forward), ("schedule", cfg.schedule),
+                        ("reshard_after_forward", cfg.reshard_after_forward),
+                        ("activation_checkpointing", cfg.activation_checkpointing), ("schedule", cfg.schedule),
                         ("microbatches", cfg.microbatches),
                         ("stages_per_rank", cfg.stages_per_rank if cfg.stages_per_rank != 1 else None)):
         if value is not None:
@@ -302,12 +325,14 @@ _RUN_KEYS = ("model", "task", "text", "seed", "batch_size", "accum_steps", "leng
 
 # What a checkpoint also records for --resume to reuse when the flag is left out, but which a resume may change
 # (a run continues on another mesh, saving or logging more often).
-_JOB_KEYS = ("mesh", "sequence_parallel", "weight_stationary", "reshard_after_forward", "save_every", "log_every",
-             "eval_size", "schedule", "microbatches", "stages_per_rank")
+_JOB_KEYS = ("mesh", "sequence_parallel", "weight_stationary", "reshard_after_forward", "activation_checkpointing",
+             "save_every", "log_every", "eval_size", "schedule", "microbatches", "stages_per_rank")
 # The layout's flags go with the mesh dim they need: a resume given a --mesh without it (or --mesh auto, which
 # picks them itself) drops the saved ones.
 _MESH_KEYS = {"schedule": "pp", "microbatches": "pp", "stages_per_rank": "pp", "sequence_parallel": "tp",
               "weight_stationary": "tp", "reshard_after_forward": "fsdp"}
+# ... and those refused beside a mesh dim: a resume given a --mesh with it (or --mesh auto) drops the saved ones.
+_NOT_WITH_KEYS = {"activation_checkpointing": "pp"}
 
 
 def job_flags(cfg: Config) -> dict:
@@ -353,6 +378,10 @@ def resume_config(saved: dict, cfg: Config, given: frozenset[str] | set[str], wh
             "in another --out."
         )
     dims = {} if cfg.mesh == AUTO else dict(parse_mesh(cfg.mesh) or ())
-    job = {k: v for k, v in (flags or {}).items() if k in _JOB_KEYS and k not in given
-           and not (k in _MESH_KEYS and "mesh" in given and _MESH_KEYS[k] not in dims)}
+
+    def dropped(k: str) -> bool:  # a saved layout flag the given --mesh cannot take
+        return "mesh" in given and (k in _MESH_KEYS and _MESH_KEYS[k] not in dims
+                                    or k in _NOT_WITH_KEYS and (cfg.mesh == AUTO or _NOT_WITH_KEYS[k] in dims))
+
+    job = {k: v for k, v in (flags or {}).items() if k in _JOB_KEYS and k not in given and not dropped(k)}
     return dataclasses.replace(cfg, **{k: was[k] for k in _RUN_KEYS if k not in given}, **job)

@@ -3,9 +3,10 @@ the jitted programs (init, train step, eval step), built once per (config, mesh)
 
 Every ``--mesh`` layout goes through ``spmd.parallel``'s contract: the plain model laid out by
 ``models._plans.layout_model`` (``parallelize_module`` for ``tp``, ``fully_shard`` for ``fsdp``, neither for
-``dp``: DDP), then, with a ``pp`` dim, ``pipeline`` over the blocks (``--schedule``, ``--microbatches``),
-``init_train_state``, and one ``make_train_step`` on the job's plain 1-device loss
-(``make_loss_fn``).
+``dp``: DDP), then, with a ``pp`` dim, ``pipeline`` over the blocks (``--schedule``, ``--microbatches``), or
+with ``--activation-checkpointing``, ``activation_checkpointing`` on the model's repeated blocks (its
+``fully_shard`` units, ``models._plans.shard_units``: the units ``--mesh auto`` gives its layouts),
+``init_train_state``, and one ``make_train_step`` on the job's plain 1-device loss (``make_loss_fn``).
 
 The batch layout is stated once: ``Programs.batch_placements`` (``Shard(0)`` over every data-parallel mesh
 dim of ``DATA_DIMS``, ``Replicate`` on the others). ``place_batch`` lays a host batch out by it as DTensors,
@@ -29,12 +30,13 @@ from models._data import DigitTask, TextTask
 from models._ddp import batch_placements
 from models._mlp import MLP
 from models._fsdp_run import checkpoint_state, logical_params
-from models._plans import layout_model
+from models._plans import layout_model, shard_units
 from models._transformer import Transformer
 from models.train._config import DATA_DIMS, STATE_DIMS, Config, parse_mesh, pipeline_settings
 from models.train._eval import make_eval_step
 from spmd import DeviceMesh, distribute_tensor, init_device_mesh
-from spmd.parallel import ParallelModule, PipelineModule, init_train_state, make_train_step, pipeline, unshard_params
+from spmd.parallel import (ParallelModule, PipelineModule, activation_checkpointing, init_train_state, make_train_step,
+                           pipeline, unshard_params)
 
 __all__ = ["build_mesh", "data_dims", "check_fits", "device_memory", "make_task", "layout", "task_dims", "make_model", "cross_entropy",
            "make_loss_fn",
@@ -81,7 +83,8 @@ def _step_floor_bytes(cfg: Config, n_data: int, n_state: int) -> int:
     two moments (4 copies, split ``n_state`` ways when the state is sharded, plus the largest parameter and
     its gradient whole; shapes from an abstract init, nothing allocated), the float32 logits of the
     device's micro-batch and, for the transformer, the attention scores every layer keeps for the backward
-    pass (batch x heads x T x T)."""
+    pass (batch x heads x T x T; ``--activation-checkpointing full``: one layer's, recomputed in turn, where
+    ``dots`` keeps every layer's, a matmul's output)."""
     vocab, seq_len, out_len = task_dims(cfg)
     shapes = jax.eval_shape(make_model(cfg).init, jax.random.key(0), jax.ShapeDtypeStruct((1, seq_len), jnp.int32))
     micro = max(1, cfg.batch_size // (n_data * cfg.accum_steps))
@@ -91,7 +94,8 @@ def _step_floor_bytes(cfg: Config, n_data: int, n_state: int) -> int:
         floor += 2 * max(sizes)
     floor += micro * out_len * vocab * 4
     if cfg.model == "transformer":
-        floor += cfg.layers * micro * cfg.heads * seq_len * seq_len * 4
+        kept = 1 if cfg.activation_checkpointing == "full" else cfg.layers
+        floor += kept * micro * cfg.heads * seq_len * seq_len * 4
     return floor
 
 
@@ -104,13 +108,16 @@ def check_fits(cfg: Config, mesh: DeviceMesh, memory: int | None) -> None:
     _, seq_len, _ = task_dims(cfg)
     size = f"--context={cfg.context}" if cfg.text is not None else f"--length={cfg.length}"
     gib = 2**30
+    recompute = (cfg.model == "transformer" and cfg.activation_checkpointing != "full"
+                 and "pp" not in mesh.mesh_dim_names)
     raise ValueError(
         f"models.train: {size} (sequences of {seq_len} tokens) needs at least {need / gib:,.1f} GiB per device for "
         f"one train step (parameters, gradients, optimizer state and the logits"
         f"{' and attention scores' if cfg.model == 'transformer' else ''} of "
         f"{cfg.batch_size // (n_data * cfg.accum_steps)} examples per device), more than the {memory / gib:,.1f} "
         f"GiB a device has; use a smaller {size.split('=')[0]}, --batch-size"
-        f"{', --layers or --d-model' if cfg.model == 'transformer' else ' or --hidden'}, or more --accum-steps."
+        f"{', --layers or --d-model' if cfg.model == 'transformer' else ' or --hidden'}, or more --accum-steps"
+        f"{' (or --activation-checkpointing full)' if recompute else ''}."
     )
 
 
@@ -216,7 +223,11 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
     if pipe is not None:
         schedule, m, v = pipe
         laid = pipeline(laid, mesh["pp"], units="block_*", num_microbatches=m, schedule=schedule, stages_per_rank=v)
-    plain = None if isinstance(laid, (ParallelModule, PipelineModule)) else mesh  # DDP: the model has no layout, the step a mesh
+    if key.activation_checkpointing is not None:  # never with pp (check_config)
+        laid = activation_checkpointing(laid, units=shard_units(model), policy=key.activation_checkpointing)
+    # DDP: the model has no layout (at most activation checkpointing, which has no mesh), the step a mesh
+    laid_out = isinstance(laid, PipelineModule) or isinstance(laid, ParallelModule) and laid.mesh is not None
+    plain = None if laid_out else mesh
 
     def init(rng, x):
         return init_train_state(laid, optimizer, rng, x, mesh=plain)

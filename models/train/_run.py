@@ -292,7 +292,8 @@ def restore_state(out: str, *, mesh: DeviceMesh | None = None, step: int | None 
         if "pp" in mesh.mesh_dim_names:  # the pipeline's flags, checked against the mesh as the job checks them
             spec = ",".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape))
             cfg = dataclasses.replace(cfg, mesh=spec, sequence_parallel=False, weight_stationary=False,
-                                      reshard_after_forward=None, **_pipeline_flags(meta, mesh))
+                                      reshard_after_forward=None, activation_checkpointing=None,
+                                      **_pipeline_flags(meta, mesh))
             try:
                 check_config(cfg)
             except ValueError as e:
