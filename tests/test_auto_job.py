@@ -205,8 +205,9 @@ def test_auto_memory_budget_no_layout_fits_is_a_clear_error(cache, tmp_path):
     assert rc == 2
     assert "error: models.train: --memory-budget=1,024 B (0.00 MiB) per device fits no layout --mesh auto weighs: " \
            "no layout fits memory_budget_bytes=1,024; the smallest, " in err
-    assert re.search(r"needs [\d,]+ B per device \(state [\d,]+, activations [\d,]+\); use more devices, a larger "
-                     r"budget", err)
+    assert re.search(r"needs [\d,]+ B per device \(state [\d,]+, activations [\d,]+\), with the gradient "
+                     r"accumulation the micro-batches allow and activation checkpointing \('dots' and 'full'\) "
+                     r"weighed; use more devices, a larger budget", err)
     assert not os.path.exists(tmp_path / "metrics.json")
 
 

@@ -67,6 +67,11 @@ LAYOUTS = {  # the candidates compiled once for this module
     "dp=4,tp=2": Layout(dp=4, tp=2, tp_plan=tuple(PLAN(False, 2).items())),
     "dp=2,tp=4 ws": Layout(dp=2, tp=4, tp_plan=tuple(weight_stationary_plan(PLAN(True, 4)).items()),
                            weight_stationary=True),
+    # checkpointing repeats no collective; its memory is measured on the one-device step (under this
+    # scheduler it saves little: test_auto_checkpointing runs one under which it saves)
+    "dp=8 ac=full": Layout(dp=8, units=("block_*",), activation_checkpointing="full"),
+    "fsdp=8 keep ac=dots": Layout(fsdp=8, units=("block_*",), reshard_after_forward=False,
+                                  activation_checkpointing="dots"),
 }
 PIPELINED = {  # the pipelined candidates compiled once for this module (each stage one of the two blocks)
     "pp=2,fsdp=4 1f1b M=2": Layout(pp=2, fsdp=4, units=("block_*",), reshard_after_forward=False, microbatches=2),

@@ -7,8 +7,9 @@ on and off where the plan has it, the weight-stationary layout (``ws``: the sequ
 cuts moved to the batch; weights never move, activations are gathered over the batch) for every ``tp``,
 the pipelines (``pp`` over the divisors of the device count up to the repeated blocks, the rest over
 ``dp`` x ``fsdp`` x ``tp``, 1F1B at pp, 2 pp and 4 pp micro-batches and interleaved with two chunks per
-rank; costed by ``spmd.parallel._auto_pipeline`` from the schedule's tick table), and gradient
-accumulation where the memory budget needs it. Each is
+rank; costed by ``spmd.parallel._auto_pipeline`` from the schedule's tick table), and, where the memory
+budget needs them, gradient accumulation and activation checkpointing of the blocks (``"dots"``, ``"full"``:
+its saving measured on the one-device step, ``spmd.parallel._remat_profile``). Each is
 built through the contract (``apply_layout``) and traced on abstract inputs, nothing compiled:
 
 - **communication**: the step's own analytic table (``step.communication``, equal to the compiled HLO);
@@ -24,6 +25,7 @@ built through the contract (``apply_layout``) and traced on abstract inputs, not
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
@@ -38,6 +40,7 @@ from spmd.parallel._auto_pipeline import PERMUTE, pipeline_cost, pipeline_layout
 from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._comm import KINDS
 from spmd.parallel._memory import Profile, _nbytes, compute_cost, memory_breakdown, reference_cost
+from spmd.parallel._remat_profile import remat_profile
 from spmd.parallel._shard import entry_sharding
 from spmd.parallel._step import TrainState, _check_optimizer, init_train_state, make_train_step
 from spmd.parallel._transforms import as_parallel
@@ -201,9 +204,10 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
                          batch)
     local_bytes = _nbytes(batch) // n_data
     pm = as_parallel(laid, mesh, where)
-    mem = memory_breakdown(profile, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
+    prof = remat_profile(profile, model, layout.units, layout.activation_checkpointing)
+    mem = memory_breakdown(prof, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
                            sequence_parallel=layout.sequence_parallel or layout.weight_stationary)
-    flops, nbytes, ops = compute_cost(profile, state.plan, pm, micro, accum_steps=layout.accum_steps)
+    flops, nbytes, ops = compute_cost(prof, state.plan, pm, micro, accum_steps=layout.accum_steps)
     compute = cal.compute_s(flops, nbytes, ops) * _anchor(profile, batch, micro, devices, cal)
     groups = _groups(layout)
     comm_s: dict = {}
@@ -269,6 +273,36 @@ def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
     return jax.eval_shape(lambda r, x: model.init(r, x)["params"], jax.random.key(0), batch["inputs"])
 
 
+CHECKPOINTING = ("dots", "full")  # the activation-checkpointing policies weighed where memory needs them
+
+
+def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]) -> list[Candidate]:
+    """The variants of a layout that does not fit the budget which do: per activation-checkpointing policy
+    (none, then ``CHECKPOINTING`` on the blocks ``units``; not under a pipeline, which recomputes its stages
+    already, nor for FSDP units re-gathered for the backward pass, which run under ``jax.checkpoint`` saving
+    the matmul outputs already: what another policy saves there is neither ``"dots"`` nor modelled), the
+    least gradient accumulation that fits, where the micro-batches divide the replica's rows. None fitting:
+    the smallest variant, for the error."""
+    lay = c.layout
+    local = rows // (lay.dp * lay.fsdp)
+    policies = [None]
+    if lay.pp == 1 and units and lay.activation_checkpointing is None and not (lay.fsdp > 1 and
+                                                                              lay.reshard_after_forward):
+        policies += list(CHECKPOINTING)
+    out = []
+    for policy in policies:
+        base = lay if policy is None else replace(lay, activation_checkpointing=policy, units=lay.units or units)
+        v = c if policy is None else evaluate(base)
+        a = 2 * base.accum_steps  # a layout given with accumulation: that is its least
+        while not v.fits and a <= local and local % (a * base.microbatches) == 0 and (  # accumulate until it fits
+                not base.weight_stationary or (local // a) % base.tp == 0):
+            v2 = evaluate(replace(base, accum_steps=a))
+            v = v2 if v2.fits or v2.memory["peak"] < v.memory["peak"] else v  # none fitting: the smallest
+            a *= 2
+        out.append(v)
+    return [v for v in out if v.fits] or [min(out, key=lambda v: v.memory["peak"])]
+
+
 def candidate_layouts(n: int, plan: Any, units: tuple[str, ...]) -> list[Layout]:
     """Every layout ``auto_layout`` weighs on ``n`` devices (accumulation aside): per factorization, the
     tensor-parallel variants ``(sequence_parallel, weight_stationary)`` the plan has, each under FSDP with
@@ -331,15 +365,12 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                 raise
             rejected.append((lay.name, ("" if plain else f"{type(e).__name__}: ") + str(e).split("\n")[0][:400]))
             continue
-        local = jax.tree.leaves(batch)[0].shape[0] // (lay.dp * lay.fsdp)
-        a = 2 * lay.accum_steps  # a layout given with accumulation: that is its least
-        while not c.fits and a <= local and local % (a * lay.microbatches) == 0 and (  # accumulate until it fits
-                not lay.weight_stationary or (local // a) % lay.tp == 0):
-            c2 = evaluate_layout(model, optimizer, batch, devices, replace(lay, accum_steps=a), loss_fn=loss,
-                                 params=params, calibration=cal, profile=profile, budget=memory_budget_bytes)
-            c = c2 if c2.fits or c2.memory["peak"] < c.memory["peak"] else c  # none fitting: the smallest
-            a *= 2
-        got.append(c)
+        if c.fits:
+            got.append(c)
+            continue
+        evaluate = functools.partial(evaluate_layout, model, optimizer, batch, devices, loss_fn=loss, params=params,
+                                     calibration=cal, profile=profile, budget=memory_budget_bytes)
+        got.extend(_fitting(c, evaluate, jax.tree.leaves(batch)[0].shape[0], units))
     if not got:
         raise ValueError(f"{where}: no layout of {len(devices)} devices could be built for this model; "
                          + "; ".join(f"{n}: {r}" for n, r in rejected[:4]))
@@ -349,6 +380,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         raise ValueError(
             f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,}; the smallest, {small.name}, "
             f"needs {small.memory['peak']:,} B per device (state {small.memory['state']:,}, activations "
-            f"{small.memory['activations']:,}); use more devices, a larger budget, fully_shard units (fsdp), "
-            "more accumulation steps or activation checkpointing (jax.checkpoint in the model).")
+            f"{small.memory['activations']:,}), with the gradient accumulation the micro-batches allow"
+            + (f" and activation checkpointing ({' and '.join(repr(p) for p in CHECKPOINTING)}) weighed" if units
+               else "") + "; use more devices, a larger budget, a smaller batch or fully_shard units (fsdp).")
     return AutoLayout(tuple(got), tuple(rejected), cal, memory_budget_bytes, top)

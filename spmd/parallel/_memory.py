@@ -238,7 +238,8 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
     full = _nbytes(res)
     split = activation_bytes(res, plan, tp, n_tp, sequence_parallel)
     work = profile.temp_bytes(micro_batch) * math.sqrt(split / full if full else 1.0)
-    if regather and n_fsdp > 1 and accum_steps == 1:  # the units run under jax.checkpoint: matmul outputs saved
+    if regather and n_fsdp > 1 and accum_steps == 1 and getattr(profile, "policy", None) is None:
+        # the units run under jax.checkpoint, matmul outputs saved (under a policy: measured in its profile)
         dots = _nbytes(profile.residuals(micro_batch, dots_only=True))
         work *= math.sqrt(min(dots / full, 1.0)) if full else 1.0
     work = int(work)
