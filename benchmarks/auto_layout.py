@@ -21,6 +21,7 @@ compare within one run.
     python benchmarks/auto_layout.py           # the grid: 3 sizes x batches 32, 128 x unlimited, tight
     python benchmarks/auto_layout.py --quick   # d256x4 at batch 32, 6 candidates, 4 rounds
     AUTO_LAYOUT_RUNS=d256x4:32,d768x6:32:tight python benchmarks/auto_layout.py   # a part of the grid
+    AUTO_LAYOUT_MEASURED=4 ...                 # fewer candidates held at once (d768x6 in 24 GiB)
 
 Writes benchmarks/results/auto_layout.json and .png (auto_layout_quick.* with --quick).
 """
@@ -137,7 +138,8 @@ def main(argv=None) -> int:
     if os.environ.get("AUTO_LAYOUT_RUNS"):  # e.g. "d256x4:32,d768x6:32:tight": a part of the grid
         runs = [(r.split(":") + ["unlimited"])[:3] for r in os.environ["AUTO_LAYOUT_RUNS"].split(",")]
         runs = [(s_, int(b), g) for s_, b, g in runs]
-    n_measured = 6 if a.quick else 7
+    # the candidates compiled and held at once (each holds its state on 8 devices: d768x6 fits 24 GiB with 4)
+    n_measured = int(os.environ.get("AUTO_LAYOUT_MEASURED", 6 if a.quick else 7))
     # the host's load (1-minute average) as the run goes: other processes share these cores
     results = {"jax": jax.__version__, "calibration": cal.to_json(), "rounds": rounds, "runs": {},
                "cores": os.cpu_count(), "load_at_start": os.getloadavg()[0]}
