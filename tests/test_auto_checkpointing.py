@@ -52,14 +52,14 @@ def test_the_budget_loop_weighs_each_policy_with_the_least_accumulation_that_fit
     base = Layout(dp=8)
     evaluate, calls = _stub({"dp=8": 400, "dp=8 accum=2": 150, "dp=8 accum=4": 90, "dp=8 ac=dots": 120,
                              "dp=8 ac=dots accum=2": 80, "dp=8 ac=full": 100})
-    got = _fitting(evaluate(base), evaluate, rows=32, units=UNITS)  # 4 rows per replica: accumulation 2 and 4
+    got = _fitting(evaluate(base), evaluate, rows=32, units=UNITS, rejected=[])  # 4 rows per replica: accum 2, 4
     assert [c.name for c in got] == ["dp=8 accum=4", "dp=8 ac=dots accum=2", "dp=8 ac=full"]
     assert calls == ["dp=8", "dp=8 accum=2", "dp=8 accum=4", "dp=8 ac=dots", "dp=8 ac=dots accum=2", "dp=8 ac=full"]
     assert got[1].layout.units == UNITS and got[1].layout.activation_checkpointing == "dots"
     assert CHECKPOINTING == ("dots", "full")
     # none fitting: the smallest of the variants, for the error
     evaluate, _ = _stub({"dp=8": 400, "dp=8 ac=dots": 300, "dp=8 ac=full": 350})
-    assert [c.name for c in _fitting(evaluate(base), evaluate, rows=8, units=UNITS)] == ["dp=8 ac=dots"]
+    assert [c.name for c in _fitting(evaluate(base), evaluate, rows=8, units=UNITS, rejected=[])] == ["dp=8 ac=dots"]
 
 
 @pytest.mark.parametrize("lay, weighed", [
@@ -70,14 +70,29 @@ def test_the_budget_loop_weighs_each_policy_with_the_least_accumulation_that_fit
 def test_no_policy_is_weighed_where_it_does_not_apply(lay, weighed):
     evaluate, calls = _stub({lay.name: 400})
     units = () if lay == Layout(dp=8) else UNITS
-    got = _fitting(evaluate(lay), evaluate, rows=8, units=units)  # one row per replica: no accumulation
+    got = _fitting(evaluate(lay), evaluate, rows=8, units=units, rejected=[])  # one row per replica: no accumulation
     assert calls == weighed and [c.name for c in got] == weighed
+
+
+def test_a_variant_that_cannot_be_built_is_rejected_with_its_reason():
+    evaluate, calls = _stub({"dp=8": 400, "dp=8 ac=full": 90})
+
+    def refusing(lay: Layout) -> Candidate:
+        if lay.activation_checkpointing == "dots":
+            raise ValueError("activation_checkpointing: no such unit")
+        return evaluate(lay)
+
+    rejected = []
+    got = _fitting(evaluate(Layout(dp=8)), refusing, rows=8, units=UNITS, rejected=rejected)
+    assert [c.name for c in got] == ["dp=8 ac=full"]
+    assert rejected == [("dp=8 ac=dots", "activation_checkpointing: no such unit")]
 
 
 def test_kept_fsdp_units_are_checkpointed_and_only_the_fitting_variants_ranked():
     keep = Layout(fsdp=8, units=UNITS, reshard_after_forward=False)
     evaluate, calls = _stub({"fsdp=8 keep": 400, "fsdp=8 keep ac=dots": 200, "fsdp=8 keep ac=full": 99})
-    assert [c.name for c in _fitting(evaluate(keep), evaluate, rows=8, units=UNITS)] == ["fsdp=8 keep ac=full"]
+    got = _fitting(evaluate(keep), evaluate, rows=8, units=UNITS, rejected=[])
+    assert [c.name for c in got] == ["fsdp=8 keep ac=full"]
     assert calls == ["fsdp=8 keep", "fsdp=8 keep ac=dots", "fsdp=8 keep ac=full"]
 
 

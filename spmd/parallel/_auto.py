@@ -276,13 +276,14 @@ def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
 CHECKPOINTING = ("dots", "full")  # the activation-checkpointing policies weighed where memory needs them
 
 
-def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]) -> list[Candidate]:
+def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...], rejected: list
+             ) -> list[Candidate]:
     """The variants of a layout that does not fit the budget which do: per activation-checkpointing policy
     (none, then ``CHECKPOINTING`` on the blocks ``units``; not under a pipeline, which recomputes its stages
     already, nor for FSDP units re-gathered for the backward pass, which run under ``jax.checkpoint`` saving
     the matmul outputs already: what another policy saves there is neither ``"dots"`` nor modelled), the
     least gradient accumulation that fits, where the micro-batches divide the replica's rows. None fitting:
-    the smallest variant, for the error."""
+    the smallest variant, for the error. A variant that cannot be built goes to ``rejected`` with its reason."""
     lay = c.layout
     local = rows // (lay.dp * lay.fsdp)
     policies = [None]
@@ -292,7 +293,11 @@ def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]
     out = []
     for policy in policies:
         base = lay if policy is None else replace(lay, activation_checkpointing=policy, units=lay.units or units)
-        v = c if policy is None else evaluate(base)
+        try:
+            v = c if policy is None else evaluate(base)
+        except (ValueError, TypeError) as e:
+            rejected.append((base.name, str(e).split("\n")[0][:400]))
+            continue
         a = 2 * base.accum_steps  # a layout given with accumulation: that is its least
         while not v.fits and a <= local and local % (a * base.microbatches) == 0 and (  # accumulate until it fits
                 not base.weight_stationary or (local // a) % base.tp == 0):
@@ -370,7 +375,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             continue
         evaluate = functools.partial(evaluate_layout, model, optimizer, batch, devices, loss_fn=loss, params=params,
                                      calibration=cal, profile=profile, budget=memory_budget_bytes)
-        got.extend(_fitting(c, evaluate, jax.tree.leaves(batch)[0].shape[0], units))
+        got.extend(_fitting(c, evaluate, jax.tree.leaves(batch)[0].shape[0], units, rejected))
     if not got:
         raise ValueError(f"{where}: no layout of {len(devices)} devices could be built for this model; "
                          + "; ".join(f"{n}: {r}" for n, r in rejected[:4]))
