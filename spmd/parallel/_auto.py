@@ -282,7 +282,8 @@ def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]
     (none, then ``CHECKPOINTING`` on the blocks ``units``; not under a pipeline, which recomputes its stages
     already, nor for FSDP units re-gathered for the backward pass, which run under ``jax.checkpoint`` saving
     the matmul outputs already: what another policy saves there is neither ``"dots"`` nor modelled), the
-    least gradient accumulation that fits, where the micro-batches divide the replica's rows. None fitting:
+    least gradient accumulation that fits, where the micro-batches divide the replica's rows; a policy that
+    needs no less accumulation than a lighter one (none < ``"dots"`` < ``"full"``) is dropped. None fitting:
     the smallest variant, for the error. A variant that cannot be built goes to ``rejected`` with its reason."""
     lay = c.layout
     local = rows // (lay.dp * lay.fsdp)
@@ -305,7 +306,9 @@ def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]
             v = v2 if v2.fits or v2.memory["peak"] < v.memory["peak"] else v  # none fitting: the smallest
             a *= 2
         out.append(v)
-    return [v for v in out if v.fits] or [min(out, key=lambda v: v.memory["peak"])]
+    fit = [v for v in out if v.fits]  # more recomputation at no less accumulation is slower: dropped
+    fit = [v for i, v in enumerate(fit) if not any(u.layout.accum_steps <= v.layout.accum_steps for u in fit[:i])]
+    return fit or [min(out, key=lambda v: v.memory["peak"])]
 
 
 def candidate_layouts(n: int, plan: Any, units: tuple[str, ...]) -> list[Layout]:
