@@ -11,9 +11,14 @@ compiled, and timed side by side in interleaved rounds (benchmarks/fsdp.py's tim
 pick of the same model (a global-view ``jax.jit`` step, each parameter and its AdamW moments cut on its
 largest dim over all 8 devices, the batch over all 8).
 
+``auto_layout`` picks with ``measure=4`` (its top 4 predicted compiled and timed before it picks;
+``AUTO_LAYOUT_AUTOTUNE=0``: the cost model's pick alone); the cost model's own pick (the fastest predicted)
+is measured beside it.
+
 Reported per config: predicted vs measured step time and peak memory per device (XLA's ``memory_analysis``:
 arguments + outputs + temp) for each measured candidate, the Spearman rank correlation of predicted and
-measured time, the pick's measured samples/s over the best measured candidate's, and over GSPMD's.
+measured time, the pick's measured samples/s over the best measured candidate's (and the cost model's own
+pick's), and over GSPMD's.
 
 On a CPU host the 8 devices share the cores (and other processes share the host): the times are noisy;
 compare within one run.
@@ -22,6 +27,7 @@ compare within one run.
     python benchmarks/auto_layout.py --quick   # d256x4 at batch 32, 6 candidates, 4 rounds
     AUTO_LAYOUT_RUNS=d256x4:32,d768x6:32:tight python benchmarks/auto_layout.py   # a part of the grid
     AUTO_LAYOUT_MEASURED=4 ...                 # fewer candidates held at once (d768x6 in 24 GiB)
+    AUTO_LAYOUT_AUTOTUNE=0 ...                 # the cost model's pick, nothing timed before picking
 
 Writes benchmarks/results/auto_layout.json and .png (auto_layout_quick.* with --quick).
 """
@@ -140,6 +146,8 @@ def main(argv=None) -> int:
         runs = [(s_, int(b), g) for s_, b, g in runs]
     # the candidates compiled and held at once (each holds its state on 8 devices: d768x6 fits 24 GiB with 4)
     n_measured = int(os.environ.get("AUTO_LAYOUT_MEASURED", 6 if a.quick else 7))
+    # auto_layout(measure=): its top candidates compiled and timed before it picks (0: the cost model's pick)
+    autotune = int(os.environ.get("AUTO_LAYOUT_AUTOTUNE", 2 if a.quick else 4))
     # the host's load (1-minute average) as the run goes: other processes share these cores
     results = {"jax": jax.__version__, "calibration": cal.to_json(), "rounds": rounds, "runs": {},
                "cores": os.cpu_count(), "load_at_start": os.getloadavg()[0]}
@@ -153,30 +161,32 @@ def main(argv=None) -> int:
         def loss_fn(p, b, model=model):
             return _ce(model.apply({"params": p}, b["inputs"]), b)
 
-        def rank(limit, model=model, b0=b0, loss_fn=loss_fn, key=(size, batch)):
+        def rank(limit, measure=0, model=model, b0=b0, loss_fn=loss_fn, key=(size, batch)):
             if key not in profiles:
                 params = jax.eval_shape(lambda: model.init(jax.random.key(0), b0["inputs"])["params"])
                 profiles[key] = Profile(loss_fn, params, _optimizer())
             return auto_layout(model, _optimizer(), b0, 8, loss_fn=loss_fn, calibration=cal, memory_budget_bytes=limit,
-                               profile=profiles[key], plan=lambda sequence_parallel, tp_size: transformer_tp_plan(
-                                   sequence_parallel, vocab_size=VOCAB, tp_size=tp_size))
+                               profile=profiles[key], measure=measure, plan=lambda sequence_parallel, tp_size:
+                               transformer_tp_plan(sequence_parallel, vocab_size=VOCAB, tp_size=tp_size))
 
         limit = None
         if budget == "tight":
             if (size, batch) not in unlimited_peak:
                 unlimited_peak[size, batch] = rank(None).best.memory["peak"]
             limit = int(TIGHT * unlimited_peak[size, batch])
-        ranked = rank(limit)
+        ranked = rank(limit, autotune)
         if limit is None:
-            unlimited_peak[size, batch] = ranked.best.memory["peak"]
+            unlimited_peak[size, batch] = min((c for c in ranked.candidates if c.fits),
+                                              key=lambda c: c.predicted_s).memory["peak"]
         print(name, "\n" + ranked.table(top=8), flush=True)
         cands = [c for c in ranked.candidates if c.fits]
+        model_pick = min(cands, key=lambda c: c.predicted_s)  # the cost model's own pick, before measuring
         # the top predicted, then evenly spread over the rest of the ranking
         rest = cands[n_measured // 2:]
         step = max(len(rest) // (n_measured - n_measured // 2), 1)
         chosen = cands[: n_measured // 2] + rest[::step][: n_measured - n_measured // 2]
-        for pick in (lambda c: c.layout.weight_stationary, lambda c: c.layout.pp > 1):  # GSPMD's own layout at small
-            extra = next((c for c in cands if pick(c)), None)  # batch, and the best pipeline
+        for pick in (lambda c: c is model_pick, lambda c: c.layout.weight_stationary, lambda c: c.layout.pp > 1):
+            extra = next((c for c in cands if pick(c)), None)  # GSPMD's own layout at small batch, the best pipeline
             if extra is not None and extra not in chosen:
                 chosen.append(extra)
         preps = {c.name: prepare_layout(size, batch, c.layout) for c in chosen}
@@ -193,6 +203,7 @@ def main(argv=None) -> int:
             p = preps[c.name]
             ms = 1e3 * statistics.median(p.wall)
             rows.append({"layout": c.name, "rank": cands.index(c) + 1, "predicted_ms": 1e3 * c.predicted_s,
+                         "autotuned_ms": None if c.measured_s is None else 1e3 * c.measured_s,
                          "measured_ms": ms, "measured_best_ms": 1e3 * min(p.wall),
                          "predicted_compute_ms": 1e3 * c.compute_s,
                          "predicted_comm_ms": {k: 1e3 * v for k, v in c.comm_s.items()},
@@ -202,8 +213,10 @@ def main(argv=None) -> int:
         gspmd_ms = 1e3 * statistics.median(g.wall)
         best_ms = min(r["measured_ms"] for r in rows)
         pick_ms = rows[0]["measured_ms"]
+        model_ms = next(r["measured_ms"] for r in rows if r["layout"] == model_pick.name)
         entry = results["runs"][name] = {
-            "size": size, "batch": batch, "budget_bytes": limit, "pick": ranked.best.name,
+            "size": size, "batch": batch, "budget_bytes": limit, "pick": ranked.best.name, "autotune": autotune,
+            "model_pick": model_pick.name, "model_pick_over_best": best_ms / model_ms,
             "why": ranked.why(), "candidates": rows,
             "n_candidates": len(cands), "rejected": ranked.rejected,
             "spearman": spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows]),
@@ -217,7 +230,8 @@ def main(argv=None) -> int:
                   f"{r['measured_ms']:7.2f} ms   peak predicted {r['predicted_peak_mib']:6.2f} measured "
                   f"{r['measured_peak_mib']:6.2f} MiB", flush=True)
         print(f"  gspmd fsdp=8 measured {gspmd_ms:7.2f} ms; spearman {entry['spearman']:.2f}, pick/best "
-              f"{entry['pick_over_best']:.2f}x, pick/GSPMD {entry['pick_over_gspmd']:.2f}x", flush=True)
+              f"{entry['pick_over_best']:.2f}x (the model's own pick {model_pick.name}: "
+              f"{entry['model_pick_over_best']:.2f}x), pick/GSPMD {entry['pick_over_gspmd']:.2f}x", flush=True)
         del preps
         _save(results, a.quick)  # after each config: a part of the grid survives an interrupted run
     _plot(results, _save(results, a.quick) + ".png")

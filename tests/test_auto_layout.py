@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 from dataclasses import replace
@@ -20,11 +21,11 @@ from models import Transformer
 from models._plans import transformer_tp_plan
 from spmd.parallel import (Calibration, ColwiseParallel, Layout, apply_layout, auto_layout, calibrate, hlo_executed_collectives,
                            init_train_state, make_train_step, weight_stationary_plan)
-from spmd.parallel._auto import _abstract, candidate_layouts, default_loss, evaluate_layout
+from spmd.parallel._auto import _abstract, abstract_state, candidate_layouts, default_loss, evaluate_layout
 from spmd.parallel._auto_layout import infer_units
 from spmd.parallel._auto_pipeline import PERMUTE, pipeline_layouts
-from spmd.parallel._calibrate import COLLECTIVE_KINDS, _fit, _in_step, program_ops
-from spmd.parallel._memory import Profile, reference_cost
+from spmd.parallel._calibrate import COLLECTIVE_KINDS, VERSION, _in_step, program_ops
+from spmd.parallel._memory import Profile, optimizer_compute_s, reference_cost
 
 VOCAB, T, B = 16, 8, 16
 pytestmark = pytest.mark.xdist_group("auto_layout")  # the tests share module fixtures that compile three steps
@@ -274,14 +275,32 @@ def test_units_are_inferred_from_the_repeated_blocks():
     assert infer_units({"dense": {"kernel": np.zeros(2)}}) == ()
 
 
-def test_the_fit_recovers_latency_and_bandwidth():
-    """calibrate's least squares ``t = latency + bytes / bandwidth`` on points of a known line; a falling
-    line (noise) keeps no latency and the slowest point's bandwidth."""
-    pts = [(n, 2e-5 + n / 4e9) for n in (1 << 10, 1 << 16, 1 << 20, 1 << 24)]
-    lat, bw = _fit(pts)
-    assert lat == pytest.approx(2e-5, rel=1e-6) and bw == pytest.approx(4e9, rel=1e-6)
-    assert _fit([(100.0, 3e-3), (1000.0, 1e-3)]) == (0.0, pytest.approx(100.0 / 3e-3))
-    assert _fit([(1000.0, 1e-3)]) == (0.0, pytest.approx(1e6))
+def test_a_collectives_cost_curve_interpolates_its_measured_points():
+    """A measured kind is its ``(bytes, seconds)`` points: linear between them, the end segments' slopes
+    beyond them, never falling with the size (a noisy point is raised to the one before it); a
+    ``(latency, bandwidth)`` pair is its line. ``collective_s`` takes ``count`` collectives at their mean
+    size, the size scaled by the ring's traffic per byte from the calibrated group of 8."""
+    pts = ((1 << 15, 4e-4), (1 << 20, 2e-3), (1 << 22, 8e-3), (1 << 24, 3.2e-2))
+    cal = Calibration(collectives={k: pts for k in COLLECTIVE_KINDS}, group_size=8)
+    assert cal.collective_s("all-gather", 1 << 20, 1, 8) == pytest.approx(2e-3)
+    assert cal.collective_s("all-gather", 5 << 19, 1, 8) == pytest.approx(5e-3)  # half way from 1 to 4 MiB
+    assert cal.collective_s("all-gather", 5 << 22, 5, 8) == pytest.approx(5 * 8e-3)  # five of 4 MiB
+    assert cal.collective_s("all-gather", 1 << 25, 1, 8) == pytest.approx(6.4e-2)  # beyond: the last slope
+    assert cal.collective_s("all-gather", 0, 1, 8) == pytest.approx(4e-4 - (1 << 15) * 1.6e-3 / ((1 << 20) - (1 << 15)))
+    g4 = (3 / 4) / (7 / 8)  # a group of 4 moves 3/4 of the result per device where 8 move 7/8
+    assert cal.collective_s("reduce-scatter", 1 << 22, 1, 4) == pytest.approx(
+        2e-3 + 6e-3 * ((1 << 22) * g4 - (1 << 20)) / ((1 << 22) - (1 << 20)))
+    noisy = Calibration(collectives={k: ((0, 1e-3), (1 << 20, 5e-4), (1 << 21, 2e-3)) for k in COLLECTIVE_KINDS})
+    assert noisy.collectives["all-reduce"] == ((0.0, 1e-3), (float(1 << 20), 1e-3), (float(1 << 21), 2e-3))
+    line = Calibration(collectives={k: (2e-5, 4e9) for k in COLLECTIVE_KINDS})
+    assert line.collective_s("all-reduce", 1 << 24, 2, 8) == pytest.approx(2 * 2e-5 + (1 << 24) / 4e9)
+    assert Calibration.from_json(cal.to_json()) == cal
+    with pytest.raises(ValueError, match=re.escape("Calibration: collectives['all-gather']=((1.0, 0.1),) must be two "
+                                                   "or more (bytes, seconds) points")):
+        Calibration(collectives={k: ((1.0, 0.1),) for k in COLLECTIVE_KINDS})
+    with pytest.raises(ValueError, match=re.escape("Calibration: collectives['all-gather']=(1e-05, 0.0) must be a "
+                                                   "latency >= 0 and a bandwidth > 0")):
+        Calibration(collectives={k: (1e-5, 0.0) for k in COLLECTIVE_KINDS})
 
 
 def test_calibrate_measures_caches_and_refreshes(tmp_path, monkeypatch):
@@ -289,16 +308,18 @@ def test_calibrate_measures_caches_and_refreshes(tmp_path, monkeypatch):
     cal = calibrate(quick=True)
     assert cal.matmul_flops_per_s > 0 and cal.elementwise_bytes_per_s > 0 and cal.group_size == 8
     assert set(cal.collectives) == set(COLLECTIVE_KINDS) and cal.measured
+    assert all(len(v) == 2 for v in cal.collectives.values())  # quick: two sizes measured per kind
     files = list(tmp_path.iterdir())
     assert [str(f) for f in files] == [Calibration.cache_path()]
     cached = json.loads(files[0].read_text())["calibration"]
     assert len(files) == 1 and cached["group_size"] == 8 and cached["op_s"] == cal.op_s  # every measured term kept
     assert calibrate(quick=True) == cal  # from the cache
-    files[0].write_text(json.dumps({"quick": True, "calibration": {**cal.to_json(), "dispatch_s": 123.0}}))
+    files[0].write_text(json.dumps({"version": VERSION, "quick": True,
+                                    "calibration": {**cal.to_json(), "dispatch_s": 123.0}}))
     assert calibrate(quick=True).dispatch_s == 123.0 and calibrate(quick=True, refresh=True).dispatch_s != 123.0
     assert os.path.dirname(str(files[0])) == str(tmp_path)
-    old = {k: v for k, v in cal.to_json().items() if k not in ("op_s", "measured")}  # a cache from before op_s
-    files[0].write_text(json.dumps({"quick": True, "calibration": {**old, "dispatch_s": 123.0}}))
+    line = {**cal.to_json(), "collectives": {k: [1e-4, 1e9] for k in COLLECTIVE_KINDS}}  # a cache of fitted lines
+    files[0].write_text(json.dumps({"quick": True, "calibration": {**line, "dispatch_s": 123.0}}))
     assert calibrate(quick=True).dispatch_s != 123.0  # measured again
 
 
@@ -377,50 +398,69 @@ def test_the_in_step_collective_programs_run_one_collective_of_each_kind_per_seg
 
 
 def test_compute_is_flops_bytes_and_ops_at_the_calibrated_rates(built, data):
-    """``compute_s`` = flops / matmul rate + bytes / elementwise rate + operations x op_s, the operations
-    those the one-device step launches (its compiled HLO) times the micro-batches."""
+    """``compute_s`` = flops / matmul rate + bytes / elementwise rate + operations x op_s: the gradients'
+    (the one-device step's compiled cost less its optimizer update's, times the micro-batches), then the
+    optimizer's update of the layout's shards (the whole update's flops and bytes by their share, its
+    operations once)."""
     batch, params, prof = data
     cal = _cal(op_s=3e-6)
     assert cal.compute_s(2e10, 1e10, 1000) == pytest.approx(2.0 + 1.0 + 3e-3)
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8, *x.shape[1:]), x.dtype), _abstract(batch))
     with jax.default_device(jax.devices()[0]):
         one = jax.jit(prof._fn()).lower(params, OPT.init(params), micro).compile()
-    assert prof.ops(micro) == program_ops(one.as_text()) > 10
-    assert reference_cost(prof, micro) == (*prof._step(micro)[:2], prof.ops(micro))
-    for lay in (LAYOUTS["dp=8"], Layout(dp=8, accum_steps=2)):
+        upd = jax.jit(lambda p, g, s: OPT.update(g, s, p)).lower(params, params, OPT.init(params)).compile()
+    opt_f, opt_b, opt_ops = prof._optimizer()
+    assert prof.ops(micro) == program_ops(one.as_text()) - opt_ops > 10 and opt_ops >= program_ops(upd.as_text()) > 5
+    assert reference_cost(prof, micro) == (*prof.grad_cost(micro), prof.ops(micro))
+    for lay in (LAYOUTS["dp=8"], Layout(dp=8, accum_steps=2), LAYOUTS["fsdp=8 regather"]):
         c = evaluate_layout(MODEL, OPT, batch, 8, lay, calibration=cal, profile=prof)
-        opt_f, opt_b = prof.optimizer_cost()
-        f, b = prof.grad_cost(jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8 // lay.accum_steps, *x.shape[1:]),
-                                                                          x.dtype), micro))
-        ops = lay.accum_steps * prof.ops(jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((B // 8 // lay.accum_steps, *x.shape[1:]), x.dtype), micro))
-        want = cal.compute_s(lay.accum_steps * f + opt_f, lay.accum_steps * b + opt_b, ops)
-        assert c.compute_s == pytest.approx(want)
+        laid, mesh = apply_layout(MODEL, 8, lay)
+        share = abstract_state(laid, params, OPT, mesh).plan.bytes_per_device / prof.param_bytes
+        assert share == (1 if lay.fsdp == 1 else pytest.approx(1 / 8, rel=0.1))  # fsdp pads the small leaves
+        mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8 // lay.accum_steps, *x.shape[1:]), x.dtype), micro)
+        f, b = prof.grad_cost(mb)
+        a = lay.accum_steps
+        want = cal.compute_s(a * f, a * b, a * prof.ops(mb)) + cal.compute_s(opt_f * share, opt_b * share, opt_ops)
+        assert c.compute_s == pytest.approx(want, rel=1e-9), lay.name
+        assert c.flops == pytest.approx(a * f + opt_f * share, rel=1e-9)
 
 
-def test_a_measured_calibration_anchors_compute_on_the_models_timed_step(data, monkeypatch):
-    """Under a measured calibration each candidate's compute estimate is scaled by the one-device step's
-    measured seconds (less dispatch) over its estimate, the step taken on the batch split over every
-    device: one factor for every candidate. The timing is stubbed here (tests never time)."""
+def test_a_measured_calibration_anchors_the_gradients_and_times_the_optimizer_on_the_shards(data, monkeypatch):
+    """Under a measured calibration each candidate's gradient estimate is scaled by the one-device
+    gradient's measured seconds (less dispatch) over its estimate, taken on the batch split over every
+    device (one factor for every candidate), and the optimizer's update is the measured update of the
+    layout's own shards (less dispatch), not the whole update's share. The timing is stubbed here (tests
+    never time)."""
     batch, params, prof = data
     est, got = _cal(op_s=2e-6), _cal(op_s=2e-6, measured=True)
     anchor_micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8, *x.shape[1:]), x.dtype), _abstract(batch))
-    seen = []
-    monkeypatch.setattr(prof, "step_seconds", lambda b, devices: seen.append(Profile._key(b)) or 0.05)
+    seen, shards = [], []
+    monkeypatch.setattr(prof, "grad_seconds", lambda b, devices: seen.append(Profile._key(b)) or 0.05)
+    monkeypatch.setattr(prof, "optimizer_seconds", lambda s, devices: shards.append(
+        sum(math.prod(x.shape) for x in s)) or 0.01 * len(shards))
     factor = (0.05 - got.dispatch_s) / got.compute_s(*reference_cost(prof, anchor_micro))
-    for name in ("dp=8", "fsdp=8 regather", "dp=4,tp=2"):
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    for i, name in enumerate(("dp=8", "fsdp=8 regather", "dp=4,tp=2")):
         a = evaluate_layout(MODEL, OPT, batch, 8, LAYOUTS[name], calibration=est, profile=prof)
         m = evaluate_layout(MODEL, OPT, batch, 8, LAYOUTS[name], calibration=got, profile=prof)
-        assert m.compute_s == pytest.approx(a.compute_s * factor), name
+        laid, mesh = apply_layout(MODEL, 8, LAYOUTS[name])
+        plan = abstract_state(laid, params, OPT, mesh).plan
+        grads = a.compute_s - optimizer_compute_s(prof, plan, est, jax.devices())
+        assert m.compute_s == pytest.approx(grads * factor + 0.01 * (i + 1) - got.dispatch_s), name
         assert m.comm_s == a.comm_s and m.memory == a.memory
     assert set(seen) == {Profile._key(anchor_micro)}
+    assert shards[0] == n and n / 8 <= shards[1] < n / 7 and n / 2 < shards[2] < n  # each layout's own shards
 
 
-def test_the_profile_times_its_step_on_every_device_at_once(data):
+def test_the_profile_times_the_gradient_and_the_optimizer_on_every_device_at_once(data):
     batch, params, prof = data
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8, *x.shape[1:]), x.dtype), _abstract(batch))
-    t = prof.step_seconds(micro, jax.devices(), rounds=1)
-    assert t > 0 and prof.step_seconds(micro, jax.devices(), rounds=1) == t  # measured once
+    t = prof.grad_seconds(micro, jax.devices(), rounds=1)
+    assert t > 0 and prof.grad_seconds(micro, jax.devices(), rounds=1) == t  # measured once
+    shards = [jax.ShapeDtypeStruct((x.shape[0] // 2, *x.shape[1:]) if x.shape and x.shape[0] % 2 == 0 else x.shape,
+                                   x.dtype) for x in jax.tree.leaves(params)]
+    t = prof.optimizer_seconds(shards, jax.devices(), rounds=1)
+    assert t > 0 and prof.optimizer_seconds(shards, jax.devices(), rounds=1) == t
 
 
 def test_accum_steps_is_every_candidates_least(data):
@@ -479,7 +519,7 @@ def test_pipelined_time_is_the_schedules_lockstep_replay(pipelined, data):
     share = sum(e.local_nbytes for e in jax.eval_shape(lambda: init_train_state(laid, OPT, params=data[1])).plan.entries
                 ) / prof.param_bytes
     want = (s.timed(t_f, 3 * t_f)["lockstep_s"] + 2 * cal.compute_s(f, nb, ops) * (1 - u) * 4 / 3
-            + cal.compute_s(of * share, ob * share, 0))
+            + cal.compute_s(of * share, ob * share, prof._optimizer()[2]))  # the update's operations once
     assert cand.compute_s == pytest.approx(want, rel=1e-9)
     t = cand.communication["total"]
     assert cand.comm_s[PERMUTE] == pytest.approx(1e-4 * t[PERMUTE]["count"] + t[PERMUTE]["bytes"] / 1e9, rel=1e-9)
@@ -515,3 +555,31 @@ def test_a_pipeline_accumulates_only_what_its_micro_batches_divide(data):
                                                    f"{two.memory['peak']:,} B per device")):
         auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=[lay],
                     memory_budget_bytes=two.memory["peak"] - 1)
+
+
+def test_measure_times_the_top_candidates_and_ranks_them_by_their_measured_step(data, monkeypatch):
+    """``measure=k``: the top ``k`` fitting candidates are compiled and timed (real steps on zeros of the
+    parameters and the batch), ranked first by the measured time; the rest keep their predicted order; the
+    table gains the measured column and ``why`` says what was measured."""
+    batch, params, prof = data
+    lays = [LAYOUTS["dp=8"], LAYOUTS["fsdp=8 regather"], LAYOUTS["dp=4,tp=2"]]
+    plain = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN)
+    got = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN, measure=2)
+    first, third = plain.candidates[:2], plain.candidates[2]
+    assert {c.name for c in got.candidates[:2]} == {c.name for c in first}
+    a, b = got.candidates[:2]
+    assert 0 < a.measured_s <= b.measured_s < 10 and got.candidates[2].name == third.name
+    assert got.candidates[2].measured_s is None and all(c.measured_s is None for c in plain.candidates)
+    assert "meas ms" in got.table() and "meas ms" not in plain.table()
+    assert got.why().startswith(f"{a.name} wins over {b.name} by ") and " ms/step measured (" in got.why()
+    assert got.to_json()["candidates"][0]["measured_ms"] == pytest.approx(1e3 * a.measured_s)
+
+    # the order follows the measurement, not the prediction (timing stubbed: the first predicted is slower)
+    import spmd.parallel._auto as auto
+
+    monkeypatch.setattr(auto, "measure_layouts", lambda *a, **k: [0.2, 0.1])
+    flipped = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN, measure=2)
+    assert [c.name for c in flipped.candidates] == [first[1].name, first[0].name, third.name]
+    assert [c.measured_s for c in flipped.candidates] == [0.1, 0.2, None]
+    with pytest.raises(ValueError, match=re.escape("auto_layout: measure=-1 must be an int >= 0")):
+        auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, measure=-1)

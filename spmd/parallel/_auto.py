@@ -14,13 +14,15 @@ built through the contract (``apply_layout``) and traced on abstract inputs, not
 
 - **communication**: the step's own analytic table (``step.communication``, equal to the compiled HLO);
 - **memory**: peak bytes per device by kind (``spmd.parallel._memory``);
-- **time**: compute (flops / the calibrated matmul rate + bytes accessed / the elementwise rate + operations x
-  the per-operation cost: ``Calibration.compute_s``), under a measured calibration scaled by the user's own
-  one-device step timed on every device at once over that same estimate of it (``Profile.step_seconds``:
-  the rates say how the layouts differ, the model's measured step how fast its kernels really run on this
-  host), plus each collective kind's calibrated ``latency x count + bytes / bandwidth`` over its group
-  (``fsdp`` for the gathers and reduce-scatters, the replicate dims for the gradients' all-reduce, ``tp``
-  for the activations), plus the program's dispatch. No overlap of communication with compute is assumed.
+- **time**: the gradients' compute (flops / the calibrated matmul rate + bytes accessed / the elementwise rate
+  + operations x the per-operation cost: ``Calibration.compute_s``), under a measured calibration scaled by
+  the user's own one-device gradient timed on every device at once over that same estimate of it
+  (``Profile.grad_seconds``: the rates say how the layouts differ, the model's measured gradient how fast
+  its kernels really run on this host), plus the optimizer's update of the layout's own shards (measured:
+  ``Profile.optimizer_seconds``; its cost is far from linear in the shard's size on a host), plus per
+  collective kind ``count`` times its calibrated cost curve at their mean size over its group (``fsdp``
+  for the gathers and reduce-scatters, the replicate dims for the gradients' all-reduce, ``tp`` for the
+  activations), plus the program's dispatch. No overlap of communication with compute is assumed.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ import numpy as np
 import optax
 
 from spmd.parallel._auto_layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
+from spmd.parallel._auto_measure import measure_layouts
 from spmd.parallel._auto_pipeline import PERMUTE, pipeline_cost, pipeline_layouts
 from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._comm import KINDS
-from spmd.parallel._memory import Profile, _nbytes, compute_cost, memory_breakdown, reference_cost
+from spmd.parallel._memory import (Profile, _nbytes, compute_cost, memory_breakdown, optimizer_compute_s,
+                                   optimizer_flops, reference_cost)
 from spmd.parallel._remat_profile import remat_profile
 from spmd.parallel._shard import entry_sharding
 from spmd.parallel._step import TrainState, _check_optimizer, init_train_state, make_train_step
@@ -50,7 +54,8 @@ __all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default
 
 @dataclass(frozen=True)
 class Candidate:
-    """One layout's predicted cost: ``predicted_s`` = ``compute_s`` + ``sum(comm_s.values())`` + ``dispatch_s``."""
+    """One layout's predicted cost: ``predicted_s`` = ``compute_s`` + ``sum(comm_s.values())`` + ``dispatch_s``;
+    ``measured_s``: its step's measured seconds where ``auto_layout(measure=)`` timed it."""
 
     layout: Layout
     predicted_s: float
@@ -61,6 +66,7 @@ class Candidate:
     memory: dict  # spmd.parallel._memory.memory_breakdown
     flops: float
     fits: bool = True
+    measured_s: float | None = None  # auto_layout(measure=): its compiled step timed (_auto_measure)
 
     @property
     def name(self) -> str:
@@ -95,6 +101,11 @@ class AutoLayout:
         if len(self.candidates) < 2:
             return f"{self.best.name}: the only candidate."
         a, b = self.candidates[0], self.candidates[1]
+        if a.measured_s is not None and b.measured_s is not None:
+            return (f"{a.name} wins over {b.name} by {1e3 * (b.measured_s - a.measured_s):.2f} ms/step measured "
+                    f"({1e3 * a.measured_s:.2f} vs {1e3 * b.measured_s:.2f} ms; predicted {1e3 * a.predicted_s:.2f} "
+                    f"vs {1e3 * b.predicted_s:.2f} ms); it moves {_mib(a.comm_bytes)} MiB per device and step where "
+                    f"{b.name} moves {_mib(b.comm_bytes)} MiB.")
         terms = [("compute", a.compute_s, b.compute_s)] + [
             (k, a.comm_s.get(k, 0.0), b.comm_s.get(k, 0.0)) for k in sorted(set(a.comm_s) | set(b.comm_s))]
         terms.sort(key=lambda t: -abs(t[2] - t[1]))
@@ -107,18 +118,21 @@ class AutoLayout:
 
     def table(self, top: int | None = None) -> str:
         top = self.top if top is None else top
-        head = ("#", "layout", "pred ms", "compute", "comm", "all-gather MiB", "reduce-scatter MiB", "all-reduce MiB",
-                "permute MiB", "peak MiB", "fits")
+        timed = any(c.measured_s is not None for c in self.candidates)
+        head = ("#", "layout", *(("meas ms",) if timed else ()), "pred ms", "compute", "comm", "all-gather MiB",
+                "reduce-scatter MiB", "all-reduce MiB", "permute MiB", "peak MiB", "fits")
         rows = []
         for i, c in enumerate(self.candidates[:top]):
             t = c.communication["total"]
-            rows.append((str(i + 1), c.name, f"{1e3 * c.predicted_s:.2f}", f"{1e3 * c.compute_s:.2f}",
+            meas = (("-" if c.measured_s is None else f"{1e3 * c.measured_s:.2f}",) if timed else ())
+            rows.append((str(i + 1), c.name, *meas, f"{1e3 * c.predicted_s:.2f}", f"{1e3 * c.compute_s:.2f}",
                          f"{1e3 * sum(c.comm_s.values()):.2f}", *(_mib(t[k]["bytes"]) for k in KINDS),
                          _mib(t.get(PERMUTE, {"bytes": 0})["bytes"]),
                          _mib(c.memory["peak"]), "yes" if c.fits else "no"))
         w = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
         fmt = lambda r: "  ".join(x.rjust(n) if j not in (1,) else x.ljust(n) for j, (x, n) in enumerate(zip(r, w)))  # noqa
         lines = [f"auto_layout: {len(self.candidates)} candidates ranked by predicted step time"
+                 + (f", the top {sum(c.measured_s is not None for c in self.candidates)} by measured" if timed else "")
                  + (f" (memory budget {_mib(self.budget)} MiB per device)" if self.budget else ""),
                  fmt(head), *[fmt(r) for r in rows], "pick: " + self.best.name + ". " + self.why()]
         if self.rejected:
@@ -130,6 +144,7 @@ class AutoLayout:
         """The ranking as plain data (a job's ``metrics.json`` ``"layout"`` entry): the pick, why, and per
         candidate its predicted time terms, bytes by kind and peak memory."""
         rows = [{"layout": c.name, "predicted_ms": 1e3 * c.predicted_s, "compute_ms": 1e3 * c.compute_s,
+                 "measured_ms": None if c.measured_s is None else 1e3 * c.measured_s,
                  "comm_ms": {k: 1e3 * v for k, v in c.comm_s.items()},
                  "bytes": {k: v["bytes"] for k, v in c.communication["total"].items()},
                  "peak_bytes": int(c.memory["peak"]), "fits": c.fits}
@@ -208,7 +223,9 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     mem = memory_breakdown(prof, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
                            sequence_parallel=layout.sequence_parallel or layout.weight_stationary)
     flops, nbytes, ops = compute_cost(prof, state.plan, pm, micro, accum_steps=layout.accum_steps)
-    compute = cal.compute_s(flops, nbytes, ops) * _anchor(profile, batch, micro, devices, cal)
+    compute = cal.compute_s(flops, nbytes, ops) * _anchor(profile, batch, micro, devices, cal) + \
+        optimizer_compute_s(profile, state.plan, cal, devices)
+    flops += optimizer_flops(profile, state.plan)
     groups = _groups(layout)
     comm_s: dict = {}
     for section in ("parameters", "activations"):
@@ -229,7 +246,7 @@ def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devic
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // (n_data * layout.accum_steps), *x.shape[1:]), x.dtype),
                          batch)
     t = pipeline_cost(laid, params, state, step, batch, layout, profile, cal,
-                      _anchor(profile, batch, micro, devices, cal))
+                      _anchor(profile, batch, micro, devices, cal), optimizer_compute_s(profile, state.plan, cal, devices))
     total = t["compute_s"] + sum(t["comm_s"].values()) + cal.dispatch_s
     return Candidate(layout=layout, predicted_s=total, compute_s=t["compute_s"], comm_s=t["comm_s"],
                      dispatch_s=cal.dispatch_s, communication=t["communication"], memory=t["memory"],
@@ -237,16 +254,16 @@ def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devic
 
 
 def _anchor(profile: Profile, batch: Any, micro: Any, devices: list, cal: Calibration) -> float:
-    """Measured over estimated seconds of the one-device step (see the module doc) on the batch split over
-    every device (one measurement serves every candidate; ``micro`` where that does not divide); 1 under a
-    hand-built calibration."""
+    """Measured over estimated seconds of the one-device gradient (see the module doc) on the batch split
+    over every device (one measurement serves every candidate; ``micro`` where that does not divide); 1
+    under a hand-built calibration."""
     if not cal.measured or len(devices) < 2:
         return 1.0
     b, n = jax.tree.leaves(batch)[0].shape[0], len(devices)
     if b % n == 0:
         micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // n, *x.shape[1:]), x.dtype), batch)
     est = cal.compute_s(*reference_cost(profile, micro))
-    got = profile.step_seconds(micro, devices) - cal.dispatch_s
+    got = profile.grad_seconds(micro, devices) - cal.dispatch_s
     return got / est if est > 0 and got > 0 else 1.0
 
 
@@ -331,7 +348,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                 memory_budget_bytes: int | None = None, plan: Any = None, loss_fn: Callable | None = None,
                 params: Any = None, units: Any = None, calibration: Calibration | None = None,
                 layouts: Any = None, top: int = 5, profile: Profile | None = None,
-                accum_steps: int = 1) -> AutoLayout:
+                accum_steps: int = 1, measure: int = 0) -> AutoLayout:
     """Rank the layouts of ``model`` on the devices by predicted step time (see the module doc).
 
     ``example_batch``: a global batch (arrays or ``jax.ShapeDtypeStruct``); ``plan``: the tensor-parallel
@@ -342,7 +359,9 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     ``calibration``: default ``calibrate(devices)`` (cached); ``layouts``: weigh these instead;
     ``profile``: a ``spmd.parallel._memory.Profile`` of this loss, parameters and optimizer to reuse (its
     single-device programs are compiled once per micro-batch size); ``accum_steps``: the least gradient
-    accumulation of every candidate (the user's own; more where the memory budget needs it).
+    accumulation of every candidate (the user's own; more where the memory budget needs it); ``measure``:
+    compile and time the top ``measure`` fitting candidates side by side and rank those first by their
+    measured time (``spmd.parallel._auto_measure``; one process only).
     """
     where = "auto_layout"
     _check_optimizer(optimizer, where)
@@ -355,6 +374,9 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     units = infer_units(params) if units is None else tuple(units)
     loss = loss_fn if loss_fn is not None else default_loss(model)
     profile = profile or Profile(loss, params, optimizer)
+    if isinstance(measure, bool) or not isinstance(measure, int) or measure < 0:
+        raise ValueError(f"{where}: measure={measure!r} must be an int >= 0 (the top candidates compiled and timed; "
+                         "0 ranks by the prediction alone).")
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (the least gradient "
                          "accumulation of every candidate).")
@@ -391,4 +413,10 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             f"{small.memory['activations']:,}), with the gradient accumulation the micro-batches allow"
             + (f" and activation checkpointing ({' and '.join(repr(p) for p in CHECKPOINTING)}) weighed" if units
                else "") + "; use more devices, a larger budget, a smaller batch or fully_shard units (fsdp).")
+    if measure:
+        top_k = [c for c in got if c.fits][:measure]
+        secs = measure_layouts(model, optimizer, lambda laid: loss_fn if loss_fn is not None else default_loss(laid),
+                               params, batch, devices, [c.layout for c in top_k])
+        timed = sorted((replace(c, measured_s=t) for c, t in zip(top_k, secs)), key=lambda c: c.measured_s)
+        got = timed + got[len(top_k):]  # the fitting candidates come first: the top k are got's first k
     return AutoLayout(tuple(got), tuple(rejected), cal, memory_budget_bytes, top)

@@ -81,7 +81,8 @@ def _share(lay) -> float:
     return units / total if total else 1.0
 
 
-def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, cal, anchor: float) -> dict:
+def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, cal, anchor: float,
+                  optimizer_s: float) -> dict:
     """The terms of a pipelined candidate (see the module doc): ``compute_s``, ``comm_s``, ``communication``
     (``{"parameters", "activations", "total"}: {kind: {count, bytes}}``), ``memory``, ``flops``."""
     c = step.communication(state, batch)
@@ -100,7 +101,7 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     ends = cal.compute_s(flops, nbytes, ops) * (1 - u) * 4 / 3
     share = state.plan.bytes_per_device / max(profile.param_bytes, 1)
     per_step = s.timed(t_f, 3 * t_f)["lockstep_s"] + s.num_microbatches * ends
-    compute = (layout.accum_steps * per_step + cal.compute_s(of * share, ob * share, 0)) * anchor
+    compute = layout.accum_steps * per_step * anchor + optimizer_s
 
     tp = c.get("tp")
     none = {k: {"count": 0, "bytes": 0} for k in KINDS}

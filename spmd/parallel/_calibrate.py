@@ -4,8 +4,11 @@
 ``spmd.parallel._comm.KINDS`` plus ``collective-permute`` over a few sizes, each between small kernels in a
 straight-line program as a step runs it (less the same program without it: on CPU fake devices, where a
 collective is a rendezvous of the devices' threads and memcpys, one between kernels costs 0.2-1 ms where a
-loop of back-to-back collectives fitted a latency near 0), and fits ``time = latency + bytes / bandwidth`` (bytes in the nccl-tests convention of the cost
-model: the all-reduce's buffer, the all-gather's result, the reduce-scatter's input); a matmul's flop rate and
+loop of back-to-back collectives fitted a latency near 0), and keeps the measured ``(bytes, seconds)`` points
+as the kind's cost curve, interpolated between them (bytes in the nccl-tests convention of the cost model:
+the all-reduce's buffer, the all-gather's result, the reduce-scatter's input; sizes from 32 KiB to 16 MiB: on
+this 2-core host a line fitted below 1 MiB put a 4-16 MiB collective at half its measured cost, the caches
+no longer holding the devices' buffers); a matmul's flop rate and
 an elementwise kernel's byte rate per device while all devices run (on a CPU host the fake devices share the
 cores: the rates are what each gets); the cost of one more operation in a device's program (``op_s``: a chain
 of tiny dependent ops, all devices busy: the per-kernel launch and synchronisation a step's hundreds of
@@ -38,13 +41,16 @@ import numpy as np
 __all__ = ["Calibration", "calibrate", "cache_path", "program_ops", "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+VERSION = 2  # of the cached calibration: 2, the collectives' cost curves
 
 
 @dataclass(frozen=True)
 class Calibration:
     """What one device's step costs on this machine (see the module doc).
 
-    ``collectives``: ``{kind: (latency_s, bandwidth_bytes_per_s)}`` measured over ``group_size`` devices;
+    ``collectives``: per kind its cost curve over ``group_size`` devices, ``((bytes, seconds), ...)`` measured
+    (``collective_s`` interpolates, and extends the end segments' slopes), or ``(latency_s,
+    bandwidth_bytes_per_s)``: the line ``latency + bytes / bandwidth`` (a hand-built calibration);
     ``matmul_flops_per_s`` and ``elementwise_bytes_per_s``: per device, all devices busy;
     ``dispatch_s``: the fixed cost of one step's program; ``op_s``: the cost of one more operation of a
     device's program, all devices busy; ``measured``: made by ``calibrate()`` on this machine (see the
@@ -64,7 +70,9 @@ class Calibration:
         for k in COLLECTIVE_KINDS:
             if k not in self.collectives:
                 raise ValueError(f"Calibration: collectives={self.collectives!r} lacks {k!r}; give "
-                                 f"{{kind: (latency_s, bandwidth_bytes_per_s)}} for each of {COLLECTIVE_KINDS}.")
+                                 f"{{kind: (latency_s, bandwidth_bytes_per_s)}} or {{kind: ((bytes, seconds), ...)}} "
+                                 f"for each of {COLLECTIVE_KINDS}.")
+        object.__setattr__(self, "collectives", {k: _curve(k, v) for k, v in self.collectives.items()})
         for name in ("matmul_flops_per_s", "elementwise_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Calibration: {name}={getattr(self, name)!r} must be > 0.")
@@ -83,16 +91,16 @@ class Calibration:
         return flops / self.matmul_flops_per_s + nbytes / self.elementwise_bytes_per_s + ops * self.op_s
 
     def collective_s(self, kind: str, nbytes: float, count: int, group: int) -> float:
-        """Seconds for ``count`` collectives of ``kind`` moving ``nbytes`` in all over ``group`` devices.
+        """Seconds for ``count`` collectives of ``kind`` moving ``nbytes`` in all over ``group`` devices:
+        ``count`` times the kind's curve at their mean size.
 
-        The bandwidth term scales with the ring's traffic per byte, ``(g - 1) / g``, from the calibrated
-        group to ``group``; a group of one moves nothing."""
+        The size scales with the ring's traffic per byte, ``(g - 1) / g``, from the calibrated group to
+        ``group``; a group of one moves nothing."""
         if group <= 1 or not count:
             return 0.0
-        lat, bw = self.collectives[kind]
         g0 = max(self.group_size, 2)
         scale = ((group - 1) / group) / ((g0 - 1) / g0)
-        return count * lat + nbytes * scale / bw
+        return count * _at(self.collectives[kind], nbytes * scale / count)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -102,6 +110,33 @@ class Calibration:
         d = dict(d)
         d["collectives"] = {k: tuple(v) for k, v in d["collectives"].items()}
         return cls(**d)
+
+
+def _curve(kind: str, v) -> tuple:
+    """``v`` as a cost curve: ``((bytes, seconds), ...)`` by size, the seconds never falling as the size grows
+    (a noisy point of a measured curve); a ``(latency, bandwidth)`` pair as the two points of its line."""
+    v = tuple(v)
+    if len(v) == 2 and all(isinstance(x, (int, float)) for x in v):
+        lat, bw = float(v[0]), float(v[1])
+        if lat < 0 or bw <= 0:
+            raise ValueError(f"Calibration: collectives[{kind!r}]=({lat!r}, {bw!r}) must be a latency >= 0 and a "
+                             "bandwidth > 0 (seconds, bytes per second).")
+        return ((0.0, lat), (float(1 << 20), lat + (1 << 20) / bw))
+    pts = sorted((float(b), float(t)) for b, t in v)
+    if len(pts) < 2 or pts[0][0] < 0 or any(t < 0 for _, t in pts) or len({b for b, _ in pts}) < len(pts):
+        raise ValueError(f"Calibration: collectives[{kind!r}]={v!r} must be two or more (bytes, seconds) points of "
+                         "distinct sizes >= 0 and seconds >= 0, or a (latency, bandwidth) pair.")
+    t = np.maximum.accumulate([p[1] for p in pts])
+    return tuple((b, float(x)) for (b, _), x in zip(pts, t))
+
+
+def _at(curve: tuple, nbytes: float) -> float:
+    """``curve``'s seconds at ``nbytes``: linear between its points, its end segments' slopes beyond them
+    (never below 0)."""
+    xs = [b for b, _ in curve]
+    i = min(max(int(np.searchsorted(xs, nbytes)), 1), len(curve) - 1)
+    (b0, t0), (b1, t1) = curve[i - 1], curve[i]
+    return max(t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0), 0.0)
 
 
 def _machine_key(devices) -> str:
@@ -131,21 +166,6 @@ def _timed(fn, *args, repeats: int) -> float:
         jax.block_until_ready(fn(*args))
         best = min(best, time.perf_counter() - t0)
     return best
-
-
-def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares ``t = a + b * bytes`` with ``a, b >= 0``: ``(latency, bandwidth)``."""
-    x = np.array([p[0] for p in points], float)
-    y = np.array([p[1] for p in points], float)
-    if len(x) > 1 and np.ptp(x) > 0:
-        b, a = np.polyfit(x, y, 1)
-    else:
-        a, b = 0.0, y[0] / x[0]
-    if b <= 0:
-        b = max(float(np.max(y / x)), 1e-15)
-        a = 0.0
-    a = max(float(a), 0.0)
-    return float(a), float(1.0 / b)
 
 
 def _in_step(kind: str | None, mesh, elems: int, segments: int):
@@ -180,10 +200,10 @@ def _in_step(kind: str | None, mesh, elems: int, segments: int):
 
 
 def _collectives(mesh, sizes: Sequence[int], repeats: int, segments: int, passes: int = 2) -> dict:
-    """``{kind: (latency, bandwidth)}`` fitted on the in-step cost of one collective per size (``_in_step``
-    with the collective less without, over ``segments``; the median of ``repeats`` interleaved rounds, the
-    least of ``passes`` passes over the sizes: a load spike on a shared host inflates one pass's point, and
-    one point of three decides a fitted line)."""
+    """``{kind: ((bytes, seconds), ...)}``: the in-step cost of one collective per size (``_in_step`` with the
+    collective less without, over ``segments``, fewer above 1 MiB where one collective outlasts the
+    dispatch's noise; the median of ``repeats`` interleaved rounds, the least of ``passes`` passes over the
+    sizes: a load spike on a shared host inflates one pass's point)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -196,12 +216,13 @@ def _collectives(mesh, sizes: Sequence[int], repeats: int, segments: int, passes
     for nbytes in sizes:  # the table's bytes per device: all-gather's result, reduce-scatter's input
         elems = max(nbytes // 4 // n, 64 * 64 // n) * n
         x = jax.device_put(jnp.ones((n * elems,), jnp.float32), sh)
-        progs[elems] = (x, {k: _in_step(k, mesh, elems, segments) for k in (None, *COLLECTIVE_KINDS)})
-        for f in progs[elems][1].values():
+        segs = max(2, min(segments, segments * (1 << 20) // max(nbytes, 1)))
+        progs[elems] = (x, segs, {k: _in_step(k, mesh, elems, segs) for k in (None, *COLLECTIVE_KINDS)})
+        for f in progs[elems][2].values():
             jax.block_until_ready(f(x, w))  # compile and warm up
     best: dict = {}
     for _ in range(passes):
-        for elems, (x, fns) in progs.items():
+        for elems, (x, segs, fns) in progs.items():
             got: dict = {k: [] for k in fns}
             for _ in range(repeats):
                 for k, f in fns.items():
@@ -210,9 +231,9 @@ def _collectives(mesh, sizes: Sequence[int], repeats: int, segments: int, passes
                     got[k].append(time.perf_counter() - t0)
             base = float(np.median(got[None]))
             for k in COLLECTIVE_KINDS:
-                t = max((float(np.median(got[k])) - base) / segments, 1e-9)
+                t = max((float(np.median(got[k])) - base) / segs, 1e-9)
                 best[k, elems] = min(best.get((k, elems), t), t)
-    return {k: _fit([(float(e * 4), best[k, e]) for e in progs]) for k in COLLECTIVE_KINDS}
+    return {k: tuple((float(e * 4), best[k, e]) for e in progs) for k in COLLECTIVE_KINDS}
 
 
 def _measure(devices, sizes: Sequence[int], repeats: int, reps: int) -> Calibration:
@@ -305,15 +326,15 @@ def calibrate(devices: Any = None, *, refresh: bool = False, quick: bool = False
     if cache and not refresh and os.path.exists(path):
         with open(path) as f:
             got = json.load(f)
-        # a quick measurement serves quick calls only; one from before the in-step collectives, op_s and
-        # measured (no "measured" key) is measured again
-        if (quick or not got.get("quick", False)) and "measured" in got["calibration"]:
+        # a quick measurement serves quick calls only; one of an older version (before the cost curves)
+        # is measured again
+        if (quick or not got.get("quick", False)) and got.get("version") == VERSION:
             return Calibration.from_json(got["calibration"])
-    sizes = (1 << 15, 1 << 18) if quick else (1 << 15, 1 << 18, 1 << 20)
+    sizes = (1 << 15, 1 << 18) if quick else (1 << 15, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
     cal = _measure(devices, sizes, repeats=1 if quick else 5, reps=2 if quick else 8)
     if cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w") as f:
-            json.dump({"quick": quick, "calibration": cal.to_json()}, f, indent=1)
+            json.dump({"version": VERSION, "quick": quick, "calibration": cal.to_json()}, f, indent=1)
         os.replace(path + ".tmp", path)
     return cal
