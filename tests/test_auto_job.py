@@ -31,6 +31,7 @@ from models.train import Config, main
 from models.train._config import check_config, parse_bytes, resume_config
 from spmd import DeviceMesh
 from spmd.parallel import Calibration, hlo_executed_collectives
+from spmd.parallel._calibrate import VERSION
 
 pytestmark = pytest.mark.xdist_group("auto-job")  # the module's runs share a calibration cache and programs
 
@@ -66,7 +67,7 @@ def cache():
         path = Calibration.cache_path(jax.devices())
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
-            json.dump({"quick": False, "calibration": CAL.to_json()}, f)
+            json.dump({"version": VERSION, "quick": False, "calibration": CAL.to_json()}, f)
         yield path
 
 
@@ -329,3 +330,27 @@ def test_a_pipelined_pick_runs_as_the_explicit_pipeline_flags(auto):
         ("pp=2,fsdp=4", "interleaved", 4, None)
     assert layout_flags(picked) == "--mesh pp=2,fsdp=4 --schedule interleaved --microbatches 4"
     check_config(picked)  # the job takes it as an explicit run
+
+
+class _Ranked(Exception):
+    """Raised by the stubbed ``auto_layout`` with the keyword arguments the job gave it."""
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_auto_times_the_top_3_on_a_measured_calibration(monkeypatch, measured):
+    """On a measured calibration (a real machine) and one process the job asks ``auto_layout`` to compile
+    and time its top 3 before picking (``measure=3``); on a hand-built one (these tests) it ranks by the
+    prediction alone, deterministically."""
+    import dataclasses
+
+    import models.train._auto as job
+
+    def stub(*args, **kwargs):
+        raise _Ranked(kwargs)
+
+    monkeypatch.setattr(job, "calibrate", lambda devices: dataclasses.replace(CAL, measured=measured))
+    monkeypatch.setattr(job, "auto_layout", stub)
+    cfg = Config(mesh="auto", steps=6, batch_size=32, layers=2, d_model=32, heads=4, length=4)
+    with pytest.raises(_Ranked) as e:
+        job.choose_layout(cfg, lead=False)
+    assert e.value.args[0]["measure"] == (job.MEASURE if measured else 0) and job.MEASURE == 3

@@ -577,9 +577,38 @@ def test_measure_times_the_top_candidates_and_ranks_them_by_their_measured_step(
     # the order follows the measurement, not the prediction (timing stubbed: the first predicted is slower)
     import spmd.parallel._auto as auto
 
-    monkeypatch.setattr(auto, "measure_layouts", lambda *a, **k: [0.2, 0.1])
+    monkeypatch.setattr(auto, "measure_layouts", lambda *a, **k: [(0.2, 10), (0.1, 10)])
     flipped = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN, measure=2)
     assert [c.name for c in flipped.candidates] == [first[1].name, first[0].name, third.name]
     assert [c.measured_s for c in flipped.candidates] == [0.1, 0.2, None]
+    assert a.measured_peak == pytest.approx(a.memory["peak"], rel=0.15)  # the compiled step's memory_analysis
+
+
+def test_a_measured_peak_over_the_budget_does_not_fit_and_the_next_is_measured(data, monkeypatch):
+    """Under ``measure=`` the compiled step's own peak decides the fit: one over the budget goes behind the
+    fitting candidates, and the next predicted is compiled in its place; none fitting once compiled is a
+    clear error giving the smallest measured."""
+    import spmd.parallel._auto as auto
+
+    batch, params, prof = data
+    lays = [LAYOUTS["dp=8"], LAYOUTS["fsdp=8 regather"], LAYOUTS["dp=4,tp=2"]]
+    order = [c.name for c in auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays,
+                                         plan=PLAN).candidates]
+    seen = []
+
+    def fake(model, optimizer, loss_of, params, batch, devices, layouts):
+        seen.append([lay.name for lay in layouts])
+        return [(0.1, 2000) if lay.name == order[0] else (0.3, 500) for lay in layouts]
+
+    ranked = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN)
+    got = auto._measured(list(ranked.candidates), 2, 1000, lambda lays: fake(*[None] * 6, lays))
+    assert seen == [order[:2], order[2:3]]  # the first over the budget of 1000 B: the third measured next
+    assert [c.name for c in got] == [order[1], order[2], order[0]] and [c.fits for c in got] == [True, True, False]
+    assert got[2].measured_peak == 2000 and got[0].measured_s == 0.3
+    monkeypatch.setattr(auto, "measure_layouts", lambda *a, **k: [(0.1, 2 * 10**9)] * len(a[-1]))
+    with pytest.raises(ValueError, match=re.escape("auto_layout: no layout fits memory_budget_bytes=1,000,000,000 once "
+                                                   "compiled: the smallest measured, ")):
+        auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN, measure=2,
+                    memory_budget_bytes=10**9)
     with pytest.raises(ValueError, match=re.escape("auto_layout: measure=-1 must be an int >= 0")):
         auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, measure=-1)

@@ -9,8 +9,10 @@ job's own model, loss, optimizer and first batch, the transformer's tensor-paral
 calibration (``spmd.parallel.calibrate``: measured once, about 10 s on 8 CPU fake devices, then read from its
 cache). Ranking traces every candidate's step on abstract inputs (nothing of them is compiled but the
 single-device programs the memory and compute estimates read, and that step timed on every device at once
-under a measured calibration): about a minute for the default config on 8 CPU fake devices. It prints the top
-5 and why the pick won, and returns the config with the pick as the explicit flags an ``--mesh`` run takes
+under a measured calibration): about a minute for the default config on 8 CPU fake devices. On a measured
+calibration and one process, the top ``MEASURE`` predicted are then compiled and timed side by side and the
+fastest measured is picked (``auto_layout(measure=)``: the cost model misses what a host does to a step).
+It prints the top 5 and why the pick won, and returns the config with the pick as the explicit flags an ``--mesh`` run takes
 (``layout_config``): the run, its checkpoints and ``--resume`` then see exactly what ``--mesh fsdp=8
 --no-reshard-after-forward`` (or ``--mesh pp=2,dp=4 --schedule 1f1b --microbatches 4``) would have given,
 and a resume without ``--mesh`` reuses the pick.
@@ -41,6 +43,7 @@ from spmd.parallel import AutoLayout, Calibration, Layout, auto_layout, calibrat
 __all__ = ["Choice", "choose_layout", "layout_config", "layout_flags", "layout_report", "layout_line", "TOP"]
 
 TOP = 5  # the candidates the job prints
+MEASURE = 3  # the top predicted candidates timed before the pick (a measured calibration, one process)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +130,8 @@ def choose_layout(cfg: Config, lead: bool) -> tuple[Config, Choice]:
     try:
         ranking = auto_layout(model, optimizer, batch, devices, memory_budget_bytes=cfg.memory_budget, plan=plan,
                               loss_fn=make_loss_fn(model), units=units, calibration=calibration, top=TOP,
-                              accum_steps=cfg.accum_steps)  # the user's accumulation is each candidate's least
+                              accum_steps=cfg.accum_steps,  # the user's accumulation is each candidate's least
+                              measure=MEASURE if calibration.measured and jax.process_count() == 1 else 0)
     except ValueError as e:
         reason = str(e).removeprefix("auto_layout: ")
         if cfg.memory_budget is not None and "no layout fits" in reason:

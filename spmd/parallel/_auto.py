@@ -23,13 +23,18 @@ built through the contract (``apply_layout``) and traced on abstract inputs, not
   collective kind ``count`` times its calibrated cost curve at their mean size over its group (``fsdp``
   for the gathers and reduce-scatters, the replicate dims for the gradients' all-reduce, ``tp`` for the
   activations), plus the program's dispatch. No overlap of communication with compute is assumed.
+
+With ``measure=k`` the top ``k`` fitting candidates are then compiled and timed side by side
+(``spmd.parallel._auto_measure``) and ranked first by their measured time: what the model misses on a
+host (on CPU fake devices, fresh pages for buffers past the allocator's mmap threshold, threads sharing
+the cores) a compiled step shows. The answer (``AutoLayout``, ``Candidate``) is ``spmd.parallel._ranking``.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 import jax
@@ -39,127 +44,19 @@ import optax
 
 from spmd.parallel._auto_layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
 from spmd.parallel._auto_measure import measure_layouts
-from spmd.parallel._auto_pipeline import PERMUTE, pipeline_cost, pipeline_layouts
+from spmd.parallel._auto_pipeline import pipeline_cost, pipeline_layouts
 from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._comm import KINDS
 from spmd.parallel._memory import (Profile, _nbytes, compute_cost, memory_breakdown, optimizer_compute_s,
                                    optimizer_flops, reference_cost)
+from spmd.parallel._ranking import AutoLayout, Candidate
 from spmd.parallel._remat_profile import remat_profile
 from spmd.parallel._shard import entry_sharding
 from spmd.parallel._step import TrainState, _check_optimizer, init_train_state, make_train_step
 from spmd.parallel._transforms import as_parallel
 
-__all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default_loss", "abstract_state"]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One layout's predicted cost: ``predicted_s`` = ``compute_s`` + ``sum(comm_s.values())`` + ``dispatch_s``;
-    ``measured_s``: its step's measured seconds where ``auto_layout(measure=)`` timed it."""
-
-    layout: Layout
-    predicted_s: float
-    compute_s: float
-    comm_s: dict
-    dispatch_s: float
-    communication: dict  # step.communication(...): {"parameters", "activations", "total"}: {kind: {count, bytes}}
-    memory: dict  # spmd.parallel._memory.memory_breakdown
-    flops: float
-    fits: bool = True
-    measured_s: float | None = None  # auto_layout(measure=): its compiled step timed (_auto_measure)
-
-    @property
-    def name(self) -> str:
-        return self.layout.name
-
-    @property
-    def comm_bytes(self) -> int:
-        return sum(v["bytes"] for v in self.communication["total"].values())
-
-
-def _mib(b: float) -> str:
-    return f"{b / 2**20:.2f}"
-
-
-@dataclass(frozen=True)
-class AutoLayout:
-    """``auto_layout``'s answer: ``candidates`` ranked (fitting ones first, fastest predicted first),
-    ``best``, ``rejected`` (``(layout name, reason)``), printable with ``table(top=)``."""
-
-    candidates: tuple[Candidate, ...]
-    rejected: tuple[tuple[str, str], ...] = ()
-    calibration: Calibration | None = None
-    budget: int | None = None
-    top: int = 5
-
-    @property
-    def best(self) -> Candidate:
-        return self.candidates[0]
-
-    def why(self) -> str:
-        """Why the pick won over the runner-up: the time terms that differ most."""
-        if len(self.candidates) < 2:
-            return f"{self.best.name}: the only candidate."
-        a, b = self.candidates[0], self.candidates[1]
-        if a.measured_s is not None and b.measured_s is not None:
-            return (f"{a.name} wins over {b.name} by {1e3 * (b.measured_s - a.measured_s):.2f} ms/step measured "
-                    f"({1e3 * a.measured_s:.2f} vs {1e3 * b.measured_s:.2f} ms; predicted {1e3 * a.predicted_s:.2f} "
-                    f"vs {1e3 * b.predicted_s:.2f} ms); it moves {_mib(a.comm_bytes)} MiB per device and step where "
-                    f"{b.name} moves {_mib(b.comm_bytes)} MiB.")
-        terms = [("compute", a.compute_s, b.compute_s)] + [
-            (k, a.comm_s.get(k, 0.0), b.comm_s.get(k, 0.0)) for k in sorted(set(a.comm_s) | set(b.comm_s))]
-        terms.sort(key=lambda t: -abs(t[2] - t[1]))
-        said = ", ".join(f"{k} {1e3 * x:.2f} vs {1e3 * y:.2f} ms" for k, x, y in terms[:3] if abs(y - x) > 0)
-        head = f"{a.name} wins over {b.name} by {1e3 * (b.predicted_s - a.predicted_s):.2f} ms/step"
-        if not b.fits:
-            head += " (the runner-up does not fit the memory budget)"
-        return f"{head}: {said or 'equal terms'}; it moves {_mib(a.comm_bytes)} MiB per device and step where " \
-               f"{b.name} moves {_mib(b.comm_bytes)} MiB."
-
-    def table(self, top: int | None = None) -> str:
-        top = self.top if top is None else top
-        timed = any(c.measured_s is not None for c in self.candidates)
-        head = ("#", "layout", *(("meas ms",) if timed else ()), "pred ms", "compute", "comm", "all-gather MiB",
-                "reduce-scatter MiB", "all-reduce MiB", "permute MiB", "peak MiB", "fits")
-        rows = []
-        for i, c in enumerate(self.candidates[:top]):
-            t = c.communication["total"]
-            meas = (("-" if c.measured_s is None else f"{1e3 * c.measured_s:.2f}",) if timed else ())
-            rows.append((str(i + 1), c.name, *meas, f"{1e3 * c.predicted_s:.2f}", f"{1e3 * c.compute_s:.2f}",
-                         f"{1e3 * sum(c.comm_s.values()):.2f}", *(_mib(t[k]["bytes"]) for k in KINDS),
-                         _mib(t.get(PERMUTE, {"bytes": 0})["bytes"]),
-                         _mib(c.memory["peak"]), "yes" if c.fits else "no"))
-        w = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
-        fmt = lambda r: "  ".join(x.rjust(n) if j not in (1,) else x.ljust(n) for j, (x, n) in enumerate(zip(r, w)))  # noqa
-        lines = [f"auto_layout: {len(self.candidates)} candidates ranked by predicted step time"
-                 + (f", the top {sum(c.measured_s is not None for c in self.candidates)} by measured" if timed else "")
-                 + (f" (memory budget {_mib(self.budget)} MiB per device)" if self.budget else ""),
-                 fmt(head), *[fmt(r) for r in rows], "pick: " + self.best.name + ". " + self.why()]
-        if self.rejected:
-            lines.append(f"rejected ({len(self.rejected)}): " + "; ".join(f"{n}: {r}" for n, r in self.rejected[:6])
-                         + (" ..." if len(self.rejected) > 6 else ""))
-        return "\n".join(lines)
-
-    def to_json(self, top: int | None = None) -> dict:
-        """The ranking as plain data (a job's ``metrics.json`` ``"layout"`` entry): the pick, why, and per
-        candidate its predicted time terms, bytes by kind and peak memory."""
-        rows = [{"layout": c.name, "predicted_ms": 1e3 * c.predicted_s, "compute_ms": 1e3 * c.compute_s,
-                 "measured_ms": None if c.measured_s is None else 1e3 * c.measured_s,
-                 "comm_ms": {k: 1e3 * v for k, v in c.comm_s.items()},
-                 "bytes": {k: v["bytes"] for k, v in c.communication["total"].items()},
-                 "peak_bytes": int(c.memory["peak"]), "fits": c.fits}
-                for c in self.candidates[: (len(self.candidates) if top is None else top)]]
-        return {"pick": self.best.name, "why": self.why(), "candidates": rows, "rejected": [list(r) for r in
-                                                                                          self.rejected]}
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def __iter__(self):
-        return iter(self.candidates)
-
-    def __len__(self) -> int:
-        return len(self.candidates)
+__all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default_loss", "abstract_state"]  # the
+# first two: spmd.parallel._ranking
 
 
 def default_loss(model: Any) -> Callable:
@@ -328,6 +225,22 @@ def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]
     return fit or [min(out, key=lambda v: v.memory["peak"])]
 
 
+def _measured(got: list[Candidate], k: int, budget: int | None, measure: Callable) -> list[Candidate]:
+    """``got`` (ranked, the fitting first) with its top ``k`` fitting candidates measured and first, fastest
+    measured first (``measure(layouts) -> [(seconds, peak bytes)]``). A measured peak over ``budget`` does not
+    fit: it goes behind the fitting ones and as many more are measured, until ``k`` fit or none is left."""
+    timed, rest = [], list(got)
+    while sum(c.fits for c in timed) < k and rest and rest[0].fits:
+        need = k - sum(c.fits for c in timed)
+        fit = [c for c in rest if c.fits]
+        batch, rest = fit[:need], fit[need:] + [c for c in rest if not c.fits]
+        for c, (t, peak) in zip(batch, measure([c.layout for c in batch])):
+            timed.append(replace(c, measured_s=t, measured_peak=peak, fits=budget is None or peak <= budget))
+    timed.sort(key=lambda c: (not c.fits, c.measured_s))
+    return [c for c in timed if c.fits] + [c for c in rest if c.fits] + [c for c in timed if not c.fits] + [
+        c for c in rest if not c.fits]
+
+
 def candidate_layouts(n: int, plan: Any, units: tuple[str, ...]) -> list[Layout]:
     """Every layout ``auto_layout`` weighs on ``n`` devices (accumulation aside): per factorization, the
     tensor-parallel variants ``(sequence_parallel, weight_stationary)`` the plan has, each under FSDP with
@@ -414,9 +327,13 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             + (f" and activation checkpointing ({' and '.join(repr(p) for p in CHECKPOINTING)}) weighed" if units
                else "") + "; use more devices, a larger budget, a smaller batch or fully_shard units (fsdp).")
     if measure:
-        top_k = [c for c in got if c.fits][:measure]
-        secs = measure_layouts(model, optimizer, lambda laid: loss_fn if loss_fn is not None else default_loss(laid),
-                               params, batch, devices, [c.layout for c in top_k])
-        timed = sorted((replace(c, measured_s=t) for c, t in zip(top_k, secs)), key=lambda c: c.measured_s)
-        got = timed + got[len(top_k):]  # the fitting candidates come first: the top k are got's first k
+        got = _measured(got, measure, memory_budget_bytes, lambda lays: measure_layouts(
+            model, optimizer, lambda laid: loss_fn if loss_fn is not None else default_loss(laid), params, batch,
+            devices, lays))
+        if not got[0].fits:
+            small = min((c for c in got if c.measured_peak is not None), key=lambda c: c.measured_peak)
+            raise ValueError(f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,} once compiled: "
+                             f"the smallest measured, {small.name}, needs {small.measured_peak:,} B per device "
+                             f"(predicted {int(small.memory['peak']):,}); use more devices, a larger budget, a "
+                             "smaller batch, or measure=0 to rank by the prediction alone.")
     return AutoLayout(tuple(got), tuple(rejected), cal, memory_budget_bytes, top)

@@ -8,8 +8,9 @@ left ``dp=8`` at 613-620). So ``auto_layout`` can time its top candidates as a u
 each is built through the contract (``apply_layout`` + ``init_train_state`` on zeros of the parameters +
 ``make_train_step``), compiled once, warmed up, then timed in ``rounds`` interleaved rounds of ``steps``
 steps on the example batch (a load spike on a shared host then falls on every candidate of its round);
-a candidate's time is the median of its rounds. The ``k`` candidates are held at once while they are
-timed, and let go after.
+a candidate's time is the median of its rounds, its peak memory per device its compiled step's
+``memory_analysis()`` (``argument + output + temp - alias``). The ``k`` candidates are held at once while
+they are timed, and let go after.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class _Timed:
             self.state, m = self.compiled(self.state, self.batch)
             jax.block_until_ready(m)
         self.seconds: list[float] = []
+        m = self.compiled.memory_analysis()
+        self.peak = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                        - m.alias_size_in_bytes)
 
     def round(self, steps: int) -> None:
         t0 = time.perf_counter()
@@ -61,8 +65,9 @@ class _Timed:
 
 
 def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
-                    layouts: Sequence[Layout], *, rounds: int = 3, steps: int = 2) -> list[float]:
-    """The measured seconds per step of each of ``layouts`` (see the module doc), in their order.
+                    layouts: Sequence[Layout], *, rounds: int = 5, steps: int = 2) -> list[tuple[float, int]]:
+    """``(seconds per step, peak bytes per device)`` of each of ``layouts``, measured (see the module doc), in
+    their order.
 
     ``loss_of(laid_model)``: the loss of a laid-out model; ``params`` and ``batch``: arrays or shape
     structs (the step runs on zeros of them)."""
@@ -75,4 +80,4 @@ def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
     for _ in range(rounds):
         for t in timed:
             t.round(steps)
-    return [statistics.median(t.seconds) for t in timed]
+    return [(statistics.median(t.seconds), t.peak) for t in timed]
