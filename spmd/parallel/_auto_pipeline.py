@@ -12,8 +12,8 @@ and asked for its own table (``step.communication``, equal to the compiled HLO);
   units' share of the parameters; the tensor-parallel units' work over ``tp``), ``t_B = 3 t_F`` (the
   backward recomputes the chunk's forward from the stashed input); plus the code before and after the units
   (embeddings, head, loss) once per micro-batch on the end ranks (4/3 of its step share: recomputed once),
-  the optimizer on the rank's shards, each collective kind's calibrated ``latency x count + bytes /
-  bandwidth`` and the dispatch.
+  the optimizer's update of the rank's shards (``optimizer_compute_s``), each collective kind's count
+  times its calibrated cost curve at their mean size, and the dispatch.
 - **memory**: the state (arguments and outputs), the batch slice, the gradient accumulators (the rank's
   parameters; under FSDP its stages full over ``fsdp``) and the gathered stages, the stash (the schedule's
   ``activation_slots + gradient_slots`` and the two scratch slots, ``spmd.parallel._pipeline_memory``), and

@@ -17,7 +17,8 @@ machine as JSON under ``$SPMD_CACHE_DIR`` (default ``~/.cache/spmd``; ``Calibrat
 reused unless ``refresh=True``.
 
 A measured calibration (``measured=True``) also tells ``auto_layout`` to time the user's own one-device
-step on every device at once (``spmd.parallel._memory.Profile.step_seconds``): the rates above are those
+gradient and each layout's optimizer update on every device at once (``spmd.parallel._memory.Profile
+.grad_seconds``, ``.optimizer_seconds``): the rates above are those
 of small kernels of one shape each, and a model's step mixes shapes whose efficiency they do not predict
 (on this 2-core host with 8 fake devices a 256^3 matmul ran at about 13-16 GFLOP/s per device, the d64
 transformer's ``[256,64]x[64,256]`` dots at about 6). A hand-built calibration (tests) predicts from its rates
