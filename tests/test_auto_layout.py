@@ -436,8 +436,9 @@ def test_a_measured_calibration_anchors_the_gradients_and_times_the_optimizer_on
     anchor_micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8, *x.shape[1:]), x.dtype), _abstract(batch))
     seen, shards = [], []
     monkeypatch.setattr(prof, "grad_seconds", lambda b, devices: seen.append(Profile._key(b)) or 0.05)
-    monkeypatch.setattr(prof, "optimizer_seconds", lambda s, devices: shards.append(
-        sum(math.prod(x.shape) for x in s)) or 0.01 * len(shards))
+    monkeypatch.setattr(prof, "optimizer_seconds", lambda s, devices: shards.append(  # the parameters' tree
+        jax.tree.structure(s) == jax.tree.structure(params) and sum(math.prod(x.shape) for x in jax.tree.leaves(s)))
+        or 0.01 * len(shards))
     factor = (0.05 - got.dispatch_s) / got.compute_s(*reference_cost(prof, anchor_micro))
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     for i, name in enumerate(("dp=8", "fsdp=8 regather", "dp=4,tp=2")):
@@ -457,8 +458,8 @@ def test_the_profile_times_the_gradient_and_the_optimizer_on_every_device_at_onc
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8, *x.shape[1:]), x.dtype), _abstract(batch))
     t = prof.grad_seconds(micro, jax.devices(), rounds=1)
     assert t > 0 and prof.grad_seconds(micro, jax.devices(), rounds=1) == t  # measured once
-    shards = [jax.ShapeDtypeStruct((x.shape[0] // 2, *x.shape[1:]) if x.shape and x.shape[0] % 2 == 0 else x.shape,
-                                   x.dtype) for x in jax.tree.leaves(params)]
+    shards = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // 2, *x.shape[1:]) if x.shape and x.shape[0] % 2
+                                                         == 0 else x.shape, x.dtype), params)  # the params' tree
     t = prof.optimizer_seconds(shards, jax.devices(), rounds=1)
     assert t > 0 and prof.optimizer_seconds(shards, jax.devices(), rounds=1) == t
 

@@ -162,11 +162,11 @@ class Profile:
             self._timed[k] = _on_every_device(jax.grad(self.loss), devices, (self.params, data), rounds)
         return self._timed[k]
 
-    def optimizer_seconds(self, shards: list, devices: list, *, rounds: int = 5) -> float:
-        """Seconds of the optimizer's update of parameters shaped ``shards`` (shape structs: a layout's
-        shards on one device), one device's, run on every device of ``devices`` at once (see the module doc);
-        measured once per shapes and device set."""
-        shards = [jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in shards]
+    def optimizer_seconds(self, shards: Any, devices: list, *, rounds: int = 5) -> float:
+        """Seconds of the optimizer's update of parameters shaped ``shards`` (a tree of shape structs like the
+        parameters': a layout's shards on one device), one device's, run on every device of ``devices`` at
+        once (see the module doc); measured once per shapes and device set."""
+        shards = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), shards)
         k = ("optimizer", self._key(shards), tuple(d.id for d in devices))
         if k not in self._timed:
             opt = self.optimizer
@@ -305,7 +305,8 @@ def optimizer_compute_s(profile: Profile, plan, cal, devices: list) -> float:
     (``Profile.optimizer_seconds``, less dispatch) under a measured calibration; else the whole update's
     flops and bytes by the shard's share, and its operations, at ``cal``'s rates."""
     if cal.measured and len(devices) > 1:
-        shards = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in plan.entries]
+        shards = jax.tree_util.tree_unflatten(plan.treedef, [jax.ShapeDtypeStruct(e.local_shape, e.dtype)
+                                                            for e in plan.entries])  # the optimizer sees the tree
         return max(profile.optimizer_seconds(shards, devices) - cal.dispatch_s, 0.0)
     of, ob, ops = profile._optimizer()
     share = plan.bytes_per_device / max(profile.param_bytes, 1)
