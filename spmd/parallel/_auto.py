@@ -53,6 +53,7 @@ from spmd.parallel._ranking import AutoLayout, Candidate
 from spmd.parallel._remat_profile import remat_profile
 from spmd.parallel._shard import entry_sharding
 from spmd.parallel._step import TrainState, _check_optimizer, init_train_state, make_train_step
+from spmd.parallel._tp_profile import tp_temp_bytes
 from spmd.parallel._transforms import as_parallel
 
 __all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default_loss", "abstract_state"]  # the
@@ -117,8 +118,13 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     local_bytes = _nbytes(batch) // n_data
     pm = as_parallel(laid, mesh, where)
     prof = remat_profile(profile, model, layout.units, layout.activation_checkpointing)
+    tp_temp = None
+    if layout.tp > 1:  # the cut program's work buffers, measured on its own group
+        replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // n_data, *x.shape[1:]), x.dtype), batch)
+        tp_temp = tp_temp_bytes(profile, model, devices, layout, replica,
+                                lambda m: loss_fn if loss_fn is not None else default_loss(m))
     mem = memory_breakdown(prof, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
-                           sequence_parallel=layout.sequence_parallel or layout.weight_stationary)
+                           sequence_parallel=layout.sequence_parallel or layout.weight_stationary, tp_temp=tp_temp)
     flops, nbytes, ops = compute_cost(prof, state.plan, pm, micro, accum_steps=layout.accum_steps)
     compute = cal.compute_s(flops, nbytes, ops) * _anchor(profile, batch, micro, devices, cal) + \
         optimizer_compute_s(profile, state.plan, cal, devices)

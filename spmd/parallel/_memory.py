@@ -9,11 +9,19 @@ state (``argument + output + temp``):
 - ``gathered``: the gathered parameters alive at once (``ParamPlan.peak_gathered_bytes``: the root unit and
   the largest other unit when re-gathering for the backward pass, every unit when kept or accumulating);
 - ``gathered_grads``: under FSDP, the unit gradients alive before their reduce-scatters (fitted: 0.4 x the
-  gathered bytes of every unit x (1 - 1/fsdp), on the project's Transformer);
-- ``work``: XLA's temp bytes of the user's whole step (gradient and optimizer update) on one device and one
-  micro-batch (activations, work buffers), times the square root of the activations' tensor-parallel share
-  (fitted: XLA's buffers of the cut and whole parts overlap), and, where units are re-gathered for their
-  backward pass (they run under ``jax.checkpoint`` saving matmul outputs), times the square root of the share of the
+  gathered bytes of every unit x (1 - 1/fsdp), on the project's Transformer; under accumulation too, where
+  the reduce-scatters follow the loop: the d256x4 Transformer's 8-device layouts held 0-0.9x those bytes
+  beside the carry);
+- ``accumulated_grads``: under gradient accumulation with FSDP, the loop's carry of the gradients FSDP
+  cuts, whole (every unit's gathered bytes), reduce-scattered once after the last micro-batch (a carry of
+  the stored shape, without FSDP or for a parameter FSDP leaves whole, XLA keeps in an output's buffer: on
+  this host the toy Transformer's ``dp=8 accum=2`` holds 12 KiB more than its ``dp=8`` for 103 KiB of
+  gradients);
+- ``work``: XLA's temp bytes of the user's whole step (gradient and optimizer update; under accumulation
+  the gradient alone, the loop's body) on one device and one micro-batch (activations, work buffers); under
+  tensor parallelism those of the layout's tensor-parallel part compiled on its own group
+  (``spmd.parallel._tp_profile``; without it, the one-device step's times the square root of the
+  activations' tensor-parallel share); and, where units are re-gathered for their backward pass (they run under ``jax.checkpoint`` saving matmul outputs), times the square root of the share of the
   residuals that policy keeps;
 - ``activations`` (reported, inside ``work``): the residuals the backward pass reads (the ``jax.vjp``
   closure of the user's loss on one micro-batch, one device, parameters taken out), the tensor-parallel
@@ -186,6 +194,16 @@ class Profile:
         """XLA's temp bytes of the whole step on ``batch``, one device: the activations and work buffers."""
         return self._step(batch)[2]
 
+    def grad_temp_bytes(self, batch: Any) -> int:
+        """XLA's temp bytes of the loss's gradient alone on ``batch``, one device (the body of an accumulating
+        step's loop over its micro-batches, the optimizer's update outside it)."""
+        k = ("grad", self._key(batch))
+        if k not in self._grad:
+            with jax.default_device(jax.devices()[0]):
+                comp = jax.jit(jax.grad(self.loss)).lower(self.params, batch).compile()
+            self._grad[k] = int(getattr(comp.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+        return self._grad[k]
+
     def optimizer_cost(self) -> tuple[float, float]:
         """(flops, bytes accessed) of one optimizer update on the whole (unsharded) parameters."""
         return self._optimizer()[:2]
@@ -252,8 +270,10 @@ def activation_bytes(residuals: list, plan, tp: str | None, n_tp: int, sequence_
 
 
 def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batch_bytes: int, *, accum_steps: int,
-                     sequence_parallel: bool) -> dict:
-    """Peak bytes per device by kind (see the module doc) and ``"peak"``, their sum."""
+                     sequence_parallel: bool, tp_temp: int | None = None) -> dict:
+    """Peak bytes per device by kind (see the module doc) and ``"peak"``, their sum. ``tp_temp``: the temp bytes
+    of the layout's tensor-parallel part measured on its group (``spmd.parallel._tp_profile``), the work's
+    base in place of the one-device step's scaled by the activations' share."""
     local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in plan.entries]
     params = plan.bytes_per_device
     opt = _nbytes(jax.eval_shape(profile.optimizer.init, local))
@@ -266,7 +286,11 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
     res = profile.residuals(micro_batch)
     full = _nbytes(res)
     split = activation_bytes(res, plan, tp, n_tp, sequence_parallel)
-    work = profile.temp_bytes(micro_batch) * math.sqrt(split / full if full else 1.0)
+    if tp_temp is not None:
+        work = float(tp_temp)
+    else:
+        temp = profile.temp_bytes(micro_batch) if accum_steps == 1 else profile.grad_temp_bytes(micro_batch)
+        work = temp * math.sqrt(split / full if full else 1.0)
     if regather and n_fsdp > 1 and accum_steps == 1 and getattr(profile, "policy", None) is None:
         # the units run under jax.checkpoint, matmul outputs saved (under a policy: measured in its profile)
         dots = _nbytes(profile.residuals(micro_batch, dots_only=True))
@@ -274,7 +298,8 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
     work = int(work)
     total_gathered = sum(plan.gathered_bytes(u) for u in plan.units) if fsdp and n_fsdp > 1 else 0
     out = {"state": 2 * (params + opt), "batch": local_batch_bytes, "work": work, "gathered": gathered,
-           "gathered_grads": int(0.4 * total_gathered * (1 - 1 / n_fsdp))}
+           "gathered_grads": int(0.4 * total_gathered * (1 - 1 / n_fsdp)),
+           "accumulated_grads": total_gathered if accum_steps > 1 else 0}
     out["peak"] = sum(out.values())
     out["params"], out["optimizer"], out["activations"] = params, opt, split
     return out

@@ -33,7 +33,11 @@ class RematProfile(Profile):
     def __init__(self, base: Profile, model: Any, units: tuple[str, ...], policy: str):
         self.__dict__.update(base.__dict__)  # the residuals and the optimizer's cost cached once, on base
         self._grad, self._timed = {}, {}
-        self.model, self.units, self.policy = model, units, policy
+        self.model, self.units, self.policy, self._base = model, units, policy, base
+
+    def grad_temp_bytes(self, batch: Any) -> int:
+        """The plain gradient's temp bytes, scaled as checkpointing scales the whole step's."""
+        return int(self._base.grad_temp_bytes(batch) * self.temp_bytes(batch) / max(self._base.temp_bytes(batch), 1))
 
     def _step(self, batch: Any) -> tuple[float, float, int, int]:
         k = self._key(batch)

@@ -285,7 +285,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             (loss, aux), g = jax.value_and_grad(loss_of, has_aux=True)(leaves)
         else:
             whole = Hooks(pm, plan, gather_units=False)
-            records = Hooks(pm, plan, gather_units=False)  # traces the first micro-batch alone
+            records = Hooks(pm, plan, gather_units=False)  # one micro-batch traced alone, for the carry's shapes
             n_local = jax.tree.leaves(batch)[0].shape[0]
             full, scatter = jax.vjp(lambda ls: gathered(hooks, ls, plan.units), leaves)
             micro = jax.tree.map(lambda x: x.reshape(accum_steps, n_local // accum_steps, *x.shape[1:]), batch)
@@ -294,9 +294,10 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             def one(carry, mb):
                 return jax.tree.map(jnp.add, carry, grad_fn(full, mb)), None
 
-            first = jax.value_and_grad(lambda ls, mb: run_loss(records, unflat(ls), mb), has_aux=True)(
-                full, jax.tree.map(lambda x: x[0], micro))
-            ((loss, aux), gf), _ = lax.scan(one, first, jax.tree.map(lambda x: x[1:], micro))
+            shapes = jax.eval_shape(jax.value_and_grad(lambda ls, mb: run_loss(records, unflat(ls), mb), has_aux=True),
+                                    full, jax.tree.map(lambda x: x[0], micro))
+            zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            ((loss, aux), gf), _ = lax.scan(one, zero, micro)
             loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
             (g,) = scatter([x / accum_steps for x in gf])
         g = reduce(hooks, g)
