@@ -15,14 +15,15 @@ state (``argument + output + temp``):
 - ``accumulated_grads``: under gradient accumulation with FSDP, the loop's carry of the gradients FSDP
   cuts, whole (every unit's gathered bytes), reduce-scattered once after the last micro-batch (a carry of
   the stored shape, without FSDP or for a parameter FSDP leaves whole, XLA keeps in an output's buffer: on
-  this host the toy Transformer's ``dp=8 accum=2`` holds 12 KiB more than its ``dp=8`` for 103 KiB of
+  this host the toy Transformer's ``dp=8 accum=2`` holds 0.5 KiB more than its ``dp=8`` for 103 KiB of
   gradients);
 - ``work``: XLA's temp bytes of the user's whole step (gradient and optimizer update; under accumulation
   the gradient alone, the loop's body) on one device and one micro-batch (activations, work buffers); under
   tensor parallelism those of the layout's tensor-parallel part compiled on its own group
   (``spmd.parallel._tp_profile``; without it, the one-device step's times the square root of the
-  activations' tensor-parallel share); and, where units are re-gathered for their backward pass (they run under ``jax.checkpoint`` saving matmul outputs), times the square root of the share of the
-  residuals that policy keeps;
+  activations' tensor-parallel share); and, where units are re-gathered for their backward pass (they
+  run under ``jax.checkpoint`` saving matmul outputs), times the square root of the share of the residuals
+  that policy keeps;
 - ``activations`` (reported, inside ``work``): the residuals the backward pass reads (the ``jax.vjp``
   closure of the user's loss on one micro-batch, one device, parameters taken out), the tensor-parallel
   part divided by ``tp``: a residual holding a dim a tensor-parallel cut splits (heads, the MLP's hidden
