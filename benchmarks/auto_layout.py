@@ -18,7 +18,9 @@ is measured beside it.
 Reported per config: predicted vs measured step time and peak memory per device (XLA's ``memory_analysis``:
 arguments + outputs + temp) for each measured candidate, the Spearman rank correlation of predicted and
 measured time, the pick's measured samples/s over the best measured candidate's (and the cost model's own
-pick's), and over GSPMD's.
+pick's), and over GSPMD's. How much of pick/best is noise (``pick_over_best_noise``): its bootstrap 90%
+interval over the rounds, and an oracle's split-half score (picked on the odd rounds, judged on the even):
+on this 2-core host one round of a step varies by 9-18%, and the best of 8 noisy medians is biased low.
 
 On a CPU host the 8 devices share the cores (and other processes share the host): the times are noisy;
 compare within one run.
@@ -65,6 +67,29 @@ def spearman(a, b) -> float:
     if len(a) < 2:
         return float("nan")
     return float(np.corrcoef(_ranks(np.asarray(a)), _ranks(np.asarray(b)))[0, 1])
+
+
+def pick_over_best_spread(rounds: dict, pick: str, n: int = 2000, seed: int = 0) -> dict:
+    """How far the measured pick/best is noise: ``rounds``: each measured candidate's round times.
+
+    ``ci90``: the 5th and 95th percentiles of best/pick over ``n`` bootstrap resamples of every candidate's
+    rounds (its median each time); ``p_within_5pct``: the share of resamples where the pick is within 5% of
+    the best; ``oracle_split_half``: the noise floor of the metric itself, the best/pick of an oracle that
+    picks on the odd rounds judged on the even ones, and the reverse (the lower of the two): a perfect
+    picker scores this against one more measurement on this host."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    names = list(rounds)
+    meds = np.stack([np.median(rng.choice(np.asarray(w), size=(n, len(w))), axis=1) for w in rounds.values()])
+    ratio = meds.min(0) / meds[names.index(pick)]
+    halves = []
+    for a, b in ((0, 1), (1, 0)):
+        first = [np.median(w[a::2]) for w in rounds.values()]
+        second = [np.median(w[b::2]) for w in rounds.values()]
+        halves.append(min(second) / second[int(np.argmin(first))])
+    return {"ci90": [float(np.quantile(ratio, 0.05)), float(np.quantile(ratio, 0.95))],
+            "p_within_5pct": float((ratio >= 0.95).mean()), "oracle_split_half": float(min(halves))}
 
 
 def _measured_peak(compiled) -> int:
@@ -139,7 +164,7 @@ def main(argv=None) -> int:
     from spmd.parallel._memory import Profile
 
     cal = calibrate(refresh=True)  # the host as loaded now (other processes share it)
-    rounds = 4 if a.quick else 5
+    rounds = 4 if a.quick else int(os.environ.get("AUTO_LAYOUT_ROUNDS", 12))  # a round varies by 9-18% here
     runs = RUNS[:1] if a.quick else RUNS
     if os.environ.get("AUTO_LAYOUT_RUNS"):  # e.g. "d256x4:32,d768x6:32:tight": a part of the grid
         runs = [(r.split(":") + ["unlimited"])[:3] for r in os.environ["AUTO_LAYOUT_RUNS"].split(",")]
@@ -205,6 +230,7 @@ def main(argv=None) -> int:
             rows.append({"layout": c.name, "rank": cands.index(c) + 1, "predicted_ms": 1e3 * c.predicted_s,
                          "autotuned_ms": None if c.measured_s is None else 1e3 * c.measured_s,
                          "measured_ms": ms, "measured_best_ms": 1e3 * min(p.wall),
+                         "rounds_ms": [1e3 * w for w in p.wall],
                          "predicted_compute_ms": 1e3 * c.compute_s,
                          "predicted_comm_ms": {k: 1e3 * v for k, v in c.comm_s.items()},
                          "bytes": c.communication["total"], "predicted_peak_mib": c.memory["peak"] / 2**20,
@@ -221,7 +247,9 @@ def main(argv=None) -> int:
             "n_candidates": len(cands), "rejected": ranked.rejected,
             "spearman": spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows]),
             "spearman_best_rounds": spearman([r["predicted_ms"] for r in rows], [r["measured_best_ms"] for r in rows]),
-            "pick_over_best": best_ms / pick_ms, "gspmd_ms": gspmd_ms, "pick_over_gspmd": gspmd_ms / pick_ms,
+            "pick_over_best": best_ms / pick_ms, "pick_over_best_noise": pick_over_best_spread(
+                {r["layout"]: r["rounds_ms"] for r in rows}, rows[0]["layout"]),
+            "gspmd_ms": gspmd_ms, "gspmd_rounds_ms": [1e3 * w for w in g.wall], "pick_over_gspmd": gspmd_ms / pick_ms,
             "gspmd_peak_mib": _measured_peak(g.compiled) / 2**20, "load_per_round": load,
             "time_error": statistics.median(abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows),
             "memory_error_max": max(abs(r["predicted_peak_mib"] / r["measured_peak_mib"] - 1) for r in rows)}
@@ -229,8 +257,10 @@ def main(argv=None) -> int:
             print(f"  #{r['rank']:2d} {r['layout']:28s} predicted {r['predicted_ms']:7.2f} ms measured "
                   f"{r['measured_ms']:7.2f} ms   peak predicted {r['predicted_peak_mib']:6.2f} measured "
                   f"{r['measured_peak_mib']:6.2f} MiB", flush=True)
+        noise = entry["pick_over_best_noise"]
         print(f"  gspmd fsdp=8 measured {gspmd_ms:7.2f} ms; spearman {entry['spearman']:.2f}, pick/best "
-              f"{entry['pick_over_best']:.2f}x (the model's own pick {model_pick.name}: "
+              f"{entry['pick_over_best']:.2f}x (90% CI {noise['ci90'][0]:.2f}-{noise['ci90'][1]:.2f}, an oracle's "
+              f"split-half {noise['oracle_split_half']:.2f}x) (the model's own pick {model_pick.name}: "
               f"{entry['model_pick_over_best']:.2f}x), pick/GSPMD {entry['pick_over_gspmd']:.2f}x", flush=True)
         del preps
         _save(results, a.quick)  # after each config: a part of the grid survives an interrupted run

@@ -620,6 +620,34 @@ def test_measure_times_the_top_candidates_and_ranks_them_by_their_measured_step(
     assert a.measured_peak == pytest.approx(a.memory["peak"], rel=0.15)  # the compiled step's memory_analysis
 
 
+def test_the_race_times_the_close_contenders_again_and_drops_clear_losers():
+    """After the first rounds, the candidates within RACE of the fastest median get more rounds (each round's
+    contenders chosen again), a clear loser none, until one is left or ``max_rounds``."""
+    from spmd.parallel import _auto_measure as am
+
+    class Fake:  # a candidate whose k-th round takes times[k] (the last repeated)
+        def __init__(self, times):
+            self.times, self.seconds = times, []
+
+        def round(self, steps):
+            self.seconds.append(self.times[min(len(self.seconds), len(self.times) - 1)])
+
+    lead, close, loser = Fake([1.0] * 3), Fake([1.05] * 3), Fake([2.0] * 3)
+    for t in (lead, close, loser):
+        for _ in range(3):
+            t.round(2)
+    am._race([lead, close, loser], 4, 2)
+    assert [len(t.seconds) for t in (lead, close, loser)] == [7, 7, 3]  # the tie runs to max_rounds, 3 + 4
+    # the runner-up falls out of reach once its later rounds are slow: the race stops
+    lead, close = Fake([1.0]), Fake([1.05, 1.05, 1.05, 1.5, 1.5, 1.5])
+    for t in (lead, close):
+        for _ in range(3):
+            t.round(2)
+    am._race([lead, close], 10, 2)
+    assert len(lead.seconds) == len(close.seconds) == 6  # after 6 rounds its median, 1.275, is over 1.1 x 1.0
+    assert am.RACE == 0.10
+
+
 def test_a_measured_peak_over_the_budget_does_not_fit_and_the_next_is_measured(data, monkeypatch):
     """Under ``measure=`` the compiled step's own peak decides the fit: one over the budget goes behind the
     fitting candidates, and the next predicted is compiled in its place; none fitting once compiled is a
