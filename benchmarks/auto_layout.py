@@ -30,6 +30,9 @@ compare within one run.
     AUTO_LAYOUT_RUNS=d256x4:32,d768x6:32:tight python benchmarks/auto_layout.py   # a part of the grid
     AUTO_LAYOUT_MEASURED=4 ...                 # fewer candidates held at once (d768x6 in 24 GiB)
     AUTO_LAYOUT_AUTOTUNE=0 ...                 # the cost model's pick, nothing timed before picking
+    AUTO_LAYOUT_OUT=part ...                   # write results/part.json (a part of the grid) instead
+    AUTO_LAYOUT_MERGE=auto_layout,part python benchmarks/auto_layout.py   # merge parts, the later's configs
+                                               # over the earlier's, into auto_layout.json and .png; nothing runs
 
 Writes benchmarks/results/auto_layout.json and .png (auto_layout_quick.* with --quick).
 """
@@ -143,7 +146,9 @@ def _plot(results: dict, path: str) -> None:
             ax.set_xlabel("predicted " + unit)
             ax.set_ylabel("measured " + unit)
             ax.grid(alpha=0.3)
-        axes[0][j].set_title(f"{name}: spearman {r['spearman']:.2f}, pick/best {r['pick_over_best']:.2f}x, "
+        noise = r.get("pick_over_best_noise")  # absent in runs of 5 rounds, before the rounds were kept
+        ci = f" (90% CI {noise['ci90'][0]:.2f}-{noise['ci90'][1]:.2f})" if noise else ""
+        axes[0][j].set_title(f"{name}: spearman {r['spearman']:.2f}, pick/best {r['pick_over_best']:.2f}x{ci},\n"
                              f"pick/GSPMD {r['pick_over_gspmd']:.2f}x", fontsize=8)
     fig.suptitle("auto_layout on 8 CPU devices: predicted vs measured")
     save_figure(fig, path)
@@ -163,6 +168,9 @@ def main(argv=None) -> int:
     from spmd.parallel import auto_layout, calibrate
     from spmd.parallel._memory import Profile
 
+    if os.environ.get("AUTO_LAYOUT_MERGE"):
+        _plot(merged := merge(os.environ["AUTO_LAYOUT_MERGE"].split(",")), _save(merged, False) + ".png")
+        return 0
     cal = calibrate(refresh=True)  # the host as loaded now (other processes share it)
     rounds = 4 if a.quick else int(os.environ.get("AUTO_LAYOUT_ROUNDS", 12))  # a round varies by 9-18% here
     runs = RUNS[:1] if a.quick else RUNS
@@ -236,36 +244,67 @@ def main(argv=None) -> int:
                          "bytes": c.communication["total"], "predicted_peak_mib": c.memory["peak"] / 2**20,
                          "measured_peak_mib": _measured_peak(p.compiled) / 2**20, "memory": c.memory})
         g = preps["gspmd fsdp=8"]
-        gspmd_ms = 1e3 * statistics.median(g.wall)
-        best_ms = min(r["measured_ms"] for r in rows)
-        pick_ms = rows[0]["measured_ms"]
-        model_ms = next(r["measured_ms"] for r in rows if r["layout"] == model_pick.name)
-        entry = results["runs"][name] = {
+        entry = results["runs"][name] = summarize({
             "size": size, "batch": batch, "budget_bytes": limit, "pick": ranked.best.name, "autotune": autotune,
-            "model_pick": model_pick.name, "model_pick_over_best": best_ms / model_ms,
-            "why": ranked.why(), "candidates": rows,
+            "model_pick": model_pick.name, "why": ranked.why(), "candidates": rows,
             "n_candidates": len(cands), "rejected": ranked.rejected,
-            "spearman": spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows]),
-            "spearman_best_rounds": spearman([r["predicted_ms"] for r in rows], [r["measured_best_ms"] for r in rows]),
-            "pick_over_best": best_ms / pick_ms, "pick_over_best_noise": pick_over_best_spread(
-                {r["layout"]: r["rounds_ms"] for r in rows}, rows[0]["layout"]),
-            "gspmd_ms": gspmd_ms, "gspmd_rounds_ms": [1e3 * w for w in g.wall], "pick_over_gspmd": gspmd_ms / pick_ms,
-            "gspmd_peak_mib": _measured_peak(g.compiled) / 2**20, "load_per_round": load,
-            "time_error": statistics.median(abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows),
-            "memory_error_max": max(abs(r["predicted_peak_mib"] / r["measured_peak_mib"] - 1) for r in rows)}
+            "gspmd_ms": 1e3 * statistics.median(g.wall), "gspmd_rounds_ms": [1e3 * w for w in g.wall],
+            "gspmd_peak_mib": _measured_peak(g.compiled) / 2**20, "load_per_round": load})
         for r in rows:
             print(f"  #{r['rank']:2d} {r['layout']:28s} predicted {r['predicted_ms']:7.2f} ms measured "
                   f"{r['measured_ms']:7.2f} ms   peak predicted {r['predicted_peak_mib']:6.2f} measured "
                   f"{r['measured_peak_mib']:6.2f} MiB", flush=True)
         noise = entry["pick_over_best_noise"]
-        print(f"  gspmd fsdp=8 measured {gspmd_ms:7.2f} ms; spearman {entry['spearman']:.2f}, pick/best "
+        print(f"  gspmd fsdp=8 measured {entry['gspmd_ms']:7.2f} ms; spearman {entry['spearman']:.2f}, pick/best "
               f"{entry['pick_over_best']:.2f}x (90% CI {noise['ci90'][0]:.2f}-{noise['ci90'][1]:.2f}, an oracle's "
-              f"split-half {noise['oracle_split_half']:.2f}x) (the model's own pick {model_pick.name}: "
-              f"{entry['model_pick_over_best']:.2f}x), pick/GSPMD {entry['pick_over_gspmd']:.2f}x", flush=True)
+              f"split-half {noise['oracle_split_half']:.2f}x; best {entry['best']}) (the model's own pick "
+              f"{model_pick.name}: {entry['model_pick_over_best']:.2f}x), pick/GSPMD {entry['pick_over_gspmd']:.2f}x"
+              f"{'' if entry['gspmd_fits'] else ' (GSPMD over the budget)'}", flush=True)
         del preps
         _save(results, a.quick)  # after each config: a part of the grid survives an interrupted run
     _plot(results, _save(results, a.quick) + ".png")
     return 0
+
+
+def summarize(run: dict) -> dict:
+    """``run`` with its measured summary: the pick's samples/s over the best measured candidate's that fits the
+    budget once compiled (``best``; a compiled peak over the budget does not fit, as in ``auto_layout``), over
+    the cost model's own pick's, and over GSPMD's (``gspmd_fits``: its compiled peak within the budget); how
+    much of pick/best is noise (where the rounds were kept); the rank correlation and the errors."""
+    import statistics
+
+    rows, budget = run["candidates"], run["budget_bytes"]
+    fits = [r for r in rows if budget is None or r["measured_peak_mib"] * 2**20 <= budget] or rows
+    best = min(fits, key=lambda r: r["measured_ms"])
+    pick = next(r for r in rows if r["layout"] == run["pick"])
+    model = next(r for r in rows if r["layout"] == run["model_pick"])
+    out = {**run, "best": best["layout"], "pick_over_best": best["measured_ms"] / pick["measured_ms"],
+           "model_pick_over_best": best["measured_ms"] / model["measured_ms"],
+           "pick_over_gspmd": run["gspmd_ms"] / pick["measured_ms"],
+           "gspmd_fits": budget is None or run["gspmd_peak_mib"] * 2**20 <= budget,
+           "spearman": spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows]),
+           "spearman_best_rounds": spearman([r["predicted_ms"] for r in rows],
+                                            [r["measured_best_ms"] for r in rows]),
+           "time_error": statistics.median(abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows),
+           "memory_error_max": max(abs(r["predicted_peak_mib"] / r["measured_peak_mib"] - 1) for r in rows)}
+    judged = {r["layout"]: r for r in [*fits, pick]}
+    if all("rounds_ms" in r for r in judged.values()):
+        out["pick_over_best_noise"] = pick_over_best_spread({k: r["rounds_ms"] for k, r in judged.items()}, run["pick"])
+    return out
+
+
+def merge(parts: list) -> dict:
+    """The runs of ``results/PART.json`` for each of ``parts``, a later part's config over an earlier's; each
+    run keeps what it was measured with (its part, calibration, rounds, jax) as ``"measured_with"``."""
+    runs: dict = {}
+    for part in parts:
+        with open(os.path.join(RESULTS, part + ".json")) as f:
+            res = json.load(f)
+        for name, run in res["runs"].items():
+            meta = {k: v for k, v in res.items() if k != "runs"}
+            runs[name] = summarize({**run, "measured_with": run.get("measured_with", {"part": part, **meta})})
+    order = [f"{s}, batch {b}" + ("" if g == "unlimited" else ", tight budget") for s, b, g in RUNS]
+    return {"runs": dict(sorted(runs.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))}
 
 
 def _save(results: dict, quick: bool) -> str:
