@@ -95,11 +95,6 @@ def pick_over_best_spread(rounds: dict, pick: str, n: int = 2000, seed: int = 0)
             "p_within_5pct": float((ratio >= 0.95).mean()), "oracle_split_half": float(min(halves))}
 
 
-def _measured_peak(compiled) -> int:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
-
-
 def prepare_layout(size: str, batch: int, layout):
     import jax
     from jax.sharding import NamedSharding
@@ -155,7 +150,8 @@ def _plot(results: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    a = benchmark_args(argv, __doc__, "smoke run: d256x4 at batch 32, 6 candidates, 4 rounds", "torch", lambda *x: None, ROOT)
+    a = benchmark_args(argv, __doc__, "smoke run: d256x4 at batch 32, 6 candidates, 4 rounds", "torch",
+                       lambda *x: None, ROOT)
     if a is None:
         return 0
     import statistics
@@ -166,6 +162,7 @@ def main(argv=None) -> int:
     from models import Transformer
     from models._plans import transformer_tp_plan
     from spmd.parallel import auto_layout, calibrate
+    from spmd.parallel._auto_measure import peak_bytes
     from spmd.parallel._memory import Profile
 
     if os.environ.get("AUTO_LAYOUT_MERGE"):
@@ -242,14 +239,14 @@ def main(argv=None) -> int:
                          "predicted_compute_ms": 1e3 * c.compute_s,
                          "predicted_comm_ms": {k: 1e3 * v for k, v in c.comm_s.items()},
                          "bytes": c.communication["total"], "predicted_peak_mib": c.memory["peak"] / 2**20,
-                         "measured_peak_mib": _measured_peak(p.compiled) / 2**20, "memory": c.memory})
+                         "measured_peak_mib": peak_bytes(p.compiled) / 2**20, "memory": c.memory})
         g = preps["gspmd fsdp=8"]
         entry = results["runs"][name] = summarize({
             "size": size, "batch": batch, "budget_bytes": limit, "pick": ranked.best.name, "autotune": autotune,
             "model_pick": model_pick.name, "why": ranked.why(), "candidates": rows,
             "n_candidates": len(cands), "rejected": ranked.rejected,
             "gspmd_ms": 1e3 * statistics.median(g.wall), "gspmd_rounds_ms": [1e3 * w for w in g.wall],
-            "gspmd_peak_mib": _measured_peak(g.compiled) / 2**20, "load_per_round": load})
+            "gspmd_peak_mib": peak_bytes(g.compiled) / 2**20, "load_per_round": load})
         for r in rows:
             print(f"  #{r['rank']:2d} {r['layout']:28s} predicted {r['predicted_ms']:7.2f} ms measured "
                   f"{r['measured_ms']:7.2f} ms   peak predicted {r['predicted_peak_mib']:6.2f} measured "
@@ -274,11 +271,13 @@ def summarize(run: dict) -> dict:
     import statistics
 
     rows, budget = run["candidates"], run["budget_bytes"]
-    fits = [r for r in rows if budget is None or r["measured_peak_mib"] * 2**20 <= budget] or rows
+    fitting = [r for r in rows if budget is None or r["measured_peak_mib"] * 2**20 <= budget]
+    fits = fitting or rows  # none fitting once compiled (auto_layout picks one that does): said by best_fits
     best = min(fits, key=lambda r: r["measured_ms"])
     pick = next(r for r in rows if r["layout"] == run["pick"])
     model = next(r for r in rows if r["layout"] == run["model_pick"])
-    out = {**run, "best": best["layout"], "pick_over_best": best["measured_ms"] / pick["measured_ms"],
+    out = {**run, "best": best["layout"], "best_fits": bool(fitting),
+           "pick_over_best": best["measured_ms"] / pick["measured_ms"],
            "model_pick_over_best": best["measured_ms"] / model["measured_ms"],
            "pick_over_gspmd": run["gspmd_ms"] / pick["measured_ms"],
            "gspmd_fits": budget is None or run["gspmd_peak_mib"] * 2**20 <= budget,

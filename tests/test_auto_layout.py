@@ -671,8 +671,71 @@ def test_a_measured_peak_over_the_budget_does_not_fit_and_the_next_is_measured(d
     assert got[2].measured_peak == 2000 and got[0].measured_s == 0.3
     monkeypatch.setattr(auto, "measure_layouts", lambda *a, **k: [(0.1, 2 * 10**9)] * len(a[-1]))
     with pytest.raises(ValueError, match=re.escape("auto_layout: no layout fits memory_budget_bytes=1,000,000,000 once "
-                                                   "compiled: the smallest measured, ")):
+                                                   "compiled: every layout predicted to fit was compiled and the "
+                                                   "smallest, ")):
         auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN, measure=2,
                     memory_budget_bytes=10**9)
     with pytest.raises(ValueError, match=re.escape("auto_layout: measure=-1 must be an int >= 0")):
         auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, measure=-1)
+
+
+def _compiled_peak(lay, batch, params) -> int:
+    """The peak per device of ``lay``'s step compiled on real arrays (``memory_analysis``), built by hand."""
+    laid, mesh = apply_layout(MODEL, 8, lay)
+    state = init_train_state(laid, OPT, params=params, mesh=mesh)
+    m = make_train_step(laid, default_loss(laid), OPT, accum_steps=lay.accum_steps,
+                        mesh=mesh).lower(state, batch).compile().memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fit(data, monkeypatch):
+    """With a memory budget and ``measure=0`` the pick's step is compiled on shape structs (nothing run) and
+    its ``memory_analysis`` peak is its ``measured_peak``, equal to the step compiled on real arrays; the
+    others stay uncompiled. A pick over the budget once compiled goes behind the fitting ones and the next
+    is compiled; none fitting once compiled is the clear error."""
+    import spmd.parallel._auto as auto
+
+    batch, params, prof = data
+    lays = [LAYOUTS["dp=8"], LAYOUTS["fsdp=8 regather"], LAYOUTS["dp=4,tp=2"]]
+    plain = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN)
+    assert all(c.measured_peak is None for c in plain.candidates) and "compiled MiB" not in plain.table()
+    budget = 10 * max(c.memory["peak"] for c in plain.candidates)
+    got = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN,
+                      memory_budget_bytes=budget)
+    assert [c.name for c in got.candidates] == [c.name for c in plain.candidates]
+    best = got.best
+    assert best.measured_peak == _compiled_peak(best.layout, batch, params) and best.measured_s is None
+    assert [c.measured_peak is None for c in got.candidates] == [False, True, True]
+    assert "compiled MiB" in got.table() and f"{best.measured_peak / 2**20:.2f}" in got.table()
+    assert got.to_json()["candidates"][0]["measured_peak_bytes"] == best.measured_peak
+
+    # the first predicted compiles over the budget: the second is compiled and picked (peaks stubbed)
+    order = [c.name for c in plain.candidates]
+    seen = []
+
+    def fake(model, optimizer, loss_of, params, batch, devices, layouts):
+        seen.append([lay.name for lay in layouts])
+        return [(None, budget + 1 if lay.name == order[0] else budget // 2) for lay in layouts]
+
+    monkeypatch.setattr(auto, "compiled_peaks", fake)
+    monkeypatch.setattr(auto, "measure_layouts", lambda *a, **k: pytest.fail("measure=0 times nothing"))
+    moved = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN,
+                        memory_budget_bytes=budget)
+    assert seen == [order[:1], order[1:2]]
+    assert [c.name for c in moved.candidates] == [order[1], order[2], order[0]]
+    assert [c.fits for c in moved.candidates] == [True, True, False]
+    assert moved.candidates[2].measured_peak == budget + 1
+    monkeypatch.setattr(auto, "compiled_peaks", lambda *a: [(None, budget + 1)] * len(a[-1]))
+    with pytest.raises(ValueError, match=re.escape(f"auto_layout: no layout fits memory_budget_bytes={budget:,} once "
+                                                   "compiled: every layout predicted to fit was compiled and the "
+                                                   "smallest, ")):
+        auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN,
+                    memory_budget_bytes=budget)
+
+
+def test_measure_layouts_takes_no_fewer_max_rounds_than_rounds(data):
+    from spmd.parallel._auto_measure import measure_layouts
+
+    batch, params, _ = data
+    with pytest.raises(ValueError, match=re.escape("measure_layouts: max_rounds=3 must be >= rounds=5")):
+        measure_layouts(MODEL, OPT, default_loss, params, batch, jax.devices()[:8], [LAYOUTS["dp=8"]], max_rounds=3)

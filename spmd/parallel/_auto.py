@@ -27,7 +27,12 @@ built through the contract (``apply_layout``) and traced on abstract inputs, not
 With ``measure=k`` the top ``k`` fitting candidates are then compiled and timed side by side
 (``spmd.parallel._auto_measure``) and ranked first by their measured time: what the model misses on a
 host (on CPU fake devices, fresh pages for buffers past the allocator's mmap threshold, threads sharing
-the cores) a compiled step shows. The answer (``AutoLayout``, ``Candidate``) is ``spmd.parallel._ranking``.
+the cores) a compiled step shows. Under a memory budget the pick is compiled (``measure=0``: compiled
+alone, nothing run) and its ``memory_analysis()`` judges the fit: the estimate is a sum by kind, and XLA's
+buffer assignment and scheduler hold 10-35% more than that sum for some layouts (FSDP re-gathering for the
+backward pass, interleaved pipelines: ``benchmarks/auto_layout.py``); a pick that does not fit once
+compiled goes behind the fitting ones and the next is compiled. The answer (``AutoLayout``, ``Candidate``)
+is ``spmd.parallel._ranking``.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import numpy as np
 import optax
 
 from spmd.parallel._auto_layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
-from spmd.parallel._auto_measure import measure_layouts
+from spmd.parallel._auto_measure import compiled_peaks, measure_layouts
 from spmd.parallel._auto_pipeline import pipeline_cost, pipeline_layouts
 from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._comm import KINDS
@@ -232,9 +237,10 @@ def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]
 
 
 def _measured(got: list[Candidate], k: int, budget: int | None, measure: Callable) -> list[Candidate]:
-    """``got`` (ranked, the fitting first) with its top ``k`` fitting candidates measured and first, fastest
-    measured first (``measure(layouts) -> [(seconds, peak bytes)]``). A measured peak over ``budget`` does not
-    fit: it goes behind the fitting ones and as many more are measured, until ``k`` fit or none is left."""
+    """``got`` (ranked, the fitting first) with its top ``k`` fitting candidates measured and first
+    (``measure(layouts) -> [(seconds or None, peak bytes)]``), the fastest measured first (none timed: in
+    ``got``'s order). A measured peak over ``budget`` does not fit: it goes behind the fitting ones and as many
+    more are measured, until ``k`` fit or none is left."""
     timed, rest = [], list(got)
     while sum(c.fits for c in timed) < k and rest and rest[0].fits:
         need = k - sum(c.fits for c in timed)
@@ -242,7 +248,7 @@ def _measured(got: list[Candidate], k: int, budget: int | None, measure: Callabl
         batch, rest = fit[:need], fit[need:] + [c for c in rest if not c.fits]
         for c, (t, peak) in zip(batch, measure([c.layout for c in batch])):
             timed.append(replace(c, measured_s=t, measured_peak=peak, fits=budget is None or peak <= budget))
-    timed.sort(key=lambda c: (not c.fits, c.measured_s))
+    timed.sort(key=lambda c: (not c.fits, c.predicted_s if c.measured_s is None else c.measured_s))
     return [c for c in timed if c.fits] + [c for c in rest if c.fits] + [c for c in timed if not c.fits] + [
         c for c in rest if not c.fits]
 
@@ -280,7 +286,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     single-device programs are compiled once per micro-batch size); ``accum_steps``: the least gradient
     accumulation of every candidate (the user's own; more where the memory budget needs it); ``measure``:
     compile and time the top ``measure`` fitting candidates side by side and rank those first by their
-    measured time (``spmd.parallel._auto_measure``; one process only).
+    measured time (``spmd.parallel._auto_measure``; one process only). Under ``memory_budget_bytes`` the
+    candidates compiled (with ``measure=0``: the pick alone, compiled and not run) fit by their compiled peak.
     """
     where = "auto_layout"
     _check_optimizer(optimizer, where)
@@ -332,14 +339,15 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             f"{small.memory['activations']:,}), with the gradient accumulation the micro-batches allow"
             + (f" and activation checkpointing ({' and '.join(repr(p) for p in CHECKPOINTING)}) weighed" if units
                else "") + "; use more devices, a larger budget, a smaller batch or fully_shard units (fsdp).")
-    if measure:
-        got = _measured(got, measure, memory_budget_bytes, lambda lays: measure_layouts(
+    if measure or memory_budget_bytes is not None:  # with a budget, the pick is compiled: it fits, or the next
+        what = (measure_layouts if measure else compiled_peaks)
+        got = _measured(got, measure or 1, memory_budget_bytes, lambda lays: what(
             model, optimizer, lambda laid: loss_fn if loss_fn is not None else default_loss(laid), params, batch,
             devices, lays))
         if not got[0].fits:
             small = min((c for c in got if c.measured_peak is not None), key=lambda c: c.measured_peak)
             raise ValueError(f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,} once compiled: "
-                             f"the smallest measured, {small.name}, needs {small.measured_peak:,} B per device "
-                             f"(predicted {int(small.memory['peak']):,}); use more devices, a larger budget, a "
-                             "smaller batch, or measure=0 to rank by the prediction alone.")
+                             f"every layout predicted to fit was compiled and the smallest, {small.name}, needs "
+                             f"{small.measured_peak:,} B per device (predicted {int(small.memory['peak']):,}); use "
+                             "more devices, a larger budget or a smaller batch.")
     return AutoLayout(tuple(got), tuple(rejected), cal, memory_budget_bytes, top)

@@ -14,7 +14,8 @@ varies by 9-18% (a d256x4 Transformer's, 12 rounds of 2 steps), so the median of
 best first, and two close contenders need more rounds to be told apart, a clear loser none. A
 candidate's time is the median of its rounds, its peak memory per device its compiled step's
 ``memory_analysis()`` (``argument + output + temp - alias``). The ``k`` candidates are held at once while
-they are timed, and let go after.
+they are timed, and let go after. ``compiled_peaks``: the same steps compiled on shape structs and not run,
+their peak alone (``auto_layout`` under a memory budget with ``measure=0``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from spmd.parallel._auto_layout import Layout, apply_layout
 from spmd.parallel._step import init_train_state, make_train_step
 
-__all__ = ["measure_layouts"]
+__all__ = ["measure_layouts", "compiled_peaks", "peak_bytes"]
 
 RACE = 0.10  # a candidate within this share of the fastest's median is timed again (see the module doc)
 
@@ -41,14 +42,7 @@ class _Timed:
 
     def __init__(self, model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
                  layout: Layout):
-        laid, mesh = apply_layout(model, devices, layout)
-        loss_fn = loss_of(laid)
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params)
-        state = init_train_state(laid, optimizer, params=zeros, mesh=mesh)
-        step = make_train_step(laid, loss_fn, optimizer, accum_steps=layout.accum_steps, mesh=mesh)
-        data = tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp"))
-        self.batch = jax.device_put(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), batch),
-                                    NamedSharding(mesh.jax_mesh, P(data)))
+        step, state, self.batch = _built(model, optimizer, loss_of, params, batch, devices, layout)
         before = [x.sharding for x in jax.tree.leaves(state)]
         self.compiled = step.lower(state, self.batch).compile()
         self.state, m = self.compiled(state, self.batch)  # warm up
@@ -58,9 +52,7 @@ class _Timed:
             self.state, m = self.compiled(self.state, self.batch)
             jax.block_until_ready(m)
         self.seconds: list[float] = []
-        m = self.compiled.memory_analysis()
-        self.peak = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                        - m.alias_size_in_bytes)
+        self.peak = peak_bytes(self.compiled)
 
     def round(self, steps: int) -> None:
         t0 = time.perf_counter()
@@ -79,6 +71,9 @@ def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
     ``loss_of(laid_model)``: the loss of a laid-out model; ``params`` and ``batch``: arrays or shape
     structs (the step runs on zeros of them)."""
     where = "auto_layout"
+    if max_rounds < rounds:
+        raise ValueError(f"measure_layouts: max_rounds={max_rounds} must be >= rounds={rounds} (the race's rounds "
+                         "come after the first rounds); give max_rounds=rounds for no race.")
     if jax.process_count() > 1:
         raise ValueError(f"{where}: measure= times candidates on this process's view of the devices, but "
                          f"{jax.process_count()} processes run; measure on one process (every process would have "
@@ -101,3 +96,35 @@ def _race(timed: list, more: int, steps: int) -> None:
             return
         for t in contenders:
             t.round(steps)
+
+
+def peak_bytes(compiled: Any) -> int:
+    """Peak bytes per device of a compiled step: ``argument + output + temp - alias`` of its ``memory_analysis()``."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list, layout: Layout,
+           *, abstract: bool = False) -> tuple:
+    """``(step, state, batch)`` of ``layout`` through the contract: its state and batch zeros laid out as the step
+    takes them, or (``abstract``) their shape structs so laid out, nothing allocated."""
+    laid, mesh = apply_layout(model, devices, layout)
+    step = make_train_step(laid, loss_of(laid), optimizer, accum_steps=layout.accum_steps, mesh=mesh)
+    data = NamedSharding(mesh.jax_mesh, P(tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp"))))
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+    if abstract:
+        state = jax.eval_shape(lambda: init_train_state(laid, optimizer, params=structs[0], mesh=mesh))
+        return step, state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data), structs[1])
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), structs)
+    return step, init_train_state(laid, optimizer, params=zeros[0], mesh=mesh), jax.device_put(zeros[1], data)
+
+
+def compiled_peaks(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
+                   layouts: Sequence[Layout]) -> list[tuple[None, int]]:
+    """``(None, peak bytes per device)`` of each of ``layouts``: its step compiled on shape structs (nothing
+    allocated, nothing run), as ``measure_layouts`` gives it without the time."""
+    out = []
+    for lay in layouts:
+        step, state, b = _built(model, optimizer, loss_of, params, batch, devices, lay, abstract=True)
+        out.append((None, peak_bytes(step.lower(state, b).compile())))
+    return out

@@ -16,8 +16,9 @@ __all__ = ["Candidate", "AutoLayout"]
 @dataclass(frozen=True)
 class Candidate:
     """One layout's predicted cost: ``predicted_s`` = ``compute_s`` + ``sum(comm_s.values())`` + ``dispatch_s``;
-    ``measured_s``, ``measured_peak``: its step's measured seconds and peak bytes per device where
-    ``auto_layout(measure=)`` compiled and timed it (``fits`` then says whether the measured peak fits)."""
+    ``measured_s``: its step's measured seconds where ``auto_layout(measure=)`` timed it; ``measured_peak``:
+    its compiled step's peak bytes per device where ``auto_layout`` compiled it (``measure=``, or the pick under
+    a memory budget; ``fits`` then says whether that peak fits)."""
 
     layout: Layout
     predicted_s: float
@@ -29,7 +30,7 @@ class Candidate:
     flops: float
     fits: bool = True
     measured_s: float | None = None  # auto_layout(measure=): its compiled step timed (_auto_measure)
-    measured_peak: int | None = None  # and its compiled step's peak bytes per device
+    measured_peak: int | None = None  # its compiled step's peak bytes per device (memory_analysis)
 
     @property
     def name(self) -> str:
@@ -82,8 +83,10 @@ class AutoLayout:
     def table(self, top: int | None = None) -> str:
         top = self.top if top is None else top
         timed = any(c.measured_s is not None for c in self.candidates)
+        compiled = any(c.measured_peak is not None for c in self.candidates)
         head = ("#", "layout", *(("meas ms",) if timed else ()), "pred ms", "compute", "comm", "all-gather MiB",
-                "reduce-scatter MiB", "all-reduce MiB", "permute MiB", "peak MiB", "fits")
+                "reduce-scatter MiB", "all-reduce MiB", "permute MiB", "peak MiB",
+                *(("compiled MiB",) if compiled else ()), "fits")
         rows = []
         for i, c in enumerate(self.candidates[:top]):
             t = c.communication["total"]
@@ -91,7 +94,8 @@ class AutoLayout:
             rows.append((str(i + 1), c.name, *meas, f"{1e3 * c.predicted_s:.2f}", f"{1e3 * c.compute_s:.2f}",
                          f"{1e3 * sum(c.comm_s.values()):.2f}", *(_mib(t[k]["bytes"]) for k in KINDS),
                          _mib(t.get(PERMUTE, {"bytes": 0})["bytes"]),
-                         _mib(c.memory["peak"]), "yes" if c.fits else "no"))
+                         _mib(c.memory["peak"]), *((("-" if c.measured_peak is None else _mib(c.measured_peak)),)
+                                                   if compiled else ()), "yes" if c.fits else "no"))
         w = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
         fmt = lambda r: "  ".join(x.rjust(n) if j not in (1,) else x.ljust(n) for j, (x, n) in enumerate(zip(r, w)))  # noqa
         lines = [f"auto_layout: {len(self.candidates)} candidates ranked by predicted step time"
