@@ -155,26 +155,15 @@ class _Prepared:
     """A compiled step with its state and batches, timed in rounds interleaved with the other layouts."""
 
     def __init__(self, step, state, batches, batch: int):
-        import jax
+        from spmd.parallel._auto_measure import compiled_warm
 
         self.batch = batch
         t0 = time.perf_counter()
-        self.compiled = step.lower(state, batches[0]).compile()
+        compiled = step.lower(state, batches[0]).compile()
         self.compile_s = time.perf_counter() - t0
-        self.state, self.batches = state, batches
-        self.wall: list[float] = []
-        self.cpu: list[float] = []
-        before = [x.sharding for x in jax.tree.leaves(state)]
-        self.state, m = self.compiled(self.state, batches[0])  # warm up
-        jax.block_until_ready(m)
-        # A step whose output state is laid out otherwise than its input (seen: spmd.parallel's step on tp meshes,
-        # an optimizer moment of a tp-replicated parameter coming out cut on tp) is compiled again for the state
-        # it returns, once, so that the timed rounds call one executable.
-        self.state_layout_changed = [x.sharding for x in jax.tree.leaves(self.state)] != before
-        if self.state_layout_changed:
-            self.compiled = step.lower(self.state, batches[0]).compile()
-            self.state, m = self.compiled(self.state, batches[0])
-            jax.block_until_ready(m)
+        self.batches, self.wall, self.cpu = batches, [], []
+        # warmed up; compiled again for the state a step returns where that is laid out otherwise
+        self.compiled, self.state, self.state_layout_changed = compiled_warm(step, state, batches[0], compiled)
 
     def round(self, steps: int) -> None:
         import jax

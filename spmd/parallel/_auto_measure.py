@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from spmd.parallel._auto_layout import Layout, apply_layout
 from spmd.parallel._step import init_train_state, make_train_step
 
-__all__ = ["measure_layouts", "compiled_peaks", "peak_bytes"]
+__all__ = ["measure_layouts", "compiled_peaks", "compiled_warm", "peak_bytes"]
 
 RACE = 0.10  # a candidate within this share of the fastest's median is timed again (see the module doc)
 
@@ -43,14 +43,7 @@ class _Timed:
     def __init__(self, model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
                  layout: Layout):
         step, state, self.batch = _built(model, optimizer, loss_of, params, batch, devices, layout)
-        before = [x.sharding for x in jax.tree.leaves(state)]
-        self.compiled = step.lower(state, self.batch).compile()
-        self.state, m = self.compiled(state, self.batch)  # warm up
-        jax.block_until_ready(m)
-        if [x.sharding for x in jax.tree.leaves(self.state)] != before:  # the step returns its state laid out
-            self.compiled = step.lower(self.state, self.batch).compile()  # otherwise: compiled for that, once
-            self.state, m = self.compiled(self.state, self.batch)
-            jax.block_until_ready(m)
+        self.compiled, self.state, _ = compiled_warm(step, state, self.batch)
         self.seconds: list[float] = []
         self.peak = peak_bytes(self.compiled)
 
@@ -96,6 +89,23 @@ def _race(timed: list, more: int, steps: int) -> None:
             return
         for t in contenders:
             t.round(steps)
+
+
+def compiled_warm(step: Any, state: Any, batch: Any, compiled: Any = None) -> tuple:
+    """``(compiled, state after one step, relaid)``: ``step`` (a jitted train step) compiled for ``state`` and
+    ``batch`` (or ``compiled``, that compile given) and run once (the warm-up). A step that returns its state laid out otherwise than it took it
+    (seen: a tensor-parallel mesh's optimizer moment of a tp-replicated parameter coming out cut on tp) is
+    compiled again for the state it returns, once (``relaid``), so that every timed call runs one program."""
+    before = [x.sharding for x in jax.tree.leaves(state)]
+    compiled = step.lower(state, batch).compile() if compiled is None else compiled
+    state, m = compiled(state, batch)
+    jax.block_until_ready(m)
+    relaid = [x.sharding for x in jax.tree.leaves(state)] != before
+    if relaid:
+        compiled = step.lower(state, batch).compile()
+        state, m = compiled(state, batch)
+        jax.block_until_ready(m)
+    return compiled, state, relaid
 
 
 def peak_bytes(compiled: Any) -> int:
