@@ -708,13 +708,19 @@ def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fi
     assert [c.measured_peak is None for c in got.candidates] == [False, True, True]
     assert "compiled MiB" in got.table() and f"{best.measured_peak / 2**20:.2f}" in got.table()
     assert got.to_json()["candidates"][0]["measured_peak_bytes"] == best.measured_peak
+    # measure=2 under the budget: the steps compile_peaks compiled are the ones timed (real runs)
+    real = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN,
+                       memory_budget_bytes=budget, measure=2)
+    for c in real.candidates[:2]:
+        assert 0 < c.measured_s < 10 and c.measured_peak == _compiled_peak(c.layout, batch, params), c.name
 
     # the first predicted compiles over the budget: the second is compiled and picked (peaks stubbed)
     order = [c.name for c in plain.candidates]
     seen = []
 
-    def fake(model, optimizer, loss_of, params, batch, devices, layouts):
+    def fake(model, optimizer, loss_of, params, batch, devices, layouts, compiled):
         seen.append([lay.name for lay in layouts])
+        compiled.update({lay: f"compiled {lay.name}" for lay in layouts})
         return [(None, budget + 1 if lay.name == order[0] else budget // 2) for lay in layouts]
 
     monkeypatch.setattr(auto, "compiled_peaks", fake)
@@ -725,7 +731,22 @@ def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fi
     assert [c.name for c in moved.candidates] == [order[1], order[2], order[0]]
     assert [c.fits for c in moved.candidates] == [True, True, False]
     assert moved.candidates[2].measured_peak == budget + 1
-    monkeypatch.setattr(auto, "compiled_peaks", lambda *a: [(None, budget + 1)] * len(a[-1]))
+
+    # measure=2 under the budget: compiled until 2 fit, then those 2 timed together on their compiled steps
+    timed = []
+
+    def fake_measure(*a, compiled):
+        timed.append(([lay.name for lay in a[-1]], [compiled[lay] for lay in a[-1]]))
+        return [(0.1, budget // 2)] * len(a[-1])
+
+    seen.clear()
+    monkeypatch.setattr(auto, "measure_layouts", fake_measure)
+    both = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN,
+                       memory_budget_bytes=budget, measure=2)
+    assert seen == [order[:2], order[2:3]]
+    assert timed == [(order[1:3], [f"compiled {n}" for n in order[1:3]])]  # one interleaved set, not recompiled
+    assert [c.name for c in both.candidates] == [order[1], order[2], order[0]]
+    monkeypatch.setattr(auto, "compiled_peaks", lambda *a, **k: [(None, budget + 1)] * len(a[-1]))
     with pytest.raises(ValueError, match=re.escape(f"auto_layout: no layout fits memory_budget_bytes={budget:,} once "
                                                    "compiled: every layout predicted to fit was compiled and the "
                                                    "smallest, ")):

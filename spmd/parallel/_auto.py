@@ -27,12 +27,12 @@ built through the contract (``apply_layout``) and traced on abstract inputs, not
 With ``measure=k`` the top ``k`` fitting candidates are then compiled and timed side by side
 (``spmd.parallel._auto_measure``) and ranked first by their measured time: what the model misses on a
 host (on CPU fake devices, fresh pages for buffers past the allocator's mmap threshold, threads sharing
-the cores) a compiled step shows. Under a memory budget the pick is compiled (``measure=0``: compiled
-alone, nothing run) and its ``memory_analysis()`` judges the fit: the estimate is a sum by kind, and XLA's
-buffer assignment and scheduler hold 10-35% more than that sum for some layouts (FSDP re-gathering for the
-backward pass, interleaved pipelines: ``benchmarks/auto_layout.py``); a pick that does not fit once
-compiled goes behind the fitting ones and the next is compiled. The answer (``AutoLayout``, ``Candidate``)
-is ``spmd.parallel._ranking``.
+the cores) a compiled step shows. Under a memory budget the top ``max(measure, 1)`` are compiled first,
+nothing run, and their ``memory_analysis()`` judges the fit (only fitting ones are then timed, together):
+the estimate is a sum by kind, and XLA's buffer assignment and scheduler hold 10-35% more than that sum
+for some layouts (FSDP re-gathering for the backward pass, interleaved pipelines:
+``benchmarks/auto_layout.py``); one that does not fit once compiled goes behind the fitting ones and the
+next is compiled. The answer (``AutoLayout``, ``Candidate``) is ``spmd.parallel._ranking``.
 """
 
 from __future__ import annotations
@@ -287,7 +287,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     accumulation of every candidate (the user's own; more where the memory budget needs it); ``measure``:
     compile and time the top ``measure`` fitting candidates side by side and rank those first by their
     measured time (``spmd.parallel._auto_measure``; one process only). Under ``memory_budget_bytes`` the
-    candidates compiled (with ``measure=0``: the pick alone, compiled and not run) fit by their compiled peak.
+    top ``max(measure, 1)`` are first compiled (not run) in ranked order until that many fit by their
+    compiled peak, and only those are timed, on the steps so compiled.
     """
     where = "auto_layout"
     _check_optimizer(optimizer, where)
@@ -339,15 +340,19 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             f"{small.memory['activations']:,}), with the gradient accumulation the micro-batches allow"
             + (f" and activation checkpointing ({' and '.join(repr(p) for p in CHECKPOINTING)}) weighed" if units
                else "") + "; use more devices, a larger budget, a smaller batch or fully_shard units (fsdp).")
-    if measure or memory_budget_bytes is not None:  # with a budget, the pick is compiled: it fits, or the next
-        what = (measure_layouts if measure else compiled_peaks)
-        got = _measured(got, measure or 1, memory_budget_bytes, lambda lays: what(
-            model, optimizer, lambda laid: loss_fn if loss_fn is not None else default_loss(laid), params, batch,
-            devices, lays))
-        if not got[0].fits:
-            small = min((c for c in got if c.measured_peak is not None), key=lambda c: c.measured_peak)
-            raise ValueError(f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,} once compiled: "
-                             f"every layout predicted to fit was compiled and the smallest, {small.name}, needs "
-                             f"{small.measured_peak:,} B per device (predicted {int(small.memory['peak']):,}); use "
-                             "more devices, a larger budget or a smaller batch.")
+    loss_of = (lambda laid: loss_fn if loss_fn is not None else default_loss(laid))  # noqa: E731
+    compiled: dict = {}
+    if memory_budget_bytes is not None:  # compiled until the top max(measure, 1) fit by XLA's peak
+        got = _measured(got, max(measure, 1), memory_budget_bytes, lambda lays: compiled_peaks(
+            model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled))
+    if measure:  # those timed side by side (all fitting: one interleaved set), not compiled again
+        got = _measured(got, measure, memory_budget_bytes, lambda lays: measure_layouts(
+            model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled))
+    compiled.clear()
+    if memory_budget_bytes is not None and not got[0].fits:
+        small = min((c for c in got if c.measured_peak is not None), key=lambda c: c.measured_peak)
+        raise ValueError(f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,} once compiled: "
+                         f"every layout predicted to fit was compiled and the smallest, {small.name}, needs "
+                         f"{small.measured_peak:,} B per device (predicted {int(small.memory['peak']):,}); use "
+                         "more devices, a larger budget or a smaller batch.")
     return AutoLayout(tuple(got), tuple(rejected), cal, memory_budget_bytes, top)

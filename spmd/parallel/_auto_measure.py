@@ -41,9 +41,9 @@ class _Timed:
     """One candidate's compiled step, its state and batch, timed in rounds."""
 
     def __init__(self, model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
-                 layout: Layout):
+                 layout: Layout, compiled: Any = None):
         step, state, self.batch = _built(model, optimizer, loss_of, params, batch, devices, layout)
-        self.compiled, self.state, _ = compiled_warm(step, state, self.batch)
+        self.compiled, self.state, _ = compiled_warm(step, state, self.batch, compiled)
         self.seconds: list[float] = []
         self.peak = peak_bytes(self.compiled)
 
@@ -56,13 +56,14 @@ class _Timed:
 
 
 def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
-                    layouts: Sequence[Layout], *, rounds: int = 5, steps: int = 2,
-                    max_rounds: int = 15) -> list[tuple[float, int]]:
+                    layouts: Sequence[Layout], *, rounds: int = 5, steps: int = 2, max_rounds: int = 15,
+                    compiled: dict | None = None) -> list[tuple[float, int]]:
     """``(seconds per step, peak bytes per device)`` of each of ``layouts``, measured (see the module doc), in
     their order.
 
     ``loss_of(laid_model)``: the loss of a laid-out model; ``params`` and ``batch``: arrays or shape
-    structs (the step runs on zeros of them)."""
+    structs (the step runs on zeros of them); ``compiled``: the steps ``compiled_peaks`` compiled, by layout
+    (not compiled again)."""
     where = "auto_layout"
     if max_rounds < rounds:
         raise ValueError(f"measure_layouts: max_rounds={max_rounds} must be >= rounds={rounds} (the race's rounds "
@@ -71,7 +72,8 @@ def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
         raise ValueError(f"{where}: measure= times candidates on this process's view of the devices, but "
                          f"{jax.process_count()} processes run; measure on one process (every process would have "
                          "to time the same candidates in the same order), or give measure=0.")
-    timed = [_Timed(model, optimizer, loss_of, params, batch, devices, lay) for lay in layouts]
+    compiled = compiled or {}
+    timed = [_Timed(model, optimizer, loss_of, params, batch, devices, lay, compiled.get(lay)) for lay in layouts]
     for _ in range(rounds):
         for t in timed:
             t.round(steps)
@@ -93,9 +95,10 @@ def _race(timed: list, more: int, steps: int) -> None:
 
 def compiled_warm(step: Any, state: Any, batch: Any, compiled: Any = None) -> tuple:
     """``(compiled, state after one step, relaid)``: ``step`` (a jitted train step) compiled for ``state`` and
-    ``batch`` (or ``compiled``, that compile given) and run once (the warm-up). A step that returns its state laid out otherwise than it took it
-    (seen: a tensor-parallel mesh's optimizer moment of a tp-replicated parameter coming out cut on tp) is
-    compiled again for the state it returns, once (``relaid``), so that every timed call runs one program."""
+    ``batch`` (or ``compiled``, that compile given) and run once (the warm-up). A step that returns its state
+    laid out otherwise than it took it (seen: a tensor-parallel mesh's optimizer moment of a tp-replicated
+    parameter coming out cut on tp) is compiled again for the state it returns, once (``relaid``), so that
+    every timed call runs one program."""
     before = [x.sharding for x in jax.tree.leaves(state)]
     compiled = step.lower(state, batch).compile() if compiled is None else compiled
     state, m = compiled(state, batch)
@@ -130,11 +133,15 @@ def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: An
 
 
 def compiled_peaks(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
-                   layouts: Sequence[Layout]) -> list[tuple[None, int]]:
+                   layouts: Sequence[Layout], *, compiled: dict | None = None) -> list[tuple[None, int]]:
     """``(None, peak bytes per device)`` of each of ``layouts``: its step compiled on shape structs (nothing
-    allocated, nothing run), as ``measure_layouts`` gives it without the time."""
+    allocated, nothing run), as ``measure_layouts`` gives it without the time; each compiled step kept in
+    ``compiled`` by layout, for ``measure_layouts`` to time."""
     out = []
     for lay in layouts:
         step, state, b = _built(model, optimizer, loss_of, params, batch, devices, lay, abstract=True)
-        out.append((None, peak_bytes(step.lower(state, b).compile())))
+        exe = step.lower(state, b).compile()
+        if compiled is not None:
+            compiled[lay] = exe
+        out.append((None, peak_bytes(exe)))
     return out
