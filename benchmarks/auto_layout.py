@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     autotune = int(os.environ.get("AUTO_LAYOUT_AUTOTUNE", 2 if a.quick else 4))
     # the host's load (1-minute average) as the run goes: other processes share these cores
     results = {"jax": jax.__version__, "calibration": cal.to_json(), "rounds": rounds, "runs": {},
-               "cores": os.cpu_count(), "load_at_start": os.getloadavg()[0]}
+               "cores": os.cpu_count(), "load_at_start": os.getloadavg()[0], "commit": _commit()}
     unlimited_peak: dict = {}
     profiles: dict = {}
     for size, batch, budget in runs:
@@ -294,7 +294,7 @@ def summarize(run: dict) -> dict:
 
 def merge(parts: list) -> dict:
     """The runs of ``results/PART.json`` for each of ``parts``, a later part's config over an earlier's; each
-    run keeps what it was measured with (its part, calibration, rounds, jax) as ``"measured_with"``."""
+    run keeps what it was measured with (its part, calibration, rounds, jax, commit) as ``"measured_with"``."""
     runs: dict = {}
     for part in parts:
         with open(os.path.join(RESULTS, part + ".json")) as f:
@@ -304,6 +304,17 @@ def merge(parts: list) -> dict:
             runs[name] = summarize({**run, "measured_with": run.get("measured_with", {"part": part, **meta})})
     order = [f"{s}, batch {b}" + ("" if g == "unlimited" else ", tight budget") for s, b, g in RUNS]
     return {"runs": dict(sorted(runs.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))}
+
+
+def _commit() -> str:
+    """The checkout's commit (the code a part of the grid was measured with), or "unknown"."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def _save(results: dict, quick: bool) -> str:
