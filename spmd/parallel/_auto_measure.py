@@ -15,7 +15,8 @@ best first, and two close contenders need more rounds to be told apart, a clear 
 candidate's time is the median of its rounds, its peak memory per device its compiled step's
 ``memory_analysis()`` (``argument + output + temp - alias``). The ``k`` candidates are held at once while
 they are timed, and let go after. ``compiled_peaks``: the same steps compiled on shape structs and not run,
-their peak alone (``auto_layout`` under a memory budget with ``measure=0``).
+their peak alone: under a memory budget ``auto_layout`` compiles so until its top ``k`` fit, and times
+those ``k`` on the executables compiled there.
 """
 
 from __future__ import annotations
