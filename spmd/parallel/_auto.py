@@ -31,8 +31,8 @@ the cores) a compiled step shows. Under a memory budget the top ``max(measure, 1
 nothing run, and their ``memory_analysis()`` judges the fit (only fitting ones are then timed, together):
 the estimate is a sum by kind, and XLA's buffer assignment and scheduler hold 10-35% more than that sum
 for some layouts (FSDP re-gathering for the backward pass, interleaved pipelines:
-``benchmarks/auto_layout.py``); one that does not fit once compiled goes behind the fitting ones and the
-next is compiled. The answer (``AutoLayout``, ``Candidate``) is ``spmd.parallel._ranking``.
+``benchmarks/auto_layout.py``); one that does not fit once compiled goes behind the fitting ones and its
+variants are searched again under its own miss (``spmd.parallel._auto_budget``). The answer (``AutoLayout``, ``Candidate``) is ``spmd.parallel._ranking``.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import numpy as np
 import optax
 
 from spmd.parallel._auto_layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
+from spmd.parallel._auto_budget import CHECKPOINTING, _fitting, _measured, checked
 from spmd.parallel._auto_measure import compiled_peaks, measure_layouts
 from spmd.parallel._auto_pipeline import pipeline_cost, pipeline_layouts
 from spmd.parallel._calibrate import Calibration, calibrate
@@ -198,61 +199,6 @@ def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
     return jax.eval_shape(lambda r, x: model.init(r, x)["params"], jax.random.key(0), batch["inputs"])
 
 
-CHECKPOINTING = ("dots", "full")  # the activation-checkpointing policies weighed where memory needs them
-
-
-def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...], rejected: list
-             ) -> list[Candidate]:
-    """The variants of a layout that does not fit the budget which do: per activation-checkpointing policy
-    (none, then ``CHECKPOINTING`` on the blocks ``units``; not under a pipeline, which recomputes its stages
-    already, nor for FSDP units re-gathered for the backward pass, which run under ``jax.checkpoint`` saving
-    the matmul outputs already: what another policy saves there is neither ``"dots"`` nor modelled), the
-    least gradient accumulation that fits, where the micro-batches divide the replica's rows; a policy that
-    needs no less accumulation than a lighter one (none < ``"dots"`` < ``"full"``) is dropped. None fitting:
-    the smallest variant, for the error. A variant that cannot be built goes to ``rejected`` with its reason."""
-    lay = c.layout
-    local = rows // (lay.dp * lay.fsdp)
-    policies = [None]
-    if lay.pp == 1 and units and lay.activation_checkpointing is None and not (lay.fsdp > 1 and
-                                                                              lay.reshard_after_forward):
-        policies += list(CHECKPOINTING)
-    out = []
-    for policy in policies:
-        base = lay if policy is None else replace(lay, activation_checkpointing=policy, units=lay.units or units)
-        try:
-            v = c if policy is None else evaluate(base)
-        except (ValueError, TypeError) as e:
-            rejected.append((base.name, str(e).split("\n")[0][:400]))
-            continue
-        a = 2 * base.accum_steps  # a layout given with accumulation: that is its least
-        while not v.fits and a <= local and local % (a * base.microbatches) == 0 and (  # accumulate until it fits
-                not base.weight_stationary or (local // a) % base.tp == 0):
-            v2 = evaluate(replace(base, accum_steps=a))
-            v = v2 if v2.fits or v2.memory["peak"] < v.memory["peak"] else v  # none fitting: the smallest
-            a *= 2
-        out.append(v)
-    fit = [v for v in out if v.fits]  # more recomputation at no less accumulation is slower: dropped
-    fit = [v for i, v in enumerate(fit) if not any(u.layout.accum_steps <= v.layout.accum_steps for u in fit[:i])]
-    return fit or [min(out, key=lambda v: v.memory["peak"])]
-
-
-def _measured(got: list[Candidate], k: int, budget: int | None, measure: Callable) -> list[Candidate]:
-    """``got`` (ranked, the fitting first) with its top ``k`` fitting candidates measured and first
-    (``measure(layouts) -> [(seconds or None, peak bytes)]``), the fastest measured first (none timed: in
-    ``got``'s order). A measured peak over ``budget`` does not fit: it goes behind the fitting ones and as many
-    more are measured, until ``k`` fit or none is left."""
-    timed, rest = [], list(got)
-    while sum(c.fits for c in timed) < k and rest and rest[0].fits:
-        need = k - sum(c.fits for c in timed)
-        fit = [c for c in rest if c.fits]
-        batch, rest = fit[:need], fit[need:] + [c for c in rest if not c.fits]
-        for c, (t, peak) in zip(batch, measure([c.layout for c in batch])):
-            timed.append(replace(c, measured_s=t, measured_peak=peak, fits=budget is None or peak <= budget))
-    timed.sort(key=lambda c: (not c.fits, c.predicted_s if c.measured_s is None else c.measured_s))
-    return [c for c in timed if c.fits] + [c for c in rest if c.fits] + [c for c in timed if not c.fits] + [
-        c for c in rest if not c.fits]
-
-
 def candidate_layouts(n: int, plan: Any, units: tuple[str, ...]) -> list[Layout]:
     """Every layout ``auto_layout`` weighs on ``n`` devices (accumulation aside): per factorization, the
     tensor-parallel variants ``(sequence_parallel, weight_stationary)`` the plan has, each under FSDP with
@@ -343,16 +289,24 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     loss_of = (lambda laid: loss_fn if loss_fn is not None else default_loss(laid))  # noqa: E731
     compiled: dict = {}
     if memory_budget_bytes is not None:  # compiled until the top max(measure, 1) fit by XLA's peak
-        got = _measured(got, max(measure, 1), memory_budget_bytes, lambda lays: compiled_peaks(
-            model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled))
+
+        def variants(c: Candidate, budget: int) -> list[Candidate]:  # those of a layout over once compiled
+            return _fitting(c, functools.partial(evaluate_layout, model, optimizer, batch, devices, loss_fn=loss,
+                                                 params=params, calibration=cal, profile=profile, budget=budget),
+                            rows, units, rejected)
+
+        got = checked(got, max(measure, 1), memory_budget_bytes, lambda lay: compiled_peaks(
+            model, optimizer, loss_of, params, batch, devices, [lay], compiled=compiled)[0][1], variants)
     if measure:  # those timed side by side (all fitting: one interleaved set), not compiled again
         got = _measured(got, measure, memory_budget_bytes, lambda lays: measure_layouts(
             model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled))
     compiled.clear()
     if memory_budget_bytes is not None and not got[0].fits:
         small = min((c for c in got if c.measured_peak is not None), key=lambda c: c.measured_peak)
+        n = sum(c.measured_peak is not None for c in got)
         raise ValueError(f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,} once compiled: "
-                         f"every layout predicted to fit was compiled and the smallest, {small.name}, needs "
-                         f"{small.measured_peak:,} B per device (predicted {int(small.memory['peak']):,}); use "
-                         "more devices, a larger budget or a smaller batch.")
+                         f"{n} predicted to fit were compiled (with the accumulation and checkpointing variants of "
+                         f"those over), and the smallest, {small.name}, needs {small.measured_peak:,} B per device "
+                         f"(predicted {int(small.memory['peak']):,}); use more devices, a larger budget or a smaller "
+                         "batch.")
     return AutoLayout(tuple(got), tuple(rejected), cal, memory_budget_bytes, top)
