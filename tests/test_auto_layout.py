@@ -793,3 +793,28 @@ def test_a_layout_over_the_budget_once_compiled_is_searched_again_under_its_own_
     assert compiled_lays == ["dp=8", "dp=8 accum=2"]
     assert [(c.name, c.fits, c.measured_peak) for c in got.candidates] == [
         ("dp=8 accum=2", True, int(1.2 * two)), ("dp=8", False, int(1.2 * one))]
+
+
+def test_too_few_fitting_once_compiled_compiles_those_predicted_just_over(data):
+    """When fewer than k fit once compiled, the candidates predicted over the budget by up to NEAR (10%) are
+    compiled too, fastest predicted first, until k fit (the estimate errs high as well as low); further over
+    is never compiled."""
+    from spmd.parallel._auto_budget import NEAR, checked
+
+    batch, _, prof = data
+    base = evaluate_layout(MODEL, OPT, batch, 8, LAYOUTS["dp=8"], calibration=_cal(), profile=prof)
+    budget = 1000
+    cand = lambda name, pred, s: replace(base, layout=replace(base.layout, dp=8, accum_steps=name),  # noqa: E731
+                                         memory={**base.memory, "peak": pred}, predicted_s=s, fits=pred <= budget)
+    fit, near_slow, near_fast, far = cand(1, 900, 1.0), cand(2, 1050, 3.0), cand(4, 1090, 2.0), cand(8, 1200, 0.5)
+    compiled = {fit.layout: 1100, near_slow.layout: 990, near_fast.layout: 1001, far.layout: 900}
+    order = []
+
+    def peak(lay):
+        order.append(lay.accum_steps)
+        return compiled[lay]
+
+    got = checked([fit, far, near_slow, near_fast], 1, budget, peak, lambda c, b: [])
+    assert NEAR == 0.10 and order == [1, 4, 2]  # the fitting one over; the near ones fastest first; far never
+    assert [(c.layout.accum_steps, c.fits, c.measured_peak) for c in got] == [
+        (2, True, 990), (1, False, 1100), (4, False, 1001), (8, False, None)]
