@@ -32,7 +32,8 @@ nothing run, and their ``memory_analysis()`` judges the fit (only fitting ones a
 the estimate is a sum by kind, and XLA's buffer assignment and scheduler hold 10-35% more than that sum
 for some layouts (FSDP re-gathering for the backward pass, interleaved pipelines:
 ``benchmarks/auto_layout.py``); one that does not fit once compiled goes behind the fitting ones and its
-variants are searched again under its own miss (``spmd.parallel._auto_budget``). The answer (``AutoLayout``, ``Candidate``) is ``spmd.parallel._ranking``.
+variants are searched again under its own miss (``spmd.parallel._auto_budget``). The answer
+(``AutoLayout``, ``Candidate``) is ``spmd.parallel._ranking``.
 """
 
 from __future__ import annotations

@@ -77,12 +77,17 @@ def _measured(got: list[Candidate], k: int, budget: int | None, measure: Callabl
         for c, (t, peak) in zip(batch, measure([c.layout for c in batch])):
             timed.append(replace(c, measured_s=t, measured_peak=peak, fits=budget is None or peak <= budget))
     timed.sort(key=lambda c: (not c.fits, c.predicted_s if c.measured_s is None else c.measured_s))
-    return [c for c in timed if c.fits] + [c for c in rest if c.fits] + [c for c in timed if not c.fits] + [
-        c for c in rest if not c.fits]
+    return _merged(timed, rest)
 
 
 def _ranked(cands: list[Candidate]) -> list[Candidate]:
     return sorted(cands, key=lambda c: (not c.fits, c.predicted_s))
+
+
+def _merged(done: list[Candidate], rest: list[Candidate]) -> list[Candidate]:
+    """The compiled or measured ``done`` that fit, the ``rest`` that fit, then those of each that do not."""
+    return [c for c in done if c.fits] + [c for c in rest if c.fits] + [c for c in done if not c.fits] + [
+        c for c in rest if not c.fits]
 
 
 def checked(got: list[Candidate], k: int, budget: int, compile_peak: Callable, variants: Callable
@@ -107,11 +112,9 @@ def checked(got: list[Candidate], k: int, budget: int, compile_peak: Callable, v
     near = sorted((c for c in rest if not c.fits and c.memory["peak"] <= (1 + NEAR) * budget),
                   key=lambda c: c.predicted_s)
     for c in near:  # too few fit once compiled: those predicted just over the budget, fastest first
-        if sum(c.fits for c in done) >= k:
+        if sum(d.fits for d in done) >= k:
             break
         rest.remove(c)
         peak = compile_peak(c.layout)
         done.append(replace(c, measured_peak=peak, fits=peak <= budget))
-    done = _ranked(done)
-    return [c for c in done if c.fits] + [c for c in rest if c.fits] + [c for c in done if not c.fits] + [
-        c for c in rest if not c.fits]
+    return _merged(_ranked(done), rest)
