@@ -717,13 +717,13 @@ def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fi
     order = [c.name for c in plain.candidates]
     seen = []
 
-    def fake(model, optimizer, loss_of, params, batch, devices, layouts, compiled):
-        seen.extend(lay.name for lay in layouts)
-        compiled.update({lay: f"compiled {lay.name}" for lay in layouts})
+    def fake(model, optimizer, loss_of, params, batch, devices, lay, compiled):
+        seen.append(lay.name)
+        compiled[lay] = f"compiled {lay.name}"
         # the first 1000x over: its variants are searched under 1/1000 of the budget, and none fits that
-        return [(None, 1000 * budget if lay.name == order[0] else budget // 2) for lay in layouts]
+        return 1000 * budget if lay.name == order[0] else budget // 2
 
-    monkeypatch.setattr(auto, "compiled_peaks", fake)
+    monkeypatch.setattr(auto, "compiled_peak", fake)
     monkeypatch.setattr(auto, "measure_layouts", lambda *a, **k: pytest.fail("measure=0 times nothing"))
     moved = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN,
                         memory_budget_bytes=budget)
@@ -746,7 +746,7 @@ def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fi
     assert seen == order
     assert timed == [(order[1:3], [f"compiled {n}" for n in order[1:3]])]  # one interleaved set, not recompiled
     assert [c.name for c in both.candidates] == [order[1], order[2], order[0]]
-    monkeypatch.setattr(auto, "compiled_peaks", lambda *a, **k: [(None, 1000 * budget)] * len(a[-1]))
+    monkeypatch.setattr(auto, "compiled_peak", lambda *a, **k: 1000 * budget)
     with pytest.raises(ValueError, match=re.escape(f"auto_layout: no layout fits memory_budget_bytes={budget:,} once "
                                                    "compiled: 3 predicted to fit were compiled (with the accumulation "
                                                    "and checkpointing variants of those over), and the smallest, ")):
@@ -782,11 +782,11 @@ def test_a_layout_over_the_budget_once_compiled_is_searched_again_under_its_own_
     assert two < 0.95 * one  # accumulating 2 micro-batches of 16 rows holds less (see the accumulation test)
     compiled_lays = []
 
-    def fake(model, optimizer, loss_of, params, batch, devices, layouts, compiled):
-        compiled_lays.extend(lay.name for lay in layouts)
-        return [(None, int(1.2 * peak(lay))) for lay in layouts]
+    def fake(model, optimizer, loss_of, params, batch, devices, lay, compiled):
+        compiled_lays.append(lay.name)
+        return int(1.2 * peak(lay))
 
-    monkeypatch.setattr(auto, "compiled_peaks", fake)
+    monkeypatch.setattr(auto, "compiled_peak", fake)
     budget = int(0.95 * 1.2 * one)  # dp=8 predicted to fit (0.95 x 1.2 > 1), over once compiled
     got = auto_layout(MODEL, OPT, batch, 8, layouts=[LAYOUTS["dp=8"]], calibration=_cal(), memory_budget_bytes=budget,
                       profile=prof)

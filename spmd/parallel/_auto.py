@@ -50,7 +50,7 @@ import optax
 
 from spmd.parallel._auto_layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
 from spmd.parallel._auto_budget import CHECKPOINTING, _fitting, _measured, checked
-from spmd.parallel._auto_measure import compiled_peaks, measure_layouts
+from spmd.parallel._auto_measure import compiled_peak, measure_layouts
 from spmd.parallel._auto_pipeline import pipeline_cost, pipeline_layouts
 from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._comm import KINDS
@@ -155,8 +155,9 @@ def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devic
     b = jax.tree.leaves(batch)[0].shape[0]
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // (n_data * layout.accum_steps), *x.shape[1:]), x.dtype),
                          batch)
-    t = pipeline_cost(laid, params, state, step, batch, layout, profile, cal,
-                      _anchor(profile, batch, micro, devices, cal), optimizer_compute_s(profile, state.plan, cal, devices))
+    anchor = _anchor(profile, batch, micro, devices, cal)
+    t = pipeline_cost(laid, params, state, step, batch, layout, profile, cal, anchor,
+                      optimizer_compute_s(profile, state.plan, cal, devices))
     total = t["compute_s"] + sum(t["comm_s"].values()) + cal.dispatch_s
     return Candidate(layout=layout, predicted_s=total, compute_s=t["compute_s"], comm_s=t["comm_s"],
                      dispatch_s=cal.dispatch_s, communication=t["communication"], memory=t["memory"],
@@ -296,8 +297,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                                                  params=params, calibration=cal, profile=profile, budget=budget),
                             rows, units, rejected)
 
-        got = checked(got, max(measure, 1), memory_budget_bytes, lambda lay: compiled_peaks(
-            model, optimizer, loss_of, params, batch, devices, [lay], compiled=compiled)[0][1], variants)
+        got = checked(got, max(measure, 1), memory_budget_bytes, lambda lay: compiled_peak(
+            model, optimizer, loss_of, params, batch, devices, lay, compiled=compiled), variants)
     if measure:  # those timed side by side (all fitting: one interleaved set), not compiled again
         got = _measured(got, measure, memory_budget_bytes, lambda lays: measure_layouts(
             model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled))

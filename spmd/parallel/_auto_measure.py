@@ -14,8 +14,8 @@ varies by 9-18% (a d256x4 Transformer's, 12 rounds of 2 steps), so the median of
 best first, and two close contenders need more rounds to be told apart, a clear loser none. A
 candidate's time is the median of its rounds, its peak memory per device its compiled step's
 ``memory_analysis()`` (``argument + output + temp - alias``). The ``k`` candidates are held at once while
-they are timed, and let go after. ``compiled_peaks``: the same steps compiled on shape structs and not run,
-their peak alone: under a memory budget ``auto_layout`` compiles so until its top ``k`` fit, and times
+they are timed, and let go after. ``compiled_peak``: the same step compiled on shape structs and not run,
+its peak alone: under a memory budget ``auto_layout`` compiles so until its top ``k`` fit, and times
 those ``k`` on the executables compiled there.
 """
 
@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from spmd.parallel._auto_layout import Layout, apply_layout
 from spmd.parallel._step import init_train_state, make_train_step
 
-__all__ = ["measure_layouts", "compiled_peaks", "compiled_warm", "peak_bytes"]
+__all__ = ["measure_layouts", "compiled_peak", "compiled_warm", "peak_bytes"]
 
 RACE = 0.10  # a candidate within this share of the fastest's median is timed again (see the module doc)
 
@@ -63,7 +63,7 @@ def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
     their order.
 
     ``loss_of(laid_model)``: the loss of a laid-out model; ``params`` and ``batch``: arrays or shape
-    structs (the step runs on zeros of them); ``compiled``: the steps ``compiled_peaks`` compiled, by layout
+    structs (the step runs on zeros of them); ``compiled``: the steps ``compiled_peak`` compiled, by layout
     (not compiled again)."""
     where = "auto_layout"
     if max_rounds < rounds:
@@ -133,16 +133,13 @@ def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: An
     return step, init_train_state(laid, optimizer, params=zeros[0], mesh=mesh), jax.device_put(zeros[1], data)
 
 
-def compiled_peaks(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
-                   layouts: Sequence[Layout], *, compiled: dict | None = None) -> list[tuple[None, int]]:
-    """``(None, peak bytes per device)`` of each of ``layouts``: its step compiled on shape structs (nothing
-    allocated, nothing run), as ``measure_layouts`` gives it without the time; each compiled step kept in
-    ``compiled`` by layout, for ``measure_layouts`` to time."""
-    out = []
-    for lay in layouts:
-        step, state, b = _built(model, optimizer, loss_of, params, batch, devices, lay, abstract=True)
-        exe = step.lower(state, b).compile()
-        if compiled is not None:
-            compiled[lay] = exe
-        out.append((None, peak_bytes(exe)))
-    return out
+def compiled_peak(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
+                  layout: Layout, *, compiled: dict | None = None) -> int:
+    """Peak bytes per device of ``layout``'s step compiled on shape structs (nothing allocated, nothing run), as
+    ``measure_layouts`` gives it without the time; the compiled step kept in ``compiled`` by layout, for
+    ``measure_layouts`` to time."""
+    step, state, b = _built(model, optimizer, loss_of, params, batch, devices, layout, abstract=True)
+    exe = step.lower(state, b).compile()
+    if compiled is not None:
+        compiled[layout] = exe
+    return peak_bytes(exe)
