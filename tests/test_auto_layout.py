@@ -593,6 +593,22 @@ def test_a_pipeline_accumulates_only_what_its_micro_batches_divide(data):
                     memory_budget_bytes=two.memory["peak"] - 1)
 
 
+def _fake_clock(monkeypatch, seconds: tuple[float, ...]) -> None:
+    """``measure_layouts``' clock stubbed: the i-th timed round (its two readings) lasts ``seconds[i % len]``,
+    so each candidate's measured time per step is known (the steps still run)."""
+    import types
+
+    import spmd.parallel._auto_measure as measure
+
+    calls = iter(range(10**6))
+
+    def perf_counter():
+        c = next(calls)
+        return 10.0 * (c // 2) + (seconds[(c // 2) % len(seconds)] if c % 2 else 0.0)
+
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=perf_counter))
+
+
 def test_measure_times_the_top_candidates_and_ranks_them_by_their_measured_step(data, monkeypatch):
     """``measure=k``: the top ``k`` fitting candidates are compiled and timed (real steps on zeros of the
     parameters and the batch), ranked first by the measured time; the rest keep their predicted order; the
@@ -600,11 +616,14 @@ def test_measure_times_the_top_candidates_and_ranks_them_by_their_measured_step(
     batch, params, prof = data
     lays = [LAYOUTS["dp=8"], LAYOUTS["fsdp=8 regather"], LAYOUTS["dp=4,tp=2"]]
     plain = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN)
+    # the clock stubbed: each round of 2 steps of the first predicted lasts 0.6 s, of the second 0.2 s (rounds
+    # alternate between them; 3x apart, no race): measured, the second predicted is first
+    _fake_clock(monkeypatch, (0.6, 0.2))
     got = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN, measure=2)
     first, third = plain.candidates[:2], plain.candidates[2]
-    assert {c.name for c in got.candidates[:2]} == {c.name for c in first}
     a, b = got.candidates[:2]
-    assert 0 < a.measured_s <= b.measured_s < 10 and got.candidates[2].name == third.name
+    assert [a.name, b.name] == [first[1].name, first[0].name] and got.candidates[2].name == third.name
+    assert (a.measured_s, b.measured_s) == (pytest.approx(0.1), pytest.approx(0.3))
     assert got.candidates[2].measured_s is None and all(c.measured_s is None for c in plain.candidates)
     assert "meas ms" in got.table() and "meas ms" not in plain.table()
     assert got.why().startswith(f"{a.name} wins over {b.name} by ") and " ms/step measured (" in got.why()
@@ -708,10 +727,14 @@ def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fi
     assert "compiled MiB" in got.table() and f"{best.measured_peak / 2**20:.2f}" in got.table()
     assert got.to_json()["candidates"][0]["measured_peak_bytes"] == best.measured_peak
     # measure=2 under the budget: the steps compile_peaks compiled are the ones timed (real runs)
-    real = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN,
-                       memory_budget_bytes=budget, measure=2)
+    with monkeypatch.context() as m:
+        _fake_clock(m, (0.2, 0.6))  # rounds of 2 steps: the first predicted 0.1 s a step, the second 0.3 s
+        real = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN,
+                           memory_budget_bytes=budget, measure=2)
+    assert [(c.name, c.measured_s) for c in real.candidates[:2]] == [
+        (plain.candidates[0].name, pytest.approx(0.1)), (plain.candidates[1].name, pytest.approx(0.3))]
     for c in real.candidates[:2]:
-        assert 0 < c.measured_s < 10 and c.measured_peak == _compiled_peak(c.layout, batch, params), c.name
+        assert c.measured_peak == _compiled_peak(c.layout, batch, params), c.name
 
     # the first predicted compiles over the budget: the second is compiled and picked (peaks stubbed)
     order = [c.name for c in plain.candidates]
