@@ -726,7 +726,7 @@ def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fi
     assert [c.measured_peak is None for c in got.candidates] == [False, True, True]
     assert "compiled MiB" in got.table() and f"{best.measured_peak / 2**20:.2f}" in got.table()
     assert got.to_json()["candidates"][0]["measured_peak_bytes"] == best.measured_peak
-    # measure=2 under the budget: the steps compile_peaks compiled are the ones timed (real runs)
+    # measure=2 under the budget: the steps compiled_peak compiled are the ones timed (real runs)
     with monkeypatch.context() as m:
         _fake_clock(m, (0.2, 0.6))  # rounds of 2 steps: the first predicted 0.1 s a step, the second 0.3 s
         real = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN,
@@ -827,7 +827,7 @@ def test_too_few_fitting_once_compiled_compiles_those_predicted_just_over(data):
     batch, _, prof = data
     base = evaluate_layout(MODEL, OPT, batch, 8, LAYOUTS["dp=8"], calibration=_cal(), profile=prof)
     budget = 1000
-    cand = lambda name, pred, s: replace(base, layout=replace(base.layout, dp=8, accum_steps=name),  # noqa: E731
+    cand = lambda accum, pred, s: replace(base, layout=replace(base.layout, dp=8, accum_steps=accum),  # noqa: E731
                                          memory={**base.memory, "peak": pred}, predicted_s=s, fits=pred <= budget)
     fit, near_slow, near_fast, far = cand(1, 900, 1.0), cand(2, 1050, 3.0), cand(4, 1090, 2.0), cand(8, 1200, 0.5)
     compiled = {fit.layout: 1100, near_slow.layout: 990, near_fast.layout: 1001, far.layout: 900}
