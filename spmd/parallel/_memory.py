@@ -29,6 +29,21 @@ state (``argument + output + temp``):
   part divided by ``tp``: a residual holding a dim a tensor-parallel cut splits (heads, the MLP's hidden
   features), every batch- and sequence-shaped residual under sequence parallelism.
 
+What the sum misses most (``benchmarks/auto_layout.py``: FSDP keeping its units, 15-22% under the compiled
+peak at batch 128): the one-device step's temp bytes are not all its activations. Its state is not donated,
+so its outputs (the new parameters and optimizer state) are buffers of their own, and XLA's buffer
+assignment parks activations in them before their final values are written: the d384x6 Transformer's step
+on 16 rows holds 15.7 MiB of temp, where its gradient alone with the parameters donated (nothing to park
+in) holds 64.7 MiB, 13.5 of them rows-free (2 x 39.1 - 64.7 at 8 rows). A layout whose outputs are as
+large (``dp``, and ``tp``'s part on its group) parks the same, which is why ``work`` is exact there; an
+FSDP layout's outputs are ``1/fsdp`` of them, so its activations go to temp: ``fsdp=8 keep`` on those 16
+rows holds 100.5 MiB of temp at the end of its forward pass, 41.8 of gathered units and about 59 of
+activations (XLA's live-range dump). Taking that term as the donated gradient's rows-dependent part (51.2
+MiB there, 11.3 at 4 rows) and dropping ``gathered_grads`` (its fitted 0.4 made up for part of the miss)
+puts the three FSDP ``keep`` layouts without ``tp`` the benchmark measured within 7% (from -21%, -5%,
++6%), but re-gathering layouts, which save the matmul outputs alone, 39-49% over; not adopted yet, so a
+budget is judged by the compiled peak (``spmd.parallel._auto_budget``).
+
 Compute (per device, one step): the flops and bytes accessed of the user's loss and gradient on one
 micro-batch on one device (XLA's ``cost_analysis`` of the compiled single-device step less its optimizer
 update's), the matmuls of the tensor-parallel kernels (``6 x tokens x kernel size``) divided by ``tp``,
