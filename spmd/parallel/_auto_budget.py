@@ -4,8 +4,9 @@
   activation-checkpointing policy with the least gradient accumulation that fits);
 - ``checked``: the ranking's top candidates compiled (not run) in ranked order until ``k`` fit by XLA's
   ``memory_analysis()`` peak. The prediction is a sum by kind, and XLA's buffer assignment and scheduler
-  can hold more than that sum (on a 2-core host 10-35% more for some FSDP layouts re-gathering for the
-  backward pass and interleaved pipelines): a candidate over the budget once compiled goes behind the
+  can hold more than that sum (in ``benchmarks/auto_layout.py`` up to 35% more for FSDP layouts, whose
+  outputs cannot hold the activations the one-device step parks in its own: ``spmd.parallel._memory``,
+  and 24-54% for some pipelines): a candidate over the budget once compiled goes behind the
   fitting ones, and its own variants, searched again under the budget divided by its compiled / predicted
   peak (the estimate's miss on that layout), join the ranking to be compiled in their turn: a layout that
   needs one more accumulation step than predicted is found, not reported as "no layout fits". Where fewer
