@@ -10,7 +10,8 @@ wrapped in place) and:
   buffer over the shard dim, in a nested region manual over every dim, so XLA never sees a collective on
   a tp-sharded operand, which it would first gather over tp), run the unit on them, and, with
   ``reshard_after_forward``, wrap that in ``jax.checkpoint`` (matmul outputs saved, gathered parameters
-  not: the backward pass gathers again). ``jax.grad`` of the all-gather is one reduce-scatter per buffer.
+  not: the backward pass gathers again), its gathers tied to its input so that they run when it runs
+  (``_after``). ``jax.grad`` of the all-gather is one reduce-scatter per buffer.
 - **activation-checkpointing unit** (``spmd.parallel._remat``): run the module's own apply under
   ``jax.checkpoint`` with the unit's policy (the tp collectives' results always kept). An FSDP unit too:
   re-gathering, its policy replaces the one above; keeping its gathers, only the apply after the gather is
@@ -154,10 +155,12 @@ class Hooks(TPCalls, RematCalls):
         outputs and the tp collectives' results and drops the gathered parameters, and the shards it keeps get ``+ 0`` computed from the
         incoming cotangent, so the re-gather is a new all-gather of the backward pass (XLA:CPU drops
         optimization barriers before it merges equal ops, and would merge it with the forward pass's
-        all-gather, holding the parameters all along, when the blocks are a Python loop). ``policy``: an
+        all-gather, holding the parameters all along, when the blocks are a Python loop); likewise the shards
+        get ``+ 0`` computed from the unit's input in the forward pass (``_after``). ``policy``: an
         activation-checkpointing unit's, in place of the matmul outputs and tp results."""
         if not self.regather:
             return run(shards, arrays)
+        shards = _after(shards, arrays)
         ckpt = jax.checkpoint(run, policy=policy or _SAVED)
 
         @jax.custom_vjp
@@ -324,3 +327,15 @@ class Hooks(TPCalls, RematCalls):
 
         return self.call_unit(self.gathering(apply, mine, entries, spath, policy), [v[...] for _, v in params],
                               arrays, policy)
+
+
+def _after(shards: list, arrays: Sequence[Any]) -> list:
+    """``shards`` plus a 0 computed from the unit's first floating input (no gradient through it): the unit's
+    all-gathers then cannot run before its input exists. Without it XLA schedules every unit's forward
+    gather at the start of the step, and a re-gathering layout holds all the gathered parameters at once,
+    as if it kept them."""
+    first = next((a for a in arrays if jnp.issubdtype(a.dtype, jnp.floating) and a.size), None)
+    if first is None:
+        return shards
+    zero = jnp.sum(jax.lax.stop_gradient(first) * 0)
+    return [x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in shards]

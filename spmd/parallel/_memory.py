@@ -41,8 +41,8 @@ rows holds 100.5 MiB of temp at the end of its forward pass, 41.8 of gathered un
 activations (XLA's live-range dump). Taking that term as the donated gradient's rows-dependent part (51.2
 MiB there, 11.3 at 4 rows) and dropping ``gathered_grads`` (its fitted 0.4 made up for part of the miss)
 puts the three FSDP ``keep`` layouts without ``tp`` the benchmark measured within 7% (from -21%, -5%,
-+6%), but re-gathering layouts, which save the matmul outputs alone, 39-49% over; not adopted yet, so a
-budget is judged by the compiled peak (``spmd.parallel._auto_budget``).
++6%), but re-gathering layouts, which save the matmul outputs alone, 40-52% over (d256x4 at batch 128);
+not adopted yet, so a budget is judged by the compiled peak (``spmd.parallel._auto_budget``).
 
 Compute (per device, one step): the flops and bytes accessed of the user's loss and gradient on one
 micro-batch on one device (XLA's ``cost_analysis`` of the compiled single-device step less its optimizer
