@@ -8,10 +8,12 @@ state (``argument + output + temp``):
 - ``batch``: the device's slice of the batch (an argument);
 - ``gathered``: the gathered parameters alive at once (``ParamPlan.peak_gathered_bytes``: the root unit and
   the largest other unit when re-gathering for the backward pass, every unit when kept or accumulating);
-- ``gathered_grads``: under FSDP, the unit gradients alive before their reduce-scatters (fitted: 0.4 x the
-  gathered bytes of every unit x (1 - 1/fsdp), on the project's Transformer; under accumulation too, where
-  the reduce-scatters follow the loop: the d256x4 Transformer's 8-device layouts held 0-0.9x those bytes
-  beside the carry);
+- ``gathered_grads``: under FSDP, the unit gradients alive before their reduce-scatters, x (1 - 1/fsdp):
+  re-gathering, the largest unit's (its backward pass runs between its re-gather and its reduce-scatters,
+  one unit at a time: ``Hooks.call_unit``); keeping, 0.4 x the gathered bytes of every unit (fitted on the
+  project's Transformer, and likely making up for part of the activations below); under accumulation too,
+  where the reduce-scatters follow the loop (the d256x4 Transformer's 8-device layouts held 0-0.9x those
+  bytes beside the carry);
 - ``accumulated_grads``: under gradient accumulation with FSDP, the loop's carry of the gradients FSDP
   cuts, whole (every unit's gathered bytes), reduce-scattered once after the last micro-batch (a carry of
   the stored shape, without FSDP or for a parameter FSDP leaves whole, XLA keeps in an output's buffer: on
@@ -313,8 +315,10 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
         work *= math.sqrt(min(dots / full, 1.0)) if full else 1.0
     work = int(work)
     total_gathered = sum(plan.gathered_bytes(u) for u in plan.units) if fsdp and n_fsdp > 1 else 0
+    one_unit = max((plan.gathered_bytes(u) for u in plan.units), default=0) if fsdp and n_fsdp > 1 else 0
+    unit_grads = one_unit if regather and accum_steps == 1 else 0.4 * total_gathered
     out = {"state": 2 * (params + opt), "batch": local_batch_bytes, "work": work, "gathered": gathered,
-           "gathered_grads": int(0.4 * total_gathered * (1 - 1 / n_fsdp)),
+           "gathered_grads": int(unit_grads * (1 - 1 / n_fsdp)),
            "accumulated_grads": total_gathered if accum_steps > 1 else 0}
     out["peak"] = sum(out.values())
     out["params"], out["optimizer"], out["activations"] = params, opt, split
