@@ -7,7 +7,8 @@ or on an accelerator, it holds less). So the saving is not modelled but measured
 the step ``make_train_step`` builds for ``activation_checkpointing(model, units=, policy=)`` on one device and
 one micro-batch, and its temp bytes (the activations and work buffers), flops, bytes accessed and operations
 stand in for the plain step's in ``spmd.parallel._memory``'s estimates, recomputation included. It is the
-same compile the plain ``Profile`` does, once per micro-batch size and policy.
+same compile the plain ``Profile`` does, once per micro-batch size and policy (its code unoptimized:
+``spmd.parallel._tp_profile.READ_ONLY``; nothing read from it depends on LLVM).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from spmd.parallel._calibrate import program_ops
 from spmd.parallel._memory import Profile, _cost
 from spmd.parallel._remat import activation_checkpointing
 from spmd.parallel._step import init_train_state, make_train_step
+from spmd.parallel._tp_profile import READ_ONLY
 
 __all__ = ["RematProfile", "remat_profile"]
 
@@ -45,7 +47,7 @@ class RematProfile(Profile):
             model = activation_checkpointing(self.model, units=list(self.units), policy=self.policy)
             mesh = DeviceMesh.from_jax(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",)))
             state = jax.eval_shape(lambda: init_train_state(model, self.optimizer, params=self.params, mesh=mesh))
-            comp = make_train_step(model, self.loss, self.optimizer, mesh=mesh).lower(state, batch).compile()
+            comp = make_train_step(model, self.loss, self.optimizer, mesh=mesh).lower(state, batch).compile(READ_ONLY)
             temp = int(getattr(comp.memory_analysis(), "temp_size_in_bytes", 0) or 0)
             self._grad[k] = (*_cost(comp), temp, program_ops(comp.as_text()))
         return self._grad[k]
