@@ -8,7 +8,7 @@ the step ``make_train_step`` builds for ``activation_checkpointing(model, units=
 one micro-batch, and its temp bytes (the activations and work buffers), flops, bytes accessed and operations
 stand in for the plain step's in ``spmd.parallel._memory``'s estimates, recomputation included. It is the
 same compile the plain ``Profile`` does, once per micro-batch size and policy (its code unoptimized:
-``spmd.parallel._tp_profile.READ_ONLY``; nothing read from it depends on LLVM).
+``spmd.parallel._memory.READ_ONLY``; nothing read from it depends on LLVM).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import numpy as np
 
 from spmd._mesh import DeviceMesh
 from spmd.parallel._calibrate import program_ops
-from spmd.parallel._memory import Profile, _cost
+from spmd.parallel._memory import READ_ONLY, Profile, _cost
 from spmd.parallel._remat import activation_checkpointing
 from spmd.parallel._step import init_train_state, make_train_step
-from spmd.parallel._tp_profile import READ_ONLY
 
 __all__ = ["RematProfile", "remat_profile"]
 

@@ -23,13 +23,10 @@ from typing import Any, Callable
 import jax
 
 from spmd.parallel._auto_layout import Layout, apply_layout
+from spmd.parallel._memory import READ_ONLY
 from spmd.parallel._step import init_train_state, make_train_step
 
-__all__ = ["tp_temp_bytes", "READ_ONLY"]
-
-# the compiler options of a program compiled only to read its memory_analysis, cost analysis or optimized HLO:
-# XLA's HLO passes and buffer assignment run before LLVM generates the code, which such a program never runs
-READ_ONLY = {"xla_backend_optimization_level": 0}
+__all__ = ["tp_temp_bytes"]
 
 
 def tp_temp_bytes(profile: Any, model: Any, devices: list, layout: Layout, replica_batch: Any,
