@@ -350,7 +350,7 @@ def test_regathering_holds_one_unit_at_a_time(mesh):
     (they read nothing but the stored shards), so a re-gathering layout held them all, as a keeping one
     does (the d384x6 Transformer's ``dp=2,fsdp=4`` step: 104 MiB where it needs 71). 6 blocks, one row per
     device: the activations are a few KiB, the gathered parameters 180 KiB a block."""
-    from spmd.parallel import Layout, apply_layout
+    from spmd.parallel import Layout
     from spmd.parallel._auto_layout import infer_units
     from spmd.parallel._auto_measure import _built
 
