@@ -375,3 +375,33 @@ def test_regathering_holds_one_unit_at_a_time(mesh):
     # block whose backward runs, its gradients before their reduce-scatters) and the root
     assert temp[False] >= 6 * block
     assert temp[True] <= temp[False] - 3 * block, (temp, block)
+
+
+@pytest.mark.parametrize("variant", ["plain", "sp", "ws"])
+def test_regathering_ties_add_no_collective(variant, monkeypatch):
+    """The tie of a unit's gathers to its input (``Hooks.call_unit``) adds no collective, scalars counted: under a
+    plan that cuts the activations over tp (sequence parallel, weight-stationary) its sum would be an
+    all-reduce over tp per unit, so there it is not made."""
+    import spmd.parallel._hooks as hooks
+    from models._plans import transformer_tp_plan
+    from spmd.parallel import Layout
+    from spmd.parallel._auto_layout import infer_units, tp_plan_for
+    from spmd.parallel._auto_measure import _built
+    from spmd.parallel._hlo import hlo_executed_collectives
+
+    model = Transformer(vocab_size=16, max_len=8, num_layers=2, d_model=32, num_heads=4, mlp_ratio=2)
+    batch = {"inputs": jax.ShapeDtypeStruct((16, 8), jnp.int32), "targets": jax.ShapeDtypeStruct((16, 8), jnp.int32)}
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"])["params"])
+    sp, ws = variant == "sp", variant == "ws"
+    plan = tp_plan_for(lambda sequence_parallel, tp_size: transformer_tp_plan(sequence_parallel, vocab_size=16,
+                                                                              tp_size=tp_size), sp, 2,
+                       weight_stationary=ws)
+    lay = Layout(fsdp=4, tp=2, units=infer_units(params), sequence_parallel=sp, weight_stationary=ws, tp_plan=plan)
+    got = {}
+    for tied in (True, False):
+        if not tied:
+            monkeypatch.setattr(hooks, "_after", lambda shards, arrays: shards)
+        step, state, b = _built(model, OPT, lambda m: (lambda p, x: _ce(m.apply({"params": p}, x["inputs"]), x)),
+                                params, batch, jax.devices(), lay, abstract=True)
+        got[tied] = hlo_executed_collectives(step.lower(state, b).compile().as_text(), scalars=True)
+    assert got[True] == got[False]

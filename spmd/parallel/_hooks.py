@@ -11,7 +11,7 @@ wrapped in place) and:
   a tp-sharded operand, which it would first gather over tp), run the unit on them, and, with
   ``reshard_after_forward``, wrap that in ``jax.checkpoint`` (matmul outputs saved, gathered parameters
   not: the backward pass gathers again), its gathers tied to its input so that they run when it runs
-  (``_after``). ``jax.grad`` of the all-gather is one reduce-scatter per buffer.
+  (``_after``; not under a plan that cuts the activations over tp, where the tie would be a collective). ``jax.grad`` of the all-gather is one reduce-scatter per buffer.
 - **activation-checkpointing unit** (``spmd.parallel._remat``): run the module's own apply under
   ``jax.checkpoint`` with the unit's policy (the tp collectives' results always kept). An FSDP unit too:
   re-gathering, its policy replaces the one above; keeping its gathers, only the apply after the gather is
@@ -44,6 +44,7 @@ from spmd.parallel._styles import KNOWN_EMBED, KNOWN_LINEAR, ColwiseParallel, Ro
 from spmd.parallel._remat import RematCalls, checkpoint_policy
 from spmd.parallel._tp_calls import COLWISE_MARK, TP_COMM, TPCalls, _is_array, split_arrays
 from spmd.parallel._transforms import METHODS, ParallelModule
+from spmd.parallel._weight_stationary import cuts_activations
 
 __all__ = ["Hooks", "COLWISE_MARK", "TP_COMM"]
 
@@ -56,6 +57,10 @@ class Hooks(TPCalls, RematCalls):
     def __init__(self, model: ParallelModule, plan: ParamPlan, *, gather_units: bool = True):
         self.model, self.plan = model, plan
         self.tp = model.tp.mesh_dim if model.tp else None
+        # a unit's forward gathers tied to its input (``_after``) where that costs no collective: a plan that
+        # cuts activations between the modules over tp (sequence parallel, weight-stationary) would make the
+        # tie's sum an all-reduce over tp, one per unit
+        self.tie_gathers = not cuts_activations(model.tp)
         self.n_tp = model.mesh.size(self.tp) if self.tp else 1
         fsdp = model.fsdp
         self.fsdp = fsdp.shard_dim if fsdp else None
@@ -160,7 +165,8 @@ class Hooks(TPCalls, RematCalls):
         activation-checkpointing unit's, in place of the matmul outputs and tp results."""
         if not self.regather:
             return run(shards, arrays)
-        shards = _after(shards, arrays)
+        if self.tie_gathers:
+            shards = _after(shards, arrays)
         ckpt = jax.checkpoint(run, policy=policy or _SAVED)
 
         @jax.custom_vjp

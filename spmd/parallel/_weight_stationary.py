@@ -31,7 +31,7 @@ from placements import Shard
 from spmd.parallel._styles import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
                                    SequenceParallel)
 
-__all__ = ["weight_stationary_plan", "is_batch_cut"]
+__all__ = ["weight_stationary_plan", "is_batch_cut", "cuts_activations"]
 
 
 def _moved(layout: Any, sequence_dim: int) -> Any:
@@ -98,6 +98,12 @@ def weight_stationary_plan(plan: Mapping[str, Any], *, sequence_dim: int = 1) ->
                          "give the sequence-parallel plan (SequenceParallel norms, ColwiseParallel(input_layouts="
                          f"Shard({sequence_dim})), RowwiseParallel(output_layouts=Shard({sequence_dim}))).")
     return out
+
+
+def cuts_activations(tp: Any) -> bool:
+    """Whether a ``parallelize_module`` layout (a ``TPSpec``, or None) cuts activations between modules over tp
+    (sequence parallel, weight-stationary): there a scalar from a unit's input is an all-reduce over tp."""
+    return bool(tp) and any(_activation_cuts(style) for _, style in tp.plan)
 
 
 def is_batch_cut(items: Any) -> bool:
