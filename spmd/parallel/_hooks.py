@@ -11,7 +11,8 @@ wrapped in place) and:
   a tp-sharded operand, which it would first gather over tp), run the unit on them, and, with
   ``reshard_after_forward``, wrap that in ``jax.checkpoint`` (matmul outputs saved, gathered parameters
   not: the backward pass gathers again), its gathers tied to its input so that they run when it runs
-  (``_after``; not under a plan that cuts the activations over tp, where the tie would be a collective). ``jax.grad`` of the all-gather is one reduce-scatter per buffer.
+  (``_after``; not under a plan that cuts the activations over tp, where the tie would be a collective).
+  ``jax.grad`` of the all-gather is one reduce-scatter per buffer.
 - **activation-checkpointing unit** (``spmd.parallel._remat``): run the module's own apply under
   ``jax.checkpoint`` with the unit's policy (the tp collectives' results always kept). An FSDP unit too:
   re-gathering, its policy replaces the one above; keeping its gathers, only the apply after the gather is
