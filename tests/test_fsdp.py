@@ -343,6 +343,16 @@ def test_training_job_fsdp_under_spmdrun_matches_dp(tmp_path):
     assert dp["memory"]["state_bytes_per_device"] == 3 * whole + scalars
 
 
+def _compiled_layout(model, params, batch, lay):
+    """``(compiled step, ParamPlan)`` of ``lay`` on ``model`` for the shape structs ``params`` and ``batch``
+    (nothing allocated)."""
+    from spmd.parallel._auto_measure import _built
+
+    step, state, b = _built(model, OPT, lambda m: (lambda p, x: _ce(m.apply({"params": p}, x["inputs"]), x)),
+                            params, batch, jax.devices(), lay, abstract=True)
+    return step.lower(state, b).compile(), state.plan
+
+
 @pytest.mark.parametrize("mesh", ["fsdp=8", "dp=2,fsdp=4"])
 def test_regathering_holds_one_unit_at_a_time(mesh):
     """``reshard_after_forward``: the compiled step holds the root and about one block's gathered parameters,
@@ -352,7 +362,6 @@ def test_regathering_holds_one_unit_at_a_time(mesh):
     device: the activations are a few KiB, the gathered parameters 180 KiB a block."""
     from spmd.parallel import Layout
     from spmd.parallel._auto_layout import infer_units
-    from spmd.parallel._auto_measure import _built
 
     model = Transformer(vocab_size=7, max_len=6, num_layers=6, d_model=64, num_heads=2, mlp_ratio=2)
     dims = dict(kv.split("=") for kv in mesh.split(","))
@@ -364,10 +373,8 @@ def test_regathering_holds_one_unit_at_a_time(mesh):
     temp = {}
     for regather in (True, False):
         lay = Layout(dp=int(dims.get("dp", 1)), fsdp=int(dims["fsdp"]), units=units, reshard_after_forward=regather)
-        step, state, b = _built(model, OPT, lambda m: (lambda p, x: _ce(m.apply({"params": p}, x["inputs"]), x)),
-                                params, batch, jax.devices(), lay, abstract=True)
-        temp[regather] = step.lower(state, b).compile().memory_analysis().temp_size_in_bytes
-        plan = state.plan
+        compiled, plan = _compiled_layout(model, params, batch, lay)
+        temp[regather] = compiled.memory_analysis().temp_size_in_bytes
     blocks = [plan.gathered_bytes(u) for u in plan.units if u.startswith("block_")]
     assert len(blocks) == 6 and min(blocks) == max(blocks)
     block = blocks[0]
@@ -386,7 +393,6 @@ def test_regathering_ties_add_no_collective(variant, monkeypatch):
     from models._plans import transformer_tp_plan
     from spmd.parallel import Layout
     from spmd.parallel._auto_layout import infer_units, tp_plan_for
-    from spmd.parallel._auto_measure import _built
     from spmd.parallel._hlo import hlo_executed_collectives
 
     model = Transformer(vocab_size=16, max_len=8, num_layers=2, d_model=32, num_heads=4, mlp_ratio=2)
@@ -401,7 +407,5 @@ def test_regathering_ties_add_no_collective(variant, monkeypatch):
     for tied in (True, False):
         if not tied:
             monkeypatch.setattr(hooks, "_after", lambda shards, arrays: shards)
-        step, state, b = _built(model, OPT, lambda m: (lambda p, x: _ce(m.apply({"params": p}, x["inputs"]), x)),
-                                params, batch, jax.devices(), lay, abstract=True)
-        got[tied] = hlo_executed_collectives(step.lower(state, b).compile().as_text(), scalars=True)
+        got[tied] = hlo_executed_collectives(_compiled_layout(model, params, batch, lay)[0].as_text(), scalars=True)
     assert got[True] == got[False]

@@ -158,12 +158,16 @@ class Hooks(TPCalls, RematCalls):
     def call_unit(self, run: Callable, shards: list, arrays: list, policy: Callable | None = None) -> Any:
         """``run(shards, arrays)``: a unit gathering its parameters and running. With
         ``reshard_after_forward``, the backward pass gathers them again: ``jax.checkpoint`` keeps the matmul
-        outputs and the tp collectives' results and drops the gathered parameters, and the shards it keeps get ``+ 0`` computed from the
-        incoming cotangent, so the re-gather is a new all-gather of the backward pass (XLA:CPU drops
-        optimization barriers before it merges equal ops, and would merge it with the forward pass's
-        all-gather, holding the parameters all along, when the blocks are a Python loop); likewise the shards
-        get ``+ 0`` computed from the unit's input in the forward pass (``_after``). ``policy``: an
-        activation-checkpointing unit's, in place of the matmul outputs and tp results."""
+        outputs and the tp collectives' results and drops the gathered parameters, and the shards it keeps get
+        ``+ 0`` computed from the incoming cotangent (``_plus_zero``), so the re-gather is a new all-gather of
+        the backward pass (XLA:CPU drops optimization barriers before it merges equal ops, and would merge it
+        with the forward pass's all-gather, holding the parameters all along, when the blocks are a Python
+        loop). Under a plan that cuts the activations over tp (sequence parallel, weight-stationary) the
+        cotangent is cut, and that ``+ 0`` costs one scalar all-reduce over tp per unit (a 2-block
+        Transformer's ``fsdp=4,tp=2 sp`` step: 5 all-reduces re-gathering, 3 keeping), the price of the
+        re-gather there. Likewise the shards get ``+ 0`` computed from the unit's input in the forward pass
+        (``_after``), where that costs no collective (``tie_gathers``). ``policy``: an activation-checkpointing
+        unit's, in place of the matmul outputs and tp results."""
         if not self.regather:
             return run(shards, arrays)
         if self.tie_gathers:
@@ -180,15 +184,8 @@ class Hooks(TPCalls, RematCalls):
         kinds = {(tuple(np.shape(x)), jnp.dtype(x.dtype)) for x in shards}
 
         def bwd(res, ct):
-            leaves, treedef = jax.tree_util.tree_flatten(res)
-            first = next((c for c in jax.tree.leaves(ct) if jnp.issubdtype(c.dtype, jnp.floating) and c.size), None)
-            if first is not None:
-                # 0, computed from the cotangent, so the re-gather cannot run (or merge) before it. A sum, not an
-                # element: the cotangent may be cut over tp (one element would be gathered; a sum is a scalar).
-                zero = jnp.sum(first * 0)
-                leaves = [x + zero.astype(x.dtype) if (tuple(np.shape(x)), jnp.dtype(x.dtype)) in kinds else x
-                          for x in leaves]
-            return jax.tree_util.tree_unflatten(treedef, leaves)(ct)
+            leaves, treedef = jax.tree_util.tree_flatten(res)  # the re-gather cannot run (or merge) before ct
+            return jax.tree_util.tree_unflatten(treedef, _plus_zero(leaves, ct, kinds))(ct)
 
         unit.defvjp(fwd, bwd)
         return unit(shards, arrays)
@@ -337,12 +334,24 @@ class Hooks(TPCalls, RematCalls):
 
 
 def _after(shards: list, arrays: Sequence[Any]) -> list:
-    """``shards`` plus a 0 computed from the unit's first floating input (no gradient through it): the unit's
-    all-gathers then cannot run before its input exists. Without it XLA schedules every unit's forward
-    gather at the start of the step, and a re-gathering layout holds all the gathered parameters at once,
-    as if it kept them."""
-    first = next((a for a in arrays if jnp.issubdtype(a.dtype, jnp.floating) and a.size), None)
+    """``shards`` plus a 0 computed from the unit's input (no gradient through it): the unit's all-gathers
+    then cannot run before its input exists. Without it XLA schedules every unit's forward gather at the start
+    of the step, and a re-gathering layout holds all the gathered parameters at once, as if it kept them."""
+    return _plus_zero(shards, jax.lax.stop_gradient(list(arrays)))
+
+
+def _plus_zero(leaves: list, source: Any, kinds: set | None = None) -> list:
+    """``leaves`` plus a 0 computed from ``source`` (its first non-empty floating leaf; none: ``leaves``
+    unchanged), added to the floating leaves, or to those whose ``(shape, dtype)`` is in ``kinds``. A sum,
+    not an element: ``source`` may be cut over tp, where one element would be gathered and a sum is one
+    scalar, an all-reduce over tp of 4 bytes where the plan cuts it (sequence parallel, weight-stationary)."""
+    first = next((a for a in jax.tree.leaves(source) if jnp.issubdtype(a.dtype, jnp.floating) and a.size), None)
     if first is None:
-        return shards
-    zero = jnp.sum(jax.lax.stop_gradient(first) * 0)
-    return [x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in shards]
+        return list(leaves)
+    zero = jnp.sum(first * 0)
+
+    def tied(x) -> bool:
+        return jnp.issubdtype(x.dtype, jnp.floating) if kinds is None else (tuple(np.shape(x)),
+                                                                             jnp.dtype(x.dtype)) in kinds
+
+    return [x + zero.astype(x.dtype) if tied(x) else x for x in leaves]
