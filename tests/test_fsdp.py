@@ -353,26 +353,43 @@ def _compiled_layout(model, params, batch, lay):
     return step.lower(state, b).compile(), state.plan
 
 
-@pytest.mark.parametrize("mesh", ["fsdp=8", "dp=2,fsdp=4"])
+def _tp_layout_plan(variant: str, tp: int, vocab: int):
+    """The ``tp_plan`` of a laid-out tiny Transformer: ``variant`` "plain", "sp" (sequence parallel) or "ws"
+    (weight-stationary)."""
+    from models._plans import transformer_tp_plan
+    from spmd.parallel._auto_layout import tp_plan_for
+
+    return tp_plan_for(lambda sequence_parallel, tp_size: transformer_tp_plan(sequence_parallel, vocab_size=vocab,
+                                                                              tp_size=tp_size),
+                       variant == "sp", tp, weight_stationary=variant == "ws")
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=8", "dp=2,fsdp=4", "fsdp=4,tp=2 sp", "fsdp=4,tp=2 ws"])
 def test_regathering_holds_one_unit_at_a_time(mesh):
     """``reshard_after_forward``: the compiled step holds the root and about one block's gathered parameters,
     not every block's: XLA would otherwise run every block's forward all-gather at the start of the step
     (they read nothing but the stored shards), so a re-gathering layout held them all, as a keeping one
     does (the d384x6 Transformer's ``dp=2,fsdp=4`` step: 104 MiB where it needs 71). 6 blocks, one row per
-    device: the activations are a few KiB, the gathered parameters 180 KiB a block."""
+    device (two under ``ws``, which cuts each replica's rows over tp): the activations are a few KiB, the
+    gathered parameters 90-180 KiB a block. Under a plan that cuts the activations over tp too (sequence
+    parallel, weight-stationary), where the tie's zero is summed on each device's own block."""
     from spmd.parallel import Layout
     from spmd.parallel._auto_layout import infer_units
 
-    model = Transformer(vocab_size=7, max_len=6, num_layers=6, d_model=64, num_heads=2, mlp_ratio=2)
-    dims = dict(kv.split("=") for kv in mesh.split(","))
-    n_data = int(dims.get("dp", 1)) * int(dims["fsdp"])
-    batch = {"inputs": jax.ShapeDtypeStruct((n_data, 6), jnp.int32), "targets": jax.ShapeDtypeStruct((n_data, 6),
-                                                                                                      jnp.int32)}
+    model = Transformer(vocab_size=8, max_len=6, num_layers=6, d_model=64, num_heads=2, mlp_ratio=2)
+    shape, _, variant = mesh.partition(" ")
+    dims = {k: int(v) for k, v in (kv.split("=") for kv in shape.split(","))}
+    rows = dims.get("dp", 1) * dims["fsdp"] * (2 if variant == "ws" else 1)
+    batch = {"inputs": jax.ShapeDtypeStruct((rows, 6), jnp.int32), "targets": jax.ShapeDtypeStruct((rows, 6),
+                                                                                                    jnp.int32)}
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"])["params"])
-    units = infer_units(params)  # ("block_*",)
+    tp = dims.get("tp", 1)
+    extra = dict(tp=tp, tp_plan=_tp_layout_plan(variant, tp, 8), sequence_parallel=variant == "sp",
+                 weight_stationary=variant == "ws") if tp > 1 else {}
     temp = {}
     for regather in (True, False):
-        lay = Layout(dp=int(dims.get("dp", 1)), fsdp=int(dims["fsdp"]), units=units, reshard_after_forward=regather)
+        lay = Layout(dp=dims.get("dp", 1), fsdp=dims["fsdp"], units=infer_units(params),  # ("block_*",)
+                     reshard_after_forward=regather, **extra)
         compiled, plan = _compiled_layout(model, params, batch, lay)
         temp[regather] = compiled.memory_analysis().temp_size_in_bytes
     blocks = [plan.gathered_bytes(u) for u in plan.units if u.startswith("block_")]
@@ -386,26 +403,29 @@ def test_regathering_holds_one_unit_at_a_time(mesh):
 
 @pytest.mark.parametrize("variant", ["plain", "sp", "ws"])
 def test_regathering_ties_add_no_collective(variant, monkeypatch):
-    """The tie of a unit's gathers to its input (``Hooks.call_unit``) adds no collective, scalars counted: under a
-    plan that cuts the activations over tp (sequence parallel, weight-stationary) its sum would be an
-    all-reduce over tp per unit, so there it is not made."""
+    """The ties of a unit's gathers to its input (forward) and to its cotangent (backward: the re-gather) add no
+    collective, scalars counted: the re-gathering step's all-reduces and reduce-scatters are the keeping
+    step's, and without the forward tie its collectives are the same. Under a plan that cuts the activations
+    over tp (sequence parallel, weight-stationary) a tie's sum in global view would be an all-reduce over tp
+    per unit (``Hooks._zero_from``)."""
     import spmd.parallel._hooks as hooks
-    from models._plans import transformer_tp_plan
     from spmd.parallel import Layout
-    from spmd.parallel._auto_layout import infer_units, tp_plan_for
+    from spmd.parallel._auto_layout import infer_units
     from spmd.parallel._hlo import hlo_executed_collectives
 
     model = Transformer(vocab_size=16, max_len=8, num_layers=2, d_model=32, num_heads=4, mlp_ratio=2)
     batch = {"inputs": jax.ShapeDtypeStruct((16, 8), jnp.int32), "targets": jax.ShapeDtypeStruct((16, 8), jnp.int32)}
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"])["params"])
-    sp, ws = variant == "sp", variant == "ws"
-    plan = tp_plan_for(lambda sequence_parallel, tp_size: transformer_tp_plan(sequence_parallel, vocab_size=16,
-                                                                              tp_size=tp_size), sp, 2,
-                       weight_stationary=ws)
-    lay = Layout(fsdp=4, tp=2, units=infer_units(params), sequence_parallel=sp, weight_stationary=ws, tp_plan=plan)
-    got = {}
-    for tied in (True, False):
-        if not tied:
-            monkeypatch.setattr(hooks, "_after", lambda shards, arrays: shards)
-        got[tied] = hlo_executed_collectives(_compiled_layout(model, params, batch, lay)[0].as_text(), scalars=True)
-    assert got[True] == got[False]
+
+    def collectives(regather: bool) -> dict:
+        lay = Layout(fsdp=4, tp=2, units=infer_units(params), sequence_parallel=variant == "sp",
+                     weight_stationary=variant == "ws", tp_plan=_tp_layout_plan(variant, 2, 16),
+                     reshard_after_forward=regather)
+        return hlo_executed_collectives(_compiled_layout(model, params, batch, lay)[0].as_text(), scalars=True)
+
+    tied, keep = collectives(True), collectives(False)
+    for kind in ("all-reduce", "reduce-scatter", "all-to-all", "collective-permute"):
+        assert tied[kind] == keep[kind], (kind, tied[kind], keep[kind])
+    assert tied["all-gather"]["count"] > keep["all-gather"]["count"]  # the backward pass's re-gathers
+    monkeypatch.setattr(hooks.Hooks, "_after", lambda self, shards, arrays: shards)
+    assert collectives(True) == tied

@@ -11,7 +11,7 @@ wrapped in place) and:
   a tp-sharded operand, which it would first gather over tp), run the unit on them, and, with
   ``reshard_after_forward``, wrap that in ``jax.checkpoint`` (matmul outputs saved, gathered parameters
   not: the backward pass gathers again), its gathers tied to its input so that they run when it runs
-  (``_after``; not under a plan that cuts the activations over tp, where the tie would be a collective).
+  (``_after``; the tie's zero summed on each device's block, no collective: ``_zero_from``).
   ``jax.grad`` of the all-gather is one reduce-scatter per buffer.
 - **activation-checkpointing unit** (``spmd.parallel._remat``): run the module's own apply under
   ``jax.checkpoint`` with the unit's policy (the tp collectives' results always kept). An FSDP unit too:
@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from placements import Shard
 from spmd.parallel._param_plan import ROOT, ParamPlan, PlanEntry, path_str
@@ -45,7 +46,7 @@ from spmd.parallel._styles import KNOWN_EMBED, KNOWN_LINEAR, ColwiseParallel, Ro
 from spmd.parallel._remat import RematCalls, checkpoint_policy
 from spmd.parallel._tp_calls import COLWISE_MARK, TP_COMM, TPCalls, _is_array, split_arrays
 from spmd.parallel._transforms import METHODS, ParallelModule
-from spmd.parallel._weight_stationary import cuts_activations
+from spmd.parallel._weight_stationary import activation_cut_dim
 
 __all__ = ["Hooks", "COLWISE_MARK", "TP_COMM"]
 
@@ -58,10 +59,9 @@ class Hooks(TPCalls, RematCalls):
     def __init__(self, model: ParallelModule, plan: ParamPlan, *, gather_units: bool = True):
         self.model, self.plan = model, plan
         self.tp = model.tp.mesh_dim if model.tp else None
-        # a unit's forward gathers tied to its input (``_after``) where that costs no collective: a plan that
-        # cuts activations between the modules over tp (sequence parallel, weight-stationary) would make the
-        # tie's sum an all-reduce over tp, one per unit
-        self.tie_gathers = not cuts_activations(model.tp)
+        # the dim the plan cuts the activations on over tp (sequence parallel, weight-stationary): the re-gather
+        # ties' zeros are summed on each device's block there (``_zero_from``), not over tp
+        self.act_cut = activation_cut_dim(model.tp)
         self.n_tp = model.mesh.size(self.tp) if self.tp else 1
         fsdp = model.fsdp
         self.fsdp = fsdp.shard_dim if fsdp else None
@@ -162,16 +162,12 @@ class Hooks(TPCalls, RematCalls):
         ``+ 0`` computed from the incoming cotangent (``_plus_zero``), so the re-gather is a new all-gather of
         the backward pass (XLA:CPU drops optimization barriers before it merges equal ops, and would merge it
         with the forward pass's all-gather, holding the parameters all along, when the blocks are a Python
-        loop). Under a plan that cuts the activations over tp (sequence parallel, weight-stationary) the
-        cotangent is cut, and that ``+ 0`` costs one scalar all-reduce over tp per unit (a 2-block
-        Transformer's ``fsdp=4,tp=2 sp`` step: 5 all-reduces re-gathering, 3 keeping), the price of the
-        re-gather there. Likewise the shards get ``+ 0`` computed from the unit's input in the forward pass
-        (``_after``), where that costs no collective (``tie_gathers``). ``policy``: an activation-checkpointing
+        loop). Likewise the shards get ``+ 0`` computed from the unit's input in the forward pass (``_after``).
+        ``policy``: an activation-checkpointing
         unit's, in place of the matmul outputs and tp results."""
         if not self.regather:
             return run(shards, arrays)
-        if self.tie_gathers:
-            shards = _after(shards, arrays)
+        shards = self._after(shards, arrays)
         ckpt = jax.checkpoint(run, policy=policy or _SAVED)
 
         @jax.custom_vjp
@@ -185,10 +181,33 @@ class Hooks(TPCalls, RematCalls):
 
         def bwd(res, ct):
             leaves, treedef = jax.tree_util.tree_flatten(res)  # the re-gather cannot run (or merge) before ct
-            return jax.tree_util.tree_unflatten(treedef, _plus_zero(leaves, ct, kinds))(ct)
+            return jax.tree_util.tree_unflatten(treedef, _plus_zero(leaves, self._zero_from(ct), kinds))(ct)
 
         unit.defvjp(fwd, bwd)
         return unit(shards, arrays)
+
+    def _after(self, shards: list, arrays: Sequence[Any]) -> list:
+        """``shards`` plus a 0 computed from the unit's input (no gradient through it): the unit's all-gathers
+        then cannot run before its input exists. Without it XLA schedules every unit's forward gather at the
+        start of the step, and a re-gathering layout holds all the gathered parameters at once, as if it kept
+        them."""
+        return _plus_zero(shards, self._zero_from(jax.lax.stop_gradient(list(arrays))))
+
+    def _zero_from(self, source: Any) -> Any:
+        """A scalar 0 computed from ``source``'s first non-empty floating leaf (None: it has none), with no
+        collective. A sum, not an element: the leaf may be cut over tp, and one element would be gathered.
+        Where the plan cuts the activations on a dim over tp, the leaf is first narrowed to that dim (index 0
+        elsewhere: on each device's own block) and summed in a region manual over tp, so each device sums its
+        own part; a sum in global view would be an all-reduce over tp, one per unit and pass."""
+        x = next((a for a in jax.tree.leaves(source) if jnp.issubdtype(a.dtype, jnp.floating) and a.size), None)
+        if x is None:
+            return None
+        d = self.act_cut
+        if d is None or self.n_tp < 2 or x.ndim <= d or x.shape[d] % self.n_tp:
+            return jnp.sum(x * 0)
+        line = x[tuple(slice(None) if i == d else 0 for i in range(x.ndim))]
+        return jax.shard_map(lambda v: jnp.sum(v * 0), mesh=self._region_mesh(), in_specs=P(self.tp), out_specs=P(),
+                             axis_names={self.tp}, check_vma=False)(line)
 
     # --- linen ------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -333,22 +352,11 @@ class Hooks(TPCalls, RematCalls):
                               arrays, policy)
 
 
-def _after(shards: list, arrays: Sequence[Any]) -> list:
-    """``shards`` plus a 0 computed from the unit's input (no gradient through it): the unit's all-gathers
-    then cannot run before its input exists. Without it XLA schedules every unit's forward gather at the start
-    of the step, and a re-gathering layout holds all the gathered parameters at once, as if it kept them."""
-    return _plus_zero(shards, jax.lax.stop_gradient(list(arrays)))
-
-
-def _plus_zero(leaves: list, source: Any, kinds: set | None = None) -> list:
-    """``leaves`` plus a 0 computed from ``source`` (its first non-empty floating leaf; none: ``leaves``
-    unchanged), added to the floating leaves, or to those whose ``(shape, dtype)`` is in ``kinds``. A sum,
-    not an element: ``source`` may be cut over tp, where one element would be gathered and a sum is one
-    scalar, an all-reduce over tp of 4 bytes where the plan cuts it (sequence parallel, weight-stationary)."""
-    first = next((a for a in jax.tree.leaves(source) if jnp.issubdtype(a.dtype, jnp.floating) and a.size), None)
-    if first is None:
+def _plus_zero(leaves: list, zero: Any, kinds: set | None = None) -> list:
+    """``leaves`` plus ``zero`` (a scalar; None: ``leaves`` unchanged), added to the floating leaves, or to those
+    whose ``(shape, dtype)`` is in ``kinds``."""
+    if zero is None:
         return list(leaves)
-    zero = jnp.sum(first * 0)
 
     def tied(x) -> bool:
         return jnp.issubdtype(x.dtype, jnp.floating) if kinds is None else (tuple(np.shape(x)),

@@ -10,11 +10,10 @@ state (``argument + output + temp``):
   the largest other unit when re-gathering for the backward pass, every unit when kept or accumulating);
 - ``gathered_grads``: under FSDP, the unit gradients alive before their reduce-scatters, x (1 - 1/fsdp):
   re-gathering, the largest unit's (its backward pass runs between its re-gather and its reduce-scatters,
-  one unit at a time: ``Hooks.call_unit``; not under a plan that cuts activations over tp, where the
-  gathers are not tied to the units); keeping, 0.4 x the gathered bytes of every unit (fitted on the
-  project's Transformer, and likely making up for part of the activations below); under accumulation too,
-  where the reduce-scatters follow the loop (the d256x4 Transformer's 8-device layouts held 0-0.9x those
-  bytes beside the carry);
+  one unit at a time: ``Hooks.call_unit``, its gathers tied to the unit's input and cotangent); keeping,
+  0.4 x the gathered bytes of every unit (fitted on the project's Transformer, and likely making up for
+  part of the activations below); under accumulation too, where the reduce-scatters follow the loop (the
+  d256x4 Transformer's 8-device layouts held 0-0.9x those bytes beside the carry);
 - ``accumulated_grads``: under gradient accumulation with FSDP, the loop's carry of the gradients FSDP
   cuts, whole (every unit's gathered bytes), reduce-scattered once after the last micro-batch (a carry of
   the stored shape, without FSDP or for a parameter FSDP leaves whole, XLA keeps in an output's buffer: on
@@ -73,7 +72,6 @@ import numpy as np
 from placements import Shard
 
 from spmd.parallel._calibrate import program_ops
-from spmd.parallel._weight_stationary import cuts_activations
 
 __all__ = ["Profile", "memory_breakdown", "compute_cost", "reference_cost", "optimizer_compute_s", "optimizer_flops",
            "READ_ONLY"]
@@ -325,8 +323,7 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
     work = int(work)
     total_gathered = sum(plan.gathered_bytes(u) for u in plan.units) if fsdp and n_fsdp > 1 else 0
     one_unit = max((plan.gathered_bytes(u) for u in plan.units), default=0) if fsdp and n_fsdp > 1 else 0
-    tied = regather and accum_steps == 1 and not cuts_activations(model.tp)  # Hooks.tie_gathers
-    unit_grads = one_unit if tied else 0.4 * total_gathered
+    unit_grads = one_unit if regather and accum_steps == 1 else 0.4 * total_gathered  # Hooks._after: tied
     out = {"state": 2 * (params + opt), "batch": local_batch_bytes, "work": work, "gathered": gathered,
            "gathered_grads": int(unit_grads * (1 - 1 / n_fsdp)),
            "accumulated_grads": total_gathered if accum_steps > 1 else 0}

@@ -31,7 +31,7 @@ from placements import Shard
 from spmd.parallel._styles import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
                                    SequenceParallel)
 
-__all__ = ["weight_stationary_plan", "is_batch_cut", "cuts_activations"]
+__all__ = ["weight_stationary_plan", "is_batch_cut", "activation_cut_dim"]
 
 
 def _moved(layout: Any, sequence_dim: int) -> Any:
@@ -100,10 +100,12 @@ def weight_stationary_plan(plan: Mapping[str, Any], *, sequence_dim: int = 1) ->
     return out
 
 
-def cuts_activations(tp: Any) -> bool:
-    """Whether a ``parallelize_module`` layout (a ``TPSpec``, or None) cuts activations between modules over tp
-    (sequence parallel, weight-stationary): there a scalar from a unit's input is an all-reduce over tp."""
-    return bool(tp) and any(_activation_cuts(style) for _, style in tp.plan)
+def activation_cut_dim(tp: Any) -> int | None:
+    """The dim on which a ``parallelize_module`` layout (a ``TPSpec``, or None) cuts the activations between
+    modules over tp (1: sequence parallel on ``(batch, seq, ...)``, 0: weight-stationary); None where it cuts
+    none, or on several dims."""
+    dims = {d for _, style in (tp.plan if tp else ()) for d in _activation_cuts(style)}
+    return dims.pop() if len(dims) == 1 else None
 
 
 def is_batch_cut(items: Any) -> bool:
