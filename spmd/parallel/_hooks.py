@@ -163,8 +163,7 @@ class Hooks(TPCalls, RematCalls):
         the backward pass (XLA:CPU drops optimization barriers before it merges equal ops, and would merge it
         with the forward pass's all-gather, holding the parameters all along, when the blocks are a Python
         loop). Likewise the shards get ``+ 0`` computed from the unit's input in the forward pass (``_after``).
-        ``policy``: an activation-checkpointing
-        unit's, in place of the matmul outputs and tp results."""
+        ``policy``: an activation-checkpointing unit's, in place of the matmul outputs and tp results."""
         if not self.regather:
             return run(shards, arrays)
         shards = self._after(shards, arrays)
