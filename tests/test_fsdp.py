@@ -371,8 +371,8 @@ def test_regathering_holds_one_unit_at_a_time(mesh):
     (they read nothing but the stored shards), so a re-gathering layout held them all, as a keeping one
     does (the d384x6 Transformer's ``dp=2,fsdp=4`` step: 104 MiB where it needs 71). 6 blocks, one row per
     device (two under ``ws``, which cuts each replica's rows over tp): the activations are a few KiB, the
-    gathered parameters 90-180 KiB a block. Under a plan that cuts the activations over tp too (sequence
-    parallel, weight-stationary), where the tie's zero is summed on each device's own block."""
+    gathered parameters 90-180 KiB a block. It holds under plans that cut the activations over tp too
+    (sequence parallel, weight-stationary), where the tie's zero is summed on each device's own block."""
     from spmd.parallel import Layout
     from spmd.parallel._auto_layout import infer_units
 
