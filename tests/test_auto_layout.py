@@ -188,6 +188,15 @@ def test_the_tp_work_is_its_part_compiled_once_per_cut_and_rows(data):
     ws = evaluate_layout(MODEL, OPT, batch, 8, Layout(dp=2, tp=4, weight_stationary=True, tp_plan=tuple(
         weight_stationary_plan(PLAN(True, 4)).items())), calibration=_cal(), profile=prof)
     assert len(prof._tp_temp) == 2 and ws.memory["work"] != got["dp=4,tp=2"].memory["work"]
+    # re-gathering units save their matmul outputs, which sp and ws layers compute as the plain plan's do:
+    # their work is the plain part's (the plan with whole activations), scaled as the plain layout's
+    regather = {kw: evaluate_layout(MODEL, OPT, batch, 8, Layout(fsdp=4, tp=2, units=("block_*",), tp_plan=tuple(
+        (weight_stationary_plan(PLAN(True, 2)) if kw == "weight_stationary" else PLAN(kw == "sequence_parallel", 2)
+         ).items()), **({kw: True} if kw else {})), calibration=_cal(), profile=prof)
+        for kw in ("", "sequence_parallel", "weight_stationary")}
+    assert len({c.memory["work"] for c in regather.values()}) == 1
+    assert {k[0].sequence_parallel or k[0].weight_stationary for k in prof._tp_temp if k[0].tp == 2} == {False}
+    assert regather[""].memory["work"] < prof._tp_temp[part]  # the matmul outputs' share of the part's
 
 
 def test_the_accumulating_loop_holds_one_set_of_gradients(built):

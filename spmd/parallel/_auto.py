@@ -62,6 +62,7 @@ from spmd.parallel._shard import entry_sharding
 from spmd.parallel._step import TrainState, _check_optimizer, init_train_state, make_train_step
 from spmd.parallel._tp_profile import tp_temp_bytes
 from spmd.parallel._transforms import as_parallel
+from spmd.parallel._weight_stationary import whole_activation_plan
 
 __all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default_loss", "abstract_state"]  # the
 # first two: spmd.parallel._ranking
@@ -99,6 +100,13 @@ def _groups(layout: Layout) -> dict:
             "activations": {k: layout.tp for k in KINDS}}
 
 
+def _regathers(layout: Layout) -> bool:
+    """Whether FSDP gathers ``layout``'s units again for their backward pass, each under ``jax.checkpoint``
+    saving its matmul outputs (``spmd.parallel._hooks``; a checkpointing policy or accumulation aside)."""
+    return (layout.fsdp > 1 and layout.reshard_after_forward and layout.accum_steps == 1
+            and layout.activation_checkpointing is None)
+
+
 def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any, layout: Layout, *,
                     loss_fn: Callable | None = None, params: Any = None, calibration: Calibration | None = None,
                     profile: Profile | None = None, budget: int | None = None) -> Candidate:
@@ -128,7 +136,12 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     tp_temp = None
     if layout.tp > 1:  # the cut program's work buffers, measured on its own group
         replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // n_data, *x.shape[1:]), x.dtype), batch)
-        tp_temp = tp_temp_bytes(profile, model, devices, layout, replica,
+        part = layout
+        if (layout.sequence_parallel or layout.weight_stationary) and _regathers(layout):
+            # the units save their matmul outputs alone, as they are under the plan with whole activations
+            part = replace(layout, tp_plan=whole_activation_plan(layout.tp_plan), sequence_parallel=False,
+                           weight_stationary=False)
+        tp_temp = tp_temp_bytes(profile, model, devices, part, replica,
                                 lambda m: loss_fn if loss_fn is not None else default_loss(m))
     mem = memory_breakdown(prof, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
                            sequence_parallel=layout.sequence_parallel or layout.weight_stationary, tp_temp=tp_temp)
