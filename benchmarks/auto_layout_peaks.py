@@ -60,8 +60,12 @@ def _plot(results: dict, path: str) -> None:
     hi = max(max(r["compiled_mib"], r["predicted_mib"]) for r in rows)
     ax.plot([0, hi], [0, hi], "k--", lw=0.8)
     ax.fill_between([0, hi], [0, (1 - WITHIN) * hi], [0, (1 + WITHIN) * hi], color="k", alpha=0.08, label="+-10%")
+    from matplotlib.ticker import NullFormatter
+
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_minor_formatter(NullFormatter())  # the decades alone: minor labels overlap
     ax.set_xlabel("compiled peak MiB/device (memory_analysis)")
     ax.set_ylabel("predicted peak MiB/device")
     ax.legend()
