@@ -23,6 +23,7 @@ import re
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -51,6 +52,7 @@ def _plot(results: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     rows = [r for run in results["configs"].values() for r in run["layouts"]]
     fig, ax = plt.subplots(figsize=(7, 6))
@@ -60,8 +62,6 @@ def _plot(results: dict, path: str) -> None:
     hi = max(max(r["compiled_mib"], r["predicted_mib"]) for r in rows)
     ax.plot([0, hi], [0, hi], "k--", lw=0.8)
     ax.fill_between([0, hi], [0, (1 - WITHIN) * hi], [0, (1 + WITHIN) * hi], color="k", alpha=0.08, label="+-10%")
-    from matplotlib.ticker import NullFormatter
-
     ax.set_xscale("log")
     ax.set_yscale("log")
     for axis in (ax.xaxis, ax.yaxis):
@@ -84,7 +84,6 @@ def main(argv=None) -> int:
     if a is None:
         return 0
     import jax
-    from dataclasses import replace
 
     from auto_layout import _commit
     from fsdp import SEQ, SIZES, VOCAB, _batches, _ce, _optimizer

@@ -5,8 +5,8 @@ device, and its errors. Each configuration compiles once (lru_cache) and trains 
 transformer whose heads (8), vocabulary (8) and MLP width (32) divide every tp size."""
 
 import functools
-from dataclasses import replace
 import re
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
