@@ -39,11 +39,11 @@ def PLAN(sequence_parallel, tp_size):
     return transformer_tp_plan(sequence_parallel, vocab_size=VOCAB, tp_size=tp_size)
 
 
-def _cal(lat=1e-4, bw=1e9, flops=1e10, ew=1e10, op_s=0.0, measured=False) -> Calibration:
+def _cal(lat=1e-4, bw=1e9, flops=1e10, ew=1e10, op_s=0.0, measured=False, alone=1.0) -> Calibration:
     return Calibration(collectives={k: (lat, bw) for k in ("all-gather", "reduce-scatter", "all-reduce",
                                                           "collective-permute")},
                        matmul_flops_per_s=flops, elementwise_bytes_per_s=ew, dispatch_s=1e-4, group_size=8,
-                       op_s=op_s, measured=measured)
+                       op_s=op_s, measured=measured, alone_speedup=alone)
 
 
 # The module's compiles are cached in the module, not only in module fixtures: xdist may run another
@@ -357,6 +357,7 @@ def test_calibrate_measures_caches_and_refreshes(tmp_path, monkeypatch):
     assert [str(f) for f in files] == [Calibration.cache_path()]
     cached = json.loads(files[0].read_text())["calibration"]
     assert len(files) == 1 and cached["group_size"] == 8 and cached["op_s"] == cal.op_s  # every measured term kept
+    assert cached["alone_speedup"] == cal.alone_speedup
     assert calibrate(quick=True) == cal  # from the cache
     files[0].write_text(json.dumps({"version": VERSION, "quick": True,
                                     "calibration": {**cal.to_json(), "dispatch_s": 123.0}}))
@@ -552,18 +553,26 @@ def test_pipelined_bytes_equal_the_compiled_hlo_and_memory_is_within_15_percent(
             // s.num_microbatches * T * 32 * 4 // (2 if "fsdp" in name else 1) * (2 if "fsdp" in name else 1)
 
 
-def test_pipelined_time_is_the_schedules_lockstep_replay(pipelined, data):
-    cand, _, laid = pipelined["pp=2,fsdp=4 1f1b M=2"]
-    prof, cal, s = data[2], _cal(op_s=1e-6), laid.schedule
+def _chunk_terms(laid, data, cal):
+    """``t_F`` (a one-block chunk's forward on one micro-batch) and the code outside the units per micro-batch
+    of ``pp=2,fsdp=4 1f1b M=2`` (see ``spmd.parallel._auto_pipeline``), and the one-device step's terms."""
+    prof = data[2]
     mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 4 // 2, *x.shape[1:]), x.dtype), _abstract(data[0]))
     (f, nb), ops = prof.grad_cost(mb), prof.ops(mb)
     lay = laid.layout(data[1])
     u = sum(int(np.prod(lay.shapes[p].shape)) * 4 for p in lay.unit_of) / prof.param_bytes
-    t_f = cal.compute_s(f, nb, ops) * u / 2 / 3  # one block of two per stage; a forward is a third of the step
+    # one block of two per stage; a forward is a third of the step; the ends recomputed once
+    return cal.compute_s(f, nb, ops) * u / 2 / 3, cal.compute_s(f, nb, ops) * (1 - u) * 4 / 3
+
+
+def test_pipelined_time_is_the_schedules_lockstep_replay(pipelined, data):
+    cand, _, laid = pipelined["pp=2,fsdp=4 1f1b M=2"]
+    prof, cal, s = data[2], _cal(op_s=1e-6), laid.schedule
+    t_f, ends = _chunk_terms(laid, data, cal)
     of, ob = prof.optimizer_cost()
     share = sum(e.local_nbytes for e in jax.eval_shape(lambda: init_train_state(laid, OPT, params=data[1])).plan.entries
                 ) / prof.param_bytes
-    want = (s.timed(t_f, 3 * t_f)["lockstep_s"] + 2 * cal.compute_s(f, nb, ops) * (1 - u) * 4 / 3
+    want = (s.timed(t_f, 3 * t_f)["lockstep_s"] + 2 * ends
             + cal.compute_s(of * share, ob * share, prof._optimizer()[2]))  # the update's operations once
     assert cand.compute_s == pytest.approx(want, rel=1e-9)
     t = cand.communication["total"]
@@ -572,6 +581,24 @@ def test_pipelined_time_is_the_schedules_lockstep_replay(pipelined, data):
     # 1f1b at 2 micro-batches on 2 ranks: each rank busy 2 x (t_F + t_B) = 8 t_F of the lockstep's 12 t_F (the
     # bubble (pp - 1) / (M + pp - 1) = 1/3 is in the time)
     assert s.bubble == pytest.approx(1 / 3) and s.timed(t_f, 3 * t_f)["lockstep_s"] == pytest.approx(12 * t_f)
+
+
+@pytest.mark.parametrize("alone", [1.5, 2.0, 8.0])
+def test_on_devices_sharing_a_host_a_tick_runs_its_busy_ranks_faster(pipelined, data, alone):
+    """Where a device's program runs ``alone`` times faster with the others idle (fake devices sharing a host's
+    cores), a tick lasts its busiest rank's work over ``alone``, at least its work over every rank: 1F1B at
+    pp=2, M=2 has two ticks with both ranks busy (F F, B B: 4 t_F) and three with one (F, F+B, B: 8 t_F in
+    lockstep), so 4 t_F + max(8 / alone, 4) t_F, the bubble free from alone = pp on; the code outside the
+    units runs over min(alone, pp)."""
+    cand, _, laid = pipelined["pp=2,fsdp=4 1f1b M=2"]
+    shared = evaluate_layout(MODEL, OPT, data[0], 8, PIPELINED["pp=2,fsdp=4 1f1b M=2"],
+                             calibration=_cal(op_s=1e-6, alone=alone), profile=data[2])
+    t_f, ends = _chunk_terms(laid, data, _cal(op_s=1e-6))
+    saved = (12 - 4 - max(8 / alone, 4)) * t_f + 2 * ends * (1 - 1 / min(alone, 2))
+    assert cand.compute_s - shared.compute_s == pytest.approx(saved, rel=1e-9)
+    assert shared.comm_s == cand.comm_s and shared.memory == cand.memory
+    with pytest.raises(ValueError, match=re.escape("Calibration: alone_speedup=0.5 must be between 1")):
+        _cal(alone=0.5)
 
 
 def test_auto_layout_ranks_the_pipelines_beside_the_others(data):

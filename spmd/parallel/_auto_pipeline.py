@@ -7,11 +7,14 @@ and asked for its own table (``step.communication``, equal to the compiled HLO);
   terms of the rank that runs the most (``activations``); the stage and rest gradients' all-reduce and,
   under FSDP, the stages' one all-gather and reduce-scatter per buffer (``parameters``).
 - **time**: the schedule replayed in lockstep (``Schedule.timed(t_F, t_B)``, each tick as long as its
-  slowest rank, as this SPMD program runs): ``t_F`` a chunk's forward on one micro-batch (a third of the
+  slowest rank, as this SPMD program runs; where the devices share a host's cores, ``Calibration
+  .alone_speedup`` > 1, a tick's busy ranks run faster by up to that while others idle, and the tick lasts at
+  least its work spread over every rank: ``_replayed``): ``t_F`` a chunk's forward on one micro-batch (a third of the
   one-device step's cost on it, times the chunk's share of the model: its units over all units, times the
   units' share of the parameters; the tensor-parallel units' work over ``tp``), ``t_B = 3 t_F`` (the
   backward recomputes the chunk's forward from the stashed input); plus the code before and after the units
-  (embeddings, head, loss) once per micro-batch on the end ranks (4/3 of its step share: recomputed once),
+  (embeddings, head, loss) once per micro-batch on the end ranks (4/3 of its step share: recomputed once;
+  over ``min(alone_speedup, pp)`` on a shared host, the other ranks' cores its own),
   the optimizer's update of the rank's shards (``optimizer_compute_s``), each collective kind's count
   times its calibrated cost curve at their mean size, and the dispatch.
 - **memory**: the state (arguments and outputs), the batch slice, the gradient accumulators (the rank's
@@ -81,6 +84,19 @@ def _share(lay) -> float:
     return units / total if total else 1.0
 
 
+def _replayed(schedule, t_f: float, t_b: float, alone: float) -> float:
+    """Seconds of ``schedule``'s ticks with a forward lasting ``t_f`` and a backward ``t_b`` (all devices busy):
+    each tick its busiest rank's work over ``alone`` (``Calibration.alone_speedup``: the cores of the idle
+    devices go to the busy ones), and at least the tick's work over every rank; ``alone=1`` (devices that
+    share nothing) is the lockstep replay, ``Schedule.timed``'s ``lockstep_s``."""
+    dur = {"F": t_f, "B": t_b}
+    total = 0.0
+    for row in schedule.ticks:
+        work = [sum(dur[a.kind] for a in acts) for acts in row]
+        total += max(max(work) / alone, sum(work) / schedule.pp)
+    return total
+
+
 def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, cal, anchor: float,
                   optimizer_s: float) -> dict:
     """The terms of a pipelined candidate (see the module doc): ``compute_s``, ``comm_s``, ``communication``
@@ -100,7 +116,8 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     t_f = cal.compute_s(flops, nbytes, ops) * chunk / 3
     ends = cal.compute_s(flops, nbytes, ops) * (1 - u) * 4 / 3
     share = state.plan.bytes_per_device / max(profile.param_bytes, 1)
-    per_step = s.timed(t_f, 3 * t_f)["lockstep_s"] + s.num_microbatches * ends
+    per_step = _replayed(s, t_f, 3 * t_f, cal.alone_speedup) + s.num_microbatches * ends / min(cal.alone_speedup,
+                                                                                               layout.pp)
     compute = layout.accum_steps * per_step * anchor + optimizer_s
 
     tp = c.get("tp")

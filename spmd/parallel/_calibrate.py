@@ -12,7 +12,10 @@ no longer holding the devices' buffers); a matmul's flop rate and
 an elementwise kernel's byte rate per device while all devices run (on a CPU host the fake devices share the
 cores: the rates are what each gets); the cost of one more operation in a device's program (``op_s``: a chain
 of tiny dependent ops, all devices busy: the per-kernel launch and synchronisation a step's hundreds of
-fusions pay); and the fixed cost of dispatching one program. The result is a ``Calibration``, cached per
+fusions pay); how much faster one device's program runs with the other devices idle (``alone_speedup``: the
+matmul program on one device over all of them at once; on this 2-core host with 8 fake devices about 5, as
+the idle devices' cores go to the busy one: a pipeline's bubble there costs little); and the fixed cost of
+dispatching one program. The result is a ``Calibration``, cached per
 machine as JSON under ``$SPMD_CACHE_DIR`` (default ``~/.cache/spmd``; ``Calibration.cache_path(devices)``) and
 reused unless ``refresh=True``.
 
@@ -42,7 +45,7 @@ import numpy as np
 __all__ = ["Calibration", "calibrate", "cache_path", "program_ops", "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-VERSION = 2  # of the cached calibration: 2, the collectives' cost curves
+VERSION = 3  # of the cached calibration: 2, the collectives' cost curves; 3, alone_speedup
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,9 @@ class Calibration:
     bandwidth_bytes_per_s)``: the line ``latency + bytes / bandwidth`` (a hand-built calibration);
     ``matmul_flops_per_s`` and ``elementwise_bytes_per_s``: per device, all devices busy;
     ``dispatch_s``: the fixed cost of one step's program; ``op_s``: the cost of one more operation of a
-    device's program, all devices busy; ``measured``: made by ``calibrate()`` on this machine (see the
+    device's program, all devices busy; ``alone_speedup``: a device's program with the others idle over all
+    devices busy (1: devices that do not share compute, as GPUs; up to the device count over the cores
+    where fake devices share a host's); ``measured``: made by ``calibrate()`` on this machine (see the
     module doc: ``auto_layout`` then anchors its compute estimate on the model's measured step).
     """
 
@@ -66,6 +71,7 @@ class Calibration:
     machine: str = ""
     op_s: float = 0.0
     measured: bool = False
+    alone_speedup: float = 1.0
 
     def __post_init__(self):
         for k in COLLECTIVE_KINDS:
@@ -79,6 +85,9 @@ class Calibration:
                 raise ValueError(f"Calibration: {name}={getattr(self, name)!r} must be > 0.")
         if not self.op_s >= 0:
             raise ValueError(f"Calibration: op_s={self.op_s!r} must be >= 0 (seconds per operation).")
+        if not 1 <= self.alone_speedup <= self.group_size:
+            raise ValueError(f"Calibration: alone_speedup={self.alone_speedup!r} must be between 1 (devices that do "
+                             f"not share compute) and group_size={self.group_size}.")
 
     @staticmethod
     def cache_path(devices=None) -> str:
@@ -251,11 +260,9 @@ def _measure(devices, sizes: Sequence[int], repeats: int, reps: int) -> Calibrat
     dispatch = _timed(empty, tiny, repeats=repeats)
     colls = _collectives(mesh, sizes, repeats=max(repeats, 3), segments=2 * reps)
     m = 256
-    a = jax.device_put(jnp.ones((n * m, m), jnp.float32), sh)
-    mm = jax.jit(jax.shard_map(lambda x: _repeat(lambda y: jnp.tanh(y @ x[:m]), x[:m], reps),
-                               mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    t = max(_timed(mm, a, repeats=repeats) - dispatch, 1e-9)
+    t = max(_matmuls(devices, m, reps, repeats) - dispatch, 1e-9)
     flops = reps * 2 * m ** 3 / t
+    alone = min(max(t / max(_matmuls(devices[:1], m, reps, repeats) - dispatch, 1e-9), 1.0), float(n))
     e = 1 << 18
     v = jax.device_put(jnp.ones((n * e,), jnp.float32), sh)
     ew = jax.jit(jax.shard_map(lambda x: _repeat(lambda y: y * 0.999 + x, x, reps), mesh=mesh, in_specs=P("x"),
@@ -264,7 +271,21 @@ def _measure(devices, sizes: Sequence[int], repeats: int, reps: int) -> Calibrat
     bw = reps * 3 * e * 4 / t
     return Calibration(collectives=colls, matmul_flops_per_s=flops, elementwise_bytes_per_s=bw, dispatch_s=dispatch,
                        group_size=n, machine=_machine_key(devices), op_s=_op_seconds(mesh, repeats),
-                       measured=True)
+                       measured=True, alone_speedup=alone)
+
+
+def _matmuls(devices, m: int, reps: int, repeats: int) -> float:
+    """Seconds of ``reps`` dependent ``m``-cubed matmuls (and a tanh) on each of ``devices`` at once."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(devices), ("x",))
+    a = jax.device_put(jnp.ones((len(devices) * m, m), jnp.float32), NamedSharding(mesh, P("x")))
+    mm = jax.jit(jax.shard_map(lambda x: _repeat(lambda y: jnp.tanh(y @ x[:m]), x[:m], reps),
+                               mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    return _timed(mm, a, repeats=repeats)
 
 
 def _op_seconds(mesh, repeats: int, k: int = 128) -> float:
