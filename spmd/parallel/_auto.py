@@ -51,11 +51,11 @@ import optax
 from spmd.parallel._auto_layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
 from spmd.parallel._auto_budget import CHECKPOINTING, _fitting, _measured, checked
 from spmd.parallel._auto_measure import compiled_peak, measure_layouts
-from spmd.parallel._auto_pipeline import pipeline_cost, pipeline_layouts
+from spmd.parallel._auto_pipeline import pipeline_cost, pipeline_layouts, stage_shapes
 from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._comm import KINDS
 from spmd.parallel._memory import (Profile, _nbytes, compute_cost, memory_breakdown, optimizer_compute_s,
-                                   optimizer_flops, reference_cost)
+                                   optimizer_flops, reference_cost, update_seconds)
 from spmd.parallel._ranking import AutoLayout, Candidate
 from spmd.parallel._remat_profile import remat_profile
 from spmd.parallel._shard import entry_sharding
@@ -170,7 +170,8 @@ def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devic
                          batch)
     anchor = _anchor(profile, batch, micro, devices, cal)
     t = pipeline_cost(laid, params, state, step, batch, layout, profile, cal, anchor,
-                      optimizer_compute_s(profile, state.plan, cal, devices))
+                      optimizer_compute_s(profile, state.plan, cal, devices),
+                      update_seconds(profile, stage_shapes(laid, params, state.plan), cal, devices))
     total = t["compute_s"] + sum(t["comm_s"].values()) + cal.dispatch_s
     return Candidate(layout=layout, predicted_s=total, compute_s=t["compute_s"], comm_s=t["comm_s"],
                      dispatch_s=cal.dispatch_s, communication=t["communication"], memory=t["memory"],

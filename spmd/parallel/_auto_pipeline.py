@@ -15,7 +15,11 @@ and asked for its own table (``step.communication``, equal to the compiled HLO);
   backward recomputes the chunk's forward from the stashed input); plus the code before and after the units
   (embeddings, head, loss) once per micro-batch on the end ranks (4/3 of its step share: recomputed once;
   over ``min(alone_speedup, pp)`` on a shared host, the other ranks' cores its own),
-  the optimizer's update of the rank's shards (``optimizer_compute_s``), each collective kind's count
+  the optimizer's update of the rank's shards (``optimizer_compute_s``); each backward tick's passes over the
+  rank's whole stacked stage (the stage-sized cotangent and its sum into the accumulator, gathered over fsdp):
+  ``STAGE_PASSES`` times the optimizer's update of those bytes timed on every device at once (``stage_shapes``;
+  on the 2-core host the step grows per micro-batch by 17-23 ms on d256x4's 6.3 MB stages, 65-88 ms on
+  d384x6's 21.3 MB, where those updates take 16.5 and 59.6 ms); each collective kind's count
   times its calibrated cost curve at their mean size, and the dispatch.
 - **memory**: the state (arguments and outputs), the batch slice, the gradient accumulators (the rank's
   parameters; under FSDP its stages full over ``fsdp``) and the gathered stages, the stash (the schedule's
@@ -39,9 +43,10 @@ from spmd.parallel._param_plan import path_str
 from spmd.parallel._pipeline_comm import STAGES
 from spmd.parallel._pipeline import unit_modules
 
-__all__ = ["pipeline_cost", "pipeline_layouts", "PERMUTE"]
+__all__ = ["pipeline_cost", "pipeline_layouts", "stage_shapes", "PERMUTE", "STAGE_PASSES"]
 
 PERMUTE = "collective-permute"
+STAGE_PASSES = 1.0  # a backward tick's passes over the stacked stage, in optimizer updates of its bytes
 
 
 def count_units(params: Any, glob: str) -> int:
@@ -76,6 +81,21 @@ def pipeline_layouts(n: int, plan: Any, units: tuple[str, ...], params: Any, row
     return out
 
 
+def stage_shapes(laid, params: Any, plan) -> list:
+    """The rank's stacked stage parameters as its chunks compute on them (shape structs): the stored shards,
+    gathered over fsdp."""
+    lay = laid.layout(params)
+    out = []
+    for e in plan.entries:
+        if e.path.startswith(STAGES + "/"):
+            shape = list(e.local_shape)
+            d = lay.fsdp_dim(e.path[len(STAGES) + 1:])
+            if d is not None:
+                shape[d] *= lay.n_fsdp
+            out.append(jax.ShapeDtypeStruct(tuple(shape), e.dtype))
+    return out
+
+
 def _share(lay) -> float:
     """The units' share of the model's parameter bytes (their share of its matmul work, for a model whose
     matmul kernels hold its parameters)."""
@@ -98,7 +118,7 @@ def _replayed(schedule, t_f: float, t_b: float, alone: float) -> float:
 
 
 def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, cal, anchor: float,
-                  optimizer_s: float) -> dict:
+                  optimizer_s: float, stage_s: float = 0.0) -> dict:
     """The terms of a pipelined candidate (see the module doc): ``compute_s``, ``comm_s``, ``communication``
     (``{"parameters", "activations", "total"}: {kind: {count, bytes}}``), ``memory``, ``flops``."""
     c = step.communication(state, batch)
@@ -118,7 +138,10 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     share = state.plan.bytes_per_device / max(profile.param_bytes, 1)
     per_step = _replayed(s, t_f, 3 * t_f, cal.alone_speedup) + s.num_microbatches * ends / min(cal.alone_speedup,
                                                                                                layout.pp)
-    compute = layout.accum_steps * per_step * anchor + optimizer_s
+    # each backward tick passes over the rank's whole stacked stage (its cotangent, the accumulator's sum):
+    # STAGE_PASSES x the optimizer's update of those bytes, timed on every device at once (stage_s)
+    ticks_b = layout.accum_steps * s.num_microbatches * s.stages_per_rank
+    compute = layout.accum_steps * per_step * anchor + optimizer_s + STAGE_PASSES * ticks_b * stage_s
 
     tp = c.get("tp")
     none = {k: {"count": 0, "bytes": 0} for k in KINDS}

@@ -79,7 +79,7 @@ from placements import Shard
 from spmd.parallel._calibrate import program_ops
 
 __all__ = ["Profile", "memory_breakdown", "compute_cost", "reference_cost", "optimizer_compute_s", "optimizer_flops",
-           "READ_ONLY"]
+           "update_seconds", "READ_ONLY"]
 
 # the compiler options of a program compiled only to read its memory_analysis, cost analysis or optimized HLO:
 # XLA's HLO passes and buffer assignment run before LLVM generates the code, which such a program never runs
@@ -361,12 +361,18 @@ def optimizer_compute_s(profile: Profile, plan, cal, devices: list) -> float:
     """Seconds of the optimizer's update of ``plan``'s shards on one device: measured
     (``Profile.optimizer_seconds``, less dispatch) under a measured calibration; else the whole update's
     flops and bytes by the shard's share, and its operations, at ``cal``'s rates."""
+    shards = jax.tree_util.tree_unflatten(plan.treedef, [jax.ShapeDtypeStruct(e.local_shape, e.dtype)
+                                                        for e in plan.entries])  # the optimizer sees the tree
+    return update_seconds(profile, shards, cal, devices)
+
+
+def update_seconds(profile: Profile, shards: Any, cal, devices: list) -> float:
+    """Seconds of the optimizer's update of parameters shaped ``shards`` (shape structs) on one device, as
+    ``optimizer_compute_s`` takes them: measured on every device at once, or by the bytes' share."""
     if cal.measured and len(devices) > 1:
-        shards = jax.tree_util.tree_unflatten(plan.treedef, [jax.ShapeDtypeStruct(e.local_shape, e.dtype)
-                                                            for e in plan.entries])  # the optimizer sees the tree
         return max(profile.optimizer_seconds(shards, devices) - cal.dispatch_s, 0.0)
     of, ob, ops = profile._optimizer()
-    share = plan.bytes_per_device / max(profile.param_bytes, 1)
+    share = _nbytes(shards) / max(profile.param_bytes, 1)
     return cal.compute_s(of * share, ob * share, ops)
 
 
