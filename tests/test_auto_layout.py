@@ -498,15 +498,39 @@ def test_a_measured_calibration_anchors_the_gradients_and_times_the_optimizer_on
     assert shards[0] == n and n / 8 <= shards[1] < n / 7 and n / 2 < shards[2] < n  # each layout's own shards
 
 
-def test_the_profile_times_the_gradient_and_the_optimizer_on_every_device_at_once(data):
-    batch, params, prof = data
+def test_the_profile_times_the_gradient_and_the_optimizer_on_every_device_at_once(data, monkeypatch):
+    """What is timed: one device's gradient on its micro-batch (the batch cut over all 8 devices, the
+    parameters whole on each), and the optimizer's update of the given shards whole on each device; each
+    measured once per shapes (the clock replaced: the seconds are whatever the timer returns)."""
+    import spmd.parallel._memory as memory
+
+    batch, params, _ = data
+    prof = Profile(default_loss(MODEL), params, OPT)  # nothing timed yet
+    timed = []
+    monkeypatch.setattr(memory, "_median_seconds", lambda f, vals, rounds: timed.append((f, vals)) or 0.125 * len(timed))
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8, *x.shape[1:]), x.dtype), _abstract(batch))
-    t = prof.grad_seconds(micro, jax.devices(), rounds=1)
-    assert t > 0 and prof.grad_seconds(micro, jax.devices(), rounds=1) == t  # measured once
+    assert prof.grad_seconds(micro, jax.devices(), rounds=1) == 0.125
+    assert prof.grad_seconds(micro, jax.devices(), rounds=1) == 0.125 and len(timed) == 1  # measured once
+    f, (p_vals, b_vals) = timed[0]
+    for got, want in zip(jax.tree.leaves(b_vals), jax.tree.leaves(micro)):  # each device its own micro-batch
+        assert len(got.addressable_shards) == 8 and {sh.data.shape for sh in got.addressable_shards} == {want.shape}
+    for got, want in zip(jax.tree.leaves(p_vals), jax.tree.leaves(params)):  # the parameters whole on each
+        assert {sh.data.shape for sh in got.addressable_shards} == {want.shape}
+    zeros = lambda t: jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), t)  # noqa: E731
+    ref = jax.grad(prof.loss)(zeros(params), zeros(micro))  # what one device computes (every input is zeros)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7),
+                 f(p_vals, b_vals), ref)
+
     shards = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // 2, *x.shape[1:]) if x.shape and x.shape[0] % 2
                                                          == 0 else x.shape, x.dtype), params)  # the params' tree
-    t = prof.optimizer_seconds(shards, jax.devices(), rounds=1)
-    assert t > 0 and prof.optimizer_seconds(shards, jax.devices(), rounds=1) == t
+    assert prof.optimizer_seconds(shards, jax.devices(), rounds=1) == 0.25
+    assert prof.optimizer_seconds(shards, jax.devices(), rounds=1) == 0.25 and len(timed) == 2
+    f, vals = timed[1]
+    for got, want in zip(jax.tree.leaves(vals[0]), jax.tree.leaves(shards)):  # the shards whole on each device
+        assert {sh.data.shape for sh in got.addressable_shards} == {want.shape}
+    new_params, _ = f(*vals)
+    u, _ = OPT.update(zeros(shards), OPT.init(zeros(shards)), zeros(shards))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b)), new_params, u)
 
 
 def test_accum_steps_is_every_candidates_least(data):
