@@ -507,7 +507,8 @@ def test_the_profile_times_the_gradient_and_the_optimizer_on_every_device_at_onc
     batch, params, _ = data
     prof = Profile(default_loss(MODEL), params, OPT)  # nothing timed yet
     timed = []
-    monkeypatch.setattr(memory, "_median_seconds", lambda f, vals, rounds: timed.append((f, vals)) or 0.125 * len(timed))
+    monkeypatch.setattr(memory, "_median_seconds",
+                        lambda f, vals, rounds: timed.append((f, vals)) or 0.125 * len(timed))
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8, *x.shape[1:]), x.dtype), _abstract(batch))
     assert prof.grad_seconds(micro, jax.devices(), rounds=1) == 0.125
     assert prof.grad_seconds(micro, jax.devices(), rounds=1) == 0.125 and len(timed) == 1  # measured once

@@ -118,7 +118,7 @@ def _replayed(schedule, t_f: float, t_b: float, alone: float) -> float:
 
 
 def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, cal, anchor: float,
-                  optimizer_s: float, stage_s: float = 0.0) -> dict:
+                  optimizer_s: float, stage_s: float) -> dict:
     """The terms of a pipelined candidate (see the module doc): ``compute_s``, ``comm_s``, ``communication``
     (``{"parameters", "activations", "total"}: {kind: {count, bytes}}``), ``memory``, ``flops``."""
     c = step.communication(state, batch)
