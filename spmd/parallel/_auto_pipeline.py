@@ -25,7 +25,9 @@ and asked for its own table (``step.communication``, equal to the compiled HLO);
   parameters; under FSDP its stages full over ``fsdp``) and the gathered stages, the stash (the schedule's
   ``activation_slots + gradient_slots`` and the two scratch slots, ``spmd.parallel._pipeline_memory``), and
   the working set of one chunk's backward on one micro-batch (the one-device step's XLA temp bytes on it,
-  times the chunk's share); the gradient and gathered terms are fitted (``pipeline_cost``'s comment).
+  times the chunk's share; with two or more unit slots a rank and no FSDP, at least 0.8 x the residuals of
+  the rank's stages less half its parameters: a backward tick holds its recomputed chunk's residuals); the
+  gradient, gathered and residual terms are fitted (``pipeline_cost``'s comment).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import numpy as np
 
 from spmd.parallel._comm import KINDS
 from spmd.parallel._auto_layout import Layout, factorizations, tp_plan_for
-from spmd.parallel._memory import _nbytes
+from spmd.parallel._memory import _nbytes, activation_bytes
 from spmd.parallel._param_plan import path_str
 from spmd.parallel._pipeline_comm import STAGES
 from spmd.parallel._pipeline import unit_modules
@@ -182,9 +184,20 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     work = int(profile.temp_bytes(mb) * (chunk * math.sqrt(layout.tp * act_cut) / act_cut + (1 - u)))
     # fitted on the project's Transformer (2-8 blocks, d 32-64, pp 2-4, M 2-4): without FSDP XLA's temp holds
     # 1.2 x the rank's parameters beside the stash and one chunk's work (the gradient accumulators); under
-    # FSDP 3.3 x the gathered stages with one unit per stage, 4.5 x with more (the gathered stages, their
+    # FSDP 3.3 x the gathered stages with one unit a rank, 4.5 x with more (the gathered stages, their
     # gradient accumulators, a chunk's parameters and gradient as its branch gets and returns them)
-    grads = (3.3 if lay.per_slot == 1 else 4.5) * gathered - gathered if gathered else 1.2 * p_bytes
+    units = lay.per_slot * s.stages_per_rank  # the unit slots a rank holds
+    grads = (3.3 if units == 1 else 4.5) * gathered - gathered if gathered else 1.2 * p_bytes
+    if not gathered and units >= 2:
+        # a backward tick recomputes its chunk and holds the chunk's residuals (the tensor-parallel parts cut
+        # over tp), which the one-device step's temp bytes miss where its outputs park them: fitted on the
+        # project's Transformer (d192-d768, 4-6 blocks, 8-32 rows per micro-batch, tp 2-4), the gradient
+        # accumulators and the work hold 0.7 x the rank's parameters beside 0.8 x the residuals of the rank's
+        # stages; with one unit a rank no more than the terms above (2 blocks over pp=2: 0.8 x its residuals
+        # put d192-d256 13-16% over, the terms above 1-7%)
+        res = activation_bytes(profile.residuals(mb), state.plan, laid.tp.tp.mesh_dim if laid.tp else None,
+                               layout.tp, False) * u * units / len(lay.found)
+        work = max(work, int(0.8 * res - 0.5 * p_bytes))
     mem = {"state": 2 * (p_bytes + opt), "batch": _nbytes(batch) // n_data, "work": work, "gathered": gathered,
            "grads": int(grads), "stash": stash}
     mem["peak"] = sum(mem.values())
