@@ -36,20 +36,21 @@ state (``argument + output + temp``):
   part divided by ``tp``: a residual holding a dim a tensor-parallel cut splits (heads, the MLP's hidden
   features), every batch- and sequence-shaped residual under sequence parallelism.
 
-What the sum misses most (``benchmarks/auto_layout.py``: FSDP keeping its units, 15-22% under the compiled
-peak at batch 128): the one-device step's temp bytes are not all its activations. Its state is not donated,
-so its outputs (the new parameters and optimizer state) are buffers of their own, and XLA's buffer
-assignment parks activations in them before their final values are written: the d384x6 Transformer's step
-on 16 rows holds 15.7 MiB of temp, where its gradient alone with the parameters donated (nothing to park
-in) holds 64.7 MiB, 13.5 of them rows-free (2 x 39.1 - 64.7 at 8 rows). A layout whose outputs are as
-large (``dp``, and ``tp``'s part on its group) parks the same, which is why ``work`` is exact there; an
-FSDP layout's outputs are ``1/fsdp`` of them, so its activations go to temp: ``fsdp=8 keep`` on those 16
-rows holds 100.5 MiB of temp at the end of its forward pass, 41.8 of gathered units and about 59 of
-activations (XLA's live-range dump). Taking that term as the donated gradient's rows-dependent part (51.2
-MiB there, 11.3 at 4 rows) and dropping ``gathered_grads`` (its fitted 0.4 made up for part of the miss)
-puts the three FSDP ``keep`` layouts without ``tp`` the benchmark measured within 7% (from -21%, -5%,
-+6%), but re-gathering layouts, which save the matmul outputs alone, 40-52% over (d256x4 at batch 128);
-not adopted yet, so a budget is judged by the compiled peak (``spmd.parallel._auto_budget``).
+FSDP keeping its units (``reshard_after_forward=False``, no accumulation): the one-device step's temp bytes
+are not all its activations. Its state is not donated, so its outputs (the new parameters and optimizer
+state) are buffers of their own, and XLA's buffer assignment parks activations in them before their final
+values are written: the d384x6 Transformer's step on 16 rows holds 15.7 MiB of temp, where its gradient
+alone with the parameters donated (nothing to park in) holds 64.7 MiB. A layout whose outputs are as large
+(``dp``, and ``tp``'s part on its group) parks the same; an FSDP layout's outputs are ``1/fsdp`` of them, so
+its activations go to temp (``fsdp=8 keep`` on those rows: 100.5 MiB of temp at the end of its forward pass,
+41.8 of gathered units and about 59 of activations, XLA's live-range dump). So a keeping layout's work and
+unit gradients together are at least the donated gradient's temp bytes times the activations'
+tensor-parallel share, less ``PARKED_IN_OUTPUTS`` (0.6) of the layout's own outputs: fitted on the 18 keep
+layouts of ``benchmarks/auto_layout.py`` (d256x4 to d768x6, 4 to 64 rows a device), all within 10% of the
+compiled peak (from 11, the worst -22%); any share from 0.6 to 0.75 puts all 18 within 10%. Re-gathering
+layouts save the matmul outputs alone and are not given the term (it put them 40-52% over), nor is a step
+under a checkpointing policy (measured as its own step: its temp bytes scaled by the plain step's would put
+the suite's ``fsdp=8 keep ac=dots`` 23% over, from 4% under).
 
 Compute (per device, one step): the flops and bytes accessed of the user's loss and gradient on one
 micro-batch on one device (XLA's ``cost_analysis`` of the compiled single-device step less its optimizer
@@ -85,6 +86,10 @@ __all__ = ["Profile", "memory_breakdown", "compute_cost", "reference_cost", "opt
 # XLA's HLO passes and buffer assignment run before LLVM generates the code, which such a program never runs
 # (the same numbers; on this host a d32 Transformer's tensor-parallel part compiled in 1.8 s in place of 3.2)
 READ_ONLY = {"xla_backend_optimization_level": 0}
+
+# FSDP keeping its units: the share of the layout's own outputs (its parameter and optimizer-state shards) XLA
+# still parks activations in, fitted on benchmarks/auto_layout.py's 18 keep layouts (0.6-0.75 all within 10%)
+PARKED_IN_OUTPUTS = 0.6
 
 
 def _nbytes(tree: Any) -> int:
@@ -223,13 +228,15 @@ class Profile:
         """XLA's temp bytes of the whole step on ``batch``, one device: the activations and work buffers."""
         return self._step(batch)[2]
 
-    def grad_temp_bytes(self, batch: Any) -> int:
+    def grad_temp_bytes(self, batch: Any, *, donated: bool = False) -> int:
         """XLA's temp bytes of the loss's gradient alone on ``batch``, one device (the body of an accumulating
-        step's loop over its micro-batches, the optimizer's update outside it)."""
-        k = ("grad", self._key(batch))
+        step's loop over its micro-batches, the optimizer's update outside it); ``donated``: the parameters
+        donated, the gradient written over them (no output buffer free to park activations in)."""
+        k = ("grad", self._key(batch), donated)
         if k not in self._grad:
             with jax.default_device(jax.devices()[0]):
-                comp = jax.jit(jax.grad(self.loss)).lower(self.params, batch).compile(READ_ONLY)
+                comp = jax.jit(jax.grad(self.loss), donate_argnums=(0,) if donated else ()).lower(
+                    self.params, batch).compile(READ_ONLY)
             self._grad[k] = int(getattr(comp.memory_analysis(), "temp_size_in_bytes", 0) or 0)
         return self._grad[k]
 
@@ -328,9 +335,13 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
     work = int(work)
     total_gathered = sum(plan.gathered_bytes(u) for u in plan.units) if fsdp and n_fsdp > 1 else 0
     one_unit = max((plan.gathered_bytes(u) for u in plan.units), default=0) if fsdp and n_fsdp > 1 else 0
-    unit_grads = one_unit if regather and accum_steps == 1 else 0.4 * total_gathered  # Hooks._after: tied
+    unit_grads = int((one_unit if regather and accum_steps == 1 else 0.4 * total_gathered) * (1 - 1 / n_fsdp))
+    if fsdp and n_fsdp > 1 and not regather and accum_steps == 1 and getattr(profile, "policy", None) is None:
+        # kept units: the activations XLA parks in the one-device step's outputs go to temp (the module doc)
+        unparked = profile.grad_temp_bytes(micro_batch, donated=True) * (split / full if full else 1.0)
+        work = max(work, int(unparked - PARKED_IN_OUTPUTS * (params + opt)) - unit_grads)
     out = {"state": 2 * (params + opt), "batch": local_batch_bytes, "work": work, "gathered": gathered,
-           "gathered_grads": int(unit_grads * (1 - 1 / n_fsdp)),
+           "gathered_grads": unit_grads,
            "accumulated_grads": total_gathered if accum_steps > 1 else 0}
     out["peak"] = sum(out.values())
     out["params"], out["optimizer"], out["activations"] = params, opt, split

@@ -36,9 +36,10 @@ class RematProfile(Profile):
         self._grad, self._timed = {}, {}
         self.model, self.units, self.policy, self._base = model, units, policy, base
 
-    def grad_temp_bytes(self, batch: Any) -> int:
+    def grad_temp_bytes(self, batch: Any, *, donated: bool = False) -> int:
         """The plain gradient's temp bytes, scaled as checkpointing scales the whole step's."""
-        return int(self._base.grad_temp_bytes(batch) * self.temp_bytes(batch) / max(self._base.temp_bytes(batch), 1))
+        return int(self._base.grad_temp_bytes(batch, donated=donated) * self.temp_bytes(batch)
+                   / max(self._base.temp_bytes(batch), 1))
 
     def _step(self, batch: Any) -> tuple[float, float, int, int]:
         k = self._key(batch)
