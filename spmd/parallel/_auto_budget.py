@@ -4,14 +4,14 @@
   activation-checkpointing policy with the least gradient accumulation that fits);
 - ``checked``: the ranking's top candidates compiled (not run) in ranked order until ``k`` fit by XLA's
   ``memory_analysis()`` peak. The prediction is a sum by kind, and XLA's buffer assignment and scheduler
-  can hold more than that sum (in ``benchmarks/auto_layout.py`` up to 35% more for FSDP layouts, whose
-  outputs cannot hold the activations the one-device step parks in its own: ``spmd.parallel._memory``,
-  and 24-54% for some pipelines): a candidate over the budget once compiled goes behind the
+  can hold more than that sum (in ``benchmarks/auto_layout_peaks.py`` up to 25% more for re-gathering FSDP
+  layouts, whose outputs cannot hold the activations the one-device step parks in its own:
+  ``spmd.parallel._memory``, and up to 31% for an interleaved pipeline): a candidate over the budget once compiled goes behind the
   fitting ones, and its own variants, searched again under the budget divided by its compiled / predicted
   peak (the estimate's miss on that layout), join the ranking to be compiled in their turn: a layout that
   needs one more accumulation step than predicted is found, not reported as "no layout fits". Where fewer
   than ``k`` fit so, the candidates predicted over the budget by up to ``NEAR`` (10%; the estimate also
-  errs high, by up to 9% measured) are compiled too, fastest predicted first;
+  errs high: over 10% for 2 of the 70 layouts measured, by 12% and 16%) are compiled too, fastest predicted first;
 - ``_measured``: the top ``k`` fitting candidates timed (``measure=``), the fastest measured first.
 """
 
@@ -25,7 +25,8 @@ from spmd.parallel._ranking import Candidate
 __all__ = ["CHECKPOINTING", "checked"]
 
 NEAR = 0.10  # compiled too when too few fit: predicted over the budget by up to this share (the estimate's
-# largest overestimate of XLA's peak in benchmarks/auto_layout.py on a 2-core host: +9%, fsdp=8 keep)
+# overestimates of XLA's peak in benchmarks/auto_layout_peaks.py: 68 of 70 layouts within it; the others
+# fsdp=2,tp=4 ws regather +12%, pp=4,dp=2 1f1b M=4 +16%, both at d256x4 batch 32)
 
 CHECKPOINTING = ("dots", "full")  # the activation-checkpointing policies weighed where memory needs them
 
