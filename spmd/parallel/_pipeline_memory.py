@@ -22,9 +22,9 @@ whose. The method makes the stash the only thing that changes between a few comp
   ``bytes_per_slot`` is what one more live micro-batch costs, ``base`` the working buffers, the gradient
   accumulators and the two scratch slots, which no schedule changes;
 - ``table``: the tick table's int32 ``(ticks, pp)`` columns that hold one value throughout and index a
-  dim longer than 1 (the chunk index of the forward and of the backward, with one chunk of 2 or more units
-  per rank); XLA rewrites such a column as a broadcast carried through the loop (equal columns as one), so
-  it sits in temp, rounded up to 64 bytes, and grows with the tick count: it is subtracted;
+  dim longer than 1; XLA rewrites such a column as a broadcast carried through the loop (equal columns as
+  one), so it sits in temp, rounded up to 64 bytes, and grows with the tick count: it is subtracted (the
+  chunk index is none: a chunk's units are sliced together, at a constant with one chunk per rank);
 - the schedule's own step, compiled the same way: ``measured = temp - base - table``.
 
 On CPU this is exact to the byte (``tests/test_pipeline_memory.py``): ``bytes_per_slot`` equals the
@@ -61,7 +61,7 @@ def _table_bytes(pm: PipelineModule, lay) -> int:
     """Temp bytes of the tick table's uniform int32 columns that index a dim longer than 1 (a dim of 1 is
     indexed by a constant 0, the column dropped): 64-byte rounded."""
     s, tables = pm.schedule, tick_tables(pm)
-    size = {"j": s.stages_per_rank * lay.per_slot, "m": s.num_microbatches}  # the rest index 2 or more
+    size = {"j": s.stages_per_rank, "m": s.num_microbatches}  # the rest index 2 or more
     keys = ("fcode", "fj", "fm", "fxr", "bcode", "bj", "bm", "bxr", "bgr", "rx", "rg")
     cols = [np.stack([t[k] for t in tables]) for k in keys if size.get(k[1:], 2) > 1]
     uniform = {(c.shape, int(c.flat[0])) for c in cols if (c == c.flat[0]).all()}  # equal columns: one constant

@@ -186,9 +186,16 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> 
     hooks = stage_hooks(pm, lay)  # tp: the styled calls in regions manual over tp (spmd.parallel._pipeline_tp)
     unit_named = (lambda: hooks.unit(lay.units[0])) if hooks else contextlib.nullcontext  # noqa: E731
 
-    def chunk(sp: dict, r, j, x, side):
+    def chunk_of(sp: dict, j) -> dict:  # chunk j's units of each stacked parameter: [lc, ...]
+        return {rel: lax.dynamic_slice_in_dim(sp[rel], j * lc, lc) for rel in lay.rel}
+
+    def add_chunk(gsp: dict, j, dj: dict) -> dict:  # chunk j's gradient added in place (no zero-padded copy)
+        return {rel: lax.dynamic_update_slice_in_dim(
+            gsp[rel], lax.dynamic_slice_in_dim(gsp[rel], j * lc, lc) + dj[rel], j * lc, 0) for rel in lay.rel}
+
+    def chunk(spj: dict, r, j, x, side):  # spj: chunk_of(sp, j)
         for l in range(lc):
-            leaves = [lax.dynamic_index_in_dim(sp[rel], j * lc + l, keepdims=False) for rel in lay.rel]
+            leaves = [spj[rel][l] for rel in lay.rel]
             with unit_named():
                 y = lay.apply_unit(leaves, x, side)
             x = jnp.where(valid[r, j, l], y, x) if skip else y
@@ -244,7 +251,7 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> 
                         return zero_act
                     mb = mb_of(m)
                     x, side = lay.pre(loss_fn, rest, mb) if role == "first" else (x, side_of(rest, mb))
-                    return chunk(sp, r, j, x, side)
+                    return chunk(chunk_of(sp, j), r, j, x, side)
                 return f
 
             def bwd(role):
@@ -261,9 +268,9 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> 
                         lo, ax = loss_aux(rest_, mb, h)
                         return lo / m_count, ax
 
-                    out, pull, ax = jax.vjp(g, rest, sp, zero_act if first else x, has_aux=True)
-                    drest, dsp, dx = pull(jnp.ones_like(out) if last else g_in)
-                    gsp = jax.tree.map(jnp.add, gsp, dsp)
+                    out, pull, ax = jax.vjp(g, rest, chunk_of(sp, j), zero_act if first else x, has_aux=True)
+                    drest, dspj, dx = pull(jnp.ones_like(out) if last else g_in)
+                    gsp = add_chunk(gsp, j, dspj)
                     grest = jax.tree.map(jnp.add, grest, drest)
                     if last:
                         loss = loss + out
