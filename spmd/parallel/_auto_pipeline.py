@@ -182,17 +182,18 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     # tp cuts a chunk's hidden activations (all of them under sequence parallelism): its work by sqrt(tp), as
     # spmd.parallel._memory fits XLA's overlapping buffers of the cut and whole parts
     work = int(profile.temp_bytes(mb) * (chunk * math.sqrt(layout.tp * act_cut) / act_cut + (1 - u)))
-    # fitted on the project's Transformer (2-8 blocks, d 32-64, pp 2-4, M 2-4): without FSDP XLA's temp holds
-    # 1.2 x the rank's parameters beside the stash and one chunk's work (the gradient accumulators); under
-    # FSDP 3.3 x the gathered stages with one unit a rank, 4.5 x with more (the gathered stages, their
-    # gradient accumulators, a chunk's parameters and gradient as its branch gets and returns them)
+    # fitted on the project's Transformer (benchmarks/auto_layout_peaks' 24 pipelines, d256-d768, pp 2-4, M 2-16):
+    # without FSDP XLA's temp holds the rank's parameters once more beside the stash and one chunk's work (the
+    # gradient accumulators); under FSDP 3.2 x the gathered stages with one chunk a rank, 4.5 x with two or
+    # more (the gathered stages, their gradient accumulators, a chunk's parameters and gradient as its branch
+    # gets and returns them: a chunk picked by the tick's index is sliced from the stages, not aliased)
     units = lay.per_slot * s.stages_per_rank  # the unit slots a rank holds
-    grads = (3.3 if units == 1 else 4.5) * gathered - gathered if gathered else 1.2 * p_bytes
+    grads = (3.2 if s.stages_per_rank == 1 else 4.5) * gathered - gathered if gathered else p_bytes
     if not gathered and units >= 2:
         # a backward tick recomputes its chunk and holds the chunk's residuals (the tensor-parallel parts cut
         # over tp), which the one-device step's temp bytes miss where its outputs park them: fitted on the
         # project's Transformer (d192-d768, 4-6 blocks, 8-32 rows per micro-batch, tp 2-4), the gradient
-        # accumulators and the work hold 0.7 x the rank's parameters beside 0.8 x the residuals of the rank's
+        # accumulators and the work hold 0.5 x the rank's parameters beside 0.8 x the residuals of the rank's
         # stages; with one unit a rank no more than the terms above (2 blocks over pp=2: 0.8 x its residuals
         # put d192-d256 13-16% over, the terms above 1-7%)
         res = activation_bytes(profile.residuals(mb), state.plan, laid.tp.tp.mesh_dim if laid.tp else None,
