@@ -6,12 +6,12 @@
   ``memory_analysis()`` peak. The prediction is a sum by kind, and XLA's buffer assignment and scheduler
   can hold more than that sum (in ``benchmarks/auto_layout_peaks.py`` up to 25% more for re-gathering FSDP
   layouts, whose outputs cannot hold the activations the one-device step parks in its own:
-  ``spmd.parallel._memory``, and up to 31% for an interleaved pipeline): a candidate over the budget once compiled goes behind the
-  fitting ones, and its own variants, searched again under the budget divided by its compiled / predicted
+  ``spmd.parallel._memory``, and up to 13% for a pipeline): a candidate over the budget once compiled goes
+  behind the fitting ones, and its own variants, searched again under the budget divided by its compiled / predicted
   peak (the estimate's miss on that layout), join the ranking to be compiled in their turn: a layout that
   needs one more accumulation step than predicted is found, not reported as "no layout fits". Where fewer
   than ``k`` fit so, the candidates predicted over the budget by up to ``NEAR`` (10%; the estimate also
-  errs high: over 10% for 2 of the 70 layouts measured, by 12% and 16%) are compiled too, fastest predicted first;
+  errs high: over 10% for 2 of the 70 layouts measured, by 12% and 13%) are compiled too, fastest predicted first;
 - ``_measured``: the top ``k`` fitting candidates timed (``measure=``), the fastest measured first.
 """
 
