@@ -184,11 +184,11 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     work = int(profile.temp_bytes(mb) * (chunk * math.sqrt(layout.tp * act_cut) / act_cut + (1 - u)))
     # fitted on the project's Transformer (benchmarks/auto_layout_peaks' 24 pipelines, d256-d768, pp 2-4, M 2-16):
     # without FSDP XLA's temp holds the rank's parameters once more beside the stash and one chunk's work (the
-    # gradient accumulators); under FSDP 3.2 x the gathered stages with one chunk a rank, 4.5 x with two or
+    # gradient accumulators); under FSDP 3.3 x the gathered stages with one chunk a rank, 4.5 x with two or
     # more (the gathered stages, their gradient accumulators, a chunk's parameters and gradient as its branch
     # gets and returns them: a chunk picked by the tick's index is sliced from the stages, not aliased)
     units = lay.per_slot * s.stages_per_rank  # the unit slots a rank holds
-    grads = (3.2 if s.stages_per_rank == 1 else 4.5) * gathered - gathered if gathered else p_bytes
+    grads = (3.3 if s.stages_per_rank == 1 else 4.5) * gathered - gathered if gathered else p_bytes
     if not gathered and units >= 2:
         # a backward tick recomputes its chunk and holds the chunk's residuals (the tensor-parallel parts cut
         # over tp), which the one-device step's temp bytes miss where its outputs park them: fitted on the
