@@ -585,37 +585,35 @@ def test_pipelined_memory_with_two_blocks_a_stage_counts_the_recomputed_residual
     """Two blocks a stage under tp: a backward tick recomputes its chunk and holds the chunk's residuals beside
     the gradient accumulators, which the one-device step's temp bytes miss (they park in its outputs); without
     that term this model's peak is predicted 14% under XLA's."""
-    model, b, t = Transformer(VOCAB, 16, num_layers=4, d_model=128, num_heads=4), 32, 16
+    cand, measured, _ = _pipelined_peak(4, 128, Layout(pp=2, dp=2, tp=2, units=("block_*",), microbatches=2,
+                                                       tp_plan=tuple(PLAN(False, 2).items())))
+    assert abs(cand.memory["peak"] / measured - 1) < 0.05, (cand.memory, measured)
+
+
+def _pipelined_peak(layers: int, d_model: int, lay: Layout) -> tuple:
+    """(Candidate, compiled peak bytes, laid model) of ``lay`` on a ``layers`` x ``d_model`` Transformer at 32
+    sequences of 16 tokens."""
+    model, b, t = Transformer(VOCAB, 16, num_layers=layers, d_model=d_model, num_heads=4), 32, 16
     tok = np.random.default_rng(1).integers(0, VOCAB, (b, t + 1)).astype(np.int32)
     batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
     params = model.init(jax.random.key(0), batch["inputs"])["params"]
-    lay = Layout(pp=2, dp=2, tp=2, units=("block_*",), microbatches=2, tp_plan=tuple(PLAN(False, 2).items()))
     cand = evaluate_layout(model, OPT, batch, 8, lay, calibration=_cal(op_s=1e-6),
                            profile=Profile(default_loss(model), params, OPT))
     laid, _ = apply_layout(model, 8, lay)
     m = make_train_step(laid, default_loss(laid), OPT).compiled(init_train_state(laid, OPT, params=params),
                                                                 batch).memory_analysis()
     measured = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    assert abs(cand.memory["peak"] / measured - 1) < 0.05, (cand.memory, measured)
+    return cand, measured, laid.layout(params)
 
 
 def test_interleaved_chunks_add_their_gradient_in_place():
     """Two chunks a rank, two blocks a chunk: a backward tick adds its chunk's gradient into the rank's stacked
     accumulators in place. A zero-padded stacked gradient per block (each block's parameters indexed by the
     tick's chunk) compiled this step to 22% more (4.42 MB, 3.63 now) and put the estimate 12% under."""
-    model, b, t = Transformer(VOCAB, 16, num_layers=8, d_model=64, num_heads=4), 32, 16
-    tok = np.random.default_rng(1).integers(0, VOCAB, (b, t + 1)).astype(np.int32)
-    batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
-    params = model.init(jax.random.key(0), batch["inputs"])["params"]
-    lay = Layout(pp=2, dp=2, tp=2, units=("block_*",), microbatches=4, schedule="interleaved", stages_per_rank=2,
-                 tp_plan=tuple(PLAN(False, 2).items()))
-    cand = evaluate_layout(model, OPT, batch, 8, lay, calibration=_cal(op_s=1e-6),
-                           profile=Profile(default_loss(model), params, OPT))
-    laid, _ = apply_layout(model, 8, lay)
-    assert laid.layout(params).per_slot == 2
-    m = make_train_step(laid, default_loss(laid), OPT).compiled(init_train_state(laid, OPT, params=params),
-                                                                batch).memory_analysis()
-    measured = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    cand, measured, stages = _pipelined_peak(8, 64, Layout(
+        pp=2, dp=2, tp=2, units=("block_*",), microbatches=4, schedule="interleaved", stages_per_rank=2,
+        tp_plan=tuple(PLAN(False, 2).items())))
+    assert stages.per_slot == 2
     assert abs(cand.memory["peak"] / measured - 1) < 0.10, (cand.memory, measured)
     assert measured < 4_000_000  # 4.42 MB with a zero-padded stacked gradient per block
 

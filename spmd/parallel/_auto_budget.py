@@ -7,11 +7,12 @@
   can hold more than that sum (in ``benchmarks/auto_layout_peaks.py`` up to 25% more for re-gathering FSDP
   layouts, whose outputs cannot hold the activations the one-device step parks in its own:
   ``spmd.parallel._memory``, and up to 13% for a pipeline): a candidate over the budget once compiled goes
-  behind the fitting ones, and its own variants, searched again under the budget divided by its compiled / predicted
-  peak (the estimate's miss on that layout), join the ranking to be compiled in their turn: a layout that
+  behind the fitting ones, and its own variants, searched again under the budget divided by its compiled /
+  predicted peak (the estimate's miss on that layout), join the ranking to be compiled in their turn: a layout that
   needs one more accumulation step than predicted is found, not reported as "no layout fits". Where fewer
   than ``k`` fit so, the candidates predicted over the budget by up to ``NEAR`` (10%; the estimate also
-  errs high: over 10% for 2 of the 70 layouts measured, by 12% and 13%) are compiled too, fastest predicted first;
+  errs high: over 10% for 2 of the 70 layouts measured, by 12% and 13%) are compiled too, fastest predicted
+  first;
 - ``_measured``: the top ``k`` fitting candidates timed (``measure=``), the fastest measured first.
 """
 
@@ -26,7 +27,7 @@ __all__ = ["CHECKPOINTING", "checked"]
 
 NEAR = 0.10  # compiled too when too few fit: predicted over the budget by up to this share (the estimate's
 # overestimates of XLA's peak in benchmarks/auto_layout_peaks.py: 68 of 70 layouts within it; the others
-# fsdp=2,tp=4 ws regather +12%, pp=4,dp=2 1f1b M=4 +16%, both at d256x4 batch 32)
+# fsdp=2,tp=4 ws regather +12%, pp=4,dp=2 1f1b M=4 +13%, both at d256x4 batch 32)
 
 CHECKPOINTING = ("dots", "full")  # the activation-checkpointing policies weighed where memory needs them
 
