@@ -145,6 +145,20 @@ def _train(m, params, loss, mesh=None):
     return state, step, losses
 
 
+# Per model: (parameter leaves, a layer's fsdp gather buffers, the root unit's, a layer's Megatron all-reduces);
+# a unit's gather buffers: each matrix its own, its vectors one flat buffer.
+PLAN_COUNTS = {
+    # 2 layers of 7 matrices and 2 RMSNorm weights, + embedding, final norm, head; 7 + 1; embedding, head + 1;
+    # the input gradients of q, k, v, gate, up (column-parallel), the outputs of o, down (row-parallel)
+    "llama": (2 * 9 + 3, 7 + 1, 2 + 1, 5 + 2),
+    "hf_llama": (2 * 9 + 3, 7 + 1, 2 + 1, 5 + 2),
+    # 2 blocks of a LayerNorm, up and down (2 leaves each), + embedding, head kernel and bias; 2 + 1; 2 + 1;
+    # up's input gradient, down's output
+    "nnx": (2 * 6 + 3, 2 + 1, 2 + 1, 2),
+    # 2 layers of ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (2 leaves each), + wte, wpe, ln_f's
+    # 2; 4 + 1; wte, wpe + 1; mlp.c_fc's input gradient, mlp.c_proj's output
+    "hf_gpt2": (2 * 12 + 4, 4 + 1, 2 + 1, 2),
+}
 LAYOUTS = ["dp=8", "fsdp=8", "dp=2,fsdp=4", "dp=2,tp=4", "dp=2,fsdp=2,tp=2", "fsdp=2,tp=4+sp"]
 CASES = [(m, lay) for m in ("llama", "nnx", "hf_gpt2", "hf_llama") for lay in LAYOUTS
          if not (lay.endswith("+sp") and m != "llama")]
@@ -164,7 +178,20 @@ def test_layout_equals_one_device_and_its_plan(name, spec):
     plan = step.communication(state, batch)["total"]
     for kind in ("all-gather", "reduce-scatter", "all-reduce"):
         assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (plan[kind]["count"], plan[kind]["bytes"]), (kind, hlo, plan)
-    assert sum(v["count"] for v in plan.values()) > 0
+    # the table from the model (2 layers; PLAN_COUNTS): fsdp gathers each buffer of a layer twice (again for
+    # its backward pass), the root's once, and reduce-scatters each once; dp all-reduces every leaf's gradient
+    # (DDP; HSDP: the fsdp-cut shards and the whole ones); Megatron tp its layers' all-reduces. Sequence parallel (llama): a layer
+    # all-gathers q/k/v's and gate/up's shared inputs forward and o's and down's outputs backward (4),
+    # reduce-scatters the 5 column-parallel inputs backward and 2 row-parallel outputs forward (7), all-reduces
+    # its 2 norm weights' gradients; the embedding's output 1 of each, the head's input and logits 2 of each,
+    # the final norm's weight 1 all-reduce
+    leaves, layer_bufs, root_bufs, megatron = PLAN_COUNTS[name]
+    names = mesh.mesh_dim_names
+    fsdp, sp = "fsdp" in names, spec.endswith("+sp")
+    assert {k: v["count"] for k, v in plan.items()} == {
+        "all-gather": fsdp * (2 * 2 * layer_bufs + root_bufs) + sp * (4 * 2 + 1 + 2),
+        "reduce-scatter": fsdp * (2 * layer_bufs + root_bufs) + sp * (7 * 2 + 1 + 2),
+        "all-reduce": ("dp" in names) * leaves + ("tp" in names and not sp) * 2 * megatron + sp * (2 * 2 + 1)}
 
 
 def test_init_from_an_rng_gives_the_unwrapped_models_values_in_shards():

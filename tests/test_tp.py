@@ -137,7 +137,16 @@ def test_collectives_equal_the_megatron_zero_table(config):
         assert (got[kind]["buffers"], got[kind]["bytes"]) == (want[kind]["count"] + n,
                                                               want[kind]["bytes"] + n * SEQ * MODEL.d_model * 4), \
             (kind, got, want)
-    assert want["all-reduce"]["count"] > 0
+    # the all-reduces, from the model (a block's 12 leaves: 6 modules' kernel or scale, and bias):
+    # parameters: dp > 1 reduces every leaf (embed, pos, ln_f's 2, the blocks'); fsdp alone only each block's fc
+    #   bias (1-D and cut over tp: no dim left for fsdp, so whole over the data dim);
+    # activations, per micro-batch: Megatron: the embedding's output, a block's qkv and fc input gradients and
+    #   attn.proj and fc_out outputs, the head's input gradient; sequence parallel: the gradients whole over tp
+    #   (a block's 2 norms' scale and bias and its 2 row-parallel biases; ln_f's 2)
+    sizes, n_layers = dict(zip(config[1], config[0])), MODEL.num_layers
+    params = 2 + 12 * n_layers + 2 if sizes.get("dp", 1) > 1 else n_layers if "fsdp" in sizes else 0
+    acts = config[3] * (6 * n_layers + 2 if config[2] else 4 * n_layers + 2)
+    assert want["all-reduce"]["count"] == params + acts
     assert got["all-to-all"]["count"] == got["collective-permute"]["count"] == 0
 
 
