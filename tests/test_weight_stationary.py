@@ -6,7 +6,6 @@ transformer whose heads (8), vocabulary (8) and MLP width (32) divide every tp s
 
 import functools
 import re
-from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,6 @@ from spmd.parallel import (Calibration, ColwiseParallel, Layout, RowwiseParallel
                            executed_collectives, init_train_state, make_train_step, unshard_params, unshard_tree,
                            weight_stationary_plan)
 from spmd.parallel._auto import candidate_layouts, evaluate_layout
-from spmd.parallel._weight_stationary import whole_activation_plan
 
 STEPS, BATCH, SEQ = 4, 16, 8
 OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1, eps=1e-6))
@@ -94,24 +92,6 @@ def test_the_plan_moves_the_sequence_cuts_to_the_batch():
     a = apply_layout(MODEL, 8, lay)[0].plan(p)
     b = apply_layout(MODEL, 8, Layout(tp=8, tp_plan=tuple(sp.items()), sequence_parallel=True))[0].plan(p)
     assert [e.placements for e in a.entries] == [e.placements for e in b.entries]
-
-
-@pytest.mark.parametrize("vocab,tp", [(16, 2), (16, 4), (11, 4)])
-def test_the_whole_activation_plan_of_the_sequence_parallel_and_ws_plans_is_the_plain_plan(vocab, tp):
-    """``whole_activation_plan`` (auto_layout's twin of a re-gathering sp / ws layout): the activation cuts
-    between modules made whole, the norms' and the whole embedding's styles dropped: the model's own plain
-    Megatron plan, entry for entry (a vocabulary tp does not divide keeps the embedding whole)."""
-    def default(style):  # an explicit Replicate() input / output is the default (None) of these styles
-        return replace(style, **{f: None for f in ("input_layouts", "output_layouts")
-                                 if getattr(style, f) == Replicate()})
-
-    sp = transformer_tp_plan(True, vocab_size=vocab, tp_size=tp)
-    plain = transformer_tp_plan(False, vocab_size=vocab, tp_size=tp)
-    for plan in (sp, weight_stationary_plan(sp)):
-        got = dict(whole_activation_plan(plan.items()))
-        assert list(got) == list(plain) and {k: default(v) for k, v in got.items()} == {
-            k: default(v) for k, v in plain.items()}
-    assert whole_activation_plan(plain.items()) == tuple(plain.items())  # nothing to make whole
 
 
 @pytest.mark.parametrize("name", _cases())

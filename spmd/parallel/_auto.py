@@ -62,7 +62,6 @@ from spmd.parallel._shard import entry_sharding
 from spmd.parallel._step import TrainState, _check_optimizer, init_train_state, make_train_step
 from spmd.parallel._tp_profile import tp_temp_bytes
 from spmd.parallel._transforms import as_parallel
-from spmd.parallel._weight_stationary import whole_activation_plan
 
 __all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default_loss", "abstract_state"]  # the
 # first two: spmd.parallel._ranking
@@ -134,14 +133,9 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     pm = as_parallel(laid, mesh, where)
     prof = remat_profile(profile, model, layout.units, layout.activation_checkpointing)
     tp_temp = None
-    if layout.tp > 1:  # the cut program's work buffers, measured on its own group
+    if layout.tp > 1 and not _regathers(layout):  # the cut program's work buffers, measured on its own group
         replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // n_data, *x.shape[1:]), x.dtype), batch)
-        part = layout
-        if (layout.sequence_parallel or layout.weight_stationary) and _regathers(layout):
-            # the units save their matmul outputs alone, as they are under the plan with whole activations
-            part = replace(layout, tp_plan=whole_activation_plan(layout.tp_plan), sequence_parallel=False,
-                           weight_stationary=False)
-        tp_temp = tp_temp_bytes(profile, model, devices, part, replica,
+        tp_temp = tp_temp_bytes(profile, model, devices, layout, replica,
                                 lambda m: loss_fn if loss_fn is not None else default_loss(m))
     mem = memory_breakdown(prof, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
                            sequence_parallel=layout.sequence_parallel or layout.weight_stationary, tp_temp=tp_temp)

@@ -9,8 +9,9 @@ state (``argument + output + temp``):
 - ``gathered``: the gathered parameters alive at once (``ParamPlan.peak_gathered_bytes``: the root unit and
   the largest other unit when re-gathering for the backward pass, every unit when kept or accumulating);
 - ``gathered_grads``: under FSDP, the unit gradients alive before their reduce-scatters, x (1 - 1/fsdp):
-  re-gathering, the largest unit's (its backward pass runs between its re-gather and its reduce-scatters,
-  one unit at a time: ``Hooks.call_unit``, its gathers tied to the unit's input and cotangent); keeping,
+  re-gathering, ``REGATHERED_GRADS`` (0.1) x the largest unit's (its backward pass runs between its re-gather
+  and its reduce-scatters, one unit at a time: ``Hooks.call_unit``, its gathers tied to the unit's input and
+  cotangent; XLA reduce-scatters each gradient as soon as it is computed, so few are alive at once); keeping,
   0.4 x the gathered bytes of every unit (fitted on the project's Transformer, and likely making up for
   part of the activations below); under accumulation too, where the reduce-scatters follow the loop (the
   d256x4 Transformer's 8-device layouts held 0-0.9x those bytes beside the carry);
@@ -23,14 +24,21 @@ state (``argument + output + temp``):
   the gradient alone, the loop's body) on one device and one micro-batch (activations, work buffers); under
   tensor parallelism those of the layout's tensor-parallel part compiled on its own group
   (``spmd.parallel._tp_profile``; without it, the one-device step's times the square root of the
-  activations' tensor-parallel share); and, where units are re-gathered for their backward pass (they
-  run under ``jax.checkpoint`` saving matmul outputs), times the square root of the share of the residuals
-  that policy keeps; a sequence-parallel or weight-stationary layout so re-gathering takes the part of its
-  plan with the activations whole between the modules (``whole_activation_plan``): its layers compute the
-  same matmul outputs on each device (the input gathered first), and the compiled peaks agree (the d256x4
-  Transformer at batch 128 on ``fsdp=4,tp=2``: 31.6 MiB plain and weight-stationary; on 16 positions 30.7,
-  30.5, 30.5 plain, sequence-parallel, weight-stationary; at ``tp=4`` the cut layouts 11% under the plain),
-  where their own part, smaller, put them 21-27% under;
+  activations' tensor-parallel share). Where units are re-gathered for their backward pass (each under
+  ``jax.checkpoint`` saving its matmul outputs), what that schedule holds in place of the step's temp: the
+  saved matmul outputs of every unit (the one-device residuals under ``dots_saveable``, cut over tp as
+  below), less those XLA's buffer assignment parks in the step's output buffers before their final values
+  are written (``parked_bytes``: one saved output in each output buffer at least as large; the outputs are
+  the layout's parameter and optimizer-state shards, too small for a large batch's outputs and large enough
+  for a small one's: on the d768x6 Transformer at 4 rows a device every saved output is parked), plus
+  ``RECOMPUTED`` (0.6) x one unit's other residuals, which its backward pass recomputes (the residuals not
+  saved, spread over the units other than the root). A sequence-parallel or weight-stationary layout's
+  layers compute the plain plan's matmul outputs on each device (the input gathered first), so they are
+  counted as the plain plan's, and the compiled peaks agree (the d256x4 Transformer at batch 128 on
+  ``fsdp=4,tp=2``: 31.6 MiB plain and weight-stationary). Fitted on the 20 re-gathering layouts of
+  ``benchmarks/auto_layout.py`` and the suite's toy (d32 to d768, 1 to 64 rows a device): all within 10%,
+  the largest error 8% (scaling the step's temp by the square root of the saved share instead: 16 of 20,
+  25% under where the saved outputs dominate the peak, d384x6 at 16 rows a device on ``fsdp=8``);
 - ``activations`` (reported, inside ``work``): the residuals the backward pass reads (the ``jax.vjp``
   closure of the user's loss on one micro-batch, one device, parameters taken out), the tensor-parallel
   part divided by ``tp``: a residual holding a dim a tensor-parallel cut splits (heads, the MLP's hidden
@@ -68,6 +76,7 @@ accessed scale by the share).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from typing import Any, Callable
@@ -90,6 +99,12 @@ READ_ONLY = {"xla_backend_optimization_level": 0}
 # FSDP keeping its units: the share of the layout's own outputs (its parameter and optimizer-state shards) XLA
 # still parks activations in, fitted on benchmarks/auto_layout.py's 18 keep layouts (0.6-0.75 all within 10%)
 PARKED_IN_OUTPUTS = 0.6
+
+# units re-gathered for their backward pass: the share of one unit's recomputed residuals (those other than its
+# matmul outputs) alive at once in its backward pass, and of its gathered gradients before their
+# reduce-scatters, fitted on the 20 re-gathering layouts of benchmarks/auto_layout.py and the suite's Transformer
+RECOMPUTED = 0.6
+REGATHERED_GRADS = 0.1
 
 
 def _nbytes(tree: Any) -> int:
@@ -296,14 +311,33 @@ def tp_kernel_numel(plan, tp: str | None) -> int:
                if isinstance(e.placements[ti], Shard) and len(e.shape) >= 2 and not e.path.endswith("embedding"))
 
 
-def activation_bytes(residuals: list, plan, tp: str | None, n_tp: int, sequence_parallel: bool) -> int:
+def _split_sizes(residuals: list, plan, tp: str | None, n_tp: int, sequence_parallel: bool) -> list[int]:
+    """Each residual's bytes on one device: divided by ``tp`` where a tensor-parallel cut splits it."""
     cut = _tp_sizes(plan, tp)
-    total = 0
+    out = []
     for x in residuals:
         nb = _nbytes(x)
         split = n_tp > 1 and ((sequence_parallel and len(x.shape) >= 3) or any(d in cut for d in x.shape[1:]))
-        total += nb // n_tp if split else nb
-    return total
+        out.append(nb // n_tp if split else nb)
+    return out
+
+
+def activation_bytes(residuals: list, plan, tp: str | None, n_tp: int, sequence_parallel: bool) -> int:
+    return sum(_split_sizes(residuals, plan, tp, n_tp, sequence_parallel))
+
+
+def parked_bytes(buffers: list[int], outputs: list[int]) -> int:
+    """The bytes of ``buffers`` (alive at once) that XLA's buffer assignment can place in the step's output
+    buffers before their final values are written: each buffer in one output at least as large, the largest
+    buffers first, each in the smallest free output that holds it."""
+    free = sorted(outputs)
+    parked = 0
+    for nb in sorted(buffers, reverse=True):
+        i = bisect.bisect_left(free, nb)
+        if i < len(free):
+            free.pop(i)
+            parked += nb
+    return parked
 
 
 def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batch_bytes: int, *, accum_steps: int,
@@ -313,7 +347,8 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
     base in place of the one-device step's scaled by the activations' share."""
     local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in plan.entries]
     params = plan.bytes_per_device
-    opt = _nbytes(jax.eval_shape(profile.optimizer.init, local))
+    opt_state = jax.tree.leaves(jax.eval_shape(profile.optimizer.init, local))
+    opt = _nbytes(opt_state)
     fsdp = model.fsdp
     n_fsdp = plan.mesh_size(fsdp.shard_dim) if fsdp else 1
     regather = bool(fsdp and fsdp.reshard_after_forward)
@@ -323,19 +358,25 @@ def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batc
     res = profile.residuals(micro_batch)
     full = _nbytes(res)
     split = activation_bytes(res, plan, tp, n_tp, sequence_parallel)
-    if tp_temp is not None:
-        work = float(tp_temp)
-    else:
-        temp = profile.temp_bytes(micro_batch) if accum_steps == 1 else profile.grad_temp_bytes(micro_batch)
-        work = temp * math.sqrt(split / full if full else 1.0)
-    if regather and n_fsdp > 1 and accum_steps == 1 and getattr(profile, "policy", None) is None:
-        # the units run under jax.checkpoint, matmul outputs saved (under a policy: measured in its profile)
-        dots = _nbytes(profile.residuals(micro_batch, dots_only=True))
-        work *= math.sqrt(min(dots / full, 1.0)) if full else 1.0
-    work = int(work)
     total_gathered = sum(plan.gathered_bytes(u) for u in plan.units) if fsdp and n_fsdp > 1 else 0
     one_unit = max((plan.gathered_bytes(u) for u in plan.units), default=0) if fsdp and n_fsdp > 1 else 0
-    unit_grads = int((one_unit if regather and accum_steps == 1 else 0.4 * total_gathered) * (1 - 1 / n_fsdp))
+    if regather and n_fsdp > 1 and accum_steps == 1 and getattr(profile, "policy", None) is None:
+        # the units run under jax.checkpoint, matmul outputs saved (under a policy: measured in its profile);
+        # their layers compute the plain plan's matmul outputs (sequence-parallel and weight-stationary too)
+        saved = _split_sizes(profile.residuals(micro_batch, dots_only=True), plan, tp, n_tp, False)
+        every = activation_bytes(res, plan, tp, n_tp, False)
+        outputs = [_nbytes(x) for x in local] + [_nbytes(x) for x in opt_state]
+        blocks = max(len(plan.units) - 1, 1)
+        work = int(sum(saved) - parked_bytes(saved, outputs) + RECOMPUTED * (every - sum(saved)) / blocks)
+        unit_grads = int(REGATHERED_GRADS * one_unit * (1 - 1 / n_fsdp))
+    else:
+        if tp_temp is not None:
+            work = float(tp_temp)
+        else:
+            temp = profile.temp_bytes(micro_batch) if accum_steps == 1 else profile.grad_temp_bytes(micro_batch)
+            work = temp * math.sqrt(split / full if full else 1.0)
+        work = int(work)
+        unit_grads = int((one_unit if regather and accum_steps == 1 else 0.4 * total_gathered) * (1 - 1 / n_fsdp))
     if fsdp and n_fsdp > 1 and not regather and accum_steps == 1 and getattr(profile, "policy", None) is None:
         # kept units: the activations XLA parks in the one-device step's outputs go to temp (the module doc)
         unparked = profile.grad_temp_bytes(micro_batch, donated=True) * (split / full if full else 1.0)

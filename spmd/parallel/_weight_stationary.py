@@ -27,11 +27,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from placements import Replicate, Shard
+from placements import Shard
 from spmd.parallel._styles import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
                                    SequenceParallel)
 
-__all__ = ["weight_stationary_plan", "is_batch_cut", "activation_cut_dim", "whole_activation_plan"]
+__all__ = ["weight_stationary_plan", "is_batch_cut", "activation_cut_dim"]
 
 
 def _moved(layout: Any, sequence_dim: int) -> Any:
@@ -59,40 +59,6 @@ def _style(style: Any, sequence_dim: int) -> Any:
         return replace(style, output_layouts=_moved(style.output_layouts, sequence_dim),
                        desired_output_layouts=_moved(style.desired_output_layouts, sequence_dim))
     return style
-
-
-def _whole(layout: Any) -> Any:
-    """A ``Shard`` activation layout made whole: the style's default (None: ``Replicate()``), in a tuple
-    ``Replicate()``."""
-    if isinstance(layout, Shard) and layout.dim >= 0:  # as _activation_cuts reads them
-        return None
-    if isinstance(layout, (tuple, list)):
-        return type(layout)(Replicate() if isinstance(x, Shard) and x.dim >= 0 else x for x in layout)
-    return layout
-
-
-def _whole_style(style: Any) -> Any:
-    """``style`` with its activation layouts between modules whole (``Replicate()``); None where nothing is left."""
-    if isinstance(style, SequenceParallel):
-        return None
-    if isinstance(style, ColwiseParallel):
-        return replace(style, input_layouts=_whole(style.input_layouts))
-    if isinstance(style, RowwiseParallel):
-        return replace(style, output_layouts=_whole(style.output_layouts))
-    if isinstance(style, (PrepareModuleInput, PrepareModuleOutput)) and not _activation_cuts(style):
-        return style
-    return None  # a PrepareModule* that cut the activations: whole in and out, nothing to prepare
-
-
-def whole_activation_plan(items: Any) -> tuple:
-    """The ``(glob, style)`` pairs of a sequence-parallel or weight-stationary plan with the activations whole
-    between the modules (torch's plain Megatron plan: the kernels cut alike, the norms whole): each
-    ``Shard`` activation layout a style names between modules becomes ``Replicate()``, ``SequenceParallel``
-    and the ``PrepareModule*`` styles that cut the activations are dropped. Its matmuls compute what the
-    given plan's do on each device (a column-parallel layer's input gathered first there), which is what
-    ``auto_layout`` needs of it (the matmul outputs a re-gathering FSDP unit saves)."""
-    out = ((glob, _whole_style(style)) for glob, style in items)
-    return tuple((glob, style) for glob, style in out if style is not None)
 
 
 def _activation_cuts(style: Any) -> list[int]:
