@@ -505,3 +505,32 @@ def test_progress_without_a_terminal_is_whole_lines():
     assert "\r" not in stream.getvalue() and stream.getvalue().endswith("\n")
     assert lines[0] == "models.train: step 46/100 loss=0.0217" and lines[-1] == "models.train: step 100/100 loss=0.0100"
     assert len(lines) == 10
+
+
+def test_throughput_times_steps_alone_not_the_saves_between_them(monkeypatch):
+    """Each step takes 1 s of the fake clock and each save 10 s: the timed windows (the first step, which
+    compiles, left out) hold the steps alone, so the median step time is 1 s and the mean throughput the
+    batch size per second."""
+    import types
+
+    import models.train._loop as loop
+
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def train_step(state, batch):
+        clock[0] += 1.0
+        return state, {"loss": 1.0, "accuracy": 0.5}
+
+    class Saves:
+        save_every = 2
+
+        def save(self, *a, **k):
+            clock[0] += 10.0
+
+    log = loop.MetricLog(start=0, batch_size=32, history=[])
+    loop.train_loop(None, start=0, steps=9, log_every=3, train_step=train_step, next_batch=lambda s: None,
+                    log=log, checkpointer=Saves(), meta=dict, on_step=None, interrupted=print)
+    assert [h["step"] for h in log.history] == list(range(1, 10))
+    assert log.step_s == 1.0 and log.samples_per_s == 32.0
+    assert log.timed_windows == 6  # flushed after steps 2 (a save), 3 (log_every), 4, 6, 8 (saves), 9 (the end)

@@ -58,7 +58,8 @@ def progress_bar(*, total: int, initial: int, desc: str, stream: Any = None) -> 
 class MetricLog:
     """The loop's metric state: per-step history, metrics not read yet, throughput, the progress bar.
 
-    Throughput counts whole windows between reads and leaves out the first step of the run (it compiles).
+    Throughput counts whole windows between reads and leaves out the first step of the run (it compiles) and
+    the time between a read and the next step that is no step's (a checkpoint's save, the ``on_step`` hook).
     """
 
     def __init__(self, *, start: int, batch_size: int, history: list[dict], bar: Any = None):
@@ -98,6 +99,12 @@ class MetricLog:
             last = self.history[-1]
             rate = {} if math.isnan(self.last_samples_per_s) else {"samples_s": f"{self.last_samples_per_s:,.0f}"}
             self.bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['accuracy']:.3f}", **rate, refresh=False)
+
+    def restart_window(self) -> None:
+        """Start the window's clock again after time that is no step's (a save, the ``on_step`` hook), when
+        nothing is pending (the last flush waited for the steps): the next window times steps alone."""
+        if not self._pending:
+            self._t_window = time.perf_counter()
 
     @property
     def samples_per_s(self) -> float | None:
@@ -143,6 +150,7 @@ def train_loop(state: Any, *, start: int, steps: int, log_every: int, train_step
                 checkpointer.save(step, checkpoint(state), meta(), force=step == steps)
             if on_step is not None:
                 on_step(step, state)
+            log.restart_window()
     except KeyboardInterrupt:
         log.flush()
         checkpointer.save(step, checkpoint(state), meta(), force=True)
