@@ -25,7 +25,8 @@ from spmd.parallel._auto import _abstract, abstract_state, candidate_layouts, de
 from spmd.parallel._auto_layout import infer_units
 from spmd.parallel._auto_pipeline import PERMUTE, STAGE_PASSES, pipeline_layouts
 from spmd.parallel._calibrate import COLLECTIVE_KINDS, VERSION, _in_step, program_ops
-from spmd.parallel._memory import Profile, optimizer_compute_s, parked_bytes, reference_cost
+from spmd.parallel._compute_cost import optimizer_compute_s, reference_cost
+from spmd.parallel._memory import Profile, parked_bytes
 
 VOCAB, T, B = 16, 8, 16
 pytestmark = pytest.mark.xdist_group("auto_layout")  # the tests share module fixtures that compile three steps

@@ -14,15 +14,16 @@ built through the contract (``apply_layout``) and traced on abstract inputs, not
 
 - **communication**: the step's own analytic table (``step.communication``, equal to the compiled HLO);
 - **memory**: peak bytes per device by kind (``spmd.parallel._memory``);
-- **time**: the gradients' compute (flops / the calibrated matmul rate + bytes accessed / the elementwise rate
-  + operations x the per-operation cost: ``Calibration.compute_s``), under a measured calibration scaled by
-  the user's own one-device gradient timed on every device at once over that same estimate of it
-  (``Profile.grad_seconds``: the rates say how the layouts differ, the model's measured gradient how fast
-  its kernels really run on this host), plus the optimizer's update of the layout's own shards (measured:
-  ``Profile.optimizer_seconds``; its cost is far from linear in the shard's size on a host), plus per
-  collective kind ``count`` times its calibrated cost curve at their mean size over its group (``fsdp``
-  for the gathers and reduce-scatters, the replicate dims for the gradients' all-reduce, ``tp`` for the
-  activations), plus the program's dispatch. No overlap of communication with compute is assumed.
+- **time**: the gradients' compute (flops / the calibrated matmul rate + bytes accessed / the elementwise
+  rate + operations x the per-operation cost: ``Calibration.compute_s``, ``spmd.parallel._compute_cost``),
+  under a measured calibration scaled by the user's own one-device gradient timed on every device at once
+  over that same estimate of it (``Profile.grad_seconds``: the rates say how the layouts differ, the model's
+  measured gradient how fast its kernels really run on this host), plus the optimizer's update of the
+  layout's own shards (measured: ``Profile.optimizer_seconds``; its cost is far from linear in the shard's
+  size on a host), plus per collective kind ``count`` times its calibrated cost curve at their mean size
+  over its group (``fsdp`` for the gathers and reduce-scatters, the replicate dims for the gradients'
+  all-reduce, ``tp`` for the activations), plus the program's dispatch. No overlap of communication with
+  compute is assumed.
 
 With ``measure=k`` the top ``k`` fitting candidates are then compiled and timed side by side
 (``spmd.parallel._auto_measure``) and ranked first by their measured time: what the model misses on a
@@ -54,8 +55,9 @@ from spmd.parallel._auto_measure import compiled_peak, measure_layouts
 from spmd.parallel._auto_pipeline import pipeline_cost, pipeline_layouts, stage_shapes
 from spmd.parallel._calibrate import Calibration, calibrate
 from spmd.parallel._comm import KINDS
-from spmd.parallel._memory import (Profile, _nbytes, compute_cost, memory_breakdown, optimizer_compute_s,
-                                   optimizer_flops, reference_cost, update_seconds)
+from spmd.parallel._compute_cost import (compute_cost, optimizer_compute_s, optimizer_flops, reference_cost,
+                                         update_seconds)
+from spmd.parallel._memory import Profile, _nbytes, memory_breakdown
 from spmd.parallel._ranking import AutoLayout, Candidate
 from spmd.parallel._remat_profile import remat_profile
 from spmd.parallel._shard import entry_sharding
