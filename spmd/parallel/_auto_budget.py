@@ -3,16 +3,14 @@
 - ``_fitting``: a layout predicted over the budget is replaced by its variants predicted to fit (each
   activation-checkpointing policy with the least gradient accumulation that fits);
 - ``checked``: the ranking's top candidates compiled (not run) in ranked order until ``k`` fit by XLA's
-  ``memory_analysis()`` peak. The prediction is a sum by kind, and XLA's buffer assignment and scheduler
-  can hold more than that sum (in ``benchmarks/auto_layout_peaks.py`` up to 25% more for re-gathering FSDP
-  layouts, whose outputs cannot hold the activations the one-device step parks in its own:
-  ``spmd.parallel._memory``, and up to 13% for a pipeline): a candidate over the budget once compiled goes
-  behind the fitting ones, and its own variants, searched again under the budget divided by its compiled /
-  predicted peak (the estimate's miss on that layout), join the ranking to be compiled in their turn: a layout that
-  needs one more accumulation step than predicted is found, not reported as "no layout fits". Where fewer
-  than ``k`` fit so, the candidates predicted over the budget by up to ``NEAR`` (10%; the estimate also
-  errs high: over 10% for 2 of the 70 layouts measured, by 12% and 13%) are compiled too, fastest predicted
-  first;
+  ``memory_analysis()`` peak. The prediction is a sum by kind, and XLA's buffer assignment and scheduler can
+  hold more than that sum (in ``benchmarks/auto_layout_peaks.py`` up to 9% more): a candidate over the budget
+  once compiled goes behind the fitting ones, and its own variants, searched again under the budget divided by
+  its compiled / predicted peak (the estimate's miss on that layout), join the ranking to be compiled in their
+  turn: a layout that needs one more accumulation step than predicted is found, not reported as "no layout
+  fits". Where fewer than ``k`` fit so, the candidates predicted over the budget by up to ``NEAR`` (10%; the
+  estimate also errs high: over 10% for 1 of the 70 layouts measured, by 13%) are compiled too, fastest
+  predicted first;
 - ``_measured``: the top ``k`` fitting candidates timed (``measure=``), the fastest measured first.
 """
 
@@ -26,8 +24,8 @@ from spmd.parallel._ranking import Candidate
 __all__ = ["CHECKPOINTING", "checked"]
 
 NEAR = 0.10  # compiled too when too few fit: predicted over the budget by up to this share (the estimate's
-# overestimates of XLA's peak in benchmarks/auto_layout_peaks.py: 68 of 70 layouts within it; the others
-# fsdp=2,tp=4 ws regather +12%, pp=4,dp=2 1f1b M=4 +13%, both at d256x4 batch 32)
+# overestimates of XLA's peak in benchmarks/auto_layout_peaks.py: 69 of 70 layouts within it; the other
+# pp=4,dp=2 1f1b M=4 of d256x4 at batch 32, +13%)
 
 CHECKPOINTING = ("dots", "full")  # the activation-checkpointing policies weighed where memory needs them
 
