@@ -21,13 +21,14 @@ and asked for its own table (``step.communication``, equal to the compiled HLO);
   on the 2-core host the step grows per micro-batch by 17-23 ms on d256x4's 6.3 MB stages, 65-88 ms on
   d384x6's 21.3 MB, where those updates take 16.5 and 59.6 ms); each collective kind's count
   times its calibrated cost curve at their mean size, and the dispatch.
-- **memory**: the state (arguments and outputs), the batch slice, the gradient accumulators (the rank's
-  parameters; under FSDP its stages full over ``fsdp``) and the gathered stages, the stash (the schedule's
-  ``activation_slots + gradient_slots`` and the two scratch slots, ``spmd.parallel._pipeline_memory``), and
-  the working set of one chunk's backward on one micro-batch (the one-device step's XLA temp bytes on it,
-  times the chunk's share; with two or more unit slots a rank and no FSDP, at least 0.8 x the residuals of
-  the rank's stages less half its parameters: a backward tick holds its recomputed chunk's residuals); the
-  gradient, gathered and residual terms are fitted (``pipeline_cost``'s comment).
+- **memory**: the state (arguments and outputs), the batch slice, the gradient accumulators (a share of the
+  rank's parameters, the rest in the step's output buffers; under FSDP its stages full over ``fsdp``) and the
+  gathered stages, the stash (the schedule's ``activation_slots + gradient_slots`` and the two scratch slots,
+  ``spmd.parallel._pipeline_memory``), and the working set of one chunk's backward on one micro-batch (the
+  one-device step's XLA temp bytes on it, times the chunk's share; with two or more unit slots a rank and no
+  FSDP, at least 0.8 x the residuals of the rank's stages less half its parameters: a backward tick holds its
+  recomputed chunk's residuals), plus the stash's updated copy; the gradient, gathered and residual terms are
+  fitted (``pipeline_cost``'s comment).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ __all__ = ["pipeline_cost", "pipeline_layouts", "stage_shapes", "PERMUTE", "STAG
 
 PERMUTE = "collective-permute"
 STAGE_PASSES = 1.0  # a backward tick's passes over the stacked stage, in optimizer updates of its bytes
+# without FSDP, the share of the rank's gradient accumulators XLA keeps in temp (the rest in the step's output
+# buffers): fitted with the stash twice on the 17 such pipelines of benchmarks/auto_layout_peaks, all within 10%
+# for 0.3-0.5 (1.0, the stash once: 16, the one-block-a-rank pp=4,dp=2 13% over)
+ACCUMULATORS_IN_TEMP = 0.4
 
 
 def count_units(params: Any, glob: str) -> int:
@@ -183,12 +188,15 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     # spmd.parallel._memory fits XLA's overlapping buffers of the cut and whole parts
     work = int(profile.temp_bytes(mb) * (chunk * math.sqrt(layout.tp * act_cut) / act_cut + (1 - u)))
     # fitted on the project's Transformer (benchmarks/auto_layout_peaks' 24 pipelines, d256-d768, pp 2-4, M 2-16):
-    # without FSDP XLA's temp holds the rank's parameters once more beside the stash and one chunk's work (the
-    # gradient accumulators); under FSDP 3.3 x the gathered stages with one chunk a rank, 4.5 x with two or
-    # more (the gathered stages, their gradient accumulators, a chunk's parameters and gradient as its branch
-    # gets and returns them: a chunk picked by the tick's index is sliced from the stages, not aliased)
+    # without FSDP XLA places most gradient accumulators in the step's output buffers (the new parameters and
+    # optimizer state, written by the update after the last tick: d256x4's pp=4,dp=2 and pp=2,tp=4 buffer
+    # assignments hold the accumulating adds there), ACCUMULATORS_IN_TEMP of the rank's parameters left in
+    # temp; under FSDP 3.3 x the gathered stages with one chunk a rank, 4.5 x with two or more (the gathered
+    # stages, their gradient accumulators, a chunk's parameters and gradient as its branch gets and returns
+    # them: a chunk picked by the tick's index is sliced from the stages, not aliased)
     units = lay.per_slot * s.stages_per_rank  # the unit slots a rank holds
-    grads = (3.3 if s.stages_per_rank == 1 else 4.5) * gathered - gathered if gathered else p_bytes
+    grads = (3.3 if s.stages_per_rank == 1 else 4.5) * gathered - gathered if gathered else (
+        ACCUMULATORS_IN_TEMP * p_bytes)
     if not gathered and units >= 2:
         # a backward tick recomputes its chunk and holds the chunk's residuals (the tensor-parallel parts cut
         # over tp), which the one-device step's temp bytes miss where its outputs park them: fitted on the
@@ -199,6 +207,9 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
         res = activation_bytes(profile.residuals(mb), state.plan, laid.tp.tp.mesh_dim if laid.tp else None,
                                layout.tp, False) * u * units / len(lay.found)
         work = max(work, int(0.8 * res - 0.5 * p_bytes))
+    # a tick's received activations and gradients are written into a new stash buffer beside the old one (the
+    # slot's update fused with the receive's select is not done in place): the stash twice
+    work += stash
     mem = {"state": 2 * (p_bytes + opt), "batch": _nbytes(batch) // n_data, "work": work, "gathered": gathered,
            "grads": int(grads), "stash": stash}
     mem["peak"] = sum(mem.values())
