@@ -9,7 +9,7 @@
   its compiled / predicted peak (the estimate's miss on that layout), join the ranking to be compiled in their
   turn: a layout that needs one more accumulation step than predicted is found, not reported as "no layout
   fits". Where fewer than ``k`` fit so, the candidates predicted over the budget by up to ``NEAR`` (10%; the
-  estimate also errs high: over 10% for 1 of the 70 layouts measured, by 13%) are compiled too, fastest
+  estimate also errs high: by up to 8% for the 70 layouts measured) are compiled too, fastest
   predicted first;
 - ``_measured``: the top ``k`` fitting candidates timed (``measure=``), the fastest measured first.
 """
@@ -24,8 +24,7 @@ from spmd.parallel._ranking import Candidate
 __all__ = ["CHECKPOINTING", "checked"]
 
 NEAR = 0.10  # compiled too when too few fit: predicted over the budget by up to this share (the estimate's
-# overestimates of XLA's peak in benchmarks/auto_layout_peaks.py: 69 of 70 layouts within it; the other
-# pp=4,dp=2 1f1b M=4 of d256x4 at batch 32, +13%)
+# overestimates of XLA's peak in benchmarks/auto_layout_peaks.py: all 70 layouts within it, the most +8%)
 
 CHECKPOINTING = ("dots", "full")  # the activation-checkpointing policies weighed where memory needs them
 
