@@ -26,14 +26,14 @@ built through the contract (``apply_layout``) and traced on abstract inputs, not
   compute is assumed.
 
 With ``measure=k`` the top ``k`` fitting candidates are then compiled and timed side by side
-(``spmd.parallel._auto_measure``) and ranked first by their measured time: what the model misses on a
-host (on CPU fake devices, fresh pages for buffers past the allocator's mmap threshold, threads sharing
-the cores) a compiled step shows. Under a memory budget the top ``max(measure, 1)`` are compiled first,
-nothing run, and their ``memory_analysis()`` judges the fit (only fitting ones are then timed, together):
-the estimate is a sum by kind, and XLA's buffer assignment and scheduler can hold up to 9% more than that
-sum (``benchmarks/auto_layout_peaks.py``: its 70 layouts within 10%); one that does not fit once compiled goes behind the fitting ones and its
-variants are searched again under its own miss (``spmd.parallel._auto_budget``). The answer
-(``AutoLayout``, ``Candidate``) is ``spmd.parallel._ranking``.
+(``spmd.parallel._auto_measure``) and ranked first by their measured time: what the model misses on a host
+(on CPU fake devices, fresh pages for buffers past the allocator's mmap threshold, threads sharing the
+cores) a compiled step shows. Under a memory budget the top ``max(measure, 1)`` are compiled first, nothing
+run, and their ``memory_analysis()`` judges the fit (only fitting ones are then timed, together): the
+estimate is a sum by kind, and XLA's buffer assignment and scheduler can hold up to 9% more than that sum
+(``benchmarks/auto_layout_peaks.py``: its 70 layouts within 10%); one that does not fit once compiled goes
+behind the fitting ones and its variants are searched again under its own miss
+(``spmd.parallel._auto_budget``). The answer (``AutoLayout``, ``Candidate``) is ``spmd.parallel._ranking``.
 """
 
 from __future__ import annotations
