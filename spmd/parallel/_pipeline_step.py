@@ -299,6 +299,16 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> 
 
             fcols, bcols = ("fj", "fm", "fxr"), ("bj", "bm", "bxr", "bgr")
 
+            def after_previous(c, m):
+                # a micro-batch index tied to the carry's loss (min(m, m + isnan(loss)) is m, which XLA cannot
+                # see). Unrolled, nothing else orders a tick after the previous one where it reads no stash
+                # slot: the first stage's forward (over pp=2 every forward), the side arrays a stage computes
+                # from its micro-batch. XLA ran all those first and held each micro-batch's result: GPipe's
+                # memory under 1F1B, an activation more per micro-batch. lax.optimization_barrier did not
+                # hold the order on XLA:CPU.
+                loss = c[4]
+                return jnp.minimum(m, m + jnp.isnan(loss).astype(m.dtype))
+
             def local_codes(codes, shift):  # a tick's (or the step's) codes -> the used list and each rank's index
                 codes = np.asarray(codes)
                 used = sorted({int(k) - shift if k else 0 for k in codes.flat})
@@ -309,8 +319,10 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> 
                     pick = lambda a: jnp.asarray(a)[r]  # noqa: E731
                     fused, fl = local_codes(tb["fcode"], 0)  # only the branches some rank runs at this tick
                     bused, bl = local_codes(tb["bcode"], len(ROLES))
-                    c, sf, sb = compute(c, pick(fl), pick(bl), fused, bused, [pick(tb[k]) for k in fcols],
-                                        [pick(tb[k]) for k in bcols])
+                    fj, fm, fxr = [pick(tb[k]) for k in fcols]
+                    bj, bm, bxr, bgr = [pick(tb[k]) for k in bcols]
+                    c, sf, sb = compute(c, pick(fl), pick(bl), fused, bused, [fj, after_previous(c, fm), fxr],
+                                        [bj, after_previous(c, bm), bxr, bgr])
                     xb, gb, *others = c
                     if tb["fwd"]:
                         xb = xb.at[pick(tb["rx"])].set(lax.ppermute(sf, ppd, tb["fwd"]))
