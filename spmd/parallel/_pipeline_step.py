@@ -299,15 +299,9 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> 
 
             fcols, bcols = ("fj", "fm", "fxr"), ("bj", "bm", "bxr", "bgr")
 
-            def after_previous(c, m):
-                # a micro-batch index tied to the carry's loss (min(m, m + isnan(loss)) is m, which XLA cannot
-                # see). Unrolled, nothing else orders a tick after the previous one where it reads no stash
-                # slot: the first stage's forward (over pp=2 every forward), the side arrays a stage computes
-                # from its micro-batch. XLA ran all those first and held each micro-batch's result: GPipe's
-                # memory under 1F1B, an activation more per micro-batch. lax.optimization_barrier did not
-                # hold the order on XLA:CPU.
-                loss = c[4]
-                return jnp.minimum(m, m + jnp.isnan(loss).astype(m.dtype))
+            def after_previous(c, m):  # m, tied to the carry's loss (min(m, m + isnan) is m; XLA can't tell): else
+                # a tick reading no stash slot ran ahead, holding GPipe's memory under 1F1B (docs/training/layouts.md)
+                return jnp.minimum(m, m + jnp.isnan(c[4]).astype(m.dtype))
 
             def local_codes(codes, shift):  # a tick's (or the step's) codes -> the used list and each rank's index
                 codes = np.asarray(codes)
