@@ -359,8 +359,18 @@ def test_a_collectives_cost_curve_interpolates_its_measured_points():
 
 def test_calibrate_measures_caches_and_refreshes(tmp_path, monkeypatch):
     monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path))
+    import spmd.parallel._calibrate as calib
+
+    # the compute timings fixed (the collectives measured): the rates are the work over the time less dispatch
+    by_size = {8 * 8: 0.125, 8 * (1 << 18): 0.625}  # the empty program (dispatch), the elementwise chain
+    monkeypatch.setattr(calib, "_timed", lambda fn, x, repeats: by_size.get(x.size, 1e-3))
+    monkeypatch.setattr(calib, "_matmuls", lambda devices, m, reps, repeats: 0.5 if len(devices) == 8 else 0.25)
     cal = calibrate(quick=True)
-    assert cal.matmul_flops_per_s > 0 and cal.elementwise_bytes_per_s > 0 and cal.group_size == 8
+    reps = 2  # quick
+    assert cal.dispatch_s == 0.125 and cal.group_size == 8
+    assert cal.matmul_flops_per_s == pytest.approx(reps * 2 * 256 ** 3 / (0.5 - 0.125))
+    assert cal.elementwise_bytes_per_s == pytest.approx(reps * 3 * (1 << 18) * 4 / (0.625 - 0.125))
+    assert cal.alone_speedup == pytest.approx((0.5 - 0.125) / (0.25 - 0.125))  # 3: one device alone 3x faster
     assert set(cal.collectives) == set(COLLECTIVE_KINDS) and cal.measured
     assert all(len(v) == 2 for v in cal.collectives.values())  # quick: two sizes measured per kind
     files = list(tmp_path.iterdir())
