@@ -34,6 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from placements import Shard
 from spmd._mesh import DeviceMesh
+from spmd.parallel._checks import (check_batch_leaves, check_loss, check_opt_state, check_rng, check_same_tree,
+                                   describe_tree, linen_abstract_params, params_hint, traced_model_params)
 from spmd.parallel._comm import format_communication, step_communication
 from spmd.parallel._heads import check_head_cuts
 from spmd.parallel._hooks import Hooks
@@ -79,6 +81,10 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
     initialize straight into the shards (``model.init`` compiled with the shards as its outputs) with the
     values the unwrapped model's ``init`` gives for that rng. An nnx model holds its parameters: give none.
     ``mesh=``: for a model with neither transform (DDP over every dim of ``mesh``).
+
+    ``params=`` must be the model's (paths, shapes, dtypes): checked against ``nnx.state(model, nnx.Param)``,
+    a linen model's abstract ``init`` on the example inputs, or the tree an earlier state or step found for
+    this model; with none of them, the step checks at its first call.
     """
     where = "init_train_state"
     _check_optimizer(optimizer, where)
@@ -88,14 +94,26 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
     pm = as_parallel(model, mesh, where)
     mesh = pm.mesh
     inner = pm.module
+    known = None  # the model's own parameters (shapes), where known
     if is_nnx(inner):
         if params is None:
             params = nnx_params(inner)
-        init_args = ()
+        else:
+            _check_model_params(where, "params=", inner, params)
+        known, init_args = params, ()
+    elif params is not None:
+        hint = params_hint(params, sure=True)
+        if hint:
+            raise ValueError(f"{where}:{hint}")
+        if init_args:
+            known = _check_model_params(where, "params=", inner, params, init_args)
+        else:
+            _check_seen(where, "params=", pm, params, "Pass this model's parameters (model.init(rng, x)['params']).")
     if params is None:
         if not init_args:
             raise TypeError(f"{where}: give params=, or (rng, *example_inputs) to initialize the model.")
         rng, *xs = init_args
+        check_rng(where, rng)
         abstract, seen = trace_seen(lambda r: inner.init(r, *xs)["params"], rng)
         plan = build_plan(pm, abstract, find_stacked(seen, abstract))
         shardings = map_like_params(plan, abstract, lambda x, e: entry_sharding(e, mesh))
@@ -109,8 +127,41 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
     _, opt_sh = state_shardings(plan, mesh, stored, opt_abstract, optimizer)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(stored)
     pm._plans[plan.treedef] = plan
+    known = abstract if params is None else known
+    if known is not None and describe_tree(known) not in pm._params_seen:
+        pm._params_seen.append(describe_tree(known))
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh.jax_mesh, P()))
     return TrainState(step=step, params=stored, opt_state=opt_state, plan=plan)
+
+
+def _check_model_params(where: str, arg: str, module: Any, params: Any, example_inputs: tuple = (), fix: str = (
+        "Pass the parameters of this model (model.init(rng, x)['params'], or nnx.state(model, nnx.Param)), or "
+        "build the state for the model they belong to.")) -> Any:
+    """``params`` against the model's own: an nnx model's ``nnx.state``, a linen model's abstract ``init``
+    on ``example_inputs`` (none given: nothing to compare with here; the step compares at its first call)."""
+    import flax.linen as nn
+
+    if is_nnx(module):
+        expected = nnx_params(module)
+        source = f"this {type(module).__name__}'s parameters (nnx.state(model, nnx.Param))"
+    elif isinstance(module, nn.Module) and example_inputs:
+        expected = linen_abstract_params(module, example_inputs)
+        source = f"this {type(module).__name__}'s parameters ({type(module).__name__}.init on the example inputs)"
+    else:
+        return None
+    if expected is not None:
+        check_same_tree(where, arg, expected, params, source, fix)
+    return expected
+
+
+def _check_seen(where: str, arg: str, model: Any, logical: Any, fix: str) -> None:
+    """``logical`` against the parameter trees init_train_state and the step found this model to have (a linen
+    model gives its tree only on inputs; none seen yet: nothing to compare with)."""
+    seen = getattr(model, "_params_seen", None)
+    if seen and describe_tree(logical) not in seen:
+        inner = model.module if isinstance(model, ParallelModule) else model
+        check_same_tree(where, arg, _as_structs(seen[-1]), logical,
+                        f"the parameters of this {type(inner).__name__} (as its init on the inputs gave them)", fix)
 
 
 def unshard_params(model: Any, params: Any) -> Any:
@@ -126,10 +177,38 @@ def unshard_params(model: Any, params: Any) -> Any:
     else:
         plans = getattr(model, "_plans", {})
         plan = plans.get(jax.tree_util.tree_structure(params))
+        if plan is None and not isinstance(model, ParallelModule):
+            plan = _replicated_plan(model, params)
     if plan is None:
         raise ValueError(f"{where}: these parameters were not laid out by init_train_state(model, ...) for "
                          f"{model!r}; pass that state (or its .params).")
+    logical = jax.tree_util.tree_unflatten(plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype)
+                                                          for e in plan.entries])
+    inner = model.module if isinstance(model, ParallelModule) else model
+    if is_nnx(inner):
+        _check_model_params(where, "params", inner, logical, fix="Pass the state (or its .params) built for this "
+                            "model.")
+    else:
+        _check_seen(where, "params", model, logical, "Pass the state (or its .params) built for this model.")
     return unshard_tree(params, plan, model.mesh if isinstance(model, ParallelModule) else None)
+
+
+def _as_structs(desc: dict) -> dict:
+    """``describe_tree``'s ``{path: (shape, dtype)}`` as a flat dict of ``ShapeDtypeStruct``s with those paths."""
+    return {p: jax.ShapeDtypeStruct(shape, dtype) for p, (shape, dtype) in desc.items()}
+
+
+def _replicated_plan(model: Any, params: Any) -> ParamPlan | None:
+    """The plan of a model with no layout trained data-parallel (``mesh=``): every parameter whole on every
+    device, stored unpadded; ``None`` unless every leaf is such an array."""
+    from spmd.parallel._transforms import build_plan as _plan
+
+    leaves = jax.tree.leaves(params)
+    if not leaves or not all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+                             and x.sharding.is_fully_replicated for x in leaves):
+        return None
+    mesh = DeviceMesh.from_jax(leaves[0].sharding.mesh)
+    return _plan(ParallelModule(model, mesh), params)
 
 
 def _split_loss(out: Any, where: str) -> tuple[jax.Array, dict]:
@@ -142,6 +221,7 @@ def _split_loss(out: Any, where: str) -> tuple[jax.Array, dict]:
     if not hasattr(loss, "shape") or np.shape(loss) != ():
         raise ValueError(f"{where}: loss_fn returned {loss!r}; it must return a scalar loss, or (loss, aux) with aux "
                          "a dict of scalar metrics.")
+    check_loss(where, loss, aux)
     return loss, aux
 
 
@@ -170,6 +250,11 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
     it returns the mean loss over its batch, or ``(loss, aux)`` with ``aux`` a dict of scalar metrics.
     ``batch``: a pytree of global arrays (host arrays are fine) whose leading dim the data dims divide.
     Metrics: ``loss``, the ``aux`` entries (averaged over the data dims) and ``grad_norm``.
+
+    The first call with a state of a new plan checks, before compiling, that ``state.params`` are the model's
+    (an nnx model's own state; a linen model's abstract ``init`` on the inputs ``loss_fn`` applies it to, read
+    off one abstract trace of the loss) and ``state.opt_state`` the optimizer's (``optimizer.init``
+    abstractly), naming the first path that differs.
     """
     where = "make_train_step"
     if not callable(loss_fn):
@@ -188,15 +273,19 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
         if not isinstance(state, TrainState) or state.plan is None:
             raise TypeError(f"train_step: state={type(state).__name__} must be the TrainState init_train_state(model, "
                             "optimizer, ...) returns.")
-        if state.plan not in verified:
+        check_batch_leaves("train_step", _as_arrays(batch))
+        key = (state.plan, jax.tree_util.tree_structure(state.opt_state))
+        if key not in verified:
             logical = jax.tree_util.tree_unflatten(
                 state.plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in state.plan.entries])
             if build_plan(pm, logical, stacked_in(state.plan)) != state.plan:
                 raise ValueError("train_step: the state was laid out for another model or plan than this step's "
                                  f"({pm!r}); build it with init_train_state on the same model.")
+            _check_state_params(pm, loss_fn, logical, _as_arrays(batch))
+            check_opt_state("train_step", optimizer, state.params, state.opt_state)
             if (pm.tp or set(state.plan.units) - {ROOT}) and not is_nnx(pm.module):
                 check_unscanned(state.plan, loss_fn, logical, _as_arrays(batch))
-            verified.add(state.plan)
+            verified.add(key)
         return build(state.plan)(state, batch)
 
     def lower(state: TrainState, batch: Any):
@@ -215,6 +304,29 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
     step.communication = communication
     step.table = table
     return step
+
+
+def _check_state_params(pm: ParallelModule, loss_fn: Callable, logical: Any, batch: Any) -> None:
+    """The state's parameters against the step's model, once per plan: an nnx model's own state, or a linen
+    model's abstract ``init`` on the inputs ``loss_fn`` gives it (one abstract trace of the loss)."""
+    fix = ("Build the state with init_train_state(model, optimizer, ...) for this step's model (or the step "
+           "for the model the state belongs to).")
+    if is_nnx(pm.module):
+        expected = nnx_params(pm.module)
+        source = f"this step's {type(pm.module).__name__} parameters (nnx.state(model, nnx.Param))"
+    else:
+        expected, _ = traced_model_params(loss_fn, logical, batch)
+        source = ("the parameters of this step's model (its init on the inputs loss_fn gives it: "
+                  f"{_model_name(pm.module)})")
+    if expected is None:
+        return
+    check_same_tree("train_step", "state.params", expected, logical, source, fix)
+    if describe_tree(expected) not in pm._params_seen:
+        pm._params_seen.append(describe_tree(expected))
+
+
+def _model_name(module: Any) -> str:
+    return type(getattr(module, "module", module)).__name__
 
 
 def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, plan: ParamPlan) -> Callable:

@@ -23,9 +23,10 @@ import numpy as np
 
 from placements import Placement, Replicate, Shard
 from spmd._mesh import DeviceMesh
+from spmd.parallel._checks import check_tp_plan, params_hint
 from spmd.parallel._param_plan import ROOT, ParamPlan, path_str, plan_params
 from spmd.parallel._rules import Rule
-from spmd.parallel._styles import STYLES, ColwiseParallel, ParallelStyle
+from spmd.parallel._styles import STYLES, ColwiseParallel, ParallelStyle, RowwiseParallel
 
 __all__ = ["ParallelModule", "MixedPrecisionPolicy", "parallelize_module", "fully_shard", "TPSpec", "FSDPSpec",
            "param_module", "glob_regex"]
@@ -64,7 +65,8 @@ class MixedPrecisionPolicy:
 
 @dataclass(frozen=True)
 class TPSpec:
-    """``parallelize_module``'s layout: ``(fqn glob, style)`` pairs, first match wins, on mesh dim ``mesh_dim``."""
+    """``parallelize_module``'s layout: ``(fqn glob, style)`` pairs on mesh dim ``mesh_dim``; a module matches at
+    most one glob (``build_plan`` refuses two)."""
 
     mesh_dim: str
     plan: tuple[tuple[str, ParallelStyle], ...]
@@ -124,6 +126,7 @@ class ParallelModule:
         for name, value in (("module", module), ("mesh", mesh), ("tp", tp), ("fsdp", fsdp), ("remat", remat)):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_plans", {})  # treedef -> the plan init_train_state laid them out by
+        object.__setattr__(self, "_params_seen", [])  # the model's parameter trees (path: shape, dtype) seen so far
 
     def __getattr__(self, name: str) -> Any:
         return getattr(object.__getattribute__(self, "module"), name)
@@ -269,6 +272,7 @@ def as_parallel(model: Any, mesh: DeviceMesh | None, where: str) -> ParallelModu
     if isinstance(model, ParallelModule) and model.mesh is None and mesh is not None:  # activation_checkpointing
         pm = ParallelModule(model.module, _mesh_of(mesh, where, "mesh").root_mesh, remat=model.remat)
         object.__setattr__(pm, "_plans", model._plans)  # unshard_params(model, params) finds their plan
+        object.__setattr__(pm, "_params_seen", model._params_seen)
         return pm
     if isinstance(model, ParallelModule) and model.mesh is not None:
         if mesh is not None and mesh.root_mesh != model.mesh:
@@ -294,7 +298,10 @@ def _modules(paths: Sequence[str]) -> list[str]:
     return out
 
 
-def _no_match(where: str, arg: str, key: str, modules: list[str]) -> ValueError:
+def _no_match(where: str, arg: str, key: str, modules: list[str], params: Any) -> ValueError:
+    hint = params_hint(params)
+    if hint:  # the tree is not a model's parameters: that, not the name, is what to fix
+        return ValueError(f"init_train_state: {where}'s {arg} {key!r} matches no module of params=, and{hint}")
     shown = ", ".join(modules[:40]) + (" ..." if len(modules) > 40 else "")
     return ValueError(f"{where}: {arg} {key!r} matches no module of the model; its modules are: {shown}. "
                       "Fix the name (globs: 'layers_*.mlp.up_proj', 'transformer.h.*').")
@@ -316,12 +323,14 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             head, _, method = key.rpartition(".")
             on = [key] + ([head] if method in METHODS else [])  # "embed.attend": a method of module "embed"
             if not any(re.fullmatch(glob_regex(k, "."), m) for k in on for m in modules):
-                raise _no_match("parallelize_module", "plan key", key, modules)
+                raise _no_match("parallelize_module", "plan key", key, modules, params)
+        shapes = {param_module(p): tuple(np.shape(x)) for p, (_, x) in zip(paths, leaves)}
+        check_tp_plan(tp.plan, modules, shapes, lambda k: glob_regex(k, "."), (ColwiseParallel, RowwiseParallel))
     unit_res = []
     if fsdp:
         for u in fsdp.units:
             if not any(re.fullmatch(glob_regex(u, "."), m) for m in modules):
-                raise _no_match("fully_shard", "unit", u, modules)
+                raise _no_match("fully_shard", "unit", u, modules, params)
             unit_res.append(glob_regex(u, "/"))
     if model.remat:
         model.remat.check(modules)
