@@ -162,8 +162,8 @@ def main(argv=None) -> int:
     from models import Transformer
     from models._plans import transformer_tp_plan
     from spmd.parallel import auto_layout, calibrate
-    from spmd.parallel._auto_measure import peak_bytes
-    from spmd.parallel._memory import Profile
+    from spmd.parallel.auto._measure import peak_bytes
+    from spmd.parallel.cost._memory import Profile
 
     if os.environ.get("AUTO_LAYOUT_MERGE"):
         _plot(merged := merge(os.environ["AUTO_LAYOUT_MERGE"].split(",")), _save(merged, False) + ".png")

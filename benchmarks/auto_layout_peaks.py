@@ -90,9 +90,9 @@ def main(argv=None) -> int:
     from models import Transformer
     from models._plans import transformer_tp_plan
     from spmd.parallel import auto_layout, calibrate
-    from spmd.parallel._auto import evaluate_layout
-    from spmd.parallel._auto_measure import compiled_peak
-    from spmd.parallel._memory import Profile
+    from spmd.parallel.auto._auto import evaluate_layout
+    from spmd.parallel.auto._measure import compiled_peak
+    from spmd.parallel.cost._memory import Profile
 
     grid = grid_layouts(os.path.join(RESULTS, "auto_layout.json"))
     if a.quick:

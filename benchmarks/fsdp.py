@@ -155,7 +155,7 @@ class _Prepared:
     """A compiled step with its state and batches, timed in rounds interleaved with the other layouts."""
 
     def __init__(self, step, state, batches, batch: int):
-        from spmd.parallel._auto_measure import compiled_warm
+        from spmd.parallel.auto._measure import compiled_warm
 
         self.batch = batch
         t0 = time.perf_counter()

@@ -17,7 +17,7 @@ Reported per layout:
 - step time and samples/s (on a CPU host the 8 devices share the cores, so a rank's bubble is another
   rank's compute: the wall clock cannot show the bubble here; it shows each schedule's cost);
 - the compiled step's temp memory (``memory_analysis()``), the activation stash measured from
-  ``memory_analysis()`` (``spmd.parallel._pipeline_memory.measure_activation_stash``: extra loop-form
+  ``memory_analysis()`` (``spmd.parallel.pipelining._memory.measure_activation_stash``: extra loop-form
   compiles, state donated) beside the schedule's bound (activation + gradient slots x one micro-batch's
   activation), and the collective-permutes the HLO holds.
 
@@ -99,7 +99,7 @@ def main(argv):
     from models import Transformer
     from spmd._inspect import hlo_collectives
     from spmd.parallel import hlo_executed_collectives, init_train_state, make_train_step, pipeline
-    from spmd.parallel._pipeline_memory import measure_activation_stash
+    from spmd.parallel.pipelining._memory import measure_activation_stash
 
     model = Transformer(vocab_size=VOCAB, max_len=SEQ, num_layers=LAYERS, d_model=D, num_heads=HEADS, mlp_ratio=2)
     params = model.init(jax.random.key(0), jnp.zeros((2, SEQ), jnp.int32))["params"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from spmd.parallel import Layout
-from spmd.parallel._auto import CHECKPOINTING, Candidate, _fitting
+from spmd.parallel.auto._auto import CHECKPOINTING, Candidate, _fitting
 
 UNITS = ("block_*",)
 
@@ -105,8 +105,8 @@ _SCRIPT = r"""
 import json, jax, numpy as np, optax
 from models import Transformer
 from spmd.parallel import Calibration, Layout, apply_layout, auto_layout, init_train_state, make_train_step
-from spmd.parallel._auto import default_loss, evaluate_layout
-from spmd.parallel._memory import Profile
+from spmd.parallel.auto._auto import default_loss, evaluate_layout
+from spmd.parallel.cost._memory import Profile
 
 net = Transformer(16, 128, num_layers=2, d_model=32, num_heads=8)
 tok = np.random.default_rng(0).integers(0, 16, (8, 129)).astype(np.int32)

@@ -31,7 +31,7 @@ from models.train import Config, main
 from models.train._config import check_config, parse_bytes, resume_config
 from spmd import DeviceMesh
 from spmd.parallel import Calibration, hlo_executed_collectives
-from spmd.parallel._calibrate import VERSION
+from spmd.parallel.cost._calibrate import VERSION
 
 pytestmark = pytest.mark.xdist_group("auto-job")  # the module's runs share a calibration cache and programs
 
@@ -240,7 +240,7 @@ def test_auto_and_layout_flags_are_refused_naming_the_flag(argv, message, capsys
 def test_activation_checkpointing_policies_are_spmds_and_others_are_refused(tmp_path, capsys):
     from models.train import run
     from models.train._config import CHECKPOINTING
-    from spmd.parallel._remat import POLICIES
+    from spmd.parallel.styles._remat import POLICIES
 
     assert CHECKPOINTING == tuple(POLICIES)
     with pytest.raises(SystemExit):

@@ -21,12 +21,12 @@ from models import Transformer
 from models._plans import transformer_tp_plan
 from spmd.parallel import (Calibration, ColwiseParallel, Layout, apply_layout, auto_layout, calibrate, hlo_executed_collectives,
                            init_train_state, make_train_step, weight_stationary_plan)
-from spmd.parallel._auto import _abstract, abstract_state, candidate_layouts, default_loss, evaluate_layout
-from spmd.parallel._auto_layout import infer_units
-from spmd.parallel._auto_pipeline import PERMUTE, STAGE_PASSES, pipeline_layouts
-from spmd.parallel._calibrate import COLLECTIVE_KINDS, VERSION, _in_step, program_ops
-from spmd.parallel._compute_cost import optimizer_compute_s, reference_cost
-from spmd.parallel._memory import Profile, parked_bytes
+from spmd.parallel.auto._auto import _abstract, abstract_state, candidate_layouts, default_loss, evaluate_layout
+from spmd.parallel.auto._layout import infer_units
+from spmd.parallel.auto._pipeline import PERMUTE, STAGE_PASSES, pipeline_layouts
+from spmd.parallel.cost._calibrate import COLLECTIVE_KINDS, VERSION, _in_step, program_ops
+from spmd.parallel.cost._compute_cost import optimizer_compute_s, reference_cost
+from spmd.parallel.cost._memory import Profile, parked_bytes
 
 VOCAB, T, B = 16, 8, 16
 pytestmark = pytest.mark.xdist_group("auto_layout")  # the tests share module fixtures that compile three steps
@@ -359,7 +359,7 @@ def test_a_collectives_cost_curve_interpolates_its_measured_points():
 
 def test_calibrate_measures_caches_and_refreshes(tmp_path, monkeypatch):
     monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path))
-    import spmd.parallel._calibrate as calib
+    import spmd.parallel.cost._calibrate as calib
 
     # the compute timings fixed (the collectives measured): the rates are the work over the time less dispatch
     by_size = {8 * 8: 0.125, 8 * (1 << 18): 0.625}  # the empty program (dispatch), the elementwise chain
@@ -522,7 +522,7 @@ def test_the_profile_times_the_gradient_and_the_optimizer_on_every_device_at_onc
     """What is timed: one device's gradient on its micro-batch (the batch cut over all 8 devices, the
     parameters whole on each), and the optimizer's update of the given shards whole on each device; each
     measured once per shapes (the clock replaced: the seconds are whatever the timer returns)."""
-    import spmd.parallel._memory as memory
+    import spmd.parallel.cost._memory as memory
 
     batch, params, _ = data
     prof = Profile(default_loss(MODEL), params, OPT)  # nothing timed yet
@@ -637,7 +637,7 @@ def test_interleaved_chunks_add_their_gradient_in_place():
 
 def _chunk_terms(laid, data, cal):
     """``t_F`` (a one-block chunk's forward on one micro-batch) and the code outside the units per micro-batch
-    of ``pp=2,fsdp=4 1f1b M=2`` (see ``spmd.parallel._auto_pipeline``), and the one-device step's terms."""
+    of ``pp=2,fsdp=4 1f1b M=2`` (see ``spmd.parallel.auto._pipeline``), and the one-device step's terms."""
     prof = data[2]
     mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 4 // 2, *x.shape[1:]), x.dtype), _abstract(data[0]))
     (f, nb), ops = prof.grad_cost(mb), prof.ops(mb)
@@ -721,7 +721,7 @@ def _fake_clock(monkeypatch, seconds: tuple[float, ...]) -> None:
     so each candidate's measured time per step is known (the steps still run)."""
     import types
 
-    import spmd.parallel._auto_measure as measure
+    import spmd.parallel.auto._measure as measure
 
     calls = iter(range(10**6))
 
@@ -753,7 +753,7 @@ def test_measure_times_the_top_candidates_and_ranks_them_by_their_measured_step(
     assert got.to_json()["candidates"][0]["measured_ms"] == pytest.approx(1e3 * a.measured_s)
 
     # the order follows the measurement, not the prediction (timing stubbed: the first predicted is slower)
-    import spmd.parallel._auto as auto
+    import spmd.parallel.auto._auto as auto
 
     monkeypatch.setattr(auto, "measure_layouts", lambda *a, **k: [(0.2, 10), (0.1, 10)])
     flipped = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN, measure=2)
@@ -765,7 +765,7 @@ def test_measure_times_the_top_candidates_and_ranks_them_by_their_measured_step(
 def test_the_race_times_the_close_contenders_again_and_drops_clear_losers():
     """After the first rounds, the candidates within RACE of the fastest median get more rounds (each round's
     contenders chosen again), a clear loser none, until one is left or ``max_rounds``."""
-    from spmd.parallel import _auto_measure as am
+    from spmd.parallel.auto import _measure as am
 
     class Fake:  # a candidate whose k-th round takes times[k] (the last repeated)
         def __init__(self, times):
@@ -794,7 +794,7 @@ def test_a_measured_peak_over_the_budget_does_not_fit_and_the_next_is_measured(d
     """Under ``measure=`` the compiled step's own peak decides the fit: one over the budget goes behind the
     fitting candidates, and the next predicted is compiled in its place; none fitting once compiled is a
     clear error giving the smallest measured."""
-    import spmd.parallel._auto as auto
+    import spmd.parallel.auto._auto as auto
 
     batch, params, prof = data
     lays = [LAYOUTS["dp=8"], LAYOUTS["fsdp=8 regather"], LAYOUTS["dp=4,tp=2"]]
@@ -834,7 +834,7 @@ def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fi
     its ``memory_analysis`` peak is its ``measured_peak``, equal to the step compiled on real arrays; the
     others stay uncompiled. A pick over the budget once compiled goes behind the fitting ones and the next
     is compiled; none fitting once compiled is the clear error."""
-    import spmd.parallel._auto as auto
+    import spmd.parallel.auto._auto as auto
 
     batch, params, prof = data
     lays = [LAYOUTS["dp=8"], LAYOUTS["fsdp=8 regather"], LAYOUTS["dp=4,tp=2"]]
@@ -901,7 +901,7 @@ def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fi
 
 
 def test_measure_layouts_takes_no_fewer_max_rounds_than_rounds(data):
-    from spmd.parallel._auto_measure import measure_layouts
+    from spmd.parallel.auto._measure import measure_layouts
 
     batch, params, _ = data
     with pytest.raises(ValueError, match=re.escape("measure_layouts: max_rounds=3 must be >= rounds=5")):
@@ -912,7 +912,7 @@ def test_a_layout_over_the_budget_once_compiled_is_searched_again_under_its_own_
     """The estimate under XLA's peak (stubbed: every compiled step holds 1.2x its prediction): dp=8 is
     predicted to fit and compiles over; its variants are searched again under the budget over 1.2 and the
     accumulating one, compiled in its turn, fits and is the pick (before: "no layout fits")."""
-    import spmd.parallel._auto as auto
+    import spmd.parallel.auto._auto as auto
 
     _, params, prof = data
     tok = np.random.default_rng(1).integers(0, VOCAB, (8 * 32, T + 1)).astype(np.int32)
@@ -945,7 +945,7 @@ def test_too_few_fitting_once_compiled_compiles_those_predicted_just_over(data):
     """When fewer than k fit once compiled, the candidates predicted over the budget by up to NEAR (10%) are
     compiled too, fastest predicted first, until k fit (the estimate errs high as well as low); further over
     is never compiled."""
-    from spmd.parallel._auto_budget import NEAR, checked
+    from spmd.parallel.auto._budget import NEAR, checked
 
     batch, _, prof = data
     base = evaluate_layout(MODEL, OPT, batch, 8, LAYOUTS["dp=8"], calibration=_cal(), profile=prof)

@@ -346,7 +346,7 @@ def test_training_job_fsdp_under_spmdrun_matches_dp(tmp_path):
 def _compiled_layout(model, params, batch, lay):
     """``(compiled step, ParamPlan)`` of ``lay`` on ``model`` for the shape structs ``params`` and ``batch``
     (nothing allocated)."""
-    from spmd.parallel._auto_measure import _built
+    from spmd.parallel.auto._measure import _built
 
     step, state, b = _built(model, OPT, lambda m: (lambda p, x: _ce(m.apply({"params": p}, x["inputs"]), x)),
                             params, batch, jax.devices(), lay, abstract=True)
@@ -357,7 +357,7 @@ def _tp_layout_plan(variant: str, tp: int, vocab: int):
     """The ``tp_plan`` of a laid-out tiny Transformer: ``variant`` "plain", "sp" (sequence parallel) or "ws"
     (weight-stationary)."""
     from models._plans import transformer_tp_plan
-    from spmd.parallel._auto_layout import tp_plan_for
+    from spmd.parallel.auto._layout import tp_plan_for
 
     return tp_plan_for(lambda sequence_parallel, tp_size: transformer_tp_plan(sequence_parallel, vocab_size=vocab,
                                                                               tp_size=tp_size),
@@ -374,7 +374,7 @@ def test_regathering_holds_one_unit_at_a_time(mesh):
     gathered parameters 90-180 KiB a block. It holds under plans that cut the activations over tp too
     (sequence parallel, weight-stationary), where the tie's zero is summed on each device's own block."""
     from spmd.parallel import Layout
-    from spmd.parallel._auto_layout import infer_units
+    from spmd.parallel.auto._layout import infer_units
 
     model = Transformer(vocab_size=8, max_len=6, num_layers=6, d_model=64, num_heads=2, mlp_ratio=2)
     shape, _, variant = mesh.partition(" ")
@@ -408,10 +408,10 @@ def test_regathering_ties_add_no_collective(variant, monkeypatch):
     step's, and without the forward tie its collectives are the same. Under a plan that cuts the activations
     over tp (sequence parallel, weight-stationary) a tie's sum in global view would be an all-reduce over tp
     per unit (``Hooks._zero_from``)."""
-    import spmd.parallel._hooks as hooks
+    import spmd.parallel.styles._hooks as hooks
     from spmd.parallel import Layout
-    from spmd.parallel._auto_layout import infer_units
-    from spmd.parallel._hlo import hlo_executed_collectives
+    from spmd.parallel.auto._layout import infer_units
+    from spmd.parallel.cost._hlo import hlo_executed_collectives
 
     model = Transformer(vocab_size=16, max_len=8, num_layers=2, d_model=32, num_heads=4, mlp_ratio=2)
     batch = {"inputs": jax.ShapeDtypeStruct((16, 8), jnp.int32), "targets": jax.ShapeDtypeStruct((16, 8), jnp.int32)}

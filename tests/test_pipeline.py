@@ -23,9 +23,9 @@ from spmd.parallel import (ColwiseParallel, MixedPrecisionPolicy, SplitPoint, bu
                            init_train_state, make_train_step, parallelize_module, pipeline)
 from spmd.parallel import unshard_params
 from spmd._inspect import hlo_collectives
-from spmd.parallel._pipeline_comm import hlo_permute_pairs
-from spmd.parallel._pipeline_split import natural_key
-from spmd.parallel._schedules import bubble_formula
+from spmd.parallel.pipelining._comm import hlo_permute_pairs
+from spmd.parallel.pipelining._split import natural_key
+from spmd.parallel.pipelining._schedules import bubble_formula
 from tests.third_party.llama import Llama, LlamaConfig
 
 OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.1, eps=1e-6))

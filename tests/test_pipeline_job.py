@@ -25,7 +25,7 @@ from models.train import Config, main, run
 from models.train._config import SCHEDULES as JOB_SCHEDULES
 from models.train._programs import task_dims
 from spmd.parallel import build_schedule
-from spmd.parallel._schedules import SCHEDULES
+from spmd.parallel.pipelining._schedules import SCHEDULES
 
 # tiny: 2 blocks (one per stage), 4 rows per fsdp replica cut into 2 micro-batches
 JOB = dict(steps=4, batch_size=16, layers=2, d_model=16, heads=2, length=4, save_every=2, log_every=1, eval_size=16,
@@ -78,7 +78,7 @@ def test_pp_job_metrics_carry_the_schedule_bubble_and_memory():
     assert got["activation_bytes"] == act
     assert got["activation_slots"] == max(s.x_slots) == min(2 * (pp - 1), m)
     assert got["activation_bound_bytes"] == (max(s.x_slots) + max(s.g_slots)) * act
-    # the stash measured from memory_analysis() (spmd.parallel._pipeline_memory; the loop form at M = 2, 3 of
+    # the stash measured from memory_analysis() (spmd.parallel.pipelining._memory; the loop form at M = 2, 3 of
     # gpipe and this 1f1b's M = 2) is the bound to the byte; the job's own step's temp holds it and more
     assert got["activation_bytes_per_slot"] == act
     assert got["activation_measured_bytes"] == got["activation_bound_bytes"]

@@ -1,6 +1,6 @@
 """A pipeline schedule's activation stash, measured from ``compiled.memory_analysis()``, equals its bound.
 
-``spmd.parallel._pipeline_memory.measure_activation_stash`` (its module doc: the method) on the Llama of
+``spmd.parallel.pipelining._memory.measure_activation_stash`` (its module doc: the method) on the Llama of
 tests/test_pipeline.py (4 layers, hidden 16) over pp=2 (2 devices), one micro-batch of 2 x 8 x 16 float32
 (1 KiB): the temp bytes of the looped, donated step at several M fit a line whose slope is exactly one
 activation per stash slot, and each schedule's measured stash is exactly its slot count x the activation
@@ -21,7 +21,7 @@ import pytest
 
 import spmd
 from spmd.parallel import build_schedule, init_train_state, make_train_step, pipeline
-from spmd.parallel._pipeline_memory import measure_activation_stash
+from spmd.parallel.pipelining._memory import measure_activation_stash
 from tests.third_party.llama import Llama, LlamaConfig
 
 OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.1, eps=1e-6))

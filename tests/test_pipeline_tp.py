@@ -20,7 +20,7 @@ import spmd
 from models._plans import transformer_tp_plan
 from spmd.parallel import (fully_shard, hlo_executed_collectives, init_train_state, make_train_step, parallelize_module, pipeline,
                            unshard_params)
-from spmd.parallel._pipeline_comm import hlo_permute_pairs
+from spmd.parallel.pipelining._comm import hlo_permute_pairs
 
 OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.1, eps=1e-6))
 STEPS = 20

@@ -33,7 +33,7 @@ from models import Transformer
 from models._plans import transformer_tp_plan
 from spmd.parallel import (ParallelModule, activation_checkpointing, fully_shard, hlo_executed_collectives,
                            init_train_state, make_train_step, parallelize_module, pipeline, unshard_params)
-from spmd.parallel._remat import RematSpec
+from spmd.parallel.styles._remat import RematSpec
 
 STEPS, BATCH, SEQ, LAYERS = 2, 16, 8, 2
 OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1, eps=1e-6))

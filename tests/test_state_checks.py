@@ -113,7 +113,7 @@ def test_an_optimizer_other_than_the_states_is_refused(mesh):
 
 
 def test_the_model_check_runs_once_per_plan(mesh, monkeypatch):
-    from spmd.parallel import _step
+    from spmd.parallel.step import _step
 
     calls = []
     real = _step.traced_model_params

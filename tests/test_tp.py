@@ -123,7 +123,7 @@ def test_keeping_the_gathers_matches_one_device_and_gathers_each_block_once():
 @pytest.mark.parametrize("config", _cases(CONFIGS))
 def test_collectives_equal_the_megatron_zero_table(config):
     """Every tensor collective of the compiled step (buffers and bytes per kind; scalars aside) is the table's:
-    the fsdp / dp terms of the plan and the Megatron terms of the styled calls (``spmd.parallel._comm``)."""
+    the fsdp / dp terms of the plan and the Megatron terms of the styled calls (``spmd.parallel.cost._comm``)."""
     mesh, model, _, state, _, step, batch = _run(config)
     got = executed_collectives(step, state, batch, scalars=False)
     want = step.communication(state, batch)["total"]

@@ -21,7 +21,7 @@ from spmd import Replicate, Shard
 from spmd.parallel import (Calibration, ColwiseParallel, Layout, RowwiseParallel, SequenceParallel, apply_layout,
                            executed_collectives, init_train_state, make_train_step, unshard_params, unshard_tree,
                            weight_stationary_plan)
-from spmd.parallel._auto import candidate_layouts, evaluate_layout
+from spmd.parallel.auto._auto import candidate_layouts, evaluate_layout
 
 STEPS, BATCH, SEQ = 4, 16, 8
 OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1, eps=1e-6))

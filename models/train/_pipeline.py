@@ -9,7 +9,7 @@
   its slowest rank, as the step runs (``Schedule.timed``);
 - ``activation_bound_bytes``: the schedule's bound (its activation and gradient slots, one micro-batch each);
   ``activation_measured_bytes``: the memory the stash takes per device, measured from
-  ``compiled.memory_analysis()`` by ``spmd.parallel._pipeline_memory.measure_activation_stash`` (its module
+  ``compiled.memory_analysis()`` by ``spmd.parallel.pipelining._memory.measure_activation_stash`` (its module
   doc: the method), with ``activation_bytes_per_slot`` (what one more live micro-batch costs, fitted) and
   ``activation_measure_compiles``: the extra compiles it took (the step's loop form, the state donated, at a
   few micro-batch counts), made for these metrics only;
@@ -29,7 +29,7 @@ from typing import Any
 
 from models.train._programs import make_loss_fn
 from spmd.parallel import hlo_executed_collectives
-from spmd.parallel._pipeline_memory import measure_activation_stash
+from spmd.parallel.pipelining._memory import measure_activation_stash
 
 __all__ = ["pipeline_report"]
 

@@ -13,21 +13,16 @@ placements per mesh dim, local shapes, bytes per device and what a step communic
 anything runs. ``Rule`` / ``shard_rule`` / ``replicate`` / ``plan_params`` build plans by hand.
 """
 
-from spmd.parallel._auto import AutoLayout, Candidate, auto_layout
-from spmd.parallel._auto_layout import Layout, apply_layout
-from spmd.parallel._calibrate import Calibration, calibrate
-from spmd.parallel._hlo import executed_collectives, hlo_executed_collectives
-from spmd.parallel._pipeline import PipelineModule, SplitPoint, pipeline
-from spmd.parallel._param_plan import ROOT, ParamPlan, PlanEntry, path_str, plan_params
-from spmd.parallel._schedules import Schedule, build_schedule
-from spmd.parallel._remat import activation_checkpointing
-from spmd.parallel._rules import Rule, replicate, shard_rule
-from spmd.parallel._shard import entry_sharding, gather_unit, map_like_params, pad_tree, shard_params, unshard_tree
-from spmd.parallel._step import TrainState, init_train_state, make_train_step, unshard_params
-from spmd.parallel._styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
-                                   RowwiseParallel, SequenceParallel)
-from spmd.parallel._transforms import MixedPrecisionPolicy, ParallelModule, fully_shard, parallelize_module
-from spmd.parallel._weight_stationary import weight_stationary_plan
+# the sub-packages in layer order, each importing only those before it
+from spmd.parallel.plan import (ROOT, ParamPlan, PlanEntry, Rule, entry_sharding, gather_unit, map_like_params,
+                                pad_tree, path_str, plan_params, replicate, shard_params, shard_rule, unshard_tree)
+from spmd.parallel.styles import (ColwiseParallel, MixedPrecisionPolicy, ParallelModule, ParallelStyle,
+                                  PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                                  activation_checkpointing, fully_shard, parallelize_module, weight_stationary_plan)
+from spmd.parallel.cost import Calibration, calibrate, executed_collectives, hlo_executed_collectives
+from spmd.parallel.step import TrainState, init_train_state, make_train_step, unshard_params
+from spmd.parallel.pipelining import PipelineModule, Schedule, SplitPoint, build_schedule, pipeline
+from spmd.parallel.auto import AutoLayout, Candidate, Layout, apply_layout, auto_layout
 
 __all__ = [
     "auto_layout",

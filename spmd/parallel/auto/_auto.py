@@ -1,0 +1,323 @@
+"""Choose the layout by cost: ``auto_layout`` ranks every layout of a model on a set of devices.
+
+Candidates: every factorization of the device count over ``dp`` x ``fsdp`` x ``tp`` (``tp`` only with a
+tensor-parallel plan: ``plan=``; a cut the sizes do not allow, a head split, a batch the data dims do not
+divide: rejected, with the reason), ``reshard_after_forward`` on and off under FSDP, sequence parallelism
+on and off where the plan has it, the weight-stationary layout (``ws``: the sequence-parallel plan with its
+cuts moved to the batch; weights never move, activations are gathered over the batch) for every ``tp``,
+the pipelines (``pp`` over the divisors of the device count up to the repeated blocks, the rest over
+``dp`` x ``fsdp`` x ``tp``, 1F1B at pp, 2 pp and 4 pp micro-batches and interleaved with two chunks per
+rank; costed by ``spmd.parallel.auto._pipeline`` from the schedule's tick table), and, where the memory
+budget needs them, gradient accumulation and activation checkpointing of the blocks (``"dots"``, ``"full"``:
+its saving measured on the one-device step, ``spmd.parallel.auto._remat_profile``). Each is
+built through the contract (``apply_layout``) and traced on abstract inputs, nothing compiled:
+
+- **communication**: the step's own analytic table (``step.communication``, equal to the compiled HLO);
+- **memory**: peak bytes per device by kind (``spmd.parallel.cost._memory``);
+- **time**: the gradients' compute (flops / the calibrated matmul rate + bytes accessed / the elementwise
+  rate + operations x the per-operation cost: ``Calibration.compute_s``, ``spmd.parallel.cost._compute_cost``),
+  under a measured calibration scaled by the user's own one-device gradient timed on every device at once
+  over that same estimate of it (``Profile.grad_seconds``: the rates say how the layouts differ, the model's
+  measured gradient how fast its kernels really run on this host), plus the optimizer's update of the
+  layout's own shards (measured: ``Profile.optimizer_seconds``; its cost is far from linear in the shard's
+  size on a host), plus per collective kind ``count`` times its calibrated cost curve at their mean size
+  over its group (``fsdp`` for the gathers and reduce-scatters, the replicate dims for the gradients'
+  all-reduce, ``tp`` for the activations), plus the program's dispatch. No overlap of communication with
+  compute is assumed.
+
+With ``measure=k`` the top ``k`` fitting candidates are then compiled and timed side by side
+(``spmd.parallel.auto._measure``) and ranked first by their measured time: what the model misses on a host
+(on CPU fake devices, fresh pages for buffers past the allocator's mmap threshold, threads sharing the
+cores) a compiled step shows. Under a memory budget the top ``max(measure, 1)`` are compiled first, nothing
+run, and their ``memory_analysis()`` judges the fit (only fitting ones are then timed, together): the
+estimate is a sum by kind, and XLA's buffer assignment and scheduler can hold up to 9% more than that sum
+(``benchmarks/auto_layout_peaks.py``: its 70 layouts within 10%); one that does not fit once compiled goes
+behind the fitting ones and its variants are searched again under its own miss
+(``spmd.parallel.auto._budget``). The answer (``AutoLayout``, ``Candidate``) is ``spmd.parallel.auto._ranking``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import replace
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
+from spmd.parallel.auto._budget import CHECKPOINTING, _fitting, _measured, checked
+from spmd.parallel.auto._measure import compiled_peak, measure_layouts
+from spmd.parallel.auto._pipeline import pipeline_cost, pipeline_layouts, stage_shapes
+from spmd.parallel.cost._calibrate import Calibration, calibrate
+from spmd.parallel.cost._comm import KINDS
+from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s, optimizer_flops, reference_cost,
+                                         update_seconds)
+from spmd.parallel.cost._memory import Profile, _nbytes, memory_breakdown
+from spmd.parallel.auto._ranking import AutoLayout, Candidate
+from spmd.parallel.auto._remat_profile import remat_profile
+from spmd.parallel.plan._shard import entry_sharding
+from spmd.parallel.step._step import TrainState, _check_optimizer, init_train_state, make_train_step
+from spmd.parallel.auto._tp_profile import tp_temp_bytes
+from spmd.parallel.styles._transforms import as_parallel
+
+__all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default_loss", "abstract_state"]  # the
+# first two: spmd.parallel.auto._ranking
+
+
+def default_loss(model: Any) -> Callable:
+    """Next-token cross-entropy of ``model.apply({"params": p}, batch["inputs"])`` against ``batch["targets"]``."""
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    return loss_fn
+
+
+def abstract_state(laid: Any, params: Any, optimizer: Any, mesh) -> TrainState:
+    """A ``TrainState`` of shape structs laid out by ``laid``'s plan (what ``init_train_state`` would build)."""
+    pm = as_parallel(laid, mesh, "auto_layout")
+    plan = pm.plan(params)
+    stored = jax.tree_util.tree_unflatten(plan.treedef, [
+        jax.ShapeDtypeStruct(plan.padded_shape(e), e.dtype, sharding=entry_sharding(e, mesh)) for e in plan.entries])
+    return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=stored,
+                      opt_state=jax.eval_shape(optimizer.init, stored), plan=plan)
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype")
+                                                       else x.dtype), tree)
+
+
+def _groups(layout: Layout) -> dict:
+    n_data = layout.dp * layout.fsdp
+    ar = n_data if layout.fsdp == 1 else (layout.dp if layout.dp > 1 else layout.fsdp)
+    return {"parameters": {"all-gather": layout.fsdp, "reduce-scatter": layout.fsdp, "all-reduce": ar},
+            "activations": {k: layout.tp for k in KINDS}}
+
+
+def _regathers(layout: Layout) -> bool:
+    """Whether FSDP gathers ``layout``'s units again for their backward pass, each under ``jax.checkpoint``
+    saving its matmul outputs (``spmd.parallel.styles._hooks``; a checkpointing policy or accumulation aside)."""
+    return (layout.fsdp > 1 and layout.reshard_after_forward and layout.accum_steps == 1
+            and layout.activation_checkpointing is None)
+
+
+def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any, layout: Layout, *,
+                    loss_fn: Callable | None = None, params: Any = None, calibration: Calibration | None = None,
+                    profile: Profile | None = None, budget: int | None = None) -> Candidate:
+    """``layout``'s predicted cost (see the module doc); raises ``ValueError`` when it cannot be built."""
+    where = "auto_layout"
+    devices = devices_of(devices, where)
+    batch = _abstract(example_batch)
+    _check_batch_cut(batch, layout, where)
+    cal = calibration if calibration is not None else calibrate(devices)
+    params = _params_of(model, batch, params, where)
+    laid, mesh = apply_layout(model, devices, layout)
+    loss = loss_fn if loss_fn is not None else default_loss(laid)
+    profile = profile or Profile(loss, params, optimizer)
+    if layout.pp > 1:
+        return _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget)
+    state = abstract_state(laid, params, optimizer, mesh)
+    step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, mesh=mesh)
+    jax.eval_shape(step, state, batch)  # validates (batch split, head cuts) and traces the styled calls
+    comm = step.communication(state, batch)
+    n_data = layout.dp * layout.fsdp
+    b = jax.tree.leaves(batch)[0].shape[0]
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // (n_data * layout.accum_steps), *x.shape[1:]), x.dtype),
+                         batch)
+    local_bytes = _nbytes(batch) // n_data
+    pm = as_parallel(laid, mesh, where)
+    prof = remat_profile(profile, model, layout.units, layout.activation_checkpointing)
+    tp_temp = None
+    if layout.tp > 1 and not _regathers(layout):  # the cut program's work buffers, measured on its own group
+        replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // n_data, *x.shape[1:]), x.dtype), batch)
+        tp_temp = tp_temp_bytes(profile, model, devices, layout, replica,
+                                lambda m: loss_fn if loss_fn is not None else default_loss(m))
+    mem = memory_breakdown(prof, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
+                           sequence_parallel=layout.sequence_parallel or layout.weight_stationary, tp_temp=tp_temp)
+    flops, nbytes, ops = compute_cost(prof, state.plan, pm, micro, accum_steps=layout.accum_steps)
+    compute = cal.compute_s(flops, nbytes, ops) * _anchor(profile, batch, micro, devices, cal) + \
+        optimizer_compute_s(profile, state.plan, cal, devices)
+    flops += optimizer_flops(profile, state.plan)
+    groups = _groups(layout)
+    comm_s: dict = {}
+    for section in ("parameters", "activations"):
+        for kind, v in comm[section].items():
+            comm_s[kind] = comm_s.get(kind, 0.0) + cal.collective_s(kind, v["bytes"], v["count"], groups[section][kind])
+    total = compute + sum(comm_s.values()) + cal.dispatch_s
+    return Candidate(layout=layout, predicted_s=total, compute_s=compute, comm_s=comm_s, dispatch_s=cal.dispatch_s,
+                     communication={k: comm[k] for k in ("parameters", "activations", "total")}, memory=mem,
+                     flops=flops, fits=budget is None or mem["peak"] <= budget)
+
+
+def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget) -> Candidate:
+    """A pipelined candidate (``spmd.parallel.auto._pipeline``): the state's shapes and the step's own table."""
+    state = jax.eval_shape(lambda: init_train_state(laid, optimizer, params=params))
+    step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps)
+    n_data = layout.dp * layout.fsdp
+    b = jax.tree.leaves(batch)[0].shape[0]
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // (n_data * layout.accum_steps), *x.shape[1:]), x.dtype),
+                         batch)
+    anchor = _anchor(profile, batch, micro, devices, cal)
+    t = pipeline_cost(laid, params, state, step, batch, layout, profile, cal, anchor,
+                      optimizer_compute_s(profile, state.plan, cal, devices),
+                      update_seconds(profile, stage_shapes(laid, params, state.plan), cal, devices))
+    total = t["compute_s"] + sum(t["comm_s"].values()) + cal.dispatch_s
+    return Candidate(layout=layout, predicted_s=total, compute_s=t["compute_s"], comm_s=t["comm_s"],
+                     dispatch_s=cal.dispatch_s, communication=t["communication"], memory=t["memory"],
+                     flops=t["flops"], fits=budget is None or t["memory"]["peak"] <= budget)
+
+
+def _anchor(profile: Profile, batch: Any, micro: Any, devices: list, cal: Calibration) -> float:
+    """Measured over estimated seconds of the one-device gradient (see the module doc) on the batch split
+    over every device (one measurement serves every candidate; ``micro`` where that does not divide); 1
+    under a hand-built calibration."""
+    if not cal.measured or len(devices) < 2:
+        return 1.0
+    b, n = jax.tree.leaves(batch)[0].shape[0], len(devices)
+    if b % n == 0:
+        micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // n, *x.shape[1:]), x.dtype), batch)
+    est = cal.compute_s(*reference_cost(profile, micro))
+    got = profile.grad_seconds(micro, devices) - cal.dispatch_s
+    return got / est if est > 0 and got > 0 else 1.0
+
+
+def _check_batch_cut(batch: Any, layout: Layout, where: str) -> None:
+    """A weight-stationary layout cuts each micro-batch of a data replica over ``tp`` on the batch."""
+    if not layout.weight_stationary:
+        return
+    b = jax.tree.leaves(batch)[0].shape[0]
+    per = layout.dp * layout.fsdp * layout.accum_steps
+    if b % per or (b // per) % layout.tp:
+        raise ValueError(f"{where}: layout {layout.name!r} cuts each micro-batch of a data replica (batch {b} / "
+                         f"(dp x fsdp x accum_steps = {per})) over tp={layout.tp} on the batch, which does not "
+                         f"divide it; use a batch that is a multiple of {per * layout.tp}.")
+
+
+def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
+    if params is not None:
+        return _abstract(params)
+    if not (isinstance(batch, Mapping) and "inputs" in batch):
+        raise TypeError(f"{where}: without params= the model is initialized on example_batch['inputs']; the batch "
+                        f"has {list(batch) if isinstance(batch, Mapping) else type(batch).__name__}: give params= "
+                        "(arrays or jax.ShapeDtypeStruct) or a batch dict with 'inputs'.")
+    # the inputs an argument (not a closed-over shape struct, which jnp.asarray refuses: jax.nn.one_hot)
+    return jax.eval_shape(lambda r, x: model.init(r, x)["params"], jax.random.key(0), batch["inputs"])
+
+
+def candidate_layouts(n: int, plan: Any, units: tuple[str, ...]) -> list[Layout]:
+    """Every layout ``auto_layout`` weighs on ``n`` devices (accumulation aside): per factorization, the
+    tensor-parallel variants ``(sequence_parallel, weight_stationary)`` the plan has, each under FSDP with
+    and without ``reshard_after_forward``."""
+    out = []
+    for dp, fsdp, tp in factorizations(n):
+        variants = [(False, False, None)]
+        if tp > 1:
+            variants = [(sp, ws, got) for sp, ws in ((False, False), (True, False), (False, True))
+                        if (got := tp_plan_for(plan, sp, tp, weight_stationary=ws)) is not None]
+        for (sp, ws, tp_plan), raf in itertools.product(variants, (True, False) if fsdp > 1 else (True,)):
+            out.append(Layout(dp=dp, fsdp=fsdp, tp=tp, reshard_after_forward=raf, sequence_parallel=sp,
+                              units=units if fsdp > 1 else (), tp_plan=tp_plan, weight_stationary=ws))
+    return out
+
+
+def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_devices: Any = None, *,
+                memory_budget_bytes: int | None = None, plan: Any = None, loss_fn: Callable | None = None,
+                params: Any = None, units: Any = None, calibration: Calibration | None = None,
+                layouts: Any = None, top: int = 5, profile: Profile | None = None,
+                accum_steps: int = 1, measure: int = 0) -> AutoLayout:
+    """Rank the layouts of ``model`` on the devices by predicted step time (see the module doc).
+
+    ``example_batch``: a global batch (arrays or ``jax.ShapeDtypeStruct``); ``plan``: the tensor-parallel
+    plan, a dict (no sequence parallelism) or ``plan(sequence_parallel=, tp_size=) -> dict | None``;
+    ``loss_fn(params, batch)``: default next-token cross-entropy on ``batch["inputs"]`` /
+    ``["targets"]``; ``params``: the parameters (or shape structs; default: ``model.init`` on
+    ``example_batch["inputs"]``); ``units``: the ``fully_shard`` units (default: the repeated blocks);
+    ``calibration``: default ``calibrate(devices)`` (cached); ``layouts``: weigh these instead;
+    ``profile``: a ``spmd.parallel.cost._memory.Profile`` of this loss, parameters and optimizer to reuse (its
+    single-device programs are compiled once per micro-batch size); ``accum_steps``: the least gradient
+    accumulation of every candidate (the user's own; more where the memory budget needs it); ``measure``:
+    compile and time the top ``measure`` fitting candidates side by side and rank those first by their
+    measured time (``spmd.parallel.auto._measure``; one process only). Under ``memory_budget_bytes`` the
+    top ``max(measure, 1)`` are first compiled (not run) in ranked order until that many fit by their
+    compiled peak, and only those are timed, on the steps so compiled.
+    """
+    where = "auto_layout"
+    _check_optimizer(optimizer, where)
+    if memory_budget_bytes is not None and (isinstance(memory_budget_bytes, bool) or memory_budget_bytes <= 0):
+        raise ValueError(f"{where}: memory_budget_bytes={memory_budget_bytes!r} must be a positive int or None.")
+    devices = devices_of(mesh_shape_or_devices, where)
+    cal = calibration if calibration is not None else calibrate(devices)
+    batch = _abstract(example_batch)
+    params = _params_of(model, batch, params, where)
+    units = infer_units(params) if units is None else tuple(units)
+    loss = loss_fn if loss_fn is not None else default_loss(model)
+    profile = profile or Profile(loss, params, optimizer)
+    if isinstance(measure, bool) or not isinstance(measure, int) or measure < 0:
+        raise ValueError(f"{where}: measure={measure!r} must be an int >= 0 (the top candidates compiled and timed; "
+                         "0 ranks by the prediction alone).")
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (the least gradient "
+                         "accumulation of every candidate).")
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    todo = list(layouts) if layouts is not None else (
+        candidate_layouts(len(devices), plan, units) + pipeline_layouts(len(devices), plan, units, params, rows))
+    todo = [lay if lay.accum_steps >= accum_steps else replace(lay, accum_steps=accum_steps) for lay in todo]
+    got, rejected = [], []
+    for lay in todo:
+        try:
+            c = evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss, params=params, calibration=cal,
+                                profile=profile, budget=memory_budget_bytes)
+        except Exception as e:  # noqa: BLE001 - a pipeline the model cannot take is no reason to rank nothing
+            plain = isinstance(e, (ValueError, TypeError))
+            if not plain and lay.pp == 1:
+                raise
+            rejected.append((lay.name, ("" if plain else f"{type(e).__name__}: ") + str(e).split("\n")[0][:400]))
+            continue
+        if c.fits:
+            got.append(c)
+            continue
+        evaluate = functools.partial(evaluate_layout, model, optimizer, batch, devices, loss_fn=loss, params=params,
+                                     calibration=cal, profile=profile, budget=memory_budget_bytes)
+        got.extend(_fitting(c, evaluate, jax.tree.leaves(batch)[0].shape[0], units, rejected))
+    if not got:
+        raise ValueError(f"{where}: no layout of {len(devices)} devices could be built for this model; "
+                         + "; ".join(f"{n}: {r}" for n, r in rejected[:4]))
+    got.sort(key=lambda c: (not c.fits, c.predicted_s))
+    if memory_budget_bytes is not None and not got[0].fits:
+        small = min(got, key=lambda c: c.memory["peak"])
+        raise ValueError(
+            f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,}; the smallest, {small.name}, "
+            f"needs {small.memory['peak']:,} B per device (state {small.memory['state']:,}, activations "
+            f"{small.memory['activations']:,}), with the gradient accumulation the micro-batches allow"
+            + (f" and activation checkpointing ({' and '.join(repr(p) for p in CHECKPOINTING)}) weighed" if units
+               else "") + "; use more devices, a larger budget, a smaller batch or fully_shard units (fsdp).")
+    loss_of = (lambda laid: loss_fn if loss_fn is not None else default_loss(laid))  # noqa: E731
+    compiled: dict = {}
+    if memory_budget_bytes is not None:  # compiled until the top max(measure, 1) fit by XLA's peak
+
+        def variants(c: Candidate, budget: int) -> list[Candidate]:  # those of a layout over once compiled
+            return _fitting(c, functools.partial(evaluate_layout, model, optimizer, batch, devices, loss_fn=loss,
+                                                 params=params, calibration=cal, profile=profile, budget=budget),
+                            rows, units, rejected)
+
+        got = checked(got, max(measure, 1), memory_budget_bytes, lambda lay: compiled_peak(
+            model, optimizer, loss_of, params, batch, devices, lay, compiled=compiled), variants)
+    if measure:  # those timed side by side (all fitting: one interleaved set), not compiled again
+        got = _measured(got, measure, memory_budget_bytes, lambda lays: measure_layouts(
+            model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled))
+    compiled.clear()
+    if memory_budget_bytes is not None and not got[0].fits:
+        small = min((c for c in got if c.measured_peak is not None), key=lambda c: c.measured_peak)
+        n = sum(c.measured_peak is not None for c in got)
+        raise ValueError(f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,} once compiled: "
+                         f"{n} predicted to fit were compiled (with the accumulation and checkpointing variants of "
+                         f"those over), and the smallest, {small.name}, needs {small.measured_peak:,} B per device "
+                         f"(predicted {int(small.memory['peak']):,}); use more devices, a larger budget or a smaller "
+                         "batch.")
+    return AutoLayout(tuple(got), tuple(rejected), cal, memory_budget_bytes, top)

@@ -1,0 +1,120 @@
+"""What a memory budget does to ``auto_layout``'s ranking.
+
+- ``_fitting``: a layout predicted over the budget is replaced by its variants predicted to fit (each
+  activation-checkpointing policy with the least gradient accumulation that fits);
+- ``checked``: the ranking's top candidates compiled (not run) in ranked order until ``k`` fit by XLA's
+  ``memory_analysis()`` peak. The prediction is a sum by kind, and XLA's buffer assignment and scheduler can
+  hold more than that sum (in ``benchmarks/auto_layout_peaks.py`` up to 9% more): a candidate over the budget
+  once compiled goes behind the fitting ones, and its own variants, searched again under the budget divided by
+  its compiled / predicted peak (the estimate's miss on that layout), join the ranking to be compiled in their
+  turn: a layout that needs one more accumulation step than predicted is found, not reported as "no layout
+  fits". Where fewer than ``k`` fit so, the candidates predicted over the budget by up to ``NEAR`` (10%; the
+  estimate also errs high: by up to 8% for the 70 layouts measured) are compiled too, fastest
+  predicted first;
+- ``_measured``: the top ``k`` fitting candidates timed (``measure=``), the fastest measured first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from spmd.parallel.auto._ranking import Candidate
+
+__all__ = ["CHECKPOINTING", "checked"]
+
+NEAR = 0.10  # compiled too when too few fit: predicted over the budget by up to this share (the estimate's
+# overestimates of XLA's peak in benchmarks/auto_layout_peaks.py: all 70 layouts within it, the most +8%)
+
+CHECKPOINTING = ("dots", "full")  # the activation-checkpointing policies weighed where memory needs them
+
+
+def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...], rejected: list
+             ) -> list[Candidate]:
+    """The variants of a layout that does not fit the budget which do: per activation-checkpointing policy
+    (none, then ``CHECKPOINTING`` on the blocks ``units``; not under a pipeline, which recomputes its stages
+    already, nor for FSDP units re-gathered for the backward pass, which run under ``jax.checkpoint`` saving
+    the matmul outputs already: what another policy saves there is neither ``"dots"`` nor modelled), the
+    least gradient accumulation that fits, where the micro-batches divide the replica's rows; a policy that
+    needs no less accumulation than a lighter one (none < ``"dots"`` < ``"full"``) is dropped. None fitting:
+    the smallest variant, for the error. A variant that cannot be built goes to ``rejected`` with its reason."""
+    lay = c.layout
+    local = rows // (lay.dp * lay.fsdp)
+    policies = [None]
+    if lay.pp == 1 and units and lay.activation_checkpointing is None and not (lay.fsdp > 1 and
+                                                                              lay.reshard_after_forward):
+        policies += list(CHECKPOINTING)
+    out = []
+    for policy in policies:
+        base = lay if policy is None else replace(lay, activation_checkpointing=policy, units=lay.units or units)
+        try:
+            v = c if policy is None else evaluate(base)
+        except (ValueError, TypeError) as e:
+            rejected.append((base.name, str(e).split("\n")[0][:400]))
+            continue
+        a = 2 * base.accum_steps  # a layout given with accumulation: that is its least
+        while not v.fits and a <= local and local % (a * base.microbatches) == 0 and (  # accumulate until it fits
+                not base.weight_stationary or (local // a) % base.tp == 0):
+            v2 = evaluate(replace(base, accum_steps=a))
+            v = v2 if v2.fits or v2.memory["peak"] < v.memory["peak"] else v  # none fitting: the smallest
+            a *= 2
+        out.append(v)
+    fit = [v for v in out if v.fits]  # more recomputation at no less accumulation is slower: dropped
+    fit = [v for i, v in enumerate(fit) if not any(u.layout.accum_steps <= v.layout.accum_steps for u in fit[:i])]
+    return fit or [min(out, key=lambda v: v.memory["peak"])]
+
+
+def _measured(got: list[Candidate], k: int, budget: int | None, measure: Callable) -> list[Candidate]:
+    """``got`` (ranked, the fitting first) with its top ``k`` fitting candidates measured and first
+    (``measure(layouts) -> [(seconds or None, peak bytes)]``), the fastest measured first (none timed: in
+    ``got``'s order). A measured peak over ``budget`` does not fit: it goes behind the fitting ones and as many
+    more are measured, until ``k`` fit or none is left."""
+    timed, rest = [], list(got)
+    while sum(c.fits for c in timed) < k and rest and rest[0].fits:
+        need = k - sum(c.fits for c in timed)
+        fit = [c for c in rest if c.fits]
+        batch, rest = fit[:need], fit[need:] + [c for c in rest if not c.fits]
+        for c, (t, peak) in zip(batch, measure([c.layout for c in batch])):
+            timed.append(replace(c, measured_s=t, measured_peak=peak, fits=budget is None or peak <= budget))
+    timed.sort(key=lambda c: (not c.fits, c.predicted_s if c.measured_s is None else c.measured_s))
+    return _merged(timed, rest)
+
+
+def _ranked(cands: list[Candidate]) -> list[Candidate]:
+    return sorted(cands, key=lambda c: (not c.fits, c.predicted_s))
+
+
+def _merged(done: list[Candidate], rest: list[Candidate]) -> list[Candidate]:
+    """The compiled or measured ``done`` that fit, the ``rest`` that fit, then those of each that do not."""
+    return [c for c in done if c.fits] + [c for c in rest if c.fits] + [c for c in done if not c.fits] + [
+        c for c in rest if not c.fits]
+
+
+def checked(got: list[Candidate], k: int, budget: int, compile_peak: Callable, variants: Callable
+            ) -> list[Candidate]:
+    """``got`` (ranked, the fitting first) with its top candidates compiled one by one, in ranked order, until
+    ``k`` fit by their compiled peak (``compile_peak(layout) -> bytes``) or no predicted-fitting one is left
+    (see the module doc). A compiled peak over ``budget``: the candidate does not fit, and
+    ``variants(candidate, budget)`` (its variants predicted to fit ``budget``, here ``budget`` over its
+    compiled / predicted peak) not seen before join the ranking. Then, while fewer than ``k`` fit, those
+    predicted over ``budget`` by up to ``NEAR``, fastest predicted first. The compiled ones fitting first, in
+    predicted order, then the rest fitting, then the compiled ones that do not fit, then the rest."""
+    done, rest, seen = [], list(got), {c.layout for c in got}
+    while sum(c.fits for c in done) < k and rest and rest[0].fits:
+        c = rest.pop(0)
+        peak = compile_peak(c.layout)
+        c = replace(c, measured_peak=peak, fits=peak <= budget)
+        done.append(c)
+        if not c.fits:
+            new = [v for v in variants(c, int(budget * c.memory["peak"] / peak)) if v.fits and v.layout not in seen]
+            seen |= {v.layout for v in new}
+            rest = _ranked(rest + new)
+    near = sorted((c for c in rest if not c.fits and c.memory["peak"] <= (1 + NEAR) * budget),
+                  key=lambda c: c.predicted_s)
+    for c in near:  # too few fit once compiled: those predicted just over the budget, fastest first
+        if sum(d.fits for d in done) >= k:
+            break
+        rest.remove(c)
+        peak = compile_peak(c.layout)
+        done.append(replace(c, measured_peak=peak, fits=peak <= budget))
+    return _merged(_ranked(done), rest)

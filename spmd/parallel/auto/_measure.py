@@ -1,0 +1,145 @@
+"""``auto_layout(measure=k)``: the top ``k`` predicted candidates compiled and timed side by side.
+
+The cost model ranks every candidate without compiling one; what it does not see, a few compiled steps
+do. On a CPU host with fake devices that is much: the 8 devices' threads share the cores, and a step
+whose buffers pass glibc's mmap threshold (32 MiB) takes fresh pages every step (on this 2-core host
+``MALLOC_MMAP_MAX_=0`` took ``fsdp=8 keep`` of the d384x6 Transformer from 806 to 630 ms per step and
+left ``dp=8`` at 613-620). So ``auto_layout`` can time its top candidates as a user would run them:
+each is built through the contract (``apply_layout`` + ``init_train_state`` on zeros of the parameters +
+``make_train_step``), compiled once, warmed up, then timed in ``rounds`` interleaved rounds of ``steps``
+steps on the example batch (a load spike on a shared host then falls on every candidate of its round).
+Then the race: the candidates whose median is within ``RACE`` (10%) of the fastest's are timed in more
+rounds, the others dropped, until one is left or ``max_rounds``: on this 2-core host one round of a step
+varies by 9-18% (a d256x4 Transformer's, 12 rounds of 2 steps), so the median of 5 can put the second
+best first, and two close contenders need more rounds to be told apart, a clear loser none. A
+candidate's time is the median of its rounds, its peak memory per device its compiled step's
+``memory_analysis()`` (``argument + output + temp - alias``). The ``k`` candidates are held at once while
+they are timed, and let go after. ``compiled_peak``: the same step compiled on shape structs and not run,
+its peak alone: under a memory budget ``auto_layout`` compiles so until its top ``k`` fit, and times
+those ``k`` on the executables compiled there.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmd.parallel.auto._layout import Layout, apply_layout
+from spmd.parallel.step._step import init_train_state, make_train_step
+
+__all__ = ["measure_layouts", "compiled_peak", "compiled_warm", "peak_bytes"]
+
+RACE = 0.10  # a candidate within this share of the fastest's median is timed again (see the module doc)
+
+
+class _Timed:
+    """One candidate's compiled step, its state and batch, timed in rounds."""
+
+    def __init__(self, model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
+                 layout: Layout, compiled: Any = None):
+        step, state, self.batch = _built(model, optimizer, loss_of, params, batch, devices, layout)
+        self.compiled, self.state, _ = compiled_warm(step, state, self.batch, compiled)
+        self.seconds: list[float] = []
+        self.peak = peak_bytes(self.compiled)
+
+    def round(self, steps: int) -> None:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.state, m = self.compiled(self.state, self.batch)
+        jax.block_until_ready((self.state, m))
+        self.seconds.append((time.perf_counter() - t0) / steps)
+
+
+def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
+                    layouts: Sequence[Layout], *, rounds: int = 5, steps: int = 2, max_rounds: int = 15,
+                    compiled: dict | None = None) -> list[tuple[float, int]]:
+    """``(seconds per step, peak bytes per device)`` of each of ``layouts``, measured (see the module doc), in
+    their order.
+
+    ``loss_of(laid_model)``: the loss of a laid-out model; ``params`` and ``batch``: arrays or shape
+    structs (the step runs on zeros of them); ``compiled``: the steps ``compiled_peak`` compiled, by layout
+    (not compiled again)."""
+    where = "auto_layout"
+    if max_rounds < rounds:
+        raise ValueError(f"measure_layouts: max_rounds={max_rounds} must be >= rounds={rounds} (the race's rounds "
+                         "come after the first rounds); give max_rounds=rounds for no race.")
+    if jax.process_count() > 1:
+        raise ValueError(f"{where}: measure= times candidates on this process's view of the devices, but "
+                         f"{jax.process_count()} processes run; measure on one process (every process would have "
+                         "to time the same candidates in the same order), or give measure=0.")
+    compiled = compiled or {}
+    timed = [_Timed(model, optimizer, loss_of, params, batch, devices, lay, compiled.get(lay)) for lay in layouts]
+    for _ in range(rounds):
+        for t in timed:
+            t.round(steps)
+    _race(timed, max_rounds - rounds, steps)
+    return [(statistics.median(t.seconds), t.peak) for t in timed]
+
+
+def _race(timed: list, more: int, steps: int) -> None:
+    """Up to ``more`` rounds more for the candidates within ``RACE`` of the fastest median (see the module doc);
+    each round's contenders are chosen again from every candidate's rounds so far."""
+    for _ in range(more):
+        med = [statistics.median(t.seconds) for t in timed]
+        contenders = [t for t, m in zip(timed, med) if m <= (1 + RACE) * min(med)]
+        if len(contenders) < 2:
+            return
+        for t in contenders:
+            t.round(steps)
+
+
+def compiled_warm(step: Any, state: Any, batch: Any, compiled: Any = None) -> tuple:
+    """``(compiled, state after one step, relaid)``: ``step`` (a jitted train step) compiled for ``state`` and
+    ``batch`` (or ``compiled``, that compile given) and run once (the warm-up). A step that returns its state
+    laid out otherwise than it took it (seen: a tensor-parallel mesh's optimizer moment of a tp-replicated
+    parameter coming out cut on tp) is compiled again for the state it returns, once (``relaid``), so that
+    every timed call runs one program."""
+    before = [x.sharding for x in jax.tree.leaves(state)]
+    compiled = step.lower(state, batch).compile() if compiled is None else compiled
+    state, m = compiled(state, batch)
+    jax.block_until_ready(m)
+    relaid = [x.sharding for x in jax.tree.leaves(state)] != before
+    if relaid:
+        compiled = step.lower(state, batch).compile()
+        state, m = compiled(state, batch)
+        jax.block_until_ready(m)
+    return compiled, state, relaid
+
+
+def peak_bytes(compiled: Any) -> int:
+    """Peak bytes per device of a compiled step: ``argument + output + temp - alias`` of its ``memory_analysis()``."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list, layout: Layout,
+           *, abstract: bool = False) -> tuple:
+    """``(step, state, batch)`` of ``layout`` through the contract: its state and batch zeros laid out as the step
+    takes them, or (``abstract``) their shape structs so laid out, nothing allocated."""
+    laid, mesh = apply_layout(model, devices, layout)
+    step = make_train_step(laid, loss_of(laid), optimizer, accum_steps=layout.accum_steps, mesh=mesh)
+    data = NamedSharding(mesh.jax_mesh, P(tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp"))))
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+    if abstract:
+        state = jax.eval_shape(lambda: init_train_state(laid, optimizer, params=structs[0], mesh=mesh))
+        return step, state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data), structs[1])
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), structs)
+    return step, init_train_state(laid, optimizer, params=zeros[0], mesh=mesh), jax.device_put(zeros[1], data)
+
+
+def compiled_peak(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
+                  layout: Layout, *, compiled: dict | None = None) -> int:
+    """Peak bytes per device of ``layout``'s step compiled on shape structs (nothing allocated, nothing run), as
+    ``measure_layouts`` gives it without the time; the compiled step kept in ``compiled`` by layout, for
+    ``measure_layouts`` to time."""
+    step, state, b = _built(model, optimizer, loss_of, params, batch, devices, layout, abstract=True)
+    exe = step.lower(state, b).compile()
+    if compiled is not None:
+        compiled[layout] = exe
+    return peak_bytes(exe)

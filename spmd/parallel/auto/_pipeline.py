@@ -1,0 +1,219 @@
+"""``auto_layout``'s pipeline candidates (``Layout(pp > 1)``): their cost from the schedule's tick table.
+
+The step is built through the contract (``apply_layout``: ``pipeline(fully_shard(parallelize_module(...)))``)
+and asked for its own table (``step.communication``, equal to the compiled HLO); nothing is compiled.
+
+- **communication**: the activations' and their gradients' ``collective-permute`` s and the tensor-parallel
+  terms of the rank that runs the most (``activations``); the stage and rest gradients' all-reduce and,
+  under FSDP, the stages' one all-gather and reduce-scatter per buffer (``parameters``).
+- **time**: the schedule replayed in lockstep (``Schedule.timed(t_F, t_B)``, each tick as long as its
+  slowest rank, as this SPMD program runs; where the devices share a host's cores, ``Calibration
+  .alone_speedup`` > 1, a tick's busy ranks run faster by up to that while others idle, and the tick lasts at
+  least its work spread over every rank: ``_replayed``): ``t_F`` a chunk's forward on one micro-batch (a third of the
+  one-device step's cost on it, times the chunk's share of the model: its units over all units, times the
+  units' share of the parameters; the tensor-parallel units' work over ``tp``), ``t_B = 3 t_F`` (the
+  backward recomputes the chunk's forward from the stashed input); plus the code before and after the units
+  (embeddings, head, loss) once per micro-batch on the end ranks (4/3 of its step share: recomputed once;
+  over ``min(alone_speedup, pp)`` on a shared host, the other ranks' cores its own),
+  the optimizer's update of the rank's shards (``optimizer_compute_s``); each backward tick's passes over the
+  rank's whole stacked stage (the stage-sized cotangent and its sum into the accumulator, gathered over fsdp):
+  ``STAGE_PASSES`` times the optimizer's update of those bytes timed on every device at once (``stage_shapes``;
+  on the 2-core host the step grows per micro-batch by 17-23 ms on d256x4's 6.3 MB stages, 65-88 ms on
+  d384x6's 21.3 MB, where those updates take 16.5 and 59.6 ms); each collective kind's count
+  times its calibrated cost curve at their mean size, and the dispatch.
+- **memory**: the state (arguments and outputs), the batch slice, the gradient accumulators (a share of the
+  rank's parameters, the rest in the step's output buffers; under FSDP its stages full over ``fsdp``) and the
+  gathered stages, the stash (the schedule's ``activation_slots + gradient_slots`` and the two scratch slots,
+  ``spmd.parallel.pipelining._memory``), and the working set of one chunk's backward on one micro-batch (the
+  one-device step's XLA temp bytes on it, times the chunk's share; with two or more unit slots a rank and no
+  FSDP, at least 0.8 x the residuals of the rank's stages less half its parameters: a backward tick holds its
+  recomputed chunk's residuals), plus the stash's updated copy; the gradient, gathered and residual terms are
+  fitted (``pipeline_cost``'s comment).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmd.parallel.cost._comm import KINDS
+from spmd.parallel.auto._layout import Layout, factorizations, tp_plan_for
+from spmd.parallel.cost._memory import _nbytes, activation_bytes
+from spmd.parallel.plan._param_plan import path_str
+from spmd.parallel.pipelining._comm import STAGES
+from spmd.parallel.pipelining._pipeline import unit_modules
+
+__all__ = ["pipeline_cost", "pipeline_layouts", "stage_shapes", "PERMUTE", "STAGE_PASSES"]
+
+PERMUTE = "collective-permute"
+STAGE_PASSES = 1.0  # a backward tick's passes over the stacked stage, in optimizer updates of its bytes
+# without FSDP, the share of the rank's gradient accumulators XLA keeps in temp (the rest in the step's output
+# buffers): fitted with the stash twice on the 17 such pipelines of benchmarks/auto_layout_peaks, all within 10%
+# for 0.3-0.5 (1.0, the stash once: 16, the one-block-a-rank pp=4,dp=2 13% over)
+ACCUMULATORS_IN_TEMP = 0.4
+
+
+def count_units(params: Any, glob: str) -> int:
+    """How many modules of ``params`` the pipeline glob matches (the stages it can cut)."""
+    paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return len(unit_modules(paths, glob.replace(".", "/")))
+
+
+def pipeline_layouts(n: int, plan: Any, units: tuple[str, ...], params: Any, rows: int) -> list[Layout]:
+    """The pipelined layouts ``auto_layout`` weighs on ``n`` devices for a global batch of ``rows``: ``pp``
+    over the divisors of ``n`` up to the units' count, the rest of the devices over ``dp`` x ``fsdp`` x
+    ``tp`` (``tp`` with a plan, without sequence parallelism); 1F1B at ``M`` = pp, 2 pp and 4 pp micro-batches
+    (those the replica's rows divide), and the interleaved schedule (2 chunks per rank) at the largest of them
+    where the units allow 2 pp stages. None unless the units are one glob (the pipeline's stages)."""
+    if len(units) != 1:
+        return []
+    n_units = count_units(params, units[0])
+    out = []
+    for pp in range(2, min(n, n_units) + 1):
+        if n % pp:
+            continue
+        for dp, fsdp, tp in factorizations(n // pp):
+            tp_plan = tp_plan_for(plan, False, tp) if tp > 1 else None
+            if tp > 1 and tp_plan is None:
+                continue
+            per = rows // (dp * fsdp) if rows % (dp * fsdp) == 0 else 0
+            ms = [m for m in (pp, 2 * pp, 4 * pp) if per and per % m == 0]
+            base = dict(pp=pp, dp=dp, fsdp=fsdp, tp=tp, tp_plan=tp_plan, units=units, reshard_after_forward=fsdp == 1)
+            out += [Layout(**base, microbatches=m) for m in ms]
+            if ms and n_units >= 2 * pp:
+                out.append(Layout(**base, microbatches=ms[-1], schedule="interleaved", stages_per_rank=2))
+    return out
+
+
+def stage_shapes(laid, params: Any, plan) -> list:
+    """The rank's stacked stage parameters as its chunks compute on them (shape structs): the stored shards,
+    gathered over fsdp."""
+    lay = laid.layout(params)
+    out = []
+    for e in plan.entries:
+        if e.path.startswith(STAGES + "/"):
+            shape = list(e.local_shape)
+            d = lay.fsdp_dim(e.path[len(STAGES) + 1:])
+            if d is not None:
+                shape[d] *= lay.n_fsdp
+            out.append(jax.ShapeDtypeStruct(tuple(shape), e.dtype))
+    return out
+
+
+def _share(lay) -> float:
+    """The units' share of the model's parameter bytes (their share of its matmul work, for a model whose
+    matmul kernels hold its parameters)."""
+    units = sum(int(np.prod(lay.shapes[p].shape)) * lay.shapes[p].dtype.itemsize for p in lay.unit_of)
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in lay.shapes.values())
+    return units / total if total else 1.0
+
+
+def _replayed(schedule, t_f: float, t_b: float, alone: float) -> float:
+    """Seconds of ``schedule``'s ticks with a forward lasting ``t_f`` and a backward ``t_b`` (all devices busy):
+    each tick its busiest rank's work over ``alone`` (``Calibration.alone_speedup``: the cores of the idle
+    devices go to the busy ones), and at least the tick's work over every rank; ``alone=1`` (devices that
+    share nothing) is the lockstep replay, ``Schedule.timed``'s ``lockstep_s``."""
+    dur = {"F": t_f, "B": t_b}
+    total = 0.0
+    for row in schedule.ticks:
+        work = [sum(dur[a.kind] for a in acts) for acts in row]
+        total += max(max(work) / alone, sum(work) / schedule.pp)
+    return total
+
+
+def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, cal, anchor: float,
+                  optimizer_s: float, stage_s: float) -> dict:
+    """The terms of a pipelined candidate (see the module doc): ``compute_s``, ``comm_s``, ``communication``
+    (``{"parameters", "activations", "total"}: {kind: {count, bytes}}``), ``memory``, ``flops``."""
+    c = step.communication(state, batch)
+    s = laid.schedule
+    lay = laid.layout(params)
+    n_data = layout.dp * layout.fsdp
+    rows = jax.tree.leaves(batch)[0].shape[0] // n_data
+    mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows // (layout.accum_steps * s.num_microbatches),
+                                                      *x.shape[1:]), x.dtype), batch)
+    flops, nbytes = profile.grad_cost(mb)
+    ops = profile.ops(mb)
+    of, ob = profile.optimizer_cost()
+    u = _share(lay)
+    chunk = u * lay.per_slot / len(lay.found) / layout.tp  # a chunk's share of the one-device step
+    t_f = cal.compute_s(flops, nbytes, ops) * chunk / 3
+    ends = cal.compute_s(flops, nbytes, ops) * (1 - u) * 4 / 3
+    share = state.plan.bytes_per_device / max(profile.param_bytes, 1)
+    per_step = _replayed(s, t_f, 3 * t_f, cal.alone_speedup) + s.num_microbatches * ends / min(cal.alone_speedup,
+                                                                                               layout.pp)
+    # each backward tick passes over the rank's whole stacked stage (its cotangent, the accumulator's sum):
+    # STAGE_PASSES x the optimizer's update of those bytes, timed on every device at once (stage_s)
+    ticks_b = layout.accum_steps * s.num_microbatches * s.stages_per_rank
+    compute = layout.accum_steps * per_step * anchor + optimizer_s + STAGE_PASSES * ticks_b * stage_s
+
+    tp = c.get("tp")
+    none = {k: {"count": 0, "bytes": 0} for k in KINDS}
+    program = tp["program"] if tp else none  # what the compiled program holds (= its HLO): the table
+    busiest = max(tp["per_rank"], key=lambda t: sum(v["bytes"] for v in t.values())) if tp else none  # the time
+    cp = c[PERMUTE]
+    ar = c["all-reduce"]["bytes"] - program["all-reduce"]["bytes"]  # the rest's gradients and the uncut stages'
+    # counts in buffers, as the other candidates' tables count them (XLA combines them into a few ops)
+    n_other = n_data // max(layout.fsdp, 1)
+    stage_leaves = [e for e in state.plan.entries if e.path.startswith(STAGES + "/")]
+    cut = sum(1 for e in stage_leaves if lay.fsdp_dim(e.path[len(STAGES) + 1:]) is not None)
+    ar_buffers = (len(state.plan.entries) - len(stage_leaves)) + (  # the rest's: summed over pp at least
+        (len(stage_leaves) - cut) * (n_data > 1) + cut * (n_other > 1))
+    params = {"all-reduce": {"count": ar_buffers if ar else 0, "bytes": ar},
+              **{k: {"count": c[k]["buffers"], "bytes": c[k]["bytes"] - program[k]["bytes"]}
+                 for k in ("all-gather", "reduce-scatter")}, PERMUTE: {"count": 0, "bytes": 0}}
+    acts = {**{k: dict(program[k]) for k in KINDS}, PERMUTE: {"count": cp["count"], "bytes": cp["bytes"]}}
+    total = {k: {f: params[k][f] + acts[k][f] for f in ("count", "bytes")} for k in (*KINDS, PERMUTE)}
+    groups = {"all-reduce": n_data if n_data > 1 else layout.pp, "all-gather": layout.fsdp,
+              "reduce-scatter": layout.fsdp}
+    comm_s: dict = {}
+    for kind, v in params.items():
+        if kind != PERMUTE:
+            comm_s[kind] = cal.collective_s(kind, v["bytes"], v["count"], groups[kind])
+    for kind in KINDS:
+        comm_s[kind] += cal.collective_s(kind, busiest[kind]["bytes"], busiest[kind]["count"], layout.tp)
+    # point to point: the calibrated bytes / bandwidth as measured (no ring factor)
+    comm_s[PERMUTE] = cal.collective_s(PERMUTE, cp["bytes"], cp["count"], cal.group_size)
+
+    local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in state.plan.entries]
+    p_bytes = state.plan.bytes_per_device
+    opt = _nbytes(jax.eval_shape(profile.optimizer.init, local))
+    gathered = params["all-gather"]["bytes"]
+    act_cut = tp["activation_cut"] if tp else 1
+    stash = (c["activation_slots"] + c["gradient_slots"] + 2) * c["activation_bytes"] // act_cut
+    # tp cuts a chunk's hidden activations (all of them under sequence parallelism): its work by sqrt(tp), as
+    # spmd.parallel.cost._memory fits XLA's overlapping buffers of the cut and whole parts
+    work = int(profile.temp_bytes(mb) * (chunk * math.sqrt(layout.tp * act_cut) / act_cut + (1 - u)))
+    # fitted on the project's Transformer (benchmarks/auto_layout_peaks' 24 pipelines, d256-d768, pp 2-4, M 2-16):
+    # without FSDP XLA places most gradient accumulators in the step's output buffers (the new parameters and
+    # optimizer state, written by the update after the last tick: d256x4's pp=4,dp=2 and pp=2,tp=4 buffer
+    # assignments hold the accumulating adds there), ACCUMULATORS_IN_TEMP of the rank's parameters left in
+    # temp; under FSDP 3.3 x the gathered stages with one chunk a rank, 4.5 x with two or more (the gathered
+    # stages, their gradient accumulators, a chunk's parameters and gradient as its branch gets and returns
+    # them: a chunk picked by the tick's index is sliced from the stages, not aliased)
+    units = lay.per_slot * s.stages_per_rank  # the unit slots a rank holds
+    grads = (3.3 if s.stages_per_rank == 1 else 4.5) * gathered - gathered if gathered else (
+        ACCUMULATORS_IN_TEMP * p_bytes)
+    if not gathered and units >= 2:
+        # a backward tick recomputes its chunk and holds the chunk's residuals (the tensor-parallel parts cut
+        # over tp), which the one-device step's temp bytes miss where its outputs park them: fitted on the
+        # project's Transformer (d192-d768, 4-6 blocks, 8-32 rows per micro-batch, tp 2-4), the gradient
+        # accumulators and the work hold 0.5 x the rank's parameters beside 0.8 x the residuals of the rank's
+        # stages; with one unit a rank no more than the terms above (2 blocks over pp=2: 0.8 x its residuals
+        # put d192-d256 13-16% over, the terms above 1-7%)
+        res = activation_bytes(profile.residuals(mb), state.plan, laid.tp.tp.mesh_dim if laid.tp else None,
+                               layout.tp, False) * u * units / len(lay.found)
+        work = max(work, int(0.8 * res - 0.5 * p_bytes))
+    # a tick's received activations and gradients are written into a new stash buffer beside the old one (the
+    # slot's update fused with the receive's select is not done in place): the stash twice
+    work += stash
+    mem = {"state": 2 * (p_bytes + opt), "batch": _nbytes(batch) // n_data, "work": work, "gathered": gathered,
+           "grads": int(grads), "stash": stash}
+    mem["peak"] = sum(mem.values())
+    mem["params"], mem["optimizer"], mem["activations"] = p_bytes, opt, stash
+    return {"compute_s": compute, "comm_s": comm_s, "flops": layout.accum_steps * s.num_microbatches * flops * (
+        chunk * s.stages_per_rank + (1 - u)) + of * share, "memory": mem,
+            "communication": {"parameters": params, "activations": acts, "total": total}}

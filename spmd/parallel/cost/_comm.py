@@ -1,0 +1,189 @@
+"""The one cost model: what a train step communicates per device, by mesh dim role, before it runs.
+
+Per device, in the nccl-tests byte convention of ``spmd.collectives`` (all-reduce: the buffer; all-gather:
+the gathered result; reduce-scatter: the input). ``count`` is the number of collectives the algorithm
+runs, one per buffer (XLA may combine independent ones of a kind into one op of several buffers: the
+HLO reader's ``buffers`` and ``bytes`` are what equal this table).
+
+- **fsdp** (ZeRO-3, per unit and per gather buffer of ``ParamPlan.gather_buffers``; with a
+  ``MixedPrecisionPolicy`` the gathers move ``param_dtype`` bytes, the reductions ``reduce_dtype``): one all-gather before
+  the unit runs, one more for its backward pass with ``reshard_after_forward`` (not the root unit, which
+  is gathered once per step, nor with accumulation, which gathers every unit once), one reduce-scatter of
+  its gradient;
+- **dp** (the replicate dims, HSDP): one all-reduce of the fsdp-cut gradient shards; parameters whole on
+  the data dims: one all-reduce of their gradients over every data dim (DDP);
+- **tp**, per styled module call and micro-batch (``A``: its activation bytes, global over tp):
+  ``ColwiseParallel`` input ``Replicate``: the input gradient's all-reduce (backward; none for token ids);
+  input ``Shard`` (sequence parallel): an all-gather forward (one per input: the modules reading it, such
+  as q, k and v, share it), a reduce-scatter backward (one per module); output
+  ``Replicate``: an all-gather forward, a reduce-scatter backward. ``RowwiseParallel`` output
+  ``Replicate``: an all-reduce forward; output ``Shard``: a reduce-scatter forward, an all-gather backward.
+  Parameters whole over tp that see only the device's positions (``SequenceParallel`` norms, a row-wise
+  bias added to ``Shard`` outputs): an all-reduce of their gradients. ``PrepareModuleOutput`` from
+  ``Replicate`` to ``Shard`` (a whole embedding's output cut): a slice forward, an all-gather of its
+  gradient backward.
+- **tp, weight-stationary** (a plan cutting the activations on the batch, ``spmd.parallel.styles._weight_stationary``):
+  the terms above, plus one all-reduce over tp per micro-batch of the gradient of each parameter whole over
+  tp that no ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` module reads (the model's own
+  code reads it on the device's sequences: a position table; GSPMD sums it). The whole parameter is
+  counted: a model reading a slice of it (``pos[:t]`` with ``t`` below its length) moves the slice.
+
+Scalars (the loss, metrics, the global norm's partial sums) are not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from placements import Replicate, Shard
+from spmd.parallel.plan._param_plan import ROOT, ParamPlan
+from spmd.parallel.plan._scan import scan_of, unstacked
+from spmd.parallel.styles._styles import ColwiseParallel, RowwiseParallel, SequenceParallel
+from spmd.parallel.styles._weight_stationary import is_batch_cut
+
+__all__ = ["step_communication", "format_communication", "KINDS"]
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def _table() -> dict:
+    return {k: {"count": 0, "bytes": 0} for k in KINDS}
+
+
+def _add(table: dict, kind: str, nbytes: int, count: int = 1) -> None:
+    if nbytes and count:
+        table[kind]["count"] += count
+        table[kind]["bytes"] += count * nbytes
+
+
+def _gather_buffers(plan: ParamPlan, entries, ti) -> list:
+    """A unit's gather buffers: its tp-cut and tp-whole parameters apart (``Hooks.tp_groups``), each group
+    cut into ``ParamPlan.gather_buffers``."""
+    groups: dict = {}
+    for e in entries:
+        groups.setdefault(ti is not None and isinstance(e.placements[ti], Shard), []).append(e)
+    return [b for g in groups.values() for b in plan.gather_buffers(g)]
+
+
+def _cast(e, dtype) -> int:
+    """``e``'s stored block bytes in ``dtype`` (a mixed-precision gather or reduction), else as stored."""
+    if dtype is None or not jnp.issubdtype(np.dtype(e.dtype), jnp.floating):
+        return e.local_nbytes
+    return e.local_nbytes // e.itemsize * np.dtype(dtype).itemsize
+
+
+def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dict:
+    """The fsdp and dp terms of one step."""
+    out = _table()
+    fsdp = model.fsdp
+    sizes = dict(zip(plan.mesh_dim_names, plan.mesh_shape))
+    data = model.data_dims
+    n_data = int(np.prod([sizes[d] for d in data])) if data else 1
+    shard = fsdp.shard_dim if fsdp else None
+    n_rep = int(np.prod([sizes[d] for d in data if d != shard])) if data else 1
+    fi = plan.mesh_dim_names.index(shard) if shard else None
+    n_fsdp = sizes.get(shard, 1) if shard else 1
+    ti = plan.mesh_dim_names.index(model.tp.mesh_dim) if model.tp else None
+    mp = fsdp.mp_policy if fsdp else None
+    scans = dict(plan.scans)
+    for u in plan.units:
+        regather = bool(fsdp and fsdp.reshard_after_forward) and u != ROOT and accum_steps == 1
+        # a unit run inside an nn.scan (not with accumulation, which gathers every unit once, whole) gathers
+        # one layer per iteration: its buffers as the block sees them, once per layer
+        layers = scan_of(u, scans) if u != ROOT and accum_steps == 1 else 1
+        ents = plan.unit_entries(u)
+        ents = [unstacked(e) if layers > 1 and e.stacked is not None else e for e in ents]
+        for buf in _gather_buffers(plan, ents, ti):
+            _add(out, "all-gather", sum(_cast(e, mp and mp.param_dtype) for e in buf) * n_fsdp,
+                 (2 if regather else 1) * layers)
+            _add(out, "reduce-scatter", sum(_cast(e, mp and (mp.reduce_dtype or mp.param_dtype)) for e in buf) * n_fsdp,
+                 layers)
+    cut = [e for e in plan.entries if fi is not None and e.shard_dim(fi) is not None]
+    whole = [e for e in plan.entries if fi is None or e.shard_dim(fi) is None]
+    if cut and n_rep > 1:
+        out["all-reduce"]["count"] += len(cut)
+        out["all-reduce"]["bytes"] += sum(e.local_nbytes for e in cut)
+    if whole and n_data > 1:
+        out["all-reduce"]["count"] += len(whole)
+        out["all-reduce"]["bytes"] += sum(e.local_nbytes for e in whole)
+    return out
+
+
+def activation_terms(records: Sequence[dict], *, accum_steps: int = 1, part: str | None = None) -> dict:
+    """The tp terms of one step from the styled calls of one micro-batch (see the module doc). ``part``:
+    ``"forward"`` or ``"backward"``: that pass's terms alone (a pipeline counts them per branch)."""
+    out = _table()
+    gathered: set = set()
+
+    def add(direction, kind, nbytes):
+        if part is None or part == direction:
+            _add(out, kind, nbytes, accum_steps)
+
+    for r in records:
+        a_in, a_out = r["in_bytes"], r["out_bytes"]
+        if r["style"] == "ColwiseParallel":
+            if isinstance(r["in_layout"], Shard):
+                if r["input_id"] not in gathered:  # one all-gather per input, however many modules read it
+                    add("forward", "all-gather", a_in)
+                    gathered.add(r["input_id"])
+                add("backward", "reduce-scatter", a_in)
+            elif r["input_grad"]:
+                add("backward", "all-reduce", a_in)
+            if isinstance(r["out_layout"], Replicate):
+                add("forward", "all-gather", a_out)
+                add("backward", "reduce-scatter", a_out)
+        elif r["style"] == "PrepareModuleOutput":  # a whole output cut (a slice): its gradient all-gathered
+            add("backward", "all-gather", a_out)
+        elif r["style"] == "RowwiseParallel":
+            if isinstance(r["out_layout"], Shard):
+                add("forward", "reduce-scatter", a_out)
+                add("backward", "all-gather", a_out)
+            else:
+                add("forward", "all-reduce", a_out)
+        for nbytes in r["summed_params"]:
+            add("backward", "all-reduce", nbytes)
+    return out
+
+
+def batch_cut_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dict:
+    """The weight-stationary term of one step (see the module doc): none unless the plan cuts the batch."""
+    out = _table()
+    tp = model.tp
+    if tp is None or not is_batch_cut(tp.plan):
+        return out
+    ti = plan.mesh_dim_names.index(tp.mesh_dim)
+    from spmd.parallel.styles._transforms import param_module
+
+    for e in plan.entries:
+        hit = tp.style_for(param_module(e.path)[0])
+        if isinstance(e.placements[ti], Shard) or len(e.shape) == 0:
+            continue
+        if hit is None or not isinstance(hit[1], (ColwiseParallel, RowwiseParallel, SequenceParallel)):
+            _add(out, "all-reduce", e.nbytes, accum_steps)
+    return out
+
+
+def step_communication(plan: ParamPlan, model: Any, records: Sequence[dict], *, accum_steps: int = 1) -> dict:
+    """``{"parameters": {kind: {count, bytes}}, "activations": {...}, "total": {...}, "modules": [...]}``."""
+    par = parameter_terms(plan, model, accum_steps=accum_steps)
+    act = activation_terms(records, accum_steps=accum_steps)
+    ws = batch_cut_terms(plan, model, accum_steps=accum_steps)
+    act = {k: {f: act[k][f] + ws[k][f] for f in ("count", "bytes")} for k in KINDS}
+    total = {k: {f: par[k][f] + act[k][f] for f in ("count", "bytes")} for k in KINDS}
+    return {"parameters": par, "activations": act, "total": total, "modules": list(records)}
+
+
+def format_communication(comm: dict) -> str:
+    def line(t):
+        return ", ".join(f"{k} x{v['count']} = {v['bytes']:,} B" for k, v in t.items() if v["count"]) or "none"
+
+    lines = [f"step communication per device: {line(comm['total'])}",
+             f"  parameters (fsdp / dp): {line(comm['parameters'])}",
+             f"  activations (tp): {line(comm['activations'])}"]
+    for r in comm["modules"]:
+        lines.append(f"    {r['module']}: {r['style']} in {r['in_layout']} ({r['in_bytes']:,} B) -> out "
+                     f"{r['out_layout']} ({r['out_bytes']:,} B)")
+    return "\n".join(lines)

@@ -1,0 +1,253 @@
+"""How a pipeline stage runs the model's own code: the unit calls intercepted, for linen, Hugging Face and nnx.
+
+A stage never splits the user's ``loss_fn`` by hand. The model's unit calls are intercepted, with linen's
+``nn.intercept_methods`` (a linen module, or a Hugging Face Flax model: a wrapper around one) or, for a
+``flax.nnx`` model, by running ``loss_fn(m, batch)`` on a merged copy whose unit submodules' classes are
+swapped for ones that route their calls here (the user's model object is never touched):
+
+- ``record``: one abstract trace. The units' call order, that they chain, the activation, and the rest of
+  each unit call. A unit's first positional argument is the activation; its other arguments (``side``: an
+  attention mask, position ids, ``deterministic=True``) must be the same in every unit call (the same
+  arrays, equal settings) and must not depend on the parameters, since each stage computes them again from
+  its micro-batch (the pre-unit code, whose dead part XLA removes). A unit returns the next activation, or a
+  pytree holding it as its one array (Hugging Face's ``(hidden_states,)``); the model must pass it on.
+- ``pre``: ``loss_fn`` run up to the first unit call: its activation and side arrays;
+- ``post``: ``loss_fn`` with every unit call returning its recorded output around the injected activation
+  (the last unit's: ``h``; the code before it is dead and compiled away);
+- ``apply_unit``: one unit as a module of its own on a stage's parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+__all__ = ["UnitCalls", "model_kind"]
+
+
+class _Stop(Exception):
+    def __init__(self, x, side):
+        super().__init__("first pipeline unit reached")
+        self.x, self.side = x, side
+
+
+def model_kind(model: Any) -> str | None:
+    """``"linen"``, ``"hf"`` (a Hugging Face Flax model: ``.module`` a linen module, ``.params``), ``"nnx"``,
+    or None (not a model ``pipeline`` takes)."""
+    import flax.linen as nn
+
+    from spmd.parallel.styles._nnx import is_nnx
+
+    if isinstance(model, nn.Module):
+        return "linen"
+    if isinstance(getattr(model, "module", None), nn.Module) and hasattr(model, "params"):
+        return "hf"
+    return "nnx" if is_nnx(model) else None
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+_ROUTED: dict[type, type] = {}  # nnx unit class -> its subclass routing __call__ to the pipeline (classes only)
+_BASE: dict[type, type] = {}
+
+
+def _routed(cls: type) -> type:
+    if cls not in _ROUTED:
+        def __call__(self, *args, **kwargs):
+            on_unit, fqn = object.__getattribute__(self, "_spmd_unit")
+            return on_unit(fqn, self, lambda *a, **k: cls.__call__(self, *a, **k), args, kwargs)
+
+        _ROUTED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+        _BASE[_ROUTED[cls]] = cls
+    return _ROUTED[cls]
+
+
+class _Slot:
+    """Where a side array goes in the recorded arguments of a unit call."""
+
+
+def _depends(jaxpr, flags: list[bool]) -> list[bool]:
+    """Which outputs of ``jaxpr`` depend on the inputs flagged (an equation's outputs all depend on any input)."""
+    from jax.extend.core import Literal
+
+    dep = {v: f for v, f in zip(jaxpr.invars, flags)}
+    for e in jaxpr.eqns:
+        d = any(dep.get(v, False) for v in e.invars if not isinstance(v, Literal))
+        for v in e.outvars:
+            dep[v] = d
+    return [not isinstance(v, Literal) and dep.get(v, False) for v in jaxpr.outvars]
+
+
+class UnitCalls:
+    """The unit calls of one layout's model (``Layout.calls``): filled by ``record``."""
+
+    def __init__(self, lay, model: Any):
+        self.lay, self.model, self.kind = lay, model, model_kind(model)
+        self.act = None  # the activation's ShapeDtypeStruct
+        self.side_tree = None  # (args[1:], kwargs) of a unit call, its array leaves _Slot
+        self.side_shapes: list = []  # the side arrays' ShapeDtypeStructs
+        self.out = None  # (treedef, leaves, index of the activation) of a unit's output
+        self.unit = None  # linen: the first unit's module (unbound); nnx: (graphdef, param treedef)
+
+    # --- running the model's code with the unit calls routed to ``on_unit(path, mod, call, args, kwargs)``
+    def run(self, loss_fn: Callable, params: Any, mb: Any, on_unit: Callable):
+        if self.kind == "nnx":
+            return self._run_nnx(loss_fn, params, mb, on_unit)
+        import flax.linen as nn
+
+        found = set(self.lay.found)
+
+        def icpt(next_fun, args, kwargs, context):
+            mod = context.module
+            if context.method_name != "__call__" or getattr(mod, "scope", None) is None:
+                return next_fun(*args, **kwargs)
+            path = "/".join(str(p) for p in mod.scope.path)
+            return on_unit(path, mod, next_fun, args, kwargs) if path in found else next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(icpt):
+            return loss_fn(params, mb)
+
+    def _run_nnx(self, loss_fn, params, mb, on_unit):
+        from flax import nnx
+
+        graphdef, _, rest = nnx.split(self.model, nnx.Param, ...)
+        m = nnx.merge(graphdef, params, rest)
+        found = set(self.lay.found)
+        for path, sub in list(nnx.iter_modules(m)):
+            fqn = "/".join(str(p) for p in path)
+            if fqn in found:
+                object.__setattr__(sub, "_spmd_unit", (on_unit, fqn))
+                sub.__class__ = _routed(type(sub))
+        return loss_fn(m, mb)
+
+    # --- the trace ----------------------------------------------------------------------------------------
+    def record(self, loss_fn: Callable, params: Any, mb: Any) -> None:
+        """Trace ``loss_fn`` once (shapes only): the units' call order, that they chain, the activation, the
+        side arguments and the output's structure."""
+        calls: list = []
+
+        def on_unit(path, mod, call, args, kwargs):
+            if not args or not _is_array(args[0]):
+                raise ValueError(f"pipeline: unit {path!r} is called without an activation as its first positional "
+                                 "argument; a stage passes one activation between units (x = block(x, ...)).")
+            side = (tuple(args[1:]), dict(kwargs))
+            leaves, tree = jax.tree_util.tree_flatten(side)
+            if calls:
+                p0, side0 = calls[0][0], calls[0][4]
+                if tree != side0[1] or any((a is not b) if _is_array(a) else (a != b) for a, b in zip(leaves, side0[0])):
+                    raise ValueError(f"pipeline: unit {path!r} is called with other arguments than {p0!r} (besides the "
+                                     "activation); every unit must get the same ones (one attention mask, one "
+                                     "deterministic flag), which each stage computes again from its micro-batch.")
+                if calls[-1][2] is not args[0]:
+                    raise ValueError(f"pipeline: unit {path!r} does not take the output of {calls[-1][0]!r}; the units "
+                                     "must chain (x = block(x) for each block, in order).")
+            out = call(*args, **kwargs)
+            o_leaves, o_tree = jax.tree_util.tree_flatten(out)
+            arrays = [i for i, y in enumerate(o_leaves) if _is_array(y)]
+            x = args[0]
+            if len(arrays) != 1 or o_leaves[arrays[0]].shape != x.shape or o_leaves[arrays[0]].dtype != x.dtype:
+                raise ValueError(f"pipeline: unit {path!r} maps {x.shape} to {jax.tree.map(_shape, out)!r}; a unit "
+                                 "must return one activation of its input's shape and dtype (alone or as the one "
+                                 "array of a tuple).")
+            calls.append((path, self._unit_of(path, mod), o_leaves[arrays[0]], x, (leaves, tree),
+                          (o_tree, o_leaves, arrays[0])))
+            return out
+
+        jax.eval_shape(lambda p, b: self.run(loss_fn, p, b, on_unit), params, mb)
+        names = [c[0] for c in calls]
+        found = self.lay.found
+        if sorted(names) != sorted(found) or len(set(names)) != len(names):
+            raise ValueError(f"pipeline: the model called the units {names}; every unit {found} must be called "
+                             "exactly once per loss_fn call.")
+        if names != found:
+            raise ValueError(f"pipeline: the model calls the units in the order {names}, not in the order of their "
+                             f"names' numbers {found}; the stages follow that order: name the units by their "
+                             "place in the chain.")
+        _, self.unit, _, x, (leaves, tree), o = calls[0]
+        self.act = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        self.side_tree = jax.tree_util.tree_unflatten(tree, [_Slot if _is_array(a) else a for a in leaves])
+        self.side_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves if _is_array(a)]
+        self.out = (o[0], [None if _is_array(y) else y for y in o[1]], o[2])
+        if self.side_shapes:
+            self._check_side(loss_fn, params, mb)
+
+    def _check_side(self, loss_fn, params, mb) -> None:
+        rest = {p: self.lay.shapes[p] for p in self.lay.rest}
+        closed = jax.make_jaxpr(lambda r, b: self.pre(loss_fn, r, b)[1])(rest, mb)
+        n, k = len(jax.tree.leaves(rest)), len(jax.tree.leaves(mb))
+        if any(_depends(closed.jaxpr, [True] * n + [False] * k)):
+            raise ValueError(f"pipeline: the units {self.lay.found[0]!r}... are called with an array besides the "
+                             "activation that depends on the parameters; each stage computes those again from its "
+                             "micro-batch, without their gradient: compute it inside the unit, or pass it as the "
+                             "activation.")
+
+    # --- a stage's pieces -------------------------------------------------------------------------------
+    def _unit_of(self, path: str, mod):
+        """What ``apply_unit`` runs: linen, the module unbound; nnx, its graph and its parameters' rel paths."""
+        if self.kind != "nnx":
+            return mod.clone(parent=None)
+        from flax import nnx
+
+        from spmd.parallel.plan._param_plan import path_str
+
+        routed, mod.__class__ = mod.__class__, _BASE[mod.__class__]  # its own class in the graph, not the routed one
+        route = vars(mod).pop("_spmd_unit")
+        try:
+            gd, ps, other = nnx.split(mod, nnx.Param, ...)
+        finally:
+            mod.__class__ = routed
+            object.__setattr__(mod, "_spmd_unit", route)
+        if jax.tree.leaves(other):
+            raise ValueError(f"pipeline: unit {path!r} holds state other than nnx.Param; pipeline stages stack "
+                             "parameters only: keep the units free of batch statistics and rngs.")
+        kp, ptree = jax.tree_util.tree_flatten_with_path(ps)
+        return gd, ptree, [path_str(k) for k, _ in kp]
+
+    def _side(self, side: list):
+        it = iter(side)
+        return jax.tree.map(lambda a: next(it) if a is _Slot else a, self.side_tree)
+
+    def _output(self, h):
+        tree, leaves, i = self.out
+        return jax.tree_util.tree_unflatten(tree, leaves[:i] + [h] + leaves[i + 1:])
+
+    def pre(self, loss_fn: Callable, rest: dict, mb: Any) -> tuple[Any, list]:
+        """``(the first unit's input, its side arrays)``: ``loss_fn`` run up to the first unit call."""
+        def on_unit(path, mod, call, args, kwargs):
+            raise _Stop(args[0], [a for a in jax.tree.leaves((tuple(args[1:]), dict(kwargs))) if _is_array(a)])
+
+        try:
+            self.run(loss_fn, self.lay.full_params(rest), mb, on_unit)
+        except _Stop as s:
+            return s.x, s.side
+        raise ValueError("pipeline: loss_fn called no pipeline unit.")
+
+    def post(self, loss_fn: Callable, rest: dict, mb: Any, h):
+        """``loss_fn``'s output with the last unit's output replaced by ``h`` (the earlier code is dead)."""
+        last = self.lay.units[-1]
+
+        def on_unit(path, mod, call, args, kwargs):
+            return self._output(h if path == last else args[0])
+
+        return self.run(loss_fn, self.lay.full_params(rest), mb, on_unit)
+
+    def apply_unit(self, leaves: list, x, side: list = ()):
+        """One unit on its parameters (``leaves``, in ``Layout.rel`` order) and the stage's side arrays."""
+        args, kwargs = self._side(list(side))
+        if self.kind == "nnx":
+            from flax import nnx
+
+            gd, ptree, rels = self.unit
+            by_rel = dict(zip(self.lay.rel, leaves))
+            out = nnx.merge(gd, jax.tree_util.tree_unflatten(ptree, [by_rel[r] for r in rels]))(x, *args, **kwargs)
+        else:
+            out = self.unit.apply({"params": self.lay.unit_tree(leaves)}, x, *args, **kwargs)
+        return jax.tree.leaves(out)[self.out[2]]
+
+
+def _shape(y):
+    return getattr(y, "shape", y)
+

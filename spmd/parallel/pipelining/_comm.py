@@ -1,0 +1,135 @@
+"""What a pipelined step communicates, analytically (the table) and in compiled HLO (the pairs)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from placements import Shard
+from spmd.parallel.pipelining._tables import ROLES
+
+__all__ = ["STAGES", "REST", "pipeline_communication", "format_pipeline_communication", "hlo_permute_pairs",
+           "tp_terms"]
+
+STAGES, REST = "stages", "rest"  # the stored tree: the stacked unit parameters, the others by path
+
+
+def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = None, ticks=None) -> dict:
+    """What one step communicates per device, in ``spmd.parallel.hlo_executed_collectives``' terms (scalars
+    aside): one ``collective-permute`` per tick with sends each way, moving one micro-batch's activation
+    (``B / (M x data) x T x D`` elements) over each of ``pairs`` stage boundaries (``M x (stages - 1)`` each way per
+    pipeline); one all-reduce of the stage gradients over the data dims and one of the other gradients over
+    pp and the data dims (each device's bytes: its tp block of a tp-cut one). Plus the schedule's bubble and
+    activation slots. ``tp_records`` / ``ticks`` (a tensor-parallel model): the styled calls by segment and the
+    tick table's ``(forward, backward)`` branch codes per rank, for the tp terms (``tp_terms``)."""
+    s = pm.schedule
+    act = lay.act
+    n_data = int(np.prod([pm.mesh.size(d) for d in pm.data_dims])) if pm.data_dims else 1
+    ops = {k: sum(1 for p in s.sends(k) if p) * accum_steps for k in ("F", "B")}
+    pairs = {k: v * accum_steps for k, v in s.transfers().items()}
+
+    def nbytes(x):
+        return int(np.prod(x.shape)) * x.dtype.itemsize
+
+    tp = tp_terms(pm, lay, tp_records, ticks, accum_steps) if tp_records is not None else None
+    ab = nbytes(act)
+    sent = ab // (tp["activation_cut"] if tp else 1)  # a sequence-parallel activation crosses cut over tp
+    local = {e.path: e.local_nbytes for e in lay.plan.entries}  # a device's block (tp-cut: its tp block)
+    cut = [rel for rel in lay.rel if lay.fsdp_dim(rel) is not None]
+    whole = sum(local[f"{STAGES}/{rel}"] for rel in lay.rel if rel not in cut)
+    gathered = sum(local[f"{STAGES}/{rel}"] for rel in cut) * (lay.n_fsdp or 1)  # a rank's stages, full over fsdp
+    n_other = n_data // (lay.n_fsdp or 1)
+    rest_bytes = sum(local[f"{REST}/{p}"] for p in lay.rest)
+    ar = rest_bytes + (whole if n_data > 1 else 0) + (gathered // lay.n_fsdp if cut and n_other > 1 else 0)
+    add = tp["program"] if tp else {k: {"count": 0, "bytes": 0} for k in ("all-reduce", "all-gather", "reduce-scatter")}
+    return {
+        "collective-permute": {"count": ops["F"] + ops["B"], "bytes": (ops["F"] + ops["B"]) * sent,
+                               "pairs": pairs, "ops": {"forward": ops["F"], "backward": ops["B"]}},
+        "all-reduce": {"bytes": ar + add["all-reduce"]["bytes"]},
+        "all-gather": {"bytes": gathered + add["all-gather"]["bytes"], "buffers": len(cut)},
+        "reduce-scatter": {"bytes": gathered + add["reduce-scatter"]["bytes"], "buffers": len(cut)},
+        "tp": tp,
+        "schedule": s.name, "pp": s.pp, "num_microbatches": s.num_microbatches, "stages_per_rank": s.stages_per_rank,
+        "activation_shape": tuple(act.shape), "activation_bytes": ab, "bubble": s.bubble, "bubble_formula": s.formula,
+        "activation_slots": max(s.x_slots), "gradient_slots": max(s.g_slots),
+        "activation_bound_bytes": (max(s.x_slots) + max(s.g_slots)) * ab,
+    }
+
+
+_KINDS = ("all-reduce", "all-gather", "reduce-scatter")
+
+
+def _sum(*tables, scale: int = 1) -> dict:
+    return {k: {f: scale * sum(t[k][f] for t in tables) for f in ("count", "bytes")} for k in _KINDS}
+
+
+def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
+    """The tp collectives of a pipelined step, from the styled calls of one micro-batch by segment
+    (``pre``: before the first unit, ``unit``: one unit, ``post``: after the last; the terms of each call as
+    ``spmd.parallel.cost._comm`` writes them, forward and backward apart) and the schedule's branches:
+
+    - a forward ``F`` runs the chunk's forward (the first stage: the pre-unit code's too); the last stage's
+      ``F`` runs nothing (its forward comes with the backward);
+    - a backward ``B`` recomputes the chunk's forward (the first stage: with the pre-unit code's; the last:
+      with the post-unit code's) and runs its backward pass; on a stage that is not the last, the
+      recomputed output feeds nothing but the unused primal: the forward collective of the chunk's last
+      styled call, a ``RowwiseParallel`` one whose output a residual block adds (``x + proj(h)``), is dead
+      and compiled away.
+
+    ``program``: what the compiled program holds (each tick's forward switch and backward switch hold each
+    branch some rank runs once; the loop form: every branch once, run every tick); ``per_rank``: what each
+    rank runs; both per step
+    (``accum_steps`` passes). ``activation_cut``: ``tp`` when the activation between units is cut over tp
+    (the unit's last styled call's output is ``Shard``: sequence parallelism), else 1."""
+    from spmd.parallel.cost._comm import activation_terms
+
+    s = pm.schedule
+    fwd = {k: activation_terms(v, part="forward") for k, v in recs.items()}
+    bwd = {k: activation_terms(v, part="backward") for k, v in recs.items()}
+    lc = lay.per_slot
+    cf, cb = _sum(fwd["unit"], scale=lc), _sum(bwd["unit"], scale=lc)
+    last = recs["unit"][-1] if recs["unit"] else None
+    dead = (activation_terms([last], part="forward") if last is not None and last["style"] == "RowwiseParallel"
+            else _sum())
+    live = {k: {f: cf[k][f] - dead[k][f] for f in ("count", "bytes")} for k in _KINDS}
+    zero = _sum()
+    cost = [zero,  # idle, then F x roles, B x roles
+            cf, _sum(fwd["pre"], cf), zero, zero,
+            _sum(live, cb), _sum(fwd["pre"], live, cb, bwd["pre"]), _sum(cf, fwd["post"], bwd["post"], cb),
+            _sum(fwd["pre"], cf, fwd["post"], bwd["post"], cb, bwd["pre"])]
+    if pm.unroll:
+        program = _sum(*[cost[k] for codes in ticks for k in {k for pair in codes for k in pair}], scale=accum_steps)
+    else:
+        used = sorted({k for codes in ticks for pair in codes for k in pair})
+        program = _sum(*[cost[k] for k in used], scale=accum_steps * len(ticks))
+    per_rank = [_sum(*[cost[k] for codes in ticks for k in codes[r]], scale=accum_steps) for r in range(s.pp)]
+    out_layout = last["out_layout"] if last is not None else None
+    n_tp = pm.mesh.size(pm.tp.tp.mesh_dim)
+    return {"program": program, "per_rank": per_rank, "branches": dict(zip(
+        ["idle"] + [f"{d}-{r}" for d in "FB" for r in ROLES], cost)), "dead_recompute": dead,
+        "activation_cut": n_tp if isinstance(out_layout, Shard) else 1}
+
+
+def hlo_permute_pairs(text: str, n_replicas: int = 1) -> int:
+    """Source-target pairs of the collective-permutes in HLO ``text``, per pipeline (``n_replicas``: data
+    replicas, each its own pairs in one op); loop bodies counted once."""
+    pairs = 0
+    for line in text.splitlines():
+        if re.search(r"collective-permute(-start)?\(", line):
+            m = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+            pairs += m[1].count("{") if m else 0
+    return pairs // n_replicas
+
+
+def format_pipeline_communication(c: dict) -> str:
+    cp = c["collective-permute"]
+    return (f"pipeline {c['schedule']} pp={c['pp']} M={c['num_microbatches']} v={c['stages_per_rank']}: "
+            f"{cp['pairs']['forward']} activation + {cp['pairs']['backward']} gradient transfers of "
+            f"{c['activation_shape']} per pipeline (M x (stages - 1) each way) in {cp['count']} collective-permutes "
+            f"({cp['bytes']} bytes); all-reduce {c['all-reduce']['bytes']} bytes; bubble {c['bubble']:.4f} (formula "
+            f"{c['bubble_formula']:.4f}); {c['activation_slots']} activation + {c['gradient_slots']} gradient slots "
+            f"per rank ({c['activation_bound_bytes']} bytes)" + ("" if not c.get("tp") else "\n  tp in the program: " + ", ".join(
+                f"{k} x{v['count']} = {v['bytes']:,} B" for k, v in c["tp"]["program"].items() if v["count"])
+                + "; per rank: " + " | ".join(", ".join(f"{k} x{v['count']}" for k, v in t.items() if v["count"])
+                                               for t in c["tp"]["per_rank"])))

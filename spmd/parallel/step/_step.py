@@ -1,0 +1,479 @@
+"""One train step for every layout: ``init_train_state``, ``make_train_step``, ``unshard_params``.
+
+``make_train_step(model, loss_fn, optimizer)`` gives a jitted ``(state, batch) -> (state, metrics)`` for a
+model laid out by ``parallelize_module`` / ``fully_shard`` (or neither: DDP over every dim of ``mesh``):
+
+- the region (``spmd.parallel.styles._hooks``) is manual over the data dims (every mesh dim but tp): each device
+  takes its rows of the batch and runs ``loss_fn(params, batch)``, the user's own 1-device loss, on them;
+  the root unit is gathered once, each FSDP unit right before it runs, the tp styles put their layouts;
+- ``jax.grad`` hands back each sharded parameter's gradient reduce-scattered over the shard dim (the
+  all-gather's transpose), averaged over the shard dim, then over the replicate dims (HSDP) by one
+  all-reduce of the shard bytes; parameters whole on the data dims: one all-reduce over them;
+- the optimizer (any optax transformation) runs in global view on the stored arrays: elementwise on the
+  shards, a global norm costs a scalar all-reduce;
+- ``accum_steps=k`` gathers every unit once, accumulates the full local gradients over ``k``
+  micro-batches and reduces once (torch's ``no_sync``).
+
+The state is a ``TrainState`` whose ``plan`` (static) is the ``ParamPlan`` it was laid out by; a step
+refuses a state of another plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from placements import Shard
+from spmd._mesh import DeviceMesh
+from spmd.parallel.plan._checks import (check_batch_leaves, check_loss, check_opt_state, check_rng,
+                                        check_same_tree, describe_tree, linen_abstract_params, params_hint,
+                                        traced_model_params)
+from spmd.parallel.cost._comm import format_communication, step_communication
+from spmd.parallel.step._heads import check_head_cuts
+from spmd.parallel.styles._hooks import Hooks
+from spmd.parallel.styles._nnx import is_nnx, nnx_loss, nnx_params
+from spmd.parallel.plan._param_plan import ROOT, ParamPlan
+from spmd.parallel.plan._shard import entry_sharding, map_like_params, shard_params, unshard_tree
+from spmd.parallel.plan._scan import check_unscanned, find_stacked, stacked_in, trace_seen
+from spmd.parallel.styles._transforms import ParallelModule, as_parallel, build_plan, stacked_of
+
+__all__ = ["TrainState", "init_train_state", "make_train_step", "unshard_params", "state_shardings"]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a run carries from step to step: ``step``, ``params`` and ``opt_state`` as stored
+    (padded shards), and the ``plan`` that laid them out (static)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    plan: ParamPlan | None = flax.struct.field(pytree_node=False, default=None)
+
+
+def _check_optimizer(optimizer: Any, where: str) -> None:
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"{where}: optimizer={optimizer!r} must be an optax.GradientTransformation, e.g. "
+                        "optax.adamw(1e-3).")
+
+
+def state_shardings(plan: ParamPlan, mesh: DeviceMesh, params: Any, opt_state: Any, optimizer) -> tuple:
+    rep = NamedSharding(mesh.jax_mesh, P())
+    return (map_like_params(plan, params, lambda x, e: entry_sharding(e, mesh)),
+            map_like_params(plan, opt_state, lambda x, e: entry_sharding(e, mesh), optimizer=optimizer,
+                            other=lambda x: rep))
+
+
+def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_args: Any, params: Any = None,
+                     mesh: DeviceMesh | None = None) -> TrainState:
+    """Step 0, laid out by the model's layouts.
+
+    ``params=``: place these (logical) parameters; ``init_args``, if given, are example inputs (a model
+    whose blocks run under ``nn.scan`` needs them: the plan must know the stacked layer axis). Otherwise ``init_args = (rng, *example_inputs)``:
+    initialize straight into the shards (``model.init`` compiled with the shards as its outputs) with the
+    values the unwrapped model's ``init`` gives for that rng. An nnx model holds its parameters: give none.
+    ``mesh=``: for a model with neither transform (DDP over every dim of ``mesh``).
+
+    ``params=`` must be the model's (paths, shapes, dtypes): checked against ``nnx.state(model, nnx.Param)``,
+    a linen model's abstract ``init`` on the example inputs, or the tree an earlier state or step found for
+    this model; with none of them, the step checks at its first call.
+    """
+    where = "init_train_state"
+    _check_optimizer(optimizer, where)
+    own = getattr(type(model), "_spmd_init_train_state", None)  # a layout with a step of its own (pipeline)
+    if own is not None:
+        return own(model, optimizer, *init_args, params=params, mesh=mesh)
+    pm = as_parallel(model, mesh, where)
+    mesh = pm.mesh
+    inner = pm.module
+    known = None  # the model's own parameters (shapes), where known
+    if is_nnx(inner):
+        if params is None:
+            params = nnx_params(inner)
+        else:
+            _check_model_params(where, "params=", inner, params)
+        known, init_args = params, ()
+    elif params is not None:
+        hint = params_hint(params, sure=True)
+        if hint:
+            raise ValueError(f"{where}:{hint}")
+        if init_args:
+            known = _check_model_params(where, "params=", inner, params, init_args)
+        else:
+            _check_seen(where, "params=", pm, params, "Pass this model's parameters (model.init(rng, x)['params']).")
+    if params is None:
+        if not init_args:
+            raise TypeError(f"{where}: give params=, or (rng, *example_inputs) to initialize the model.")
+        rng, *xs = init_args
+        check_rng(where, rng)
+        abstract, seen = trace_seen(lambda r: inner.init(r, *xs)["params"], rng)
+        plan = build_plan(pm, abstract, find_stacked(seen, abstract))
+        shardings = map_like_params(plan, abstract, lambda x, e: entry_sharding(e, mesh))
+        from spmd.parallel.plan._shard import pad_tree
+
+        stored = jax.jit(lambda r: pad_tree(inner.init(r, *xs)["params"], plan), out_shardings=shardings)(rng)
+    else:
+        plan = build_plan(pm, params, stacked_of(inner, params, init_args))
+        stored = shard_params(params, plan, mesh)
+    opt_abstract = jax.eval_shape(optimizer.init, stored)
+    _, opt_sh = state_shardings(plan, mesh, stored, opt_abstract, optimizer)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(stored)
+    pm._plans[plan.treedef] = plan
+    known = abstract if params is None else known
+    if known is not None and describe_tree(known) not in pm._params_seen:
+        pm._params_seen.append(describe_tree(known))
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh.jax_mesh, P()))
+    return TrainState(step=step, params=stored, opt_state=opt_state, plan=plan)
+
+
+def _check_model_params(where: str, arg: str, module: Any, params: Any, example_inputs: tuple = (), fix: str = (
+        "Pass the parameters of this model (model.init(rng, x)['params'], or nnx.state(model, nnx.Param)), or "
+        "build the state for the model they belong to.")) -> Any:
+    """``params`` against the model's own: an nnx model's ``nnx.state``, a linen model's abstract ``init``
+    on ``example_inputs`` (none given: nothing to compare with here; the step compares at its first call)."""
+    import flax.linen as nn
+
+    if is_nnx(module):
+        expected = nnx_params(module)
+        source = f"this {type(module).__name__}'s parameters (nnx.state(model, nnx.Param))"
+    elif isinstance(module, nn.Module) and example_inputs:
+        expected = linen_abstract_params(module, example_inputs)
+        source = f"this {type(module).__name__}'s parameters ({type(module).__name__}.init on the example inputs)"
+    else:
+        return None
+    if expected is not None:
+        check_same_tree(where, arg, expected, params, source, fix)
+    return expected
+
+
+def _check_seen(where: str, arg: str, model: Any, logical: Any, fix: str) -> None:
+    """``logical`` against the parameter trees init_train_state and the step found this model to have (a linen
+    model gives its tree only on inputs; none seen yet: nothing to compare with)."""
+    seen = getattr(model, "_params_seen", None)
+    if seen and describe_tree(logical) not in seen:
+        inner = model.module if isinstance(model, ParallelModule) else model
+        check_same_tree(where, arg, _as_structs(seen[-1]), logical,
+                        f"the parameters of this {type(inner).__name__} (as its init on the inputs gave them)", fix)
+
+
+def unshard_params(model: Any, params: Any) -> Any:
+    """The logical (unpadded) parameter values, replicated: the inverse of ``init_train_state``'s layout.
+
+    ``params``: ``state.params`` (or a ``TrainState``) of a state built by ``init_train_state(model, ...)``.
+    """
+    where = "unshard_params"
+    if getattr(type(model), "_spmd_unshard_params", None) is not None:
+        return model._spmd_unshard_params(params)
+    if isinstance(params, TrainState):
+        plan, params = params.plan, params.params
+    else:
+        plans = getattr(model, "_plans", {})
+        plan = plans.get(jax.tree_util.tree_structure(params))
+        if plan is None and not isinstance(model, ParallelModule):
+            plan = _replicated_plan(model, params)
+    if plan is None:
+        raise ValueError(f"{where}: these parameters were not laid out by init_train_state(model, ...) for "
+                         f"{model!r}; pass that state (or its .params).")
+    logical = jax.tree_util.tree_unflatten(plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype)
+                                                          for e in plan.entries])
+    inner = model.module if isinstance(model, ParallelModule) else model
+    if is_nnx(inner):
+        _check_model_params(where, "params", inner, logical, fix="Pass the state (or its .params) built for this "
+                            "model.")
+    else:
+        _check_seen(where, "params", model, logical, "Pass the state (or its .params) built for this model.")
+    return unshard_tree(params, plan, model.mesh if isinstance(model, ParallelModule) else None)
+
+
+def _as_structs(desc: dict) -> dict:
+    """``describe_tree``'s ``{path: (shape, dtype)}`` as a flat dict of ``ShapeDtypeStruct``s with those paths."""
+    return {p: jax.ShapeDtypeStruct(shape, dtype) for p, (shape, dtype) in desc.items()}
+
+
+def _replicated_plan(model: Any, params: Any) -> ParamPlan | None:
+    """The plan of a model with no layout trained data-parallel (``mesh=``): every parameter whole on every
+    device, stored unpadded; ``None`` unless every leaf is such an array."""
+    from spmd.parallel.styles._transforms import build_plan as _plan
+
+    leaves = jax.tree.leaves(params)
+    if not leaves or not all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+                             and x.sharding.is_fully_replicated for x in leaves):
+        return None
+    mesh = DeviceMesh.from_jax(leaves[0].sharding.mesh)
+    return _plan(ParallelModule(model, mesh), params)
+
+
+def _split_loss(out: Any, where: str) -> tuple[jax.Array, dict]:
+    if isinstance(out, tuple) and len(out) == 2:
+        loss, aux = out
+    else:
+        loss, aux = out, {}
+    if not isinstance(aux, dict):
+        aux = {"aux": aux}
+    if not hasattr(loss, "shape") or np.shape(loss) != ():
+        raise ValueError(f"{where}: loss_fn returned {loss!r}; it must return a scalar loss, or (loss, aux) with aux "
+                         "a dict of scalar metrics.")
+    check_loss(where, loss, aux)
+    return loss, aux
+
+
+def _check_batch(batch: Any, n_data: int, accum_steps: int, data: tuple[str, ...], sizes: dict) -> None:
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("train_step: batch holds no arrays.")
+    n = np.shape(leaves[0])[0] if np.ndim(leaves[0]) else None
+    for x in leaves:
+        if not np.ndim(x) or np.shape(x)[0] != n:
+            raise ValueError(f"train_step: every batch leaf needs the same leading (batch) dim; got shapes "
+                             f"{[np.shape(y) for y in leaves]}.")
+    if n % (n_data * accum_steps):
+        split = " x ".join(f"{d}={sizes[d]}" for d in data) or "1"
+        raise ValueError(
+            f"train_step: the batch has {n} examples, not divisible by the data-parallel size {split} = {n_data}"
+            + (f" times accum_steps={accum_steps}" if accum_steps > 1 else "")
+            + f"; use a batch size that is a multiple of {n_data * accum_steps}.")
+
+
+def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, *, accum_steps: int = 1,
+                    mesh: DeviceMesh | None = None) -> Callable:
+    """The train step ``(state, batch) -> (state, metrics)`` of any layout (see the module doc).
+
+    ``loss_fn(params, batch)``: what the user writes on one device (an nnx model: ``loss_fn(model, batch)``);
+    it returns the mean loss over its batch, or ``(loss, aux)`` with ``aux`` a dict of scalar metrics.
+    ``batch``: a pytree of global arrays (host arrays are fine) whose leading dim the data dims divide.
+    Metrics: ``loss``, the ``aux`` entries (averaged over the data dims) and ``grad_norm``.
+
+    The first call with a state of a new plan checks, before compiling, that ``state.params`` are the model's
+    (an nnx model's own state; a linen model's abstract ``init`` on the inputs ``loss_fn`` applies it to, read
+    off one abstract trace of the loss) and ``state.opt_state`` the optimizer's (``optimizer.init``
+    abstractly), naming the first path that differs.
+    """
+    where = "make_train_step"
+    if not callable(loss_fn):
+        raise TypeError(f"{where}: loss_fn={loss_fn!r} must be callable as loss_fn(params, batch) -> loss or "
+                        "(loss, aux).")
+    _check_optimizer(optimizer, where)
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
+    if getattr(type(model), "_spmd_make_train_step", None) is not None:  # a layout with a step of its own
+        return model._spmd_make_train_step(loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh)
+    pm = as_parallel(model, mesh, where)
+    build = functools.lru_cache(maxsize=4)(lambda plan: _build(pm, loss_fn, optimizer, accum_steps, plan))
+    verified: set = set()  # the plans checked against this step's model (once each)
+
+    def step(state: TrainState, batch: Any):
+        if not isinstance(state, TrainState) or state.plan is None:
+            raise TypeError(f"train_step: state={type(state).__name__} must be the TrainState init_train_state(model, "
+                            "optimizer, ...) returns.")
+        check_batch_leaves("train_step", _as_arrays(batch))
+        key = (state.plan, jax.tree_util.tree_structure(state.opt_state))
+        if key not in verified:
+            logical = jax.tree_util.tree_unflatten(
+                state.plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in state.plan.entries])
+            if build_plan(pm, logical, stacked_in(state.plan)) != state.plan:
+                raise ValueError("train_step: the state was laid out for another model or plan than this step's "
+                                 f"({pm!r}); build it with init_train_state on the same model.")
+            _check_state_params(pm, loss_fn, logical, _as_arrays(batch))
+            check_opt_state("train_step", optimizer, state.params, state.opt_state)
+            if (pm.tp or set(state.plan.units) - {ROOT}) and not is_nnx(pm.module):
+                check_unscanned(state.plan, loss_fn, logical, _as_arrays(batch))
+            verified.add(key)
+        return build(state.plan)(state, batch)
+
+    def lower(state: TrainState, batch: Any):
+        """The jitted step lowered for ``(state, batch)`` (``.compile().as_text()``: its HLO)."""
+        return build(state.plan).jitted.lower(state, _as_arrays(batch))
+
+    def communication(state: TrainState, batch: Any) -> dict:
+        """What one step communicates per device, analytically (``spmd.parallel.cost._comm``), before it runs."""
+        return build(state.plan).communication(state, _as_arrays(batch))
+
+    def table(state: TrainState, batch: Any) -> str:
+        """The plan and the step's communication, printable before anything runs."""
+        return state.plan.table() + "\n" + format_communication(communication(state, batch))
+
+    step.lower = lower
+    step.communication = communication
+    step.table = table
+    return step
+
+
+def _check_state_params(pm: ParallelModule, loss_fn: Callable, logical: Any, batch: Any) -> None:
+    """The state's parameters against the step's model, once per plan: an nnx model's own state, or a linen
+    model's abstract ``init`` on the inputs ``loss_fn`` gives it (one abstract trace of the loss)."""
+    fix = ("Build the state with init_train_state(model, optimizer, ...) for this step's model (or the step "
+           "for the model the state belongs to).")
+    if is_nnx(pm.module):
+        expected = nnx_params(pm.module)
+        source = f"this step's {type(pm.module).__name__} parameters (nnx.state(model, nnx.Param))"
+    else:
+        expected, _ = traced_model_params(loss_fn, logical, batch)
+        source = ("the parameters of this step's model (its init on the inputs loss_fn gives it: "
+                  f"{_model_name(pm.module)})")
+    if expected is None:
+        return
+    check_same_tree("train_step", "state.params", expected, logical, source, fix)
+    if describe_tree(expected) not in pm._params_seen:
+        pm._params_seen.append(describe_tree(expected))
+
+
+def _model_name(module: Any) -> str:
+    return type(getattr(module, "module", module)).__name__
+
+
+def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, plan: ParamPlan) -> Callable:
+    mesh = pm.mesh
+    names = mesh.mesh_dim_names
+    sizes = dict(zip(names, mesh.shape))
+    tp = pm.tp.mesh_dim if pm.tp else None
+    data = pm.data_dims
+    n_data = int(np.prod([sizes[d] for d in data])) if data else 1
+    fsdp = pm.fsdp.shard_dim if pm.fsdp else None
+    fi = names.index(fsdp) if fsdp else None
+    n_fsdp = sizes[fsdp] if fsdp else 1
+    rep_dims = tuple(d for d in data if d != fsdp)
+    entries = plan.entries
+    cut = [fsdp is not None and e.shard_dim(fi) is not None for e in entries]
+    nnx_model = is_nnx(pm.module)
+
+    def manual_spec(e) -> P:
+        spec: list[list[str]] = [[] for _ in e.shape]
+        for n, p in zip(names, e.placements):
+            if n != tp and isinstance(p, Shard):
+                spec[p.dim].append(n)
+        return P(*[None if not s else (s[0] if len(s) == 1 else tuple(s)) for s in spec])
+
+    param_specs = jax.tree_util.tree_unflatten(plan.treedef, [manual_spec(e) for e in entries])
+    batch_spec = P(data if len(data) > 1 else (data[0] if data else None))
+
+    def unflat(ls):
+        return jax.tree_util.tree_unflatten(plan.treedef, ls)
+
+    def run_loss(hooks: Hooks, params_tree, mb):
+        with hooks.installed():
+            out = nnx_loss(pm.module, loss_fn, params_tree, mb, hooks) if nnx_model else loss_fn(params_tree, mb)
+        return _split_loss(out, "make_train_step")
+
+    def gathered(hooks: Hooks, leaves, units):
+        out = list(leaves)
+        for u in units:
+            idx = [i for i, e in enumerate(entries) if e.unit == u]
+            for i, y in zip(idx, hooks.gather([leaves[i] for i in idx], [entries[i] for i in idx])):
+                out[i] = y
+        return out
+
+    def reduce(hooks: Hooks, g: list) -> list:
+        g = list(g)
+        groups = [([i for i in range(len(g)) if cut[i]], rep_dims, n_fsdp),
+                  ([i for i in range(len(g)) if not cut[i]], data, 1)]
+        for idx, axes, scale in groups:
+            if not idx:
+                continue
+            if scale != 1:
+                for i in idx:
+                    g[i] = g[i] / scale
+            if axes and int(np.prod([sizes[a] for a in axes])) > 1:
+                red = hooks.island(lambda *xs: tuple(lax.pmean(list(xs), axes)), [entries[i] for i in idx],
+                                   [g[i] for i in idx])
+                for i, y in zip(idx, red):
+                    g[i] = y
+        return g
+
+    def local_grads(params, batch):
+        leaves = jax.tree_util.tree_leaves(params)
+        hooks = Hooks(pm, plan)
+        if accum_steps == 1:
+            def loss_of(ls):
+                return run_loss(hooks, unflat(gathered(hooks, ls, [ROOT])), batch)
+
+            (loss, aux), g = jax.value_and_grad(loss_of, has_aux=True)(leaves)
+        else:
+            whole = Hooks(pm, plan, gather_units=False)
+            records = Hooks(pm, plan, gather_units=False)  # one micro-batch traced alone, for the carry's shapes
+            n_local = jax.tree.leaves(batch)[0].shape[0]
+            full, scatter = jax.vjp(lambda ls: gathered(hooks, ls, plan.units), leaves)
+            micro = jax.tree.map(lambda x: x.reshape(accum_steps, n_local // accum_steps, *x.shape[1:]), batch)
+            grad_fn = jax.value_and_grad(lambda ls, mb: run_loss(whole, unflat(ls), mb), has_aux=True)
+
+            def one(carry, mb):
+                return jax.tree.map(jnp.add, carry, grad_fn(full, mb)), None
+
+            shapes = jax.eval_shape(jax.value_and_grad(lambda ls, mb: run_loss(records, unflat(ls), mb), has_aux=True),
+                                    full, jax.tree.map(lambda x: x[0], micro))
+            zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            ((loss, aux), gf), _ = lax.scan(one, zero, micro)
+            loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
+            (g,) = scatter([x / accum_steps for x in gf])
+        g = reduce(hooks, g)
+        metrics = {"loss": loss, **aux}
+        if data:
+            metrics = jax.tree.map(lambda m: lax.pmean(m, data), metrics)
+        traced.clear()
+        traced.extend(records.records if accum_steps > 1 else hooks.records)
+        return unflat(g), metrics
+
+    traced: list = []  # the styled calls of one micro-batch, (module, style, input bytes, output bytes): the
+    # activation terms of the communication table (filled when the step is traced)
+
+    def region(params, batch):
+        def body(p, b):
+            return local_grads(p, b)
+
+        if not data:
+            return body(params, batch)
+        return jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=(param_specs, batch_spec),
+                             out_specs=(param_specs, P()), axis_names=set(data), check_vma=False)(params, batch)
+
+    def step(state: TrainState, batch: Any):
+        grads, metrics = region(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # the state leaves the step laid out as it came in (XLA may otherwise pick another sharding for an
+        # optimizer moment, and the next call would compile the step again)
+        p_sh, o_sh = state_shardings(plan, mesh, params, opt_state, optimizer)
+        new = TrainState(step=state.step + 1, params=jax.lax.with_sharding_constraint(params, p_sh),
+                         opt_state=jax.lax.with_sharding_constraint(opt_state, o_sh), plan=state.plan)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return new, metrics
+
+    jitted = jax.jit(step)
+    checked = []
+
+    def run(state: TrainState, batch: Any):
+        batch = _as_arrays(batch)
+        _check_batch(batch, n_data, accum_steps, data, sizes)
+        if not checked:
+            if tp is not None:
+                check_head_cuts(jax.make_jaxpr(step)(state, batch).jaxpr)
+            checked.append(True)
+        return jitted(state, batch)
+
+    def communication(state: TrainState, batch: Any) -> dict:
+        if not traced:  # not traced yet: trace it (the styled calls and their shapes; nothing runs)
+            jax.eval_shape(step, state, _as_arrays(batch))
+        return step_communication(plan, pm, traced, accum_steps=accum_steps)
+
+    run.jitted = jitted
+    run.plan = plan
+    run.communication = communication
+    return run
+
+
+def _as_arrays(batch: Any) -> Any:
+    from spmd.tensor import DTensor
+
+    def one(x):
+        if isinstance(x, DTensor):
+            return x.to_jax() if hasattr(x, "to_jax") else x.full_tensor()
+        return x
+
+    return jax.tree.map(one, batch, is_leaf=lambda x: isinstance(x, DTensor))

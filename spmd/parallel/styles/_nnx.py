@@ -1,0 +1,81 @@
+"""flax.nnx models in the train step: parameters as an ``nnx.State``, hooks installed on a merged copy.
+
+An nnx model holds its parameters; the step splits them off (``nnx.split(model, nnx.Param, ...)``), lays
+them out like any pytree, and inside the region merges a fresh copy of the module from this device's
+values. That copy's submodules are rewritten in place (each one's class swapped for a subclass whose
+``__call__`` goes through ``spmd.parallel.styles._hooks.Hooks``), so the user's ``loss_fn(model, batch)``
+runs the model's own code on it. The user's model object is never touched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+__all__ = ["is_nnx", "nnx_params", "nnx_loss"]
+
+_HOOKED: dict[type, type] = {}  # nnx module class -> its hooked subclass (classes only; no results cached)
+
+
+def is_nnx(model: Any) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, nnx.Module)
+
+
+def nnx_params(model: Any) -> Any:
+    from flax import nnx
+
+    return nnx.state(model, nnx.Param)
+
+
+def _hooked(cls: type) -> type:
+    if cls not in _HOOKED:
+        def __call__(self, *args, **kwargs):
+            hooks, fqn = object.__getattribute__(self, "_spmd_hook")
+            return hooks.nnx_call(fqn, self, cls.__call__, args, kwargs)
+
+        _HOOKED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return _HOOKED[cls]
+
+
+def nnx_loss(model: Any, loss_fn: Callable, params: Any, batch: Any, hooks: Any) -> Any:
+    """``loss_fn(m, batch)`` where ``m`` is ``model`` with ``params`` (this device's values), hooks installed."""
+    from flax import nnx
+
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    m = nnx.merge(graphdef, params, rest)
+    for path, sub in list(nnx.iter_modules(m)) if hasattr(nnx, "iter_modules") else list(m.iter_modules()):
+        if not path:
+            continue
+        object.__setattr__(sub, "_spmd_hook", (hooks, ".".join(str(p) for p in path)))
+        sub.__class__ = _hooked(type(sub))
+    return loss_fn(m, batch)
+
+
+def nnx_unit_params(sub: Any) -> list[tuple[str, Any]]:
+    """``(relative path, nnx.Param)`` of a submodule, in state order."""
+    from flax import nnx
+
+    return [("/".join(str(p) for p in path), v) for path, v in nnx.iter_graph(sub) if isinstance(v, nnx.Param)]
+
+
+def with_values(sub: Any, values: dict) -> Any:
+    """A fresh copy of ``sub`` whose parameters at relative paths ``values`` (``"kernel"``,
+    ``"up/bias"``) hold the given arrays: nnx refuses a Variable set from inside another trace, so
+    traced code gets its own copy (``nnx.merge``) rather than a mutated one."""
+    from flax import nnx
+
+    from spmd.parallel.plan._param_plan import path_str
+
+    graphdef, state = nnx.split(sub)
+    kp, treedef = jax.tree_util.tree_flatten_with_path(state)
+    leaves = []
+    for k, x in kp:
+        rel = path_str(k)
+        rel = rel[: -len("/value")] if rel.endswith("/value") else rel
+        leaves.append(values.get(rel, x))
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))

@@ -1,0 +1,252 @@
+"""Tensor-parallel styles under torch's names and semantics, for ``parallelize_module``.
+
+A style says, for one submodule, how its parameters are cut over the ``tp`` mesh dim and in which layouts
+its activations enter and leave it, as ``torch.distributed.tensor.parallel``'s styles do:
+
+- ``ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))``: the output features are cut
+  (a ``Dense`` / nnx ``Linear`` kernel ``(in, out)`` is ``Shard(1)``, its bias ``Shard(0)``; an ``Embed``
+  table is cut on its embedding dim); the input is made ``Replicate`` (all-gathered when it arrives
+  ``Shard(1)`` under sequence parallelism); the output stays cut on the features, or is redistributed to
+  ``output_layouts`` (``Replicate``: all-gathered).
+- ``RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())``: the input features are cut
+  (kernel ``Shard(0)``, bias whole; an ``Embed`` table is cut on the vocabulary, its input ids whole); the
+  output, a partial sum over ``tp``, is reduced once: all-reduced to ``Replicate`` or reduce-scattered to
+  ``Shard(1)`` (sequence parallelism).
+- ``SequenceParallel(sequence_dim=1)``: a norm (any module whose parameters stay whole) runs on the
+  device's positions: input and output ``Shard(sequence_dim)``; its parameters ``Replicate``.
+- ``PrepareModuleInput`` / ``PrepareModuleOutput``: only activations: the layouts a module's inputs
+  (outputs) arrive in and the ones it (its caller) needs.
+
+The model runs in global view over ``tp`` (see ``spmd.parallel.styles._hooks``): every activation keeps its
+global shape, and a layout is a sharding constraint. So code that reshapes by the *global* head count runs
+unchanged, and ``use_local_output`` is accepted for porting but changes nothing: the next module sees the
+global array either way.
+
+A plan key may also name a module's method: ``"embed.attend": ColwiseParallel(output_layouts=Replicate())``
+runs a tied output projection (linen ``Embed.attend``) column-parallel on the vocabulary, the table's rows
+(with ``"embed": RowwiseParallel()``, the vocabulary-parallel lookup, or alone): each device computes its
+vocabulary's logits; ``Replicate`` gathers them (the loss then needs no collective), ``Shard(-1)`` keeps
+them cut (the user's loss in global view: XLA reduces per token).
+
+``dim=`` names the kernel dim to cut explicitly: needed for module types the styles do not know (Hugging
+Face's ``FlaxConv1D`` stores its kernel ``(out, in)``: ``ColwiseParallel(dim=0)``) and for a
+``DenseGeneral`` whose first output axis is not the one to cut (heads of a ``(D, 3, H, hd)`` kernel:
+``dim=2``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from placements import Partial, Placement, Replicate, Shard
+
+__all__ = ["ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+           "ParallelStyle", "KNOWN_LINEAR", "KNOWN_EMBED"]
+
+KNOWN_LINEAR = ("Dense", "DenseGeneral", "Linear", "LinearGeneral")  # linen Dense/DenseGeneral, nnx Linear
+KNOWN_EMBED = ("Embed",)  # linen and nnx Embed
+
+
+def _check_layout(style: str, arg: str, value: Any, *, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, Partial):
+        raise ValueError(f"{style}: {arg}={value!r}: an activation layout here is Shard(d) or Replicate(); a "
+                         "Partial activation is reduced by the style itself (RowwiseParallel's output).")
+    if not isinstance(value, (Shard, Replicate)):
+        raise TypeError(f"{style}: {arg}={value!r} must be Shard(d) or Replicate() (from placements or spmd).")
+
+
+def _check_layouts(style: str, arg: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _check_layout(style, f"{arg}[{i}]", v)  # None: not a tensor input, left alone
+        return
+    _check_layout(style, arg, value)
+
+
+def _check_dim(style: str, dim: Any) -> None:
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+        raise TypeError(f"{style}: dim={dim!r} must be an int (a dim of the module's kernel, negative from the end) "
+                        "or None (the style's default for the module type).")
+
+
+def _check_bool(style: str, arg: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{style}: {arg}={value!r} must be a bool.")
+
+
+class ParallelStyle:
+    """What every style answers: a parameter's placement on ``tp`` and its activations' layouts."""
+
+    def param_placement(self, path: str, name: str, shape: tuple[int, ...]) -> Placement:
+        return Replicate()
+
+    def input_layouts_for(self, module_type: str | None) -> tuple[Any, Any]:
+        """``(given, desired)`` layouts of the positional inputs: one layout for the first input, or a tuple."""
+        return None, None
+
+    def output_layouts_for(self, module_type: str | None) -> tuple[Any, Any]:
+        return None, None
+
+    def kwarg_layouts(self) -> tuple[dict, dict]:
+        return {}, {}
+
+    def __str__(self) -> str:
+        return repr(self)
+
+
+def _kernel_dim(style: str, path: str, module_type: str | None, shape: tuple[int, ...], dim: int | None,
+                default: int) -> int:
+    if dim is None and module_type is not None and module_type not in KNOWN_LINEAR + KNOWN_EMBED:
+        raise ValueError(
+            f"{style}: module {path!r} is a {module_type}, a module type the style does not know (it knows "
+            f"{', '.join(KNOWN_LINEAR + KNOWN_EMBED)}); say which kernel dim to cut: {style}(dim=d) with d a dim of "
+            f"its kernel of shape {shape} (for a kernel stored (out, in), as FlaxConv1D's: ColwiseParallel(dim=0), "
+            "RowwiseParallel(dim=1)).")
+    d = default if dim is None else dim
+    if not -len(shape) <= d < len(shape):
+        raise ValueError(f"{style}: dim={d} is out of range for the kernel of {path!r} of shape {shape}; use a dim in "
+                         f"[{-len(shape)}, {len(shape) - 1}].")
+    return d % len(shape)
+
+
+@dataclass(frozen=True)
+class ColwiseParallel(ParallelStyle):
+    """torch's ``ColwiseParallel``: cut the output features (see the module doc)."""
+
+    input_layouts: Placement | None = None
+    output_layouts: Placement | None = None
+    use_local_output: bool = True
+    dim: int | None = None
+
+    def __post_init__(self):
+        _check_layout("ColwiseParallel", "input_layouts", self.input_layouts)
+        _check_layout("ColwiseParallel", "output_layouts", self.output_layouts)
+        _check_bool("ColwiseParallel", "use_local_output", self.use_local_output)
+        _check_dim("ColwiseParallel", self.dim)
+
+    def param_placement(self, path, name, shape):
+        if name == "embedding":  # an Embed table (vocab, features): the features are its output
+            return Shard(_kernel_dim("ColwiseParallel", path, None, shape, self.dim, 1))
+        if name == "kernel":
+            return Shard(_kernel_dim("ColwiseParallel", path, None, shape, self.dim, -1))
+        if name == "bias" and len(shape) >= 1:
+            return Shard(0)  # the plan aligns it with the kernel's cut output axis (``_layout.tp_placements``)
+        return Replicate()
+
+    def input_layouts_for(self, module_type):
+        desired = Replicate()
+        return (self.input_layouts or Replicate()), desired
+
+    def output_layouts_for(self, module_type):
+        return Shard(-1), (self.output_layouts or Shard(-1))
+
+
+@dataclass(frozen=True)
+class RowwiseParallel(ParallelStyle):
+    """torch's ``RowwiseParallel``: cut the input features; the output reduced once (see the module doc)."""
+
+    input_layouts: Placement | None = None
+    output_layouts: Placement | None = None
+    use_local_output: bool = True
+    dim: int | None = None
+
+    def __post_init__(self):
+        _check_layout("RowwiseParallel", "input_layouts", self.input_layouts)
+        _check_layout("RowwiseParallel", "output_layouts", self.output_layouts)
+        _check_bool("RowwiseParallel", "use_local_output", self.use_local_output)
+        _check_dim("RowwiseParallel", self.dim)
+
+    def param_placement(self, path, name, shape):
+        if name in ("kernel", "embedding"):  # kernel (in, out): the input rows; Embed (vocab, features): the vocab
+            return Shard(_kernel_dim("RowwiseParallel", path, None, shape, self.dim, 0))
+        return Replicate()  # the bias, added once after the reduction
+
+    def input_layouts_for(self, module_type):
+        if module_type in KNOWN_EMBED:  # token ids arrive whole
+            return (self.input_layouts or Replicate()), Replicate()
+        return (self.input_layouts or Shard(-1)), Shard(-1)
+
+    def output_layouts_for(self, module_type):
+        return None, (self.output_layouts or Replicate())
+
+
+@dataclass(frozen=True)
+class SequenceParallel(ParallelStyle):
+    """torch's ``SequenceParallel``: the module runs on the device's positions; its parameters stay whole."""
+
+    sequence_dim: int = 1
+    use_local_output: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.sequence_dim, bool) or not isinstance(self.sequence_dim, int):
+            raise TypeError(f"SequenceParallel: sequence_dim={self.sequence_dim!r} must be an int.")
+        _check_bool("SequenceParallel", "use_local_output", self.use_local_output)
+
+    def input_layouts_for(self, module_type):
+        return Shard(self.sequence_dim), Shard(self.sequence_dim)
+
+    def output_layouts_for(self, module_type):
+        return Shard(self.sequence_dim), Shard(self.sequence_dim)
+
+
+@dataclass(frozen=True)
+class PrepareModuleInput(ParallelStyle):
+    """torch's ``PrepareModuleInput``: the layouts a module's inputs arrive in, and the ones it needs."""
+
+    input_layouts: Any = None
+    desired_input_layouts: Any = None
+    input_kwarg_layouts: Any = None
+    desired_input_kwarg_layouts: Any = None
+    use_local_output: bool = False
+
+    def __post_init__(self):
+        w = "PrepareModuleInput"
+        _check_layouts(w, "input_layouts", self.input_layouts)
+        _check_layouts(w, "desired_input_layouts", self.desired_input_layouts)
+        for arg in ("input_kwarg_layouts", "desired_input_kwarg_layouts"):
+            v = getattr(self, arg)
+            if v is not None and not isinstance(v, dict):
+                raise TypeError(f"{w}: {arg}={v!r} must be a dict of keyword name -> Shard(d)/Replicate().")
+            for k, p in (v or {}).items():
+                _check_layout(w, f"{arg}[{k!r}]", p)
+        if (self.input_layouts is None) != (self.desired_input_layouts is None) or (
+                isinstance(self.input_layouts, (tuple, list)) and len(self.input_layouts) != len(
+                    self.desired_input_layouts if isinstance(self.desired_input_layouts, (tuple, list)) else ())):
+            raise ValueError(f"{w}: input_layouts={self.input_layouts!r} and desired_input_layouts="
+                             f"{self.desired_input_layouts!r} must both be given, with one entry per input.")
+        _check_bool(w, "use_local_output", self.use_local_output)
+
+    def input_layouts_for(self, module_type):
+        return self.input_layouts, self.desired_input_layouts
+
+    def kwarg_layouts(self):
+        return dict(self.input_kwarg_layouts or {}), dict(self.desired_input_kwarg_layouts or {})
+
+
+@dataclass(frozen=True)
+class PrepareModuleOutput(ParallelStyle):
+    """torch's ``PrepareModuleOutput``: the layouts a module's outputs are in, and the ones its caller needs."""
+
+    output_layouts: Any = None
+    desired_output_layouts: Any = None
+    use_local_output: bool = True
+
+    def __post_init__(self):
+        w = "PrepareModuleOutput"
+        _check_layouts(w, "output_layouts", self.output_layouts)
+        _check_layouts(w, "desired_output_layouts", self.desired_output_layouts)
+        if self.output_layouts is None or self.desired_output_layouts is None:
+            raise ValueError(f"{w}: give both output_layouts and desired_output_layouts (got {self.output_layouts!r}, "
+                             f"{self.desired_output_layouts!r}).")
+        _check_bool(w, "use_local_output", self.use_local_output)
+
+    def output_layouts_for(self, module_type):
+        return self.output_layouts, self.desired_output_layouts
+
+
+STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput)

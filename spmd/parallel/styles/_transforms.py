@@ -1,0 +1,401 @@
+"""torch's module transforms: ``parallelize_module`` and ``fully_shard``, on any flax model, unchanged.
+
+Each returns a ``ParallelModule``: the user's model (every attribute and call forwards to it), the root
+mesh its layouts run over, and the layouts as data: the tensor-parallel plan (``{fqn glob: style}`` on one
+mesh dim) and the FSDP spec (the shard and replicate dims, the units, ``reshard_after_forward``, the
+mixed-precision policy). Nothing runs until ``init_train_state`` / ``make_train_step``; ``plan(params)``
+gives the ``ParamPlan`` the layouts make of the model's parameters, printable and costed.
+
+Module paths are torch's fully qualified names, dot-joined, read off the parameter tree (linen's
+``layers_0.self_attn.q_proj``, Hugging Face's ``transformer.h.0.mlp.c_fc``, nnx's ``layers.0.linear``);
+a plan key or unit is such a name with ``*`` globs, each ``*`` within one name component.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from placements import Placement, Replicate, Shard
+from spmd._mesh import DeviceMesh
+from spmd.parallel.plan._checks import check_tp_plan, params_hint
+from spmd.parallel.plan._param_plan import ROOT, ParamPlan, path_str, plan_params
+from spmd.parallel.plan._rules import Rule
+from spmd.parallel.styles._styles import STYLES, ColwiseParallel, ParallelStyle, RowwiseParallel
+
+__all__ = ["ParallelModule", "MixedPrecisionPolicy", "parallelize_module", "fully_shard", "TPSpec", "FSDPSpec",
+           "param_module", "glob_regex"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """torch FSDP2's policy: gather and compute in ``param_dtype``, reduce gradients in ``reduce_dtype``.
+
+    The state (float32 master weights, optimizer moments) stays in the parameters' own dtype on the shards.
+    ``None`` keeps the parameters' dtype. ``cast_forward_inputs`` casts a unit's floating inputs to
+    ``param_dtype`` (torch's default); ``output_dtype`` casts the model's floating outputs.
+    """
+
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    output_dtype: Any = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self):
+        for arg in ("param_dtype", "reduce_dtype", "output_dtype"):
+            v = getattr(self, arg)
+            if v is None:
+                continue
+            try:
+                dt = np.dtype(v)
+            except TypeError:
+                raise TypeError(f"MixedPrecisionPolicy: {arg}={v!r} is not a dtype; use e.g. jnp.bfloat16.") from None
+            if not jnp.issubdtype(dt, jnp.floating):
+                raise ValueError(f"MixedPrecisionPolicy: {arg}={v!r} is not a floating dtype; parameters and gradients "
+                                 "are floats: use jnp.bfloat16, jnp.float16 or jnp.float32.")
+            object.__setattr__(self, arg, dt)
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(f"MixedPrecisionPolicy: cast_forward_inputs={self.cast_forward_inputs!r} must be a bool.")
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """``parallelize_module``'s layout: ``(fqn glob, style)`` pairs on mesh dim ``mesh_dim``; a module matches at
+    most one glob (``build_plan`` refuses two)."""
+
+    mesh_dim: str
+    plan: tuple[tuple[str, ParallelStyle], ...]
+
+    def style_for(self, fqn: str) -> tuple[str, ParallelStyle] | None:
+        for key, style in self.plan:
+            if re.fullmatch(glob_regex(key, "."), fqn):
+                return key, style
+        return None
+
+
+@dataclass(frozen=True)
+class FSDPSpec:
+    """``fully_shard``'s layout: parameters cut over ``shard_dim``, replicated over ``replicate_dims`` (HSDP)."""
+
+    shard_dim: str
+    replicate_dims: tuple[str, ...]
+    units: tuple[str, ...]
+    reshard_after_forward: bool
+    mp_policy: MixedPrecisionPolicy | None
+
+
+METHODS = ("attend",)  # module methods a plan key may style: "embed.attend", a tied output projection
+
+
+def glob_regex(glob: str, sep: str) -> str:
+    """``layers_*.mlp`` -> a regex over ``sep``-joined paths, each ``*`` within one component."""
+    atoms = re.split(r"[./]", glob)
+    return re.escape(sep).join(re.escape(a).replace(r"\*", f"[^{re.escape(sep)}]*") for a in atoms)
+
+
+def param_module(path: str) -> tuple[str, str]:
+    """``"layers_0/mlp/up_proj/kernel"`` -> ``("layers_0.mlp.up_proj", "kernel")`` (nnx's trailing ``value``
+    dropped)."""
+    comps = path.split("/")
+    if len(comps) >= 2 and comps[-1] == "value":
+        comps = comps[:-1]
+    return ".".join(comps[:-1]), comps[-1]
+
+
+def _mesh_of(mesh: Any, where: str, arg: str) -> DeviceMesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{where}: {arg}={mesh!r} must be a spmd.DeviceMesh (e.g. mesh['tp'] of "
+                        "init_device_mesh('cpu', (2, 2, 2), mesh_dim_names=('dp', 'fsdp', 'tp'))).")
+    return mesh
+
+
+class ParallelModule:
+    """The user's model with its layouts (what ``parallelize_module`` / ``fully_shard`` return).
+
+    Attribute access and calls forward to the model, so ``model.apply``, ``model.init`` and a Hugging Face
+    model's ``model(input_ids, params=...)`` work as before; the layouts apply inside the train step.
+    """
+
+    def __init__(self, module: Any, mesh: DeviceMesh | None, tp: TPSpec | None = None, fsdp: FSDPSpec | None = None,
+                 remat: Any = None):  # mesh None: activation_checkpointing alone (DDP over the step's mesh=)
+        for name, value in (("module", module), ("mesh", mesh), ("tp", tp), ("fsdp", fsdp), ("remat", remat)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_plans", {})  # treedef -> the plan init_train_state laid them out by
+        object.__setattr__(self, "_params_seen", [])  # the model's parameter trees (path: shape, dtype) seen so far
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "module"), name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"ParallelModule is immutable; set {name!r} on the model before parallelizing it.")
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        parts = [type(self.module).__name__]
+        if self.tp:
+            parts.append(f"tp on {self.tp.mesh_dim!r}: {len(self.tp.plan)} styles")
+        if self.fsdp:
+            parts.append(f"fsdp on {self.fsdp.shard_dim!r}" + (f", replicate on {self.fsdp.replicate_dims}"
+                                                                if self.fsdp.replicate_dims else "")
+                         + f", units {list(self.fsdp.units)}")
+        if self.remat:
+            parts.append(f"activation checkpointing {list(self.remat.units)} ({self.remat.policy})")
+        mesh = dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)) if self.mesh else "of make_train_step's mesh="
+        return f"ParallelModule({'; '.join(parts)}; mesh {mesh})"
+
+    # --- the layout as data -------------------------------------------------------------------
+    @property
+    def data_dims(self) -> tuple[str, ...]:
+        """The mesh dims the batch is split over: every dim but the tensor-parallel one, in mesh order."""
+        tp = self.tp.mesh_dim if self.tp else None
+        return tuple(n for n in self.mesh.mesh_dim_names if n != tp)
+
+    def plan(self, params: Any, *example_inputs: Any) -> ParamPlan:
+        """The ``ParamPlan`` of ``params`` (arrays or shapes) under these layouts; ``example_inputs``: what
+        the model is applied to, for a model whose blocks run under ``nn.scan`` (their stacked axis)."""
+        if self.mesh is None:
+            raise TypeError("ParallelModule.plan: the model has no mesh (activation_checkpointing alone); the "
+                            "step's mesh= lays it out: init_train_state(model, optimizer, mesh=mesh, params=params)"
+                            ".plan.")
+        return build_plan(self, params, stacked_of(self.module, params, example_inputs))
+
+
+def stacked_of(module: Any, params: Any, example_inputs: Sequence[Any]) -> dict | None:
+    """The parameters a linen ``module`` applied to ``example_inputs`` sees stacked by ``nn.scan`` (none given:
+    ``None``; an nnx module: none)."""
+    from spmd.parallel.styles._nnx import is_nnx
+    from spmd.parallel.plan._scan import find_stacked, trace_seen
+
+    if not example_inputs or is_nnx(module):
+        return None
+    return find_stacked(trace_seen(lambda p: module.apply({"params": p}, *example_inputs), params)[1], params)
+
+
+def _unwrap(module: Any, where: str) -> tuple[Any, DeviceMesh | None, TPSpec | None, FSDPSpec | None, Any]:
+    if isinstance(module, ParallelModule):
+        return module.module, module.mesh, module.tp, module.fsdp, module.remat
+    if getattr(type(module), "_spmd_make_train_step", None) is not None:  # a pipelined model: its step is its own
+        raise ValueError(f"{where}: model={module!r} is pipelined; apply {where} to the plain model first, then "
+                         f"pipeline it: pipeline({where}(model, ...), mesh['pp'], ...).")
+    return module, None, None, None, None
+
+
+def _same_root(have: DeviceMesh | None, mesh: DeviceMesh, where: str, arg: str) -> DeviceMesh:
+    root = mesh.root_mesh
+    if have is not None and have != root:
+        raise ValueError(
+            f"{where}: {arg}={mesh!r} is cut from the mesh {root!r}, but the model was already laid out on {have!r}; "
+            "cut every sub-mesh from one mesh: mesh = init_device_mesh(...), then mesh['tp'] and mesh['dp', 'fsdp'].")
+    return root
+
+
+def parallelize_module(module: Any, device_mesh: DeviceMesh, parallelize_plan: Mapping[str, ParallelStyle]
+                       ) -> ParallelModule:
+    """torch's ``parallelize_module``: ``{module fqn glob: style}`` on the 1-D ``device_mesh`` (``mesh["tp"]``).
+
+    The model's code is unchanged; each styled submodule's parameters are cut over the mesh dim and its
+    activations laid out as the style says (see ``spmd.parallel.styles._styles``).
+    """
+    where = "parallelize_module"
+    inner, have, tp, fsdp, remat = _unwrap(module, where)
+    mesh = _mesh_of(device_mesh, where, "device_mesh")
+    if mesh.ndim != 1:
+        raise ValueError(f"{where}: device_mesh={mesh!r} must be 1-D, the tensor-parallel dim (mesh['tp']).")
+    if tp is not None:
+        raise ValueError(f"{where}: the model is already tensor-parallel on {tp.mesh_dim!r}; give one plan with "
+                         "every style.")
+    if not isinstance(parallelize_plan, Mapping) or not parallelize_plan:
+        raise TypeError(f"{where}: parallelize_plan={parallelize_plan!r} must be a non-empty dict of module fqn "
+                        "(with * globs) -> style, e.g. {'layers_*.mlp.up_proj': ColwiseParallel()}.")
+    items = []
+    for key, style in parallelize_plan.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"{where}: parallelize_plan key {key!r} must be a module fqn such as 'layers_*.mlp.up_proj'.")
+        if not isinstance(style, STYLES):
+            raise TypeError(f"{where}: parallelize_plan[{key!r}]={style!r} must be one of "
+                            f"{', '.join(s.__name__ + '()' for s in STYLES)}.")
+        items.append((key.replace("/", "."), style))
+    root = _same_root(have, mesh, where, "device_mesh")
+    name = mesh.mesh_dim_names[0]
+    if fsdp is not None and name in (fsdp.shard_dim, *fsdp.replicate_dims):
+        raise ValueError(f"{where}: mesh dim {name!r} already shards or replicates the model under fully_shard; "
+                         "use another mesh dim for tensor parallelism.")
+    return ParallelModule(inner, root, TPSpec(name, tuple(items)), fsdp, remat)
+
+
+def fully_shard(module: Any, *, mesh: DeviceMesh | None = None, units: Sequence[str] = (),
+                reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy | None = None) -> ParallelModule:
+    """torch FSDP2's ``fully_shard``: parameters, gradients and optimizer state cut over ``mesh``.
+
+    ``mesh``: 1-D (the shard dim) or 2-D ``(replicate, shard)``: HSDP, as torch's. ``units``: module fqn
+    globs (``"layers_*"``, ``"transformer.h.*"``): each matching submodule gathers its parameters right
+    before it runs and frees them after; the rest of the model is the root unit, gathered once per step.
+    ``reshard_after_forward=True`` gathers each unit again for its backward pass (one unit's parameters
+    alive at a time); ``False`` keeps the forward pass's. ``mp_policy``: a ``MixedPrecisionPolicy``.
+    """
+    where = "fully_shard"
+    inner, have, tp, fsdp, remat = _unwrap(module, where)
+    if fsdp is not None:
+        raise ValueError(f"{where}: the model is already fully sharded (units {list(fsdp.units)}); call fully_shard "
+                         "once with every unit.")
+    if mesh is None:
+        raise TypeError(f"{where}: give mesh=, the data-parallel dims to shard over (mesh['fsdp'], or "
+                        "mesh['dp', 'fsdp'] for HSDP).")
+    mesh = _mesh_of(mesh, where, "mesh")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"{where}: mesh={mesh!r} must be 1-D (shard) or 2-D (replicate, shard), as torch's.")
+    if isinstance(units, str) or not all(isinstance(u, str) and u for u in units):
+        raise TypeError(f"{where}: units={units!r} must be a list of module fqn globs, e.g. ['layers_*'].")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"{where}: reshard_after_forward={reshard_after_forward!r} must be a bool.")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"{where}: mp_policy={mp_policy!r} must be a MixedPrecisionPolicy or None.")
+    root = _same_root(have, mesh, where, "mesh")
+    names = mesh.mesh_dim_names
+    if tp is not None and tp.mesh_dim in names:
+        raise ValueError(f"{where}: mesh dim {tp.mesh_dim!r} is the tensor-parallel dim; shard over the data dims "
+                         "(mesh['dp', 'fsdp']).")
+    spec = FSDPSpec(names[-1], tuple(names[:-1]), tuple(u.replace("/", ".") for u in units), reshard_after_forward,
+                    mp_policy)
+    return ParallelModule(inner, root, tp, spec, remat)
+
+
+def as_parallel(model: Any, mesh: DeviceMesh | None, where: str) -> ParallelModule:
+    """A model with neither transform, on ``mesh``: DDP over every mesh dim; a transformed one as it is."""
+    if isinstance(model, ParallelModule) and model.mesh is None and mesh is not None:  # activation_checkpointing
+        pm = ParallelModule(model.module, _mesh_of(mesh, where, "mesh").root_mesh, remat=model.remat)
+        object.__setattr__(pm, "_plans", model._plans)  # unshard_params(model, params) finds their plan
+        object.__setattr__(pm, "_params_seen", model._params_seen)
+        return pm
+    if isinstance(model, ParallelModule) and model.mesh is not None:
+        if mesh is not None and mesh.root_mesh != model.mesh:
+            raise ValueError(f"{where}: mesh={mesh!r} is not the mesh the model was laid out on ({model.mesh!r}); "
+                             "leave mesh= out for a transformed model.")
+        return model
+    if mesh is None:
+        raise TypeError(f"{where}: the model has no layout (neither parallelize_module nor fully_shard"
+                        + (", only activation_checkpointing" if isinstance(model, ParallelModule) else "")
+                        + "); give mesh= to train it data-parallel over every dim of that mesh.")
+    return ParallelModule(model, _mesh_of(mesh, where, "mesh").root_mesh)
+
+
+# --- the plan -----------------------------------------------------------------------------------------
+def _modules(paths: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for p in paths:
+        comps = param_module(p)[0].split(".") if param_module(p)[0] else []
+        for i in range(1, len(comps) + 1):
+            m = ".".join(comps[:i])
+            if m not in out:
+                out.append(m)
+    return out
+
+
+def _no_match(where: str, arg: str, key: str, modules: list[str], params: Any) -> ValueError:
+    hint = params_hint(params)
+    if hint:  # the tree is not a model's parameters: that, not the name, is what to fix
+        return ValueError(f"init_train_state: {where}'s {arg} {key!r} matches no module of params=, and{hint}")
+    shown = ", ".join(modules[:40]) + (" ..." if len(modules) > 40 else "")
+    return ValueError(f"{where}: {arg} {key!r} matches no module of the model; its modules are: {shown}. "
+                      "Fix the name (globs: 'layers_*.mlp.up_proj', 'transformer.h.*').")
+
+
+def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[str, int]] | None = None) -> ParamPlan:
+    """Every parameter's placements under the model's layouts (see the module doc). ``stacked``: the
+    parameters ``nn.scan`` stacks, ``{path: (scan module, axis)}`` (``spmd.parallel.plan._scan``): never cut."""
+    where = "init_train_state"
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not leaves:
+        raise ValueError(f"{where}: params={params!r} holds no arrays; pass the model's parameter pytree.")
+    paths = [path_str(kp) for kp, _ in leaves]
+    modules = _modules(paths)
+    tp, fsdp, mesh = model.tp, model.fsdp, model.mesh
+    sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    if tp:
+        for key, _ in tp.plan:
+            head, _, method = key.rpartition(".")
+            on = [key] + ([head] if method in METHODS else [])  # "embed.attend": a method of module "embed"
+            if not any(re.fullmatch(glob_regex(k, "."), m) for k in on for m in modules):
+                raise _no_match("parallelize_module", "plan key", key, modules, params)
+        shapes = {param_module(p): tuple(np.shape(x)) for p, (_, x) in zip(paths, leaves)}
+        check_tp_plan(tp.plan, modules, shapes, lambda k: glob_regex(k, "."), (ColwiseParallel, RowwiseParallel))
+    unit_res = []
+    if fsdp:
+        for u in fsdp.units:
+            if not any(re.fullmatch(glob_regex(u, "."), m) for m in modules):
+                raise _no_match("fully_shard", "unit", u, modules, params)
+            unit_res.append(glob_regex(u, "/"))
+    if model.remat:
+        model.remat.check(modules)
+    stacked = dict(stacked or {})
+    tp_of: dict[str, Placement] = {}
+    for (kp, x), path in zip(leaves, paths):
+        fqn, name = param_module(path)
+        shape = tuple(int(d) for d in np.shape(x))
+        p: Placement = Replicate()
+        hit = tp.style_for(fqn) if tp else None
+        if hit is not None and path in stacked:
+            raise ValueError(
+                f"parallelize_module: {hit[1]!r} on {fqn!r}: the module runs under nn.scan "
+                f"({stacked[path][0]!r}: its parameters are stacked by layer), and tensor parallelism inside a "
+                "scan is not supported yet; leave the scanned blocks out of the plan (fully_shard and DDP run on "
+                "them), or build the blocks as a Python list.")
+        if hit is None and tp and name == "embedding" and tp.style_for(fqn + ".attend"):
+            hit = tp.style_for(fqn + ".attend")  # a tied head alone: its vocabulary cut is the table's rows
+            p = Shard(0) if isinstance(hit[1], ColwiseParallel) else Replicate()
+        elif hit is not None:
+            key, style = hit
+            p = style.param_placement(fqn, name, shape)
+            if isinstance(p, Shard):
+                p = Shard(p.dim % len(shape))
+        tp_of[path] = p
+    if tp:  # a column-parallel bias follows its kernel's cut output axis
+        for (kp, x), path in zip(leaves, paths):
+            fqn, name = param_module(path)
+            hit = tp.style_for(fqn)
+            if name != "bias" or hit is None or not isinstance(hit[1], ColwiseParallel):
+                continue
+            kpath = next((q for q in paths if param_module(q) == (fqn, "kernel")), None)
+            if kpath is None:
+                continue
+            kshape, bshape = np.shape(dict(zip(paths, [v for _, v in leaves]))[kpath]), np.shape(x)
+            kd = tp_of[kpath].dim if isinstance(tp_of[kpath], Shard) else None
+            bd = None if kd is None else kd - (len(kshape) - len(bshape))  # a kernel (in..., out...): trailing
+            if kd is not None and (bd is None or bd < 0 or bshape[bd] != kshape[kd]):  # (out, in), as FlaxConv1D
+                same = [d for d in range(len(bshape)) if bshape[d] == kshape[kd]]
+                bd = same[0] if len(same) == 1 else None
+            tp_of[path] = Shard(bd) if bd is not None and bd >= 0 else Replicate()
+    rules = []
+    n_tp = sizes.get(tp.mesh_dim, 1) if tp else 1
+    for (kp, x), path in zip(leaves, paths):
+        shape = tuple(int(d) for d in np.shape(x))
+        pl: dict[str, Placement] = {}  # tp's cut; plan_params' default cuts fsdp (the first dim tp and nn.scan
+        t = tp_of[path]  # leave whole) and keeps every other dim Replicate
+        if tp:
+            if isinstance(t, Shard) and shape[t.dim] % n_tp:
+                fqn, _ = param_module(path)
+                raise ValueError(
+                    f"parallelize_module: {tp.style_for(fqn)[1]!r} on {fqn!r} cuts dim {t.dim} of {path!r} "
+                    f"(shape {shape}, size {shape[t.dim]}) over {tp.mesh_dim}={n_tp}, which does not divide it; a "
+                    f"tensor-parallel cut must be even (the model reads global shapes): use a tp size dividing "
+                    f"{shape[t.dim]}, another dim=, or leave the module out of the plan.")
+            pl[tp.mesh_dim] = t
+        rules.append(Rule(re.escape(path), pl, name=_rule_name(model, path)))
+    return plan_params(params, sizes, rules, fsdp=fsdp.shard_dim if fsdp else "", units=tuple(unit_res),
+                       keep=(ROOT,) if (fsdp is None or fsdp.reshard_after_forward) else (".*",), stacked=stacked)
+
+
+def _rule_name(model: ParallelModule, path: str) -> str:
+    fqn, _ = param_module(path)
+    hit = model.tp.style_for(fqn) if model.tp else None
+    parts = [f"{type(hit[1]).__name__}({hit[0]!r})"] if hit else []
+    if model.fsdp:
+        parts.append("fully_shard")
+    return " + ".join(parts) or "replicate"
