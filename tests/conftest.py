@@ -37,7 +37,7 @@ def mesh2x4():
 # What a launcher sets (spmdrun / torchrun) and the debug settings: cleared for the one-process tests.
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SPMD_TIMEOUT",
                "SPMD_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "MPITRAMPOLINE_LIB", "TORCH_DISTRIBUTED_DEBUG",
-               "SPMD_DISTRIBUTED_DEBUG")
+               "SPMD_DISTRIBUTED_DEBUG", "SPMD_CHECK_COLLECTIVES")
 
 
 @pytest.fixture

@@ -63,6 +63,10 @@ def test_init_twice_is_refused(world1):
     ({}, {"backend": "mpi"}, RuntimeError, "init_process_group: backend='mpi' needs "),  # the extra, or mpiexec
     ({}, {"backend": "carrier-pigeon"}, ValueError, "init_process_group: backend='carrier-pigeon' is unknown; use one of"),
     ({}, {"backend": 3}, TypeError, "init_process_group: backend=3 must be a string"),
+    ({}, {"check_collectives": "yes"}, TypeError,
+     "init_process_group: check_collectives='yes' must be True or False (or None: the default)."),
+    ({"SPMD_CHECK_COLLECTIVES": "maybe"}, {}, ValueError, "init_process_group: the environment variable "
+     "SPMD_CHECK_COLLECTIVES='maybe' must be 1 (check every collective, the default) or 0 (do not)."),
 ])
 def test_init_checks_its_input(clean, env, kwargs, exc, says):
     for k, v in env.items():

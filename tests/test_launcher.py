@@ -422,8 +422,11 @@ def test_rank_that_never_arrives_is_named(mode, state):
 
 @pytest.mark.timeout(60)
 def test_different_collectives_time_out_naming_each_other():
+    # Without the per-call check (SPMD_CHECK_COLLECTIVES=0) two different collectives meet in gloo and hang: the
+    # timeout ends them, naming each other's call (with the check they raise at once: test_fingerprint_*).
     rc, out, err, took = spmdrun("--standalone", "--nproc-per-node", "2", "--stop-timeout", "2",
-                                 str(SCRIPTS / "guard.py"), "mismatch", timeout=50, env=clean_env(SPMD_TIMEOUT="6"))
+                                 str(SCRIPTS / "guard.py"), "mismatch", timeout=50,
+                                 env=clean_env(SPMD_TIMEOUT="6", SPMD_CHECK_COLLECTIVES="0"))
     assert rc == PEER_EXIT_CODE, err[-3000:]
     # Each rank names the other's call. A rank whose timeout has not yet come when the first one ends (under
     # load they enter up to seconds apart) sees its collective break instead, and says so.
@@ -472,6 +475,22 @@ def test_detail_mode_checks_signatures_across_ranks():
     assert "second collective done" not in out
     assert took < 30  # at once, not after the timeout
     assert_gone(pids_in(out))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["checked", "off"])
+def test_fingerprint_every_call_checked_on_gloo(tmp_path, mode):
+    # After the group's first call, without DETAIL: a different op, shape, dtype, collective or root on rank 1
+    # raises on both ranks naming each rank's call, moves no data, and the group stays usable; with
+    # check_collectives=False the different op raises nothing (fingerprint_check.py checks on every rank).
+    rc, out, err, took = spmdrun("--standalone", "--nproc-per-node", "2", "--stop-timeout", "2",
+                                 str(SCRIPTS / "fingerprint_check.py"), str(tmp_path),
+                                 *(["off"] if mode == "off" else []), timeout=80, env=clean_env(SPMD_TIMEOUT="20"))
+    assert rc == 0, err[-3000:]
+    names = rank_results(tmp_path, 2)
+    want = ({"op differs", "shape differs", "dtype differs", "collective differs", "root differs",
+             "usable at the end"} if mode == "checked" else {"off: a different op raises nothing"})
+    assert all(want <= n for n in names), names
 
 
 # --- the coordinator's front door (issue 10.8, 10.12) ----------------------------------------------

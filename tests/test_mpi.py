@@ -222,6 +222,23 @@ def test_failures_on_mpi_end_every_rank_and_spmdrun_relaunches():
         assert f"[rank{r}]: attempt 1" in text and f"[rank{r}]: second all_reduce [2.0, 2.0, 2.0, 2.0]" in text
 
 
+@pytest.mark.timeout(120)
+def test_fingerprint_every_call_checked_on_mpi(tmp_path):
+    """The per-call check on mpi, in one job: a different op (rank 0 on the cached fast path), shape, dtype,
+    collective or root at a warm call raises on both ranks naming each rank's call, moves no data and leaves the
+    group usable; then the same job with check_collectives=False, where the different op raises nothing."""
+    _needs_mpi()
+    on, off = tmp_path / "on", tmp_path / "off"
+    rc, out, err, _ = mpiexec(2, _chain(("fingerprint_check.py", str(on)), ("fingerprint_check.py", str(off), "off")),
+                              SPMD_TIMEOUT="20")
+    assert rc == 0, err[-3000:]
+    for names in rank_results(on, 2):
+        assert {"op differs", "shape differs", "dtype differs", "collective differs", "root differs",
+                "usable at the end"} <= names
+    for names in rank_results(off, 2):
+        assert "off: a different op raises nothing" in names
+
+
 def test_spmdrun_backend_mpi_is_one_node():
     with pytest.raises(SystemExit):
         run.parse_args(["--backend", "mpi", "--nnodes", "2", "--master-addr", "127.0.0.1", "x.py"])

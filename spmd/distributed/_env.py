@@ -28,6 +28,7 @@ __all__ = [
     "parse_init_method",
     "devices_per_proc",
     "debug_level",
+    "check_collectives",
 ]
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -142,6 +143,27 @@ def debug_level(where: str) -> str:
                 )
             return level
     return "OFF"
+
+
+def check_collectives(value: Any, where: str) -> bool:
+    """Whether every collective's fingerprint is checked across ranks: ``value``
+    (``init_process_group(check_collectives=...)``) when given, else ``SPMD_CHECK_COLLECTIVES``, else on."""
+    if value is not None:
+        if not isinstance(value, bool):
+            raise TypeError(f"{where}: check_collectives={value!r} must be True or False (or None: the default).")
+        return value
+    raw = os.environ.get("SPMD_CHECK_COLLECTIVES")
+    if raw is None or raw.strip() == "":
+        return True
+    flag = raw.strip().lower()
+    if flag in ("1", "true", "on", "yes"):
+        return True
+    if flag in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(
+        f"{where}: the environment variable SPMD_CHECK_COLLECTIVES={raw!r} must be 1 (check every collective, "
+        "the default) or 0 (do not)."
+    )
 
 
 def _rank_and_world(rank: Any, world_size: Any, where: str) -> tuple[int, int]:

@@ -18,9 +18,11 @@ Time bounds (seconds; every one configurable):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from spmd.distributed._backend import resolve_backend
+from spmd.distributed._env import check_collectives as env_check_collectives
 from spmd.distributed._env import read_config
 from spmd.distributed._errors import install_excepthook
 from spmd.distributed import _groups
@@ -42,6 +44,8 @@ def init_process_group(
     group_name: str = "",
     pg_options: Any = None,
     device_id: Any = None,
+    *,
+    check_collectives: bool | None = None,
 ) -> None:
     """Join the job, as ``torch.distributed.init_process_group``.
 
@@ -56,6 +60,12 @@ def init_process_group(
     ``pip install 'spmd[mpi]'``, see ``docs/mpi.md``), or None to pick the one
     this machine runs; ``"ucc"`` is refused. ``timeout`` (timedelta or seconds)
     bounds the wait for the other ranks; see the module notes for every bound.
+
+    ``check_collectives`` (default on; ``SPMD_CHECK_COLLECTIVES=0`` when not given):
+    every tensor collective first compares a fingerprint of each rank's call (collective,
+    op, root, dtype, shape, call number) and raises a ValueError naming each rank's call
+    where they differ; ``False`` saves its small cost on latency-bound jobs (every rank
+    must use the same setting). See ``docs/reliability.md``.
     """
     where = "init_process_group"
     if current() is not None:
@@ -64,8 +74,10 @@ def init_process_group(
         )
     if store is not None:
         raise ValueError(f"{where}: store={store!r} is not supported; use init_method='env://' or 'tcp://host:port'.")
+    checked = env_check_collectives(check_collectives, where)
     if resolve_backend(backend, where).name == "mpi":  # launched by mpiexec: rank and world size from MPI
-        set_state(_mpi.init(backend, init_method, timeout, world_size, rank, where))
+        set_state(dataclasses.replace(_mpi.init(backend, init_method, timeout, world_size, rank, where),
+                                      check_collectives=checked))
         install_excepthook()
         return
     config = read_config(backend, init_method, timeout, world_size, rank, where)
@@ -74,7 +86,7 @@ def init_process_group(
         set_state(State(0, 1, config.backend, config.timeout_s, False))
         return
     local_ids = configure_multiprocess(config, where)
-    set_state(join(config, local_ids, where))
+    set_state(dataclasses.replace(join(config, local_ids, where), check_collectives=checked))
     install_excepthook()
 
 

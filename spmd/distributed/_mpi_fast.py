@@ -12,7 +12,9 @@ root, the group's call counter, the call's :class:`~spmd.distributed._guard.Spec
 The next call with the same arguments is then that MPI call alone, under the
 same timeout guard (the watchdog's mark is a ``(spec, seq, start)`` tuple,
 made into a :class:`~spmd.distributed._guard.Call` only when the call is slow),
-numbered in the group's sequence as the full path numbers it.
+numbered in the group's sequence as the full path numbers it, and (with
+``check_collectives``) after the same ``MPI_Allgather`` of the call's
+fingerprint as the full path's (:mod:`spmd.distributed._fingerprint`).
 
 Nothing is cached, and every call takes the full path, when the cross-rank
 check runs on every call (``TORCH_DISTRIBUTED_DEBUG=DETAIL``), inside a
@@ -31,7 +33,7 @@ import numpy as np
 
 from placements import ReduceOp, as_reduce_op
 from spmd import _debug
-from spmd.distributed import _guard, _mpi, _state
+from spmd.distributed import _fingerprint, _guard, _mpi, _state
 from spmd.distributed._errors import PeerError
 from spmd.distributed._groups import group_of, peer_rank
 
@@ -49,21 +51,34 @@ _monotonic = time.monotonic
 
 class _Entry:
     """One cached call: its spec, the group's counter, the watchdog, the bound MPI method, the MPI op,
-    the root (MPI_IN_PLACE for all_reduce), whether the buffers go as they are, and the key's objects."""
+    the root (MPI_IN_PLACE for all_reduce), whether the buffers go as they are, and the key's objects;
+    with ``check_collectives``, the call's fingerprint, the buffer of the group's and the bound gather."""
 
-    __slots__ = ("spec", "counter", "wd", "run", "mop", "root", "direct", "keep")
+    __slots__ = ("spec", "counter", "wd", "run", "mop", "root", "direct", "keep", "fp", "seen", "gather")
 
-    def __init__(self, spec, wd, comm, name: str, mop=None, root: Any = 0, direct: bool = True, keep=()):
+    def __init__(self, spec, wd, comm, name: str, mop=None, root: Any = 0, direct: bool = True, keep=(),
+                 checked: bool = True):
         self.spec, self.wd, self.counter = spec, wd, wd.counter(spec.ranks)
         self.run = getattr(comm, name)
         self.mop, self.root, self.direct, self.keep = mop, root, direct, keep
+        self.fp = _fingerprint.fingerprint(spec.where, spec.opts, spec.shape, spec.dtype) if checked else None
+        self.seen = np.empty(len(spec.ranks) * _fingerprint.WIDTH, np.int32)
+        self.gather = comm.Allgather
 
 
 def _guarded(e: _Entry, *args: Any) -> None:
-    """``e``'s MPI call on ``args``, numbered in its group's sequence, under the timeout guard."""
+    """``e``'s MPI call on ``args``, numbered in its group's sequence, under the timeout guard (after the
+    group's fingerprints of the call agree, with ``check_collectives``)."""
     wd = e.wd
     wd.active = mark = (e.spec, next(e.counter), _monotonic())
     try:
+        fp = e.fp
+        if fp is not None:
+            fp[1] = mark[1] & 0x7FFF_FFFF  # the call number (_fingerprint.set_seq, inlined)
+            e.gather(fp, e.seen)
+            if e.seen.tobytes() != fp.tobytes() * len(e.spec.ranks):
+                call = _guard.as_call(mark)
+                _fingerprint.check(e.seen, fp, len(call.ranks), call.where, call.ranks, call.group, _FOR.rank)
         e.run(*args)
     except _mpi.MPI.Exception as err:
         raise PeerError(_guard.broken_message(_FOR, _guard.as_call(mark), err)) from err
@@ -115,7 +130,8 @@ def _learn(st: Any, key: tuple, ranks: tuple, opts: dict, x: np.ndarray, name: s
     spec = _guard.Spec(key[0], ranks, _guard.opts_of(opts), x.shape, x.dtype, st.world_size, st.timeout_s)
     if len(_ENTRIES) >= _MAX_ENTRIES:
         _ENTRIES.clear()
-    _ENTRIES[key] = _Entry(spec, _guard.watchdog_of(st), _mpi.comm(ranks), name, keep=keep, **kw)
+    _ENTRIES[key] = _Entry(spec, _guard.watchdog_of(st), _mpi.comm(ranks), name, keep=keep,
+                           checked=st.check_collectives, **kw)
 
 
 def _reduction(op: Any, dtype: np.dtype, n: int, where: str):

@@ -17,6 +17,10 @@ result, with the same semantics as on gloo (``spmd/_reduce.py``):
   and round once; data movement (broadcast, gathers, scatter, all-to-all,
   send / recv) moves bytes, bit for bit, for every dtype.
 
+With ``check_collectives`` (the default) an ``MPI_Allgather`` of every rank's fingerprint of the call
+(:mod:`spmd.distributed._fingerprint`, 64 bytes a rank) comes first: where they differ, no data moves
+and every rank raises a ValueError naming each rank's call.
+
 A writable, C-contiguous NumPy array or CPU torch tensor of the result's shape
 and dtype (``into``) receives the result directly (``MPI_IN_PLACE`` for
 all_reduce / broadcast): no copy, as torch. Every call runs under
@@ -41,7 +45,7 @@ import numpy as np
 
 from spmd import _debug
 from spmd._x64 import exact_array
-from spmd.distributed import _guard, _mpi
+from spmd.distributed import _fingerprint, _guard, _mpi
 from spmd.distributed._errors import PEER_EXIT_CODE, PeerError, absent_line, fail
 from spmd.distributed._state import state
 from spmd.distributed._work import Work, write_into
@@ -225,8 +229,14 @@ def run_on(ranks: tuple[int, ...], name: str, x: Any, *, where: str | None = Non
     _check_options(name, a, kwargs, len(ranks), where)
     _record(where, name, a.nbytes)
     call = _guard.enter(st, where, ranks, _guard.opts_of(kwargs), a.shape, a.dtype)
+    c = _mpi.comm(ranks)
     try:
-        req, done = _DISPATCH[name](_mpi.comm(ranks), a, into, kwargs, where, async_op)
+        if st.check_collectives:  # every rank's fingerprint of the call, compared before any data moves
+            fp = _fingerprint.set_seq(_fingerprint.fingerprint(where, call.opts, a.shape, a.dtype), call.seq)
+            seen = np.empty(len(ranks) * _fingerprint.WIDTH, np.int32)
+            c.Allgather(fp, seen)
+            _fingerprint.check(seen, fp, len(ranks), where, ranks, call.group, st.rank)
+        req, done = _DISPATCH[name](c, a, into, kwargs, where, async_op)
     except _mpi.MPI.Exception as e:
         raise PeerError(_guard.broken_message(st, call, e)) from e
     finally:

@@ -17,8 +17,10 @@ __all__ = ["State", "state", "current", "set_state", "is_available", "is_initial
 @dataclasses.dataclass(frozen=True)
 class State:
     """This process in the job: its rank, the world size, the backend, the collective
-    timeout (seconds), whether JAX's distributed runtime runs (world size > 1) and
-    whether every collective's signature is checked across ranks (``DETAIL``)."""
+    timeout (seconds), whether JAX's distributed runtime runs (world size > 1),
+    whether every collective's signature is checked across ranks through the
+    coordination service first (``DETAIL``) and whether every collective's
+    fingerprint travels with it (:mod:`spmd.distributed._fingerprint`)."""
 
     rank: int
     world_size: int
@@ -26,6 +28,7 @@ class State:
     timeout_s: float
     multiprocess: bool
     check_calls: bool = False
+    check_collectives: bool = True
 
 
 _STATE: State | None = None
