@@ -15,11 +15,15 @@ per-rank input for reduce_scatter; busbw = algbw * 2(n-1)/n for all_reduce,
 torch. A system whose package is missing (torch, mpi4py) is skipped.
 
 Each row also keeps the first call's time (tracing + compilation included).
+``--fingerprint`` instead measures the per-call check (every collective's
+fingerprint all-gathered ahead of its data, the default) against the same call
+unchecked (``check_collectives=False``), alternating in the same processes,
+on gloo and mpi (``multiprocess_fingerprint.json`` / ``.png``).
 ``--check-cost`` instead measures what the cross-rank signature check
 (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) and the always-on timeout guard add to a
 4 KiB all_reduce.
 
-    python benchmarks/multiprocess.py [--quick] [--check-cost] [--out benchmarks/results]
+    python benchmarks/multiprocess.py [--quick] [--check-cost] [--fingerprint] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -410,6 +414,137 @@ def mpi_pair(sizes: list[int], out_dir: str, nproc: int = 2) -> None:
         json.dump(res, f, indent=1)
 
 
+# --- the per-call fingerprint check against the unchecked call, interleaved in one job (--fingerprint) ---------
+FP_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+FP_SIZES = [4, 4096, 65536, 262144, 1 << 20, 1 << 22]
+
+
+def fingerprint_worker(backend: str, sizes: list[int], out: str, rounds: int = 9, budget: float = 0.03) -> None:
+    """In the same processes, round by round (the order alternating): a block of calls with every call's
+    fingerprint checked (the default), then a block without (``check_collectives=False``), per op and size."""
+    import dataclasses
+
+    import numpy as np
+
+    import spmd.distributed as dist
+    from spmd.distributed import _state
+
+    dist.init_process_group(backend)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    states = {"checked": _state.current(), "unchecked": dataclasses.replace(_state.current(), check_collectives=False)}
+    assert states["checked"].check_collectives, "run without SPMD_CHECK_COLLECTIVES=0"
+    rows = []
+    for op in FP_OPS:
+        for size in sizes:
+            e = _elems(op, size, n)
+            x = np.ones(e, np.float32)
+            if op == "all_reduce":
+                call = lambda: dist.all_reduce(x)  # noqa: E731
+            elif op == "all_gather":
+                o = np.empty(e * n, np.float32)
+                call = lambda: dist.all_gather_into_tensor(o, x)  # noqa: E731
+            else:
+                o = np.empty(e // n, np.float32)
+                call = lambda: dist.reduce_scatter_tensor(o, x)  # noqa: E731
+            for st in states.values():  # compiled (gloo) / cached (mpi) in both modes
+                _state.set_state(st)
+                call(), call()
+            k = max(2, min(50, int(budget / max(1e-6, _once(call)))))
+            k = int(np.asarray(dist.all_reduce(np.array([k], np.int32), op="max"))[0])
+            got: dict[str, list[float]] = {m: [] for m in states}
+            for i in range(rounds):
+                for mode in (tuple(states) if i % 2 == 0 else tuple(states)[::-1]):
+                    _state.set_state(states[mode])
+                    call()  # the mpi fast path re-learns its entry for the state (untimed)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(k):
+                        call()
+                    got[mode].append((time.perf_counter() - t0) / k)
+            _state.set_state(states["checked"])
+            med = np.array([statistics.median(got["checked"]), statistics.median(got["unchecked"])], np.float64)
+            slow = dist.all_reduce(med, op="max")  # the slowest rank's
+            rows.append({"op": op, "size": size, "calls_per_round": k, "rounds": rounds,
+                         "checked_seconds": float(slow[0]), "unchecked_seconds": float(slow[1]),
+                         "ratio": float(slow[0] / slow[1]), "extra_us": float((slow[0] - slow[1]) * 1e6)})
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"backend": backend, "nproc": n, "rows": rows}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fingerprint_cost(out_dir: str, sizes: list[int], nproc: int = 2) -> None:
+    """The per-call fingerprint check's cost on gloo (spmdrun) and, with the [mpi] extra, on mpi (mpiexec)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "TORCH_DISTRIBUTED_DEBUG", "SPMD_DISTRIBUTED_DEBUG", "SPMD_CHECK_COLLECTIVES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend in ("gloo", "mpi"):
+            if backend == "mpi" and not _available("spmd-mpi"):
+                print("mpi: mpi4py is not installed; skipped")
+                continue
+            out = os.path.join(tmp, f"fp-{backend}.json")
+            args = [os.path.abspath(__file__), "--worker", f"fingerprint-{backend}", "--sizes",
+                    ",".join(map(str, sizes)), "--result", out]
+            cmd = ([_mpiexec(), "-n", str(nproc), sys.executable, *args] if backend == "mpi" else
+                   [sys.executable, "-m", "spmd.run", "--standalone", "--nproc-per-node", str(nproc), "--no-prefix",
+                    *args])
+            t0 = time.perf_counter()
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+            if p.returncode != 0:
+                raise RuntimeError(f"the fingerprint run on {backend} failed:\n{p.stderr[-3000:]}")
+            with open(out) as f:
+                res = json.load(f)
+            print(f"{backend}: {time.perf_counter() - t0:.1f} s wall", flush=True)
+            results.append(res)
+    table = [{"backend": r["backend"], "nproc": r["nproc"], **row} for r in results for row in r["rows"]]
+    print(f"\nper-call fingerprint check, {nproc} processes, interleaved in one job (us per call, slowest rank):")
+    print(f"{'backend':7s} {'op':15s} {'size':>9s} {'unchecked':>10s} {'checked':>10s} {'ratio':>6s} {'extra us':>9s}")
+    for r in table:
+        print(f"{r['backend']:7s} {r['op']:15s} {r['size']:9d} {r['unchecked_seconds'] * 1e6:10.1f} "
+              f"{r['checked_seconds'] * 1e6:10.1f} {r['ratio']:6.3f} {r['extra_us']:9.1f}")
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, "multiprocess_fingerprint")
+    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "sizes": sizes, "nproc": nproc, "ops": list(FP_OPS),
+            "note": ("float32, NumPy buffers in place; per (op, size) 9 rounds alternating a block of checked calls "
+                     "(the default: every call's fingerprint all-gathered ahead of its data) and a block of unchecked "
+                     "ones (check_collectives=False) in the same processes; the median over rounds of the time per "
+                     "call, slowest rank; size: the per-rank buffer (all_reduce, reduce_scatter), the gathered "
+                     "output (all_gather)")}
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": table}, f, indent=1)
+    _plot_fingerprint(table, stem + ".png")
+    print(f"\nwrote {stem}.json and {stem}.png")
+
+
+def _plot_fingerprint(table: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = sorted({r["backend"] for r in table})
+    fig, axes = plt.subplots(1, len(backends), figsize=(6.5 * len(backends), 4.2), squeeze=False)
+    for ax, backend in zip(axes[0], backends):
+        for op, style in zip(FP_OPS, ("-", "--", ":")):
+            rows = [r for r in table if r["backend"] == backend and r["op"] == op]
+            ax.plot([r["size"] for r in rows], [(r["ratio"] - 1) * 100 for r in rows], style, marker="o", label=op)
+        ax.axhline(5, color="grey", lw=0.8)
+        ax.axhline(0, color="black", lw=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{backend}: checked over unchecked, 2 processes")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("overhead (%)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def _guard_cost(n: int = 20000) -> float:
     """Seconds per call of the always-on part of the collective guard (enter + leave), in this process."""
     from spmd.distributed import _guard
@@ -462,7 +597,11 @@ def main() -> None:
     ap.add_argument("--stem", help="the results' file name without extension (default multiprocess[_quick])")
     ap.add_argument("--mpi-pair", action="store_true",
                     help="only measure spmd on mpi against the same mpi4py calls, interleaved in one mpiexec job")
-    ap.add_argument("--worker", choices=(*SYSTEMS, "floor", "pair"), help=argparse.SUPPRESS)
+    ap.add_argument("--fingerprint", action="store_true",
+                    help="only measure the per-call fingerprint check against unchecked calls, interleaved in one job "
+                         "per backend (gloo, and mpi with the [mpi] extra)")
+    ap.add_argument("--worker", choices=(*SYSTEMS, "floor", "pair", "fingerprint-gloo", "fingerprint-mpi"),
+                    help=argparse.SUPPRESS)
     ap.add_argument("--torch-port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sizes", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=0.25, help=argparse.SUPPRESS)
@@ -470,6 +609,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker == "pair":
         pair_worker([int(s) for s in args.sizes.split(",")], args.result)
+        return
+    if args.worker and args.worker.startswith("fingerprint-"):
+        fingerprint_worker(args.worker.split("-")[1], [int(v) for v in args.sizes.split(",")], args.result)
+        return
+    if args.fingerprint:
+        fingerprint_cost(args.out, FP_SIZES)
         return
     if args.worker == "floor":
         floor_worker([int(s) for s in args.sizes.split(",")], args.torch_port, args.result)

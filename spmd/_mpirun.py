@@ -48,6 +48,8 @@ def _env(args: Any, restart: int, job: str) -> dict:
     env.update(SPMD_BACKEND="mpi", SPMD_RESTART_COUNT=str(restart), SPMD_JOB_ID=job, PYTHONUNBUFFERED="1")
     if args.devices_per_proc is not None:
         env["SPMD_DEVICES_PER_PROC"] = str(args.devices_per_proc)
+    if args.verbose:  # mpiexec passes the output on as it is: the ranks drop gloo's chatter themselves unless asked
+        env["SPMD_VERBOSE"] = "1"
     return env
 
 

@@ -10,6 +10,7 @@ and its traceback.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -83,11 +84,33 @@ def verbose() -> bool:
     return os.environ.get("SPMD_VERBOSE", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+FILTERED = "SPMD_CHATTER_FILTERED"  # set where gloo's chatter is already dropped (spmdrun's pump, this filter)
+_RESTORES: list[Callable[[], None]] = []  # the filter installed in this process by quiet_rank_output
+
+
+def quiet_rank_output(debug: str = "OFF") -> None:
+    """Drop gloo's chatter from this rank's stdout when no launcher does (``mpiexec``, ``srun``, by hand: a
+    multi-node job), unless ``SPMD_VERBOSE=1`` or the debug level (``SPMD_DISTRIBUTED_DEBUG`` /
+    ``TORCH_DISTRIBUTED_DEBUG``) is INFO or DETAIL; the filter drains at exit (and in :func:`drain_stdout`)."""
+    if verbose() or debug in ("INFO", "DETAIL") or os.environ.get(FILTERED) == "1":
+        return
+    _RESTORES.append(_quiet_stdout())
+    if len(_RESTORES) == 1:
+        atexit.register(drain_stdout)
+
+
+def drain_stdout() -> None:
+    """Put this process's stdout back and pass on what the filter holds (before an ``os._exit``)."""
+    while _RESTORES:
+        _RESTORES.pop()()
+
+
 def _quiet_stdout() -> Callable[[], None]:
     """This process's stdout (fd 1, where gloo's C++ writes) passed on without gloo's chatter lines; returns
     the function that puts fd 1 back and drains the filter (call it before the process ends)."""
     if verbose():
         return lambda: None
+    os.environ[FILTERED] = "1"  # its children write into the same filter
     out, (r, w) = os.dup(1), os.pipe()
     os.dup2(w, 1)
     os.close(w)

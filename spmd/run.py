@@ -13,7 +13,9 @@ and exits non-zero (after relaunching every rank up to ``--max-restarts``
 times). SIGINT / SIGTERM are forwarded to every rank the same way. Ranks die
 with spmdrun (``PR_SET_PDEATHSIG``), so none is left behind. gloo's
 ``[Gloo] Rank N is connected to M peer ranks`` lines are dropped unless
-``--verbose`` (or ``SPMD_VERBOSE=1``); a short-of-peers one is always shown.
+``--verbose`` (or ``SPMD_VERBOSE=1``); a short-of-peers one is always shown (ranks
+started another way, by ``mpiexec`` or on several nodes by hand, drop them themselves:
+``init_process_group``).
 ``--backend mpi`` starts the job with MPICH's ``mpiexec`` instead (:mod:`spmd._mpirun`).
 """
 
@@ -37,7 +39,7 @@ from spmd._spawn import free_port, signal_name, stop_processes
 from spmd._spawn import verbose as spawn_verbose
 from spmd.distributed._errors import PEER_EXIT_CODE, parse_absent
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "target_problem"]
 
 _TAIL = 20
 # What JAX's runtime prints (then aborts) in a rank that fails because another rank died first;
@@ -108,6 +110,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.verbose is None:
         args.verbose = spawn_verbose()
     return args
+
+
+def _module_problem(name: str) -> str | None:
+    """What is wrong with ``-m name`` as the ranks will import it (their working directory first, then
+    PYTHONPATH and site-packages), found without importing anything; None when it runs."""
+    import importlib.util
+    from importlib.machinery import PathFinder
+
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return (f"-m {name!r} is not a module name (dotted Python names, such as pkg.train); to run a file, "
+                "drop -m and give its path")
+    where = (f"on the ranks' path (the working directory {os.getcwd()}, then PYTHONPATH and site-packages); check "
+             "the name, run spmdrun from the directory that holds it, or add that directory to PYTHONPATH")
+    path = [os.getcwd(), *(p for p in sys.path if p)]
+    spec = PathFinder.find_spec(parts[0], path)
+    if spec is None:
+        sys.path.insert(0, os.getcwd())
+        try:  # a top-level name is found without importing it (builtins, editable installs' finders too)
+            spec = importlib.util.find_spec(parts[0])
+        except (ImportError, ValueError):
+            spec = None
+        finally:
+            sys.path.pop(0)
+    for i, part in enumerate(parts[1:], start=1):
+        if spec is None:
+            break
+        if spec.submodule_search_locations is None:
+            return f"-m {name}: {'.'.join(parts[:i])!r} is a module, not a package, so it holds no module {part!r}"
+        spec = PathFinder.find_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
+    if spec is None:
+        return f"-m {name}: no module named {name!r} {where}"
+    if spec.submodule_search_locations is not None and PathFinder.find_spec(
+            f"{name}.__main__", list(spec.submodule_search_locations)) is None:
+        return (f"-m {name}: {name!r} is a package without a __main__ module, so it cannot run; name a module in "
+                f"it (-m {name}.train) or add {name.replace('.', '/')}/__main__.py")
+    return None
+
+
+def target_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the script (or ``-m`` module) every rank would run, checked before any rank
+    starts (a missing file, a directory without ``__main__.py``, an unknown module); None when nothing is."""
+    if args.module:
+        return _module_problem(args.script)
+    script = args.script
+    if not os.path.exists(script):
+        hint = ""
+        if not script.endswith(".py") and "/" not in script and all(p.isidentifier() for p in script.split(".")):
+            hint = f", or -m {script} to run the module {script!r}"
+        return (f"the script {script!r} does not exist (relative to the working directory {os.getcwd()}); give the "
+                f"path of the Python file every rank runs{hint}")
+    if os.path.isdir(script):
+        if os.path.exists(os.path.join(script, "__main__.py")):
+            return None  # python runs a directory's __main__.py, and so do the ranks
+        files = sorted(f for f in os.listdir(script) if f.endswith(".py"))[:3]
+        some = f" (it holds {', '.join(files)})" if files else ""
+        return (f"the script {script!r} is a directory without a __main__.py{some}; give the Python file in it "
+                "that every rank runs, or add a __main__.py")
+    if not os.access(script, os.R_OK):
+        return f"the script {script!r} cannot be read (permission denied); fix its permissions or run it as its owner"
+    return None
 
 
 def _die_with_parent() -> None:
@@ -252,6 +315,7 @@ def _run_once(args, port: int, restart: int, received: list[int]) -> tuple[int, 
             SPMD_JOB_ID=job,
             TORCHELASTIC_RESTART_COUNT=str(restart),
             PYTHONUNBUFFERED="1",
+            SPMD_CHATTER_FILTERED="1",  # this launcher drops gloo's chatter (unless --verbose): the ranks need not
         )
         if args.devices_per_proc is not None:
             env["SPMD_DEVICES_PER_PROC"] = str(args.devices_per_proc)
@@ -330,6 +394,10 @@ def _run_once(args, port: int, restart: int, received: list[int]) -> tuple[int, 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    problem = target_problem(args)
+    if problem is not None:  # say it once, before any rank starts (each rank would print Python's error)
+        sys.stderr.write(f"spmdrun: error: {problem}\n")
+        return 2
     received: list[int] = []
 
     def on_signal(signum, frame):

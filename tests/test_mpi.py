@@ -234,9 +234,32 @@ def test_fingerprint_every_call_checked_on_mpi(tmp_path):
     assert rc == 0, err[-3000:]
     for names in rank_results(on, 2):
         assert {"op differs", "shape differs", "dtype differs", "collective differs", "root differs",
-                "usable at the end"} <= names
+                "async op differs", "usable at the end"} <= names
     for names in rank_results(off, 2):
         assert "off: a different op raises nothing" in names
+
+
+@pytest.mark.timeout(150)
+def test_gloo_connection_lines_dropped_under_mpiexec():
+    """mpiexec passes the ranks' output on as it is (the multi-node launch): a program compiled across the
+    processes (its collectives on gloo) prints no gloo connection line, under mpiexec or spmdrun --backend mpi,
+    unless SPMD_VERBOSE=1."""
+    _needs_mpi()
+    jobs = {"quiet": mpiexec(2, _chain(("gloo_quiet.py",)), start=True),
+            "verbose": mpiexec(2, _chain(("gloo_quiet.py",)), start=True, SPMD_VERBOSE="1"),
+            "spmdrun": (subprocess.Popen([sys.executable, "-m", "spmd.run", "--backend", "mpi", "--nproc-per-node", "2",
+                                          str(SCRIPTS / "gloo_quiet.py")], stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT),
+                        time.monotonic())}
+    done = {name: finish(job, timeout=140) for name, job in jobs.items()}
+    for name, (rc, out, err, _) in done.items():
+        assert rc == 0, err[-3000:]
+        assert out.count("full [1.0, 1.0, 2.0, 2.0]") == 2, out
+        gloo = [line for line in (out + err).splitlines() if "[Gloo]" in line]
+        if name == "verbose":
+            assert len(gloo) == 2 and all("is connected to 1 peer ranks" in line for line in gloo), gloo
+        else:
+            assert gloo == [], gloo
 
 
 def test_spmdrun_backend_mpi_is_one_node():

@@ -77,6 +77,12 @@ def fail(message: str, code: int = 1, linger_s: float = 0.0) -> None:
         sys.stderr.flush()
     except Exception:
         pass
+    spawn = sys.modules.get("spmd._spawn")
+    if spawn is not None:  # the stdout filter's last lines (quiet_rank_output), before the process ends
+        try:
+            spawn.drain_stdout()
+        except Exception:
+            pass
     if linger_s > 0:
         time.sleep(linger_s)
     os._exit(code)

@@ -18,10 +18,12 @@ watchdog makes the Call from it only for a slow call.
 its signature (collective, op, src/dst, dtype, shape, group) and reads the
 others', within the timeout; a difference raises ValueError on every rank
 naming what differs, a rank missing raises :class:`PeerError` naming it.
-Without it, ranks that call different collectives or with different dtypes or
-shapes get XLA's behaviour (a hang ended by the timeout above, a wrong result,
-or an abort); ``benchmarks/multiprocess.py --check-cost`` measures what the
-check costs.
+Every other call is checked by its fingerprint, which travels with the call
+(:mod:`spmd.distributed._fingerprint`, on by default); with that turned off,
+ranks that call different collectives or with different dtypes or shapes get
+XLA's behaviour (a hang ended by the timeout above, a wrong result, or an
+abort). ``benchmarks/multiprocess.py --check-cost`` and ``--fingerprint``
+measure what the checks cost.
 """
 
 from __future__ import annotations

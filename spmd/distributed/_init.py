@@ -23,7 +23,8 @@ from typing import Any
 
 from spmd.distributed._backend import resolve_backend
 from spmd.distributed._env import check_collectives as env_check_collectives
-from spmd.distributed._env import read_config
+from spmd.distributed._env import debug_level, read_config
+from spmd._spawn import quiet_rank_output
 from spmd.distributed._errors import install_excepthook
 from spmd.distributed import _groups
 from spmd.distributed._jaxconf import configure_multiprocess, configure_single_process
@@ -76,8 +77,10 @@ def init_process_group(
         raise ValueError(f"{where}: store={store!r} is not supported; use init_method='env://' or 'tcp://host:port'.")
     checked = env_check_collectives(check_collectives, where)
     if resolve_backend(backend, where).name == "mpi":  # launched by mpiexec: rank and world size from MPI
-        set_state(dataclasses.replace(_mpi.init(backend, init_method, timeout, world_size, rank, where),
-                                      check_collectives=checked))
+        st = _mpi.init(backend, init_method, timeout, world_size, rank, where)
+        if st.multiprocess:
+            quiet_rank_output(debug_level(where))
+        set_state(dataclasses.replace(st, check_collectives=checked))
         install_excepthook()
         return
     config = read_config(backend, init_method, timeout, world_size, rank, where)
@@ -85,6 +88,7 @@ def init_process_group(
         configure_single_process(config)
         set_state(State(0, 1, config.backend, config.timeout_s, False))
         return
+    quiet_rank_output(config.debug)  # gloo's connection lines, under a launcher that passes them on
     local_ids = configure_multiprocess(config, where)
     set_state(dataclasses.replace(join(config, local_ids, where), check_collectives=checked))
     install_excepthook()

@@ -19,7 +19,9 @@ result, with the same semantics as on gloo (``spmd/_reduce.py``):
 
 With ``check_collectives`` (the default) an ``MPI_Allgather`` of every rank's fingerprint of the call
 (:mod:`spmd.distributed._fingerprint`, 64 bytes a rank) comes first: where they differ, no data moves
-and every rank raises a ValueError naming each rank's call.
+and every rank raises a ValueError naming each rank's call. An ``async_op=True`` call returns before
+its peers call, so its fingerprints travel in an ``MPI_Iallgather`` started with it and are compared
+at ``wait()``, before the result is given.
 
 A writable, C-contiguous NumPy array or CPU torch tensor of the result's shape
 and dtype (``into``) receives the result directly (``MPI_IN_PLACE`` for
@@ -173,13 +175,23 @@ def _check_options(name: str, x: np.ndarray, kwargs: dict, n: int, where: str) -
         raise ValueError(f"{where}: input has shape {tuple(x.shape)}; its dim 0 must be a multiple of the group size {n}.")
 
 
-def _pending(st, call: _guard.Call, req, result, where: str) -> Work:
+def _pending(st, call: _guard.Call, req, result, where: str, checked=None) -> Work:
     """A :class:`Work` whose ``wait()`` waits for the MPI request, at most the timeout (then this
-    rank ends naming the call, as a blocking collective would), then sets its tensor to ``result()``."""
+    rank ends naming the call, as a blocking collective would), then sets its tensor to ``result()``.
+    ``checked``: the fingerprints' request and their check, waited for and made first."""
     work = Work(None)
 
     def finish() -> None:
         try:
+            if checked is not None and _mpi.wait(checked[0], st.timeout_s):
+                try:
+                    checked[1]()  # a ValueError naming each rank's call: the result is not given
+                except ValueError:
+                    try:  # the transfer started with the call: let it end (briefly) before saying so
+                        _mpi.wait(req, min(1.0, st.timeout_s))
+                    except _mpi.MPI.Exception:
+                        pass
+                    raise
             done = _mpi.wait(req, st.timeout_s)
         except _mpi.MPI.Exception as e:
             raise PeerError(_guard.broken_message(st, call, e)) from e
@@ -230,19 +242,24 @@ def run_on(ranks: tuple[int, ...], name: str, x: Any, *, where: str | None = Non
     _record(where, name, a.nbytes)
     call = _guard.enter(st, where, ranks, _guard.opts_of(kwargs), a.shape, a.dtype)
     c = _mpi.comm(ranks)
+    checked = None
     try:
         if st.check_collectives:  # every rank's fingerprint of the call, compared before any data moves
             fp = _fingerprint.set_seq(_fingerprint.fingerprint(where, call.opts, a.shape, a.dtype), call.seq)
             seen = np.empty(len(ranks) * _fingerprint.WIDTH, np.int32)
-            c.Allgather(fp, seen)
-            _fingerprint.check(seen, fp, len(ranks), where, ranks, call.group, st.rank)
+            if async_op:  # returns before the peers call: compared at wait(), before the result is given
+                checked = (c.Iallgather(fp, seen), lambda: _fingerprint.check(seen, fp, len(ranks), where, ranks,
+                                                                              call.group, st.rank))
+            else:
+                c.Allgather(fp, seen)
+                _fingerprint.check(seen, fp, len(ranks), where, ranks, call.group, st.rank)
         req, done = _DISPATCH[name](c, a, into, kwargs, where, async_op)
     except _mpi.MPI.Exception as e:
         raise PeerError(_guard.broken_message(st, call, e)) from e
     finally:
         _guard.leave(call)  # an async call's wait() is bounded by the timeout itself
     if async_op:
-        return _pending(st, call, req, lambda: _result(done(), x, into, is_jax, True), where)
+        return _pending(st, call, req, lambda: _result(done(), x, into, is_jax, True), where, checked)
     return _result(done(), x, into, is_jax, False)
 
 

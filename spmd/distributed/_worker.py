@@ -21,6 +21,9 @@ def _flush() -> None:
             stream.flush()
         except Exception:
             pass
+    spawn = sys.modules.get("spmd._spawn")
+    if spawn is not None:  # the lines init_process_group's stdout filter still holds (mpiexec's ranks)
+        spawn.drain_stdout()
 
 
 def main(argv: list[str] | None = None) -> None:

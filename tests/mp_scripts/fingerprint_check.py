@@ -29,9 +29,9 @@ def sig(name, *, shape=(4,), dtype="float32", **opts):
     return f"{name}({', '.join(parts)})"
 
 
-def disagree(fn, seq, r0, r1, before):
+def disagree(fn, seq, r0, r1, before, moves=False):
     """``fn()`` raises the mismatch's ValueError naming rank 0's call ``r0`` and rank 1's ``r1``; the
-    tensor ``before`` returns is unchanged."""
+    tensor ``before`` returns is unchanged (unless ``moves``: an async call on mpi starts its transfer)."""
     x, want = before()
     try:
         fn(x)
@@ -40,7 +40,7 @@ def disagree(fn, seq, r0, r1, before):
                 f"{r1}. Every rank of the group must call the same collectives in the same order, with the same op, "
                 "src/dst, dtype and shape; no data was exchanged. (Every call is checked; "
                 "init_process_group(check_collectives=False) or SPMD_CHECK_COLLECTIVES=0 turns the check off.)")
-        return (says if says in str(e) else str(e), bool(np.array_equal(x, want))), (says, True)
+        return (says if says in str(e) else str(e), moves or bool(np.array_equal(x, want))), (says, True)
     return "no error", "a ValueError"
 
 
@@ -86,6 +86,10 @@ check("collective differs", lambda: disagree(
 # call #9: the root differs
 check("root differs", lambda: disagree(
     lambda x: dist.broadcast(x, src=1 if last else 0), 9, sig("broadcast", src=0), sig("broadcast", src=1), ones))
-check("usable at the end", lambda: (dist.all_reduce(ones()[0]).tolist(), good.tolist()))  # call #10
+# call #10: async (on mpi it returns before the peers call: the fingerprints are compared at wait())
+check("async op differs", lambda: disagree(
+    lambda x: dist.all_reduce(x, op=dist.ReduceOp.MAX if last else dist.ReduceOp.SUM, async_op=True).wait(), 10,
+    sig("all_reduce", op="sum"), sig("all_reduce", op="max"), ones, moves=True))
+check("usable at the end", lambda: (dist.all_reduce(ones()[0]).tolist(), good.tolist()))  # call #11
 check.write(out_dir, rank)
 dist.destroy_process_group()
