@@ -145,11 +145,18 @@ def test_a_tree_that_is_not_the_models_says_so(mesh, params, exc, msg):
         init_train_state(_fs(m2, mesh), OPT, params=params(m2.init(KEY, X)["params"]))
 
 
-def test_an_int_rng_is_refused(mesh):
-    with pytest.raises(TypeError, match=re.escape(
-            "init_train_state: rng=0 (the first of init_args, (rng, *example_inputs)) must be a JAX PRNG key: "
-            "jax.random.key(0)")):
+def test_an_int_rng_is_refused_wherever_the_api_takes_one(mesh):
+    from spmd.parallel import pipeline
+
+    msg = re.escape("init_train_state: rng=0 (the first of init_args, (rng, *example_inputs)) must be a JAX PRNG "
+                    "key: jax.random.key(0)")
+    with pytest.raises(TypeError, match=msg):
         init_train_state(_fs(_mlp(2), mesh), OPT, 0, X)
+    with pytest.raises(TypeError, match=msg):
+        init_train_state(_mlp(2), OPT, 0, X, mesh=mesh)
+    pp = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))["pp"]
+    with pytest.raises(TypeError, match=msg):
+        init_train_state(pipeline(_mlp(2), pp, units="hidden_*", num_microbatches=2), OPT, 0, X)
 
 
 # --- the step's inputs -----------------------------------------------------------------------------------

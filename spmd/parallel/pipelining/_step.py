@@ -31,6 +31,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd.parallel.plan._checks import check_rng
 from spmd.parallel.styles._nnx import nnx_params
 from spmd.parallel.pipelining._calls import model_kind
 from spmd.parallel.pipelining._comm import REST, STAGES, format_pipeline_communication, pipeline_communication
@@ -70,6 +71,7 @@ def init_pipeline_state(pm, optimizer, *init_args, params=None, mesh=None) -> Tr
         if not init_args:
             raise TypeError(f"{where}: give params=, or (rng, *example_inputs) to initialize the model.")
         rng, *xs = init_args
+        check_rng(where, rng)
         params = jax.jit(lambda r: pm.module.init(r, *xs)["params"])(rng)
     return _place(pm, optimizer, params)
 

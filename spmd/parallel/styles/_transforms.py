@@ -298,8 +298,8 @@ def _modules(paths: Sequence[str]) -> list[str]:
     return out
 
 
-def _no_match(where: str, arg: str, key: str, modules: list[str], params: Any) -> ValueError:
-    hint = params_hint(params)
+def _no_match(where: str, arg: str, key: str, modules: list[str], params: Any = None) -> ValueError:
+    hint = params_hint(params) if params is not None else ""
     if hint:  # the tree is not a model's parameters: that, not the name, is what to fix
         return ValueError(f"init_train_state: {where}'s {arg} {key!r} matches no module of params=, and{hint}")
     shown = ", ".join(modules[:40]) + (" ..." if len(modules) > 40 else "")
