@@ -5,8 +5,9 @@ Run: python examples/own_model_3d.py   (8 CPU fake devices are set below, before
 
 import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: tests/third_party
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
@@ -17,7 +18,7 @@ import optax  # noqa: E402
 import spmd  # noqa: E402
 from spmd.parallel import (ColwiseParallel, RowwiseParallel, fully_shard, init_train_state,  # noqa: E402
                            make_train_step, parallelize_module, unshard_params)
-from tests.third_party.llama import Llama, LlamaConfig  # noqa: E402  (any flax model of yours)
+from models import Llama, LlamaConfig  # noqa: E402  (any flax model of yours)
 
 
 def main() -> None:

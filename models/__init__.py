@@ -1,5 +1,8 @@
 """Flax models (plain: the job lays them out with ``spmd.parallel``), tasks and the training job.
 
+``Llama`` / ``LlamaConfig``: a Llama-style decoder written as model code is written outside this project (no
+sharding in it), the model of the README's and the docs' "bring your own model" examples.
+
 ``python -m models.train`` (or ``spmd-train``) runs the job. Importing this
 package does not import JAX (its names load on first use), so the job can set
 ``XLA_FLAGS`` for 8 CPU fake devices before JAX starts.
@@ -12,6 +15,8 @@ from models._lazy import lazy_names
 __all__ = [
     "MLP",
     "Transformer",
+    "Llama",
+    "LlamaConfig",
     "DigitTask",
     "TextTask",
     "TrainState",
@@ -26,6 +31,8 @@ __all__ = [
 _WHERE = {
     "MLP": "models._mlp",
     "Transformer": "models._transformer",
+    "Llama": "models._llama",
+    "LlamaConfig": "models._llama",
     "DigitTask": "models._data",
     "TextTask": "models._data",
     "TrainState": "models._ddp",

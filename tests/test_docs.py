@@ -1,7 +1,9 @@
 """The docs: every ```python block of README.md and docs/ runs as written; the site builds with no warning.
 
-Each block runs alone in a fresh interpreter, from the repository root, with the environment the
-getting-started page tells the reader to set (8 CPU fake devices). A block that imports torch runs
+Each block runs alone in a fresh interpreter, in an empty folder outside the repository with only the
+packages ``pip install`` gives (``spmd``, ``placements``, ``models``) importable, as a reader's saved
+script runs (nothing from ``tests/``), with the environment the getting-started page tells the reader to set
+(8 CPU fake devices). A block that imports torch runs
 only where torch is installed (CI installs it). What is not meant to run is marked ``text``,
 ``console`` or ``bash``, never ``python``.
 """
@@ -65,13 +67,20 @@ def test_blocks_found():
     assert len(BLOCKS) >= 15, [name for name, _ in BLOCKS]
 
 
+INSTALLED = ("spmd", "placements", "models")  # pyproject's packages: what a reader's script can import
+
+
 @pytest.mark.parametrize("name,code", BLOCKS, ids=[name for name, _ in BLOCKS])
 def test_python_block_runs(name, code, tmp_path):
     if re.search(r"^\s*(import torch|from torch)\b", code, re.M) and not HAS_TORCH:
         pytest.skip("needs torch (pip install -e '.[torch]')")
-    env = {**os.environ, **DOCS_ENV}
-    env.pop("PYTHONPATH", None)  # as a reader runs it: the installed package, from the checkout's root
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+    site, cwd = tmp_path / "site", tmp_path / "work"  # this checkout's packages (not another install's)
+    site.mkdir()
+    cwd.mkdir()
+    for pkg in INSTALLED:
+        (site / pkg).symlink_to(ROOT / pkg, target_is_directory=True)
+    env = {**os.environ, **DOCS_ENV, "PYTHONPATH": str(site)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=BLOCK_TIMEOUT_S)
     assert proc.returncode == 0, f"{name} failed (rc {proc.returncode}):\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"
 
