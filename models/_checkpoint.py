@@ -19,13 +19,22 @@ Guarantees:
   ``restore_meta`` verify them; a mismatch raises ``CheckpointError`` naming
   the step and the array (or the meta), touches no file and says how to fall
   back to the previous step. A step saved without checksums (by an older
-  version) restores with a warning.
+  version) restores with a warning;
+- a deletion is atomic too: orbax moves an old step into ``deleting/`` (one
+  rename) before its files are removed, so a run killed while deleting never
+  leaves a half-deleted step listed as finished. A step folder older than a
+  finished one that lacks a file every finished save writes
+  (``interrupted_deletions``: a deletion stopped half-way, file by file) is not
+  listed; the first ``Checkpointer`` on the folder removes it and says so in
+  ``removed``. The latest step missing files is damage, not a deletion (orbax
+  deletes old steps only): it stays, and restoring it raises ``CheckpointError``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from typing import Any
 
@@ -34,7 +43,7 @@ import orbax.checkpoint as ocp
 
 from models._checksum import array_digests, json_digest
 
-__all__ = ["Checkpointer", "CheckpointError", "abstract_like", "scan"]
+__all__ = ["Checkpointer", "CheckpointError", "abstract_like", "scan", "interrupted_deletions"]
 
 
 class CheckpointError(RuntimeError):
@@ -42,6 +51,34 @@ class CheckpointError(RuntimeError):
 
 
 _ITEMS = ("state", "meta", "checksums")
+_DELETING = "deleting"  # orbax's todelete_subdir: a step to delete is renamed here, then removed
+_ITEM_FILES = {"state": "_METADATA", "meta": "metadata", "checksums": "metadata"}  # what each item's save writes
+
+
+def _lacks(step_dir: str) -> str | None:
+    """What a step folder lacks of what every finished save writes (orbax's ``_CHECKPOINT_METADATA``, and each
+    item it names with its own metadata file); None if nothing."""
+    try:
+        with open(os.path.join(step_dir, "_CHECKPOINT_METADATA")) as f:
+            items = json.load(f).get("item_handlers") or {}
+    except (OSError, ValueError, AttributeError):
+        return "_CHECKPOINT_METADATA"
+    for item in items:
+        need = os.path.join(item, _ITEM_FILES.get(item, ""))
+        if not os.path.exists(os.path.join(step_dir, need)):
+            return need.rstrip("/")
+    return None
+
+
+def interrupted_deletions(directory: str | os.PathLike) -> dict[int, str]:
+    """The steps under a checkpoint folder whose deletion stopped half-way, and what each lacks: a step folder
+    missing a file every finished save writes, older than a finished step (orbax deletes old steps only)."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return {}
+    lacks = {s: _lacks(os.path.join(directory, str(s))) for s in ocp.path.step.checkpoint_steps(directory)}
+    finished = [s for s, what in lacks.items() if what is None]
+    return {s: what for s, what in sorted(lacks.items()) if what is not None and finished and s < max(finished)}
 
 
 def abstract_like(tree: Any, sharding: Any = None) -> Any:
@@ -55,16 +92,20 @@ def abstract_like(tree: Any, sharding: Any = None) -> Any:
 
 
 def scan(directory: str | os.PathLike) -> tuple[list[int], list[str]]:
-    """(finished steps, names of unfinished saves) under a checkpoint folder; empty if it does not exist.
+    """(finished steps, names of unfinished saves and deletions) under a checkpoint folder; empty if it does not
+    exist.
 
     An unfinished save is orbax's temporary folder (``200.orbax-checkpoint-tmp``) left by a save that was
-    killed before it completed; it is never restored from.
+    killed before it completed; an unfinished deletion a step folder missing files (``interrupted_deletions``).
+    Neither is ever restored from.
     """
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return [], []
     unfinished = sorted(n for n in os.listdir(directory) if ocp.path.step.TMP_DIR_SUFFIX in n)
-    return sorted(ocp.path.step.checkpoint_steps(directory)), unfinished
+    broken = interrupted_deletions(directory)
+    steps = sorted(s for s in ocp.path.step.checkpoint_steps(directory) if s not in broken)
+    return steps, unfinished + [str(s) for s in broken]
 
 
 class Checkpointer:
@@ -86,22 +127,48 @@ class Checkpointer:
                 f"{where}: directory={self.directory!r} exists and is not a folder; give a folder for checkpoints."
             )
         self.save_every = save_every
+        # before orbax lists the steps: the half-deleted ones go (one process removes, every one skips them)
+        self.removed = self._remove_incomplete() if jax.process_index() == 0 else []
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=save_every,
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
             create=True,
+            todelete_subdir=_DELETING,  # a deletion is one rename (atomic), then _empty_deleting removes it
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.directory!r}, save_every={self.save_every})"
 
+    def _remove_incomplete(self) -> list[str]:
+        """Remove the step folders an interrupted deletion left (``interrupted_deletions``) and ``deleting/``;
+        one line per step removed, saying why."""
+        self._empty_deleting(folder_too=True)
+        out = []
+        for step, lacks in interrupted_deletions(self.directory).items():
+            shutil.rmtree(os.path.join(self.directory, str(step)), ignore_errors=True)
+            out.append(f"removed the checkpoint of step {step} in {self.directory!r}: it lacks {lacks} (its "
+                       "deletion was interrupted); it is not restored from.")
+        return out
+
+    def _empty_deleting(self, *, folder_too: bool = False) -> None:
+        """Remove what orbax moved into ``deleting/`` (a step renamed there is no longer listed); the folder too
+        with ``folder_too`` (when no save runs: orbax creates it before each rename into it)."""
+        trash = os.path.join(self.directory, _DELETING)
+        if jax.process_index() == 0 and os.path.isdir(trash):
+            for name in os.listdir(trash):
+                shutil.rmtree(os.path.join(trash, name), ignore_errors=True)
+            if folder_too:
+                shutil.rmtree(trash, ignore_errors=True)
+
     def all_steps(self) -> list[int]:
-        return sorted(self._manager.all_steps())
+        broken = interrupted_deletions(self.directory)
+        return sorted(s for s in self._manager.all_steps() if s not in broken)
 
     def latest_step(self) -> int | None:
-        return self._manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
         """Save at ``step`` if it is a multiple of ``save_every`` (or ``force``); True if it saved.
@@ -115,6 +182,7 @@ class Checkpointer:
         # the meta as it is now, the one the digest is of (seen: a run's own step failing its checksum under load).
         meta = json.loads(json.dumps(meta))
         sums = {"arrays": array_digests(state), "meta": json_digest(meta)}
+        self._empty_deleting()  # the steps orbax deleted since the last save
         return bool(self._manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
@@ -227,6 +295,7 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+        self._empty_deleting(folder_too=True)
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 
 import jax
 import numpy as np
@@ -104,7 +105,7 @@ def test_resume_on_a_smaller_mesh_continues(uninterrupted, tmp_path):
     out = str(tmp_path)
     with pytest.raises(KeyboardInterrupt):
         run(Config(out=out, mesh="dp=8", **TINY), on_step=_interrupt_at(4))
-    resumed = run(Config(out=out, mesh="dp=2", resume=True, **TINY))
+    resumed = run(Config(out=out, mesh="dp=2", devices=2, resume=True, **TINY))
     assert resumed["mesh"] == {"dp": 2} and resumed["resumed_from"] == 4
     np.testing.assert_allclose([h["loss"] for h in resumed["history"]], [h["loss"] for h in full["history"]],
                                rtol=1e-5)
@@ -287,3 +288,57 @@ def test_meta_changed_after_an_async_save_is_saved_as_it_was(tmp_path, monkeypat
         ckpt.save(1, state, {"history": history})
         history.extend({"loss": float(i)} for i in range(1000))  # while orbax may still be writing
     assert Checkpointer(str(tmp_path)).restore_meta(1) == {"history": [{"loss": 1.0}]}
+
+
+def test_a_step_whose_deletion_was_interrupted_is_never_listed(tmp_path, monkeypatch):
+    """orbax deletes an old step by one rename into deleting/ (then its files go): a kill at any point leaves the
+    step whole in place or out of the listing. A step folder missing files (a deletion interrupted the old way,
+    file by file) is not listed, and the next Checkpointer removes it, saying so."""
+    from models._checkpoint import scan
+
+    d = str(tmp_path / "ckpt")
+    state = {"w": jax.numpy.arange(4.0)}
+    with Checkpointer(d, max_to_keep=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, state, {"step": step})
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 3]
+    assert sorted(os.listdir(d)) == ["2", "3"]  # step 1: nothing left of it
+    # killed after orbax's rename, before its files were removed: the step is out of the listing at once
+    monkeypatch.setattr(Checkpointer, "_empty_deleting", lambda self, folder_too=False: None)
+    with Checkpointer(d, max_to_keep=2) as ckpt:
+        ckpt.save(4, state, {"step": 4})
+        ckpt.wait()
+    assert sorted(os.listdir(d)) == ["3", "4", "deleting"] and scan(d) == ([3, 4], [])
+    monkeypatch.undo()
+    # killed half-way through removing step 3's files one by one
+    os.remove(os.path.join(d, "3", "state", "_METADATA"))
+    shutil.rmtree(os.path.join(d, "3", "state", "d"), ignore_errors=True)
+    assert scan(d) == ([4], ["3"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "restored unverified" or orbax warning on the way
+        ckpt = Checkpointer(d)
+        assert ckpt.removed == [f"removed the checkpoint of step 3 in {d!r}: it lacks state/_METADATA (its deletion "
+                                "was interrupted); it is not restored from."]
+        assert ckpt.all_steps() == [4] and ckpt.latest_step() == 4
+        got, meta = ckpt.restore(state)
+        ckpt.close()
+    assert meta == {"step": 4} and sorted(os.listdir(d)) == ["4"]
+
+
+def test_resume_removes_a_half_deleted_step_with_one_line(tmp_path, capsys):
+    out = str(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        run(Config(out=out, **TINY), on_step=_interrupt_at(4))
+    ckpt = os.path.join(out, "checkpoints")
+    assert sorted(os.listdir(ckpt)) == ["2", "4"]
+    os.remove(os.path.join(ckpt, "2", "checksums", "metadata"))  # a deletion of step 2 stopped half-way
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed = run(Config(out=out, resume=True, **TINY))
+    err = capsys.readouterr().err
+    line = (f"models.train: removed the checkpoint of step 2 in {ckpt!r}: it lacks checksums/metadata (its deletion "
+            "was interrupted); it is not restored from.")
+    assert err.count("removed the checkpoint") == 1 and line in err.splitlines(), err
+    assert resumed["resumed_from"] == 4 and resumed["checkpoints"] == [4, 6] and sorted(os.listdir(ckpt)) == ["4", "6"]

@@ -66,12 +66,13 @@ def test_job_as_a_module_sets_8_cpu_devices_itself(tmp_path):
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2", "3"]
 
 
-@pytest.mark.parametrize("extra", [["--mesh", "dp=4"], ["--mesh", "dp=2", "--accum-steps", "2"], ["--task", "reverse"]])
+@pytest.mark.parametrize("extra", [["--mesh", "dp=4", "--devices", "4"], ["--devices", "2", "--accum-steps", "2"],
+                                   ["--task", "reverse"]])
 def test_job_options(tmp_path, extra):
     out = str(tmp_path)
     assert main([*TINY_M, "--out", out, "--no-progress", *extra]) == 0
     summary = _outputs(out)
-    dp = int(extra[1].split("=")[1]) if extra[0] == "--mesh" else 8
+    dp = int(extra[extra.index("--devices") + 1]) if "--devices" in extra else 8  # --devices N alone: dp=N
     assert summary["mesh"] == {"dp": dp}
     assert summary["task"] == ("reverse 4 digits" if "reverse" in extra else "sort 4 digits")
     final = summary["final"]
@@ -87,12 +88,13 @@ def _recomputed(summary):
     from models.train._programs import programs
 
     cfg = Config(**{k: v for k, v in summary["config"].items() if k in Config.__dataclass_fields__})
-    remat = getattr(programs(cfg, build_mesh(cfg.mesh)).layout, "remat", None)
+    remat = getattr(programs(cfg, build_mesh(cfg.mesh, cfg.devices)).layout, "remat", None)
     return None if remat is None else (remat.units, remat.policy)
 
 
 @pytest.mark.parametrize("argv, policies, units", [
-    ([*TINY_T, "--mesh", "fsdp=2,tp=2"], ("full", "dots"), ("block_*",)),  # after fully_shard and parallelize_module
+    # after fully_shard and parallelize_module
+    ([*TINY_T, "--mesh", "fsdp=2,tp=2", "--devices", "4"], ("full", "dots"), ("block_*",)),
     ([*TINY_M, "--log-every", "1"], ("full",), ("hidden_*", "out")),  # DDP: the plain model and the step's mesh
 ])
 def test_activation_checkpointing_trains_as_without_it(tmp_path, argv, policies, units):
@@ -174,6 +176,19 @@ def test_cli_parses_every_option():
      "device), more than the "),
     (["--eval-size", "100"], ValueError,
      "models.train: --eval-size=100 is not divisible by the dp size 8; use a multiple of 8 (e.g. 96)."),
+    # a mesh of part of the devices is said, not run unsaid (issue 45.6)
+    (["--mesh", "dp=2,fsdp=2"], ValueError,
+     "models.train: --mesh='dp=2,fsdp=2' uses 4 devices but 8 cpu device(s) are visible; give a mesh of 8 devices "
+     "(e.g. --mesh dp=4,fsdp=2), or --devices 4 to train on 4 of them."),
+    (["--mesh", "dp=2", "--devices", "4"], ValueError,
+     "models.train: --mesh='dp=2' uses 2 devices but --devices=4; give a mesh of 4 devices (e.g. --mesh dp=4), or "
+     "--devices 2."),
+    (["--devices", "16"], ValueError,
+     "models.train: --devices=16 but only 8 cpu device(s) are visible; use --devices N with N <= 8, or leave "
+     "--devices out to use them all."),
+    (["--devices", "0"], ValueError, "models.train: --devices=0 must be an int >= 1."),
+    (["--mesh", "auto", "--devices", "4"], ValueError,
+     "models.train: --devices=4 with --mesh auto, which weighs the layouts of every visible device; drop --devices"),
 ])
 def test_bad_inputs(tmp_path, capsys, argv, exc, message):
     cfg = parse_args([*argv, "--out", str(tmp_path)])
@@ -447,12 +462,13 @@ def test_resume_takes_the_saved_mesh_unless_given(tmp_path, capsys):
     """The layout flags come from the checkpoint too, but a resume may change them (another mesh)."""
     out = str(tmp_path / "run")
     with pytest.raises(KeyboardInterrupt):
-        run(parse_args([*TINY_M, "--steps", "4", "--mesh", "dp=4", "--out", out, "--no-progress"]), on_step=_stop_at(2))
-    assert main(["--resume", "--out", out, "--no-progress"]) == 0
+        run(parse_args([*TINY_M, "--steps", "4", "--mesh", "dp=4", "--devices", "4", "--out", out, "--no-progress"]),
+            on_step=_stop_at(2))
+    assert main(["--resume", "--out", out, "--no-progress"]) == 0  # --mesh dp=4 --devices 4 from the checkpoint
     assert _outputs(out)["mesh"] == {"dp": 4}
     shutil.rmtree(os.path.join(out, "checkpoints", "4"))
     os.remove(os.path.join(out, "metrics.json"))
-    assert main(["--resume", "--out", out, "--no-progress", "--mesh", "dp=2"]) == 0
+    assert main(["--resume", "--out", out, "--no-progress", "--mesh", "dp=2", "--devices", "2"]) == 0
     assert _outputs(out)["mesh"] == {"dp": 2}
 
 
@@ -534,3 +550,32 @@ def test_throughput_times_steps_alone_not_the_saves_between_them(monkeypatch):
     assert [h["step"] for h in log.history] == list(range(1, 10))
     assert log.step_s == 1.0 and log.samples_per_s == 32.0
     assert log.timed_windows == 6  # flushed after steps 2 (a save), 3 (log_every), 4, 6, 8 (saves), 9 (the end)
+
+
+def test_each_progress_line_carries_its_own_steps_metrics():
+    """Lines every 6 steps of 60, metrics read every 10: each line still shows the metrics of the step it names
+    (the loop reads them at a line's step), not those of the last read (issue 45.6)."""
+    import io
+
+    import models.train._loop as loop
+
+    def train_step(state, batch):
+        n = state + 1
+        return n, {"loss": n / 1000, "accuracy": 0.5}
+
+    class NoSaves:
+        save_every = 1000
+
+        def save(self, *a, **k):
+            pass
+
+    stream = io.StringIO()
+    log = loop.MetricLog(start=0, batch_size=32, history=[], bar=loop.LineProgress(total=60, stream=stream))
+    loop.train_loop(0, start=0, steps=60, log_every=10, train_step=train_step, next_batch=lambda s: None, log=log,
+                    checkpointer=NoSaves(), meta=dict, on_step=None, interrupted=print)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 10
+    for line in lines:
+        m = re.fullmatch(r"models\.train: step (\d+)/60 loss=(\S+) acc=0\.500( samples_s=\S+)?", line)
+        step, loss = m.groups()[:2]
+        assert loss == f"{int(step) / 1000:.4f}", line

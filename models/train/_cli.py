@@ -102,6 +102,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stages-per-rank", type=int, default=d.stages_per_rank, metavar="V",
                    help="with --schedule interleaved or looped_bfs: pipeline stages per pp rank (default 1)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="a step whose loss or gradient norm is not finite keeps the previous parameters and optimizer "
+                        "state (its update skipped, counted in metrics.json) instead of stopping the run there")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="train on N of the visible devices (default: all; a --mesh must use exactly that many)")
     return p
 
 
@@ -147,6 +152,10 @@ def summary_line(summary: dict, out: str) -> str:
         parts.append(f"held-out token accuracy {f['eval_token_accuracy']:.4f}")
     if f.get("eval_sequence_accuracy") is not None:
         parts.append(f"sequence accuracy {f['eval_sequence_accuracy']:.4f}")
+    skipped = summary.get("nonfinite_steps") or []
+    if skipped:
+        parts.append(f"{len(skipped)} non-finite step{'s' if len(skipped) != 1 else ''} skipped (step "
+                     + ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "") + ")")
     return f"models.train: {done}; " + ", ".join(parts) + f"; outputs in {os.path.abspath(out)}"
 
 
@@ -158,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from models._checkpoint import CheckpointError
+    from models.train._loop import NonFiniteError
     from models.train._outdir import RunLockedError
     from models.train._run import run
 
@@ -166,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError, CheckpointError, RunLockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     if jax.process_index() == 0 and not summary.get("nothing_to_do"):

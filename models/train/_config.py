@@ -96,6 +96,8 @@ class Config:
     log_every: int = 10
     eval_size: int | None = None  # held-out examples; None: 512 rounded down to a multiple of the data size
     progress: bool = True
+    skip_nonfinite: bool = False  # a step with a non-finite loss or grad norm: its update skipped (else: stop)
+    devices: int | None = None  # train on this many of the visible devices; None: all (the mesh must use them all)
 
 
 def _flag(name: str) -> str:
@@ -127,6 +129,10 @@ def check_config(cfg: Config) -> None:
         _positive(name, getattr(cfg, name))
     if cfg.eval_size is not None:
         _positive("eval_size", cfg.eval_size)
+    if cfg.devices is not None:
+        _positive("devices", cfg.devices)
+    if cfg.skip_nonfinite not in (True, False):
+        raise TypeError(f"models.train: --skip-nonfinite={cfg.skip_nonfinite!r} must be a bool.")
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed <= _MAX_SEED:
         raise ValueError(f"models.train: --seed={cfg.seed!r} must be an int in [0, 2**63 - 1]; e.g. --seed 0.")
     if cfg.task not in DigitTask.OPS:
@@ -156,6 +162,10 @@ def check_config(cfg: Config) -> None:
             "(it is created if missing)."
         )
     if cfg.mesh == AUTO:
+        if cfg.devices is not None:
+            raise ValueError(f"models.train: --devices={cfg.devices} with --mesh auto, which weighs the layouts of "
+                             "every visible device; drop --devices, or give the mesh yourself (e.g. --mesh dp=4 "
+                             "--devices 4).")
         _check_auto(cfg)
         return
     if cfg.memory_budget is not None:
@@ -326,7 +336,8 @@ _RUN_KEYS = ("model", "task", "text", "seed", "batch_size", "accum_steps", "leng
 # What a checkpoint also records for --resume to reuse when the flag is left out, but which a resume may change
 # (a run continues on another mesh, saving or logging more often).
 _JOB_KEYS = ("mesh", "sequence_parallel", "weight_stationary", "reshard_after_forward", "activation_checkpointing",
-             "save_every", "log_every", "eval_size", "schedule", "microbatches", "stages_per_rank")
+             "save_every", "log_every", "eval_size", "schedule", "microbatches", "stages_per_rank", "skip_nonfinite",
+             "devices")
 # The layout's flags go with the mesh dim they need: a resume given a --mesh without it (or --mesh auto, which
 # picks them itself) drops the saved ones.
 _MESH_KEYS = {"schedule": "pp", "microbatches": "pp", "stages_per_rank": "pp", "sequence_parallel": "tp",
@@ -379,8 +390,8 @@ def resume_config(saved: dict, cfg: Config, given: frozenset[str] | set[str], wh
         )
     dims = {} if cfg.mesh == AUTO else dict(parse_mesh(cfg.mesh) or ())
 
-    def dropped(k: str) -> bool:  # a saved layout flag the given --mesh cannot take
-        return "mesh" in given and (k in _MESH_KEYS and _MESH_KEYS[k] not in dims
+    def dropped(k: str) -> bool:  # a saved layout flag the given --mesh cannot take (or its --devices)
+        return "mesh" in given and (k == "devices" or k in _MESH_KEYS and _MESH_KEYS[k] not in dims
                                     or k in _NOT_WITH_KEYS and (cfg.mesh == AUTO or _NOT_WITH_KEYS[k] in dims))
 
     job = {k: v for k, v in (flags or {}).items() if k in _JOB_KEYS and k not in given and not dropped(k)}

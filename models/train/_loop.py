@@ -16,7 +16,15 @@ import jax
 
 from models._checkpoint import Checkpointer
 
-__all__ = ["MetricLog", "train_loop", "progress_bar", "LineProgress"]
+__all__ = ["MetricLog", "train_loop", "progress_bar", "LineProgress", "NonFiniteError"]
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's loss or gradient norm was not finite: the run stopped there, saving nothing after it."""
+
+    def __init__(self, message: str, *, step: int, loss: float, grad_norm: float):
+        super().__init__(message)
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
 
 
 class LineProgress:
@@ -33,9 +41,13 @@ class LineProgress:
     def set_postfix(self, refresh: bool = False, **values: Any) -> None:
         self._postfix = values
 
+    def due(self, n: int) -> bool:
+        """Whether the update to step ``n`` prints a line (the loop reads that step's metrics first)."""
+        return (n - self._first) % self._every == 0 or n >= self.total
+
     def update(self, n: int = 1) -> None:
         self.n += n
-        if (self.n - self._first) % self._every == 0 or self.n >= self.total:
+        if self.due(self.n):
             shown = " ".join(f"{k}={v}" for k, v in self._postfix.items())
             print(f"models.train: step {self.n}/{self.total} {shown}".rstrip(), file=self.stream or sys.stderr,
                   flush=True)
@@ -62,8 +74,10 @@ class MetricLog:
     the time between a read and the next step that is no step's (a checkpoint's save, the ``on_step`` hook).
     """
 
-    def __init__(self, *, start: int, batch_size: int, history: list[dict], bar: Any = None):
+    def __init__(self, *, start: int, batch_size: int, history: list[dict], bar: Any = None,
+                 stop_nonfinite: bool = False):
         self.start = start
+        self.stop_nonfinite = stop_nonfinite  # flush raises NonFiniteError at a non-finite loss or grad norm
         self.batch_size = batch_size
         self.history = history
         self.bar = bar
@@ -87,6 +101,12 @@ class MetricLog:
         got = jax.device_get([m for _, m in self._pending])
         for (s, _), m in zip(self._pending, got):
             self.history.append({"step": s, **{k: float(v) for k, v in m.items()}})
+            h = self.history[-1]
+            if self.stop_nonfinite and not all(math.isfinite(h.get(k, 0.0)) for k in ("loss", "grad_norm")):
+                self._pending.clear()
+                raise NonFiniteError(f"models.train: step {s} has a non-finite loss ({h['loss']}) or gradient norm "
+                                     f"({h.get('grad_norm')})", step=s, loss=h["loss"],
+                                     grad_norm=h.get("grad_norm", math.nan))
         now = time.perf_counter()
         if self._n_window and self._pending[0][0] > self.start + 1:  # the first step compiles: not counted
             self.last_samples_per_s = self._n_window * self.batch_size / (now - self._t_window)
@@ -133,7 +153,9 @@ def train_loop(state: Any, *, start: int, steps: int, log_every: int, train_step
 
     ``next_batch(step)`` gives the placed batch of ``step`` (0-based). Saves every ``save_every`` steps
     and at the end; on ``KeyboardInterrupt`` (Ctrl-C, or raised by ``on_step``) saves the last finished
-    step, calls ``interrupted(step)`` and re-raises.
+    step, calls ``interrupted(step)`` and re-raises. The metrics are read before each save: with
+    ``log.stop_nonfinite``, a non-finite loss or gradient norm raises ``NonFiniteError`` there, nothing saved
+    after that step (the saves before it finished first).
     """
     step = start
     try:
@@ -141,7 +163,8 @@ def train_loop(state: Any, *, start: int, steps: int, log_every: int, train_step
             state, metrics = train_step(state, next_batch(step))
             step += 1
             log.add(step, metrics)
-            if step == start + 1 or step % log_every == 0 or step == steps:
+            due = getattr(log.bar, "due", None)  # a progress line at this step: it shows this step's metrics
+            if step == start + 1 or step % log_every == 0 or step == steps or (due is not None and due(step)):
                 log.flush()
             if log.bar is not None:
                 log.bar.update(1)
@@ -151,6 +174,10 @@ def train_loop(state: Any, *, start: int, steps: int, log_every: int, train_step
             if on_step is not None:
                 on_step(step, state)
             log.restart_window()
+    except NonFiniteError:
+        checkpointer.wait()
+        log.close()
+        raise
     except KeyboardInterrupt:
         log.flush()
         checkpointer.save(step, checkpoint(state), meta(), force=True)

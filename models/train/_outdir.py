@@ -93,9 +93,12 @@ class OutFolder:
 
     def _holds(self) -> str:
         parts = []
-        if self.unfinished:
-            parts.append(f"an unfinished checkpoint save ({', '.join(self.unfinished)}: the run stopped while "
-                         "saving)")
+        saves = [n for n in self.unfinished if not n.isdigit()]
+        deletions = [n for n in self.unfinished if n.isdigit()]  # _checkpoint.interrupted_deletions
+        if saves:
+            parts.append(f"an unfinished checkpoint save ({', '.join(saves)}: the run stopped while saving)")
+        if deletions:
+            parts.append(f"a half-deleted checkpoint (step {', '.join(deletions)}: the run stopped while deleting it)")
         if self.outputs:
             parts.append("the outputs of a run (" + ", ".join(self.outputs) + ")")
         return " and ".join(parts)

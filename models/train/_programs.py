@@ -43,13 +43,20 @@ __all__ = ["build_mesh", "data_dims", "check_fits", "device_memory", "make_task"
            "make_optimizer", "Programs", "programs", "place_batch"]
 
 
-def build_mesh(spec: str | None) -> DeviceMesh:
-    """The job's mesh: ``--mesh dp=2,fsdp=4`` (dims in that order) or every device on ``dp``."""
+def build_mesh(spec: str | None, devices: int | None = None) -> DeviceMesh:
+    """The job's mesh: ``--mesh dp=2,fsdp=4`` (dims in that order) or every device on ``dp``.
+
+    The mesh uses every visible device, or exactly ``devices`` (``--devices``) of them: a mesh of fewer devices
+    than that is refused, naming both counts, rather than training on part of the machine unsaid."""
     n_dev = jax.device_count()
-    dims = parse_mesh(spec) or (("dp", n_dev),)
+    platform = jax.devices()[0].platform
+    if devices is not None and devices > n_dev:
+        raise ValueError(f"models.train: --devices={devices} but only {n_dev} {platform} device(s) are visible; use "
+                         f"--devices N with N <= {n_dev}, or leave --devices out to use them all.")
+    n_use = n_dev if devices is None else devices
+    dims = parse_mesh(spec) or (("dp", n_use),)
     need = math.prod(n for _, n in dims)
     if need > n_dev:
-        platform = jax.devices()[0].platform
         hint = f", or set XLA_FLAGS=--xla_force_host_platform_device_count={need} before starting" if platform == "cpu" else ""
         fix = (f"--mesh {dims[0][0]}=N with N <= {n_dev}" if len(dims) == 1 else
                f"--mesh sizes whose product is <= {n_dev}")
@@ -57,8 +64,16 @@ def build_mesh(spec: str | None) -> DeviceMesh:
             f"models.train: --mesh={spec!r} needs {need} devices but only {n_dev} {platform} device(s) are "
             f"visible; use {fix}{hint}."
         )
-    return init_device_mesh(jax.devices()[0].platform, tuple(n for _, n in dims),
-                            mesh_dim_names=tuple(k for k, _ in dims))
+    if need != n_use:
+        whole = (",".join(f"{k}={v * (n_use // need) if i == 0 else v}" for i, (k, v) in enumerate(dims))
+                 if n_use % need == 0 else None)
+        of = (f"--devices={devices}" if devices is not None else f"{n_dev} {platform} device(s) are visible")
+        raise ValueError(
+            f"models.train: --mesh={spec!r} uses {need} devices but {of}; give a mesh of {n_use} devices"
+            + (f" (e.g. --mesh {whole})" if whole else "")
+            + (f", or --devices {need} to train on {need} of them." if devices is None else f", or --devices {need}.")
+        )
+    return init_device_mesh(platform, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
 
 
 def data_dims(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -200,7 +215,7 @@ def program_key(cfg: Config) -> Config:
     """The config with only what decides the compiled programs (not the seed, the file or the paths)."""
     return dataclasses.replace(cfg, mesh=None, text=None if cfg.text is None else "", out="", resume=False,
                                overwrite=False, save_every=1, seed=0, log_every=1, eval_size=None, progress=False,
-                               memory_budget=None)
+                               memory_budget=None, devices=None)
 
 
 def programs(cfg: Config, mesh: DeviceMesh) -> Programs:
@@ -232,7 +247,8 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
     def init(rng, x):
         return init_train_state(laid, optimizer, rng, x, mesh=plain)
 
-    train_step = make_train_step(laid, make_loss_fn(model), optimizer, accum_steps=key.accum_steps, mesh=plain)
+    train_step = make_train_step(laid, make_loss_fn(model), optimizer, accum_steps=key.accum_steps, mesh=plain,
+                                 check_finite="skip" if key.skip_nonfinite else False)
     abstract = jax.eval_shape(init, jax.random.key(0), jax.ShapeDtypeStruct((2, task_dims(key)[1]), jnp.int32))
     sharding = jax.tree.map(lambda x: x.sharding, abstract)
     if pipe is not None:

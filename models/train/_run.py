@@ -26,7 +26,7 @@ from models._fsdp_run import collectives_report, layout_meta, memory_report, res
 from models.train._auto import Choice, choose_layout, layout_line, layout_report
 from models.train._config import (AUTO, Config, check_config, check_resume_config, job_flags, parse_mesh, pipeline_settings,
                                   resume_config, run_config)
-from models.train._loop import MetricLog, progress_bar, report, train_loop
+from models.train._loop import MetricLog, NonFiniteError, progress_bar, report, train_loop
 from models.train._outdir import OutFolder, RunLock, write_outputs
 from models.train._pipeline import pipeline_report
 from models.train._programs import (build_mesh, check_fits, data_dims, device_memory, layout, make_task, place_batch,
@@ -95,6 +95,8 @@ def _saved_run_config(cfg: Config, given: Collection[str]) -> Config:
     if not folder.steps:
         return cfg  # nothing to read: OutFolder.check says why there is nothing to resume
     checkpointer = Checkpointer(folder.checkpoints)
+    for line in checkpointer.removed:  # a step whose deletion was interrupted (process 0 removes it)
+        report(f"models.train: {line}", True)
     try:
         meta = checkpointer.restore_meta()
     finally:
@@ -126,7 +128,7 @@ def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None
         OutFolder.read(cfg.out).check(cfg)  # refuse before the ranking's minute of work
         cfg, choice = choose_layout(cfg, jax.process_index() == 0)
         check_config(cfg)
-    mesh = build_mesh(cfg.mesh)
+    mesh = build_mesh(cfg.mesh, cfg.devices)
     n_data, eval_size = _check_batch_sizes(cfg, mesh)
     check_fits(cfg, mesh, device_memory(mesh))
     OutFolder.read(cfg.out).check(cfg)  # refuse before the lock creates --out; checked again under the lock
@@ -163,6 +165,8 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
     state = progs.init(jax.random.key(cfg.seed), task.batch(cfg.seed, 0, 2, lay)["inputs"])
     history: list[dict] = []
     checkpointer = Checkpointer(folder.checkpoints, save_every=cfg.save_every)
+    for line in checkpointer.removed:
+        report(f"models.train: {line}", lead)
     log = None
     try:
         if cfg.resume:
@@ -194,21 +198,25 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
         if cfg.progress and lead and start < cfg.steps:
             bar = progress_bar(total=cfg.steps, initial=start,
                                desc=f"{cfg.model} {mesh_text} {memory['state_bytes_per_device'] / 2**20:.2f}MiB/device")
-        log = MetricLog(start=start, batch_size=cfg.batch_size, history=history, bar=bar)
+        log = MetricLog(start=start, batch_size=cfg.batch_size, history=history, bar=bar,
+                        stop_nonfinite=not cfg.skip_nonfinite)
 
         def interrupted(step: int) -> None:
             report(f"models.train: interrupted after step {step}; checkpoint saved under {folder.checkpoints}; "
                    "continue with --resume.", lead)
 
         t_start = time.perf_counter()
-        state = train_loop(
-            state, start=start, steps=cfg.steps, log_every=cfg.log_every, train_step=progs.train_step,
-            next_batch=lambda s: place_batch(task.batch(cfg.seed, s, cfg.batch_size, lay), mesh,
-                                             progs.batch_placements),
-            log=log, checkpointer=checkpointer,
-            meta=lambda: {"config": run_config(cfg), "flags": job_flags(cfg), "history": history,
-                          "layout": layout_meta(progs.checkpoint_plan)},
-            on_step=on_step, interrupted=interrupted, checkpoint=progs.checkpoint)
+        try:
+            state = train_loop(
+                state, start=start, steps=cfg.steps, log_every=cfg.log_every, train_step=progs.train_step,
+                next_batch=lambda s: place_batch(task.batch(cfg.seed, s, cfg.batch_size, lay), mesh,
+                                                 progs.batch_placements),
+                log=log, checkpointer=checkpointer,
+                meta=lambda: {"config": run_config(cfg), "flags": job_flags(cfg), "history": history,
+                              "layout": layout_meta(progs.checkpoint_plan)},
+                on_step=on_step, interrupted=interrupted, checkpoint=progs.checkpoint)
+        except NonFiniteError as e:
+            raise _nonfinite(e, cfg, checkpointer) from None
         wall = time.perf_counter() - t_start
         eval_batch = place_batch(task.batch(cfg.seed, 0, eval_size, lay, stream=1), mesh, progs.batch_placements)
         evaluation = {k: float(v) for k, v in jax.device_get(progs.eval_step(progs.logical(state.params), eval_batch)).items()}
@@ -253,10 +261,26 @@ def _run_locked(cfg: Config, mesh: DeviceMesh, n_data: int, eval_size: int, lead
         **({"layout": chosen} if chosen is not None else {}),
         "history": history,
         "checkpoints": checkpointer.all_steps(),
+        "nonfinite_steps": [h["step"] for h in history if h.get("nonfinite")],  # skipped (--skip-nonfinite)
     }
     if lead:
         write_outputs(cfg.out, summary, f"{cfg.model} on {task.name}, {mesh_text}, batch {cfg.batch_size}")
     return summary
+
+
+def _nonfinite(e: NonFiniteError, cfg: Config, checkpointer: Checkpointer) -> NonFiniteError:
+    """The job's stop at a non-finite step: the step, the last good checkpoint and how to go on from it."""
+    last = checkpointer.latest_step()
+    out = os.path.abspath(cfg.out)
+    if last is not None:
+        where = (f"The last good checkpoint is step {last} in {checkpointer.directory!r}; continue from it, skipping "
+                 f"the update of such steps, with: python -m models.train --out {out} --resume --skip-nonfinite")
+    else:
+        where = (f"No checkpoint was saved before it (--save-every {cfg.save_every}); start again with --overwrite "
+                 "and --skip-nonfinite (such steps' updates skipped)")
+    return NonFiniteError(f"{e}; the run stopped there and saved nothing from step {e.step} on. {where} (or "
+                          "start a new run with a lower --lr or --clip-norm).", step=e.step, loss=e.loss,
+                          grad_norm=e.grad_norm)
 
 
 def _finished_summary(out: str, step: int) -> dict | None:

@@ -244,7 +244,7 @@ def _check_batch(batch: Any, n_data: int, accum_steps: int, data: tuple[str, ...
 
 
 def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, *, accum_steps: int = 1,
-                    mesh: DeviceMesh | None = None) -> Callable:
+                    mesh: DeviceMesh | None = None, check_finite: bool | str = False) -> Callable:
     """The train step ``(state, batch) -> (state, metrics)`` of any layout (see the module doc).
 
     ``loss_fn(params, batch)``: what the user writes on one device (an nnx model: ``loss_fn(model, batch)``);
@@ -256,6 +256,13 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
     (an nnx model's own state; a linen model's abstract ``init`` on the inputs ``loss_fn`` applies it to, read
     off one abstract trace of the loss) and ``state.opt_state`` the optimizer's (``optimizer.init``
     abstractly), naming the first path that differs.
+
+    ``check_finite``: what a step whose loss or gradient norm is not finite (NaN, inf) does. ``False`` (the
+    default): nothing, its update is applied as any other. ``"skip"``: the step keeps the state's ``params``
+    and ``opt_state`` as they came in (a select inside the jitted step: no NaN reaches the state), advances
+    ``step`` (it counts the batches the step consumed) and sets ``metrics["nonfinite"]`` to 1 (0 on a finite
+    step); nothing waits on the devices. ``True``: the same, and the call raises ``FloatingPointError`` naming
+    the step, after reading the flag from the devices (one wait per step); the state passed in is intact.
     """
     where = "make_train_step"
     if not callable(loss_fn):
@@ -264,10 +271,16 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
     _check_optimizer(optimizer, where)
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
+    if not isinstance(check_finite, (bool, str)) or check_finite not in (False, True, "skip"):
+        raise (ValueError if isinstance(check_finite, str) else TypeError)(
+            f"{where}: check_finite={check_finite!r} must be False (no check), 'skip' (a non-finite step keeps the "
+            "previous params and opt_state) or True (the same, and the call raises FloatingPointError).")
     if getattr(type(model), "_spmd_make_train_step", None) is not None:  # a layout with a step of its own
-        return model._spmd_make_train_step(loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh)
+        own = model._spmd_make_train_step(loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh)
+        return _finite_checked(own, check_finite, jax.jit(_keep_finite)) if check_finite else own
     pm = as_parallel(model, mesh, where)
-    build = functools.lru_cache(maxsize=4)(lambda plan: _build(pm, loss_fn, optimizer, accum_steps, plan))
+    build = functools.lru_cache(maxsize=4)(lambda plan: _build(pm, loss_fn, optimizer, accum_steps, plan,
+                                                               bool(check_finite)))
     verified: set = set()  # the plans checked against this step's model (once each)
 
     def step(state: TrainState, batch: Any):
@@ -304,7 +317,7 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
     step.lower = lower
     step.communication = communication
     step.table = table
-    return step
+    return _finite_checked(step, check_finite) if check_finite is True else step
 
 
 def _check_state_params(pm: ParallelModule, loss_fn: Callable, logical: Any, batch: Any) -> None:
@@ -330,7 +343,39 @@ def _model_name(module: Any) -> str:
     return type(getattr(module, "module", module)).__name__
 
 
-def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, plan: ParamPlan) -> Callable:
+def _keep_finite(old: TrainState, new: TrainState, metrics: dict) -> tuple[TrainState, dict]:
+    """``new`` where the step's loss and gradient norm are finite, else ``old``'s params and opt_state (its
+    ``step`` advanced); ``metrics["nonfinite"]``: 1.0 where the update was skipped."""
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    params, opt_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), (new.params, new.opt_state),
+                                     (old.params, old.opt_state))
+    return new.replace(params=params, opt_state=opt_state), {**metrics, "nonfinite": (~finite).astype(jnp.float32)}
+
+
+def _finite_checked(step: Callable, check_finite: bool | str, keep: Callable | None = None) -> Callable:
+    """``step`` with ``keep(old, new, metrics)`` applied after it (a step of its own), and with
+    ``check_finite=True`` a ``FloatingPointError`` on a non-finite step; its attributes (``lower``, ...) kept."""
+
+    def checked(state: TrainState, batch: Any):
+        new, metrics = step(state, batch)
+        if keep is not None:
+            new, metrics = keep(state, new, metrics)
+        if check_finite is True and bool(metrics["nonfinite"]):
+            n = int(jax.device_get(state.step)) + 1
+            loss, norm = (float(metrics[k]) for k in ("loss", "grad_norm"))
+            raise FloatingPointError(
+                f"train_step: step {n} (from state.step={n - 1}) has a non-finite loss ({loss}) or gradient norm "
+                f"({norm}); its update was not applied and the state passed in is intact. Look at that step's batch "
+                "and the learning rate (or clip the gradients), or use make_train_step(..., check_finite='skip') "
+                "to skip such steps' updates and go on.")
+        return new, metrics
+
+    checked.__dict__.update(step.__dict__)
+    return checked
+
+
+def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, plan: ParamPlan,
+           keep_finite: bool = False) -> Callable:
     mesh = pm.mesh
     names = mesh.mesh_dim_names
     sizes = dict(zip(names, mesh.shape))
@@ -443,7 +488,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         new = TrainState(step=state.step + 1, params=jax.lax.with_sharding_constraint(params, p_sh),
                          opt_state=jax.lax.with_sharding_constraint(opt_state, o_sh), plan=state.plan)
         metrics["grad_norm"] = optax.tree.norm(grads)
-        return new, metrics
+        return _keep_finite(state, new, metrics) if keep_finite else (new, metrics)
 
     jitted = jax.jit(step)
     checked = []
