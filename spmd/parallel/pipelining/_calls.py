@@ -82,7 +82,7 @@ def _depends(jaxpr, flags: list[bool]) -> list[bool]:
 
 
 class UnitCalls:
-    """The unit calls of one layout's model (``Layout.calls``): filled by ``record``."""
+    """The unit calls of one layout's model (``StageLayout.calls``): filled by ``record``."""
 
     def __init__(self, lay, model: Any):
         self.lay, self.model, self.kind = lay, model, model_kind(model)
@@ -235,7 +235,7 @@ class UnitCalls:
         return self.run(loss_fn, self.lay.full_params(rest), mb, on_unit)
 
     def apply_unit(self, leaves: list, x, side: list = ()):
-        """One unit on its parameters (``leaves``, in ``Layout.rel`` order) and the stage's side arrays."""
+        """One unit on its parameters (``leaves``, in ``StageLayout.rel`` order) and the stage's side arrays."""
         args, kwargs = self._side(list(side))
         if self.kind == "nnx":
             from flax import nnx

@@ -104,11 +104,11 @@ class PipelineModule:
     def data_dims(self) -> tuple[str, ...]:
         return tuple(n for n in self.mesh.mesh_dim_names if n not in (self.pp, self.tp and self.tp.tp.mesh_dim))
 
-    def layout(self, params: Any) -> "Layout":
+    def layout(self, params: Any) -> "StageLayout":
         """The stage layout of ``params`` (arrays or shapes): which units, stacked how."""
         treedef = jax.tree_util.tree_structure(params)
         if treedef not in self._layouts:
-            self._layouts[treedef] = Layout(self, params)
+            self._layouts[treedef] = StageLayout(self, params)
         return self._layouts[treedef]
 
     # the contract's entry points (spmd.parallel.step._step dispatches here)
@@ -146,7 +146,7 @@ def unit_modules(paths: list[str], units: str) -> list[str]:
     return out
 
 
-class Layout:
+class StageLayout:
     """The pipeline layout of one parameter tree: units (in call order), the stacked stage tree, the rest."""
 
     def __init__(self, pm: PipelineModule, params: Any):

@@ -11,7 +11,7 @@ order, ``parallelize_module(pipeline(...))``, is refused naming this one). The s
   around the whole region trace, so every styled module call (the first stage's embedding, each unit's
   column / row-parallel projections, the last stage's tied head) runs in its own region manual over tp with
   every tp collective of its style written out (Megatron's ``f`` / ``g``; sequence parallelism's gathers and
-  scatters). A unit runs as a module of its own (``Layout.apply_unit``); ``StageHooks.unit`` names it by the
+  scatters). A unit runs as a module of its own (``UnitCalls.apply_unit``); ``StageHooks.unit`` names it by the
   first unit's path for the duration, so the plan's keys (``block_*.fc``) find it and the user's full-model
   ``ParamPlan`` (``build_plan`` of the tp layout) gives its parameters' tp placements;
 - **the parameters**: each stacked stage parameter carries its unit parameter's tp cut on the same dim,
