@@ -40,12 +40,12 @@ MPI: Any = None  # mpi4py.MPI, once init ran
 
 
 def prepare_environment() -> None:
-    """MPICH's settings for this host, set before MPI starts (a value the user set wins):
+    """MPICH's settings for the local machine, set before MPI starts (a value the user set wins):
 
-    * a job whose ranks all run on this host (Hydra's MPI_LOCALNRANKS equals the world size) keeps
+    * a job whose ranks all run on one host (Hydra's MPI_LOCALNRANKS equals the world size) keeps
       MPICH's network modules (UCX, libfabric's tcp) off the host's other interfaces: they listen on
       loopback only;
-    * with more ranks on this host than cores it may run on, a rank that waits in MPI sleeps between
+    * with more ranks on the host than cores it may run on, a rank that waits in MPI sleeps between
       polls (``MPIR_CVAR_ENABLE_HEAVY_YIELD``) instead of spinning on a core another rank needs: a
       4-byte all_reduce of 4 ranks on 2 cores took ~3 ms spinning and ~0.3 ms so (with one rank per
       core spinning is faster, ~3 us against ~150 us, and stays)."""

@@ -18,7 +18,7 @@ built through the contract (``apply_layout``) and traced on abstract inputs, not
   rate + operations x the per-operation cost: ``Calibration.compute_s``, ``spmd.parallel.cost._compute_cost``),
   under a measured calibration scaled by the user's own one-device gradient timed on every device at once
   over that same estimate of it (``Profile.grad_seconds``: the rates say how the layouts differ, the model's
-  measured gradient how fast its kernels really run on this host), plus the optimizer's update of the
+  measured gradient how fast its kernels really run on the machine), plus the optimizer's update of the
   layout's own shards (measured: ``Profile.optimizer_seconds``; its cost is far from linear in the shard's
   size on a host), plus per collective kind ``count`` times its calibrated cost curve at their mean size
   over its group (``fsdp`` for the gathers and reduce-scatters, the replicate dims for the gradients'

@@ -1,22 +1,20 @@
 """``auto_layout(measure=k)``: the top ``k`` predicted candidates compiled and timed side by side.
 
-The cost model ranks every candidate without compiling one; what it does not see, a few compiled steps
-do. On a CPU host with fake devices that is much: the 8 devices' threads share the cores, and a step
-whose buffers pass glibc's mmap threshold (32 MiB) takes fresh pages every step (on this 2-core host
-``MALLOC_MMAP_MAX_=0`` took ``fsdp=8 keep`` of the d384x6 Transformer from 806 to 630 ms per step and
-left ``dp=8`` at 613-620). So ``auto_layout`` can time its top candidates as a user would run them:
-each is built through the contract (``apply_layout`` + ``init_train_state`` on zeros of the parameters +
-``make_train_step``), compiled once, warmed up, then timed in ``rounds`` interleaved rounds of ``steps``
-steps on the example batch (a load spike on a shared host then falls on every candidate of its round).
-Then the race: the candidates whose median is within ``RACE`` (10%) of the fastest's are timed in more
-rounds, the others dropped, until one is left or ``max_rounds``: on this 2-core host one round of a step
-varies by 9-18% (a d256x4 Transformer's, 12 rounds of 2 steps), so the median of 5 can put the second
-best first, and two close contenders need more rounds to be told apart, a clear loser none. A
+The cost model ranks every candidate without compiling one; what it does not see, a few compiled steps do.
+On a CPU host with fake devices that is much: the devices' threads share the cores, and a step whose buffers
+pass glibc's mmap threshold (32 MiB) takes fresh pages every step. So ``auto_layout`` can time its top
+candidates as a user would run them: each is built through the contract (``apply_layout`` +
+``init_train_state`` on zeros of the parameters + ``make_train_step``), compiled once, warmed up, then timed
+in ``rounds`` interleaved rounds of ``steps`` steps on the example batch (a load spike on a shared host then
+falls on every candidate of its round). Then the race: the candidates whose median is within ``RACE`` (10%)
+of the fastest's are timed in more rounds, the others dropped, until one is left or ``max_rounds``: on a
+shared host one round of a step varies by several percent (docs/benchmarks.md), so a fixed median can put
+the second best first, and two close contenders need more rounds to be told apart, a clear loser none. A
 candidate's time is the median of its rounds, its peak memory per device its compiled step's
 ``memory_analysis()`` (``argument + output + temp - alias``). The ``k`` candidates are held at once while
 they are timed, and let go after. ``compiled_peak``: the same step compiled on shape structs and not run,
-its peak alone: under a memory budget ``auto_layout`` compiles so until its top ``k`` fit, and times
-those ``k`` on the executables compiled there.
+its peak alone: under a memory budget ``auto_layout`` compiles so until its top ``k`` fit, and times those
+``k`` on the executables compiled there.
 """
 
 from __future__ import annotations

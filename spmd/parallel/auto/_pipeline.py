@@ -17,18 +17,18 @@ and asked for its own table (``step.communication``, equal to the compiled HLO);
   over ``min(alone_speedup, pp)`` on a shared host, the other ranks' cores its own),
   the optimizer's update of the rank's shards (``optimizer_compute_s``); each backward tick's passes over the
   rank's whole stacked stage (the stage-sized cotangent and its sum into the accumulator, gathered over fsdp):
-  ``STAGE_PASSES`` times the optimizer's update of those bytes timed on every device at once (``stage_shapes``;
-  on the 2-core host the step grows per micro-batch by 17-23 ms on d256x4's 6.3 MB stages, 65-88 ms on
-  d384x6's 21.3 MB, where those updates take 16.5 and 59.6 ms); each collective kind's count
-  times its calibrated cost curve at their mean size, and the dispatch.
+  ``STAGE_PASSES`` times the optimizer's update of those bytes timed on every device at once
+  (``stage_shapes``); each collective kind's count times its calibrated cost curve at their mean size, and
+  the dispatch.
 - **memory**: the state (arguments and outputs), the batch slice, the gradient accumulators (a share of the
   rank's parameters, the rest in the step's output buffers; under FSDP its stages full over ``fsdp``) and the
   gathered stages, the stash (the schedule's ``activation_slots + gradient_slots`` and the two scratch slots,
   ``spmd.parallel.pipelining._memory``), and the working set of one chunk's backward on one micro-batch (the
   one-device step's XLA temp bytes on it, times the chunk's share; with two or more unit slots a rank and no
   FSDP, at least 0.8 x the residuals of the rank's stages less half its parameters: a backward tick holds its
-  recomputed chunk's residuals), plus the stash's updated copy; the gradient, gathered and residual terms are
-  fitted (``pipeline_cost``'s comment).
+  recomputed chunk's residuals), plus the stash's updated copy; the gradient, gathered and residual terms
+  carry empirical factors of XLA's buffer assignment (``pipeline_cost``'s comments; the compiled peaks they
+  are checked against: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ __all__ = ["pipeline_cost", "pipeline_layouts", "stage_shapes", "PERMUTE", "STAG
 PERMUTE = "collective-permute"
 STAGE_PASSES = 1.0  # a backward tick's passes over the stacked stage, in optimizer updates of its bytes
 # without FSDP, the share of the rank's gradient accumulators XLA keeps in temp (the rest in the step's output
-# buffers): fitted with the stash twice on the 17 such pipelines of benchmarks/auto_layout_peaks, all within 10%
-# for 0.3-0.5 (1.0, the stash once: 16, the one-block-a-rank pp=4,dp=2 13% over)
+# buffers): an empirical factor of XLA's buffer assignment, with the stash counted twice (docs/benchmarks.md)
 ACCUMULATORS_IN_TEMP = 0.4
 
 
@@ -187,11 +186,10 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     # tp cuts a chunk's hidden activations (all of them under sequence parallelism): its work by sqrt(tp), as
     # spmd.parallel.cost._memory fits XLA's overlapping buffers of the cut and whole parts
     work = int(profile.temp_bytes(mb) * (chunk * math.sqrt(layout.tp * act_cut) / act_cut + (1 - u)))
-    # fitted on the project's Transformer (benchmarks/auto_layout_peaks' 24 pipelines, d256-d768, pp 2-4, M 2-16):
-    # without FSDP XLA places most gradient accumulators in the step's output buffers (the new parameters and
-    # optimizer state, written by the update after the last tick: d256x4's pp=4,dp=2 and pp=2,tp=4 buffer
-    # assignments hold the accumulating adds there), ACCUMULATORS_IN_TEMP of the rank's parameters left in
-    # temp; under FSDP 3.3 x the gathered stages with one chunk a rank, 4.5 x with two or more (the gathered
+    # empirical factors of XLA's buffer assignment (docs/benchmarks.md): without FSDP XLA places most gradient
+    # accumulators in the step's output buffers (the new parameters and optimizer state, written by the update
+    # after the last tick), ACCUMULATORS_IN_TEMP of the rank's parameters left in temp;
+    # under FSDP 3.3 x the gathered stages with one chunk a rank, 4.5 x with two or more (the gathered
     # stages, their gradient accumulators, a chunk's parameters and gradient as its branch gets and returns
     # them: a chunk picked by the tick's index is sliced from the stages, not aliased)
     units = lay.per_slot * s.stages_per_rank  # the unit slots a rank holds
@@ -199,11 +197,9 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
         ACCUMULATORS_IN_TEMP * p_bytes)
     if not gathered and units >= 2:
         # a backward tick recomputes its chunk and holds the chunk's residuals (the tensor-parallel parts cut
-        # over tp), which the one-device step's temp bytes miss where its outputs park them: fitted on the
-        # project's Transformer (d192-d768, 4-6 blocks, 8-32 rows per micro-batch, tp 2-4), the gradient
-        # accumulators and the work hold 0.5 x the rank's parameters beside 0.8 x the residuals of the rank's
-        # stages; with one unit a rank no more than the terms above (2 blocks over pp=2: 0.8 x its residuals
-        # put d192-d256 13-16% over, the terms above 1-7%)
+        # over tp), which the one-device step's temp bytes miss where its outputs park them: empirically
+        # (docs/benchmarks.md) the gradient accumulators and the work hold 0.5 x the rank's parameters beside
+        # 0.8 x the residuals of the rank's stages; with one unit a rank no more than the terms above
         res = activation_bytes(profile.residuals(mb), state.plan, laid.tp.tp.mesh_dim if laid.tp else None,
                                layout.tp, False) * u * units / len(lay.found)
         work = max(work, int(0.8 * res - 0.5 * p_bytes))

@@ -2,18 +2,15 @@
 
 A ``tp``-cut program holds neither the one-device step's activations divided by ``tp`` nor its whole: the
 cut parts (heads, the MLP's hidden features; with sequence parallelism the sequence) shrink, the rest
-does not, and XLA's buffer assignment changes with the sizes. On this host the project's d256x4
-Transformer at 64 rows held 108 MiB of temp bytes on one device and 57 MiB cut over ``tp=4``, 35 MiB
-cut weight-stationary (the square root of the activations' share, the estimate before this, said 71 and
-54). So ``tp_temp_bytes`` compiles the layout's tensor-parallel part alone, ``dp=1`` over the first ``tp``
-devices on one data replica's rows (its accumulation and checkpointing policy too), through the contract
-like any candidate, and takes its temp bytes (``memory_analysis``): every layout of the same cut and
-rows shares it (``dp`` and ``fsdp`` change the data dims, not the cut program; FSDP's gathers are
-``spmd.parallel.cost._memory``'s terms): on that model at batches 32 and 128, the ``dp=8/tp`` layouts' temp
-bytes were their part's within 0.3 MiB. One compile per (cut, rows, accumulation, policy), cached on the
-``Profile``. The part is compiled to be read, never run: with LLVM's code generation unoptimized
-(``READ_ONLY``), as XLA assigns the buffers before it generates code (the same temp bytes; on this host
-the d32 Transformer's parts compiled in 1.8 s in place of 3.2).
+does not, and XLA's buffer assignment changes with the sizes (no share of the one-device step's temp
+bytes predicts it: docs/benchmarks.md). So ``tp_temp_bytes`` compiles the layout's tensor-parallel part
+alone, ``dp=1`` over the first ``tp`` devices on one data replica's rows (its accumulation and
+checkpointing policy too), through the contract like any candidate, and takes its temp bytes
+(``memory_analysis``): every layout of the same cut and rows shares it (``dp`` and ``fsdp`` change the
+data dims, not the cut program; FSDP's gathers are ``spmd.parallel.cost._memory``'s terms). One compile
+per (cut, rows, accumulation, policy), cached on the ``Profile``. The part is compiled to be read, never
+run: with LLVM's code generation unoptimized (``READ_ONLY``), as XLA assigns the buffers before it
+generates code (the same temp bytes, compiled faster).
 """
 
 from __future__ import annotations

@@ -1,31 +1,29 @@
 """The machine's costs, measured: per collective kind a latency and a bandwidth, matmul and elementwise throughput.
 
-``calibrate()`` times, on every device at once (as a train step runs), each collective of
-``spmd.parallel.cost._comm.KINDS`` plus ``collective-permute`` over a few sizes, each between small kernels in a
-straight-line program as a step runs it (less the same program without it: on CPU fake devices, where a
-collective is a rendezvous of the devices' threads and memcpys, one between kernels costs 0.2-1 ms where a
-loop of back-to-back collectives fitted a latency near 0), and keeps the measured ``(bytes, seconds)`` points
-as the kind's cost curve, interpolated between them (bytes in the nccl-tests convention of the cost model:
-the all-reduce's buffer, the all-gather's result, the reduce-scatter's input; sizes from 32 KiB to 16 MiB: on
-this 2-core host a line fitted below 1 MiB put a 4-16 MiB collective at half its measured cost, the caches
-no longer holding the devices' buffers); a matmul's flop rate and
-an elementwise kernel's byte rate per device while all devices run (on a CPU host the fake devices share the
-cores: the rates are what each gets); the cost of one more operation in a device's program (``op_s``: a chain
-of tiny dependent ops, all devices busy: the per-kernel launch and synchronisation a step's hundreds of
-fusions pay); how much faster one device's program runs with the other devices idle (``alone_speedup``: the
-matmul program on one device over all of them at once; on this 2-core host with 8 fake devices about 5, as
-the idle devices' cores go to the busy one: a pipeline's bubble there costs little); and the fixed cost of
-dispatching one program. The result is a ``Calibration``, cached per
-machine as JSON under ``$SPMD_CACHE_DIR`` (default ``~/.cache/spmd``; ``Calibration.cache_path(devices)``) and
-reused unless ``refresh=True``.
+``calibrate()`` times, on every device at once (as a train step runs):
+
+- each collective of ``spmd.parallel.cost._comm.KINDS`` plus ``collective-permute`` at sizes from 32 KiB to
+  16 MiB, each between small kernels in a straight-line program, less the same program without it (a loop of
+  back-to-back collectives misses what one between kernels costs), kept as the kind's ``(bytes, seconds)``
+  points and interpolated between them (a line drawn through small sizes misses where the caches stop holding the
+  buffers); bytes in the cost model's nccl-tests convention: the all-reduce's buffer, the all-gather's
+  result, the reduce-scatter's input;
+- a matmul's flop rate and an elementwise kernel's byte rate per device while all devices run (where fake
+  devices share a host's cores, the rates are what each gets);
+- ``op_s``, the cost of one more operation in a device's program (a chain of tiny dependent ops: the
+  per-kernel launch and synchronisation a step's fusions pay);
+- ``alone_speedup``, how much faster one device's program runs with the others idle (where devices share
+  cores, the idle devices' cores go to the busy one: a pipeline's bubble costs less);
+- the fixed cost of dispatching one program.
+
+The result is a ``Calibration``, cached per machine as JSON under ``$SPMD_CACHE_DIR`` (default
+``~/.cache/spmd``; ``Calibration.cache_path(devices)``) and reused unless ``refresh=True``.
 
 A measured calibration (``measured=True``) also tells ``auto_layout`` to time the user's own one-device
 gradient and each layout's optimizer update on every device at once (``spmd.parallel.cost._memory.Profile
-.grad_seconds``, ``.optimizer_seconds``): the rates above are those
-of small kernels of one shape each, and a model's step mixes shapes whose efficiency they do not predict
-(on this 2-core host with 8 fake devices a 256^3 matmul ran at about 13-16 GFLOP/s per device, the d64
-transformer's ``[256,64]x[64,256]`` dots at about 6). A hand-built calibration (tests) predicts from its rates
-alone, deterministically.
+.grad_seconds``, ``.optimizer_seconds``): the rates above are those of small kernels of one shape each, and a
+model's step mixes shapes whose efficiency they do not predict. A hand-built calibration (tests) predicts
+from its rates alone, deterministically. The measurements behind these choices: docs/benchmarks.md.
 """
 
 from __future__ import annotations

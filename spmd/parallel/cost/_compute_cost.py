@@ -9,9 +9,7 @@ device at once (a ``shard_map`` of it with no collective: on a host whose fake d
 sum over the devices' programs divided by what the host runs at once, as it really runs; on one
 accelerator per device, one device's time), which ``auto_layout`` anchors the gradient's estimate on when
 the calibration was measured; ``Profile.optimizer_seconds``: the update of a layout's own shards timed so
-(its cost is not the shard's share of the whole update's: on this 2-core host the AdamW update of the
-d384x6 model's parameters took 468 ms whole, 98 ms on half of them, 18 ms on an eighth, where its bytes
-accessed scale by the share).
+(its cost is far from the shard's share of the whole update's: docs/benchmarks.md).
 """
 
 from __future__ import annotations

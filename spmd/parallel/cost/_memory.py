@@ -10,17 +10,13 @@ state (``argument + output + temp``):
 - ``gathered``: the gathered parameters alive at once (``ParamPlan.peak_gathered_bytes``: the root unit and
   the largest other unit when re-gathering for the backward pass, every unit when kept or accumulating);
 - ``gathered_grads``: under FSDP, the unit gradients alive before their reduce-scatters, x (1 - 1/fsdp):
-  re-gathering, ``REGATHERED_GRADS`` (0.1) x the largest unit's (its backward pass runs between its re-gather
-  and its reduce-scatters, one unit at a time: ``Hooks.call_unit``, its gathers tied to the unit's input and
-  cotangent; XLA reduce-scatters each gradient as soon as it is computed, so few are alive at once); keeping,
-  0.4 x the gathered bytes of every unit (fitted on the project's Transformer, and likely making up for
-  part of the activations below); under accumulation too, where the reduce-scatters follow the loop (the
-  d256x4 Transformer's 8-device layouts held 0-0.9x those bytes beside the carry);
+  re-gathering, ``REGATHERED_GRADS`` x the largest unit's (its backward pass runs between its re-gather and
+  its reduce-scatters, one unit at a time: ``Hooks.call_unit``; XLA reduce-scatters each gradient as soon as
+  it is computed, so few are alive at once); keeping, or under accumulation (the reduce-scatters follow the
+  loop), 0.4 x the gathered bytes of every unit;
 - ``accumulated_grads``: under gradient accumulation with FSDP, the loop's carry of the gradients FSDP
   cuts, whole (every unit's gathered bytes), reduce-scattered once after the last micro-batch (a carry of
-  the stored shape, without FSDP or for a parameter FSDP leaves whole, XLA keeps in an output's buffer: on
-  this host the toy Transformer's ``dp=8 accum=2`` holds 0.5 KiB more than its ``dp=8`` for 103 KiB of
-  gradients);
+  the stored shape, without FSDP or for a parameter FSDP leaves whole, XLA keeps in an output's buffer);
 - ``work``: XLA's temp bytes of the user's whole step (gradient and optimizer update; under accumulation
   the gradient alone, the loop's body) on one device and one micro-batch (activations, work buffers); under
   tensor parallelism those of the layout's tensor-parallel part compiled on its own group
@@ -29,18 +25,10 @@ state (``argument + output + temp``):
   ``jax.checkpoint`` saving its matmul outputs), what that schedule holds in place of the step's temp: the
   saved matmul outputs of every unit (the one-device residuals under ``dots_saveable``, cut over tp as
   below), less those XLA's buffer assignment parks in the step's output buffers before their final values
-  are written (``parked_bytes``: one saved output in each output buffer at least as large; the outputs are
-  the layout's parameter and optimizer-state shards, too small for a large batch's outputs and large enough
-  for a small one's: on the d768x6 Transformer at 4 rows a device every saved output is parked), plus
-  ``RECOMPUTED`` (0.6) x one unit's other residuals, which its backward pass recomputes (the residuals not
-  saved, spread over the units other than the root). A sequence-parallel or weight-stationary layout's
-  layers compute the plain plan's matmul outputs on each device (the input gathered first), so they are
-  counted as the plain plan's, and the compiled peaks agree (the d256x4 Transformer at batch 128 on
-  ``fsdp=4,tp=2``: 31.6 MiB plain and weight-stationary). Fitted on 17 re-gathering layouts of
-  ``benchmarks/auto_layout.py`` and 3 of the suite's d32 Transformer (2 to 32 rows a device): all within
-  10%, the largest error 8% (scaling the step's temp by the square root of the saved share instead: 16 of
-  20, 25% under where the saved outputs dominate the peak, d384x6 at 16 rows a device on ``fsdp=8``); the
-  benchmark's 18th, d768x6 at 64 rows a device, left out of the fit: 9% under;
+  are written (``parked_bytes``: one saved output in each output buffer at least as large), plus
+  ``RECOMPUTED`` x one unit's other residuals, which its backward pass recomputes. A sequence-parallel or
+  weight-stationary layout's layers compute the plain plan's matmul outputs on each device (the input
+  gathered first), so they are counted as the plain plan's;
 - ``activations`` (reported, inside ``work``): the residuals the backward pass reads (the ``jax.vjp``
   closure of the user's loss on one micro-batch, one device, parameters taken out), the tensor-parallel
   part divided by ``tp``: a residual holding a dim a tensor-parallel cut splits (heads, the MLP's hidden
@@ -49,18 +37,15 @@ state (``argument + output + temp``):
 FSDP keeping its units (``reshard_after_forward=False``, no accumulation): the one-device step's temp bytes
 are not all its activations. Its state is not donated, so its outputs (the new parameters and optimizer
 state) are buffers of their own, and XLA's buffer assignment parks activations in them before their final
-values are written: the d384x6 Transformer's step on 16 rows holds 15.7 MiB of temp, where its gradient
-alone with the parameters donated (nothing to park in) holds 64.7 MiB. A layout whose outputs are as large
-(``dp``, and ``tp``'s part on its group) parks the same; an FSDP layout's outputs are ``1/fsdp`` of them, so
-its activations go to temp (``fsdp=8 keep`` on those rows: 100.5 MiB of temp at the end of its forward pass,
-41.8 of gathered units and about 59 of activations, XLA's live-range dump). So a keeping layout's work and
-unit gradients together are at least the donated gradient's temp bytes times the activations'
-tensor-parallel share, less ``PARKED_IN_OUTPUTS`` (0.6) of the layout's own outputs: fitted on the 18 keep
-layouts of ``benchmarks/auto_layout.py`` (d256x4 to d768x6, 4 to 64 rows a device), all within 10% of the
-compiled peak (from 11, the worst -22%); any share from 0.6 to 0.75 puts all 18 within 10%. Re-gathering
-layouts save the matmul outputs alone and are not given the term (it put them 40-52% over), nor is a step
-under a checkpointing policy (measured as its own step: its temp bytes scaled by the plain step's would put
-the suite's ``fsdp=8 keep ac=dots`` 23% over, from 4% under).
+values are written. A layout whose outputs are as large (``dp``, and ``tp``'s part on its group) parks the
+same; an FSDP layout's outputs are ``1/fsdp`` of them, so its activations go to temp. So a keeping layout's
+work and unit gradients together are at least the donated gradient's temp bytes times the activations'
+tensor-parallel share, less ``PARKED_IN_OUTPUTS`` of the layout's own outputs. Re-gathering layouts save
+the matmul outputs alone and are not given the term, nor is a step under a checkpointing policy (measured
+as its own step).
+
+``REGATHERED_GRADS``, ``RECOMPUTED``, ``PARKED_IN_OUTPUTS`` and the 0.4 above are empirical factors of XLA's
+buffer assignment and scheduling; the compiled peaks they are checked against: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -81,17 +66,16 @@ __all__ = ["Profile", "memory_breakdown", "activation_bytes", "parked_bytes", "R
 
 # the compiler options of a program compiled only to read its memory_analysis, cost analysis or optimized HLO:
 # XLA's HLO passes and buffer assignment run before LLVM generates the code, which such a program never runs
-# (the same numbers; on this host a d32 Transformer's tensor-parallel part compiled in 1.8 s in place of 3.2)
+# (the same numbers, compiled faster)
 READ_ONLY = {"xla_backend_optimization_level": 0}
 
 # FSDP keeping its units: the share of the layout's own outputs (its parameter and optimizer-state shards) XLA
-# still parks activations in, fitted on benchmarks/auto_layout.py's 18 keep layouts (0.6-0.75 all within 10%)
+# still parks activations in: an empirical factor of XLA's buffer assignment (docs/benchmarks.md)
 PARKED_IN_OUTPUTS = 0.6
 
 # units re-gathered for their backward pass: the share of one unit's recomputed residuals (those other than its
 # matmul outputs) alive at once in its backward pass, and of its gathered gradients before their
-# reduce-scatters, fitted on 17 re-gathering layouts of benchmarks/auto_layout.py and 3 of the suite's
-# Transformer (all 20 within 10% for 0.6-0.7 of the residuals with 0-0.2 of the gradients)
+# reduce-scatters: empirical factors of XLA's scheduling and buffer assignment (docs/benchmarks.md)
 RECOMPUTED = 0.6
 REGATHERED_GRADS = 0.1
 
