@@ -233,7 +233,7 @@ def test_loop_holds_one_permute_per_pair_set():
 
 @pytest.mark.xdist_group("pp-accum")
 def test_gpipe_keeps_more_activation_slots_than_1f1b():
-    """The table's bound; the compiled stash equals it (tests/test_pipeline_memory.py: the unrolled step's
+    """The table's bound; the compiled stash equals it (test_pipeline_memory.py: the unrolled step's
     temp is not decomposable)."""
     gp, fb = _run("pp2dp4-gpipe-accum"), _run("pp2dp4-1f1b-accum")
     assert (gp["table"]["activation_slots"], fb["table"]["activation_slots"]) == (4, 2)

@@ -147,7 +147,7 @@ def test_under_a_scheduler_that_lets_it_save_the_pick_checkpoints_and_fits():
     does not. In a fresh process, since the flag is global to a process: the predicted peak of each policy is
     within 10% of memory_analysis(), and under a budget dp=8 misses by its activations, with no
     accumulation to fall back on, the pick checkpoints and its compiled step fits."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
                                       "--xla_cpu_enable_concurrency_optimized_scheduler=false", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(root)}

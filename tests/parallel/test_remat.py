@@ -346,7 +346,7 @@ def test_full_checkpointing_cuts_the_temp_bytes():
     """seq 64, batch 16 (2 per device), d 64, 4 blocks on dp=8: XLA's temp bytes (activations, work buffers)
     of the step fall with every block recomputed. Under XLA:CPU's memory-minimizing scheduler, in a fresh
     process: the flag is global to a process and the other tests compile with the default one."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
                                       "--xla_cpu_enable_concurrency_optimized_scheduler=false", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(root)}

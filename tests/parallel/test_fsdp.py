@@ -319,7 +319,7 @@ def test_training_job_fsdp_under_spmdrun_matches_dp(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     drop = ("XLA_FLAGS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
             "SPMD_DEVICES_PER_PROC")
     env = {k: v for k, v in os.environ.items() if k not in drop}

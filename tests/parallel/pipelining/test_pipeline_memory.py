@@ -1,7 +1,7 @@
 """A pipeline schedule's activation stash, measured from ``compiled.memory_analysis()``, equals its bound.
 
 ``spmd.parallel.pipelining._memory.measure_activation_stash`` (its module doc: the method) on the Llama of
-tests/test_pipeline.py (4 layers, hidden 16) over pp=2 (2 devices), one micro-batch of 2 x 8 x 16 float32
+test_pipeline.py (4 layers, hidden 16) over pp=2 (2 devices), one micro-batch of 2 x 8 x 16 float32
 (1 KiB): the temp bytes of the looped, donated step at several M fit a line whose slope is exactly one
 activation per stash slot, and each schedule's measured stash is exactly its slot count x the activation
 bytes: gpipe M activations (+1 gradient), 1f1b 2 (pp - 1) (+1) at every M >= pp, interleaved v=2 its own

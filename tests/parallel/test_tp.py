@@ -5,7 +5,7 @@
 Each configuration compiles once (lru_cache) and trains 20 AdamW steps of a tiny transformer. Its heads (8),
 vocabulary (8) and MLP width (32) divide every tp size: ``spmd.parallel`` cuts evenly on tp (the model reads
 global shapes); the fsdp cuts stay uneven (torch.chunk, zero padded). AdamW eps=1e-6 for the reason given in
-tests/test_fsdp.py.
+tests/parallel/test_fsdp.py.
 """
 
 import functools
