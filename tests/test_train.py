@@ -579,3 +579,15 @@ def test_each_progress_line_carries_its_own_steps_metrics():
         m = re.fullmatch(r"models\.train: step (\d+)/60 loss=(\S+) acc=0\.500( samples_s=\S+)?", line)
         step, loss = m.groups()[:2]
         assert loss == f"{int(step) / 1000:.4f}", line
+
+
+@pytest.mark.parametrize("argv", [["--memory-budget", "-1GiB"], ["--memory-budget=-1GiB"], ["--memory-budget", "-1"]])
+def test_a_negative_memory_budget_is_named(argv, capsys):
+    """argparse took '-1GiB' for an option ('expected one argument'); the message names the flag, the value and the
+    fix (issue 47)."""
+    with pytest.raises(SystemExit):
+        parse_args(["--mesh", "auto", *argv])
+    value = argv[-1].split("=", 1)[-1]
+    assert (f"error: argument --memory-budget: --memory-budget={value!r} is not a size in bytes; give a positive "
+            "number with an optional unit B, KB, MB, GB, KiB, MiB, GiB (e.g. --memory-budget 2GiB).") in capsys.readouterr().err
+

@@ -125,7 +125,15 @@ def parse_args(argv: list[str] | None = None) -> Config:
 def _parse(argv: list[str] | None) -> tuple[Config, frozenset[str]]:
     """The ``Config`` and the names of the fields the command line gave (``--resume`` takes the others from the
     run's checkpoint)."""
-    a = _parser().parse_args(argv)
+    parser = _parser()
+    args = sys.argv[1:] if argv is None else argv
+    for flag, value in zip(args, args[1:]):
+        if flag == "--memory-budget" and value.startswith("-") and value[1:2].isdigit():
+            try:  # argparse takes '-1GiB' for an option and says only "expected one argument"
+                _budget(value)
+            except argparse.ArgumentTypeError as e:
+                parser.error(f"argument --memory-budget: {e}")
+    a = parser.parse_args(argv)
     given = _parser()
     for action in given._actions:
         action.default = argparse.SUPPRESS  # a second parse that keeps only what was typed

@@ -49,7 +49,7 @@ import numpy as np
 import optax
 
 from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
-from spmd.parallel.auto._budget import CHECKPOINTING, _fitting, _measured, checked
+from spmd.parallel.auto._budget import CHECKPOINTING, _fitting, _measured, check_budget, check_floor, checked, parts
 from spmd.parallel.auto._measure import compiled_peak, measure_layouts
 from spmd.parallel.auto._pipeline import pipeline_cost, pipeline_layouts, stage_shapes
 from spmd.parallel.cost._calibrate import Calibration, calibrate
@@ -243,18 +243,21 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     single-device programs are compiled once per micro-batch size); ``accum_steps``: the least gradient
     accumulation of every candidate (the user's own; more where the memory budget needs it); ``measure``:
     compile and time the top ``measure`` fitting candidates side by side and rank those first by their
-    measured time (``spmd.parallel.auto._measure``; one process only). Under ``memory_budget_bytes`` the
-    top ``max(measure, 1)`` are first compiled (not run) in ranked order until that many fit by their
-    compiled peak, and only those are timed, on the steps so compiled.
+    measured time (``spmd.parallel.auto._measure``; one process only). Under ``memory_budget_bytes`` (bytes
+    per device, a number) the top ``max(measure, 1)`` are first compiled (not run) in ranked order until that
+    many fit by their compiled peak, and only those are timed, on the steps so compiled; a budget below the
+    state's bytes (parameters and optimizer state, before and after the update) cut over every device is
+    refused at once, before any calibration or trace.
     """
     where = "auto_layout"
     _check_optimizer(optimizer, where)
-    if memory_budget_bytes is not None and (isinstance(memory_budget_bytes, bool) or memory_budget_bytes <= 0):
-        raise ValueError(f"{where}: memory_budget_bytes={memory_budget_bytes!r} must be a positive int or None.")
+    check_budget(memory_budget_bytes, where)
     devices = devices_of(mesh_shape_or_devices, where)
-    cal = calibration if calibration is not None else calibrate(devices)
     batch = _abstract(example_batch)
     params = _params_of(model, batch, params, where)
+    if memory_budget_bytes is not None:  # refused at once below what any layout's state needs, nothing compiled
+        check_floor(params, optimizer, len(devices), memory_budget_bytes, where)
+    cal = calibration if calibration is not None else calibrate(devices)
     units = infer_units(params) if units is None else tuple(units)
     loss = loss_fn if loss_fn is not None else default_loss(model)
     profile = profile or Profile(loss, params, optimizer)
@@ -293,8 +296,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         small = min(got, key=lambda c: c.memory["peak"])
         raise ValueError(
             f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,}; the smallest, {small.name}, "
-            f"needs {small.memory['peak']:,} B per device (state {small.memory['state']:,}, activations "
-            f"{small.memory['activations']:,}), with the gradient accumulation the micro-batches allow"
+            f"needs {small.memory['peak']:,} B per device ({parts(small.memory)}), with the gradient accumulation "
+            "the micro-batches allow"
             + (f" and activation checkpointing ({' and '.join(repr(p) for p in CHECKPOINTING)}) weighed" if units
                else "") + "; use more devices, a larger budget, a smaller batch or fully_shard units (fsdp).")
     loss_of = (lambda laid: loss_fn if loss_fn is not None else default_loss(laid))  # noqa: E731

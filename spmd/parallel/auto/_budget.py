@@ -16,17 +16,53 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
+
+import jax
 
 from spmd.parallel.auto._ranking import Candidate
+from spmd.parallel.cost._memory import _nbytes
 
-__all__ = ["CHECKPOINTING", "checked"]
+__all__ = ["CHECKPOINTING", "checked", "check_budget", "check_floor", "parts"]
 
 NEAR = 0.10  # compiled too when too few fit: predicted over the budget by up to this share (the estimate's
 # overestimates of XLA's peak in benchmarks/auto_layout_peaks.py: all 70 layouts within it, the most +8%)
 
 CHECKPOINTING = ("dots", "full")  # the activation-checkpointing policies weighed where memory needs them
+
+
+def check_budget(budget: Any, where: str) -> None:
+    """A memory budget is a positive number of bytes per device, or None."""
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"{where}: memory_budget_bytes={budget!r} must be a number of bytes per device (an int, e.g. "
+                        "2 * 2**30 for 2 GiB) or None.")
+    if not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"{where}: memory_budget_bytes={budget!r} must be a positive int or None (bytes per device, "
+                         "e.g. 2 * 2**30 for 2 GiB).")
+
+
+def check_floor(params: Any, optimizer: Any, n: int, budget: float, where: str) -> None:
+    """Refuse, before anything is traced or compiled, a budget below what every layout of ``n`` devices holds:
+    the state (parameters and optimizer state, before and after the update: the memory model's ``state``) cut
+    over all ``n`` devices."""
+    p, o = _nbytes(params), _nbytes(jax.eval_shape(optimizer.init, params))
+    floor = -(-2 * (p + o) // n)
+    if budget < floor:
+        raise ValueError(
+            f"{where}: no layout fits memory_budget_bytes={budget:,}: the state alone, the parameters ({p:,} B) and "
+            f"the optimizer state ({o:,} B) held before and after the update (2 x {p + o:,} B), needs at least "
+            f"{floor:,} B per device even cut over all {n} devices; give a budget above {floor:,} B (the "
+            "activations and work buffers come on top), more devices or a smaller model.")
+
+
+def parts(memory: dict) -> str:
+    """The terms a predicted peak is the sum of (``spmd.parallel.cost._memory``: those before ``"peak"``)."""
+    return ", ".join(f"{k} {int(v):,}" for k, v in itertools.takewhile(lambda kv: kv[0] != "peak", memory.items()) if v)
 
 
 def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...], rejected: list

@@ -281,9 +281,33 @@ def test_a_memory_budget_excludes_what_does_not_fit_and_none_fitting_is_a_clear_
                       memory_budget_bytes=budget, profile=data[2])
     assert got.best.fits and got.best.memory["peak"] <= budget
     assert all(c.fits == (c.memory["peak"] <= budget) for c in got)
-    with pytest.raises(ValueError, match=re.escape("auto_layout: no layout fits memory_budget_bytes=1,000; the "
-                                                   "smallest,")):
-        auto_layout(MODEL, OPT, batch, 8, layouts=lays, calibration=_cal(), memory_budget_bytes=1000, profile=data[2])
+    smallest = min(fs.memory["peak"], dp.memory["peak"]) - 1  # above the state floor: weighed, then refused
+    with pytest.raises(ValueError, match=re.escape(f"auto_layout: no layout fits memory_budget_bytes={smallest:,}; "
+                                                   "the smallest, fsdp=8 regather")):
+        auto_layout(MODEL, OPT, batch, 8, layouts=lays, calibration=_cal(), memory_budget_bytes=smallest,
+                    profile=data[2])
+
+
+def test_an_impossible_budget_is_refused_before_anything_is_traced(data, built, monkeypatch):
+    """A budget below the state's bytes cut over every device is refused at once (no calibration, no layout
+    traced), with a figure no candidate's own state is below (issue 47: 1000 B took 111 s)."""
+    import spmd.parallel.auto._auto as auto
+
+    batch, params, _ = data
+    monkeypatch.setattr(auto, "calibrate", lambda *a: pytest.fail("calibrated before refusing"))
+    monkeypatch.setattr(auto, "evaluate_layout", lambda *a, **k: pytest.fail("a layout weighed before refusing"))
+    p = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+    o = sum(np.asarray(x).nbytes for x in jax.tree.leaves(OPT.init(params)))  # adamw: two moments and a count
+    floor = -(-2 * (p + o) // 8)
+    with pytest.raises(ValueError, match=re.escape(
+            f"auto_layout: no layout fits memory_budget_bytes=1,000: the state alone, the parameters ({p:,} B) and "
+            f"the optimizer state ({o:,} B) held before and after the update (2 x {p + o:,} B), needs at least "
+            f"{floor:,} B per device even cut over all 8 devices; give a budget above {floor:,} B")):
+        auto_layout(MODEL, OPT, batch, 8, memory_budget_bytes=1000)
+    assert all(floor <= c.memory["state"] <= c.memory["peak"] for c, *_ in built.values())  # consistent
+    with pytest.raises(TypeError, match=re.escape("auto_layout: memory_budget_bytes='1GiB' must be a number of "
+                                                  "bytes per device (an int, e.g. 2 * 2**30 for 2 GiB) or None.")):
+        auto_layout(MODEL, OPT, batch, 8, memory_budget_bytes="1GiB")
 
 
 def test_accumulation_is_added_where_memory_needs_it(data):
@@ -711,9 +735,12 @@ def test_a_pipeline_accumulates_only_what_its_micro_batches_divide(data):
     assert [c.name for c in got] == ["pp=2,dp=4 1f1b M=2 accum=2"]
     with pytest.raises(ValueError, match=re.escape(f"auto_layout: no layout fits memory_budget_bytes="
                                                    f"{two.memory['peak'] - 1:,}; the smallest, pp=2,dp=4 1f1b M=2 accum=2, needs "
-                                                   f"{two.memory['peak']:,} B per device")):
+                                                   f"{two.memory['peak']:,} B per device")) as e:
         auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=[lay],
                     memory_budget_bytes=two.memory["peak"] - 1)
+    # the parts named add up to the figure (issue 47: 'state, activations' were not its terms)
+    named = re.search(r"B per device \(([^)]*)\)", str(e.value)).group(1)
+    assert sum(int(v.replace(",", "")) for v in re.findall(r"[a-z_]+ ([\d,]+)", named)) == two.memory["peak"], named
 
 
 def _fake_clock(monkeypatch, seconds: tuple[float, ...]) -> None:
