@@ -153,7 +153,7 @@ class UnitCalls:
                                  "must return one activation of its input's shape and dtype (alone or as the one "
                                  "array of a tuple).")
             calls.append((path, self._unit_of(path, mod), o_leaves[arrays[0]], x, (leaves, tree),
-                          (o_tree, o_leaves, arrays[0])))
+                          (o_tree, o_leaves, arrays[0]), _config(mod)))
             return out
 
         jax.eval_shape(lambda p, b: self.run(loss_fn, p, b, on_unit), params, mb)
@@ -166,13 +166,51 @@ class UnitCalls:
             raise ValueError(f"pipeline: the model calls the units in the order {names}, not in the order of their "
                              f"names' numbers {found}; the stages follow that order: name the units by their "
                              "place in the chain.")
-        _, self.unit, _, x, (leaves, tree), o = calls[0]
+        _, self.unit, _, x, (leaves, tree), o, _ = calls[0]
         self.act = jax.ShapeDtypeStruct(x.shape, x.dtype)
         self.side_tree = jax.tree_util.tree_unflatten(tree, [_Slot if _is_array(a) else a for a in leaves])
         self.side_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves if _is_array(a)]
         self.out = (o[0], [None if _is_array(y) else y for y in o[1]], o[2])
+        self._group([c[1] for c in calls], [c[6] for c in calls])
         if self.side_shapes:
             self._check_side(loss_fn, params, mb)
+
+    def _group(self, mods: list, configs: list) -> None:
+        """Group the units into kinds that compute the same function: equal configurations (a linen module's
+        fields but its name, an nnx module's static attributes), else equal traced programs (GPT-Neo's
+        ``layer_id`` differs per block, but its blocks compute one of two programs). ``kinds``: a
+        representative unit index per kind; ``kind_of``: each unit's kind."""
+        units = self.lay.units
+        keys: dict[int, Any] = {}
+
+        def key(i):
+            if i not in keys:
+                keys[i] = self._trace_key(mods[i])
+            return keys[i]
+
+        self.units_of, self.kinds, self.kind_of = mods, [], []
+        for i in range(len(mods)):
+            k = next((k for k, rep in enumerate(self.kinds) if _equal(configs[rep], configs[i])), None)
+            if k is None:
+                k = next((k for k, rep in enumerate(self.kinds) if key(rep) == key(i)), None)
+            if k is None:
+                k = len(self.kinds)
+                self.kinds.append(i)
+            self.kind_of.append(k)
+        if len(self.kinds) > 1:
+            a, b = self.kinds[0], self.kinds[1]
+            raise ValueError(f"pipeline: units {units[a]!r} and {units[b]!r} differ ({_difference(configs[a], configs[b])}) "
+                             "and compute different programs; pipeline stages stack repeated blocks that compute one "
+                             "program: match only identical blocks with units=.")
+
+    def _trace_key(self, unit):
+        """The unit's traced program (and its constants): equal keys compute the same function."""
+        import numpy as np
+
+        shapes = [self.lay.shapes[f"{self.lay.units[0]}/{r}"] for r in self.lay.rel]
+        closed = jax.make_jaxpr(lambda ls, x, sd: self._apply(unit, ls, x, sd))(shapes, self.act, self.side_shapes)
+        consts = tuple((np.shape(c), str(np.result_type(c)), np.asarray(c).tobytes()) for c in closed.consts)
+        return str(closed.jaxpr), consts
 
     def _check_side(self, loss_fn, params, mb) -> None:
         rest = {p: self.lay.shapes[p] for p in self.lay.rest}
@@ -236,16 +274,73 @@ class UnitCalls:
 
     def apply_unit(self, leaves: list, x, side: list = ()):
         """One unit on its parameters (``leaves``, in ``StageLayout.rel`` order) and the stage's side arrays."""
+        return self._apply(self.unit, leaves, x, side)
+
+    def _apply(self, unit, leaves: list, x, side: list = ()):
         args, kwargs = self._side(list(side))
         if self.kind == "nnx":
             from flax import nnx
 
-            gd, ptree, rels = self.unit
+            gd, ptree, rels = unit
             by_rel = dict(zip(self.lay.rel, leaves))
             out = nnx.merge(gd, jax.tree_util.tree_unflatten(ptree, [by_rel[r] for r in rels]))(x, *args, **kwargs)
         else:
-            out = self.unit.apply({"params": self.lay.unit_tree(leaves)}, x, *args, **kwargs)
+            out = unit.apply({"params": self.lay.unit_tree(leaves)}, x, *args, **kwargs)
         return jax.tree.leaves(out)[self.out[2]]
+
+
+def _config(mod) -> dict:
+    """What makes a unit module compute what it does besides its parameters: a linen module's fields but its
+    name and parent; an nnx module's attributes that are neither variables, arrays nor modules (its submodules'
+    too, by path)."""
+    import dataclasses
+
+    import flax.linen as nn
+
+    if isinstance(mod, nn.Module):
+        return {f.name: getattr(mod, f.name) for f in dataclasses.fields(mod) if f.name not in ("parent", "name")}
+    from flax import nnx
+
+    out = {}
+    for path, sub in nnx.iter_modules(mod):
+        for k, v in vars(sub).items():
+            if k.startswith("_") or isinstance(v, (nnx.Variable, nnx.Module)) or _is_array(v):
+                continue
+            if isinstance(v, (list, tuple, dict)) and any(isinstance(y, (nnx.Variable, nnx.Module))
+                                                          for y in jax.tree.leaves(v, is_leaf=lambda y: isinstance(
+                                                              y, (nnx.Variable, nnx.Module)))):
+                continue
+            out["/".join(map(str, (*path, k)))] = v
+    return out
+
+
+def _equal(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        try:
+            if not bool(a[k] == b[k]):
+                return False
+        except Exception:  # an array-valued field: compared by the traced program instead
+            return False
+    return True
+
+
+def _difference(a: dict, b: dict) -> str:
+    """The first attribute two unit configurations differ in, as ``name=value vs value``."""
+    for k in list(a) + [k for k in b if k not in a]:
+        va, vb = a.get(k, "<absent>"), b.get(k, "<absent>")
+        try:
+            same = bool(va == vb)
+        except Exception:
+            same = False
+        if not same:
+            if hasattr(va, "to_diff_dict") and hasattr(vb, "to_dict"):  # a Hugging Face config: the keys that differ
+                da, db = va.to_dict(), vb.to_dict()
+                ks = [x for x in sorted(set(da) | set(db)) if da.get(x) != db.get(x)]
+                return ", ".join(f"{k}.{x}={da.get(x)!r} vs {db.get(x)!r}" for x in ks[:3])
+            return f"{k}={va!r} vs {vb!r}"
+    return "equal attributes"
 
 
 def _shape(y):
