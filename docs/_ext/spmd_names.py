@@ -35,6 +35,8 @@ CONSTANTS = {
     "placements.TRANSITIONS": "The transition table: for each legal (source kind, destination kind) of one mesh "
     "dim, its collective, how its bytes are counted, its traffic and the name of its lowering. The planner, "
     "the JAX lowering and the NumPy simulator all read it; a pair absent here is not a step.",
+    "spmd.parallel.HARDWARE": "The built-in ``Hardware`` by name (``'h100'``, ``'h200'``, ``'a100-80g'``, "
+    "``'tpu-v5p'``), each from its vendor's published figures; ``Hardware.named(name)`` looks one up.",
     "spmd.parallel.ROOT": "``'root'``: the name of the unit holding every parameter that no ``units`` pattern "
     "matched (torch's root ``fully_shard``).",
 }

@@ -19,7 +19,8 @@ from spmd.parallel.plan import (ROOT, ParamPlan, PlanEntry, Rule, entry_sharding
 from spmd.parallel.styles import (ColwiseParallel, MixedPrecisionPolicy, ParallelModule, ParallelStyle,
                                   PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                                   activation_checkpointing, fully_shard, parallelize_module, weight_stationary_plan)
-from spmd.parallel.cost import Calibration, calibrate, executed_collectives, hlo_executed_collectives
+from spmd.parallel.cost import (HARDWARE, Calibration, Hardware, Link, calibrate, executed_collectives,
+                                hlo_executed_collectives)
 from spmd.parallel.step import TrainState, init_train_state, make_train_step, unshard_params
 from spmd.parallel.pipelining import PipelineModule, Schedule, SplitPoint, build_schedule, pipeline
 from spmd.parallel.auto import AutoLayout, Candidate, Layout, apply_layout, auto_layout
@@ -31,6 +32,9 @@ __all__ = [
     "Layout",
     "weight_stationary_plan",
     "Calibration",
+    "Hardware",
+    "Link",
+    "HARDWARE",
     "AutoLayout",
     "Candidate",
     "parallelize_module",

@@ -151,7 +151,11 @@ def _machine_key(devices) -> str:
     import jax
 
     d = devices[0]
-    return f"{platform.node()}|{d.platform}|{getattr(d, 'device_kind', '')}|{len(devices)}|jax {jax.__version__}"
+    # the processes and the backend that carries their collectives change every figure (gloo across processes
+    # is far slower than one process's devices), so each (machine, devices, processes, backend, jax) has its own
+    backend = os.environ.get("SPMD_BACKEND") or ("" if jax.process_count() == 1 else "distributed")
+    return (f"{platform.node()}|{d.platform}|{getattr(d, 'device_kind', '')}|{len(devices)}|"
+            f"processes {jax.process_count()}|{backend}|jax {jax.__version__}")
 
 
 def cache_path(devices=None) -> str:
