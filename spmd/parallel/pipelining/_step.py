@@ -21,6 +21,7 @@ The unit gradients are averaged over the data dims; the rest (embeddings, head) 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable
 
 import jax
@@ -174,214 +175,21 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
 def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
     """The jitted ``(state, batch) -> (state, metrics)`` of ``pm`` on layout ``lay`` (its unit calls recorded
     at the micro-batch's shapes), unchecked: what ``make_train_step`` compiles once per layout and batch shape,
-    and what ``spmd.parallel.pipelining._memory`` compiles at other micro-batch counts."""
-    unroll = pm.unroll
+    and what ``spmd.parallel.pipelining._memory`` compiles at other micro-batch counts.
+
+    Its parts, in the order they run: ``_region`` (one ``shard_map`` region: the stages gathered over fsdp,
+    the batch cut into micro-batches, one ``_one_pass`` per accumulation step, then ``_reduce_grads``); a
+    pass runs the tick table (``_ticks_unrolled`` or ``_ticks_looped``), each tick switching between the
+    ``_Pass`` branches (a chunk's forward or backward in each stage role) that the table names for the rank."""
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
-    s = pm.schedule
-    m_count, lc = s.num_microbatches, lay.per_slot
-    tables = tick_tables(pm)
-    kx, kg = max(s.x_slots), max(s.g_slots)
-    act = lay.act
-    skip = not lay.valid.all()
-    valid = jnp.asarray(lay.valid)
-
-    hooks = stage_hooks(pm, lay)  # tp: the styled calls in regions manual over tp (spmd.parallel.pipelining._tp)
-    unit_named = (lambda: hooks.unit(lay.units[0])) if hooks else contextlib.nullcontext  # noqa: E731
-
-    def chunk_of(sp: dict, j) -> dict:  # chunk j's units of each stacked parameter: [lc, ...]
-        return {rel: lax.dynamic_slice_in_dim(sp[rel], j * lc, lc) for rel in lay.rel}
-
-    def add_chunk(gsp: dict, j, dj: dict) -> dict:  # chunk j's gradient added in place (no zero-padded copy)
-        return {rel: lax.dynamic_update_slice_in_dim(
-            gsp[rel], lax.dynamic_slice_in_dim(gsp[rel], j * lc, lc) + dj[rel], j * lc, 0) for rel in lay.rel}
-
-    def chunk(spj: dict, r, j, x, side):  # spj: chunk_of(sp, j)
-        for l in range(lc):
-            leaves = [spj[rel][l] for rel in lay.rel]
-            with unit_named():
-                y = lay.apply_unit(leaves, x, side)
-            x = jnp.where(valid[r, j, l], y, x) if skip else y
-        return x
-
-    def side_of(rest, mb):  # the units' side arrays (a mask), computed again on a stage after the first
-        return lay.pre(loss_fn, rest, mb)[1] if lay.calls.side_shapes else []
-
-    def loss_aux(rest, mb, h):
-        return _split_loss(lay.post(loss_fn, rest, mb, h), "make_train_step")
-
-    fd = {rel: lay.fsdp_dim(rel) for rel in lay.rel}  # stage parameters cut over fsdp: gathered once per step
-    rels = list(lay.rel)
-    st_entries = [plan.entry(f"{STAGES}/{rel}") for rel in rels]
-
-    def over_fsdp(tree: dict, op) -> dict:  # op(x, dim) of each stage parameter cut over fsdp, on its tp block
-        return dict(zip(rels, map_tp_aware(hooks, st_entries, [tree[rel] for rel in rels],
-                                           lambda i, x: x if fd[rels[i]] is None else op(x, fd[rels[i]]))))
+    st = _Stages(pm, lay, loss_fn, accum_steps, plan)
 
     def region(stored, batch):
-        with hooks.installed() if hooks else contextlib.nullcontext():
-            return region_body(stored, batch)
-
-    def region_body(stored, batch):
-        r = lax.axis_index(ppd)
-        sp, rest = stored[STAGES], stored[REST]
-        sp = over_fsdp(sp, lambda x, d: lax.all_gather(x, lay.fsdp, axis=d, tiled=True))
-        n_local = jax.tree.leaves(batch)[0].shape[0]
-        micro = jax.tree.map(lambda x: x.reshape(accum_steps, m_count, n_local // (accum_steps * m_count),
-                                                 *x.shape[1:]), batch)
-        aux0 = jax.eval_shape(lambda: loss_aux(rest, jax.tree.map(lambda x: x[0, 0], micro),
-                                               jnp.zeros(act.shape, act.dtype))[1])
-        aux0z = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0)
-
-        def one_pass(carry, mbs):
-            gsp, grest, loss, aux = carry
-            xbuf = jnp.zeros((kx + 1, *act.shape), act.dtype)
-            gbuf = jnp.zeros((kg + 1, *act.shape), act.dtype)
-            zero_act = jnp.zeros(act.shape, act.dtype)
-
-            def mb_of(m):
-                return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, m, keepdims=False), mbs)
-
-            def idle_f(x, j, m):
-                return zero_act
-
-            def idle_b(acc, x, g, j, m):
-                return acc, zero_act
-
-            def fwd(role):
-                def f(x, j, m):
-                    if role in ("last", "only"):  # the loss comes with the backward's recomputation
-                        return zero_act
-                    mb = mb_of(m)
-                    x, side = lay.pre(loss_fn, rest, mb) if role == "first" else (x, side_of(rest, mb))
-                    return chunk(chunk_of(sp, j), r, j, x, side)
-                return f
-
-            def bwd(role):
-                def f(acc, x, g_in, j, m):
-                    gsp, grest, loss, aux = acc
-                    mb = mb_of(m)
-                    first, last = role in ("first", "only"), role in ("last", "only")
-                    side = None if first else side_of(rest, mb)
-
-                    def g(rest_, sp_, x):
-                        h = chunk(sp_, r, j, *(lay.pre(loss_fn, rest_, mb) if first else (x, side)))
-                        if not last:
-                            return h, aux0z
-                        lo, ax = loss_aux(rest_, mb, h)
-                        return lo / m_count, ax
-
-                    out, pull, ax = jax.vjp(g, rest, chunk_of(sp, j), zero_act if first else x, has_aux=True)
-                    drest, dspj, dx = pull(jnp.ones_like(out) if last else g_in)
-                    gsp = add_chunk(gsp, j, dspj)
-                    grest = jax.tree.map(jnp.add, grest, drest)
-                    if last:
-                        loss = loss + out
-                        aux = jax.tree.map(lambda a, b: a + b / m_count, aux, ax)
-                    return (gsp, grest, loss, aux), (zero_act if first else dx)
-                return f
-
-            f_branches = [idle_f] + [fwd(ro) for ro in ROLES]  # code k: f_branches[k]
-            b_branches = [idle_b] + [bwd(ro) for ro in ROLES]  # code k: b_branches[k - len(ROLES)] (k > 0)
-            c = (xbuf, gbuf, gsp, grest, loss, aux)
-
-            def run(branches, code, used, args):  # used: the codes some rank runs (index into branches)
-                if len(used) == 1:
-                    return branches[used[0]](*args)
-                return lax.switch(code, [branches[k] for k in used], *args)
-
-            def compute(c, fc, bc, fused, bused, frow, brow):
-                # the branches get the stash slots they read, not the stash (a buffer two branches take as
-                # an operand is copied at every tick)
-                xb, gb, *acc = c
-                fj, fm, fxr = frow
-                bj, bm, bxr, bgr = brow
-                sf = run(f_branches, fc, fused, (xb[fxr], fj, fm))
-                acc, sb = run(b_branches, bc, bused, (tuple(acc), xb[bxr], gb[bgr], bj, bm))
-                return (xb, gb, *acc), sf, sb
-
-            fcols, bcols = ("fj", "fm", "fxr"), ("bj", "bm", "bxr", "bgr")
-
-            def after_previous(c, m):  # m, tied to the carry's loss (min(m, m + isnan) is m; XLA can't tell): else
-                # a tick reading no stash slot ran ahead, holding GPipe's memory under 1F1B (docs/training/layouts.md)
-                return jnp.minimum(m, m + jnp.isnan(c[4]).astype(m.dtype))
-
-            def local_codes(codes, shift):  # a tick's (or the step's) codes -> the used list and each rank's index
-                codes = np.asarray(codes)
-                used = sorted({int(k) - shift if k else 0 for k in codes.flat})
-                return used, np.vectorize(lambda k: used.index(int(k) - shift if k else 0))(codes).astype(np.int32)
-
-            if unroll:
-                for tb in tables:
-                    pick = lambda a: jnp.asarray(a)[r]  # noqa: E731
-                    fused, fl = local_codes(tb["fcode"], 0)  # only the branches some rank runs at this tick
-                    bused, bl = local_codes(tb["bcode"], len(ROLES))
-                    fj, fm, fxr = [pick(tb[k]) for k in fcols]
-                    bj, bm, bxr, bgr = [pick(tb[k]) for k in bcols]
-                    c, sf, sb = compute(c, pick(fl), pick(bl), fused, bused, [fj, after_previous(c, fm), fxr],
-                                        [bj, after_previous(c, bm), bxr, bgr])
-                    xb, gb, *others = c
-                    if tb["fwd"]:
-                        xb = xb.at[pick(tb["rx"])].set(lax.ppermute(sf, ppd, tb["fwd"]))
-                    if tb["bwd"]:
-                        gb = gb.at[pick(tb["rg"])].set(lax.ppermute(sb, ppd, tb["bwd"]))
-                    c = (xb, gb, *others)
-            else:  # one loop over the ticks: each tick's sends picked from the distinct pair sets
-                fused, fl = local_codes(np.stack([tb["fcode"] for tb in tables]), 0)
-                bused, bl = local_codes(np.stack([tb["bcode"] for tb in tables]), len(ROLES))
-                fl, bl = jnp.asarray(fl), jnp.asarray(bl)
-                cols = {k: jnp.asarray(np.stack([tb[k] for tb in tables])) for k in (*fcols, *bcols, "rx", "rg")}
-                sends = {}
-                for d in ("fwd", "bwd"):
-                    sets = sorted({tuple(tb[d]) for tb in tables if tb[d]})
-                    sends[d] = (jnp.asarray([sets.index(tuple(tb[d])) + 1 if tb[d] else 0 for tb in tables]),
-                                [lambda x: jnp.zeros_like(x)] + [lambda x, p=p: lax.ppermute(x, ppd, list(p))
-                                                                 for p in sets])
-
-                def tick(t, c):
-                    c, sf, sb = compute(c, fl[t, r], bl[t, r], fused, bused, [cols[k][t, r] for k in fcols],
-                                        [cols[k][t, r] for k in bcols])
-                    xb, gb, *others = c
-                    xb = xb.at[cols["rx"][t, r]].set(lax.switch(sends["fwd"][0][t], sends["fwd"][1], sf))
-                    gb = gb.at[cols["rg"][t, r]].set(lax.switch(sends["bwd"][0][t], sends["bwd"][1], sb))
-                    return (xb, gb, *others)
-
-                c = lax.fori_loop(0, len(tables), tick, c)
-            return tuple(c[2:]), None
-
-        zeros = jax.tree.map(jnp.zeros_like, (sp, rest))
-        init = (*zeros, jnp.zeros((), jnp.float32), aux0z)
-        if accum_steps == 1:
-            (gsp, grest, loss, aux), _ = one_pass(init, jax.tree.map(lambda x: x[0], micro))
-        else:
-            (gsp, grest, loss, aux), _ = lax.scan(one_pass, init, micro)
-        k = accum_steps
-        gsp = jax.tree.map(lambda g: g / k, gsp)
-        grest = jax.tree.map(lambda g: g / k, grest)
-        metrics = {"loss": loss / k, **jax.tree.map(lambda a: a / k, aux)}
-        # one all-reduce each: the rest over pp (summed: each end's part) and the data dims (averaged)
-        n_data = int(np.prod([mesh.size(d) for d in data])) if data else 1
-        rp = list(grest)
-        grest = dict(zip(rp, [g / n_data for g in reduce_tp_aware(
-            hooks, [plan.entry(f"{REST}/{p}") for p in rp], [grest[p] for p in rp], (ppd, *data))]))
-        metrics = jax.tree.map(lambda g: g / n_data, lax.psum(metrics, (ppd, *data)))
-        cut = {rel for rel in lay.rel if fd[rel] is not None}  # reduce-scattered over fsdp (the gather's transpose)
-        gsp = over_fsdp(gsp, lambda g, d: lax.psum_scatter(g, lay.fsdp, scatter_dimension=d, tiled=True) / lay.n_fsdp)
-        others = tuple(d for d in data if d != lay.fsdp)
-        whole = {rel: g for rel, g in gsp.items() if rel not in cut}
-        if data and whole:
-            wr = list(whole)
-            whole = dict(zip(wr, reduce_tp_aware(hooks, [plan.entry(f"{STAGES}/{rel}") for rel in wr],
-                                                 [whole[rel] for rel in wr], data, lax.pmean)))
-        shards = {rel: g for rel, g in gsp.items() if rel in cut}
-        if others and shards:  # HSDP: the shards averaged over the other data dims
-            sr = list(shards)
-            shards = dict(zip(sr, reduce_tp_aware(hooks, [plan.entry(f"{STAGES}/{rel}") for rel in sr],
-                                                  [shards[rel] for rel in sr], others, lax.pmean)))
-        gsp = {**whole, **shards}
-        return {STAGES: gsp, REST: grest}, metrics
+        return _region(st, stored, batch)
 
     names = mesh.mesh_dim_names
     tp_dim = {pm.tp.tp.mesh_dim} if pm.tp else set()  # automatic in the region (global view over tp)
+    fd = st.fd
     st_spec = {rel: P(ppd, *[None] * (fd[rel] - 1), lay.fsdp) if fd[rel] else P(ppd) for rel in lay.rel}
     specs = {STAGES: st_spec, REST: {p: P() for p in lay.rest}}
     batch_spec = P(data if len(data) > 1 else (data[0] if data else None))
@@ -400,3 +208,270 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> 
 
     return jax.jit(step)
 
+
+class _Stages:
+    """What every part of the step reads: the pipeline, its stage layout, the loss, the schedule's sizes and
+    the stage parameters' fsdp cuts; and the chunk-level operations on the stacked stage parameters."""
+
+    def __init__(self, pm, lay, loss_fn, accum_steps: int, plan):
+        self.pm, self.lay, self.loss_fn, self.accum_steps, self.plan = pm, lay, loss_fn, accum_steps, plan
+        self.ppd, self.data = pm.pp, pm.data_dims
+        s = pm.schedule
+        self.m_count, self.lc = s.num_microbatches, lay.per_slot
+        self.tables = tick_tables(pm)
+        self.kx, self.kg = max(s.x_slots), max(s.g_slots)
+        self.act = lay.act
+        self.skip = not lay.valid.all()
+        self.valid = jnp.asarray(lay.valid)
+        self.hooks = stage_hooks(pm, lay)  # tp: the styled calls in regions manual over tp (pipelining._tp)
+        self.fd = {rel: lay.fsdp_dim(rel) for rel in lay.rel}  # stage parameters cut over fsdp: gathered once
+        self.rels = list(lay.rel)
+        self.st_entries = [plan.entry(f"{STAGES}/{rel}") for rel in self.rels]
+
+    def unit_named(self):
+        return self.hooks.unit(self.lay.units[0]) if self.hooks else contextlib.nullcontext()
+
+    def chunk_of(self, sp: dict, j) -> dict:
+        """Chunk ``j``'s units of each stacked parameter: ``[lc, ...]``."""
+        lc = self.lc
+        return {rel: lax.dynamic_slice_in_dim(sp[rel], j * lc, lc) for rel in self.lay.rel}
+
+    def add_chunk(self, gsp: dict, j, dj: dict) -> dict:
+        """Chunk ``j``'s gradient added in place (no zero-padded copy)."""
+        lc = self.lc
+        return {rel: lax.dynamic_update_slice_in_dim(
+            gsp[rel], lax.dynamic_slice_in_dim(gsp[rel], j * lc, lc) + dj[rel], j * lc, 0) for rel in self.lay.rel}
+
+    def chunk(self, spj: dict, r, j, x, side):
+        """Chunk ``j`` of rank ``r`` on ``x``: its units in turn (``spj``: ``chunk_of(sp, j)``), a skipped slot
+        passing ``x`` through."""
+        lay = self.lay
+        for l in range(self.lc):
+            leaves = [spj[rel][l] for rel in lay.rel]
+            with self.unit_named():
+                y = lay.apply_unit(leaves, x, side)
+            x = jnp.where(self.valid[r, j, l], y, x) if self.skip else y
+        return x
+
+    def side_of(self, rest, mb):
+        """The units' side arrays (a mask), computed again on a stage after the first."""
+        return self.lay.pre(self.loss_fn, rest, mb)[1] if self.lay.calls.side_shapes else []
+
+    def loss_aux(self, rest, mb, h):
+        return _split_loss(self.lay.post(self.loss_fn, rest, mb, h), "make_train_step")
+
+    def over_fsdp(self, tree: dict, op) -> dict:
+        """``op(x, dim)`` of each stage parameter cut over fsdp, on its tp block."""
+        rels, fd = self.rels, self.fd
+        return dict(zip(rels, map_tp_aware(self.hooks, self.st_entries, [tree[rel] for rel in rels],
+                                           lambda i, x: x if fd[rels[i]] is None else op(x, fd[rels[i]]))))
+
+
+def _region(st: _Stages, stored, batch):
+    """The step's region (manual over pp and the data dims): this rank's reduced gradients and the metrics."""
+    with st.hooks.installed() if st.hooks else contextlib.nullcontext():
+        return _region_body(st, stored, batch)
+
+
+def _region_body(st: _Stages, stored, batch):
+    r = lax.axis_index(st.ppd)
+    sp, rest = stored[STAGES], stored[REST]
+    sp = st.over_fsdp(sp, lambda x, d: lax.all_gather(x, st.lay.fsdp, axis=d, tiled=True))
+    n_local = jax.tree.leaves(batch)[0].shape[0]
+    accum_steps, m_count, act = st.accum_steps, st.m_count, st.act
+    micro = jax.tree.map(lambda x: x.reshape(accum_steps, m_count, n_local // (accum_steps * m_count),
+                                             *x.shape[1:]), batch)
+    aux0 = jax.eval_shape(lambda: st.loss_aux(rest, jax.tree.map(lambda x: x[0, 0], micro),
+                                              jnp.zeros(act.shape, act.dtype))[1])
+    aux0z = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0)
+
+    def one_pass(carry, mbs):
+        return _one_pass(st, r, sp, rest, aux0z, carry, mbs)
+
+    zeros = jax.tree.map(jnp.zeros_like, (sp, rest))
+    init = (*zeros, jnp.zeros((), jnp.float32), aux0z)
+    if accum_steps == 1:
+        (gsp, grest, loss, aux), _ = one_pass(init, jax.tree.map(lambda x: x[0], micro))
+    else:
+        (gsp, grest, loss, aux), _ = lax.scan(one_pass, init, micro)
+    return _reduce_grads(st, gsp, grest, loss, aux)
+
+
+def _one_pass(st: _Stages, r, sp, rest, aux0z, carry, mbs):
+    """One pass of the schedule over ``mbs`` (``num_microbatches`` micro-batches): the tick table run with a
+    fresh stash, the gradients and the loss accumulated into ``carry``."""
+    gsp, grest, loss, aux = carry
+    xbuf = jnp.zeros((st.kx + 1, *st.act.shape), st.act.dtype)
+    gbuf = jnp.zeros((st.kg + 1, *st.act.shape), st.act.dtype)
+    zero_act = jnp.zeros(st.act.shape, st.act.dtype)
+    ps = _Pass(st, r, sp, rest, mbs, aux0z, zero_act)
+    f_branches = [ps.idle_f] + [functools.partial(ps.forward, ro) for ro in ROLES]  # code k: f_branches[k]
+    # code k: b_branches[k - len(ROLES)] (k > 0)
+    b_branches = [ps.idle_b] + [functools.partial(ps.backward, ro) for ro in ROLES]
+    c = (xbuf, gbuf, gsp, grest, loss, aux)
+    run_ticks = _ticks_unrolled if st.pm.unroll else _ticks_looped
+    c = run_ticks(st, r, c, f_branches, b_branches)
+    return tuple(c[2:]), None
+
+
+class _Pass:
+    """The branches a tick switches between, for one pass: a chunk's forward or backward on a micro-batch of
+    ``mbs`` in each stage role (first, middle, last, only), or idle."""
+
+    def __init__(self, st: _Stages, r, sp, rest, mbs, aux0z, zero_act):
+        self.st, self.r, self.sp, self.rest, self.mbs, self.aux0z, self.zero_act = st, r, sp, rest, mbs, aux0z, zero_act
+
+    def mb_of(self, m):
+        return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, m, keepdims=False), self.mbs)
+
+    def idle_f(self, x, j, m):
+        return self.zero_act
+
+    def idle_b(self, acc, x, g, j, m):
+        return acc, self.zero_act
+
+    def forward(self, role, x, j, m):
+        """Chunk ``j`` forward on micro-batch ``m``; the last stage's waits for its backward (which computes the
+        loss in its recomputation)."""
+        st, rest = self.st, self.rest
+        if role in ("last", "only"):
+            return self.zero_act
+        mb = self.mb_of(m)
+        x, side = st.lay.pre(st.loss_fn, rest, mb) if role == "first" else (x, st.side_of(rest, mb))
+        return st.chunk(st.chunk_of(self.sp, j), self.r, j, x, side)
+
+    def backward(self, role, acc, x, g_in, j, m):
+        """Chunk ``j`` recomputed from its stashed input under ``jax.vjp`` and pulled back with the received
+        gradient (the last stage: with ``1 / M`` of the loss); its gradients accumulated into ``acc``."""
+        st, rest, r, zero_act = self.st, self.rest, self.r, self.zero_act
+        gsp, grest, loss, aux = acc
+        mb = self.mb_of(m)
+        first, last = role in ("first", "only"), role in ("last", "only")
+        side = None if first else st.side_of(rest, mb)
+
+        def g(rest_, sp_, x):
+            h = st.chunk(sp_, r, j, *(st.lay.pre(st.loss_fn, rest_, mb) if first else (x, side)))
+            if not last:
+                return h, self.aux0z
+            lo, ax = st.loss_aux(rest_, mb, h)
+            return lo / st.m_count, ax
+
+        out, pull, ax = jax.vjp(g, rest, st.chunk_of(self.sp, j), zero_act if first else x, has_aux=True)
+        drest, dspj, dx = pull(jnp.ones_like(out) if last else g_in)
+        gsp = st.add_chunk(gsp, j, dspj)
+        grest = jax.tree.map(jnp.add, grest, drest)
+        if last:
+            loss = loss + out
+            aux = jax.tree.map(lambda a, b: a + b / st.m_count, aux, ax)
+        return (gsp, grest, loss, aux), (zero_act if first else dx)
+
+
+_FCOLS, _BCOLS = ("fj", "fm", "fxr"), ("bj", "bm", "bxr", "bgr")
+
+
+def _run(branches, code, used, args):
+    """``branches[code]`` where ``used`` (the codes some rank runs) holds several, else the one directly."""
+    if len(used) == 1:
+        return branches[used[0]](*args)
+    return lax.switch(code, [branches[k] for k in used], *args)
+
+
+def _compute(c, fc, bc, fused, bused, frow, brow, f_branches, b_branches):
+    """One tick's forward and backward on this rank. The branches get the stash slots they read, not the
+    stash (a buffer two branches take as an operand is copied at every tick)."""
+    xb, gb, *acc = c
+    fj, fm, fxr = frow
+    bj, bm, bxr, bgr = brow
+    sf = _run(f_branches, fc, fused, (xb[fxr], fj, fm))
+    acc, sb = _run(b_branches, bc, bused, (tuple(acc), xb[bxr], gb[bgr], bj, bm))
+    return (xb, gb, *acc), sf, sb
+
+
+def _after_previous(c, m):
+    """``m``, tied to the carry's loss (``min(m, m + isnan)`` is ``m``; XLA can't tell): else a tick reading no
+    stash slot ran ahead, holding GPipe's memory under 1F1B (docs/training/layouts.md)."""
+    return jnp.minimum(m, m + jnp.isnan(c[4]).astype(m.dtype))
+
+
+def _local_codes(codes, shift):
+    """A tick's (or the step's) branch codes -> the used list and each rank's index into it."""
+    codes = np.asarray(codes)
+    used = sorted({int(k) - shift if k else 0 for k in codes.flat})
+    return used, np.vectorize(lambda k: used.index(int(k) - shift if k else 0))(codes).astype(np.int32)
+
+
+def _ticks_unrolled(st: _Stages, r, c, f_branches, b_branches):
+    """The ticks unrolled: each tick runs only the branches some rank runs then, and sends over exactly its
+    table's pairs."""
+    ppd = st.ppd
+    for tb in st.tables:
+        pick = lambda a: jnp.asarray(a)[r]  # noqa: E731
+        fused, fl = _local_codes(tb["fcode"], 0)  # only the branches some rank runs at this tick
+        bused, bl = _local_codes(tb["bcode"], len(ROLES))
+        fj, fm, fxr = [pick(tb[k]) for k in _FCOLS]
+        bj, bm, bxr, bgr = [pick(tb[k]) for k in _BCOLS]
+        c, sf, sb = _compute(c, pick(fl), pick(bl), fused, bused, [fj, _after_previous(c, fm), fxr],
+                             [bj, _after_previous(c, bm), bxr, bgr], f_branches, b_branches)
+        xb, gb, *others = c
+        if tb["fwd"]:
+            xb = xb.at[pick(tb["rx"])].set(lax.ppermute(sf, ppd, tb["fwd"]))
+        if tb["bwd"]:
+            gb = gb.at[pick(tb["rg"])].set(lax.ppermute(sb, ppd, tb["bwd"]))
+        c = (xb, gb, *others)
+    return c
+
+
+def _ticks_looped(st: _Stages, r, c, f_branches, b_branches):
+    """One loop over the ticks: each tick's sends picked from the distinct pair sets."""
+    ppd, tables = st.ppd, st.tables
+    fused, fl = _local_codes(np.stack([tb["fcode"] for tb in tables]), 0)
+    bused, bl = _local_codes(np.stack([tb["bcode"] for tb in tables]), len(ROLES))
+    fl, bl = jnp.asarray(fl), jnp.asarray(bl)
+    cols = {k: jnp.asarray(np.stack([tb[k] for tb in tables])) for k in (*_FCOLS, *_BCOLS, "rx", "rg")}
+    sends = {}
+    for d in ("fwd", "bwd"):
+        sets = sorted({tuple(tb[d]) for tb in tables if tb[d]})
+        sends[d] = (jnp.asarray([sets.index(tuple(tb[d])) + 1 if tb[d] else 0 for tb in tables]),
+                    [lambda x: jnp.zeros_like(x)] + [lambda x, p=p: lax.ppermute(x, ppd, list(p)) for p in sets])
+
+    def tick(t, c):
+        c, sf, sb = _compute(c, fl[t, r], bl[t, r], fused, bused, [cols[k][t, r] for k in _FCOLS],
+                             [cols[k][t, r] for k in _BCOLS], f_branches, b_branches)
+        xb, gb, *others = c
+        xb = xb.at[cols["rx"][t, r]].set(lax.switch(sends["fwd"][0][t], sends["fwd"][1], sf))
+        gb = gb.at[cols["rg"][t, r]].set(lax.switch(sends["bwd"][0][t], sends["bwd"][1], sb))
+        return (xb, gb, *others)
+
+    return lax.fori_loop(0, len(tables), tick, c)
+
+
+def _reduce_grads(st: _Stages, gsp, grest, loss, aux):
+    """The accumulated gradients and metrics averaged over the accumulation steps, then reduced: the rest over
+    pp (summed: each end's part) and the data dims (averaged), one all-reduce each; the stage gradients
+    reduce-scattered over fsdp (the gather's transpose), the whole ones and (HSDP) the shards averaged over
+    the other data dims."""
+    lay, plan, hooks, ppd, data, fd = st.lay, st.plan, st.hooks, st.ppd, st.data, st.fd
+    k = st.accum_steps
+    gsp = jax.tree.map(lambda g: g / k, gsp)
+    grest = jax.tree.map(lambda g: g / k, grest)
+    metrics = {"loss": loss / k, **jax.tree.map(lambda a: a / k, aux)}
+    n_data = int(np.prod([st.pm.mesh.size(d) for d in data])) if data else 1
+    rp = list(grest)
+    grest = dict(zip(rp, [g / n_data for g in reduce_tp_aware(
+        hooks, [plan.entry(f"{REST}/{p}") for p in rp], [grest[p] for p in rp], (ppd, *data))]))
+    metrics = jax.tree.map(lambda g: g / n_data, lax.psum(metrics, (ppd, *data)))
+    cut = {rel for rel in lay.rel if fd[rel] is not None}
+    gsp = st.over_fsdp(gsp, lambda g, d: lax.psum_scatter(g, lay.fsdp, scatter_dimension=d, tiled=True) / lay.n_fsdp)
+    others = tuple(d for d in data if d != lay.fsdp)
+    whole = {rel: g for rel, g in gsp.items() if rel not in cut}
+    if data and whole:
+        wr = list(whole)
+        whole = dict(zip(wr, reduce_tp_aware(hooks, [plan.entry(f"{STAGES}/{rel}") for rel in wr],
+                                             [whole[rel] for rel in wr], data, lax.pmean)))
+    shards = {rel: g for rel, g in gsp.items() if rel in cut}
+    if others and shards:  # HSDP: the shards averaged over the other data dims
+        sr = list(shards)
+        shards = dict(zip(sr, reduce_tp_aware(hooks, [plan.entry(f"{STAGES}/{rel}") for rel in sr],
+                                              [shards[rel] for rel in sr], others, lax.pmean)))
+    gsp = {**whole, **shards}
+    return {STAGES: gsp, REST: grest}, metrics
