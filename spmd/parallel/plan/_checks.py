@@ -249,42 +249,37 @@ def linen_abstract_params(module: Any, args: Sequence[Any], kwargs: Mapping | No
         return None
 
 
-def traced_model_params(loss_fn: Callable, params: Any, batch: Any) -> tuple[Any, BaseException | None]:
-    """Trace ``loss_fn(params, batch)`` abstractly and return the model's own abstract parameters:
-    ``linen_abstract_params`` of the root linen module the loss applied to exactly ``params`` (its first
-    call, on the inputs it got), or ``None`` (no such call: the loss transformed the parameters, or runs
-    no linen module), and the error the trace raised, if any (a tree the model refuses)."""
-    import flax.linen as nn
+def traced_model_params(loss_fn: Callable, params: Any, batch: Any) -> tuple[Any, dict | None]:
+    """Trace ``loss_fn(params, batch)`` abstractly (``trace_seen``) and return the model's own abstract
+    parameters: ``linen_abstract_params`` of the root linen module the loss applied to exactly ``params``
+    (its first call, on the inputs it got), or ``None`` (no such call: the loss transformed the parameters,
+    or runs no linen module); and the trace's ``seen`` (``None`` if the trace raised: a tree the model
+    refuses, compared here, else left to the step to raise)."""
+    from spmd.parallel.plan._scan import trace_seen
 
     calls: list = []
     ids: list = []
 
-    def record(next_fun, args, kwargs, context):
-        mod = context.module
-        scope = getattr(mod, "scope", None)
-        if not calls and scope is not None and not scope.path and context.method_name != "setup":
-            got = mod.variables.get("params", {}) if hasattr(mod, "variables") else {}
-            if [id(x) for x in jax.tree.leaves(got)] == ids[0]:
-                calls.append((mod, context.method_name, _structs(args), _structs(kwargs)))
-            else:
-                calls.append(None)
-        return next_fun(*args, **kwargs)
+    def on_call(mod, method, args, kwargs):
+        if calls or mod.scope.path:
+            return
+        got = mod.variables.get("params", {})
+        same = [id(x) for x in jax.tree.leaves(got)] == ids[0]
+        calls.append((mod, method, _structs(args), _structs(kwargs)) if same else None)
 
     def run(p, b):
         ids.append([id(x) for x in jax.tree.leaves(p)])
         return loss_fn(p, b)
 
-    err = None
     try:
-        with nn.intercept_methods(record):
-            jax.eval_shape(run, params, batch)
-    except Exception as e:  # the model refused the tree (ScopeParamShapeError...): compared below, else re-raised
-        err = e
+        seen = trace_seen(run, params, batch, on_call=on_call)[1]
+    except Exception:  # the model refused the tree (ScopeParamShapeError...): compared below
+        seen = None
     if not calls or calls[0] is None:
-        return None, err
+        return None, seen
     mod, method, args, kwargs = calls[0]
     try:
         unbound = mod.clone(parent=None)
     except Exception:
-        return None, err
-    return linen_abstract_params(unbound, args, kwargs, method), err
+        return None, seen
+    return linen_abstract_params(unbound, args, kwargs, method), seen

@@ -22,9 +22,10 @@ from spmd.parallel.plan._param_plan import PlanEntry, path_str
 __all__ = ["trace_seen", "find_stacked", "unstacked", "scan_of"]
 
 
-def trace_seen(run: Callable, *args: Any) -> tuple[Any, dict[str, tuple[int, ...]]]:
+def trace_seen(run: Callable, *args: Any, on_call: Callable | None = None) -> tuple[Any, dict[str, tuple[int, ...]]]:
     """``jax.eval_shape(run, *args)`` and the shapes the linen module calls saw of the parameters:
-    ``{param path: {module path: shape}}`` (read before and after each call, so an ``init`` is seen too)."""
+    ``{param path: {module path: shape}}`` (read before and after each call, so an ``init`` is seen too).
+    ``on_call(module, method name, args, kwargs)``: told of each module call first."""
     import flax.linen as nn
 
     seen: dict[str, dict[str, tuple[int, ...]]] = {}
@@ -38,6 +39,8 @@ def trace_seen(run: Callable, *args: Any) -> tuple[Any, dict[str, tuple[int, ...
         mod = context.module
         if context.method_name == "setup" or getattr(mod, "scope", None) is None:
             return next_fun(*args, **kwargs)
+        if on_call is not None:
+            on_call(mod, context.method_name, args, kwargs)
         look(mod)
         out = next_fun(*args, **kwargs)
         look(mod)
@@ -91,13 +94,15 @@ def stacked_in(plan: Any) -> dict[str, tuple[str, int]]:
     return {e.path: e.stacked for e in plan.entries if e.stacked is not None}
 
 
-def check_unscanned(plan: Any, run: Callable, *args: Any) -> None:
+def check_unscanned(plan: Any, run: Callable, *args: Any, seen: Mapping | None = None) -> None:
     """A plan built without example inputs (no stacked axes known) against a trace of ``run(*args)`` (the
-    user's loss on the logical parameters): a model whose blocks turn out to run under ``nn.scan`` is an
-    error naming the fix, before the step slices a cut layer axis."""
+    user's loss on the logical parameters; ``seen``: that trace's ``trace_seen``, if already made): a model
+    whose blocks turn out to run under ``nn.scan`` is an error naming the fix, before the step slices a cut
+    layer axis."""
     if plan.scans:
         return
-    _, seen = trace_seen(run, *args)
+    if seen is None:
+        _, seen = trace_seen(run, *args)
     logical = jax.tree_util.tree_unflatten(plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype)
                                                           for e in plan.entries])
     found = find_stacked(seen, logical)

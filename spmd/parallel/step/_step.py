@@ -295,10 +295,10 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
             if build_plan(pm, logical, stacked_in(state.plan)) != state.plan:
                 raise ValueError("train_step: the state was laid out for another model or plan than this step's "
                                  f"({pm!r}); build it with init_train_state on the same model.")
-            _check_state_params(pm, loss_fn, logical, _as_arrays(batch))
+            seen = _check_state_params(pm, loss_fn, logical, _as_arrays(batch))
             check_opt_state("train_step", optimizer, state.params, state.opt_state)
             if (pm.tp or set(state.plan.units) - {ROOT}) and not is_nnx(pm.module):
-                check_unscanned(state.plan, loss_fn, logical, _as_arrays(batch))
+                check_unscanned(state.plan, loss_fn, logical, _as_arrays(batch), seen=seen)
             verified.add(key)
         return build(state.plan)(state, batch)
 
@@ -320,23 +320,26 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
     return _finite_checked(step, check_finite) if check_finite is True else step
 
 
-def _check_state_params(pm: ParallelModule, loss_fn: Callable, logical: Any, batch: Any) -> None:
+def _check_state_params(pm: ParallelModule, loss_fn: Callable, logical: Any, batch: Any) -> dict | None:
     """The state's parameters against the step's model, once per plan: an nnx model's own state, or a linen
-    model's abstract ``init`` on the inputs ``loss_fn`` gives it (one abstract trace of the loss)."""
+    model's abstract ``init`` on the inputs ``loss_fn`` gives it (one abstract trace of the loss, whose
+    ``trace_seen`` it returns for ``check_unscanned``)."""
+    seen = None
     fix = ("Build the state with init_train_state(model, optimizer, ...) for this step's model (or the step "
            "for the model the state belongs to).")
     if is_nnx(pm.module):
         expected = nnx_params(pm.module)
         source = f"this step's {type(pm.module).__name__} parameters (nnx.state(model, nnx.Param))"
     else:
-        expected, _ = traced_model_params(loss_fn, logical, batch)
+        expected, seen = traced_model_params(loss_fn, logical, batch)
         source = ("the parameters of this step's model (its init on the inputs loss_fn gives it: "
                   f"{_model_name(pm.module)})")
     if expected is None:
-        return
+        return seen
     check_same_tree("train_step", "state.params", expected, logical, source, fix)
     if describe_tree(expected) not in pm._params_seen:
         pm._params_seen.append(describe_tree(expected))
+    return seen
 
 
 def _model_name(module: Any) -> str:
