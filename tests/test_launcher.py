@@ -530,20 +530,29 @@ def test_detail_mode_checks_signatures_across_ranks():
     assert_gone(pids_in(out))
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("mode", ["checked", "off"])
-def test_fingerprint_every_call_checked_on_gloo(tmp_path, mode):
-    # After the group's first call, without DETAIL: a different op, shape, dtype, collective or root on rank 1
-    # raises on both ranks naming each rank's call, moves no data, and the group stays usable; with
-    # check_collectives=False the different op raises nothing (fingerprint_check.py checks on every rank).
-    rc, out, err, took = spmdrun("--standalone", "--nproc-per-node", "2", "--stop-timeout", "2",
-                                 str(SCRIPTS / "fingerprint_check.py"), str(tmp_path),
-                                 *(["off"] if mode == "off" else []), timeout=80, env=clean_env(SPMD_TIMEOUT="20"))
-    assert rc == 0, err[-3000:]
-    names = rank_results(tmp_path, 2)
-    want = ({"op differs", "shape differs", "dtype differs", "collective differs", "root differs",
-             "usable at the end", "async op differs"} if mode == "checked" else {"off: a different op raises nothing"})
-    assert all(want <= n for n in names), names
+@pytest.mark.timeout(120)
+def test_fingerprint_every_call_checked_on_gloo(tmp_path):
+    # Three jobs side by side. After the group's first call, without DETAIL: a different op, shape, dtype,
+    # collective or root on rank 1 raises on both ranks naming each rank's call, moves no data, and the group stays
+    # usable; with check_collectives=False the different op raises nothing; ranks whose settings differ refuse to
+    # join (fingerprint_check.py checks on every rank).
+    modes = {"checked": [], "off": ["off"], "mixed": ["mixed"]}
+    jobs = {m: subprocess.Popen([sys.executable, "-m", "spmd.run", "--standalone", "--nproc-per-node", "2",
+                                 "--stop-timeout", "2", str(SCRIPTS / "fingerprint_check.py"), str(tmp_path / m), *a],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                env=clean_env(SPMD_TIMEOUT="30")) for m, a in modes.items()}
+    try:
+        done = {m: p.communicate(timeout=110) for m, p in jobs.items()}
+    finally:
+        for p in jobs.values():
+            p.kill()
+    want = {"checked": {"op differs", "shape differs", "dtype differs", "collective differs", "root differs",
+                        "async op differs", "usable at the end"},
+            "off": {"off: a different op raises nothing"},
+            "mixed": {"mixed settings refused", "not joined after the refusal"}}
+    for m, p in jobs.items():
+        assert p.returncode == 0, done[m][1][-3000:]
+        assert all(want[m] <= names for names in rank_results(tmp_path / m, 2)), m
 
 
 # --- the coordinator's front door (issue 10.8, 10.12) ----------------------------------------------

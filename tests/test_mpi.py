@@ -226,17 +226,20 @@ def test_failures_on_mpi_end_every_rank_and_spmdrun_relaunches():
 def test_fingerprint_every_call_checked_on_mpi(tmp_path):
     """The per-call check on mpi, in one job: a different op (rank 0 on the cached fast path), shape, dtype,
     collective or root at a warm call raises on both ranks naming each rank's call, moves no data and leaves the
-    group usable; then the same job with check_collectives=False, where the different op raises nothing."""
+    group usable; then the same job with check_collectives=False, where the different op raises nothing; then ranks
+    whose settings differ, which refuse to join."""
     _needs_mpi()
-    on, off = tmp_path / "on", tmp_path / "off"
-    rc, out, err, _ = mpiexec(2, _chain(("fingerprint_check.py", str(on)), ("fingerprint_check.py", str(off), "off")),
-                              SPMD_TIMEOUT="20")
+    on, off, mixed = tmp_path / "on", tmp_path / "off", tmp_path / "mixed"
+    rc, out, err, _ = mpiexec(2, _chain(("fingerprint_check.py", str(on)), ("fingerprint_check.py", str(off), "off"),
+                                        ("fingerprint_check.py", str(mixed), "mixed")), SPMD_TIMEOUT="20")
     assert rc == 0, err[-3000:]
     for names in rank_results(on, 2):
         assert {"op differs", "shape differs", "dtype differs", "collective differs", "root differs",
                 "async op differs", "usable at the end"} <= names
     for names in rank_results(off, 2):
         assert "off: a different op raises nothing" in names
+    for names in rank_results(mixed, 2):
+        assert {"mixed settings refused", "not joined after the refusal"} <= names
 
 
 @pytest.mark.timeout(150)

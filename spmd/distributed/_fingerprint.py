@@ -13,20 +13,22 @@ This catches, at any call and not only a group's first, a different op
 and a rank that skipped or added a call (its call number differs).
 
 On by default; ``init_process_group(check_collectives=False)`` or
-``SPMD_CHECK_COLLECTIVES=0`` turns it off (every rank must agree: a rank that
-checks and one that does not pair a fingerprint with a collective).
+``SPMD_CHECK_COLLECTIVES=0`` turns it off. Every rank must agree (a rank that
+checks and one that does not would pair a fingerprint with data): the ranks'
+settings are compared once, when they join (:func:`agree_on_setting`).
 ``benchmarks/multiprocess.py --fingerprint`` measures its cost.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import zlib
 from typing import Any
 
 import numpy as np
 
-__all__ = ["WIDTH", "fingerprint", "set_seq", "check", "mismatch_message"]
+__all__ = ["WIDTH", "fingerprint", "set_seq", "check", "mismatch_message", "agree_on_setting"]
 
 WIDTH = 16  # int32 per rank
 _MAGIC = 0x5350_4D44  # "SPMD": a row without it is not a fingerprint
@@ -62,8 +64,16 @@ def _seed() -> None:
 
 
 def fingerprint(where: str, opts: tuple, shape: tuple, dtype: Any) -> np.ndarray:
-    """The call's fingerprint with call number 0 (:func:`set_seq` sets it); ``opts`` as
+    """The call's fingerprint with call number 0 (:func:`set_seq` sets it), a new array; ``opts`` as
     :class:`spmd.distributed._guard.Call` holds them ((name, value) pairs, sorted)."""
+    try:
+        return _fingerprint(where, opts, tuple(shape), np.dtype(dtype)).copy()
+    except TypeError:  # an option that does not hash
+        return _fingerprint.__wrapped__(where, opts, tuple(shape), np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=1024)
+def _fingerprint(where: str, opts: tuple, shape: tuple, dtype: np.dtype) -> np.ndarray:
     fp = np.zeros(WIDTH, np.int32)
     op = root = None
     rest = []
@@ -141,3 +151,33 @@ def mismatch_message(rows: np.ndarray, fp: np.ndarray, where: str, ranks: tuple,
         "data was exchanged. (Every call is checked; init_process_group(check_collectives=False) or "
         "SPMD_CHECK_COLLECTIVES=0 turns the check off.)"
     )
+
+
+_JOINS = itertools.count()  # this process's joins (every rank joins as often): one key space per join
+
+
+def agree_on_setting(st: Any, where: str) -> None:
+    """Compare the ranks' ``check_collectives`` once, as they join (MPI: an allgather; gloo: JAX's
+    coordination service); a ValueError on every rank naming who checks and who does not."""
+    if st.backend.name == "mpi":
+        from spmd.distributed import _mpi
+
+        flags = dict(enumerate(_mpi.MPI.COMM_WORLD.allgather(bool(st.check_collectives))))
+    else:
+        from jax._src import distributed as jdist
+
+        client = jdist.global_state.client
+        base = f"spmd/check_collectives/{next(_JOINS)}"
+        client.key_value_set(f"{base}/{st.rank}", "1" if st.check_collectives else "0")
+        flags = {st.rank: bool(st.check_collectives)}
+        for r in range(st.world_size):
+            if r != st.rank:
+                flags[r] = client.blocking_key_value_get(f"{base}/{r}", int(st.timeout_s * 1000)) == "1"
+    if len(set(flags.values())) > 1:
+        on = [r for r, f in sorted(flags.items()) if f]
+        off = [r for r, f in sorted(flags.items()) if not f]
+        raise ValueError(
+            f"{where}: the ranks disagree on check_collectives: ranks {on} check every collective, ranks {off} do "
+            "not (init_process_group(check_collectives=...), else SPMD_CHECK_COLLECTIVES); a rank that checks would "
+            "pair its fingerprint with another rank's data. Give every rank the same setting."
+        )

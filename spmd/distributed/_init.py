@@ -26,6 +26,7 @@ from spmd.distributed._env import check_collectives as env_check_collectives
 from spmd.distributed._env import debug_level, read_config
 from spmd._spawn import quiet_rank_output
 from spmd.distributed._errors import install_excepthook
+from spmd.distributed._fingerprint import agree_on_setting
 from spmd.distributed import _groups
 from spmd.distributed._jaxconf import configure_multiprocess, configure_single_process
 from spmd.distributed._join import join
@@ -65,8 +66,8 @@ def init_process_group(
     ``check_collectives`` (default on; ``SPMD_CHECK_COLLECTIVES=0`` when not given):
     every tensor collective first compares a fingerprint of each rank's call (collective,
     op, root, dtype, shape, call number) and raises a ValueError naming each rank's call
-    where they differ; ``False`` saves its small cost on latency-bound jobs (every rank
-    must use the same setting). See ``docs/reliability.md``.
+    where they differ; ``False`` saves its cost on latency-bound jobs (every rank must use
+    the same setting: the ranks compare it as they join). See ``docs/reliability.md``.
     """
     where = "init_process_group"
     if current() is not None:
@@ -77,10 +78,12 @@ def init_process_group(
         raise ValueError(f"{where}: store={store!r} is not supported; use init_method='env://' or 'tcp://host:port'.")
     checked = env_check_collectives(check_collectives, where)
     if resolve_backend(backend, where).name == "mpi":  # launched by mpiexec: rank and world size from MPI
-        st = _mpi.init(backend, init_method, timeout, world_size, rank, where)
+        st = dataclasses.replace(_mpi.init(backend, init_method, timeout, world_size, rank, where),
+                                 check_collectives=checked)
         if st.multiprocess:
             quiet_rank_output(debug_level(where))
-        set_state(dataclasses.replace(st, check_collectives=checked))
+            agree_on_setting(st, where)
+        set_state(st)
         install_excepthook()
         return
     config = read_config(backend, init_method, timeout, world_size, rank, where)
@@ -90,7 +93,9 @@ def init_process_group(
         return
     quiet_rank_output(config.debug)  # gloo's connection lines, under a launcher that passes them on
     local_ids = configure_multiprocess(config, where)
-    set_state(dataclasses.replace(join(config, local_ids, where), check_collectives=checked))
+    st = dataclasses.replace(join(config, local_ids, where), check_collectives=checked)
+    agree_on_setting(st, where)
+    set_state(st)
     install_excepthook()
 
 

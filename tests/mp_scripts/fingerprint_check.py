@@ -1,26 +1,38 @@
-"""Collectives whose ranks disagree after the group's first call: ``fingerprint_check.py OUT_DIR [off]``.
+"""Collectives whose ranks disagree after the group's first call: ``fingerprint_check.py OUT_DIR [off|mixed]``.
 
 Every rank makes the same good calls, then, at a warm call, a call that differs on the last rank (the op,
 the shape, the dtype, the collective); each must raise a ValueError on every rank naming each rank's call,
 leave the tensors as they were (no data moved) and leave the group usable (the next good call is right).
 With ``off`` the job runs with ``init_process_group(check_collectives=False)``: the same op mismatch
-raises nothing. Written for 2 ranks; runs on gloo (spmdrun) and mpi (mpi_run.py).
+raises nothing; with ``mixed`` rank 0 checks and rank 1 does not, and both refuse to join. Written for 2
+ranks; runs on gloo (spmdrun) and mpi (mpi_run.py).
 """
 
+import os
 import sys
 
 import numpy as np
 
 import spmd.distributed as dist
-from _checks import Checks
+from _checks import Checks, raises
 
 out_dir = sys.argv[1]
 off = sys.argv[2:] == ["off"]
+check = Checks(lambda got, want: got == want)
+if sys.argv[2:] == ["mixed"]:  # the ranks' settings differ: every rank refuses to join, naming who checks
+    rank = int(os.environ["RANK"])
+    check("mixed settings refused", lambda: raises(
+        lambda: dist.init_process_group(check_collectives=rank == 0), ValueError,
+        "init_process_group: the ranks disagree on check_collectives: ranks [0] check every collective, ranks [1] "
+        "do not (init_process_group(check_collectives=...), else SPMD_CHECK_COLLECTIVES); a rank that checks would "
+        "pair its fingerprint with another rank's data. Give every rank the same setting."))
+    check("not joined after the refusal", lambda: (dist.is_initialized(), False))
+    check.write(out_dir, rank)
+    sys.exit(0)
 dist.init_process_group(check_collectives=False if off else None)
 rank, world = dist.get_rank(), dist.get_world_size()
 assert world == 2, "written for 2 ranks"
 last = rank == world - 1
-check = Checks(lambda got, want: got == want)
 G = "Group(WORLD)"
 
 
