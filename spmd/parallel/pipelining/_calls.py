@@ -91,6 +91,9 @@ class UnitCalls:
         self.side_shapes: list = []  # the side arrays' ShapeDtypeStructs
         self.out = None  # (treedef, leaves, index of the activation) of a unit's output
         self.unit = None  # linen: the first unit's module (unbound); nnx: (graphdef, param treedef)
+        self.units_of: list = []  # each unit's (as ``unit``), in call order
+        self.kinds: list[int] = [0]  # a representative unit per kind (units computing one program)
+        self.kind_of: list[int] = []  # each unit's kind
 
     # --- running the model's code with the unit calls routed to ``on_unit(path, mod, call, args, kwargs)``
     def run(self, loss_fn: Callable, params: Any, mb: Any, on_unit: Callable):
@@ -179,7 +182,8 @@ class UnitCalls:
         """Group the units into kinds that compute the same function: equal configurations (a linen module's
         fields but its name, an nnx module's static attributes), else equal traced programs (GPT-Neo's
         ``layer_id`` differs per block, but its blocks compute one of two programs). ``kinds``: a
-        representative unit index per kind; ``kind_of``: each unit's kind."""
+        representative unit index per kind; ``kind_of``: each unit's kind. A stage runs each unit as its own
+        kind (``apply_unit(..., kind=)``); units of one kind share one traced body."""
         units = self.lay.units
         keys: dict[int, Any] = {}
 
@@ -188,7 +192,7 @@ class UnitCalls:
                 keys[i] = self._trace_key(mods[i])
             return keys[i]
 
-        self.units_of, self.kinds, self.kind_of = mods, [], []
+        self.units_of, self.configs, self.kinds, self.kind_of = mods, configs, [], []
         for i in range(len(mods)):
             k = next((k for k, rep in enumerate(self.kinds) if _equal(configs[rep], configs[i])), None)
             if k is None:
@@ -197,11 +201,6 @@ class UnitCalls:
                 k = len(self.kinds)
                 self.kinds.append(i)
             self.kind_of.append(k)
-        if len(self.kinds) > 1:
-            a, b = self.kinds[0], self.kinds[1]
-            raise ValueError(f"pipeline: units {units[a]!r} and {units[b]!r} differ ({_difference(configs[a], configs[b])}) "
-                             "and compute different programs; pipeline stages stack repeated blocks that compute one "
-                             "program: match only identical blocks with units=.")
 
     def _trace_key(self, unit):
         """The unit's traced program (and its constants): equal keys compute the same function."""
@@ -272,9 +271,14 @@ class UnitCalls:
 
         return self.run(loss_fn, self.lay.full_params(rest), mb, on_unit)
 
-    def apply_unit(self, leaves: list, x, side: list = ()):
-        """One unit on its parameters (``leaves``, in ``StageLayout.rel`` order) and the stage's side arrays."""
-        return self._apply(self.unit, leaves, x, side)
+    def apply_unit(self, leaves: list, x, side: list = (), kind: int = 0):
+        """One unit of ``kind`` (``kind_of``; 0: the first unit's) on its parameters (``leaves``, in
+        ``StageLayout.rel`` order) and the stage's side arrays."""
+        return self._apply(self.units_of[self.kinds[kind]], leaves, x, side)
+
+    def difference(self, a: int, b: int) -> str:
+        """What units ``a`` and ``b`` (indices) differ in: ``name=value vs value``."""
+        return _difference(self.configs[a], self.configs[b])
 
     def _apply(self, unit, leaves: list, x, side: list = ()):
         args, kwargs = self._side(list(side))

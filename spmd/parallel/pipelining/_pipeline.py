@@ -21,7 +21,9 @@ it (a tied embedding used by both ends is right by construction).
 model's ``(model, batch)``) runs with the unit calls intercepted (``spmd.parallel.pipelining._calls``: linen,
 Hugging Face Flax models, nnx). *pre*: stop at the first unit call and return its input; *post*: every unit
 call returns the injected last activation (the code before it is dead and compiled away); a stage runs its
-units with their own module objects. A unit's other arguments (an attention mask, position ids, flags)
+units with their own module objects: units whose configurations (or traced programs) are equal share one
+traced body, and a stage slot that holds units of several kinds (GPT-Neo's global and local blocks)
+``lax.switch``-es on the rank's and chunk's kind, so no unit ever runs another's module. A unit's other arguments (an attention mask, position ids, flags)
 must be the same for every unit and free of the parameters: each stage computes them again from its
 micro-batch. The units' parameters are stacked
 into one array per parameter, leading dim ``pp x v x ceil(L / S)`` cut ``Shard(0)`` over ``pp``, so each
@@ -273,8 +275,14 @@ class StageLayout:
     def post(self, loss_fn, rest, mb, h):
         return self.calls.post(loss_fn, rest, mb, h)
 
-    def apply_unit(self, leaves: list, x, side: list = ()):
-        return self.calls.apply_unit(leaves, x, side)
+    def apply_unit(self, leaves: list, x, side: list = (), kind: int = 0):
+        return self.calls.apply_unit(leaves, x, side, kind)
+
+    @property
+    def kind_rows(self) -> np.ndarray:
+        """``[pp, v, lc]``: the kind (``UnitCalls.kind_of``) of each stored unit slot, -1 for a skipped one."""
+        kind_of = self.calls.kind_of
+        return np.array([kind_of[u] if u >= 0 else -1 for u in self.rows]).reshape(self.valid.shape)
 
 
 def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_microbatches: int,

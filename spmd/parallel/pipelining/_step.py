@@ -93,6 +93,21 @@ def unshard_pipeline_params(pm, params) -> Any:
     return jax.jit(lay.unstack, out_shardings=rep)(params)
 
 
+def _check_leading_dims(batch) -> None:
+    """Every batch leaf is cut into micro-batches along its leading dim: the same number of rows in each."""
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise ValueError("train_step: batch holds no arrays; give the pipeline a pytree of [batch, ...] arrays.")
+    p0, x0 = leaves[0]
+    for p, x in leaves:
+        if np.ndim(x0) == 0 or np.ndim(x) == 0 or np.shape(x)[0] != np.shape(x0)[0]:
+            raise ValueError(
+                f"train_step: batch{jax.tree_util.keystr(p)} has shape {np.shape(x)}, and batch"
+                f"{jax.tree_util.keystr(p0)} {np.shape(x0)}; a pipelined step cuts every batch leaf into micro-batches "
+                "along its leading (batch) dim, so each needs one, the same in all: give per-example arrays "
+                "(broadcast a shared one inside loss_fn).")
+
+
 def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1,
                        mesh=None) -> Callable:
     """``(state, batch) -> (state, metrics)`` of a pipelined model (see the module doc)."""
@@ -128,6 +143,7 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
             raise ValueError(f"train_step: the state was laid out for another model than this step's ({pm!r}); build "
                              "it with init_train_state on the same model.")
         batch = _as_arrays(batch)
+        _check_leading_dims(batch)
         _check_batch(batch, n_data, 1, data, sizes)
         n = np.shape(jax.tree.leaves(batch)[0])[0]
         if n % (n_data * m_count * accum_steps):
@@ -228,8 +244,18 @@ class _Stages:
         self.rels = list(lay.rel)
         self.st_entries = [plan.entry(f"{STAGES}/{rel}") for rel in self.rels]
 
-    def unit_named(self):
-        return self.hooks.unit(self.lay.units[0]) if self.hooks else contextlib.nullcontext()
+        kinds = lay.kind_rows  # [pp, v, lc]: each slot's unit kind (units that differ run as themselves)
+        self.slot_kinds = []  # per slot: (the kinds some rank's chunk holds there, each (rank, chunk)'s index)
+        for l in range(self.lc):
+            used = sorted({int(k) for k in kinds[:, :, l].flat if k >= 0})
+            self.slot_kinds.append((used, np.vectorize(lambda k: used.index(k) if k >= 0 else 0)(
+                kinds[:, :, l]).astype(np.int32)))
+
+    def unit_call(self, k: int, leaves: list, x, side):
+        """A unit of kind ``k`` (``UnitCalls.kind_of``), named (tp) by its kind's first unit."""
+        lay = self.lay
+        with self.hooks.unit(lay.units[lay.calls.kinds[k]]) if self.hooks else contextlib.nullcontext():
+            return lay.apply_unit(leaves, x, side, kind=k)
 
     def chunk_of(self, sp: dict, j) -> dict:
         """Chunk ``j``'s units of each stacked parameter: ``[lc, ...]``."""
@@ -248,8 +274,12 @@ class _Stages:
         lay = self.lay
         for l in range(self.lc):
             leaves = [spj[rel][l] for rel in lay.rel]
-            with self.unit_named():
-                y = lay.apply_unit(leaves, x, side)
+            used, idx = self.slot_kinds[l]
+            if len(used) == 1:
+                y = self.unit_call(used[0], leaves, x, side)
+            else:  # the slot holds units of several kinds across ranks / chunks: each runs its own
+                y = lax.switch(jnp.asarray(idx)[r, j], [lambda ls, x, sd, k=k: self.unit_call(k, ls, x, sd)
+                                                        for k in used], leaves, x, side)
             x = jnp.where(self.valid[r, j, l], y, x) if self.skip else y
         return x
 

@@ -154,6 +154,11 @@ def reduce_tp_aware(hooks: StageHooks | None, entries: Sequence, leaves: Sequenc
     return out
 
 
+def _calls_of(records: list) -> list:
+    """What the table reads of a unit's styled calls, but the module names (each unit's own)."""
+    return [{k: v for k, v in r.items() if k not in ("module", "input_id")} for r in records]
+
+
 def segment_records(pm, lay, loss_fn, mb) -> dict[str, list] | None:
     """The styled calls of one micro-batch by segment, traced (shapes only) with the region's hooks:
     ``pre`` (before the first unit: the embedding), ``unit`` (one unit), ``post`` (after the last: the
@@ -171,5 +176,15 @@ def segment_records(pm, lay, loss_fn, mb) -> dict[str, list] | None:
         with hooks.installed(), (hooks.unit(lay.units[0]) if name == "unit" else contextlib.nullcontext()):
             jax.eval_shape(f, *args)
         out[name] = list(hooks.records)
+    for k in range(1, len(lay.calls.kinds)):  # the table counts one unit's styled calls for every unit
+        hooks.records = []
+        with hooks.installed(), hooks.unit(lay.units[lay.calls.kinds[k]]):
+            jax.eval_shape(lambda ls, x, sd: lay.apply_unit(ls, x, sd, kind=k), unit, lay.act, lay.calls.side_shapes)
+        if _calls_of(hooks.records) != _calls_of(out["unit"]):
+            a, b = lay.calls.kinds[0], lay.calls.kinds[k]
+            raise ValueError(f"pipeline: units {lay.units[a]!r} and {lay.units[b]!r} differ "
+                             f"({lay.calls.difference(a, b)}) and make other tensor-parallel calls; tp stages of "
+                             "units that differ are offered where their styled calls are the same: match only "
+                             "identical blocks with units=, or pipeline without tp.")
     out["post"] = out["post"][len(out["pre"]):]  # post runs the pre-unit code again, dead (its units return h)
     return out

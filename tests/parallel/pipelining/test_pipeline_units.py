@@ -1,5 +1,7 @@
-"""Pipeline units that differ by a static attribute (a local-attention window on every other block) run as
-themselves: the step never substitutes one unit's module for another's."""
+"""Pipeline units that differ by a static attribute (a local-attention window on every other block, GPT-Neo's
+alternating global / local attention) run as themselves: the step never substitutes one unit's module for
+another's. Each trains equal to 1-device training within 1e-5; what cannot run so is refused, naming both
+units and the attribute."""
 
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ import optax
 import pytest
 
 import spmd
-from spmd.parallel import init_train_state, make_train_step, pipeline
+from placements import Replicate
+from spmd.parallel import (ColwiseParallel, init_train_state, make_train_step, parallelize_module, pipeline,
+                           unshard_params)
+from tests._one_device import assert_trees_close, train_one_device
 
 VOCAB = 32
 
@@ -61,10 +66,118 @@ def _setup(windows, **kw):
     return m, params, loss, pm
 
 
-def test_units_that_differ_are_refused_naming_both_and_the_attribute():
-    _, params, loss, pm = _setup((None, 2, None, 2))
+@pytest.mark.slow
+@pytest.mark.parametrize("windows", [(None, 2, None, 2),  # each stage slot holds one kind on every rank
+                                     (None, None, 2, 2)])  # slot 0: global on rank 0, local on rank 1 (a switch)
+def test_units_that_differ_train_equal_to_one_device(windows):
+    m, params, loss, pm = _setup(windows)
+    opt = optax.sgd(0.5)
+    batches = [_batch()] * 3
+    ref_losses, ref = train_one_device(params, batches, loss, opt)
+    state = init_train_state(pm, opt, params=params)
+    step = make_train_step(pm, loss, opt)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params, atol=1e-5)
+    assert ref_losses[-1] < ref_losses[0] - 0.05  # it trained
+    # a stage running the first unit's module for every unit is off by far more than the tolerance
+    uniform_losses, _ = train_one_device(params, batches, lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
+        Net((windows[0],) * 4).apply({"params": p}, b["inputs"]), b["targets"]).mean(), opt)
+    assert abs(uniform_losses[-1] - ref_losses[-1]) > 1e-3
+
+
+class _Repeat(nn.Module):
+    """A block that applies its one projection ``times`` times: the same parameters, other tp calls."""
+    times: int = 1
+
+    @nn.compact
+    def __call__(self, x):
+        up = nn.Dense(8, name="up")
+        for _ in range(self.times):
+            x = x + up(x)
+        return x
+
+
+class _RepeatNet(nn.Module):
+    @nn.compact
+    def __call__(self, tok):
+        x = nn.Embed(VOCAB, 8)(tok)
+        for i, t in enumerate((1, 2, 1, 2)):
+            x = _Repeat(t, name=f"layers_{i}")(x)
+        return nn.Dense(VOCAB)(x)
+
+
+def test_tp_stages_of_units_that_differ_in_their_tp_calls_are_refused():
+    m = _RepeatNet()
+    params = m.init(jax.random.key(0), _batch()["inputs"])["params"]
+    mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    tm = parallelize_module(m, mesh["tp"], {"layers_*.up": ColwiseParallel(output_layouts=Replicate())})
+    pm = pipeline(tm, mesh["pp"], units="layers_*", num_microbatches=2)
+    opt = optax.sgd(0.1)
+    state = init_train_state(pm, opt, params=params)
+    step = make_train_step(pm, lambda p, b: m.apply({"params": p}, b["inputs"]).mean(), opt)
+    with pytest.raises(ValueError, match=re.escape("units 'layers_0' and 'layers_1' differ (times=1 vs 2) and make "
+                                                   "other tensor-parallel calls")):
+        step.communication(state, _batch())
+
+
+def test_units_with_other_parameters_are_refused():
+    class Wide(nn.Module):
+        @nn.compact
+        def __call__(self, tok):
+            x = nn.Embed(VOCAB, 8)(tok)
+            x = x + nn.Dense(8, name="layers_0")(x)
+            x = x + nn.Dense(8, use_bias=False, name="layers_1")(x)
+            return x.sum()
+
+    m = Wide()
+    params = m.init(jax.random.key(0), _batch()["inputs"])["params"]
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    pm = pipeline(m, mesh["pp"], units="layers_*", num_microbatches=2)
+    with pytest.raises(ValueError, match=re.escape("unit 'layers_1' has other parameters than 'layers_0'")):
+        init_train_state(pm, optax.sgd(0.1), params=params)
+
+
+@pytest.mark.slow
+def test_hf_gpt_neo_alternating_global_and_local_attention_equals_one_device():
+    """Hugging Face's Flax GPT-Neo (random init, no download): its blocks differ by ``layer_id`` (global and
+    local attention alternate), two kinds; interleaved, rank 0 holds the global blocks and rank 1 the local."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPTNeoConfig(vocab_size=VOCAB, max_position_embeddings=16, hidden_size=16, num_layers=4,
+                                    num_heads=2, attention_types=[[["global", "local"], 2]], window_size=2,
+                                    intermediate_size=32, embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0)
+    hf = transformers.FlaxGPTNeoForCausalLM(cfg, seed=0)
+
+    def loss(mod):
+        return lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
+            mod(b["inputs"], params=p).logits, b["targets"]).mean()
+
+    opt = optax.sgd(0.5)
+    batches = [_batch()] * 3
+    ref_losses, ref = train_one_device(hf.params, batches, loss(hf), opt)
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    pm = pipeline(hf, mesh["pp"], units="transformer.h.*", num_microbatches=2, schedule="interleaved",
+                  stages_per_rank=2)
+    state = init_train_state(pm, opt, params=hf.params)
+    step = make_train_step(pm, loss(pm), opt)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params, atol=1e-5)
+    assert ref_losses[-1] < ref_losses[0] - 0.05
+
+
+def test_batch_leaves_without_a_common_leading_dim_are_refused_by_path():
+    _, params, loss, pm = _setup((None,) * 4)
     opt = optax.sgd(0.1)
     state = init_train_state(pm, opt, params=params)
     step = make_train_step(pm, loss, opt)
-    with pytest.raises(ValueError, match=re.escape("units 'layers_0' and 'layers_1' differ (window=None vs 2)")):
-        step.lower(state, _batch())
+    batch = {**_batch(), "mask": np.ones((8,), np.float32)[None]}  # [1, 8]: one row for all
+    with pytest.raises(ValueError, match=re.escape("train_step: batch['mask'] has shape (1, 8), and batch['inputs'] "
+                                                   "(8, 8); a pipelined step cuts every batch leaf")):
+        step.lower(state, batch)
