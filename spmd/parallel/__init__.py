@@ -19,6 +19,8 @@ from spmd.parallel.plan import (ROOT, ParamPlan, PlanEntry, Rule, entry_sharding
 from spmd.parallel.styles import (ColwiseParallel, MixedPrecisionPolicy, ParallelModule, ParallelStyle,
                                   PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                                   activation_checkpointing, fully_shard, parallelize_module, weight_stationary_plan)
+from spmd.parallel.context import (allgather_attention, causal_work, ring_attention, unzigzag_permutation,
+                                   zigzag_permutation)
 from spmd.parallel.cost import (HARDWARE, Calibration, Hardware, Link, calibrate, executed_collectives,
                                 hlo_executed_collectives)
 from spmd.parallel.step import TrainState, init_train_state, make_train_step, unshard_params
@@ -73,4 +75,9 @@ __all__ = [
     "map_like_params",
     "executed_collectives",
     "hlo_executed_collectives",
+    "ring_attention",
+    "allgather_attention",
+    "zigzag_permutation",
+    "unzigzag_permutation",
+    "causal_work",
 ]
