@@ -23,9 +23,9 @@ Hugging Face Flax models, nnx). *pre*: stop at the first unit call and return it
 call returns the injected last activation (the code before it is dead and compiled away); a stage runs its
 units with their own module objects: units whose configurations (or traced programs) are equal share one
 traced body, and a stage slot that holds units of several kinds (GPT-Neo's global and local blocks)
-``lax.switch``-es on the rank's and chunk's kind, so no unit ever runs another's module. A unit's other arguments (an attention mask, position ids, flags)
-must be the same for every unit and free of the parameters: each stage computes them again from its
-micro-batch. The units' parameters are stacked
+``lax.switch``-es on the rank's and chunk's kind, so no unit ever runs another's module. A unit's other
+arguments (an attention mask, position ids, flags) must be the same for every unit and free of the
+parameters: each stage computes them again from its micro-batch. The units' parameters are stacked
 into one array per parameter, leading dim ``pp x v x ceil(L / S)`` cut ``Shard(0)`` over ``pp``, so each
 rank stores its own stages only. The step (``spmd.parallel.pipelining._step``) is one ``shard_map`` manual
 over every mesh dim but tp, running the schedule's tick table (``spmd.parallel.pipelining._schedules``) unrolled: each tick a

@@ -1,7 +1,7 @@
 """Pipeline units that differ by a static attribute (a local-attention window on every other block, GPT-Neo's
 alternating global / local attention) run as themselves: the step never substitutes one unit's module for
-another's. Each trains equal to 1-device training within 1e-5; what cannot run so is refused, naming both
-units and the attribute."""
+another's. Each trains equal to 1-device training within 1e-5 (its compiled collectives equal to the
+table); what cannot run so is refused, naming both units and the attribute."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 
 import spmd
 from placements import Replicate
-from spmd.parallel import (ColwiseParallel, init_train_state, make_train_step, parallelize_module, pipeline,
-                           unshard_params)
+from spmd.parallel import (ColwiseParallel, hlo_executed_collectives, init_train_state, make_train_step,
+                           parallelize_module, pipeline, unshard_params)
 from tests._one_device import assert_trees_close, train_one_device
 
 VOCAB = 32
@@ -76,6 +76,10 @@ def test_units_that_differ_train_equal_to_one_device(windows):
     ref_losses, ref = train_one_device(params, batches, loss, opt)
     state = init_train_state(pm, opt, params=params)
     step = make_train_step(pm, loss, opt)
+    got = hlo_executed_collectives(step.compiled(state, _batch()).as_text(), scalars=False)
+    want = step.communication(state, _batch())
+    for kind in ("collective-permute", "all-reduce", "all-gather", "reduce-scatter"):
+        assert got[kind]["bytes"] == want[kind]["bytes"], kind
     losses = []
     for b in batches:
         state, metrics = step(state, b)
