@@ -185,3 +185,51 @@ def test_batch_leaves_without_a_common_leading_dim_are_refused_by_path():
     with pytest.raises(ValueError, match=re.escape("train_step: batch['mask'] has shape (1, 8), and batch['inputs'] "
                                                    "(8, 8); a pipelined step cuts every batch leaf")):
         step.lower(state, batch)
+
+
+@pytest.mark.slow
+def test_nnx_units_that_differ_train_equal_to_one_device():
+    """An nnx model whose blocks differ by a static attribute (the activation's name): relu, gelu, relu, gelu."""
+    from flax import nnx
+
+    class MlpBlock(nnx.Module):
+        def __init__(self, act: str, *, rngs):
+            self.act = act
+            self.up = nnx.Linear(8, 16, rngs=rngs)
+            self.down = nnx.Linear(16, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(getattr(jax.nn, self.act)(self.up(x)))
+
+    class Mlp(nnx.Module):
+        def __init__(self, *, rngs):
+            self.embed = nnx.Embed(VOCAB, 8, rngs=rngs)
+            self.blocks = nnx.List([MlpBlock(a, rngs=rngs) for a in ("relu", "gelu", "relu", "gelu")])
+            self.head = nnx.Linear(8, VOCAB, rngs=rngs)
+
+        def __call__(self, tok):
+            x = self.embed(tok)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    def ce(logits, b):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+
+    m = Mlp(rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(m, nnx.Param)
+    opt = optax.sgd(0.5)
+    batches = [_batch()] * 3
+    ref_losses, ref = train_one_device(params, batches, lambda p, b: ce(nnx.merge(graphdef, p)(b["inputs"]), b), opt)
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    pm = pipeline(m, mesh["pp"], units="blocks.*", num_microbatches=2, schedule="interleaved", stages_per_rank=2)
+    state = init_train_state(pm, opt)
+    step = make_train_step(pm, lambda mod, b: ce(mod(b["inputs"]), b), opt)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    assert next(iter(pm._layouts.values())).calls.kind_of == [0, 1, 0, 1]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params, atol=1e-5)
+    assert ref_losses[-1] < ref_losses[0] - 0.05
