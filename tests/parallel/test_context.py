@@ -224,3 +224,30 @@ def test_errors():
         ring_attention(q, k, k, axis_name="cp", segment_ids=jnp.zeros((B, 4), jnp.int32))
     with pytest.raises(ValueError, match=re.escape("ring_attention: q has shape (2, 8, 32)")):
         ring_attention(q.reshape(B, 8, H * D), k, k, axis_name="cp")
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_ring_in_spmd_region_on_dp_x_cp(check_vma):
+    """Inside ``spmd.spmd`` on a 2-D mesh (batch cut over dp, sequence over cp), with and without JAX's vma
+    checking: the ring runs over cp alone and equals full attention, values and gradients."""
+    from spmd import Shard
+
+    cp, seq = 4, 32
+    mesh = spmd.init_device_mesh("cpu", (2, cp), mesh_dim_names=("dp", "cp"))
+    q, k, v, seg, ct = _inputs(seq, 2)
+    perm, inv = zigzag_permutation(seq, cp), unzigzag_permutation(seq, cp)
+
+    @spmd.spmd(mesh, in_placements=[Shard(0), Shard(1)], out_placements=[Shard(0), Shard(1)], check_vma=check_vma)
+    def attn(q, k, v, seg):
+        return ring_attention(q, k, v, axis_name="cp", causal=True, segment_ids=seg, layout="zigzag")
+
+    @jax.jit
+    def run(q, k, v, ct):
+        out, vjp = jax.vjp(lambda q, k, v: attn(q[:, perm], k[:, perm], v[:, perm], seg[:, perm])[:, inv], q, k, v)
+        return out, vjp(ct)
+
+    out, grads = run(q, k, v, ct)
+    ref, ref_grads = _reference(q, k, v, seg, ct, True, True)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
