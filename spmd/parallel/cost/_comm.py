@@ -12,19 +12,21 @@ HLO reader's ``buffers`` and ``bytes`` are what equal this table).
   its gradient;
 - **dp** (the replicate dims, HSDP): one all-reduce of the fsdp-cut gradient shards; parameters whole on
   the data dims: one all-reduce of their gradients over every data dim (DDP);
-- **tp**, per styled module call and micro-batch (``A``: its activation bytes, global over tp):
-  ``ColwiseParallel`` input ``Replicate``: the input gradient's all-reduce (backward; none for token ids);
-  input ``Shard`` (sequence parallel): an all-gather forward (one per input: the modules reading it, such
-  as q, k and v, share it), a reduce-scatter backward (one per module); output
-  ``Replicate``: an all-gather forward, a reduce-scatter backward. ``RowwiseParallel`` output
-  ``Replicate``: an all-reduce forward; output ``Shard``: a reduce-scatter forward, an all-gather backward.
-  Parameters whole over tp that see only the device's positions (``SequenceParallel`` norms, a row-wise
-  bias added to ``Shard`` outputs): an all-reduce of their gradients. ``PrepareModuleOutput`` from
-  ``Replicate`` to ``Shard`` (a whole embedding's output cut): a slice forward, an all-gather of its
-  gradient backward.
+- **tp**, per styled module call and micro-batch (``A``: its activation bytes, global over tp), from its
+  style's layouts (``ParallelStyle``), whatever the style: a module on its tp blocks whose input arrives
+  ``Shard(d)`` and is needed ``Replicate`` (a ``ColwiseParallel`` input under sequence parallelism): an
+  all-gather forward (one per input: the modules reading it, such as q, k and v, share it), a
+  reduce-scatter backward (one per module); a ``Replicate`` floating input: its gradient's all-reduce
+  (backward, Megatron's ``f``; none for token ids); a ``Partial`` output (``RowwiseParallel``) wanted
+  ``Replicate``: an all-reduce forward (Megatron's ``g``); wanted ``Shard``: a reduce-scatter forward, an
+  all-gather backward; a cut output (``ColwiseParallel``'s features) wanted ``Replicate``: an all-gather
+  forward, a reduce-scatter backward. Parameters whole over tp that it reads (``SequenceParallel`` norms,
+  a row-wise bias added to ``Shard`` outputs): an all-reduce of their gradients. A style in global view
+  (``PrepareModuleOutput``) from ``Replicate`` to ``Shard`` (a whole embedding's output cut): a slice
+  forward, an all-gather of its gradient backward.
 - **tp, weight-stationary** (a plan cutting the activations on the batch, ``spmd.parallel.styles._weight_stationary``):
   the terms above, plus one all-reduce over tp per micro-batch of the gradient of each parameter whole over
-  tp that no ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` module reads (the model's own
+  tp that no module on its tp blocks reads (the model's own
   code reads it on the device's sequences: a position table; GSPMD sums it). The whole parameter is
   counted: a model reading a slice of it (``pos[:t]`` with ``t`` below its length) moves the slice.
 
@@ -38,10 +40,9 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from placements import Replicate, Shard
+from placements import Partial, Replicate, Shard
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan
 from spmd.parallel.plan._scan import scan_of, unstacked
-from spmd.parallel.styles._styles import ColwiseParallel, RowwiseParallel, SequenceParallel
 from spmd.parallel.styles._weight_stationary import is_batch_cut
 
 __all__ = ["step_communication", "format_communication", "KINDS"]
@@ -124,25 +125,28 @@ def activation_terms(records: Sequence[dict], *, accum_steps: int = 1, part: str
 
     for r in records:
         a_in, a_out = r["in_bytes"], r["out_bytes"]
-        if r["style"] == "ColwiseParallel":
-            if isinstance(r["in_layout"], Shard):
+        if r["region"]:  # a module on its tp blocks: the collectives between its style's layouts
+            given, need = r["in_layout"], r["in_desired"]
+            if isinstance(given, Shard) and isinstance(need, Replicate):
                 if r["input_id"] not in gathered:  # one all-gather per input, however many modules read it
                     add("forward", "all-gather", a_in)
                     gathered.add(r["input_id"])
-                add("backward", "reduce-scatter", a_in)
-            elif r["input_grad"]:
+                if r["input_grad"]:
+                    add("backward", "reduce-scatter", a_in)
+            elif isinstance(given, Replicate) and r["input_grad"]:  # the region's transpose: Megatron's f
                 add("backward", "all-reduce", a_in)
-            if isinstance(r["out_layout"], Replicate):
+            local, wanted = r["local_out"], r["out_layout"]
+            if isinstance(local, Partial):  # Megatron's g, or a reduce-scatter onto the sequence
+                if isinstance(wanted, Shard):
+                    add("forward", "reduce-scatter", a_out)
+                    add("backward", "all-gather", a_out)
+                else:
+                    add("forward", "all-reduce", a_out)
+            elif isinstance(local, Shard) and not isinstance(wanted, Shard):
                 add("forward", "all-gather", a_out)
                 add("backward", "reduce-scatter", a_out)
-        elif r["style"] == "PrepareModuleOutput":  # a whole output cut (a slice): its gradient all-gathered
-            add("backward", "all-gather", a_out)
-        elif r["style"] == "RowwiseParallel":
-            if isinstance(r["out_layout"], Shard):
-                add("forward", "reduce-scatter", a_out)
-                add("backward", "all-gather", a_out)
-            else:
-                add("forward", "all-reduce", a_out)
+        elif isinstance(r["local_out"], Replicate) and isinstance(r["out_layout"], Shard):
+            add("backward", "all-gather", a_out)  # a whole output cut (a slice): its gradient all-gathered
         for nbytes in r["summed_params"]:
             add("backward", "all-reduce", nbytes)
     return out
@@ -161,7 +165,7 @@ def batch_cut_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dic
         hit = tp.style_for(param_module(e.path)[0])
         if isinstance(e.placements[ti], Shard) or len(e.shape) == 0:
             continue
-        if hit is None or not isinstance(hit[1], (ColwiseParallel, RowwiseParallel, SequenceParallel)):
+        if hit is None or not hit[1].runs_on_blocks():
             _add(out, "all-reduce", e.nbytes, accum_steps)
     return out
 

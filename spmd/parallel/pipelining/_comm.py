@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 
-from placements import Shard
+from placements import Partial, Shard
 from spmd.parallel.pipelining._tables import ROLES
 
 __all__ = ["STAGES", "REST", "pipeline_communication", "format_pipeline_communication", "hlo_permute_pairs",
@@ -74,7 +74,7 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     - a backward ``B`` recomputes the chunk's forward (the first stage: with the pre-unit code's; the last:
       with the post-unit code's) and runs its backward pass; on a stage that is not the last, the
       recomputed output feeds nothing but the unused primal: the forward collective of the chunk's last
-      styled call, a ``RowwiseParallel`` one whose output a residual block adds (``x + proj(h)``), is dead
+      styled call, a reduction (``RowwiseParallel``'s ``Partial`` output) whose output a residual block adds (``x + proj(h)``), is dead
       and compiled away.
 
     ``program``: what the compiled program holds (each tick's forward switch and backward switch hold each
@@ -90,7 +90,7 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     lc = lay.per_slot
     cf, cb = _sum(fwd["unit"], scale=lc), _sum(bwd["unit"], scale=lc)
     last = recs["unit"][-1] if recs["unit"] else None
-    dead = (activation_terms([last], part="forward") if last is not None and last["style"] == "RowwiseParallel"
+    dead = (activation_terms([last], part="forward") if last is not None and isinstance(last["local_out"], Partial)
             else _sum())
     live = {k: {f: cf[k][f] - dead[k][f] for f in ("count", "bytes")} for k in _KINDS}
     zero = _sum()

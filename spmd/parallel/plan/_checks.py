@@ -183,9 +183,9 @@ def check_loss(where: str, loss: Any, aux: Mapping) -> None:
 
 # --- parallelize_module's plan --------------------------------------------------------------------------
 def check_tp_plan(plan: Sequence[tuple[str, Any]], modules: Sequence[str], params: Mapping[str, tuple],
-                  regex: Callable[[str], str], cutting: tuple[type, ...]) -> None:
-    """One style per module; a style in ``cutting`` (ColwiseParallel, RowwiseParallel) on modules holding a
-    kernel of 2+ dims or an embedding table. ``params``: ``{(module fqn, name): shape}``."""
+                  regex: Callable[[str], str]) -> None:
+    """One style per module; a style that ``cuts_kernel`` (ColwiseParallel, RowwiseParallel) on modules holding
+    a kernel of 2+ dims or an embedding table. ``params``: ``{(module fqn, name): shape}``."""
     where = "parallelize_module"
     for m in modules:
         keys = [k for k, _ in plan if re.fullmatch(regex(k), m)]
@@ -198,7 +198,7 @@ def check_tp_plan(plan: Sequence[tuple[str, Any]], modules: Sequence[str], param
         return len(params.get((m, "kernel"), ())) >= 2 or (m, "embedding") in params
 
     for key, style in plan:
-        if not isinstance(style, cutting):
+        if not style.cuts_kernel:
             continue
         for m in modules:
             if not re.fullmatch(regex(key), m) or cuttable(m):

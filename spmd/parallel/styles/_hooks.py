@@ -42,7 +42,7 @@ from placements import Shard
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan, PlanEntry, path_str
 from spmd.parallel.plan._scan import unstacked
 from spmd.parallel.plan._shard import gather_unit
-from spmd.parallel.styles._styles import KNOWN_EMBED, KNOWN_LINEAR, ColwiseParallel, RowwiseParallel
+from spmd.parallel.styles._styles import KNOWN_LINEAR
 from spmd.parallel.styles._remat import RematCalls, checkpoint_policy
 from spmd.parallel.styles._tp_calls import COLWISE_MARK, TP_COMM, TPCalls, _is_array, split_arrays
 from spmd.parallel.styles._transforms import METHODS, ParallelModule
@@ -239,6 +239,9 @@ class Hooks(TPCalls, RematCalls):
         if method == "attend":
             self._check_attend(key, params)
 
+        lookup = method == "__call__" and typ == "Embed" and self.rows_cut(  # a vocabulary-cut Embed's lookup
+            typ, [self.plan.entry(p) for p, _ in params], [p.split("/")[-1] for p, _ in params])
+
         def run_local(vals, a, k, zero_bias):
             tree = jax.tree_util.tree_unflatten(pdef, vals)
             if zero_bias and "bias" in tree:
@@ -248,12 +251,12 @@ class Hooks(TPCalls, RematCalls):
                 with self.bypassing():
                     return mod.clone(parent=None, num_embeddings=tree["embedding"].shape[0]).apply(
                         {"params": tree}, *a, method="attend", **k)
-            if isinstance(style, RowwiseParallel) and typ in KNOWN_EMBED:
+            if lookup:
                 return self._embed_rows(tree["embedding"], a[0], getattr(mod, "dtype", None))
             attrs = {}
-            if isinstance(style, ColwiseParallel) and typ in ("Dense", "DenseGeneral", "Embed"):
+            if typ in ("Dense", "DenseGeneral", "Embed"):  # their width as their blocks have it
                 attrs["features"] = self._local_features(typ, mod, tree)
-            elif isinstance(style, ColwiseParallel) and isinstance(getattr(mod, "features", None), int):
+            elif isinstance(getattr(mod, "features", None), int) and self.features_cut(style, typ):
                 attrs["features"] = mod.features // self.n_tp  # a module type of its own (FlaxConv1D): its width
             import flax.errors
 
@@ -269,10 +272,16 @@ class Hooks(TPCalls, RematCalls):
 
         return self.around(key, typ, next_fun, args, kwargs, params, run_local)
 
+    def features_cut(self, style, typ: str) -> bool:
+        """Whether the style computes its module's output cut on the features (``Shard(-1)``: column-parallel)."""
+        local = style.output_layouts_for(typ)[0]
+        return isinstance(local, Shard) and local.dim == -1
+
     def _check_attend(self, key: str, params) -> None:
         style = self.model.tp.style_for(key)[1]
         e = self.plan.entry(params[0][0]) if params else None
-        if not isinstance(style, ColwiseParallel) or e is None or (self.ti is not None and e.shard_dim(self.ti) != 0):
+        if (not self.features_cut(style, "Embed") or e is None
+                or (self.ti is not None and e.shard_dim(self.ti) != 0)):
             raise ValueError(
                 f"parallelize_module: {style!r} on {key!r}: a tied output projection runs column-parallel on the "
                 "vocabulary, the embedding table's rows: use ColwiseParallel(output_layouts=Replicate()) (or "
@@ -315,10 +324,12 @@ class Hooks(TPCalls, RematCalls):
         own = [(rel, v) for rel, v in nnx_unit_params(sub) if "/" not in rel]
         params = [(f"{spath}/{rel}/value", v[...]) for rel, v in own]
 
+        rels = [rel for rel, _ in own]
+        lookup = typ == "Embed" and self.rows_cut(  # a vocabulary-cut Embed's lookup
+            typ, [self.plan.entry(p) for p, _ in params], rels)
+
         def run_local(vals, a, k, zero_bias):
-            style = self.model.tp.style_for(fqn)[1]
-            rels = [rel for rel, _ in own]
-            if isinstance(style, RowwiseParallel) and typ in KNOWN_EMBED:
+            if lookup:
                 return self._embed_rows(vals[rels.index("embedding")], a[0], getattr(sub, "dtype", None))
             from spmd.parallel.styles._nnx import with_values
 

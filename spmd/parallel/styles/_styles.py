@@ -1,7 +1,9 @@
 """Tensor-parallel styles under torch's names and semantics, for ``parallelize_module``.
 
 A style says, for one submodule, how its parameters are cut over the ``tp`` mesh dim and in which layouts
-its activations enter and leave it, as ``torch.distributed.tensor.parallel``'s styles do:
+its activations enter and leave it, as ``torch.distributed.tensor.parallel``'s styles do. ``ParallelStyle``
+is the protocol the library calls (its methods below); the built-ins are ordinary subclasses of it, and a
+user's own subclass is applied, trained, costed and ranked the same way:
 
 - ``ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))``: the output features are cut
   (a ``Dense`` / nnx ``Linear`` kernel ``(in, out)`` is ``Shard(1)``, its bias ``Shard(0)``; an ``Embed``
@@ -36,8 +38,8 @@ Face's ``FlaxConv1D`` stores its kernel ``(out, in)``: ``ColwiseParallel(dim=0)`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable, ClassVar, Mapping
 
 from placements import Partial, Placement, Replicate, Shard
 
@@ -80,10 +82,46 @@ def _check_bool(style: str, arg: str, value: Any) -> None:
 
 
 class ParallelStyle:
-    """What every style answers: a parameter's placement on ``tp`` and its activations' layouts."""
+    """A parallel style, as torch's: how one module runs over the tensor-parallel mesh dim. Subclass it.
 
-    def param_placement(self, path: str, name: str, shape: tuple[int, ...]) -> Placement:
-        return Replicate()
+    A style owns (a) its parameters' placements over ``tp`` and (b) the layouts its activations arrive in,
+    are computed in and leave in; the library derives every collective from those layouts (the lowering
+    table of ``placements``) and writes it out, in the step and in its communication table alike. The
+    built-in styles are ordinary subclasses. The methods the library calls, with their defaults (a style
+    that replicates its module's parameters and leaves its activations as they come):
+
+    - ``param_placements(module_path, params, module_type=None) -> {name: Placement}``: the placement over
+      tp of each of the module's own parameters (``params``: ``{name: global shape}``; ``Shard(d)`` or
+      ``Replicate()``). Called when the plan is made (``module_type`` None: types are not in a parameter
+      tree) and at the module's first call with its class name (a style may refuse a type there, with a
+      ``ValueError`` naming the fix).
+    - ``input_layouts_for(module_type) -> (given, desired)``: the layout the first positional input arrives
+      in, and the one the module's computation needs (``Shard(d)`` / ``Replicate()``; None: as it comes).
+      ``Shard(d) -> Replicate`` is an all-gather; ``Replicate -> Shard(d)`` a local slice; a ``Replicate``
+      floating input of a local computation has its gradient all-reduced (Megatron's ``f``).
+    - ``output_layouts_for(module_type) -> (given, desired)``: the layout the computation produces and the
+      one the caller receives: ``Partial()`` (partial sums: all-reduced to ``Replicate``, reduce-scattered
+      to ``Shard(d)``, Megatron's ``g``), ``Shard(-1)`` (the output features, cut where the module's kernel is
+      cut: all-gathered to ``Replicate``), ``Shard(d)`` or ``Replicate()``. A ``bias`` parameter whole over
+      tp is added once, after a ``Partial`` output's reduction.
+    - ``kwarg_layouts() -> ({keyword: given}, {keyword: desired})``: keyword inputs' layouts (global view).
+    - ``runs_on_blocks() -> bool``: True: the module runs on this device's tp blocks of its parameters and
+      input, in a region manual over tp, every collective between the layouts above written out; every
+      parameter whole over tp it reads has its gradient all-reduced. False: it runs in global view and the
+      layouts are sharding constraints (``PrepareModuleInput`` / ``PrepareModuleOutput``).
+    - ``map_layouts(fn) -> ParallelStyle``: the style with the activation layouts it names *between*
+      modules (a sequence or batch cut, not its features) mapped by ``fn`` (``weight_stationary_plan``
+      moves ``Shard(1)`` to ``Shard(0)``); the default names none.
+
+    ``cuts_kernel``: True where the style only applies to a module holding a kernel of 2+ dims or an
+    ``Embed`` table (``parallelize_module`` refuses it elsewhere, naming the modules under it that hold one).
+    """
+
+    cuts_kernel: ClassVar[bool] = False
+
+    def param_placements(self, module_path: str, params: Mapping[str, tuple[int, ...]],
+                         module_type: str | None = None) -> dict[str, Placement]:
+        return {name: Replicate() for name in params}
 
     def input_layouts_for(self, module_type: str | None) -> tuple[Any, Any]:
         """``(given, desired)`` layouts of the positional inputs: one layout for the first input, or a tuple."""
@@ -95,8 +133,53 @@ class ParallelStyle:
     def kwarg_layouts(self) -> tuple[dict, dict]:
         return {}, {}
 
+    def runs_on_blocks(self) -> bool:
+        return True
+
+    def map_layouts(self, fn: Callable[[Any], Any]) -> ParallelStyle:
+        return self
+
+    def activation_layouts(self) -> list:
+        """The layouts ``map_layouts`` reaches (derived: override ``map_layouts``)."""
+        seen: list = []
+
+        def record(x):
+            seen.append(x)
+            return x
+
+        self.map_layouts(lambda x: _map_nested(x, record))
+        return seen
+
     def __str__(self) -> str:
         return repr(self)
+
+
+def _map_nested(layout: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` on every layout in ``layout`` (a layout, None, or a tuple / list / dict of them)."""
+    if layout is None:
+        return None
+    if isinstance(layout, (tuple, list)):
+        return type(layout)(_map_nested(x, fn) for x in layout)
+    if isinstance(layout, dict):
+        return {k: _map_nested(v, fn) for k, v in layout.items()}
+    return fn(layout)
+
+
+def _cut_bias(params: Mapping[str, tuple], kernel: Placement) -> Placement:
+    """A column-parallel bias follows its kernel's cut output axis (a kernel ``(in..., out...)``: the trailing
+    dims; stored ``(out, in)``, as FlaxConv1D's: the one dim of the cut size)."""
+    if "bias" not in params:
+        return Replicate()
+    bshape = tuple(params["bias"])
+    if "kernel" not in params or not isinstance(kernel, Shard):
+        return Shard(0) if len(bshape) >= 1 and "kernel" not in params else Replicate()
+    kshape = tuple(params["kernel"])
+    kd = kernel.dim % len(kshape)
+    bd = kd - (len(kshape) - len(bshape))
+    if bd < 0 or bshape[bd] != kshape[kd]:
+        same = [d for d in range(len(bshape)) if bshape[d] == kshape[kd]]
+        bd = same[0] if len(same) == 1 else None
+    return Shard(bd) if bd is not None and bd >= 0 else Replicate()
 
 
 def _kernel_dim(style: str, path: str, module_type: str | None, shape: tuple[int, ...], dim: int | None,
@@ -118,6 +201,8 @@ def _kernel_dim(style: str, path: str, module_type: str | None, shape: tuple[int
 class ColwiseParallel(ParallelStyle):
     """torch's ``ColwiseParallel``: cut the output features (see the module doc)."""
 
+    cuts_kernel: ClassVar[bool] = True
+
     input_layouts: Placement | None = None
     output_layouts: Placement | None = None
     use_local_output: bool = True
@@ -129,14 +214,16 @@ class ColwiseParallel(ParallelStyle):
         _check_bool("ColwiseParallel", "use_local_output", self.use_local_output)
         _check_dim("ColwiseParallel", self.dim)
 
-    def param_placement(self, path, name, shape):
-        if name == "embedding":  # an Embed table (vocab, features): the features are its output
-            return Shard(_kernel_dim("ColwiseParallel", path, None, shape, self.dim, 1))
-        if name == "kernel":
-            return Shard(_kernel_dim("ColwiseParallel", path, None, shape, self.dim, -1))
-        if name == "bias" and len(shape) >= 1:
-            return Shard(0)  # the plan aligns it with the kernel's cut output axis (``_layout.tp_placements``)
-        return Replicate()
+    def param_placements(self, module_path, params, module_type=None):
+        out = {name: Replicate() for name in params}
+        for name in ("embedding", "kernel"):  # an Embed table (vocab, features): the features are its output
+            if name in params:
+                shape = tuple(params[name])
+                out[name] = Shard(_kernel_dim("ColwiseParallel", module_path, module_type, shape, self.dim,
+                                              1 if name == "embedding" else -1))
+        if "bias" in params:
+            out["bias"] = _cut_bias(params, out.get("kernel"))
+        return out
 
     def input_layouts_for(self, module_type):
         desired = Replicate()
@@ -145,10 +232,15 @@ class ColwiseParallel(ParallelStyle):
     def output_layouts_for(self, module_type):
         return Shard(-1), (self.output_layouts or Shard(-1))
 
+    def map_layouts(self, fn):
+        return replace(self, input_layouts=_map_nested(self.input_layouts, fn))
+
 
 @dataclass(frozen=True)
 class RowwiseParallel(ParallelStyle):
     """torch's ``RowwiseParallel``: cut the input features; the output reduced once (see the module doc)."""
+
+    cuts_kernel: ClassVar[bool] = True
 
     input_layouts: Placement | None = None
     output_layouts: Placement | None = None
@@ -161,10 +253,13 @@ class RowwiseParallel(ParallelStyle):
         _check_bool("RowwiseParallel", "use_local_output", self.use_local_output)
         _check_dim("RowwiseParallel", self.dim)
 
-    def param_placement(self, path, name, shape):
-        if name in ("kernel", "embedding"):  # kernel (in, out): the input rows; Embed (vocab, features): the vocab
-            return Shard(_kernel_dim("RowwiseParallel", path, None, shape, self.dim, 0))
-        return Replicate()  # the bias, added once after the reduction
+    def param_placements(self, module_path, params, module_type=None):
+        out = {name: Replicate() for name in params}  # the bias: added once after the reduction
+        for name in ("kernel", "embedding"):  # kernel (in, out): the input rows; Embed (vocab, features): the vocab
+            if name in params:
+                out[name] = Shard(_kernel_dim("RowwiseParallel", module_path, module_type, tuple(params[name]),
+                                              self.dim, 0))
+        return out
 
     def input_layouts_for(self, module_type):
         if module_type in KNOWN_EMBED:  # token ids arrive whole
@@ -172,7 +267,10 @@ class RowwiseParallel(ParallelStyle):
         return (self.input_layouts or Shard(-1)), Shard(-1)
 
     def output_layouts_for(self, module_type):
-        return None, (self.output_layouts or Replicate())
+        return Partial(), (self.output_layouts or Replicate())
+
+    def map_layouts(self, fn):
+        return replace(self, output_layouts=_map_nested(self.output_layouts, fn))
 
 
 @dataclass(frozen=True)
@@ -192,6 +290,10 @@ class SequenceParallel(ParallelStyle):
 
     def output_layouts_for(self, module_type):
         return Shard(self.sequence_dim), Shard(self.sequence_dim)
+
+    def map_layouts(self, fn):
+        moved = fn(Shard(self.sequence_dim))
+        return replace(self, sequence_dim=moved.dim) if isinstance(moved, Shard) else self
 
 
 @dataclass(frozen=True)
@@ -227,6 +329,15 @@ class PrepareModuleInput(ParallelStyle):
     def kwarg_layouts(self):
         return dict(self.input_kwarg_layouts or {}), dict(self.desired_input_kwarg_layouts or {})
 
+    def runs_on_blocks(self):
+        return False
+
+    def map_layouts(self, fn):
+        return replace(self, input_layouts=_map_nested(self.input_layouts, fn),
+                       desired_input_layouts=_map_nested(self.desired_input_layouts, fn),
+                       input_kwarg_layouts=_map_nested(self.input_kwarg_layouts, fn),
+                       desired_input_kwarg_layouts=_map_nested(self.desired_input_kwarg_layouts, fn))
+
 
 @dataclass(frozen=True)
 class PrepareModuleOutput(ParallelStyle):
@@ -248,5 +359,10 @@ class PrepareModuleOutput(ParallelStyle):
     def output_layouts_for(self, module_type):
         return self.output_layouts, self.desired_output_layouts
 
+    def runs_on_blocks(self):
+        return False
 
-STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput)
+    def map_layouts(self, fn):
+        return replace(self, output_layouts=_map_nested(self.output_layouts, fn),
+                       desired_output_layouts=_map_nested(self.desired_output_layouts, fn))
+

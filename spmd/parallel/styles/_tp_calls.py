@@ -1,13 +1,14 @@
 """The tensor-parallel half of the hooks: a styled module's call, on its tp blocks.
 
-``ColwiseParallel``, ``RowwiseParallel`` and ``SequenceParallel`` modules run in a region manual over tp
-(``jax.shard_map`` with ``axis_names={tp}``, nested in the step's region): each device computes the
-module on its blocks of the parameters and of the input, and every tp collective of the style is written
-out: a column-parallel input's all-gather over the sequence (sequence parallelism; its transpose, the
-reduce-scatter, in the backward pass) or, for a whole input, the all-reduce of its gradient (the region's
-transpose, Megatron's ``f``); a row-parallel output's all-reduce (Megatron's ``g``, with no backward
-communication) or reduce-scatter over the sequence. ``PrepareModuleInput`` / ``PrepareModuleOutput``
-are sharding constraints in global view. Outside these regions the model runs in global view over tp, so
+A style that ``runs_on_blocks`` (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, a user's
+own) runs its module in a region manual over tp (``jax.shard_map`` with ``axis_names={tp}``, nested in the
+step's region): each device computes the module on its blocks of the parameters and of the input, and
+every tp collective between the style's layouts is written out: an input arriving ``Shard(d)`` and needed
+``Replicate`` is all-gathered (sequence parallelism; its transpose, the reduce-scatter, in the backward
+pass); a whole floating input has its gradient all-reduced (the region's transpose, Megatron's ``f``); a
+``Partial`` output is all-reduced (Megatron's ``g``, with no backward communication) or reduce-scattered;
+a cut output wanted ``Replicate`` is all-gathered. Other styles (``PrepareModuleInput`` /
+``PrepareModuleOutput``) are sharding constraints in global view. Outside these regions the model runs in global view over tp, so
 its own code (reshapes by the global head count, grouped-query attention) sees global shapes.
 """
 
@@ -22,10 +23,9 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from placements import Replicate, Shard
+from placements import Partial, Replicate, Shard
 from spmd.parallel.plan._param_plan import PlanEntry
-from spmd.parallel.styles._styles import (KNOWN_EMBED, KNOWN_LINEAR, ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                   _kernel_dim)
+from spmd.parallel.styles._styles import KNOWN_LINEAR
 
 __all__ = ["TPCalls", "COLWISE_MARK", "TP_COMM"]
 
@@ -73,7 +73,7 @@ class TPCalls:
 
     def constrain(self, x: Any, layout: Any) -> Any:
         """``x`` laid out as ``layout`` (``Shard(d)`` / ``Replicate()``) over tp: a sharding constraint."""
-        if self.tp is None or layout is None or not _is_array(x) or not hasattr(x, "ndim"):
+        if self.tp is None or layout is None or isinstance(layout, Partial) or not _is_array(x) or not hasattr(x, "ndim"):
             return x
         spec: list = [None] * x.ndim
         if isinstance(layout, Shard):
@@ -105,10 +105,7 @@ class TPCalls:
         if hit is None:
             return call(*args, **kwargs)
         style = hit[1]
-        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-            self.check_type(fqn, typ, style, next((np.shape(v) for p, v in params if p.split("/")[-1] in (
-                "kernel", "embedding") or p.endswith(("/kernel/value", "/embedding/value"))), ()))
-        if isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)) and args and _is_array(args[0]):
+        if style.runs_on_blocks() and args and _is_array(args[0]):
             return self._island_call(fqn, typ, style, params, run_local, args, kwargs)
         return self._constrained(fqn, style, typ, call, args, kwargs)
 
@@ -130,7 +127,8 @@ class TPCalls:
         given, desired = style.output_layouts_for(typ)
         if (isinstance(given, Replicate) and isinstance(desired, Shard) and _is_array(y)
                 and jnp.issubdtype(y.dtype, jnp.inexact)):  # a whole output cut: its gradient is gathered back
-            self.records.append({"module": fqn, "style": type(style).__name__, "type": typ, "in_layout": None,
+            self.records.append({"module": fqn, "style": type(style).__name__, "type": typ, "region": False,
+                                 "in_layout": None, "in_desired": None, "local_out": given,
                                  "out_layout": desired, "in_bytes": 0, "out_bytes": int(np.prod(y.shape)) *
                                  jnp.dtype(y.dtype).itemsize, "input_grad": False, "summed_params": [],
                                  "input_id": None})
@@ -149,23 +147,26 @@ class TPCalls:
 
     def _island_call(self, fqn, typ, style, params, run_local, args, kwargs):
         """The styled module on this device's tp blocks, in a region manual over tp: every tp collective
-        of the style written out (Megatron's f and g; sequence parallelism's all-gather / reduce-scatter)."""
+        between the style's layouts written out (Megatron's f and g; sequence parallelism's all-gather /
+        reduce-scatter)."""
         tp = self.tp
         x, rest = args[0], tuple(args[1:])
         paths = [p for p, _ in params]
         ents = [self.plan.entry(p) for p in paths]
         vals = [v for _, v in params]
         names = [p[:-len("/value")].split("/")[-1] if p.endswith("/value") else p.split("/")[-1] for p in paths]
+        # the style may refuse the module's type (a kernel layout it does not know): ask it once, with the type
+        style.param_placements(fqn, {n: tuple(np.shape(v)) for n, v in zip(names, vals)}, typ)
         given, desired = style.input_layouts_for(typ)
-        _, out = style.output_layouts_for(typ)
-        gather_seq = None
-        if isinstance(style, ColwiseParallel):
-            x_layout = given if isinstance(given, Shard) else Replicate()
-            gather_seq = given.dim if isinstance(given, Shard) else None
-        elif isinstance(style, RowwiseParallel):  # the input arrives cut as it says (default: the last dim)
-            x_layout = Replicate() if typ in KNOWN_EMBED else given
-        else:
-            x_layout = given
+        given, desired = (v[0] if isinstance(v, (tuple, list)) else v for v in (given, desired))
+        x_layout = given if given is not None else Replicate()  # the input's block as it enters the region
+        # the input the module's computation reads; one arriving cut is read as it arrives where a cut one is needed
+        need = x_layout if desired is None or (isinstance(desired, Shard) and isinstance(x_layout, Shard)) else desired
+        gather_in = x_layout.dim if isinstance(x_layout, Shard) and isinstance(need, Replicate) else None
+        slice_in = need.dim if isinstance(x_layout, Replicate) and isinstance(need, Shard) else None
+        local, out = style.output_layouts_for(typ)
+        local = local if local is not None else Replicate()
+        out = out if out is not None else local
         if isinstance(x_layout, Shard) and np.shape(x)[x_layout.dim % np.ndim(x)] % self.n_tp:
             d = x_layout.dim % np.ndim(x)
             raise ValueError(
@@ -174,21 +175,29 @@ class TPCalls:
                 + (f"under the weight-stationary layout (the batch cut over tp) use a batch per data replica and "
                    f"micro-batch that is a multiple of {self.n_tp}." if d == 0 else
                    f"under sequence parallelism use a sequence length that is a multiple of {self.n_tp}."))
-        rowwise = isinstance(style, RowwiseParallel)
-        bias_after = rowwise and "bias" in names
+        partial = isinstance(local, Partial)
+        bias_after = partial and "bias" in names  # a partial sum's bias: added once, after the reduction
         bias_outside = bias_after and not isinstance(out, Shard)  # whole output: every rank's bias gradient is whole
-        # a column-parallel output is cut where its kernel is: the kernel's output axes end the output's dims
-        # (Dense (in, out): the last; DenseGeneral (D, 3, H, hd) cut on the heads (dim=2): the third from the end)
+        # an output cut on its features (Shard(-1)) is cut where its kernel is: the kernel's output axes end the
+        # output's dims (Dense (in, out): the last; DenseGeneral (D, 3, H, hd) cut on the heads (dim=2): the third
+        # from the end)
         kern = next((e for e, n in zip(ents, names) if n in ("kernel", "embedding")), None)
         col_back = (len(kern.shape) - kern.shard_dim(self.ti) if kern is not None and self.ti is not None
                     and kern.shard_dim(self.ti) is not None and typ in KNOWN_LINEAR else 1)  # others: the last
         x_bytes = int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize  # x is global over tp here
 
+        def resolve(layout, ndim):
+            if isinstance(layout, Shard) and layout.dim == -1:
+                return Shard(ndim - col_back)
+            return Shard(layout.dim % ndim) if isinstance(layout, Shard) else layout
+
         def body(vals, x):
-            if gather_seq is not None:
-                x = checkpoint_name(jax.lax.all_gather(x, tp, axis=gather_seq % x.ndim, tiled=True), TP_COMM)
+            if gather_in is not None:
+                x = checkpoint_name(jax.lax.all_gather(x, tp, axis=gather_in % x.ndim, tiled=True), TP_COMM)
+            elif slice_in is not None:
+                x = self._local_slice(x, slice_in % x.ndim)
             y = run_local(list(vals), (x, *rest), kwargs, bias_after)
-            if rowwise:
+            if partial:
                 if isinstance(out, Shard):
                     y = jax.lax.psum_scatter(y, tp, scatter_dimension=out.dim % y.ndim, tiled=True)
                 else:
@@ -196,41 +205,57 @@ class TPCalls:
                 y = checkpoint_name(y, TP_COMM)
                 if bias_after and not bias_outside:
                     y = y + vals[names.index("bias")].astype(y.dtype)
-            elif isinstance(style, ColwiseParallel) and not isinstance(out, Shard):
-                y = checkpoint_name(jax.lax.all_gather(y, tp, axis=y.ndim - col_back, tiled=True), TP_COMM)
+            elif isinstance(local, Shard) and not isinstance(out, Shard):
+                y = checkpoint_name(jax.lax.all_gather(y, tp, axis=resolve(local, y.ndim).dim, tiled=True),
+                                    TP_COMM)
+            elif isinstance(local, Replicate) and isinstance(out, Shard):
+                y = self._local_slice(y, out.dim % y.ndim)
             return y
 
         local_vals = [jax.ShapeDtypeStruct(self._local_shape(e, np.shape(v)), v.dtype) for e, v in zip(ents, vals)]
-        local_x = jax.ShapeDtypeStruct(self._local_layout_shape(x_layout, np.shape(x)), x.dtype)
-        if rowwise and typ in KNOWN_EMBED:  # its lookup reads the tp rank: no shape to evaluate outside the region
+        local_x = jax.ShapeDtypeStruct(self._local_layout_shape(need, np.shape(x)), x.dtype)
+        if self.rows_cut(typ, ents, names) and not jnp.issubdtype(x.dtype, jnp.inexact):
+            # a vocabulary-parallel lookup reads the tp rank: no shape to evaluate outside the region
             ndim = np.ndim(x) + 1
         else:
             ndim = len(jax.eval_shape(lambda v, x: run_local(list(v), (x, *rest), kwargs, bias_after), local_vals,
-                                      local_x if gather_seq is None else jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-                                      ).shape)
-        out_layout = out if (rowwise or isinstance(style, SequenceParallel)) else (
-            Shard(ndim - col_back) if isinstance(out, Shard) else Replicate())
-        if isinstance(style, ColwiseParallel) and isinstance(out, Shard):
-            out_layout = Shard(ndim - col_back)
+                                      local_x).shape)
+        if partial:
+            out_layout = out
+        elif isinstance(local, Shard):
+            out_layout = resolve(local, ndim) if isinstance(out, Shard) else Replicate()
+        else:
+            out_layout = out
         in_specs = (tuple(self.tp_spec(e, np.ndim(v)) for e, v in zip(ents, vals)), self._layout_spec(x_layout, x.ndim))
         y = jax.shard_map(body, mesh=self._region_mesh(), in_specs=in_specs,
                           out_specs=self._layout_spec(out_layout, ndim), axis_names={tp}, check_vma=False)(tuple(vals), x)
         if bias_outside:
             y = y + vals[names.index("bias")].astype(y.dtype)
+        # every parameter whole over tp read in the region has its gradient all-reduced (the region's transpose)
         summed = [int(np.prod(np.shape(v))) * jnp.dtype(v.dtype).itemsize for e, n, v in zip(ents, names, vals)
-                  if e.shard_dim(self.ti) is None
-                  and (isinstance(style, SequenceParallel) or (n == "bias" and bias_after and not bias_outside))]
+                  if e.shard_dim(self.ti) is None and not (n == "bias" and bias_outside)]
         self.records.append({
-            "module": fqn, "style": type(style).__name__, "type": typ, "in_layout": x_layout, "out_layout": out,
+            "module": fqn, "style": type(style).__name__, "type": typ, "region": True, "in_layout": x_layout,
+            "in_desired": need, "local_out": local, "out_layout": out,
             "in_bytes": x_bytes, "out_bytes": int(np.prod(y.shape)) * jnp.dtype(y.dtype).itemsize,
             "input_grad": bool(jnp.issubdtype(x.dtype, jnp.inexact)), "summed_params": summed,
             "input_id": id(x)})  # modules reading one input (q, k, v) share its sequence all-gather (XLA merges them)
         # the input kept alive while these calls trace: a freed tracer's id may be given to another input, which
         # the table would then count as shared (one all-gather fewer than the program's)
         self.__dict__.setdefault("_inputs_alive", []).append(x)
-        if isinstance(style, ColwiseParallel) and isinstance(out, Shard) and typ not in KNOWN_EMBED:
-            y = checkpoint_name(y, f"{COLWISE_MARK}{fqn}|{self.n_tp}")
+        if isinstance(local, Shard) and local.dim == -1 and isinstance(out, Shard) and "embedding" not in names:
+            y = checkpoint_name(y, f"{COLWISE_MARK}{fqn}|{self.n_tp}")  # an output cut on its features (heads)
         return y
+
+    def rows_cut(self, typ: str, ents: Sequence[PlanEntry], names: Sequence[str]) -> bool:
+        """Whether an ``Embed``'s table is cut on its rows (the vocabulary) over tp: a vocabulary-parallel lookup."""
+        return (typ == "Embed" and "embedding" in names and self.ti is not None
+                and ents[list(names).index("embedding")].shard_dim(self.ti) == 0)
+
+    def _local_slice(self, x: jax.Array, d: int) -> jax.Array:
+        """This device's ``Shard(d)`` block of a whole ``x`` (no communication)."""
+        size = x.shape[d] // self.n_tp
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.tp) * size, size, axis=d)
 
     def _region_mesh(self):
         """The enclosing region's mesh; the model's own when there is none (a mesh of tp alone)."""
@@ -257,13 +282,6 @@ class TPCalls:
             yield
         finally:
             self.bypass = saved
-
-    def check_type(self, fqn: str, typ: str, style: Any, kernel_shape) -> None:
-        """A style on a module type it does not know, without ``dim=``: the error that names the fix."""
-        name = type(style).__name__
-        if typ in KNOWN_LINEAR + KNOWN_EMBED or style.dim is not None:
-            return
-        _kernel_dim(name, fqn, typ, tuple(kernel_shape or ()), None, 0)
 
     def _local_features(self, typ: str, mod, tree) -> Any:
         if typ == "Embed":

@@ -26,7 +26,7 @@ from spmd._mesh import DeviceMesh
 from spmd.parallel.plan._checks import check_tp_plan, params_hint
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan, path_str, plan_params
 from spmd.parallel.plan._rules import Rule
-from spmd.parallel.styles._styles import STYLES, ColwiseParallel, ParallelStyle, RowwiseParallel
+from spmd.parallel.styles._styles import ParallelStyle
 
 __all__ = ["ParallelModule", "MixedPrecisionPolicy", "parallelize_module", "fully_shard", "TPSpec", "FSDPSpec",
            "param_module", "glob_regex"]
@@ -218,9 +218,10 @@ def parallelize_module(module: Any, device_mesh: DeviceMesh, parallelize_plan: M
     for key, style in parallelize_plan.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"{where}: parallelize_plan key {key!r} must be a module fqn such as 'layers_*.mlp.up_proj'.")
-        if not isinstance(style, STYLES):
-            raise TypeError(f"{where}: parallelize_plan[{key!r}]={style!r} must be one of "
-                            f"{', '.join(s.__name__ + '()' for s in STYLES)}.")
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(f"{where}: parallelize_plan[{key!r}]={style!r} must be a ParallelStyle: a built-in "
+                            "(ColwiseParallel(), RowwiseParallel(), SequenceParallel(), PrepareModuleInput(...), "
+                            "PrepareModuleOutput(...)) or an instance of your own subclass of ParallelStyle.")
         items.append((key.replace("/", "."), style))
     root = _same_root(have, mesh, where, "device_mesh")
     name = mesh.mesh_dim_names[0]
@@ -325,7 +326,7 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             if not any(re.fullmatch(glob_regex(k, "."), m) for k in on for m in modules):
                 raise _no_match("parallelize_module", "plan key", key, modules, params)
         shapes = {param_module(p): tuple(np.shape(x)) for p, (_, x) in zip(paths, leaves)}
-        check_tp_plan(tp.plan, modules, shapes, lambda k: glob_regex(k, "."), (ColwiseParallel, RowwiseParallel))
+        check_tp_plan(tp.plan, modules, shapes, lambda k: glob_regex(k, "."))
     unit_res = []
     if fsdp:
         for u in fsdp.units:
@@ -335,43 +336,31 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
     if model.remat:
         model.remat.check(modules)
     stacked = dict(stacked or {})
-    tp_of: dict[str, Placement] = {}
-    for (kp, x), path in zip(leaves, paths):
-        fqn, name = param_module(path)
-        shape = tuple(int(d) for d in np.shape(x))
-        p: Placement = Replicate()
-        hit = tp.style_for(fqn) if tp else None
-        if hit is not None and path in stacked:
-            raise ValueError(
-                f"parallelize_module: {hit[1]!r} on {fqn!r}: the module runs under nn.scan "
-                f"({stacked[path][0]!r}: its parameters are stacked by layer), and tensor parallelism inside a "
-                "scan is not supported yet; leave the scanned blocks out of the plan (fully_shard and DDP run on "
-                "them), or build the blocks as a Python list.")
-        if hit is None and tp and name == "embedding" and tp.style_for(fqn + ".attend"):
-            hit = tp.style_for(fqn + ".attend")  # a tied head alone: its vocabulary cut is the table's rows
-            p = Shard(0) if isinstance(hit[1], ColwiseParallel) else Replicate()
-        elif hit is not None:
-            key, style = hit
-            p = style.param_placement(fqn, name, shape)
-            if isinstance(p, Shard):
-                p = Shard(p.dim % len(shape))
-        tp_of[path] = p
-    if tp:  # a column-parallel bias follows its kernel's cut output axis
+    tp_of: dict[str, Placement] = {path: Replicate() for path in paths}
+    if tp:  # each styled module's own parameters, placed by its style
+        own: dict[str, dict[str, tuple]] = {}
+        for (kp, x), path in zip(leaves, paths):
+            fqn, name = param_module(path)
+            own.setdefault(fqn, {})[name] = tuple(int(d) for d in np.shape(x))
         for (kp, x), path in zip(leaves, paths):
             fqn, name = param_module(path)
             hit = tp.style_for(fqn)
-            if name != "bias" or hit is None or not isinstance(hit[1], ColwiseParallel):
+            if hit is not None and path in stacked:
+                raise ValueError(
+                    f"parallelize_module: {hit[1]!r} on {fqn!r}: the module runs under nn.scan "
+                    f"({stacked[path][0]!r}: its parameters are stacked by layer), and tensor parallelism inside a "
+                    "scan is not supported yet; leave the scanned blocks out of the plan (fully_shard and DDP run on "
+                    "them), or build the blocks as a Python list.")
+            if hit is not None:
+                p = _placements(hit[1], fqn, own[fqn])[name]
+            elif name == "embedding" and (tied := tp.style_for(fqn + ".attend")) is not None:
+                # a tied head alone (linen ``Embed.attend``): the table (vocab, features) is its kernel transposed
+                shape = own[fqn][name]
+                k = _placements(tied[1], fqn + ".attend", {"kernel": shape[::-1]})["kernel"]
+                p = Shard(len(shape) - 1 - k.dim) if isinstance(k, Shard) else k
+            else:
                 continue
-            kpath = next((q for q in paths if param_module(q) == (fqn, "kernel")), None)
-            if kpath is None:
-                continue
-            kshape, bshape = np.shape(dict(zip(paths, [v for _, v in leaves]))[kpath]), np.shape(x)
-            kd = tp_of[kpath].dim if isinstance(tp_of[kpath], Shard) else None
-            bd = None if kd is None else kd - (len(kshape) - len(bshape))  # a kernel (in..., out...): trailing
-            if kd is not None and (bd is None or bd < 0 or bshape[bd] != kshape[kd]):  # (out, in), as FlaxConv1D
-                same = [d for d in range(len(bshape)) if bshape[d] == kshape[kd]]
-                bd = same[0] if len(same) == 1 else None
-            tp_of[path] = Shard(bd) if bd is not None and bd >= 0 else Replicate()
+            tp_of[path] = Shard(p.dim % len(own[fqn][name])) if isinstance(p, Shard) else p
     rules = []
     n_tp = sizes.get(tp.mesh_dim, 1) if tp else 1
     for (kp, x), path in zip(leaves, paths):
@@ -390,6 +379,23 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
         rules.append(Rule(re.escape(path), pl, name=_rule_name(model, path)))
     return plan_params(params, sizes, rules, fsdp=fsdp.shard_dim if fsdp else "", units=tuple(unit_res),
                        keep=(ROOT,) if (fsdp is None or fsdp.reshard_after_forward) else (".*",), stacked=stacked)
+
+
+def _placements(style: ParallelStyle, fqn: str, params: dict) -> dict:
+    """``style.param_placements`` checked: one ``Shard(d)`` (d in range) or ``Replicate()`` per parameter."""
+    got = style.param_placements(fqn, dict(params))
+    if not isinstance(got, Mapping) or set(got) != set(params):
+        raise TypeError(f"parallelize_module: {style!r}.param_placements({fqn!r}, ...) returned {got!r}; return a dict "
+                        f"with one placement for each of the module's parameters {sorted(params)}.")
+    for name, p in got.items():
+        if not isinstance(p, (Shard, Replicate)):
+            raise TypeError(f"parallelize_module: {style!r}.param_placements({fqn!r}, ...)[{name!r}]={p!r} must be "
+                            "Shard(d) or Replicate() (a parameter's placement over tp).")
+        if isinstance(p, Shard) and not -len(params[name]) <= p.dim < len(params[name]):
+            raise ValueError(f"parallelize_module: {style!r}.param_placements({fqn!r}, ...)[{name!r}]={p!r} is out "
+                             f"of range for the parameter of shape {params[name]}; use a dim in "
+                             f"[{-len(params[name])}, {len(params[name]) - 1}].")
+    return got
 
 
 def _rule_name(model: ParallelModule, path: str) -> str:

@@ -12,7 +12,8 @@ few sequences per device (its matmuls ``[tokens of the group, D] x [D, D / tp]``
 
 So it needs no runtime of its own: ``weight_stationary_plan(plan)`` turns a sequence-parallel
 ``parallelize_module`` plan into it (every activation layout ``Shard(sequence_dim)`` becomes
-``Shard(0)``, ``SequenceParallel(sequence_dim)`` becomes ``SequenceParallel(0)``), and the
+``Shard(0)``, ``SequenceParallel(sequence_dim)`` becomes ``SequenceParallel(0)``: each style's
+``map_layouts``), and the
 ``Layout(tp=n, weight_stationary=True, tp_plan=...)`` of ``spmd.parallel`` applies it with
 ``parallelize_module`` like any plan. Per styled call and step it communicates what sequence parallelism
 does (``spmd.parallel.cost._comm``): the input's all-gather forward and reduce-scatter backward, the output's
@@ -24,60 +25,27 @@ added to the batch-cut embedding in the model's own code) has its gradient all-r
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Mapping
 
 from placements import Shard
-from spmd.parallel.styles._styles import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-                                   SequenceParallel)
+from spmd.parallel.styles._styles import ParallelStyle
 
 __all__ = ["weight_stationary_plan", "is_batch_cut", "activation_cut_dim"]
 
 
 def _moved(layout: Any, sequence_dim: int) -> Any:
-    if isinstance(layout, Shard) and layout.dim == sequence_dim:
-        return Shard(0)
-    if isinstance(layout, (tuple, list)):
-        return type(layout)(_moved(x, sequence_dim) for x in layout)
-    if isinstance(layout, dict):
-        return {k: _moved(v, sequence_dim) for k, v in layout.items()}
-    return layout
+    return Shard(0) if isinstance(layout, Shard) and layout.dim == sequence_dim else layout
 
 
 def _style(style: Any, sequence_dim: int) -> Any:
-    if isinstance(style, SequenceParallel):
-        return replace(style, sequence_dim=0) if style.sequence_dim == sequence_dim else style
-    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-        return replace(style, input_layouts=_moved(style.input_layouts, sequence_dim),
-                       output_layouts=_moved(style.output_layouts, sequence_dim))
-    if isinstance(style, PrepareModuleInput):
-        return replace(style, input_layouts=_moved(style.input_layouts, sequence_dim),
-                       desired_input_layouts=_moved(style.desired_input_layouts, sequence_dim),
-                       input_kwarg_layouts=_moved(style.input_kwarg_layouts, sequence_dim),
-                       desired_input_kwarg_layouts=_moved(style.desired_input_kwarg_layouts, sequence_dim))
-    if isinstance(style, PrepareModuleOutput):
-        return replace(style, output_layouts=_moved(style.output_layouts, sequence_dim),
-                       desired_output_layouts=_moved(style.desired_output_layouts, sequence_dim))
-    return style
+    return style.map_layouts(lambda x: _moved(x, sequence_dim)) if isinstance(style, ParallelStyle) else style
 
 
 def _activation_cuts(style: Any) -> list[int]:
     """The dims of the ``Shard`` activation layouts a style names between modules (not the features)."""
-    if isinstance(style, SequenceParallel):
-        return [style.sequence_dim]
-    if isinstance(style, ColwiseParallel):
-        got = [style.input_layouts]
-    elif isinstance(style, RowwiseParallel):
-        got = [style.output_layouts]
-    elif isinstance(style, PrepareModuleInput):
-        got = [style.input_layouts, style.desired_input_layouts, *(style.input_kwarg_layouts or {}).values(),
-               *(style.desired_input_kwarg_layouts or {}).values()]
-    elif isinstance(style, PrepareModuleOutput):
-        got = [style.output_layouts, style.desired_output_layouts]
-    else:
+    if not isinstance(style, ParallelStyle):
         return []
-    flat = [y for x in got for y in (x if isinstance(x, (tuple, list)) else (x,))]
-    return [x.dim for x in flat if isinstance(x, Shard) and x.dim >= 0]
+    return [x.dim for x in style.activation_layouts() if isinstance(x, Shard) and x.dim >= 0]
 
 
 def weight_stationary_plan(plan: Mapping[str, Any], *, sequence_dim: int = 1) -> dict:
