@@ -222,6 +222,10 @@ def test_errors():
         ring_attention(q, k, k, axis_name="cp", segment_ids=jnp.zeros((B, 8)))
     with pytest.raises(ValueError, match=re.escape("ring_attention: segment_ids has shape (2, 4)")):
         ring_attention(q, k, k, axis_name="cp", segment_ids=jnp.zeros((B, 4), jnp.int32))
+    with pytest.raises(ValueError, match=re.escape("ring_attention: layout='zigzag' needs an even local sequence")):
+        ring_attention(q[:, :7], k[:, :7], k[:, :7], axis_name="cp", causal=True, layout="zigzag")
+    with pytest.raises(ValueError, match=re.escape("ring_attention: causal=True needs q and k cut alike")):
+        ring_attention(q, k[:, :4], k[:, :4], axis_name="cp", causal=True)
     with pytest.raises(ValueError, match=re.escape("ring_attention: q has shape (2, 8, 32)")):
         ring_attention(q.reshape(B, 8, H * D), k, k, axis_name="cp")
 
@@ -251,3 +255,13 @@ def test_ring_in_spmd_region_on_dp_x_cp(check_vma):
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
     for name, g, r in zip("qkv", grads, ref_grads):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("fn_name", list(FNS))
+def test_scale(fn_name):
+    cp, seq = 2, 16
+    q, k, v, _, _ = _inputs(seq, 2)
+    cut = jax.jit(jax.shard_map(lambda q, k, v: FNS[fn_name](q, k, v, axis_name="cp", causal=True, scale=0.3),
+                                mesh=_mesh(cp), in_specs=(P(None, "cp"),) * 3, out_specs=P(None, "cp")))
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    np.testing.assert_allclose(cut(q, k, v), ref, atol=1e-5, rtol=1e-5)
