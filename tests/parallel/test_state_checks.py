@@ -263,3 +263,22 @@ def test_nnx_unshard_params_of_a_plain_model_under_ddp(mesh):
     state = init_train_state(m2, OPT, mesh=mesh)
     got = unshard_params(m2, state.params)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), got, want)
+
+
+@pytest.mark.slow  # importing transformers and building two models: ~30 s here
+def test_a_hugging_face_model_checks_its_state_too():
+    transformers = pytest.importorskip("transformers")
+    mesh8 = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("fsdp",))
+
+    def gpt2(n_layer):
+        cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=n_layer, n_head=4)
+        return fully_shard(transformers.FlaxGPT2LMHeadModel(cfg, seed=0), mesh=mesh8, units=["transformer.h.*"])
+
+    one, two = gpt2(1), gpt2(2)
+    state2 = init_train_state(two, OPT, params=two.params)
+    step = make_train_step(one, lambda p, b: one(b["x"], params=p).logits.mean(), OPT)
+    with pytest.raises(ValueError, match=owned("train_step: state.params is not the parameters of this step's model "
+                                               "(its init on the inputs loss_fn gives it: FlaxGPT2LMHeadModule): at "
+                                               "'transformer/h/1/attn/c_attn/bias' the model has nothing, "
+                                               "state.params has float32[96]")):
+        step(state2, {"x": jnp.zeros((8, 8), jnp.int32)})
