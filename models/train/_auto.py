@@ -38,7 +38,7 @@ from models._plans import reshard_after_forward, shard_units, transformer_tp_pla
 from models.train._config import Config
 from models.train._loop import report
 from models.train._programs import layout, make_loss_fn, make_model, make_optimizer, make_task
-from spmd.parallel import AutoLayout, Calibration, Layout, auto_layout, calibrate
+from spmd.parallel import AutoLayout, Calibration, Layout, StepMemory, auto_layout, calibrate
 
 __all__ = ["Choice", "choose_layout", "layout_config", "layout_flags", "layout_report", "layout_line", "TOP"]
 
@@ -153,9 +153,8 @@ def choose_layout(cfg: Config, lead: bool) -> tuple[Config, Choice]:
 
 
 def _memory(compiled: Any) -> dict:
-    m = compiled.memory_analysis()
-    got = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
-    return {"peak_bytes": got["argument"] + got["output"] + got["temp"] - got["alias"], **got}
+    m = StepMemory.from_compiled(compiled)
+    return {"peak_bytes": m.peak, "argument": m.argument, "output": m.output, "temp": m.temp, "alias": m.alias}
 
 
 def layout_report(choice: Choice, step_s: float | None, timed: int, compiled: Any) -> dict:

@@ -23,7 +23,8 @@ from spmd.parallel.context import (allgather_attention, causal_work, ring_attent
                                    zigzag_permutation)
 from spmd.parallel.cost import (HARDWARE, Calibration, Hardware, Link, calibrate, executed_collectives,
                                 hlo_executed_collectives)
-from spmd.parallel.step import TrainState, init_train_state, make_train_step, unshard_params
+from spmd.parallel.step import (OwnsTrainStep, StepMemory, TrainState, TrainStep, init_train_state, make_train_step,
+                                unshard_params)
 from spmd.parallel.pipelining import PipelineModule, Schedule, SplitPoint, build_schedule, pipeline
 from spmd.parallel.auto import AutoLayout, Candidate, Layout, apply_layout, auto_layout
 
@@ -56,6 +57,9 @@ __all__ = [
     "ParallelStyle",
     "MixedPrecisionPolicy",
     "TrainState",
+    "TrainStep",
+    "StepMemory",
+    "OwnsTrainStep",
     "init_train_state",
     "make_train_step",
     "unshard_params",

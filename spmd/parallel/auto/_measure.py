@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd.parallel.auto._layout import Layout, apply_layout
+from spmd.parallel.step._protocol import StepMemory
 from spmd.parallel.step._step import init_train_state, make_train_step
 
 __all__ = ["measure_layouts", "compiled_peak", "compiled_warm", "peak_bytes"]
@@ -112,8 +113,7 @@ def compiled_warm(step: Any, state: Any, batch: Any, compiled: Any = None) -> tu
 
 def peak_bytes(compiled: Any) -> int:
     """Peak bytes per device of a compiled step: ``argument + output + temp - alias`` of its ``memory_analysis()``."""
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    return StepMemory.from_compiled(compiled).peak
 
 
 def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list, layout: Layout,

@@ -69,15 +69,17 @@ from spmd.parallel.pipelining._tp import tp_placements, unwrap_layouts
 from spmd.parallel.pipelining._step import (REST, STAGES, init_pipeline_state, make_pipeline_step,
                                             unshard_pipeline_params)
 from spmd.parallel.plan._rules import Rule
+from spmd.parallel.step._protocol import OwnsTrainStep
 from spmd.parallel.pipelining._schedules import CHUNKED, SCHEDULES, Schedule, build_schedule
 from spmd.parallel.styles._transforms import ParallelModule, _modules, glob_regex
 
 __all__ = ["pipeline", "PipelineModule", "SplitPoint", "STAGES", "REST", "unit_modules"]
 
 
-class PipelineModule:
+class PipelineModule(OwnsTrainStep):
     """The user's model split into pipeline stages (what ``pipeline`` returns); calls and attributes forward
-    to the model. ``schedule``: the tick table (``print(model.schedule)``)."""
+    to the model. ``schedule``: the tick table (``print(model.schedule)``). An ``OwnsTrainStep``: its state,
+    step and parameters' inverse are its own (``spmd.parallel.pipelining._step``)."""
 
     def __init__(self, module, mesh: DeviceMesh, pp: str, units: str, schedule: Schedule, unroll: bool = True,
                  fsdp: str | None = None, split_points: dict | None = None, tp: ParallelModule | None = None):
@@ -113,14 +115,17 @@ class PipelineModule:
             self._layouts[treedef] = StageLayout(self, params)
         return self._layouts[treedef]
 
-    # the contract's entry points (spmd.parallel.step._step dispatches here)
-    def _spmd_init_train_state(self, optimizer, *init_args, params=None, mesh=None):
+    # OwnsTrainStep: init_train_state / make_train_step / unshard_params hand a pipelined model here
+    def init_train_state(self, optimizer, *init_args, params=None, mesh=None):
+        """Step 0: the units' parameters stacked per stage and cut over pp (``spmd.parallel.init_train_state``)."""
         return init_pipeline_state(self, optimizer, *init_args, params=params, mesh=mesh)
 
-    def _spmd_make_train_step(self, loss_fn, optimizer, *, accum_steps=1, mesh=None):
+    def make_train_step(self, loss_fn, optimizer, *, accum_steps=1, mesh=None):
+        """The pipeline's ``TrainStep`` (``spmd.parallel.make_train_step``)."""
         return make_pipeline_step(self, loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh)
 
-    def _spmd_unshard_params(self, params):
+    def unshard_params(self, params):
+        """The model's own parameter tree from a pipeline state's (``spmd.parallel.unshard_params``)."""
         return unshard_pipeline_params(self, params)
 
     # a checkpoint holds the model's own tree (spmd.parallel.pipelining._state)

@@ -39,10 +39,11 @@ from spmd.parallel.pipelining._comm import REST, STAGES, format_pipeline_communi
 from spmd.parallel.pipelining._tables import ROLES, branch_codes, tick_tables
 from spmd.parallel.pipelining._tp import map_tp_aware, reduce_tp_aware, segment_records, stage_hooks
 from spmd.parallel.plan._shard import entry_sharding, map_like_params
+from spmd.parallel.step._protocol import TrainStep
 from spmd.parallel.step._step import TrainState, _as_arrays, _check_batch, _split_loss, state_shardings
 
-__all__ = ["init_pipeline_state", "make_pipeline_step", "build_pipeline_step", "unshard_pipeline_params", "STAGES",
-           "REST"]
+__all__ = ["init_pipeline_state", "make_pipeline_step", "PipelineStep", "build_pipeline_step",
+           "unshard_pipeline_params", "STAGES", "REST"]
 
 
 
@@ -108,34 +109,48 @@ def _check_leading_dims(batch) -> None:
                 "(broadcast a shared one inside loss_fn).")
 
 
-def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1,
-                       mesh=None) -> Callable:
+def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1, mesh=None) -> "PipelineStep":
     """``(state, batch) -> (state, metrics)`` of a pipelined model (see the module doc)."""
     where = "make_train_step"
     if mesh is not None and mesh.root_mesh != pm.mesh:
         raise ValueError(f"{where}: mesh={mesh!r} is not the mesh the model was pipelined on; leave mesh= out.")
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
-    data = pm.data_dims
-    sizes = dict(zip(pm.mesh.mesh_dim_names, pm.mesh.shape))
-    n_data = int(np.prod([sizes[d] for d in data])) if data else 1
-    m_count = pm.schedule.num_microbatches
-    builds: dict = {}
-    mbs: dict = {}  # the micro-batch's shapes per build (the tp terms trace one)
+    return PipelineStep(pm, loss_fn, optimizer, accum_steps)
 
-    def build(state: TrainState, batch):
+
+class PipelineStep(TrainStep):
+    """A ``PipelineModule``'s ``TrainStep``: one compiled program per (plan, batch shape), built on first use;
+    ``schedule``: the pipeline's tick table."""
+
+    def __init__(self, pm, loss_fn: Callable, optimizer, accum_steps: int):
+        self._pm, self._loss_fn, self._optimizer, self._accum_steps = pm, loss_fn, optimizer, accum_steps
+        self.schedule = pm.schedule
+        sizes = dict(zip(pm.mesh.mesh_dim_names, pm.mesh.shape))
+        self._sizes = sizes
+        self._n_data = int(np.prod([sizes[d] for d in pm.data_dims])) if pm.data_dims else 1
+        self._builds: dict = {}  # (plan, batch tree, shapes) -> _PipelineBuild
+
+    def __repr__(self) -> str:
+        return f"TrainStep({self._pm!r}, accum_steps={self._accum_steps})"
+
+    def _build(self, state: TrainState, batch) -> "_PipelineBuild":
         key = (state.plan, jax.tree_util.tree_structure(batch), tuple(np.shape(x) for x in jax.tree.leaves(batch)))
-        if key not in builds:
+        if key not in self._builds:
+            pm, k = self._pm, self._accum_steps
             lay = next(lay for lay in pm._layouts.values() if lay.plan == state.plan)
-            n_local = jax.tree.leaves(batch)[0].shape[0] // n_data
-            mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n_local // (accum_steps * m_count), *np.shape(x)[1:]),
-                                                             jnp.result_type(x)), batch)
-            lay.record(loss_fn, jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths]), mb)
-            mbs[key] = mb
-            builds[key] = [build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps, state.plan), lay, n_local]
-        return builds[key]
+            n_local = jax.tree.leaves(batch)[0].shape[0] // self._n_data
+            mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                (n_local // (k * pm.schedule.num_microbatches), *np.shape(x)[1:]), jnp.result_type(x)), batch)
+            lay.record(self._loss_fn, jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths]),
+                       mb)
+            self._builds[key] = _PipelineBuild(
+                build_pipeline_step(pm, lay, self._loss_fn, self._optimizer, k, state.plan), lay, mb)
+        return self._builds[key]
 
-    def check(state, batch):
+    def _checked(self, state, batch):
+        """``batch`` as arrays, checked with ``state`` against the pipeline."""
+        pm = self._pm
         if not isinstance(state, TrainState) or state.plan is None:
             raise TypeError(f"train_step: state={type(state).__name__} must be the TrainState init_train_state(model, "
                             "optimizer, ...) returns.")
@@ -144,48 +159,51 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
                              "it with init_train_state on the same model.")
         batch = _as_arrays(batch)
         _check_leading_dims(batch)
-        _check_batch(batch, n_data, 1, data, sizes)
+        n_data, m_count, k = self._n_data, pm.schedule.num_microbatches, self._accum_steps
+        _check_batch(batch, n_data, 1, pm.data_dims, self._sizes)
         n = np.shape(jax.tree.leaves(batch)[0])[0]
-        if n % (n_data * m_count * accum_steps):
+        if n % (n_data * m_count * k):
             raise ValueError(
                 f"train_step: the batch has {n} examples; each of the {n_data} data-parallel replicas cuts its rows into "
-                f"num_microbatches={m_count}" + (f" x accum_steps={accum_steps}" if accum_steps > 1 else "")
-                + f" micro-batches: use a batch size that is a multiple of {n_data * m_count * accum_steps}.")
+                f"num_microbatches={m_count}" + (f" x accum_steps={k}" if k > 1 else "")
+                + f" micro-batches: use a batch size that is a multiple of {n_data * m_count * k}.")
         return batch
 
-    def executable(state, batch):  # batch: check's
-        b = build(state, batch)
-        if len(b) == 3:
-            b.append(b[0].lower(state, batch).compile())
-        return b[3]
+    def _executable(self, state, batch):  # batch: _checked's
+        b = self._build(state, batch)
+        if b.compiled is None:
+            b.compiled = b.jitted.lower(state, batch).compile()
+        return b.compiled
 
-    def compiled(state, batch):
-        """The compiled step for ``(state, batch)`` (``.as_text()``, ``.memory_analysis()``); what ``step`` runs."""
-        return executable(state, check(state, batch))
+    def __call__(self, state, batch):
+        batch = self._checked(state, batch)
+        return self._executable(state, batch)(state, batch)
 
-    def step(state, batch):
-        batch = check(state, batch)
-        return executable(state, batch)(state, batch)
+    def lower(self, state, batch):
+        batch = self._checked(state, batch)
+        return self._build(state, batch).jitted.lower(state, batch)
 
-    def lower(state, batch):
-        batch = check(state, batch)
-        return build(state, batch)[0].lower(state, batch)
+    def compiled(self, state, batch):
+        """The compiled step for ``(state, batch)`` (``.as_text()``, ``.memory_analysis()``): what the call runs."""
+        return self._executable(state, self._checked(state, batch))
 
-    def communication(state, batch) -> dict:
-        batch = check(state, batch)
-        lay = build(state, batch)[1]
-        key = next(k for k, b in builds.items() if b[1] is lay)
-        recs = segment_records(pm, lay, loss_fn, mbs[key])
-        ticks = branch_codes(tick_tables(pm)) if recs is not None else None
-        return pipeline_communication(pm, lay, accum_steps, recs, ticks)
+    def communication(self, state, batch) -> dict:
+        b = self._build(state, self._checked(state, batch))
+        recs = segment_records(self._pm, b.lay, self._loss_fn, b.mb)
+        ticks = branch_codes(tick_tables(self._pm)) if recs is not None else None
+        return pipeline_communication(self._pm, b.lay, self._accum_steps, recs, ticks)
 
-    step.lower = lower
-    step.compiled = compiled
-    step.communication = communication
-    step.table = lambda state, batch: (state.plan.table() + "\n" + str(pm.schedule) + "\n"
-                                       + format_pipeline_communication(communication(state, batch)))
-    step.schedule = pm.schedule
-    return step
+    def table(self, state, batch) -> str:
+        return (state.plan.table() + "\n" + str(self._pm.schedule) + "\n"
+                + format_pipeline_communication(self.communication(state, batch)))
+
+
+class _PipelineBuild:
+    """One (plan, batch shape)'s step: ``jitted``, its layout ``lay``, the micro-batch's shapes ``mb`` (the tp
+    terms trace one) and, once compiled, ``compiled``."""
+
+    def __init__(self, jitted: Callable, lay, mb):
+        self.jitted, self.lay, self.mb, self.compiled = jitted, lay, mb, None
 
 
 def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:

@@ -1,6 +1,7 @@
 """One train step for every layout: ``init_train_state``, ``make_train_step``, ``unshard_params``.
 
-``make_train_step(model, loss_fn, optimizer)`` gives a jitted ``(state, batch) -> (state, metrics)`` for a
+``make_train_step(model, loss_fn, optimizer)`` gives a ``TrainStep``, a jitted ``(state, batch) -> (state,
+metrics)`` that can also be lowered, compiled, measured and printed (``spmd.parallel.step._protocol``), for a
 model laid out by ``parallelize_module`` / ``fully_shard`` (or neither: DDP over every dim of ``mesh``):
 
 - the region (``spmd.parallel.styles._hooks``) is manual over the data dims (every mesh dim but tp): each device
@@ -15,7 +16,8 @@ model laid out by ``parallelize_module`` / ``fully_shard`` (or neither: DDP over
   micro-batches and reduces once (torch's ``no_sync``).
 
 The state is a ``TrainState`` whose ``plan`` (static) is the ``ParamPlan`` it was laid out by; a step
-refuses a state of another plan.
+refuses a state of another plan. A model that is an ``OwnsTrainStep`` (a pipeline, or a user's own layout)
+brings its own state, step and inverse: the three functions hand it to its methods.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from spmd.parallel.plan._checks import (check_batch_leaves, check_loss, check_op
                                         traced_model_params)
 from spmd.parallel.cost._comm import format_communication, step_communication
 from spmd.parallel.step._heads import check_head_cuts
+from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
 from spmd.parallel.styles._hooks import Hooks
 from spmd.parallel.styles._nnx import is_nnx, nnx_loss, nnx_params
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan
@@ -89,9 +92,8 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
     """
     where = "init_train_state"
     _check_optimizer(optimizer, where)
-    own = getattr(type(model), "_spmd_init_train_state", None)  # a layout with a step of its own (pipeline)
-    if own is not None:
-        return own(model, optimizer, *init_args, params=params, mesh=mesh)
+    if isinstance(model, OwnsTrainStep):  # a layout with a state and step of its own (a pipeline)
+        return model.init_train_state(optimizer, *init_args, params=params, mesh=mesh)
     pm = as_parallel(model, mesh, where)
     mesh = pm.mesh
     inner = pm.module
@@ -171,8 +173,8 @@ def unshard_params(model: Any, params: Any) -> Any:
     ``params``: ``state.params`` (or a ``TrainState``) of a state built by ``init_train_state(model, ...)``.
     """
     where = "unshard_params"
-    if getattr(type(model), "_spmd_unshard_params", None) is not None:
-        return model._spmd_unshard_params(params)
+    if isinstance(model, OwnsTrainStep):
+        return model.unshard_params(params)
     if isinstance(params, TrainState):
         plan, params = params.plan, params.params
     else:
@@ -244,8 +246,10 @@ def _check_batch(batch: Any, n_data: int, accum_steps: int, data: tuple[str, ...
 
 
 def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, *, accum_steps: int = 1,
-                    mesh: DeviceMesh | None = None, check_finite: bool | str = False) -> Callable:
-    """The train step ``(state, batch) -> (state, metrics)`` of any layout (see the module doc).
+                    mesh: DeviceMesh | None = None, check_finite: bool | str = False) -> TrainStep:
+    """The train step ``(state, batch) -> (state, metrics)`` of any layout (see the module doc): a ``TrainStep``,
+    whose ``lower``, ``compiled``, ``memory``, ``communication`` and ``table`` read the step before it runs.
+    A model that is an ``OwnsTrainStep`` (a pipeline) makes its own.
 
     ``loss_fn(params, batch)``: what the user writes on one device (an nnx model: ``loss_fn(model, batch)``);
     it returns the mean loss over its batch, or ``(loss, aux)`` with ``aux`` a dict of scalar metrics.
@@ -275,49 +279,70 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
         raise (ValueError if isinstance(check_finite, str) else TypeError)(
             f"{where}: check_finite={check_finite!r} must be False (no check), 'skip' (a non-finite step keeps the "
             "previous params and opt_state) or True (the same, and the call raises FloatingPointError).")
-    if getattr(type(model), "_spmd_make_train_step", None) is not None:  # a layout with a step of its own
-        own = model._spmd_make_train_step(loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh)
-        return _finite_checked(own, check_finite, jax.jit(_keep_finite)) if check_finite else own
-    pm = as_parallel(model, mesh, where)
-    build = functools.lru_cache(maxsize=4)(lambda plan: _build(pm, loss_fn, optimizer, accum_steps, plan,
-                                                               bool(check_finite)))
-    verified: set = set()  # the plans checked against this step's model (once each)
+    if isinstance(model, OwnsTrainStep):  # a layout with a step of its own (a pipeline)
+        own = model.make_train_step(loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh)
+        if not isinstance(own, TrainStep):
+            raise TypeError(f"{where}: {type(model).__name__}.make_train_step returned {type(own).__name__}; an "
+                            "OwnsTrainStep layout's make_train_step must return a spmd.parallel.TrainStep (subclass "
+                            "it: __call__, lower, communication, table).")
+        return _FiniteChecked(own, check_finite) if check_finite else own
+    return _LayoutStep(as_parallel(model, mesh, where), loss_fn, optimizer, accum_steps, check_finite)
 
-    def step(state: TrainState, batch: Any):
+
+class _LayoutStep(TrainStep):
+    """The step of a model laid out by ``parallelize_module`` / ``fully_shard`` (or neither): one compiled
+    program per plan (``_build``), each plan's state checked against the model once, before it compiles."""
+
+    def __init__(self, pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int,
+                 check_finite: bool | str):
+        self._pm, self._loss_fn, self._optimizer = pm, loss_fn, optimizer
+        self._accum_steps, self._check_finite = accum_steps, check_finite
+        self._build = functools.lru_cache(maxsize=4)(lambda plan: _build(pm, loss_fn, optimizer, accum_steps, plan,
+                                                                         bool(check_finite)))
+        self._verified: set = set()  # the plans checked against this step's model (once each)
+
+    def __repr__(self) -> str:
+        return f"TrainStep({self._pm!r}, accum_steps={self._accum_steps})"
+
+    def _checked(self, state: TrainState, batch: Any) -> Any:
+        """``batch`` as arrays, ``state`` checked against the model (once per plan)."""
+        pm = self._pm
         if not isinstance(state, TrainState) or state.plan is None:
             raise TypeError(f"train_step: state={type(state).__name__} must be the TrainState init_train_state(model, "
                             "optimizer, ...) returns.")
-        check_batch_leaves("train_step", _as_arrays(batch))
+        batch = _as_arrays(batch)
+        check_batch_leaves("train_step", batch)
         key = (state.plan, jax.tree_util.tree_structure(state.opt_state))
-        if key not in verified:
+        if key not in self._verified:
             logical = jax.tree_util.tree_unflatten(
                 state.plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in state.plan.entries])
             if build_plan(pm, logical, stacked_in(state.plan)) != state.plan:
                 raise ValueError("train_step: the state was laid out for another model or plan than this step's "
                                  f"({pm!r}); build it with init_train_state on the same model.")
-            seen = _check_state_params(pm, loss_fn, logical, _as_arrays(batch))
-            check_opt_state("train_step", optimizer, state.params, state.opt_state)
+            seen = _check_state_params(pm, self._loss_fn, logical, batch)
+            check_opt_state("train_step", self._optimizer, state.params, state.opt_state)
             if (pm.tp or set(state.plan.units) - {ROOT}) and not is_nnx(pm.module):
-                check_unscanned(state.plan, loss_fn, logical, _as_arrays(batch), seen=seen)
-            verified.add(key)
-        return build(state.plan)(state, batch)
+                check_unscanned(state.plan, self._loss_fn, logical, batch, seen=seen)
+            self._verified.add(key)
+        return batch
 
-    def lower(state: TrainState, batch: Any):
+    def __call__(self, state: TrainState, batch: Any):
+        new, metrics = self._build(state.plan)(state, self._checked(state, batch))
+        if self._check_finite is True:
+            _raise_nonfinite(state, metrics)
+        return new, metrics
+
+    def lower(self, state: TrainState, batch: Any):
         """The jitted step lowered for ``(state, batch)`` (``.compile().as_text()``: its HLO)."""
-        return build(state.plan).jitted.lower(state, _as_arrays(batch))
+        return self._build(state.plan).jitted.lower(state, _as_arrays(batch))
 
-    def communication(state: TrainState, batch: Any) -> dict:
+    def communication(self, state: TrainState, batch: Any) -> dict:
         """What one step communicates per device, analytically (``spmd.parallel.cost._comm``), before it runs."""
-        return build(state.plan).communication(state, _as_arrays(batch))
+        return self._build(state.plan).communication(state, _as_arrays(batch))
 
-    def table(state: TrainState, batch: Any) -> str:
+    def table(self, state: TrainState, batch: Any) -> str:
         """The plan and the step's communication, printable before anything runs."""
-        return state.plan.table() + "\n" + format_communication(communication(state, batch))
-
-    step.lower = lower
-    step.communication = communication
-    step.table = table
-    return _finite_checked(step, check_finite) if check_finite is True else step
+        return state.plan.table() + "\n" + format_communication(self.communication(state, batch))
 
 
 def _check_state_params(pm: ParallelModule, loss_fn: Callable, logical: Any, batch: Any) -> dict | None:
@@ -355,30 +380,66 @@ def _keep_finite(old: TrainState, new: TrainState, metrics: dict) -> tuple[Train
     return new.replace(params=params, opt_state=opt_state), {**metrics, "nonfinite": (~finite).astype(jnp.float32)}
 
 
-def _finite_checked(step: Callable, check_finite: bool | str, keep: Callable | None = None) -> Callable:
-    """``step`` with ``keep(old, new, metrics)`` applied after it (a step of its own), and with
-    ``check_finite=True`` a ``FloatingPointError`` on a non-finite step; its attributes (``lower``, ...) kept."""
+def _raise_nonfinite(state: TrainState, metrics: dict) -> None:
+    """``check_finite=True``: a ``FloatingPointError`` where the step's ``metrics["nonfinite"]`` is set."""
+    if bool(metrics["nonfinite"]):
+        n = int(jax.device_get(state.step)) + 1
+        loss, norm = (float(metrics[k]) for k in ("loss", "grad_norm"))
+        raise FloatingPointError(
+            f"train_step: step {n} (from state.step={n - 1}) has a non-finite loss ({loss}) or gradient norm "
+            f"({norm}); its update was not applied and the state passed in is intact. Look at that step's batch "
+            "and the learning rate (or clip the gradients), or use make_train_step(..., check_finite='skip') "
+            "to skip such steps' updates and go on.")
 
-    def checked(state: TrainState, batch: Any):
-        new, metrics = step(state, batch)
-        if keep is not None:
-            new, metrics = keep(state, new, metrics)
-        if check_finite is True and bool(metrics["nonfinite"]):
-            n = int(jax.device_get(state.step)) + 1
-            loss, norm = (float(metrics[k]) for k in ("loss", "grad_norm"))
-            raise FloatingPointError(
-                f"train_step: step {n} (from state.step={n - 1}) has a non-finite loss ({loss}) or gradient norm "
-                f"({norm}); its update was not applied and the state passed in is intact. Look at that step's batch "
-                "and the learning rate (or clip the gradients), or use make_train_step(..., check_finite='skip') "
-                "to skip such steps' updates and go on.")
+
+class _FiniteChecked(TrainStep):
+    """An ``OwnsTrainStep`` layout's step with ``check_finite``: its update kept only where the loss and gradient
+    norm are finite (``_keep_finite``, jitted after the step), and with ``True`` a ``FloatingPointError`` on a
+    non-finite step; everything else is the step's own (its ``lower``, ``table``, ``schedule``, ...)."""
+
+    def __init__(self, step: TrainStep, check_finite: bool | str):
+        self._step, self._check_finite, self._keep = step, check_finite, jax.jit(_keep_finite)
+
+    def __getattr__(self, name: str) -> Any:  # only for names not found on the class or the instance
+        if name.startswith("__") or name == "_step":
+            raise AttributeError(name)
+        return getattr(self._step, name)
+
+    def __repr__(self) -> str:
+        return f"{self._step!r} (check_finite={self._check_finite!r})"
+
+    def __call__(self, state: TrainState, batch: Any):
+        new, metrics = self._keep(state, *self._step(state, batch))
+        if self._check_finite is True:
+            _raise_nonfinite(state, metrics)
         return new, metrics
 
-    checked.__dict__.update(step.__dict__)
-    return checked
+    def lower(self, state, batch):
+        return self._step.lower(state, batch)
+
+    def compiled(self, state, batch):
+        return self._step.compiled(state, batch)
+
+    def communication(self, state, batch) -> dict:
+        return self._step.communication(state, batch)
+
+    def table(self, state, batch) -> str:
+        return self._step.table(state, batch)
+
+
+class _Built:
+    """One plan's compiled step (``_build``): ``jitted`` (the jax.jit), ``plan``, ``run(state, batch)`` (the
+    batch checked, then the jitted step) and ``communication(state, batch)`` (the analytic table)."""
+
+    def __init__(self, jitted: Callable, plan: ParamPlan, run: Callable, communication: Callable):
+        self.jitted, self.plan, self._run, self.communication = jitted, plan, run, communication
+
+    def __call__(self, state: TrainState, batch: Any):
+        return self._run(state, batch)
 
 
 def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, plan: ParamPlan,
-           keep_finite: bool = False) -> Callable:
+           keep_finite: bool = False) -> "_Built":
     mesh = pm.mesh
     names = mesh.mesh_dim_names
     sizes = dict(zip(names, mesh.shape))
@@ -510,10 +571,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             jax.eval_shape(step, state, _as_arrays(batch))
         return step_communication(plan, pm, traced, accum_steps=accum_steps)
 
-    run.jitted = jitted
-    run.plan = plan
-    run.communication = communication
-    return run
+    return _Built(jitted, plan, run, communication)
 
 
 def _as_arrays(batch: Any) -> Any:

@@ -181,9 +181,14 @@ def stacked_of(module: Any, params: Any, example_inputs: Sequence[Any]) -> dict 
 def _unwrap(module: Any, where: str) -> tuple[Any, DeviceMesh | None, TPSpec | None, FSDPSpec | None, Any]:
     if isinstance(module, ParallelModule):
         return module.module, module.mesh, module.tp, module.fsdp, module.remat
-    if getattr(type(module), "_spmd_make_train_step", None) is not None:  # a pipelined model: its step is its own
-        raise ValueError(f"{where}: model={module!r} is pipelined; apply {where} to the plain model first, then "
-                         f"pipeline it: pipeline({where}(model, ...), mesh['pp'], ...).")
+    # a layout with a step of its own (a pipeline). The protocol's module imports nothing of the library, so
+    # importing it here (the step's package is built on this one) adds no cycle; at call time it is loaded.
+    from spmd.parallel.step._protocol import OwnsTrainStep
+
+    if isinstance(module, OwnsTrainStep):
+        raise ValueError(f"{where}: model={module!r} owns its train step (an OwnsTrainStep, as a pipelined model "
+                         f"is); apply {where} to the plain model first, then lay that out, e.g. pipeline it: "
+                         f"pipeline({where}(model, ...), mesh['pp'], ...).")
     return module, None, None, None, None
 
 

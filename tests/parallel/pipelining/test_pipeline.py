@@ -276,7 +276,8 @@ def test_errors(mesh_pp):
         step(state, _batch(n=8))
     with pytest.raises(ValueError, match=re.escape("is already pipelined; pipeline the plain model once")):
         pipeline(pm, pp, num_microbatches=2)
-    with pytest.raises(ValueError, match=re.escape("is pipelined; apply fully_shard to the plain model first")):
+    with pytest.raises(ValueError, match=re.escape("owns its train step (an OwnsTrainStep, as a pipelined model "
+                                                   "is); apply fully_shard to the plain model first")):
         fully_shard(pm, mesh=mesh_pp["dp"])
     with pytest.raises(ValueError, match=re.escape("holds the dim 'pp' the model is laid out on; pipeline over another "
                                                    "dim of the mesh (mesh['pp'])")):
@@ -310,7 +311,8 @@ def test_split_point_and_tp_errors(mesh_pp):
     tpm = parallelize_module(m, mesh3["tp"], {"layers_*.mlp.up_proj": ColwiseParallel()})
     with pytest.raises(ValueError, match=re.escape("holds the dim 'tp' the model is laid out on; pipeline over another dim")):
         pipeline(tpm, mesh3["tp"], num_microbatches=2)
-    with pytest.raises(ValueError, match=re.escape("is pipelined; apply parallelize_module to the plain model first, "
-                                                   "then pipeline it: pipeline(parallelize_module(model, ...)")):
+    with pytest.raises(ValueError, match=re.escape("is); apply parallelize_module to the plain model first, then lay "
+                                                   "that out, e.g. pipeline it: pipeline(parallelize_module(model, "
+                                                   "...)")):
         parallelize_module(pipeline(m, mesh3["pp"], num_microbatches=2), mesh3["tp"],
                            {"layers_*.mlp.up_proj": ColwiseParallel()})
