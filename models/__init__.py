@@ -3,6 +3,9 @@
 ``Llama`` / ``LlamaConfig``: a Llama-style decoder written as model code is written outside this project (no
 sharding in it), the model of the README's and the docs' "bring your own model" examples.
 
+``MoE`` / ``MoEConfig``: the same decoder with a Mixtral-style mixture of experts (top-2 of 8, capacity
+routing) in every other block; ``MoEMLP`` is one block's router and experts.
+
 ``python -m models.train`` (or ``spmd-train``) runs the job. Importing this
 package does not import JAX (its names load on first use), so the job can set
 ``XLA_FLAGS`` for 8 CPU fake devices before JAX starts.
@@ -17,6 +20,9 @@ __all__ = [
     "Transformer",
     "Llama",
     "LlamaConfig",
+    "MoE",
+    "MoEConfig",
+    "MoEMLP",
     "DigitTask",
     "TextTask",
     "TrainState",
@@ -33,6 +39,9 @@ _WHERE = {
     "Transformer": "models._transformer",
     "Llama": "models._llama",
     "LlamaConfig": "models._llama",
+    "MoE": "models._moe",
+    "MoEConfig": "models._moe",
+    "MoEMLP": "models._moe",
     "DigitTask": "models._data",
     "TextTask": "models._data",
     "TrainState": "models._ddp",

@@ -26,6 +26,7 @@ from spmd.parallel.cost import (HARDWARE, Calibration, Hardware, Link, calibrate
 from spmd.parallel.step import (OwnsTrainStep, StepMemory, TrainState, TrainStep, init_train_state, make_train_step,
                                 unshard_params)
 from spmd.parallel.pipelining import PipelineModule, Schedule, SplitPoint, build_schedule, pipeline
+from spmd.parallel.experts import ExpertDispatch, expert_capacity, expert_combine, expert_dispatch
 from spmd.parallel.auto import AutoLayout, Candidate, Layout, apply_layout, auto_layout
 
 __all__ = [
@@ -84,4 +85,8 @@ __all__ = [
     "zigzag_permutation",
     "unzigzag_permutation",
     "causal_work",
+    "expert_dispatch",
+    "expert_combine",
+    "expert_capacity",
+    "ExpertDispatch",
 ]

@@ -1,0 +1,134 @@
+"""A Mixtral-style mixture-of-experts decoder in flax.linen, plain (no sharding in it).
+
+The Llama decoder (``models._llama``: RMSNorm, rotary attention with grouped key/value heads) with a
+mixture of SwiGLU experts in place of the MLP in every ``moe_every``-th block (``moe_every=2``: blocks 1,
+3, ...). A router (a linear map d -> E, softmax) picks ``top_k`` experts per token and weighs them by
+their renormalised probabilities.
+
+Routing with a capacity, as GShard and Switch write it: each sequence is a routing group, and each
+expert takes at most ``capacity = min(t, max(1, ceil(capacity_factor * t * top_k / E)))`` of a group's
+``t`` tokens. Places go first to every token's first choice in sequence order, then to every token's
+second choice, and so on; an assignment past the capacity is dropped: it adds nothing, and the residual
+carries the token. Because a group is one sequence, the drops do not depend on how the batch is cut.
+
+The experts' parameters carry a leading experts dim (``gate_proj`` and ``up_proj`` ``[E, d, f]``,
+``down_proj`` ``[E, f, d]``) and the experts run as dense einsums over ``[b, E, capacity, d]`` dispatch
+buffers: the form expert parallelism cuts. Each MoE block sows the number of dropped assignments as the
+intermediate ``dropped`` (``model.apply(..., mutable=["intermediates"])``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models._llama import MLP, Attention, RMSNorm
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sizes of a ``MoE``: the Llama sizes plus the experts, their top-k, placement and capacity."""
+
+    vocab_size: int = 64
+    hidden_size: int = 32
+    intermediate_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    num_experts: int = 8
+    top_k: int = 2
+    moe_every: int = 2  # blocks moe_every-1, 2*moe_every-1, ... hold the experts
+    capacity_factor: float = 1.25
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+
+
+def route(logits, top_k: int):
+    """Router logits ``[..., E]`` -> (weights, experts) ``[..., top_k]``: softmax, top-k, renormalised."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    return weights / weights.sum(-1, keepdims=True), experts
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts, parameters stacked on a leading experts dim; ``[b, E, c, d] -> [b, E, c, d]``."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+    @nn.compact
+    def __call__(self, x):
+        e, d, f = self.num_experts, self.hidden_size, self.intermediate_size
+        init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        gate = self.param("gate_proj", init, (e, d, f))
+        up = self.param("up_proj", init, (e, d, f))
+        down = self.param("down_proj", init, (e, f, d))
+        h = nn.silu(jnp.einsum("becd,edf->becf", x, gate)) * jnp.einsum("becd,edf->becf", x, up)
+        return jnp.einsum("becf,efd->becd", h, down)
+
+
+class MoEMLP(nn.Module):
+    """Router + experts with capacity routing; ``[b, t, d] -> [b, t, d]``, sows ``dropped``."""
+
+    cfg: MoEConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        b, t, _ = x.shape
+        e, k = c.num_experts, c.top_k
+        cap = min(t, max(1, math.ceil(c.capacity_factor * t * k / e)))
+        weights, experts = route(nn.Dense(e, use_bias=False, name="router")(x), k)
+        # place of each (token, choice) in its expert's queue: choice-major, then sequence order
+        onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)                    # [b, t, k, E]
+        order = onehot.transpose(0, 2, 1, 3).reshape(b, k * t, e)               # [b, k*t, E]
+        place = (jnp.cumsum(order, axis=1) - 1).reshape(b, k, t, e).transpose(0, 2, 1, 3)
+        place = (place * onehot).sum(-1)                                        # [b, t, k]
+        kept = place < cap
+        self.sow("intermediates", "dropped", (~kept).sum())
+        slot = jax.nn.one_hot(jnp.where(kept, place, cap), cap, dtype=x.dtype)  # dropped: an all-zero row
+        dispatch = jnp.einsum("btke,btkc->btec", onehot.astype(x.dtype), slot)  # [b, t, E, cap]
+        combine = jnp.einsum("btke,btkc,btk->btec", onehot.astype(x.dtype), slot, weights.astype(x.dtype))
+        buffers = jnp.einsum("btec,btd->becd", dispatch, x)                     # [b, E, cap, d]
+        y = Experts(e, c.hidden_size, c.intermediate_size, name="experts")(buffers)
+        return jnp.einsum("btec,becd->btd", combine, y)
+
+
+class MoEDecoderLayer(nn.Module):
+    cfg: MoEConfig
+    sparse: bool
+
+    def setup(self):
+        self.input_layernorm = RMSNorm(self.cfg.eps)
+        self.self_attn = Attention(self.cfg)
+        self.post_attention_layernorm = RMSNorm(self.cfg.eps)
+        self.mlp = MoEMLP(self.cfg) if self.sparse else MLP(self.cfg)
+
+    def __call__(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoE(nn.Module):
+    """tokens (b, t) -> logits (b, t, vocab); blocks ``layers_i`` with ``i % moe_every == moe_every - 1``
+    hold a mixture of experts (``layers_i.mlp.router``, ``layers_i.mlp.experts``)."""
+
+    cfg: MoEConfig
+
+    def setup(self):
+        c = self.cfg
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size)
+        self.layers = [MoEDecoderLayer(c, i % c.moe_every == c.moe_every - 1) for i in range(c.num_layers)]
+        self.norm = RMSNorm(c.eps)
+        self.lm_head = nn.Dense(c.vocab_size, use_bias=False)
+
+    def __call__(self, tokens):
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
