@@ -52,12 +52,16 @@ def _is_array(x) -> bool:
 
 _ROUTED: dict[type, type] = {}  # nnx unit class -> its subclass routing __call__ to the pipeline (classes only)
 _BASE: dict[type, type] = {}
+# The routing a unit's copy carries, ``(on_unit, fqn)``: set on the merged copy ``UnitCalls.run`` traces (never
+# on the user's module), read by the ``_routed`` subclass, and taken off while ``nnx.split`` reads the unit (it
+# is no state of the model). An attribute, as ``spmd.parallel.styles._nnx.HOOK_ATTR`` and for its reason.
+UNIT_ATTR = "_spmd_unit"
 
 
 def _routed(cls: type) -> type:
     if cls not in _ROUTED:
         def __call__(self, *args, **kwargs):
-            on_unit, fqn = object.__getattribute__(self, "_spmd_unit")
+            on_unit, fqn = object.__getattribute__(self, UNIT_ATTR)
             return on_unit(fqn, self, lambda *a, **k: cls.__call__(self, *a, **k), args, kwargs)
 
         _ROUTED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
@@ -122,7 +126,7 @@ class UnitCalls:
         for path, sub in list(nnx.iter_modules(m)):
             fqn = "/".join(str(p) for p in path)
             if fqn in found:
-                object.__setattr__(sub, "_spmd_unit", (on_unit, fqn))
+                object.__setattr__(sub, UNIT_ATTR, (on_unit, fqn))
                 sub.__class__ = _routed(type(sub))
         return loss_fn(m, mb)
 
@@ -231,12 +235,12 @@ class UnitCalls:
         from spmd.parallel.plan._param_plan import path_str
 
         routed, mod.__class__ = mod.__class__, _BASE[mod.__class__]  # its own class in the graph, not the routed one
-        route = vars(mod).pop("_spmd_unit")
+        route = vars(mod).pop(UNIT_ATTR)
         try:
             gd, ps, other = nnx.split(mod, nnx.Param, ...)
         finally:
             mod.__class__ = routed
-            object.__setattr__(mod, "_spmd_unit", route)
+            object.__setattr__(mod, UNIT_ATTR, route)
         if jax.tree.leaves(other):
             raise ValueError(f"pipeline: unit {path!r} holds state other than nnx.Param; pipeline stages stack "
                              "parameters only: keep the units free of batch statistics and rngs.")

@@ -17,6 +17,12 @@ __all__ = ["is_nnx", "nnx_params", "nnx_loss"]
 
 _HOOKED: dict[type, type] = {}  # nnx module class -> its hooked subclass (classes only; no results cached)
 
+# The routing a hooked copy carries, ``(hooks, fqn)``: set on the step's merged copy of a submodule (never on
+# the user's module) and read by the subclass ``_hooked`` put in its place; nobody else sets or reads it. An
+# attribute, not a WeakKeyDictionary keyed by the module: a user's module class need not hash by identity (one
+# that defines __eq__, as a dataclass does, is unhashable).
+HOOK_ATTR = "_spmd_hook"
+
 
 def is_nnx(model: Any) -> bool:
     try:
@@ -35,7 +41,7 @@ def nnx_params(model: Any) -> Any:
 def _hooked(cls: type) -> type:
     if cls not in _HOOKED:
         def __call__(self, *args, **kwargs):
-            hooks, fqn = object.__getattribute__(self, "_spmd_hook")
+            hooks, fqn = object.__getattribute__(self, HOOK_ATTR)
             return hooks.nnx_call(fqn, self, cls.__call__, args, kwargs)
 
         _HOOKED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
@@ -51,7 +57,7 @@ def nnx_loss(model: Any, loss_fn: Callable, params: Any, batch: Any, hooks: Any)
     for path, sub in list(nnx.iter_modules(m)) if hasattr(nnx, "iter_modules") else list(m.iter_modules()):
         if not path:
             continue
-        object.__setattr__(sub, "_spmd_hook", (hooks, ".".join(str(p) for p in path)))
+        object.__setattr__(sub, HOOK_ATTR, (hooks, ".".join(str(p) for p in path)))
         sub.__class__ = _hooked(type(sub))
     return loss_fn(m, batch)
 
