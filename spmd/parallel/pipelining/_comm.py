@@ -88,26 +88,36 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     fwd = {k: activation_terms(v, part="forward") for k, v in recs.items()}
     bwd = {k: activation_terms(v, part="backward") for k, v in recs.items()}
     lc = lay.per_slot
-    cf, cb = _sum(fwd["unit"], scale=lc), _sum(bwd["unit"], scale=lc)
     last = recs["unit"][-1] if recs["unit"] else None
-    dead = (activation_terms([last], part="forward") if last is not None and isinstance(last["local_out"], Partial)
-            else _sum())
-    live = {k: {f: cf[k][f] - dead[k][f] for f in ("count", "bytes")} for k in _KINDS}
+    dead1 = (activation_terms([last], part="forward") if last is not None and isinstance(last["local_out"], Partial)
+             else _sum())
     zero = _sum()
-    cost = [zero,  # idle, then F x roles, B x roles
-            cf, _sum(fwd["pre"], cf), zero, zero,
-            _sum(live, cb), _sum(fwd["pre"], live, cb, bwd["pre"]), _sum(cf, fwd["post"], bwd["post"], cb),
-            _sum(fwd["pre"], cf, fwd["post"], bwd["post"], cb, bwd["pre"])]
+
+    def branch_costs(n_units: int, n_last: int) -> list:
+        """Each branch's terms, a chunk holding ``n_units`` unit bodies (its last slot ``n_last``)."""
+        cf, cb = _sum(fwd["unit"], scale=n_units), _sum(bwd["unit"], scale=n_units)
+        dead = _sum(dead1, scale=n_last)
+        live = {k: {f: cf[k][f] - dead[k][f] for f in ("count", "bytes")} for k in _KINDS}
+        return [zero,  # idle, then F x roles, B x roles
+                cf, _sum(fwd["pre"], cf), zero, zero,
+                _sum(live, cb), _sum(fwd["pre"], live, cb, bwd["pre"]), _sum(cf, fwd["post"], bwd["post"], cb),
+                _sum(fwd["pre"], cf, fwd["post"], bwd["post"], cb, bwd["pre"])]
+
+    # a rank runs lc units per chunk; the program holds, per slot, one body per unit kind some rank's chunk has
+    # there (units that differ: a switch over the kinds, spmd.parallel.pipelining._step)
+    kinds = lay.kind_rows
+    bodies = [len({int(k) for k in kinds[:, :, l].flat if k >= 0}) for l in range(lc)]
+    cost, pcost = branch_costs(lc, 1), branch_costs(sum(bodies), bodies[-1])
     if pm.unroll:
-        program = _sum(*[cost[k] for codes in ticks for k in {k for pair in codes for k in pair}], scale=accum_steps)
+        program = _sum(*[pcost[k] for codes in ticks for k in {k for pair in codes for k in pair}], scale=accum_steps)
     else:
         used = sorted({k for codes in ticks for pair in codes for k in pair})
-        program = _sum(*[cost[k] for k in used], scale=accum_steps * len(ticks))
+        program = _sum(*[pcost[k] for k in used], scale=accum_steps * len(ticks))
     per_rank = [_sum(*[cost[k] for codes in ticks for k in codes[r]], scale=accum_steps) for r in range(s.pp)]
     out_layout = last["out_layout"] if last is not None else None
     n_tp = pm.mesh.size(pm.tp.tp.mesh_dim)
     return {"program": program, "per_rank": per_rank, "branches": dict(zip(
-        ["idle"] + [f"{d}-{r}" for d in "FB" for r in ROLES], cost)), "dead_recompute": dead,
+        ["idle"] + [f"{d}-{r}" for d in "FB" for r in ROLES], cost)), "dead_recompute": dead1,
         "activation_cut": n_tp if isinstance(out_layout, Shard) else 1}
 
 
