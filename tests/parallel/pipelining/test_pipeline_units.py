@@ -235,3 +235,14 @@ def test_nnx_units_that_differ_train_equal_to_one_device():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
     assert_trees_close(unshard_params(pm, state), ref.params, atol=1e-5)
     assert ref_losses[-1] < ref_losses[0] - 0.05
+
+
+def test_batch_leaves_without_a_common_leading_dim_are_refused_by_path():
+    _, params, loss, pm = _setup((None,) * 4)
+    opt = optax.sgd(0.1)
+    state = init_train_state(pm, opt, params=params)
+    step = make_train_step(pm, loss, opt)
+    batch = {**_batch(), "mask": np.ones((8,), np.float32)[None]}  # [1, 8]: one row for all
+    with pytest.raises(ValueError, match=re.escape("train_step: batch['mask'] has shape (1, 8), and batch['inputs'] "
+                                                   "(8, 8); a pipelined step cuts every batch leaf")):
+        step.lower(state, batch)
