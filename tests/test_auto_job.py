@@ -355,3 +355,34 @@ def test_auto_times_the_top_3_on_a_measured_calibration(monkeypatch, measured):
     with pytest.raises(_Ranked) as e:
         job.choose_layout(cfg, lead=False)
     assert e.value.args[0]["measure"] == (job.MEASURE if measured else 0) and job.MEASURE == 3
+
+
+def test_hardware_plans_for_a_built_in_without_calibrating_this_machine(monkeypatch, capsys):
+    """``--hardware h100``: ``auto_layout(hardware="h100")``, no calibration made or read and nothing timed
+    (``measure=0``); the names are ``spmd.parallel.HARDWARE``'s, and an explicit mesh refuses the flag."""
+    import models.train._auto as job
+    from models.train._cli import parse_args
+    from models.train._config import HARDWARE as JOB_HARDWARE
+    from spmd.parallel import HARDWARE
+
+    def stub(*args, **kwargs):
+        raise _Ranked(kwargs)
+
+    def refuse(devices):
+        raise AssertionError("calibrated under --hardware")
+
+    monkeypatch.setattr(job, "calibrate", refuse)
+    monkeypatch.setattr(job, "auto_layout", stub)
+    cfg = parse_args(["--mesh", "auto", "--hardware", "h100", "--steps", "6", "--batch-size", "32", "--layers", "2",
+                      "--d-model", "32", "--heads", "4", "--length", "4"])
+    with pytest.raises(_Ranked) as e:
+        job.choose_layout(cfg, lead=False)
+    got = e.value.args[0]
+    assert (got["hardware"], got["calibration"], got["measure"], got["memory_budget_bytes"]) == ("h100", None, 0, None)
+    assert JOB_HARDWARE == tuple(sorted(HARDWARE))
+    assert main(["--mesh", "dp=8", "--hardware", "h100", "--out", "/nonexistent/never"]) == 2
+    assert "--hardware='h100' is the hardware --mesh auto plans for, but --mesh='dp=8' is explicit; use --mesh auto " \
+           "or drop --hardware." in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--mesh", "auto", "--hardware", "h9000"])
+    assert "invalid choice: 'h9000' (choose from 'a100-80g', 'h100', 'h200', 'tpu-v5p')" in capsys.readouterr().err

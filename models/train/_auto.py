@@ -12,6 +12,9 @@ single-device programs the memory and compute estimates read, and that step time
 under a measured calibration): about a minute for the default config on 8 CPU fake devices. On a measured
 calibration and one process, the top ``MEASURE`` predicted are then compiled and timed side by side and the
 fastest measured is picked (``auto_layout(measure=)``: the cost model misses what a host does to a step).
+``--hardware h100`` (a ``spmd.parallel.HARDWARE`` built-in) plans for that hardware instead: nothing is
+calibrated or timed here, the candidates are priced on its published figures (``auto_layout(hardware=)``),
+and its memory is the budget unless ``--memory-budget`` is given.
 It prints the top 5 and why the pick won, and returns the config with the pick as the explicit flags an ``--mesh`` run takes
 (``layout_config``): the run, its checkpoints and ``--resume`` then see exactly what ``--mesh fsdp=8
 --no-reshard-after-forward`` (or ``--mesh pp=2,dp=4 --schedule 1f1b --microbatches 4``) would have given,
@@ -54,7 +57,7 @@ class Choice:
     flags: str  # the pick as command-line flags: "--mesh fsdp=8 --no-reshard-after-forward"
     memory_budget: int | None
     seconds: float  # calibration (when not cached) and ranking
-    calibration: str  # the calibration's cache file
+    calibration: str  # the calibration's cache file ("none: --hardware h100" under --hardware)
 
 
 def layout_config(cfg: Config, lay: Layout, model: Any) -> Config:
@@ -67,7 +70,7 @@ def layout_config(cfg: Config, lay: Layout, model: Any) -> Config:
     return dataclasses.replace(cfg, mesh=",".join(f"{n}={s}" for n, s in lay.mesh_dims),
                                sequence_parallel=lay.sequence_parallel, weight_stationary=lay.weight_stationary,
                                reshard_after_forward=raf, activation_checkpointing=lay.activation_checkpointing,
-                               accum_steps=lay.accum_steps, memory_budget=None, **pipe)
+                               accum_steps=lay.accum_steps, memory_budget=None, hardware=None, **pipe)
 
 
 def layout_flags(cfg: Config) -> str:
@@ -118,20 +121,24 @@ def choose_layout(cfg: Config, lead: bool) -> tuple[Config, Choice]:
     t0 = time.perf_counter()
     model, optimizer = make_model(cfg), make_optimizer(cfg)
     batch = make_task(cfg).batch(cfg.seed, 0, cfg.batch_size, layout(cfg))
-    path = Calibration.cache_path(devices)
-    if not os.path.exists(path):
-        report(f"models.train: --mesh auto: measuring this machine's collectives and compute (once, about 10 s on "
-               f"8 CPU fake devices; cached in {path})", lead)
-    calibration = calibrate(devices)
+    path, calibration = f"none: --hardware {cfg.hardware}", None
+    if cfg.hardware is None:  # --hardware: priced on its published figures, nothing measured here
+        path = Calibration.cache_path(devices)
+        if not os.path.exists(path):
+            report(f"models.train: --mesh auto: measuring this machine's collectives and compute (once, about 10 s "
+                   f"on 8 CPU fake devices; cached in {path})", lead)
+        calibration = calibrate(devices)
     units = tuple(shard_units(model))
     plan = _plan(model, cfg)
     report(f"models.train: --mesh auto: ranking the layouts of {cfg.model} on {len(devices)} "
-           f"{devices[0].platform} devices at batch {cfg.batch_size} ...", lead)
+           f"{devices[0].platform} devices at batch {cfg.batch_size}"
+           + (f", priced on {cfg.hardware}'s figures" if cfg.hardware else "") + " ...", lead)
     try:
         ranking = auto_layout(model, optimizer, batch, devices, memory_budget_bytes=cfg.memory_budget, plan=plan,
                               loss_fn=make_loss_fn(model), units=units, calibration=calibration, top=TOP,
                               accum_steps=cfg.accum_steps,  # the user's accumulation is each candidate's least
-                              measure=MEASURE if calibration.measured and jax.process_count() == 1 else 0)
+                              measure=MEASURE if calibration is not None and calibration.measured
+                              and jax.process_count() == 1 else 0, hardware=cfg.hardware)
     except ValueError as e:
         reason = str(e).removeprefix("auto_layout: ")
         if cfg.memory_budget is not None and "no layout fits" in reason:
@@ -145,7 +152,7 @@ def choose_layout(cfg: Config, lead: bool) -> tuple[Config, Choice]:
         ranking = dataclasses.replace(ranking, candidates=tuple(hit) + tuple(
             c for c in ranking.candidates if c.name != name))
     picked = layout_config(cfg, ranking.best.layout, model)
-    choice = Choice(ranking, layout_flags(picked), cfg.memory_budget, time.perf_counter() - t0, path)
+    choice = Choice(ranking, layout_flags(picked), ranking.budget, time.perf_counter() - t0, path)
     report(ranking.table(top=TOP), lead)
     report(f"models.train: --mesh auto ran {choice.seconds:.1f} s and picked {ranking.best.name}: the same run as "
            f"{choice.flags} (its checkpoints record these flags; --resume keeps them)", lead)

@@ -13,7 +13,7 @@ import os
 import sys
 
 from models._data import DigitTask
-from models.train._config import AUTO, CHECKPOINTING, MESH_DIMS, MODELS, SCHEDULES, Config, parse_bytes
+from models.train._config import AUTO, CHECKPOINTING, HARDWARE, MESH_DIMS, MODELS, SCHEDULES, Config, parse_bytes
 
 __all__ = ["parse_args", "main", "default_cpu_devices", "summary_line"]
 
@@ -47,7 +47,12 @@ def _parser() -> argparse.ArgumentParser:
                                                "layout by predicted step time, prints its top 5 and why, and records "
                                                "predicted vs measured in metrics.json")
     p.add_argument("--memory-budget", type=_budget, default=None, metavar="BYTES",
-                   help="with --mesh auto: the bytes per device the picked layout must fit, e.g. 2GiB or 512MB")
+                   help="with --mesh auto: the bytes per device the picked layout must fit, e.g. 2GiB or 512MB "
+                        "(default with --hardware: that hardware's memory)")
+    p.add_argument("--hardware", choices=HARDWARE, default=None,
+                   help="with --mesh auto: plan for this hardware's published figures (its links inside and across "
+                        "nodes, matmul peak, memory bandwidth and size) instead of this machine's calibration; the "
+                        "visible devices stand in for it")
     p.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"global batch (default {d.batch_size})")
     p.add_argument("--accum-steps", type=int, default=d.accum_steps,

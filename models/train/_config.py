@@ -33,8 +33,8 @@ from typing import Any
 
 from models._data import DigitTask
 
-__all__ = ["Config", "MODELS", "MESH_DIMS", "SCHEDULES", "CHECKPOINTING", "AUTO", "pipeline_settings", "DATA_DIMS",
-           "STATE_DIMS", "check_config", "parse_mesh", "parse_bytes", "run_config", "check_resume_config",
+__all__ = ["Config", "MODELS", "MESH_DIMS", "SCHEDULES", "CHECKPOINTING", "HARDWARE", "AUTO", "pipeline_settings",
+           "DATA_DIMS", "STATE_DIMS", "check_config", "parse_mesh", "parse_bytes", "run_config", "check_resume_config",
            "resume_config", "job_flags"]
 
 MODELS = ("transformer", "mlp")
@@ -50,6 +50,8 @@ MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replica
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs")
 # The activation-checkpointing policies (spmd.parallel's POLICIES, named here without importing JAX).
 CHECKPOINTING = ("full", "dots")
+# spmd.parallel.HARDWARE's built-ins, named here so that the command line imports no JAX (a test keeps them equal)
+HARDWARE = ("a100-80g", "h100", "h200", "tpu-v5p")
 # The dims the batch is split over (Shard(0) on each of them).
 DATA_DIMS = ("dp", "fsdp")
 # The dims the train state (parameters, gradients, optimizer state) is sharded over.
@@ -90,6 +92,7 @@ class Config:
     reshard_after_forward: bool | None = None  # with an fsdp mesh dim; None: the model's default (models._plans)
     activation_checkpointing: str | None = None  # "full" / "dots": the blocks recompute their forward pass; not with pp
     memory_budget: int | None = None  # with --mesh auto: bytes per device the pick must fit
+    hardware: str | None = None  # with --mesh auto: plan for this spmd.parallel.HARDWARE built-in, not this machine
     schedule: str | None = None  # with a pp mesh dim: the pipeline schedule; None: 1f1b
     microbatches: int | None = None  # with a pp mesh dim: micro-batches per step and replica; None: the pp size
     stages_per_rank: int = 1  # with --schedule interleaved: pipeline stages per pp rank
@@ -171,6 +174,9 @@ def check_config(cfg: Config) -> None:
     if cfg.memory_budget is not None:
         raise ValueError(f"models.train: --memory-budget={cfg.memory_budget!r} bounds the layout --mesh auto picks, "
                          f"but --mesh={cfg.mesh!r} is explicit; use --mesh auto or drop --memory-budget.")
+    if cfg.hardware is not None:
+        raise ValueError(f"models.train: --hardware={cfg.hardware!r} is the hardware --mesh auto plans for, but "
+                         f"--mesh={cfg.mesh!r} is explicit; use --mesh auto or drop --hardware.")
     dims = dict(parse_mesh(cfg.mesh) or ())
     _check_pipeline(cfg, dims)
     _check_layout_flags(cfg, dims)

@@ -215,7 +215,7 @@ def program_key(cfg: Config) -> Config:
     """The config with only what decides the compiled programs (not the seed, the file or the paths)."""
     return dataclasses.replace(cfg, mesh=None, text=None if cfg.text is None else "", out="", resume=False,
                                overwrite=False, save_every=1, seed=0, log_every=1, eval_size=None, progress=False,
-                               memory_budget=None, devices=None)
+                               memory_budget=None, hardware=None, devices=None)
 
 
 def programs(cfg: Config, mesh: DeviceMesh) -> Programs:

@@ -25,6 +25,10 @@ built through the contract (``apply_layout``) and traced on abstract inputs, not
   all-reduce, ``tp`` for the activations), plus the program's dispatch. No overlap of communication with
   compute is assumed.
 
+With ``hardware=`` (a ``spmd.parallel.Hardware`` or a built-in's name) no calibration is made and nothing
+is timed: communication and compute are priced on that hardware's figures by the layout's topology
+(``spmd.parallel.auto._priced``).
+
 With ``measure=k`` the top ``k`` fitting candidates are then compiled and timed side by side
 (``spmd.parallel.auto._measure``) and ranked first by their measured time: what the model misses on a host
 (on CPU fake devices, fresh pages for buffers past the allocator's mmap threshold, threads sharing the
@@ -57,6 +61,7 @@ from spmd.parallel.cost._comm import KINDS
 from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s, optimizer_flops, reference_cost,
                                          update_seconds)
 from spmd.parallel.cost._memory import Profile, _nbytes, memory_breakdown
+from spmd.parallel.auto._priced import HardwareRates, hardware_of, matmul_dtype, mesh_group
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
 from spmd.parallel.plan._shard import entry_sharding
@@ -94,10 +99,13 @@ def _abstract(tree: Any) -> Any:
 
 
 def _groups(layout: Layout) -> dict:
-    n_data = layout.dp * layout.fsdp
-    ar = n_data if layout.fsdp == 1 else (layout.dp if layout.dp > 1 else layout.fsdp)
-    return {"parameters": {"all-gather": layout.fsdp, "reduce-scatter": layout.fsdp, "all-reduce": ar},
-            "activations": {k: layout.tp for k in KINDS}}
+    """Per section of the step's table and kind, ``(group, stride)``: the mesh dim(s) the collectives run
+    over (``mesh_group``): the gathers and reduce-scatters over ``fsdp``, the gradients' all-reduce over the
+    replicate dims (``dp``; ``fsdp`` where it is the only data dim), the activations' over ``tp``."""
+    ar = ("dp",) if layout.fsdp == 1 or layout.dp > 1 else ("fsdp",)
+    at = lambda *names: mesh_group(layout.mesh_dims, names)  # noqa: E731
+    return {"parameters": {"all-gather": at("fsdp"), "reduce-scatter": at("fsdp"), "all-reduce": at(*ar)},
+            "activations": {k: at("tp") for k in KINDS}}
 
 
 def _regathers(layout: Layout) -> bool:
@@ -148,7 +156,8 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     comm_s: dict = {}
     for section in ("parameters", "activations"):
         for kind, v in comm[section].items():
-            comm_s[kind] = comm_s.get(kind, 0.0) + cal.collective_s(kind, v["bytes"], v["count"], groups[section][kind])
+            comm_s[kind] = comm_s.get(kind, 0.0) + cal.collective_s(kind, v["bytes"], v["count"],
+                                                                    *groups[section][kind])
     total = compute + sum(comm_s.values()) + cal.dispatch_s
     return Candidate(layout=layout, predicted_s=total, compute_s=compute, comm_s=comm_s, dispatch_s=cal.dispatch_s,
                      communication={k: comm[k] for k in ("parameters", "activations", "total")}, memory=mem,
@@ -230,7 +239,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                 memory_budget_bytes: int | None = None, plan: Any = None, loss_fn: Callable | None = None,
                 params: Any = None, units: Any = None, calibration: Calibration | None = None,
                 layouts: Any = None, top: int = 5, profile: Profile | None = None,
-                accum_steps: int = 1, measure: int = 0) -> AutoLayout:
+                accum_steps: int = 1, measure: int = 0, hardware: Any = None) -> AutoLayout:
     """Rank the layouts of ``model`` on the devices by predicted step time (see the module doc).
 
     ``example_batch``: a global batch (arrays or ``jax.ShapeDtypeStruct``); ``plan``: the tensor-parallel
@@ -248,18 +257,43 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     many fit by their compiled peak, and only those are timed, on the steps so compiled; a budget below the
     state's bytes (parameters and optimizer state, before and after the update) cut over every device is
     refused at once, before any calibration or trace.
+
+    ``hardware``: plan for that hardware instead of this machine: a built-in's name (``"h100"``, ``"h200"``,
+    ``"a100-80g"``, ``"tpu-v5p"``: ``spmd.parallel.HARDWARE``) or a ``spmd.parallel.Hardware``. Nothing is
+    then timed here and no calibration is made (``calibration=`` or ``measure=`` with it is an error): each
+    candidate's communication is its step's own table priced by ``Hardware.collective_s`` at the group and
+    stride of the mesh dim each collective runs over in the layout's row-major order (``tp`` innermost: a
+    group inside a node runs at the node's links, one spanning nodes at the inter-node ones), and its compute
+    the roofline ``max(flops / the matmul peak of the dtype its matmuls run in, bytes accessed / the memory
+    bandwidth)`` of the same flops and bytes (the max: the memory traffic of a matmul-bound step runs under
+    its matmuls, a sum would count the overlap twice); no dispatch or launch cost
+    (``spmd.parallel.auto._priced``). ``memory_budget_bytes`` defaults to the hardware's ``memory_bytes``.
     """
     where = "auto_layout"
     _check_optimizer(optimizer, where)
+    hw = None if hardware is None else hardware_of(hardware, where)
+    named = f"hardware={hardware!r}" if isinstance(hardware, str) else f"hardware=Hardware({getattr(hw, 'name', '')!r})"
+    if hw is not None and calibration is not None:
+        raise ValueError(f"{where}: {named} and calibration= were both given; hardware= prices the "
+                         "layouts on that hardware's figures and calibration= on this machine's measured ones: "
+                         "give one.")
+    if hw is not None and measure:
+        raise ValueError(f"{where}: {named} with measure={measure!r}: measure= times the candidates "
+                         f"on this machine, not on {hw.name}; leave measure=0 to plan for {hw.name}.")
+    if hw is not None and memory_budget_bytes is None:
+        memory_budget_bytes = int(hw.memory_bytes)
     check_budget(memory_budget_bytes, where)
     devices = devices_of(mesh_shape_or_devices, where)
     batch = _abstract(example_batch)
     params = _params_of(model, batch, params, where)
     if memory_budget_bytes is not None:  # refused at once below what any layout's state needs, nothing compiled
         check_floor(params, optimizer, len(devices), memory_budget_bytes, where)
-    cal = calibration if calibration is not None else calibrate(devices)
-    units = infer_units(params) if units is None else tuple(units)
     loss = loss_fn if loss_fn is not None else default_loss(model)
+    if hw is not None:  # priced on the hardware's figures: nothing timed or calibrated here
+        cal = HardwareRates(hw, matmul_dtype(loss, params, batch), group_size=len(devices))
+    else:
+        cal = calibration if calibration is not None else calibrate(devices)
+    units = infer_units(params) if units is None else tuple(units)
     profile = profile or Profile(loss, params, optimizer)
     if isinstance(measure, bool) or not isinstance(measure, int) or measure < 0:
         raise ValueError(f"{where}: measure={measure!r} must be an int >= 0 (the top candidates compiled and timed; "
@@ -323,4 +357,5 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                          f"those over), and the smallest, {small.name}, needs {small.measured_peak:,} B per device "
                          f"(predicted {int(small.memory['peak']):,}); use more devices, a larger budget or a smaller "
                          "batch.")
-    return AutoLayout(tuple(got), tuple(rejected), cal, memory_budget_bytes, top)
+    return AutoLayout(tuple(got), tuple(rejected), None if hw is not None else cal, memory_budget_bytes, top,
+                      hardware=hw)

@@ -41,6 +41,7 @@ import numpy as np
 
 from spmd.parallel.cost._comm import KINDS
 from spmd.parallel.auto._layout import Layout, factorizations, tp_plan_for
+from spmd.parallel.auto._priced import HardwareRates, mesh_group
 from spmd.parallel.cost._memory import _nbytes, activation_bytes
 from spmd.parallel.plan._param_plan import path_str
 from spmd.parallel.pipelining._comm import STAGES
@@ -166,16 +167,21 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
                  for k in ("all-gather", "reduce-scatter")}, PERMUTE: {"count": 0, "bytes": 0}}
     acts = {**{k: dict(program[k]) for k in KINDS}, PERMUTE: {"count": cp["count"], "bytes": cp["bytes"]}}
     total = {k: {f: params[k][f] + acts[k][f] for f in ("count", "bytes")} for k in (*KINDS, PERMUTE)}
-    groups = {"all-reduce": n_data if n_data > 1 else layout.pp, "all-gather": layout.fsdp,
-              "reduce-scatter": layout.fsdp}
+    # (group, stride) of each kind's mesh dims in the row-major pp x dp x fsdp x tp order (a Hardware's
+    # links follow the stride; a Calibration has no topology)
+    at = lambda *names: mesh_group(layout.mesh_dims, names)  # noqa: E731
+    groups = {"all-reduce": at("dp", "fsdp") if n_data > 1 else at("pp"), "all-gather": at("fsdp"),
+              "reduce-scatter": at("fsdp")}
     comm_s: dict = {}
     for kind, v in params.items():
         if kind != PERMUTE:
-            comm_s[kind] = cal.collective_s(kind, v["bytes"], v["count"], groups[kind])
+            comm_s[kind] = cal.collective_s(kind, v["bytes"], v["count"], *groups[kind])
     for kind in KINDS:
-        comm_s[kind] += cal.collective_s(kind, busiest[kind]["bytes"], busiest[kind]["count"], layout.tp)
-    # point to point: the calibrated bytes / bandwidth as measured (no ring factor)
-    comm_s[PERMUTE] = cal.collective_s(PERMUTE, cp["bytes"], cp["count"], cal.group_size)
+        comm_s[kind] += cal.collective_s(kind, busiest[kind]["bytes"], busiest[kind]["count"], *at("tp"))
+    # point to point: the calibrated bytes / bandwidth as measured (no ring factor); on a Hardware the link
+    # between the stages (pp's group and stride)
+    comm_s[PERMUTE] = cal.collective_s(PERMUTE, cp["bytes"], cp["count"],
+                                       *(at("pp") if isinstance(cal, HardwareRates) else (cal.group_size, 1)))
 
     local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in state.plan.entries]
     p_bytes = state.plan.bytes_per_device

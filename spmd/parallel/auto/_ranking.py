@@ -9,6 +9,7 @@ from spmd.parallel.auto._layout import Layout
 from spmd.parallel.auto._pipeline import PERMUTE
 from spmd.parallel.cost._calibrate import Calibration
 from spmd.parallel.cost._comm import KINDS
+from spmd.parallel.cost._hardware import Hardware
 
 __all__ = ["Candidate", "AutoLayout"]
 
@@ -55,6 +56,7 @@ class AutoLayout:
     calibration: Calibration | None = None
     budget: int | None = None
     top: int = 5
+    hardware: Hardware | None = None  # auto_layout(hardware=): the hardware it was priced for
 
     @property
     def best(self) -> Candidate:
@@ -100,6 +102,7 @@ class AutoLayout:
         fmt = lambda r: "  ".join(x.rjust(n) if j not in (1,) else x.ljust(n) for j, (x, n) in enumerate(zip(r, w)))  # noqa
         lines = [f"auto_layout: {len(self.candidates)} candidates ranked by predicted step time"
                  + (f", the top {sum(c.measured_s is not None for c in self.candidates)} by measured" if timed else "")
+                 + (f" on {self.hardware.name}'s figures" if self.hardware is not None else "")
                  + (f" (memory budget {_mib(self.budget)} MiB per device)" if self.budget else ""),
                  fmt(head), *[fmt(r) for r in rows], "pick: " + self.best.name + ". " + self.why()]
         if self.rejected:

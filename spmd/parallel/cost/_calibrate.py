@@ -98,9 +98,10 @@ class Calibration:
         devices busy: ``flops / matmul rate + bytes / elementwise rate + ops x op_s``."""
         return flops / self.matmul_flops_per_s + nbytes / self.elementwise_bytes_per_s + ops * self.op_s
 
-    def collective_s(self, kind: str, nbytes: float, count: int, group: int) -> float:
+    def collective_s(self, kind: str, nbytes: float, count: int, group: int, stride: int = 1) -> float:
         """Seconds for ``count`` collectives of ``kind`` moving ``nbytes`` in all over ``group`` devices:
-        ``count`` times the kind's curve at their mean size.
+        ``count`` times the kind's curve at their mean size. ``stride`` (the group's spacing in the device
+        order) is not used: a calibration has no topology (``Hardware`` has).
 
         The size scales with the ring's traffic per byte, ``(g - 1) / g``, from the calibrated group to
         ``group``; a group of one moves nothing."""

@@ -1,0 +1,117 @@
+"""``auto_layout(hardware=)``: a candidate priced on a ``Hardware``'s published figures, nothing timed here.
+
+- **communication**: the step's own table (``step.communication``, by role: the parameters' collectives
+  over the data dims, the activations' over ``tp``), each kind's ``count`` collectives at their mean size
+  priced by ``Hardware.collective_s`` at the group of the mesh dim(s) it runs over **and their stride** in the
+  layout's row-major device order (``pp`` x ``dp`` x ``fsdp`` x ``tp``: ``tp`` innermost at stride 1, ``fsdp``
+  at stride ``tp``, ``dp`` at ``fsdp x tp``, ``pp`` at ``dp x fsdp x tp``): a group whose devices sit in
+  one node (``stride x group <= devices_per_node``) runs at the node's links, one that spans nodes at the
+  inter-node ones (``mesh_group``).
+- **compute**: the roofline, ``max(flops / the matmul peak of the dtype the model's matmuls run in, bytes
+  accessed / the memory bandwidth)``, of the same flops and bytes the calibrated model uses (the one-device
+  step's ``cost_analysis``, ``spmd.parallel.cost._compute_cost``). The max, not the sum: a matmul-bound
+  step's memory traffic runs under its matmuls (and a memory-bound step's flops under its loads), so adding
+  them would count the overlapped time twice; the max is the standard roofline bound. The per-operation
+  launch cost and the dispatch a measured calibration carries are not on a datasheet: not counted (a
+  GPU's fused step is far from launch-bound at the sizes planned for).
+- **dtype**: the matmuls' (``dot_general``) input dtype weighted by their flops in the loss's jaxpr
+  (``matmul_dtype``); the parameters' floating dtype where the loss has no matmul.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+from spmd.parallel.cost._hardware import HARDWARE, Hardware
+
+__all__ = ["HardwareRates", "hardware_of", "mesh_group", "matmul_dtype"]
+
+
+def hardware_of(hardware: Any, where: str) -> Hardware:
+    """``hardware=`` as a ``Hardware``: a built-in's name (``HARDWARE``) or a ``Hardware`` itself."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if isinstance(hardware, str):
+        if hardware.lower() not in HARDWARE:
+            raise ValueError(f"{where}: hardware={hardware!r} is not a built-in; use one of {sorted(HARDWARE)} or "
+                             "a spmd.parallel.Hardware(...) with your device's figures.")
+        return HARDWARE[hardware.lower()]
+    raise TypeError(f"{where}: hardware={hardware!r} must be a built-in's name (one of {sorted(HARDWARE)}) or a "
+                    f"spmd.parallel.Hardware, not {type(hardware).__name__}.")
+
+
+def mesh_group(mesh_dims: Sequence[tuple[str, int]], names: Sequence[str]) -> tuple[int, int]:
+    """``(group, stride)`` of a collective over the mesh dims ``names`` (adjacent ones, e.g. ``("dp",
+    "fsdp")``) of a row-major mesh ``mesh_dims`` (``Layout.mesh_dims``): the product of their sizes, and the
+    product of the sizes of the dims after the innermost of them. ``(1, 1)`` where none is in the mesh."""
+    order = [n for n, _ in mesh_dims]
+    sizes = dict(mesh_dims)
+    present = [n for n in names if sizes.get(n, 1) > 1]
+    if not present:
+        return 1, 1
+    inner = max(order.index(n) for n in present)
+    return math.prod(sizes[n] for n in present), math.prod(s for _, s in mesh_dims[inner + 1:])
+
+
+def _subjaxprs(params: dict):
+    for v in params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(x, ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, Jaxpr):
+                yield x
+
+
+def matmul_dtype(loss: Any, params: Any, batch: Any) -> str:
+    """The dtype name the loss's matmuls run in (their inputs' promoted dtype, weighted by their flops; see
+    the module doc), traced on abstract inputs."""
+    work: dict = {}
+
+    def walk(jaxpr) -> None:
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                (lc, _), _ = e.params["dimension_numbers"]
+                a, b = e.invars[0].aval, e.invars[1].aval
+                k = math.prod(a.shape[d] for d in lc)
+                dt = np.promote_types(a.dtype, b.dtype).name
+                work[dt] = work.get(dt, 0) + 2 * k * math.prod(e.outvars[0].aval.shape)
+            for sub in _subjaxprs(e.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(loss)(params, batch).jaxpr)
+    if work:
+        return max(work, key=work.get)
+    floats = [x for x in jax.tree.leaves(params) if np.issubdtype(x.dtype, np.floating)]
+    return max(floats, key=lambda x: math.prod(x.shape)).dtype.name if floats else "float32"
+
+
+@dataclass(frozen=True)
+class HardwareRates:
+    """A ``Hardware`` in the place of a ``Calibration`` in ``auto_layout``'s cost terms (see the module doc):
+    ``compute_s`` the roofline at ``dtype``'s matmul peak, ``collective_s`` at a group's links by its stride;
+    nothing measured (``measured=False``: no anchoring on a timed step), no dispatch or launch cost, devices
+    that share no compute (``alone_speedup=1``)."""
+
+    hardware: Hardware
+    dtype: str
+    group_size: int = 8
+    measured: bool = False
+    dispatch_s: float = 0.0
+    alone_speedup: float = 1.0
+
+    def compute_s(self, flops: float, nbytes: float, ops: float = 0) -> float:
+        """``max(flops / the dtype's matmul peak, nbytes / the memory bandwidth)`` (``ops`` not counted)."""
+        return max(self.hardware.matmul_s(flops, self.dtype), self.hardware.memory_s(nbytes))
+
+    def collective_s(self, kind: str, nbytes: float, count: int, group: int, stride: int = 1) -> float:
+        """``count`` collectives of ``kind`` moving ``nbytes`` in all over ``group`` devices ``stride`` apart:
+        ``count`` times ``Hardware.collective_s`` at their mean size."""
+        if group <= 1 or not count:
+            return 0.0
+        return count * self.hardware.collective_s(kind, nbytes / count, group, stride)

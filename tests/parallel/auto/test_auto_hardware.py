@@ -1,0 +1,146 @@
+"""auto_layout(hardware=): each candidate's communication table priced on a Hardware's links by its mesh dim's
+group and stride (inside a node or across), its compute the roofline of the step's own flops and bytes, nothing
+timed or calibrated here, the hardware's memory as the default budget, and the errors. The expected seconds are
+computed here from the ring / tree formulas and the table the step reports, not by the code under test."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from models import Transformer
+from models._plans import transformer_tp_plan
+from spmd.parallel import HARDWARE, Calibration, Hardware, Layout, Link, auto_layout
+from spmd.parallel.auto import _auto
+from spmd.parallel.auto._auto import default_loss
+from spmd.parallel.cost._memory import Profile
+
+VOCAB, T, B = 16, 8, 16
+MODEL = Transformer(VOCAB, T, num_layers=2, d_model=32, num_heads=8)
+OPT = optax.adamw(1e-3)
+FAST, SLOW = Link(1e12, 1e-6), Link(1e10, 1e-4)  # the inter-node link 100x slower in bandwidth and latency
+
+
+def _plan(tp):
+    return tuple(transformer_tp_plan(False, vocab_size=VOCAB, tp_size=tp).items())
+
+
+LAYOUTS = [Layout(dp=1, tp=8, tp_plan=_plan(8)), Layout(dp=2, tp=4, tp_plan=_plan(4))]
+
+
+def _hw(per_node: int, flops: float = 1e18, bw: float = 1e18) -> Hardware:
+    return Hardware("test", {"float32": flops}, 1e12, bw, per_node, FAST, SLOW)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, VOCAB, (B, T + 1)).astype(np.int32)
+    batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+    params = MODEL.init(jax.random.key(0), batch["inputs"])["params"]
+    return batch, params, Profile(default_loss(MODEL), params, OPT)
+
+
+def _ring(kind: str, count: int, nbytes: int, group: int, link: Link) -> float:
+    """``count`` collectives of ``nbytes`` in all over ``group`` devices on ``link``: ring (all-reduce: the
+    faster of two ring passes and a tree), nccl-tests byte convention."""
+    if not count or group < 2:
+        return 0.0
+    each = nbytes / count
+    one = (group - 1) * link.latency + (group - 1) / group * each / link.bandwidth
+    if kind == "all-reduce":
+        tree = 2 * math.ceil(math.log2(group)) * link.latency + 2 * each / link.bandwidth
+        return count * min(2 * one, tree)
+    return count * one
+
+
+def _no_timing(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("timed or calibrated on this machine under hardware=")
+
+    monkeypatch.setattr(_auto, "calibrate", refuse)
+    monkeypatch.setattr(Profile, "grad_seconds", refuse)
+    monkeypatch.setattr(Profile, "optimizer_seconds", refuse)
+
+
+@pytest.mark.slow  # compiles the one-device step and the pick (its peak under the default budget)
+def test_a_tp_dim_spanning_nodes_is_priced_on_the_inter_node_link_and_ranked_behind(data, monkeypatch):
+    batch, params, prof = data
+    _no_timing(monkeypatch)
+    four = auto_layout(MODEL, OPT, batch, 8, layouts=LAYOUTS, hardware=_hw(4), profile=prof, params=params)
+    eight = auto_layout(MODEL, OPT, batch, 8, layouts=LAYOUTS, hardware=_hw(8), profile=prof, params=params)
+    by4 = {c.name: c for c in four}
+    by8 = {c.name: c for c in eight}
+    # tp=8 (stride 1) spans two nodes of 4: every activation collective on the slow link; in a node of 8 the fast
+    c4, c8 = by4["dp=1,tp=8"], by8["dp=1,tp=8"]
+    act = c4.communication["activations"]
+    assert sum(v["bytes"] for v in act.values()) > 0
+    assert not any(v["count"] for v in c4.communication["parameters"].values())  # dp=1: no gradient all-reduce
+    for kind, v in act.items():
+        assert c4.comm_s[kind] == pytest.approx(_ring(kind, v["count"], v["bytes"], 8, SLOW))
+        assert c8.comm_s[kind] == pytest.approx(_ring(kind, v["count"], v["bytes"], 8, FAST))
+    # dp=2,tp=4: tp (stride 1) inside a node of 4, the gradients' all-reduce over dp (stride 4) across nodes
+    d = by4["dp=2,tp=4"]
+    act, par = d.communication["activations"]["all-reduce"], d.communication["parameters"]["all-reduce"]
+    want = _ring("all-reduce", act["count"], act["bytes"], 4, FAST) + _ring("all-reduce", par["count"], par["bytes"],
+                                                                          2, SLOW)
+    assert d.comm_s["all-reduce"] == pytest.approx(want)
+    # keeping tp inside a node wins where nodes hold 4 (though its gradients' all-reduce crosses them); in a
+    # node of 8 tp=8, which moves no gradient, wins; the topology does not change the compute
+    assert [c.name for c in four] == ["dp=2,tp=4", "dp=1,tp=8"]
+    assert [c.name for c in eight] == ["dp=1,tp=8", "dp=2,tp=4"]
+    assert c4.predicted_s > 10 * c8.predicted_s
+    assert c4.compute_s == pytest.approx(c8.compute_s)
+    assert four.budget == 10**12 and "on test's figures" in four.table()
+
+
+@pytest.mark.slow  # compiles the one-device step and the pick (its peak under the default budget)
+def test_compute_is_the_roofline_of_the_steps_flops_and_bytes(data, monkeypatch):
+    batch, params, prof = data
+    _no_timing(monkeypatch)
+    lay = Layout(dp=8)
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // 8, *x.shape[1:]), x.dtype), batch)
+    f, b = prof.grad_cost(micro)  # XLA's cost_analysis of the one-device step (its optimizer apart)
+    of, ob, _ = prof._optimizer()  # dp=8 updates the whole state on every device
+    for rate, bw in ((1e9, 1e18), (1e18, 1e9)):  # matmul-bound, then memory-bound
+        got = auto_layout(MODEL, OPT, batch, 8, layouts=[lay], hardware=_hw(8, rate, bw), profile=prof,
+                          params=params).best
+        assert got.compute_s == pytest.approx(max(f / rate, b / bw) + max(of / rate, ob / bw))
+        assert got.dispatch_s == 0.0
+
+
+@pytest.mark.slow  # compiles the one-device step and the pick (its peak under the default budget)
+def test_a_built_in_plans_without_any_calibration_or_timing(data, monkeypatch):
+    batch, params, prof = data
+    _no_timing(monkeypatch)
+    got = auto_layout(MODEL, OPT, batch, 8, layouts=[Layout(dp=8), Layout(fsdp=8, units=("block_*",))],
+                      hardware="h100", profile=prof, params=params)
+    assert got.hardware is HARDWARE["h100"] and got.calibration is None
+    assert got.budget == 80 * 10**9  # the H100's memory: the default budget
+    fsdp = next(c for c in got if c.name.startswith("fsdp=8"))
+    ag = fsdp.communication["parameters"]["all-gather"]
+    assert fsdp.comm_s["all-gather"] == pytest.approx(_ring("all-gather", ag["count"], ag["bytes"], 8,
+                                                            HARDWARE["h100"].intra))
+
+
+def test_hardware_errors_name_the_argument_and_the_fix():
+    batch = {"inputs": np.zeros((B, T), np.int32), "targets": np.zeros((B, T), np.int32)}
+    params, lays = None, [Layout(dp=8)]  # refused before the model is traced
+    with pytest.raises(ValueError, match=re.escape("auto_layout: hardware='h9000' is not a built-in; use one of "
+                                                   f"{sorted(HARDWARE)}")):
+        auto_layout(MODEL, OPT, batch, 8, layouts=lays, hardware="h9000", params=params)
+    with pytest.raises(TypeError, match=re.escape("auto_layout: hardware=3 must be a built-in's name")):
+        auto_layout(MODEL, OPT, batch, 8, layouts=lays, hardware=3, params=params)
+    cal = Calibration(collectives={k: (1e-4, 1e9) for k in ("all-gather", "reduce-scatter", "all-reduce",
+                                                            "collective-permute")})
+    with pytest.raises(ValueError, match=re.escape("auto_layout: hardware='h100' and calibration= were both given")):
+        auto_layout(MODEL, OPT, batch, 8, layouts=lays, hardware="h100", calibration=cal, params=params)
+    with pytest.raises(ValueError, match=re.escape("auto_layout: hardware='h100' with measure=2: measure= times")):
+        auto_layout(MODEL, OPT, batch, 8, layouts=lays, hardware="h100", measure=2, params=params)
+    with pytest.raises(ValueError, match=re.escape("auto_layout: hardware=Hardware('test') and calibration= were")):
+        auto_layout(MODEL, OPT, batch, 8, layouts=lays, hardware=_hw(4), calibration=cal, params=params)
