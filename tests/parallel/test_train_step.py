@@ -208,3 +208,13 @@ def test_own_layout_step_must_be_a_train_step():
                                                   "OwnsTrainStep layout's make_train_step must return a "
                                                   "spmd.parallel.TrainStep")):
         make_train_step(Bad(Tiny(), mesh), _loss(Tiny()), OPT)
+
+
+def test_step_memory_of_a_program_without_memory_analysis_is_a_clear_error():
+    class NoAnalysis:
+        def memory_analysis(self):
+            return None  # what jax.stages.Compiled gives where the backend has none
+
+    with pytest.raises(ValueError, match=re.escape("StepMemory.from_compiled: compiled=NoAnalysis.memory_analysis() "
+                                                   "is None: this backend or compiler gives no memory analysis")):
+        StepMemory.from_compiled(NoAnalysis())

@@ -37,6 +37,10 @@ class StepMemory:
     def from_compiled(cls, compiled: Any) -> "StepMemory":
         """The figures of ``compiled`` (a ``jax.stages.Compiled``)."""
         m = compiled.memory_analysis()
+        if m is None:  # JAX: "None if unavailable, e.g. based on backend, compiler, or runtime"
+            raise ValueError(f"StepMemory.from_compiled: compiled={type(compiled).__name__}.memory_analysis() is None: "
+                             "this backend or compiler gives no memory analysis; read the memory on a backend "
+                             "that does (CPU, GPU, TPU under XLA).")
         return cls(*(int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")))
 
     def as_dict(self) -> dict:
