@@ -14,7 +14,9 @@ carries the token. Because a group is one sequence, the drops do not depend on h
 The experts' parameters carry a leading experts dim (``gate_proj`` and ``up_proj`` ``[E, d, f]``,
 ``down_proj`` ``[E, f, d]``) and the experts run as dense einsums over ``[b, E, capacity, d]`` dispatch
 buffers: the form expert parallelism cuts. Each MoE block sows the number of dropped assignments as the
-intermediate ``dropped`` (``model.apply(..., mutable=["intermediates"])``).
+intermediate ``dropped`` and the Switch / Mixtral load-balancing loss as ``load_balancing``
+(``model.apply(..., mutable=["intermediates"])``); adding the latter to the training loss is the loss's
+business.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ class MoEMLP(nn.Module):
         b, t, _ = x.shape
         e, k = c.num_experts, c.top_k
         cap = min(t, max(1, math.ceil(c.capacity_factor * t * k / e)))
-        weights, experts = route(nn.Dense(e, use_bias=False, name="router")(x), k)
+        logits = nn.Dense(e, use_bias=False, name="router")(x)
+        weights, experts = route(logits, k)
         # place of each (token, choice) in its expert's queue: choice-major, then sequence order
         onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)                    # [b, t, k, E]
         order = onehot.transpose(0, 2, 1, 3).reshape(b, k * t, e)               # [b, k*t, E]
@@ -91,6 +94,11 @@ class MoEMLP(nn.Module):
         place = (place * onehot).sum(-1)                                        # [b, t, k]
         kept = place < cap
         self.sow("intermediates", "dropped", (~kept).sum())
+        # Switch / Mixtral load balancing: E * sum over choices and experts of (share of the tokens whose
+        # choice is the expert) x (the expert's mean router probability); top_k when routing is even
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        share = onehot.reshape(-1, k, e).mean(0)                                 # [k, E]
+        self.sow("intermediates", "load_balancing", e * jnp.sum(share * probs.reshape(-1, e).mean(0)))
         slot = jax.nn.one_hot(jnp.where(kept, place, cap), cap, dtype=x.dtype)  # dropped: an all-zero row
         dispatch = jnp.einsum("btke,btkc->btec", onehot.astype(x.dtype), slot)  # [b, t, E, cap]
         combine = jnp.einsum("btke,btkc,btk->btec", onehot.astype(x.dtype), slot, weights.astype(x.dtype))

@@ -38,18 +38,21 @@ def _layer_inputs(seed=0):
 
 
 def _numpy_layer(x, p, cf):
-    """The MoE layer as a loop: (output, dropped assignments); choices in order, tokens in sequence order."""
+    """The MoE layer as a loop: (output, dropped assignments, load-balancing loss); choices in order, tokens
+    in sequence order."""
     logits = x.astype(np.float64) @ p["router"]["kernel"]
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     cap = min(T, max(1, math.ceil(cf * T * K / E)))
-    out, dropped = np.zeros(x.shape), 0
+    out, dropped, share = np.zeros(x.shape), 0, np.zeros((K, E))
     g, u, w = (p["experts"][n].astype(np.float64) for n in ("gate_proj", "up_proj", "down_proj"))
     for b in range(x.shape[0]):
         top = np.argsort(-probs[b], axis=-1, kind="stable")[:, :K]
         wts = np.take_along_axis(probs[b], top, -1)
         wts /= wts.sum(-1, keepdims=True)
         used = np.zeros(E, int)
+        for j in range(K):
+            share[j] += np.bincount(top[:, j], minlength=E) / (x.shape[0] * T)
         for j in range(K):
             for t in range(T):
                 e = top[t, j]
@@ -60,12 +63,14 @@ def _numpy_layer(x, p, cf):
                 h = x[b, t] @ g[e]
                 h = h / (1 + np.exp(-h)) * (x[b, t] @ u[e])
                 out[b, t] += wts[t, j] * (h @ w[e])
-    return out, dropped
+    balance = E * np.sum(share * probs.reshape(-1, E).mean(0))
+    return out, dropped, balance
 
 
-def _dense(x, p, cf):
+def _dense(x, p, cf, balance=False):
     out, state = MoEMLP(_cfg(cf)).apply({"params": p}, x, mutable=["intermediates"])
-    return out, state["intermediates"]["dropped"][0]
+    got = (out, state["intermediates"]["dropped"][0])
+    return got + (state["intermediates"]["load_balancing"][0],) if balance else got
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,10 +103,12 @@ def _ep(x, p, ep, cf):
 def test_model_layer_equals_numpy_loop():
     x, p = _layer_inputs()
     for cf in (0.5, 1.0, 4.0):
-        ref, ref_dropped = _numpy_layer(x, p, cf)
-        out, dropped = _dense(x, p, cf)
+        ref, ref_dropped, ref_balance = _numpy_layer(x, p, cf)
+        out, dropped, balance = _dense(x, p, cf, balance=True)
         np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5, rtol=1e-5)
         assert int(dropped) == ref_dropped, cf
+        np.testing.assert_allclose(float(balance), ref_balance, rtol=1e-5)
+        assert ref_balance > K  # random routing is uneven: above the even value, top_k
     assert _numpy_layer(x, p, 0.5)[1] > 0 and _numpy_layer(x, p, 4.0)[1] == 0  # drops where the cap bites
 
 
@@ -148,6 +155,12 @@ def test_hlo_two_all_to_alls_per_layer_and_bytes(ep):
         assert got["bytes"] == 2 * layers * per_direction
         off_rank = got["bytes"] / (2 * layers) * (ep - 1) / ep
         assert off_rank == (B // 8) * T * K * cf * D * 4 * (ep - 1) / ep  # cf * t * k / E is whole here
+    # the backward pass: each all-to-all's transpose is the inverse all-to-all, of the same bytes
+    fn = _ep_layer(ep, cf)
+    grad = jax.jit(jax.grad(lambda x, r, w: jnp.sum(fn(x, r, w)[0] ** 2), argnums=(0, 1, 2)))
+    got = spmd._inspect.hlo_collectives(grad.lower(x, p["router"]["kernel"], p["experts"]).compile().as_text())
+    assert got["all-to-all"]["count"] == 4
+    assert got["all-to-all"]["bytes"] == 4 * per_direction
 
 
 @pytest.mark.slow  # a 4-block decoder compiled: ~12 s on CPU
