@@ -290,7 +290,12 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         check_floor(params, optimizer, len(devices), memory_budget_bytes, where)
     loss = loss_fn if loss_fn is not None else default_loss(model)
     if hw is not None:  # priced on the hardware's figures: nothing timed or calibrated here
-        cal = HardwareRates(hw, matmul_dtype(loss, params, batch), group_size=len(devices))
+        dtype = matmul_dtype(loss, params, batch)
+        if dtype not in hw.matmul_flops:
+            raise ValueError(f"{where}: the model's matmuls run in {dtype}, for which {named} gives no rate (its "
+                             f"matmul_flops are for {sorted(hw.matmul_flops)}); add {dtype!r} to its matmul_flops "
+                             "or cast the model's matmuls to one of those.")
+        cal = HardwareRates(hw, dtype, group_size=len(devices))
     else:
         cal = calibration if calibration is not None else calibrate(devices)
     units = infer_units(params) if units is None else tuple(units)

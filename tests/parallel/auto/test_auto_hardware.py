@@ -18,6 +18,7 @@ from models._plans import transformer_tp_plan
 from spmd.parallel import HARDWARE, Calibration, Hardware, Layout, Link, auto_layout
 from spmd.parallel.auto import _auto
 from spmd.parallel.auto._auto import default_loss
+from spmd.parallel.auto._priced import matmul_dtype, mesh_group
 from spmd.parallel.cost._memory import Profile
 
 VOCAB, T, B = 16, 8, 16
@@ -144,3 +145,40 @@ def test_hardware_errors_name_the_argument_and_the_fix():
         auto_layout(MODEL, OPT, batch, 8, layouts=lays, hardware="h100", measure=2, params=params)
     with pytest.raises(ValueError, match=re.escape("auto_layout: hardware=Hardware('test') and calibration= were")):
         auto_layout(MODEL, OPT, batch, 8, layouts=lays, hardware=_hw(4), calibration=cal, params=params)
+
+
+def test_a_mesh_dims_group_and_stride_follow_the_row_major_order():
+    dims = Layout(dp=2, fsdp=2, tp=2, tp_plan=_plan(2)).mesh_dims  # dp x fsdp x tp: tp innermost
+    assert [mesh_group(dims, n) for n in (("tp",), ("fsdp",), ("dp",), ("dp", "fsdp"))] == [(2, 1), (2, 2), (2, 4),
+                                                                                           (4, 2)]
+    pipe = Layout(pp=2, dp=4, units=("block_*",), microbatches=2).mesh_dims  # pp outermost
+    assert [mesh_group(pipe, n) for n in (("pp",), ("dp", "fsdp"), ("tp",))] == [(2, 4), (4, 1), (1, 1)]
+    h = _hw(4)  # nodes of 4: dp (2 x stride 4) spans two, fsdp (2 x stride 2) and the 4 of dp x fsdp at 2 don't
+    assert [h.spans_nodes(*mesh_group(dims, n)) for n in (("tp",), ("fsdp",), ("dp",), ("dp", "fsdp"))] == [
+        False, False, True, True]
+
+
+def test_the_matmul_dtype_is_the_models_and_one_without_a_rate_is_refused():
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class Net(nn.Module):
+        dtype: object = jnp.float32
+
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, dtype=self.dtype)(nn.Dense(64, dtype=self.dtype)(x)).sum()
+
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    for dtype, want in ((jnp.float32, "float32"), (jnp.bfloat16, "bfloat16")):
+        net = Net(dtype)
+        params = jax.eval_shape(lambda: net.init(jax.random.key(0), jnp.zeros((1, 16)))["params"])
+        assert matmul_dtype(lambda p, b: net.apply({"params": p}, b["x"]), params, {"x": x}) == want
+    net = Net()
+    params = jax.eval_shape(lambda: net.init(jax.random.key(0), jnp.zeros((1, 16)))["params"])
+    bf16_only = Hardware("bf16 only", {"bfloat16": 1e15}, 1e12, 1e12, 8, FAST, SLOW)
+    with pytest.raises(ValueError, match=re.escape("auto_layout: the model's matmuls run in float32, for which "
+                                                   "hardware=Hardware('bf16 only') gives no rate (its matmul_flops "
+                                                   "are for ['bfloat16']); add 'float32' to its matmul_flops")):
+        auto_layout(net, OPT, {"x": x}, 8, loss_fn=lambda p, b: net.apply({"params": p}, b["x"]), params=params,
+                    layouts=[Layout(dp=8)], hardware=bf16_only)
