@@ -18,7 +18,7 @@ from models._plans import transformer_tp_plan
 from spmd.parallel import HARDWARE, Calibration, Hardware, Layout, Link, auto_layout
 from spmd.parallel.auto import _auto
 from spmd.parallel.auto._auto import default_loss
-from spmd.parallel.auto._priced import matmul_dtype, mesh_group
+from spmd.parallel.auto._priced import HardwareRates, matmul_dtype, mesh_group
 from spmd.parallel.cost._memory import Profile
 
 VOCAB, T, B = 16, 8, 16
@@ -182,3 +182,20 @@ def test_the_matmul_dtype_is_the_models_and_one_without_a_rate_is_refused():
                                                    "are for ['bfloat16']); add 'float32' to its matmul_flops")):
         auto_layout(net, OPT, {"x": x}, 8, loss_fn=lambda p, b: net.apply({"params": p}, b["x"]), params=params,
                     layouts=[Layout(dp=8)], hardware=bf16_only)
+
+
+@pytest.mark.slow  # traces the pipelined step and compiles the one-device programs its estimate reads
+def test_a_pipelines_permutes_cross_nodes_by_pps_stride(data):
+    """pp=2 x dp=4: the stages 4 devices apart; on nodes of 4 the activations' permutes cross nodes while the
+    gradients' all-reduce over dp (stride 1) stays inside one; on nodes of 8 both stay inside."""
+    batch, params, prof = data
+    lay = Layout(pp=2, dp=4, units=("block_*",), microbatches=2)
+    got = {n: _auto.evaluate_layout(MODEL, OPT, batch, 8, lay, params=params, profile=prof,
+                                    calibration=HardwareRates(_hw(n), "float32")) for n in (4, 8)}
+    cp = got[4].communication["total"]["collective-permute"]
+    ar = got[4].communication["parameters"]["all-reduce"]
+    assert cp["count"] > 0 and ar["count"] > 0
+    for n, link in ((4, SLOW), (8, FAST)):
+        assert got[n].comm_s["collective-permute"] == pytest.approx(
+            cp["count"] * (link.latency + cp["bytes"] / cp["count"] / link.bandwidth))
+        assert got[n].comm_s["all-reduce"] == pytest.approx(_ring("all-reduce", ar["count"], ar["bytes"], 4, FAST))
