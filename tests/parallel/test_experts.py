@@ -88,7 +88,8 @@ def _ep_layer(ep, cf, layers=1):
             weights, idx = jax.lax.top_k(probs, K)
             weights = weights / weights.sum(-1, keepdims=True)
             buf, dispatch = expert_dispatch(x, idx, num_experts=E, capacity_factor=cf, group="ep")
-            h = jax.nn.silu(jnp.einsum("esd,edf->esf", buf, w["gate_proj"])) * jnp.einsum("esd,edf->esf", buf, w["up_proj"])
+            h = jax.nn.silu(jnp.einsum("esd,edf->esf", buf, w["gate_proj"]))
+            h = h * jnp.einsum("esd,edf->esf", buf, w["up_proj"])
             x = expert_combine(jnp.einsum("esf,efd->esd", h, w["down_proj"]), dispatch, weights, group="ep")
             dropped = dropped + dispatch.dropped
         return x, spmd.all_reduce(dropped, group=("dp", "ep"))
