@@ -65,3 +65,19 @@ def world1(clean):
 
 def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {len(jax.devices())} x {jax.devices()[0].platform}"
+
+
+# The slow tier: the compile-bound cases (`python -m pytest -n 2 -m slow`); the README's test command leaves them
+# out (`-m "not slow"`). A test marks itself with @pytest.mark.slow; the units listed in tests/slow_tier.json
+# (an xdist group, whose tests share cached compiled runs and so go together, or a test by file and name) were
+# measured to take the most time on a 2-core machine and join the tier here.
+_SLOW = __import__("json").loads((__import__("pathlib").Path(__file__).parent / "slow_tier.json").read_text())
+
+
+def pytest_collection_modifyitems(config, items):
+    groups, tests = set(_SLOW["groups"]), set(_SLOW["tests"])
+    for item in items:
+        group = next((m.args[0] for m in item.iter_markers("xdist_group")), None)
+        name = item.nodeid.split("/")[-1]  # file::test[params], wherever the file sits under tests/
+        if group in groups or name in tests or name.split("[")[0] in tests:
+            item.add_marker(pytest.mark.slow)
