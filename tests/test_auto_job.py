@@ -129,7 +129,7 @@ def test_auto_metrics_layout_entry_is_the_pick_predicted_and_measured(auto):
     layout = m["layout"]
     first = layout["candidates"][0]
     assert layout["pick"] == first["layout"] == _rows(auto["err"])[0][1]
-    assert first["fits"] and layout["memory_budget"] is None
+    assert first["fits"] and layout["memory_budget"] is None and layout["hardware"] is None
     # the run ran the pick: its config is the pick's flags, its mesh the pick's
     cfg = Config(**{k: v for k, v in m["config"].items() if k in Config.__dataclass_fields__})
     mesh_flag = shlex.split(layout["flags"])[1]

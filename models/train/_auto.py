@@ -172,6 +172,8 @@ def layout_report(choice: Choice, step_s: float | None, timed: int, compiled: An
     predicted = {"step_ms": 1e3 * best.predicted_s, "peak_bytes": int(best.memory["peak"])}
     return {**choice.ranking.to_json(), "flags": choice.flags, "memory_budget": choice.memory_budget,
             "choose_s": choice.seconds, "calibration": choice.calibration, "predicted": predicted,
+            # --hardware: the prediction is for that hardware, the measurement this machine's
+            "hardware": None if choice.ranking.hardware is None else choice.ranking.hardware.name,
             "measured": measured,
             "measured_over_predicted": {
                 "step": None if step_s is None else measured["step_ms"] / predicted["step_ms"],
