@@ -10,5 +10,6 @@ from placements import Shard
 dist.init_process_group()
 mesh = dist.init_device_mesh("cpu", (dist.get_world_size(),))
 t = spmd.DTensor.from_local(np.full(2, dist.get_rank() + 1, np.float32), mesh, [Shard(0)])
-print("full", np.asarray(t.full_tensor()).tolist(), flush=True)
+# one write per line: print("full", x) writes its parts apart, and two ranks sharing mpiexec's stdout interleave them
+print(f"full {np.asarray(t.full_tensor()).tolist()}", flush=True)
 dist.destroy_process_group()
