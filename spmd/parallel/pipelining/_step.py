@@ -177,6 +177,8 @@ class PipelineStep(TrainStep):
 
     def __call__(self, state, batch):
         batch = self._checked(state, batch)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, batch))):
+            return self._build(state, batch).jitted(state, batch)  # inside a user's jit: the jitted step composes
         return self._executable(state, batch)(state, batch)
 
     def lower(self, state, batch):

@@ -90,7 +90,7 @@ def test_1f1b_stash_equals_bound_and_stays_flat():
 def _unrolled_temp(m: int, rows: int) -> int:  # the default (unrolled) step's temp bytes, state donated
     pm, loss_fn, state, batch = _setup("1f1b", m, 1, rows)
     step = make_train_step(pm, loss_fn, OPT)
-    return jax.jit(step, donate_argnums=0).lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+    return step.compiled(state, batch).memory_analysis().temp_size_in_bytes
 
 
 def test_unrolled_1f1b_over_pp2_stays_flat():
