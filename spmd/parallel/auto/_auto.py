@@ -57,11 +57,12 @@ from spmd.parallel.auto._budget import CHECKPOINTING, _fitting, _measured, check
 from spmd.parallel.auto._measure import compiled_peak, measure_layouts
 from spmd.parallel.auto._pipeline import pipeline_cost, pipeline_layouts, stage_shapes
 from spmd.parallel.cost._calibrate import Calibration, calibrate
+from spmd.parallel.cost._hardware import Hardware
 from spmd.parallel.cost._comm import KINDS
 from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s, optimizer_flops, reference_cost,
                                          update_seconds)
 from spmd.parallel.cost._memory import Profile, _nbytes, memory_breakdown
-from spmd.parallel.auto._priced import HardwareRates, hardware_of, matmul_dtype, mesh_group
+from spmd.parallel.auto._priced import HardwareRates, matmul_dtype, mesh_group
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
 from spmd.parallel.plan._shard import entry_sharding
@@ -271,7 +272,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     """
     where = "auto_layout"
     _check_optimizer(optimizer, where)
-    hw = None if hardware is None else hardware_of(hardware, where)
+    hw = None if hardware is None else Hardware.named(hardware, where=where, arg="hardware")
     named = f"hardware={hardware!r}" if isinstance(hardware, str) else f"hardware=Hardware({getattr(hw, 'name', '')!r})"
     if hw is not None and calibration is not None:
         raise ValueError(f"{where}: {named} and calibration= were both given; hardware= prices the "

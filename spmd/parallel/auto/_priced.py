@@ -28,22 +28,9 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from spmd.parallel.cost._hardware import HARDWARE, Hardware
+from spmd.parallel.cost._hardware import Hardware
 
-__all__ = ["HardwareRates", "hardware_of", "mesh_group", "matmul_dtype"]
-
-
-def hardware_of(hardware: Any, where: str) -> Hardware:
-    """``hardware=`` as a ``Hardware``: a built-in's name (``HARDWARE``) or a ``Hardware`` itself."""
-    if isinstance(hardware, Hardware):
-        return hardware
-    if isinstance(hardware, str):
-        if hardware.lower() not in HARDWARE:
-            raise ValueError(f"{where}: hardware={hardware!r} is not a built-in; use one of {sorted(HARDWARE)} or "
-                             "a spmd.parallel.Hardware(...) with your device's figures.")
-        return HARDWARE[hardware.lower()]
-    raise TypeError(f"{where}: hardware={hardware!r} must be a built-in's name (one of {sorted(HARDWARE)}) or a "
-                    f"spmd.parallel.Hardware, not {type(hardware).__name__}.")
+__all__ = ["HardwareRates", "mesh_group", "matmul_dtype"]
 
 
 def mesh_group(mesh_dims: Sequence[tuple[str, int]], names: Sequence[str]) -> tuple[int, int]:

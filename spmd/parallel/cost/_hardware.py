@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Hardware", "Link", "HARDWARE", "COLLECTIVE_KINDS"]
 
@@ -70,11 +71,17 @@ class Hardware:
         object.__setattr__(self, "matmul_flops", dict(self.matmul_flops))
 
     @staticmethod
-    def named(name: str) -> "Hardware":
-        """A built-in: one of ``HARDWARE``'s names (``"h100"``, ``"h200"``, ``"a100-80g"``, ``"tpu-v5p"``)."""
-        if not isinstance(name, str) or name.lower() not in HARDWARE:
-            raise ValueError(f"Hardware.named: name={name!r} is not a built-in; use one of {sorted(HARDWARE)} or "
-                             "build a Hardware(...) with your device's figures.")
+    def named(name: Any, *, where: str = "Hardware.named", arg: str = "name") -> "Hardware":
+        """A built-in by one of ``HARDWARE``'s names (``"h100"``, ``"h200"``, ``"a100-80g"``, ``"tpu-v5p"``), or
+        a ``Hardware`` as it is (``where`` / ``arg``: the caller and argument its errors name)."""
+        if isinstance(name, Hardware):
+            return name
+        if not isinstance(name, str):
+            raise TypeError(f"{where}: {arg}={name!r} must be a built-in's name (one of {sorted(HARDWARE)}) or a "
+                            f"spmd.parallel.Hardware, not {type(name).__name__}.")
+        if name.lower() not in HARDWARE:
+            raise ValueError(f"{where}: {arg}={name!r} is not a built-in; use one of {sorted(HARDWARE)} or build a "
+                             "spmd.parallel.Hardware(...) with your device's figures.")
         return HARDWARE[name.lower()]
 
     def matmul_s(self, flops: float, dtype: str = "bfloat16") -> float:

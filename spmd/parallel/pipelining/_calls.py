@@ -188,7 +188,6 @@ class UnitCalls:
         ``layer_id`` differs per block, but its blocks compute one of two programs). ``kinds``: a
         representative unit index per kind; ``kind_of``: each unit's kind. A stage runs each unit as its own
         kind (``apply_unit(..., kind=)``); units of one kind share one traced body."""
-        units = self.lay.units
         keys: dict[int, Any] = {}
 
         def key(i):

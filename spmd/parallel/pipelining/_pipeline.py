@@ -71,30 +71,23 @@ from spmd.parallel.pipelining._step import (REST, STAGES, init_pipeline_state, m
 from spmd.parallel.plan._rules import Rule
 from spmd.parallel.step._protocol import OwnsTrainStep
 from spmd.parallel.pipelining._schedules import CHUNKED, SCHEDULES, Schedule, build_schedule
-from spmd.parallel.styles._transforms import ParallelModule, _modules, glob_regex
+from spmd.parallel.styles._transforms import ParallelModule, Wrapped, _modules, glob_regex
 
 __all__ = ["pipeline", "PipelineModule", "SplitPoint", "STAGES", "REST", "unit_modules"]
 
 
-class PipelineModule(OwnsTrainStep):
+class PipelineModule(Wrapped, OwnsTrainStep):
     """The user's model split into pipeline stages (what ``pipeline`` returns); calls and attributes forward
     to the model. ``schedule``: the tick table (``print(model.schedule)``). An ``OwnsTrainStep``: its state,
     step and parameters' inverse are its own (``spmd.parallel.pipelining._step``)."""
+
+    _verb = "pipelining"
 
     def __init__(self, module, mesh: DeviceMesh, pp: str, units: str, schedule: Schedule, unroll: bool = True,
                  fsdp: str | None = None, split_points: dict | None = None, tp: ParallelModule | None = None):
         for k, v in dict(module=module, mesh=mesh, pp=pp, units=units, schedule=schedule, unroll=unroll, fsdp=fsdp,
                          split_points=split_points, tp=tp, _layouts={}, _checkpoints={}).items():
             object.__setattr__(self, k, v)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "module"), name)
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"PipelineModule is immutable; set {name!r} on the model before pipelining it.")
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
 
     def __repr__(self) -> str:
         s = self.schedule

@@ -78,7 +78,6 @@ class Hooks(TPCalls, RematCalls):
         self.records: list[tuple] = []  # (module, style, input bytes, output bytes) of each styled call
         self.bypass = False
 
-    # --- layouts over tp ----------------------------------------------------------------------------
     # --- FSDP gathers -------------------------------------------------------------------------------
     def gather(self, leaves: Sequence[Any], entries: Sequence[PlanEntry]) -> list:
         """The full parameters of ``entries`` from this device's padded blocks (cast to ``param_dtype``)."""

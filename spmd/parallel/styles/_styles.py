@@ -198,8 +198,8 @@ def _kernel_dim(style: str, path: str, module_type: str | None, shape: tuple[int
 
 
 @dataclass(frozen=True)
-class ColwiseParallel(ParallelStyle):
-    """torch's ``ColwiseParallel``: cut the output features (see the module doc)."""
+class _KernelStyle(ParallelStyle):
+    """Colwise's and Rowwise's arguments (torch's) and their checks: they differ in the kernel dim they cut."""
 
     cuts_kernel: ClassVar[bool] = True
 
@@ -209,10 +209,16 @@ class ColwiseParallel(ParallelStyle):
     dim: int | None = None
 
     def __post_init__(self):
-        _check_layout("ColwiseParallel", "input_layouts", self.input_layouts)
-        _check_layout("ColwiseParallel", "output_layouts", self.output_layouts)
-        _check_bool("ColwiseParallel", "use_local_output", self.use_local_output)
-        _check_dim("ColwiseParallel", self.dim)
+        w = type(self).__name__
+        _check_layout(w, "input_layouts", self.input_layouts)
+        _check_layout(w, "output_layouts", self.output_layouts)
+        _check_bool(w, "use_local_output", self.use_local_output)
+        _check_dim(w, self.dim)
+
+
+@dataclass(frozen=True)
+class ColwiseParallel(_KernelStyle):
+    """torch's ``ColwiseParallel``: cut the output features (see the module doc)."""
 
     def param_placements(self, module_path, params, module_type=None):
         out = {name: Replicate() for name in params}
@@ -237,21 +243,8 @@ class ColwiseParallel(ParallelStyle):
 
 
 @dataclass(frozen=True)
-class RowwiseParallel(ParallelStyle):
+class RowwiseParallel(_KernelStyle):
     """torch's ``RowwiseParallel``: cut the input features; the output reduced once (see the module doc)."""
-
-    cuts_kernel: ClassVar[bool] = True
-
-    input_layouts: Placement | None = None
-    output_layouts: Placement | None = None
-    use_local_output: bool = True
-    dim: int | None = None
-
-    def __post_init__(self):
-        _check_layout("RowwiseParallel", "input_layouts", self.input_layouts)
-        _check_layout("RowwiseParallel", "output_layouts", self.output_layouts)
-        _check_bool("RowwiseParallel", "use_local_output", self.use_local_output)
-        _check_dim("RowwiseParallel", self.dim)
 
     def param_placements(self, module_path, params, module_type=None):
         out = {name: Replicate() for name in params}  # the bias: added once after the reduction

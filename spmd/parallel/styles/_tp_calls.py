@@ -75,18 +75,19 @@ class TPCalls:
         """``x`` laid out as ``layout`` (``Shard(d)`` / ``Replicate()``) over tp: a sharding constraint."""
         if self.tp is None or layout is None or isinstance(layout, Partial) or not _is_array(x) or not hasattr(x, "ndim"):
             return x
-        spec: list = [None] * x.ndim
+        if isinstance(layout, Shard) and not -x.ndim <= layout.dim < x.ndim:
+            return x
+        return jax.lax.with_sharding_constraint(x, self.layout_spec(layout, x.ndim))
+
+    def layout_spec(self, layout: Any, ndim: int) -> P:
+        """The ``PartitionSpec`` over tp of a ``Shard(d)`` / ``Replicate()`` layout of a rank-``ndim`` array."""
+        spec: list = [None] * ndim
         if isinstance(layout, Shard):
-            if not -x.ndim <= layout.dim < x.ndim:
-                return x
-            spec[layout.dim % x.ndim] = self.tp
-        return jax.lax.with_sharding_constraint(x, P(*spec))
+            spec[layout.dim % ndim] = self.tp
+        return P(*spec)
 
     def tp_spec(self, e: PlanEntry, ndim: int) -> P:
-        spec: list = [None] * ndim
-        if self.ti is not None and isinstance(e.placements[self.ti], Shard):
-            spec[e.placements[self.ti].dim] = self.tp
-        return P(*spec)
+        return self.layout_spec(e.placements[self.ti] if self.ti is not None else None, ndim)
 
     def island(self, fn: Callable, entries: Sequence[PlanEntry], leaves: Sequence[Any]):
         """``fn(*leaves)`` in a region manual over tp too (each leaf's tp block), or as it is without tp."""
@@ -138,12 +139,6 @@ class TPCalls:
         if isinstance(y, (tuple, list)) and y:
             return type(y)([self.constrain(self.constrain(y[0], given), desired), *y[1:]])
         return self.constrain(self.constrain(y, given), desired)
-
-    def _layout_spec(self, layout, ndim: int) -> P:
-        spec: list = [None] * ndim
-        if isinstance(layout, Shard):
-            spec[layout.dim % ndim] = self.tp
-        return P(*spec)
 
     def _island_call(self, fqn, typ, style, params, run_local, args, kwargs):
         """The styled module on this device's tp blocks, in a region manual over tp: every tp collective
@@ -226,9 +221,9 @@ class TPCalls:
             out_layout = resolve(local, ndim) if isinstance(out, Shard) else Replicate()
         else:
             out_layout = out
-        in_specs = (tuple(self.tp_spec(e, np.ndim(v)) for e, v in zip(ents, vals)), self._layout_spec(x_layout, x.ndim))
+        in_specs = (tuple(self.tp_spec(e, np.ndim(v)) for e, v in zip(ents, vals)), self.layout_spec(x_layout, x.ndim))
         y = jax.shard_map(body, mesh=self._region_mesh(), in_specs=in_specs,
-                          out_specs=self._layout_spec(out_layout, ndim), axis_names={tp}, check_vma=False)(tuple(vals), x)
+                          out_specs=self.layout_spec(out_layout, ndim), axis_names={tp}, check_vma=False)(tuple(vals), x)
         if bias_outside:
             y = y + vals[names.index("bias")].astype(y.dtype)
         # every parameter whole over tp read in the region has its gradient all-reduced (the region's transpose)

@@ -28,7 +28,7 @@ from spmd.parallel.plan._param_plan import ROOT, ParamPlan, path_str, plan_param
 from spmd.parallel.plan._rules import Rule
 from spmd.parallel.styles._styles import ParallelStyle
 
-__all__ = ["ParallelModule", "MixedPrecisionPolicy", "parallelize_module", "fully_shard", "TPSpec", "FSDPSpec",
+__all__ = ["Wrapped", "ParallelModule", "MixedPrecisionPolicy", "parallelize_module", "fully_shard", "TPSpec", "FSDPSpec",
            "param_module", "glob_regex"]
 
 
@@ -114,7 +114,22 @@ def _mesh_of(mesh: Any, where: str, arg: str) -> DeviceMesh:
     return mesh
 
 
-class ParallelModule:
+class Wrapped:
+    """A user's model wrapped with its layouts, immutable: attribute access and calls forward to ``module``."""
+
+    _verb = "parallelizing"  # what the model's owner does before wrapping it (the immutability error says)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "module"), name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable; set {name!r} on the model before {self._verb} it.")
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+class ParallelModule(Wrapped):
     """The user's model with its layouts (what ``parallelize_module`` / ``fully_shard`` return).
 
     Attribute access and calls forward to the model, so ``model.apply``, ``model.init`` and a Hugging Face
@@ -127,15 +142,6 @@ class ParallelModule:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_plans", {})  # treedef -> the plan init_train_state laid them out by
         object.__setattr__(self, "_params_seen", [])  # the model's parameter trees (path: shape, dtype) seen so far
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "module"), name)
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"ParallelModule is immutable; set {name!r} on the model before parallelizing it.")
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
 
     def __repr__(self) -> str:
         parts = [type(self.module).__name__]
