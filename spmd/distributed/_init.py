@@ -21,6 +21,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+from jax._src import distributed as jdist
+
 from spmd.distributed._backend import resolve_backend
 from spmd.distributed._env import check_collectives as env_check_collectives
 from spmd.distributed._env import debug_level, read_config
@@ -77,12 +80,13 @@ def init_process_group(
     if store is not None:
         raise ValueError(f"{where}: store={store!r} is not supported; use init_method='env://' or 'tcp://host:port'.")
     checked = env_check_collectives(check_collectives, where)
+    started = jdist.global_state.client is None  # this call starts JAX's runtime (else it reuses an earlier one's)
     if resolve_backend(backend, where).name == "mpi":  # launched by mpiexec: rank and world size from MPI
         st = dataclasses.replace(_mpi.init(backend, init_method, timeout, world_size, rank, where),
                                  check_collectives=checked)
         if st.multiprocess:
             quiet_rank_output(debug_level(where))
-            agree_on_setting(st, where)
+            _agree_or_leave(st, where, started)
         set_state(st)
         install_excepthook()
         return
@@ -94,9 +98,25 @@ def init_process_group(
     quiet_rank_output(config.debug)  # gloo's connection lines, under a launcher that passes them on
     local_ids = configure_multiprocess(config, where)
     st = dataclasses.replace(join(config, local_ids, where), check_collectives=checked)
-    agree_on_setting(st, where)
+    _agree_or_leave(st, where, started)
     set_state(st)
     install_excepthook()
+
+
+def _agree_or_leave(st: State, where: str, started: bool) -> None:
+    """The ranks' settings compared (:func:`agree_on_setting`); where they are refused, the JAX runtime this
+    call started is shut down again (every rank refuses alike, so all meet in its shutdown barrier): a rank
+    that goes on after the refusal is not ended later by the heartbeat of a coordination service whose host
+    (rank 0) has left."""
+    try:
+        agree_on_setting(st, where)
+    except BaseException:
+        if started and jdist.global_state.client is not None:
+            try:
+                jax.distributed.shutdown()
+            except Exception:  # noqa: BLE001 - the refusal is the error to report
+                pass
+        raise
 
 
 def destroy_process_group(group: Any = None) -> None:

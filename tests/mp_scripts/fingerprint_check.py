@@ -20,13 +20,18 @@ out_dir = sys.argv[1]
 off = sys.argv[2:] == ["off"]
 check = Checks(lambda got, want: got == want)
 if sys.argv[2:] == ["mixed"]:  # the ranks' settings differ: every rank refuses to join, naming who checks
+    from jax._src import distributed as jdist
+
     rank = int(os.environ["RANK"])
+    fresh = jdist.global_state.client is None  # the join starts JAX's runtime (mpi_run.py chains jobs in one process)
     check("mixed settings refused", lambda: raises(
         lambda: dist.init_process_group(check_collectives=rank == 0), ValueError,
         "init_process_group: the ranks disagree on check_collectives: ranks [0] check every collective, ranks [1] "
         "do not (init_process_group(check_collectives=...), else SPMD_CHECK_COLLECTIVES); a rank that checks would "
         "pair its fingerprint with another rank's data. Give every rank the same setting."))
     check("not joined after the refusal", lambda: (dist.is_initialized(), False))
+    # the runtime the refused join started is shut down (one started before it is left as it was)
+    check("runtime as before the refusal", lambda: (jdist.global_state.client is None, fresh))
     check.write(out_dir, rank)
     sys.exit(0)
 dist.init_process_group(check_collectives=False if off else None)
@@ -43,7 +48,8 @@ def sig(name, *, shape=(4,), dtype="float32", **opts):
 
 def disagree(fn, seq, r0, r1, before, moves=False):
     """``fn()`` raises the mismatch's ValueError naming rank 0's call ``r0`` and rank 1's ``r1``; the
-    tensor ``before`` returns is unchanged (unless ``moves``: an async call on mpi starts its transfer)."""
+    tensor ``before`` returns is unchanged (unless ``moves``: an async call on mpi starts its transfer before the
+    fingerprints are compared; on gloo the async call runs the checked program, which moves nothing)."""
     x, want = before()
     try:
         fn(x)
@@ -101,7 +107,7 @@ check("root differs", lambda: disagree(
 # call #10: async (on mpi it returns before the peers call: the fingerprints are compared at wait())
 check("async op differs", lambda: disagree(
     lambda x: dist.all_reduce(x, op=dist.ReduceOp.MAX if last else dist.ReduceOp.SUM, async_op=True).wait(), 10,
-    sig("all_reduce", op="sum"), sig("all_reduce", op="max"), ones, moves=True))
+    sig("all_reduce", op="sum"), sig("all_reduce", op="max"), ones, moves=dist.get_backend() == "mpi"))
 check("usable at the end", lambda: (dist.all_reduce(ones()[0]).tolist(), good.tolist()))  # call #11
 check.write(out_dir, rank)
 dist.destroy_process_group()
