@@ -4,6 +4,7 @@ stop at the first such step (``--skip-nonfinite``: its update skipped)."""
 import os
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,6 +82,72 @@ def test_check_raises_naming_the_step_and_leaves_the_state_alone():
     assert "check_finite='skip'" in str(e.value)
     assert int(state.step) == BAD - 1
     jax.tree.map(np.testing.assert_array_equal, _numpy(unshard_params(laid, state)), before)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.relu(nn.Dense(16)(x))
+
+
+class _Deep(nn.Module):
+    """The digit task's window model with two blocks of one shape (pipeline stages stack them)."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Dense(16, name="inp")(jax.nn.one_hot(tokens, 11).reshape(tokens.shape[0], -1))
+        for i in range(2):
+            x = _Block(name=f"layers_{i}")(x)
+        return nn.Dense(4 * 11, name="out")(x).reshape(x.shape[0], 4, 11)
+
+
+def test_pipeline_skip_runs_in_the_one_step_program_as_the_plain_step():
+    """A pipeline's step with check_finite='skip' keeps or drops the update inside its own jitted program (the
+    compiled step returns metrics['nonfinite']: no second program holding a second state) and trains as the
+    plain data-parallel step with the same check: the inf batch skipped, the other four applied."""
+    from spmd.parallel import pipeline
+
+    model = _Deep()
+    batches = _batches()
+    params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
+    opt = optax.adam(1e-2)
+    dp = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    pp = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))["pp"]
+    piped = pipeline(model, pp, units="layers_*", num_microbatches=2)
+    step = make_train_step(piped, _loss(model), opt, check_finite="skip")
+    plain = make_train_step(model, _loss(model), opt, mesh=dp, check_finite="skip")
+    state = init_train_state(piped, opt, params=params)
+    ref = init_train_state(model, opt, params=params, mesh=dp)
+    assert "nonfinite" in step.compiled(state, batches[0]).out_info[1]  # the keep-or-drop is in the step's program
+    flags = []
+    for b in batches:
+        state, m = step(state, b)
+        ref, _ = plain(ref, b)
+        flags.append(float(m["nonfinite"]))
+    assert flags == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert int(state.step) == 5
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+                 _numpy(unshard_params(piped, state)), _numpy(unshard_params(model, ref)))
+
+
+def test_pipeline_check_raises_naming_the_step():
+    from spmd.parallel import pipeline
+
+    model = _Deep()
+    batches = _batches()
+    params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
+    pp = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))["pp"]
+    piped = pipeline(model, pp, units="layers_*", num_microbatches=2)
+    opt = optax.sgd(0.1)
+    step = make_train_step(piped, _loss(model), opt, check_finite=True)
+    state = init_train_state(piped, opt, params=params)
+    with pytest.raises(FloatingPointError, match=re.escape(f"train_step: step {BAD} (from state.step={BAD - 1}) has "
+                                                           "a non-finite loss (nan)")):
+        for b in batches:
+            before = _numpy(unshard_params(piped, state))
+            state, _ = step(state, b)
+    assert int(state.step) == BAD - 1
+    jax.tree.map(np.testing.assert_array_equal, _numpy(unshard_params(piped, state)), before)
 
 
 @pytest.mark.parametrize("value, exc", [("yes", ValueError), (1, TypeError), (None, TypeError)])

@@ -113,9 +113,10 @@ class PipelineModule(Wrapped, OwnsTrainStep):
         """Step 0: the units' parameters stacked per stage and cut over pp (``spmd.parallel.init_train_state``)."""
         return init_pipeline_state(self, optimizer, *init_args, params=params, mesh=mesh)
 
-    def make_train_step(self, loss_fn, optimizer, *, accum_steps=1, mesh=None):
+    def make_train_step(self, loss_fn, optimizer, *, accum_steps=1, mesh=None, check_finite=False):
         """The pipeline's ``TrainStep`` (``spmd.parallel.make_train_step``)."""
-        return make_pipeline_step(self, loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh)
+        return make_pipeline_step(self, loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh,
+                                  check_finite=check_finite)
 
     def unshard_params(self, params):
         """The model's own parameter tree from a pipeline state's (``spmd.parallel.unshard_params``)."""
@@ -172,8 +173,12 @@ class StageLayout:
             rel = [p[len(u) + 1:] for p in self.paths if p.startswith(u + "/")]
             same = rel == rel0 and all(self.shapes[f"{u}/{r}"] == self.shapes[f"{found[0]}/{r}"] for r in rel)
             if not same:
-                raise ValueError(f"{where}: unit {u!r} has other parameters than {found[0]!r} ({rel} vs {rel0}); "
-                                 "pipeline stages stack repeated blocks of one shape: match only those.")
+                def listing(unit, names):
+                    return "{" + ", ".join(f"{r!r}: {tuple(self.shapes[f'{unit}/{r}'].shape)}" for r in names) + "}"
+
+                raise ValueError(f"{where}: unit {u!r} has other parameters than {found[0]!r} ({listing(u, rel)} vs "
+                                 f"{listing(found[0], rel0)}); pipeline stages stack repeated blocks of one shape: "
+                                 "match only those.")
         self.rel = rel0
         self.unit_of = {p: u for p in self.paths for u in found if p.startswith(u + "/")}
         self.rest = [p for p in self.paths if p not in self.unit_of]

@@ -40,7 +40,8 @@ from spmd.parallel.pipelining._tables import ROLES, branch_codes, tick_tables
 from spmd.parallel.pipelining._tp import map_tp_aware, reduce_tp_aware, segment_records, stage_hooks
 from spmd.parallel.plan._shard import entry_sharding, map_like_params
 from spmd.parallel.step._protocol import TrainStep
-from spmd.parallel.step._step import TrainState, _as_arrays, _check_batch, _split_loss, state_shardings
+from spmd.parallel.step._step import (TrainState, _as_arrays, _check_batch, _keep_finite, _raise_nonfinite, _split_loss,
+                                     state_shardings)
 
 __all__ = ["init_pipeline_state", "make_pipeline_step", "PipelineStep", "build_pipeline_step",
            "unshard_pipeline_params", "STAGES", "REST"]
@@ -109,22 +110,29 @@ def _check_leading_dims(batch) -> None:
                 "(broadcast a shared one inside loss_fn).")
 
 
-def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1, mesh=None) -> "PipelineStep":
-    """``(state, batch) -> (state, metrics)`` of a pipelined model (see the module doc)."""
+def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1, mesh=None,
+                       check_finite: bool | str = False) -> "PipelineStep":
+    """``(state, batch) -> (state, metrics)`` of a pipelined model (see the module doc); ``check_finite`` as
+    ``spmd.parallel.make_train_step`` documents it, the update kept or dropped inside the one jitted step."""
     where = "make_train_step"
     if mesh is not None and mesh.root_mesh != pm.mesh:
         raise ValueError(f"{where}: mesh={mesh!r} is not the mesh the model was pipelined on; leave mesh= out.")
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
-    return PipelineStep(pm, loss_fn, optimizer, accum_steps)
+    if check_finite not in (False, True, "skip") or not isinstance(check_finite, (bool, str)):
+        raise (ValueError if isinstance(check_finite, str) else TypeError)(
+            f"{where}: check_finite={check_finite!r} must be False (no check), 'skip' (a non-finite step keeps the "
+            "previous params and opt_state) or True (the same, and the call raises FloatingPointError).")
+    return PipelineStep(pm, loss_fn, optimizer, accum_steps, check_finite)
 
 
 class PipelineStep(TrainStep):
     """A ``PipelineModule``'s ``TrainStep``: one compiled program per (plan, batch shape), built on first use;
     ``schedule``: the pipeline's tick table."""
 
-    def __init__(self, pm, loss_fn: Callable, optimizer, accum_steps: int):
+    def __init__(self, pm, loss_fn: Callable, optimizer, accum_steps: int, check_finite: bool | str = False):
         self._pm, self._loss_fn, self._optimizer, self._accum_steps = pm, loss_fn, optimizer, accum_steps
+        self._check_finite = check_finite
         self.schedule = pm.schedule
         sizes = dict(zip(pm.mesh.mesh_dim_names, pm.mesh.shape))
         self._sizes = sizes
@@ -132,7 +140,8 @@ class PipelineStep(TrainStep):
         self._builds: dict = {}  # (plan, batch tree, shapes) -> _PipelineBuild
 
     def __repr__(self) -> str:
-        return f"TrainStep({self._pm!r}, accum_steps={self._accum_steps})"
+        finite = f", check_finite={self._check_finite!r}" if self._check_finite else ""
+        return f"TrainStep({self._pm!r}, accum_steps={self._accum_steps}{finite})"
 
     def _build(self, state: TrainState, batch) -> "_PipelineBuild":
         key = (state.plan, jax.tree_util.tree_structure(batch), tuple(np.shape(x) for x in jax.tree.leaves(batch)))
@@ -145,7 +154,8 @@ class PipelineStep(TrainStep):
             lay.record(self._loss_fn, jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths]),
                        mb)
             self._builds[key] = _PipelineBuild(
-                build_pipeline_step(pm, lay, self._loss_fn, self._optimizer, k, state.plan), lay, mb)
+                build_pipeline_step(pm, lay, self._loss_fn, self._optimizer, k, state.plan,
+                                    keep_finite=bool(self._check_finite)), lay, mb)
         return self._builds[key]
 
     def _checked(self, state, batch):
@@ -179,7 +189,10 @@ class PipelineStep(TrainStep):
         batch = self._checked(state, batch)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, batch))):
             return self._build(state, batch).jitted(state, batch)  # inside a user's jit: the jitted step composes
-        return self._executable(state, batch)(state, batch)
+        new, metrics = self._executable(state, batch)(state, batch)
+        if self._check_finite is True:
+            _raise_nonfinite(state, metrics)
+        return new, metrics
 
     def lower(self, state, batch):
         batch = self._checked(state, batch)
@@ -208,7 +221,7 @@ class _PipelineBuild:
         self.jitted, self.lay, self.mb, self.compiled = jitted, lay, mb, None
 
 
-def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> Callable:
+def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, keep_finite: bool = False) -> Callable:
     """The jitted ``(state, batch) -> (state, metrics)`` of ``pm`` on layout ``lay`` (its unit calls recorded
     at the micro-batch's shapes), unchecked: what ``make_train_step`` compiles once per layout and batch shape,
     and what ``spmd.parallel.pipelining._memory`` compiles at other micro-batch counts.
@@ -216,7 +229,9 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> 
     Its parts, in the order they run: ``_region`` (one ``shard_map`` region: the stages gathered over fsdp,
     the batch cut into micro-batches, one ``_one_pass`` per accumulation step, then ``_reduce_grads``); a
     pass runs the tick table (``_ticks_unrolled`` or ``_ticks_looped``), each tick switching between the
-    ``_Pass`` branches (a chunk's forward or backward in each stage role) that the table names for the rank."""
+    ``_Pass`` branches (a chunk's forward or backward in each stage role) that the table names for the rank.
+    ``keep_finite``: the update applied only where the loss and gradient norm are finite (else the state's
+    params and opt_state kept; ``metrics["nonfinite"]``), in this same program."""
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     st = _Stages(pm, lay, loss_fn, accum_steps, plan)
 
@@ -240,7 +255,7 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan) -> 
         new = TrainState(step=state.step + 1, params=lax.with_sharding_constraint(params, p_sh),
                          opt_state=lax.with_sharding_constraint(opt_state, o_sh), plan=state.plan)
         metrics["grad_norm"] = optax.tree.norm(grads)
-        return new, metrics
+        return _keep_finite(state, new, metrics) if keep_finite else (new, metrics)
 
     return jax.jit(step)
 

@@ -103,8 +103,12 @@ class OwnsTrainStep(abc.ABC):
 
     @abc.abstractmethod
     def make_train_step(self, loss_fn: Callable, optimizer: Any, *, accum_steps: int = 1,
-                        mesh: Any = None) -> TrainStep:
-        """The layout's ``TrainStep``, as ``spmd.parallel.make_train_step`` documents its arguments."""
+                        mesh: Any = None, check_finite: bool | str = False) -> TrainStep:
+        """The layout's ``TrainStep``, as ``spmd.parallel.make_train_step`` documents its arguments.
+
+        ``check_finite`` (False, ``"skip"`` or True) is passed only when set; a layout whose ``make_train_step``
+        takes no ``check_finite`` gets its step wrapped instead (the keep-or-drop then runs as a second jitted
+        program after the step, holding both states at once)."""
 
     @abc.abstractmethod
     def unshard_params(self, params: Any) -> Any:

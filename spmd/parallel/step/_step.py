@@ -23,6 +23,7 @@ brings its own state, step and inverse: the three functions hand it to its metho
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 import flax.struct
@@ -280,12 +281,14 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
             f"{where}: check_finite={check_finite!r} must be False (no check), 'skip' (a non-finite step keeps the "
             "previous params and opt_state) or True (the same, and the call raises FloatingPointError).")
     if isinstance(model, OwnsTrainStep):  # a layout with a step of its own (a pipeline)
-        own = model.make_train_step(loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh)
+        inside = check_finite and "check_finite" in inspect.signature(model.make_train_step).parameters
+        extra = {"check_finite": check_finite} if inside else {}  # its step keeps or drops the update itself
+        own = model.make_train_step(loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh, **extra)
         if not isinstance(own, TrainStep):
             raise TypeError(f"{where}: {type(model).__name__}.make_train_step returned {type(own).__name__}; an "
                             "OwnsTrainStep layout's make_train_step must return a spmd.parallel.TrainStep (subclass "
                             "it: __call__, lower, communication, table).")
-        return _FiniteChecked(own, check_finite) if check_finite else own
+        return _FiniteChecked(own, check_finite) if check_finite and not inside else own
     return _LayoutStep(as_parallel(model, mesh, where), loss_fn, optimizer, accum_steps, check_finite)
 
 
