@@ -22,6 +22,7 @@ brings its own state, step and inverse: the three functions hand it to its metho
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Callable
@@ -56,12 +57,14 @@ __all__ = ["TrainState", "init_train_state", "make_train_step", "unshard_params"
 @flax.struct.dataclass
 class TrainState:
     """Everything a run carries from step to step: ``step``, ``params`` and ``opt_state`` as stored
-    (padded shards), and the ``plan`` that laid them out (static)."""
+    (padded shards), the ``plan`` that laid them out (static), and ``batch_stats``: the model's ``batch_stats``
+    collection (its ``nn.BatchNorm`` running statistics, torch's buffers), whole on every device, or ``None``."""
 
     step: jax.Array
     params: Any
     opt_state: Any
     plan: ParamPlan | None = flax.struct.field(pytree_node=False, default=None)
+    batch_stats: Any = None  # a linen model's ``batch_stats`` collection (BatchNorm's running statistics), replicated
 
 
 def _check_optimizer(optimizer: Any, where: str) -> None:
@@ -78,7 +81,7 @@ def state_shardings(plan: ParamPlan, mesh: DeviceMesh, params: Any, opt_state: A
 
 
 def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_args: Any, params: Any = None,
-                     mesh: DeviceMesh | None = None) -> TrainState:
+                     mesh: DeviceMesh | None = None, batch_stats: Any = None) -> TrainState:
     """Step 0, laid out by the model's layouts.
 
     ``params=``: place these (logical) parameters; ``init_args``, if given, are example inputs (a model
@@ -90,14 +93,31 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
     ``params=`` must be the model's (paths, shapes, dtypes): checked against ``nnx.state(model, nnx.Param)``,
     a linen model's abstract ``init`` on the example inputs, or the tree an earlier state or step found for
     this model; with none of them, the step checks at its first call.
+
+    ``batch_stats``: a linen model's ``batch_stats`` collection (``nn.BatchNorm``'s running statistics) to
+    carry in the state, whole on every device (``model.init(rng, x)["batch_stats"]``); initialized from an
+    rng, a model that has the collection gets its ``init``'s. A state with ``batch_stats`` calls the loss as
+    ``loss_fn(params, batch_stats, batch)`` (``make_train_step``).
     """
     where = "init_train_state"
     _check_optimizer(optimizer, where)
     if isinstance(model, OwnsTrainStep):  # a layout with a state and step of its own (a pipeline)
+        if batch_stats is not None:
+            raise ValueError(f"{where}: batch_stats= is not supported by {type(model).__name__} (a layout that owns "
+                             "its step); train a model with batch statistics under dp / fsdp / tp layouts.")
         return model.init_train_state(optimizer, *init_args, params=params, mesh=mesh)
     pm = as_parallel(model, mesh, where)
     mesh = pm.mesh
     inner = pm.module
+    rep = NamedSharding(mesh.jax_mesh, P())
+    if batch_stats is not None:
+        if is_nnx(inner):
+            raise TypeError(f"{where}: batch_stats= is for a linen model; an nnx model holds its BatchNorm "
+                            "statistics itself (nnx.BatchStat).")
+        if not jax.tree.leaves(batch_stats):
+            raise ValueError(f"{where}: batch_stats={batch_stats!r} holds no arrays; pass the model's "
+                             "variables['batch_stats'] (or leave it out).")
+        batch_stats = jax.device_put(batch_stats, rep)
     known = None  # the model's own parameters (shapes), where known
     if is_nnx(inner):
         if params is None:
@@ -118,12 +138,16 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
             raise TypeError(f"{where}: give params=, or (rng, *example_inputs) to initialize the model.")
         rng, *xs = init_args
         check_rng(where, rng)
-        abstract, seen = trace_seen(lambda r: inner.init(r, *xs)["params"], rng)
+        variables, seen = trace_seen(lambda r: inner.init(r, *xs), rng)
+        abstract = variables["params"]
         plan = build_plan(pm, abstract, find_stacked(seen, abstract))
         shardings = map_like_params(plan, abstract, lambda x, e: entry_sharding(e, mesh))
         from spmd.parallel.plan._shard import pad_tree
 
-        stored = jax.jit(lambda r: pad_tree(inner.init(r, *xs)["params"], plan), out_shardings=shardings)(rng)
+        stats = batch_stats is None and "batch_stats" in variables  # the model's running statistics, from init
+        stored, got = jax.jit(lambda r: (lambda v: (pad_tree(v["params"], plan), v["batch_stats"] if stats else None))(
+            inner.init(r, *xs)), out_shardings=(shardings, rep))(rng)
+        batch_stats = got if stats else batch_stats
     else:
         plan = build_plan(pm, params, stacked_of(inner, params, init_args))
         stored = shard_params(params, plan, mesh)
@@ -134,8 +158,8 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
     known = abstract if params is None else known
     if known is not None and describe_tree(known) not in pm._params_seen:
         pm._params_seen.append(describe_tree(known))
-    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh.jax_mesh, P()))
-    return TrainState(step=step, params=stored, opt_state=opt_state, plan=plan)
+    step = jax.device_put(jnp.zeros((), jnp.int32), rep)
+    return TrainState(step=step, params=stored, opt_state=opt_state, plan=plan, batch_stats=batch_stats)
 
 
 def _check_model_params(where: str, arg: str, module: Any, params: Any, example_inputs: tuple = (), fix: str = (
@@ -247,7 +271,8 @@ def _check_batch(batch: Any, n_data: int, accum_steps: int, data: tuple[str, ...
 
 
 def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, *, accum_steps: int = 1,
-                    mesh: DeviceMesh | None = None, check_finite: bool | str = False) -> TrainStep:
+                    mesh: DeviceMesh | None = None, check_finite: bool | str = False,
+                    batch_norm: str = "broadcast") -> TrainStep:
     """The train step ``(state, batch) -> (state, metrics)`` of any layout (see the module doc): a ``TrainStep``,
     whose ``lower``, ``compiled``, ``memory``, ``communication`` and ``table`` read the step before it runs.
     A model that is an ``OwnsTrainStep`` (a pipeline) makes its own.
@@ -268,6 +293,17 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
     ``step`` (it counts the batches the step consumed) and sets ``metrics["nonfinite"]`` to 1 (0 on a finite
     step); nothing waits on the devices. ``True``: the same, and the call raises ``FloatingPointError`` naming
     the step, after reading the flag from the devices (one wait per step); the state passed in is intact.
+
+    A state with ``batch_stats`` (a linen model with ``nn.BatchNorm``: ``init_train_state``) calls
+    ``loss_fn(params, batch_stats, batch)``, which returns ``(loss, new_batch_stats)`` or ``((loss, aux),
+    new_batch_stats)``: the loss written on one device with ``model.apply({"params": params, "batch_stats":
+    batch_stats}, x, mutable=["batch_stats"])``. ``batch_norm`` says what the data-parallel ranks do with them,
+    as torch does: ``"broadcast"`` (DDP's ``broadcast_buffers=True``, the default): each rank normalizes with
+    its own rows' statistics, and the state keeps data rank 0's updated running statistics (one all-reduce of
+    their bytes per step); ``"sync"`` (torch's ``SyncBatchNorm``): every ``nn.BatchNorm`` computes its batch
+    mean and variance over the whole global batch (one all-reduce over the data dims per call and its
+    backward), so the step equals 1-device training on the global batch. A BatchNorm that names its own
+    ``axis_name`` keeps it.
     """
     where = "make_train_step"
     if not callable(loss_fn):
@@ -280,6 +316,11 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
         raise (ValueError if isinstance(check_finite, str) else TypeError)(
             f"{where}: check_finite={check_finite!r} must be False (no check), 'skip' (a non-finite step keeps the "
             "previous params and opt_state) or True (the same, and the call raises FloatingPointError).")
+    if batch_norm not in ("broadcast", "sync"):
+        raise (ValueError if isinstance(batch_norm, str) else TypeError)(
+            f"{where}: batch_norm={batch_norm!r} must be 'broadcast' (each rank its own rows' statistics, the state "
+            "keeps data rank 0's: DDP's broadcast_buffers) or 'sync' (statistics over the global batch: "
+            "SyncBatchNorm).")
     if isinstance(model, OwnsTrainStep):  # a layout with a step of its own (a pipeline)
         inside = check_finite and "check_finite" in inspect.signature(model.make_train_step).parameters
         extra = {"check_finite": check_finite} if inside else {}  # its step keeps or drops the update itself
@@ -289,7 +330,7 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
                             "OwnsTrainStep layout's make_train_step must return a spmd.parallel.TrainStep (subclass "
                             "it: __call__, lower, communication, table).")
         return _FiniteChecked(own, check_finite) if check_finite and not inside else own
-    return _LayoutStep(as_parallel(model, mesh, where), loss_fn, optimizer, accum_steps, check_finite)
+    return _LayoutStep(as_parallel(model, mesh, where), loss_fn, optimizer, accum_steps, check_finite, batch_norm)
 
 
 class _LayoutStep(TrainStep):
@@ -297,11 +338,11 @@ class _LayoutStep(TrainStep):
     program per plan (``_build``), each plan's state checked against the model once, before it compiles."""
 
     def __init__(self, pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int,
-                 check_finite: bool | str):
+                 check_finite: bool | str, batch_norm: str = "broadcast"):
         self._pm, self._loss_fn, self._optimizer = pm, loss_fn, optimizer
         self._accum_steps, self._check_finite = accum_steps, check_finite
         self._build = functools.lru_cache(maxsize=4)(lambda plan: _build(pm, loss_fn, optimizer, accum_steps, plan,
-                                                                         bool(check_finite)))
+                                                                         bool(check_finite), batch_norm))
         self._verified: set = set()  # the plans checked against this step's model (once each)
 
     def __repr__(self) -> str:
@@ -315,17 +356,23 @@ class _LayoutStep(TrainStep):
                             "optimizer, ...) returns.")
         batch = _as_arrays(batch)
         check_batch_leaves("train_step", batch)
-        key = (state.plan, jax.tree_util.tree_structure(state.opt_state))
+        stats = state.batch_stats
+        if stats is not None and self._accum_steps > 1:
+            raise ValueError(f"train_step: a state with batch_stats and accum_steps={self._accum_steps}: the running "
+                             "statistics of micro-batches are not accumulated; use accum_steps=1 (or a larger "
+                             "batch).")
+        loss_fn = self._loss_fn if stats is None else (lambda p, b: self._loss_fn(p, stats, b))
+        key = (state.plan, jax.tree_util.tree_structure(state.opt_state), jax.tree_util.tree_structure(stats))
         if key not in self._verified:
             logical = jax.tree_util.tree_unflatten(
                 state.plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in state.plan.entries])
             if build_plan(pm, logical, stacked_in(state.plan)) != state.plan:
                 raise ValueError("train_step: the state was laid out for another model or plan than this step's "
                                  f"({pm!r}); build it with init_train_state on the same model.")
-            seen = _check_state_params(pm, self._loss_fn, logical, batch)
+            seen = _check_state_params(pm, loss_fn, logical, batch)
             check_opt_state("train_step", self._optimizer, state.params, state.opt_state)
             if (pm.tp or set(state.plan.units) - {ROOT}) and not is_nnx(pm.module):
-                check_unscanned(state.plan, self._loss_fn, logical, batch, seen=seen)
+                check_unscanned(state.plan, loss_fn, logical, batch, seen=seen)
             self._verified.add(key)
         return batch
 
@@ -375,12 +422,14 @@ def _model_name(module: Any) -> str:
 
 
 def _keep_finite(old: TrainState, new: TrainState, metrics: dict) -> tuple[TrainState, dict]:
-    """``new`` where the step's loss and gradient norm are finite, else ``old``'s params and opt_state (its
-    ``step`` advanced); ``metrics["nonfinite"]``: 1.0 where the update was skipped."""
+    """``new`` where the step's loss and gradient norm are finite, else ``old``'s params, opt_state and
+    batch_stats (its ``step`` advanced); ``metrics["nonfinite"]``: 1.0 where the update was skipped."""
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-    params, opt_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), (new.params, new.opt_state),
-                                     (old.params, old.opt_state))
-    return new.replace(params=params, opt_state=opt_state), {**metrics, "nonfinite": (~finite).astype(jnp.float32)}
+    params, opt_state, stats = jax.tree.map(lambda a, b: jnp.where(finite, a, b),
+                                            (new.params, new.opt_state, new.batch_stats),
+                                            (old.params, old.opt_state, old.batch_stats))
+    return (new.replace(params=params, opt_state=opt_state, batch_stats=stats),
+            {**metrics, "nonfinite": (~finite).astype(jnp.float32)})
 
 
 def _raise_nonfinite(state: TrainState, metrics: dict) -> None:
@@ -441,8 +490,44 @@ class _Built:
         return self._run(state, batch)
 
 
+def _split_stats(out: Any, stats: Any, where: str) -> tuple[Any, Any]:
+    """``(loss output, new batch_stats)`` of a loss that takes ``batch_stats``, its new statistics checked
+    against the old (the same tree)."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(f"{where}: the state holds batch_stats, so loss_fn(params, batch_stats, batch) must return "
+                         f"(loss, new_batch_stats) or ((loss, aux), new_batch_stats); got {type(out).__name__}.")
+    out, new = out
+    if isinstance(new, dict) and set(new) == {"batch_stats"} and "batch_stats" not in stats:
+        new = new["batch_stats"]  # the `updates` of model.apply(..., mutable=["batch_stats"]) as they came
+    if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(stats):
+        raise ValueError(f"{where}: loss_fn returned new batch_stats with other paths than the state's "
+                         f"({describe_tree(new)} vs {describe_tree(stats)}); return the model's updated "
+                         "'batch_stats' collection (model.apply(..., mutable=['batch_stats'])[1]['batch_stats']).")
+    return out, new
+
+
+def _sync_batch_norm(axes: tuple[str, ...]):
+    """``nn.intercept_methods`` interceptor: every ``nn.BatchNorm`` without an ``axis_name`` of its own computes
+    its batch statistics over ``axes`` (flax's own ``axis_name`` mean: torch's ``SyncBatchNorm``)."""
+    import flax.linen as nn
+
+    name = axes[0] if len(axes) == 1 else axes
+
+    def interceptor(next_fun, args, kwargs, context):
+        mod = context.module
+        if not (isinstance(mod, nn.BatchNorm) and context.method_name == "__call__" and mod.axis_name is None):
+            return next_fun(*args, **kwargs)
+        object.__setattr__(mod, "axis_name", name)  # read by BatchNorm.__call__ only; restored right after
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            object.__setattr__(mod, "axis_name", None)
+
+    return interceptor
+
+
 def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, plan: ParamPlan,
-           keep_finite: bool = False) -> "_Built":
+           keep_finite: bool = False, batch_norm: str = "broadcast") -> "_Built":
     mesh = pm.mesh
     names = mesh.mesh_dim_names
     sizes = dict(zip(names, mesh.shape))
@@ -470,10 +555,21 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     def unflat(ls):
         return jax.tree_util.tree_unflatten(plan.treedef, ls)
 
-    def run_loss(hooks: Hooks, params_tree, mb):
+    def run_loss(hooks: Hooks, params_tree, mb, stats=None):
+        """``(loss, (aux, new batch_stats))``."""
+        if stats is not None:
+            import flax.linen as nn
+
+            sync = nn.intercept_methods(_sync_batch_norm(data)) if batch_norm == "sync" and data else \
+                contextlib.nullcontext()
+            with hooks.installed(), sync:
+                out, new = _split_stats(loss_fn(params_tree, stats, mb), stats, "make_train_step")
+            loss, aux = _split_loss(out, "make_train_step")
+            return loss, (aux, new)
         with hooks.installed():
             out = nnx_loss(pm.module, loss_fn, params_tree, mb, hooks) if nnx_model else loss_fn(params_tree, mb)
-        return _split_loss(out, "make_train_step")
+        loss, aux = _split_loss(out, "make_train_step")
+        return loss, (aux, None)
 
     def gathered(hooks: Hooks, leaves, units):
         out = list(leaves)
@@ -500,14 +596,21 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                     g[i] = y
         return g
 
-    def local_grads(params, batch):
+    def local_grads(params, batch, stats):
         leaves = jax.tree_util.tree_leaves(params)
         hooks = Hooks(pm, plan)
+        new_stats = None
         if accum_steps == 1:
             def loss_of(ls):
-                return run_loss(hooks, unflat(gathered(hooks, ls, [ROOT])), batch)
+                return run_loss(hooks, unflat(gathered(hooks, ls, [ROOT])), batch, stats)
 
-            (loss, aux), g = jax.value_and_grad(loss_of, has_aux=True)(leaves)
+            (loss, (aux, new_stats)), g = jax.value_and_grad(loss_of, has_aux=True)(leaves)
+            if new_stats is not None and data:
+                if batch_norm == "broadcast":  # data rank 0's statistics, on every rank (DDP's broadcast_buffers)
+                    first = functools.reduce(jnp.logical_and, [lax.axis_index(d) == 0 for d in data])
+                    new_stats = lax.psum(jax.tree.map(lambda x: jnp.where(first, x, jnp.zeros_like(x)), new_stats),
+                                         data)
+                # "sync": equal on every rank already (each BatchNorm's moments were averaged over the data dims)
         else:
             whole = Hooks(pm, plan, gather_units=False)
             records = Hooks(pm, plan, gather_units=False)  # one micro-batch traced alone, for the carry's shapes
@@ -522,7 +625,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             shapes = jax.eval_shape(jax.value_and_grad(lambda ls, mb: run_loss(records, unflat(ls), mb), has_aux=True),
                                     full, jax.tree.map(lambda x: x[0], micro))
             zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            ((loss, aux), gf), _ = lax.scan(one, zero, micro)
+            ((loss, (aux, _)), gf), _ = lax.scan(one, zero, micro)
             loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
             (g,) = scatter([x / accum_steps for x in gf])
         g = reduce(hooks, g)
@@ -531,29 +634,30 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             metrics = jax.tree.map(lambda m: lax.pmean(m, data), metrics)
         traced.clear()
         traced.extend(records.records if accum_steps > 1 else hooks.records)
-        return unflat(g), metrics
+        return unflat(g), metrics, new_stats
 
     traced: list = []  # the styled calls of one micro-batch, (module, style, input bytes, output bytes): the
     # activation terms of the communication table (filled when the step is traced)
 
-    def region(params, batch):
-        def body(p, b):
-            return local_grads(p, b)
-
+    def region(params, batch, stats):
         if not data:
-            return body(params, batch)
-        return jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=(param_specs, batch_spec),
-                             out_specs=(param_specs, P()), axis_names=set(data), check_vma=False)(params, batch)
+            return local_grads(params, batch, stats)
+        return jax.shard_map(local_grads, mesh=mesh.jax_mesh, in_specs=(param_specs, batch_spec, P()),
+                             out_specs=(param_specs, P(), P()), axis_names=set(data), check_vma=False)(
+            params, batch, stats)
 
     def step(state: TrainState, batch: Any):
-        grads, metrics = region(state.params, batch)
+        grads, metrics, stats = region(state.params, batch, state.batch_stats)
+        if stats is not None:
+            stats = jax.lax.with_sharding_constraint(stats, NamedSharding(mesh.jax_mesh, P()))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # the state leaves the step laid out as it came in (XLA may otherwise pick another sharding for an
         # optimizer moment, and the next call would compile the step again)
         p_sh, o_sh = state_shardings(plan, mesh, params, opt_state, optimizer)
         new = TrainState(step=state.step + 1, params=jax.lax.with_sharding_constraint(params, p_sh),
-                         opt_state=jax.lax.with_sharding_constraint(opt_state, o_sh), plan=state.plan)
+                         opt_state=jax.lax.with_sharding_constraint(opt_state, o_sh), plan=state.plan,
+                         batch_stats=stats)
         metrics["grad_norm"] = optax.tree.norm(grads)
         return _keep_finite(state, new, metrics) if keep_finite else (new, metrics)
 

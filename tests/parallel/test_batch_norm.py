@@ -1,0 +1,128 @@
+"""A linen model with ``nn.BatchNorm`` (running statistics in the mutable ``batch_stats`` collection) trains
+data-parallel, its statistics carried in ``TrainState.batch_stats``, in torch's two ways:
+
+- ``batch_norm="sync"`` (torch's ``SyncBatchNorm``): the batch statistics of the global batch, so 3 SGD steps
+  over dp=8 equal 1-device training on the global batch (parameters and running statistics within 1e-5);
+- ``batch_norm="broadcast"`` (DDP's ``broadcast_buffers=True``, the default): each rank normalizes with its own
+  rows' statistics, the gradients are averaged, and the state keeps rank 0's running statistics; equal to a
+  1-device loop over the 8 ranks' rows that does exactly that.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmd
+from spmd.parallel import init_train_state, make_train_step
+from tests._one_device import assert_trees_close
+from tests.zoo.resnet import ResNet
+
+MODEL = ResNet(stage_sizes=(1, 1), num_filters=4, num_classes=5)
+OPT = optax.sgd(0.1)
+STEPS = 3
+
+
+def _batch(seed=0, n=16):
+    rng = np.random.default_rng(seed)
+    # a per-channel offset and scale, so the batch statistics matter and differ from rank to rank
+    spread = np.linspace(0.5, 2.0, n)[:, None, None, None]
+    x = rng.normal(size=(n, 8, 8, 3)) * spread + np.arange(n)[:, None, None, None] / 4
+    return {"image": x.astype(np.float32), "label": rng.integers(0, 5, n).astype(np.int32)}
+
+
+def loss_fn(params, batch_stats, batch):  # what the user writes for one device
+    logits, updates = MODEL.apply({"params": params, "batch_stats": batch_stats}, batch["image"],
+                                  mutable=["batch_stats"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), updates["batch_stats"]
+
+
+def _variables():
+    return MODEL.init(jax.random.key(0), _batch()["image"][:2])
+
+
+def _one_device(ranks: int):
+    """(losses, params, batch_stats) of STEPS SGD steps on one device where the batch is split into ``ranks``
+    slices, each normalized by its own statistics; the gradients averaged; the running statistics of slice 0
+    kept. ``ranks=1``: plain 1-device training on the whole batch."""
+    v = _variables()
+    params, stats, s = v["params"], v["batch_stats"], OPT.init(v["params"])
+
+    @jax.jit
+    def step(params, stats, s, batch):
+        rows = jax.tree.map(lambda x: x.reshape(ranks, -1, *x.shape[1:]), batch)
+        (loss, new), g = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, None, 0))(
+            params, stats, rows)
+        u, s = OPT.update(jax.tree.map(lambda x: x.mean(0), g), s, params)
+        return optax.apply_updates(params, u), jax.tree.map(lambda x: x[0], new), s, loss.mean()
+
+    losses = []
+    for i in range(STEPS):
+        params, stats, s, loss = step(params, stats, s, _batch(i))
+        losses.append(float(loss))
+    return losses, params, stats
+
+
+def _train(mesh, batch_norm, **kw):
+    v = _variables()
+    state = init_train_state(MODEL, OPT, params=v["params"], batch_stats=v["batch_stats"], mesh=mesh)
+    step = make_train_step(MODEL, loss_fn, OPT, mesh=mesh, batch_norm=batch_norm, **kw)
+    losses = []
+    for i in range(STEPS):
+        state, metrics = step(state, _batch(i))
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
+@pytest.mark.parametrize("shape,names", [((8,), ("dp",)), ((2, 4), ("dp", "fsdp"))])
+def test_sync_batch_norm_equals_one_device_on_the_global_batch(shape, names):
+    mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    losses, state = _train(mesh, "sync")
+    ref_losses, ref_params, ref_stats = _one_device(1)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_trees_close(state.params, ref_params, atol=1e-5)
+    assert_trees_close(state.batch_stats, ref_stats, atol=1e-5)
+    # the statistics moved (3 updates at momentum 0.9), and rank 0's slice alone gives other ones
+    _, _, rank0_stats = _one_device(8)
+    assert not np.allclose(state.batch_stats["bn_init"]["mean"], _variables()["batch_stats"]["bn_init"]["mean"])
+    assert np.abs(np.asarray(rank0_stats["bn_init"]["mean"]) - np.asarray(ref_stats["bn_init"]["mean"])).max() > 1e-2
+
+
+def test_broadcast_keeps_rank_0s_statistics_and_averages_local_gradients():
+    mesh = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    losses, state = _train(mesh, "broadcast")
+    ref_losses, ref_params, ref_stats = _one_device(8)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_trees_close(state.params, ref_params, atol=1e-5)
+    assert_trees_close(state.batch_stats, ref_stats, atol=1e-5)
+    _, global_params, _ = _one_device(1)  # not the global batch's training: the local statistics differ
+    diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+               for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(global_params)))
+    assert diff > 1e-3
+
+
+def test_init_from_an_rng_carries_the_models_batch_stats():
+    mesh = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    state = init_train_state(MODEL, OPT, jax.random.key(0), _batch()["image"][:2], mesh=mesh)
+    assert_trees_close(state.batch_stats, _variables()["batch_stats"], atol=0)
+    assert state.batch_stats["bn_init"]["var"].sharding.is_fully_replicated
+
+
+def test_bad_batch_norm_options_are_refused():
+    mesh = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    with pytest.raises(ValueError, match=re.escape("make_train_step: batch_norm='global' must be 'broadcast'")):
+        make_train_step(MODEL, loss_fn, OPT, mesh=mesh, batch_norm="global")
+    v = _variables()
+    state = init_train_state(MODEL, OPT, params=v["params"], batch_stats=v["batch_stats"], mesh=mesh)
+    step = make_train_step(MODEL, loss_fn, OPT, mesh=mesh, accum_steps=2)
+    with pytest.raises(ValueError, match=re.escape("train_step: a state with batch_stats and accum_steps=2")):
+        step(state, _batch())
+    step = make_train_step(MODEL, lambda p, s, b: loss_fn(p, s, b)[0], OPT, mesh=mesh)
+    with pytest.raises(ValueError, match=re.escape("loss_fn(params, batch_stats, batch) must return "
+                                                   "(loss, new_batch_stats)")):
+        step(state, _batch())
