@@ -182,3 +182,31 @@ def test_a_plan_entry_that_is_no_style_and_a_style_with_bad_placements_are_clear
                                                    "['kernel']=Shard(dim=2) is out of range for the parameter of "
                                                    "shape (16, 32); use a dim in [-2, 1].")):
         init_train_state(parallelize_module(Net(), mesh["tp"], {"up": OutOfRange()}), OPT, params=params)
+
+
+def test_a_style_whose_input_or_output_changes_its_cut_is_refused():
+    """An input arriving ``Shard(a)`` that the style computes on ``Shard(b)``, or an output computed ``Shard(a)`` and
+    handed on ``Shard(b)``, would need an all-to-all no style writes: refused at the step's trace, naming both
+    layouts (the region ran the module on the wrong cut before, and the table claimed the other one)."""
+
+    class RowsToPositions(ParallelStyle):  # the head's input arrives cut on the batch, wanted on the positions
+        def input_layouts_for(self, module_type):
+            return Shard(0), Shard(1)
+
+    class RowsHandedAsPositions(ParallelStyle):  # computed on the batch rows, handed on cut on the positions
+        def input_layouts_for(self, module_type):
+            return Replicate(), Shard(0)
+
+        def output_layouts_for(self, module_type):
+            return Shard(0), Shard(1)
+
+    params, batches = _data()
+    mesh = spmd.init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    for style, msg in ((RowsToPositions(), "parallelize_module: RowsToPositions on 'head' takes its input (of shape "
+                        f"({B // 4}, {T}, {D})) as it arrives, Shard(dim=0), but its computation needs it Shard(dim=1)"),
+                       (RowsHandedAsPositions(), "parallelize_module: RowsHandedAsPositions on 'head' computes its output "
+                        "cut on dim 0 (Shard(dim=0)) and hands it on as Shard(dim=1) (dim 1 of 3)")):
+        model = parallelize_module(Net(), mesh["tp"], {"head": style})
+        state = init_train_state(model, OPT, params=params)
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            make_train_step(model, loss_fn, OPT)(state, batches[0])

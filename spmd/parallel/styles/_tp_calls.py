@@ -155,8 +155,20 @@ class TPCalls:
         given, desired = style.input_layouts_for(typ)
         given, desired = (v[0] if isinstance(v, (tuple, list)) else v for v in (given, desired))
         x_layout = given if given is not None else Replicate()  # the input's block as it enters the region
-        # the input the module's computation reads; one arriving cut is read as it arrives where a cut one is needed
+        # the input the module's computation reads: a cut one is read as it arrives where a cut one is needed
         need = x_layout if desired is None or (isinstance(desired, Shard) and isinstance(x_layout, Shard)) else desired
+        kern = next((e for e, n in zip(ents, names) if n in ("kernel", "embedding")), None)
+        kern_cut = kern is not None and self.ti is not None and kern.shard_dim(self.ti) is not None
+        # ... on the same dim; or, needed Shard(-1) by a module whose kernel is cut, on the features where the
+        # kernel's rows are (a DenseGeneral's heads)
+        if (isinstance(x_layout, Shard) and isinstance(desired, Shard) and not (desired.dim == -1 and kern_cut)
+                and x_layout.dim % np.ndim(x) != desired.dim % np.ndim(x)):
+            raise ValueError(
+                f"parallelize_module: {type(style).__name__} on {fqn!r} takes its input (of shape {np.shape(x)}) as it "
+                f"arrives, {x_layout!r}, but its computation needs it {desired!r}: a redistribute from one cut to "
+                "another (an all-to-all) is not written by a style. Make the style need the layout the input "
+                f"arrives in ({x_layout!r}) or Replicate() (an all-gather), or have the module before it hand its "
+                f"output on as {desired!r}.")
         gather_in = x_layout.dim if isinstance(x_layout, Shard) and isinstance(need, Replicate) else None
         slice_in = need.dim if isinstance(x_layout, Replicate) and isinstance(need, Shard) else None
         local, out = style.output_layouts_for(typ)
@@ -175,10 +187,8 @@ class TPCalls:
         bias_outside = bias_after and not isinstance(out, Shard)  # whole output: every rank's bias gradient is whole
         # an output cut on its features (Shard(-1)) is cut where its kernel is: the kernel's output axes end the
         # output's dims (Dense (in, out): the last; DenseGeneral (D, 3, H, hd) cut on the heads (dim=2): the third
-        # from the end)
-        kern = next((e for e, n in zip(ents, names) if n in ("kernel", "embedding")), None)
-        col_back = (len(kern.shape) - kern.shard_dim(self.ti) if kern is not None and self.ti is not None
-                    and kern.shard_dim(self.ti) is not None and typ in KNOWN_LINEAR else 1)  # others: the last
+        # from the end; other types: the last)
+        col_back = len(kern.shape) - kern.shard_dim(self.ti) if kern_cut and typ in KNOWN_LINEAR else 1
         x_bytes = int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize  # x is global over tp here
 
         def resolve(layout, ndim):
@@ -215,6 +225,13 @@ class TPCalls:
         else:
             ndim = len(jax.eval_shape(lambda v, x: run_local(list(v), (x, *rest), kwargs, bias_after), local_vals,
                                       local_x).shape)
+        if (not partial and isinstance(local, Shard) and isinstance(out, Shard)
+                and resolve(local, ndim).dim != resolve(out, ndim).dim):
+            raise ValueError(
+                f"parallelize_module: {type(style).__name__} on {fqn!r} computes its output cut on dim "
+                f"{resolve(local, ndim).dim} ({local!r}) and hands it on as {out!r} (dim {resolve(out, ndim).dim} of "
+                f"{ndim}): a redistribute from one cut to another (an all-to-all) is not written by a style. Hand it "
+                f"on as it is computed ({local!r}) or Replicate() (an all-gather).")
         if partial:
             out_layout = out
         elif isinstance(local, Shard):
