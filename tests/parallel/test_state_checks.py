@@ -73,7 +73,11 @@ def test_parameters_of_another_width_or_missing_a_module_are_named(mesh, params,
     model = fully_shard(m2, mesh=mesh["fsdp"])
     state = init_train_state(model, OPT, params=p)  # no example inputs: the step checks at its first call
     with pytest.raises(ValueError, match=owned(f"train_step: state.params is not the parameters of this step's "
-                                               f"model", f"at {path!r} the model has {want}, state.params has {got}")):
+                                               f"model", f"at {path!r} the model has {want}, state.params has {got}",
+                                               "init_train_state checks params= at once when it is given the model's "
+                                               "example inputs (init_train_state(model, optimizer, x, "
+                                               "params=params)): a linen model's parameter shapes follow from its "
+                                               "inputs.")):
         make_train_step(model, _loss(m2), OPT)(state, BATCH)
     with pytest.raises(ValueError, match=owned("init_train_state: params= is not this MLP's parameters (MLP.init on "
                                                f"the example inputs): at {path!r} the model has {want}, params= has "
@@ -98,6 +102,35 @@ def test_init_and_unshard_refuse_another_models_tree_once_the_model_is_known(mes
     want = m2.init(KEY, X)["params"]
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  unshard_params(fs2, state2), want)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "ddp"])
+def test_unshard_params_of_a_linen_model_never_initialised_checks_on_example_inputs(mesh, layout):
+    """A fresh linen model (no init_train_state, no step: no tree known) checks a state against its init on the
+    example inputs unshard_params is given; the model's own state unshards to its init's values."""
+    m2, m3 = _mlp(2), _mlp(3)
+    dp = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    lay = (lambda m: _fs(m, mesh)) if layout == "fsdp" else (lambda m: m)
+    kw = {} if layout == "fsdp" else {"mesh": dp}
+    state3 = init_train_state(lay(m3), OPT, KEY, X, **kw)
+    with pytest.raises(ValueError, match=owned("unshard_params: params is not this MLP's parameters (MLP.init on the "
+                                               "example inputs): at 'hidden_2/bias' the model has nothing, params "
+                                               "has float32[16]", "Pass the state (or its .params) built for this "
+                                               "model.")):
+        unshard_params(lay(_mlp(2)), state3, X)
+    state2 = init_train_state(lay(m2), OPT, KEY, X, **kw)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 unshard_params(lay(_mlp(2)), state2, X), m2.init(KEY, X)["params"])
+
+
+def test_unshard_params_of_a_pipeline_takes_no_example_inputs():
+    from spmd.parallel import pipeline
+
+    pp = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))["pp"]
+    pm = pipeline(_mlp(2), pp, units="hidden_*", num_microbatches=2)
+    with pytest.raises(TypeError, match=re.escape("unshard_params: PipelineModule checks the parameters against its "
+                                                  "own layouts; give it no example inputs")):
+        unshard_params(pm, {}, X)
 
 
 def test_an_optimizer_other_than_the_states_is_refused(mesh):

@@ -91,8 +91,11 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
     ``mesh=``: for a model with neither transform (DDP over every dim of ``mesh``).
 
     ``params=`` must be the model's (paths, shapes, dtypes): checked against ``nnx.state(model, nnx.Param)``,
-    a linen model's abstract ``init`` on the example inputs, or the tree an earlier state or step found for
-    this model; with none of them, the step checks at its first call.
+    a linen model's abstract ``init`` on the example inputs (``init_train_state(model, optimizer, x,
+    params=params)``), or the tree an earlier state or step found for this model object. A linen model's
+    parameter shapes follow from its inputs (a ``Dense`` kernel's first dim is its input's last dim), so with
+    none of them there is nothing to compare ``params=`` with here: the step checks them at its first call,
+    before it compiles.
 
     ``batch_stats``: a linen model's ``batch_stats`` collection (``nn.BatchNorm``'s running statistics) to
     carry in the state, whole on every device (``model.init(rng, x)["batch_stats"]``); initialized from an
@@ -192,13 +195,21 @@ def _check_seen(where: str, arg: str, model: Any, logical: Any, fix: str) -> Non
                         f"the parameters of this {type(inner).__name__} (as its init on the inputs gave them)", fix)
 
 
-def unshard_params(model: Any, params: Any) -> Any:
+def unshard_params(model: Any, params: Any, *example_inputs: Any) -> Any:
     """The logical (unpadded) parameter values, replicated: the inverse of ``init_train_state``'s layout.
 
     ``params``: ``state.params`` (or a ``TrainState``) of a state built by ``init_train_state(model, ...)``.
+    They are checked against the model's own tree (paths, shapes, dtypes): an nnx model's state; a linen model's
+    abstract ``init`` on ``example_inputs`` when given; else the tree ``init_train_state`` or the step found
+    for this model object. A linen model's parameter shapes follow from its inputs (a ``Dense`` kernel's first
+    dim is its input's last dim), so a linen model that has done neither and gets no example inputs has no tree
+    to compare with: its ``params`` come back unchecked (pass ``example_inputs`` to check them).
     """
     where = "unshard_params"
     if isinstance(model, OwnsTrainStep):
+        if example_inputs:
+            raise TypeError(f"{where}: {type(model).__name__} checks the parameters against its own layouts; give "
+                            "it no example inputs (unshard_params(model, state)).")
         return model.unshard_params(params)
     if isinstance(params, TrainState):
         plan, params = params.plan, params.params
@@ -213,9 +224,9 @@ def unshard_params(model: Any, params: Any) -> Any:
     logical = jax.tree_util.tree_unflatten(plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype)
                                                           for e in plan.entries])
     inner = model.module if isinstance(model, ParallelModule) else model
-    if is_nnx(inner):
-        _check_model_params(where, "params", inner, logical, fix="Pass the state (or its .params) built for this "
-                            "model.")
+    if is_nnx(inner) or example_inputs:
+        _check_model_params(where, "params", inner, logical, example_inputs, fix="Pass the state (or its .params) "
+                            "built for this model.")
     else:
         _check_seen(where, "params", model, logical, "Pass the state (or its .params) built for this model.")
     return unshard_tree(params, plan, model.mesh if isinstance(model, ParallelModule) else None)
@@ -401,7 +412,9 @@ def _check_state_params(pm: ParallelModule, loss_fn: Callable, logical: Any, bat
     ``trace_seen`` it returns for ``check_unscanned``)."""
     seen = None
     fix = ("Build the state with init_train_state(model, optimizer, ...) for this step's model (or the step "
-           "for the model the state belongs to).")
+           "for the model the state belongs to); init_train_state checks params= at once when it is given the "
+           "model's example inputs (init_train_state(model, optimizer, x, params=params)): a linen model's "
+           "parameter shapes follow from its inputs.")
     if is_nnx(pm.module):
         expected = nnx_params(pm.module)
         source = f"this step's {type(pm.module).__name__} parameters (nnx.state(model, nnx.Param))"
