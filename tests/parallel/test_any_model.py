@@ -294,17 +294,6 @@ def test_a_plan_key_that_matches_no_module_names_it():
                          params=_params(m))
 
 
-def test_a_cut_that_splits_a_head_names_the_module_heads_and_tp():
-    m = _llama(heads=4, kv=2, hidden=32)
-    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-    pm = parallelize_module(m, mesh["tp"], _megatron("layers_*"))
-    state = init_train_state(pm, OPT, params=_params(m))
-    step = make_train_step(pm, lambda p, b: _ce(pm.apply({"params": p}, b["inputs"]), b), OPT)
-    with pytest.raises(ValueError, match=r"ColwiseParallel on 'layers_0\.self_attn\.k_proj' .* 2 heads do not divide "
-                                         r"by tp=4"):
-        step(state, _batches())
-
-
 def test_a_module_type_the_style_does_not_know_needs_dim():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=1, n_head=4)

@@ -23,7 +23,11 @@ HLO reader's ``buffers`` and ``bytes`` are what equal this table).
   forward, a reduce-scatter backward. Parameters whole over tp that it reads (``SequenceParallel`` norms,
   a row-wise bias added to ``Shard`` outputs): an all-reduce of their gradients. A style in global view
   (``PrepareModuleOutput``) from ``Replicate`` to ``Shard`` (a whole embedding's output cut): a slice
-  forward, an all-gather of its gradient backward.
+  forward, an all-gather of its gradient backward. A projection with fewer heads than tp
+  (``spmd.parallel.step._heads``; grouped-query attention's key / value heads), run whole over tp: an
+  all-gather forward of each of its parameters the plan cuts over tp; backward, its output's gradient
+  (``A``, whole on each device) summed over the devices sharing a head (an all-reduce of ``A / heads``, when
+  tp exceeds the heads) and gathered across the heads (an all-gather of ``A``, when there are several).
 - **tp, weight-stationary** (a plan cutting the activations on the batch, ``spmd.parallel.styles._weight_stationary``):
   the terms above, plus one all-reduce over tp per micro-batch of the gradient of each parameter whole over
   tp that no module on its tp blocks reads (the model's own
@@ -145,6 +149,14 @@ def activation_terms(records: Sequence[dict], *, accum_steps: int = 1, part: str
             elif isinstance(local, Shard) and not isinstance(wanted, Shard):
                 add("forward", "all-gather", a_out)
                 add("backward", "reduce-scatter", a_out)
+        elif r.get("whole_heads"):  # a projection with fewer heads than tp, run whole over tp
+            for nbytes in r["gathered_params"]:
+                add("forward", "all-gather", nbytes)
+            heads, n = r["whole_heads"], r["n_tp"]
+            if n > heads:  # the devices sharing a head sum their parts of its gradient
+                add("backward", "all-reduce", a_out // heads)
+            if heads > 1:  # each group's heads, gathered whole
+                add("backward", "all-gather", a_out)
         elif isinstance(r["local_out"], Replicate) and isinstance(r["out_layout"], Shard):
             add("backward", "all-gather", a_out)  # a whole output cut (a slice): its gradient all-gathered
         for nbytes in r["summed_params"]:

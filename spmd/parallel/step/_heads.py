@@ -1,20 +1,29 @@
-"""A tensor-parallel cut must not split an attention head: read the traced program, name the module.
+"""Where a tensor-parallel cut meets the model's heads: read the traced program, name the module.
 
 ``ColwiseParallel`` cuts a projection's output features over ``tp``; the model then reshapes them by its
-head count, ``(..., H * hd) -> (..., H, hd)``. When ``H`` does not divide by the tp size (2 key/value
-heads over tp=4) GSPMD would still run it, by moving the activations around every attention: silently
-slower and off the analytic bound. ``check_head_cuts`` walks the step's jaxpr from each column-parallel
-output (marked by ``checkpoint_name`` in ``spmd.parallel.styles._hooks``) through elementwise ops to the reshape
-that splits its last dim, and refuses the split.
+head count, ``(..., H * hd) -> (..., H, hd)``. ``head_splits`` walks the step's jaxpr from each marked
+projection output (``checkpoint_name`` in ``spmd.parallel.styles._tp_calls``: column-parallel outputs, and
+the outputs of projections whole over tp) through elementwise ops to the reshape that splits its last dim,
+and reports each module's head count. ``whole_over_tp`` turns them into the step's decision:
+
+- a cut projection whose heads divide by the tp size ``n`` runs as planned (each device its heads);
+- a cut projection with fewer heads than ``n``, ``n`` a multiple of them (grouped-query attention's key /
+  value heads, 2 heads over tp=4): no device can hold a whole head of its own, so the projection runs whole
+  over tp (Megatron's rule for tp > KV heads): its weight gathered over tp at the call, each device computing
+  every head and reading the one its query heads use; its output's gradient summed over the devices that
+  share a head (``spmd.parallel.cost._comm``);
+- a projection left out of the plan (whole over tp) split into heads next to a column-parallel one of the
+  same parent module (its query heads cut over tp): the same, without the gather;
+- heads that neither divide nor are divided by ``n`` (3 heads over tp=4): refused, naming the module.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from spmd.parallel.styles._hooks import COLWISE_MARK
+from spmd.parallel.styles._hooks import COLWISE_MARK, WHOLE_MARK
 
-__all__ = ["check_head_cuts"]
+__all__ = ["head_splits", "whole_over_tp", "check_head_cuts"]
 
 _PASS = {"convert_element_type", "add", "sub", "mul", "div", "neg", "copy", "copy_p", "tanh", "logistic",
          "exp", "max", "min", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "select_n", "pjit", "name"}
@@ -30,29 +39,26 @@ def _sub_jaxprs(eqn) -> list:
     return out
 
 
-def check_head_cuts(jaxpr: Any, origin: dict | None = None) -> None:
-    """Raise ``ValueError`` when a column-parallel output is reshaped into heads the tp size does not divide."""
+def head_splits(jaxpr: Any, origin: dict | None = None, found: dict | None = None) -> dict:
+    """``{module: (cut, n, heads, features)}``: each marked projection output the program reshapes into heads
+    (``cut``: column-parallel; else whole over tp)."""
     origin = dict(origin or {})
+    found = {} if found is None else found
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name == "name" and str(eqn.params.get("name", "")).startswith(COLWISE_MARK):
-            _, fqn, n = str(eqn.params["name"]).split("|")
-            origin[eqn.outvars[0]] = (fqn, int(n), eqn.outvars[0].aval.shape[-1])
+        label = str(eqn.params.get("name", "")) if name == "name" else ""
+        if label.startswith((COLWISE_MARK, WHOLE_MARK)):
+            _, fqn, n = label.split("|")
+            origin[eqn.outvars[0]] = (fqn, int(n), eqn.outvars[0].aval.shape[-1], label.startswith(COLWISE_MARK))
             continue
         src = [origin[v] for v in eqn.invars if not hasattr(v, "val") and v in origin]
         if name == "reshape" and src:
-            fqn, n, feat = src[0]
+            fqn, n, feat, cut = src[0]
             shape_in = eqn.invars[0].aval.shape
             shape_out = eqn.outvars[0].aval.shape
             if (len(shape_out) == len(shape_in) + 1 and tuple(shape_out[:-2]) == tuple(shape_in[:-1])
                     and shape_out[-2] * shape_out[-1] == feat):
-                heads = shape_out[-2]
-                if heads % n:
-                    raise ValueError(
-                        f"parallelize_module: ColwiseParallel on {fqn!r} cuts its {feat} output features over tp={n}, "
-                        f"and the model splits them into {heads} heads of {shape_out[-1]}: {heads} heads do not divide "
-                        f"by tp={n}, so a cut would split a head. Use a tp size that divides {heads}, or leave "
-                        f"{fqn!r} out of the plan (its heads then stay whole on every device).")
+                found.setdefault(fqn, (cut, n, shape_out[-2], feat))
             continue
         subs = _sub_jaxprs(eqn)
         if subs and src:
@@ -62,11 +68,43 @@ def check_head_cuts(jaxpr: Any, origin: dict | None = None) -> None:
                         eqn.invars) else sub.invars):
                     if not hasattr(outer_v, "val") and outer_v in origin:
                         inner[inner_v] = origin[outer_v]
-                check_head_cuts(sub, inner)
+                head_splits(sub, inner, found)
         elif subs:
             for sub in subs:
-                check_head_cuts(sub)
+                head_splits(sub, None, found)
         if src and name in _PASS:
             for v in eqn.outvars:
                 if getattr(v.aval, "shape", ())[-1:] == (src[0][2],):
                     origin[v] = src[0]
+    return found
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+def whole_over_tp(found: dict) -> dict:
+    """``{module: heads}``: the projections that run whole over tp (see the module doc); raises ``ValueError``
+    for a cut that would split a head."""
+    out = {}
+    for fqn, (cut, n, heads, feat) in found.items():
+        if not cut or heads % n == 0:
+            continue
+        if n % heads:
+            raise ValueError(
+                f"parallelize_module: ColwiseParallel on {fqn!r} cuts its {feat} output features over tp={n}, "
+                f"and the model splits them into {heads} heads of {feat // heads}: {heads} heads neither divide by "
+                f"tp={n} nor divide it, so no even split exists (a cut would split a head, and the devices cannot "
+                f"share the heads evenly). Use a tp size that divides {heads} or that {heads} divides, or leave "
+                f"{fqn!r} out of the plan (its heads then stay whole on every device).")
+        out[fqn] = heads
+    cut_parents = {_parent(f) for f, (cut, n, heads, _) in found.items() if cut}
+    for fqn, (cut, n, heads, _) in found.items():
+        if not cut and _parent(fqn) in cut_parents:
+            out[fqn] = heads
+    return out
+
+
+def check_head_cuts(jaxpr: Any) -> None:
+    """Raise ``ValueError`` where a column-parallel output is split into heads with no even split over tp."""
+    whole_over_tp(head_splits(jaxpr))

@@ -42,7 +42,7 @@ from spmd.parallel.plan._checks import (check_batch_leaves, check_loss, check_op
                                         check_same_tree, describe_tree, linen_abstract_params, params_hint,
                                         traced_model_params)
 from spmd.parallel.cost._comm import format_communication, step_communication
-from spmd.parallel.step._heads import check_head_cuts
+from spmd.parallel.step._heads import head_splits, whole_over_tp
 from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
 from spmd.parallel.styles._hooks import Hooks
 from spmd.parallel.styles._nnx import is_nnx, nnx_loss, nnx_params
@@ -395,7 +395,9 @@ class _LayoutStep(TrainStep):
 
     def lower(self, state: TrainState, batch: Any):
         """The jitted step lowered for ``(state, batch)`` (``.compile().as_text()``: its HLO)."""
-        return self._build(state.plan).jitted.lower(state, _as_arrays(batch))
+        built, batch = self._build(state.plan), _as_arrays(batch)
+        built.prepare(state, batch)
+        return built.jitted.lower(state, batch)
 
     def communication(self, state: TrainState, batch: Any) -> dict:
         """What one step communicates per device, analytically (``spmd.parallel.cost._comm``), before it runs."""
@@ -496,8 +498,10 @@ class _Built:
     """One plan's compiled step (``_build``): ``jitted`` (the jax.jit), ``plan``, ``run(state, batch)`` (the
     batch checked, then the jitted step) and ``communication(state, batch)`` (the analytic table)."""
 
-    def __init__(self, jitted: Callable, plan: ParamPlan, run: Callable, communication: Callable):
+    def __init__(self, jitted: Callable, plan: ParamPlan, run: Callable, communication: Callable,
+                 prepare: Callable):
         self.jitted, self.plan, self._run, self.communication = jitted, plan, run, communication
+        self.prepare = prepare  # (state, batch): read the model's heads once, before the step is traced
 
     def __call__(self, state: TrainState, batch: Any):
         return self._run(state, batch)
@@ -611,7 +615,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
 
     def local_grads(params, batch, stats):
         leaves = jax.tree_util.tree_leaves(params)
-        hooks = Hooks(pm, plan)
+        hooks = Hooks(pm, plan, whole_heads=whole)
         new_stats = None
         if accum_steps == 1:
             def loss_of(ls):
@@ -625,12 +629,13 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                                          data)
                 # "sync": equal on every rank already (each BatchNorm's moments were averaged over the data dims)
         else:
-            whole = Hooks(pm, plan, gather_units=False)
-            records = Hooks(pm, plan, gather_units=False)  # one micro-batch traced alone, for the carry's shapes
+            plain = Hooks(pm, plan, gather_units=False, whole_heads=whole)
+            # one micro-batch traced alone, for the carry's shapes
+            records = Hooks(pm, plan, gather_units=False, whole_heads=whole)
             n_local = jax.tree.leaves(batch)[0].shape[0]
             full, scatter = jax.vjp(lambda ls: gathered(hooks, ls, plan.units), leaves)
             micro = jax.tree.map(lambda x: x.reshape(accum_steps, n_local // accum_steps, *x.shape[1:]), batch)
-            grad_fn = jax.value_and_grad(lambda ls, mb: run_loss(whole, unflat(ls), mb), has_aux=True)
+            grad_fn = jax.value_and_grad(lambda ls, mb: run_loss(plain, unflat(ls), mb), has_aux=True)
 
             def one(carry, mb):
                 return jax.tree.map(jnp.add, carry, grad_fn(full, mb)), None
@@ -649,6 +654,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         traced.extend(records.records if accum_steps > 1 else hooks.records)
         return unflat(g), metrics, new_stats
 
+    whole: dict = {}  # the projections run whole over tp: {module: heads}, read from the traced step (prepare)
     traced: list = []  # the styled calls of one micro-batch, (module, style, input bytes, output bytes): the
     # activation terms of the communication table (filled when the step is traced)
 
@@ -677,21 +683,32 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     jitted = jax.jit(step)
     checked = []
 
+    def prepare(state: TrainState, batch: Any) -> None:
+        """Once, before the step is traced for good: where the model splits a tp-cut projection into heads
+        (``spmd.parallel.step._heads``): a cut that would split a head is refused, and a projection with fewer
+        heads than the tp size runs whole over tp."""
+        if not checked:
+            if tp is not None:
+                # a function of its own: jax caches a trace by function, and the step's must see ``whole``
+                jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr
+                whole.update(whole_over_tp(head_splits(jaxpr)))
+                traced.clear()
+            checked.append(True)
+
     def run(state: TrainState, batch: Any):
         batch = _as_arrays(batch)
         _check_batch(batch, n_data, accum_steps, data, sizes)
-        if not checked:
-            if tp is not None:
-                check_head_cuts(jax.make_jaxpr(step)(state, batch).jaxpr)
-            checked.append(True)
+        prepare(state, batch)
         return jitted(state, batch)
 
     def communication(state: TrainState, batch: Any) -> dict:
+        batch = _as_arrays(batch)
+        prepare(state, batch)
         if not traced:  # not traced yet: trace it (the styled calls and their shapes; nothing runs)
-            jax.eval_shape(step, state, _as_arrays(batch))
+            jax.eval_shape(step, state, batch)
         return step_communication(plan, pm, traced, accum_steps=accum_steps)
 
-    return _Built(jitted, plan, run, communication)
+    return _Built(jitted, plan, run, communication, prepare)
 
 
 def _as_arrays(batch: Any) -> Any:

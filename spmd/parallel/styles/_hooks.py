@@ -44,11 +44,11 @@ from spmd.parallel.plan._scan import unstacked
 from spmd.parallel.plan._shard import gather_unit
 from spmd.parallel.styles._styles import KNOWN_LINEAR
 from spmd.parallel.styles._remat import RematCalls, checkpoint_policy
-from spmd.parallel.styles._tp_calls import COLWISE_MARK, TP_COMM, TPCalls, _is_array, split_arrays
+from spmd.parallel.styles._tp_calls import COLWISE_MARK, TP_COMM, WHOLE_MARK, TPCalls, _is_array, split_arrays
 from spmd.parallel.styles._transforms import METHODS, ParallelModule
 from spmd.parallel.styles._weight_stationary import activation_cut_dim
 
-__all__ = ["Hooks", "COLWISE_MARK", "TP_COMM"]
+__all__ = ["Hooks", "COLWISE_MARK", "WHOLE_MARK", "TP_COMM"]
 
 _SAVED = checkpoint_policy("dots")  # a re-gathering unit's residuals: the matmul outputs and the tp results
 
@@ -56,8 +56,11 @@ _SAVED = checkpoint_policy("dots")  # a re-gathering unit's residuals: the matmu
 class Hooks(TPCalls, RematCalls):
     """The layouts of one ``ParallelModule`` and ``ParamPlan`` inside the train step's region (one trace)."""
 
-    def __init__(self, model: ParallelModule, plan: ParamPlan, *, gather_units: bool = True):
+    def __init__(self, model: ParallelModule, plan: ParamPlan, *, gather_units: bool = True,
+                 whole_heads: dict | None = None):
         self.model, self.plan = model, plan
+        # the projections run whole over tp, by module: their head count (``spmd.parallel.step._heads``)
+        self.whole_heads = dict(whole_heads or {})
         self.tp = model.tp.mesh_dim if model.tp else None
         # the dim the plan cuts the activations on over tp (sequence parallel, weight-stationary): the re-gather
         # ties' zeros are summed on each device's block there (``_zero_from``), not over tp
@@ -230,7 +233,8 @@ class Hooks(TPCalls, RematCalls):
             return self.linen_remat(spath, path, mod, context.method_name, args, kwargs, policy)
         method = context.method_name
         key = fqn if method == "__call__" else f"{fqn}.{method}"  # "embed.attend": a styled method
-        if method not in ("__call__", *METHODS) or self.model.tp is None or self.model.tp.style_for(key) is None:
+        if method not in ("__call__", *METHODS) or self.model.tp is None or (
+                self.model.tp.style_for(key) is None and (typ not in KNOWN_LINEAR or method != "__call__")):
             return next_fun(*args, **kwargs)
         own = mod.variables.get("params", {})
         kp, pdef = jax.tree_util.tree_flatten_with_path(own)
@@ -245,7 +249,8 @@ class Hooks(TPCalls, RematCalls):
             tree = jax.tree_util.tree_unflatten(pdef, vals)
             if zero_bias and "bias" in tree:
                 tree = {**tree, "bias": jnp.zeros_like(tree["bias"])}
-            style = self.model.tp.style_for(key)[1]
+            hit = self.model.tp.style_for(key)
+            style = hit[1] if hit is not None else None
             if method == "attend":  # the tied head on this device's rows of the table: its vocabulary columns
                 with self.bypassing():
                     return mod.clone(parent=None, num_embeddings=tree["embedding"].shape[0]).apply(
@@ -255,7 +260,7 @@ class Hooks(TPCalls, RematCalls):
             attrs = {}
             if typ in ("Dense", "DenseGeneral", "Embed"):  # their width as their blocks have it
                 attrs["features"] = self._local_features(typ, mod, tree)
-            elif isinstance(getattr(mod, "features", None), int) and self.features_cut(style, typ):
+            elif style is not None and isinstance(getattr(mod, "features", None), int) and self.features_cut(style, typ):
                 attrs["features"] = mod.features // self.n_tp  # a module type of its own (FlaxConv1D): its width
             import flax.errors
 
@@ -316,7 +321,7 @@ class Hooks(TPCalls, RematCalls):
         if not self.bypass and spath not in self.active and (policy := self.remat_policy(fqn)) is not None:
             return self.nnx_remat(spath, sub, orig, args, kwargs, policy)
         call = lambda *a, **k: orig(sub, *a, **k)  # noqa: E731
-        if self.bypass or self.model.tp is None or self.model.tp.style_for(fqn) is None:
+        if self.bypass or self.model.tp is None or (self.model.tp.style_for(fqn) is None and typ not in KNOWN_LINEAR):
             return call(*args, **kwargs)
         from spmd.parallel.styles._nnx import nnx_unit_params
 

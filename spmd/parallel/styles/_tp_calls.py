@@ -27,9 +27,10 @@ from placements import Partial, Replicate, Shard
 from spmd.parallel.plan._param_plan import PlanEntry
 from spmd.parallel.styles._styles import KNOWN_LINEAR
 
-__all__ = ["TPCalls", "COLWISE_MARK", "TP_COMM"]
+__all__ = ["TPCalls", "COLWISE_MARK", "WHOLE_MARK", "TP_COMM"]
 
 COLWISE_MARK = "spmd.colwise|"  # checkpoint_name prefix on column-parallel outputs (the head-cut check reads it)
+WHOLE_MARK = "spmd.whole|"  # ... and on the outputs of projections whole over tp (left out of the plan)
 TP_COMM = "spmd.tp_comm"  # checkpoint_name of the tp collectives' results: a re-gathering unit keeps them
 # (with the matmul outputs) and recomputes the rest, so its backward pass repeats no tp communication
 
@@ -77,7 +78,10 @@ class TPCalls:
             return x
         if isinstance(layout, Shard) and not -x.ndim <= layout.dim < x.ndim:
             return x
-        return jax.lax.with_sharding_constraint(x, self.layout_spec(layout, x.ndim))
+        spec = self.layout_spec(layout, x.ndim)
+        if jax.sharding.get_abstract_mesh().empty:  # no enclosing region (a mesh of tp alone): the model's mesh
+            return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.model.mesh.jax_mesh, spec))
+        return jax.lax.with_sharding_constraint(x, spec)
 
     def layout_spec(self, layout: Any, ndim: int) -> P:
         """The ``PartitionSpec`` over tp of a ``Shard(d)`` / ``Replicate()`` layout of a rank-``ndim`` array."""
@@ -103,8 +107,14 @@ class TPCalls:
         ``params``: the module's own ``(plan path, value)`` pairs; ``run_local(values, args, kwargs,
         zero_bias)``: the module's computation on this device's tp blocks of them."""
         hit = self.model.tp.style_for(fqn) if self.model.tp and not self.bypass else None
+        if self.model.tp and not self.bypass and fqn in self.whole_heads:
+            return self._whole_call(fqn, typ, hit and hit[1], call, args, kwargs, params, run_local)
         if hit is None:
-            return call(*args, **kwargs)
+            y = call(*args, **kwargs)
+            if (self.model.tp and not self.bypass and typ in KNOWN_LINEAR and _is_array(y)
+                    and jnp.issubdtype(y.dtype, jnp.inexact) and np.ndim(y) >= 2):
+                y = checkpoint_name(y, f"{WHOLE_MARK}{fqn}|{self.n_tp}")  # split into heads? (the step asks)
+            return y
         style = hit[1]
         if style.runs_on_blocks() and args and _is_array(args[0]):
             return self._island_call(fqn, typ, style, params, run_local, args, kwargs)
@@ -257,6 +267,44 @@ class TPCalls:
         self.__dict__.setdefault("_inputs_alive", []).append(x)
         if isinstance(local, Shard) and local.dim == -1 and isinstance(out, Shard) and "embedding" not in names:
             y = checkpoint_name(y, f"{COLWISE_MARK}{fqn}|{self.n_tp}")  # an output cut on its features (heads)
+        return y
+
+    def _whole_call(self, fqn, typ, style, call, args, kwargs, params, run_local):
+        """A projection whose heads are fewer than the tp size (``whole_heads``; ``spmd.parallel.step._heads``)
+        run whole over tp, in global view: its parameters cut over tp gathered whole (an all-gather each, kept
+        for the backward pass), its output whole on every device (each device reads the heads its query heads
+        use) and its output's gradient made whole (the devices sharing a head sum their parts: an all-reduce
+        within each group, then an all-gather across the groups when there are several heads)."""
+        heads = self.whole_heads[fqn]
+        if style is not None:
+            given = style.input_layouts_for(typ)[0]
+            given = given[0] if isinstance(given, (tuple, list)) else given
+            if isinstance(given, Shard):
+                raise ValueError(
+                    f"parallelize_module: {type(style).__name__} on {fqn!r} takes its input cut ({given!r}, sequence "
+                    f"parallelism), and its output is split into {heads} heads, fewer than tp={self.n_tp}: such a "
+                    "projection runs whole over tp and reads its whole input. Give it ColwiseParallel() (input "
+                    "Replicate()), or use a tp size that its heads divide by.")
+        ents = [self.plan.entry(p) for p, _ in params]
+        vals = [v for _, v in params]
+        cut = [self.tp_cut(e) for e in ents]
+        if any(cut):
+            vals = [checkpoint_name(self.constrain(v, Replicate()), TP_COMM) if c else v for v, c in zip(vals, cut)]
+            y = run_local(vals, args, kwargs, False)
+        else:
+            with self.bypassing():
+                y = call(*args, **kwargs)
+        y = self.constrain(y, Replicate())  # and its gradient: summed over the devices sharing a head
+        x = args[0] if args else None
+        self.records.append({
+            "module": fqn, "style": type(style).__name__ if style is not None else "whole over tp", "type": typ,
+            "region": False, "in_layout": Replicate(), "in_desired": Replicate(), "local_out": Replicate(),
+            "out_layout": Replicate(),
+            "in_bytes": int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize if _is_array(x) else 0,
+            "out_bytes": int(np.prod(y.shape)) * jnp.dtype(y.dtype).itemsize, "input_grad": False,
+            "summed_params": [], "input_id": None, "whole_heads": heads, "n_tp": self.n_tp,
+            "gathered_params": [int(np.prod(np.shape(v))) * jnp.dtype(v.dtype).itemsize
+                                for v, c in zip(vals, cut) if c]})
         return y
 
     def rows_cut(self, typ: str, ents: Sequence[PlanEntry], names: Sequence[str]) -> bool:
