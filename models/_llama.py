@@ -28,6 +28,14 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     eps: float = 1e-5
     scan_layers: bool = False  # the blocks as one nn.scan (parameters stacked by layer), as MaxText offers
+    # Hugging Face's switch: "eager" (the einsum below) or "sdpa" (jax.nn.dot_product_attention, which a mesh
+    # with cp runs across the sequence cut)
+    attn_implementation: str = "eager"
+
+    def __post_init__(self):
+        if self.attn_implementation not in ("eager", "sdpa"):
+            raise ValueError(f"LlamaConfig: attn_implementation={self.attn_implementation!r} is not 'eager' or "
+                             "'sdpa'.")
 
 
 class RMSNorm(nn.Module):
@@ -68,6 +76,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).reshape(b, t, c.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, c.num_kv_heads, self.head_dim)
         q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
+        if c.attn_implementation == "sdpa":  # grouped-query heads as they are
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(y.reshape(b, t, c.num_heads * self.head_dim))
         rep = c.num_heads // c.num_kv_heads
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(self.head_dim).astype(x.dtype)

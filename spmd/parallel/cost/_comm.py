@@ -199,6 +199,12 @@ def format_communication(comm: dict) -> str:
     lines = [f"step communication per device: {line(comm['total'])}",
              f"  parameters (fsdp / dp): {line(comm['parameters'])}",
              f"  activations (tp): {line(comm['activations'])}"]
+    if "context" in comm:  # a mesh with cp (spmd.parallel.context._calls): the attention calls and the cp reduction
+        lines.append(f"  context (cp): {line(comm['context'])}")
+        for r in comm["attention"]:
+            (qs, qd), (ks, _) = r["q"], r["kv"]
+            lines.append(f"    {r['call']}: {r['method']} over cp={r['n']}, q {list(qs)} {qd}, k/v {list(ks)}"
+                         + (", causal" if r["causal"] else ""))
     for r in comm["modules"]:
         lines.append(f"    {r['module']}: {r['style']} in {r['in_layout']} ({r['in_bytes']:,} B) -> out "
                      f"{r['out_layout']} ({r['out_bytes']:,} B)")

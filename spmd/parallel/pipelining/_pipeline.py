@@ -312,6 +312,10 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     if mesh.ndim != 1:
         raise ValueError(f"{where}: mesh={mesh!r} must be 1-D, the pipeline dim (mesh['pp']); the mesh has no single "
                          "pipeline dim.")
+    if "cp" in mesh.root_mesh.mesh_dim_names:
+        raise ValueError(f"{where}: the mesh {mesh.root_mesh!r} has a cp dim; a pipeline does not cut the sequence "
+                         "over cp (its stages run the whole micro-batch). Use cp without pp (dp / fsdp / tp with cp), "
+                         "or pp without cp.")
     kind = model_kind(model)
     if kind is None:
         raise TypeError(f"{where}: model={type(model).__name__} must be a flax.linen Module, a Hugging Face Flax model "

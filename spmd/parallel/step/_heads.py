@@ -23,7 +23,7 @@ from typing import Any
 
 from spmd.parallel.styles._hooks import COLWISE_MARK, WHOLE_MARK
 
-__all__ = ["head_splits", "whole_over_tp", "check_head_cuts"]
+__all__ = ["head_splits", "whole_over_tp", "check_head_cuts", "check_whole_sequence"]
 
 _PASS = {"convert_element_type", "add", "sub", "mul", "div", "neg", "copy", "copy_p", "tanh", "logistic",
          "exp", "max", "min", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "select_n", "pjit", "name"}
@@ -108,3 +108,29 @@ def whole_over_tp(found: dict) -> dict:
 def check_head_cuts(jaxpr: Any) -> None:
     """Raise ``ValueError`` where a column-parallel output is split into heads with no even split over tp."""
     whole_over_tp(head_splits(jaxpr))
+
+
+def _pairs_positions(eqn, seq_len: int) -> bool:
+    """A ``dot_general`` of two activations (rank 3+) each keeping a free dim of ``seq_len``: a [T, T] product."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars[:2]]
+    if any(len(s) < 3 for s in shapes):
+        return False
+    return all(any(d == seq_len for i, d in enumerate(s) if i not in c and i not in b)
+               for s, c, b in zip(shapes, (lc, rc), (lb, rb)))
+
+
+def check_whole_sequence(jaxpr: Any, seq_len: int, n: int) -> None:
+    """Refuse a product over two sequence dims of the whole cut sequence (``[.., T, T]`` attention scores from a
+    model's own einsum) outside the intercepted calls, whose products are on each device's positions."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and _pairs_positions(eqn, seq_len):
+            shape = tuple(eqn.outvars[0].aval.shape)
+            raise ValueError(
+                f"make_train_step: the model multiplies over the whole sequence cut over cp={n} (a product of "
+                f"shape {shape!r}: attention scores [.., {seq_len}, {seq_len}] of its own einsum); the step runs "
+                "attention across the cut only through jax.nn.dot_product_attention or flax's "
+                "dot_product_attention. Call one of them in the model (models.Llama: "
+                "LlamaConfig(attn_implementation='sdpa')), or leave cp out of the mesh.")
+        for sub in _sub_jaxprs(eqn):
+            check_whole_sequence(sub, seq_len, n)

@@ -42,7 +42,8 @@ from spmd.parallel.plan._checks import (check_batch_leaves, check_loss, check_op
                                         check_same_tree, describe_tree, linen_abstract_params, params_hint,
                                         traced_model_params)
 from spmd.parallel.cost._comm import format_communication, step_communication
-from spmd.parallel.step._heads import head_splits, whole_over_tp
+from spmd.parallel.context._calls import ContextCalls, attention_terms, lookup_terms
+from spmd.parallel.step._heads import check_whole_sequence, head_splits, whole_over_tp
 from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
 from spmd.parallel.styles._hooks import Hooks
 from spmd.parallel.styles._nnx import is_nnx, nnx_loss, nnx_params
@@ -549,6 +550,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     names = mesh.mesh_dim_names
     sizes = dict(zip(names, mesh.shape))
     tp = pm.tp.mesh_dim if pm.tp else None
+    cp = pm.cp
+    n_cp = sizes[cp] if cp else 1
     data = pm.data_dims
     n_data = int(np.prod([sizes[d] for d in data])) if data else 1
     fsdp = pm.fsdp.shard_dim if pm.fsdp else None
@@ -562,7 +565,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     def manual_spec(e) -> P:
         spec: list[list[str]] = [[] for _ in e.shape]
         for n, p in zip(names, e.placements):
-            if n != tp and isinstance(p, Shard):
+            if n not in (tp, cp) and isinstance(p, Shard):
                 spec[p.dim].append(n)
         return P(*[None if not s else (s[0] if len(s) == 1 else tuple(s)) for s in spec])
 
@@ -579,14 +582,24 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
 
             sync = nn.intercept_methods(_sync_batch_norm(data)) if batch_norm == "sync" and data else \
                 contextlib.nullcontext()
-            with hooks.installed(), sync:
+            with hooks.installed(), sync, _context(mb):
                 out, new = _split_stats(loss_fn(params_tree, stats, mb), stats, "make_train_step")
             loss, aux = _split_loss(out, "make_train_step")
             return loss, (aux, new)
-        with hooks.installed():
+        with hooks.installed(), _context(mb):
             out = nnx_loss(pm.module, loss_fn, params_tree, mb, hooks) if nnx_model else loss_fn(params_tree, mb)
         loss, aux = _split_loss(out, "make_train_step")
         return loss, (aux, None)
+
+    attention: list = []  # the attention calls of one micro-batch over cp (filled when the step is traced)
+
+    def _context(mb):
+        if cp is None:
+            return contextlib.nullcontext()
+        calls = ContextCalls(mesh.jax_mesh, n_cp, _seq_len(mb), cp)
+        attention.clear()
+        attention.append(calls)
+        return calls.installed()
 
     def gathered(hooks: Hooks, leaves, units):
         out = list(leaves)
@@ -666,6 +679,9 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             params, batch, stats)
 
     def step(state: TrainState, batch: Any):
+        if cp is not None:  # the sequence (dim 1 of every leaf of rank 2+) cut over cp, the batch over the data dims
+            batch = jax.tree.map(lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh.jax_mesh, P(
+                batch_spec[0], *((cp,) if np.ndim(x) >= 2 else ())))), batch)
         grads, metrics, stats = region(state.params, batch, state.batch_stats)
         if stats is not None:
             stats = jax.lax.with_sharding_constraint(stats, NamedSharding(mesh.jax_mesh, P()))
@@ -693,11 +709,16 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                 jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr
                 whole.update(whole_over_tp(head_splits(jaxpr)))
                 traced.clear()
+            if cp is not None:  # a model's own attention over the whole cut sequence: refused, naming the fix
+                check_whole_sequence(jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr, _seq_len(batch),
+                                     n_cp)
             checked.append(True)
 
     def run(state: TrainState, batch: Any):
         batch = _as_arrays(batch)
         _check_batch(batch, n_data, accum_steps, data, sizes)
+        if cp is not None:
+            _check_seq(batch, n_cp)
         prepare(state, batch)
         return jitted(state, batch)
 
@@ -706,9 +727,60 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         prepare(state, batch)
         if not traced:  # not traced yet: trace it (the styled calls and their shapes; nothing runs)
             jax.eval_shape(step, state, batch)
-        return step_communication(plan, pm, traced, accum_steps=accum_steps)
+        comm = step_communication(plan, pm, traced, accum_steps=accum_steps)
+        if cp is not None and n_cp > 1:
+            comm = _with_context(comm, plan, attention[0] if attention else None, accum_steps, bool(data))
+        return comm
 
     return _Built(jitted, plan, run, communication, prepare)
+
+
+def _seq_len(batch: Any) -> int:
+    """The sequence length of a batch cut over cp: dim 1 of its leaves of rank 2 or more."""
+    lens = {np.shape(x)[1] for x in jax.tree.leaves(batch) if np.ndim(x) >= 2}
+    return lens.pop() if len(lens) == 1 else 0
+
+
+def _check_seq(batch: Any, n_cp: int) -> None:
+    shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
+    lens = {s[1] for s in shapes if len(s) >= 2}
+    if len(lens) != 1:
+        raise ValueError(f"train_step: a mesh with cp={n_cp} cuts the batch's sequence (dim 1 of every leaf of rank 2 "
+                         f"or more), but the batch leaves have shapes {shapes}: "
+                         + ("none has a sequence dim" if not lens else "their dim 1 differs")
+                         + "; pass [batch, seq, ...] leaves of one sequence length (tokens, labels).")
+    (t,) = lens
+    if t % n_cp:
+        raise ValueError(f"train_step: the batch's sequence has {t} positions, not divisible by cp={n_cp}; use a "
+                         f"sequence length that is a multiple of {n_cp} (of {2 * n_cp} for the balanced causal cut).")
+
+
+def _with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, region: bool) -> dict:
+    """The table with cp's terms: the attention calls' (``attention_terms``), the all-reduce over cp of every
+    parameter's gradient (whole over cp, it sums each device's positions' parts: GSPMD's reduction) but, inside
+    a region manual over data dims (``region``), the tables of lookups on the cut ids, whose gradients GSPMD
+    forms there from the gathered ids (``lookup_terms``); with no data dim it all-reduces them too."""
+    records, lookups = (calls.records, calls.lookups) if calls is not None else ([], [])
+    lookups = lookups if region else []
+    comm = {k: (dict(v) if isinstance(v, dict) else v) for k, v in comm.items()}
+    ctx = attention_terms(records)
+    tables = {r["param"] for r in lookups}
+    summed = [e for e in plan.entries if e.path not in tables]
+    ctx["all-reduce"] = {"count": len(summed), "bytes": sum(e.nbytes for e in summed)}
+    looked = lookup_terms(lookups)
+    ctx["all-gather"] = {f: ctx["all-gather"][f] + looked[f] for f in ("count", "bytes")}
+    for kind in ctx:
+        if kind != "all-reduce":  # the activations' terms: per micro-batch
+            ctx[kind] = {f: ctx[kind][f] * accum_steps for f in ("count", "bytes")}
+    total = {k: dict(v) for k, v in comm["total"].items()}
+    for kind, v in ctx.items():
+        t = total.setdefault(kind, {"count": 0, "bytes": 0})
+        t["count"] += v["count"]
+        t["bytes"] += v["bytes"]
+    comm["context"] = ctx
+    comm["total"] = total
+    comm["attention"] = list(records)
+    return comm
 
 
 def _as_arrays(batch: Any) -> Any:

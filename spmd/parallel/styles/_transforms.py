@@ -29,7 +29,9 @@ from spmd.parallel.plan._rules import Rule
 from spmd.parallel.styles._styles import ParallelStyle
 
 __all__ = ["Wrapped", "ParallelModule", "MixedPrecisionPolicy", "parallelize_module", "fully_shard", "TPSpec", "FSDPSpec",
-           "param_module", "glob_regex"]
+           "param_module", "glob_regex", "CP_DIM"]
+
+CP_DIM = "cp"  # the mesh dim the step cuts the batch's sequence over (spmd.parallel.context._calls)
 
 
 @dataclass(frozen=True)
@@ -159,9 +161,15 @@ class ParallelModule(Wrapped):
     # --- the layout as data -------------------------------------------------------------------
     @property
     def data_dims(self) -> tuple[str, ...]:
-        """The mesh dims the batch is split over: every dim but the tensor-parallel one, in mesh order."""
+        """The mesh dims the batch is split over: every dim but the tensor-parallel one and ``cp`` (which cuts the
+        sequence, in global view as tp does), in mesh order."""
         tp = self.tp.mesh_dim if self.tp else None
-        return tuple(n for n in self.mesh.mesh_dim_names if n != tp)
+        return tuple(n for n in self.mesh.mesh_dim_names if n not in (tp, CP_DIM))
+
+    @property
+    def cp(self) -> str | None:
+        """The mesh dim cutting the batch's sequence (``"cp"``), or None."""
+        return CP_DIM if CP_DIM in self.mesh.mesh_dim_names else None
 
     def plan(self, params: Any, *example_inputs: Any) -> ParamPlan:
         """The ``ParamPlan`` of ``params`` (arrays or shapes) under these layouts; ``example_inputs``: what
@@ -271,6 +279,9 @@ def fully_shard(module: Any, *, mesh: DeviceMesh | None = None, units: Sequence[
         raise TypeError(f"{where}: mp_policy={mp_policy!r} must be a MixedPrecisionPolicy or None.")
     root = _same_root(have, mesh, where, "mesh")
     names = mesh.mesh_dim_names
+    if CP_DIM in names:
+        raise ValueError(f"{where}: mesh dim {CP_DIM!r} cuts the batch's sequence, its parameters whole over it; shard "
+                         "over the data dims (mesh['dp', 'fsdp']).")
     if tp is not None and tp.mesh_dim in names:
         raise ValueError(f"{where}: mesh dim {tp.mesh_dim!r} is the tensor-parallel dim; shard over the data dims "
                          "(mesh['dp', 'fsdp']).")

@@ -1,0 +1,328 @@
+"""The attention calls of a train step whose mesh has a ``cp`` dim: the sequence cut, attention across it.
+
+The step's region is automatic (global view, GSPMD) over ``cp``, as it is over ``tp``: the batch's sequence
+dim (dim 1 of every batch leaf of rank 2 or more) is cut over ``cp`` and every op of the model runs on each
+device's positions as GSPMD partitions it, so code that builds positions from the global length (RoPE's
+``arange(t)``, a learned table's ``pos[:t]``) runs unchanged and right. Attention is the one op whose
+operands mix positions: while the step traces, ``jax.nn.dot_product_attention`` and flax's
+``dot_product_attention`` (``flax.linen``, ``flax.nnx``) are intercepted (``ContextCalls.installed``) and
+each call runs in a region manual over ``cp``, chosen per call:
+
+- **ring** (no mask and no bias array; ``is_causal`` allowed): :func:`ring_attention`, K/V passed around the
+  ring with ``ppermute``. A causal call whose local sequence is even first moves its q, k, v to torch's
+  head-tail (zigzag) cut (two ``ppermute`` of half the local block each, :func:`to_zigzag`), so that every
+  rank does the same causal work, and its output back (``from_zigzag``): ``ring (zigzag)``;
+- **all-gather K/V** (a ``mask`` or ``bias`` array, any mask: padding, a custom pattern): K and V gathered
+  over ``cp``, the local queries attend with the mask's rows of this device's positions (the
+  reduce-scatter of dK, dV in the backward pass). The mask itself is the model's, formed in global view: one
+  computed from the batch's cut ids (a padding mask, ``nn.make_causal_mask(tokens)``) has its inputs gathered
+  by GSPMD, which the table does not count; a constant mask moves nothing.
+
+An attention the step cannot see (a model's own einsum over the whole sequence) is refused by the step
+(``spmd.parallel.step._heads.check_whole_sequence``) with the fix, rather than left to GSPMD, which would gather it in its own way.
+``records`` (one per call, filled by the trace) are the communication table's rows (``spmd.parallel.cost``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from spmd.parallel.context._attention import ring_attention
+from spmd.parallel.styles._transforms import CP_DIM
+
+__all__ = ["CP", "ContextCalls", "attention_terms", "from_zigzag", "lookup_terms", "to_zigzag"]
+
+CP = CP_DIM  # the mesh dim name of the sequence cut
+
+_JAX = (("jax.nn", "dot_product_attention"),)
+_FLAX = (("flax.linen", "dot_product_attention"), ("flax.linen.attention", "dot_product_attention"),
+         ("flax.nnx", "dot_product_attention"), ("flax.nnx.nn.attention", "dot_product_attention"))
+
+
+def _dest(chunk: int, n: int) -> int:
+    """The rank holding ``chunk`` of ``2 n`` under the zigzag cut."""
+    return chunk if chunk < n else 2 * n - 1 - chunk
+
+
+def _halves(axis: str, n: int) -> tuple[list, list]:
+    """The ppermute pairs moving each rank's first (chunk ``2 r``) and second (``2 r + 1``) half to zigzag."""
+    return [(r, _dest(2 * r, n)) for r in range(n)], [(r, _dest(2 * r + 1, n)) for r in range(n)]
+
+
+def _move(x, axis: str, pairs: list):
+    """``lax.ppermute`` but for the identity (cp=2's even chunks stay home)."""
+    return x if all(s == d for s, d in pairs) else lax.ppermute(x, axis, pairs)
+
+
+def zigzag_moves(n: int) -> int:
+    """The ppermutes of one :func:`to_zigzag` over ``n`` ranks (each of half the local block): 2, or 1 at n=2."""
+    return sum(not all(s == d for s, d in pairs) for pairs in _halves("", n))
+
+
+def to_zigzag(x, axis: str, n: int):
+    """Inside a region manual over ``axis`` (size ``n``): rank ``r``'s contiguous block ``[B, t, ...]`` (chunks
+    ``2 r``, ``2 r + 1`` of ``2 n``) -> its zigzag block (chunks ``r``, ``2 n - 1 - r``); two ppermutes of
+    ``t / 2`` positions each."""
+    c = x.shape[1] // 2
+    pa, pb = _halves(axis, n)
+    even = _move(x[:, :c], axis, pa)  # each rank receives one even and one odd chunk
+    odd = _move(x[:, c:], axis, pb)
+    first_even = lax.axis_index(axis) % 2 == 0  # rank r's first zigzag chunk is r: even iff r is
+    return jnp.concatenate([jnp.where(first_even, even, odd), jnp.where(first_even, odd, even)], axis=1)
+
+
+def from_zigzag(y, axis: str, n: int):
+    """The inverse of :func:`to_zigzag`."""
+    c = y.shape[1] // 2
+    pa, pb = _halves(axis, n)
+    first_even = lax.axis_index(axis) % 2 == 0
+    even = jnp.where(first_even, y[:, :c], y[:, c:])
+    odd = jnp.where(first_even, y[:, c:], y[:, :c])
+    home_a = _move(even, axis, [(d, s) for s, d in pa])
+    home_b = _move(odd, axis, [(d, s) for s, d in pb])
+    return jnp.concatenate([home_a, home_b], axis=1)
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+
+class ContextCalls:
+    """The attention calls of one trace of the step over mesh dim ``cp`` (size ``n``) cutting a sequence of
+    ``seq_len`` positions; ``records`` the calls seen, each with its method and local bytes."""
+
+    def __init__(self, jax_mesh: Any, n: int, seq_len: int, axis: str = CP):
+        self.jax_mesh, self.n, self.seq_len, self.axis = jax_mesh, n, seq_len, axis
+        self.records: list[dict] = []
+        self.lookups: list[dict] = []  # embedding lookups on the batch's ids (linen), for the table
+
+    # --- interception ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def installed(self):
+        """``jax.nn.dot_product_attention`` and flax's ``dot_product_attention`` run across the cut while the
+        step traces (their module attributes, restored on exit)."""
+        saved = []
+        try:
+            for targets, make in ((_JAX, self._jax_call), (_FLAX, self._flax_call)):
+                for modname, attr in targets:
+                    mod = importlib.import_module(modname)
+                    orig = getattr(mod, attr)
+                    saved.append((mod, attr, orig))
+                    setattr(mod, attr, make(orig))
+            import flax.linen as nn
+
+            with nn.intercept_methods(self._linen):
+                yield self
+        finally:
+            for mod, attr, orig in reversed(saved):
+                setattr(mod, attr, orig)
+
+    def _linen(self, next_fun, args, kwargs, context):
+        """Note a lookup: a module with a rank-2 table called on the batch's [batch, seq] integer ids (an
+        embedding): GSPMD transposes it by gathering the ids and the output's gradient over cp."""
+        out = next_fun(*args, **kwargs)
+        mod = context.module
+        x = args[0] if args else None
+        if (context.method_name == "__call__" and getattr(mod, "scope", None) is not None and hasattr(x, "dtype")
+                and jnp.issubdtype(x.dtype, jnp.integer) and np.ndim(x) == 2 and x.shape[1] == self.seq_len
+                and hasattr(out, "shape") and tuple(out.shape[:2]) == tuple(x.shape)):
+            own = jax.tree_util.tree_leaves_with_path(mod.variables.get("params", {}))
+            tables = [k for k, v in own if np.ndim(v) == 2]
+            if len(own) == 1 and tables:
+                from spmd.parallel.plan._param_plan import path_str
+
+                path = "/".join(str(p) for p in mod.scope.path) + "/" + path_str(tables[0])
+                self.lookups.append({"param": path, "ids": (tuple(x.shape), str(x.dtype)),
+                                     "out": (tuple(out.shape), str(out.dtype)), "n": self.n})
+        return out
+
+    def _region_mesh(self):
+        mesh = jax.sharding.get_abstract_mesh()
+        return mesh if not mesh.empty else self.jax_mesh
+
+    def _check(self, fn: str, q, k, v) -> None:
+        for name, x in (("query", q), ("key", k), ("value", v)):
+            if np.ndim(x) != 4:
+                raise ValueError(f"{fn} under cp={self.n}: {name} has shape {tuple(np.shape(x))!r}, not [batch, seq, "
+                                 "heads, head_dim]; the sequence cut over cp needs rank-4 operands with the sequence "
+                                 "on dim 1.")
+        if q.shape[1] != self.seq_len or k.shape[1] != self.seq_len:
+            raise ValueError(f"{fn} under cp={self.n}: query has {q.shape[1]} positions and key {k.shape[1]}, but the "
+                             f"batch's sequence cut over cp has {self.seq_len}; attention across the cut is "
+                             "self-attention over the batch's sequence (dim 1). Leave cp out of the mesh for this "
+                             "model.")
+
+    def _jax_call(self, orig: Callable) -> Callable:
+        calls = self
+        fn = "jax.nn.dot_product_attention"
+
+        def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                                  implementation=None, return_residual=False):
+            for arg, val in (("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths),
+                             ("local_window_size", local_window_size)):
+                if val is not None:
+                    raise ValueError(f"{fn} under cp={calls.n}: {arg}={val!r} is not supported across the sequence "
+                                     f"cut; pass a mask= array (all-gather K/V) or segment ids to "
+                                     f"spmd.parallel.ring_attention in the model instead.")
+            if return_residual:
+                raise ValueError(f"{fn} under cp={calls.n}: return_residual=True is not supported across the sequence "
+                                 "cut; call it without return_residual.")
+            calls._check(fn, query, key, value)
+
+            def local(q, k, v, b, m, is_causal):
+                return orig(q, k, v, b, m, scale=scale, is_causal=is_causal)
+
+            return calls._run(fn, query, key, value, bias, mask, is_causal, scale, local)
+
+        return dot_product_attention
+
+    def _flax_call(self, orig: Callable) -> Callable:
+        calls = self
+        fn = "flax dot_product_attention"
+
+        def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+                                  dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+                                  force_fp32_for_softmax=False, einsum_dot_general=None, qk_attn_weights_einsum=None,
+                                  attn_weights_value_einsum=None):
+            if dropout_rate > 0.0 and not deterministic:
+                raise ValueError(f"{fn} under cp={calls.n}: dropout_rate={dropout_rate!r} with deterministic=False: "
+                                 "attention dropout is not supported across the sequence cut; use dropout_rate=0.0 "
+                                 "(or deterministic=True).")
+            for arg, val in (("einsum_dot_general", einsum_dot_general),
+                             ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+                             ("attn_weights_value_einsum", attn_weights_value_einsum)):
+                if val is not None:
+                    raise ValueError(f"{fn} under cp={calls.n}: {arg}={val!r} is not supported across the sequence "
+                                     "cut; leave it None.")
+            calls._check(fn, query, key, value)
+
+            def local(q, k, v, b, m, is_causal):
+                return orig(q, k, v, b, m, deterministic=True, dtype=dtype, precision=precision,
+                            force_fp32_for_softmax=force_fp32_for_softmax)
+
+            out = calls._run(fn, query, key, value, bias, mask, False, None, local)
+            return out.astype(dtype) if dtype is not None else out
+
+        return dot_product_attention
+
+    # --- the two methods -----------------------------------------------------------------------------
+    def _run(self, fn, q, k, v, bias, mask, causal, scale, local):
+        n, axis, t = self.n, self.axis, q.shape[1] // self.n
+        if q.shape[1] % n:
+            raise ValueError(f"{fn} under cp={n}: the sequence has {q.shape[1]} positions, not divisible by cp={n}; "
+                             f"pad it to a multiple of {n}.")
+        rec = {"call": fn, "q": (tuple(q.shape), str(q.dtype)), "kv": (tuple(k.shape), str(k.dtype)),
+               "causal": bool(causal), "n": n}
+        if bias is None and mask is None:
+            zig = bool(causal) and t % 2 == 0 and n > 1
+            rec["method"] = "ring (zigzag)" if zig else "ring"
+            self.records.append(rec)
+            return self._ring(q, k, v, causal, scale, zig)
+        rec["method"] = "all-gather K/V"
+        self.records.append(rec)
+        return self._allgather(q, k, v, bias, mask, causal, local)
+
+    def _ring(self, q, k, v, causal, scale, zig):
+        axis, n = self.axis, self.n
+        spec = P(None, axis)
+
+        def body(q, k, v):
+            if zig:
+                q, k, v = (to_zigzag(x, axis, n) for x in (q, k, v))
+            out = ring_attention(q, k, v, axis_name=axis, causal=causal, scale=scale,
+                                 layout="zigzag" if zig else "contiguous")
+            return from_zigzag(out, axis, n) if zig else out
+
+        return jax.shard_map(body, mesh=self._region_mesh(), in_specs=(spec, spec, spec), out_specs=spec,
+                             axis_names={axis}, check_vma=False)(q, k, v)
+
+    def _allgather(self, q, k, v, bias, mask, causal, local):
+        axis, n, seq = self.axis, self.n, self.seq_len
+
+        def rows(x):  # a mask / bias: its query rows cut with the queries where it has them
+            if x is None:
+                return None
+            x = jnp.asarray(x)
+            if x.ndim >= 2 and x.shape[-2] == seq:
+                return P(*([None] * (x.ndim - 2)), axis, None)
+            return P()
+
+        extra = [x for x in (bias, mask) if x is not None]
+        specs = (P(None, axis),) * 3 + tuple(rows(x) for x in extra)
+
+        def body(q, k, v, *ex):
+            ex = list(ex)
+            b = ex.pop(0) if bias is not None else None
+            m = ex.pop(0) if mask is not None else None
+            k_all = lax.all_gather(k, axis, axis=1, tiled=True)
+            v_all = lax.all_gather(v, axis, axis=1, tiled=True)
+            if causal:  # this device's queries sit at rank * t onwards
+                t = q.shape[1]
+                q_pos = lax.axis_index(axis) * t + jnp.arange(t)
+                keep = q_pos[:, None] >= jnp.arange(seq)[None, :]
+                m = keep if m is None else jnp.logical_and(m, keep)
+            return local(q, k_all, v_all, b, m, False)
+
+        return jax.shard_map(body, mesh=self._region_mesh(), in_specs=specs, out_specs=P(None, axis),
+                             axis_names={axis}, check_vma=False)(q, k, v, *[jnp.asarray(x) for x in extra])
+
+
+# ---------------------------------------------------------------------------------------------- the table
+
+
+def lookup_terms(lookups: list[dict]) -> dict:
+    """``{"all-gather": {count, bytes}}`` of the embedding lookups on the cut ids: GSPMD's transpose of a lookup
+    whose ids are cut over cp gathers the ids and the output's gradient (this device's batch rows, every
+    position) and scatter-adds them into the whole table, in place of an all-reduce of its gradient."""
+    out = {"count": 0, "bytes": 0}
+    for r in lookups:
+        for shape, dtype in (r["ids"], r["out"]):
+            out["count"] += 1
+            out["bytes"] += _nbytes(shape, dtype)  # the shapes as the device's region saw them
+    return out
+
+
+def attention_terms(records: list[dict]) -> dict:
+    """``{kind: {count, bytes}}`` per device of one step's attention calls over cp (forward and backward):
+
+    - ring: ``cp - 1`` hops of K and V forward; backward ``cp - 1`` hops of K and V (none at cp=2: its one hop
+      is the forward's, which XLA reuses) and ``cp`` of dK, dV (float32, travelling with their block, the last
+      hop home); zigzag adds, per q, k, v and the output, two ppermutes
+      of half the local block forward and two backward (the transposes), one each at cp=2 (where the even
+      chunks stay home);
+    - all-gather K/V: one all-gather each of K and V (the gathered bytes) forward, one reduce-scatter each of
+      dK, dV backward.
+    """
+    out = {k: {"count": 0, "bytes": 0} for k in ("all-gather", "reduce-scatter", "collective-permute")}
+
+    def add(kind, nbytes, count=1):
+        out[kind]["count"] += count
+        out[kind]["bytes"] += count * nbytes
+
+    for r in records:
+        n = r["n"]
+        (qs, qd), (ks, kd) = r["q"], r["kv"]
+        q_loc, kv_loc = _nbytes(qs, qd) // n, _nbytes(ks, kd) // n
+        kv32 = _nbytes(ks, np.float32) // n
+        if r["method"].startswith("ring"):
+            if n > 1:
+                add("collective-permute", kv_loc, 2 * (n - 1))  # K, V forward
+                if n > 2:  # at cp=2 the backward's one hop is the forward's (XLA inlines the 1-step loops, merges them)
+                    add("collective-permute", kv_loc, 2 * (n - 1))  # K, V backward
+                add("collective-permute", kv32, 2 * n)  # dK, dV
+            if r["method"] == "ring (zigzag)":
+                for nbytes in (q_loc, kv_loc, kv_loc, q_loc):  # q, k, v in; the output out
+                    add("collective-permute", nbytes // 2, 2 * zigzag_moves(n))  # forward and backward
+        else:
+            add("all-gather", kv_loc * n, 2)
+            add("reduce-scatter", kv_loc * n, 2)
+    return out
