@@ -153,7 +153,7 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
             inner.init(r, *xs)), out_shardings=(shardings, rep))(rng)
         batch_stats = got if stats else batch_stats
     else:
-        plan = build_plan(pm, params, stacked_of(inner, params, init_args))
+        plan = build_plan(pm, params, stacked_of(inner, params, init_args, batch_stats))
         stored = shard_params(params, plan, mesh)
     opt_abstract = jax.eval_shape(optimizer.init, stored)
     _, opt_sh = state_shardings(plan, mesh, stored, opt_abstract, optimizer)

@@ -43,7 +43,7 @@ from spmd.parallel.plan._param_plan import ROOT, ParamPlan, PlanEntry, path_str
 from spmd.parallel.plan._scan import unstacked
 from spmd.parallel.plan._shard import gather_unit
 from spmd.parallel.styles._styles import KNOWN_LINEAR
-from spmd.parallel.styles._remat import RematCalls, checkpoint_policy
+from spmd.parallel.styles._remat import RematCalls, checkpoint_policy, mutable_collections, put_back
 from spmd.parallel.styles._tp_calls import COLWISE_MARK, TP_COMM, WHOLE_MARK, TPCalls, _is_array, split_arrays
 from spmd.parallel.styles._transforms import METHODS, ParallelModule
 from spmd.parallel.styles._weight_stationary import activation_cut_dim
@@ -302,14 +302,16 @@ class Hooks(TPCalls, RematCalls):
         arrays, rebuild = split_arrays((args, kwargs))
         clone = mod.clone(parent=None)
         policy = self.remat_policy(".".join(path))
+        mutable = mutable_collections(mod, others)
 
         def apply(full, arrays):
             a, k = self.cast_inputs(rebuild(list(arrays)))
             with self.entered(spath, path, remat=policy is not None):
                 return clone.apply({"params": jax.tree_util.tree_unflatten(treedef, full), **others}, *a,
-                                   method=method, **k)
+                                   method=method, **k, **({"mutable": mutable} if mutable else {}))
 
-        return self.call_unit(self.gathering(apply, mine, entries, spath, policy), shards, arrays, policy)
+        out = self.call_unit(self.gathering(apply, mine, entries, spath, policy), shards, arrays, policy)
+        return put_back(mod, out) if mutable else out
 
     # --- nnx --------------------------------------------------------------------------------------
     def nnx_call(self, fqn: str, sub: Any, orig: Callable, args: tuple, kwargs: dict) -> Any:
@@ -377,3 +379,4 @@ def _plus_zero(leaves: list, zero: Any, kinds: set | None = None) -> list:
                                                                              jnp.dtype(x.dtype)) in kinds
 
     return [x + zero.astype(x.dtype) if tied(x) else x for x in leaves]
+

@@ -144,13 +144,16 @@ class RematCalls:
         others = {k: v for k, v in variables.items() if k != "params"}
         arrays, rebuild = split_arrays((args, kwargs))
         clone = mod.clone(parent=None)
+        mutable = mutable_collections(mod, others)
 
         def apply(params, arrays):
             a, k = rebuild(list(arrays))
             with self.entered(spath, path, remat=True):
-                return clone.apply({"params": params, **others}, *a, method=method, **k)
+                return clone.apply({"params": params, **others}, *a, method=method, **k,
+                                   **({"mutable": mutable} if mutable else {}))
 
-        return jax.checkpoint(apply, policy=policy)(variables.get("params", {}), arrays)
+        out = jax.checkpoint(apply, policy=policy)(variables.get("params", {}), arrays)
+        return put_back(mod, out) if mutable else out
 
     def nnx_remat(self, spath: str, sub: Any, orig: Callable, args, kwargs, policy: Callable):
         """An nnx unit that gathers nothing: ``orig`` on a copy of it holding the traced parameter values."""
@@ -166,3 +169,20 @@ class RematCalls:
                 return orig(local, *a, **k)
 
         return jax.checkpoint(apply, policy=policy)([v[...] for _, v in params], arrays)
+
+
+def mutable_collections(mod: Any, others: dict) -> list[str]:
+    """The collections besides ``params`` a linen unit holds that its caller may update (``batch_stats`` under
+    ``model.apply(..., mutable=["batch_stats"])``): the unit, applied as a function of its variables, returns
+    their updates and ``put_back`` writes them into the caller's scope."""
+    return [c for c in others if mod.is_mutable_collection(c)]
+
+
+def put_back(mod: Any, out: tuple) -> Any:
+    """``out = (y, updates)`` of a unit applied with ``mutable=``: each updated collection written into ``mod``'s
+    own variables (as if the unit had run in place); ``y``."""
+    y, updates = out
+    for col, tree in updates.items():
+        for name, value in tree.items():
+            mod.put_variable(col, name, value)
+    return y

@@ -181,15 +181,18 @@ class ParallelModule(Wrapped):
         return build_plan(self, params, stacked_of(self.module, params, example_inputs))
 
 
-def stacked_of(module: Any, params: Any, example_inputs: Sequence[Any]) -> dict | None:
+def stacked_of(module: Any, params: Any, example_inputs: Sequence[Any], batch_stats: Any = None) -> dict | None:
     """The parameters a linen ``module`` applied to ``example_inputs`` sees stacked by ``nn.scan`` (none given:
-    ``None``; an nnx module: none)."""
+    ``None``; an nnx module: none); ``batch_stats``: the model's statistics collection, updated in the trace."""
     from spmd.parallel.styles._nnx import is_nnx
     from spmd.parallel.plan._scan import find_stacked, trace_seen
 
     if not example_inputs or is_nnx(module):
         return None
-    return find_stacked(trace_seen(lambda p: module.apply({"params": p}, *example_inputs), params)[1], params)
+    if batch_stats is None:
+        return find_stacked(trace_seen(lambda p: module.apply({"params": p}, *example_inputs), params)[1], params)
+    return find_stacked(trace_seen(lambda p: module.apply({"params": p, "batch_stats": batch_stats}, *example_inputs,
+                                                          mutable=["batch_stats"]), params)[1], params)
 
 
 def _unwrap(module: Any, where: str) -> tuple[Any, DeviceMesh | None, TPSpec | None, FSDPSpec | None, Any]:
