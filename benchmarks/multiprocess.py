@@ -419,11 +419,23 @@ FP_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 FP_SIZES = [4, 4096, 65536, 262144, 1 << 20, 1 << 22]
 
 
-def fingerprint_worker(backend: str, sizes: list[int], out: str, rounds: int = 25, budget: float = 0.01) -> None:
-    """In the same processes, round by round (the order alternating): a block of calls with every call's
-    fingerprint checked (the default), then a block without (``check_collectives=False``), per op and size.
-    Kept per (op, size): each mode's median and best block (the machine's load only ever adds time) and the
-    median over rounds of the ratio of the round's two blocks (each pair saw about the same load)."""
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    """The 25th, 50th and 75th percentiles (NumPy's linear rule)."""
+    import numpy as np
+
+    return tuple(float(q) for q in np.percentile(values, [25, 50, 75]))
+
+
+def fingerprint_worker(backend: str, sizes: list[int], out: str, rounds: int = 31, budget: float = 0.01) -> None:
+    """In the same processes, round by round (the order rotating): a block of calls with every call's fingerprint
+    checked (the default), a block without (``check_collectives=False``), a block of the bare fingerprint
+    exchange alone (the 16-int32 all-gather every side check must move, unchecked) and a block of that exchange
+    followed by the unchecked call (two separate programs: what the transport charges for the pair), per op and
+    size. Kept per
+    (op, size): each mode's median and best block (the machine's load only ever adds time) and the quartiles over
+    rounds of the round's checked / unchecked and exchange / unchecked ratios (each round's blocks saw about the
+    same load): the median is the cost, the quartiles its spread, and ``1 + exchange / unchecked`` the least any
+    check that exchanges the fingerprints apart from the data can cost."""
     import dataclasses
 
     import numpy as np
@@ -435,6 +447,9 @@ def fingerprint_worker(backend: str, sizes: list[int], out: str, rounds: int = 2
     n, rank = dist.get_world_size(), dist.get_rank()
     states = {"checked": _state.current(), "unchecked": dataclasses.replace(_state.current(), check_collectives=False)}
     assert states["checked"].check_collectives, "run without SPMD_CHECK_COLLECTIVES=0"
+    fp, fps = np.arange(16, dtype=np.int32), np.empty(16 * n, np.int32)
+    exchange = lambda: dist.all_gather_into_tensor(fps, fp)  # noqa: E731 - run unchecked
+    modes = {"checked": "checked", "unchecked": "unchecked", "exchange": "unchecked", "alternating": "unchecked"}
     rows = []
     for op in FP_OPS:
         for size in sizes:
@@ -448,31 +463,43 @@ def fingerprint_worker(backend: str, sizes: list[int], out: str, rounds: int = 2
             else:
                 o = np.empty(e // n, np.float32)
                 call = lambda: dist.reduce_scatter_tensor(o, x)  # noqa: E731
-            for st in states.values():  # compiled (gloo) / cached (mpi) in both modes
-                _state.set_state(st)
-                call(), call()
+            calls = {"checked": call, "unchecked": call, "exchange": exchange,
+                     "alternating": lambda call=call: (exchange(), call())}  # the exchange, then the call, unchecked
+            for mode, st in modes.items():  # compiled (gloo) / cached (mpi) in every mode
+                _state.set_state(states[st])
+                calls[mode](), calls[mode]()
             k = max(2, min(50, int(budget / max(1e-6, _once(call)))))
             k = int(np.asarray(dist.all_reduce(np.array([k], np.int32), op="max"))[0])
-            got: dict[str, list[float]] = {m: [] for m in states}
+            got: dict[str, list[float]] = {m: [] for m in modes}
+            order = list(modes)
             for i in range(rounds):
-                for mode in (tuple(states) if i % 2 == 0 else tuple(states)[::-1]):
-                    _state.set_state(states[mode])
-                    call()  # the mpi fast path re-learns its entry for the state (untimed)
+                for mode in order[i % len(order):] + order[:i % len(order)]:
+                    _state.set_state(states[modes[mode]])
+                    calls[mode]()  # the mpi fast path re-learns its entry for the state (untimed)
                     dist.barrier()
                     t0 = time.perf_counter()
                     for _ in range(k):
-                        call()
+                        calls[mode]()
                     got[mode].append((time.perf_counter() - t0) / k)
             _state.set_state(states["checked"])
-            c, u = got["checked"], got["unchecked"]
-            med = np.array([statistics.median(c), statistics.median(u), min(c), min(u),
-                            statistics.median(a / b for a, b in zip(c, u))], np.float64)
+            c, u, x_, a_ = got["checked"], got["unchecked"], got["exchange"], got["alternating"]
+            ratio = _quartiles([a / b for a, b in zip(c, u)])
+            floor = _quartiles([a / b for a, b in zip(x_, u)])
+            alt = _quartiles([a / b for a, b in zip(a_, u)])
+            med = np.array([statistics.median(c), statistics.median(u), min(c), min(u), *ratio,
+                            statistics.median(x_), min(x_), *floor, statistics.median(a_), *alt], np.float64)
             slow = np.asarray(dist.all_reduce(med, op="max"))  # the slowest rank's
             rows.append({"op": op, "size": size, "calls_per_round": k, "rounds": rounds,
                          "checked_seconds": float(slow[0]), "unchecked_seconds": float(slow[1]),
                          "checked_best_seconds": float(slow[2]), "unchecked_best_seconds": float(slow[3]),
-                         "ratio_best": float(slow[2] / slow[3]), "ratio_paired": float(slow[4]),
-                         "extra_best_us": float((slow[2] - slow[3]) * 1e6)})
+                         "ratio_best": float(slow[2] / slow[3]), "ratio_p25": float(slow[4]),
+                         "ratio_paired": float(slow[5]), "ratio_p75": float(slow[6]),
+                         "extra_best_us": float((slow[2] - slow[3]) * 1e6),
+                         "exchange_seconds": float(slow[7]), "exchange_best_seconds": float(slow[8]),
+                         "exchange_ratio_p25": float(slow[9]), "exchange_ratio": float(slow[10]),
+                         "exchange_ratio_p75": float(slow[11]), "floor_ratio": float(1 + slow[10]),
+                         "alternating_seconds": float(slow[12]), "alternating_ratio_p25": float(slow[13]),
+                         "alternating_ratio": float(slow[14]), "alternating_ratio_p75": float(slow[15])})
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"backend": backend, "nproc": n, "rows": rows}, f)
@@ -487,6 +514,7 @@ def fingerprint_cost(out_dir: str, sizes: list[int], nproc: int = 2) -> None:
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     results = []
+    load_at_start = _load()
     with tempfile.TemporaryDirectory() as tmp:
         for backend in ("gloo", "mpi"):
             if backend == "mpi" and not _available("spmd-mpi"):
@@ -507,29 +535,44 @@ def fingerprint_cost(out_dir: str, sizes: list[int], nproc: int = 2) -> None:
             print(f"{backend}: {time.perf_counter() - t0:.1f} s wall", flush=True)
             results.append(res)
     table = [{"backend": r["backend"], "nproc": r["nproc"], **row} for r in results for row in r["rows"]]
-    print(f"\nper-call fingerprint check, {nproc} processes, interleaved in one job (us per call, slowest rank):")
-    print(f"{'backend':7s} {'op':15s} {'size':>9s} {'unchecked':>10s} {'checked':>10s} {'best':>8s} {'best':>8s} "
-          f"{'ratio':>6s} {'paired':>7s}")
-    print(f"{'':7s} {'':15s} {'':>9s} {'median':>10s} {'median':>10s} {'unchk':>8s} {'chk':>8s} {'best':>6s} "
-          f"{'median':>7s}")
+    print(f"\nper-call fingerprint check, {nproc} processes, interleaved in one job (us per call, slowest rank; "
+          "ratios: median [25th, 75th percentile] over rounds):")
+    print(f"{'backend':7s} {'op':15s} {'size':>9s} {'unchecked':>10s} {'checked':>10s} {'checked/unchecked':>22s} "
+          f"{'exchange':>9s} {'floor':>6s} {'exch+call':>10s}")
     for r in table:
         print(f"{r['backend']:7s} {r['op']:15s} {r['size']:9d} {r['unchecked_seconds'] * 1e6:10.1f} "
-              f"{r['checked_seconds'] * 1e6:10.1f} {r['unchecked_best_seconds'] * 1e6:8.1f} "
-              f"{r['checked_best_seconds'] * 1e6:8.1f} {r['ratio_best']:6.3f} {r['ratio_paired']:7.3f}")
+              f"{r['checked_seconds'] * 1e6:10.1f} {r['ratio_paired']:7.3f} [{r['ratio_p25']:5.3f}, {r['ratio_p75']:5.3f}] "
+              f"{r['exchange_seconds'] * 1e6:9.1f} {r['floor_ratio']:6.3f} {r['alternating_ratio']:10.3f}")
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, "multiprocess_fingerprint")
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "sizes": sizes, "nproc": nproc, "ops": list(FP_OPS),
-            "note": ("float32, NumPy buffers in place; per (op, size) 25 rounds alternating a block of checked calls "
-                     "(the default: every call's fingerprint all-gathered ahead of its data) and a block of unchecked "
-                     "ones (check_collectives=False) in the same processes; per mode the median and the best block's "
-                     "time per call, slowest rank; ratio_best = best checked / best unchecked, ratio_paired = the "
-                     "median over rounds of the round's checked / unchecked; size: the per-rank buffer (all_reduce, "
-                     "reduce_scatter), the gathered output (all_gather)")}
+            "note": ("float32, NumPy buffers in place; per (op, size) 31 rounds, each a block of checked calls "
+                     "(the default: every call's fingerprint all-gathered ahead of its data), a block of unchecked "
+                     "ones (check_collectives=False), a block of the bare fingerprint exchange (an unchecked "
+                     "all-gather of 16 int32 a rank) and a block of that exchange then the unchecked call, in "
+                     "rotating order in the same processes; per mode the median "
+                     "and the best block's time per call, slowest rank; ratio_paired (ratio_p25, ratio_p75) = the "
+                     "median (quartiles) over rounds of the round's checked / unchecked; ratio_best = best checked / "
+                     "best unchecked; exchange_ratio = the median of exchange / unchecked, floor_ratio = 1 + "
+                     "exchange_ratio: the least a check that exchanges fingerprints apart from the data costs; "
+                     "alternating_ratio: the median of (the exchange, then the unchecked call, as two programs) / "
+                     "unchecked: what the transport charges for that pair of collectives; "
+                     "size: the per-rank buffer (all_reduce, reduce_scatter), the gathered output (all_gather)"),
+            "load_average": {"start": load_at_start, "end": _load()}}
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": table}, f, indent=1)
     _plot_fingerprint(table, stem + ".png")
     print(f"\nwrote {stem}.json and {stem}.png")
+
+
+def _load() -> str:
+    """The machine's load averages as the run started (``/proc/loadavg``): the host may be shared."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 def _plot_fingerprint(table: list[dict], path: str) -> None:
@@ -544,9 +587,11 @@ def _plot_fingerprint(table: list[dict], path: str) -> None:
         for op, color in zip(FP_OPS, ("C0", "C1", "C2")):
             rows = [r for r in table if r["backend"] == backend and r["op"] == op]
             xs = [r["size"] for r in rows]
-            ax.plot(xs, [r["ratio_paired"] for r in rows], "-", color=color, marker="o", label=f"{op}, paired median")
-            ax.plot(xs, [r["ratio_best"] for r in rows], ":", color=color, marker="x", alpha=0.6,
-                    label=f"{op}, best blocks")
+            ax.plot(xs, [r["ratio_paired"] for r in rows], "-", color=color, marker="o",
+                    label=f"{op}, paired median (band: quartiles)")
+            ax.fill_between(xs, [r["ratio_p25"] for r in rows], [r["ratio_p75"] for r in rows], color=color, alpha=0.15)
+            ax.plot(xs, [r["floor_ratio"] for r in rows], ":", color=color, marker="x", alpha=0.7,
+                    label=f"{op}, 1 + bare exchange / unchecked")
         ax.axhline(1.05, color="grey", lw=0.8, ls="--", label="+5%")
         ax.axhline(1.0, color="black", lw=0.5)
         ax.set_xscale("log", base=2)
