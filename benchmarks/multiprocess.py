@@ -17,8 +17,9 @@ torch. A system whose package is missing (torch, mpi4py) is skipped.
 Each row also keeps the first call's time (tracing + compilation included).
 ``--fingerprint`` instead measures the per-call check (every collective's
 fingerprint all-gathered ahead of its data, the default) against the same call
-unchecked (``check_collectives=False``), alternating in the same processes,
-on gloo and mpi (``multiprocess_fingerprint.json`` / ``.png``).
+unchecked (``check_collectives=False``), next to the bare fingerprint exchange
+(the floor of any check made before the data), in rotating order in the same
+processes, on gloo and mpi (``multiprocess_fingerprint.json`` / ``.png``).
 ``--check-cost`` instead measures what the cross-rank signature check
 (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) and the always-on timeout guard add to a
 4 KiB all_reduce.
