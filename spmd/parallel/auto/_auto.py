@@ -68,6 +68,7 @@ from spmd.parallel.auto._remat_profile import remat_profile
 from spmd.parallel.plan._shard import entry_sharding
 from spmd.parallel.step._step import TrainState, _check_optimizer, init_train_state, make_train_step
 from spmd.parallel.auto._tp_profile import tp_temp_bytes
+from spmd.parallel.styles._nnx import is_nnx, nnx_params
 from spmd.parallel.styles._transforms import as_parallel
 
 __all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default_loss", "abstract_state"]  # the
@@ -75,7 +76,14 @@ __all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default
 
 
 def default_loss(model: Any) -> Callable:
-    """Next-token cross-entropy of ``model.apply({"params": p}, batch["inputs"])`` against ``batch["targets"]``."""
+    """Next-token cross-entropy of ``model.apply({"params": p}, batch["inputs"])`` against ``batch["targets"]``;
+    of an nnx model (laid out or not), ``loss_fn(m, batch)`` on ``m(batch["inputs"])``, the form its step takes."""
+    if is_nnx(getattr(model, "module", model)):
+        def nnx_loss_fn(m, batch):
+            logits = m(batch["inputs"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+        return nnx_loss_fn
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch["inputs"])
@@ -84,10 +92,25 @@ def default_loss(model: Any) -> Callable:
     return loss_fn
 
 
-def abstract_state(laid: Any, params: Any, optimizer: Any, mesh) -> TrainState:
-    """A ``TrainState`` of shape structs laid out by ``laid``'s plan (what ``init_train_state`` would build)."""
+def params_loss(model: Any, loss_fn: Callable | None) -> Callable:
+    """The loss as ``f(params, batch)`` on the unwrapped model's parameters (the one-device profile's form):
+    a linen model's own; an nnx model's ``loss_fn(m, batch)`` on ``m`` merged from ``params`` (an
+    ``nnx.State`` of its ``nnx.Param`` values) and the model's other state."""
+    loss = loss_fn if loss_fn is not None else default_loss(model)
+    if not is_nnx(model):
+        return loss
+    from flax import nnx
+
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    return lambda params, batch: loss(nnx.merge(graphdef, params, rest), batch)
+
+
+def abstract_state(laid: Any, params: Any, optimizer: Any, mesh, *example_inputs: Any) -> TrainState:
+    """A ``TrainState`` of shape structs laid out by ``laid``'s plan (what ``init_train_state`` would build);
+    ``example_inputs``: what the model is applied to (a linen model's blocks under ``nn.scan``: their stacked
+    axis, which the plan must know)."""
     pm = as_parallel(laid, mesh, "auto_layout")
-    plan = pm.plan(params)
+    plan = pm.plan(params, *example_inputs)
     stored = jax.tree_util.tree_unflatten(plan.treedef, [
         jax.ShapeDtypeStruct(plan.padded_shape(e), e.dtype, sharding=entry_sharding(e, mesh)) for e in plan.entries])
     return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=stored,
@@ -128,10 +151,10 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     params = _params_of(model, batch, params, where)
     laid, mesh = apply_layout(model, devices, layout)
     loss = loss_fn if loss_fn is not None else default_loss(laid)
-    profile = profile or Profile(loss, params, optimizer)
+    profile = profile or Profile(params_loss(model, loss_fn), params, optimizer, step_loss=loss)
     if layout.pp > 1:
         return _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget)
-    state = abstract_state(laid, params, optimizer, mesh)
+    state = abstract_state(laid, params, optimizer, mesh, *_example_inputs(model, batch))
     step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, mesh=mesh)
     jax.eval_shape(step, state, batch)  # validates (batch split, head cuts) and traces the styled calls
     comm = step.communication(state, batch)
@@ -209,9 +232,19 @@ def _check_batch_cut(batch: Any, layout: Layout, where: str) -> None:
                          f"divide it; use a batch that is a multiple of {per * layout.tp}.")
 
 
+def _example_inputs(model: Any, batch: Any) -> tuple:
+    """A linen model's inputs in ``batch`` (``batch["inputs"]``, as the default loss applies it), for its plan to
+    see its ``nn.scan`` blocks; none for an nnx model (its modules are seen as they are) or another batch."""
+    if is_nnx(model) or not (isinstance(batch, Mapping) and "inputs" in batch):
+        return ()
+    return (batch["inputs"],)
+
+
 def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
     if params is not None:
         return _abstract(params)
+    if is_nnx(model):  # an nnx model holds its parameters
+        return _abstract(nnx_params(model))
     if not (isinstance(batch, Mapping) and "inputs" in batch):
         raise TypeError(f"{where}: without params= the model is initialized on example_batch['inputs']; the batch "
                         f"has {list(batch) if isinstance(batch, Mapping) else type(batch).__name__}: give params= "
@@ -289,7 +322,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     params = _params_of(model, batch, params, where)
     if memory_budget_bytes is not None:  # refused at once below what any layout's state needs, nothing compiled
         check_floor(params, optimizer, len(devices), memory_budget_bytes, where)
-    loss = loss_fn if loss_fn is not None else default_loss(model)
+    loss = params_loss(model, loss_fn)  # the one-device profile's form: loss(params, batch)
     if hw is not None:  # priced on the hardware's figures: nothing timed or calibrated here
         dtype = matmul_dtype(loss, params, batch)
         if dtype not in hw.matmul_flops:
@@ -300,7 +333,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     else:
         cal = calibration if calibration is not None else calibrate(devices)
     units = infer_units(params) if units is None else tuple(units)
-    profile = profile or Profile(loss, params, optimizer)
+    profile = profile or Profile(loss, params, optimizer,
+                                 step_loss=loss_fn if loss_fn is not None else default_loss(model))
     if isinstance(measure, bool) or not isinstance(measure, int) or measure < 0:
         raise ValueError(f"{where}: measure={measure!r} must be an int >= 0 (the top candidates compiled and timed; "
                          "0 ranks by the prediction alone).")
@@ -314,8 +348,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     got, rejected = [], []
     for lay in todo:
         try:
-            c = evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss, params=params, calibration=cal,
-                                profile=profile, budget=memory_budget_bytes)
+            c = evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss_fn, params=params,
+                                calibration=cal, profile=profile, budget=memory_budget_bytes)
         except Exception as e:  # noqa: BLE001 - a pipeline the model cannot take is no reason to rank nothing
             plain = isinstance(e, (ValueError, TypeError))
             if not plain and lay.pp == 1:
@@ -325,7 +359,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         if c.fits:
             got.append(c)
             continue
-        evaluate = functools.partial(evaluate_layout, model, optimizer, batch, devices, loss_fn=loss, params=params,
+        evaluate = functools.partial(evaluate_layout, model, optimizer, batch, devices, loss_fn=loss_fn, params=params,
                                      calibration=cal, profile=profile, budget=memory_budget_bytes)
         got.extend(_fitting(c, evaluate, jax.tree.leaves(batch)[0].shape[0], units, rejected))
     if not got:
@@ -345,7 +379,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     if memory_budget_bytes is not None:  # compiled until the top max(measure, 1) fit by XLA's peak
 
         def variants(c: Candidate, budget: int) -> list[Candidate]:  # those of a layout over once compiled
-            return _fitting(c, functools.partial(evaluate_layout, model, optimizer, batch, devices, loss_fn=loss,
+            return _fitting(c, functools.partial(evaluate_layout, model, optimizer, batch, devices, loss_fn=loss_fn,
                                                  params=params, calibration=cal, profile=profile, budget=budget),
                             rows, units, rejected)
 

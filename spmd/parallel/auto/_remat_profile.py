@@ -47,7 +47,7 @@ class RematProfile(Profile):
             model = activation_checkpointing(self.model, units=list(self.units), policy=self.policy)
             mesh = DeviceMesh.from_jax(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",)))
             state = jax.eval_shape(lambda: init_train_state(model, self.optimizer, params=self.params, mesh=mesh))
-            comp = make_train_step(model, self.loss, self.optimizer, mesh=mesh).lower(state, batch).compile(READ_ONLY)
+            comp = make_train_step(model, self.step_loss, self.optimizer, mesh=mesh).lower(state, batch).compile(READ_ONLY)
             temp = int(getattr(comp.memory_analysis(), "temp_size_in_bytes", 0) or 0)
             self._grad[k] = (*_cost(comp), temp, program_ops(comp.as_text()))
         return self._grad[k]

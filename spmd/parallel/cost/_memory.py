@@ -141,8 +141,10 @@ def _scalar_loss(loss_fn: Callable) -> Callable:
 class Profile:
     """The user's model on one device, measured once per micro-batch size (shared by every candidate)."""
 
-    def __init__(self, loss_fn: Callable, params: Any, optimizer: Any):
+    def __init__(self, loss_fn: Callable, params: Any, optimizer: Any, step_loss: Callable | None = None):
         self.loss = _scalar_loss(loss_fn)
+        # the loss as the model's train step takes it (an nnx model's: loss(model, batch)); default loss_fn
+        self.step_loss = _scalar_loss(step_loss) if step_loss is not None else self.loss
         self.params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
         self.optimizer = optimizer
         self._grad: dict = {}

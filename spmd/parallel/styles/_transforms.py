@@ -371,11 +371,12 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             fqn, name = param_module(path)
             hit = tp.style_for(fqn)
             if hit is not None and path in stacked:
+                scan, axis = stacked[path]
                 raise ValueError(
-                    f"parallelize_module: {hit[1]!r} on {fqn!r}: the module runs under nn.scan "
-                    f"({stacked[path][0]!r}: its parameters are stacked by layer), and tensor parallelism inside a "
-                    "scan is not supported yet; leave the scanned blocks out of the plan (fully_shard and DDP run on "
-                    "them), or build the blocks as a Python list.")
+                    f"parallelize_module: {hit[1]!r} on {fqn!r}: the module runs under nn.scan ({scan!r}: its "
+                    f"parameters are stacked by layer on axis {axis}, {path!r} has shape {tuple(np.shape(x))}), "
+                    "and tensor parallelism inside a scan is not supported yet; leave the scanned blocks out of the "
+                    "plan (fully_shard and DDP run on them), or build the blocks as a Python list.")
             if hit is not None:
                 p = _placements(hit[1], fqn, own[fqn])[name]
             elif name == "embedding" and (tied := tp.style_for(fqn + ".attend")) is not None:
