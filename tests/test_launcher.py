@@ -548,8 +548,9 @@ def test_fingerprint_every_call_checked_on_gloo(tmp_path):
             p.kill()
     want = {"checked": {"op differs", "shape differs", "dtype differs", "collective differs", "root differs",
                         "async op differs", "usable at the end"},
-            "off": {"off: a different op raises nothing"},
-            "mixed": {"mixed settings refused", "not joined after the refusal", "runtime as before the refusal"}}
+            "off": {"off: a different op raises nothing", "off: joined again after destroy"},
+            "mixed": {"mixed settings refused", "not joined after the refusal", "runtime as before the refusal",
+                      "no join after the shutdown"}}
     for m, p in jobs.items():
         assert p.returncode == 0, done[m][1][-3000:]
         assert all(want[m] <= names for names in rank_results(tmp_path / m, 2)), m

@@ -237,7 +237,7 @@ def test_fingerprint_every_call_checked_on_mpi(tmp_path):
         assert {"op differs", "shape differs", "dtype differs", "collective differs", "root differs",
                 "async op differs", "usable at the end"} <= names
     for names in rank_results(off, 2):
-        assert "off: a different op raises nothing" in names
+        assert {"off: a different op raises nothing", "off: joined again after destroy"} <= names
     for names in rank_results(mixed, 2):
         assert {"mixed settings refused", "not joined after the refusal", "runtime as before the refusal"} <= names
 

@@ -96,7 +96,9 @@ def init_process_group(
         set_state(State(0, 1, config.backend, config.timeout_s, False))
         return
     quiet_rank_output(config.debug)  # gloo's connection lines, under a launcher that passes them on
-    local_ids = configure_multiprocess(config, where)
+    # A second init after destroy_process_group reuses the runtime (join checks rank and world size); JAX's
+    # backends are set up for it already.
+    local_ids = None if not started else configure_multiprocess(config, where)
     st = dataclasses.replace(join(config, local_ids, where), check_collectives=checked)
     _agree_or_leave(st, where, started)
     set_state(st)

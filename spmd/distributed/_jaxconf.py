@@ -8,6 +8,7 @@ devices of this process.
 from __future__ import annotations
 
 import jax
+from jax._src import distributed as jdist
 from jax._src import xla_bridge
 
 from spmd.distributed._env import JobConfig
@@ -24,6 +25,13 @@ def configure_single_process(config: JobConfig) -> None:
 def configure_multiprocess(config: JobConfig, where: str) -> list[int] | None:
     """Several processes: set JAX up for the backend before it starts; the local device ids
     (None: JAX's default)."""
+    gs = jdist.global_state
+    if gs.client is None and gs.num_processes > 1:
+        raise RuntimeError(
+            f"{where}: JAX's distributed runtime of this process (rank {gs.process_id} of {gs.num_processes}) was "
+            "shut down (after a refused join, or by jax.distributed.shutdown()); it cannot be started again in one "
+            "process: start a new process."
+        )
     if xla_bridge.backends_are_initialized():
         raise RuntimeError(
             f"{where}: JAX's backends are already initialized in this process (something called "

@@ -32,6 +32,12 @@ if sys.argv[2:] == ["mixed"]:  # the ranks' settings differ: every rank refuses 
     check("not joined after the refusal", lambda: (dist.is_initialized(), False))
     # the runtime the refused join started is shut down (one started before it is left as it was)
     check("runtime as before the refusal", lambda: (jdist.global_state.client is None, fresh))
+    if fresh:  # the runtime is gone: a new join says so (JAX's runtime does not start twice in one process)
+        check("no join after the shutdown", lambda: raises(
+            lambda: dist.init_process_group(check_collectives=rank == 0), RuntimeError,
+            f"init_process_group: JAX's distributed runtime of this process (rank {rank} of 2) was shut down (after "
+            "a refused join, or by jax.distributed.shutdown()); it cannot be started again in one process: start a "
+            "new process."))
     check.write(out_dir, rank)
     sys.exit(0)
 dist.init_process_group(check_collectives=False if off else None)
@@ -79,6 +85,9 @@ if off:
 
     check("off: a different op raises nothing", mixed)
     check("off: the state says so", lambda: (dist._state.current().check_collectives, False))
+    dist.destroy_process_group()  # joining again reuses the runtime (it failed on gloo: backends already set up)
+    dist.init_process_group(check_collectives=False)
+    check("off: joined again after destroy", lambda: (dist.all_reduce(ones()[0]).tolist(), good.tolist()))
     check.write(out_dir, rank)
     dist.destroy_process_group()
     sys.exit(0)
