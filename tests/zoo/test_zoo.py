@@ -1,6 +1,6 @@
 """The zoo: families the project did not write (tests/zoo/*.py, each as its users write it), each trained under
-every layout that applies: dp, fsdp per block, HSDP, tp (Megatron's cut of its dense layers), 3-D and a
-pipeline over its blocks. A case that runs must equal 1-device training: 3 SGD steps, the losses and the
+every layout that applies: dp, fsdp per block, HSDP, tp at 2 and 4 (Megatron's cut of its dense layers), 3-D
+and a pipeline over its blocks. A case that runs must equal 1-device training: 3 SGD steps, the losses and the
 final parameters within 1e-5. A case the library refuses must be a clear refusal (``REFUSED``: the exception
 and the part of its message the library owns), never a skip; ``BROKEN`` cases fail today with an error the
 library does not own (xfail, strict: they must turn into one or the other)."""
@@ -165,7 +165,7 @@ FAMILIES = {
 
 # mesh of each layout (the dims in mesh order)
 LAYOUTS = {"dp": {"dp": 8}, "fsdp": {"fsdp": 8}, "hsdp": {"dp": 2, "fsdp": 4}, "tp": {"dp": 4, "tp": 2},
-           "3d": {"dp": 2, "fsdp": 2, "tp": 2}, "pipeline": {"pp": 2, "dp": 4}}
+           "tp4": {"dp": 2, "tp": 4}, "3d": {"dp": 2, "fsdp": 2, "tp": 2}, "pipeline": {"pp": 2, "dp": 4}}
 
 _SCAN_TP = ("the module runs under nn.scan ('layers': its parameters are stacked by layer), and tensor parallelism "
             "inside a scan is not supported yet")
@@ -180,7 +180,16 @@ REFUSED: dict[tuple[str, str], tuple[type, str]] = {
     ("hf_bart", "pipeline"): (ValueError, re.escape("pipeline: the units 'model/decoder/layers/0'") + ".*"
                               + re.escape("are called with an array besides the activation that depends on the "
                                           "parameters")),
+    # 10 classes over tp=4
+    ("resnet_bn", "tp4"): (ValueError, re.escape("parallelize_module: ColwiseParallel(input_layouts=None, "
+                                                 "output_layouts=Replicate(), use_local_output=True, dim=None) on "
+                                                 "'head' cuts dim 0 of 'head/bias' (shape (10,), size 10) over tp=4, "
+                                                 "which does not divide it")),
+    # the cut lands on the stacked layer axis (2 layers), not the features
+    ("nnx_scan", "tp4"): (ValueError, re.escape("on 'blocks.down' cuts dim 0 of 'blocks/down/kernel/value' (shape "
+                                                "(2, 64, 32), size 2) over tp=4, which does not divide it")),
     ("linen_scan_remat", "tp"): (ValueError, re.escape(_SCAN_TP)),
+    ("linen_scan_remat", "tp4"): (ValueError, re.escape(_SCAN_TP)),
     ("linen_scan_remat", "3d"): (ValueError, re.escape(_SCAN_TP)),
     ("linen_scan_remat", "pipeline"): (ValueError, re.escape("pipeline: units='layers' matches 1 modules (layers), "
                                                              "fewer than the 2 stages")),
@@ -280,7 +289,7 @@ FAST = {("nnx_list", "fsdp"), ("resnet_bn", "hsdp")}
 def _cases():
     for name in FAMILIES:
         for layout in LAYOUTS:
-            if layout in ("tp", "3d") and FAMILIES[name].tp is None or layout == "pipeline" and not FAMILIES[name].pipe:
+            if layout in ("tp", "tp4", "3d") and FAMILIES[name].tp is None or layout == "pipeline" and not FAMILIES[name].pipe:
                 continue
             marks = [pytest.mark.xdist_group(f"zoo_{name}")]
             if (name, layout) not in FAST and (name, layout) not in REFUSED and (name, layout) not in BROKEN:
