@@ -144,3 +144,32 @@ def test_heads_with_no_even_split_over_tp_are_refused():
             "parallelize_module: ColwiseParallel on 'layers_0.self_attn.k_proj' cuts its 12 output features over "
             "tp=2, and the model splits them into 3 heads of 4: 3 heads neither divide by tp=2 nor divide it")):
         step(state, _batches()[0])
+
+
+@pytest.mark.slow
+def test_fewer_kv_heads_than_tp_in_pipeline_stages_trains_as_one_device_and_its_table_is_the_hlo():
+    """1 KV head at pp=2 x dp=2 x tp=2, 1F1B over 2 micro-batches: the stages' k / v projections run whole over
+    tp as in make_train_step's step; 3 SGD steps equal 1-device training, the HLO's bytes the table's."""
+    from spmd.parallel import pipeline
+
+    heads, kv = 2, 1
+    mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    model = pipeline(parallelize_module(Llama(_config(heads, kv)), mesh["tp"], _plan(True)), mesh["pp"],
+                     units="layers_*", num_microbatches=2, schedule="1f1b")
+    state = init_train_state(model, OPT, params=_params(heads, kv))
+    step = make_train_step(model, _loss(model), OPT)
+    losses = []
+    for b in _batches():
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    ref_losses, ref = _reference(heads, kv)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(unshard_params(model, state)), jax.tree.leaves(ref.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+    batch = _batches()[0]
+    hlo = executed_collectives(step, state, batch, scalars=False)
+    table = step.communication(state, batch)
+    for kind in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute"):
+        assert hlo[kind]["bytes"] == table[kind]["bytes"], (kind, hlo, table)
+    assert hlo["all-gather"]["count"] == table["tp"]["program"]["all-gather"]["count"] > 0  # the kernels, the heads
+    assert hlo["all-to-all"]["count"] == 0

@@ -112,7 +112,31 @@ class StageHooks(Hooks):
 
 
 def stage_hooks(pm, lay) -> StageHooks | None:
-    return StageHooks(pm.tp, user_plan(pm, lay), gather_units=False) if pm.tp is not None else None
+    if pm.tp is None:
+        return None
+    return StageHooks(pm.tp, user_plan(pm, lay), gather_units=False, whole_heads=unit_whole_heads(pm, lay))
+
+
+def unit_whole_heads(pm, lay) -> dict:
+    """``{module: heads}``: the units' projections that run whole over tp (fewer heads than tp;
+    ``spmd.parallel.step._heads``), read once per stage layout from one unit's trace (which also refuses a cut
+    that would split a head), for every unit's module names."""
+    got = lay.__dict__.get("_whole_heads")
+    if got is None:
+        from spmd.parallel.step._heads import head_splits, whole_over_tp
+
+        hooks = StageHooks(pm.tp, user_plan(pm, lay), gather_units=False)
+        unit = [lay.shapes[f"{lay.units[0]}/{rel}"] for rel in lay.rel]
+        with hooks.installed(), hooks.unit(lay.units[0]):
+            jaxpr = jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act,
+                                                                               lay.calls.side_shapes).jaxpr
+        first = lay.units[0].replace("/", ".") + "."
+        got = {}
+        for fqn, heads in whole_over_tp(head_splits(jaxpr)).items():
+            for u in lay.units:
+                got[u.replace("/", ".") + "." + fqn[len(first):] if fqn.startswith(first) else fqn] = heads
+        lay.__dict__["_whole_heads"] = got
+    return got
 
 
 def map_tp_aware(hooks: StageHooks | None, entries: Sequence, leaves: Sequence[Any], fn) -> list:
