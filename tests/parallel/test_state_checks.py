@@ -123,6 +123,31 @@ def test_unshard_params_of_a_linen_model_never_initialised_checks_on_example_inp
                  unshard_params(lay(_mlp(2)), state2, X), m2.init(KEY, X)["params"])
 
 
+@pytest.mark.slow
+def test_a_hugging_face_model_checks_params_at_init_against_the_params_it_holds(mesh):
+    """A Hugging Face Flax model holds its parameters (.params): init_train_state(params=...) and unshard_params
+    compare with them at once, no example inputs needed; the model's own parameters go through unchanged."""
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2(layers):
+        cfg = transformers.GPT2Config(vocab_size=8, n_positions=8, n_embd=16, n_layer=layers, n_head=2)
+        return transformers.FlaxGPT2LMHeadModel(cfg, seed=0)
+
+    h2, h3 = gpt2(2), gpt2(3)
+    fs2 = fully_shard(h2, mesh=mesh["fsdp"], units=["transformer.h.*"])
+    with pytest.raises(ValueError, match=owned("init_train_state: params= is not this FlaxGPT2LMHeadModel's "
+                                               "parameters (its .params): at 'transformer/h/2/", "the model has "
+                                               "nothing, params= has float32[")):
+        init_train_state(fs2, OPT, params=h3.params)
+    state3 = init_train_state(fully_shard(h3, mesh=mesh["fsdp"], units=["transformer.h.*"]), OPT, params=h3.params)
+    with pytest.raises(ValueError, match=owned("unshard_params: params is not this FlaxGPT2LMHeadModel's parameters "
+                                               "(its .params): at 'transformer/h/2/")):
+        unshard_params(fully_shard(gpt2(2), mesh=mesh["fsdp"], units=["transformer.h.*"]), state3)
+    state2 = init_train_state(fs2, OPT, params=h2.params)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 unshard_params(fs2, state2), h2.params)
+
+
 def test_unshard_params_of_a_pipeline_takes_no_example_inputs():
     from spmd.parallel import pipeline
 

@@ -92,7 +92,7 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
     ``mesh=``: for a model with neither transform (DDP over every dim of ``mesh``).
 
     ``params=`` must be the model's (paths, shapes, dtypes): checked against ``nnx.state(model, nnx.Param)``,
-    a linen model's abstract ``init`` on the example inputs (``init_train_state(model, optimizer, x,
+    the ``.params`` a Hugging Face Flax model holds, a linen model's abstract ``init`` on the example inputs (``init_train_state(model, optimizer, x,
     params=params)``), or the tree an earlier state or step found for this model object. A linen model's
     parameter shapes follow from its inputs (a ``Dense`` kernel's first dim is its input's last dim), so with
     none of them there is nothing to compare ``params=`` with here: the step checks them at its first call,
@@ -133,7 +133,7 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
         hint = params_hint(params, sure=True)
         if hint:
             raise ValueError(f"{where}:{hint}")
-        if init_args:
+        if init_args or _held_params(inner) is not None:
             known = _check_model_params(where, "params=", inner, params, init_args)
         else:
             _check_seen(where, "params=", pm, params, "Pass this model's parameters (model.init(rng, x)['params']).")
@@ -176,6 +176,9 @@ def _check_model_params(where: str, arg: str, module: Any, params: Any, example_
     if is_nnx(module):
         expected = nnx_params(module)
         source = f"this {type(module).__name__}'s parameters (nnx.state(model, nnx.Param))"
+    elif _held_params(module) is not None:
+        expected = _held_params(module)
+        source = f"this {type(module).__name__}'s parameters (its .params)"
     elif isinstance(module, nn.Module) and example_inputs:
         expected = linen_abstract_params(module, example_inputs)
         source = f"this {type(module).__name__}'s parameters ({type(module).__name__}.init on the example inputs)"
@@ -184,6 +187,20 @@ def _check_model_params(where: str, arg: str, module: Any, params: Any, example_
     if expected is not None:
         check_same_tree(where, arg, expected, params, source, fix)
     return expected
+
+
+def _held_params(module: Any) -> Any:
+    """The shapes of the parameters a model holds beside its linen module (a Hugging Face Flax model:
+    ``.module`` a linen module, ``.params`` its tree), or None (another model, or one built without them)."""
+    import flax.linen as nn
+
+    if not isinstance(getattr(module, "module", None), nn.Module):
+        return None
+    try:
+        params = module.params
+    except (AttributeError, ValueError):  # built with _do_init=False: it holds none
+        return None
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
 
 
 def _check_seen(where: str, arg: str, model: Any, logical: Any, fix: str) -> None:
@@ -200,7 +217,8 @@ def unshard_params(model: Any, params: Any, *example_inputs: Any) -> Any:
     """The logical (unpadded) parameter values, replicated: the inverse of ``init_train_state``'s layout.
 
     ``params``: ``state.params`` (or a ``TrainState``) of a state built by ``init_train_state(model, ...)``.
-    They are checked against the model's own tree (paths, shapes, dtypes): an nnx model's state; a linen model's
+    They are checked against the model's own tree (paths, shapes, dtypes): an nnx model's state; a Hugging Face
+    Flax model's ``.params``; a linen model's
     abstract ``init`` on ``example_inputs`` when given; else the tree ``init_train_state`` or the step found
     for this model object. A linen model's parameter shapes follow from its inputs (a ``Dense`` kernel's first
     dim is its input's last dim), so a linen model that has done neither and gets no example inputs has no tree
@@ -225,7 +243,7 @@ def unshard_params(model: Any, params: Any, *example_inputs: Any) -> Any:
     logical = jax.tree_util.tree_unflatten(plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype)
                                                           for e in plan.entries])
     inner = model.module if isinstance(model, ParallelModule) else model
-    if is_nnx(inner) or example_inputs:
+    if is_nnx(inner) or example_inputs or _held_params(inner) is not None:
         _check_model_params(where, "params", inner, logical, example_inputs, fix="Pass the state (or its .params) "
                             "built for this model.")
     else:
