@@ -21,32 +21,25 @@ business.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models._llama import MLP, Attention, RMSNorm
+from models._llama import MLP, Attention, LlamaConfig, RMSNorm
+from spmd.parallel.experts import expert_capacity, expert_places
 
 
 @dataclass(frozen=True)
-class MoEConfig:
-    """The sizes of a ``MoE``: the Llama sizes plus the experts, their top-k, placement and capacity."""
+class MoEConfig(LlamaConfig):
+    """The sizes of a ``MoE``: a ``LlamaConfig`` (vocabulary, width, MLP width, layers, heads, attention) plus the
+    experts, their top-k, placement and capacity."""
 
-    vocab_size: int = 64
-    hidden_size: int = 32
-    intermediate_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
     num_experts: int = 8
     top_k: int = 2
     moe_every: int = 2  # blocks moe_every-1, 2*moe_every-1, ... hold the experts
     capacity_factor: float = 1.25
-    rope_theta: float = 10000.0
-    eps: float = 1e-5
 
 
 def route(logits, top_k: int):
@@ -84,14 +77,11 @@ class MoEMLP(nn.Module):
         c = self.cfg
         b, t, _ = x.shape
         e, k = c.num_experts, c.top_k
-        cap = min(t, max(1, math.ceil(c.capacity_factor * t * k / e)))
+        cap = expert_capacity(t, e, k, c.capacity_factor)
         logits = nn.Dense(e, use_bias=False, name="router")(x)
         weights, experts = route(logits, k)
-        # place of each (token, choice) in its expert's queue: choice-major, then sequence order
         onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)                    # [b, t, k, E]
-        order = onehot.transpose(0, 2, 1, 3).reshape(b, k * t, e)               # [b, k*t, E]
-        place = (jnp.cumsum(order, axis=1) - 1).reshape(b, k, t, e).transpose(0, 2, 1, 3)
-        place = (place * onehot).sum(-1)                                        # [b, t, k]
+        place = expert_places(experts, e)  # each (token, choice)'s place in its expert's queue  [b, t, k]
         kept = place < cap
         self.sow("intermediates", "dropped", (~kept).sum())
         # Switch / Mixtral load balancing: E * sum over choices and experts of (share of the tokens whose

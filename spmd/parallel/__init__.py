@@ -16,7 +16,7 @@ anything runs. ``Rule`` / ``shard_rule`` / ``replicate`` / ``plan_params`` build
 # the sub-packages in layer order, each importing only those before it
 from spmd.parallel.plan import (ROOT, ParamPlan, PlanEntry, Rule, entry_sharding, gather_unit, map_like_params,
                                 pad_tree, path_str, plan_params, replicate, shard_params, shard_rule, unshard_tree)
-from spmd.parallel.styles import (ColwiseParallel, MixedPrecisionPolicy, ParallelModule, ParallelStyle,
+from spmd.parallel.styles import (ColwiseParallel, ExpertParallel, MixedPrecisionPolicy, ParallelModule, ParallelStyle,
                                   PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                                   activation_checkpointing, fully_shard, parallelize_module, weight_stationary_plan)
 from spmd.parallel.context import (allgather_attention, causal_work, ring_attention, unzigzag_permutation,
@@ -26,7 +26,7 @@ from spmd.parallel.cost import (HARDWARE, Calibration, Hardware, Link, calibrate
 from spmd.parallel.step import (OwnsTrainStep, StepMemory, TrainState, TrainStep, init_train_state, make_train_step,
                                 unshard_params)
 from spmd.parallel.pipelining import PipelineModule, Schedule, SplitPoint, build_schedule, pipeline
-from spmd.parallel.experts import ExpertDispatch, expert_capacity, expert_combine, expert_dispatch
+from spmd.parallel.experts import ExpertDispatch, expert_capacity, expert_combine, expert_dispatch, expert_places
 from spmd.parallel.auto import AutoLayout, Candidate, Layout, apply_layout, auto_layout
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "build_schedule",
     "ParallelModule",
     "ColwiseParallel",
+    "ExpertParallel",
     "RowwiseParallel",
     "SequenceParallel",
     "PrepareModuleInput",
@@ -88,5 +89,6 @@ __all__ = [
     "expert_dispatch",
     "expert_combine",
     "expert_capacity",
+    "expert_places",
     "ExpertDispatch",
 ]

@@ -36,9 +36,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from spmd.parallel.context._attention import ring_attention
+from spmd.parallel.plan._param_plan import ParamPlan
 from spmd.parallel.styles._transforms import CP_DIM
 
-__all__ = ["CP", "ContextCalls", "attention_terms", "from_zigzag", "lookup_terms", "to_zigzag"]
+__all__ = ["CP", "ContextCalls", "attention_terms", "check_seq", "from_zigzag", "lookup_terms", "seq_len", "to_zigzag",
+           "with_context"]
 
 CP = CP_DIM  # the mesh dim name of the sequence cut
 
@@ -326,3 +328,51 @@ def attention_terms(records: list[dict]) -> dict:
             add("all-gather", kv_loc * n, 2)
             add("reduce-scatter", kv_loc * n, 2)
     return out
+
+
+def seq_len(batch: Any) -> int:
+    """The sequence length of a batch cut over cp: dim 1 of its leaves of rank 2 or more."""
+    lens = {np.shape(x)[1] for x in jax.tree.leaves(batch) if np.ndim(x) >= 2}
+    return lens.pop() if len(lens) == 1 else 0
+
+
+def check_seq(batch: Any, n_cp: int) -> None:
+    shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
+    lens = {s[1] for s in shapes if len(s) >= 2}
+    if len(lens) != 1:
+        raise ValueError(f"train_step: a mesh with cp={n_cp} cuts the batch's sequence (dim 1 of every leaf of rank 2 "
+                         f"or more), but the batch leaves have shapes {shapes}: "
+                         + ("none has a sequence dim" if not lens else "their dim 1 differs")
+                         + "; pass [batch, seq, ...] leaves of one sequence length (tokens, labels).")
+    (t,) = lens
+    if t % n_cp:
+        raise ValueError(f"train_step: the batch's sequence has {t} positions, not divisible by cp={n_cp}; use a "
+                         f"sequence length that is a multiple of {n_cp} (of {2 * n_cp} for the balanced causal cut).")
+
+
+def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, region: bool) -> dict:
+    """The table with cp's terms: the attention calls' (``attention_terms``), the all-reduce over cp of every
+    parameter's gradient (whole over cp, it sums each device's positions' parts: GSPMD's reduction) but, inside
+    a region manual over data dims (``region``), the tables of lookups on the cut ids, whose gradients GSPMD
+    forms there from the gathered ids (``lookup_terms``); with no data dim it all-reduces them too."""
+    records, lookups = (calls.records, calls.lookups) if calls is not None else ([], [])
+    lookups = lookups if region else []
+    comm = {k: (dict(v) if isinstance(v, dict) else v) for k, v in comm.items()}
+    ctx = attention_terms(records)
+    tables = {r["param"] for r in lookups}
+    summed = [e for e in plan.entries if e.path not in tables]
+    ctx["all-reduce"] = {"count": len(summed), "bytes": sum(e.nbytes for e in summed)}
+    looked = lookup_terms(lookups)
+    ctx["all-gather"] = {f: ctx["all-gather"][f] + looked[f] for f in ("count", "bytes")}
+    for kind in ctx:
+        if kind != "all-reduce":  # the activations' terms: per micro-batch
+            ctx[kind] = {f: ctx[kind][f] * accum_steps for f in ("count", "bytes")}
+    total = {k: dict(v) for k, v in comm["total"].items()}
+    for kind, v in ctx.items():
+        t = total.setdefault(kind, {"count": 0, "bytes": 0})
+        t["count"] += v["count"]
+        t["bytes"] += v["bytes"]
+    comm["context"] = ctx
+    comm["total"] = total
+    comm["attention"] = list(records)
+    return comm

@@ -86,9 +86,7 @@ def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dic
     fsdp = model.fsdp
     sizes = dict(zip(plan.mesh_dim_names, plan.mesh_shape))
     data = model.data_dims
-    n_data = int(np.prod([sizes[d] for d in data])) if data else 1
     shard = fsdp.shard_dim if fsdp else None
-    n_rep = int(np.prod([sizes[d] for d in data if d != shard])) if data else 1
     fi = plan.mesh_dim_names.index(shard) if shard else None
     n_fsdp = sizes.get(shard, 1) if shard else 1
     ti = plan.mesh_dim_names.index(model.tp.mesh_dim) if model.tp else None
@@ -106,14 +104,11 @@ def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dic
                  (2 if regather else 1) * layers)
             _add(out, "reduce-scatter", sum(_cast(e, mp and (mp.reduce_dtype or mp.param_dtype)) for e in buf) * n_fsdp,
                  layers)
-    cut = [e for e in plan.entries if fi is not None and e.shard_dim(fi) is not None]
-    whole = [e for e in plan.entries if fi is None or e.shard_dim(fi) is None]
-    if cut and n_rep > 1:
-        out["all-reduce"]["count"] += len(cut)
-        out["all-reduce"]["bytes"] += sum(e.local_nbytes for e in cut)
-    if whole and n_data > 1:
-        out["all-reduce"]["count"] += len(whole)
-        out["all-reduce"]["bytes"] += sum(e.local_nbytes for e in whole)
+    names = plan.mesh_dim_names
+    for e in plan.entries:  # averaged over the data dims it is whole on (fsdp and ep cuts sum over theirs)
+        if int(np.prod([sizes[d] for d in data if e.shard_dim(names.index(d)) is None])) > 1:
+            out["all-reduce"]["count"] += 1
+            out["all-reduce"]["bytes"] += e.local_nbytes
     return out
 
 
@@ -205,6 +200,10 @@ def format_communication(comm: dict) -> str:
             (qs, qd), (ks, _) = r["q"], r["kv"]
             lines.append(f"    {r['call']}: {r['method']} over cp={r['n']}, q {list(qs)} {qd}, k/v {list(ks)}"
                          + (", causal" if r["causal"] else ""))
+    if "experts" in comm:  # styles on the ep dim (spmd.parallel.styles._experts): dispatch and combine
+        lines.append(f"  experts (ep): {line(comm['experts'])}")
+        for r in comm["expert_calls"]:
+            lines.append(f"    {r['module']}: {r['style']} all-to-all in ({r['in']:,} B) and out ({r['out']:,} B)")
     for r in comm["modules"]:
         lines.append(f"    {r['module']}: {r['style']} in {r['in_layout']} ({r['in_bytes']:,} B) -> out "
                      f"{r['out_layout']} ({r['out_bytes']:,} B)")

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from spmd._collectives import all_to_all
 from spmd._groups import group_axes
 
-__all__ = ["ExpertDispatch", "expert_capacity", "expert_dispatch", "expert_combine"]
+__all__ = ["ExpertDispatch", "expert_capacity", "expert_dispatch", "expert_combine", "expert_places"]
 
-_CPU_DROPLESS = "ragged_all_to_all does not run on CPU; use a capacity factor"
+from spmd.parallel.styles._experts import CPU_DROPLESS as _CPU_DROPLESS
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -63,8 +63,10 @@ def _check(where: str, x, experts, num_experts) -> None:
         raise ValueError(f"{where}: num_experts={num_experts!r} must be an int >= 1.")
 
 
-def _places(experts, num_experts: int):
-    """Each assignment's place in its expert's queue: choices in order, each in sequence order."""
+def expert_places(experts, num_experts: int):
+    """Each ``(token, choice)`` assignment's place in its expert's queue, ``[g, t, k]`` from the router's top-k
+    ``experts`` ``[g, t, k]``: every token's first choice first, in sequence order, then every second choice,
+    and so on (GShard / Switch). A place at or past the capacity is a drop."""
     g, t, k = experts.shape
     onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)              # [g, t, k, E]
     order = onehot.transpose(0, 2, 1, 3).reshape(g, k * t, num_experts)
@@ -105,7 +107,7 @@ def expert_dispatch(x, experts, *, num_experts: int, capacity_factor: float = 1.
     g, t, d = x.shape
     k = experts.shape[-1]
     cap = expert_capacity(t, num_experts, k, capacity_factor)
-    place = _places(experts, num_experts)
+    place = expert_places(experts, num_experts)
     kept = place < cap
     slots = jnp.where(kept, place, cap)
     # send buffer [E, g * cap, d]; a dropped assignment's index falls outside it and is not written

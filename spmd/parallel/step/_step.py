@@ -42,7 +42,8 @@ from spmd.parallel.plan._checks import (check_batch_leaves, check_loss, check_op
                                         check_same_tree, describe_tree, linen_abstract_params, params_hint,
                                         traced_model_params)
 from spmd.parallel.cost._comm import format_communication, step_communication
-from spmd.parallel.context._calls import ContextCalls, attention_terms, lookup_terms
+from spmd.parallel.context._calls import ContextCalls, check_seq, seq_len, with_context
+from spmd.parallel.styles._experts import with_experts
 from spmd.parallel.step._heads import check_whole_sequence, head_splits, whole_over_tp
 from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
 from spmd.parallel.styles._hooks import Hooks
@@ -575,9 +576,10 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     fsdp = pm.fsdp.shard_dim if pm.fsdp else None
     fi = names.index(fsdp) if fsdp else None
     n_fsdp = sizes[fsdp] if fsdp else 1
-    rep_dims = tuple(d for d in data if d != fsdp)
     entries = plan.entries
-    cut = [fsdp is not None and e.shard_dim(fi) is not None for e in entries]
+    # each parameter's gradient: divided by the data dims it is cut over (fsdp's reduce-scatter and ep's
+    # all-to-alls sum over them), then averaged over the rest
+    cut_over = [tuple(d for d in data if e.shard_dim(names.index(d)) is not None) for e in entries]
     nnx_model = is_nnx(pm.module)
 
     def manual_spec(e) -> P:
@@ -614,7 +616,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     def _context(mb):
         if cp is None:
             return contextlib.nullcontext()
-        calls = ContextCalls(mesh.jax_mesh, n_cp, _seq_len(mb), cp)
+        calls = ContextCalls(mesh.jax_mesh, n_cp, seq_len(mb), cp)
         attention.clear()
         attention.append(calls)
         return calls.installed()
@@ -629,8 +631,9 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
 
     def reduce(hooks: Hooks, g: list) -> list:
         g = list(g)
-        groups = [([i for i in range(len(g)) if cut[i]], rep_dims, n_fsdp),
-                  ([i for i in range(len(g)) if not cut[i]], data, 1)]
+        kinds = list(dict.fromkeys(cut_over))
+        groups = [([i for i in range(len(g)) if cut_over[i] == k], tuple(d for d in data if d not in k),
+                   int(np.prod([sizes[d] for d in k]))) for k in kinds]
         for idx, axes, scale in groups:
             if not idx:
                 continue
@@ -683,9 +686,12 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             metrics = jax.tree.map(lambda m: lax.pmean(m, data), metrics)
         traced.clear()
         traced.extend(records.records if accum_steps > 1 else hooks.records)
+        ep_traced.clear()
+        ep_traced.extend(records.ep_records if accum_steps > 1 else hooks.ep_records)
         return unflat(g), metrics, new_stats
 
     whole: dict = {}  # the projections run whole over tp: {module: heads}, read from the traced step (prepare)
+    ep_traced: list = []  # the calls styled on the ep dim, of one micro-batch
     traced: list = []  # the styled calls of one micro-batch, (module, style, input bytes, output bytes): the
     # activation terms of the communication table (filled when the step is traced)
 
@@ -728,7 +734,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                 whole.update(whole_over_tp(head_splits(jaxpr)))
                 traced.clear()
             if cp is not None:  # a model's own attention over the whole cut sequence: refused, naming the fix
-                check_whole_sequence(jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr, _seq_len(batch),
+                check_whole_sequence(jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr, seq_len(batch),
                                      n_cp)
             checked.append(True)
 
@@ -736,7 +742,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         batch = _as_arrays(batch)
         _check_batch(batch, n_data, accum_steps, data, sizes)
         if cp is not None:
-            _check_seq(batch, n_cp)
+            check_seq(batch, n_cp)
         prepare(state, batch)
         return jitted(state, batch)
 
@@ -747,58 +753,12 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             jax.eval_shape(step, state, batch)
         comm = step_communication(plan, pm, traced, accum_steps=accum_steps)
         if cp is not None and n_cp > 1:
-            comm = _with_context(comm, plan, attention[0] if attention else None, accum_steps, bool(data))
+            comm = with_context(comm, plan, attention[0] if attention else None, accum_steps, bool(data))
+        if pm.ep is not None:
+            comm = with_experts(comm, ep_traced, accum_steps)
         return comm
 
     return _Built(jitted, plan, run, communication, prepare)
-
-
-def _seq_len(batch: Any) -> int:
-    """The sequence length of a batch cut over cp: dim 1 of its leaves of rank 2 or more."""
-    lens = {np.shape(x)[1] for x in jax.tree.leaves(batch) if np.ndim(x) >= 2}
-    return lens.pop() if len(lens) == 1 else 0
-
-
-def _check_seq(batch: Any, n_cp: int) -> None:
-    shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
-    lens = {s[1] for s in shapes if len(s) >= 2}
-    if len(lens) != 1:
-        raise ValueError(f"train_step: a mesh with cp={n_cp} cuts the batch's sequence (dim 1 of every leaf of rank 2 "
-                         f"or more), but the batch leaves have shapes {shapes}: "
-                         + ("none has a sequence dim" if not lens else "their dim 1 differs")
-                         + "; pass [batch, seq, ...] leaves of one sequence length (tokens, labels).")
-    (t,) = lens
-    if t % n_cp:
-        raise ValueError(f"train_step: the batch's sequence has {t} positions, not divisible by cp={n_cp}; use a "
-                         f"sequence length that is a multiple of {n_cp} (of {2 * n_cp} for the balanced causal cut).")
-
-
-def _with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, region: bool) -> dict:
-    """The table with cp's terms: the attention calls' (``attention_terms``), the all-reduce over cp of every
-    parameter's gradient (whole over cp, it sums each device's positions' parts: GSPMD's reduction) but, inside
-    a region manual over data dims (``region``), the tables of lookups on the cut ids, whose gradients GSPMD
-    forms there from the gathered ids (``lookup_terms``); with no data dim it all-reduces them too."""
-    records, lookups = (calls.records, calls.lookups) if calls is not None else ([], [])
-    lookups = lookups if region else []
-    comm = {k: (dict(v) if isinstance(v, dict) else v) for k, v in comm.items()}
-    ctx = attention_terms(records)
-    tables = {r["param"] for r in lookups}
-    summed = [e for e in plan.entries if e.path not in tables]
-    ctx["all-reduce"] = {"count": len(summed), "bytes": sum(e.nbytes for e in summed)}
-    looked = lookup_terms(lookups)
-    ctx["all-gather"] = {f: ctx["all-gather"][f] + looked[f] for f in ("count", "bytes")}
-    for kind in ctx:
-        if kind != "all-reduce":  # the activations' terms: per micro-batch
-            ctx[kind] = {f: ctx[kind][f] * accum_steps for f in ("count", "bytes")}
-    total = {k: dict(v) for k, v in comm["total"].items()}
-    for kind, v in ctx.items():
-        t = total.setdefault(kind, {"count": 0, "bytes": 0})
-        t["count"] += v["count"]
-        t["bytes"] += v["bytes"]
-    comm["context"] = ctx
-    comm["total"] = total
-    comm["attention"] = list(records)
-    return comm
 
 
 def _as_arrays(batch: Any) -> Any:

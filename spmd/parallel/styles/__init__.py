@@ -1,6 +1,7 @@
 """Parallel styles and the transforms that apply them to a model (torch's ``parallelize_module``,
 ``fully_shard``, activation checkpointing), and the hooks that run a styled module's call on its blocks."""
 
+from spmd.parallel.styles._experts import ExpertParallel
 from spmd.parallel.styles._remat import activation_checkpointing
 from spmd.parallel.styles._styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
                                           RowwiseParallel, SequenceParallel)
@@ -9,6 +10,7 @@ from spmd.parallel.styles._weight_stationary import weight_stationary_plan
 
 __all__ = [
     "ColwiseParallel",
+    "ExpertParallel",
     "RowwiseParallel",
     "SequenceParallel",
     "PrepareModuleInput",

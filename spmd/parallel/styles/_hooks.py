@@ -42,6 +42,7 @@ from placements import Shard
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan, PlanEntry, path_str
 from spmd.parallel.plan._scan import unstacked
 from spmd.parallel.plan._shard import gather_unit
+from spmd.parallel.styles._experts import ep_call
 from spmd.parallel.styles._styles import KNOWN_LINEAR
 from spmd.parallel.styles._remat import RematCalls, checkpoint_policy, mutable_collections, put_back
 from spmd.parallel.styles._tp_calls import COLWISE_MARK, TP_COMM, WHOLE_MARK, TPCalls, _is_array, split_arrays
@@ -79,6 +80,7 @@ class Hooks(TPCalls, RematCalls):
         self.active: set[str] = set()
         self.in_remat: list[str] = []  # the checkpointed units being traced, outermost first
         self.records: list[tuple] = []  # (module, style, input bytes, output bytes) of each styled call
+        self.ep_records: list[dict] = []  # the calls styled on the ep dim (spmd.parallel.styles._experts)
         self.bypass = False
 
     # --- FSDP gathers -------------------------------------------------------------------------------
@@ -232,6 +234,8 @@ class Hooks(TPCalls, RematCalls):
         if spath not in self.active and (policy := self.remat_policy(fqn)) is not None:
             return self.linen_remat(spath, path, mod, context.method_name, args, kwargs, policy)
         method = context.method_name
+        if method == "__call__" and self.model.ep and (hit := self.model.ep.style_for(fqn)) is not None:
+            return ep_call(self.model.ep.mesh_dim, fqn, typ, hit[1], next_fun, args, kwargs, self.ep_records)
         key = fqn if method == "__call__" else f"{fqn}.{method}"  # "embed.attend": a styled method
         if method not in ("__call__", *METHODS) or self.model.tp is None or (
                 self.model.tp.style_for(key) is None and (typ not in KNOWN_LINEAR or method != "__call__")):

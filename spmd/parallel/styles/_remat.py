@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from spmd.parallel.styles._tp_calls import TP_COMM, split_arrays
-from spmd.parallel.styles._transforms import ParallelModule, _no_match, _unwrap, glob_regex
+from spmd.parallel.styles._transforms import ParallelModule, _no_match, _unwrap, ep_of, glob_regex
 
 __all__ = ["RematSpec", "RematCalls", "activation_checkpointing", "POLICIES", "checkpoint_policy"]
 
@@ -90,7 +90,8 @@ def activation_checkpointing(module: Any, *, units: Sequence[str] = ("layers_*",
                         "['transformer.h.*'].")
     if not units:
         raise ValueError(f"{where}: units=[] checkpoints nothing; name the modules to recompute, e.g. ['layers_*'].")
-    return ParallelModule(inner, mesh, tp, fsdp, remat=RematSpec(tuple(u.replace("/", ".") for u in units), policy))
+    return ParallelModule(inner, mesh, tp, fsdp, remat=RematSpec(tuple(u.replace("/", ".") for u in units), policy),
+                          ep=ep_of(module))
 
 
 class RematCalls:

@@ -29,9 +29,10 @@ from spmd.parallel.plan._rules import Rule
 from spmd.parallel.styles._styles import ParallelStyle
 
 __all__ = ["Wrapped", "ParallelModule", "MixedPrecisionPolicy", "parallelize_module", "fully_shard", "TPSpec", "FSDPSpec",
-           "param_module", "glob_regex", "CP_DIM"]
+           "param_module", "glob_regex", "CP_DIM", "EP_DIM"]
 
 CP_DIM = "cp"  # the mesh dim the step cuts the batch's sequence over (spmd.parallel.context._calls)
+EP_DIM = "ep"  # the mesh dim of expert parallelism: a data dim whose styles cut experts (spmd.parallel.styles._experts)
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,10 @@ class ParallelModule(Wrapped):
     """
 
     def __init__(self, module: Any, mesh: DeviceMesh | None, tp: TPSpec | None = None, fsdp: FSDPSpec | None = None,
-                 remat: Any = None):  # mesh None: activation_checkpointing alone (DDP over the step's mesh=)
-        for name, value in (("module", module), ("mesh", mesh), ("tp", tp), ("fsdp", fsdp), ("remat", remat)):
+                 remat: Any = None, ep: TPSpec | None = None):  # mesh None: activation_checkpointing alone (DDP
+        # over the step's mesh=); ep: the styles of parallelize_module on the ep dim (experts cut, tokens all-to-all)
+        for name, value in (("module", module), ("mesh", mesh), ("tp", tp), ("fsdp", fsdp), ("remat", remat),
+                            ("ep", ep)):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_plans", {})  # treedef -> the plan init_train_state laid them out by
         object.__setattr__(self, "_params_seen", [])  # the model's parameter trees (path: shape, dtype) seen so far
@@ -153,6 +156,8 @@ class ParallelModule(Wrapped):
             parts.append(f"fsdp on {self.fsdp.shard_dim!r}" + (f", replicate on {self.fsdp.replicate_dims}"
                                                                 if self.fsdp.replicate_dims else "")
                          + f", units {list(self.fsdp.units)}")
+        if self.ep:
+            parts.append(f"ep on {self.ep.mesh_dim!r}: {len(self.ep.plan)} styles")
         if self.remat:
             parts.append(f"activation checkpointing {list(self.remat.units)} ({self.remat.policy})")
         mesh = dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)) if self.mesh else "of make_train_step's mesh="
@@ -195,6 +200,11 @@ def stacked_of(module: Any, params: Any, example_inputs: Sequence[Any], batch_st
                                                           mutable=["batch_stats"]), params)[1], params)
 
 
+def ep_of(module: Any) -> TPSpec | None:
+    """The plan on the ep dim of a ``ParallelModule`` (None for any other model)."""
+    return module.ep if isinstance(module, ParallelModule) else None
+
+
 def _unwrap(module: Any, where: str) -> tuple[Any, DeviceMesh | None, TPSpec | None, FSDPSpec | None, Any]:
     if isinstance(module, ParallelModule):
         return module.module, module.mesh, module.tp, module.fsdp, module.remat
@@ -227,10 +237,14 @@ def parallelize_module(module: Any, device_mesh: DeviceMesh, parallelize_plan: M
     """
     where = "parallelize_module"
     inner, have, tp, fsdp, remat = _unwrap(module, where)
+    ep = ep_of(module)
     mesh = _mesh_of(device_mesh, where, "device_mesh")
     if mesh.ndim != 1:
         raise ValueError(f"{where}: device_mesh={mesh!r} must be 1-D, the tensor-parallel dim (mesh['tp']).")
-    if tp is not None:
+    on_ep = mesh.mesh_dim_names[0] == EP_DIM
+    if on_ep and ep is not None:
+        raise ValueError(f"{where}: the model already has a plan on {EP_DIM!r}; give one plan with every style.")
+    if tp is not None and not on_ep:
         raise ValueError(f"{where}: the model is already tensor-parallel on {tp.mesh_dim!r}; give one plan with "
                          "every style.")
     if not isinstance(parallelize_plan, Mapping) or not parallelize_plan:
@@ -250,7 +264,9 @@ def parallelize_module(module: Any, device_mesh: DeviceMesh, parallelize_plan: M
     if fsdp is not None and name in (fsdp.shard_dim, *fsdp.replicate_dims):
         raise ValueError(f"{where}: mesh dim {name!r} already shards or replicates the model under fully_shard; "
                          "use another mesh dim for tensor parallelism.")
-    return ParallelModule(inner, root, TPSpec(name, tuple(items)), fsdp, remat)
+    if on_ep:  # expert parallelism: a data dim whose styled modules run on their experts' tokens
+        return ParallelModule(inner, root, tp, fsdp, remat, ep=TPSpec(name, tuple(items)))
+    return ParallelModule(inner, root, TPSpec(name, tuple(items)), fsdp, remat, ep=ep)
 
 
 def fully_shard(module: Any, *, mesh: DeviceMesh | None = None, units: Sequence[str] = (),
@@ -290,7 +306,7 @@ def fully_shard(module: Any, *, mesh: DeviceMesh | None = None, units: Sequence[
                          "(mesh['dp', 'fsdp']).")
     spec = FSDPSpec(names[-1], tuple(names[:-1]), tuple(u.replace("/", ".") for u in units), reshard_after_forward,
                     mp_policy)
-    return ParallelModule(inner, root, tp, spec, remat)
+    return ParallelModule(inner, root, tp, spec, remat, ep=ep_of(module))
 
 
 def as_parallel(model: Any, mesh: DeviceMesh | None, where: str) -> ParallelModule:
@@ -387,6 +403,29 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             else:
                 continue
             tp_of[path] = Shard(p.dim % len(own[fqn][name])) if isinstance(p, Shard) else p
+    ep_of_path: dict[str, Placement] = {}
+    if model.ep:  # each expert-parallel module's own parameters, placed over ep by its style
+        ep = model.ep
+        own_ep: dict[str, dict[str, tuple]] = {}
+        for (kp, x), path in zip(leaves, paths):
+            fqn, name = param_module(path)
+            own_ep.setdefault(fqn, {})[name] = tuple(int(d) for d in np.shape(x))
+        for key, _ in ep.plan:
+            if not any(re.fullmatch(glob_regex(key, "."), m) for m in modules):
+                raise _no_match("parallelize_module", "plan key", key, modules, params)
+        for (kp, x), path in zip(leaves, paths):
+            fqn, name = param_module(path)
+            hit = ep.style_for(fqn)
+            if hit is None:
+                continue
+            p = _placements(hit[1], fqn, own_ep[fqn])[name]
+            shape = own_ep[fqn][name]
+            if isinstance(p, Shard) and shape[p.dim % len(shape)] % sizes[ep.mesh_dim]:
+                raise ValueError(
+                    f"parallelize_module: {hit[1]!r} on {fqn!r} cuts dim {p.dim} of {path!r} (shape {shape}) over "
+                    f"{ep.mesh_dim}={sizes[ep.mesh_dim]}, which does not divide it; use an ep size dividing "
+                    f"{shape[p.dim % len(shape)]} (each rank holds the same number of experts).")
+            ep_of_path[path] = Shard(p.dim % len(shape)) if isinstance(p, Shard) else p
     rules = []
     n_tp = sizes.get(tp.mesh_dim, 1) if tp else 1
     for (kp, x), path in zip(leaves, paths):
@@ -402,6 +441,8 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
                     f"tensor-parallel cut must be even (the model reads global shapes): use a tp size dividing "
                     f"{shape[t.dim]}, another dim=, or leave the module out of the plan.")
             pl[tp.mesh_dim] = t
+        if path in ep_of_path:
+            pl[model.ep.mesh_dim] = ep_of_path[path]
         rules.append(Rule(re.escape(path), pl, name=_rule_name(model, path)))
     return plan_params(params, sizes, rules, fsdp=fsdp.shard_dim if fsdp else "", units=tuple(unit_res),
                        keep=(ROOT,) if (fsdp is None or fsdp.reshard_after_forward) else (".*",), stacked=stacked)
@@ -428,6 +469,9 @@ def _rule_name(model: ParallelModule, path: str) -> str:
     fqn, _ = param_module(path)
     hit = model.tp.style_for(fqn) if model.tp else None
     parts = [f"{type(hit[1]).__name__}({hit[0]!r})"] if hit else []
+    ep = model.ep.style_for(fqn) if model.ep else None
+    if ep:
+        parts.append(f"{type(ep[1]).__name__}({ep[0]!r})")
     if model.fsdp:
         parts.append("fully_shard")
     return " + ".join(parts) or "replicate"

@@ -1,0 +1,154 @@
+"""Expert parallelism as a style: ``ExpertParallel`` (torchtitan's), applied with ``parallelize_module`` on ``ep``.
+
+``parallelize_module(model, mesh["ep"], {"layers_*.mlp.experts": ExpertParallel()})`` cuts an experts module
+whose parameters carry a leading experts dim (``[E, d, f]``) over ``ep`` (each rank holds ``E / ep`` experts)
+and runs it on its experts' tokens. ``ep`` is a data dim of the train step (the batch's rows are cut over it,
+the other parameters whole over it, their gradients averaged over it as over ``dp``), so the module's input,
+the dispatch buffers the model's router filled (``[groups, E, capacity, d]``, the model's own capacity and
+drops), arrives cut on its groups: the style's layouts say ``Shard(0)`` arriving, ``Shard(1)`` (the experts
+dim) needed, and ``Shard(1) -> Shard(0)`` back, each change one ``all_to_all`` over ``ep`` (the lowering
+table's ``Shard(i) -> Shard(j)``): dispatch and combine. Any style on the ``ep`` dim is run the same way, its
+layouts read through the ``ParallelStyle`` protocol.
+
+The experts module runs unchanged on its local experts' parameters (``[E / ep, d, f]``); each rank's expert
+gradients sum every rank's tokens (the all-to-alls' transposes) and are divided by ``ep``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax import lax
+
+from placements import Placement, Shard
+from spmd.parallel.styles._styles import ParallelStyle
+
+__all__ = ["ExpertParallel", "CPU_DROPLESS", "ep_call", "expert_terms", "with_experts"]
+
+CPU_DROPLESS = "ragged_all_to_all does not run on CPU; use a capacity factor"
+
+
+@dataclass(frozen=True)
+class ExpertParallel(ParallelStyle):
+    """torchtitan's ``ExpertParallel``: an experts module cut over ``ep`` on its parameters' leading experts dim,
+    its tokens dispatched to their experts' ranks with one ``all_to_all`` and combined back with another.
+
+    ``token_dim``: the input's dim the batch's groups are on (cut over ep as the batch is); ``experts_dim``:
+    its experts dim (cut over ep for the computation). ``dropless=True`` (no capacity: tokens sent with
+    ``ragged_all_to_all``) is refused: not on CPU, where it cannot run, and not written for other backends.
+    """
+
+    token_dim: int = 0
+    experts_dim: int = 1
+    dropless: bool = False
+
+    def __post_init__(self):
+        for arg in ("token_dim", "experts_dim"):
+            v = getattr(self, arg)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise TypeError(f"ExpertParallel: {arg}={v!r} must be an int >= 0 (a dim of the module's input).")
+        if self.token_dim == self.experts_dim:
+            raise ValueError(f"ExpertParallel: token_dim and experts_dim are both {self.token_dim}; they name two "
+                             "dims of the input (groups and experts).")
+        if self.dropless:
+            if jax.default_backend() == "cpu":
+                raise NotImplementedError(f"ExpertParallel: dropless=True needs lax.ragged_all_to_all, and "
+                                          f"{CPU_DROPLESS} (the model's capacity_factor = num_experts / top_k drops "
+                                          "nothing, with padding).")
+            raise NotImplementedError("ExpertParallel: dropless=True (ragged_all_to_all) is not implemented; use the "
+                                      "model's capacity factor (num_experts / top_k drops nothing, with padding).")
+
+    def param_placements(self, module_path: str, params: Mapping[str, tuple[int, ...]],
+                         module_type: str | None = None) -> dict[str, Placement]:
+        lead = {name: shape[0] for name, shape in params.items() if len(shape) >= 1}
+        if len(set(lead.values())) > 1 or len(lead) != len(params):
+            raise ValueError(f"ExpertParallel: module {module_path!r} has parameters "
+                             f"{ {n: tuple(s) for n, s in params.items()} }; an experts module's parameters all carry "
+                             "the leading experts dim ([E, d, f], [E, f, d]). Style the module that holds the stacked "
+                             "experts (e.g. 'layers_*.mlp.experts').")
+        return {name: Shard(0) for name in params}
+
+    def input_layouts_for(self, module_type: str | None) -> tuple[Any, Any]:
+        return Shard(self.token_dim), Shard(self.experts_dim)
+
+    def output_layouts_for(self, module_type: str | None) -> tuple[Any, Any]:
+        return Shard(self.experts_dim), Shard(self.token_dim)
+
+
+@contextlib.contextmanager
+def _stored_params():
+    """linen's ``Module.param`` returns the stored value without comparing its shape to the initializer's: the
+    module reads its local experts (``[E / ep, ...]``) where its code declares ``E``."""
+    from flax.core import meta
+    from flax.core import scope as fscope
+
+    orig = fscope.Scope.param
+
+    def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
+        if self.has_variable("params", name):
+            self.reserve(name, "params")
+            value = self.get_variable("params", name)
+            return meta.unbox(value) if unbox else value
+        return orig(self, name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+
+    fscope.Scope.param = param
+    try:
+        yield
+    finally:
+        fscope.Scope.param = orig
+
+
+def _change(x, axis: str, given: Any, desired: Any, where: str):
+    """``x`` from layout ``given`` to ``desired`` over the manual dim ``axis``: ``Shard(a) -> Shard(b)`` is one
+    all_to_all; equal layouts, nothing."""
+    if given == desired or given is None or desired is None:
+        return x
+    if not (isinstance(given, Shard) and isinstance(desired, Shard)):
+        raise ValueError(f"{where}: the layouts {given!r} -> {desired!r} on the ep dim are not offered; a style on ep "
+                         "changes an activation Shard(a) -> Shard(b) (one all_to_all).")
+    return lax.all_to_all(x, axis, split_axis=desired.dim % x.ndim, concat_axis=given.dim % x.ndim, tiled=True)
+
+
+def ep_call(axis: str, fqn: str, typ: str, style: ParallelStyle, call, args: tuple, kwargs: dict,
+            records: list) -> Any:
+    """The call of module ``fqn`` styled on the ep dim ``axis`` (manual in the step's region): its first input
+    changed to the style's computing layout, the module run on its local parameters, its output changed back;
+    ``records`` gets the call's activation bytes (the table's all-to-all rows)."""
+    where = f"parallelize_module: {style!r} on {fqn!r}"
+    given, desired = style.input_layouts_for(typ)
+    out_given, out_desired = style.output_layouts_for(typ)
+    x = args[0]
+    moved = _change(x, axis, given, desired, where)
+    with _stored_params():
+        y = call(moved, *args[1:], **kwargs)
+    out = _change(y, axis, out_given, out_desired, where)
+    records.append({"module": fqn, "style": type(style).__name__,
+                    "in": 0 if moved is x else int(np.prod(x.shape)) * x.dtype.itemsize,
+                    "out": 0 if out is y else int(np.prod(y.shape)) * y.dtype.itemsize})
+    return out
+
+
+def expert_terms(records: list, accum_steps: int = 1) -> dict:
+    """``{"all-to-all": {count, bytes}}`` per device of one step's ep calls: each layout change an all-to-all of
+    its buffer forward and one backward (its transpose)."""
+    out = {"count": 0, "bytes": 0}
+    for r in records:
+        for nbytes in (r["in"], r["out"]):
+            if nbytes:
+                out["count"] += 2 * accum_steps
+                out["bytes"] += 2 * accum_steps * nbytes
+    return out
+
+
+def with_experts(comm: dict, records: list, accum_steps: int) -> dict:
+    """The table with the ep calls' all-to-alls (``expert_terms``) in its ``experts (ep)`` part and its total."""
+    terms = expert_terms(records, accum_steps)
+    total = {k: dict(v) for k, v in comm["total"].items()}
+    t = total.setdefault("all-to-all", {"count": 0, "bytes": 0})
+    t["count"] += terms["count"]
+    t["bytes"] += terms["bytes"]
+    return {**comm, "total": total, "experts": {"all-to-all": terms}, "expert_calls": list(records)}
