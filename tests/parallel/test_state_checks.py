@@ -171,11 +171,11 @@ def test_an_optimizer_other_than_the_states_is_refused(mesh):
 
 
 def test_the_model_check_runs_once_per_plan(mesh, monkeypatch):
-    from spmd.parallel.step import _step
+    from spmd.parallel.step import _model_checks
 
     calls = []
-    real = _step.traced_model_params
-    monkeypatch.setattr(_step, "traced_model_params", lambda *a: calls.append(1) or real(*a))
+    real = _model_checks.traced_model_params
+    monkeypatch.setattr(_model_checks, "traced_model_params", lambda *a: calls.append(1) or real(*a))
     m2 = _mlp(2)
     model = fully_shard(m2, mesh=mesh["fsdp"])
     state = init_train_state(model, OPT, KEY, X)

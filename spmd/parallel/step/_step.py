@@ -38,13 +38,13 @@ from jax.sharding import PartitionSpec as P
 
 from placements import Shard
 from spmd._mesh import DeviceMesh
-from spmd.parallel.plan._checks import (check_batch_leaves, check_loss, check_opt_state, check_rng,
-                                        check_same_tree, describe_tree, linen_abstract_params, params_hint,
-                                        traced_model_params)
+from spmd.parallel.plan._checks import (check_batch_leaves, check_loss, check_opt_state, check_rng, describe_tree,
+                                        params_hint)
 from spmd.parallel.cost._comm import format_communication, step_communication
 from spmd.parallel.context._calls import ContextCalls, check_seq, seq_len, with_context
 from spmd.parallel.styles._experts import with_experts
 from spmd.parallel.step._heads import check_whole_sequence, head_splits, whole_over_tp
+from spmd.parallel.step._model_checks import check_model_params, check_seen, check_state_params, held_params
 from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
 from spmd.parallel.styles._hooks import Hooks
 from spmd.parallel.styles._nnx import is_nnx, nnx_loss, nnx_params
@@ -128,16 +128,16 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
         if params is None:
             params = nnx_params(inner)
         else:
-            _check_model_params(where, "params=", inner, params)
+            check_model_params(where, "params=", inner, params)
         known, init_args = params, ()
     elif params is not None:
         hint = params_hint(params, sure=True)
         if hint:
             raise ValueError(f"{where}:{hint}")
-        if init_args or _held_params(inner) is not None:
-            known = _check_model_params(where, "params=", inner, params, init_args)
+        if init_args or held_params(inner) is not None:
+            known = check_model_params(where, "params=", inner, params, init_args)
         else:
-            _check_seen(where, "params=", pm, params, "Pass this model's parameters (model.init(rng, x)['params']).")
+            check_seen(where, "params=", pm, params, "Pass this model's parameters (model.init(rng, x)['params']).")
     if params is None:
         if not init_args:
             raise TypeError(f"{where}: give params=, or (rng, *example_inputs) to initialize the model.")
@@ -165,53 +165,6 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
         pm._params_seen.append(describe_tree(known))
     step = jax.device_put(jnp.zeros((), jnp.int32), rep)
     return TrainState(step=step, params=stored, opt_state=opt_state, plan=plan, batch_stats=batch_stats)
-
-
-def _check_model_params(where: str, arg: str, module: Any, params: Any, example_inputs: tuple = (), fix: str = (
-        "Pass the parameters of this model (model.init(rng, x)['params'], or nnx.state(model, nnx.Param)), or "
-        "build the state for the model they belong to.")) -> Any:
-    """``params`` against the model's own: an nnx model's ``nnx.state``, a linen model's abstract ``init``
-    on ``example_inputs`` (none given: nothing to compare with here; the step compares at its first call)."""
-    import flax.linen as nn
-
-    if is_nnx(module):
-        expected = nnx_params(module)
-        source = f"this {type(module).__name__}'s parameters (nnx.state(model, nnx.Param))"
-    elif _held_params(module) is not None:
-        expected = _held_params(module)
-        source = f"this {type(module).__name__}'s parameters (its .params)"
-    elif isinstance(module, nn.Module) and example_inputs:
-        expected = linen_abstract_params(module, example_inputs)
-        source = f"this {type(module).__name__}'s parameters ({type(module).__name__}.init on the example inputs)"
-    else:
-        return None
-    if expected is not None:
-        check_same_tree(where, arg, expected, params, source, fix)
-    return expected
-
-
-def _held_params(module: Any) -> Any:
-    """The shapes of the parameters a model holds beside its linen module (a Hugging Face Flax model:
-    ``.module`` a linen module, ``.params`` its tree), or None (another model, or one built without them)."""
-    import flax.linen as nn
-
-    if not isinstance(getattr(module, "module", None), nn.Module):
-        return None
-    try:
-        params = module.params
-    except (AttributeError, ValueError):  # built with _do_init=False: it holds none
-        return None
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
-
-
-def _check_seen(where: str, arg: str, model: Any, logical: Any, fix: str) -> None:
-    """``logical`` against the parameter trees init_train_state and the step found this model to have (a linen
-    model gives its tree only on inputs; none seen yet: nothing to compare with)."""
-    seen = getattr(model, "_params_seen", None)
-    if seen and describe_tree(logical) not in seen:
-        inner = model.module if isinstance(model, ParallelModule) else model
-        check_same_tree(where, arg, _as_structs(seen[-1]), logical,
-                        f"the parameters of this {type(inner).__name__} (as its init on the inputs gave them)", fix)
 
 
 def unshard_params(model: Any, params: Any, *example_inputs: Any) -> Any:
@@ -244,17 +197,12 @@ def unshard_params(model: Any, params: Any, *example_inputs: Any) -> Any:
     logical = jax.tree_util.tree_unflatten(plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype)
                                                           for e in plan.entries])
     inner = model.module if isinstance(model, ParallelModule) else model
-    if is_nnx(inner) or example_inputs or _held_params(inner) is not None:
-        _check_model_params(where, "params", inner, logical, example_inputs, fix="Pass the state (or its .params) "
+    if is_nnx(inner) or example_inputs or held_params(inner) is not None:
+        check_model_params(where, "params", inner, logical, example_inputs, fix="Pass the state (or its .params) "
                             "built for this model.")
     else:
-        _check_seen(where, "params", model, logical, "Pass the state (or its .params) built for this model.")
+        check_seen(where, "params", model, logical, "Pass the state (or its .params) built for this model.")
     return unshard_tree(params, plan, model.mesh if isinstance(model, ParallelModule) else None)
-
-
-def _as_structs(desc: dict) -> dict:
-    """``describe_tree``'s ``{path: (shape, dtype)}`` as a flat dict of ``ShapeDtypeStruct``s with those paths."""
-    return {p: jax.ShapeDtypeStruct(shape, dtype) for p, (shape, dtype) in desc.items()}
 
 
 def _replicated_plan(model: Any, params: Any) -> ParamPlan | None:
@@ -400,7 +348,7 @@ class _LayoutStep(TrainStep):
             if build_plan(pm, logical, stacked_in(state.plan)) != state.plan:
                 raise ValueError("train_step: the state was laid out for another model or plan than this step's "
                                  f"({pm!r}); build it with init_train_state on the same model.")
-            seen = _check_state_params(pm, loss_fn, logical, batch)
+            seen = check_state_params(pm, loss_fn, logical, batch)
             check_opt_state("train_step", self._optimizer, state.params, state.opt_state)
             if (pm.tp or set(state.plan.units) - {ROOT}) and not is_nnx(pm.module):
                 check_unscanned(state.plan, loss_fn, logical, batch, seen=seen)
@@ -426,34 +374,6 @@ class _LayoutStep(TrainStep):
     def table(self, state: TrainState, batch: Any) -> str:
         """The plan and the step's communication, printable before anything runs."""
         return state.plan.table() + "\n" + format_communication(self.communication(state, batch))
-
-
-def _check_state_params(pm: ParallelModule, loss_fn: Callable, logical: Any, batch: Any) -> dict | None:
-    """The state's parameters against the step's model, once per plan: an nnx model's own state, or a linen
-    model's abstract ``init`` on the inputs ``loss_fn`` gives it (one abstract trace of the loss, whose
-    ``trace_seen`` it returns for ``check_unscanned``)."""
-    seen = None
-    fix = ("Build the state with init_train_state(model, optimizer, ...) for this step's model (or the step "
-           "for the model the state belongs to); init_train_state checks params= at once when it is given the "
-           "model's example inputs (init_train_state(model, optimizer, x, params=params)): a linen model's "
-           "parameter shapes follow from its inputs.")
-    if is_nnx(pm.module):
-        expected = nnx_params(pm.module)
-        source = f"this step's {type(pm.module).__name__} parameters (nnx.state(model, nnx.Param))"
-    else:
-        expected, seen = traced_model_params(loss_fn, logical, batch)
-        source = ("the parameters of this step's model (its init on the inputs loss_fn gives it: "
-                  f"{_model_name(pm.module)})")
-    if expected is None:
-        return seen
-    check_same_tree("train_step", "state.params", expected, logical, source, fix)
-    if describe_tree(expected) not in pm._params_seen:
-        pm._params_seen.append(describe_tree(expected))
-    return seen
-
-
-def _model_name(module: Any) -> str:
-    return type(getattr(module, "module", module)).__name__
 
 
 def _keep_finite(old: TrainState, new: TrainState, metrics: dict) -> tuple[TrainState, dict]:
