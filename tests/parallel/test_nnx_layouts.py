@@ -1,7 +1,7 @@
 """A flax.nnx model (its blocks an ``nnx.List``) through the whole contract, as a linen one goes: ``auto_layout``
 on the module and on its ``nnx.state``, ``apply_layout``, the train step equal to 1-device training, and a
 checkpoint of its train state restored onto other layouts; and a scanned linen model with a tp plan in
-``auto_layout``: its tp layouts refused by name (tensor parallelism inside ``nn.scan``), the others ranked.
+``auto_layout``: its tp layouts priced with the styled calls inside ``nn.scan`` once per layer.
 """
 
 from __future__ import annotations
@@ -117,17 +117,14 @@ def test_an_nnx_train_state_restores_onto_other_layouts_bit_for_bit(tmp_path):
             np.testing.assert_array_equal(a, b)
 
 
-def test_auto_layout_refuses_tp_inside_a_linen_scan_by_name():
+def test_auto_layout_prices_tp_inside_a_linen_scan_once_per_layer():
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=2,
                       scan_layers=True)
     tokens = np.zeros((8, 9), np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     plan = {"layers.mlp.gate_proj": ColwiseParallel()}
-    with pytest.raises(ValueError, match=re.escape(
-            "auto_layout: no layout of 4 devices could be built for this model; dp=2,tp=2: parallelize_module: "
-            "ColwiseParallel(input_layouts=None, output_layouts=None, use_local_output=True, dim=None) on "
-            "'layers.mlp.gate_proj': the module runs under nn.scan ('layers': its parameters are stacked by layer on "
-            "axis 0, 'layers/mlp/gate_proj/kernel' has shape (2, 16, 32)), and tensor parallelism inside a scan is not "
-            "supported yet; leave the scanned blocks out of the plan")):
-        auto_layout(Llama(cfg), OPT, batch, jax.devices()[:4], hardware="h100",
-                    layouts=[Layout(dp=2, tp=2, tp_plan=tuple(plan.items()))])
+    got = auto_layout(Llama(cfg), OPT, batch, jax.devices()[:4], hardware="h100",
+                      layouts=[Layout(dp=2, tp=2, tp_plan=tuple(plan.items()))])
+    (c,) = got.candidates
+    # the column-parallel gate's input gradient all-reduced over tp once per layer: 2 x (4 rows x 8 x 16 x 4 B)
+    assert c.communication["activations"]["all-reduce"] == {"count": 2, "bytes": 2 * 4 * 8 * 16 * 4}

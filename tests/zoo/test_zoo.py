@@ -167,8 +167,6 @@ FAMILIES = {
 LAYOUTS = {"dp": {"dp": 8}, "fsdp": {"fsdp": 8}, "hsdp": {"dp": 2, "fsdp": 4}, "tp": {"dp": 4, "tp": 2},
            "tp4": {"dp": 2, "tp": 4}, "3d": {"dp": 2, "fsdp": 2, "tp": 2}, "pipeline": {"pp": 2, "dp": 4}}
 
-_SCAN_TP = ("the module runs under nn.scan ('layers': its parameters are stacked by layer), and tensor parallelism "
-            "inside a scan is not supported yet")
 # (family, layout) -> (exception, a regex of the library's message): refused today, asserted as such
 REFUSED: dict[tuple[str, str], tuple[type, str]] = {
     ("resnet_bn", "pipeline"): (ValueError, re.escape("init_train_state: batch_stats= is not supported by "
@@ -188,9 +186,6 @@ REFUSED: dict[tuple[str, str], tuple[type, str]] = {
     # the cut lands on the stacked layer axis (2 layers), not the features
     ("nnx_scan", "tp4"): (ValueError, re.escape("on 'blocks.down' cuts dim 0 of 'blocks/down/kernel/value' (shape "
                                                 "(2, 64, 32), size 2) over tp=4, which does not divide it")),
-    ("linen_scan_remat", "tp"): (ValueError, re.escape(_SCAN_TP)),
-    ("linen_scan_remat", "tp4"): (ValueError, re.escape(_SCAN_TP)),
-    ("linen_scan_remat", "3d"): (ValueError, re.escape(_SCAN_TP)),
     ("linen_scan_remat", "pipeline"): (ValueError, re.escape("pipeline: units='layers' matches 1 modules (layers), "
                                                              "fewer than the 2 stages")),
     ("nnx_scan", "pipeline"): (ValueError, re.escape("pipeline: units='blocks' matches 1 modules (blocks), fewer "

@@ -54,7 +54,7 @@ import optax
 
 from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
 from spmd.parallel.auto._budget import CHECKPOINTING, _fitting, _measured, check_budget, check_floor, checked, parts
-from spmd.parallel.auto._measure import compiled_peak, measure_layouts
+from spmd.parallel.auto._measure import compiled_peak, example_inputs as _example_inputs, measure_layouts
 from spmd.parallel.auto._pipeline import pipeline_cost, pipeline_layouts, stage_shapes
 from spmd.parallel.cost._calibrate import Calibration, calibrate
 from spmd.parallel.cost._hardware import Hardware
@@ -169,7 +169,8 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     if layout.tp > 1 and not _regathers(layout):  # the cut program's work buffers, measured on its own group
         replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // n_data, *x.shape[1:]), x.dtype), batch)
         tp_temp = tp_temp_bytes(profile, model, devices, layout, replica,
-                                lambda m: loss_fn if loss_fn is not None else default_loss(m))
+                                lambda m: loss_fn if loss_fn is not None else default_loss(m),
+                                _example_inputs(model, replica))
     mem = memory_breakdown(prof, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
                            sequence_parallel=layout.sequence_parallel or layout.weight_stationary, tp_temp=tp_temp)
     flops, nbytes, ops = compute_cost(prof, state.plan, pm, micro, accum_steps=layout.accum_steps)
@@ -230,14 +231,6 @@ def _check_batch_cut(batch: Any, layout: Layout, where: str) -> None:
         raise ValueError(f"{where}: layout {layout.name!r} cuts each micro-batch of a data replica (batch {b} / "
                          f"(dp x fsdp x accum_steps = {per})) over tp={layout.tp} on the batch, which does not "
                          f"divide it; use a batch that is a multiple of {per * layout.tp}.")
-
-
-def _example_inputs(model: Any, batch: Any) -> tuple:
-    """A linen model's inputs in ``batch`` (``batch["inputs"]``, as the default loss applies it), for its plan to
-    see its ``nn.scan`` blocks; none for an nnx model (its modules are seen as they are) or another batch."""
-    if is_nnx(model) or not (isinstance(batch, Mapping) and "inputs" in batch):
-        return ()
-    return (batch["inputs"],)
 
 
 def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:

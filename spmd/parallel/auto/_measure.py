@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from spmd.parallel.auto._layout import Layout, apply_layout
 from spmd.parallel.step._protocol import StepMemory
 from spmd.parallel.step._step import init_train_state, make_train_step
+from spmd.parallel.styles._nnx import is_nnx
 
 __all__ = ["measure_layouts", "compiled_peak", "compiled_warm", "peak_bytes"]
 
@@ -116,6 +117,14 @@ def peak_bytes(compiled: Any) -> int:
     return StepMemory.from_compiled(compiled).peak
 
 
+def example_inputs(model: Any, batch: Any) -> tuple:
+    """A linen model's inputs in ``batch`` (``batch["inputs"]``, as the default loss applies it), for its plan to
+    see its ``nn.scan`` blocks; none for an nnx model (its modules are seen as they are) or another batch."""
+    if is_nnx(getattr(model, "module", model)) or not (isinstance(batch, Mapping) and "inputs" in batch):
+        return ()
+    return (batch["inputs"],)
+
+
 def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list, layout: Layout,
            *, abstract: bool = False) -> tuple:
     """``(step, state, batch)`` of ``layout`` through the contract: its state and batch zeros laid out as the step
@@ -125,10 +134,12 @@ def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: An
     data = NamedSharding(mesh.jax_mesh, P(tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp"))))
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
     if abstract:
-        state = jax.eval_shape(lambda: init_train_state(laid, optimizer, params=structs[0], mesh=mesh))
+        state = jax.eval_shape(lambda: init_train_state(laid, optimizer, *example_inputs(model, structs[1]),
+                                                        params=structs[0], mesh=mesh))
         return step, state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data), structs[1])
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), structs)
-    return step, init_train_state(laid, optimizer, params=zeros[0], mesh=mesh), jax.device_put(zeros[1], data)
+    return step, init_train_state(laid, optimizer, *example_inputs(model, zeros[1]), params=zeros[0], mesh=mesh), \
+        jax.device_put(zeros[1], data)
 
 
 def compiled_peak(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,

@@ -27,10 +27,11 @@ __all__ = ["tp_temp_bytes"]
 
 
 def tp_temp_bytes(profile: Any, model: Any, devices: list, layout: Layout, replica_batch: Any,
-                  loss_of: Callable) -> int:
+                  loss_of: Callable, example_inputs: tuple = ()) -> int:
     """XLA's temp bytes of ``layout``'s tensor-parallel part on one data replica's rows ``replica_batch``
     (shape structs): ``dp=1``, no FSDP, over ``devices[:layout.tp]`` (see the module doc). ``loss_of(laid)``:
-    the loss of a laid-out model."""
+    the loss of a laid-out model; ``example_inputs``: what a linen model is applied to (its ``nn.scan`` blocks'
+    stacked axis, which the plan must know)."""
     part = Layout(tp=layout.tp, tp_plan=layout.tp_plan, sequence_parallel=layout.sequence_parallel,
                   weight_stationary=layout.weight_stationary, accum_steps=layout.accum_steps,
                   activation_checkpointing=layout.activation_checkpointing,
@@ -40,7 +41,7 @@ def tp_temp_bytes(profile: Any, model: Any, devices: list, layout: Layout, repli
     if key not in cache:
         laid, mesh = apply_layout(model, devices[:layout.tp], part)
         opt = profile.optimizer
-        state = jax.eval_shape(lambda: init_train_state(laid, opt, params=profile.params, mesh=mesh))
+        state = jax.eval_shape(lambda: init_train_state(laid, opt, *example_inputs, params=profile.params, mesh=mesh))
         step = make_train_step(laid, loss_of(laid), opt, accum_steps=part.accum_steps, mesh=mesh)
         m = step.lower(state, replica_batch).compile(READ_ONLY).memory_analysis()
         cache[key] = int(getattr(m, "temp_size_in_bytes", 0) or 0)

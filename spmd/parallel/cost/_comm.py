@@ -118,11 +118,11 @@ def activation_terms(records: Sequence[dict], *, accum_steps: int = 1, part: str
     out = _table()
     gathered: set = set()
 
-    def add(direction, kind, nbytes):
-        if part is None or part == direction:
-            _add(out, kind, nbytes, accum_steps)
-
     for r in records:
+        def add(direction, kind, nbytes, calls=accum_steps * r.get("calls", 1)):  # under nn.scan: once per layer
+            if part is None or part == direction:
+                _add(out, kind, nbytes, calls)
+
         a_in, a_out = r["in_bytes"], r["out_bytes"]
         if r["region"]:  # a module on its tp blocks: the collectives between its style's layouts
             given, need = r["in_layout"], r["in_desired"]

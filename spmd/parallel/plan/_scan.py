@@ -4,7 +4,9 @@
 more axis (the layer) than the block's code sees: the scan hands iteration ``i`` its slice. The plan must
 know that axis: FSDP never cuts it (each iteration slices the stored blocks along it, then gathers its
 layer: one all-gather per layer and buffer, inside the loop), and a unit called inside the scan gathers
-its parameters as the block sees them (``unstacked``). The axis is found by tracing the model abstractly
+its parameters as the block sees them (``unstacked``). A tensor-parallel style styles a module inside the
+scan as the block sees it, and its stored cut is one dim past the layer axis where it falls at or after it
+(``build_plan``); the module's call runs on one layer's blocks, once per iteration. The axis is found by tracing the model abstractly
 (nothing runs) and comparing the shapes each module sees with the stored ones (``find_stacked``).
 """
 

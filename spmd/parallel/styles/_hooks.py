@@ -247,7 +247,7 @@ class Hooks(TPCalls, RematCalls):
             self._check_attend(key, params)
 
         lookup = method == "__call__" and typ == "Embed" and self.rows_cut(  # a vocabulary-cut Embed's lookup
-            typ, [self.plan.entry(p) for p, _ in params], [p.split("/")[-1] for p, _ in params])
+            typ, [self.entry_for(p, v) for p, v in params], [p.split("/")[-1] for p, _ in params])
 
         def run_local(vals, a, k, zero_bias):
             tree = jax.tree_util.tree_unflatten(pdef, vals)
@@ -278,7 +278,23 @@ class Hooks(TPCalls, RematCalls):
                     f"({err}). Give it a 'features' attribute, use a known type ({', '.join(KNOWN_LINEAR)}), or "
                     "leave it out of the plan.") from None
 
+        self._one_body_trace(mod, spath)
         return self.around(key, typ, next_fun, args, kwargs, params, run_local)
+
+    def _one_body_trace(self, mod, spath: str) -> None:
+        """A styled module inside an ``nn.scan`` body: its records from the body's last trace alone. flax traces a
+        scan's body twice (an abstract trace checking the loop invariants, then ``lax.scan``'s), each time in a new
+        scope: a call seen in a new body scope drops the records of that scan's earlier trace."""
+        scan = next((s for s, _ in self.plan.scans if spath.startswith(s + "/")), None)
+        if scan is None:
+            return
+        body, depth = mod.scope, len(scan.split("/")) - len(self.prefix)
+        while len(body.path) > depth and body.parent is not None:
+            body = body.parent
+        bodies = self.__dict__.setdefault("_scan_bodies", {})
+        if scan in bodies and bodies[scan] is not body:
+            self.records[:] = [r for r in self.records if not r["module"].replace(".", "/").startswith(scan + "/")]
+        bodies[scan] = body  # kept alive: a freed scope's id may be another's
 
     def features_cut(self, style, typ: str) -> bool:
         """Whether the style computes its module's output cut on the features (``Shard(-1)``: column-parallel)."""

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from placements import Partial, Replicate, Shard
 from spmd.parallel.plan._param_plan import PlanEntry
+from spmd.parallel.plan._scan import scan_of
 from spmd.parallel.styles._styles import KNOWN_LINEAR
 
 __all__ = ["TPCalls", "COLWISE_MARK", "WHOLE_MARK", "TP_COMM"]
@@ -107,18 +108,21 @@ class TPCalls:
         ``params``: the module's own ``(plan path, value)`` pairs; ``run_local(values, args, kwargs,
         zero_bias)``: the module's computation on this device's tp blocks of them."""
         hit = self.model.tp.style_for(fqn) if self.model.tp and not self.bypass else None
+        first = len(self.records)
         if self.model.tp and not self.bypass and fqn in self.whole_heads:
-            return self._whole_call(fqn, typ, hit and hit[1], call, args, kwargs, params, run_local)
-        if hit is None:
+            y = self._whole_call(fqn, typ, hit and hit[1], call, args, kwargs, params, run_local)
+        elif hit is None:
             y = call(*args, **kwargs)
             if (self.model.tp and not self.bypass and typ in KNOWN_LINEAR and _is_array(y)
                     and jnp.issubdtype(y.dtype, jnp.inexact) and np.ndim(y) >= 2):
                 y = checkpoint_name(y, f"{WHOLE_MARK}{fqn}|{self.n_tp}")  # split into heads? (the step asks)
-            return y
-        style = hit[1]
-        if style.runs_on_blocks() and args and _is_array(args[0]):
-            return self._island_call(fqn, typ, style, params, run_local, args, kwargs)
-        return self._constrained(fqn, style, typ, call, args, kwargs)
+        elif hit[1].runs_on_blocks() and args and _is_array(args[0]):
+            y = self._island_call(fqn, typ, hit[1], params, run_local, args, kwargs)
+        else:
+            y = self._constrained(fqn, hit[1], typ, call, args, kwargs)
+        for r in self.records[first:]:  # a module inside an nn.scan runs (and communicates) once per layer
+            r["calls"] = scan_of(fqn.replace(".", "/"), dict(self.plan.scans))
+        return y
 
     def _constrained(self, fqn, style, typ, call, args, kwargs):
         given, desired = style.input_layouts_for(typ)
@@ -157,7 +161,7 @@ class TPCalls:
         tp = self.tp
         x, rest = args[0], tuple(args[1:])
         paths = [p for p, _ in params]
-        ents = [self.plan.entry(p) for p in paths]
+        ents = [self.entry_for(p, v) for p, v in params]  # under nn.scan: one layer's (its tp cut, one dim less)
         vals = [v for _, v in params]
         names = [p[:-len("/value")].split("/")[-1] if p.endswith("/value") else p.split("/")[-1] for p in paths]
         # the style may refuse the module's type (a kernel layout it does not know): ask it once, with the type
@@ -285,7 +289,7 @@ class TPCalls:
                     f"parallelism), and its output is split into {heads} heads, fewer than tp={self.n_tp}: such a "
                     "projection runs whole over tp and reads its whole input. Give it ColwiseParallel() (input "
                     "Replicate()), or use a tp size that its heads divide by.")
-        ents = [self.plan.entry(p) for p, _ in params]
+        ents = [self.entry_for(p, v) for p, v in params]
         vals = [v for _, v in params]
         cut = [self.tp_cut(e) for e in ents]
         if any(cut):

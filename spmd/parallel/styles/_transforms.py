@@ -358,6 +358,7 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
         raise ValueError(f"{where}: params={params!r} holds no arrays; pass the model's parameter pytree.")
     paths = [path_str(kp) for kp, _ in leaves]
     modules = _modules(paths)
+    stacked = dict(stacked or {})
     tp, fsdp, mesh = model.tp, model.fsdp, model.mesh
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
     if tp:
@@ -366,7 +367,7 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             on = [key] + ([head] if method in METHODS else [])  # "embed.attend": a method of module "embed"
             if not any(re.fullmatch(glob_regex(k, "."), m) for k in on for m in modules):
                 raise _no_match("parallelize_module", "plan key", key, modules, params)
-        shapes = {param_module(p): tuple(np.shape(x)) for p, (_, x) in zip(paths, leaves)}
+        shapes = {param_module(p): _layer_shape(np.shape(x), stacked.get(p)) for p, (_, x) in zip(paths, leaves)}
         check_tp_plan(tp.plan, modules, shapes, lambda k: glob_regex(k, "."))
     unit_res = []
     if fsdp:
@@ -376,23 +377,17 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             unit_res.append(glob_regex(u, "/"))
     if model.remat:
         model.remat.check(modules)
-    stacked = dict(stacked or {})
     tp_of: dict[str, Placement] = {path: Replicate() for path in paths}
     if tp:  # each styled module's own parameters, placed by its style
+        # a styled module under nn.scan is styled as the block sees it (one layer): its cut one dim past the
+        # stacked layer axis where it falls at or after that axis, which is never cut
         own: dict[str, dict[str, tuple]] = {}
         for (kp, x), path in zip(leaves, paths):
             fqn, name = param_module(path)
-            own.setdefault(fqn, {})[name] = tuple(int(d) for d in np.shape(x))
+            own.setdefault(fqn, {})[name] = _layer_shape(np.shape(x), stacked.get(path))
         for (kp, x), path in zip(leaves, paths):
             fqn, name = param_module(path)
             hit = tp.style_for(fqn)
-            if hit is not None and path in stacked:
-                scan, axis = stacked[path]
-                raise ValueError(
-                    f"parallelize_module: {hit[1]!r} on {fqn!r}: the module runs under nn.scan ({scan!r}: its "
-                    f"parameters are stacked by layer on axis {axis}, {path!r} has shape {tuple(np.shape(x))}), "
-                    "and tensor parallelism inside a scan is not supported yet; leave the scanned blocks out of the "
-                    "plan (fully_shard and DDP run on them), or build the blocks as a Python list.")
             if hit is not None:
                 p = _placements(hit[1], fqn, own[fqn])[name]
             elif name == "embedding" and (tied := tp.style_for(fqn + ".attend")) is not None:
@@ -402,7 +397,10 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
                 p = Shard(len(shape) - 1 - k.dim) if isinstance(k, Shard) else k
             else:
                 continue
-            tp_of[path] = Shard(p.dim % len(own[fqn][name])) if isinstance(p, Shard) else p
+            if isinstance(p, Shard):
+                d, axis = p.dim % len(own[fqn][name]), stacked[path][1] if path in stacked else None
+                p = Shard(d + 1 if axis is not None and d >= axis else d)
+            tp_of[path] = p
     ep_of_path: dict[str, Placement] = {}
     if model.ep:  # each expert-parallel module's own parameters, placed over ep by its style
         ep = model.ep
@@ -446,6 +444,12 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
         rules.append(Rule(re.escape(path), pl, name=_rule_name(model, path)))
     return plan_params(params, sizes, rules, fsdp=fsdp.shard_dim if fsdp else "", units=tuple(unit_res),
                        keep=(ROOT,) if (fsdp is None or fsdp.reshard_after_forward) else (".*",), stacked=stacked)
+
+
+def _layer_shape(shape: Sequence[int], stacked: tuple[str, int] | None) -> tuple[int, ...]:
+    """A parameter's shape as its module sees it: without the layer axis ``nn.scan`` stacks it on."""
+    shape = tuple(int(d) for d in shape)
+    return shape if stacked is None else shape[:stacked[1]] + shape[stacked[1] + 1:]
 
 
 def _placements(style: ParallelStyle, fqn: str, params: dict) -> dict:
