@@ -173,3 +173,20 @@ def test_fewer_kv_heads_than_tp_in_pipeline_stages_trains_as_one_device_and_its_
         assert hlo[kind]["bytes"] == table[kind]["bytes"], (kind, hlo, table)
     assert hlo["all-gather"]["count"] == table["tp"]["program"]["all-gather"]["count"] > 0  # the kernels, the heads
     assert hlo["all-to-all"]["count"] == 0
+
+
+def test_a_projection_run_whole_over_tp_with_its_input_cut_is_refused():
+    """1 KV head over tp=2 whose style takes its input cut on the sequence: it would read its whole input."""
+    from spmd import Shard
+
+    model = Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                              num_kv_heads=1))
+    params = model.init(jax.random.key(0), jnp.zeros((2, SEQ), jnp.int32))["params"]
+    mesh = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = parallelize_module(model, mesh["tp"], {"layers_*.self_attn.k_proj": ColwiseParallel(input_layouts=Shard(1))})
+    step = make_train_step(pm, _loss(pm), OPT)
+    with pytest.raises(ValueError, match=re.escape(
+            "parallelize_module: ColwiseParallel on 'layers_0.self_attn.k_proj' takes its input cut (Shard(dim=1): "
+            "sequence parallelism or the weight-stationary layout), and its output is split into 1 heads, fewer than "
+            "tp=2")):
+        step(init_train_state(pm, OPT, params=params), _batches()[0])

@@ -285,10 +285,11 @@ class TPCalls:
             given = given[0] if isinstance(given, (tuple, list)) else given
             if isinstance(given, Shard):
                 raise ValueError(
-                    f"parallelize_module: {type(style).__name__} on {fqn!r} takes its input cut ({given!r}, sequence "
-                    f"parallelism), and its output is split into {heads} heads, fewer than tp={self.n_tp}: such a "
-                    "projection runs whole over tp and reads its whole input. Give it ColwiseParallel() (input "
-                    "Replicate()), or use a tp size that its heads divide by.")
+                    f"parallelize_module: {type(style).__name__} on {fqn!r} takes its input cut ({given!r}: sequence "
+                    f"parallelism or the weight-stationary layout), and its output is split into {heads} heads, fewer "
+                    f"than tp={self.n_tp}: such a projection runs whole over tp and reads its whole input. Give it "
+                    "ColwiseParallel() (input Replicate()) without sequence parallelism, or use a tp size that its "
+                    "heads divide by.")
         ents = [self.entry_for(p, v) for p, v in params]
         vals = [v for _, v in params]
         cut = [self.tp_cut(e) for e in ents]
