@@ -190,3 +190,40 @@ def test_a_projection_run_whole_over_tp_with_its_input_cut_is_refused():
             "sequence parallelism or the weight-stationary layout), and its output is split into 1 heads, fewer than "
             "tp=2")):
         step(init_train_state(pm, OPT, params=params), _batches()[0])
+
+
+@pytest.mark.slow
+def test_fewer_kv_heads_than_tp_inside_a_linen_scan_trains_as_one_device_and_its_table_is_the_hlo():
+    """The blocks as one nn.scan (parameters stacked by layer), 2 KV heads at dp=2 x tp=4: the rule applies
+    inside the scan's body, once per layer."""
+    import dataclasses
+
+    heads, kv = 4, 2
+    cfg = dataclasses.replace(_config(heads, kv), scan_layers=True)
+    col, row = ColwiseParallel(), RowwiseParallel()
+    plan = {f"layers.self_attn.{p}_proj": col for p in "qkv"} | {
+        "layers.self_attn.o_proj": row, "layers.mlp.gate_proj": col, "layers.mlp.up_proj": col,
+        "layers.mlp.down_proj": row}
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(Llama(cfg), mesh["tp"], plan)
+    params = Llama(cfg).init(jax.random.key(0), _batches()[0]["inputs"])["params"]
+    state = init_train_state(model, OPT, _batches()[0]["inputs"], params=params)
+    step = make_train_step(model, _loss(model), OPT)
+    losses = []
+    for b in _batches():
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    ref_losses, ref = train_one_device(params, _batches(), _loss(Llama(cfg)), OPT)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(unshard_params(model, state)), jax.tree.leaves(ref.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+    batch = _batches()[0]
+    hlo = executed_collectives(step, state, batch, scalars=False)
+    comm = step.communication(state, batch)
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (comm["total"][kind]["count"],
+                                                              comm["total"][kind]["bytes"]), (kind, hlo, comm)
+    # per layer and k / v projection: its kernel gathered forward, its output's heads gathered backward
+    out = BATCH // 2 * SEQ * kv * (HIDDEN // heads) * 4
+    assert comm["total"]["all-gather"]["bytes"] == 2 * LAYERS * (HIDDEN * kv * (HIDDEN // heads) * 4 + out)
+    assert hlo["all-to-all"]["count"] == hlo["collective-permute"]["count"] == 0
