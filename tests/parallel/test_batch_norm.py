@@ -2,7 +2,8 @@
 data-parallel, its statistics carried in ``TrainState.batch_stats``, in torch's two ways:
 
 - ``batch_norm="sync"`` (torch's ``SyncBatchNorm``): the batch statistics of the global batch, so 3 SGD steps
-  over dp=8 equal 1-device training on the global batch (parameters and running statistics within 1e-5);
+  over dp=8, dp=2 x fsdp=4, FSDP units and checkpointed units holding BatchNorms equal 1-device training on
+  the global batch (parameters and running statistics within 1e-5);
 - ``batch_norm="broadcast"`` (DDP's ``broadcast_buffers=True``, the default): each rank normalizes with its own
   rows' statistics, the gradients are averaged, and the state keeps rank 0's running statistics; equal to a
   1-device loop over the 8 ranks' rows that does exactly that.
@@ -19,7 +20,7 @@ import optax
 import pytest
 
 import spmd
-from spmd.parallel import init_train_state, make_train_step
+from spmd.parallel import activation_checkpointing, fully_shard, init_train_state, make_train_step, unshard_params
 from tests._one_device import assert_trees_close
 from tests.zoo.resnet import ResNet
 
@@ -68,24 +69,33 @@ def _one_device(ranks: int):
     return losses, params, stats
 
 
-def _train(mesh, batch_norm, **kw):
+def _train(mesh, batch_norm, units=None, **kw):
+    """(losses, logical params, state): STEPS steps of MODEL, plain over ``mesh`` (DDP), ``fully_shard`` on the
+    blocks (``units="fsdp"``: FSDP units whose BatchNorms update the statistics inside them) or with the
+    blocks checkpointed (``"remat"``, DDP)."""
     v = _variables()
-    state = init_train_state(MODEL, OPT, params=v["params"], batch_stats=v["batch_stats"], mesh=mesh)
-    step = make_train_step(MODEL, loss_fn, OPT, mesh=mesh, batch_norm=batch_norm, **kw)
+    model, on = MODEL, {"mesh": mesh}
+    if units == "fsdp":
+        model, on = fully_shard(MODEL, mesh=mesh, units=["ResNetBlock_*"]), {}
+    elif units == "remat":
+        model = activation_checkpointing(MODEL, units=["ResNetBlock_*"])
+    state = init_train_state(model, OPT, params=v["params"], batch_stats=v["batch_stats"], **on)
+    step = make_train_step(model, loss_fn, OPT, batch_norm=batch_norm, **on, **kw)
     losses = []
     for i in range(STEPS):
         state, metrics = step(state, _batch(i))
         losses.append(float(metrics["loss"]))
-    return losses, state
+    return losses, unshard_params(model, state), state
 
 
-@pytest.mark.parametrize("shape,names", [((8,), ("dp",)), ((2, 4), ("dp", "fsdp"))])
-def test_sync_batch_norm_equals_one_device_on_the_global_batch(shape, names):
+@pytest.mark.parametrize("shape,names,units", [((8,), ("dp",), None), ((2, 4), ("dp", "fsdp"), None),
+                                               ((2, 4), ("dp", "fsdp"), "fsdp"), ((8,), ("dp",), "remat")])
+def test_sync_batch_norm_equals_one_device_on_the_global_batch(shape, names, units):
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
-    losses, state = _train(mesh, "sync")
+    losses, params, state = _train(mesh, "sync", units)
     ref_losses, ref_params, ref_stats = _one_device(1)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
-    assert_trees_close(state.params, ref_params, atol=1e-5)
+    assert_trees_close(params, ref_params, atol=1e-5)
     assert_trees_close(state.batch_stats, ref_stats, atol=1e-5)
     # the statistics moved (3 updates at momentum 0.9), and rank 0's slice alone gives other ones
     _, _, rank0_stats = _one_device(8)
@@ -95,14 +105,14 @@ def test_sync_batch_norm_equals_one_device_on_the_global_batch(shape, names):
 
 def test_broadcast_keeps_rank_0s_statistics_and_averages_local_gradients():
     mesh = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
-    losses, state = _train(mesh, "broadcast")
+    losses, params, state = _train(mesh, "broadcast")
     ref_losses, ref_params, ref_stats = _one_device(8)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
-    assert_trees_close(state.params, ref_params, atol=1e-5)
+    assert_trees_close(params, ref_params, atol=1e-5)
     assert_trees_close(state.batch_stats, ref_stats, atol=1e-5)
     _, global_params, _ = _one_device(1)  # not the global batch's training: the local statistics differ
     diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
-               for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(global_params)))
+               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(global_params)))
     assert diff > 1e-3
 
 

@@ -20,8 +20,8 @@ import pytest
 
 import spmd
 from spmd import Replicate
-from spmd.parallel import (ColwiseParallel, ParallelModule, RowwiseParallel, fully_shard, init_train_state,
-                           make_train_step, parallelize_module, pipeline, unshard_params)
+from spmd.parallel import (ColwiseParallel, ParallelModule, RowwiseParallel, fully_shard, hlo_executed_collectives,
+                           init_train_state, make_train_step, parallelize_module, pipeline, unshard_params)
 from tests._one_device import train_one_device
 
 VOCAB = 64
@@ -273,8 +273,21 @@ def _train(fam: Family, layout: str):
     for _ in range(STEPS):  # one batch, seen 3 times: the loss falls
         state, metrics = step(state, fam.batch(0))
         losses.append(float(metrics["loss"]))
-    return losses, unshard_params(m, state)
+    return losses, unshard_params(m, state), step, state
 
+
+# where the compiled step's collectives differ from the printed table (a family, or a family and layout): not
+# checked, the difference named
+TABLE_GAPS = {
+    "resnet_bn": "the table does not count the BatchNorm statistics' all-reduces",
+    # BART adds final_logits_bias to the logits under stop_gradient: its gradient is zero, XLA drops its
+    # reduction (256 B), the table counts it
+    "hf_bart": "the table counts the reduction of final_logits_bias, whose gradient is zero",
+    # nn.remat inside the scan: the backward pass recomputes each layer with its gathers (14 more all-gathers
+    # of 66 KB than the table at fsdp=8)
+    ("linen_scan_remat", "fsdp"): "the table does not count the all-gathers nn.remat recomputes",
+    ("linen_scan_remat", "hsdp"): "the table does not count the all-gathers nn.remat recomputes",
+}
 
 # the cases in the README's tier (a light training case of two kinds, and every refusal); the rest, a few to
 # 25 s each of compiling on a 2-core machine, form the slow tier
@@ -284,7 +297,8 @@ FAST = {("nnx_list", "fsdp"), ("resnet_bn", "hsdp")}
 def _cases():
     for name in FAMILIES:
         for layout in LAYOUTS:
-            if layout in ("tp", "tp4", "3d") and FAMILIES[name].tp is None or layout == "pipeline" and not FAMILIES[name].pipe:
+            fam = FAMILIES[name]
+            if layout in ("tp", "tp4", "3d") and fam.tp is None or layout == "pipeline" and not fam.pipe:
                 continue
             marks = [pytest.mark.xdist_group(f"zoo_{name}")]
             if (name, layout) not in FAST and (name, layout) not in REFUSED and (name, layout) not in BROKEN:
@@ -304,10 +318,22 @@ def test_zoo(name, layout):
             _train(fam, layout)
         return
     ref_losses, ref_params = _reference(name)
-    losses, params = _train(fam, layout)
+    losses, params, step, state = _train(fam, layout)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     got, want = jax.tree.leaves(params), jax.tree.leaves(ref_params)
     assert len(got) == len(want)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert ref_losses[-1] < ref_losses[0]  # it trained
+    if name in TABLE_GAPS or (name, layout) in TABLE_GAPS:
+        return
+    # the compiled step's collectives equal the printed table's (scalars aside): buffers and bytes per kind; a
+    # pipeline's table, bytes per kind (its permutes too)
+    got = hlo_executed_collectives(step.compiled(state, fam.batch(0)).as_text(), scalars=False)
+    want = step.communication(state, fam.batch(0))
+    if "total" in want:
+        for kind, w in want["total"].items():
+            assert (got[kind]["buffers"], got[kind]["bytes"]) == (w["count"], w["bytes"]), (kind, got, want["total"])
+    else:
+        for kind in ("collective-permute", "all-reduce", "all-gather", "reduce-scatter"):
+            assert got[kind]["bytes"] == want[kind]["bytes"], (kind, got, want)
