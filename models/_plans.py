@@ -21,8 +21,8 @@ from typing import Any
 
 from placements import Replicate, Shard
 from spmd import DeviceMesh
-from spmd.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel, fully_shard,
-                           parallelize_module, weight_stationary_plan)
+from spmd.parallel import (ColwiseParallel, ExpertParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                           fully_shard, parallelize_module, weight_stationary_plan)
 
 __all__ = ["shard_units", "reshard_after_forward", "transformer_tp_plan", "layout_model", "DATA"]
 
@@ -31,14 +31,19 @@ DATA = ("dp", "fsdp")  # the mesh dims the batch is split over
 
 def shard_units(model: Any) -> list[str]:
     """The ``fully_shard`` units of a project model: each transformer block, each MLP layer."""
+    from models._llama import Llama
     from models._mlp import MLP
+    from models._moe import MoE
     from models._transformer import Transformer
 
     if isinstance(model, Transformer):
         return ["block_*"]
     if isinstance(model, MLP):
         return ["hidden_*", "out"]
-    raise TypeError(f"shard_units: model={type(model).__name__} is not a project model (Transformer or MLP).")
+    if isinstance(model, (Llama, MoE)):
+        return ["layers_*"]
+    raise TypeError(f"shard_units: model={type(model).__name__} is not a project model (Transformer, MLP, Llama, "
+                    "MoE).")
 
 
 def reshard_after_forward(model: Any) -> bool:
@@ -110,6 +115,8 @@ def layout_model(model: Any, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
 
     names = mesh.mesh_dim_names
     out = model
+    if "ep" in names:  # the MoE blocks' experts cut over ep, their tokens exchanged with all-to-alls
+        out = parallelize_module(out, mesh["ep"], {"layers_*.mlp.experts": ExpertParallel()})
     if "tp" in names:
         if not isinstance(model, Transformer):
             raise ValueError(f"models.train: a mesh with a 'tp' dim runs the transformer's tensor-parallel plan; "

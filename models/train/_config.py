@@ -37,7 +37,7 @@ __all__ = ["Config", "MODELS", "MESH_DIMS", "SCHEDULES", "CHECKPOINTING", "HARDW
            "DATA_DIMS", "STATE_DIMS", "check_config", "parse_mesh", "parse_bytes", "run_config", "check_resume_config",
            "resume_config", "job_flags"]
 
-MODELS = ("transformer", "mlp")
+MODELS = ("transformer", "mlp", "llama", "moe")  # llama: attention through jax.nn.dot_product_attention (cp runs it)
 # The mesh dims the job knows (name -> what it does), in mesh order.
 MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replicated",
              "fsdp": "fully sharded data parallel: the batch is split over it, parameters, gradients and "
@@ -45,7 +45,11 @@ MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replica
              "tp": "tensor parallel (Megatron): heads, MLP width and vocabulary cut, the batch replicated over it "
                    "(spmd.parallel.parallelize_module; --sequence-parallel also cuts the sequence between blocks)",
              "pp": "pipeline parallel: the transformer's blocks split into stages, the batch into --microbatches "
-                   "run by --schedule (spmd.parallel.pipeline)"}
+                   "run by --schedule (spmd.parallel.pipeline)",
+             "cp": "context parallel: the sequence cut over it, attention across the cut (ring attention; --model "
+                   "llama or moe)",
+             "ep": "expert parallel: the batch split over it, the MoE experts cut over it, tokens sent to their "
+                   "experts with all-to-alls (spmd.parallel.ExpertParallel; --model moe)"}
 # The pipeline schedules (spmd.parallel's, named here without importing JAX).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs")
 # The activation-checkpointing policies (spmd.parallel's POLICIES, named here without importing JAX).
@@ -53,7 +57,7 @@ CHECKPOINTING = ("full", "dots")
 # spmd.parallel.HARDWARE's built-ins, named here so that the command line imports no JAX (a test keeps them equal)
 HARDWARE = ("a100-80g", "h100", "h200", "tpu-v5p")
 # The dims the batch is split over (Shard(0) on each of them).
-DATA_DIMS = ("dp", "fsdp")
+DATA_DIMS = ("dp", "fsdp", "ep")
 # The dims the train state (parameters, gradients, optimizer state) is sharded over.
 STATE_DIMS = ("fsdp", "tp", "pp")
 AUTO = "auto"  # --mesh auto: spmd.parallel.auto_layout picks the layout
@@ -146,6 +150,18 @@ def check_config(cfg: Config) -> None:
         raise ValueError(
             f"models.train: --d-model={cfg.d_model} is not divisible by --heads={cfg.heads}; pick heads dividing d_model."
         )
+    dims = dict(parse_mesh(cfg.mesh) or ()) if cfg.mesh not in (None, AUTO) else {}
+    if "cp" in dims and "pp" in dims:
+        raise ValueError(f"models.train: --mesh={cfg.mesh!r} has both pp and cp: a pipeline's stages run whole "
+                         "micro-batches, the sequence is not cut over cp there; use cp without pp (with dp / fsdp), "
+                         "or pp without cp.")
+    if "cp" in dims and cfg.model not in ("llama", "moe"):
+        raise ValueError(f"models.train: --mesh={cfg.mesh!r} cuts the sequence over cp, which runs attention called "
+                         f"through jax.nn.dot_product_attention; --model {cfg.model} has its own einsum attention "
+                         "(or none): use --model llama (or moe).")
+    if "ep" in dims and cfg.model != "moe":
+        raise ValueError(f"models.train: --mesh={cfg.mesh!r} cuts experts over ep; --model {cfg.model} has none: use "
+                         "--model moe.")
     _real("lr", cfg.lr, 0.0, lo_open=True)
     _real("lr_floor", cfg.lr_floor, 0.0, lo_open=False, hi=1.0)
     _real("clip_norm", cfg.clip_norm, 0.0, lo_open=True)

@@ -28,7 +28,9 @@ import optax
 
 from models._data import DigitTask, TextTask
 from models._ddp import batch_placements
+from models._llama import Llama, LlamaConfig
 from models._mlp import MLP
+from models._moe import MoE, MoEConfig
 from models._fsdp_run import checkpoint_state, logical_params
 from models._plans import layout_model, shard_units
 from models._transformer import Transformer
@@ -158,6 +160,10 @@ def make_model(cfg: Config):
     vocab, seq_len, out_len = task_dims(cfg)
     if cfg.model == "mlp":
         return MLP(vocab, out_len, (cfg.hidden, cfg.hidden))
+    if cfg.model in ("llama", "moe"):  # attention through jax.nn.dot_product_attention; all heads their own KV
+        sizes = dict(vocab_size=vocab, hidden_size=cfg.d_model, intermediate_size=4 * cfg.d_model,
+                     num_layers=cfg.layers, num_heads=cfg.heads, num_kv_heads=cfg.heads, attn_implementation="sdpa")
+        return Llama(LlamaConfig(**sizes)) if cfg.model == "llama" else MoE(MoEConfig(**sizes))
     return Transformer(vocab, seq_len, cfg.layers, cfg.d_model, cfg.heads)
 
 

@@ -111,10 +111,12 @@ def check_head_cuts(jaxpr: Any) -> None:
 
 
 def _pairs_positions(eqn, seq_len: int) -> bool:
-    """A ``dot_general`` of two activations (rank 3+) each keeping a free dim of ``seq_len``: a [T, T] product."""
+    """A ``dot_general`` of two activations (rank 3+) each keeping a free dim of ``seq_len``, the two its output's
+    last dims: a [.., T, T] product of scores."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars[:2]]
-    if any(len(s) < 3 for s in shapes):
+    out = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+    if any(len(s) < 3 for s in shapes) or len(out) < 3 or out[-2:] != (seq_len, seq_len):
         return False
     return all(any(d == seq_len for i, d in enumerate(s) if i not in c and i not in b)
                for s, c, b in zip(shapes, (lc, rc), (lb, rb)))
