@@ -136,3 +136,21 @@ def test_bad_batch_norm_options_are_refused():
     with pytest.raises(ValueError, match=re.escape("loss_fn(params, batch_stats, batch) must return "
                                                    "(loss, new_batch_stats)")):
         step(state, _batch())
+
+
+def test_an_nnx_model_with_batch_statistics_is_refused_by_name():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, *, rngs):
+            self.conv = nnx.Conv(3, 4, (3, 3), rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.head = nnx.Linear(4, 5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(nnx.relu(self.bn(self.conv(x))).mean((1, 2)))
+
+    mesh = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    with pytest.raises(ValueError, match=re.escape("init_train_state: model=Net holds nnx.BatchStat variables "
+                                                   "('bn/mean' and 1 more")):
+        init_train_state(Net(rngs=nnx.Rngs(0)), OPT, mesh=mesh)

@@ -125,6 +125,7 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
         batch_stats = jax.device_put(batch_stats, rep)
     known = None  # the model's own parameters (shapes), where known
     if is_nnx(inner):
+        _check_no_nnx_batch_stats(where, inner)
         if params is None:
             params = nnx_params(inner)
         else:
@@ -165,6 +166,22 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
         pm._params_seen.append(describe_tree(known))
     step = jax.device_put(jnp.zeros((), jnp.int32), rep)
     return TrainState(step=step, params=stored, opt_state=opt_state, plan=plan, batch_stats=batch_stats)
+
+
+def _check_no_nnx_batch_stats(where: str, model: Any) -> None:
+    """An nnx model holding ``nnx.BatchStat`` variables (``nnx.BatchNorm``'s running statistics) is refused: the
+    step carries a linen model's ``batch_stats`` only, and an nnx model's updates to its own would be lost."""
+    from flax import nnx
+
+    stats = [path for path, v in nnx.iter_graph(model) if isinstance(v, nnx.BatchStat)]
+    if stats:
+        name = "/".join(str(p) for p in stats[0])
+        raise ValueError(
+            f"{where}: model={type(model).__name__} holds nnx.BatchStat variables ({name!r} and {len(stats) - 1} "
+            "more: nnx.BatchNorm's running statistics); the train step carries a linen model's batch_stats "
+            "collection (TrainState.batch_stats) but not an nnx model's, whose updates would be lost. Write the "
+            "model with flax.linen's nn.BatchNorm, or use a normalization without running statistics "
+            "(nnx.LayerNorm, nnx.GroupNorm).")
 
 
 def unshard_params(model: Any, params: Any, *example_inputs: Any) -> Any:
