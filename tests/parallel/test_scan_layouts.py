@@ -1,11 +1,13 @@
-"""Every layout on blocks under ``nn.scan``, the model unchanged: tensor and sequence parallelism inside the
-scan (each block's cut one dim past the stacked layer axis, at any ``variable_axes`` position, with or
-without ``nn.remat``), HSDP and 3-D train equal to 1-device training, and the communication table equals
-the compiled loop's collectives times its trip count."""
+"""Every layout on blocks under ``nn.scan`` (linen) and ``nnx.vmap`` + ``nnx.scan`` (nnx), the model unchanged:
+tensor and sequence parallelism inside the scan (each block's cut one dim past the stacked layer axis, at
+any ``variable_axes`` position, with or without ``nn.remat``), DDP, FSDP per layer, HSDP and 3-D train equal
+to 1-device training, and the communication table equals the compiled loop's collectives times its trip
+count."""
 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +16,13 @@ import optax
 import pytest
 
 import spmd
+from flax import nnx
 from placements import Replicate, Shard
 from spmd.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                            executed_collectives, fully_shard, init_train_state, make_train_step, parallelize_module,
                            unshard_params)
 from tests._one_device import assert_trees_close, train_one_device
-from tests.third_party.scanned import ScannedMLP
+from tests.third_party.scanned import ScannedMLP, nnx_scanned_mlp
 
 VOCAB, STEPS = 32, 3
 OPT = optax.sgd(0.1)
@@ -50,6 +53,8 @@ def _tp_plan(sp: bool) -> dict:
 
 
 def _layout(model, spec: str):
+    if spec == "fsdp":
+        return fully_shard(model, mesh=spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("fsdp",)), units=["layers"])
     if spec == "hsdp":
         mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "fsdp"))
         return fully_shard(model, mesh=mesh["dp", "fsdp"], units=["layers"])
@@ -115,3 +120,52 @@ def test_scanned_blocks_train_equal_to_one_device_and_the_table_is_the_loops_col
     calls = {r["module"]: r.get("calls", 1) for r in comm["modules"]}
     if spec != "hsdp":
         assert calls["layers.up"] == calls["layers.down"] == 2
+
+
+def _nnx_loss(m, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(m(batch["inputs"]), batch["targets"]).mean()
+
+
+@functools.lru_cache(maxsize=None)
+def _nnx_reference():
+    graphdef, params = nnx.split(nnx_scanned_mlp(vocab=VOCAB), nnx.Param)
+    losses, state = train_one_device(params, [_batch(i) for i in range(STEPS)],
+                                     lambda p, b: _nnx_loss(nnx.merge(graphdef, p), b), OPT)
+    return losses, state.params
+
+
+NNX = ["dp", "fsdp", "hsdp", "tp", "tp+sp", "3d"]
+
+
+@pytest.mark.parametrize("spec", [pytest.param(s, marks=[pytest.mark.slow] if s in ("tp+sp", "hsdp") else [])
+                                  for s in NNX])
+def test_nnx_scanned_blocks_train_equal_to_one_device_and_the_table_is_the_loops_collectives(spec):
+    ref_losses, ref_params = _nnx_reference()
+    model = nnx_scanned_mlp(vocab=VOCAB)
+    kw = {"mesh": spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))} if spec == "dp" else {}
+    model = model if spec == "dp" else _layout(model, spec)
+    state = init_train_state(model, OPT, EXAMPLE, **kw)  # the inputs it is called on: nnx.scan's layer axis
+    if spec != "dp":
+        assert dict(state.plan.scans) == {"layers": 2}
+    step = make_train_step(model, _nnx_loss, OPT, **kw)
+    losses = []
+    for i in range(STEPS):
+        state, metrics = step(state, _batch(i))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_trees_close(unshard_params(model, state), ref_params)
+    hlo = executed_collectives(step, state, _batch(0), scalars=False)
+    table = step.communication(state, _batch(0))["total"]
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (table[kind]["count"], table[kind]["bytes"]), (kind, hlo,
+                                                                                                             table)
+
+
+def test_an_nnx_scan_laid_out_without_example_inputs_is_a_clear_error_at_the_first_step():
+    model = _layout(nnx_scanned_mlp(vocab=VOCAB), "fsdp")
+    step = make_train_step(model, _nnx_loss, OPT)
+    with pytest.raises(ValueError, match=re.escape(
+            "train_step: module 'layers' runs under nnx.scan (parameter 'layers/down/bias/value' is stacked along "
+            "axis 0), but the state was laid out without knowing it; pass example inputs the model is called on "
+            "when you build it: init_train_state(model, optimizer, *example_inputs).")):
+        step(init_train_state(model, OPT), _batch(0))

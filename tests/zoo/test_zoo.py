@@ -155,7 +155,7 @@ FAMILIES = {
     "nnx_list": Family("nnx", _nnx_list, _tokens, _nnx_loss, ("blocks.*",),
                        {"blocks.*.up": COL, "blocks.*.down": ROW}, "blocks.*"),
     "nnx_scan": Family("nnx", _nnx_scan, _tokens, _nnx_loss, ("blocks",), {"blocks.up": COL, "blocks.down": ROW},
-                       "blocks"),
+                       "blocks", example=(np.zeros((2, 8), np.int32),)),  # what it is called on: its layer axis
     "linen_scan_remat": Family("linen", _linen_scan, _tokens,
                                lambda mod: lambda p, b: _ce(mod.apply({"params": p}, b["inputs"]), b["targets"]),
                                ("layers",),
@@ -183,9 +183,6 @@ REFUSED: dict[tuple[str, str], tuple[type, str]] = {
                                                  "output_layouts=Replicate(), use_local_output=True, dim=None) on "
                                                  "'head' cuts dim 0 of 'head/bias' (shape (10,), size 10) over tp=4, "
                                                  "which does not divide it")),
-    # the cut lands on the stacked layer axis (2 layers), not the features
-    ("nnx_scan", "tp4"): (ValueError, re.escape("on 'blocks.down' cuts dim 0 of 'blocks/down/kernel/value' (shape "
-                                                "(2, 64, 32), size 2) over tp=4, which does not divide it")),
     ("linen_scan_remat", "pipeline"): (ValueError, re.escape("pipeline: units='layers' matches 1 modules (layers), "
                                                              "fewer than the 2 stages")),
     ("nnx_scan", "pipeline"): (ValueError, re.escape("pipeline: units='blocks' matches 1 modules (blocks), fewer "
@@ -194,10 +191,6 @@ REFUSED: dict[tuple[str, str], tuple[type, str]] = {
 # (family, layout) -> what fails: an error the library does not own today (a strict xfail: it must become a
 # working case or a clear refusal)
 BROKEN: dict[tuple[str, str], str] = {
-    ("nnx_scan", "fsdp"): "TypeError from a reshape: cannot reshape array of shape (2,) into shape [1, 1, 32]",
-    ("nnx_scan", "hsdp"): "TypeError from a reshape: cannot reshape array of shape (2,) into shape [1, 1, 32]",
-    ("nnx_scan", "tp"): "IndexError: list index out of range (the tp cut lands on the layer axis)",
-    ("nnx_scan", "3d"): "ValueError from jax.lax.scan: scan got values with different leading axis sizes",
 }
 
 
@@ -263,9 +256,9 @@ def _laid_out(fam: Family, layout: str):
 def _train(fam: Family, layout: str):
     m, mesh, params, stats = _laid_out(fam, layout)
     kw = {} if isinstance(m, ParallelModule) or "pp" in LAYOUTS[layout] else {"mesh": mesh}
-    args = fam.example if fam.kind == "linen" else ()
+    args = fam.example or ()
     if fam.kind == "nnx":
-        state = init_train_state(m, OPT, **kw)
+        state = init_train_state(m, OPT, *args, **kw)
     else:
         state = init_train_state(m, OPT, *args, params=params, **kw, **({"batch_stats": stats} if stats else {}))
     step = make_train_step(m, fam.loss(m), OPT, **kw, **({"batch_norm": "sync"} if stats else {}))

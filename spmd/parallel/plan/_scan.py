@@ -96,7 +96,7 @@ def stacked_in(plan: Any) -> dict[str, tuple[str, int]]:
     return {e.path: e.stacked for e in plan.entries if e.stacked is not None}
 
 
-def check_unscanned(plan: Any, run: Callable, *args: Any, seen: Mapping | None = None) -> None:
+def check_unscanned(plan: Any, run: Callable, *args: Any, seen: Mapping | None = None, nnx: bool = False) -> None:
     """A plan built without example inputs (no stacked axes known) against a trace of ``run(*args)`` (the
     user's loss on the logical parameters; ``seen``: that trace's ``trace_seen``, if already made): a model
     whose blocks turn out to run under ``nn.scan`` is an error naming the fix, before the step slices a cut
@@ -110,6 +110,11 @@ def check_unscanned(plan: Any, run: Callable, *args: Any, seen: Mapping | None =
     found = find_stacked(seen, logical)
     if found:
         path, (module, axis) = next(iter(found.items()))
+        if nnx:
+            raise ValueError(
+                f"train_step: module {module!r} runs under nnx.scan (parameter {path!r} is stacked along axis "
+                f"{axis}), but the state was laid out without knowing it; pass example inputs the model is called "
+                "on when you build it: init_train_state(model, optimizer, *example_inputs).")
         raise ValueError(
             f"train_step: module {module!r} runs under nn.scan (parameter {path!r} is stacked along axis {axis}), "
             "but the state was laid out without knowing it; pass example inputs when you build it: "

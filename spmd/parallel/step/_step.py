@@ -47,7 +47,7 @@ from spmd.parallel.step._heads import check_whole_sequence, head_splits, whole_o
 from spmd.parallel.step._model_checks import check_model_params, check_seen, check_state_params, held_params
 from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
 from spmd.parallel.styles._hooks import Hooks
-from spmd.parallel.styles._nnx import is_nnx, nnx_loss, nnx_params
+from spmd.parallel.styles._nnx import is_nnx, nnx_loss, nnx_params, nnx_trace_seen
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan
 from spmd.parallel.plan._shard import entry_sharding, map_like_params, shard_params, unshard_tree
 from spmd.parallel.plan._scan import check_unscanned, find_stacked, stacked_in, trace_seen
@@ -89,7 +89,8 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
     ``params=``: place these (logical) parameters; ``init_args``, if given, are example inputs (a model
     whose blocks run under ``nn.scan`` needs them: the plan must know the stacked layer axis). Otherwise ``init_args = (rng, *example_inputs)``:
     initialize straight into the shards (``model.init`` compiled with the shards as its outputs) with the
-    values the unwrapped model's ``init`` gives for that rng. An nnx model holds its parameters: give none.
+    values the unwrapped model's ``init`` gives for that rng. An nnx model holds its parameters: give none;
+    its ``init_args`` are example inputs it is called on (``model(*init_args)``: blocks under ``nnx.scan``).
     ``mesh=``: for a model with neither transform (DDP over every dim of ``mesh``).
 
     ``params=`` must be the model's (paths, shapes, dtypes): checked against ``nnx.state(model, nnx.Param)``,
@@ -130,7 +131,7 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
             params = nnx_params(inner)
         else:
             check_model_params(where, "params=", inner, params)
-        known, init_args = params, ()
+        known = params  # init_args: example inputs the module is called on (its nnx.scan blocks' layer axis)
     elif params is not None:
         hint = params_hint(params, sure=True)
         if hint:
@@ -367,8 +368,10 @@ class _LayoutStep(TrainStep):
                                  f"({pm!r}); build it with init_train_state on the same model.")
             seen = check_state_params(pm, loss_fn, logical, batch)
             check_opt_state("train_step", self._optimizer, state.params, state.opt_state)
-            if (pm.tp or set(state.plan.units) - {ROOT}) and not is_nnx(pm.module):
-                check_unscanned(state.plan, loss_fn, logical, batch, seen=seen)
+            if pm.tp or set(state.plan.units) - {ROOT}:
+                if is_nnx(pm.module):
+                    seen = nnx_trace_seen(pm.module, logical, lambda m: loss_fn(m, batch))
+                check_unscanned(state.plan, loss_fn, logical, batch, seen=seen, nnx=is_nnx(pm.module))
             self._verified.add(key)
         return batch
 

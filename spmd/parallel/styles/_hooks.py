@@ -352,7 +352,7 @@ class Hooks(TPCalls, RematCalls):
 
         rels = [rel for rel, _ in own]
         lookup = typ == "Embed" and self.rows_cut(  # a vocabulary-cut Embed's lookup
-            typ, [self.plan.entry(p) for p, _ in params], rels)
+            typ, [self.entry_for(p, v) for p, v in params], rels)
 
         def run_local(vals, a, k, zero_bias):
             if lookup:
@@ -370,7 +370,7 @@ class Hooks(TPCalls, RematCalls):
         from spmd.parallel.styles._nnx import nnx_unit_params
 
         params = nnx_unit_params(sub)
-        entries = [self.plan.entry(f"{spath}/{rel}/value") for rel, _ in params]
+        entries = [self.entry_for(f"{spath}/{rel}/value", v[...]) for rel, v in params]  # nnx.scan: one layer
         mine = [i for i, e in enumerate(entries) if e.unit == spath]
         arrays, rebuild = split_arrays((args, kwargs))
 

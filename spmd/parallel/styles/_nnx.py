@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import jax
 
-__all__ = ["is_nnx", "nnx_params", "nnx_loss"]
+__all__ = ["is_nnx", "nnx_params", "nnx_loss", "nnx_trace_seen"]
 
 _HOOKED: dict[type, type] = {}  # nnx module class -> its hooked subclass (classes only; no results cached)
 
@@ -85,3 +85,28 @@ def with_values(sub: Any, values: dict) -> Any:
         rel = rel[: -len("/value")] if rel.endswith("/value") else rel
         leaves.append(values.get(rel, x))
     return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+class _Seen:
+    """Hooks that only look: the shape each hooked submodule's call sees of its parameters (``nnx_trace_seen``)."""
+
+    def __init__(self):
+        self.seen: dict[str, dict[str, tuple[int, ...]]] = {}
+
+    def nnx_call(self, fqn: str, sub: Any, orig: Callable, args: tuple, kwargs: dict) -> Any:
+        import numpy as np
+
+        spath = fqn.replace(".", "/")
+        for rel, v in nnx_unit_params(sub):
+            self.seen.setdefault(f"{spath}/{rel}/value", {}).setdefault(spath, tuple(np.shape(v[...])))
+        return orig(sub, *args, **kwargs)
+
+
+def nnx_trace_seen(model: Any, params: Any, run: Callable) -> dict[str, dict[str, tuple[int, ...]]]:
+    """``{param path: {module path: shape}}``: the shapes the submodules of ``model`` (with ``params``, arrays or
+    shapes) see of their parameters when ``run(m)`` calls the model abstractly (nothing runs). A block under
+    ``nnx.vmap`` + ``nnx.scan`` sees one layer of parameters stored with one more axis (the layer): what
+    ``spmd.parallel.plan._scan.find_stacked`` reads, as for a linen ``nn.scan``."""
+    rec = _Seen()
+    jax.eval_shape(lambda p: nnx_loss(model, lambda m, _: run(m), p, None, rec), params)
+    return rec.seen

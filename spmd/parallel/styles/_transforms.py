@@ -188,12 +188,15 @@ class ParallelModule(Wrapped):
 
 def stacked_of(module: Any, params: Any, example_inputs: Sequence[Any], batch_stats: Any = None) -> dict | None:
     """The parameters a linen ``module`` applied to ``example_inputs`` sees stacked by ``nn.scan`` (none given:
-    ``None``; an nnx module: none); ``batch_stats``: the model's statistics collection, updated in the trace."""
-    from spmd.parallel.styles._nnx import is_nnx
+    ``None``), or an nnx ``module`` called on them by ``nnx.scan``; ``batch_stats``: the model's statistics
+    collection, updated in the trace."""
+    from spmd.parallel.styles._nnx import is_nnx, nnx_trace_seen
     from spmd.parallel.plan._scan import find_stacked, trace_seen
 
-    if not example_inputs or is_nnx(module):
+    if not example_inputs:
         return None
+    if is_nnx(module):
+        return find_stacked(nnx_trace_seen(module, params, lambda m: m(*example_inputs)), params)
     if batch_stats is None:
         return find_stacked(trace_seen(lambda p: module.apply({"params": p}, *example_inputs), params)[1], params)
     return find_stacked(trace_seen(lambda p: module.apply({"params": p, "batch_stats": batch_stats}, *example_inputs,
@@ -437,7 +440,9 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
                     f"parallelize_module: {tp.style_for(fqn)[1]!r} on {fqn!r} cuts dim {t.dim} of {path!r} "
                     f"(shape {shape}, size {shape[t.dim]}) over {tp.mesh_dim}={n_tp}, which does not divide it; a "
                     f"tensor-parallel cut must be even (the model reads global shapes): use a tp size dividing "
-                    f"{shape[t.dim]}, another dim=, or leave the module out of the plan.")
+                    f"{shape[t.dim]}, another dim=, or leave the module out of the plan."
+                    + ("" if stacked else " A module under nn.scan / nnx.scan is cut as its block sees it once the "
+                       "plan knows the layer axis: give init_train_state the example inputs the model is called on."))
             pl[tp.mesh_dim] = t
         if path in ep_of_path:
             pl[model.ep.mesh_dim] = ep_of_path[path]
