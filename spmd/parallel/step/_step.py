@@ -171,7 +171,8 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
 
 def _check_no_nnx_batch_stats(where: str, model: Any) -> None:
     """An nnx model holding ``nnx.BatchStat`` variables (``nnx.BatchNorm``'s running statistics) is refused: the
-    step carries a linen model's ``batch_stats`` only, and an nnx model's updates to its own would be lost."""
+    step carries a linen model's ``batch_stats`` only (an nnx model's own updates inside the step are refused
+    by flax: a ``TraceContextError``)."""
     from flax import nnx
 
     stats = [path for path, v in nnx.iter_graph(model) if isinstance(v, nnx.BatchStat)]
@@ -180,7 +181,7 @@ def _check_no_nnx_batch_stats(where: str, model: Any) -> None:
         raise ValueError(
             f"{where}: model={type(model).__name__} holds nnx.BatchStat variables ({name!r} and {len(stats) - 1} "
             "more: nnx.BatchNorm's running statistics); the train step carries a linen model's batch_stats "
-            "collection (TrainState.batch_stats) but not an nnx model's, whose updates would be lost. Write the "
+            "collection (TrainState.batch_stats), not an nnx model's statistics. Write the "
             "model with flax.linen's nn.BatchNorm, or use a normalization without running statistics "
             "(nnx.LayerNorm, nnx.GroupNorm).")
 
