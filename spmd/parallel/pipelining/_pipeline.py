@@ -47,7 +47,9 @@ their gradients once; the optimizer state stays cut. The rest (embeddings, head)
 region automatic over tp and the tp hooks inside each stage (``spmd.parallel.pipelining._tp``); both
 (``fully_shard(parallelize_module(...), mesh=mesh["fsdp"])``): the stages cut over fsdp and tp on two dims,
 ``pp x dp x fsdp x tp``. HSDP (``fully_shard(model, mesh=mesh["dp", "fsdp"])``): the stages cut over fsdp,
-their shards averaged over dp. Not offered: mixed precision, tp stages of an nnx model, dropout rngs.
+their shards averaged over dp. Not offered: mixed precision, tp stages of an nnx model, dropout rngs, stages
+cut from a scanned stack's layer axis (``nn.scan`` / ``nnx.scan``: refused by name when ``init_train_state``
+has the example inputs that reveal the stack).
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ class StageLayout:
         if len(found) < n_st:
             raise ValueError(f"{where}: units={pm.units!r} matches {len(found)} modules ({', '.join(found)}), fewer "
                              f"than the {n_st} stages ({pm.pp}={s.pp} x stages_per_rank={s.stages_per_rank}); use "
-                             "fewer stages or a deeper model.")
+                             "fewer stages or a deeper model (a stack under nn.scan or nnx.scan is one module here: "
+                             "pipeline stages of a scanned stack are not supported yet; build its blocks as a list).")
         self.found = found
         self.units = found  # record() checks that the model calls them in this order
         rel0 = [p[len(found[0]) + 1:] for p in self.paths if p.startswith(found[0] + "/")]

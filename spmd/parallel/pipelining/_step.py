@@ -76,7 +76,35 @@ def init_pipeline_state(pm, optimizer, *init_args, params=None, mesh=None) -> Tr
         rng, *xs = init_args
         check_rng(where, rng)
         params = jax.jit(lambda r: pm.module.init(r, *xs)["params"])(rng)
+        init_args = tuple(xs)
+    if init_args and kind in ("linen", "nnx"):
+        _check_unscanned_units(pm, params, init_args)
     return _place(pm, optimizer, params)
+
+
+def _check_unscanned_units(pm, params, example_inputs) -> None:
+    """Units that are (or lie in) a scanned stack (``nn.scan`` / ``nnx.scan``, found by one abstract call of the
+    model on ``example_inputs``) are refused by name: the stages stack units, and a stack is one module here."""
+    import re
+
+    from spmd.parallel.plan._param_plan import path_str
+    from spmd.parallel.styles._transforms import glob_regex, stacked_of
+
+    stacked = stacked_of(pm.module, params, example_inputs) or {}
+    shapes = {path_str(kp): np.shape(x) for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    pat = glob_regex(pm.units, "/")
+    for path, (m, axis) in stacked.items():
+        comps = path.split("/")
+        u = next(("/".join(comps[:i]) for i in range(1, len(comps)) if re.fullmatch(pat, "/".join(comps[:i]))), None)
+        if u is not None:
+            raise ValueError(
+                f"pipeline: units={pm.units!r} matches {u!r}, " + ("a scanned stack" if u == m else "a module of a "
+                                                                    "scanned stack")
+                + f" ({m!r} runs under {'nnx.scan' if model_kind(pm.module) == 'nnx' else 'nn.scan'}: its "
+                f"{shapes[path][axis]} layers stacked on axis {axis} of its parameters); pipeline stages of a scanned "
+                "stack (slices of its layer axis) are not supported yet. Build those blocks as a Python list to "
+                "pipeline them, or lay the stack out with fully_shard / parallelize_module, which run inside the "
+                "scan.")
 
 
 def unshard_pipeline_params(pm, params) -> Any:
