@@ -175,21 +175,58 @@ def test_fewer_kv_heads_than_tp_in_pipeline_stages_trains_as_one_device_and_its_
     assert hlo["all-to-all"]["count"] == 0
 
 
-def test_a_projection_run_whole_over_tp_with_its_input_cut_is_refused():
-    """1 KV head over tp=2 whose style takes its input cut on the sequence: it would read its whole input."""
+def test_a_projection_run_whole_over_tp_with_its_input_cut_on_the_batch_is_refused():
+    """1 KV head over tp=2 whose style takes its input cut on the batch (the weight-stationary layout)."""
     from spmd import Shard
 
     model = Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                               num_kv_heads=1))
     params = model.init(jax.random.key(0), jnp.zeros((2, SEQ), jnp.int32))["params"]
     mesh = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    pm = parallelize_module(model, mesh["tp"], {"layers_*.self_attn.k_proj": ColwiseParallel(input_layouts=Shard(1))})
+    pm = parallelize_module(model, mesh["tp"], {"layers_*.self_attn.k_proj": ColwiseParallel(input_layouts=Shard(0))})
     step = make_train_step(pm, _loss(pm), OPT)
     with pytest.raises(ValueError, match=re.escape(
-            "parallelize_module: ColwiseParallel on 'layers_0.self_attn.k_proj' takes its input cut (Shard(dim=1): "
-            "sequence parallelism or the weight-stationary layout), and its output is split into 1 heads, fewer than "
-            "tp=2")):
+            "parallelize_module: ColwiseParallel on 'layers_0.self_attn.k_proj' takes its input cut (Shard(dim=0): "
+            "the weight-stationary layout's batch cut), and its output is split into 1 heads, fewer than tp=2")):
         step(init_train_state(pm, OPT, params=params), _batches()[0])
+
+
+@pytest.mark.slow
+def test_fewer_kv_heads_than_tp_under_sequence_parallelism_trains_as_one_device_and_its_table_is_the_hlo():
+    """2 KV heads at dp=2 x tp=4 with sequence parallelism: the k / v projections gather their sequence-cut
+    input whole (one all-gather each, its gradient sliced back) and run whole over tp."""
+    from spmd import Replicate, Shard
+    from spmd.parallel import SequenceParallel
+
+    heads, kv = 4, 2
+    col, row = ColwiseParallel(input_layouts=Shard(1)), RowwiseParallel(output_layouts=Shard(1))
+    plan = {f"layers_*.self_attn.{p}_proj": col for p in "qkv"} | {
+        "layers_*.self_attn.o_proj": row, "layers_*.mlp.gate_proj": col, "layers_*.mlp.up_proj": col,
+        "layers_*.mlp.down_proj": row, "layers_*.input_layernorm": SequenceParallel(),
+        "layers_*.post_attention_layernorm": SequenceParallel(), "norm": SequenceParallel(),
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(Llama(_config(heads, kv)), mesh["tp"], plan)
+    state = init_train_state(model, OPT, params=_params(heads, kv))
+    step = make_train_step(model, _loss(model), OPT)
+    losses = []
+    for b in _batches():
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    ref_losses, ref = _reference(heads, kv)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(unshard_params(model, state)), jax.tree.leaves(ref.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+    batch = _batches()[0]
+    hlo = executed_collectives(step, state, batch, scalars=False)
+    comm = step.communication(state, batch)
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (comm["total"][kind]["count"],
+                                                              comm["total"][kind]["bytes"]), (kind, hlo, comm)
+    whole = [r for r in comm["modules"] if r.get("whole_heads")]
+    assert len(whole) == 2 * LAYERS and all(r["in_layout"] == Shard(1) for r in whole)
+    assert hlo["all-to-all"]["count"] == hlo["collective-permute"]["count"] == 0
 
 
 @pytest.mark.slow

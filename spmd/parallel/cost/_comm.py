@@ -27,7 +27,9 @@ HLO reader's ``buffers`` and ``bytes`` are what equal this table).
   (``spmd.parallel.step._heads``; grouped-query attention's key / value heads), run whole over tp: an
   all-gather forward of each of its parameters the plan cuts over tp; backward, its output's gradient
   (``A``, whole on each device) summed over the devices sharing a head (an all-reduce of ``A / heads``, when
-  tp exceeds the heads) and gathered across the heads (an all-gather of ``A``, when there are several).
+  tp exceeds the heads) and gathered across the heads (an all-gather of ``A``, when there are several);
+  under sequence parallelism its input is all-gathered forward too (one per such module), its gradient
+  sliced back.
 - **tp, weight-stationary** (a plan cutting the activations on the batch, ``spmd.parallel.styles._weight_stationary``):
   the terms above, plus one all-reduce over tp per micro-batch of the gradient of each parameter whole over
   tp that no module on its tp blocks reads (the model's own
@@ -145,6 +147,8 @@ def activation_terms(records: Sequence[dict], *, accum_steps: int = 1, part: str
                 add("forward", "all-gather", a_out)
                 add("backward", "reduce-scatter", a_out)
         elif r.get("whole_heads"):  # a projection with fewer heads than tp, run whole over tp
+            if isinstance(r["in_layout"], Shard):  # its sequence-cut input gathered whole (its gradient: a slice)
+                add("forward", "all-gather", a_in)
             for nbytes in r["gathered_params"]:
                 add("forward", "all-gather", nbytes)
             heads, n = r["whole_heads"], r["n_tp"]

@@ -276,23 +276,29 @@ class TPCalls:
     def _whole_call(self, fqn, typ, style, call, args, kwargs, params, run_local):
         """A projection whose heads are fewer than the tp size (``whole_heads``; ``spmd.parallel.step._heads``)
         run whole over tp, in global view: its parameters cut over tp gathered whole (an all-gather each, kept
-        for the backward pass), its output whole on every device (each device reads the heads its query heads
-        use) and its output's gradient made whole (the devices sharing a head sum their parts: an all-reduce
-        within each group, then an all-gather across the groups when there are several heads)."""
+        for the backward pass), a sequence-cut input too (its gradient sliced back), its output whole on every
+        device (each device reads the heads its query heads use) and its output's gradient made whole (the
+        devices sharing a head sum their parts: an all-reduce within each group, then an all-gather across the
+        groups when there are several heads)."""
         heads = self.whole_heads[fqn]
         if style is not None:
             given = style.input_layouts_for(typ)[0]
             given = given[0] if isinstance(given, (tuple, list)) else given
-            if isinstance(given, Shard):
+            if isinstance(given, Shard) and given.dim % np.ndim(args[0]) != 1:
                 raise ValueError(
-                    f"parallelize_module: {type(style).__name__} on {fqn!r} takes its input cut ({given!r}: sequence "
-                    f"parallelism or the weight-stationary layout), and its output is split into {heads} heads, fewer "
-                    f"than tp={self.n_tp}: such a projection runs whole over tp and reads its whole input. Give it "
-                    "ColwiseParallel() (input Replicate()) without sequence parallelism, or use a tp size that its "
-                    "heads divide by.")
+                    f"parallelize_module: {type(style).__name__} on {fqn!r} takes its input cut ({given!r}: the "
+                    f"weight-stationary layout's batch cut), and its output is split into {heads} heads, fewer than "
+                    f"tp={self.n_tp}: such a projection runs whole over tp on its whole input, which this layout "
+                    "never gathers. Use a tp size that its heads divide by, or a layout without the batch cut "
+                    "(Megatron's, or sequence parallelism).")
         ents = [self.entry_for(p, v) for p, v in params]
         vals = [v for _, v in params]
         cut = [self.tp_cut(e) for e in ents]
+        given = style.input_layouts_for(typ)[0] if style is not None else None
+        given = given[0] if isinstance(given, (tuple, list)) else given
+        x0 = args[0] if args else None
+        if isinstance(given, Shard):  # a sequence-cut input: gathered whole (GSPMD; its gradient sliced back)
+            args = (checkpoint_name(self.constrain(self.constrain(x0, given), Replicate()), TP_COMM), *args[1:])
         if any(cut):
             vals = [checkpoint_name(self.constrain(v, Replicate()), TP_COMM) if c else v for v, c in zip(vals, cut)]
             y = run_local(vals, args, kwargs, False)
@@ -303,11 +309,12 @@ class TPCalls:
         x = args[0] if args else None
         self.records.append({
             "module": fqn, "style": type(style).__name__ if style is not None else "whole over tp", "type": typ,
-            "region": False, "in_layout": Replicate(), "in_desired": Replicate(), "local_out": Replicate(),
+            "region": False, "in_layout": given if isinstance(given, Shard) else Replicate(),
+            "in_desired": Replicate(), "local_out": Replicate(),
             "out_layout": Replicate(),
             "in_bytes": int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize if _is_array(x) else 0,
             "out_bytes": int(np.prod(y.shape)) * jnp.dtype(y.dtype).itemsize, "input_grad": False,
-            "summed_params": [], "input_id": None, "whole_heads": heads, "n_tp": self.n_tp,
+            "summed_params": [], "input_id": id(x0), "whole_heads": heads, "n_tp": self.n_tp,
             "gathered_params": [int(np.prod(np.shape(v))) * jnp.dtype(v.dtype).itemsize
                                 for v, c in zip(vals, cut) if c]})
         return y
