@@ -19,9 +19,10 @@ import optax
 import pytest
 
 import spmd
-from spmd import Replicate
-from spmd.parallel import (ColwiseParallel, ParallelModule, RowwiseParallel, fully_shard, hlo_executed_collectives,
-                           init_train_state, make_train_step, parallelize_module, pipeline, unshard_params)
+from spmd import Replicate, Shard
+from spmd.parallel import (ColwiseParallel, ParallelModule, RowwiseParallel, SequenceParallel, fully_shard,
+                           hlo_executed_collectives, init_train_state, make_train_step, parallelize_module, pipeline,
+                           unshard_params)
 from tests._one_device import train_one_device
 
 VOCAB = 64
@@ -60,6 +61,7 @@ class Family:
     tp: dict | None  # parallelize_module's plan: Megatron over the dense layers (None: none)
     pipe: str | None  # pipeline's units (None: the family has no stack of blocks to split)
     example: Any = None  # a linen model's example inputs (init, and the stacked axes of a scan)
+    sp: dict | None = None  # the plan with sequence parallelism (the norms, the embedding and the head too)
 
 
 def _hf(module: str):
@@ -75,8 +77,18 @@ def _lm(mod):
 
 
 def _megatron(prefix: str, q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", o="self_attn.o_proj",
-              up=("mlp.gate_proj", "mlp.up_proj"), down="mlp.down_proj") -> dict:
-    return ({f"{prefix}.{n}": COL for n in (q, k, v, *up)} | {f"{prefix}.{n}": ROW for n in (o, down)})
+              up=("mlp.gate_proj", "mlp.up_proj"), down="mlp.down_proj", sp: bool = False) -> dict:
+    col = ColwiseParallel(input_layouts=Shard(1)) if sp else COL
+    row = RowwiseParallel(output_layouts=Shard(1)) if sp else ROW
+    return ({f"{prefix}.{n}": col for n in (q, k, v, *up)} | {f"{prefix}.{n}": row for n in (o, down)})
+
+
+def _sp(norms: list[str], embed: str, head: str) -> dict:
+    """Sequence parallelism's other modules: the norms on the sequence cut, the embedding's output cut onto it,
+    the head gathering it back."""
+    return ({n: SequenceParallel() for n in norms}
+            | {embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+               head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
 
 
 def _linen_scan():
@@ -126,7 +138,10 @@ FAMILIES = {
                       {"transformer.h.*.mlp.c_fc": ColwiseParallel(dim=0),
                        "transformer.h.*.mlp.c_proj": RowwiseParallel(dim=1)}, "transformer.h.*"),
     "hf_mistral": Family("hf", _hf("hf_mistral"), _tokens, _lm, ("model.layers.*",), _megatron("model.layers.*"),
-                         "model.layers.*"),
+                         "model.layers.*",
+                         sp=_megatron("model.layers.*", sp=True)
+                         | _sp(["model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm",
+                                "model.norm"], "model.embed_tokens", "lm_head")),
     "hf_gpt_neo": Family("hf", _hf("hf_gpt_neo"), _tokens, _lm, ("transformer.h.*",),
                          {"transformer.h.*.mlp.c_fc": COL, "transformer.h.*.mlp.c_proj": ROW}, "transformer.h.*"),
     "hf_bert": Family("hf", _hf("hf_bert"), _tokens, _lm, ("bert.encoder.layer.*",),
@@ -153,19 +168,29 @@ FAMILIES = {
                         {"head": ColwiseParallel(output_layouts=Replicate())}, "ResNetBlock_*",
                         example=(np.zeros((2, 8, 8, 3), np.float32),)),
     "nnx_list": Family("nnx", _nnx_list, _tokens, _nnx_loss, ("blocks.*",),
-                       {"blocks.*.up": COL, "blocks.*.down": ROW}, "blocks.*"),
+                       {"blocks.*.up": COL, "blocks.*.down": ROW}, "blocks.*",
+                       sp={"blocks.*.up": ColwiseParallel(input_layouts=Shard(1)),
+                           "blocks.*.down": RowwiseParallel(output_layouts=Shard(1))}
+                       | _sp(["blocks.*.norm"], "embed", "head")),
     "nnx_scan": Family("nnx", _nnx_scan, _tokens, _nnx_loss, ("blocks",), {"blocks.up": COL, "blocks.down": ROW},
-                       "blocks", example=(np.zeros((2, 8), np.int32),)),  # what it is called on: its layer axis
+                       "blocks", example=(np.zeros((2, 8), np.int32),),  # what it is called on: its layer axis
+                       sp={"blocks.up": ColwiseParallel(input_layouts=Shard(1)),
+                           "blocks.down": RowwiseParallel(output_layouts=Shard(1))}
+                       | _sp(["blocks.norm"], "embed", "head")),
     "linen_scan_remat": Family("linen", _linen_scan, _tokens,
                                lambda mod: lambda p, b: _ce(mod.apply({"params": p}, b["inputs"]), b["targets"]),
                                ("layers",),
                                _megatron("layers", "query", "key", "value", "out", ("wi_0", "wi_1"), "wo"), "layers",
-                               example=(np.zeros((2, 8), np.int32),)),
+                               example=(np.zeros((2, 8), np.int32),),
+                               sp=_megatron("layers", "query", "key", "value", "out", ("wi_0", "wi_1"), "wo", sp=True)
+                               | _sp(["layers.pre_attention_norm", "layers.pre_mlp_norm", "decoder_norm"],
+                                     "token_embedder", "logits_dense")),
 }
 
 # mesh of each layout (the dims in mesh order)
 LAYOUTS = {"dp": {"dp": 8}, "fsdp": {"fsdp": 8}, "hsdp": {"dp": 2, "fsdp": 4}, "tp": {"dp": 4, "tp": 2},
-           "tp4": {"dp": 2, "tp": 4}, "3d": {"dp": 2, "fsdp": 2, "tp": 2}, "pipeline": {"pp": 2, "dp": 4}}
+           "tp4": {"dp": 2, "tp": 4}, "sp": {"dp": 4, "tp": 2}, "3d": {"dp": 2, "fsdp": 2, "tp": 2},
+           "pipeline": {"pp": 2, "dp": 4}}
 
 # (family, layout) -> (exception, a regex of the library's message): refused today, asserted as such
 REFUSED: dict[tuple[str, str], tuple[type, str]] = {
@@ -249,7 +274,7 @@ def _laid_out(fam: Family, layout: str):
     params, stats = _variables(fam, model)
     m = model
     if "tp" in dims:
-        m = parallelize_module(m, mesh["tp"], fam.tp)
+        m = parallelize_module(m, mesh["tp"], fam.sp if layout == "sp" else fam.tp)
     if "fsdp" in dims:
         m = fully_shard(m, mesh=mesh[tuple(d for d in dims if d in ("dp", "fsdp"))], units=list(fam.units))
     if "pp" in dims:
@@ -294,7 +319,8 @@ def _cases():
     for name in FAMILIES:
         for layout in LAYOUTS:
             fam = FAMILIES[name]
-            if layout in ("tp", "tp4", "3d") and fam.tp is None or layout == "pipeline" and not fam.pipe:
+            if (layout in ("tp", "tp4", "3d") and fam.tp is None or layout == "pipeline" and not fam.pipe
+                    or layout == "sp" and fam.sp is None):
                 continue
             marks = [pytest.mark.xdist_group(f"zoo_{name}")]
             if (name, layout) not in FAST and (name, layout) not in REFUSED and (name, layout) not in BROKEN:
