@@ -8,12 +8,14 @@ cuts moved to the batch; weights never move, activations are gathered over the b
 the pipelines (``pp`` over the divisors of the device count up to the repeated blocks, the rest over
 ``dp`` x ``fsdp`` x ``tp``, 1F1B at pp, 2 pp and 4 pp micro-batches and interleaved with two chunks per
 rank; costed by ``spmd.parallel.auto._pipeline`` from the schedule's tick table), and, where the memory
-budget needs them, gradient accumulation and activation checkpointing of the blocks (``"dots"``, ``"full"``:
-its saving measured on the one-device step, ``spmd.parallel.auto._remat_profile``). Each is
-built through the contract (``apply_layout``) and traced on abstract inputs, nothing compiled:
+budget needs them, gradient accumulation and activation checkpointing of the blocks (``"dots"``, ``"full"``),
+and with ``mixed_precision=`` every FSDP layout computing in that dtype too. Each is built through the
+contract (``apply_layout``) and traced on abstract inputs:
 
 - **communication**: the step's own analytic table (``step.communication``, equal to the compiled HLO);
-- **memory**: peak bytes per device by kind (``spmd.parallel.cost._memory``);
+- **memory**: a lower bound from shapes (``spmd.parallel.cost._memory.memory_floor``), used to prune; under a
+  budget (and ``hardware=``) the candidates that survive it are compiled, not run, in ranked order, and the
+  compiled step's ``memory_analysis()`` is their peak (``spmd.parallel.auto._compiled``; ``_budget.checked``);
 - **time**: the gradients' compute (flops / the calibrated matmul rate + bytes accessed / the elementwise
   rate + operations x the per-operation cost: ``Calibration.compute_s``, ``spmd.parallel.cost._compute_cost``),
   under a measured calibration scaled by the user's own one-device gradient timed on every device at once
@@ -32,17 +34,15 @@ is timed: communication and compute are priced on that hardware's figures by the
 With ``measure=k`` the top ``k`` fitting candidates are then compiled and timed side by side
 (``spmd.parallel.auto._measure``) and ranked first by their measured time: what the model misses on a host
 (on CPU fake devices, fresh pages for buffers past the allocator's mmap threshold, threads sharing the
-cores) a compiled step shows. Under a memory budget the top ``max(measure, 1)`` are compiled first, nothing
-run, and their ``memory_analysis()`` judges the fit (only fitting ones are then timed, together): the
-estimate is a sum by kind, and XLA's buffer assignment and scheduler can hold up to 9% more than that sum
-(``benchmarks/auto_layout_peaks.py``: its 70 layouts within 10%); one that does not fit once compiled goes
-behind the fitting ones and its variants are searched again under its own miss
-(``spmd.parallel.auto._budget``). The answer (``AutoLayout``, ``Candidate``) is ``spmd.parallel.auto._ranking``.
+cores) a compiled step shows. Under a memory budget the candidates are compiled first, nothing run, until the
+top ``max(measure, 1)`` fit by their ``memory_analysis()``; a candidate over the budget once compiled goes
+behind the fitting ones and its checkpointing and accumulation variants join the ranking
+(``spmd.parallel.auto._budget``). ``depth=``: the figures read at 1 and 2 blocks and carried to the model's
+depth (``spmd.parallel.auto._compiled``). The answer (``AutoLayout``, ``Candidate``) is ``spmd.parallel.auto._ranking``.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import replace
 from typing import Any, Callable, Mapping
@@ -54,20 +54,20 @@ import optax
 
 from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
 from spmd.parallel.auto._budget import CHECKPOINTING, _fitting, _measured, check_budget, check_floor, checked, parts
-from spmd.parallel.auto._measure import compiled_peak, example_inputs as _example_inputs, measure_layouts
-from spmd.parallel.auto._pipeline import pipeline_cost, pipeline_layouts, stage_shapes
+from spmd.parallel.auto._compiled import compile_figures, extrapolated
+from spmd.parallel.auto._measure import example_inputs as _example_inputs, measure_layouts
+from spmd.parallel.auto._pipeline import count_units, pipeline_cost, pipeline_layouts, stage_shapes
 from spmd.parallel.cost._calibrate import Calibration, calibrate
 from spmd.parallel.cost._hardware import Hardware
 from spmd.parallel.cost._comm import KINDS
 from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s, optimizer_flops, reference_cost,
                                          update_seconds)
-from spmd.parallel.cost._memory import Profile, _nbytes, memory_breakdown
+from spmd.parallel.cost._memory import Profile, _nbytes, memory_floor
 from spmd.parallel.auto._priced import HardwareRates, matmul_dtype, mesh_group
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
 from spmd.parallel.plan._shard import entry_sharding
 from spmd.parallel.step._step import TrainState, _check_optimizer, init_train_state, make_train_step
-from spmd.parallel.auto._tp_profile import tp_temp_bytes
 from spmd.parallel.styles._nnx import is_nnx, nnx_params
 from spmd.parallel.styles._transforms import as_parallel
 
@@ -132,11 +132,19 @@ def _groups(layout: Layout) -> dict:
             "activations": {k: at("tp") for k in KINDS}}
 
 
-def _regathers(layout: Layout) -> bool:
-    """Whether FSDP gathers ``layout``'s units again for their backward pass, each under ``jax.checkpoint``
-    saving its matmul outputs (``spmd.parallel.styles._hooks``; a checkpointing policy or accumulation aside)."""
-    return (layout.fsdp > 1 and layout.reshard_after_forward and layout.accum_steps == 1
-            and layout.activation_checkpointing is None)
+def _policy(layout: Layout) -> str | None:
+    """The checkpointing policy ``layout``'s blocks run under: its own, else ``"dots"`` where FSDP gathers the
+    units again for their backward pass (each under ``jax.checkpoint`` saving its matmul outputs:
+    ``spmd.parallel.styles._hooks``), else None."""
+    if layout.activation_checkpointing:
+        return layout.activation_checkpointing
+    return "dots" if layout.fsdp > 1 and layout.reshard_after_forward and layout.pp == 1 else None
+
+
+def _rated(cal: HardwareRates, dtype: str) -> str:
+    """The dtype whose matmul rate prices a mixed-precision candidate: its compute dtype where the hardware
+    gives a rate for it, else the model's."""
+    return dtype if dtype in cal.hardware.matmul_flops else cal.dtype
 
 
 def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any, layout: Layout, *,
@@ -164,18 +172,22 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
                          batch)
     local_bytes = _nbytes(batch) // n_data
     pm = as_parallel(laid, mesh, where)
-    prof = remat_profile(profile, model, layout.units, layout.activation_checkpointing)
-    tp_temp = None
-    if layout.tp > 1 and not _regathers(layout):  # the cut program's work buffers, measured on its own group
-        replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // n_data, *x.shape[1:]), x.dtype), batch)
-        tp_temp = tp_temp_bytes(profile, model, devices, layout, replica,
-                                lambda m: loss_fn if loss_fn is not None else default_loss(m),
-                                _example_inputs(model, replica))
-    mem = memory_breakdown(prof, state.plan, pm, micro, local_bytes, accum_steps=layout.accum_steps,
-                           sequence_parallel=layout.sequence_parallel or layout.weight_stationary, tp_temp=tp_temp)
+    # the time's estimate in hardware mode: the model's own flops, no recomputation (a bound below the compiled
+    # step's, which replaces it once compiled: spmd.parallel.auto._compiled); calibrated: the step under the
+    # policy on one device
+    prof = profile if isinstance(cal, HardwareRates) else remat_profile(profile, model, layout.units,
+                                                                        layout.activation_checkpointing)
+    mem = memory_floor(profile, state.plan, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // (layout.tp if layout.weight_stationary else 1), *x.shape[1:]),
+                                       x.dtype), micro), local_bytes, tp=layout.tp, policy=_policy(layout),
+        compute_dtype=layout.mixed_precision)
     flops, nbytes, ops = compute_cost(prof, state.plan, pm, micro, accum_steps=layout.accum_steps)
-    compute = cal.compute_s(flops, nbytes, ops) * _anchor(profile, batch, micro, devices, cal) + \
-        optimizer_compute_s(profile, state.plan, cal, devices)
+    if isinstance(cal, HardwareRates):  # a bound until compiled: the model's matmul work at the peak rate
+        cal = replace(cal, dtype=_rated(cal, layout.mixed_precision)) if layout.mixed_precision else cal
+        compute = cal.hardware.matmul_s(flops, cal.dtype)
+    else:
+        compute = cal.compute_s(flops, nbytes, ops) * _anchor(profile, batch, micro, devices, cal) + \
+            optimizer_compute_s(profile, state.plan, cal, devices)
     flops += optimizer_flops(profile, state.plan)
     groups = _groups(layout)
     comm_s: dict = {}
@@ -246,6 +258,85 @@ def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
     return jax.eval_shape(lambda r, x: model.init(r, x)["params"], jax.random.key(0), batch["inputs"])
 
 
+def _bar(total: int | None, desc: str):
+    """A progress bar on stderr (shown on a terminal only)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="layout", leave=False, disable=None, dynamic_ncols=True)
+
+
+def _check_precisions(mixed_precision: Any, where: str) -> tuple[str, ...]:
+    """``mixed_precision=``: the compute dtypes weighed beside the parameters' own (a name or a sequence)."""
+    got = (mixed_precision,) if isinstance(mixed_precision, str) else mixed_precision
+    try:
+        got = tuple(got)
+        for p in got:
+            Layout(fsdp=2, units=("u",), mixed_precision=p)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: mixed_precision={mixed_precision!r} must be a floating dtype's name or a sequence "
+                         "of them, e.g. 'bfloat16' (the FSDP layouts are weighed computing in it too) or ().") from None
+    return got
+
+
+def _slices(depth: Any, loss_fn: Any, units: tuple, params: Any, batch: Any, optimizer: Any, where: str
+            ) -> dict | None:
+    """``depth=``: the model at 1 and 2 repeated blocks, their parameters' shapes and profiles, and the
+    model's own block count (``spmd.parallel.auto._compiled``)."""
+    if depth is None:
+        return None
+    if not callable(depth):
+        raise TypeError(f"{where}: depth={depth!r} must be a callable n -> the model with n repeated blocks (e.g. "
+                        "lambda n: Llama(replace(cfg, num_layers=n))), or None.")
+    if loss_fn is not None:
+        raise ValueError(f"{where}: depth= with loss_fn=: the slices are costed on the default next-token loss of "
+                         "each slice model; leave loss_fn out (or give depth=None).")
+    if len(units) != 1:
+        raise ValueError(f"{where}: depth= needs the model's repeated blocks as one glob (units={units!r}); give "
+                         "units=('layers_*',).")
+    blocks = count_units(params, units[0])
+    at = []
+    for n in (1, 2):
+        m = depth(n)
+        p = jax.eval_shape(lambda r, x: m.init(r, x)["params"], jax.random.key(0), batch["inputs"])
+        if count_units(p, units[0]) != n:
+            raise ValueError(f"{where}: depth({n}) has {count_units(p, units[0])} blocks matching {units[0]!r}, not "
+                             f"{n}; depth must build the model with n repeated blocks.")
+        at.append((m, p, Profile(default_loss(m), p, optimizer)))
+    return {"blocks": blocks, "at": at}
+
+
+def _state_over(model: Any, devices: list, lay: Layout, params: Any, optimizer: Any, batch: Any,
+                budget: int | None) -> str | None:
+    """Why ``lay``'s state alone (its parameter and optimizer-state shards, in the arguments and the outputs)
+    and batch slice exceed ``budget``, from the plan's shapes, nothing traced; None where they do not (or under
+    a pipeline, whose state the pipeline builds)."""
+    if budget is None or lay.pp > 1:
+        return None
+    laid, mesh = apply_layout(model, devices, lay)
+    plan = as_parallel(laid, mesh, "auto_layout").plan(params, *_example_inputs(model, batch))
+    local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in plan.entries]
+    state = plan.bytes_per_device + _nbytes(jax.eval_shape(optimizer.init, local))
+    need = 2 * state + _nbytes(batch) // (lay.dp * lay.fsdp)
+    if need <= budget:
+        return None
+    return (f"its state (parameters and optimizer state, {state:,} B per device, before and after the update) and "
+            f"batch slice need {need:,} B per device, over the budget of {budget:,} B whatever the checkpointing")
+
+
+def _with_compiled(c: Candidate, figs: dict, cal: Any, budget: int | None) -> Candidate:
+    """``c`` with its compiled step's figures (``compile_figures``): its peak XLA's, and, priced on a
+    ``Hardware``, its compute the roofline of the compiled step's flops and bytes."""
+    m = figs["memory"]
+    mem = {**c.memory, "floor": c.memory["peak"], **m.as_dict(), "compiled": True}
+    out = replace(c, memory=mem, measured_peak=m.peak, fits=budget is None or m.peak <= budget)
+    if isinstance(cal, HardwareRates) and c.layout.pp == 1:
+        rates = replace(cal, dtype=_rated(cal, c.layout.mixed_precision)) if c.layout.mixed_precision else cal
+        compute = rates.compute_s(figs["flops"], figs["bytes"])
+        out = replace(out, compute_s=compute, flops=figs["flops"],
+                      predicted_s=compute + sum(c.comm_s.values()) + c.dispatch_s)
+    return out
+
+
 def candidate_layouts(n: int, plan: Any, units: tuple[str, ...]) -> list[Layout]:
     """Every layout ``auto_layout`` weighs on ``n`` devices (accumulation aside): per factorization, the
     tensor-parallel variants ``(sequence_parallel, weight_stationary)`` the plan has, each under FSDP with
@@ -266,7 +357,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                 memory_budget_bytes: int | None = None, plan: Any = None, loss_fn: Callable | None = None,
                 params: Any = None, units: Any = None, calibration: Calibration | None = None,
                 layouts: Any = None, top: int = 5, profile: Profile | None = None,
-                accum_steps: int = 1, measure: int = 0, hardware: Any = None) -> AutoLayout:
+                accum_steps: int = 1, measure: int = 0, hardware: Any = None, mixed_precision: Any = (),
+                depth: Callable[[int], Any] | None = None) -> AutoLayout:
     """Rank the layouts of ``model`` on the devices by predicted step time (see the module doc).
 
     ``example_batch``: a global batch (arrays or ``jax.ShapeDtypeStruct``); ``plan``: the tensor-parallel
@@ -294,7 +386,17 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     the roofline ``max(flops / the matmul peak of the dtype its matmuls run in, bytes accessed / the memory
     bandwidth)`` of the same flops and bytes (the max: the memory traffic of a matmul-bound step runs under
     its matmuls, a sum would count the overlap twice); no dispatch or launch cost
-    (``spmd.parallel.auto._priced``). ``memory_budget_bytes`` defaults to the hardware's ``memory_bytes``.
+    (``spmd.parallel.auto._priced``); once a candidate is compiled its compute is the roofline of its own
+    step's ``cost_analysis()`` flops and bytes, and before, the model's matmul work at the peak rate (a bound,
+    which stops the compiling: ``_budget.checked``). ``memory_budget_bytes`` defaults to the hardware's
+    ``memory_bytes``.
+
+    ``mixed_precision``: a floating dtype's name (``"bfloat16"``) or several: every FSDP layout is weighed
+    computing in it too (``Layout.mixed_precision``: ``fully_shard``'s ``MixedPrecisionPolicy``, gradients
+    reduced in float32). ``depth``: ``n -> the model with n repeated blocks`` (the units' glob must match
+    ``n`` modules); every candidate is then traced and compiled at 1 and 2 blocks and its figures carried to
+    the model's own count (``spmd.parallel.auto._compiled``; default loss only, no pipelines). A progress
+    bar (on a terminal) counts the layouts traced and names the one compiled.
     """
     where = "auto_layout"
     _check_optimizer(optimizer, where)
@@ -335,26 +437,50 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (the least gradient "
                          "accumulation of every candidate).")
     rows = jax.tree.leaves(batch)[0].shape[0]
-    todo = list(layouts) if layouts is not None else (
-        candidate_layouts(len(devices), plan, units) + pipeline_layouts(len(devices), plan, units, params, rows))
+    precisions = _check_precisions(mixed_precision, where)
+    todo = list(layouts) if layouts is not None else [
+        replace(lay, mixed_precision=p) for lay in candidate_layouts(len(devices), plan, units)
+        for p in (None, *precisions) if p is None or lay.fsdp > 1] + pipeline_layouts(
+            len(devices), plan, units, params, rows)
     todo = [lay if lay.accum_steps >= accum_steps else replace(lay, accum_steps=accum_steps) for lay in todo]
+    slices = _slices(depth, loss_fn, units, params, batch, optimizer, where)
+    if slices is not None:
+        todo = [lay for lay in todo if lay.pp == 1]  # a 1-block slice has no stages to cut
+    loss_of = (lambda laid: loss_fn if loss_fn is not None else default_loss(laid))  # noqa: E731
+    pairs: dict = {}  # with depth=: a layout's candidates at 1 and 2 blocks
+
+    def evaluate(lay: Layout, budget: int | None = memory_budget_bytes) -> Candidate:
+        if slices is None:
+            return evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss_fn, params=params,
+                                   calibration=cal, profile=profile, budget=budget)
+        got = [evaluate_layout(m, optimizer, batch, devices, lay, params=p, calibration=cal, profile=pr,
+                               budget=budget) for m, p, pr in slices["at"]]
+        pairs[lay] = got
+        return extrapolated(*got, slices["blocks"], budget)
+
     got, rejected = [], []
+    bar = _bar(len(todo), f"auto_layout: {len(todo)} layouts on {len(devices)} devices, tracing")
     for lay in todo:
+        bar.set_postfix_str(lay.name, refresh=False)
+        bar.update()
         try:
-            c = evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss_fn, params=params,
-                                calibration=cal, profile=profile, budget=memory_budget_bytes)
+            over = _state_over(model, devices, lay, params, optimizer, batch, memory_budget_bytes)
+            if over:  # no checkpointing or accumulation shrinks the state: nothing traced
+                rejected.append((lay.name, over))
+                continue
+            c = evaluate(lay)
         except Exception as e:  # noqa: BLE001 - a pipeline the model cannot take is no reason to rank nothing
             plain = isinstance(e, (ValueError, TypeError))
             if not plain and lay.pp == 1:
+                bar.close()
                 raise
             rejected.append((lay.name, ("" if plain else f"{type(e).__name__}: ") + str(e).split("\n")[0][:400]))
             continue
         if c.fits:
             got.append(c)
             continue
-        evaluate = functools.partial(evaluate_layout, model, optimizer, batch, devices, loss_fn=loss_fn, params=params,
-                                     calibration=cal, profile=profile, budget=memory_budget_bytes)
-        got.extend(_fitting(c, evaluate, jax.tree.leaves(batch)[0].shape[0], units, rejected))
+        got.extend(_fitting(c, evaluate, rows, units, rejected))
+    bar.close()
     if not got:
         raise ValueError(f"{where}: no layout of {len(devices)} devices could be built for this model; "
                          + "; ".join(f"{n}: {r}" for n, r in rejected[:4]))
@@ -363,21 +489,31 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         small = min(got, key=lambda c: c.memory["peak"])
         raise ValueError(
             f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,}; the smallest, {small.name}, "
-            f"needs {small.memory['peak']:,} B per device ({parts(small.memory)}), with the gradient accumulation "
-            "the micro-batches allow"
+            f"needs at least {small.memory['peak']:,} B per device ({parts(small.memory)}), with the gradient "
+            "accumulation the micro-batches allow"
             + (f" and activation checkpointing ({' and '.join(repr(p) for p in CHECKPOINTING)}) weighed" if units
                else "") + "; use more devices, a larger budget, a smaller batch or fully_shard units (fsdp).")
-    loss_of = (lambda laid: loss_fn if loss_fn is not None else default_loss(laid))  # noqa: E731
     compiled: dict = {}
-    if memory_budget_bytes is not None:  # compiled until the top max(measure, 1) fit by XLA's peak
+    if memory_budget_bytes is not None:  # compiled in ranked order until the top fit by XLA's own peak
+        keep = compiled if measure else None
+
+        def compile_one(c: Candidate) -> Candidate:
+            if slices is None:
+                return _with_compiled(c, compile_figures(model, optimizer, loss_of, params, batch, devices,
+                                                         c.layout, keep=keep), cal, memory_budget_bytes)
+            got = [_with_compiled(ci, compile_figures(m, optimizer, default_loss, p, batch, devices, c.layout),
+                                  cal, memory_budget_bytes)
+                   for ci, (m, p, _) in zip(pairs[c.layout], slices["at"])]
+            return extrapolated(*got, slices["blocks"], memory_budget_bytes)
 
         def variants(c: Candidate, budget: int) -> list[Candidate]:  # those of a layout over once compiled
-            return _fitting(c, functools.partial(evaluate_layout, model, optimizer, batch, devices, loss_fn=loss_fn,
-                                                 params=params, calibration=cal, profile=profile, budget=budget),
-                            rows, units, rejected)
+            return _fitting(c, lambda lay: evaluate(lay, budget), rows, units, rejected)
 
-        got = checked(got, max(measure, 1), memory_budget_bytes, lambda lay: compiled_peak(
-            model, optimizer, loss_of, params, batch, devices, lay, compiled=compiled), variants)
+        bar = _bar(None, "auto_layout: compiling")
+        got = checked(got, max(measure, 1), memory_budget_bytes, compile_one, variants,
+                      bound=isinstance(cal, HardwareRates),
+                      progress=lambda c: (bar.set_postfix_str(c.name, refresh=False), bar.update()))
+        bar.close()
     if measure:  # those timed side by side (all fitting: one interleaved set), not compiled again
         got = _measured(got, measure, memory_budget_bytes, lambda lays: measure_layouts(
             model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled))
@@ -386,9 +522,9 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         small = min((c for c in got if c.measured_peak is not None), key=lambda c: c.measured_peak)
         n = sum(c.measured_peak is not None for c in got)
         raise ValueError(f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,} once compiled: "
-                         f"{n} predicted to fit were compiled (with the accumulation and checkpointing variants of "
-                         f"those over), and the smallest, {small.name}, needs {small.measured_peak:,} B per device "
-                         f"(predicted {int(small.memory['peak']):,}); use more devices, a larger budget or a smaller "
-                         "batch.")
+                         f"{n} whose lower bound fits were compiled (with the accumulation and checkpointing "
+                         f"variants of those over), and the smallest, {small.name}, needs {small.measured_peak:,} B "
+                         f"per device (bound {int(small.memory['floor']):,}); use more devices, a larger budget or a "
+                         "smaller batch.")
     return AutoLayout(tuple(got), tuple(rejected), None if hw is not None else cal, memory_budget_bytes, top,
                       hardware=hw)

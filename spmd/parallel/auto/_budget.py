@@ -1,16 +1,14 @@
 """What a memory budget does to ``auto_layout``'s ranking.
 
-- ``_fitting``: a layout predicted over the budget is replaced by its variants predicted to fit (each
-  activation-checkpointing policy with the least gradient accumulation that fits);
-- ``checked``: the ranking's top candidates compiled (not run) in ranked order until ``k`` fit by XLA's
-  ``memory_analysis()`` peak. The prediction is a sum by kind, and XLA's buffer assignment and scheduler can
-  hold more than that sum (in ``benchmarks/auto_layout_peaks.py`` up to 9% more): a candidate over the budget
-  once compiled goes behind the fitting ones, and its own variants, searched again under the budget divided by
-  its compiled / predicted peak (the estimate's miss on that layout), join the ranking to be compiled in their
-  turn: a layout that needs one more accumulation step than predicted is found, not reported as "no layout
-  fits". Where fewer than ``k`` fit so, the candidates predicted over the budget by up to ``NEAR`` (10%; the
-  estimate also errs high: by up to 8% for the 70 layouts measured) are compiled too, fastest
-  predicted first;
+- ``_fitting``: a layout whose lower bound (``spmd.parallel.cost._memory.memory_floor``) is over the budget is
+  replaced by its variants whose bound fits (each activation-checkpointing policy with the least gradient
+  accumulation that fits);
+- ``checked``: the ranking's candidates compiled (not run) in ranked order, each judged by XLA's
+  ``memory_analysis()`` peak, until ``k`` fit (and, where compiling changes the time, until no candidate left
+  can beat the fastest compiled one: ``bound``). A candidate over the budget once compiled goes behind the
+  fitting ones, and its own variants (more checkpointing, more accumulation) whose bound fits join the ranking
+  to be compiled in their turn: a layout that needs one more accumulation step is found, not reported as "no
+  layout fits";
 - ``_measured``: the top ``k`` fitting candidates timed (``measure=``), the fastest measured first.
 """
 
@@ -27,9 +25,6 @@ from spmd.parallel.auto._ranking import Candidate
 from spmd.parallel.cost._memory import _nbytes
 
 __all__ = ["CHECKPOINTING", "checked", "check_budget", "check_floor", "parts"]
-
-NEAR = 0.10  # compiled too when too few fit: predicted over the budget by up to this share (the estimate's
-# overestimates of XLA's peak in benchmarks/auto_layout_peaks.py: all 70 layouts within it, the most +8%)
 
 CHECKPOINTING = ("dots", "full")  # the activation-checkpointing policies weighed where memory needs them
 
@@ -69,17 +64,17 @@ def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]
              ) -> list[Candidate]:
     """The variants of a layout that does not fit the budget which do: per activation-checkpointing policy
     (none, then ``CHECKPOINTING`` on the blocks ``units``; not under a pipeline, which recomputes its stages
-    already, nor for FSDP units re-gathered for the backward pass, which run under ``jax.checkpoint`` saving
-    the matmul outputs already: what another policy saves there is neither ``"dots"`` nor modelled), the
+    already; FSDP units re-gathered for the backward pass save their matmul outputs already: ``"full"`` alone
+    is a variant of them), the
     least gradient accumulation that fits, where the micro-batches divide the replica's rows; a policy that
     needs no less accumulation than a lighter one (none < ``"dots"`` < ``"full"``) is dropped. None fitting:
     the smallest variant, for the error. A variant that cannot be built goes to ``rejected`` with its reason."""
     lay = c.layout
     local = rows // (lay.dp * lay.fsdp)
     policies = [None]
-    if lay.pp == 1 and units and lay.activation_checkpointing is None and not (lay.fsdp > 1 and
-                                                                              lay.reshard_after_forward):
-        policies += list(CHECKPOINTING)
+    if lay.pp == 1 and units and lay.activation_checkpointing is None:
+        regather = lay.fsdp > 1 and lay.reshard_after_forward
+        policies += [p for p in CHECKPOINTING if not (regather and p == "dots")]
     out = []
     for policy in policies:
         base = lay if policy is None else replace(lay, activation_checkpointing=policy, units=lay.units or units)
@@ -126,31 +121,27 @@ def _merged(done: list[Candidate], rest: list[Candidate]) -> list[Candidate]:
         c for c in rest if not c.fits]
 
 
-def checked(got: list[Candidate], k: int, budget: int, compile_peak: Callable, variants: Callable
-            ) -> list[Candidate]:
-    """``got`` (ranked, the fitting first) with its top candidates compiled one by one, in ranked order, until
-    ``k`` fit by their compiled peak (``compile_peak(layout) -> bytes``) or no predicted-fitting one is left
-    (see the module doc). A compiled peak over ``budget``: the candidate does not fit, and
-    ``variants(candidate, budget)`` (its variants predicted to fit ``budget``, here ``budget`` over its
-    compiled / predicted peak) not seen before join the ranking. Then, while fewer than ``k`` fit, those
-    predicted over ``budget`` by up to ``NEAR``, fastest predicted first. The compiled ones fitting first, in
-    predicted order, then the rest fitting, then the compiled ones that do not fit, then the rest."""
+def checked(got: list[Candidate], k: int, budget: int, compiled: Callable, variants: Callable, *,
+            bound: bool = False, progress: Callable | None = None) -> list[Candidate]:
+    """``got`` (ranked, the fitting first) with its candidates compiled one by one, in ranked order (see the
+    module doc): ``compiled(candidate) -> candidate`` with its compiled peak (``measured_peak``, ``fits``) and,
+    where compiling prices it anew, its time. Until ``k`` fit and (``bound``) the next one's estimate is no
+    faster than the fastest compiled fitting one. A compiled peak over ``budget``: ``variants(candidate,
+    budget)`` not seen before join the ranking. Returned: the compiled ones fitting, fastest first, then the
+    rest whose bound fits, then the compiled ones that do not fit, then the rest. ``progress(candidate)``:
+    called before each compile."""
     done, rest, seen = [], list(got), {c.layout for c in got}
-    while sum(c.fits for c in done) < k and rest and rest[0].fits:
+    while rest and rest[0].fits:
+        fit = [c for c in done if c.fits]
+        if len(fit) >= k and (not bound or rest[0].predicted_s >= min(c.predicted_s for c in fit)):
+            break
         c = rest.pop(0)
-        peak = compile_peak(c.layout)
-        c = replace(c, measured_peak=peak, fits=peak <= budget)
+        if progress is not None:
+            progress(c)
+        c = compiled(c)
         done.append(c)
         if not c.fits:
-            new = [v for v in variants(c, int(budget * c.memory["peak"] / peak)) if v.fits and v.layout not in seen]
+            new = [v for v in variants(c, budget) if v.fits and v.layout not in seen]
             seen |= {v.layout for v in new}
             rest = _ranked(rest + new)
-    near = sorted((c for c in rest if not c.fits and c.memory["peak"] <= (1 + NEAR) * budget),
-                  key=lambda c: c.predicted_s)
-    for c in near:  # too few fit once compiled: those predicted just over the budget, fastest first
-        if sum(d.fits for d in done) >= k:
-            break
-        rest.remove(c)
-        peak = compile_peak(c.layout)
-        done.append(replace(c, measured_peak=peak, fits=peak <= budget))
     return _merged(_ranked(done), rest)

@@ -6,7 +6,9 @@ weight-stationary), the pipeline (``pp > 1``: the schedule, its micro-batches an
 stages are the repeated blocks ``units[0]``, and FSDP under a pipeline keeps a rank's stages gathered
 through the schedule, ``reshard_after_forward=False``), the activation-checkpointing policy of the blocks
 ``units`` (``activation_checkpointing``: ``"full"`` or ``"dots"``, named ``ac=``; not under a pipeline,
-whose backward pass recomputes its stages already) and the gradient-accumulation steps.
+whose backward pass recomputes its stages already), the gradient-accumulation steps and the mixed precision
+(``mixed_precision="bfloat16"``, named ``mp=bf16``: ``fully_shard``'s ``MixedPrecisionPolicy`` gathering and
+computing in it, gradients reduced in float32, the state float32; FSDP layouts only).
 
 ``weight_stationary=True`` (named ``ws``): the ``tp`` devices form a data axis whose weights never move
 (``spmd.parallel.styles._weight_stationary``): each styled kernel stays cut over ``tp``, the activations between
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spmd._mesh import DeviceMesh
@@ -37,7 +40,7 @@ from spmd.parallel.plan._param_plan import path_str
 from spmd.parallel.pipelining._pipeline import pipeline
 from spmd.parallel.styles._remat import POLICIES, activation_checkpointing
 from spmd.parallel.pipelining._schedules import CHUNKED, SCHEDULES
-from spmd.parallel.styles._transforms import fully_shard, param_module, parallelize_module
+from spmd.parallel.styles._transforms import MixedPrecisionPolicy, fully_shard, param_module, parallelize_module
 from spmd.parallel.styles._weight_stationary import _activation_cuts as _cuts
 from spmd.parallel.styles._weight_stationary import is_batch_cut, weight_stationary_plan
 
@@ -64,6 +67,7 @@ class Layout:
     microbatches: int = 1
     stages_per_rank: int = 1
     activation_checkpointing: str | None = None
+    mixed_precision: str | None = None
 
     def __post_init__(self):
         for arg in ("dp", "fsdp", "tp", "accum_steps", "pp", "microbatches", "stages_per_rank"):
@@ -90,6 +94,20 @@ class Layout:
             self._check_pipeline()
         if self.activation_checkpointing is not None:
             self._check_checkpointing()
+        if self.mixed_precision is not None:
+            self._check_mixed_precision()
+
+    def _check_mixed_precision(self) -> None:
+        mp = self.mixed_precision
+        try:
+            ok = isinstance(mp, str) and jnp.issubdtype(jnp.dtype(mp), jnp.floating)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"Layout: mixed_precision={mp!r} must be a floating dtype's name ('bfloat16') or None.")
+        if self.fsdp < 2:
+            raise ValueError(f"Layout: mixed_precision={mp!r} with fsdp={self.fsdp}: the compute dtype is "
+                             "fully_shard's MixedPrecisionPolicy (its units gather and compute in it); give fsdp >= 2.")
 
     def _check_pipeline(self) -> None:
         if not (isinstance(self.units, tuple) and len(self.units) == 1 and isinstance(self.units[0], str)):
@@ -148,6 +166,9 @@ class Layout:
             parts.append("regather" if self.reshard_after_forward else "keep")
         if self.activation_checkpointing:
             parts.append(f"ac={self.activation_checkpointing}")
+        if self.mixed_precision:
+            parts.append("mp=" + {"bfloat16": "bf16", "float16": "fp16"}.get(self.mixed_precision,
+                                                                            self.mixed_precision))
         if self.accum_steps > 1:
             parts.append(f"accum={self.accum_steps}")
         return " ".join(parts)
@@ -206,7 +227,10 @@ def apply_layout(model: Any, mesh_or_devices: Any, layout: Layout) -> tuple[Any,
         out = parallelize_module(out, mesh["tp"], dict(layout.tp_plan))
     if layout.fsdp > 1:
         sub = mesh["dp", "fsdp"] if layout.dp > 1 else mesh["fsdp"]
-        out = fully_shard(out, mesh=sub, units=list(layout.units), reshard_after_forward=layout.reshard_after_forward)
+        mp = None if layout.mixed_precision is None else MixedPrecisionPolicy(
+            param_dtype=jnp.dtype(layout.mixed_precision), reduce_dtype=jnp.float32)  # torch's and torchtitan's: reduce in f32
+        out = fully_shard(out, mesh=sub, units=list(layout.units), reshard_after_forward=layout.reshard_after_forward,
+                          mp_policy=mp)
     if layout.pp > 1:
         out = pipeline(out, mesh["pp"], units=layout.units[0], num_microbatches=layout.microbatches,
                        schedule=layout.schedule, stages_per_rank=layout.stages_per_rank)

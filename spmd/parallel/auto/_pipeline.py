@@ -20,20 +20,13 @@ and asked for its own table (``step.communication``, equal to the compiled HLO);
   ``STAGE_PASSES`` times the optimizer's update of those bytes timed on every device at once
   (``stage_shapes``); each collective kind's count times its calibrated cost curve at their mean size, and
   the dispatch.
-- **memory**: the state (arguments and outputs), the batch slice, the gradient accumulators (a share of the
-  rank's parameters, the rest in the step's output buffers; under FSDP its stages full over ``fsdp``) and the
-  gathered stages, the stash (the schedule's ``activation_slots + gradient_slots`` and the two scratch slots,
-  ``spmd.parallel.pipelining._memory``), and the working set of one chunk's backward on one micro-batch (the
-  one-device step's XLA temp bytes on it, times the chunk's share; with two or more unit slots a rank and no
-  FSDP, at least 0.8 x the residuals of the rank's stages less half its parameters: a backward tick holds its
-  recomputed chunk's residuals), plus the stash's updated copy; the gradient, gathered and residual terms
-  carry empirical factors of XLA's buffer assignment (``pipeline_cost``'s comments; the compiled peaks they
-  are checked against: docs/benchmarks.md).
+- **memory**: a lower bound, the state (arguments and outputs), the batch slice and the stash (the schedule's
+  ``activation_slots + gradient_slots`` and the two scratch slots, ``spmd.parallel.pipelining._memory``);
+  the peak is the compiled step's (``spmd.parallel.auto._compiled``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -42,7 +35,7 @@ import numpy as np
 from spmd.parallel.cost._comm import KINDS
 from spmd.parallel.auto._layout import Layout, factorizations, tp_plan_for
 from spmd.parallel.auto._priced import HardwareRates, mesh_group
-from spmd.parallel.cost._memory import _nbytes, activation_bytes
+from spmd.parallel.cost._memory import _nbytes
 from spmd.parallel.plan._param_plan import path_str
 from spmd.parallel.pipelining._comm import STAGES
 from spmd.parallel.pipelining._pipeline import unit_modules
@@ -51,9 +44,6 @@ __all__ = ["pipeline_cost", "pipeline_layouts", "stage_shapes", "PERMUTE", "STAG
 
 PERMUTE = "collective-permute"
 STAGE_PASSES = 1.0  # a backward tick's passes over the stacked stage, in optimizer updates of its bytes
-# without FSDP, the share of the rank's gradient accumulators XLA keeps in temp (the rest in the step's output
-# buffers): an empirical factor of XLA's buffer assignment, with the stash counted twice (docs/benchmarks.md)
-ACCUMULATORS_IN_TEMP = 0.4
 
 
 def count_units(params: Any, glob: str) -> int:
@@ -186,36 +176,14 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in state.plan.entries]
     p_bytes = state.plan.bytes_per_device
     opt = _nbytes(jax.eval_shape(profile.optimizer.init, local))
-    gathered = params["all-gather"]["bytes"]
     act_cut = tp["activation_cut"] if tp else 1
+    # the lower bound (spmd.parallel.cost._memory's): the state in the arguments and the outputs, the batch,
+    # and the stash the schedule holds at once (its activation and gradient slots and two scratch slots); the
+    # compiled step's memory_analysis() is the peak (spmd.parallel.auto._compiled)
     stash = (c["activation_slots"] + c["gradient_slots"] + 2) * c["activation_bytes"] // act_cut
-    # tp cuts a chunk's hidden activations (all of them under sequence parallelism): its work by sqrt(tp), as
-    # spmd.parallel.cost._memory fits XLA's overlapping buffers of the cut and whole parts
-    work = int(profile.temp_bytes(mb) * (chunk * math.sqrt(layout.tp * act_cut) / act_cut + (1 - u)))
-    # empirical factors of XLA's buffer assignment (docs/benchmarks.md): without FSDP XLA places most gradient
-    # accumulators in the step's output buffers (the new parameters and optimizer state, written by the update
-    # after the last tick), ACCUMULATORS_IN_TEMP of the rank's parameters left in temp;
-    # under FSDP 3.3 x the gathered stages with one chunk a rank, 4.5 x with two or more (the gathered
-    # stages, their gradient accumulators, a chunk's parameters and gradient as its branch gets and returns
-    # them: a chunk picked by the tick's index is sliced from the stages, not aliased)
-    units = lay.per_slot * s.stages_per_rank  # the unit slots a rank holds
-    grads = (3.3 if s.stages_per_rank == 1 else 4.5) * gathered - gathered if gathered else (
-        ACCUMULATORS_IN_TEMP * p_bytes)
-    if not gathered and units >= 2:
-        # a backward tick recomputes its chunk and holds the chunk's residuals (the tensor-parallel parts cut
-        # over tp), which the one-device step's temp bytes miss where its outputs park them: empirically
-        # (docs/benchmarks.md) the gradient accumulators and the work hold 0.5 x the rank's parameters beside
-        # 0.8 x the residuals of the rank's stages; with one unit a rank no more than the terms above
-        res = activation_bytes(profile.residuals(mb), state.plan, laid.tp.tp.mesh_dim if laid.tp else None,
-                               layout.tp, False) * u * units / len(lay.found)
-        work = max(work, int(0.8 * res - 0.5 * p_bytes))
-    # a tick's received activations and gradients are written into a new stash buffer beside the old one (the
-    # slot's update fused with the receive's select is not done in place): the stash twice
-    work += stash
-    mem = {"state": 2 * (p_bytes + opt), "batch": _nbytes(batch) // n_data, "work": work, "gathered": gathered,
-           "grads": int(grads), "stash": stash}
+    mem = {"state": 2 * (p_bytes + opt), "batch": _nbytes(batch) // n_data, "stash": stash}
     mem["peak"] = sum(mem.values())
-    mem["params"], mem["optimizer"], mem["activations"] = p_bytes, opt, stash
+    mem["params"], mem["optimizer"], mem["activations"], mem["compiled"] = p_bytes, opt, stash, False
     return {"compute_s": compute, "comm_s": comm_s, "flops": layout.accum_steps * s.num_microbatches * flops * (
         chunk * s.stages_per_rank + (1 - u)) + of * share, "memory": mem,
             "communication": {"parameters": params, "activations": acts, "total": total}}

@@ -27,7 +27,7 @@ class Candidate:
     comm_s: dict
     dispatch_s: float
     communication: dict  # step.communication(...): {"parameters", "activations", "total"}: {kind: {count, bytes}}
-    memory: dict  # spmd.parallel.cost._memory.memory_breakdown
+    memory: dict  # spmd.parallel.cost._memory.memory_floor; compiled: the step's memory_analysis (auto._compiled)
     flops: float
     fits: bool = True
     measured_s: float | None = None  # auto_layout(measure=): its compiled step timed (_auto_measure)
@@ -44,6 +44,11 @@ class Candidate:
 
 def _mib(b: float) -> str:
     return f"{b / 2**20:.2f}"
+
+
+def _peak(c: "Candidate") -> str:
+    """The peak column: the compiled step's, or ``>=`` the lower bound where the candidate was not compiled."""
+    return _mib(c.memory["peak"]) if c.memory.get("compiled", True) else ">=" + _mib(c.memory["peak"])
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ class AutoLayout:
             rows.append((str(i + 1), c.name, *meas, f"{1e3 * c.predicted_s:.2f}", f"{1e3 * c.compute_s:.2f}",
                          f"{1e3 * sum(c.comm_s.values()):.2f}", *(_mib(t[k]["bytes"]) for k in KINDS),
                          _mib(t.get(PERMUTE, {"bytes": 0})["bytes"]),
-                         _mib(c.memory["peak"]), *((("-" if c.measured_peak is None else _mib(c.measured_peak)),)
+                         _peak(c), *((("-" if c.measured_peak is None else _mib(c.measured_peak)),)
                                                    if compiled else ()), "yes" if c.fits else "no"))
         w = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
         fmt = lambda r: "  ".join(x.rjust(n) if j not in (1,) else x.ljust(n) for j, (x, n) in enumerate(zip(r, w)))  # noqa
@@ -118,7 +123,8 @@ class AutoLayout:
                  "measured_peak_bytes": c.measured_peak,
                  "comm_ms": {k: 1e3 * v for k, v in c.comm_s.items()},
                  "bytes": {k: v["bytes"] for k, v in c.communication["total"].items()},
-                 "peak_bytes": int(c.memory["peak"]), "fits": c.fits}
+                 "peak_bytes": int(c.memory["peak"]), "peak_compiled": bool(c.memory.get("compiled", True)),
+                 "fits": c.fits}
                 for c in self.candidates[: (len(self.candidates) if top is None else top)]]
         return {"pick": self.best.name, "why": self.why(), "candidates": rows, "rejected": [list(r) for r in
                                                                                           self.rejected]}

@@ -5,8 +5,9 @@ What checkpointing saves is what XLA's scheduler lets it save, and that differs 
 step there holds about what the plain one does (with ``--xla_cpu_enable_concurrency_optimized_scheduler=false``,
 or on an accelerator, it holds less). So the saving is not modelled but measured: ``RematProfile`` compiles
 the step ``make_train_step`` builds for ``activation_checkpointing(model, units=, policy=)`` on one device and
-one micro-batch, and its temp bytes (the activations and work buffers), flops, bytes accessed and operations
-stand in for the plain step's in ``spmd.parallel.cost._memory``'s estimates, recomputation included. It is the
+one micro-batch, and its flops, bytes accessed and operations stand in for the plain step's in the time's
+estimate under a measured calibration, recomputation included (its memory is the candidate's own compiled
+step's: ``spmd.parallel.auto._compiled``). It is the
 same compile the plain ``Profile`` does, once per micro-batch size and policy (its code unoptimized:
 ``spmd.parallel.cost._memory.READ_ONLY``; nothing read from it depends on LLVM).
 """
@@ -35,11 +36,6 @@ class RematProfile(Profile):
         self.__dict__.update(base.__dict__)  # the residuals and the optimizer's cost cached once, on base
         self._grad, self._timed = {}, {}
         self.model, self.units, self.policy, self._base = model, units, policy, base
-
-    def grad_temp_bytes(self, batch: Any, *, donated: bool = False) -> int:
-        """The plain gradient's temp bytes, scaled as checkpointing scales the whole step's."""
-        return int(self._base.grad_temp_bytes(batch, donated=donated) * self.temp_bytes(batch)
-                   / max(self._base.temp_bytes(batch), 1))
 
     def _step(self, batch: Any) -> tuple[float, float, int, int]:
         k = self._key(batch)

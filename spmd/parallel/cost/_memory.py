@@ -1,56 +1,29 @@
-"""What one device of a layout holds at its peak, estimated without compiling the layout's step (what it
-computes: ``spmd.parallel.cost._compute_cost``; both read the user's model measured on one device: ``Profile``).
+"""What one device of a layout holds at its peak: a lower bound from shapes, and the compiled step's own
+figures (what it computes: ``spmd.parallel.cost._compute_cost``; both read the user's model on one device:
+``Profile``).
 
-Memory (per device, bytes), as XLA's ``compiled.memory_analysis()`` counts a step that does not donate its
-state (``argument + output + temp``):
+The peak of a step is XLA's: ``argument + output + temp - alias`` of the compiled step's
+``memory_analysis()`` (``StepMemory``), read by ``auto_layout`` for every candidate that survives the bound
+(``spmd.parallel.auto._compiled``). Nothing here is fitted: the bound, ``memory_floor``, is what any
+program of the layout must hold, from shapes alone:
 
 - ``state``: the stored parameter shards plus the optimizer state (``ParamPlan`` local shapes), in the
-  arguments and again in the outputs;
+  arguments and again in the outputs (the step does not donate its state: two buffers each);
 - ``batch``: the device's slice of the batch (an argument);
-- ``gathered``: the gathered parameters alive at once (``ParamPlan.peak_gathered_bytes``: the root unit and
-  the largest other unit when re-gathering for the backward pass, every unit when kept or accumulating);
-- ``gathered_grads``: under FSDP, the unit gradients alive before their reduce-scatters, x (1 - 1/fsdp):
-  re-gathering, ``REGATHERED_GRADS`` x the largest unit's (its backward pass runs between its re-gather and
-  its reduce-scatters, one unit at a time: ``Hooks.call_unit``; XLA reduce-scatters each gradient as soon as
-  it is computed, so few are alive at once); keeping, or under accumulation (the reduce-scatters follow the
-  loop), 0.4 x the gathered bytes of every unit;
-- ``accumulated_grads``: under gradient accumulation with FSDP, the loop's carry of the gradients FSDP
-  cuts, whole (every unit's gathered bytes), reduce-scattered once after the last micro-batch (a carry of
-  the stored shape, without FSDP or for a parameter FSDP leaves whole, XLA keeps in an output's buffer);
-- ``work``: XLA's temp bytes of the user's whole step (gradient and optimizer update; under accumulation
-  the gradient alone, the loop's body) on one device and one micro-batch (activations, work buffers); under
-  tensor parallelism those of the layout's tensor-parallel part compiled on its own group
-  (``spmd.parallel.auto._tp_profile``; without it, the one-device step's times the square root of the
-  activations' tensor-parallel share). Where units are re-gathered for their backward pass (each under
-  ``jax.checkpoint`` saving its matmul outputs), what that schedule holds in place of the step's temp: the
-  saved matmul outputs of every unit (the one-device residuals under ``dots_saveable``, cut over tp as
-  below), less those XLA's buffer assignment parks in the step's output buffers before their final values
-  are written (``parked_bytes``: one saved output in each output buffer at least as large), plus
-  ``RECOMPUTED`` x one unit's other residuals, which its backward pass recomputes. A sequence-parallel or
-  weight-stationary layout's layers compute the plain plan's matmul outputs on each device (the input
-  gathered first), so they are counted as the plain plan's;
-- ``activations`` (reported, inside ``work``): the residuals the backward pass reads (the ``jax.vjp``
-  closure of the user's loss on one micro-batch, one device, parameters taken out), the tensor-parallel
-  part divided by ``tp``: a residual holding a dim a tensor-parallel cut splits (heads, the MLP's hidden
-  features), every batch- and sequence-shaped residual under sequence parallelism.
+- ``activations``: the matmul outputs the backward pass reads (the ``jax.vjp`` closure of the user's loss on one
+  micro-batch, one device, under ``jax.checkpoint`` saving the matmul outputs, parameters taken out): without
+  a checkpointing policy or under ``"dots"`` (and in FSDP units re-gathered for their backward pass, which
+  save them) every one is kept until its backward pass (XLA may fuse an elementwise residual into the
+  backward pass that reads it, recomputing it there, so the others are no bound; a matmul it does not
+  recompute); under ``"full"`` none counted (a unit's inputs only). In the compute dtype (2 bytes a float under a bfloat16 mixed
+  precision), divided by ``tp`` (a residual is cut at most ``tp`` ways); XLA may place residuals in the
+  step's output buffers before their final values are written, so only what exceeds the outputs is added.
 
-FSDP keeping its units (``reshard_after_forward=False``, no accumulation): the one-device step's temp bytes
-are not all its activations. Its state is not donated, so its outputs (the new parameters and optimizer
-state) are buffers of their own, and XLA's buffer assignment parks activations in them before their final
-values are written. A layout whose outputs are as large (``dp``, and ``tp``'s part on its group) parks the
-same; an FSDP layout's outputs are ``1/fsdp`` of them, so its activations go to temp. So a keeping layout's
-work and unit gradients together are at least the donated gradient's temp bytes times the activations'
-tensor-parallel share, less ``PARKED_IN_OUTPUTS`` of the layout's own outputs. Re-gathering layouts save
-the matmul outputs alone and are not given the term, nor is a step under a checkpointing policy (measured
-as its own step).
-
-``REGATHERED_GRADS``, ``RECOMPUTED``, ``PARKED_IN_OUTPUTS`` and the 0.4 above are empirical factors of XLA's
-buffer assignment and scheduling; the compiled peaks they are checked against: docs/benchmarks.md.
+``peak`` is that sum; it never exceeds the compiled peak (``tests/parallel/auto/test_auto_compiled.py``).
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import Counter
 from typing import Any, Callable
@@ -58,27 +31,19 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from placements import Shard
 
 from spmd.parallel.cost._calibrate import program_ops
 
-__all__ = ["Profile", "memory_breakdown", "activation_bytes", "parked_bytes", "READ_ONLY"]
+__all__ = ["Profile", "memory_floor", "READ_ONLY"]
 
 # the compiler options of a program compiled only to read its memory_analysis, cost analysis or optimized HLO:
 # XLA's HLO passes and buffer assignment run before LLVM generates the code, which such a program never runs
 # (the same numbers, compiled faster)
-READ_ONLY = {"xla_backend_optimization_level": 0}
-
-# FSDP keeping its units: the share of the layout's own outputs (its parameter and optimizer-state shards) XLA
-# still parks activations in: an empirical factor of XLA's buffer assignment (docs/benchmarks.md)
-PARKED_IN_OUTPUTS = 0.6
-
-# units re-gathered for their backward pass: the share of one unit's recomputed residuals (those other than its
-# matmul outputs) alive at once in its backward pass, and of its gathered gradients before their
-# reduce-scatters: empirical factors of XLA's scheduling and buffer assignment (docs/benchmarks.md)
-RECOMPUTED = 0.6
-REGATHERED_GRADS = 0.1
-
+READ_ONLY = {"xla_backend_optimization_level": 0,
+             # XLA:CPU promotes a bfloat16 all-reduce to float32 (its runtime reduces in f32) and aborts the process
+             # on one whose reduction is a copy (jax 0.10); a program only read is never run here, and a GPU's
+             # collectives reduce bfloat16 as it is: the pass is left out
+             "xla_disable_hlo_passes": "all-reduce-promotion"}
 
 def _nbytes(tree: Any) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
@@ -214,22 +179,6 @@ class Profile:
         of, ob = self.optimizer_cost()
         return max(f - of, 0.0), max(b - ob, 0.0)
 
-    def temp_bytes(self, batch: Any) -> int:
-        """XLA's temp bytes of the whole step on ``batch``, one device: the activations and work buffers."""
-        return self._step(batch)[2]
-
-    def grad_temp_bytes(self, batch: Any, *, donated: bool = False) -> int:
-        """XLA's temp bytes of the loss's gradient alone on ``batch``, one device (the body of an accumulating
-        step's loop over its micro-batches, the optimizer's update outside it); ``donated``: the parameters
-        donated, the gradient written over them (no output buffer free to park activations in)."""
-        k = ("grad", self._key(batch), donated)
-        if k not in self._grad:
-            with jax.default_device(jax.devices()[0]):
-                comp = jax.jit(jax.grad(self.loss), donate_argnums=(0,) if donated else ()).lower(
-                    self.params, batch).compile(READ_ONLY)
-            self._grad[k] = int(getattr(comp.memory_analysis(), "temp_size_in_bytes", 0) or 0)
-        return self._grad[k]
-
     def optimizer_cost(self) -> tuple[float, float]:
         """(flops, bytes accessed) of one optimizer update on the whole (unsharded) parameters."""
         return self._optimizer()[:2]
@@ -269,87 +218,28 @@ class Profile:
         return self._res[k]
 
 
-def _tp_sizes(plan, tp: str | None) -> set[int]:
-    """The sizes of the dims a tensor-parallel cut splits (heads, hidden features, vocabulary)."""
-    if tp is None or tp not in plan.mesh_dim_names:
-        return set()
-    ti = plan.mesh_dim_names.index(tp)
-    return {e.shape[e.placements[ti].dim] for e in plan.entries if isinstance(e.placements[ti], Shard)}
 
 
-def _split_sizes(residuals: list, plan, tp: str | None, n_tp: int, sequence_parallel: bool) -> list[int]:
-    """Each residual's bytes on one device: divided by ``tp`` where a tensor-parallel cut splits it."""
-    cut = _tp_sizes(plan, tp)
-    out = []
-    for x in residuals:
-        nb = _nbytes(x)
-        split = n_tp > 1 and ((sequence_parallel and len(x.shape) >= 3) or any(d in cut for d in x.shape[1:]))
-        out.append(nb // n_tp if split else nb)
-    return out
+def _floats_at(xs: list, itemsize: int | None) -> int:
+    """Bytes of the shape structs ``xs``, each floating one at ``itemsize`` bytes an element where given."""
+    return sum(math.prod(x.shape) * (itemsize if itemsize and np.issubdtype(x.dtype, np.floating)
+                                     else np.dtype(x.dtype).itemsize) for x in xs)
 
 
-def activation_bytes(residuals: list, plan, tp: str | None, n_tp: int, sequence_parallel: bool) -> int:
-    return sum(_split_sizes(residuals, plan, tp, n_tp, sequence_parallel))
-
-
-def parked_bytes(buffers: list[int], outputs: list[int]) -> int:
-    """The bytes of ``buffers`` (alive at once) that XLA's buffer assignment can place in the step's output
-    buffers before their final values are written: each buffer in one output at least as large, the largest
-    buffers first, each in the smallest free output that holds it."""
-    free = sorted(outputs)
-    parked = 0
-    for nb in sorted(buffers, reverse=True):
-        i = bisect.bisect_left(free, nb)
-        if i < len(free):
-            free.pop(i)
-            parked += nb
-    return parked
-
-
-def memory_breakdown(profile: Profile, plan, model, micro_batch: Any, local_batch_bytes: int, *, accum_steps: int,
-                     sequence_parallel: bool, tp_temp: int | None = None) -> dict:
-    """Peak bytes per device by kind (see the module doc) and ``"peak"``, their sum. ``tp_temp``: the temp bytes
-    of the layout's tensor-parallel part measured on its group (``spmd.parallel.auto._tp_profile``), the work's
-    base in place of the one-device step's scaled by the activations' share."""
+def memory_floor(profile: Profile, plan, micro_batch: Any, local_batch_bytes: int, *, tp: int = 1,
+                 policy: str | None = None, compute_dtype: Any = None) -> dict:
+    """The lower bound on a layout's peak bytes per device, by kind (see the module doc), and ``"peak"``, their
+    sum. ``plan``: the layout's ``ParamPlan``; ``micro_batch``: one micro-batch on one device (shape structs);
+    ``policy``: the checkpointing policy its blocks run under (``None``, ``"dots"``, ``"full"``); ``compute_dtype``: the mixed
+    precision's compute dtype (its activations' bytes), or None."""
     local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in plan.entries]
     params = plan.bytes_per_device
-    opt_state = jax.tree.leaves(jax.eval_shape(profile.optimizer.init, local))
-    opt = _nbytes(opt_state)
-    fsdp = model.fsdp
-    n_fsdp = plan.mesh_size(fsdp.shard_dim) if fsdp else 1
-    regather = bool(fsdp and fsdp.reshard_after_forward)
-    gathered = plan.peak_gathered_bytes(regather=regather, accum_steps=accum_steps) if fsdp and n_fsdp > 1 else 0
-    tp = model.tp.mesh_dim if model.tp else None
-    n_tp = plan.mesh_size(tp) if tp else 1
-    res = profile.residuals(micro_batch)
-    full = _nbytes(res)
-    split = activation_bytes(res, plan, tp, n_tp, sequence_parallel)
-    total_gathered = sum(plan.gathered_bytes(u) for u in plan.units) if fsdp and n_fsdp > 1 else 0
-    one_unit = max((plan.gathered_bytes(u) for u in plan.units), default=0) if fsdp and n_fsdp > 1 else 0
-    if regather and n_fsdp > 1 and accum_steps == 1 and getattr(profile, "policy", None) is None:
-        # the units run under jax.checkpoint, matmul outputs saved (under a policy: measured in its profile);
-        # their layers compute the plain plan's matmul outputs (sequence-parallel and weight-stationary too)
-        saved = _split_sizes(profile.residuals(micro_batch, dots_only=True), plan, tp, n_tp, False)
-        every = activation_bytes(res, plan, tp, n_tp, False)
-        outputs = [_nbytes(x) for x in local] + [_nbytes(x) for x in opt_state]
-        blocks = max(len(plan.units) - 1, 1)
-        work = int(sum(saved) - parked_bytes(saved, outputs) + RECOMPUTED * (every - sum(saved)) / blocks)
-        unit_grads = int(REGATHERED_GRADS * one_unit * (1 - 1 / n_fsdp))
-    else:
-        if tp_temp is not None:
-            work = float(tp_temp)
-        else:
-            temp = profile.temp_bytes(micro_batch) if accum_steps == 1 else profile.grad_temp_bytes(micro_batch)
-            work = temp * math.sqrt(split / full if full else 1.0)
-        work = int(work)
-        unit_grads = int((one_unit if regather and accum_steps == 1 else 0.4 * total_gathered) * (1 - 1 / n_fsdp))
-    if fsdp and n_fsdp > 1 and not regather and accum_steps == 1 and getattr(profile, "policy", None) is None:
-        # kept units: the activations XLA parks in the one-device step's outputs go to temp (the module doc)
-        unparked = profile.grad_temp_bytes(micro_batch, donated=True) * (split / full if full else 1.0)
-        work = max(work, int(unparked - PARKED_IN_OUTPUTS * (params + opt)) - unit_grads)
-    out = {"state": 2 * (params + opt), "batch": local_batch_bytes, "work": work, "gathered": gathered,
-           "gathered_grads": unit_grads,
-           "accumulated_grads": total_gathered if accum_steps > 1 else 0}
+    opt = _nbytes(jax.tree.leaves(jax.eval_shape(profile.optimizer.init, local)))
+    size = jnp.dtype(compute_dtype).itemsize if compute_dtype is not None else None
+    res = [] if policy == "full" else profile.residuals(micro_batch, dots_only=True)
+    acts = _floats_at(res, size) // max(tp, 1)
+    out = {"state": 2 * (params + opt), "batch": local_batch_bytes,
+           "activations": max(acts - (params + opt), 0)}  # those beyond what the output buffers can hold
     out["peak"] = sum(out.values())
-    out["params"], out["optimizer"], out["activations"] = params, opt, split
+    out["params"], out["optimizer"], out["compiled"] = params, opt, False
     return out

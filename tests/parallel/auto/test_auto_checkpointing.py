@@ -68,15 +68,16 @@ def test_the_budget_loop_weighs_each_policy_with_the_least_accumulation_that_fit
 
 
 @pytest.mark.parametrize("lay, weighed", [
-    (Layout(fsdp=8, units=UNITS), ["fsdp=8 regather"]),  # re-gathered units save their matmul outputs already
+    # re-gathered units save their matmul outputs already: "full" alone is a variant of them
+    (Layout(fsdp=8, units=UNITS), ["fsdp=8 regather", "fsdp=8 regather ac=full"]),
     (Layout(pp=2, dp=4, units=UNITS, microbatches=2), ["pp=2,dp=4 1f1b M=2"]),  # a pipeline recomputes its stages
     (Layout(dp=8), ["dp=8"]),  # a model without repeated blocks (units=()): nothing to checkpoint
 ])
 def test_no_policy_is_weighed_where_it_does_not_apply(lay, weighed):
-    evaluate, calls = _stub({lay.name: 400})
+    evaluate, calls = _stub({name: 400 for name in weighed})
     units = () if lay == Layout(dp=8) else UNITS
     got = _fitting(evaluate(lay), evaluate, rows=8, units=units, rejected=[])  # one row per replica: no accumulation
-    assert calls == weighed and [c.name for c in got] == weighed
+    assert calls == weighed and [c.name for c in got] == weighed[:1]  # none fits: the smallest (the first)
 
 
 def test_a_variant_that_cannot_be_built_is_rejected_with_its_reason():
@@ -131,7 +132,7 @@ for lay in (Layout(dp=8), Layout(dp=8, units=U, activation_checkpointing="dots")
             Layout(fsdp=8, units=U, reshard_after_forward=False, activation_checkpointing="full")):
     c = evaluate_layout(net, opt, batch, 8, lay, calibration=cal, profile=prof)
     out[lay.name] = [int(c.memory["peak"]), int(measured(lay))]
-budget = (out["dp=8"][0] + out["dp=8 ac=dots"][0]) // 2
+budget = (out["dp=8"][1] + out["dp=8 ac=dots"][1]) // 2
 ranked = auto_layout(net, opt, batch, 8, layouts=[Layout(dp=8)], calibration=cal, memory_budget_bytes=budget,
                      profile=prof)
 out["budget"] = budget
@@ -144,8 +145,8 @@ print(json.dumps(out))
 def test_under_a_scheduler_that_lets_it_save_the_pick_checkpoints_and_fits():
     """XLA:CPU's default scheduler hoists the recomputation back beside the forward pass (checkpointing saves
     nothing there, and the estimate, measured on the one-device step, says so); its memory-minimizing one
-    does not. In a fresh process, since the flag is global to a process: the predicted peak of each policy is
-    within 10% of memory_analysis(), and under a budget dp=8 misses by its activations, with no
+    does not. In a fresh process, since the flag is global to a process: the lower bound of each policy is below
+    its memory_analysis(), and under a budget dp=8 misses by its activations once compiled, with no
     accumulation to fall back on, the pick checkpoints and its compiled step fits."""
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
@@ -156,12 +157,12 @@ def test_under_a_scheduler_that_lets_it_save_the_pick_checkpoints_and_fits():
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     for name in ("dp=8", "dp=8 ac=dots", "dp=8 ac=full", "fsdp=8 keep ac=full"):
-        predicted, compiled = got[name]
-        assert abs(predicted / compiled - 1) < 0.10, (name, predicted, compiled)
-    # the saving is real (the attention scores, 8 heads of 128 x 128, recomputed), and predicted to 1%
+        bound, compiled = got[name]
+        assert bound <= compiled, (name, bound, compiled)
+    # the saving is real (the attention scores, 8 heads of 128 x 128, recomputed), and the bound follows it
     assert got["dp=8 ac=full"][1] < 0.9 * got["dp=8"][1] and got["dp=8 ac=dots"][1] < got["dp=8"][1]
-    saved = [got["dp=8"][i] - got["dp=8 ac=full"][i] for i in (0, 1)]
-    assert saved[0] == pytest.approx(saved[1], rel=0.01), got
-    # "full" fits too, but needs no less accumulation than "dots" and recomputes the matmuls too: dropped
-    assert got["ranked"] == [["dp=8 ac=dots", True]], got["ranked"]
+    assert got["dp=8 ac=full"][0] < got["dp=8 ac=dots"][0] == got["dp=8"][0]  # the matmul outputs: kept by both
+    # dp=8 compiled over; its variants join: "dots" compiled and fits ("full" needs no less accumulation and
+    # recomputes the matmuls too: dropped)
+    assert got["ranked"][0] == ["dp=8 ac=dots", True] and ["dp=8", False] in got["ranked"], got["ranked"]
     assert got["pick"] <= got["budget"], got

@@ -1,0 +1,162 @@
+"""Plan Llama-3-shaped models at scale from a CPU: 8B on 64 H100s and 70B on 256, beside torchtitan's layouts.
+
+The models are ``models.Llama`` written as a user writes them (no sharding code), at Llama 3's sizes; their
+parameters are ``jax.ShapeDtypeStruct`` (never allocated) and the devices CPU fake devices
+(``--xla_force_host_platform_device_count``, set below before JAX starts). ``auto_layout(hardware="h100")``
+ranks every layout (FSDP / DP / TP up to a node, re-gathering or keeping, float32 or bfloat16 compute,
+checkpointing where the 80 GB need it) on the H100's published figures: each candidate's communication is its
+step's own table priced on the links its mesh dim crosses, and each one that survives the bound from shapes
+is compiled (not run) for its ``memory_analysis()`` peak and ``cost_analysis()`` flops and bytes
+(``depth=``: compiled at 1 and 2 blocks, carried to the model's depth). Then the pick is compiled whole, at
+its full depth, and its peak set beside the ranked one.
+
+torchtitan's published H100 numbers (docs/performance.md of pytorch/torchtitan, commit eaea6f6; H100 SXM
+96 GB HBM2e at 500 W, 8 a host on NVLink, 400 Gb/s RDMA per GPU):
+
+- Llama 3.1 8B, 128 GPUs, FSDP, local batch 2 (seq 8192), selective activation checkpointing, bf16:
+  5,605 tokens/s/GPU at 67.0 GiB (Table 3; 6,514 with torch.compile);
+- Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8, local batch 16, full activation checkpointing, torch.compile and
+  Float8: 829 tokens/s/GPU at 71.9 GiB (Table 4).
+
+Run: ``python benchmarks/plan_at_scale.py [8b|70b ...] [--no-full-compile]``; writes
+``benchmarks/results/plan_at_scale.json`` and ``.png``. The predicted tokens/s/GPU counts no overlap of
+communication with compute (torchtitan overlaps FSDP's gathers with the previous layer's compute) and the
+model's attention materializes its scores (no fused attention kernel).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=256").strip()
+
+import json  # noqa: E402
+import time  # noqa: E402
+from dataclasses import replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models._llama import Llama, LlamaConfig  # noqa: E402
+from spmd.parallel import ColwiseParallel, RowwiseParallel, auto_layout  # noqa: E402
+from spmd.parallel.auto._auto import default_loss  # noqa: E402
+from spmd.parallel.auto._compiled import compile_figures  # noqa: E402
+
+GiB = 2**30
+SEQ = 8192 if "--tiny" not in sys.argv else 64
+TORCHTITAN = {  # docs/performance.md, pytorch/torchtitan @ eaea6f6 (see the module doc)
+    "8b": {"layout": "FSDP 128 (1D), selective op AC, bf16, local batch 2", "gpus": 128, "tps_per_gpu": 5605,
+           "memory_gib": 67.0, "source": "torchtitan docs/performance.md Table 3 (H100, FSDP, no compile)"},
+    "70b": {"layout": "FSDP 32 x TP 8, full AC, bf16 + Float8, torch.compile, local batch 16", "gpus": 256,
+            "tps_per_gpu": 829, "memory_gib": 71.9,
+            "source": "torchtitan docs/performance.md Table 4 (H100, 2D, torch.compile + Float8)"},
+}
+MODELS = {  # Llama 3 8B and 70B (Meta's model cards: vocabulary 128,256, GQA with 8 key/value heads)
+    "8b": (LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                       num_kv_heads=8, rope_theta=500000.0), 64),
+    "70b": (LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                        num_kv_heads=8, rope_theta=500000.0), 256),
+}
+
+if "--tiny" in sys.argv:  # the script's own smoke run: the same path on a small Llama and 8 devices
+    MODELS = {k: (LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                              num_kv_heads=2), 8) for k in MODELS}
+
+
+def tp_plan(sequence_parallel: bool, tp_size: int) -> dict | None:
+    """Megatron's plan of a Llama block (heads and MLP features cut), tensor parallelism inside a node (<= 8)."""
+    if sequence_parallel or tp_size > 8:
+        return None
+    col, row = ColwiseParallel(), RowwiseParallel()
+    return {**{f"layers_*.self_attn.{p}": col for p in ("q_proj", "k_proj", "v_proj")},
+            "layers_*.self_attn.o_proj": row, "layers_*.mlp.gate_proj": col, "layers_*.mlp.up_proj": col,
+            "layers_*.mlp.down_proj": row}
+
+
+def plan_one(name: str, full_compile: bool) -> dict:
+    cfg, n = MODELS[name]
+    model = Llama(cfg)
+    batch = {k: jax.ShapeDtypeStruct((n, SEQ), np.int32) for k in ("inputs", "targets")}  # a sequence a device
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jax.ShapeDtypeStruct((1, SEQ), np.int32))["params"])
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    opt = optax.adamw(3e-4)
+    devices = jax.devices()[:n]
+    t0 = time.perf_counter()
+    got = auto_layout(model, opt, batch, devices, hardware="h100", plan=tp_plan, units=("layers_*",), params=params,
+                      mixed_precision="bfloat16", depth=lambda k: Llama(replace(cfg, num_layers=k)), top=10)
+    ranked_s = time.perf_counter() - t0
+    tokens = n * SEQ / n  # per device and step
+    print(f"\n== Llama 3 {name.upper()} ({count / 1e9:.2f} B parameters) on {n} fake devices, priced as H100s, "
+          f"80 GB each; ranked in {ranked_s:.0f} s ==")
+    print(got.table(top=10))
+    rows = []
+    for c in got.candidates[:10]:
+        rows.append({"layout": c.name, "predicted_s": c.predicted_s, "tokens_per_s_per_gpu": tokens / c.predicted_s,
+                     "compute_s": c.compute_s, "comm_s": sum(c.comm_s.values()), "peak_gib": c.memory["peak"] / GiB,
+                     "peak_compiled": bool(c.memory.get("compiled")), "fits": c.fits})
+    for r in rows:
+        print(f"  {r['layout']:<34} {r['tokens_per_s_per_gpu']:>8.0f} tok/s/GPU  peak "
+              f"{'' if r['peak_compiled'] else '>='}{r['peak_gib']:.1f} GiB")
+    best = got.best
+    out = {"model": f"llama3-{name}", "parameters": count, "devices": n, "seq": SEQ, "global_batch": n,
+           "hardware": "h100", "budget_bytes": got.budget, "ranked_s": ranked_s, "candidates": len(got.candidates),
+           "rejected": len(got.rejected), "pick": best.name, "why": got.why(), "top": rows,
+           "torchtitan": TORCHTITAN[name], "predicted_peak_bytes": best.measured_peak}
+    if full_compile:  # the pick compiled whole at its full depth, on the fake devices
+        t0 = time.perf_counter()
+        figs = compile_figures(model, opt, default_loss, params, batch, devices, best.layout)
+        out["compiled_peak_bytes"] = figs["memory"].peak
+        out["compiled_flops"] = figs["flops"]
+        out["predicted_flops"] = best.flops
+        out["full_compile_s"] = time.perf_counter() - t0
+        print(f"pick {best.name}: predicted peak {best.measured_peak / GiB:.2f} GiB (layers 1 and 2 compiled, carried "
+              f"to {cfg.num_layers}), compiled whole {figs['memory'].peak / GiB:.2f} GiB "
+              f"({best.measured_peak / figs['memory'].peak - 1:+.1%}); flops {best.flops:.3e} vs {figs['flops']:.3e} "
+              f"({out['full_compile_s']:.0f} s)")
+    tt = TORCHTITAN[name]
+    print(f"torchtitan ({tt['source']}): {tt['layout']} on {tt['gpus']} GPUs: {tt['tps_per_gpu']:,} tok/s/GPU, "
+          f"{tt['memory_gib']} GiB; the pick: {best.name} at {tokens / best.predicted_s:,.0f} tok/s/GPU predicted "
+          f"({tokens / best.predicted_s / tt['tps_per_gpu']:.2f}x)")
+    return out
+
+
+def _plot(results: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        top = r["top"][:8]
+        names = [t["layout"] for t in top]
+        ax.barh(names[::-1], [t["tokens_per_s_per_gpu"] for t in top][::-1], color=[
+            "tab:blue" if t["peak_compiled"] else "tab:gray" for t in top][::-1])
+        ax.axvline(r["torchtitan"]["tps_per_gpu"], color="tab:red", ls="--", label="torchtitan (published)")
+        ax.set_title(f"{r['model']} on {r['devices']} H100s (predicted)")
+        ax.set_xlabel("tokens / s / GPU (blue: peak compiled, gray: bound only)")
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str]) -> None:
+    names = [a for a in argv if not a.startswith("--")] or ["8b", "70b"]
+    full = "--no-full-compile" not in argv
+    results = [plan_one(n, full) for n in names]
+    out = Path(__file__).resolve().parent / "results"
+    if "--tiny" in argv:
+        return
+    out.mkdir(exist_ok=True)
+    (out / "plan_at_scale.json").write_text(json.dumps(results, indent=1, default=str))
+    _plot(results, out / "plan_at_scale.png")
+    print(f"wrote {out / 'plan_at_scale.json'} and .png")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,76 @@
+"""A candidate's figures from its own compiled step: ``memory_analysis()`` and ``cost_analysis()``, nothing run.
+
+``auto_layout`` compiles each candidate that survives the lower bound (``spmd.parallel.cost._memory
+.memory_floor``) once, through the contract (``apply_layout`` + ``init_train_state`` + ``make_train_step``) on
+shape structs: nothing is allocated, so a plan for 64 or 256 devices is compiled on CPU fake devices. Read from
+the compiled step:
+
+- **memory**: ``argument + output + temp - alias`` (``StepMemory``), XLA's own peak per device;
+- **compute**: ``flops`` and ``bytes accessed`` of XLA's cost analysis of the partitioned (per-device)
+  program. XLA counts a loop's body once, whatever its trip count: a step with gradient accumulation is
+  costed from the same layout's step on one micro-batch (``accum_steps=1``, the batch cut by the steps),
+  ``accum_steps`` times, less the optimizer's update counted once (its share of the one-device update,
+  ``Profile.optimizer_cost``, by the layout's shard bytes).
+
+The program is compiled with LLVM's code generation unoptimized (``READ_ONLY``: XLA's HLO passes, buffer
+assignment and cost analysis run before it, so the numbers are those of the optimized compile).
+
+``extrapolated``: with ``auto_layout(depth=)`` every figure of a candidate (its table, bounds, compiled peak and
+cost) is read on the model at 1 and 2 repeated blocks and carried to the model's own count affinely,
+``x(L) = x(1) + (L - 1) (x(2) - x(1))``: exact for what one more block adds (its state, its residuals, its
+collectives), and for what does not grow with the depth (a unit's gathered parameters, the work buffers of one
+block's backward pass) constant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+from spmd.parallel.auto._layout import Layout
+from spmd.parallel.auto._measure import _built
+from spmd.parallel.cost._memory import READ_ONLY, _cost
+from spmd.parallel.step._protocol import StepMemory
+
+__all__ = ["compile_figures", "extrapolated"]
+
+
+def compile_figures(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
+                    layout: Layout, *, keep: dict | None = None) -> dict:
+    """``{"memory": StepMemory, "flops", "bytes"}`` of ``layout``'s step compiled on shape structs (see the
+    module doc). ``keep``: a dict the fully optimized executable is kept in, by layout (to be timed after:
+    ``auto_layout(measure=)``); otherwise compiled to be read only."""
+    step, state, b = _built(model, optimizer, loss_of, params, batch, devices, layout, abstract=True)
+    lowered = step.lower(state, b)
+    exe = lowered.compile() if keep is not None else lowered.compile(READ_ONLY)
+    if keep is not None:
+        keep[layout] = exe
+    mem = StepMemory.from_compiled(exe)
+    flops, nbytes = _cost(exe)
+    if layout.accum_steps > 1:  # the loop's body counted once: the same work as one step on the whole batch
+        s1, st1, b1 = _built(model, optimizer, loss_of, params, batch, devices, replace(layout, accum_steps=1),
+                             abstract=True)
+        flops, nbytes = _cost(s1.lower(st1, b1).compile(READ_ONLY))
+    return {"memory": mem, "flops": flops, "bytes": nbytes}
+
+
+def _affine(a: Any, b: Any, blocks: int) -> Any:
+    if isinstance(a, dict):
+        return {k: _affine(a[k], b[k], blocks) if k in b else a[k] for k in a}
+    if isinstance(a, bool) or not isinstance(a, (int, float)):
+        return a
+    got = a + (blocks - 1) * (b - a)
+    return int(round(got)) if isinstance(a, int) and isinstance(b, int) else got
+
+
+def extrapolated(one: Any, two: Any, blocks: int, budget: int | None) -> Any:
+    """The ``Candidate`` of a model of ``blocks`` repeated blocks from its candidates ``one`` and ``two`` at 1
+    and 2 blocks (see the module doc); ``fits`` judged again under ``budget``."""
+    mem = _affine(one.memory, two.memory, blocks)
+    peak = None if one.measured_peak is None else _affine(one.measured_peak, two.measured_peak, blocks)
+    fits = budget is None or (peak if peak is not None else mem["peak"]) <= budget
+    return replace(one, predicted_s=_affine(one.predicted_s, two.predicted_s, blocks),
+                   compute_s=_affine(one.compute_s, two.compute_s, blocks),
+                   comm_s=_affine(one.comm_s, two.comm_s, blocks),
+                   communication=_affine(one.communication, two.communication, blocks), memory=mem,
+                   flops=_affine(one.flops, two.flops, blocks), measured_peak=peak, fits=fits)

@@ -1,0 +1,124 @@
+"""auto_layout's figures from the program: a candidate's peak is its compiled step's memory_analysis() (the lower
+bound from shapes below it), its flops the compiled step's cost_analysis() (a loop's body counted once by XLA:
+the accumulating step costed from its micro-batch step), the mixed-precision candidates, and ``depth=``: the
+figures at 1 and 2 blocks carried to the model's depth, checked against the full model compiled. The expected
+numbers come from steps built and compiled here by hand through the public contract."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from models import Transformer
+from spmd.parallel import Layout, apply_layout, auto_layout, init_train_state, make_train_step
+from spmd.parallel.auto._auto import default_loss, evaluate_layout
+from spmd.parallel.auto._compiled import compile_figures
+from spmd.parallel.cost._hardware import HARDWARE
+from spmd.parallel.cost._memory import Profile
+from spmd.parallel.step._protocol import StepMemory
+
+VOCAB, T, B = 16, 16, 16
+OPT = optax.adamw(1e-3)
+U = ("block_*",)
+
+
+def _model(layers: int) -> Transformer:
+    return Transformer(VOCAB, T, num_layers=layers, d_model=32, num_heads=4)
+
+
+def _batch(rows: int = B) -> dict:
+    tok = np.random.default_rng(0).integers(0, VOCAB, (rows, T + 1)).astype(np.int32)
+    return {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+
+
+def _by_hand(model, lay: Layout, batch: dict):
+    """The step of ``lay`` built through the contract on real zeros of the parameters, compiled."""
+    params = model.init(jax.random.key(0), batch["inputs"])["params"]
+    laid, mesh = apply_layout(model, 8, lay)
+    state = init_train_state(laid, OPT, params=params, mesh=mesh)
+    return make_train_step(laid, default_loss(laid), OPT, accum_steps=lay.accum_steps,
+                           mesh=mesh).lower(state, batch).compile()
+
+
+def _flops(exe) -> float:
+    c = exe.cost_analysis()
+    return float((c[0] if isinstance(c, (list, tuple)) else c)["flops"])
+
+
+@pytest.mark.slow  # five compiles of a two-block model
+def test_compiled_figures_are_the_steps_own_and_the_bound_is_below_them():
+    model, batch = _model(2), _batch()
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"])["params"])
+    prof = Profile(default_loss(model), params, OPT)
+    for lay in (Layout(dp=8), Layout(fsdp=8, units=U), Layout(fsdp=8, units=U, reshard_after_forward=False,
+                                                              activation_checkpointing="full")):
+        got = compile_figures(model, OPT, default_loss, params, batch, jax.devices()[:8], lay)
+        exe = _by_hand(model, lay, batch)
+        assert got["memory"] == StepMemory.from_compiled(exe), lay.name
+        assert got["flops"] == pytest.approx(_flops(exe), rel=1e-6), lay.name
+        bound = evaluate_layout(model, OPT, batch, 8, lay, params=params, profile=prof,
+                                calibration=_rates()).memory
+        assert not bound["compiled"] and bound["peak"] <= got["memory"].peak, (lay.name, bound, got["memory"])
+    # accumulation: XLA counts the loop's body once; the figures count the micro-batches' work twice, as the
+    # plain step on the whole batch does
+    acc = compile_figures(model, OPT, default_loss, params, batch, jax.devices()[:8], Layout(dp=8, accum_steps=2))
+    assert acc["flops"] == pytest.approx(_flops(_by_hand(model, Layout(dp=8), batch)), rel=1e-6)
+    assert acc["flops"] > 1.5 * _flops(_by_hand(model, Layout(dp=8, accum_steps=2), batch))
+
+
+def _rates():
+    from spmd.parallel.auto._priced import HardwareRates
+
+    return HardwareRates(HARDWARE["h100"], "float32")
+
+
+@pytest.mark.slow  # compiles the candidates at 1 and 2 blocks and the 4-block model by hand
+def test_depth_carries_the_figures_of_one_and_two_blocks_to_the_models_depth():
+    """``depth=``: each candidate traced and compiled at 1 and 2 blocks and carried affinely to 4; the peak and
+    flops within 2% of the 4-block step compiled whole (the blocks are equal: what one more adds is the same)."""
+    model, batch = _model(4), _batch()
+    lays = [Layout(dp=8), Layout(fsdp=8, units=U), Layout(fsdp=8, units=U, reshard_after_forward=False)]
+    got = auto_layout(model, OPT, batch, 8, layouts=lays, hardware="h100", depth=_model, units=U)
+    assert got.best.memory["compiled"]
+    for c in got:
+        if not c.memory["compiled"]:
+            continue
+        exe = _by_hand(model, c.layout, batch)
+        assert c.measured_peak == pytest.approx(StepMemory.from_compiled(exe).peak, rel=0.02), c.name
+        assert c.flops == pytest.approx(_flops(exe), rel=0.02), c.name
+    with pytest.raises(ValueError, match=re.escape("auto_layout: depth(1) has 2 blocks matching 'block_*', not 1")):
+        auto_layout(model, OPT, batch, 8, layouts=lays, hardware="h100", depth=lambda n: _model(2), units=U)
+    with pytest.raises(TypeError, match=re.escape("auto_layout: depth=4 must be a callable n -> the model")):
+        auto_layout(model, OPT, batch, 8, layouts=lays, hardware="h100", depth=4, units=U)
+
+
+@pytest.mark.slow  # traces and compiles FSDP candidates in float32 and bfloat16
+def test_mixed_precision_is_a_candidate_that_gathers_and_computes_in_bfloat16():
+    """``mixed_precision="bfloat16"``: every FSDP layout is weighed computing in bfloat16 too (fully_shard's
+    MixedPrecisionPolicy, reductions in float32): its gathers move half the bytes, its matmuls are priced at
+    the bfloat16 rate, and it is refused without FSDP."""
+    model, batch = _model(2), _batch()
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"])["params"])
+    prof = Profile(default_loss(model), params, OPT)
+    f32 = evaluate_layout(model, OPT, batch, 8, Layout(fsdp=8, units=U), params=params, profile=prof,
+                          calibration=_rates())
+    bf16 = evaluate_layout(model, OPT, batch, 8, Layout(fsdp=8, units=U, mixed_precision="bfloat16"), params=params,
+                           profile=prof, calibration=_rates())
+    ag = [c.communication["total"]["all-gather"]["bytes"] for c in (f32, bf16)]
+    rs = [c.communication["total"]["reduce-scatter"]["bytes"] for c in (f32, bf16)]
+    assert ag[1] * 2 == ag[0] and rs[1] == rs[0]  # gathered in bf16, reduced in f32
+    h = HARDWARE["h100"]
+    assert f32.compute_s / bf16.compute_s == pytest.approx(h.matmul_flops["bfloat16"] / h.matmul_flops["float32"])
+    assert bf16.name == "fsdp=8 regather mp=bf16"
+    got = auto_layout(model, OPT, batch, 8, hardware="h100", units=U, mixed_precision="bfloat16", params=params,
+                      profile=prof)
+    names = [c.name for c in got] + [n for n, _ in got.rejected]
+    assert "fsdp=8 keep mp=bf16" in names and all("fsdp=" in n for n in names if "mp=" in n)
+    with pytest.raises(ValueError, match=re.escape("Layout: mixed_precision='bfloat16' with fsdp=1")):
+        Layout(dp=8, mixed_precision="bfloat16")
+    with pytest.raises(ValueError, match=re.escape("auto_layout: mixed_precision='int8' must be a floating dtype")):
+        auto_layout(model, OPT, batch, 8, hardware="h100", mixed_precision="int8", params=params, profile=prof)
