@@ -93,7 +93,7 @@ def plan_one(name: str, full_compile: bool) -> dict:
     tokens = n * SEQ / n  # per device and step
     print(f"\n== Llama 3 {name.upper()} ({count / 1e9:.2f} B parameters) on {n} fake devices, priced as H100s, "
           f"80 GB each; ranked in {ranked_s:.0f} s ==")
-    print(got.table(top=10))
+    print(got.table(top=10), flush=True)
     rows = []
     for c in got.candidates[:10]:
         rows.append({"layout": c.name, "predicted_s": c.predicted_s, "tokens_per_s_per_gpu": tokens / c.predicted_s,
@@ -148,14 +148,16 @@ def _plot(results: list, path: Path) -> None:
 def main(argv: list[str]) -> None:
     names = [a for a in argv if not a.startswith("--")] or ["8b", "70b"]
     full = "--no-full-compile" not in argv
-    results = [plan_one(n, full) for n in names]
     out = Path(__file__).resolve().parent / "results"
-    if "--tiny" in argv:
-        return
-    out.mkdir(exist_ok=True)
-    (out / "plan_at_scale.json").write_text(json.dumps(results, indent=1, default=str))
-    _plot(results, out / "plan_at_scale.png")
-    print(f"wrote {out / 'plan_at_scale.json'} and .png")
+    results = []
+    for n in names:  # written after each model: the 70B plan takes longer
+        results.append(plan_one(n, full))
+        if "--tiny" in argv:
+            continue
+        out.mkdir(exist_ok=True)
+        (out / "plan_at_scale.json").write_text(json.dumps(results, indent=1, default=str))
+        _plot(results, out / "plan_at_scale.png")
+        print(f"wrote {out / 'plan_at_scale.json'} and .png", flush=True)
 
 
 if __name__ == "__main__":
