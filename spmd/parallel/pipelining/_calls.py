@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import jax
 
+from spmd.parallel.styles._nnx import hook_submodules, installed_hooks
+
 __all__ = ["UnitCalls", "model_kind"]
 
 
@@ -123,6 +125,9 @@ class UnitCalls:
         graphdef, _, rest = nnx.split(self.model, nnx.Param, ...)
         m = nnx.merge(graphdef, params, rest)
         found = set(self.lay.found)
+        hooks = installed_hooks()
+        if hooks is not None:  # tp: the styled calls outside the units (an embedding, a head) through the hooks
+            hook_submodules(m, hooks, skip=tuple(tuple(f.split("/")) for f in found))
         for path, sub in list(nnx.iter_modules(m)):
             fqn = "/".join(str(p) for p in path)
             if fqn in found:
@@ -290,7 +295,11 @@ class UnitCalls:
 
             gd, ptree, rels = unit
             by_rel = dict(zip(self.lay.rel, leaves))
-            out = nnx.merge(gd, jax.tree_util.tree_unflatten(ptree, [by_rel[r] for r in rels]))(x, *args, **kwargs)
+            unit_mod = nnx.merge(gd, jax.tree_util.tree_unflatten(ptree, [by_rel[r] for r in rels]))
+            hooks = installed_hooks()
+            if hooks is not None:  # tp: the unit's styled calls, named as the unit it runs as (StageHooks.unit)
+                hook_submodules(unit_mod, hooks, prefix=hooks.prefix)
+            out = unit_mod(x, *args, **kwargs)
         else:
             out = unit.apply({"params": self.lay.unit_tree(leaves)}, x, *args, **kwargs)
         return jax.tree.leaves(out)[self.out[2]]

@@ -47,7 +47,7 @@ their gradients once; the optimizer state stays cut. The rest (embeddings, head)
 region automatic over tp and the tp hooks inside each stage (``spmd.parallel.pipelining._tp``); both
 (``fully_shard(parallelize_module(...), mesh=mesh["fsdp"])``): the stages cut over fsdp and tp on two dims,
 ``pp x dp x fsdp x tp``. HSDP (``fully_shard(model, mesh=mesh["dp", "fsdp"])``): the stages cut over fsdp,
-their shards averaged over dp. Not offered: mixed precision, tp stages of an nnx model, dropout rngs, stages
+their shards averaged over dp. Not offered: mixed precision, dropout rngs, stages
 cut from a scanned stack's layer axis (``nn.scan`` / ``nnx.scan``: refused by name when ``init_train_state``
 has the example inputs that reveal the stack).
 """
@@ -323,9 +323,6 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     if kind is None:
         raise TypeError(f"{where}: model={type(model).__name__} must be a flax.linen Module, a Hugging Face Flax model "
                         "or a flax.nnx Module.")
-    if kind == "nnx" and tp is not None:
-        raise ValueError(f"{where}: tensor-parallel stages of an nnx model are not offered; pipeline the nnx model "
-                         "with fully_shard or plain (the other mesh dims data-parallel), or use a linen model.")
     if not isinstance(units, str) or not units:
         raise TypeError(f"{where}: units={units!r} must be one module fqn glob, e.g. 'layers_*'.")
     if schedule not in SCHEDULES:

@@ -217,7 +217,9 @@ class Hooks(TPCalls, RematCalls):
     def installed(self):
         import flax.linen as nn
 
-        with nn.intercept_methods(self._linen):
+        from spmd.parallel.styles._nnx import installing
+
+        with nn.intercept_methods(self._linen), installing(self):
             yield
 
     def _linen(self, next_fun, args, kwargs, context):

@@ -9,6 +9,8 @@ runs the model's own code on it. The user's model object is never touched.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, Callable
 
 import jax
@@ -46,6 +48,39 @@ def _hooked(cls: type) -> type:
 
         _HOOKED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
     return _HOOKED[cls]
+
+
+# The hooks whose ``installed()`` context is open, for the nnx modules a pipeline's stage merges while it runs
+# (``spmd.parallel.pipelining._calls``): a context, as linen's ``nn.intercept_methods`` is, set and reset by
+# ``Hooks.installed`` around one trace.
+_INSTALLED: contextvars.ContextVar = contextvars.ContextVar("spmd_nnx_hooks", default=None)
+
+
+@contextlib.contextmanager
+def installing(hooks: Any):
+    token = _INSTALLED.set(hooks)
+    try:
+        yield
+    finally:
+        _INSTALLED.reset(token)
+
+
+def installed_hooks() -> Any:
+    """The hooks of the open ``Hooks.installed()`` context, or None."""
+    return _INSTALLED.get()
+
+
+def hook_submodules(m: Any, hooks: Any, prefix: tuple = (), skip: tuple = ()) -> None:
+    """Route the calls of ``m``'s submodules (a merged copy) through ``hooks``, named ``prefix`` + their path;
+    ``m`` itself too when ``prefix`` names it; not the subtrees at the paths in ``skip``."""
+    from flax import nnx
+
+    for path, sub in list(nnx.iter_modules(m)):
+        full = tuple(prefix) + tuple(str(p) for p in path)
+        if not full or any(full[:len(s)] == tuple(s) for s in skip):
+            continue
+        object.__setattr__(sub, HOOK_ATTR, (hooks, ".".join(full)))
+        sub.__class__ = _hooked(type(sub))
 
 
 def nnx_loss(model: Any, loss_fn: Callable, params: Any, batch: Any, hooks: Any) -> Any:

@@ -170,13 +170,47 @@ def test_side_arrays_a_stage_cannot_compute_again_are_refused(mode, match):
         step.lower(state, {"inputs": np.zeros((16, 4), np.int32)})
 
 
-def test_tensor_parallel_stages_of_an_nnx_model_are_refused():
+@pytest.mark.slow
+def test_tensor_parallel_stages_of_an_nnx_model_train_as_one_device_and_their_table_is_the_hlo():
+    """An nnx TokenMLP on pp=2 x dp=2 x tp=2 (its blocks' up / down Megatron's way, its head column-parallel):
+    the stages' merged copies route their styled calls through the tp hooks as the step's do; 3 SGD steps
+    equal 1-device training, the compiled step's bytes per kind are the table's."""
     from flax import nnx
 
     from tests.third_party.nnx_mlp import TokenMLP
+    from spmd import Replicate
+    from spmd.parallel import executed_collectives, unshard_params
 
+    def model():
+        return TokenMLP(vocab=VOCAB, width=16, hidden=32, depth=2, rngs=nnx.Rngs(0))
+
+    def loss_fn(m, b):
+        return _ce(m(b["inputs"]), b)
+
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(3):
+        tok = rng.integers(0, VOCAB, (8, 9)).astype(np.int32)
+        batches.append({"inputs": tok[:, :-1], "targets": tok[:, 1:]})
+    sgd = optax.sgd(0.1)
     mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    m = parallelize_module(TokenMLP(vocab=VOCAB, depth=2, rngs=nnx.Rngs(0)), mesh["tp"],
-                           {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()})
-    with pytest.raises(ValueError, match="tensor-parallel stages of an nnx model are not offered"):
-        pipeline(m, mesh["pp"], units="blocks.*", num_microbatches=2)
+    m = parallelize_module(model(), mesh["tp"], {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel(),
+                                                 "head": ColwiseParallel(output_layouts=Replicate())})
+    pm = pipeline(m, mesh["pp"], units="blocks.*", num_microbatches=2)
+    state = init_train_state(pm, sgd)
+    up = state.params["stages"]["up/kernel/value"]  # (2 units, 16, 32): a unit per stage, its outputs cut over tp
+    assert {s.data.shape for s in up.addressable_shards} == {(1, 16, 16)}
+    step = make_train_step(pm, loss_fn, sgd)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    graphdef, params = nnx.split(model(), nnx.Param)
+    ref_losses, ref = train_one_device(params, batches, lambda p, b: loss_fn(nnx.merge(graphdef, p), b), sgd)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params)
+    hlo = executed_collectives(step, state, batches[0], scalars=False)
+    table = step.communication(state, batches[0])
+    for kind in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute"):
+        assert hlo[kind]["bytes"] == table[kind]["bytes"], (kind, hlo, table)
+    assert table["tp"]["program"]["all-reduce"]["count"] > 0 and hlo["all-to-all"]["count"] == 0
