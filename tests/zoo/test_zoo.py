@@ -1,9 +1,10 @@
 """The zoo: families the project did not write (tests/zoo/*.py, each as its users write it), each trained under
-every layout that applies: dp, fsdp per block, HSDP, tp at 2 and 4 (Megatron's cut of its dense layers), 3-D
-and a pipeline over its blocks. A case that runs must equal 1-device training: 3 SGD steps, the losses and the
-final parameters within 1e-5. A case the library refuses must be a clear refusal (``REFUSED``: the exception
-and the part of its message the library owns), never a skip; ``BROKEN`` cases fail today with an error the
-library does not own (xfail, strict: they must turn into one or the other)."""
+every layout that applies: dp, fsdp per block, HSDP, tp at 2 and 4 (Megatron's cut of its dense layers), tp
+with sequence parallelism, 3-D and a pipeline over its blocks. A case that runs must equal 1-device training
+(3 SGD steps, the losses and the final parameters within 1e-5), and its compiled collectives the printed table
+(``TABLE_GAPS`` names where the table misses a term). A case the library refuses must be a clear refusal
+(``REFUSED``: the exception and the part of its message the library owns), never a skip; ``BROKEN`` cases
+would fail with an error the library does not own (xfail, strict: they must turn into one or the other)."""
 
 from __future__ import annotations
 
