@@ -47,11 +47,10 @@ __all__ = ["Step", "Plan", "PlanCost", "plan", "make_step", "check_partial_mix",
 LATENCY_BYTES = 64 * 1024
 
 #: The search weighs a byte moved by all_to_all this much more than one moved by a ring
-#: collective: all_to_all is point-to-point and reaches a lower bus bandwidth (measured by
-#: benchmarks/collectives.py on 8 XLA:CPU devices: 0.2-0.6 GB/s against 1.0-2.5 GB/s for
-#: all_gather / reduce_scatter; NCCL's all_to_all also trails its ring collectives). Above
-#: 1.14 it keeps ``S(0)S(1) -> S(1)S(0)`` on a 2x4 mesh at 2 collectives (all_gather +
-#: all_to_all) at every size instead of 3 all_to_alls receiving 5% fewer bytes.
+#: collective: all_to_all is point-to-point and reaches a lower bus bandwidth (XLA:CPU's and
+#: NCCL's alike; the figures in docs/benchmarks.md, "Measurements behind the code"). It keeps
+#: ``S(0)S(1) -> S(1)S(0)`` on a 2x4 mesh at 2 collectives (all_gather + all_to_all) rather
+#: than 3 all_to_alls receiving slightly fewer bytes.
 ALL_TO_ALL_WEIGHT = 1.25
 
 

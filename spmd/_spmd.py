@@ -331,7 +331,7 @@ def spmd(
 
 class Region:
     """An ``@spmd`` function: calling it calls its ``jax.jit`` function (all placement handling ran at trace
-    time, so a call costs what a hand-written jitted shard_map costs, plus one Python frame: about 0.1 us).
+    time, so a call costs what a hand-written jitted shard_map costs, plus one Python frame).
 
     ``lower`` / ``trace`` / ``eval_shape`` are the jitted function's. The frame turns JAX's "abstract array ...
     static_argnums" ``TypeError`` for a non-array argument into one naming the argument, its value and the

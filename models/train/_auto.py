@@ -6,10 +6,9 @@ candidates: every ``dp`` x ``fsdp`` x ``tp`` mesh, sequence parallel, weight-sta
 accumulation where ``--memory-budget`` needs it) with the
 job's own model, loss, optimizer and first batch, the transformer's tensor-parallel plan
 (``models._plans.transformer_tp_plan``) and ``fully_shard`` units (``shard_units``), on this machine's
-calibration (``spmd.parallel.calibrate``: measured once, about 10 s on 8 CPU fake devices, then read from its
-cache). Ranking traces every candidate's step on abstract inputs (nothing of them is compiled but the
-single-device programs the memory and compute estimates read, and that step timed on every device at once
-under a measured calibration): about a minute for the default config on 8 CPU fake devices. On a measured
+calibration (``spmd.parallel.calibrate``: measured once, then read from its cache). Ranking traces every
+candidate's step on abstract inputs (nothing of them is compiled but the single-device programs the memory
+and compute estimates read, and that step timed on every device at once under a measured calibration). On a measured
 calibration and one process, the top ``MEASURE`` predicted are then compiled and timed side by side and the
 fastest measured is picked (``auto_layout(measure=)``: the cost model misses what a host does to a step).
 ``--hardware h100`` (a ``spmd.parallel.HARDWARE`` built-in) plans for that hardware instead: nothing is

@@ -46,9 +46,8 @@ def prepare_environment() -> None:
       MPICH's network modules (UCX, libfabric's tcp) off the host's other interfaces: they listen on
       loopback only;
     * with more ranks on the host than cores it may run on, a rank that waits in MPI sleeps between
-      polls (``MPIR_CVAR_ENABLE_HEAVY_YIELD``) instead of spinning on a core another rank needs: a
-      4-byte all_reduce of 4 ranks on 2 cores took ~3 ms spinning and ~0.3 ms so (with one rank per
-      core spinning is faster, ~3 us against ~150 us, and stays)."""
+      polls (``MPIR_CVAR_ENABLE_HEAVY_YIELD``) instead of spinning on a core another rank needs; with a
+      core per rank spinning is faster and stays (docs/benchmarks.md, "Measurements behind the code")."""
     local, size = os.environ.get("MPI_LOCALNRANKS"), os.environ.get("PMI_SIZE")
     if local is not None and local == size:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")

@@ -162,8 +162,8 @@ def _run(ranks: tuple, name: str, x: jax.Array, where: str, kwargs: dict, into: 
                     where if checked else None)
     # This rank's block of the global array: the tensor as it is (a scalar gets a leading axis).
     # NumPy goes to the device with one synchronous copy, straight into the global array (XLA's batched
-    # put: jnp.asarray + make_array_from_single_device_arrays cost ~80 us more per call at 4 KiB, and
-    # their copy is asynchronous, which the collective then waited for).
+    # put; jnp.asarray + make_array_from_single_device_arrays cost more per call, and their copy is
+    # asynchronous, which the collective then waited for).
     if isinstance(x, np.ndarray):
         garr = batched_device_put(prog.aval, prog.sharding, [x[None] if prog.stacked else x], [prog.device])
     else:
@@ -190,7 +190,7 @@ def _run(ranks: tuple, name: str, x: jax.Array, where: str, kwargs: dict, into: 
             _guard.leave(call)
         if fp is not None:
             _fingerprint.check(seen, fp, len(ranks), where, ranks, call.group, st.rank)
-    local_out = out.addressable_shards[0].data  # this rank's block, as it is unless stacked (~20 us less than addressable_data)
+    local_out = out.addressable_shards[0].data  # this rank's block, as it is unless stacked (cheaper than addressable_data)
     buf = None if into is None else buffer_of(into)
     if buf is not None and buf.shape == prog.out_shape and buf.dtype == local_out.dtype:
         np.copyto(buf, np.asarray(local_out).reshape(prog.out_shape))  # a host view of the device buffer

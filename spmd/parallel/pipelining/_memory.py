@@ -29,8 +29,7 @@ whose. The method makes the stash the only thing that changes between a few comp
 
 On CPU this is exact to the byte (``tests/parallel/pipelining/test_pipeline_memory.py``): ``bytes_per_slot``
 equals the activation's bytes, further reference compiles lie on the line, and each schedule's measured stash equals
-its bound. ``M = 1`` is no reference point: a one-micro-batch step lies 64 bytes under the line (gpipe
-pp=2 on the test Llama: 1984 measured for a bound of 2048). Several compiles, each of the loop form
+its bound. ``M = 1`` is no reference point: a one-micro-batch step lies 64 bytes under the line. Several compiles, each of the loop form
 (``compiles`` says how many): the job's own step is not one of them.
 """
 
