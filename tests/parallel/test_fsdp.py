@@ -407,8 +407,8 @@ def test_regathering_ties_add_no_collective(variant, monkeypatch):
     collective, scalars counted: the re-gathering step's all-reduces and reduce-scatters are the keeping
     step's, and without the forward tie its collectives are the same. Under a plan that cuts the activations
     over tp (sequence parallel, weight-stationary) a tie's sum in global view would be an all-reduce over tp
-    per unit (``Hooks._zero_from``)."""
-    import spmd.parallel.styles._hooks as hooks
+    per unit (``_fully_shard._zero_from``)."""
+    import spmd.parallel.styles._fully_shard as fully_shard_style
     from spmd.parallel import Layout
     from spmd.parallel.auto._layout import infer_units
     from spmd.parallel.cost._hlo import hlo_executed_collectives
@@ -427,5 +427,39 @@ def test_regathering_ties_add_no_collective(variant, monkeypatch):
     for kind in ("all-reduce", "reduce-scatter", "all-to-all", "collective-permute"):
         assert tied[kind] == keep[kind], (kind, tied[kind], keep[kind])
     assert tied["all-gather"]["count"] > keep["all-gather"]["count"]  # the backward pass's re-gathers
-    monkeypatch.setattr(hooks.Hooks, "_after", lambda self, shards, arrays: shards)
+    monkeypatch.setattr(fully_shard_style, "_after", lambda hooks, shards, arrays: shards)
     assert collectives(True) == tied
+
+
+@pytest.mark.slow
+def test_fully_shards_unit_is_a_style_the_hooks_dispatch(monkeypatch):
+    """``fully_shard``'s unit is an ordinary ``ParallelStyle`` (``FullyShardUnit``): its ``param_placements`` are
+    the plan's cut over fsdp (moved here to each kernel's dim 1, the plan follows), and the hooks hand each
+    unit's call to its ``run_call``, as they hand a tensor-parallel style's (the root is gathered by the step)."""
+    from placements import Replicate, Shard
+    from spmd.parallel import ParallelStyle
+    from spmd.parallel.styles._fully_shard import FullyShardUnit
+
+    model_def, *_ = MODELS["transformer"]
+    mesh = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
+    model = fully_shard(model_def, mesh=mesh["fsdp"], units=["block_*"])
+    assert isinstance(model.fsdp.unit_style, ParallelStyle)
+    assert model.fsdp.unit_style.param_placements("block_0.fc", {"kernel": (12, 24), "bias": (24,), "s": ()}) == {
+        "kernel": Shard(0), "bias": Shard(0), "s": Replicate()}  # torch's: dim 0
+    calls, run_call = [], FullyShardUnit.run_call
+
+    def counted(self, call):
+        calls.append(call.fqn)
+        return run_call(self, call)
+
+    monkeypatch.setattr(FullyShardUnit, "run_call", counted)
+    monkeypatch.setattr(FullyShardUnit, "param_placements", lambda self, path, params, module_type=None: {
+        n: Shard(1) if len(s) >= 2 else Replicate() for n, s in params.items()})
+    batch = {"inputs": np.zeros((BATCH, 6), np.int32), "targets": np.zeros((BATCH, 6), np.int32)}
+    params = model_def.init(jax.random.key(0), batch["inputs"])["params"]
+    state = init_train_state(model, OPT, params=params)
+    fi = state.plan.mesh_dim_names.index("fsdp")
+    got = {e.path: e.placements[fi] for e in state.plan.entries}
+    assert got["block_0/fc/kernel"] == Shard(1) and got["block_1/fc/bias"] == Replicate(), got
+    make_train_step(model, _loss_fn("transformer"), OPT).communication(state, batch)  # traces the step
+    assert calls == ["block_0", "block_1"], calls

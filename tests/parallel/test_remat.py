@@ -33,7 +33,7 @@ from models import Transformer
 from models._plans import transformer_tp_plan
 from spmd.parallel import (ParallelModule, activation_checkpointing, fully_shard, hlo_executed_collectives,
                            init_train_state, make_train_step, parallelize_module, pipeline, unshard_params)
-from spmd.parallel.styles._remat import RematSpec
+from spmd.parallel.styles._transforms import RematSpec
 
 STEPS, BATCH, SEQ, LAYERS = 2, 16, 8, 2
 OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1, eps=1e-6))
@@ -355,3 +355,25 @@ def test_full_checkpointing_cuts_the_temp_bytes():
     assert proc.returncode == 0, proc.stderr[-3000:]
     temp = json.loads(proc.stdout.strip().splitlines()[-1])
     assert temp["full"] < 0.9 * temp["None"], temp
+
+
+@pytest.mark.slow
+def test_checkpointing_is_a_style_a_plan_can_hold():
+    """``ActivationCheckpoint`` (what ``activation_checkpointing``'s units run under) is an ordinary
+    ``ParallelStyle``: keyed on the blocks in a ``parallelize_module`` plan, it goes through the dispatch a
+    user's style goes through and lowers to the program ``activation_checkpointing`` gives (and not to the
+    plain one)."""
+    from spmd.parallel.styles._remat import ActivationCheckpoint
+
+    params, batches = _data()
+    mesh = spmd.init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    plan = transformer_tp_plan()
+    models = [activation_checkpointing(parallelize_module(MODEL, mesh["tp"], plan), units=["block_*"]),
+              parallelize_module(MODEL, mesh["tp"], {**plan, "block_*": ActivationCheckpoint("full")}),
+              parallelize_module(MODEL, mesh["tp"], plan)]
+    texts = []
+    for m in models:
+        state = init_train_state(m, OPT, params=params)
+        texts.append(make_train_step(m, loss_fn, OPT).lower(state, batches[0]).as_text())
+    assert texts[1] == texts[0]
+    assert texts[2] != texts[0]

@@ -38,7 +38,8 @@ import numpy as np
 from spmd._mesh import DeviceMesh
 from spmd.parallel.plan._param_plan import path_str
 from spmd.parallel.pipelining._pipeline import pipeline
-from spmd.parallel.styles._remat import POLICIES, activation_checkpointing
+from spmd.parallel.styles._remat import POLICIES
+from spmd.parallel.styles._transforms import activation_checkpointing
 from spmd.parallel.pipelining._schedules import CHUNKED, SCHEDULES
 from spmd.parallel.styles._transforms import MixedPrecisionPolicy, fully_shard, param_module, parallelize_module
 from spmd.parallel.styles._weight_stationary import _activation_cuts as _cuts

@@ -67,7 +67,7 @@ def _add(table: dict, kind: str, nbytes: int, count: int = 1) -> None:
 
 
 def _gather_buffers(plan: ParamPlan, entries, ti) -> list:
-    """A unit's gather buffers: its tp-cut and tp-whole parameters apart (``Hooks.tp_groups``), each group
+    """A unit's gather buffers: its tp-cut and tp-whole parameters apart (``FullyShardUnit.gather``), each group
     cut into ``ParamPlan.gather_buffers``."""
     groups: dict = {}
     for e in entries:

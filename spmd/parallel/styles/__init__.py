@@ -2,10 +2,10 @@
 ``fully_shard``, activation checkpointing), and the hooks that run a styled module's call on its blocks."""
 
 from spmd.parallel.styles._experts import ExpertParallel
-from spmd.parallel.styles._remat import activation_checkpointing
 from spmd.parallel.styles._styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
                                           RowwiseParallel, SequenceParallel)
-from spmd.parallel.styles._transforms import MixedPrecisionPolicy, ParallelModule, fully_shard, parallelize_module
+from spmd.parallel.styles._transforms import (MixedPrecisionPolicy, ParallelModule, activation_checkpointing,
+                                              fully_shard, parallelize_module)
 from spmd.parallel.styles._weight_stationary import weight_stationary_plan
 
 __all__ = [

@@ -113,6 +113,14 @@ class ParallelStyle:
       modules (a sequence or batch cut, not its features) mapped by ``fn`` (``weight_stationary_plan``
       moves ``Shard(1)`` to ``Shard(0)``); the default names none.
 
+    - ``run_call(call) -> output``: the module's call under the style (torch's ``_apply``: what a style installs
+      around the module's forward). The default is the above: the layouts, every collective between them
+      written out by the library. ``fully_shard``'s unit (``FullyShardUnit``: its parameters gathered before the
+      call, their gradients reduce-scattered) and activation checkpointing (``ActivationCheckpoint``: the call
+      under ``jax.checkpoint``) override it; the hooks hand every intercepted call to the first style that
+      applies to it (a unit's, then checkpointing's, then the tensor-parallel one), and ``call.apply`` runs the
+      module's own code, where the next style applies in turn.
+
     ``cuts_kernel``: True where the style only applies to a module holding a kernel of 2+ dims or an
     ``Embed`` table (``parallelize_module`` refuses it elsewhere, naming the modules under it that hold one).
     """
@@ -138,6 +146,10 @@ class ParallelStyle:
 
     def map_layouts(self, fn: Callable[[Any], Any]) -> ParallelStyle:
         return self
+
+    def run_call(self, call: Any) -> Any:
+        """``call`` (a ``spmd.parallel.styles._hooks.ModuleCall``) run under this style; default: its layouts."""
+        return call.with_layouts(self)
 
     def activation_layouts(self) -> list:
         """The layouts ``map_layouts`` reaches (derived: override ``map_layouts``)."""

@@ -1,4 +1,5 @@
-"""The tensor-parallel half of the hooks: a styled module's call, on its tp blocks.
+"""A tensor-parallel style's layouts around its module's call (``TPCalls``, what ``ParallelStyle.run_call`` runs
+by default), on the module's tp blocks.
 
 A style that ``runs_on_blocks`` (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, a user's
 own) runs its module in a region manual over tp (``jax.shard_map`` with ``axis_names={tp}``, nested in the
@@ -14,7 +15,6 @@ its own code (reshapes by the global head count, grouped-query attention) sees g
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Sequence
 
 import jax
@@ -70,8 +70,20 @@ def _reduce_forward(y: jax.Array, axis: str, n: int) -> jax.Array:
 
 
 class TPCalls:
-    """Mixed into ``Hooks``: the layouts over tp. Needs ``model``, ``plan``, ``tp``, ``n_tp``, ``ti``,
-    ``records`` and ``bypass`` from it."""
+    """The layouts over tp of one traced step: a tensor-parallel style's call on its blocks or in global view,
+    and the regions manual over tp that the parameters' own collectives run in (``island``). ``hooks``: the
+    ``Hooks`` it serves, to whose ``records`` it adds one per styled call (the communication table's
+    activation terms)."""
+
+    def __init__(self, hooks: Any):
+        model, plan = hooks.model, hooks.plan
+        self.hooks, self.model, self.plan = hooks, model, plan
+        self.tp = model.tp.mesh_dim if model.tp else None
+        self.ti = plan.mesh_dim_names.index(self.tp) if self.tp else None
+        self.n_tp = model.mesh.size(self.tp) if self.tp else 1
+
+    def tp_cut(self, e: PlanEntry) -> bool:
+        return self.ti is not None and isinstance(e.placements[self.ti], Shard)
 
     def constrain(self, x: Any, layout: Any) -> Any:
         """``x`` laid out as ``layout`` (``Shard(d)`` / ``Replicate()``) over tp: a sharding constraint."""
@@ -99,28 +111,29 @@ class TPCalls:
         if self.tp is None:
             return fn(*leaves)
         specs = tuple(self.tp_spec(e, np.ndim(x)) for e, x in zip(entries, leaves))
-        return jax.shard_map(fn, mesh=self._region_mesh(), in_specs=specs, out_specs=specs,
+        return jax.shard_map(fn, mesh=self.region_mesh(), in_specs=specs, out_specs=specs,
                              axis_names={self.tp}, check_vma=False)(*leaves)
 
-    def around(self, fqn: str, typ: str, call: Callable, args: tuple, kwargs: dict, params=(), run_local=None) -> Any:
-        """A tensor-parallel style's layouts around ``call(*args, **kwargs)`` of module ``fqn``.
+    def around(self, style: Any, fqn: str, typ: str, call: Callable, args: tuple, kwargs: dict, params=(),
+               run_local=None) -> Any:
+        """``style``'s layouts around ``call(*args, **kwargs)`` of module ``fqn`` (a type ``typ``; ``style`` None:
+        a known linear module left out of the plan, run whole).
 
         ``params``: the module's own ``(plan path, value)`` pairs; ``run_local(values, args, kwargs,
         zero_bias)``: the module's computation on this device's tp blocks of them."""
-        hit = self.model.tp.style_for(fqn) if self.model.tp and not self.bypass else None
-        first = len(self.records)
-        if self.model.tp and not self.bypass and fqn in self.whole_heads:
-            y = self._whole_call(fqn, typ, hit and hit[1], call, args, kwargs, params, run_local)
-        elif hit is None:
+        records = self.hooks.records
+        first = len(records)
+        if fqn in self.hooks.whole_heads:
+            y = self._whole_call(fqn, typ, style, call, args, kwargs, params, run_local)
+        elif style is None:
             y = call(*args, **kwargs)
-            if (self.model.tp and not self.bypass and typ in KNOWN_LINEAR and _is_array(y)
-                    and jnp.issubdtype(y.dtype, jnp.inexact) and np.ndim(y) >= 2):
+            if typ in KNOWN_LINEAR and _is_array(y) and jnp.issubdtype(y.dtype, jnp.inexact) and np.ndim(y) >= 2:
                 y = checkpoint_name(y, f"{WHOLE_MARK}{fqn}|{self.n_tp}")  # split into heads? (the step asks)
-        elif hit[1].runs_on_blocks() and args and _is_array(args[0]):
-            y = self._island_call(fqn, typ, hit[1], params, run_local, args, kwargs)
+        elif style.runs_on_blocks() and args and _is_array(args[0]):
+            y = self._island_call(fqn, typ, style, params, run_local, args, kwargs)
         else:
-            y = self._constrained(fqn, hit[1], typ, call, args, kwargs)
-        for r in self.records[first:]:  # a module inside an nn.scan runs (and communicates) once per layer
+            y = self._constrained(fqn, style, typ, call, args, kwargs)
+        for r in records[first:]:  # a module inside an nn.scan runs (and communicates) once per layer
             r["calls"] = scan_of(fqn.replace(".", "/"), dict(self.plan.scans))
         return y
 
@@ -142,11 +155,11 @@ class TPCalls:
         given, desired = style.output_layouts_for(typ)
         if (isinstance(given, Replicate) and isinstance(desired, Shard) and _is_array(y)
                 and jnp.issubdtype(y.dtype, jnp.inexact)):  # a whole output cut: its gradient is gathered back
-            self.records.append({"module": fqn, "style": type(style).__name__, "type": typ, "region": False,
-                                 "in_layout": None, "in_desired": None, "local_out": given,
-                                 "out_layout": desired, "in_bytes": 0, "out_bytes": int(np.prod(y.shape)) *
-                                 jnp.dtype(y.dtype).itemsize, "input_grad": False, "summed_params": [],
-                                 "input_id": None})
+            self.hooks.records.append({
+                "module": fqn, "style": type(style).__name__, "type": typ, "region": False, "in_layout": None,
+                "in_desired": None, "local_out": given, "out_layout": desired, "in_bytes": 0,
+                "out_bytes": int(np.prod(y.shape)) * jnp.dtype(y.dtype).itemsize, "input_grad": False,
+                "summed_params": [], "input_id": None})
         if isinstance(y, (tuple, list)) and isinstance(desired, (tuple, list)):
             gs = given if isinstance(given, (tuple, list)) else (given,) * len(desired)
             return type(y)(self.constrain(self.constrain(v, g), d) for v, g, d in zip(y, gs, desired))
@@ -161,7 +174,7 @@ class TPCalls:
         tp = self.tp
         x, rest = args[0], tuple(args[1:])
         paths = [p for p, _ in params]
-        ents = [self.entry_for(p, v) for p, v in params]  # under nn.scan: one layer's (its tp cut, one dim less)
+        ents = [self.hooks.entry_for(p, v) for p, v in params]  # under nn.scan: one layer's (its tp cut, one dim less)
         vals = [v for _, v in params]
         names = [p[:-len("/value")].split("/")[-1] if p.endswith("/value") else p.split("/")[-1] for p in paths]
         # the style may refuse the module's type (a kernel layout it does not know): ask it once, with the type
@@ -253,14 +266,14 @@ class TPCalls:
         else:
             out_layout = out
         in_specs = (tuple(self.tp_spec(e, np.ndim(v)) for e, v in zip(ents, vals)), self.layout_spec(x_layout, x.ndim))
-        y = jax.shard_map(body, mesh=self._region_mesh(), in_specs=in_specs,
+        y = jax.shard_map(body, mesh=self.region_mesh(), in_specs=in_specs,
                           out_specs=self.layout_spec(out_layout, ndim), axis_names={tp}, check_vma=False)(tuple(vals), x)
         if bias_outside:
             y = y + vals[names.index("bias")].astype(y.dtype)
         # every parameter whole over tp read in the region has its gradient all-reduced (the region's transpose)
         summed = [int(np.prod(np.shape(v))) * jnp.dtype(v.dtype).itemsize for e, n, v in zip(ents, names, vals)
                   if e.shard_dim(self.ti) is None and not (n == "bias" and bias_outside)]
-        self.records.append({
+        self.hooks.records.append({
             "module": fqn, "style": type(style).__name__, "type": typ, "region": True, "in_layout": x_layout,
             "in_desired": need, "local_out": local, "out_layout": out,
             "in_bytes": x_bytes, "out_bytes": int(np.prod(y.shape)) * jnp.dtype(y.dtype).itemsize,
@@ -280,7 +293,7 @@ class TPCalls:
         device (each device reads the heads its query heads use) and its output's gradient made whole (the
         devices sharing a head sum their parts: an all-reduce within each group, then an all-gather across the
         groups when there are several heads)."""
-        heads = self.whole_heads[fqn]
+        heads = self.hooks.whole_heads[fqn]
         if style is not None:
             given = style.input_layouts_for(typ)[0]
             given = given[0] if isinstance(given, (tuple, list)) else given
@@ -291,7 +304,7 @@ class TPCalls:
                     f"tp={self.n_tp}: such a projection runs whole over tp on its whole input, which this layout "
                     "never gathers. Use a tp size that its heads divide by, or a layout without the batch cut "
                     "(Megatron's, or sequence parallelism).")
-        ents = [self.entry_for(p, v) for p, v in params]
+        ents = [self.hooks.entry_for(p, v) for p, v in params]
         vals = [v for _, v in params]
         cut = [self.tp_cut(e) for e in ents]
         given = style.input_layouts_for(typ)[0] if style is not None else None
@@ -303,11 +316,11 @@ class TPCalls:
             vals = [checkpoint_name(self.constrain(v, Replicate()), TP_COMM) if c else v for v, c in zip(vals, cut)]
             y = run_local(vals, args, kwargs, False)
         else:
-            with self.bypassing():
+            with self.hooks.bypassing():
                 y = call(*args, **kwargs)
         y = self.constrain(y, Replicate())  # and its gradient: summed over the devices sharing a head
         x = args[0] if args else None
-        self.records.append({
+        self.hooks.records.append({
             "module": fqn, "style": type(style).__name__ if style is not None else "whole over tp", "type": typ,
             "region": False, "in_layout": given if isinstance(given, Shard) else Replicate(),
             "in_desired": Replicate(), "local_out": Replicate(),
@@ -319,6 +332,21 @@ class TPCalls:
                                 for v, c in zip(vals, cut) if c]})
         return y
 
+    def features_cut(self, style, typ: str) -> bool:
+        """Whether the style computes its module's output cut on the features (``Shard(-1)``: column-parallel)."""
+        local = style.output_layouts_for(typ)[0]
+        return isinstance(local, Shard) and local.dim == -1
+
+    def check_attend(self, style, key: str, params) -> None:
+        """A styled ``Embed.attend`` (a tied output projection) is column-parallel on a table cut on its rows."""
+        e = self.plan.entry(params[0][0]) if params else None
+        if (not self.features_cut(style, "Embed") or e is None
+                or (self.ti is not None and e.shard_dim(self.ti) != 0)):
+            raise ValueError(
+                f"parallelize_module: {style!r} on {key!r}: a tied output projection runs column-parallel on the "
+                "vocabulary, the embedding table's rows: use ColwiseParallel(output_layouts=Replicate()) (or "
+                f"Shard(-1)) on {key!r} with RowwiseParallel() (a vocabulary-cut lookup) or nothing on its module.")
+
     def rows_cut(self, typ: str, ents: Sequence[PlanEntry], names: Sequence[str]) -> bool:
         """Whether an ``Embed``'s table is cut on its rows (the vocabulary) over tp: a vocabulary-parallel lookup."""
         return (typ == "Embed" and "embedding" in names and self.ti is not None
@@ -329,7 +357,7 @@ class TPCalls:
         size = x.shape[d] // self.n_tp
         return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.tp) * size, size, axis=d)
 
-    def _region_mesh(self):
+    def region_mesh(self):
         """The enclosing region's mesh; the model's own when there is none (a mesh of tp alone)."""
         mesh = jax.sharding.get_abstract_mesh()
         return mesh if not mesh.empty else self.model.mesh.jax_mesh
@@ -346,16 +374,7 @@ class TPCalls:
             shape[layout.dim % len(shape)] //= self.n_tp
         return tuple(shape)
 
-    @contextlib.contextmanager
-    def bypassing(self):
-        """Module calls pass straight through (a styled module's own code on its local blocks)."""
-        saved, self.bypass = self.bypass, True
-        try:
-            yield
-        finally:
-            self.bypass = saved
-
-    def _local_features(self, typ: str, mod, tree) -> Any:
+    def local_features(self, typ: str, mod, tree) -> Any:
         if typ == "Embed":
             return tree["embedding"].shape[-1]
         if typ == "Dense":
@@ -363,7 +382,7 @@ class TPCalls:
         feats = mod.features if isinstance(mod.features, tuple) else (mod.features,)
         return tuple(tree["kernel"].shape[-len(feats):]) if isinstance(mod.features, tuple) else tree["kernel"].shape[-1]
 
-    def _embed_rows(self, table, ids, dtype):
+    def embed_rows(self, table, ids, dtype):
         """A vocabulary-parallel lookup on this device's rows: the rows it holds, zeros elsewhere (summed after)."""
         vc = table.shape[0]
         local = ids - jax.lax.axis_index(self.tp) * vc

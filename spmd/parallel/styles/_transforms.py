@@ -1,10 +1,14 @@
-"""torch's module transforms: ``parallelize_module`` and ``fully_shard``, on any flax model, unchanged.
+"""torch's module transforms: ``parallelize_module``, ``fully_shard`` and activation checkpointing, on any flax
+model, unchanged.
 
 Each returns a ``ParallelModule``: the user's model (every attribute and call forwards to it), the root
 mesh its layouts run over, and the layouts as data: the tensor-parallel plan (``{fqn glob: style}`` on one
-mesh dim) and the FSDP spec (the shard and replicate dims, the units, ``reshard_after_forward``, the
-mixed-precision policy). Nothing runs until ``init_train_state`` / ``make_train_step``; ``plan(params)``
-gives the ``ParamPlan`` the layouts make of the model's parameters, printable and costed.
+mesh dim), the FSDP spec (the shard and replicate dims, the units, ``reshard_after_forward``, the
+mixed-precision policy) and the activation-checkpointing spec (the units, the policy). Each spec names the
+style its modules run under (``TPSpec.style_for``; ``FSDPSpec.unit_style``: a ``FullyShardUnit``;
+``RematSpec.style``: an ``ActivationCheckpoint``), and the hooks dispatch every one alike. Nothing runs
+until ``init_train_state`` / ``make_train_step``; ``plan(params)`` gives the ``ParamPlan`` the layouts make
+of the model's parameters, printable and costed.
 
 Module paths are torch's fully qualified names, dot-joined, read off the parameter tree (linen's
 ``layers_0.self_attn.q_proj``, Hugging Face's ``transformer.h.0.mlp.c_fc``, nnx's ``layers.0.linear``);
@@ -26,10 +30,13 @@ from spmd._mesh import DeviceMesh
 from spmd.parallel.plan._checks import check_tp_plan, params_hint
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan, path_str, plan_params
 from spmd.parallel.plan._rules import Rule
+from spmd.parallel.styles._fully_shard import FullyShardUnit
+from spmd.parallel.styles._remat import POLICIES, ActivationCheckpoint
 from spmd.parallel.styles._styles import ParallelStyle
 
-__all__ = ["Wrapped", "ParallelModule", "MixedPrecisionPolicy", "parallelize_module", "fully_shard", "TPSpec", "FSDPSpec",
-           "param_module", "glob_regex", "CP_DIM", "EP_DIM"]
+__all__ = ["Wrapped", "ParallelModule", "MixedPrecisionPolicy", "parallelize_module", "fully_shard",
+           "activation_checkpointing", "TPSpec", "FSDPSpec", "RematSpec", "param_module", "glob_regex", "CP_DIM",
+           "EP_DIM"]
 
 CP_DIM = "cp"  # the mesh dim the step cuts the batch's sequence over (spmd.parallel.context._calls)
 EP_DIM = "ep"  # the mesh dim of expert parallelism: a data dim whose styles cut experts (spmd.parallel.styles._experts)
@@ -90,6 +97,26 @@ class FSDPSpec:
     units: tuple[str, ...]
     reshard_after_forward: bool
     mp_policy: MixedPrecisionPolicy | None
+
+    @property
+    def unit_style(self) -> FullyShardUnit:
+        """The style every unit (and the root) runs under: its placements over ``shard_dim``, its gathers."""
+        return FullyShardUnit(self.reshard_after_forward, self.mp_policy)
+
+
+@dataclass(frozen=True)
+class RematSpec:
+    """``activation_checkpointing``'s layout: the units (module fqn globs) and the policy they run under."""
+
+    units: tuple[str, ...]
+    policy: str
+
+    @property
+    def style(self) -> ActivationCheckpoint:
+        return ActivationCheckpoint(self.policy)
+
+    def matches(self, fqn: str) -> bool:
+        return any(re.fullmatch(glob_regex(u, "."), fqn) for u in self.units)
 
 
 METHODS = ("attend",)  # module methods a plan key may style: "embed.attend", a tied output projection
@@ -312,6 +339,37 @@ def fully_shard(module: Any, *, mesh: DeviceMesh | None = None, units: Sequence[
     return ParallelModule(inner, root, tp, spec, remat, ep=ep_of(module))
 
 
+def activation_checkpointing(module: Any, *, units: Sequence[str] = ("layers_*",), policy: str = "full"
+                             ) -> ParallelModule:
+    """torch's ``apply_activation_checkpointing``: each submodule matching ``units`` recomputes its forward
+    pass in the backward pass instead of keeping its activations (``spmd.parallel.styles._remat``).
+
+    ``units``: module fqn globs (``["layers_*"]``, ``["block_*"]``, ``["transformer.h.*"]``), as
+    ``fully_shard``'s. ``policy``: ``"full"`` (keep only each unit's inputs) or ``"dots"`` (keep its matmul
+    outputs too). Composes in any order with ``parallelize_module`` and ``fully_shard``; on a plain model
+    it trains data-parallel over ``make_train_step``'s ``mesh=`` (DDP). The results of the tensor-parallel
+    collectives are always kept, so a step communicates what it does without checkpointing.
+    """
+    where = "activation_checkpointing"
+    inner, mesh, tp, fsdp, remat = _unwrap(module, where)
+    if remat is not None:
+        raise ValueError(f"{where}: the model already checkpoints activations (units {list(remat.units)}, policy "
+                         f"{remat.policy!r}); call {where} once with every unit.")
+    if not isinstance(policy, str):
+        raise TypeError(f"{where}: policy={policy!r} must be a string: "
+                        + "; ".join(f"{k!r} ({v})" for k, v in POLICIES.items()) + ".")
+    if policy not in POLICIES:
+        raise ValueError(f"{where}: policy={policy!r} is not a policy; use "
+                         + " or ".join(f"{k!r} ({v})" for k, v in POLICIES.items()) + ".")
+    if isinstance(units, str) or not all(isinstance(u, str) and u for u in units):
+        raise TypeError(f"{where}: units={units!r} must be a list of module fqn globs, e.g. ['layers_*'] or "
+                        "['transformer.h.*'].")
+    if not units:
+        raise ValueError(f"{where}: units=[] checkpoints nothing; name the modules to recompute, e.g. ['layers_*'].")
+    return ParallelModule(inner, mesh, tp, fsdp, remat=RematSpec(tuple(u.replace("/", ".") for u in units), policy),
+                          ep=ep_of(module))
+
+
 def as_parallel(model: Any, mesh: DeviceMesh | None, where: str) -> ParallelModule:
     """A model with neither transform, on ``mesh``: DDP over every mesh dim; a transformed one as it is."""
     if isinstance(model, ParallelModule) and model.mesh is None and mesh is not None:  # activation_checkpointing
@@ -378,8 +436,9 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             if not any(re.fullmatch(glob_regex(u, "."), m) for m in modules):
                 raise _no_match("fully_shard", "unit", u, modules, params)
             unit_res.append(glob_regex(u, "/"))
-    if model.remat:
-        model.remat.check(modules)
+    for u in model.remat.units if model.remat else ():
+        if not any(re.fullmatch(glob_regex(u, "."), m) for m in modules):
+            raise _no_match("activation_checkpointing", "unit", u, modules)
     tp_of: dict[str, Placement] = {path: Replicate() for path in paths}
     if tp:  # each styled module's own parameters, placed by its style
         # a styled module under nn.scan is styled as the block sees it (one layer): its cut one dim past the
@@ -431,8 +490,8 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
     n_tp = sizes.get(tp.mesh_dim, 1) if tp else 1
     for (kp, x), path in zip(leaves, paths):
         shape = tuple(int(d) for d in np.shape(x))
-        pl: dict[str, Placement] = {}  # tp's cut; plan_params' default cuts fsdp (the first dim tp and nn.scan
-        t = tp_of[path]  # leave whole) and keeps every other dim Replicate
+        pl: dict[str, Placement] = {}  # tp's cut, ep's, the fsdp unit's; every other mesh dim Replicate
+        t = tp_of[path]
         if tp:
             if isinstance(t, Shard) and shape[t.dim] % n_tp:
                 fqn, _ = param_module(path)
@@ -446,6 +505,14 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             pl[tp.mesh_dim] = t
         if path in ep_of_path:
             pl[model.ep.mesh_dim] = ep_of_path[path]
+        if fsdp:  # the unit's style cuts it; off a dim that tp or nn.scan holds, onto the first one free
+            fqn, name = param_module(path)
+            p = fsdp.unit_style.param_placements(fqn, {name: shape})[name]
+            taken = {q.dim % len(shape) for q in pl.values() if isinstance(q, Shard)} | {
+                stacked[path][1] if path in stacked else None}
+            if isinstance(p, Shard) and p.dim % len(shape) in taken:
+                p = next((Shard(d) for d in range(len(shape)) if d not in taken), Replicate())
+            pl[fsdp.shard_dim] = p
         rules.append(Rule(re.escape(path), pl, name=_rule_name(model, path)))
     return plan_params(params, sizes, rules, fsdp=fsdp.shard_dim if fsdp else "", units=tuple(unit_res),
                        keep=(ROOT,) if (fsdp is None or fsdp.reshard_after_forward) else (".*",), stacked=stacked)

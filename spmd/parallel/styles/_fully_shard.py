@@ -1,0 +1,208 @@
+"""``fully_shard``'s unit as a parallel style: ``FullyShardUnit`` owns its parameters' placement over the shard
+dim and the communication around its call, as a tensor-parallel style owns its own.
+
+torch's FSDP2 ``fully_shard(module)`` installs hooks around the module's forward: a pre-forward all-gather
+of its parameters, a post-forward free (``_fully_shard/_fsdp_state.py``, ``_fsdp_param_group.py``); the
+backward pass reduce-scatters their gradients. Here the hooks (``spmd.parallel.styles._hooks``) hand a
+unit's call to its style's ``run_call``, as they hand a styled module's to its tensor-parallel style:
+
+- **placements** (``param_placements``): each parameter cut on dim 0 over the shard dim, torch's; the plan
+  moves the cut to the first dim no other mesh dim cuts (a row-wise kernel's tp cut, a scan's layer axis);
+- **the call** (``run_call``): gather the unit's parameters right before it runs (``gather_unit``: one
+  all-gather per buffer over the shard dim, in a nested region manual over every dim, so XLA never sees a
+  collective on a tp-sharded operand, which it would first gather over tp), run the unit on them. ``jax.grad``
+  of the all-gather is one reduce-scatter per buffer. With ``reshard_after_forward`` that runs under
+  ``jax.checkpoint`` (matmul outputs saved, gathered parameters not: the backward pass gathers again), its
+  gathers tied to its input so that they run when it runs (``_after``; the tie's zero summed on each device's
+  block, no collective: ``_zero_from``).
+- **with activation checkpointing** (``spmd.parallel.styles._remat``) on the same unit: re-gathering, its
+  policy replaces the one above; keeping its gathers, only the apply after the gather is checkpointed, so the
+  gathered parameters are the recomputation's inputs, never gathered again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from placements import Replicate, Shard
+from spmd.parallel.plan._param_plan import PlanEntry
+from spmd.parallel.plan._shard import gather_unit
+from spmd.parallel.styles._remat import checkpoint_policy
+from spmd.parallel.styles._styles import ParallelStyle
+from spmd.parallel.styles._tp_calls import _is_array, split_arrays
+
+__all__ = ["FullyShardUnit"]
+
+_SAVED = checkpoint_policy("dots")  # a re-gathering unit's residuals: the matmul outputs and the tp results
+
+
+@dataclass(frozen=True)
+class FullyShardUnit(ParallelStyle):
+    """The style of one ``fully_shard`` unit (``FSDPSpec.unit_style``): see the module doc. ``mp_policy``: a
+    ``MixedPrecisionPolicy`` (gather in ``param_dtype``, reduce in ``reduce_dtype``) or None."""
+
+    reshard_after_forward: bool = True
+    mp_policy: Any = None
+
+    def param_placements(self, module_path, params, module_type=None):
+        return {name: Shard(0) if len(shape) else Replicate() for name, shape in params.items()}
+
+    def run_call(self, call) -> Any:
+        hooks = call.hooks
+        if hooks.in_remat:
+            raise ValueError(
+                f"activation_checkpointing: unit {hooks.in_remat[-1]!r} holds the fully_shard unit {call.fqn!r}; "
+                "recomputing it would gather that unit's parameters again in the backward pass. Checkpoint the "
+                "fully_shard units themselves, or modules inside them.")
+        params = call.params()
+        entries = [hooks.entry_for(p, v) for p, v in params]
+        mine = [i for i, e in enumerate(entries) if e.unit == call.spath]
+        arrays, rebuild = split_arrays((call.args, call.kwargs))
+        policy = call.remat_policy  # the unit's own activation checkpointing, if any
+
+        def apply(full, arrays):
+            a, k = self.cast_inputs(rebuild(list(arrays)))
+            return call.apply(full, a, k, remat=policy is not None)
+
+        def run(shards, arrays):
+            full = list(shards)
+            for i, y in zip(mine, self.gather(hooks, [shards[i] for i in mine], [entries[i] for i in mine])):
+                full[i] = y
+            if policy is not None and not self.reshard_after_forward:
+                return jax.checkpoint(apply, policy=policy)(full, arrays)
+            return apply(full, arrays)
+
+        return self._call(hooks, run, [v for _, v in params], arrays, policy)
+
+    # --- the gathers ----------------------------------------------------------------------------------
+    def gather(self, hooks, leaves: Sequence[Any], entries: Sequence[PlanEntry]) -> list:
+        """The full parameters of ``entries`` from this device's padded blocks (cast to ``param_dtype``); the
+        tp-cut ones gather in a region manual over tp too, the tp-whole ones where they are (a region's
+        transpose would all-reduce their gradients over tp once more)."""
+        pd = self.mp_policy.param_dtype if self.mp_policy else None
+        out = [x.astype(pd) if pd is not None and jnp.issubdtype(x.dtype, jnp.floating) else x for x in leaves]
+        cut = [i for i, e in enumerate(entries) if e.shard_dim(hooks.fi) is not None]
+        groups: dict[bool, list[int]] = {}  # the cut leaves, tp-cut and tp-whole apart, in first-seen order
+        for i in cut:
+            groups.setdefault(hooks.layouts.tp_cut(entries[i]), []).append(i)
+        for in_island, group in groups.items():
+            ents = [entries[i] for i in group]
+
+            def gather_in(*ls, ents=ents):
+                return tuple(gather_unit(list(ls), ents, hooks.fsdp, hooks.fi))
+
+            run = (lambda *ls, f=gather_in, ents=ents: hooks.layouts.island(f, ents, ls)) if in_island else gather_in
+            got = run(*[out[i] for i in group]) if pd is None else self._gather_mixed(run, [leaves[i] for i in group])
+            for i, y in zip(group, got):
+                out[i] = y
+        return out
+
+    def _gather_mixed(self, gather_in: Callable, stored: list) -> tuple:
+        """Gather in ``param_dtype``; the gradients reduce-scattered in ``reduce_dtype``, then stored dtype."""
+        pd, rd = self.mp_policy.param_dtype, self.mp_policy.reduce_dtype
+        dtypes = [x.dtype for x in stored]
+
+        def cast(xs, dt):
+            return [x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
+
+        @jax.custom_vjp
+        def gathered(*xs):
+            return gather_in(*cast(xs, pd))
+
+        def fwd(*xs):
+            return gathered(*xs), None
+
+        def bwd(_, cts):
+            dt = rd or pd
+            cts = cast(cts, dt)
+            prims = [jax.ShapeDtypeStruct(x.shape, dt if jnp.issubdtype(d, jnp.floating) else d)
+                     for x, d in zip(stored, dtypes)]
+            gs = jax.linear_transpose(lambda *xs: gather_in(*xs), *prims)(tuple(cts))
+            return tuple(g.astype(d) for g, d in zip(gs, dtypes))
+
+        gathered.defvjp(fwd, bwd)
+        return gathered(*stored)
+
+    def cast_inputs(self, tree: Any) -> Any:
+        mp = self.mp_policy
+        if not (mp and mp.param_dtype is not None and mp.cast_forward_inputs):
+            return tree
+        pd = mp.param_dtype
+        return jax.tree.map(lambda x: x.astype(pd) if _is_array(x) and jnp.issubdtype(x.dtype, jnp.floating) else x,
+                            tree)
+
+    # --- the unit's call ----------------------------------------------------------------------------
+    def _call(self, hooks, run: Callable, shards: list, arrays: list, policy: Callable | None = None) -> Any:
+        """``run(shards, arrays)``: the unit gathering its parameters and running. With
+        ``reshard_after_forward``, the backward pass gathers them again: ``jax.checkpoint`` keeps the matmul
+        outputs and the tp collectives' results and drops the gathered parameters, and the shards it keeps get
+        ``+ 0`` computed from the incoming cotangent (``_plus_zero``), so the re-gather is a new all-gather of
+        the backward pass (XLA:CPU drops optimization barriers before it merges equal ops, and would merge it
+        with the forward pass's all-gather, holding the parameters all along, when the blocks are a Python
+        loop). Likewise the shards get ``+ 0`` computed from the unit's input in the forward pass (``_after``).
+        ``policy``: an activation-checkpointing unit's, in place of the matmul outputs and tp results."""
+        if not self.reshard_after_forward:
+            return run(shards, arrays)
+        shards = _after(hooks, shards, arrays)
+        ckpt = jax.checkpoint(run, policy=policy or _SAVED)
+
+        @jax.custom_vjp
+        def unit(shards, arrays):
+            return ckpt(shards, arrays)
+
+        def fwd(shards, arrays):
+            return jax.vjp(ckpt, shards, arrays)
+
+        kinds = {(tuple(np.shape(x)), jnp.dtype(x.dtype)) for x in shards}
+
+        def bwd(res, ct):
+            leaves, treedef = jax.tree_util.tree_flatten(res)  # the re-gather cannot run (or merge) before ct
+            return jax.tree_util.tree_unflatten(treedef, _plus_zero(leaves, _zero_from(hooks, ct), kinds))(ct)
+
+        unit.defvjp(fwd, bwd)
+        return unit(shards, arrays)
+
+
+def _after(hooks, shards: list, arrays: Sequence[Any]) -> list:
+    """``shards`` plus a 0 computed from the unit's input (no gradient through it): the unit's all-gathers
+    then cannot run before its input exists. Without it XLA schedules every unit's forward gather at the
+    start of the step, and a re-gathering layout holds all the gathered parameters at once, as if it kept
+    them."""
+    return _plus_zero(shards, _zero_from(hooks, jax.lax.stop_gradient(list(arrays))))
+
+
+def _zero_from(hooks, source: Any) -> Any:
+    """A scalar 0 computed from ``source``'s first non-empty floating leaf (None: it has none), with no
+    collective. A sum, not an element: the leaf may be cut over tp, and one element would be gathered.
+    Where the plan cuts the activations on a dim over tp, the leaf is first narrowed to that dim (index 0
+    elsewhere: on each device's own block) and summed in a region manual over tp, so each device sums its
+    own part; a sum in global view would be an all-reduce over tp, one per unit and pass."""
+    x = next((a for a in jax.tree.leaves(source) if jnp.issubdtype(a.dtype, jnp.floating) and a.size), None)
+    if x is None:
+        return None
+    d, n_tp = hooks.act_cut, hooks.layouts.n_tp
+    if d is None or n_tp < 2 or x.ndim <= d or x.shape[d] % n_tp:
+        return jnp.sum(x * 0)
+    line = x[tuple(slice(None) if i == d else 0 for i in range(x.ndim))]
+    tp = hooks.layouts.tp
+    return jax.shard_map(lambda v: jnp.sum(v * 0), mesh=hooks.layouts.region_mesh(), in_specs=P(tp), out_specs=P(),
+                         axis_names={tp}, check_vma=False)(line)
+
+
+def _plus_zero(leaves: list, zero: Any, kinds: set | None = None) -> list:
+    """``leaves`` plus ``zero`` (a scalar; None: ``leaves`` unchanged), added to the floating leaves, or to those
+    whose ``(shape, dtype)`` is in ``kinds``."""
+    if zero is None:
+        return list(leaves)
+
+    def tied(x) -> bool:
+        return jnp.issubdtype(x.dtype, jnp.floating) if kinds is None else (tuple(np.shape(x)),
+                                                                             jnp.dtype(x.dtype)) in kinds
+
+    return [x + zero.astype(x.dtype) if tied(x) else x for x in leaves]
