@@ -1,7 +1,7 @@
 """cp as a mesh dim of the train step: the batch's sequence cut over ``cp``, attention across the cut.
 
 ``models.Llama`` (``attn_implementation='sdpa'``: ``jax.nn.dot_product_attention``, causal, GQA) trained under
-cp=2, cp=4 and dp=2 x cp=4 equals 3 SGD steps of one device within 1e-5, the compiled step's collectives
+cp=2, cp=4, dp=2 x cp=4 and fsdp=2 x cp=4 equals 3 SGD steps of one device within 1e-5, the compiled step's collectives
 equal to the step's table (the ring's permutes and the zigzag moves, the embedding's gathers, the gradients'
 all-reduces); flax's ``dot_product_attention`` with a mask array runs as the all-gather of K/V; the zigzag
 moves the step makes give every rank the same causal work (counted from the moved positions, against the
@@ -70,16 +70,22 @@ def _assert_table_is_hlo(comm, hlo):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,names", [((2,), ("cp",)), ((4,), ("cp",)), ((2, 4), ("dp", "cp"))],
-                         ids=["cp2", "cp4", "dp2-cp4"])
+@pytest.mark.parametrize("shape,names", [((2,), ("cp",)), ((4,), ("cp",)), ((2, 4), ("dp", "cp")),
+                                         ((2, 4), ("fsdp", "cp"))],
+                         ids=["cp2", "cp4", "dp2-cp4", "fsdp2-cp4"])
 def test_llama_under_cp_equals_one_device(shape, names):
+    from spmd.parallel import fully_shard
+
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
-    table, comm, hlo = _train(Llama(CFG), mesh, _batches())
+    model = Llama(CFG)
+    if "fsdp" in names:  # re-gathering each layer for its backward pass: the zigzag moves are kept, not redone
+        model = fully_shard(model, mesh=mesh["fsdp"], units=["layers_*"])
+    table, comm, hlo = _train(model, mesh, _batches())
     n = dict(zip(names, shape))["cp"]
     assert table.count("jax.nn.dot_product_attention: ring (zigzag) over cp=") == CFG.num_layers
     # the ring: per layer, K and V make n - 1 hops forward and backward, dK and dV n hops (float32); the zigzag
     # moves q, k, v and the output in two halves each, forward and backward
-    b = 4 // dict(zip(names, shape)).get("dp", 1)
+    b = 4 // (shape[0] if len(shape) == 2 else 1)
     kv = b * (T // n) * CFG.num_kv_heads * (CFG.hidden_size // CFG.num_heads) * 4
     q = kv * CFG.num_heads // CFG.num_kv_heads
     moves = 1 if n == 2 else 2  # at cp=2 the even chunks stay home

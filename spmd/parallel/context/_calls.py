@@ -33,10 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from spmd.parallel.context._attention import ring_attention
 from spmd.parallel.plan._param_plan import ParamPlan
+from spmd.parallel.styles._tp_calls import TP_COMM
 from spmd.parallel.styles._transforms import CP_DIM
 
 __all__ = ["CP", "ContextCalls", "attention_terms", "check_seq", "from_zigzag", "lookup_terms", "seq_len", "to_zigzag",
@@ -238,11 +240,12 @@ class ContextCalls:
         spec = P(None, axis)
 
         def body(q, k, v):
-            if zig:
-                q, k, v = (to_zigzag(x, axis, n) for x in (q, k, v))
+            if zig:  # the moves' results are kept by a checkpointed unit (a re-gathering FSDP unit, activation
+                # checkpointing), as the tp collectives' are: its backward pass does not move them again
+                q, k, v = (checkpoint_name(to_zigzag(x, axis, n), TP_COMM) for x in (q, k, v))
             out = ring_attention(q, k, v, axis_name=axis, causal=causal, scale=scale,
                                  layout="zigzag" if zig else "contiguous")
-            return from_zigzag(out, axis, n) if zig else out
+            return checkpoint_name(from_zigzag(out, axis, n), TP_COMM) if zig else out
 
         return jax.shard_map(body, mesh=self._region_mesh(), in_specs=(spec, spec, spec), out_specs=spec,
                              axis_names={axis}, check_vma=False)(q, k, v)
