@@ -154,3 +154,21 @@ def test_an_nnx_model_with_batch_statistics_is_refused_by_name():
     with pytest.raises(ValueError, match=re.escape("init_train_state: model=Net holds nnx.BatchStat variables "
                                                    "('bn/mean' and 1 more")):
         init_train_state(Net(rngs=nnx.Rngs(0)), OPT, mesh=mesh)
+
+
+def test_a_checkpoint_keeps_the_running_statistics(tmp_path):
+    """torch's state_dict holds a BatchNorm's buffers; a saved and restored state holds its batch_stats."""
+    from models import Checkpointer
+    from models._checkpoint import abstract_like
+
+    mesh = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    _, _, state = _train(mesh, "sync")
+    moved = state.batch_stats
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, state, {"step": 3})
+        ckpt.wait()
+        fresh = init_train_state(MODEL, OPT, params=_variables()["params"], batch_stats=_variables()["batch_stats"],
+                                 mesh=mesh)
+        restored, _ = ckpt.restore(abstract_like(fresh))
+    assert_trees_close(restored.batch_stats, moved, atol=0)
+    assert not np.allclose(restored.batch_stats["bn_init"]["mean"], _variables()["batch_stats"]["bn_init"]["mean"])
