@@ -4,7 +4,7 @@
 exchanged with all-to-alls, equals 3 SGD steps of one device within 1e-5 under dp=2 x ep=4 and fsdp=2 x ep=2 x
 tp=2, the compiled step's collectives equal to the step's table; the dropped assignments the step reports
 equal a NumPy count of the capacity routing of the router's logits; dropless and an expert count ep does not
-divide are refused by name.
+divide are refused by name, and so are an ep plan on an nnx model and under a pipeline.
 """
 
 import re
@@ -130,3 +130,38 @@ def test_experts_ep_does_not_divide_are_refused():
     params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((2, T), jnp.int32))["params"]
     with pytest.raises(ValueError, match=re.escape("over ep=4, which does not divide it")):
         pm.plan(params)
+
+
+def test_ep_plan_on_an_nnx_model_is_refused():
+    from flax import nnx
+
+    class Experts(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 4, 4)))
+
+        def __call__(self, x):
+            return jnp.einsum("gecd,edf->gecf", x, self.w.value)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.experts = Experts(rngs)
+
+        def __call__(self, x):
+            return self.experts(x)
+
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "ep"))
+    with pytest.raises(ValueError, match=r"parallelize_module: ExpertParallel\(.*\) on 'experts' of model=Net, an nnx "
+                                         r"module: .* Write the experts' model in flax.linen \(as models.MoE\), or "
+                                         r"leave 'ep' out of the mesh"):
+        parallelize_module(Net(nnx.Rngs(0)), mesh["ep"], {"experts": ExpertParallel()})
+
+
+def test_ep_plan_under_a_pipeline_is_refused():
+    from spmd.parallel import pipeline
+
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "ep"))
+    pm = parallelize_module(MoE(CFG), mesh["ep"], {"layers_*.mlp.experts": ExpertParallel()})
+    with pytest.raises(ValueError, match=r"pipeline: model=.*: ExpertParallel\(.*\) on 'layers_\*\.mlp\.experts' \(a "
+                                         r"plan on 'ep'\) under a pipeline is not offered.* Pipeline the model without "
+                                         r"the 'ep' plan, or leave pp out"):
+        pipeline(pm, mesh["pp"], num_microbatches=2)

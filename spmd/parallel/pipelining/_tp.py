@@ -59,6 +59,13 @@ def unwrap_layouts(model, mesh, where: str) -> tuple[Any, str | None, Any]:
     if model.remat is not None:
         raise ValueError(f"{where}: model={model!r}: activation checkpointing under a pipeline is not offered; "
                          "pipeline the model without activation_checkpointing.")
+    if model.ep is not None:
+        key, style = model.ep.plan[0]
+        ep = model.ep.mesh_dim
+        raise ValueError(f"{where}: model={model!r}: {style!r} on {key!r} (a plan on {ep!r}) under a pipeline is not "
+                         f"offered: its stages run no plan on {ep!r} (the experts module would run unstyled). Pipeline "
+                         f"the model without the {ep!r} plan, or leave pp out and run {type(style).__name__} with "
+                         "make_train_step (with dp / fsdp / tp).")
     if model.fsdp is not None and model.fsdp.mp_policy:
         raise ValueError(f"{where}: model={model!r}: mixed precision under a pipeline is not offered; leave mp_policy "
                          "out of fully_shard.")
