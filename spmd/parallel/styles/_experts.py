@@ -27,7 +27,7 @@ from jax import lax
 from placements import Placement, Shard
 from spmd.parallel.styles._styles import ParallelStyle
 
-__all__ = ["ExpertParallel", "CPU_DROPLESS", "ep_call", "expert_terms", "with_experts"]
+__all__ = ["ExpertParallel", "CPU_DROPLESS", "run_on_ep", "expert_terms", "with_experts"]
 
 CPU_DROPLESS = "ragged_all_to_all does not run on CPU; use a capacity factor"
 
@@ -75,6 +75,10 @@ class ExpertParallel(ParallelStyle):
     def input_layouts_for(self, module_type: str | None) -> tuple[Any, Any]:
         return Shard(self.token_dim), Shard(self.experts_dim)
 
+    def run_call(self, call) -> Any:
+        """The module's call with its tokens dispatched to their experts' ranks and combined back (``run_on_ep``)."""
+        return run_on_ep(self, call)
+
     def output_layouts_for(self, module_type: str | None) -> tuple[Any, Any]:
         return Shard(self.experts_dim), Shard(self.token_dim)
 
@@ -113,22 +117,23 @@ def _change(x, axis: str, given: Any, desired: Any, where: str):
     return lax.all_to_all(x, axis, split_axis=desired.dim % x.ndim, concat_axis=given.dim % x.ndim, tiled=True)
 
 
-def ep_call(axis: str, fqn: str, typ: str, style: ParallelStyle, call, args: tuple, kwargs: dict,
-            records: list) -> Any:
-    """The call of module ``fqn`` styled on the ep dim ``axis`` (manual in the step's region): its first input
-    changed to the style's computing layout, the module run on its local parameters, its output changed back;
-    ``records`` gets the call's activation bytes (the table's all-to-all rows)."""
+def run_on_ep(style: ParallelStyle, call) -> Any:
+    """``call`` (a ``spmd.parallel.styles._hooks.ModuleCall`` of a module styled on the ep dim, manual in the
+    step's region) under ``style``: its first input changed to the style's computing layout, the module run on its
+    local parameters, its output changed back; the hooks' ``ep_records`` get the call's activation bytes (the
+    table's all-to-all rows)."""
+    axis, fqn, typ = call.hooks.model.ep.mesh_dim, call.fqn, call.typ
     where = f"parallelize_module: {style!r} on {fqn!r}"
     given, desired = style.input_layouts_for(typ)
     out_given, out_desired = style.output_layouts_for(typ)
-    x = args[0]
+    x = call.args[0]
     moved = _change(x, axis, given, desired, where)
     with _stored_params():
-        y = call(moved, *args[1:], **kwargs)
+        y = call.next((moved, *call.args[1:]), call.kwargs)
     out = _change(y, axis, out_given, out_desired, where)
-    records.append({"module": fqn, "style": type(style).__name__,
-                    "in": 0 if moved is x else int(np.prod(x.shape)) * x.dtype.itemsize,
-                    "out": 0 if out is y else int(np.prod(y.shape)) * y.dtype.itemsize})
+    call.hooks.ep_records.append({"module": fqn, "style": type(style).__name__,
+                                  "in": 0 if moved is x else int(np.prod(x.shape)) * x.dtype.itemsize,
+                                  "out": 0 if out is y else int(np.prod(y.shape)) * y.dtype.itemsize})
     return out
 
 

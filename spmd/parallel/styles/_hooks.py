@@ -11,7 +11,9 @@ through the one protocol method every style has (``ParallelStyle.run_call``):
    gathered before it runs, their gradients reduce-scattered;
 2. an activation-checkpointing unit's ``ActivationCheckpoint`` (``spmd.parallel.styles._remat``): the call
    under ``jax.checkpoint``;
-3. the module's tensor-parallel style, built-in or a user's: its layouts (``spmd.parallel.styles._tp_calls``),
+3. the module's style on the ep dim (``ExpertParallel``, ``spmd.parallel.styles._experts``; a linen module's
+   call): its tokens exchanged over ep with all_to_alls around the module's own code on its local experts;
+4. else the module's tensor-parallel style, built-in or a user's: its layouts (``spmd.parallel.styles._tp_calls``),
    on its tp blocks in a region manual over tp, or in global view with its layouts as constraints.
 
 A style runs the module's own code with ``call.apply``, which the hooks intercept again with that style
@@ -37,7 +39,7 @@ import numpy as np
 
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan, PlanEntry, path_str
 from spmd.parallel.plan._scan import unstacked
-from spmd.parallel.styles._experts import ep_call
+from spmd.parallel.styles._experts import run_on_ep
 from spmd.parallel.styles._remat import checkpoint_policy
 from spmd.parallel.styles._styles import KNOWN_LINEAR, ParallelStyle
 from spmd.parallel.styles._tp_calls import COLWISE_MARK, TP_COMM, WHOLE_MARK, TPCalls
@@ -65,7 +67,7 @@ class Hooks:
         # ties' zeros are summed on each device's block there (``_fully_shard._zero_from``), not over tp
         self.act_cut = activation_cut_dim(model.tp)
         self.prefix: tuple[str, ...] = ()
-        self.active: dict[str, str] = {}  # module -> the layer of style running its call ("unit", "remat", "tp")
+        self.active: dict[str, str] = {}  # module -> the layer of style running its call ("unit", "remat", "ep", "tp")
         self.in_remat: list[str] = []  # the checkpointed units being traced, outermost first
         self.records: list[dict] = []  # one per styled call over tp: the communication table's activation terms
         self.ep_records: list[dict] = []  # the calls styled on the ep dim (spmd.parallel.styles._experts)
@@ -84,8 +86,9 @@ class Hooks:
 
     # --- dispatch -----------------------------------------------------------------------------------
     def style_of(self, call: ModuleCall) -> ParallelStyle | None:
-        """The first style to run ``call`` (its ``layer`` set): its unit's, else its checkpointing's, then its tp
-        style; none of a layer that already runs this module's call (``entered``) or one before it."""
+        """The first style to run ``call`` (its ``layer`` set): its unit's, else its checkpointing's, then its style
+        on the ep dim (a linen module's call), else its tp style; none of a layer that already runs this module's
+        call (``entered``) or one before it."""
         done = self.active.get(call.spath)
         if done is None and call.spath in self.units:
             call.layer = "unit"
@@ -93,24 +96,21 @@ class Hooks:
         if done is None and call.remat_policy is not None:
             call.layer = "remat"
             return self.model.remat.style
+        on_ep = self.model.ep and isinstance(call, LinenCall) and call.method == "__call__"
+        ep = self.model.ep.style_for(call.fqn) if on_ep else None
+        if ep is not None:
+            call.layer = "ep"
+            return ep[1]
         hit = self.model.tp.style_for(call.tp_key) if self.model.tp and call.tp_key and done != "tp" else None
         call.layer = "tp"
         return hit[1] if hit else None
 
     def dispatch(self, call: ModuleCall) -> Any:
-        """``call`` run by its first style (``style_of``); else, a module styled on the ep dim by its style there
-        (``ep_call``, linen); else, with tp, a known linear module left out of the plan runs whole over tp
-        (``TPCalls.around``); else as it is."""
+        """``call`` run by its first style (``style_of``); else, with tp, a known linear module left out of the plan
+        runs whole over tp (``TPCalls.around``); else as it is."""
         if self.bypass:
             return call.next()
         style = self.style_of(call)
-        if style is not None and call.layer != "tp":
-            return call.returned(style.run_call(call))
-        on_ep = self.model.ep and isinstance(call, LinenCall) and call.method == "__call__"
-        ep = self.model.ep.style_for(call.fqn) if on_ep else None
-        if ep is not None:
-            return ep_call(self.model.ep.mesh_dim, call.fqn, call.typ, ep[1], call.next_fun, call.args, call.kwargs,
-                           self.ep_records)
         if style is not None:
             return call.returned(style.run_call(call))
         if (self.model.tp and call.tp_key == call.fqn and call.typ in KNOWN_LINEAR
@@ -175,14 +175,14 @@ class ModuleCall:
     - ``params()``: the module's parameters (its submodules' too), ``[(plan path, value)]``;
     - ``apply(values, args, kwargs, remat=False)``: the module's own code on those parameter values, its
       calls intercepted again with the running style's layer done (a unit's or checkpointing's: both);
-    - ``next()``: the call as it goes on without a style;
-    - ``with_layouts(style)``: the call under a tensor-parallel style's layouts (``ParallelStyle.run_call``'s
-      default);
+    - ``next(args=None, kwargs=None)``: the call as it goes on without a style (on other inputs, if given);
+    - ``with_layouts(style)``: the call under a style's layouts (``ParallelStyle.run_call``'s default): over tp,
+      or, a call of the ep layer, over ep (``spmd.parallel.styles._experts.run_on_ep``);
     - ``remat_policy``: the ``jax.checkpoint`` policy of its activation checkpointing (None: not a unit of it).
     """
 
     tp_key: str | None = None  # the key a tp plan styles it by ("embed.attend": a method)
-    layer = "tp"  # the layer of the style running it: "unit", "remat" or "tp" (``Hooks.style_of``)
+    layer = "tp"  # the layer of the style running it: "unit", "remat", "ep" or "tp" (``Hooks.style_of``)
 
     def __init__(self, hooks: Hooks, fqn: str, typ: str, args: tuple, kwargs: dict):
         self.hooks, self.fqn, self.spath, self.typ = hooks, fqn, fqn.replace(".", "/"), typ
@@ -238,10 +238,12 @@ class LinenCall(ModuleCall):
                 self.mod.put_variable(col, name, value)
         return y
 
-    def next(self) -> Any:
-        return self.next_fun(*self.args, **self.kwargs)
+    def next(self, args: tuple | None = None, kwargs: dict | None = None) -> Any:
+        return self.next_fun(*(self.args if args is None else args), **(self.kwargs if kwargs is None else kwargs))
 
     def with_layouts(self, style: ParallelStyle | None) -> Any:
+        if self.layer == "ep":  # a style on the ep dim: its layouts over ep (one all_to_all each way)
+            return run_on_ep(style, self)
         hooks, tpc = self.hooks, self.hooks.layouts
         mod, method, typ, key, fqn = self.mod, self.method, self.typ, self.tp_key, self.fqn
         pdef = self._variables[1]
@@ -319,8 +321,9 @@ class NnxCall(ModuleCall):
         with self.hooks.entered(self.spath, self.layer, remat=remat):
             return self.orig(local, *args, **kwargs)
 
-    def next(self) -> Any:
-        return self.orig(self.sub, *self.args, **self.kwargs)
+    def next(self, args: tuple | None = None, kwargs: dict | None = None) -> Any:
+        return self.orig(self.sub, *(self.args if args is None else args),
+                         **(self.kwargs if kwargs is None else kwargs))
 
     def with_layouts(self, style: ParallelStyle | None) -> Any:
         from spmd.parallel.styles._nnx import with_values

@@ -117,9 +117,10 @@ class ParallelStyle:
       around the module's forward). The default is the above: the layouts, every collective between them
       written out by the library. ``fully_shard``'s unit (``FullyShardUnit``: its parameters gathered before the
       call, their gradients reduce-scattered) and activation checkpointing (``ActivationCheckpoint``: the call
-      under ``jax.checkpoint``) override it; the hooks hand every intercepted call to the first style that
-      applies to it (a unit's, then checkpointing's, then the tensor-parallel one), and ``call.apply`` runs the
-      module's own code, where the next style applies in turn.
+      under ``jax.checkpoint``) and ``ExpertParallel`` (its tokens exchanged over ep) override it; the hooks hand
+      every intercepted call to the first style that applies to it (a unit's, then checkpointing's, then the one
+      on ep, then the tensor-parallel one), and ``call.apply`` runs the module's own code, where the next style
+      applies in turn.
 
     ``cuts_kernel``: True where the style only applies to a module holding a kernel of 2+ dims or an
     ``Embed`` table (``parallelize_module`` refuses it elsewhere, naming the modules under it that hold one).

@@ -302,8 +302,8 @@ def parallelize_module(module: Any, device_mesh: DeviceMesh, parallelize_plan: M
             raise ValueError(
                 f"{where}: {style!r} on {key!r} of model={type(inner).__name__}, an nnx module: the train "
                 f"step runs a style on the {name!r} dim around a flax.linen module's call only (an nnx module's "
-                "call would run unstyled on its local experts). Write the experts' model in flax.linen (as models.MoE), or "
-                f"leave {name!r} out of the mesh and lay the nnx model out with dp / fsdp / tp.")
+                "call would run unstyled on its local experts). Write the experts' model in flax.linen (as "
+                f"models.MoE), or leave {name!r} out of the mesh and lay the nnx model out with dp / fsdp / tp.")
         return ParallelModule(inner, root, tp, fsdp, remat, ep=TPSpec(name, tuple(items)))
     return ParallelModule(inner, root, TPSpec(name, tuple(items)), fsdp, remat, ep=ep)
 
