@@ -43,6 +43,7 @@ from spmd.parallel.plan._checks import (check_batch_leaves, check_loss, check_op
 from spmd.parallel.cost._comm import format_communication, step_communication
 from spmd.parallel.context._calls import ContextCalls, check_seq, seq_len, with_context
 from spmd.parallel.styles._experts import with_experts
+from spmd.parallel.step._grad_layout import transposed_dot_grads
 from spmd.parallel.step._heads import check_whole_sequence, head_splits, whole_over_tp
 from spmd.parallel.step._model_checks import check_model_params, check_seen, check_state_params, held_params
 from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
@@ -570,7 +571,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                 out[i] = y
         return out
 
-    def reduce(hooks: Hooks, g: list) -> list:
+    def reduce(hooks: Hooks, g: list, flip: list) -> list:
+        """The gradients averaged over the data dims; a ``flip`` one reduced transposed (``_grad_layout``)."""
         g = list(g)
         kinds = list(dict.fromkeys(cut_over))
         groups = [([i for i in range(len(g)) if cut_over[i] == k], tuple(d for d in data if d not in k),
@@ -582,8 +584,11 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                 for i in idx:
                     g[i] = g[i] / scale
             if axes and int(np.prod([sizes[a] for a in axes])) > 1:
-                red = hooks.island(lambda *xs: tuple(lax.pmean(list(xs), axes)), [entries[i] for i in idx],
-                                   [g[i] for i in idx])
+                def mean(*xs, fl=[flip[i] for i in idx], axes=axes):  # on each device's blocks
+                    ys = lax.pmean([x.T if f else x for x, f in zip(xs, fl)], axes)
+                    return tuple(y.T if f else y for y, f in zip(ys, fl))
+
+                red = hooks.island(mean, [entries[i] for i in idx], [g[i] for i in idx])
                 for i, y in zip(idx, red):
                     g[i] = y
         return g
@@ -596,7 +601,10 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             def loss_of(ls):
                 return run_loss(hooks, unflat(gathered(hooks, ls, [ROOT])), batch, stats)
 
-            (loss, (aux, new_stats)), g = jax.value_and_grad(loss_of, has_aux=True)(leaves)
+            loss, backward, (aux, new_stats) = jax.vjp(loss_of, leaves, has_aux=True)
+            seed = jnp.ones_like(loss)  # jax.grad's
+            flip = transposed_dot_grads(jax.make_jaxpr(backward)(seed))
+            (g,) = backward(seed)
             if new_stats is not None and data:
                 if batch_norm == "broadcast":  # data rank 0's statistics, on every rank (DDP's broadcast_buffers)
                     first = functools.reduce(jnp.logical_and, [lax.axis_index(d) == 0 for d in data])
@@ -621,7 +629,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             ((loss, (aux, _)), gf), _ = lax.scan(one, zero, micro)
             loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
             (g,) = scatter([x / accum_steps for x in gf])
-        g = reduce(hooks, g)
+            flip = [False] * len(g)
+        g = reduce(hooks, g, flip)
         metrics = {"loss": loss, **aux}
         if data:
             metrics = jax.tree.map(lambda m: lax.pmean(m, data), metrics)

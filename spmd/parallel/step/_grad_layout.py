@@ -1,0 +1,61 @@
+"""Which gradients to reduce in their matmul's layout: read off the backward pass's own jaxpr.
+
+A linen / nnx ``Dense`` computes ``x @ kernel`` with the kernel ``[in, out]``; JAX's transpose of that
+``dot_general`` computes the kernel's gradient as ``dot_general(dy, x)`` (``[out, in]``) followed by a
+``transpose``. Reduced as it comes (an all-reduce over the data dims of the ``[in, out]`` gradient), XLA folds
+the transpose into the dot, which then contracts its left operand on dim 0; XLA:CPU runs such a dot outside
+its fast matmul path (YNNPACK), several times slower on the shapes of a layer's weight gradient. GSPMD's
+partitioner puts the all-reduce right after the dot, before the transpose, and keeps the dot canonical. The
+step does the same for the gradients that are the transpose of a dot's output: it reduces ``g.T`` (the dot's
+own output: the two transposes cancel) and transposes the reduced block back. The collective and its bytes
+are unchanged. Decided per gradient from the program (the backward jaxpr), not from module types or names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.extend.core import Literal
+
+__all__ = ["transposed_dot_grads"]
+
+_UNARY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reduce_precision"})
+_LOOPS = frozenset({"scan", "while", "cond"})
+
+
+def transposed_dot_grads(closed: Any) -> list[bool]:
+    """For each output of ``closed`` (the ``ClosedJaxpr`` of a backward pass): whether it is the 2-D transpose
+    of a ``dot_general``'s output (through calls, dtype converts and sums of such)."""
+    producers: dict[int, dict] = {}
+
+    def producer(jaxpr, var):
+        table = producers.get(id(jaxpr))
+        if table is None:
+            table = producers[id(jaxpr)] = {id(v): (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
+        return table.get(id(var))
+
+    def walk(jaxpr, var, want: str, depth: int = 0) -> bool:
+        if isinstance(var, Literal) or depth > 64:
+            return False
+        hit = producer(jaxpr, var)
+        if hit is None:
+            return False
+        eqn, i = hit
+        name = eqn.primitive.name
+        sub = eqn.params.get("jaxpr")
+        if sub is not None and name not in _LOOPS:
+            inner = getattr(sub, "jaxpr", sub)
+            if len(inner.outvars) == len(eqn.outvars):
+                return walk(inner, inner.outvars[i], want, depth + 1)
+            return False
+        if name in _UNARY:
+            return walk(jaxpr, eqn.invars[0], want, depth + 1)
+        if name == "add_any":
+            return any(walk(jaxpr, v, want, depth + 1) for v in eqn.invars)
+        if want == "transpose":
+            return (name == "transpose" and tuple(eqn.params["permutation"]) == (1, 0)
+                    and walk(jaxpr, eqn.invars[0], "dot", depth + 1))
+        return name == "dot_general"
+
+    jaxpr = closed.jaxpr
+    return [len(getattr(v.aval, "shape", ())) == 2 and walk(jaxpr, v, "transpose") for v in jaxpr.outvars]

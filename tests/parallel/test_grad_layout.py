@@ -1,0 +1,73 @@
+"""The step's gradient-layout rule (``spmd.parallel.step._grad_layout``): which gradients are the transpose of
+a dot's output, read off the backward jaxpr, and a DDP step that reduces those transposed equals 1-device
+training."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import spmd
+from spmd.parallel import init_train_state, make_train_step
+from spmd.parallel.step._grad_layout import transposed_dot_grads
+
+
+class _TwoWays(nn.Module):
+    """A Dense (kernel ``[in, out]``: its gradient is a dot's output transposed) and a torch-style weight
+    ``[out, in]`` used as ``x @ w.T`` (its gradient is a dot's output as it comes)."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(0.1), (6, 5))
+        h = nn.Dense(5, name="dense")(x)
+        return jnp.tanh(h) @ w.T
+
+
+def _backward(params, x):
+    loss = lambda p: jnp.sum(_TwoWays().apply({"params": p}, x) ** 2)  # noqa: E731
+    value, bwd = jax.vjp(loss, params)
+    return jax.make_jaxpr(bwd)(jnp.ones_like(value)), jax.tree_util.tree_flatten_with_path(params)[0]
+
+
+def test_only_the_transposed_dot_gradients_are_flagged():
+    x = jnp.ones((4, 3))
+    params = _TwoWays().init(jax.random.key(0), x)["params"]
+    closed, leaves = _backward(params, x)
+    got = {jax.tree_util.keystr(k): f for (k, _), f in zip(leaves, transposed_dot_grads(closed))}
+    assert got == {"['dense']['bias']": False, "['dense']['kernel']": True, "['w']": False}
+
+
+def test_flagged_through_a_jit_and_a_dtype_convert():
+    def loss(k, x):
+        return jnp.sum(jax.jit(lambda k: x @ k.astype(jnp.bfloat16))(k).astype(jnp.float32))
+
+    value, bwd = jax.vjp(lambda k: loss(k, jnp.ones((4, 3), jnp.bfloat16)), jnp.ones((3, 5)))
+    assert transposed_dot_grads(jax.make_jaxpr(bwd)(jnp.ones_like(value))) == [True]
+
+
+def test_ddp_step_with_the_rule_equals_one_device():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(8, 6)), jnp.float32)
+    model = _TwoWays()
+    params = model.init(jax.random.key(0), x)["params"]
+    opt = optax.adamw(1e-2)
+
+    def loss_fn(p, b):
+        return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    mesh = spmd.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    state = init_train_state(model, opt, params=params, mesh=mesh)
+    step = make_train_step(model, loss_fn, opt, mesh=mesh)
+    ref, s = params, opt.init(params)
+    for _ in range(3):
+        state, metrics = step(state, {"x": x, "y": y})
+        value, g = jax.value_and_grad(loss_fn)(ref, {"x": x, "y": y})
+        u, s = opt.update(g, s, ref)
+        ref = optax.apply_updates(ref, u)
+        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
