@@ -1,5 +1,9 @@
-"""Benchmark: ``auto_layout``'s predicted peak memory per device against XLA's, for the candidates of
-benchmarks/auto_layout.py's grid, with this checkout's code; nothing is timed.
+"""Benchmark: ``auto_layout``'s analytic lower bound of the peak memory per device against XLA's compiled
+peak, for the candidates of benchmarks/auto_layout.py's grid, with this checkout's code; nothing is timed.
+
+``cand.memory["peak"]`` before compiling is the bound ``auto_layout`` prunes with (the candidates that
+survive it are ranked by their compiled peak), so here ``error`` is negative by design: how much of XLA's
+peak the bound sees. A positive error is a bug (the bound would prune a layout that fits).
 
 A compiled step's peak (``memory_analysis()``: arguments + outputs + temp - alias) does not depend on the
 host's load, so the memory columns of ``results/auto_layout.json`` can be checked again on any commit
