@@ -142,9 +142,9 @@ def test_cli_parses_every_option():
      "models.train: --batch-size=12 is not divisible by the dp size 8; use a multiple of 8 (e.g. 8)."),
     (["--batch-size", "16", "--accum-steps", "4"], ValueError,
      "--batch-size=16 is not divisible by the dp size 8 times --accum-steps=4; use a multiple of 32"),
-    (["--mesh", "ep=2"], ValueError,
-     "models.train: --mesh='ep=2' names the mesh dim 'ep', which this job does not know; use the dims ('dp', "
-     "'fsdp', 'tp', 'pp') (e.g. --mesh dp=N)."),
+    (["--mesh", "xp=2"], ValueError,
+     "models.train: --mesh='xp=2' names the mesh dim 'xp', which this job does not know; use the dims ('dp', "
+     "'fsdp', 'tp', 'pp', 'cp', 'ep') (e.g. --mesh dp=N)."),
     (["--mesh", "dp=8", "--sequence-parallel"], ValueError,
      "models.train: --sequence-parallel cuts the sequence over the tp mesh dim, but --mesh='dp=8' has no tp dim of "
      "size >= 2; add one (e.g. --mesh dp=2,tp=4) or drop the flag."),
