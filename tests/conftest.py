@@ -78,6 +78,7 @@ def pytest_collection_modifyitems(config, items):
     groups, tests = set(_SLOW["groups"]), set(_SLOW["tests"])
     for item in items:
         group = next((m.args[0] for m in item.iter_markers("xdist_group")), None)
-        name = item.nodeid.split("/")[-1]  # file::test[params], wherever the file sits under tests/
+        path, _, test = item.nodeid.partition("::")
+        name = f"{path.split('/')[-1]}::{test}"  # file::test[params], wherever the file sits under tests/
         if group in groups or name in tests or name.split("[")[0] in tests:
             item.add_marker(pytest.mark.slow)
