@@ -13,9 +13,9 @@ import pytest
 from models import CheckpointError
 from models.train import Config, main, parse_args, run
 
-TINY_T = ["--steps", "3", "--batch-size", "16", "--layers", "1", "--d-model", "16", "--heads", "2", "--length", "4",
+TINY_T = ["--steps", "3", "--batch-size", "16", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8",
           "--log-every", "1", "--save-every", "2"]
-TINY_M = ["--model", "mlp", "--hidden", "16", "--steps", "3", "--batch-size", "16", "--length", "4", "--save-every", "2"]
+TINY_M = ["--model", "mlp", "--hidden", "16", "--steps", "3", "--batch-size", "16", "--seq-len", "4", "--save-every", "2"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -120,7 +120,7 @@ def test_job_on_a_text_file(tmp_path, capsys):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
     out = str(tmp_path / "lm")
-    assert main([*TINY_T, "--text", str(text), "--context", "8", "--out", out, "--no-progress"]) == 0
+    assert main([*TINY_T, "--text", str(text), "--out", out, "--no-progress"]) == 0
     # every context window of a text is one "sequence": its share right means nothing, and is not printed
     err = capsys.readouterr().err
     assert "held-out token accuracy" in err and "sequence accuracy" not in err, err
@@ -135,6 +135,33 @@ def test_cli_parses_every_option():
                       "--out", "o", "--resume", "--save-every", "3", "--seed", "5", "--accum-steps", "2"])
     assert cfg == Config(mesh="dp=4", steps=7, batch_size=32, model="mlp", text="f.txt", out="o", resume=True,
                          save_every=3, seed=5, accum_steps=2)
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--seq-len", "64"], {"length": 32, "context": 64}),  # 32 digits, then their answer: 64 tokens
+    (["--model", "mlp", "--seq-len", "6"], {"length": 6, "context": 64}),  # the mlp's window of digits
+    (["--text", "f.txt", "--seq-len", "128"], {"length": 8, "context": 128}),  # bytes of context
+    ([], {"length": 8, "context": 64}),
+])
+def test_seq_len_is_the_tokens_per_example(argv, want):
+    from models.train._programs import task_dims
+
+    cfg = parse_args(argv)
+    assert {"length": cfg.length, "context": cfg.context} == want
+    assert task_dims(cfg)[1] == (int(argv[-1]) if argv else 16)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seq-len", "63"], "argument --seq-len: 63 is odd; the digit task's sequence is its digits followed by their "
+                          "answer, 2 x --length tokens: use an even --seq-len (e.g. 64)"),
+    (["--seq-len", "0"], "argument --seq-len: 0 must be an int >= 1"),
+    (["--seq-len", "8", "--length", "4"], "argument --seq-len: give the sequence length once (--seq-len 8, not with "
+                                          "--length)"),
+])
+def test_bad_seq_len_is_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,exc,message", [
@@ -170,8 +197,8 @@ def test_cli_parses_every_option():
     (["--seed", "99999999999999999999"], ValueError,
      "models.train: --seed=99999999999999999999 must be an int in [0, 2**63 - 1]; e.g. --seed 0."),
     (["--seed=-1"], ValueError, "models.train: --seed=-1 must be an int in [0, 2**63 - 1]; e.g. --seed 0."),
-    (["--length", "100000"], ValueError,
-     "models.train: --length=100000 (sequences of 200000 tokens) needs at least 19,073.8 GiB per device for one "
+    (["--seq-len", "200000"], ValueError,
+     "models.train: --seq-len=200000 (tokens per example) needs at least 19,073.8 GiB per device for one "
      "train step (parameters, gradients, optimizer state and the logits and attention scores of 16 examples per "
      "device), more than the "),
     (["--eval-size", "100"], ValueError,
@@ -372,21 +399,21 @@ def test_importing_the_job_leaves_the_environment_alone():
 
 @pytest.mark.parametrize("mesh,need", [("dp=8", "8.5"), ("fsdp=8", "3.2"), ("dp=2,fsdp=4", "4.3")])
 def test_a_state_too_large_for_the_devices_is_refused(mesh, need):
-    """The MLP at --length 100000 has 563M parameters: 4 copies (parameters, gradients, Adam's moments) per
+    """The MLP at --seq-len 100000 has 563M parameters: 4 copies (parameters, gradients, Adam's moments) per
     device, split over fsdp plus the largest parameter gathered whole with its gradient. Checked on the
     bound alone (run() would start allocating if the check regressed); 2.9 GiB stands for a device."""
     from models.train._programs import build_mesh, check_fits
 
-    cfg = parse_args(["--model", "mlp", "--length", "100000", "--mesh", mesh])
+    cfg = parse_args(["--model", "mlp", "--seq-len", "100000", "--mesh", mesh])
     with pytest.raises(ValueError, match=re.escape(
-            f"models.train: --length=100000 (sequences of 100000 tokens) needs at least {need} GiB per device for one "
+            f"models.train: --seq-len=100000 (tokens per example) needs at least {need} GiB per device for one "
             "train step (parameters, gradients, optimizer state and the logits of ")):
         check_fits(cfg, build_mesh(mesh), int(2.9 * 2**30))
     check_fits(parse_args(["--model", "mlp", "--mesh", mesh]), build_mesh(mesh), int(2.9 * 2**30))  # the default fits
 
 
 def test_the_memory_floor_keeps_one_layers_attention_scores_under_full_recomputation():
-    """The transformer at --length 1000 keeps 2 layers x 16 examples x 4 heads x 2000^2 float32 attention scores
+    """The transformer at --seq-len 2000 keeps 2 layers x 16 examples x 4 heads x 2000^2 float32 attention scores
     (1.9 GiB per device); --activation-checkpointing full keeps one layer's at a time (fits 1.5 GiB), dots
     keeps every layer's (a matmul output), and the refusal names full as a fix."""
     from models.train._programs import build_mesh, check_fits
@@ -394,12 +421,12 @@ def test_the_memory_floor_keeps_one_layers_attention_scores_under_full_recomputa
     mesh, memory = build_mesh("dp=8"), int(1.5 * 2**30)
     for ac in ([], ["--activation-checkpointing", "dots"]):
         with pytest.raises(ValueError, match=re.escape(
-                "models.train: --length=1000 (sequences of 2000 tokens) needs at least 1.9 GiB per device for one "
+                "models.train: --seq-len=2000 (tokens per example) needs at least 1.9 GiB per device for one "
                 "train step (parameters, gradients, optimizer state and the logits and attention scores of 16 "
-                "examples per device), more than the 1.5 GiB a device has; use a smaller --length, --batch-size, "
+                "examples per device), more than the 1.5 GiB a device has; use a smaller --seq-len, --batch-size, "
                 "--layers or --d-model, or more --accum-steps (or --activation-checkpointing full).")):
-            check_fits(parse_args(["--length", "1000", *ac]), mesh, memory)
-    check_fits(parse_args(["--length", "1000", "--activation-checkpointing", "full"]), mesh, memory)
+            check_fits(parse_args(["--seq-len", "2000", *ac]), mesh, memory)
+    check_fits(parse_args(["--seq-len", "2000", "--activation-checkpointing", "full"]), mesh, memory)
 
 
 def test_out_of_device_memory_during_the_run_is_a_clear_error(tmp_path, monkeypatch, capsys):
@@ -416,7 +443,7 @@ def test_out_of_device_memory_during_the_run_is_a_clear_error(tmp_path, monkeypa
     out = str(tmp_path)
     message = ("models.train: the run does not fit in device memory (XLA: RESOURCE_EXHAUSTED: Out of memory while "
                "trying to allocate 44.1TiB.); the checkpoints saved so far are kept. Use a smaller --batch-size (or "
-               "more --accum-steps), --length or model, or a mesh that shards the state (--mesh fsdp=N).")
+               "more --accum-steps), --seq-len or model, or a mesh that shards the state (--mesh fsdp=N).")
     with pytest.raises(ValueError, match=re.escape(message)):
         run(parse_args([*TINY_M, "--out", out, "--no-progress"]))
     assert main([*TINY_M, "--out", out, "--no-progress"]) == 2 and message in capsys.readouterr().err

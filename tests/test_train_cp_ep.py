@@ -12,7 +12,7 @@ import pytest
 from models.train import Config, main
 from models.train._config import check_config
 
-TINY = ["--steps", "3", "--batch-size", "16", "--layers", "2", "--d-model", "16", "--heads", "2", "--length", "8",
+TINY = ["--steps", "3", "--batch-size", "16", "--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16",
         "--log-every", "1", "--save-every", "3", "--no-progress"]
 
 

@@ -77,8 +77,13 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"AdamW weight decay (default {d.weight_decay})")
     p.add_argument("--task", choices=DigitTask.OPS, default=d.task,
                    help=f"the built-in task: sort or reverse random digits (default {d.task})")
-    p.add_argument("--length", type=int, default=d.length, help=f"digits per example (default {d.length})")
-    p.add_argument("--context", type=int, default=d.context, help=f"bytes of context with --text (default {d.context})")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help=f"tokens per example, the model's sequence: the digit task's N / 2 digits and their answer "
+                        f"(the mlp reads N digits), or N bytes of context with --text (default {2 * d.length}; "
+                        f"{d.context} with --text)")
+    # the task's own sizes, which --seq-len sets: kept for command lines and runs that name them
+    p.add_argument("--length", type=int, default=d.length, help=argparse.SUPPRESS)
+    p.add_argument("--context", type=int, default=d.context, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=d.layers, help=f"transformer layers (default {d.layers})")
     p.add_argument("--d-model", type=int, default=d.d_model, help=f"transformer width (default {d.d_model})")
     p.add_argument("--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})")
@@ -143,8 +148,28 @@ def _parse(argv: list[str] | None) -> tuple[Config, frozenset[str]]:
     for action in given._actions:
         action.default = argparse.SUPPRESS  # a second parse that keeps only what was typed
     typed = vars(given.parse_args(argv))
+    if a.seq_len is not None:
+        _seq_len(parser, a, typed)
     names = [f.name for f in dataclasses.fields(Config) if hasattr(a, f.name)]
     return Config(**{n: getattr(a, n) for n in names}), frozenset(n for n in names if n in typed)
+
+
+def _seq_len(parser: argparse.ArgumentParser, a: argparse.Namespace, typed: dict) -> None:
+    """``--seq-len N`` as the task's size: ``--context N`` with ``--text``, else the digit task's ``--length``
+    (``N / 2`` digits, each followed by its answer, for a sequence model; ``N`` for the mlp's window)."""
+    n = a.seq_len
+    if n < 1:
+        parser.error(f"argument --seq-len: {n!r} must be an int >= 1")
+    lm = a.model != "mlp"
+    own = "context" if a.text is not None else "length"
+    value = n if a.text is not None or not lm else n // 2
+    if "length" in typed or "context" in typed:
+        parser.error(f"argument --seq-len: give the sequence length once (--seq-len {n}, not with --{own})")
+    if a.text is None and lm and n % 2:
+        parser.error(f"argument --seq-len: {n!r} is odd; the digit task's sequence is its digits followed by their "
+                     f"answer, 2 x --length tokens: use an even --seq-len (e.g. {n + 1})")
+    setattr(a, own, value)
+    typed[own] = value
 
 
 def summary_line(summary: dict, out: str) -> str:

@@ -123,12 +123,12 @@ def check_fits(cfg: Config, mesh: DeviceMesh, memory: int | None) -> None:
     if memory is None or need <= memory:
         return
     _, seq_len, _ = task_dims(cfg)
-    size = f"--context={cfg.context}" if cfg.text is not None else f"--length={cfg.length}"
+    size = f"--seq-len={seq_len}"
     gib = 2**30
     recompute = (cfg.model == "transformer" and cfg.activation_checkpointing != "full"
                  and "pp" not in mesh.mesh_dim_names)
     raise ValueError(
-        f"models.train: {size} (sequences of {seq_len} tokens) needs at least {need / gib:,.1f} GiB per device for "
+        f"models.train: {size} (tokens per example) needs at least {need / gib:,.1f} GiB per device for "
         f"one train step (parameters, gradients, optimizer state and the logits"
         f"{' and attention scores' if cfg.model == 'transformer' else ''} of "
         f"{cfg.batch_size // (n_data * cfg.accum_steps)} examples per device), more than the {memory / gib:,.1f} "

@@ -139,7 +139,7 @@ def run(cfg: Config, *, on_step: Callable[[int, TrainState], None] | None = None
     except jax.errors.JaxRuntimeError as e:
         if not str(e).startswith("RESOURCE_EXHAUSTED"):  # XLA's status code for an allocation that failed
             raise
-        size = "--context" if cfg.text is not None else "--length"
+        size = "--seq-len"
         raise ValueError(
             f"models.train: the run does not fit in device memory (XLA: {str(e).splitlines()[0][:200]}); the "
             f"checkpoints saved so far are kept. Use a smaller --batch-size (or more --accum-steps), {size} or "
