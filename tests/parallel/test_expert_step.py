@@ -3,8 +3,9 @@
 ``models.MoE`` (top-2 of 8 experts in every other block, capacity routing) with its experts cut over ep, tokens
 exchanged with all-to-alls, equals 3 SGD steps of one device within 1e-5 under dp=2 x ep=4 and fsdp=2 x ep=2 x
 tp=2, the compiled step's collectives equal to the step's table; the dropped assignments the step reports
-equal a NumPy count of the capacity routing of the router's logits; dropless and an expert count ep does not
-divide are refused by name, and so are an ep plan on an nnx model and under a pipeline.
+equal a NumPy count of the capacity routing of the router's logits, with and without fully_shard units (what a
+unit sows reaches the loss); dropless and an expert count ep does not divide are refused by name, and so is an
+ep plan under a pipeline.
 """
 
 import re
@@ -112,8 +113,11 @@ def test_moe_under_fsdp2_ep2_tp2_equals_one_device():
     pm = parallelize_module(MoE(CFG), mesh["ep"], {"layers_*.mlp.experts": ExpertParallel()})
     pm = parallelize_module(pm, mesh["tp"], TP_PLAN)
     pm = fully_shard(pm, mesh=mesh["fsdp"], units=["layers_*"])
-    table, comm, _, _ = _run(pm, {"fsdp": 2, "ep": 2, "tp": 2}, _batches())
+    batches = _batches()
+    table, comm, drops, params = _run(pm, {"fsdp": 2, "ep": 2, "tp": 2}, batches)
     assert comm["experts"]["all-to-all"]["count"] == 4
+    # the drops sown inside the fully_shard unit layers_1 reach the loss's aux: averaged over the 4 data ranks
+    assert drops[0] * 4 == _numpy_drops(MoE(CFG), params, batches[0]["tokens"]) > 0
 
 
 def test_dropless_is_refused_on_cpu():
@@ -132,30 +136,6 @@ def test_experts_ep_does_not_divide_are_refused():
         pm.plan(params)
 
 
-def test_ep_plan_on_an_nnx_model_is_refused():
-    from flax import nnx
-
-    class Experts(nnx.Module):
-        def __init__(self, rngs):
-            self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 4, 4)))
-
-        def __call__(self, x):
-            return jnp.einsum("gecd,edf->gecf", x, self.w.value)
-
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.experts = Experts(rngs)
-
-        def __call__(self, x):
-            return self.experts(x)
-
-    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "ep"))
-    with pytest.raises(ValueError, match=r"parallelize_module: ExpertParallel\(.*\) on 'experts' of model=Net, an nnx "
-                                         r"module: .* Write the experts' model in flax.linen \(as models.MoE\), or "
-                                         r"leave 'ep' out of the mesh"):
-        parallelize_module(Net(nnx.Rngs(0)), mesh["ep"], {"experts": ExpertParallel()})
-
-
 def test_ep_plan_under_a_pipeline_is_refused():
     from spmd.parallel import pipeline
 
@@ -165,3 +145,21 @@ def test_ep_plan_under_a_pipeline_is_refused():
                                          r"plan on 'ep'\) under a pipeline is not offered.* Pipeline the model without "
                                          r"the 'ep' plan, or leave pp out"):
         pipeline(pm, mesh["pp"], num_microbatches=2)
+
+
+@pytest.mark.slow
+def test_ep_style_on_a_dim_of_the_experts_size_that_is_not_theirs_is_refused():
+    """ExpertParallel(token_dim=1, experts_dim=0) on models.MoE's [b, E, capacity, d] buffers, 8 local rows as
+    many as the experts: the size check passes, and the module's own code, probed abstractly on the exchanged
+    layout, does not run: refused by name before anything is sent the wrong way."""
+    mesh = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    pm = parallelize_module(MoE(CFG), mesh["ep"], {"layers_*.mlp.experts": ExpertParallel(token_dim=1, experts_dim=0)})
+    b = _batches(1, b=16)[0]
+    params = MoE(CFG).init(jax.random.key(0), b["tokens"][:2])["params"]
+    opt = optax.sgd(0.1)
+    state = init_train_state(pm, opt, params=params)
+    with pytest.raises(ValueError, match=re.escape(
+            "parallelize_module: ExpertParallel(token_dim=1, experts_dim=0, dropless=False) on 'layers_1.mlp.experts': "
+            "the module does not run on its local experts' tokens, shape (4, 16, 4, 16) on this device (dim 0, "
+            "experts_dim=0, exchanged over ep)")):
+        make_train_step(pm, _loss(MoE(CFG)), opt)(state, b)

@@ -83,27 +83,39 @@ class ExpertParallel(ParallelStyle):
         return Shard(self.experts_dim), Shard(self.token_dim)
 
 
-@contextlib.contextmanager
-def _stored_params():
-    """linen's ``Module.param`` returns the stored value without comparing its shape to the initializer's: the
-    module reads its local experts (``[E / ep, ...]``) where its code declares ``E``."""
-    from flax.core import meta
-    from flax.core import scope as fscope
-
-    orig = fscope.Scope.param
+class _StoredParamsScope:
+    """Mixed into one bound linen scope's class (``stored_params``): ``param`` returns the stored value without
+    comparing its shape to the initializer's, so the module reads its local experts (``[E / ep, ...]``) where
+    its code declares ``E``. Built once per flax ``Scope`` class (``_STORED_SCOPE``)."""
 
     def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
         if self.has_variable("params", name):
+            from flax.core import meta
+
             self.reserve(name, "params")
             value = self.get_variable("params", name)
             return meta.unbox(value) if unbox else value
-        return orig(self, name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+        return super().param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
 
-    fscope.Scope.param = param
+
+_STORED_SCOPE: dict[type, type] = {}  # flax scope class -> its _StoredParamsScope subclass (classes only)
+
+
+@contextlib.contextmanager
+def stored_params(scope: Any):
+    """Inside, the bound linen ``scope`` (one module's, in this trace) returns its stored parameters as they are
+    (``_StoredParamsScope``): the instance's class is swapped and restored, nothing global is changed."""
+    cls = type(scope)
+    if issubclass(cls, _StoredParamsScope):  # already inside
+        yield
+        return
+    if cls not in _STORED_SCOPE:
+        _STORED_SCOPE[cls] = type(cls.__name__, (_StoredParamsScope, cls), {"__module__": cls.__module__})
+    scope.__class__ = _STORED_SCOPE[cls]
     try:
         yield
     finally:
-        fscope.Scope.param = orig
+        scope.__class__ = cls
 
 
 def _change(x, axis: str, given: Any, desired: Any, where: str):
@@ -117,19 +129,96 @@ def _change(x, axis: str, given: Any, desired: Any, where: str):
     return lax.all_to_all(x, axis, split_axis=desired.dim % x.ndim, concat_axis=given.dim % x.ndim, tiled=True)
 
 
+def _check_experts_dims(where: str, style: Any, call, x, given: Any, desired: Any) -> None:
+    """The routing the style relies on, checked on the call's first input ``x``: its ``desired`` dim (the experts
+    dim, cut over ep for the computation) holds one slot per expert of the module, ``ep`` times the leading dim
+    of its local parameters (expert ``e`` on rank ``e // (E / ep)``, as ``Shard(0)`` holds them), and its ``given``
+    dim (the tokens' groups, cut over ep as the batch is) is another dim. Anything else would all_to_all a dim
+    that is not the experts' (a module on the tokens themselves, ``[tokens, d]``; buffers in another order)."""
+    if not (isinstance(given, Shard) and isinstance(desired, Shard)):
+        return
+    plan = call.hooks.plan
+    ep = dict(zip(plan.mesh_dim_names, plan.mesh_shape))[call.hooks.model.ep.mesh_dim]
+    lead = {int(np.shape(v)[0]) for _, v in call.params() if np.ndim(v)}
+    shape = tuple(np.shape(x))
+    e_dim, t_dim = desired.dim % max(len(shape), 1), given.dim % max(len(shape), 1)
+    if len(lead) != 1 or len(shape) < 2 or e_dim == t_dim or shape[e_dim] != ep * next(iter(lead)):
+        n = ep * next(iter(lead)) if len(lead) == 1 else sorted(ep * e for e in lead)
+        raise ValueError(
+            f"{where}: the module's input has shape {shape} on this device, and its experts dim {e_dim} "
+            f"(experts_dim={desired.dim}) must hold one slot per expert, {n} (the module's parameters' leading dim "
+            f"over ep={ep}); its groups dim is {t_dim} (token_dim={given.dim}). ExpertParallel exchanges the "
+            "dispatched tokens of capacity-routed experts, [groups, E, capacity, d] (experts_dim=1) or "
+            "[E, groups, capacity, d] (experts_dim=0, token_dim=1): give the dims the module's input has, or route "
+            "the tokens into such buffers before the experts module (a module called on [tokens, d] or on gathered "
+            "tokens is not expert-parallel as it is).")
+
+
+def _check_tied(where: str, call, moved, desired: Any) -> None:
+    """The module's code ties its input's experts dim to its parameters' experts dim: called abstractly (nothing
+    runs) on its local input it must run, and on an input one slot longer there it must fail. A module that runs
+    anyway does not read that dim as its experts (``experts_dim`` names another dim of equal size, such as the
+    groups), and the all_to_alls would send its tokens to the wrong ranks. Not probed with one local expert (a
+    size-1 dim may broadcast), nor where flax refuses an abstract call (a module writing a collection)."""
+    import flax.errors
+
+    if not isinstance(desired, Shard):
+        return
+    d = desired.dim % moved.ndim
+    fix = ("Give ExpertParallel the dims of the module's input: experts_dim (the one its einsums share with the "
+           "parameters' leading dim) and token_dim (the groups), e.g. ExpertParallel(token_dim=1, experts_dim=0) "
+           "for [E, groups, capacity, d] buffers.")
+
+    def probe(shape):
+        call.abstract((jax.ShapeDtypeStruct(shape, moved.dtype), *call.args[1:]), call.kwargs)
+
+    try:
+        probe(tuple(moved.shape))
+    except flax.errors.FlaxError:
+        return
+    except Exception as err:
+        raise ValueError(f"{where}: the module does not run on its local experts' tokens, shape "
+                         f"{tuple(moved.shape)} on this device (dim {d}, experts_dim={desired.dim}, exchanged over "
+                         f"ep): {type(err).__name__}: {str(err).rstrip('.')}. {fix}") from None
+    if moved.shape[d] < 2:
+        return
+    try:
+        probe(moved.shape[:d] + (moved.shape[d] + 1,) + moved.shape[d + 1:])
+    except Exception:  # the experts dim is the parameters'
+        return
+    raise ValueError(
+        f"{where}: the module runs on an input whose dim {d} (experts_dim={desired.dim}) is {moved.shape[d] + 1} "
+        f"long while it holds {moved.shape[d]} local experts: its code does not pair that dim with its "
+        f"parameters' experts dim, so it is not the experts dim (shape {tuple(moved.shape)} on this device). {fix}")
+
+
 def run_on_ep(style: ParallelStyle, call) -> Any:
     """``call`` (a ``spmd.parallel.styles._hooks.ModuleCall`` of a module styled on the ep dim, manual in the
-    step's region) under ``style``: its first input changed to the style's computing layout, the module run on its
-    local parameters, its output changed back; the hooks' ``ep_records`` get the call's activation bytes (the
-    table's all-to-all rows)."""
+    step's region) under ``style``: its first input changed to the style's computing layout (its experts dim
+    checked first: ``_check_experts_dims``), the module run on its local parameters (``call.local_params()``: a
+    linen module's stored values as they are), its output changed back; the hooks' ``ep_records`` get the call's
+    activation bytes (the table's all-to-all rows)."""
     axis, fqn, typ = call.hooks.model.ep.mesh_dim, call.fqn, call.typ
     where = f"parallelize_module: {style!r} on {fqn!r}"
     given, desired = style.input_layouts_for(typ)
     out_given, out_desired = style.output_layouts_for(typ)
-    x = call.args[0]
+    x = call.args[0] if call.args else None
+    if x is None or not hasattr(x, "shape"):
+        raise ValueError(f"{where}: the module is called without an array as its first argument ({call.args!r}); "
+                         "a style on ep exchanges the module's first input (the dispatched tokens).")
+    _check_experts_dims(where, style, call, x, given, desired)
     moved = _change(x, axis, given, desired, where)
-    with _stored_params():
+    _check_tied(where, call, moved, desired)
+    with call.local_params():
         y = call.next((moved, *call.args[1:]), call.kwargs)
+    if not hasattr(y, "shape") or np.ndim(y) != moved.ndim or any(
+            np.shape(y)[i] != np.shape(moved)[i] for i in (given.dim % moved.ndim, desired.dim % moved.ndim)
+            if isinstance(given, Shard) and isinstance(desired, Shard)):
+        raise ValueError(f"{where}: the module returned {getattr(y, 'shape', type(y).__name__)!r} on its input of "
+                         f"shape {tuple(np.shape(moved))} (its local experts' tokens); ExpertParallel sends the "
+                         "output back on the input's groups and experts dims, so the module must keep them "
+                         "(experts' outputs in the slots of their tokens, [groups, E, capacity, d] -> "
+                         "[groups, E, capacity, d']).")
     out = _change(y, axis, out_given, out_desired, where)
     call.hooks.ep_records.append({"module": fqn, "style": type(style).__name__,
                                   "in": 0 if moved is x else int(np.prod(x.shape)) * x.dtype.itemsize,

@@ -39,7 +39,7 @@ import numpy as np
 
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan, PlanEntry, path_str
 from spmd.parallel.plan._scan import unstacked
-from spmd.parallel.styles._experts import run_on_ep
+from spmd.parallel.styles._experts import run_on_ep, stored_params
 from spmd.parallel.styles._remat import checkpoint_policy
 from spmd.parallel.styles._styles import KNOWN_LINEAR, ParallelStyle
 from spmd.parallel.styles._tp_calls import COLWISE_MARK, TP_COMM, WHOLE_MARK, TPCalls
@@ -96,7 +96,7 @@ class Hooks:
         if done is None and call.remat_policy is not None:
             call.layer = "remat"
             return self.model.remat.style
-        on_ep = self.model.ep and isinstance(call, LinenCall) and call.method == "__call__"
+        on_ep = self.model.ep and (not isinstance(call, LinenCall) or call.method == "__call__")
         ep = self.model.ep.style_for(call.fqn) if on_ep else None
         if ep is not None:
             call.layer = "ep"
@@ -159,6 +159,12 @@ class Hooks:
 
     def _linen(self, next_fun, args, kwargs, context):
         mod = context.module
+        if context.method_name == "setup" and self.model.ep and getattr(mod, "scope", None) is not None:
+            # an expert-parallel module's setup declares its parameters on their local experts ([E / ep, ...])
+            fqn = ".".join(self.prefix + tuple(str(p) for p in mod.scope.path))
+            if self.model.ep.style_for(fqn) is not None:
+                with stored_params(mod.scope):
+                    return next_fun(*args, **kwargs)
         if context.method_name == "setup" or getattr(mod, "scope", None) is None or self.bypass:
             return next_fun(*args, **kwargs)
         return self.dispatch(LinenCall(self, mod, context.method_name, next_fun, args, kwargs))
@@ -178,6 +184,10 @@ class ModuleCall:
     - ``next(args=None, kwargs=None)``: the call as it goes on without a style (on other inputs, if given);
     - ``with_layouts(style)``: the call under a style's layouts (``ParallelStyle.run_call``'s default): over tp,
       or, a call of the ep layer, over ep (``spmd.parallel.styles._experts.run_on_ep``);
+    - ``abstract(args, kwargs)``: the call's output shapes on other inputs (``jax.eval_shape``), on the module's
+      local parameters;
+    - ``local_params()``: a context in which ``next`` runs the module on its parameters as this device holds them
+      (a linen module's declared shapes not compared: its local experts, ``[E / ep, ...]``);
     - ``remat_policy``: the ``jax.checkpoint`` policy of its activation checkpointing (None: not a unit of it).
     """
 
@@ -191,6 +201,9 @@ class ModuleCall:
     def returned(self, out: Any) -> Any:
         """What the call returns of its style's ``run_call`` result (a linen unit's updated collections put back)."""
         return out
+
+    def local_params(self) -> Any:
+        return contextlib.nullcontext()  # an nnx module reads its parameters' own shapes
 
     @functools.cached_property
     def remat_policy(self) -> Callable | None:
@@ -214,11 +227,39 @@ class LinenCall(ModuleCall):
         others = {k: v for k, v in variables.items() if k != "params"}
         # the collections its caller may update (``batch_stats`` under ``apply(..., mutable=["batch_stats"])``):
         # the module applied as a function of its variables returns their updates, put back by ``returned``
+        # and the ones it made mutable with nothing in them yet (``mutable=["intermediates"]``: what the module
+        # sows inside the unit reaches the caller's state as it does without the style)
         mutable = [c for c in others if self.mod.is_mutable_collection(c)]
+        declared = self.mod.scope.mutable
+        declared = [declared] if isinstance(declared, str) else declared if isinstance(declared, (list, tuple)) else (
+            ["intermediates"] if declared is True else [])
+        mutable += [c for c in declared if isinstance(c, str) and c not in mutable and c != "params"]
         return kp, treedef, others, self.mod.clone(parent=None), mutable
 
     def params(self) -> list:
         return [(self.spath + "/" + path_str(k), v) for k, v in self._variables[0]]
+
+    def local_params(self) -> Any:
+        return stored_params(self.mod.scope)
+
+    def abstract(self, args: tuple, kwargs: dict) -> Any:
+        """The module's shapes out on ``args`` (``jax.eval_shape``: nothing runs), on its local parameters: a copy
+        applied as a function of its variables (a bound module's method runs once per call of its parent)."""
+        import flax.linen as nn
+
+        kp, treedef, others, clone, _ = self._variables
+        values = jax.tree_util.tree_unflatten(treedef, [v for _, v in kp])
+
+        def local(next_fun, a, k, context):
+            scope = getattr(context.module, "scope", None)
+            if scope is not None and not scope.path:
+                with stored_params(scope):
+                    return next_fun(*a, **k)
+            return next_fun(*a, **k)
+
+        with nn.intercept_methods(local), self.hooks.bypassing():
+            return jax.eval_shape(lambda a, k: clone.apply({"params": values, **others}, *a, method=self.method, **k),
+                                  args, kwargs)
 
     def apply(self, values: list, args: tuple, kwargs: dict, *, remat: bool = False) -> Any:
         _, treedef, others, clone, mutable = self._variables
@@ -321,6 +362,11 @@ class NnxCall(ModuleCall):
         with self.hooks.entered(self.spath, self.layer, remat=remat):
             return self.orig(local, *args, **kwargs)
 
+    def abstract(self, args: tuple, kwargs: dict) -> Any:
+        """The module's shapes out on ``args`` (``jax.eval_shape``: nothing runs)."""
+        with self.hooks.bypassing():
+            return jax.eval_shape(lambda a, k: self.orig(self.sub, *a, **k), args, kwargs)
+
     def next(self, args: tuple | None = None, kwargs: dict | None = None) -> Any:
         return self.orig(self.sub, *(self.args if args is None else args),
                          **(self.kwargs if kwargs is None else kwargs))
@@ -328,6 +374,8 @@ class NnxCall(ModuleCall):
     def with_layouts(self, style: ParallelStyle | None) -> Any:
         from spmd.parallel.styles._nnx import with_values
 
+        if self.layer == "ep":  # a style on the ep dim: its layouts over ep (one all_to_all each way)
+            return run_on_ep(style, self)
         hooks, tpc, sub, orig, typ = self.hooks, self.hooks.layouts, self.sub, self.orig, self.typ
         own = [(rel, v) for rel, v in self._params if "/" not in rel]
         params = [(f"{self.spath}/{rel}/value", v[...]) for rel, v in own]

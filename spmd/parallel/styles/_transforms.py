@@ -294,16 +294,7 @@ def parallelize_module(module: Any, device_mesh: DeviceMesh, parallelize_plan: M
     if fsdp is not None and name in (fsdp.shard_dim, *fsdp.replicate_dims):
         raise ValueError(f"{where}: mesh dim {name!r} already shards or replicates the model under fully_shard; "
                          "use another mesh dim for tensor parallelism.")
-    if on_ep:  # expert parallelism: a data dim whose styled modules run on their experts' tokens
-        from spmd.parallel.styles._nnx import is_nnx
-
-        if is_nnx(inner):
-            key, style = items[0]
-            raise ValueError(
-                f"{where}: {style!r} on {key!r} of model={type(inner).__name__}, an nnx module: the train "
-                f"step runs a style on the {name!r} dim around a flax.linen module's call only (an nnx module's "
-                "call would run unstyled on its local experts). Write the experts' model in flax.linen (as "
-                f"models.MoE), or leave {name!r} out of the mesh and lay the nnx model out with dp / fsdp / tp.")
+    if on_ep:  # expert parallelism: a data dim whose styled modules run on their experts' tokens (linen or nnx)
         return ParallelModule(inner, root, tp, fsdp, remat, ep=TPSpec(name, tuple(items)))
     return ParallelModule(inner, root, TPSpec(name, tuple(items)), fsdp, remat, ep=ep)
 
