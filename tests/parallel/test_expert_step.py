@@ -8,6 +8,7 @@ unit sows reaches the loss); dropless and an expert count ep does not divide are
 ep plan under a pipeline.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -51,18 +52,19 @@ def _numpy_drops(model, params, tokens):
     """The assignments over capacity, counted by a NumPy loop over each sequence from the router's logits."""
     _, st = model.apply({"params": params}, tokens, capture_intermediates=lambda m, _: m.name == "router",
                         mutable=["intermediates"])
-    e, k = CFG.num_experts, CFG.top_k
-    cap = min(T, max(1, int(np.ceil(CFG.capacity_factor * T * k / e))))
+    cfg, n = model.cfg, tokens.shape[1]
+    e, k = cfg.num_experts, cfg.top_k
+    cap = min(n, max(1, int(np.ceil(cfg.capacity_factor * n * k / e))))
     total = 0
     routers = [x for k, x in jax.tree_util.tree_leaves_with_path(st) if "router" in jax.tree_util.keystr(k)]
-    assert len(routers) == CFG.num_layers // CFG.moe_every
+    assert len(routers) == cfg.num_layers // cfg.moe_every
     for logits in routers:
         for seq in np.asarray(logits, np.float64):
             probs = np.exp(seq - seq.max(-1, keepdims=True))
             choice = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
             load = np.zeros(e, int)
             for j in range(k):  # first choices first, each in sequence order
-                for t in range(T):
+                for t in range(n):
                     load[choice[t, j]] += 1
                     total += load[choice[t, j]] > cap
     return total
@@ -118,6 +120,49 @@ def test_moe_under_fsdp2_ep2_tp2_equals_one_device():
     assert comm["experts"]["all-to-all"]["count"] == 4
     # the drops sown inside the fully_shard unit layers_1 reach the loss's aux: averaged over the 4 data ranks
     assert drops[0] * 4 == _numpy_drops(MoE(CFG), params, batches[0]["tokens"]) > 0
+
+
+@pytest.mark.slow
+def test_moe_under_dp2_cp2_ep2_equals_one_device():
+    """cp and ep together: models.MoE with its attention through jax.nn.dot_product_attention (the ring over cp)
+    and its experts cut over ep. Equal to 3 SGD steps of one device within 1e-5, the drops equal the NumPy count
+    (a routing group is a whole sequence: the step runs the router in global view over cp), the ring's permutes
+    and the experts' all-to-alls equal the table's. Not compared: all-gathers and all-reduces. The router's
+    capacity routing over the cp-cut sequence (top-k probabilities and their one-hot places gathered over cp for
+    the cumulative sum, the dispatch einsum's partial buffers all-reduced over cp, forward and backward) is
+    GSPMD's, which the table does not count, and the experts then run whole over cp, their gradients reduced over
+    dp only where the table reduces every parameter over cp too."""
+    n = 8  # a d_model (16) equal to the sequence would look like attention scores to the cp check
+    cfg = dataclasses.replace(CFG, attn_implementation="sdpa")
+    model = MoE(cfg)
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, V, (8, n)).astype(np.int32),
+                "labels": rng.integers(0, V, (8, n)).astype(np.int32)} for _ in range(3)]
+    params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
+    opt = optax.sgd(0.1)
+    ref_losses, ref = train_one_device(params, batches, _loss(model), opt, has_aux=True)
+    mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "ep"))
+    pm = parallelize_module(model, mesh["ep"], {"layers_*.mlp.experts": ExpertParallel()})
+    state = init_train_state(pm, opt, params=params)
+    step = make_train_step(pm, _loss(model), opt)
+    table = step.table(state, batches[0])
+    comm = step.communication(state, batches[0])
+    hlo = executed_collectives(step._build(state.plan).jitted, state, batches[0], scalars=False)
+    losses, drops = [], []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+        drops.append(float(m["dropped"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params)
+    assert drops[0] * 4 == _numpy_drops(model, params, batches[0]["tokens"]) > 0  # averaged over dp x ep
+    assert table.count("jax.nn.dot_product_attention: ring (zigzag) over cp=2") == cfg.num_layers
+    # per device: 2 rows -> buffers [2, 8 experts, capacity 2, 16] float32 = 2,048 B each way, forward and backward
+    assert comm["experts"]["all-to-all"] == {"count": 4, "bytes": 4 * 2048}
+    assert (hlo["all-to-all"]["count"], hlo["all-to-all"]["bytes"]) == (comm["total"]["all-to-all"]["count"],
+                                                                         comm["total"]["all-to-all"]["bytes"])
+    assert (hlo["collective-permute"]["buffers"], hlo["collective-permute"]["bytes"]) == (
+        comm["total"]["collective-permute"]["count"], comm["total"]["collective-permute"]["bytes"])
 
 
 def test_dropless_is_refused_on_cpu():
