@@ -63,9 +63,12 @@ def unwrap_layouts(model, mesh, where: str) -> tuple[Any, str | None, Any]:
         key, style = model.ep.plan[0]
         ep = model.ep.mesh_dim
         raise ValueError(f"{where}: model={model!r}: {style!r} on {key!r} (a plan on {ep!r}) under a pipeline is not "
-                         f"offered: its stages run no plan on {ep!r} (the experts module would run unstyled). Pipeline "
-                         f"the model without the {ep!r} plan, or leave pp out and run {type(style).__name__} with "
-                         "make_train_step (with dp / fsdp / tp).")
+                         f"offered: the pipeline's stages carry each stacked unit parameter's tp cut only (not its "
+                         f"experts cut over {ep!r}), average every stage gradient over the data dims (an expert's "
+                         f"gradient over {ep!r} is its own: divided by {ep!r}, never averaged with another expert's), "
+                         f"install the tp styles only (the experts module would run unstyled) and count no "
+                         f"all-to-all per tick in their table. Pipeline the model without the {ep!r} plan, or leave "
+                         f"pp out and run {type(style).__name__} with make_train_step (with dp / fsdp / tp / cp).")
     if model.fsdp is not None and model.fsdp.mp_policy:
         raise ValueError(f"{where}: model={model!r}: mixed precision under a pipeline is not offered; leave mp_policy "
                          "out of fully_shard.")
