@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 
 @dataclass(frozen=True)
@@ -72,19 +73,20 @@ class Attention(nn.Module):
     def __call__(self, x):
         c = self.cfg
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, c.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, c.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, c.num_kv_heads, self.head_dim)
+        # the projections named as MaxText names them (activation checkpointing's named policies keep them)
+        q = checkpoint_name(self.q_proj(x), "query_proj").reshape(b, t, c.num_heads, self.head_dim)
+        k = checkpoint_name(self.k_proj(x), "key_proj").reshape(b, t, c.num_kv_heads, self.head_dim)
+        v = checkpoint_name(self.v_proj(x), "value_proj").reshape(b, t, c.num_kv_heads, self.head_dim)
         q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
         if c.attn_implementation == "sdpa":  # grouped-query heads as they are
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-            return self.o_proj(y.reshape(b, t, c.num_heads * self.head_dim))
+            return checkpoint_name(self.o_proj(y.reshape(b, t, c.num_heads * self.head_dim)), "out_proj")
         rep = c.num_heads // c.num_kv_heads
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(self.head_dim).astype(x.dtype)
         s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.finfo(s.dtype).min)
         y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
-        return self.o_proj(y.reshape(b, t, c.num_heads * self.head_dim))
+        return checkpoint_name(self.o_proj(y.reshape(b, t, c.num_heads * self.head_dim)), "out_proj")
 
 
 class MLP(nn.Module):
@@ -96,7 +98,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Dense(self.cfg.hidden_size, use_bias=False)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = nn.silu(checkpoint_name(self.gate_proj(x), "mlpwi")) * checkpoint_name(self.up_proj(x), "mlpwi")
+        return checkpoint_name(self.down_proj(h), "mlpwo")
 
 
 class DecoderLayer(nn.Module):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 __all__ = ["Transformer"]
 
@@ -25,14 +26,14 @@ class _Attention(nn.Module):
         b, t, d = x.shape
         h = self.num_heads
         # Head-major kernels, (D, 3, H, D/H) and (H, D/H, D): tensor parallelism cuts the heads dim (models._plans).
-        qkv = nn.DenseGeneral((3, h, d // h), dtype=self.dtype, name="qkv")(x)
+        qkv = checkpoint_name(nn.DenseGeneral((3, h, d // h), dtype=self.dtype, name="qkv")(x), "qkv_proj")
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(d // h, self.dtype))
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
         attn = jax.nn.softmax(scores, axis=-1)
         y = jnp.einsum("bhqk,bkhd->bqhd", attn, v)
-        return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, name="proj")(y)
+        return checkpoint_name(nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, name="proj")(y), "out_proj")
 
 
 class _Block(nn.Module):
@@ -45,8 +46,8 @@ class _Block(nn.Module):
         d = x.shape[-1]
         x = x + _Attention(self.num_heads, self.dtype, name="attn")(nn.LayerNorm(dtype=self.dtype, name="ln1")(x))
         y = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
-        y = nn.Dense(self.mlp_ratio * d, dtype=self.dtype, name="fc")(y)
-        y = nn.Dense(d, dtype=self.dtype, name="fc_out")(nn.gelu(y))
+        y = checkpoint_name(nn.Dense(self.mlp_ratio * d, dtype=self.dtype, name="fc")(y), "mlpwi")
+        y = checkpoint_name(nn.Dense(d, dtype=self.dtype, name="fc_out")(nn.gelu(y)), "mlpwo")
         return x + y
 
 

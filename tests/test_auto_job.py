@@ -246,7 +246,8 @@ def test_activation_checkpointing_policies_are_spmds_and_others_are_refused(tmp_
         main(["--activation-checkpointing", "some", "--out", "/nonexistent/never"])
     assert "argument --activation-checkpointing: invalid choice: 'some' (choose from" in capsys.readouterr().err
     with pytest.raises(ValueError, match=re.escape("models.train: --activation-checkpointing='some' is not a policy; "
-                                                   "use one of full, dots, or leave the flag out")):
+                                                   "use one of full, dots, selective, minimal, save_dot_except_mlp, "
+                                                   "save_dot_except_mlpwi, save_qkv_proj, offload, or leave the flag out")):
         run(Config(activation_checkpointing="some", out=str(tmp_path / "run")))
     assert not os.path.exists(tmp_path / "run")
 

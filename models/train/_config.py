@@ -53,7 +53,8 @@ MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replica
 # The pipeline schedules (spmd.parallel's, named here without importing JAX).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs")
 # The activation-checkpointing policies (spmd.parallel's POLICIES, named here without importing JAX).
-CHECKPOINTING = ("full", "dots")
+CHECKPOINTING = ("full", "dots", "selective", "minimal", "save_dot_except_mlp", "save_dot_except_mlpwi",
+                 "save_qkv_proj", "offload")
 # spmd.parallel.HARDWARE's built-ins, named here so that the command line imports no JAX (a test keeps them equal)
 HARDWARE = ("a100-80g", "h100", "h200", "tpu-v5p")
 # The dims the batch is split over (Shard(0) on each of them).

@@ -252,10 +252,10 @@ def test_the_transforms_compose_in_any_order():
 
 
 # --- errors that name the fix ---------------------------------------------------------------------------
-def test_a_policy_that_is_none_of_full_and_dots_is_refused():
-    with pytest.raises(ValueError, match=re.escape("activation_checkpointing: policy='selective' is not a policy; "
+def test_a_policy_that_is_none_of_the_policies_is_refused():
+    with pytest.raises(ValueError, match=re.escape("activation_checkpointing: policy='op_sac' is not a policy; "
                                                    "use 'full' (")):
-        activation_checkpointing(MODEL, units=["block_*"], policy="selective")
+        activation_checkpointing(MODEL, units=["block_*"], policy="op_sac")
     with pytest.raises(TypeError, match=re.escape("activation_checkpointing: policy=None must be a string: 'full'")):
         activation_checkpointing(MODEL, units=["block_*"], policy=None)
 

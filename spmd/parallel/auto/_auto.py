@@ -8,7 +8,10 @@ cuts moved to the batch; weights never move, activations are gathered over the b
 the pipelines (``pp`` over the divisors of the device count up to the repeated blocks, the rest over
 ``dp`` x ``fsdp`` x ``tp``, 1F1B at pp, 2 pp and 4 pp micro-batches and interleaved with two chunks per
 rank; costed by ``spmd.parallel.auto._pipeline`` from the schedule's tick table), and, where the memory
-budget needs them, gradient accumulation and activation checkpointing of the blocks (``"dots"``, ``"full"``),
+budget needs them, gradient accumulation and activation checkpointing of the blocks (every policy of
+``spmd.parallel.styles._remat.POLICIES`` the model and devices allow: ``_budget.weighed_policies``; MaxText's
+named ones where the model names those tensors, ``"offload"`` where the devices have a host memory of their own,
+each one left out listed in ``rejected`` with the reason),
 and with ``mixed_precision=`` every FSDP layout computing in that dtype too. Each is built through the
 contract (``apply_layout``) and traced on abstract inputs:
 
@@ -53,7 +56,7 @@ import numpy as np
 import optax
 
 from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
-from spmd.parallel.auto._budget import CHECKPOINTING, _fitting, _measured, check_budget, check_floor, checked, parts
+from spmd.parallel.auto._budget import _fitting, weighed_policies, _measured, check_budget, check_floor, checked, parts
 from spmd.parallel.auto._compiled import compile_figures, extrapolated
 from spmd.parallel.auto._measure import example_inputs as _example_inputs, measure_layouts
 from spmd.parallel.auto._pipeline import count_units, pipeline_cost, pipeline_layouts, stage_shapes
@@ -459,6 +462,9 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         return extrapolated(*got, slices["blocks"], budget)
 
     got, rejected = [], []
+    # the checkpointing policies weighed where memory needs them (those left out: in rejected, with the reason)
+    policies = weighed_policies(loss, params, batch, devices, rejected) if units and memory_budget_bytes is not None \
+        else ()
     bar = _bar(len(todo), f"auto_layout: {len(todo)} layouts on {len(devices)} devices, tracing")
     for lay in todo:
         bar.set_postfix_str(lay.name, refresh=False)
@@ -479,7 +485,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         if c.fits:
             got.append(c)
             continue
-        got.extend(_fitting(c, evaluate, rows, units, rejected))
+        got.extend(_fitting(c, evaluate, rows, units, rejected, policies))
     bar.close()
     if not got:
         raise ValueError(f"{where}: no layout of {len(devices)} devices could be built for this model; "
@@ -491,7 +497,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,}; the smallest, {small.name}, "
             f"needs at least {small.memory['peak']:,} B per device ({parts(small.memory)}), with the gradient "
             "accumulation the micro-batches allow"
-            + (f" and activation checkpointing ({' and '.join(repr(p) for p in CHECKPOINTING)}) weighed" if units
+            + (f" and activation checkpointing ({', '.join(repr(p) for p in policies)}) weighed" if units
                else "") + "; use more devices, a larger budget, a smaller batch or fully_shard units (fsdp).")
     compiled: dict = {}
     if memory_budget_bytes is not None:  # compiled in ranked order until the top fit by XLA's own peak
@@ -507,7 +513,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             return extrapolated(*got, slices["blocks"], memory_budget_bytes)
 
         def variants(c: Candidate, budget: int) -> list[Candidate]:  # those of a layout over once compiled
-            return _fitting(c, lambda lay: evaluate(lay, budget), rows, units, rejected)
+            return _fitting(c, lambda lay: evaluate(lay, budget), rows, units, rejected, policies)
 
         bar = _bar(None, "auto_layout: compiling")
         got = checked(got, max(measure, 1), memory_budget_bytes, compile_one, variants,

@@ -23,10 +23,49 @@ import jax
 
 from spmd.parallel.auto._ranking import Candidate
 from spmd.parallel.cost._memory import _nbytes
+from spmd.parallel.styles._remat import offload_refusal, policy_names
 
-__all__ = ["CHECKPOINTING", "checked", "check_budget", "check_floor", "parts"]
+__all__ = ["CHECKPOINTING", "weighed_policies", "checked", "check_budget", "check_floor", "parts"]
 
-CHECKPOINTING = ("dots", "full")  # the activation-checkpointing policies weighed where memory needs them
+# the activation-checkpointing policies weighed where memory needs them, from the least recomputation to the
+# most (spmd.parallel.styles._remat.POLICIES: all of them); MaxText's named ones only where the model names those
+# tensors, "offload" only where the devices have a host memory of their own (weighed_policies)
+CHECKPOINTING = ("dots", "minimal", "offload", "save_dot_except_mlpwi", "save_dot_except_mlp", "selective",
+                 "save_qkv_proj", "full")
+
+
+def _names_in(jaxpr: Any, out: set) -> set:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            out.add(eqn.params["name"])
+        for v in eqn.params.values():
+            for j in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(j, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    _names_in(inner, out)
+                elif hasattr(j, "eqns"):
+                    _names_in(j, out)
+    return out
+
+
+def weighed_policies(loss: Callable, params: Any, batch: Any, devices: list, rejected: list) -> tuple[str, ...]:
+    """The ``CHECKPOINTING`` policies ``auto_layout`` weighs for this model on ``devices``: a named one (MaxText's
+    ``save_*``) where the model's loss names (``checkpoint_name``) one of its tensors at least, ``"offload"`` where
+    ``offload_refusal`` has nothing against the devices; each left out goes to ``rejected`` with the reason."""
+    names = _names_in(jax.make_jaxpr(loss)(params, batch).jaxpr, set())
+    out = []
+    for p in CHECKPOINTING:
+        if policy_names(p) and not names & set(policy_names(p)):
+            rejected.append((f"ac={p}", f"the model names none of the tensors {p!r} keeps ({', '.join(policy_names(p))}: "
+                                        "jax.ad_checkpoint.checkpoint_name); it would keep the blocks' inputs only, "
+                                        "as 'full' does"))
+            continue
+        why = offload_refusal(devices) if p == "offload" else None
+        if why:
+            rejected.append((f"ac={p}", why))
+            continue
+        out.append(p)
+    return tuple(out)
 
 
 def check_budget(budget: Any, where: str) -> None:
@@ -60,23 +99,23 @@ def parts(memory: dict) -> str:
     return ", ".join(f"{k} {int(v):,}" for k, v in itertools.takewhile(lambda kv: kv[0] != "peak", memory.items()) if v)
 
 
-def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...], rejected: list
-             ) -> list[Candidate]:
+def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...], rejected: list,
+             policies: tuple[str, ...] = CHECKPOINTING) -> list[Candidate]:
     """The variants of a layout that does not fit the budget which do: per activation-checkpointing policy
-    (none, then ``CHECKPOINTING`` on the blocks ``units``; not under a pipeline, which recomputes its stages
+    (none, then ``policies``, ``CHECKPOINTING``'s weighed for the model, on the blocks ``units``; not under a pipeline, which recomputes its stages
     already; FSDP units re-gathered for the backward pass save their matmul outputs already: ``"full"`` alone
     is a variant of them), the
     least gradient accumulation that fits, where the micro-batches divide the replica's rows; a policy that
-    needs no less accumulation than a lighter one (none < ``"dots"`` < ``"full"``) is dropped. None fitting:
+    needs no less accumulation than a lighter one (in ``CHECKPOINTING``'s order) is dropped. None fitting:
     the smallest variant, for the error. A variant that cannot be built goes to ``rejected`` with its reason."""
     lay = c.layout
     local = rows // (lay.dp * lay.fsdp)
-    policies = [None]
+    weighed = [None]
     if lay.pp == 1 and units and lay.activation_checkpointing is None:
         regather = lay.fsdp > 1 and lay.reshard_after_forward
-        policies += [p for p in CHECKPOINTING if not (regather and p == "dots")]
+        weighed += [p for p in policies if not (regather and p == "dots")]
     out = []
-    for policy in policies:
+    for policy in weighed:
         base = lay if policy is None else replace(lay, activation_checkpointing=policy, units=lay.units or units)
         try:
             v = c if policy is None else evaluate(base)

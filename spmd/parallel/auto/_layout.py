@@ -5,7 +5,7 @@ A ``Layout`` names the mesh (``pp`` x ``dp`` x ``fsdp`` x ``tp`` devices), the F
 weight-stationary), the pipeline (``pp > 1``: the schedule, its micro-batches and chunks per rank; the
 stages are the repeated blocks ``units[0]``, and FSDP under a pipeline keeps a rank's stages gathered
 through the schedule, ``reshard_after_forward=False``), the activation-checkpointing policy of the blocks
-``units`` (``activation_checkpointing``: ``"full"`` or ``"dots"``, named ``ac=``; not under a pipeline,
+``units`` (``activation_checkpointing``: one of ``POLICIES``, named ``ac=``; not under a pipeline,
 whose backward pass recomputes its stages already), the gradient-accumulation steps and the mixed precision
 (``mixed_precision="bfloat16"``, named ``mp=bf16``: ``fully_shard``'s ``MixedPrecisionPolicy`` gathering and
 computing in it, gradients reduced in float32, the state float32; FSDP layouts only).

@@ -15,7 +15,8 @@ program of the layout must hold, from shapes alone:
   a checkpointing policy or under ``"dots"`` (and in FSDP units re-gathered for their backward pass, which
   save them) every one is kept until its backward pass (XLA may fuse an elementwise residual into the
   backward pass that reads it, recomputing it there, so the others are no bound; a matmul it does not
-  recompute); under ``"full"`` none counted (a unit's inputs only). In the compute dtype (2 bytes a float under a bfloat16 mixed
+  recompute); under ``"full"`` (and ``"offload"``, whose residuals leave the device) none counted (a unit's
+  inputs only); under another policy what it saves applied to the whole loss. In the compute dtype (2 bytes a float under a bfloat16 mixed
   precision), divided by ``tp`` (a residual is cut at most ``tp`` ways); XLA may place residuals in the
   step's output buffers before their final values are written, so only what exceeds the outputs is added.
 
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd.parallel.cost._calibrate import program_ops
+from spmd.parallel.styles._remat import checkpoint_policy
 
 __all__ = ["Profile", "memory_floor", "READ_ONLY"]
 
@@ -194,15 +196,17 @@ class Profile:
             self._opt = (*_cost(comp), program_ops(comp.as_text()))
         return self._opt
 
-    def residuals(self, batch: Any, *, dots_only: bool = False) -> list:
+    def residuals(self, batch: Any, *, dots_only: bool = False, policy: str | None = None) -> list:
         """The activations the backward pass reads (shape structs), parameters taken out; ``dots_only``: under
         ``jax.checkpoint`` saving the matmul outputs alone (the policy of a unit re-gathered for its backward
-        pass, ``spmd.parallel.styles._hooks``)."""
-        k = (self._key(batch), dots_only)
+        pass, ``spmd.parallel.styles._hooks``); ``policy``: under that activation-checkpointing policy's
+        (``spmd.parallel.styles._remat.POLICIES``), applied to the whole loss."""
+        policy = "dots" if dots_only and policy is None else policy
+        k = (self._key(batch), policy)
         if k not in self._res:
             loss = self.loss
-            if dots_only:
-                loss = jax.checkpoint(loss, policy=jax.checkpoint_policies.dots_saveable)
+            if policy is not None:
+                loss = jax.checkpoint(loss, policy=checkpoint_policy(policy))
             res = jax.eval_shape(lambda p, b: jax.vjp(lambda q: loss(q, b), p)[1], self.params, batch)
             params = Counter(tuple(x.shape) for x in jax.tree.leaves(self.params))
             b = jax.tree.leaves(batch)[0].shape[0]
@@ -230,13 +234,16 @@ def memory_floor(profile: Profile, plan, micro_batch: Any, local_batch_bytes: in
                  policy: str | None = None, compute_dtype: Any = None) -> dict:
     """The lower bound on a layout's peak bytes per device, by kind (see the module doc), and ``"peak"``, their
     sum. ``plan``: the layout's ``ParamPlan``; ``micro_batch``: one micro-batch on one device (shape structs);
-    ``policy``: the checkpointing policy its blocks run under (``None``, ``"dots"``, ``"full"``); ``compute_dtype``: the mixed
+    ``policy``: the checkpointing policy its blocks run under (``None`` or one of ``POLICIES``); ``compute_dtype``: the mixed
     precision's compute dtype (its activations' bytes), or None."""
     local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in plan.entries]
     params = plan.bytes_per_device
     opt = _nbytes(jax.tree.leaves(jax.eval_shape(profile.optimizer.init, local)))
     size = jnp.dtype(compute_dtype).itemsize if compute_dtype is not None else None
-    res = [] if policy == "full" else profile.residuals(micro_batch, dots_only=True)
+    # a policy's own residuals (the whole loss under it: a unit's are no more than the code around it keeps);
+    # none at all and "dots" both keep every matmul output at least; "full" none, "offload" none on the device
+    res = [] if policy in ("full", "offload") else profile.residuals(
+        micro_batch, policy="dots" if policy is None else policy)
     acts = _floats_at(res, size) // max(tp, 1)
     out = {"state": 2 * (params + opt), "batch": local_batch_bytes,
            "activations": max(acts - (params + opt), 0)}  # those beyond what the output buffers can hold

@@ -31,7 +31,7 @@ from spmd.parallel.plan._checks import check_tp_plan, params_hint
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan, path_str, plan_params
 from spmd.parallel.plan._rules import Rule
 from spmd.parallel.styles._fully_shard import FullyShardUnit
-from spmd.parallel.styles._remat import POLICIES, ActivationCheckpoint
+from spmd.parallel.styles._remat import POLICIES, ActivationCheckpoint, offload_refusal
 from spmd.parallel.styles._styles import ParallelStyle
 
 __all__ = ["Wrapped", "ParallelModule", "MixedPrecisionPolicy", "parallelize_module", "fully_shard",
@@ -345,8 +345,10 @@ def activation_checkpointing(module: Any, *, units: Sequence[str] = ("layers_*",
     pass in the backward pass instead of keeping its activations (``spmd.parallel.styles._remat``).
 
     ``units``: module fqn globs (``["layers_*"]``, ``["block_*"]``, ``["transformer.h.*"]``), as
-    ``fully_shard``'s. ``policy``: ``"full"`` (keep only each unit's inputs) or ``"dots"`` (keep its matmul
-    outputs too). Composes in any order with ``parallelize_module`` and ``fully_shard``; on a plain model
+    ``fully_shard``'s. ``policy``: one of ``POLICIES`` (``spmd.parallel.styles._remat``): ``"full"`` (keep only
+    each unit's inputs), ``"dots"`` (its matmul outputs too), torchtitan's ``"selective"`` op AC, MaxText's
+    ``"minimal"``, ``"save_dot_except_mlp"``, ``"save_dot_except_mlpwi"``, ``"save_qkv_proj"`` and ``"offload"``
+    (refused on CPU). Composes in any order with ``parallelize_module`` and ``fully_shard``; on a plain model
     it trains data-parallel over ``make_train_step``'s ``mesh=`` (DDP). The results of the tensor-parallel
     collectives are always kept, so a step communicates what it does without checkpointing.
     """
@@ -361,6 +363,10 @@ def activation_checkpointing(module: Any, *, units: Sequence[str] = ("layers_*",
     if policy not in POLICIES:
         raise ValueError(f"{where}: policy={policy!r} is not a policy; use "
                          + " or ".join(f"{k!r} ({v})" for k, v in POLICIES.items()) + ".")
+    why = offload_refusal(_devices_of(mesh)) if policy == "offload" else None
+    if why:
+        raise ValueError(f"{where}: policy='offload' cannot run here: {why}; use 'minimal' (the same matmul "
+                         "outputs kept on the device) or 'full'.")
     if isinstance(units, str) or not all(isinstance(u, str) and u for u in units):
         raise TypeError(f"{where}: units={units!r} must be a list of module fqn globs, e.g. ['layers_*'] or "
                         "['transformer.h.*'].")
@@ -368,6 +374,12 @@ def activation_checkpointing(module: Any, *, units: Sequence[str] = ("layers_*",
         raise ValueError(f"{where}: units=[] checkpoints nothing; name the modules to recompute, e.g. ['layers_*'].")
     return ParallelModule(inner, mesh, tp, fsdp, remat=RematSpec(tuple(u.replace("/", ".") for u in units), policy),
                           ep=ep_of(module))
+
+
+def _devices_of(mesh: Any) -> list | None:
+    """A mesh's devices (a ``DeviceMesh``'s or a ``jax.sharding.Mesh``'s), None without one."""
+    m = getattr(mesh, "jax_mesh", mesh)
+    return None if m is None else list(m.devices.ravel())
 
 
 def as_parallel(model: Any, mesh: DeviceMesh | None, where: str) -> ParallelModule:

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from spmd.parallel import Layout
-from spmd.parallel.auto._auto import CHECKPOINTING, Candidate, _fitting
+from spmd.parallel.auto._auto import Candidate, _fitting
+from spmd.parallel.auto._budget import CHECKPOINTING
 
 UNITS = ("block_*",)
+TWO = ("dots", "full")  # the policies the stub's budget loops weigh
 
 
 def test_the_policy_is_named_and_refused_where_it_cannot_run():
@@ -24,7 +26,9 @@ def test_the_policy_is_named_and_refused_where_it_cannot_run():
     assert Layout(fsdp=4, dp=2, units=UNITS, reshard_after_forward=False, activation_checkpointing="dots",
                   accum_steps=2).name == "dp=2,fsdp=4 keep ac=dots accum=2"
     with pytest.raises(ValueError, match=re.escape("Layout: activation_checkpointing='some' is not a policy; use None "
-                                                   "or one of 'full', 'dots'.")):
+                                                   "or one of 'full', 'dots', 'selective', 'minimal', "
+                                                   "'save_dot_except_mlp', 'save_dot_except_mlpwi', 'save_qkv_proj', "
+                                                   "'offload'.")):
         Layout(dp=8, units=UNITS, activation_checkpointing="some")
     with pytest.raises(ValueError, match=re.escape("Layout: pp=2 with activation_checkpointing='full': a pipeline's "
                                                    "backward pass already recomputes each stage")):
@@ -52,19 +56,21 @@ def test_the_budget_loop_weighs_each_policy_with_the_least_accumulation_that_fit
     base = Layout(dp=8)
     evaluate, calls = _stub({"dp=8": 400, "dp=8 accum=2": 150, "dp=8 accum=4": 90, "dp=8 ac=dots": 120,
                              "dp=8 ac=dots accum=2": 80, "dp=8 ac=full": 100})
-    got = _fitting(evaluate(base), evaluate, rows=32, units=UNITS, rejected=[])  # 4 rows per replica: accum 2, 4
+    got = _fitting(evaluate(base), evaluate, rows=32, units=UNITS, rejected=[], policies=TWO)  # 4 rows per replica: accum 2, 4
     assert [c.name for c in got] == ["dp=8 accum=4", "dp=8 ac=dots accum=2", "dp=8 ac=full"]
     # a policy that needs no less accumulation than a lighter one is slower and no smaller under the budget
     evaluate2, _ = _stub({"dp=8": 400, "dp=8 accum=2": 90, "dp=8 ac=dots": 200, "dp=8 ac=dots accum=2": 80,
                           "dp=8 ac=full": 100})
-    assert [c.name for c in _fitting(evaluate2(base), evaluate2, rows=32, units=UNITS, rejected=[])] == [
+    assert [c.name for c in _fitting(evaluate2(base), evaluate2, rows=32, units=UNITS, rejected=[], policies=TWO)] == [
         "dp=8 accum=2", "dp=8 ac=full"]
     assert calls == ["dp=8", "dp=8 accum=2", "dp=8 accum=4", "dp=8 ac=dots", "dp=8 ac=dots accum=2", "dp=8 ac=full"]
     assert got[1].layout.units == UNITS and got[1].layout.activation_checkpointing == "dots"
-    assert CHECKPOINTING == ("dots", "full")
+    # every policy weighed, from the least recomputation to the most
+    assert CHECKPOINTING == ("dots", "minimal", "offload", "save_dot_except_mlpwi", "save_dot_except_mlp", "selective",
+                             "save_qkv_proj", "full")
     # none fitting: the smallest of the variants, for the error
     evaluate, _ = _stub({"dp=8": 400, "dp=8 ac=dots": 300, "dp=8 ac=full": 350})
-    assert [c.name for c in _fitting(evaluate(base), evaluate, rows=8, units=UNITS, rejected=[])] == ["dp=8 ac=dots"]
+    assert [c.name for c in _fitting(evaluate(base), evaluate, rows=8, units=UNITS, rejected=[], policies=TWO)] == ["dp=8 ac=dots"]
 
 
 @pytest.mark.parametrize("lay, weighed", [
@@ -76,7 +82,7 @@ def test_the_budget_loop_weighs_each_policy_with_the_least_accumulation_that_fit
 def test_no_policy_is_weighed_where_it_does_not_apply(lay, weighed):
     evaluate, calls = _stub({name: 400 for name in weighed})
     units = () if lay == Layout(dp=8) else UNITS
-    got = _fitting(evaluate(lay), evaluate, rows=8, units=units, rejected=[])  # one row per replica: no accumulation
+    got = _fitting(evaluate(lay), evaluate, rows=8, units=units, rejected=[], policies=TWO)  # one row per replica: no accumulation
     assert calls == weighed and [c.name for c in got] == weighed[:1]  # none fits: the smallest (the first)
 
 
@@ -89,7 +95,7 @@ def test_a_variant_that_cannot_be_built_is_rejected_with_its_reason():
         return evaluate(lay)
 
     rejected = []
-    got = _fitting(evaluate(Layout(dp=8)), refusing, rows=8, units=UNITS, rejected=rejected)
+    got = _fitting(evaluate(Layout(dp=8)), refusing, rows=8, units=UNITS, rejected=rejected, policies=TWO)
     assert [c.name for c in got] == ["dp=8 ac=full"]
     assert rejected == [("dp=8 ac=dots", "activation_checkpointing: no such unit")]
 
@@ -97,7 +103,7 @@ def test_a_variant_that_cannot_be_built_is_rejected_with_its_reason():
 def test_kept_fsdp_units_are_checkpointed_and_only_the_fitting_variants_ranked():
     keep = Layout(fsdp=8, units=UNITS, reshard_after_forward=False)
     evaluate, calls = _stub({"fsdp=8 keep": 400, "fsdp=8 keep ac=dots": 200, "fsdp=8 keep ac=full": 99})
-    got = _fitting(evaluate(keep), evaluate, rows=8, units=UNITS, rejected=[])
+    got = _fitting(evaluate(keep), evaluate, rows=8, units=UNITS, rejected=[], policies=TWO)
     assert [c.name for c in got] == ["fsdp=8 keep ac=full"]
     assert calls == ["fsdp=8 keep", "fsdp=8 keep ac=dots", "fsdp=8 keep ac=full"]
 
