@@ -5,7 +5,8 @@ The MoE block follows the dense-matmul layout public JAX MoE code uses (MaxText'
 sequence ``ceil(capacity_factor * S * k / E)`` filled token by token (each token's k choices in turn), one-hot
 dispatch and combine masks ``[B, S, E, C]``, the tokens gathered into experts-first buffers with the einsum
 ``BSM,BSEC->EBCM``, the experts run on their buffers as stacked weights (``[E, M, H]`` and ``[E, H, M]``,
-``EBCM,EMH->EBCH``), and the outputs put back with ``EBCM,BSEC->BSM``. Attention is causal multi-head einsum
+``EBCM,EMH->EBCH``), and the outputs put back with ``EBCM,BSEC->BSM``; each block sows its count of assignments
+over capacity (``nnx.Intermediate`` ``dropped``). Attention is causal multi-head einsum
 attention with learned positions.
 """
 
@@ -53,6 +54,7 @@ class SparseMoE(nnx.Module):
         chosen = jax.nn.one_hot(top_idx, e, dtype=jnp.int32).reshape(b, s * k, e)     # token by token
         position = (jnp.cumsum(chosen, axis=1) * chosen).reshape(b, s, k, e)          # 1-based queue place
         fits = (position > 0) & (position <= capacity)
+        self.sow(nnx.Intermediate, "dropped", (position > capacity).sum())  # assignments over capacity
         slot = jax.nn.one_hot(position - 1, capacity, dtype=x.dtype) * fits[..., None]  # [B, S, K, E, C]
         dispatch = slot.sum(2)
         combine = jnp.einsum("BSKEC,BSK->BSEC", slot, weights.astype(x.dtype))

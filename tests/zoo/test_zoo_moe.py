@@ -2,7 +2,8 @@
 dense-matmul MoE block is, independently of ``models.MoE``) under expert parallelism: ``ExpertParallel`` on its
 experts module, whose buffers are experts-first (``[E, B, C, M]``: ``experts_dim=0``, ``token_dim=1``), under
 ep=2, dp=2 x ep=2 and fsdp=2 x ep=2 equals 3 SGD steps of one device within 1e-5 (losses and parameters), the
-compiled step's collectives equal to the step's table. The style given dims the model's buffers do not have is
+compiled step's collectives equal to the step's table, and the drops the blocks sow (also inside fully_shard units)
+equal a NumPy count from the gate's logits. The style given dims the model's buffers do not have is
 refused naming them (never run on the wrong dims), also where the wrong dim has the experts' size."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -42,6 +44,35 @@ def _loss(m, b):
     return optax.softmax_cross_entropy_with_integer_labels(m(b["inputs"]), b["targets"]).mean()
 
 
+def _loss_drops(m, b):
+    from flax import nnx
+
+    loss = _loss(m, b)
+    sown = nnx.pop(m, nnx.Intermediate)
+    return loss, {"dropped": sum(jnp.sum(jnp.asarray(x)) for x in jax.tree.leaves(sown)).astype(jnp.float32)}
+
+
+def _numpy_drops(model, tokens) -> int:
+    """The assignments over capacity: each block's gate logits on one device (the blocks run in turn), then a
+    NumPy loop per sequence, token by token, each token's top-k choices in order."""
+    x = model.embed(tokens) + model.pos(jnp.arange(tokens.shape[1]))
+    total = 0
+    for block in model.blocks:
+        x = x + block.attn(block.attn_norm(x))
+        h = block.moe_norm(x)
+        logits = np.asarray(block.moe.gate(h), np.float64)
+        x = x + block.moe(h)
+        e, k = logits.shape[-1], block.moe.top_k
+        cap = int(np.ceil(block.moe.capacity_factor * tokens.shape[1] * k / e))
+        for seq in logits:
+            load = np.zeros(e, int)
+            for row in seq:
+                for expert in np.argsort(-row, kind="stable")[:k]:
+                    load[expert] += 1
+                    total += load[expert] > cap
+    return total
+
+
 @functools.lru_cache(maxsize=None)
 def _reference():
     from flax import nnx
@@ -65,15 +96,18 @@ def test_zoo_moe_under_ep_equals_one_device(dims):
     ref_losses, ref = _reference()
     m = _laid_out(dims)
     state = init_train_state(m, OPT)
-    step = make_train_step(m, _loss, OPT)
+    step = make_train_step(m, _loss_drops, OPT)
     batch = _batch()
     comm = step.communication(state, batch)
     hlo = hlo_executed_collectives(step.compiled(state, batch).as_text(), scalars=False)
-    losses = []
+    losses, drops = [], []
     for _ in range(STEPS):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
+        drops.append(float(metrics["dropped"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    n_data = dims.get("dp", 1) * dims.get("fsdp", 1) * dims["ep"]  # the step averages the metric over them
+    assert drops[0] * n_data == _numpy_drops(_model(), batch["inputs"]) > 0
     assert ref_losses[-1] < ref_losses[0]
     got, want = jax.tree_util.tree_leaves_with_path(unshard_params(m, state)), jax.tree_util.tree_leaves_with_path(
         ref.params)

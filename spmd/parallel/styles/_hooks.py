@@ -356,11 +356,40 @@ class NnxCall(ModuleCall):
         return [(f"{self.spath}/{rel}/value", v[...]) for rel, v in self._params]
 
     def apply(self, values: list, args: tuple, kwargs: dict, *, remat: bool = False) -> Any:
+        """The module's own code on a copy holding ``values``; what it sows (``nnx.Intermediate``) comes out with
+        its output, ``(y, sown values)``, for ``returned`` to put back on the module (the copy runs inside the
+        style's transforms, where the module cannot be written)."""
+        from flax import nnx
+
         from spmd.parallel.styles._nnx import with_values
 
         local = with_values(self.sub, {rel: x for (rel, _), x in zip(self._params, values)})
         with self.hooks.entered(self.spath, self.layer, remat=remat):
-            return self.orig(local, *args, **kwargs)
+            y = self.orig(local, *args, **kwargs)
+        sown = [(tuple(path), v.get_value() if hasattr(v, "get_value") else v.value)
+                for path, v in nnx.iter_graph(local) if isinstance(v, nnx.Intermediate)]
+        self.sown_paths = [path for path, _ in sown]
+        return (y, [v for _, v in sown]) if sown else y
+
+    def returned(self, out: Any) -> Any:
+        """``out = (y, sown values)`` of an ``apply`` whose copy sowed: each value set on the module (as if it had
+        run in place); ``y``."""
+        from flax import nnx
+
+        paths = getattr(self, "sown_paths", None)
+        if not paths:
+            return out
+        y, values = out
+        for path, value in zip(paths, values):
+            owner = self.sub
+            for key in path[:-1]:
+                owner = getattr(owner, key) if isinstance(key, str) else owner[key]
+            have = getattr(owner, path[-1], None)
+            if isinstance(have, nnx.Intermediate):
+                have.value = value
+            else:
+                setattr(owner, path[-1], nnx.Intermediate(value))
+        return y
 
     def abstract(self, args: tuple, kwargs: dict) -> Any:
         """The module's shapes out on ``args`` (``jax.eval_shape``: nothing runs)."""
