@@ -20,7 +20,7 @@ from flax import nnx
 from placements import Replicate, Shard
 from spmd.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                            executed_collectives, fully_shard, init_train_state, make_train_step, parallelize_module,
-                           pipeline, unshard_params)
+                           unshard_params)
 from tests._one_device import assert_trees_close, train_one_device
 from tests.third_party.scanned import ScannedMLP, nnx_scanned_mlp
 
@@ -169,21 +169,3 @@ def test_an_nnx_scan_laid_out_without_example_inputs_is_a_clear_error_at_the_fir
             "axis 0), but the state was laid out without knowing it; pass example inputs the model is called on "
             "when you build it: init_train_state(model, optimizer, *example_inputs).")):
         step(init_train_state(model, OPT), _batch(0))
-
-
-@pytest.mark.parametrize("kind", ["linen axis1", "nnx"])
-def test_pipeline_stages_of_a_scanned_stack_are_refused_by_name(kind):
-    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
-    if kind == "nnx":
-        model, params, scan, axis = pipeline(nnx_scanned_mlp(vocab=VOCAB), mesh["pp"], units="layers",
-                                             num_microbatches=2), None, "nnx.scan", 0
-    else:
-        inner = ScannedMLP(vocab=VOCAB, axis=1)
-        model, params, scan, axis = pipeline(inner, mesh["pp"], units="layers", num_microbatches=2), \
-            inner.init(jax.random.key(0), EXAMPLE)["params"], "nn.scan", 1
-    with pytest.raises(ValueError, match=re.escape(
-            f"pipeline: units='layers' matches 'layers', a scanned stack ('layers' runs under {scan}: its 2 layers "
-            f"stacked on axis {axis} of its parameters); pipeline stages of a scanned stack (slices of its layer axis) "
-            "are not supported yet. Build those blocks as a Python list to pipeline them, or lay the stack out with "
-            "fully_shard / parallelize_module")):
-        init_train_state(model, OPT, EXAMPLE, params=params)

@@ -209,14 +209,6 @@ REFUSED: dict[tuple[str, str], tuple[type, str]] = {
                                                  "output_layouts=Replicate(), use_local_output=True, dim=None) on "
                                                  "'head' cuts dim 0 of 'head/bias' (shape (10,), size 10) over tp=4, "
                                                  "which does not divide it")),
-    ("linen_scan_remat", "pipeline"): (ValueError, re.escape(
-        "pipeline: units='layers' matches 'layers', a scanned stack ('layers' runs under nn.scan: its 2 layers stacked "
-        "on axis 1 of its parameters); pipeline stages of a scanned stack (slices of its layer axis) are not "
-        "supported yet")),
-    ("nnx_scan", "pipeline"): (ValueError, re.escape(
-        "pipeline: units='blocks' matches 'blocks', a scanned stack ('blocks' runs under nnx.scan: its 2 layers "
-        "stacked on axis 0 of its parameters); pipeline stages of a scanned stack (slices of its layer axis) are not "
-        "supported yet")),
 }
 # (family, layout) -> what fails: an error the library does not own today (a strict xfail: it must become a
 # working case or a clear refusal)

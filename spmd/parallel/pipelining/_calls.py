@@ -19,6 +19,7 @@ swapped for ones that route their calls here (the user's model object is never t
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import jax
@@ -139,6 +140,8 @@ class UnitCalls:
     def record(self, loss_fn: Callable, params: Any, mb: Any) -> None:
         """Trace ``loss_fn`` once (shapes only): the units' call order, that they chain, the activation, the
         side arguments and the output's structure."""
+        if self.lay.scanned:
+            return self._record_scan(loss_fn, params, mb)
         calls: list = []
 
         def on_unit(path, mod, call, args, kwargs):
@@ -187,6 +190,48 @@ class UnitCalls:
         if self.side_shapes:
             self._check_side(loss_fn, params, mb)
 
+    def _record_scan(self, loss_fn: Callable, params: Any, mb: Any) -> None:
+        """``record`` of a scanned stack: its layer's calls (one per trace of the scan's body: the layer's
+        module, the activation, the other arguments, the output's structure), then the cut before the scan
+        (``_ScanCut``), which ``pre`` evaluates."""
+        stack = self.lay.scanned
+        calls: list = []
+
+        def on_unit(path, mod, call, args, kwargs):
+            if not args or not _is_array(args[0]):
+                raise ValueError(f"pipeline: the layers of the scanned stack {path!r} are called without an activation "
+                                 "as their first positional argument; a stage passes one activation between layers "
+                                 "(the scan's carry).")
+            leaves, tree = jax.tree_util.tree_flatten((tuple(args[1:]), dict(kwargs)))
+            arrays = [jax.tree_util.keystr(kp) for kp, a in jax.tree_util.tree_flatten_with_path(
+                (tuple(args[1:]), dict(kwargs)))[0] if _is_array(a)]
+            if arrays:
+                raise ValueError(f"pipeline: the layers of the scanned stack {path!r} take arrays besides the "
+                                 f"activation (at {', '.join(arrays)} of (args[1:], kwargs)); pipeline stages of a "
+                                 "scanned stack carry the activation only: compute those inside the layer, or "
+                                 "pipeline the blocks as a list.")
+            out = call(*args, **kwargs)
+            o_leaves, o_tree = jax.tree_util.tree_flatten(out)
+            outs = [i for i, y in enumerate(o_leaves) if _is_array(y)]
+            x = args[0]
+            if len(outs) != 1 or o_leaves[outs[0]].shape != x.shape or o_leaves[outs[0]].dtype != x.dtype:
+                raise ValueError(f"pipeline: a layer of the scanned stack {path!r} maps {x.shape} to "
+                                 f"{jax.tree.map(_shape, out)!r}; a layer must return one activation of its input's "
+                                 "shape and dtype (the carry; alone or with None as the scan's output).")
+            calls.append((self._unit_of(path, mod), x, (leaves, tree), (o_tree, o_leaves, outs[0]), _config(mod)))
+            return out
+
+        jax.eval_shape(lambda p, b: self.run(loss_fn, p, b, on_unit), params, mb)
+        if not calls:
+            raise ValueError(f"pipeline: loss_fn never called the layers of the scanned stack {stack!r}.")
+        unit, x, (leaves, tree), o, config = calls[0]
+        self.unit, self.act = unit, jax.ShapeDtypeStruct(x.shape, x.dtype)
+        self.side_tree, self.side_shapes = jax.tree_util.tree_unflatten(tree, leaves), []
+        self.out = (o[0], [None if _is_array(y) else y for y in o[1]], o[2])
+        n = len(self.lay.units)
+        self.units_of, self.configs, self.kinds, self.kind_of = [unit], [config], [0], [0] * n
+        self.cut = _ScanCut(self, loss_fn, params, mb)
+
     def _group(self, mods: list, configs: list) -> None:
         """Group the units into kinds that compute the same function: equal configurations (a linen module's
         fields but its name, an nnx module's static attributes), else equal traced programs (GPT-Neo's
@@ -214,7 +259,7 @@ class UnitCalls:
         """The unit's traced program (and its constants): equal keys compute the same function."""
         import numpy as np
 
-        shapes = [self.lay.shapes[f"{self.lay.units[0]}/{r}"] for r in self.lay.rel]
+        shapes = [self.lay.unit_shapes[r] for r in self.lay.rel]
         closed = jax.make_jaxpr(lambda ls, x, sd: self._apply(unit, ls, x, sd))(shapes, self.act, self.side_shapes)
         consts = tuple((np.shape(c), str(np.result_type(c)), np.asarray(c).tobytes()) for c in closed.consts)
         return str(closed.jaxpr), consts
@@ -260,7 +305,10 @@ class UnitCalls:
         return jax.tree_util.tree_unflatten(tree, leaves[:i] + [h] + leaves[i + 1:])
 
     def pre(self, loss_fn: Callable, rest: dict, mb: Any) -> tuple[Any, list]:
-        """``(the first unit's input, its side arrays)``: ``loss_fn`` run up to the first unit call."""
+        """``(the first unit's input, its side arrays)``: ``loss_fn`` run up to the first unit call (a scanned
+        stack: up to the scan, ``_ScanCut``)."""
+        if self.lay.scanned:
+            return self.cut(rest, mb), []
         def on_unit(path, mod, call, args, kwargs):
             raise _Stop(args[0], [a for a in jax.tree.leaves((tuple(args[1:]), dict(kwargs))) if _is_array(a)])
 
@@ -272,7 +320,7 @@ class UnitCalls:
 
     def post(self, loss_fn: Callable, rest: dict, mb: Any, h):
         """``loss_fn``'s output with the last unit's output replaced by ``h`` (the earlier code is dead)."""
-        last = self.lay.units[-1]
+        last = self.lay.found[-1]  # a scanned stack: its one body, returning h in every iteration
 
         def on_unit(path, mod, call, args, kwargs):
             return self._output(h if path == last else args[0])
@@ -362,3 +410,115 @@ def _difference(a: dict, b: dict) -> str:
 def _shape(y):
     return getattr(y, "shape", y)
 
+
+# --- a scanned stack: the model's code before its scan ---------------------------------------------------------
+_MARK = None
+
+
+def _mark(x):
+    """The identity, as a primitive of its own: marks the scan body that calls the stack's layer in a jaxpr."""
+    global _MARK
+    if _MARK is None:
+        from jax.extend.core import Primitive
+
+        _MARK = Primitive("spmd_pipeline_layer")
+        _MARK.def_impl(lambda y: y)
+        _MARK.def_abstract_eval(lambda y: y)
+    return _MARK.bind(x)
+
+
+def _has_mark(jaxpr) -> bool:
+    from jax.extend.core import jaxprs_in_params
+
+    return any(e.primitive is _MARK or any(_has_mark(j) for j in jaxprs_in_params(e.params)) for e in jaxpr.eqns)
+
+
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat")  # sub-jaxpr on the eqn's own inputs
+
+
+def _inner(e):
+    """``(jaxpr, consts)`` of a call-like equation whose sub-jaxpr takes the equation's inputs, else None."""
+    from jax.extend.core import ClosedJaxpr
+
+    if e.primitive.name not in _CALLS:
+        return None
+    j = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+    j, consts = (j.jaxpr, list(j.consts)) if isinstance(j, ClosedJaxpr) else (j, [])
+    return (j, consts) if j is not None and len(j.invars) == len(e.invars) else None
+
+
+class _ScanCut:
+    """Where the model's code enters the scan over its stack: the path of equations (through calls such as a
+    ``jit``) to the ``scan`` whose body calls the stack's layer, found in one trace of ``loss_fn`` with the
+    layer marked. ``_ScanCut(rest, mb)`` evaluates the code before it and returns the scan's carry: the first
+    layer's input. The scan must iterate the stack's ``L`` layers and carry one array, the activation."""
+
+    def __init__(self, calls: UnitCalls, loss_fn, params, mb):
+        lay = calls.lay
+        stack, n = lay.scanned, len(lay.units)
+
+        def marked(path, mod, call, args, kwargs):
+            return calls._output(_mark(args[0]))
+
+        rest = {p: lay.shapes[p] for p in lay.rest}
+        closed = jax.make_jaxpr(lambda r, b: calls.run(loss_fn, lay.full_params(r), b, marked))(rest, mb)
+        self.jaxpr, self.consts, self.path = closed.jaxpr, list(closed.consts), []
+        j = closed.jaxpr
+        while True:
+            hits = [i for i, e in enumerate(j.eqns) if e.primitive is _MARK or _has_mark_eqn(e)]
+            if len(hits) != 1:
+                raise ValueError(f"pipeline: loss_fn runs the scanned stack {stack!r} {len(hits)} times; a pipeline "
+                                 "runs it once per call.")
+            e = j.eqns[hits[0]]
+            self.path.append(hits[0])
+            if e.primitive.name == "scan":
+                break
+            sub = _inner(e)
+            if sub is None:
+                raise ValueError(f"pipeline: the scan over the stack {stack!r} runs inside a {e.primitive.name!r} the "
+                                 "pipeline cannot cut before; call the stack from the model's own code.")
+            j = sub[0]
+        if e.params["length"] != n or e.params["num_carry"] != 1:
+            raise ValueError(f"pipeline: the scan over the stack {stack!r} runs {e.params['length']} iterations carrying "
+                             f"{e.params['num_carry']} arrays; a pipeline cuts a scan over the stack's {n} layers that "
+                             "carries one array, the activation.")
+        carry = e.invars[e.params["num_consts"]].aval
+        if (carry.shape, carry.dtype) != (calls.act.shape, calls.act.dtype):
+            raise ValueError(f"pipeline: the scan over the stack {stack!r} carries {carry.str_short()}, but its layer "
+                             f"takes {calls.act.shape} {calls.act.dtype}; the carry must be the layer's activation.")
+
+    def __call__(self, rest, mb):
+        return _eval_until(self.jaxpr, self.consts, jax.tree.leaves((rest, mb)), self.path)
+
+
+def _has_mark_eqn(e) -> bool:
+    from jax.extend.core import jaxprs_in_params
+
+    return any(_has_mark(j) for j in jaxprs_in_params(e.params))
+
+
+def _eval_until(jaxpr, consts, args, path):
+    """``jaxpr``'s equations before ``path[0]`` evaluated on ``args``; then into that equation's sub-jaxpr
+    (``path[1:]``), or, at the end of the path (the scan), its carry's input."""
+    from jax.extend.core import DropVar, Literal
+
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    i, *more = path
+    for e in jaxpr.eqns[:i]:
+        params = e.primitive.get_bind_params(e.params)  # (subfuns, params) on older jax
+        subfuns, params = params if isinstance(params, tuple) else ((), params)
+        with e.ctx.manager if hasattr(e, "ctx") else contextlib.nullcontext():
+            outs = e.primitive.bind(*subfuns, *map(read, e.invars), **params)
+        for v, o in zip(e.outvars, outs if e.primitive.multiple_results else [outs]):
+            if not isinstance(v, DropVar):
+                env[v] = o
+    e = jaxpr.eqns[i]
+    ins = [read(v) for v in e.invars]
+    if not more:
+        return ins[e.params["num_consts"]]
+    sub, sub_consts = _inner(e)
+    return _eval_until(sub, sub_consts, ins, more)

@@ -47,9 +47,18 @@ their gradients once; the optimizer state stays cut. The rest (embeddings, head)
 region automatic over tp and the tp hooks inside each stage (``spmd.parallel.pipelining._tp``); both
 (``fully_shard(parallelize_module(...), mesh=mesh["fsdp"])``): the stages cut over fsdp and tp on two dims,
 ``pp x dp x fsdp x tp``. HSDP (``fully_shard(model, mesh=mesh["dp", "fsdp"])``): the stages cut over fsdp,
-their shards averaged over dp. Not offered: mixed precision, dropout rngs, stages
-cut from a scanned stack's layer axis (``nn.scan`` / ``nnx.scan``: refused by name when ``init_train_state``
-has the example inputs that reveal the stack).
+their shards averaged over dp. Not offered: mixed precision, dropout rngs.
+
+**A scanned stack.** ``units="layers"`` naming one stack under ``nn.scan`` (the layer axis at any
+``variable_axes`` position, with or without ``nn.remat``) or an nnx stack created under ``nnx.vmap`` and run
+under ``nnx.scan`` makes its ``L`` layers the units (``layers/0`` ... ``layers/L-1``), found by
+``init_train_state``'s abstract call of the model on its example inputs. The stages are equal slices of the
+layer axis (``L`` must be a multiple of ``S``; no split points), each stage a ``lax.scan`` of the layer over
+its slice, so the program does not grow with the depth. The stored rows are the layers moved to the front
+axis (``StageLayout.stack``); ``unstack`` and a checkpoint put the axis back where the model keeps it. The
+code before the scan (``pre``) is cut out of one trace of ``loss_fn`` with the layer marked
+(``spmd.parallel.pipelining._calls._ScanCut``): the scan must run the ``L`` layers once, carrying one array,
+the activation; the layer takes no other array. Tensor-parallel stages of a scanned stack are not offered.
 """
 
 from __future__ import annotations
@@ -65,7 +74,7 @@ from placements import Shard
 from spmd._mesh import DeviceMesh
 from spmd.parallel.plan._param_plan import ParamPlan, path_str, plan_params
 from spmd.parallel.pipelining._calls import UnitCalls, model_kind
-from spmd.parallel.pipelining._split import SplitPoint, check_split_points, natural_key, stage_counts
+from spmd.parallel.pipelining._split import SplitPoint, check_split_points, natural_key, stage_counts, unit_modules
 from spmd.parallel.pipelining._state import stack_state, unstack_state
 from spmd.parallel.pipelining._tp import tp_placements, unwrap_layouts
 from spmd.parallel.pipelining._step import (REST, STAGES, init_pipeline_state, make_pipeline_step,
@@ -87,8 +96,10 @@ class PipelineModule(Wrapped, OwnsTrainStep):
 
     def __init__(self, module, mesh: DeviceMesh, pp: str, units: str, schedule: Schedule, unroll: bool = True,
                  fsdp: str | None = None, split_points: dict | None = None, tp: ParallelModule | None = None):
+        # _scan: (the scanned stack the units name, ((its parameter's rel path, layer axis), ...)), set by
+        # init_train_state from its trace of the example inputs (None: the units are modules of their own)
         for k, v in dict(module=module, mesh=mesh, pp=pp, units=units, schedule=schedule, unroll=unroll, fsdp=fsdp,
-                         split_points=split_points, tp=tp, _layouts={}, _checkpoints={}).items():
+                         split_points=split_points, tp=tp, _layouts={}, _checkpoints={}, _scan=None).items():
             object.__setattr__(self, k, v)
 
     def __repr__(self) -> str:
@@ -134,21 +145,6 @@ class PipelineModule(Wrapped, OwnsTrainStep):
         return stack_state(self, state, optimizer)
 
 
-def unit_modules(paths: list[str], units: str) -> list[str]:
-    """Module paths (``/``-joined) matching the glob, outermost only, in parameter order."""
-    pat = glob_regex(units, "/")
-    out: list[str] = []
-    for p in paths:
-        comps = p.split("/")
-        for i in range(1, len(comps)):
-            m = "/".join(comps[:i])
-            if re.fullmatch(pat, m):
-                if m not in out:
-                    out.append(m)
-                break
-    return out
-
-
 class StageLayout:
     """The pipeline layout of one parameter tree: units (in call order), the stacked stage tree, the rest."""
 
@@ -164,29 +160,44 @@ class StageLayout:
                              f"{', '.join(mods[:40])}. Fix the glob (e.g. 'layers_*', 'model.layers.*').")
         s = pm.schedule
         n_st = s.num_stages
-        if len(found) < n_st:
-            raise ValueError(f"{where}: units={pm.units!r} matches {len(found)} modules ({', '.join(found)}), fewer "
-                             f"than the {n_st} stages ({pm.pp}={s.pp} x stages_per_rank={s.stages_per_rank}); use "
-                             "fewer stages or a deeper model (a stack under nn.scan or nnx.scan is one module here: "
-                             "pipeline stages of a scanned stack are not supported yet; build its blocks as a list).")
+        stages_text = f"{pm.pp}={s.pp} x stages_per_rank={s.stages_per_rank}"
         self.found = found
-        self.units = found  # record() checks that the model calls them in this order
-        rel0 = [p[len(found[0]) + 1:] for p in self.paths if p.startswith(found[0] + "/")]
-        for u in found[1:]:
-            rel = [p[len(u) + 1:] for p in self.paths if p.startswith(u + "/")]
-            same = rel == rel0 and all(self.shapes[f"{u}/{r}"] == self.shapes[f"{found[0]}/{r}"] for r in rel)
-            if not same:
-                def listing(unit, names):
-                    return "{" + ", ".join(f"{r!r}: {tuple(self.shapes[f'{unit}/{r}'].shape)}" for r in names) + "}"
+        # a scanned stack (nn.scan / nnx.scan, found by init_train_state's trace): its layers are the units
+        scan = pm._scan if pm._scan is not None and found == [pm._scan[0]] else None
+        self.scanned, self.axis = (scan[0], dict(scan[1])) if scan else (None, {})
+        if scan:
+            stack = scan[0]
+            self.rel = [p[len(stack) + 1:] for p in self.paths if p.startswith(stack + "/")]
+            n = _scan_length(self, stack, n_st, pm, stages_text)
+            self.units = [f"{stack}/{i}" for i in range(n)]  # the layers, named as split points would name them
+            self.unit_shapes = {r: _drop(self.shapes[f"{stack}/{r}"], self.axis[r]) for r in self.rel}
+            self.unit_of = {p: stack for p in self.paths if p.startswith(stack + "/")}
+        else:
+            if len(found) < n_st:
+                raise ValueError(
+                    f"{where}: units={pm.units!r} matches {len(found)} modules ({', '.join(found)}), fewer than the "
+                    f"{n_st} stages ({stages_text}); use fewer stages or a deeper model (a stack under nn.scan or "
+                    "nnx.scan is one module here unless init_train_state is given the example inputs the model is "
+                    "called on, which reveal its layer axis: init_train_state(model, optimizer, *example_inputs, "
+                    "params=params)).")
+            self.units = found  # record() checks that the model calls them in this order
+            rel0 = [p[len(found[0]) + 1:] for p in self.paths if p.startswith(found[0] + "/")]
+            for u in found[1:]:
+                rel = [p[len(u) + 1:] for p in self.paths if p.startswith(u + "/")]
+                same = rel == rel0 and all(self.shapes[f"{u}/{r}"] == self.shapes[f"{found[0]}/{r}"] for r in rel)
+                if not same:
+                    def listing(unit, names):
+                        return "{" + ", ".join(f"{r!r}: {tuple(self.shapes[f'{unit}/{r}'].shape)}" for r in names) + "}"
 
-                raise ValueError(f"{where}: unit {u!r} has other parameters than {found[0]!r} ({listing(u, rel)} vs "
-                                 f"{listing(found[0], rel0)}); pipeline stages stack repeated blocks of one shape: "
-                                 "match only those.")
-        self.rel = rel0
-        self.unit_of = {p: u for p in self.paths for u in found if p.startswith(u + "/")}
+                    raise ValueError(f"{where}: unit {u!r} has other parameters than {found[0]!r} ({listing(u, rel)} "
+                                     f"vs {listing(found[0], rel0)}); pipeline stages stack repeated blocks of one "
+                                     "shape: match only those.")
+            self.rel = rel0
+            self.unit_shapes = {r: self.shapes[f"{found[0]}/{r}"] for r in rel0}
+            self.unit_of = {p: u for p in self.paths for u in found if p.startswith(u + "/")}
+            n = len(found)
         self.rest = [p for p in self.paths if p not in self.unit_of]
-        n = len(found)
-        counts = stage_counts(found, n, n_st, pm.split_points, f"{pm.pp}={s.pp} x stages_per_rank={s.stages_per_rank}")
+        counts = stage_counts(self.units, n, n_st, pm.split_points, stages_text)
         self.per_slot = max(counts)  # unit slots per stage (the even rule: ceil(L / S))
         starts = np.cumsum([0] + counts)
         self.stage_units = [list(range(starts[c], starts[c] + counts[c])) for c in range(n_st)]
@@ -206,13 +217,16 @@ class StageLayout:
     # --- the stored tree ----------------------------------------------------------------------------
     def stored_shapes(self) -> dict:
         n = len(self.rows)
-        st = {r: jax.ShapeDtypeStruct((n, *self.shapes[f"{self.units[0]}/{r}"].shape),
-                                      self.shapes[f"{self.units[0]}/{r}"].dtype) for r in self.rel}
+        st = {r: jax.ShapeDtypeStruct((n, *self.unit_shapes[r].shape), self.unit_shapes[r].dtype) for r in self.rel}
         return {STAGES: st, REST: {p: self.shapes[p] for p in self.rest}}
 
     def stack(self, params: Any) -> dict:
         flat = dict(zip(self.paths, jax.tree_util.tree_leaves(params)))
         st = {}
+        if self.scanned:  # the layer axis to the front, its layers in the rows' order (every row a layer)
+            for r in self.rel:
+                st[r] = jnp.take(jnp.moveaxis(flat[f"{self.scanned}/{r}"], self.axis[r], 0), np.asarray(self.rows), 0)
+            return {STAGES: st, REST: {p: flat[p] for p in self.rest}}
         for r in self.rel:
             proto = flat[f"{self.units[0]}/{r}"]
             st[r] = jnp.stack([flat[f"{self.units[u]}/{r}"] if u >= 0 else jnp.zeros_like(proto) for u in self.rows])
@@ -220,18 +234,31 @@ class StageLayout:
 
     def unstack(self, stored: dict) -> Any:
         flat = dict(stored[REST])
-        for i, u in enumerate(self.rows):
-            if u >= 0:
-                for r in self.rel:
-                    flat[f"{self.units[u]}/{r}"] = stored[STAGES][r][i]
+        if self.scanned:
+            order = np.argsort(self.rows)  # row of each layer
+            for r in self.rel:
+                flat[f"{self.scanned}/{r}"] = jnp.moveaxis(jnp.take(stored[STAGES][r], order, 0), 0, self.axis[r])
+        else:
+            for i, u in enumerate(self.rows):
+                if u >= 0:
+                    for r in self.rel:
+                        flat[f"{self.units[u]}/{r}"] = stored[STAGES][r][i]
         return jax.tree_util.tree_unflatten(self.treedef, [flat[p] for p in self.paths])
+
+    def own_param(self, rel: str, dim: int) -> tuple[str, int]:
+        """The model's own parameter pattern (a regex) and dim that ``dim`` of stacked stage parameter ``rel``
+        is (a unit's, or the scanned stack's: past its layer axis, one more)."""
+        d = dim - 1
+        if self.scanned:
+            return re.escape(f"{self.scanned}/{rel}"), d + (d >= self.axis[rel])
+        return "(" + "|".join(re.escape(u) for u in self.units) + ")/" + re.escape(rel), d
 
     def fsdp_dim(self, rel: str) -> int | None:
         """The dim of stacked stage parameter ``rel`` cut over the fsdp dim: its largest dim after the stacked
         one that the fsdp size divides and tp does not cut (None: kept whole, as a vector too short to cut)."""
         if self.n_fsdp <= 1:
             return None
-        shape = self.shapes[f"{self.units[0]}/{rel}"].shape
+        shape = self.unit_shapes[rel].shape
         tp_cut = tp_placements(self._pm, self)[0].get(rel)  # fsdp cuts another dim than tp (stacked: one later)
         ok = [d for d in range(len(shape)) if shape[d] % self.n_fsdp == 0
               and not (isinstance(tp_cut, Shard) and tp_cut.dim == d + 1)]
@@ -289,6 +316,32 @@ class StageLayout:
         """``[pp, v, lc]``: the kind (``UnitCalls.kind_of``) of each stored unit slot, -1 for a skipped one."""
         kind_of = self.calls.kind_of
         return np.array([kind_of[u] if u >= 0 else -1 for u in self.rows]).reshape(self.valid.shape)
+
+
+def _drop(x: jax.ShapeDtypeStruct, axis: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape[:axis] + x.shape[axis + 1:], x.dtype)
+
+
+def _scan_length(lay: StageLayout, stack: str, n_st: int, pm: PipelineModule, stages_text: str) -> int:
+    """The layer count ``L`` of scanned stack ``stack``: the stages are its slices, ``L / S`` layers each."""
+    where = "pipeline"
+    lengths = {lay.shapes[f"{stack}/{r}"].shape[lay.axis[r]] for r in lay.rel}
+    if len(lengths) != 1:
+        raise ValueError(f"{where}: the parameters of the scanned stack {stack!r} hold {sorted(lengths)} layers on "
+                         "their layer axes; a stack's parameters hold one count.")
+    (n,) = lengths
+    if pm.split_points is not None:
+        raise ValueError(f"{where}: split_points={ {k.replace('/', '.'): str(v) for k, v in pm.split_points.items()} } "
+                         f"with a scanned stack ({stack!r}: {n} layers); its stages are equal slices of the layer axis "
+                         "(each a scan over its slice): leave split_points out.")
+    if pm.tp is not None:
+        raise ValueError(f"{where}: tensor-parallel stages of a scanned stack ({stack!r}) are not offered; pipeline "
+                         "it with fully_shard / data parallelism, or run tp without pp (tp runs inside the scan).")
+    if n % n_st:
+        raise ValueError(f"{where}: the scanned stack {stack!r} holds L={n} layers, which {stages_text} = {n_st} "
+                         f"stages do not divide; each stage runs an equal slice of the layer axis: use a layer count "
+                         f"that is a multiple of {n_st}, or pp x stages_per_rank dividing {n}.")
+    return n
 
 
 def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_microbatches: int,

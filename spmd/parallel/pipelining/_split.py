@@ -15,7 +15,9 @@ import enum
 import re
 from typing import Any
 
-__all__ = ["SplitPoint", "check_split_points", "stage_counts", "natural_key"]
+from spmd.parallel.styles._transforms import glob_regex
+
+__all__ = ["SplitPoint", "check_split_points", "stage_counts", "natural_key", "unit_modules"]
 
 
 class SplitPoint(enum.Enum):
@@ -75,3 +77,18 @@ def stage_counts(units: list[str], n_units: int, n_stages: int, split_points: di
                          f"give {n_stages - 1} split points.")
     bounds = [0, *sorted(cuts), n_units]
     return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def unit_modules(paths: list[str], units: str) -> list[str]:
+    """Module paths (``/``-joined) matching the glob, outermost only, in parameter order."""
+    pat = glob_regex(units, "/")
+    out: list[str] = []
+    for p in paths:
+        comps = p.split("/")
+        for i in range(1, len(comps)):
+            m = "/".join(comps[:i])
+            if re.fullmatch(pat, m):
+                if m not in out:
+                    out.append(m)
+                break
+    return out

@@ -12,7 +12,6 @@ unequal split is stored zero, as ``init_train_state`` stores it (its gradient is
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import jax
@@ -40,8 +39,8 @@ def checkpoint_plan(pm, lay) -> ParamPlan:
     for rel in lay.rel:
         d = lay.fsdp_dim(rel)
         if d is not None:
-            pattern = "(" + "|".join(re.escape(u) for u in lay.units) + ")/" + re.escape(rel)
-            rules.append(Rule(pattern, {lay.fsdp: Shard(d - 1)}, name="pipeline unit + fully_shard"))
+            pattern, dim = lay.own_param(rel, d)
+            rules.append(Rule(pattern, {lay.fsdp: Shard(dim)}, name="pipeline unit + fully_shard"))
     return plan_params(_own_shapes(lay), dict(zip(pm.mesh.mesh_dim_names, pm.mesh.shape)), rules, fsdp="")
 
 

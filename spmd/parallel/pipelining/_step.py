@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from spmd.parallel.plan._checks import check_rng
 from spmd.parallel.styles._nnx import nnx_params
 from spmd.parallel.pipelining._calls import model_kind
+from spmd.parallel.pipelining._split import unit_modules
 from spmd.parallel.pipelining._comm import REST, STAGES, format_pipeline_communication, pipeline_communication
 from spmd.parallel.pipelining._tables import ROLES, branch_codes, tick_tables
 from spmd.parallel.pipelining._tp import map_tp_aware, reduce_tp_aware, segment_records, stage_hooks
@@ -78,13 +79,14 @@ def init_pipeline_state(pm, optimizer, *init_args, params=None, mesh=None) -> Tr
         params = jax.jit(lambda r: pm.module.init(r, *xs)["params"])(rng)
         init_args = tuple(xs)
     if init_args and kind in ("linen", "nnx"):
-        _check_unscanned_units(pm, params, init_args)
+        _scanned_units(pm, params, init_args)
     return _place(pm, optimizer, params)
 
 
-def _check_unscanned_units(pm, params, example_inputs) -> None:
-    """Units that are (or lie in) a scanned stack (``nn.scan`` / ``nnx.scan``, found by one abstract call of the
-    model on ``example_inputs``) are refused by name: the stages stack units, and a stack is one module here."""
+def _scanned_units(pm, params, example_inputs) -> None:
+    """The units as a scanned stack (``nn.scan`` / ``nnx.scan``, found by one abstract call of the model on
+    ``example_inputs``): ``units`` naming the stack itself makes its layers the units (``pm._scan``: the stack
+    and each parameter's layer axis); a unit inside a stack, or a stack among other units, is refused by name."""
     import re
 
     from spmd.parallel.plan._param_plan import path_str
@@ -93,18 +95,40 @@ def _check_unscanned_units(pm, params, example_inputs) -> None:
     stacked = stacked_of(pm.module, params, example_inputs) or {}
     shapes = {path_str(kp): np.shape(x) for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     pat = glob_regex(pm.units, "/")
+    tool = "nnx.scan" if model_kind(pm.module) == "nnx" else "nn.scan"
+    stacks: dict = {}
     for path, (m, axis) in stacked.items():
         comps = path.split("/")
         u = next(("/".join(comps[:i]) for i in range(1, len(comps)) if re.fullmatch(pat, "/".join(comps[:i]))), None)
-        if u is not None:
+        if u is None:
+            continue
+        if u != m:
             raise ValueError(
-                f"pipeline: units={pm.units!r} matches {u!r}, " + ("a scanned stack" if u == m else "a module of a "
-                                                                    "scanned stack")
-                + f" ({m!r} runs under {'nnx.scan' if model_kind(pm.module) == 'nnx' else 'nn.scan'}: its "
-                f"{shapes[path][axis]} layers stacked on axis {axis} of its parameters); pipeline stages of a scanned "
-                "stack (slices of its layer axis) are not supported yet. Build those blocks as a Python list to "
-                "pipeline them, or lay the stack out with fully_shard / parallelize_module, which run inside the "
-                "scan.")
+                f"pipeline: units={pm.units.replace('/', '.')!r} matches {u.replace('/', '.')!r}, a module of a "
+                f"scanned stack ({m.replace('/', '.')!r} runs under {tool}: its "
+                f"{shapes[path][axis]} layers stacked on axis {axis} of its parameters); a unit inside a stack is "
+                f"called once per layer. Name the stack itself (units={m.replace('/', '.')!r}: its layers become the "
+                "units, the stages slices of its layer axis).")
+        stacks.setdefault(m, []).append((path[len(m) + 1:], axis))
+    if not stacks:
+        return
+    found = sorted(_unit_names(pm, shapes))
+    if len(found) != 1 or found[0] not in stacks:
+        raise ValueError(
+            f"pipeline: units={pm.units!r} matches {', '.join(found)}, among them the scanned stack "
+            f"{next(iter(stacks))!r}; a pipeline's units are one scanned stack (its layers) or modules called once "
+            "each: match one of the two.")
+    (stack,) = stacks
+    rels = {r for r, _ in stacks[stack]}
+    missing = [p for p in shapes if p.startswith(stack + "/") and p[len(stack) + 1:] not in rels]
+    if missing:
+        raise ValueError(f"pipeline: parameter {missing[0]!r} of the scanned stack {stack!r} is not stacked on a "
+                         "layer axis; every parameter of the stack must be (variable_axes={'params': axis}).")
+    object.__setattr__(pm, "_scan", (stack, tuple(sorted(stacks[stack]))))
+
+
+def _unit_names(pm, shapes) -> list[str]:
+    return unit_modules(list(shapes), pm.units)
 
 
 def unshard_pipeline_params(pm, params) -> Any:
@@ -335,6 +359,8 @@ class _Stages:
         """Chunk ``j`` of rank ``r`` on ``x``: its units in turn (``spj``: ``chunk_of(sp, j)``), a skipped slot
         passing ``x`` through."""
         lay = self.lay
+        if lay.scanned:  # a slice of a scanned stack: a scan over its layers (its program one layer's size)
+            return lax.scan(lambda h, ls: (self.unit_call(0, ls, h, side), None), x, [spj[rel] for rel in lay.rel])[0]
         for l in range(self.lc):
             leaves = [spj[rel][l] for rel in lay.rel]
             used, idx = self.slot_kinds[l]

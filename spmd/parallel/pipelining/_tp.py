@@ -136,7 +136,7 @@ def unit_whole_heads(pm, lay) -> dict:
         from spmd.parallel.step._heads import head_splits, whole_over_tp
 
         hooks = StageHooks(pm.tp, user_plan(pm, lay), gather_units=False)
-        unit = [lay.shapes[f"{lay.units[0]}/{rel}"] for rel in lay.rel]
+        unit = [lay.unit_shapes[rel] for rel in lay.rel]
         with hooks.installed(), hooks.unit(lay.units[0]):
             jaxpr = jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act,
                                                                                lay.calls.side_shapes).jaxpr
@@ -201,7 +201,7 @@ def segment_records(pm, lay, loss_fn, mb) -> dict[str, list] | None:
     if hooks is None:
         return None
     rest = {p: lay.shapes[p] for p in lay.rest}
-    unit = [lay.shapes[f"{lay.units[0]}/{rel}"] for rel in lay.rel]
+    unit = [lay.unit_shapes[rel] for rel in lay.rel]
     out = {}
     for name, f, args in (("pre", lambda r, b: lay.pre(loss_fn, r, b), (rest, mb)),
                           ("unit", lambda ls, x, sd: lay.apply_unit(ls, x, sd), (unit, lay.act, lay.calls.side_shapes)),
