@@ -1,7 +1,8 @@
-"""The job on cp and ep meshes: ``--model llama --mesh dp=2,cp=4`` and ``--model moe --mesh dp=2,ep=4`` train
-equal per step to ``--mesh dp=8`` of the same model within 1e-5 (3 steps of AdamW, the job's own loss and data),
-their metrics.json recording the ring's permutes and the experts' all-to-alls; meshes the job does not offer
-(pp with cp, cp on the einsum-attention transformer, ep without experts) are refused by name."""
+"""The job on cp and ep meshes: ``--model llama --mesh dp=2,cp=4``, ``--mesh dp=2,cp=4`` (the transformer's own
+einsum attention, run on the sequence gathered over cp) and ``--model moe --mesh dp=2,ep=4`` train equal per step
+to ``--mesh dp=8`` of the same model within 1e-5 (3 steps of AdamW, the job's own loss and data), their
+metrics.json recording the ring's permutes, the gathers and the experts' all-to-alls; meshes the job does not offer
+(pp with cp, cp on the mlp, ep without experts) are refused by name."""
 
 import json
 import os
@@ -26,6 +27,7 @@ def _losses_and_collectives(tmp_path, argv):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mesh,kind", [("llama", "dp=2,cp=4", "collective-permute"),
+                                             ("transformer", "dp=2,cp=4", "all-gather"),
                                              ("moe", "dp=2,ep=4", "all-to-all")])
 def test_job_on_cp_and_ep_equals_dp8(tmp_path, model, mesh, kind):
     want, _ = _losses_and_collectives(tmp_path, ["--model", model, "--mesh", "dp=8"])
@@ -37,7 +39,7 @@ def test_job_on_cp_and_ep_equals_dp8(tmp_path, model, mesh, kind):
 
 @pytest.mark.parametrize("model,mesh,message", [
     ("llama", "pp=2,fsdp=2,cp=2", "has both pp and cp"),
-    ("transformer", "dp=2,cp=4", "--model transformer has its own einsum attention (or none): use --model llama"),
+    ("mlp", "dp=2,cp=4", "--model mlp reads a flat window of digits: use --model transformer, llama or moe"),
     ("llama", "dp=2,ep=4", "cuts experts over ep; --model llama has none: use --model moe"),
 ])
 def test_meshes_the_job_does_not_offer_are_refused(model, mesh, message):

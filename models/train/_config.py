@@ -37,7 +37,7 @@ __all__ = ["Config", "MODELS", "MESH_DIMS", "SCHEDULES", "CHECKPOINTING", "HARDW
            "DATA_DIMS", "STATE_DIMS", "check_config", "parse_mesh", "parse_bytes", "run_config", "check_resume_config",
            "resume_config", "job_flags"]
 
-MODELS = ("transformer", "mlp", "llama", "moe")  # llama: attention through jax.nn.dot_product_attention (cp runs it)
+MODELS = ("transformer", "mlp", "llama", "moe")  # llama, moe: attention through jax.nn.dot_product_attention (cp: a ring)
 # The mesh dims the job knows (name -> what it does), in mesh order.
 MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replicated",
              "fsdp": "fully sharded data parallel: the batch is split over it, parameters, gradients and "
@@ -46,8 +46,8 @@ MESH_DIMS = {"dp": "data parallel: the batch is split over it, the state replica
                    "(spmd.parallel.parallelize_module; --sequence-parallel also cuts the sequence between blocks)",
              "pp": "pipeline parallel: the transformer's blocks split into stages, the batch into --microbatches "
                    "run by --schedule (spmd.parallel.pipeline)",
-             "cp": "context parallel: the sequence cut over it, attention across the cut (ring attention; --model "
-                   "llama or moe)",
+             "cp": "context parallel: the sequence cut over it, attention across the cut (ring attention for --model "
+                   "llama or moe; the transformer's own attention on the sequence gathered over cp)",
              "ep": "expert parallel: the batch split over it, the MoE experts cut over it, tokens sent to their "
                    "experts with all-to-alls (spmd.parallel.ExpertParallel; --model moe)"}
 # The pipeline schedules (spmd.parallel's, named here without importing JAX).
@@ -156,10 +156,10 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"models.train: --mesh={cfg.mesh!r} has both pp and cp: a pipeline's stages run whole "
                          "micro-batches, the sequence is not cut over cp there; use cp without pp (with dp / fsdp), "
                          "or pp without cp.")
-    if "cp" in dims and cfg.model not in ("llama", "moe"):
-        raise ValueError(f"models.train: --mesh={cfg.mesh!r} cuts the sequence over cp, which runs attention called "
-                         f"through jax.nn.dot_product_attention; --model {cfg.model} has its own einsum attention "
-                         "(or none): use --model llama (or moe).")
+    if "cp" in dims and cfg.model == "mlp":
+        raise ValueError(f"models.train: --mesh={cfg.mesh!r} cuts the sequence over cp, the positions a sequence "
+                         "model's attention mixes; --model mlp reads a flat window of digits: use --model transformer, "
+                         "llama or moe.")
     if "ep" in dims and cfg.model != "moe":
         raise ValueError(f"models.train: --mesh={cfg.mesh!r} cuts experts over ep; --model {cfg.model} has none: use "
                          "--model moe.")

@@ -5,7 +5,7 @@ cp=2, cp=4, dp=2 x cp=4 and fsdp=2 x cp=4 equals 3 SGD steps of one device withi
 equal to the step's table (the ring's permutes and the zigzag moves, the embedding's gathers, the gradients'
 all-reduces); flax's ``dot_product_attention`` with a mask array runs as the all-gather of K/V; the zigzag
 moves the step makes give every rank the same causal work (counted from the moved positions, against the
-plain cut's); a model's own einsum attention over the cut is refused, naming the fix.
+plain cut's); a model's own einsum attention runs on the sequence gathered over cp.
 """
 
 import re
@@ -146,7 +146,9 @@ def test_zigzag_moves_balance_causal_work(n):
     assert plain.max() / plain.mean() > 1.4
 
 
-def test_einsum_attention_under_cp_is_refused():
+def test_einsum_attention_under_cp_runs_on_the_gathered_sequence():
+    """models.Llama's own einsum attention ("eager"): each layer's attention module runs on the sequence gathered
+    over cp (tests/parallel/test_context_gather.py trains such models against one device)."""
     mesh = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     model = Llama(LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                               num_kv_heads=2))  # the einsum attention ("eager")
@@ -155,9 +157,9 @@ def test_einsum_attention_under_cp_is_refused():
     opt = optax.sgd(0.1)
     state = init_train_state(model, opt, params=params, mesh=mesh)
     step = make_train_step(model, _lm_loss(model), opt, mesh=mesh)
-    with pytest.raises(ValueError, match=re.escape(f"attention scores [.., {T}, {T}] of its own einsum")
-                       + ".*" + re.escape("LlamaConfig(attn_implementation='sdpa')")):
-        step(state, batch)
+    records = step.communication(state, batch)["attention"]
+    assert [(r["method"], r["gathered"]) for r in records] == [("gather sequence", [((4, T, 16), "float32")])]
+    assert "gather sequence over cp=2" in step.table(state, batch)
 
 
 def test_sequence_not_divisible_by_cp_is_refused():

@@ -18,15 +18,20 @@ each call runs in a region manual over ``cp``, chosen per call:
   computed from the batch's cut ids (a padding mask, ``nn.make_causal_mask(tokens)``) has its inputs gathered
   by GSPMD, which the table does not count; a constant mask moves nothing.
 
-An attention the step cannot see (a model's own einsum over the whole sequence) is refused by the step
-(``spmd.parallel.step._heads.check_whole_sequence``) with the fix, rather than left to GSPMD, which would gather it in its own way.
+An attention the step cannot intercept (a model's own einsum over the whole sequence) is found in the traced
+step (``spmd.parallel.step._heads.whole_sequence_products``: its ``[.., T, T]`` scores, under the scope of the
+module that computed them, ``scope_name``), and that module runs on the sequence gathered over cp
+(``ContextCalls.around``) rather than left to GSPMD, which would gather it in its own way; one outside any
+submodule taking the sequence is refused with the fix (``check_whole_sequence``).
 ``records`` (one per call, filled by the trace) are the communication table's rows (``spmd.parallel.cost``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import re
 from typing import Any, Callable
 
 import jax
@@ -99,14 +104,148 @@ def _nbytes(shape, dtype) -> int:
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 
+_SCOPE = re.compile(r"spmd\[([^\]]*)\]")
+
+
+def scope_name(fqn: str) -> str:
+    """The ``jax.named_scope`` each module call of the step is traced under, so that a product found in the traced
+    program names the module that computed it (``scopes_of``)."""
+    return f"spmd[{fqn}]"
+
+
+def scopes_of(name_stack: str) -> list[str]:
+    """The modules (outermost first) of the name stack of a traced op."""
+    return _SCOPE.findall(name_stack)
+
+
+def _is_seq(x: Any, seq_len: int) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype") and np.ndim(x) >= 2 and x.shape[1] == seq_len
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_seq(x, calls):
+    return calls._all_gather(x)
+
+
+def _gather_fwd(x, calls):
+    return calls._all_gather(x), None
+
+
+def _gather_bwd(calls, _, ct):
+    return (calls._own_chunk(ct),)
+
+
+_gather_seq.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _cut_seq(y, calls):
+    return calls._own_chunk(y)
+
+
+def _cut_fwd(y, calls):
+    return calls._own_chunk(y), None
+
+
+def _cut_bwd(calls, _, ct):
+    return (calls._all_gather(ct),)
+
+
+_cut_seq.defvjp(_cut_fwd, _cut_bwd)
+
+
 class ContextCalls:
     """The attention calls of one trace of the step over mesh dim ``cp`` (size ``n``) cutting a sequence of
-    ``seq_len`` positions; ``records`` the calls seen, each with its method and local bytes."""
+    ``seq_len`` positions; ``records`` the calls seen, each with its method and local bytes.
 
-    def __init__(self, jax_mesh: Any, n: int, seq_len: int, axis: str = CP):
+    ``gathered``: the modules (dotted paths) run on the whole sequence: the module that computes a model's own
+    attention (found by the step, ``spmd.parallel.step._step``), its sequence inputs gathered over cp and its
+    outputs cut back to this device's positions (:meth:`around`). ``seen``: every module call of the trace and
+    whether it took a ``[batch, seq, ...]`` input (the candidates)."""
+
+    def __init__(self, jax_mesh: Any, n: int, seq_len: int, axis: str = CP, gathered: frozenset = frozenset()):
         self.jax_mesh, self.n, self.seq_len, self.axis = jax_mesh, n, seq_len, axis
+        self.gathered = frozenset(gathered)
         self.records: list[dict] = []
-        self.lookups: list[dict] = []  # embedding lookups on the batch's ids (linen), for the table
+        self.lookups: list[dict] = []  # embedding lookups on the batch's ids (linen, nnx), for the table
+        self.attends: set[str] = set()  # the tables a tied output head (linen's Embed.attend) multiplies by
+        self.seen: dict[str, bool] = {}
+        self._open: set[str] = set()
+        self._ints: dict[int, Any] = {}  # integer inputs gathered once per trace (XLA merges the repeats), by id
+
+    # --- a module run on the gathered sequence --------------------------------------------------------
+    def around(self, call: Any, run: Callable) -> Any:
+        """``Hooks``' hook (``spmd.parallel.styles._hooks.Hooks.around``) for every module call of the step: traced
+        under its module's scope; a module of ``gathered`` runs on the whole sequence: every ``[batch, seq, ...]``
+        argument all-gathered over cp (integer ones, ids or masks, once per trace), the module's own code (and its
+        styles, ``run``) on it, every ``[batch, seq, ...]`` float output cut back to this device's positions. In
+        the backward pass the output's cotangent is all-gathered and the input's cut: the module's gradients are
+        whole on every device of cp, its parameters' need no reduction over cp."""
+        if call.fqn in self._open:
+            return NotImplemented
+        args, kwargs = call.args, call.kwargs
+        self.seen.setdefault(call.fqn, any(_is_seq(x, self.seq_len) for x in jax.tree.leaves((args, kwargs))))
+        self._open.add(call.fqn)
+        try:
+            with jax.named_scope(scope_name(call.fqn)):
+                if call.fqn not in self.gathered:
+                    return self._lookup(call, run(call))
+                rec = {"call": call.fqn, "method": "gather sequence", "n": self.n, "gathered": [], "cut": [],
+                       "params": [p for p, _ in call.params()]}
+                call.args, call.kwargs = jax.tree.map(lambda x: self._gathered(x, rec), (args, kwargs))
+                out = run(call)
+                call.args, call.kwargs = args, kwargs
+                out = jax.tree.map(lambda y: self._cut(y, rec), out)
+                self.records.append(rec)
+                return out
+        finally:
+            self._open.discard(call.fqn)
+
+    def _lookup(self, call: Any, out: Any) -> Any:
+        """Note a lookup: a module with one parameter, a rank-2 table, called on the batch's [batch, seq] integer
+        ids (an embedding): GSPMD transposes it by gathering the ids and the output's gradient over cp."""
+        x = call.args[0] if call.args else None
+        if (getattr(call, "method", "__call__") == "__call__" and hasattr(x, "dtype")
+                and jnp.issubdtype(x.dtype, jnp.integer) and np.ndim(x) == 2 and x.shape[1] == self.seq_len
+                and hasattr(out, "shape") and tuple(out.shape[:2]) == tuple(x.shape)):
+            own = call.params()
+            if len(own) == 1 and np.ndim(own[0][1]) == 2:
+                self.lookups.append({"param": own[0][0], "ids": (tuple(x.shape), str(x.dtype)),
+                                     "out": (tuple(out.shape), str(out.dtype)), "n": self.n})
+        return out
+
+    def _gathered(self, x, rec):
+        if not _is_seq(x, self.seq_len):
+            return x
+        if not jnp.issubdtype(x.dtype, jnp.inexact):  # ids, positions, a padding mask: no gradient
+            if id(x) not in self._ints:
+                self._ints[id(x)] = (x, self._all_gather(x))
+                rec["gathered"].append((tuple(x.shape), str(x.dtype)))
+            return self._ints[id(x)][1]
+        rec["gathered"].append((tuple(x.shape), str(x.dtype)))
+        return _gather_seq(x, self)
+
+    def _cut(self, y, rec):
+        if not _is_seq(y, self.seq_len) or not jnp.issubdtype(y.dtype, jnp.inexact):
+            return y
+        rec["cut"].append((tuple(y.shape), str(y.dtype)))
+        return _cut_seq(y, self)
+
+    def _all_gather(self, x):
+        """``x`` (global view, its sequence cut over cp) whole on every device of cp: one all-gather."""
+        return jax.shard_map(lambda x: lax.all_gather(x, self.axis, axis=1, tiled=True), mesh=self._region_mesh(),
+                             in_specs=P(None, self.axis), out_specs=P(), axis_names={self.axis},
+                             check_vma=False)(x)
+
+    def _own_chunk(self, y):
+        """``y`` (whole on every device of cp) cut over cp: each device keeps its positions, nothing moves."""
+        t = y.shape[1] // self.n
+
+        def body(y):
+            return lax.dynamic_slice_in_dim(y, lax.axis_index(self.axis) * t, t, axis=1)
+
+        return jax.shard_map(body, mesh=self._region_mesh(), in_specs=P(), out_specs=P(None, self.axis),
+                             axis_names={self.axis}, check_vma=False)(y)
 
     # --- interception ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -130,22 +269,16 @@ class ContextCalls:
                 setattr(mod, attr, orig)
 
     def _linen(self, next_fun, args, kwargs, context):
-        """Note a lookup: a module with a rank-2 table called on the batch's [batch, seq] integer ids (an
-        embedding): GSPMD transposes it by gathering the ids and the output's gradient over cp."""
+        """Note a tied output head: linen's ``Embed.attend`` (its table's gradient has a product's part, summed
+        over cp, beside the lookup's)."""
         out = next_fun(*args, **kwargs)
         mod = context.module
-        x = args[0] if args else None
-        if (context.method_name == "__call__" and getattr(mod, "scope", None) is not None and hasattr(x, "dtype")
-                and jnp.issubdtype(x.dtype, jnp.integer) and np.ndim(x) == 2 and x.shape[1] == self.seq_len
-                and hasattr(out, "shape") and tuple(out.shape[:2]) == tuple(x.shape)):
+        if context.method_name == "attend" and getattr(mod, "scope", None) is not None:
             own = jax.tree_util.tree_leaves_with_path(mod.variables.get("params", {}))
-            tables = [k for k, v in own if np.ndim(v) == 2]
-            if len(own) == 1 and tables:
+            if len(own) == 1:
                 from spmd.parallel.plan._param_plan import path_str
 
-                path = "/".join(str(p) for p in mod.scope.path) + "/" + path_str(tables[0])
-                self.lookups.append({"param": path, "ids": (tuple(x.shape), str(x.dtype)),
-                                     "out": (tuple(out.shape), str(out.dtype)), "n": self.n})
+                self.attends.add("/".join(str(p) for p in mod.scope.path) + "/" + path_str(own[0][0]))
         return out
 
     def _region_mesh(self):
@@ -305,7 +438,10 @@ def attention_terms(records: list[dict]) -> dict:
       of half the local block forward and two backward (the transposes), one each at cp=2 (where the even
       chunks stay home);
     - all-gather K/V: one all-gather each of K and V (the gathered bytes) forward, one reduce-scatter each of
-      dK, dV backward.
+      dK, dV backward;
+    - gather sequence (a module run on the whole sequence, :meth:`ContextCalls.around`): one all-gather of each
+      of its sequence inputs forward (an integer one once per trace) and one of each float output's cotangent
+      backward.
     """
     out = {k: {"count": 0, "bytes": 0} for k in ("all-gather", "reduce-scatter", "collective-permute")}
 
@@ -315,6 +451,12 @@ def attention_terms(records: list[dict]) -> dict:
 
     for r in records:
         n = r["n"]
+        if r["method"] == "gather sequence":  # forward: each input gathered; backward: each output's cotangent
+            for shape, dtype in r["gathered"]:
+                add("all-gather", _nbytes(shape, dtype))
+            for shape, dtype in r["cut"]:
+                add("all-gather", _nbytes(shape, dtype))
+            continue
         (qs, qd), (ks, kd) = r["q"], r["kv"]
         q_loc, kv_loc = _nbytes(qs, qd) // n, _nbytes(ks, kd) // n
         kv32 = _nbytes(ks, np.float32) // n
@@ -353,23 +495,49 @@ def check_seq(batch: Any, n_cp: int) -> None:
                          f"sequence length that is a multiple of {n_cp} (of {2 * n_cp} for the balanced causal cut).")
 
 
-def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, region: bool) -> dict:
+def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, region: bool,
+                 positional: Any = ()) -> dict:
     """The table with cp's terms: the attention calls' (``attention_terms``), the all-reduce over cp of every
-    parameter's gradient (whole over cp, it sums each device's positions' parts: GSPMD's reduction) but, inside
-    a region manual over data dims (``region``), the tables of lookups on the cut ids, whose gradients GSPMD
-    forms there from the gathered ids (``lookup_terms``); with no data dim it all-reduces them too."""
+    parameter's gradient (whole over cp, it sums each device's positions' parts: GSPMD's reduction) but
+
+    - inside a region manual over data dims (``region``), the tables of lookups on the cut ids, whose gradients
+      GSPMD forms there from the gathered ids (``lookup_terms``), unless the table is also a tied output head
+      (``Embed.attend``: that product's gradient is all-reduced); with no data dim it all-reduces a table's
+      gradient, a tied head's twice (the lookup's part and the head's, each on its own);
+    - a module's run on the gathered sequence (``ContextCalls.around``): computed whole on every device;
+    - a ``positional`` one (a learned position table added to the sequence row by row,
+      ``spmd.parallel.step._heads.positional_params``): its gradient is cut over cp on the rows, gathered
+      (one all-gather), and reduced over the data dims on each device's rows (1 / cp of its bytes)."""
     records, lookups = (calls.records, calls.lookups) if calls is not None else ([], [])
+    attends = set(calls.attends) if calls is not None else set()
+    n = calls.n if calls is not None else 1
+    looked_up = {r["param"] for r in lookups}
     lookups = lookups if region else []
     comm = {k: (dict(v) if isinstance(v, dict) else v) for k, v in comm.items()}
     ctx = attention_terms(records)
-    tables = {r["param"] for r in lookups}
-    summed = [e for e in plan.entries if e.path not in tables]
+    tables = {r["param"] for r in lookups} - attends
+    whole = {p for r in records for p in r.get("params", ())}  # a gathered module's: computed whole on each device
+    pos = [e for e in plan.entries if e.path in set(positional) and e.path not in whole]
+    summed = [e for e in plan.entries if e.path not in tables and e.path not in whole and e not in pos]
+    if not region:
+        summed += [e for e in plan.entries if e.path in looked_up & attends]
     ctx["all-reduce"] = {"count": len(summed), "bytes": sum(e.nbytes for e in summed)}
     looked = lookup_terms(lookups)
     ctx["all-gather"] = {f: ctx["all-gather"][f] + looked[f] for f in ("count", "bytes")}
     for kind in ctx:
         if kind != "all-reduce":  # the activations' terms: per micro-batch
             ctx[kind] = {f: ctx[kind][f] * accum_steps for f in ("count", "bytes")}
+    if pos:  # once per step, as the gradients' reductions
+        ctx["all-gather"]["count"] += len(pos)
+        ctx["all-gather"]["bytes"] += sum(e.nbytes for e in pos)
+        names = plan.mesh_dim_names
+        cut_less = [e for e in pos if not any(e.shard_dim(names.index(d)) is not None for d in names if d != CP)]
+        if region and cut_less:  # their reduction over the data dims: each device's rows
+            less = sum(e.nbytes - e.nbytes // n for e in cut_less)
+            par = comm["parameters"] = {k: dict(v) for k, v in comm["parameters"].items()}
+            par["all-reduce"]["bytes"] -= less
+            comm["total"] = {k: dict(v) for k, v in comm["total"].items()}
+            comm["total"]["all-reduce"]["bytes"] -= less
     total = {k: dict(v) for k, v in comm["total"].items()}
     for kind, v in ctx.items():
         t = total.setdefault(kind, {"count": 0, "bytes": 0})

@@ -201,6 +201,11 @@ def format_communication(comm: dict) -> str:
     if "context" in comm:  # a mesh with cp (spmd.parallel.context._calls): the attention calls and the cp reduction
         lines.append(f"  context (cp): {line(comm['context'])}")
         for r in comm["attention"]:
+            if r["method"] == "gather sequence":  # a model's own attention, run on the whole sequence
+                ins = ", ".join(f"{list(s)} {d}" for s, d in r["gathered"]) or "none"
+                lines.append(f"    attention {r['call']!r}: gather sequence over cp={r['n']} (in {ins}; its output "
+                             "cut back, its parameters' gradients whole)")
+                continue
             (qs, qd), (ks, _) = r["q"], r["kv"]
             lines.append(f"    {r['call']}: {r['method']} over cp={r['n']}, q {list(qs)} {qd}, k/v {list(ks)}"
                          + (", causal" if r["causal"] else ""))

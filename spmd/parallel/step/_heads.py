@@ -19,11 +19,12 @@ and reports each module's head count. ``whole_over_tp`` turns them into the step
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from spmd.parallel.styles._hooks import COLWISE_MARK, WHOLE_MARK
 
-__all__ = ["head_splits", "whole_over_tp", "check_head_cuts", "check_whole_sequence"]
+__all__ = ["head_splits", "whole_over_tp", "check_head_cuts", "check_whole_sequence", "positional_params",
+           "whole_sequence_products"]
 
 _PASS = {"convert_element_type", "add", "sub", "mul", "div", "neg", "copy", "copy_p", "tanh", "logistic",
          "exp", "max", "min", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "select_n", "pjit", "name"}
@@ -122,17 +123,68 @@ def _pairs_positions(eqn, seq_len: int) -> bool:
                for s, c, b in zip(shapes, (lc, rc), (lb, rb)))
 
 
-def check_whole_sequence(jaxpr: Any, seq_len: int, n: int) -> None:
-    """Refuse a product over two sequence dims of the whole cut sequence (``[.., T, T]`` attention scores from a
-    model's own einsum) outside the intercepted calls, whose products are on each device's positions."""
+def whole_sequence_products(jaxpr: Any, seq_len: int, scope: str = "") -> list[tuple[tuple, str]]:
+    """``[(shape, name stack)]`` of every product over two sequence dims of the whole cut sequence (``[.., T, T]``
+    attention scores of a model's own einsum), each with the name stack it was traced under (the step's module
+    scopes, ``spmd.parallel.context._calls.scope_name``, say which module computed it)."""
+    out = []
     for eqn in jaxpr.eqns:
+        stack = f"{scope}/{eqn.source_info.name_stack}"
         if eqn.primitive.name == "dot_general" and _pairs_positions(eqn, seq_len):
-            shape = tuple(eqn.outvars[0].aval.shape)
+            out.append((tuple(eqn.outvars[0].aval.shape), stack))
+        for sub in _sub_jaxprs(eqn):
+            out.extend(whole_sequence_products(sub, seq_len, stack))
+    return out
+
+
+def check_whole_sequence(jaxpr: Any, seq_len: int, n: int, gathered: Callable[[str], bool] = lambda s: False) -> None:
+    """Refuse a product over two sequence dims of the whole cut sequence (``[.., T, T]`` attention scores from a
+    model's own einsum) outside the intercepted calls, whose products are on each device's positions, and outside
+    the modules run on the gathered sequence (``gathered(name stack)``)."""
+    for shape, stack in whole_sequence_products(jaxpr, seq_len):
+        if not gathered(stack):
             raise ValueError(
                 f"make_train_step: the model multiplies over the whole sequence cut over cp={n} (a product of "
-                f"shape {shape!r}: attention scores [.., {seq_len}, {seq_len}] of its own einsum); the step runs "
-                "attention across the cut only through jax.nn.dot_product_attention or flax's "
-                "dot_product_attention. Call one of them in the model (models.Llama: "
-                "LlamaConfig(attn_implementation='sdpa')), or leave cp out of the mesh.")
-        for sub in _sub_jaxprs(eqn):
-            check_whole_sequence(sub, seq_len, n)
+                f"shape {shape!r}: attention scores [.., {seq_len}, {seq_len}] of its own einsum) outside any "
+                "submodule taking the [batch, seq, ...] sequence, which the step could run on the sequence gathered "
+                "over cp. Compute the attention in a submodule called on the hidden states (its input gathered over "
+                "cp, its output cut back), or call jax.nn.dot_product_attention or flax's dot_product_attention "
+                "(ring attention across the cut; models.Llama: LlamaConfig(attn_implementation='sdpa')), or leave "
+                "cp out of the mesh.")
+
+
+_ALONG = {"slice", "dynamic_slice", "reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims",
+          "copy", "copy_p", "all_gather", "sharding_constraint"}  # ops that carry a parameter's rows along unmixed
+
+
+def _sub_invars(eqn) -> list:
+    """``(sub-jaxpr, its invars)`` where a sub-jaxpr takes the equation's operands one for one."""
+    return [(sub, sub.invars) for sub in _sub_jaxprs(eqn) if len(sub.invars) == len(eqn.invars)]
+
+
+def positional_params(jaxpr: Any, invars: Any, seq_len: int) -> set[int]:
+    """Which of ``invars`` (a traced step's parameter leaves, by index) are added to the sequence's activations
+    row by row: a learned position table whose rows ``[0, seq_len)`` are added to ``[batch, seq, ...]`` hidden
+    states (carried there by slices, reshapes and broadcasts only). Under a sequence cut over cp its gradient is
+    cut over cp on those rows, not a partial sum."""
+    found: set[int] = set()
+
+    def walk(jx, origin: dict) -> None:
+        origin = dict(origin)
+        for eqn in jx.eqns:
+            ins = [origin.get(id(v)) if not hasattr(v, "val") else None for v in eqn.invars]
+            name = eqn.primitive.name
+            if name in _ALONG and ins and ins[0] is not None:
+                origin[id(eqn.outvars[0])] = ins[0]
+            elif name in ("add", "add_any", "sub") and len(ins) == 2:
+                for k, src in enumerate(ins):
+                    shape = tuple(eqn.invars[k].aval.shape)
+                    other = tuple(getattr(eqn.invars[1 - k].aval, "shape", ()))
+                    if (src is not None and len(shape) >= 3 and shape[1] == seq_len and len(other) >= 3
+                            and other[1] == seq_len):
+                        found.add(src)
+            for sub, sub_in in _sub_invars(eqn):
+                walk(sub, {id(sv): src for sv, src in zip(sub_in, ins) if src is not None})
+
+    walk(jaxpr, {id(v): i for i, v in enumerate(invars)})
+    return found

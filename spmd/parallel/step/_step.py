@@ -41,10 +41,10 @@ from spmd._mesh import DeviceMesh
 from spmd.parallel.plan._checks import (check_batch_leaves, check_loss, check_opt_state, check_rng, describe_tree,
                                         params_hint)
 from spmd.parallel.cost._comm import format_communication, step_communication
-from spmd.parallel.context._calls import ContextCalls, check_seq, seq_len, with_context
+from spmd.parallel.context._calls import ContextCalls, check_seq, scopes_of, seq_len, with_context
 from spmd.parallel.styles._experts import with_experts
 from spmd.parallel.step._grad_layout import transposed_dot_grads
-from spmd.parallel.step._heads import check_whole_sequence, head_splits, whole_over_tp
+from spmd.parallel.step._heads import check_whole_sequence, head_splits, positional_params, whole_over_tp, whole_sequence_products
 from spmd.parallel.step._model_checks import check_model_params, check_seen, check_state_params, held_params
 from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
 from spmd.parallel.styles._hooks import Hooks
@@ -544,21 +544,25 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
 
             sync = nn.intercept_methods(_sync_batch_norm(data)) if batch_norm == "sync" and data else \
                 contextlib.nullcontext()
-            with hooks.installed(), sync, _context(mb):
+            with hooks.installed(), sync, _context(mb, hooks):
                 out, new = _split_stats(loss_fn(params_tree, stats, mb), stats, "make_train_step")
             loss, aux = _split_loss(out, "make_train_step")
             return loss, (aux, new)
-        with hooks.installed(), _context(mb):
+        with hooks.installed(), _context(mb, hooks):
             out = nnx_loss(pm.module, loss_fn, params_tree, mb, hooks) if nnx_model else loss_fn(params_tree, mb)
         loss, aux = _split_loss(out, "make_train_step")
         return loss, (aux, None)
 
     attention: list = []  # the attention calls of one micro-batch over cp (filled when the step is traced)
 
-    def _context(mb):
+    positional: set = set()  # the parameters added to the sequence row by row (a learned position table; prepare)
+    whole_seq: set = set()  # the modules run on the sequence gathered over cp: a model's own attention (prepare)
+
+    def _context(mb, hooks):
         if cp is None:
             return contextlib.nullcontext()
-        calls = ContextCalls(mesh.jax_mesh, n_cp, seq_len(mb), cp)
+        calls = ContextCalls(mesh.jax_mesh, n_cp, seq_len(mb), cp, gathered=frozenset(whole_seq))
+        hooks.around = calls.around
         attention.clear()
         attention.append(calls)
         return calls.installed()
@@ -683,10 +687,28 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                 jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr
                 whole.update(whole_over_tp(head_splits(jaxpr)))
                 traced.clear()
-            if cp is not None:  # a model's own attention over the whole cut sequence: refused, naming the fix
-                check_whole_sequence(jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr, seq_len(batch),
-                                     n_cp)
+            if cp is not None and n_cp > 1:
+                _find_gathered(state, batch)
             checked.append(True)
+
+    def _find_gathered(state: TrainState, batch: Any) -> None:
+        """A model's own attention (a product of scores over the whole cut sequence, outside the intercepted
+        calls): the innermost module computing it that takes the [batch, seq, ...] sequence runs on the sequence
+        gathered over cp (``ContextCalls.around``); none: refused, naming the fix."""
+        t = seq_len(batch)
+        jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr
+        n_params = len(entries)  # the state's leaves: its step, then the parameters (plan order)
+        positional.update(entries[i].path for i in positional_params(jaxpr, jaxpr.invars[1:1 + n_params], t))
+        products = whole_sequence_products(jaxpr, t)
+        seen = attention[0].seen if attention else {}
+        for _, stack in products:
+            mods = [m for m in scopes_of(stack) if m and seen.get(m)]  # a submodule: not the model itself
+            if mods and not any(m in whole_seq for m in mods):
+                whole_seq.add(mods[-1])
+        if products:  # traced again with the gathers; what is left is refused
+            jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr
+            check_whole_sequence(jaxpr, t, n_cp, lambda stack: any(m in whole_seq for m in scopes_of(stack)))
+            traced.clear()
 
     def run(state: TrainState, batch: Any):
         batch = _as_arrays(batch)
@@ -703,7 +725,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             jax.eval_shape(step, state, batch)
         comm = step_communication(plan, pm, traced, accum_steps=accum_steps)
         if cp is not None and n_cp > 1:
-            comm = with_context(comm, plan, attention[0] if attention else None, accum_steps, bool(data))
+            comm = with_context(comm, plan, attention[0] if attention else None, accum_steps, bool(data),
+                                positional)
         if pm.ep is not None:
             comm = with_experts(comm, ep_traced, accum_steps)
         return comm

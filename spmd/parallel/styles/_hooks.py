@@ -72,6 +72,9 @@ class Hooks:
         self.records: list[dict] = []  # one per styled call over tp: the communication table's activation terms
         self.ep_records: list[dict] = []  # the calls styled on the ep dim (spmd.parallel.styles._experts)
         self.bypass = False
+        # the step's hook around a call on a sequence cut over cp (``spmd.parallel.context._calls.ContextCalls``):
+        # ``around(call, run)`` runs ``call`` (``run(call)``: its styles) its own way, or returns ``NotImplemented``
+        self.around: Callable | None = None
         self.layouts = TPCalls(self)
         self.ti, self.island = self.layouts.ti, self.layouts.island
 
@@ -110,6 +113,13 @@ class Hooks:
         runs whole over tp (``TPCalls.around``); else as it is."""
         if self.bypass:
             return call.next()
+        if self.around is not None:
+            out = self.around(call, self._styled)
+            if out is not NotImplemented:
+                return out
+        return self._styled(call)
+
+    def _styled(self, call: ModuleCall) -> Any:
         style = self.style_of(call)
         if style is not None:
             return call.returned(style.run_call(call))
