@@ -129,17 +129,25 @@ def _change(x, axis: str, given: Any, desired: Any, where: str):
     return lax.all_to_all(x, axis, split_axis=desired.dim % x.ndim, concat_axis=given.dim % x.ndim, tiled=True)
 
 
-def _check_experts_dims(where: str, style: Any, call, x, given: Any, desired: Any) -> None:
+def _check_experts_dims(where: str, style: Any, call, x, given: Any, desired: Any) -> bool:
     """The routing the style relies on, checked on the call's first input ``x``: its ``desired`` dim (the experts
     dim, cut over ep for the computation) holds one slot per expert of the module, ``ep`` times the leading dim
     of its local parameters (expert ``e`` on rank ``e // (E / ep)``, as ``Shard(0)`` holds them), and its ``given``
     dim (the tokens' groups, cut over ep as the batch is) is another dim. Anything else would all_to_all a dim
-    that is not the experts' (a module on the tokens themselves, ``[tokens, d]``; buffers in another order)."""
+    that is not the experts' (a module on the tokens themselves, ``[tokens, d]``; buffers in another order).
+    False (nothing checked): a style whose plan cuts none of the module's parameters on their leading dim."""
     if not (isinstance(given, Shard) and isinstance(desired, Shard)):
-        return
-    plan = call.hooks.plan
-    ep = dict(zip(plan.mesh_dim_names, plan.mesh_shape))[call.hooks.model.ep.mesh_dim]
-    lead = {int(np.shape(v)[0]) for _, v in call.params() if np.ndim(v)}
+        return False
+    hooks, plan = call.hooks, call.hooks.plan
+    ei = plan.mesh_dim_names.index(hooks.model.ep.mesh_dim)
+    ep = plan.mesh_shape[ei]
+    lead = set()  # the local experts of the parameters the plan cuts on their leading dim over ep
+    for path, v in call.params():
+        p = hooks.entry_for(path, v).placements[ei]
+        if np.ndim(v) and isinstance(p, Shard) and p.dim % np.ndim(v) == 0:
+            lead.add(int(np.shape(v)[0]))
+    if not lead:  # a style on ep that does not cut its parameters' leading dim: no experts dim to check
+        return False
     shape = tuple(np.shape(x))
     e_dim, t_dim = desired.dim % max(len(shape), 1), given.dim % max(len(shape), 1)
     if len(lead) != 1 or len(shape) < 2 or e_dim == t_dim or shape[e_dim] != ep * next(iter(lead)):
@@ -152,6 +160,7 @@ def _check_experts_dims(where: str, style: Any, call, x, given: Any, desired: An
             "[E, groups, capacity, d] (experts_dim=0, token_dim=1): give the dims the module's input has, or route "
             "the tokens into such buffers before the experts module (a module called on [tokens, d] or on gathered "
             "tokens is not expert-parallel as it is).")
+    return True
 
 
 def _check_tied(where: str, call, moved, desired: Any) -> None:
@@ -206,9 +215,10 @@ def run_on_ep(style: ParallelStyle, call) -> Any:
     if x is None or not hasattr(x, "shape"):
         raise ValueError(f"{where}: the module is called without an array as its first argument ({call.args!r}); "
                          "a style on ep exchanges the module's first input (the dispatched tokens).")
-    _check_experts_dims(where, style, call, x, given, desired)
+    checked = _check_experts_dims(where, style, call, x, given, desired)
     moved = _change(x, axis, given, desired, where)
-    _check_tied(where, call, moved, desired)
+    if checked:
+        _check_tied(where, call, moved, desired)
     with call.local_params():
         y = call.next((moved, *call.args[1:]), call.kwargs)
     if not hasattr(y, "shape") or np.ndim(y) != moved.ndim or any(
