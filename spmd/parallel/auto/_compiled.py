@@ -7,9 +7,10 @@ the compiled step:
 
 - **memory**: ``argument + output + temp - alias`` (``StepMemory``), XLA's own peak per device;
 - **compute**: ``flops`` and ``bytes accessed`` of XLA's cost analysis of the partitioned (per-device)
-  program. XLA counts a loop's body once, whatever its trip count: a step with gradient accumulation is
-  costed as the same layout's step without it on the whole batch (``accum_steps=1``): the same forward and
-  backward work, and the optimizer's update once.
+  program. XLA counts a loop's body once, whatever its trip count: a loop of known trip count (an ``nn.scan``
+  stack of blocks) has its other trips added from the HLO (``spmd.parallel.cost._loops``); a step with
+  gradient accumulation is costed as the same layout's step without it on the whole batch
+  (``accum_steps=1``): the same forward and backward work, and the optimizer's update once.
 
 The program is compiled with LLVM's code generation unoptimized (``READ_ONLY``: XLA's HLO passes, buffer
 assignment and cost analysis run before it, so the numbers are those of the optimized compile).

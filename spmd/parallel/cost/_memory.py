@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd.parallel.cost._calibrate import program_ops
+from spmd.parallel.cost._loops import loop_extra
 from spmd.parallel.styles._remat import checkpoint_policy
 
 __all__ = ["Profile", "memory_floor", "READ_ONLY"]
@@ -52,10 +53,13 @@ def _nbytes(tree: Any) -> int:
 
 
 def _cost(compiled) -> tuple[float, float]:
-    """(flops, bytes accessed) of a compiled program (XLA's ``cost_analysis``)."""
+    """(flops, bytes accessed) of a compiled program: XLA's ``cost_analysis``, plus what its loops' other trips
+    add (XLA counts a ``while`` body once: ``spmd.parallel.cost._loops``), so an ``nn.scan`` stack costs what
+    its unrolled layers do."""
     c = compiled.cost_analysis()
     c = c[0] if isinstance(c, (list, tuple)) else c
-    return float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0))
+    f, b = loop_extra(compiled.as_text())
+    return float(c.get("flops", 0.0)) + f, float(c.get("bytes accessed", 0.0)) + b
 
 
 def _median_seconds(fn: Callable, args: tuple, rounds: int) -> float:
