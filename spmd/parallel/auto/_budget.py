@@ -56,9 +56,9 @@ def weighed_policies(loss: Callable, params: Any, batch: Any, devices: list, rej
     out = []
     for p in CHECKPOINTING:
         if policy_names(p) and not names & set(policy_names(p)):
-            rejected.append((f"ac={p}", f"the model names none of the tensors {p!r} keeps ({', '.join(policy_names(p))}: "
-                                        "jax.ad_checkpoint.checkpoint_name); it would keep the blocks' inputs only, "
-                                        "as 'full' does"))
+            names = ", ".join(policy_names(p))
+            rejected.append((f"ac={p}", f"the model names none of the tensors {p!r} keeps ({names}: jax.ad_checkpoint"
+                                        ".checkpoint_name); it would keep the blocks' inputs only, as 'full' does"))
             continue
         why = offload_refusal(devices) if p == "offload" else None
         if why:
@@ -102,10 +102,9 @@ def parts(memory: dict) -> str:
 def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...], rejected: list,
              policies: tuple[str, ...] = CHECKPOINTING) -> list[Candidate]:
     """The variants of a layout that does not fit the budget which do: per activation-checkpointing policy
-    (none, then ``policies``, ``CHECKPOINTING``'s weighed for the model, on the blocks ``units``; not under a pipeline, which recomputes its stages
-    already; FSDP units re-gathered for the backward pass save their matmul outputs already: ``"full"`` alone
-    is a variant of them), the
-    least gradient accumulation that fits, where the micro-batches divide the replica's rows; a policy that
+    (none, then ``policies``, ``CHECKPOINTING``'s weighed for the model, on the blocks ``units``; not under a
+    pipeline, which recomputes its stages already; FSDP units re-gathered for the backward pass save their
+    matmul outputs already: ``"dots"`` is no variant of them), the least gradient accumulation that fits, where the micro-batches divide the replica's rows; a policy that
     needs no less accumulation than a lighter one (in ``CHECKPOINTING``'s order) is dropped. None fitting:
     the smallest variant, for the error. A variant that cannot be built goes to ``rejected`` with its reason."""
     lay = c.layout

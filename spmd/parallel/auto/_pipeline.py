@@ -16,10 +16,14 @@ and asked for its own table (``step.communication``, equal to the compiled HLO);
   (embeddings, head, loss) once per micro-batch on the end ranks (4/3 of its step share: recomputed once;
   over ``min(alone_speedup, pp)`` on a shared host, the other ranks' cores its own),
   the optimizer's update of the rank's shards (``optimizer_compute_s``); each backward tick's passes over the
-  rank's whole stacked stage (the stage-sized cotangent and its sum into the accumulator, gathered over fsdp):
-  ``STAGE_PASSES`` times the optimizer's update of those bytes timed on every device at once
-  (``stage_shapes``); each collective kind's count times its calibrated cost curve at their mean size, and
-  the dispatch.
+  rank's stacked stage gradient (gathered over fsdp; ``stage_passes``, counted from the step's code,
+  ``pipelining._step``: the accumulator carried into the tick's ``lax.switch`` and out of it, its operand and
+  its result, 2 passes of the stage, and ``add_chunk``'s slice read, the chunk's gradient read and their sum
+  written, 3 passes of a chunk, ``1 / stages_per_rank`` of the stage), each pass priced at the optimizer
+  update's seconds per pass over the same bytes: its update of the stage timed on every device at once
+  (``stage_shapes``) over the passes its compiled program makes over the parameters (its bytes accessed over
+  the parameter bytes: 10 for AdamW); each collective kind's count times its calibrated cost curve at their
+  mean size, and the dispatch.
 - **memory**: a lower bound, the state (arguments and outputs), the batch slice and the stash (the schedule's
   ``activation_slots + gradient_slots`` and the two scratch slots, ``spmd.parallel.pipelining._memory``);
   the peak is the compiled step's (``spmd.parallel.auto._compiled``).
@@ -40,10 +44,15 @@ from spmd.parallel.plan._param_plan import path_str
 from spmd.parallel.pipelining._comm import STAGES
 from spmd.parallel.pipelining._pipeline import unit_modules
 
-__all__ = ["pipeline_cost", "pipeline_layouts", "stage_shapes", "PERMUTE", "STAGE_PASSES"]
+__all__ = ["pipeline_cost", "pipeline_layouts", "stage_shapes", "stage_passes", "PERMUTE"]
 
 PERMUTE = "collective-permute"
-STAGE_PASSES = 1.0  # a backward tick's passes over the stacked stage, in optimizer updates of its bytes
+
+
+def stage_passes(stages_per_rank: int) -> float:
+    """A backward tick's passes over the rank's stacked stage gradient (see the module doc): 2 (the accumulator
+    into and out of the tick's branch) + 3 of the chunk it adds to (``1 / stages_per_rank`` of the stage)."""
+    return 2 + 3 / stages_per_rank
 
 
 def count_units(params: Any, glob: str) -> int:
@@ -135,10 +144,12 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     share = state.plan.bytes_per_device / max(profile.param_bytes, 1)
     per_step = _replayed(s, t_f, 3 * t_f, cal.alone_speedup) + s.num_microbatches * ends / min(cal.alone_speedup,
                                                                                                layout.pp)
-    # each backward tick passes over the rank's whole stacked stage (its cotangent, the accumulator's sum):
-    # STAGE_PASSES x the optimizer's update of those bytes, timed on every device at once (stage_s)
+    # each backward tick passes over the rank's stacked stage gradient stage_passes times, a pass priced at the
+    # optimizer's update of those bytes (stage_s, timed on every device at once) over its own passes over them
     ticks_b = layout.accum_steps * s.num_microbatches * s.stages_per_rank
-    compute = layout.accum_steps * per_step * anchor + optimizer_s + STAGE_PASSES * ticks_b * stage_s
+    per_pass = stage_s * profile.param_bytes / max(ob, 1.0)
+    compute = (layout.accum_steps * per_step * anchor + optimizer_s
+               + ticks_b * stage_passes(s.stages_per_rank) * per_pass)
 
     tp = c.get("tp")
     none = {k: {"count": 0, "bytes": 0} for k in KINDS}
