@@ -197,9 +197,6 @@ LAYOUTS = {"dp": {"dp": 8}, "fsdp": {"fsdp": 8}, "hsdp": {"dp": 2, "fsdp": 4}, "
 REFUSED: dict[tuple[str, str], tuple[type, str]] = {
     ("resnet_bn", "pipeline"): (ValueError, re.escape("init_train_state: batch_stats= is not supported by "
                                                       "PipelineModule")),
-    # each FlaxBertLayer gets its own head-mask slot and flags: the pipeline needs one call signature per unit
-    ("hf_bert", "pipeline"): (ValueError, re.escape("pipeline: unit 'bert/encoder/layer/1' is called with other "
-                                                    "arguments than 'bert/encoder/layer/0' (besides the activation)")),
     # the decoder's blocks take the encoder's output, which depends on the (encoder's) parameters
     ("hf_bart", "pipeline"): (ValueError, re.escape("pipeline: the units 'model/decoder/layers/0'") + ".*"
                               + re.escape("are called with an array besides the activation that depends on the "

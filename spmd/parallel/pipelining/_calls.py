@@ -9,7 +9,10 @@ swapped for ones that route their calls here (the user's model object is never t
   each unit call. A unit's first positional argument is the activation; its other arguments (``side``: an
   attention mask, position ids, ``deterministic=True``) must be the same in every unit call (the same
   arrays, equal settings) and must not depend on the parameters, since each stage computes them again from
-  its micro-batch (the pre-unit code, whose dead part XLA removes). A unit returns the next activation, or a
+  its micro-batch (the pre-unit code, whose dead part XLA removes); or an array of one shape that differs
+  per unit but is a constant (depends on neither the batch, the parameters nor the activation: Hugging
+  Face's BERT hands each layer its row of a head mask built from ``head_mask=None``), computed once
+  (``unit_consts``), each stage picking its units' rows. A unit returns the next activation, or a
   pytree holding it as its one array (Hugging Face's ``(hidden_states,)``); the model must pass it on.
 - ``pre``: ``loss_fn`` run up to the first unit call: its activation and side arrays;
 - ``post``: ``loss_fn`` with every unit call returning its recorded output around the injected activation
@@ -23,6 +26,8 @@ import contextlib
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from spmd.parallel.styles._nnx import hook_submodules, installed_hooks
 
@@ -76,6 +81,13 @@ class _Slot:
     """Where a side array goes in the recorded arguments of a unit call."""
 
 
+class _UnitSlot:
+    """Where a unit's own constant goes in its call's arguments (``UnitCalls.unit_consts[k]``, by unit)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+
 def _depends(jaxpr, flags: list[bool]) -> list[bool]:
     """Which outputs of ``jaxpr`` depend on the inputs flagged (an equation's outputs all depend on any input)."""
     from jax.extend.core import Literal
@@ -96,6 +108,8 @@ class UnitCalls:
         self.act = None  # the activation's ShapeDtypeStruct
         self.side_tree = None  # (args[1:], kwargs) of a unit call, its array leaves _Slot
         self.side_shapes: list = []  # the side arrays' ShapeDtypeStructs
+        self.side_pos: list[int] = []  # their positions in a unit call's flattened (args[1:], kwargs)
+        self.unit_consts: dict = {}  # position -> [L, ...]: an argument that is a constant of its own per unit
         self.out = None  # (treedef, leaves, index of the activation) of a unit's output
         self.unit = None  # linen: the first unit's module (unbound); nnx: (graphdef, param treedef)
         self.units_of: list = []  # each unit's (as ``unit``), in call order
@@ -152,10 +166,13 @@ class UnitCalls:
             leaves, tree = jax.tree_util.tree_flatten(side)
             if calls:
                 p0, side0 = calls[0][0], calls[0][4]
-                if tree != side0[1] or any((a is not b) if _is_array(a) else (a != b) for a, b in zip(leaves, side0[0])):
+                if tree != side0[1] or any(
+                        (not _is_array(b) or (a.shape, a.dtype) != (b.shape, b.dtype)) if _is_array(a) else (a != b)
+                        for a, b in zip(leaves, side0[0])):
                     raise ValueError(f"pipeline: unit {path!r} is called with other arguments than {p0!r} (besides the "
                                      "activation); every unit must get the same ones (one attention mask, one "
-                                     "deterministic flag), which each stage computes again from its micro-batch.")
+                                     "deterministic flag), which each stage computes again from its micro-batch, or "
+                                     "constants of one shape (a head mask's row per unit).")
                 if calls[-1][2] is not args[0]:
                     raise ValueError(f"pipeline: unit {path!r} does not take the output of {calls[-1][0]!r}; the units "
                                      "must chain (x = block(x) for each block, in order).")
@@ -183,12 +200,53 @@ class UnitCalls:
                              "place in the chain.")
         _, self.unit, _, x, (leaves, tree), o, _ = calls[0]
         self.act = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        self.side_tree = jax.tree_util.tree_unflatten(tree, [_Slot if _is_array(a) else a for a in leaves])
-        self.side_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves if _is_array(a)]
+        # an array argument that is another array in some unit's call: a constant per unit (unit_consts)
+        varying = sorted({k for c in calls[1:] for k, (a, b) in enumerate(zip(c[4][0], leaves))
+                          if _is_array(a) and a is not b})
+        self.unit_consts = self._unit_constants(loss_fn, params, mb, varying, [c[0] for c in calls])
+        self.side_pos = [k for k, a in enumerate(leaves) if _is_array(a) and k not in self.unit_consts]
+        self.side_tree = jax.tree_util.tree_unflatten(tree, [
+            _UnitSlot(k) if k in self.unit_consts else _Slot if _is_array(a) else a for k, a in enumerate(leaves)])
+        self.side_shapes = [jax.ShapeDtypeStruct(leaves[k].shape, leaves[k].dtype) for k in self.side_pos]
         self.out = (o[0], [None if _is_array(y) else y for y in o[1]], o[2])
         self._group([c[1] for c in calls], [c[6] for c in calls])
         if self.side_shapes:
             self._check_side(loss_fn, params, mb)
+
+    def _unit_constants(self, loss_fn, params, mb, positions: list[int], names: list[str]) -> dict:
+        """``{argument position: [L, ...] array}``: the side arguments at ``positions`` (flattened ``(args[1:],
+        kwargs)``) that differ between units, each unit's value, in unit order. They must be constants (depend on
+        neither the batch, the parameters nor the activation: a head mask's rows): each stage holds them all and
+        picks its units' rows. One abstract trace; their values from one compiled program of only them."""
+        if not positions:
+            return {}
+        from jax.extend.core import jaxpr_as_fun
+
+        def sides(p, b):
+            got = []
+
+            def on_unit(path, mod, call, args, kwargs):
+                leaves = jax.tree_util.tree_leaves((tuple(args[1:]), dict(kwargs)))
+                got.append([leaves[k] for k in positions])
+                return call(*args, **kwargs)
+
+            self.run(loss_fn, p, b, on_unit)
+            return got
+
+        closed = jax.make_jaxpr(sides)(params, mb)
+        dep = _depends(closed.jaxpr, [True] * len(closed.jaxpr.invars))
+        if any(dep):
+            i = dep.index(True)
+            unit, k = names[max(1, i // len(positions))], positions[i % len(positions)]  # one that differs
+            raise ValueError(f"pipeline: unit {unit!r} is called with other arguments than {names[0]!r} (besides the "
+                             f"activation): its argument {k} after the activation (flattened) differs between units "
+                             "and depends on the batch, the parameters or the activation; every unit must get the "
+                             "same ones, which each stage computes again from its micro-batch, or constants (a head "
+                             "mask's row per unit).")
+        zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+        values = jax.jit(lambda: jaxpr_as_fun(closed)(*zeros))()  # the constants only: XLA drops the rest
+        n = len(positions)
+        return {k: np.stack([np.asarray(values[u * n + c]) for u in range(len(names))]) for c, k in enumerate(positions)}
 
     def _record_scan(self, loss_fn: Callable, params: Any, mb: Any) -> None:
         """``record`` of a scanned stack: its layer's calls (one per trace of the scan's body: the layer's
@@ -296,9 +354,11 @@ class UnitCalls:
         kp, ptree = jax.tree_util.tree_flatten_with_path(ps)
         return gd, ptree, [path_str(k) for k, _ in kp]
 
-    def _side(self, side: list):
+    def _side(self, side: list, unit=0):
+        """The unit call's other arguments: the stage's side arrays, and unit ``unit``'s constants."""
         it = iter(side)
-        return jax.tree.map(lambda a: next(it) if a is _Slot else a, self.side_tree)
+        return jax.tree.map(lambda a: next(it) if a is _Slot else jnp.asarray(self.unit_consts[a.k])[unit]
+                            if isinstance(a, _UnitSlot) else a, self.side_tree)
 
     def _output(self, h):
         tree, leaves, i = self.out
@@ -310,7 +370,8 @@ class UnitCalls:
         if self.lay.scanned:
             return self.cut(rest, mb), []
         def on_unit(path, mod, call, args, kwargs):
-            raise _Stop(args[0], [a for a in jax.tree.leaves((tuple(args[1:]), dict(kwargs))) if _is_array(a)])
+            leaves = jax.tree_util.tree_leaves((tuple(args[1:]), dict(kwargs)))
+            raise _Stop(args[0], [leaves[k] for k in self.side_pos])
 
         try:
             self.run(loss_fn, self.lay.full_params(rest), mb, on_unit)
@@ -327,17 +388,17 @@ class UnitCalls:
 
         return self.run(loss_fn, self.lay.full_params(rest), mb, on_unit)
 
-    def apply_unit(self, leaves: list, x, side: list = (), kind: int = 0):
+    def apply_unit(self, leaves: list, x, side: list = (), kind: int = 0, unit=0):
         """One unit of ``kind`` (``kind_of``; 0: the first unit's) on its parameters (``leaves``, in
-        ``StageLayout.rel`` order) and the stage's side arrays."""
-        return self._apply(self.units_of[self.kinds[kind]], leaves, x, side)
+        ``StageLayout.rel`` order), the stage's side arrays and unit ``unit``'s constants (``unit_consts``)."""
+        return self._apply(self.units_of[self.kinds[kind]], leaves, x, side, unit)
 
     def difference(self, a: int, b: int) -> str:
         """What units ``a`` and ``b`` (indices) differ in: ``name=value vs value``."""
         return _difference(self.configs[a], self.configs[b])
 
-    def _apply(self, unit, leaves: list, x, side: list = ()):
-        args, kwargs = self._side(list(side))
+    def _apply(self, unit, leaves: list, x, side: list = (), index=0):
+        args, kwargs = self._side(list(side), index)
         if self.kind == "nnx":
             from flax import nnx
 

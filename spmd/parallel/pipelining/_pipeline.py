@@ -308,8 +308,8 @@ class StageLayout:
     def post(self, loss_fn, rest, mb, h):
         return self.calls.post(loss_fn, rest, mb, h)
 
-    def apply_unit(self, leaves: list, x, side: list = (), kind: int = 0):
-        return self.calls.apply_unit(leaves, x, side, kind)
+    def apply_unit(self, leaves: list, x, side: list = (), kind: int = 0, unit=0):
+        return self.calls.apply_unit(leaves, x, side, kind, unit)
 
     @property
     def kind_rows(self) -> np.ndarray:

@@ -338,11 +338,12 @@ class _Stages:
             self.slot_kinds.append((used, np.vectorize(lambda k: used.index(k) if k >= 0 else 0)(
                 kinds[:, :, l]).astype(np.int32)))
 
-    def unit_call(self, k: int, leaves: list, x, side):
-        """A unit of kind ``k`` (``UnitCalls.kind_of``), named (tp) by its kind's first unit."""
+    def unit_call(self, k: int, leaves: list, x, side, unit=0):
+        """A unit of kind ``k`` (``UnitCalls.kind_of``), named (tp) by its kind's first unit; ``unit``: its index
+        (its constants' row, ``UnitCalls.unit_consts``)."""
         lay = self.lay
         with self.hooks.unit(lay.units[lay.calls.kinds[k]]) if self.hooks else contextlib.nullcontext():
-            return lay.apply_unit(leaves, x, side, kind=k)
+            return lay.apply_unit(leaves, x, side, kind=k, unit=unit)
 
     def chunk_of(self, sp: dict, j) -> dict:
         """Chunk ``j``'s units of each stacked parameter: ``[lc, ...]``."""
@@ -361,13 +362,15 @@ class _Stages:
         lay = self.lay
         if lay.scanned:  # a slice of a scanned stack: a scan over its layers (its program one layer's size)
             return lax.scan(lambda h, ls: (self.unit_call(0, ls, h, side), None), x, [spj[rel] for rel in lay.rel])[0]
+        rows = np.maximum(np.asarray(lay.rows).reshape(lay.valid.shape), 0)  # [pp, v, lc]: each slot's unit
         for l in range(self.lc):
             leaves = [spj[rel][l] for rel in lay.rel]
             used, idx = self.slot_kinds[l]
+            u = jnp.asarray(rows[:, :, l])[r, j] if lay.calls.unit_consts else 0
             if len(used) == 1:
-                y = self.unit_call(used[0], leaves, x, side)
+                y = self.unit_call(used[0], leaves, x, side, u)
             else:  # the slot holds units of several kinds across ranks / chunks: each runs its own
-                y = lax.switch(jnp.asarray(idx)[r, j], [lambda ls, x, sd, k=k: self.unit_call(k, ls, x, sd)
+                y = lax.switch(jnp.asarray(idx)[r, j], [lambda ls, x, sd, k=k: self.unit_call(k, ls, x, sd, u)
                                                         for k in used], leaves, x, side)
             x = jnp.where(self.valid[r, j, l], y, x) if self.skip else y
         return x

@@ -9,6 +9,7 @@ collectives (permutes, all-reduces, all-gathers, reduce-scatters: count and byte
 from __future__ import annotations
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -144,30 +145,75 @@ class _Block(nn.Module):
 
 
 class _Biased(nn.Module):
-    """Blocks that take a side array: the same parameter (``shared``) or a different one per block (``per_unit``)."""
+    """Blocks that take a side array: the same parameter (``shared``), a constant of its own per block
+    (``per_unit``: a head mask's row), or one per block computed from the batch (``per_unit_batch``)."""
     mode: str
 
     @nn.compact
     def __call__(self, tok):
         x = nn.Embed(VOCAB, 8)(tok)
         bias = self.param("bias", nn.initializers.zeros, (8,))
-        for i in range(2):
-            side = bias if self.mode == "shared" else jnp.full((8,), float(i))
+        for i in range(4):
+            side = {"shared": bias, "per_unit": jnp.full((8,), 0.1 * i), "zero": jnp.zeros((8,)),
+                    "per_unit_batch": jnp.full((8,), 0.1 * i) * tok.mean()}[self.mode]
             x = _Block(name=f"layers_{i}")(x, side)
-        return x.sum()
+        return x
 
 
-@pytest.mark.parametrize("mode,match", [("shared", "depends on the parameters"),
-                                        ("per_unit", "called with other arguments than 'layers_0'")])
-def test_side_arrays_a_stage_cannot_compute_again_are_refused(mode, match):
+def _biased(mode):
     mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
     m = _Biased(mode)
     params = m.init(jax.random.key(0), jnp.zeros((2, 4), jnp.int32))["params"]
     pm = pipeline(m, mesh["pp"], units="layers_*", num_microbatches=2, schedule="1f1b")
+    return m, params, pm
+
+
+@pytest.mark.parametrize("mode,match", [("shared", "depends on the parameters"),
+                                        ("per_unit_batch", "pipeline: unit 'layers_1' is called with other arguments "
+                                                           "than 'layers_0' (besides the activation): its argument 0 "
+                                                           "after the activation (flattened) differs between units and "
+                                                           "depends on the batch")])
+def test_side_arrays_a_stage_cannot_compute_again_are_refused(mode, match):
+    m, params, pm = _biased(mode)
     state = init_train_state(pm, OPT, params=params)
-    step = make_train_step(pm, lambda p, b: pm.apply({"params": p}, b["inputs"]), OPT)
-    with pytest.raises(ValueError, match=match):
+    step = make_train_step(pm, lambda p, b: pm.apply({"params": p}, b["inputs"]).sum(), OPT)
+    with pytest.raises(ValueError, match=re.escape(match)):
         step.lower(state, {"inputs": np.zeros((16, 4), np.int32)})
+
+
+@pytest.mark.slow
+def test_a_constant_of_its_own_per_unit_is_carried():
+    """Each block gets a constant of its own (Hugging Face's BERT: a row of the head mask it builds from
+    ``head_mask=None``): each stage holds the rows and picks its units'; 3 SGD steps equal 1-device training
+    (on pp=2 x dp=4, 1F1B, two blocks per stage), the compiled collectives equal the table."""
+    m, params, pm = _biased("per_unit")
+    opt = optax.sgd(0.1)
+
+    head = (0.3 * np.random.default_rng(1).normal(size=(8, VOCAB))).astype(np.float32)  # fixed: to logits
+
+    def loss(mod):
+        return lambda p, b: _ce(mod.apply({"params": p}, b["inputs"]) @ head, b)
+
+    batch = _batch(n=16)
+    ref_losses, ref = train_one_device(params, [batch] * 3, loss(m), opt)
+    state = init_train_state(pm, opt, params=params)
+    step = make_train_step(pm, loss(pm), opt)
+    got = hlo_executed_collectives(step.compiled(state, batch).as_text(), scalars=False)
+    want = step.communication(state, batch)
+    for kind in ("collective-permute", "all-reduce", "all-gather", "reduce-scatter"):
+        assert got[kind]["bytes"] == want[kind]["bytes"], kind
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params, atol=1e-5)
+    (lay,) = pm._layouts.values()
+    np.testing.assert_array_equal(lay.calls.unit_consts[0], np.array([[0.1 * i] * 8 for i in range(4)], np.float32))
+    assert ref_losses[-1] < ref_losses[0]
+    # every block given the first block's constant (zero) trains to other values, far beyond the tolerance
+    zero_losses, _ = train_one_device(params, [batch] * 3, loss(_Biased("zero")), opt)
+    assert abs(zero_losses[-1] - ref_losses[-1]) > 1e-3
 
 
 @pytest.mark.slow
