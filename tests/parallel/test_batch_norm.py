@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +21,8 @@ import optax
 import pytest
 
 import spmd
-from spmd.parallel import activation_checkpointing, fully_shard, init_train_state, make_train_step, unshard_params
+from spmd.parallel import (activation_checkpointing, executed_collectives, fully_shard, init_train_state,
+                           make_train_step, unshard_params)
 from tests._one_device import assert_trees_close
 from tests.zoo.resnet import ResNet
 
@@ -172,3 +174,55 @@ def test_a_checkpoint_keeps_the_running_statistics(tmp_path):
         restored, _ = ckpt.restore(abstract_like(fresh))
     assert_trees_close(restored.batch_stats, moved, atol=0)
     assert not np.allclose(restored.batch_stats["bn_init"]["mean"], _variables()["batch_stats"]["bn_init"]["mean"])
+
+
+class _ConvNorm(nn.Module):
+    """A convolution, a BatchNorm over its 6 channels (``fast``: flax's one-pass variance), a classifier."""
+    fast: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(6, (3, 3), use_bias=False)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=False, use_fast_variance=self.fast, name="bn")(x))
+        return nn.Dense(5, name="head")(x.mean((1, 2)))
+
+
+@pytest.mark.parametrize("fast,batch_norm", [(True, "sync"), (False, "sync"), (True, "broadcast")])
+def test_batch_norm_statistics_are_in_the_table_as_compiled(fast, batch_norm):
+    model = _ConvNorm(fast=fast)
+    v = model.init(jax.random.key(0), _batch()["image"][:2])
+
+    def loss(params, batch_stats, batch):
+        logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, batch["image"],
+                                      mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), updates["batch_stats"]
+
+    mesh = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    state = init_train_state(model, OPT, params=v["params"], batch_stats=v["batch_stats"], mesh=mesh)
+    step = make_train_step(model, loss, OPT, batch_norm=batch_norm, mesh=mesh)
+    comm = step.communication(state, _batch())
+    # sync: flax averages the mean and the mean of squares of the 6 channels in float32, stacked in one
+    # all-reduce (fast variance) or one each, and the backward pass all-reduces their cotangents the same way;
+    # broadcast: rank 0's running mean and variance, one all-reduce each
+    per_pass = [2 * 6 * 4] if fast else [6 * 4, 6 * 4]
+    want = ({"count": 2 * len(per_pass), "bytes": 2 * sum(per_pass)} if batch_norm == "sync"
+            else {"count": 2, "bytes": 2 * 6 * 4})
+    assert comm["batch_stats"]["all-reduce"] == want
+    hlo = executed_collectives(step, state, _batch(), scalars=False)
+    for kind, want in comm["total"].items():
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (want["count"], want["bytes"]), (kind, hlo, comm)
+
+
+def test_sync_batch_norm_in_fsdp_units_the_table_is_the_compiled_step():
+    # each unit's re-gather recomputes its forward pass: its BatchNorms' all-reduces run again (the table's
+    # recomputed term)
+    v = _variables()
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "fsdp"))
+    model = fully_shard(MODEL, mesh=mesh, units=["ResNetBlock_*"])
+    state = init_train_state(model, OPT, params=v["params"], batch_stats=v["batch_stats"])
+    step = make_train_step(model, loss_fn, OPT, batch_norm="sync")
+    comm = step.communication(state, _batch())
+    assert comm["recomputed"]["all-reduce"]["count"] == 5  # the 5 BatchNorms inside the two blocks
+    hlo = executed_collectives(step, state, _batch(), scalars=False)
+    for kind, want in comm["total"].items():
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (want["count"], want["bytes"]), (kind, hlo, comm)

@@ -11,8 +11,8 @@ import numpy as np
 import optax
 
 import spmd
-from spmd.parallel import init_train_state, make_train_step
-from spmd.parallel.step._grad_layout import transposed_dot_grads
+from spmd.parallel import executed_collectives, init_train_state, make_train_step
+from spmd.parallel.step._grad_layout import transposed_dot_grads, zero_grads
 
 
 class _TwoWays(nn.Module):
@@ -66,6 +66,52 @@ def test_ddp_step_with_the_rule_equals_one_device():
     for _ in range(3):
         state, metrics = step(state, {"x": x, "y": y})
         value, g = jax.value_and_grad(loss_fn)(ref, {"x": x, "y": y})
+        u, s = opt.update(g, s, ref)
+        ref = optax.apply_updates(ref, u)
+        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+class _FrozenBias(nn.Module):
+    """A Dense, then a bias added under ``stop_gradient`` (BART's ``final_logits_bias``) and one never read."""
+
+    @nn.compact
+    def __call__(self, x):
+        frozen = self.param("frozen", nn.initializers.normal(0.1), (1, 5))
+        self.param("unused", nn.initializers.zeros, (3,))
+        return nn.Dense(5, name="dense")(x) + jax.lax.stop_gradient(frozen)
+
+
+def test_zero_gradients_are_flagged_and_neither_reduced_nor_in_the_table():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(8, 5)), jnp.float32)
+    model = _FrozenBias()
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss_fn(p, b):
+        return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    value, bwd = jax.vjp(lambda p: loss_fn(p, {"x": x, "y": y}), params)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    got = {jax.tree_util.keystr(k): z for (k, _), z in zip(leaves, zero_grads(jax.make_jaxpr(bwd)(jnp.ones_like(value))))}
+    assert got == {"['dense']['bias']": False, "['dense']['kernel']": False, "['frozen']": True, "['unused']": True}
+
+    opt = optax.adamw(1e-2)
+    mesh = spmd.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    state = init_train_state(model, opt, params=params, mesh=mesh)
+    step = make_train_step(model, loss_fn, opt, mesh=mesh)
+    batch = {"x": x, "y": y}
+    comm = step.communication(state, batch)
+    # the dense kernel and bias alone are averaged: 3 x 5 + 5 floats
+    assert comm["total"]["all-reduce"] == {"count": 2, "bytes": (3 * 5 + 5) * 4}
+    hlo = executed_collectives(step, state, batch, scalars=False)
+    assert (hlo["all-reduce"]["buffers"], hlo["all-reduce"]["bytes"]) == (2, (3 * 5 + 5) * 4)
+    ref, s = params, opt.init(params)
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        value, g = jax.value_and_grad(loss_fn)(ref, batch)
         u, s = opt.update(g, s, ref)
         ref = optax.apply_updates(ref, u)
         np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)

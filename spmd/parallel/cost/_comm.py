@@ -36,6 +36,20 @@ HLO reader's ``buffers`` and ``bytes`` are what equal this table).
   code reads it on the device's sequences: a position table; GSPMD sums it). The whole parameter is
   counted: a model reading a slice of it (``pos[:t]`` with ``t`` below its length) moves the slice.
 
+- **recomputed** (a ``jax.checkpoint`` of the user's own, such as ``nn.remat`` around scanned blocks, whose
+  policy keeps neither an FSDP unit's gathered parameters nor a tp collective's result): the collectives the
+  backward pass runs again in its recomputation of the forward pass, read off the traced backward pass
+  (``spmd.parallel.cost._recompute``), per buffer and loop trip.
+
+- **batch statistics** (a state with ``batch_stats``): with ``batch_norm="sync"`` (torch's ``SyncBatchNorm``),
+  per ``nn.BatchNorm`` call that computes statistics, flax's all-reduce of its moments over the data dims (the
+  mean and the mean of squares stacked: 2 x features x 4 B; one each without ``use_fast_variance``), and its
+  transpose in the backward pass (read off the traced backward pass: none where the input has no gradient);
+  with ``"broadcast"`` (DDP's buffers), one all-reduce per statistics array (rank 0's, the others' zeros).
+
+A parameter whose gradient is zero by construction (read under ``stop_gradient`` only, or not at all: the
+backward pass's own instantiated zero, ``spmd.parallel.step._grad_layout.zero_grads``) is not reduced and
+not counted (a reduce-scatter only when every parameter of its buffer is such).
 Scalars (the loss, metrics, the global norm's partial sums) are not counted.
 """
 
@@ -82,8 +96,9 @@ def _cast(e, dtype) -> int:
     return e.local_nbytes // e.itemsize * np.dtype(dtype).itemsize
 
 
-def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dict:
-    """The fsdp and dp terms of one step."""
+def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1, zero: frozenset = frozenset()) -> dict:
+    """The fsdp and dp terms of one step; ``zero``: the paths of the parameters whose gradient is zero by
+    construction (not reduced)."""
     out = _table()
     fsdp = model.fsdp
     sizes = dict(zip(plan.mesh_dim_names, plan.mesh_shape))
@@ -104,11 +119,12 @@ def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dic
         for buf in _gather_buffers(plan, ents, ti):
             _add(out, "all-gather", sum(_cast(e, mp and mp.param_dtype) for e in buf) * n_fsdp,
                  (2 if regather else 1) * layers)
-            _add(out, "reduce-scatter", sum(_cast(e, mp and (mp.reduce_dtype or mp.param_dtype)) for e in buf) * n_fsdp,
-                 layers)
+            if not all(e.path in zero for e in buf):
+                _add(out, "reduce-scatter",
+                     sum(_cast(e, mp and (mp.reduce_dtype or mp.param_dtype)) for e in buf) * n_fsdp, layers)
     names = plan.mesh_dim_names
     for e in plan.entries:  # averaged over the data dims it is whole on (fsdp and ep cuts sum over theirs)
-        if int(np.prod([sizes[d] for d in data if e.shard_dim(names.index(d)) is None])) > 1:
+        if e.path not in zero and int(np.prod([sizes[d] for d in data if e.shard_dim(names.index(d)) is None])) > 1:
             out["all-reduce"]["count"] += 1
             out["all-reduce"]["bytes"] += e.local_nbytes
     return out
@@ -181,14 +197,21 @@ def batch_cut_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dic
     return out
 
 
-def step_communication(plan: ParamPlan, model: Any, records: Sequence[dict], *, accum_steps: int = 1) -> dict:
-    """``{"parameters": {kind: {count, bytes}}, "activations": {...}, "total": {...}, "modules": [...]}``."""
-    par = parameter_terms(plan, model, accum_steps=accum_steps)
+def step_communication(plan: ParamPlan, model: Any, records: Sequence[dict], *, accum_steps: int = 1,
+                       zero: frozenset = frozenset(), recomputed: dict | None = None,
+                       batch_stats: dict | None = None) -> dict:
+    """``{"parameters": {kind: {count, bytes}}, "activations": {...}, "recomputed": {...}, "total": {...},
+    "modules": [...]}``. ``zero``: the paths of the parameters whose gradient is zero by construction;
+    ``recomputed``: the collectives a checkpoint's recomputation runs again (``_recompute``), per step;
+    ``batch_stats``: SyncBatchNorm's all-reduces of its statistics, per step (a ``"batch_stats"`` term)."""
+    par = parameter_terms(plan, model, accum_steps=accum_steps, zero=zero)
     act = activation_terms(records, accum_steps=accum_steps)
     ws = batch_cut_terms(plan, model, accum_steps=accum_steps)
     act = {k: {f: act[k][f] + ws[k][f] for f in ("count", "bytes")} for k in KINDS}
-    total = {k: {f: par[k][f] + act[k][f] for f in ("count", "bytes")} for k in KINDS}
-    return {"parameters": par, "activations": act, "total": total, "modules": list(records)}
+    rec, bn = recomputed or _table(), batch_stats or _table()
+    total = {k: {f: par[k][f] + act[k][f] + rec[k][f] + bn[k][f] for f in ("count", "bytes")} for k in KINDS}
+    return {"parameters": par, "activations": act, "recomputed": rec, "batch_stats": bn, "total": total,
+            "modules": list(records)}
 
 
 def format_communication(comm: dict) -> str:
@@ -198,6 +221,10 @@ def format_communication(comm: dict) -> str:
     lines = [f"step communication per device: {line(comm['total'])}",
              f"  parameters (fsdp / dp): {line(comm['parameters'])}",
              f"  activations (tp): {line(comm['activations'])}"]
+    if any(v["count"] for v in comm.get("batch_stats", {}).values()):
+        lines.append(f"  batch statistics (BatchNorm): {line(comm['batch_stats'])}")
+    if any(v["count"] for v in comm.get("recomputed", {}).values()):
+        lines.append(f"  recomputed (a checkpoint's forward pass again): {line(comm['recomputed'])}")
     if "context" in comm:  # a mesh with cp (spmd.parallel.context._calls): the attention calls and the cp reduction
         lines.append(f"  context (cp): {line(comm['context'])}")
         for r in comm["attention"]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from jax.extend.core import Literal
 
-__all__ = ["transposed_dot_grads"]
+__all__ = ["transposed_dot_grads", "zero_grads"]
 
 _UNARY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reduce_precision"})
 _LOOPS = frozenset({"scan", "while", "cond"})
@@ -59,3 +59,33 @@ def transposed_dot_grads(closed: Any) -> list[bool]:
 
     jaxpr = closed.jaxpr
     return [len(getattr(v.aval, "shape", ())) == 2 and walk(jaxpr, v, "transpose") for v in jaxpr.outvars]
+
+
+def zero_grads(closed: Any) -> list[bool]:
+    """For each output of ``closed`` (the ``ClosedJaxpr`` of a backward pass): whether it is a zero by
+    construction, JAX's instantiation of a symbolic zero cotangent (a parameter the loss reads under
+    ``stop_gradient`` only, or not at all): a literal 0, or a ``broadcast_in_dim`` of one, through calls and
+    dtype converts. Such a gradient needs no reduction (XLA would drop it: the table must not count it)."""
+    producers = {id(v): (e, i) for e in closed.jaxpr.eqns for i, v in enumerate(e.outvars)}
+
+    def zero(jaxpr, var, depth: int = 0) -> bool:
+        if isinstance(var, Literal):
+            return not bool(getattr(var.val, "any", lambda: var.val)())
+        if depth > 64:
+            return False
+        table = producers if jaxpr is closed.jaxpr else {id(v): (e, i) for e in jaxpr.eqns
+                                                         for i, v in enumerate(e.outvars)}
+        hit = table.get(id(var))
+        if hit is None:
+            return False
+        eqn, i = hit
+        name = eqn.primitive.name
+        sub = eqn.params.get("jaxpr")
+        if sub is not None and name not in _LOOPS:
+            inner = getattr(sub, "jaxpr", sub)
+            return len(inner.outvars) == len(eqn.outvars) and zero(inner, inner.outvars[i], depth + 1)
+        if name in _UNARY or name == "broadcast_in_dim":
+            return zero(jaxpr, eqn.invars[0], depth + 1)
+        return False
+
+    return [zero(closed.jaxpr, v) for v in closed.jaxpr.outvars]

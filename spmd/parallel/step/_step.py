@@ -43,7 +43,8 @@ from spmd.parallel.plan._checks import (check_batch_leaves, check_loss, check_op
 from spmd.parallel.cost._comm import format_communication, step_communication
 from spmd.parallel.context._calls import ContextCalls, check_seq, scopes_of, seq_len, with_context
 from spmd.parallel.styles._experts import with_experts
-from spmd.parallel.step._grad_layout import transposed_dot_grads
+from spmd.parallel.cost._recompute import SYNC_BN, recomputed_collectives
+from spmd.parallel.step._grad_layout import transposed_dot_grads, zero_grads
 from spmd.parallel.step._heads import check_whole_sequence, head_splits, positional_params, whole_over_tp, whole_sequence_products
 from spmd.parallel.step._model_checks import check_model_params, check_seen, check_state_params, held_params
 from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
@@ -485,9 +486,13 @@ def _split_stats(out: Any, stats: Any, where: str) -> tuple[Any, Any]:
     return out, new
 
 
-def _sync_batch_norm(axes: tuple[str, ...]):
+def _sync_batch_norm(axes: tuple[str, ...], calls: list | None = None):
     """``nn.intercept_methods`` interceptor: every ``nn.BatchNorm`` without an ``axis_name`` of its own computes
-    its batch statistics over ``axes`` (flax's own ``axis_name`` mean: torch's ``SyncBatchNorm``)."""
+    its batch statistics over ``axes`` (flax's own ``axis_name`` mean: torch's ``SyncBatchNorm``). ``calls``:
+    each such call that computes statistics appends its reductions' buffer sizes in bytes (flax's
+    ``_compute_stats``: the mean and the mean of squares stacked in one ``pmean``, or one ``pmean`` each without
+    ``use_fast_variance``; in float32 at least), and runs under ``SYNC_BN`` (the backward pass's transposes of
+    those means are read off it)."""
     import flax.linen as nn
 
     name = axes[0] if len(axes) == 1 else axes
@@ -496,9 +501,20 @@ def _sync_batch_norm(axes: tuple[str, ...]):
         mod = context.module
         if not (isinstance(mod, nn.BatchNorm) and context.method_name == "__call__" and mod.axis_name is None):
             return next_fun(*args, **kwargs)
+        if calls is not None and not mod.is_initializing():
+            running = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
+            if not nn.merge_param("use_running_average", mod.use_running_average, running):
+                x = args[0]
+                feats = [x.shape[a % x.ndim] for a in (mod.axis if isinstance(mod.axis, (tuple, list)) else (mod.axis,))]
+                dt = jnp.result_type(x) if mod.dtype is None else jnp.dtype(mod.dtype)
+                if mod.force_float32_reductions:
+                    dt = jnp.promote_types(dt, jnp.float32)
+                c = int(np.prod(feats)) * np.dtype(dt).itemsize
+                calls.extend([2 * c] if mod.use_fast_variance else [c, c])
         object.__setattr__(mod, "axis_name", name)  # read by BatchNorm.__call__ only; restored right after
         try:
-            return next_fun(*args, **kwargs)
+            with jax.named_scope(SYNC_BN):
+                return next_fun(*args, **kwargs)
         finally:
             object.__setattr__(mod, "axis_name", None)
 
@@ -542,7 +558,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         if stats is not None:
             import flax.linen as nn
 
-            sync = nn.intercept_methods(_sync_batch_norm(data)) if batch_norm == "sync" and data else \
+            bn_calls.clear()
+            sync = nn.intercept_methods(_sync_batch_norm(data, bn_calls)) if batch_norm == "sync" and data else \
                 contextlib.nullcontext()
             with hooks.installed(), sync, _context(mb, hooks):
                 out, new = _split_stats(loss_fn(params_tree, stats, mb), stats, "make_train_step")
@@ -575,11 +592,12 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                 out[i] = y
         return out
 
-    def reduce(hooks: Hooks, g: list, flip: list) -> list:
-        """The gradients averaged over the data dims; a ``flip`` one reduced transposed (``_grad_layout``)."""
+    def reduce(hooks: Hooks, g: list, flip: list, zero: list) -> list:
+        """The gradients averaged over the data dims; a ``flip`` one reduced transposed, a ``zero`` one (zero
+        by construction) not at all (``_grad_layout``)."""
         g = list(g)
         kinds = list(dict.fromkeys(cut_over))
-        groups = [([i for i in range(len(g)) if cut_over[i] == k], tuple(d for d in data if d not in k),
+        groups = [([i for i in range(len(g)) if cut_over[i] == k and not zero[i]], tuple(d for d in data if d not in k),
                    int(np.prod([sizes[d] for d in k]))) for k in kinds]
         for idx, axes, scale in groups:
             if not idx:
@@ -607,8 +625,12 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
 
             loss, backward, (aux, new_stats) = jax.vjp(loss_of, leaves, has_aux=True)
             seed = jnp.ones_like(loss)  # jax.grad's
-            flip = transposed_dot_grads(jax.make_jaxpr(backward)(seed))
+            closed = jax.make_jaxpr(backward)(seed)
+            flip, zero = transposed_dot_grads(closed), zero_grads(closed)
             (g,) = backward(seed)
+            recomputed.clear()
+            recomputed.append(recomputed_collectives(closed, sizes))
+            recomputed.append(recomputed_collectives(closed, sizes, scope=SYNC_BN))
             if new_stats is not None and data:
                 if batch_norm == "broadcast":  # data rank 0's statistics, on every rank (DDP's broadcast_buffers)
                     first = functools.reduce(jnp.logical_and, [lax.axis_index(d) == 0 for d in data])
@@ -633,8 +655,11 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             ((loss, (aux, _)), gf), _ = lax.scan(one, zero, micro)
             loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
             (g,) = scatter([x / accum_steps for x in gf])
-            flip = [False] * len(g)
-        g = reduce(hooks, g, flip)
+            flip = zero = [False] * len(g)
+            recomputed.clear()
+        g = reduce(hooks, g, flip, zero)
+        zeros.clear()
+        zeros.extend(e.path for e, z in zip(entries, zero) if z)
         metrics = {"loss": loss, **aux}
         if data:
             metrics = jax.tree.map(lambda m: lax.pmean(m, data), metrics)
@@ -644,6 +669,10 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         ep_traced.extend(records.ep_records if accum_steps > 1 else hooks.ep_records)
         return unflat(g), metrics, new_stats
 
+    zeros: list = []  # the paths of the parameters whose gradient is zero by construction (filled when traced)
+    recomputed: list = []  # the collectives a checkpoint's recomputation runs again, and the backward pass's
+    # all-reduces of SyncBatchNorm's statistics (filled when traced)
+    bn_calls: list = []  # the forward all-reduces of SyncBatchNorm's statistics, bytes each (filled when traced)
     whole: dict = {}  # the projections run whole over tp: {module: heads}, read from the traced step (prepare)
     ep_traced: list = []  # the calls styled on the ep dim, of one micro-batch
     traced: list = []  # the styled calls of one micro-batch, (module, style, input bytes, output bytes): the
@@ -723,7 +752,17 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         prepare(state, batch)
         if not traced:  # not traced yet: trace it (the styled calls and their shapes; nothing runs)
             jax.eval_shape(step, state, batch)
-        comm = step_communication(plan, pm, traced, accum_steps=accum_steps)
+        stats = None
+        if state.batch_stats is not None and n_data > 1:
+            stats = {k: {"count": 0, "bytes": 0} for k in ("all-gather", "reduce-scatter", "all-reduce")}
+            if batch_norm == "sync":  # forward: each BatchNorm's means; backward: their transposes
+                back = recomputed[1]["all-reduce"] if len(recomputed) > 1 else {"count": 0, "bytes": 0}
+                stats["all-reduce"] = {"count": len(bn_calls) + back["count"], "bytes": sum(bn_calls) + back["bytes"]}
+            else:  # rank 0's new statistics, summed with the others' zeros: one all-reduce per array
+                leaves = [x for x in jax.tree.leaves(state.batch_stats) if np.ndim(x)]
+                stats["all-reduce"] = {"count": len(leaves), "bytes": sum(int(x.nbytes) for x in leaves)}
+        comm = step_communication(plan, pm, traced, accum_steps=accum_steps, zero=frozenset(zeros),
+                                  recomputed=recomputed[0] if recomputed else None, batch_stats=stats)
         if cp is not None and n_cp > 1:
             comm = with_context(comm, plan, attention[0] if attention else None, accum_steps, bool(data),
                                 positional)

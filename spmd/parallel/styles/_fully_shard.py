@@ -37,7 +37,9 @@ from spmd.parallel.styles._remat import checkpoint_policy
 from spmd.parallel.styles._styles import ParallelStyle
 from spmd.parallel.styles._tp_calls import _is_array, split_arrays
 
-__all__ = ["FullyShardUnit"]
+__all__ = ["FullyShardUnit", "REGATHER"]
+
+REGATHER = "spmd_fsdp_regather"  # the named scope of a unit's backward pass: its re-gather, the fsdp term's
 
 _SAVED = checkpoint_policy("dots")  # a re-gathering unit's residuals: the matmul outputs and the tp results
 
@@ -163,7 +165,8 @@ class FullyShardUnit(ParallelStyle):
 
         def bwd(res, ct):
             leaves, treedef = jax.tree_util.tree_flatten(res)  # the re-gather cannot run (or merge) before ct
-            return jax.tree_util.tree_unflatten(treedef, _plus_zero(leaves, _zero_from(hooks, ct), kinds))(ct)
+            with jax.named_scope(REGATHER):
+                return jax.tree_util.tree_unflatten(treedef, _plus_zero(leaves, _zero_from(hooks, ct), kinds))(ct)
 
         unit.defvjp(fwd, bwd)
         return unit(shards, arrays)

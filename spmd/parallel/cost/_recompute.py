@@ -1,0 +1,86 @@
+"""The collectives a backward pass runs again because a ``jax.checkpoint`` recomputes the forward pass around
+them: a user's own ``nn.remat`` / ``jax.checkpoint`` (inside an ``nn.scan`` or not) whose policy does not keep
+an FSDP unit's gathered parameters or a tensor-parallel collective's result.
+
+What a checkpoint recomputes is decided by JAX's partial evaluation under the checkpoint's own policy; the
+backward pass it builds runs the recomputation under the name ``rematted_computation``
+(``jax._src.ad_checkpoint``). This reads that program (the ``ClosedJaxpr`` of the step's backward pass,
+traced before the step compiles): each collective traced under ``rematted_computation`` is one the step runs
+once more, counted per buffer in the table's byte convention (all-gather: the gathered result, all-reduce: the
+buffer, reduce-scatter: the input), times the trip count of the loops (``scan``) around it. The step's own
+re-gather of a ``fully_shard`` unit (``reshard_after_forward``: ``spmd.parallel.styles._fully_shard``) runs
+under ``REGATHER``: its all-gathers are left out (the fsdp term counts them), its other collectives (a
+SyncBatchNorm's means, which its policy does not keep) are counted. Collectives over mesh dims of size 1 and on
+scalars are not counted (the table's convention).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from spmd.parallel.styles._fully_shard import REGATHER
+
+__all__ = ["recomputed_collectives", "RECOMPUTED", "SYNC_BN"]
+
+RECOMPUTED = "rematted_computation"  # JAX's name for a checkpoint's recomputation in the backward pass
+SYNC_BN = "spmd_sync_batch_norm"  # the named scope of a BatchNorm call whose statistics the step averages
+
+_KIND = {"all_gather": "all-gather", "psum": "all-reduce", "psum_invariant": "all-reduce",
+         "reduce_scatter": "reduce-scatter"}
+_AXES = {"psum": "axes", "psum_invariant": "axes"}
+
+
+def _nbytes(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _group(eqn: Any, sizes: Mapping[str, int]) -> int:
+    names = eqn.params.get(_AXES.get(eqn.primitive.name, "axis_name"), ())
+    names = names if isinstance(names, (tuple, list)) else (names,)
+    return int(np.prod([sizes.get(n, 1) for n in names if isinstance(n, str)], dtype=np.int64))
+
+
+def recomputed_collectives(closed: Any, sizes: Mapping[str, int], scope: str | None = None) -> dict:
+    """``{kind: {"count", "bytes"}}`` of the collectives ``closed`` (a backward pass's ``ClosedJaxpr``) runs
+    in a checkpoint's recomputation (see the module doc); ``sizes``: mesh dim name -> size. ``scope``: instead,
+    those it runs under that named scope outside any recomputation (a SyncBatchNorm's transposed means)."""
+    out = {k: {"count": 0, "bytes": 0} for k in ("all-gather", "reduce-scatter", "all-reduce")}
+
+    seen: set = set()
+
+    def walk(jaxpr: Any, stack: tuple, trips: int, source: dict) -> None:
+        for eqn in jaxpr.eqns:
+            here = stack + tuple(str(eqn.source_info.name_stack).split("/"))
+            n = trips * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else trips
+            kind = _KIND.get(eqn.primitive.name)
+            path = "/".join(here)  # a scope's name may come wrapped: transpose(jvp(name))
+            hit = (RECOMPUTED in path and not (REGATHER in path and kind == "all-gather")) if scope is None else (
+                scope in path and RECOMPUTED not in path)
+            if kind is not None and hit and _group(eqn, sizes) > 1:
+                # one all-gather of a value however many modules gather it (a sequence-parallel input that q,
+                # k and v read): XLA merges equal ones
+                key = (eqn.primitive.name, tuple(source.get(id(v), id(v)) for v in eqn.invars),
+                       repr(sorted(eqn.params.items())))
+                if kind != "all-gather" or key not in seen:
+                    seen.add(key)
+                    for a in [v.aval for v in (eqn.outvars if kind == "all-gather" else eqn.invars)]:
+                        if getattr(a, "shape", ()) != ():
+                            out[kind]["count"] += n
+                            out[kind]["bytes"] += n * _nbytes(a)
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                    if inner is not None and hasattr(inner, "eqns"):
+                        inner_source = dict(source)  # a call's parameters are the values it is called on
+                        if len(inner.invars) == len(eqn.invars):
+                            inner_source.update({id(iv): source.get(id(ov), id(ov))
+                                                 for iv, ov in zip(inner.invars, eqn.invars)})
+                        walk(inner, here, n, inner_source)
+
+    from jax.interpreters import partial_eval as pe
+
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+    walk(jaxpr, (), 1, {})  # what the outputs need (a recomputed value nothing reads is not run: XLA drops it too)
+    return out
