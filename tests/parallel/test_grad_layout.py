@@ -4,6 +4,8 @@ training."""
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -108,6 +110,47 @@ def test_zero_gradients_are_flagged_and_neither_reduced_nor_in_the_table():
     assert comm["total"]["all-reduce"] == {"count": 2, "bytes": (3 * 5 + 5) * 4}
     hlo = executed_collectives(step, state, batch, scalars=False)
     assert (hlo["all-reduce"]["buffers"], hlo["all-reduce"]["bytes"]) == (2, (3 * 5 + 5) * 4)
+    ref, s = params, opt.init(params)
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        value, g = jax.value_and_grad(loss_fn)(ref, batch)
+        u, s = opt.update(g, s, ref)
+        ref = optax.apply_updates(ref, u)
+        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+class _TwoDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(6, name="out")(jnp.tanh(nn.Dense(32, name="hidden")(x)))
+
+
+def _dot_shapes(hlo: str) -> set:
+    return {tuple(int(d) for d in m.split(",")) for m in re.findall(r"= f32\[([\d,]+)\]\{[\d,]*\} dot\(", hlo)}
+
+
+def test_under_accumulation_the_weight_gradients_stay_in_their_dots_layout_and_equal_one_device():
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(32, 16)).astype(np.float32), "y": rng.normal(size=(32, 6)).astype(np.float32)}
+    model = _TwoDense()
+    params = model.init(jax.random.key(0), batch["x"])["params"]
+
+    def loss_fn(p, b):
+        return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    opt = optax.sgd(0.1)
+    mesh = spmd.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    state = init_train_state(model, opt, params=params, mesh=mesh)
+    step = make_train_step(model, loss_fn, opt, mesh=mesh, accum_steps=2)
+    # each kernel's gradient is accumulated as its dot computes it, [out, in] (the kernels are [in, out]):
+    # no dot computes a kernel-shaped [in, out] result (the transpose folded into it)
+    dots = _dot_shapes(step.compiled(state, batch).as_text())
+    assert {(32, 16), (6, 32)} <= dots and not {(16, 32), (32, 6)} & dots, dots
+    comm = step.communication(state, batch)["total"]["all-reduce"]
+    hlo = executed_collectives(step, state, batch, scalars=False)["all-reduce"]
+    assert (hlo["buffers"], hlo["bytes"]) == (comm["count"], comm["bytes"]) == (4, (16 * 32 + 32 + 32 * 6 + 6) * 4)
     ref, s = params, opt.init(params)
     for _ in range(3):
         state, metrics = step(state, batch)

@@ -123,6 +123,28 @@ def test_scanned_blocks_train_equal_to_one_device_and_the_table_is_the_loops_col
         assert calls["layers.up"] == calls["layers.down"] == 2
 
 
+@pytest.mark.parametrize("spec", [pytest.param("tp+sp", marks=pytest.mark.slow), "3d"])
+def test_a_users_remat_under_accumulation_trains_equal_to_one_device_and_its_table_is_the_compiled_step(spec):
+    # each micro-batch's backward pass recomputes the blocks (under sequence parallelism: their input gathers)
+    params, ref_losses, ref_params = _reference("remat")
+    model = _layout(ScannedMLP(vocab=VOCAB, **MODELS["remat"]), spec)
+    state = init_train_state(model, OPT, EXAMPLE, params=params)
+    step = make_train_step(model, _loss(model), OPT, accum_steps=2)
+    losses = []
+    for i in range(STEPS):
+        state, metrics = step(state, _batch(i))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_trees_close(unshard_params(model, state), ref_params)
+    hlo = executed_collectives(step, state, _batch(0), scalars=False)
+    comm = step.communication(state, _batch(0))
+    if spec == "tp+sp":
+        assert comm["recomputed"]["all-gather"]["count"] == 2 * 2  # 2 layers, 2 micro-batches
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        want = comm["total"][kind]
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (want["count"], want["bytes"]), (kind, hlo, comm["total"])
+
+
 def _nnx_loss(m, batch):
     return optax.softmax_cross_entropy_with_integer_labels(m(batch["inputs"]), batch["targets"]).mean()
 

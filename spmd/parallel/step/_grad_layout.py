@@ -8,7 +8,10 @@ its fast matmul path (YNNPACK), several times slower on the shapes of a layer's 
 partitioner puts the all-reduce right after the dot, before the transpose, and keeps the dot canonical. The
 step does the same for the gradients that are the transpose of a dot's output: it reduces ``g.T`` (the dot's
 own output: the two transposes cancel) and transposes the reduced block back. The collective and its bytes
-are unchanged. Decided per gradient from the program (the backward jaxpr), not from module types or names.
+are unchanged. With ``accum_steps > 1`` the flagged gradients (those reduced over the data dims, not
+reduce-scattered) accumulate over the micro-batches in the dot's own layout too (the loop's carry holds
+``g.T``), so the dot inside the loop stays canonical, and are reduced so. Decided per gradient from the
+program (the backward jaxpr; one micro-batch's under accumulation), not from module types or names.
 """
 
 from __future__ import annotations

@@ -645,18 +645,33 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             full, scatter = jax.vjp(lambda ls: gathered(hooks, ls, plan.units), leaves)
             micro = jax.tree.map(lambda x: x.reshape(accum_steps, n_local // accum_steps, *x.shape[1:]), batch)
             grad_fn = jax.value_and_grad(lambda ls, mb: run_loss(plain, unflat(ls), mb), has_aux=True)
+            # one micro-batch's backward pass, traced alone: the carry's shapes, and the gradient-layout rule
+            # (a flagged gradient accumulates as its dot's output, transposed, and is reduced so)
+            closed = jax.make_jaxpr(lambda ls, mb: jax.value_and_grad(
+                lambda l: run_loss(Hooks(pm, plan, gather_units=False, whole_heads=whole), unflat(l), mb),
+                has_aux=True)(ls)[1])(full, jax.tree.map(
+                    lambda x: x[0], micro))
+            flip = transposed_dot_grads(closed)
+            on_scatter = [any(e.shard_dim(names.index(d)) is not None for d in data) for e in entries]
+            flip = [f and not c for f, c in zip(flip, on_scatter)]  # a dp-reduced gradient only (reduce's)
 
             def one(carry, mb):
-                return jax.tree.map(jnp.add, carry, grad_fn(full, mb)), None
+                (value, aux_mb), gr = grad_fn(full, mb)
+                gr = [x.T if f else x for x, f in zip(gr, flip)]
+                return jax.tree.map(jnp.add, carry, ((value, aux_mb), gr)), None
 
             shapes = jax.eval_shape(jax.value_and_grad(lambda ls, mb: run_loss(records, unflat(ls), mb), has_aux=True),
                                     full, jax.tree.map(lambda x: x[0], micro))
+            shapes = (shapes[0], [jax.ShapeDtypeStruct(x.shape[::-1], x.dtype) if f else x
+                                  for x, f in zip(shapes[1], flip)])
             zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             ((loss, (aux, _)), gf), _ = lax.scan(one, zero, micro)
             loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
-            (g,) = scatter([x / accum_steps for x in gf])
-            flip = zero = [False] * len(g)
-            recomputed.clear()
+            (g,) = scatter([(x.T if f else x) / accum_steps for x, f in zip(gf, flip)])
+            zero = [False] * len(g)
+            recomputed.clear()  # a checkpoint's recomputation, once per micro-batch
+            recomputed.append({k: {f: accum_steps * n for f, n in v.items()}
+                               for k, v in recomputed_collectives(closed, sizes).items()})
         g = reduce(hooks, g, flip, zero)
         zeros.clear()
         zeros.extend(e.path for e, z in zip(entries, zero) if z)
