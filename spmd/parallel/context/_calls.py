@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import re
 from typing import Any, Callable
 
@@ -46,7 +47,7 @@ from spmd.parallel.plan._param_plan import ParamPlan
 from spmd.parallel.styles._tp_calls import TP_COMM
 from spmd.parallel.styles._transforms import CP_DIM
 
-__all__ = ["CP", "ContextCalls", "attention_terms", "check_seq", "from_zigzag", "lookup_terms", "seq_len", "to_zigzag",
+__all__ = ["CALL_SCOPE", "CP", "ContextCalls", "attention_terms", "check_seq", "from_zigzag", "lookup_terms", "seq_len", "to_zigzag",
            "with_context"]
 
 CP = CP_DIM  # the mesh dim name of the sequence cut
@@ -105,6 +106,7 @@ def _nbytes(shape, dtype) -> int:
 
 
 _SCOPE = re.compile(r"spmd\[([^\]]*)\]")
+CALL_SCOPE = "spmd_cp_attention"  # the scope an intercepted attention call runs under
 
 
 def scope_name(fqn: str) -> str:
@@ -120,6 +122,24 @@ def scopes_of(name_stack: str) -> list[str]:
 
 def _is_seq(x: Any, seq_len: int) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype") and np.ndim(x) >= 2 and x.shape[1] == seq_len
+
+
+def _uniform(x, depth: int = 0) -> bool:
+    """Whether traced ``x`` is one constant broadcast (``jnp.ones`` of a mask a model makes when none is given):
+    read from how the trace built it (its producing equation), so it is never gathered."""
+    if depth > 8:
+        return False
+    const = x.get_const() if hasattr(x, "get_const") else None
+    if const is not None:
+        const = np.asarray(const)
+        return const.size == 0 or bool((const == const.reshape(-1)[0]).all())
+    eqn = getattr(x, "parent", None)
+    if eqn is None or getattr(eqn, "primitive", None) is None:
+        return False
+    if eqn.primitive.name in ("broadcast_in_dim", "convert_element_type", "reshape", "copy") \
+            and len(eqn.in_tracers) == 1:
+        return _uniform(eqn.in_tracers[0], depth + 1)
+    return False
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -171,6 +191,7 @@ class ContextCalls:
         self.attends: set[str] = set()  # the tables a tied output head (linen's Embed.attend) multiplies by
         self.seen: dict[str, bool] = {}
         self._open: set[str] = set()
+        self._local = False  # inside an intercepted call's own attention on this device's block
         self._ints: dict[int, Any] = {}  # integer inputs gathered once per trace (XLA merges the repeats), by id
 
     # --- a module run on the gathered sequence --------------------------------------------------------
@@ -215,7 +236,7 @@ class ContextCalls:
         return out
 
     def _gathered(self, x, rec):
-        if not _is_seq(x, self.seq_len):
+        if not _is_seq(x, self.seq_len) or _uniform(x):  # a constant fill (an all-ones mask) is whole already
             return x
         if not jnp.issubdtype(x.dtype, jnp.inexact):  # ids, positions, a padding mask: no gradient
             if id(x) not in self._ints:
@@ -304,6 +325,11 @@ class ContextCalls:
         def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                                   query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                                   implementation=None, return_residual=False):
+            if calls._local:  # called by a flax dot_product_attention running on this device's block
+                return orig(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                            local_window_size=local_window_size, implementation=implementation,
+                            return_residual=return_residual)
             for arg, val in (("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths),
                              ("local_window_size", local_window_size)):
                 if val is not None:
@@ -325,34 +351,40 @@ class ContextCalls:
     def _flax_call(self, orig: Callable) -> Callable:
         calls = self
         fn = "flax dot_product_attention"
+        accepted = set(inspect.signature(orig).parameters)  # linen's and nnx's differ past ``module``
 
         def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
                                   dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
-                                  force_fp32_for_softmax=False, einsum_dot_general=None, qk_attn_weights_einsum=None,
-                                  attn_weights_value_einsum=None):
+                                  **extra):
+            unknown = sorted(set(extra) - accepted)
+            if unknown:
+                raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
             if dropout_rate > 0.0 and not deterministic:
                 raise ValueError(f"{fn} under cp={calls.n}: dropout_rate={dropout_rate!r} with deterministic=False: "
                                  "attention dropout is not supported across the sequence cut; use dropout_rate=0.0 "
                                  "(or deterministic=True).")
-            for arg, val in (("einsum_dot_general", einsum_dot_general),
-                             ("qk_attn_weights_einsum", qk_attn_weights_einsum),
-                             ("attn_weights_value_einsum", attn_weights_value_einsum)):
-                if val is not None:
-                    raise ValueError(f"{fn} under cp={calls.n}: {arg}={val!r} is not supported across the sequence "
-                                     "cut; leave it None.")
+            for arg in ("einsum_dot_general", "qk_attn_weights_einsum", "attn_weights_value_einsum"):
+                if extra.get(arg) is not None:
+                    raise ValueError(f"{fn} under cp={calls.n}: {arg}={extra[arg]!r} is not supported across the "
+                                     "sequence cut; leave it None.")
             calls._check(fn, query, key, value)
+            causal = bool(extra.pop("is_causal", False))  # nnx's
+            keep = {k: v for k, v in extra.items() if v is not None}
 
             def local(q, k, v, b, m, is_causal):
-                return orig(q, k, v, b, m, deterministic=True, dtype=dtype, precision=precision,
-                            force_fp32_for_softmax=force_fp32_for_softmax)
+                return orig(q, k, v, b, m, deterministic=True, dtype=dtype, precision=precision, **keep)
 
-            out = calls._run(fn, query, key, value, bias, mask, False, None, local)
+            out = calls._run(fn, query, key, value, bias, mask, causal, None, local)
             return out.astype(dtype) if dtype is not None else out
 
         return dot_product_attention
 
     # --- the two methods -----------------------------------------------------------------------------
     def _run(self, fn, q, k, v, bias, mask, causal, scale, local):
+        with jax.named_scope(CALL_SCOPE):  # its products are across the cut already (``whole_sequence_products``)
+            return self._run_cut(fn, q, k, v, bias, mask, causal, scale, local)
+
+    def _run_cut(self, fn, q, k, v, bias, mask, causal, scale, local):
         n, axis, t = self.n, self.axis, q.shape[1] // self.n
         if q.shape[1] % n:
             raise ValueError(f"{fn} under cp={n}: the sequence has {q.shape[1]} positions, not divisible by cp={n}; "
@@ -408,7 +440,11 @@ class ContextCalls:
                 q_pos = lax.axis_index(axis) * t + jnp.arange(t)
                 keep = q_pos[:, None] >= jnp.arange(seq)[None, :]
                 m = keep if m is None else jnp.logical_and(m, keep)
-            return local(q, k_all, v_all, b, m, False)
+            self._local = True
+            try:
+                return local(q, k_all, v_all, b, m, False)
+            finally:
+                self._local = False
 
         return jax.shard_map(body, mesh=self._region_mesh(), in_specs=specs, out_specs=P(None, axis),
                              axis_names={axis}, check_vma=False)(q, k, v, *[jnp.asarray(x) for x in extra])
