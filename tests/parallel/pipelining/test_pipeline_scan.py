@@ -2,7 +2,7 @@
 ``layers`` is one ``nn.scan`` (the layer axis at 0 or at MaxText's 1, with or without ``nn.remat``) or an nnx
 ``nnx.vmap`` + ``nnx.scan`` stack. Its ``L`` layers go to the ``pp x V`` stages in equal slices, each stage a
 scan over its slice (the program does not grow with the depth). 3 SGD steps equal 1-device training within
-1e-5 under GPipe, 1F1B and interleaved, with pp alone, pp x dp and pp x fsdp; the compiled collectives equal
+1e-5 under GPipe, 1F1B and interleaved, with pp alone, pp x dp, pp x fsdp and HSDP; the compiled collectives equal
 the step's table (each micro-batch crosses each stage boundary once each way); a checkpoint's state is the
 model's own tree, the layer axis where the model keeps it."""
 
@@ -63,6 +63,7 @@ CONFIGS = {  # name: (model kind, mesh dims, schedule, M, stages_per_rank)
     "linen1-remat-1f1b-pp4": ("linen1-remat", {"pp": 4}, "1f1b", 4, 1),  # pp alone: one layer per stage
     "nnx-1f1b-pp2dp4": ("nnx", {"pp": 2, "dp": 4}, "1f1b", 2, 1),
     "nnx-gpipe-pp2fsdp4": ("nnx", {"pp": 2, "fsdp": 4}, "gpipe", 2, 1),
+    "linen0-1f1b-pp2dp2fsdp2": ("linen0", {"pp": 2, "dp": 2, "fsdp": 2}, "1f1b", 2, 1),  # HSDP stages
 }
 
 
@@ -70,7 +71,8 @@ def _pipelined(config, opt=OPT):
     kind, dims, sched, m_count, v = CONFIGS[config]
     model, params, loss, _, _ = _model(kind)
     mesh = spmd.init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
-    laid = fully_shard(model, mesh=mesh["fsdp"], units=["layers"]) if "fsdp" in dims else model
+    shard = tuple(d for d in dims if d in ("dp", "fsdp")) if "fsdp" in dims else None  # HSDP: dp and fsdp
+    laid = fully_shard(model, mesh=mesh[shard], units=["layers"]) if shard else model
     pm = pipeline(laid, mesh["pp"], units="layers", num_microbatches=m_count, schedule=sched, stages_per_rank=v)
     state = init_train_state(pm, opt, EXAMPLE, **({} if params is None else {"params": params}))
     return pm, state, make_train_step(pm, loss(pm), opt)
