@@ -261,13 +261,6 @@ class UnitCalls:
                                  "as their first positional argument; a stage passes one activation between layers "
                                  "(the scan's carry).")
             leaves, tree = jax.tree_util.tree_flatten((tuple(args[1:]), dict(kwargs)))
-            arrays = [jax.tree_util.keystr(kp) for kp, a in jax.tree_util.tree_flatten_with_path(
-                (tuple(args[1:]), dict(kwargs)))[0] if _is_array(a)]
-            if arrays:
-                raise ValueError(f"pipeline: the layers of the scanned stack {path!r} take arrays besides the "
-                                 f"activation (at {', '.join(arrays)} of (args[1:], kwargs)); pipeline stages of a "
-                                 "scanned stack carry the activation only: compute those inside the layer, or "
-                                 "pipeline the blocks as a list.")
             out = call(*args, **kwargs)
             o_leaves, o_tree = jax.tree_util.tree_flatten(out)
             outs = [i for i, y in enumerate(o_leaves) if _is_array(y)]
@@ -284,11 +277,15 @@ class UnitCalls:
             raise ValueError(f"pipeline: loss_fn never called the layers of the scanned stack {stack!r}.")
         unit, x, (leaves, tree), o, config = calls[0]
         self.unit, self.act = unit, jax.ShapeDtypeStruct(x.shape, x.dtype)
-        self.side_tree, self.side_shapes = jax.tree_util.tree_unflatten(tree, leaves), []
+        self.side_pos = [k for k, a in enumerate(leaves) if _is_array(a)]  # broadcast into the scan (a mask)
+        self.side_tree = jax.tree_util.tree_unflatten(tree, [_Slot if _is_array(a) else a for a in leaves])
+        self.side_shapes = [jax.ShapeDtypeStruct(leaves[k].shape, leaves[k].dtype) for k in self.side_pos]
         self.out = (o[0], [None if _is_array(y) else y for y in o[1]], o[2])
         n = len(self.lay.units)
         self.units_of, self.configs, self.kinds, self.kind_of = [unit], [config], [0], [0] * n
         self.cut = _ScanCut(self, loss_fn, params, mb)
+        if self.side_shapes:
+            self._check_side(loss_fn, params, mb)
 
     def _group(self, mods: list, configs: list) -> None:
         """Group the units into kinds that compute the same function: equal configurations (a linen module's
@@ -368,7 +365,7 @@ class UnitCalls:
         """``(the first unit's input, its side arrays)``: ``loss_fn`` run up to the first unit call (a scanned
         stack: up to the scan, ``_ScanCut``)."""
         if self.lay.scanned:
-            return self.cut(rest, mb), []
+            return self.cut(rest, mb)
         def on_unit(path, mod, call, args, kwargs):
             leaves = jax.tree_util.tree_leaves((tuple(args[1:]), dict(kwargs)))
             raise _Stop(args[0], [leaves[k] for k in self.side_pos])
@@ -476,16 +473,18 @@ def _shape(y):
 _MARK = None
 
 
-def _mark(x):
-    """The identity, as a primitive of its own: marks the scan body that calls the stack's layer in a jaxpr."""
+def _mark(*xs):
+    """The identity on the layer's activation and side arrays, as a primitive of its own: marks the scan body
+    that calls the stack's layer in a jaxpr, and what the layer is called on."""
     global _MARK
     if _MARK is None:
         from jax.extend.core import Primitive
 
         _MARK = Primitive("spmd_pipeline_layer")
-        _MARK.def_impl(lambda y: y)
-        _MARK.def_abstract_eval(lambda y: y)
-    return _MARK.bind(x)
+        _MARK.multiple_results = True
+        _MARK.def_impl(lambda *ys: list(ys))
+        _MARK.def_abstract_eval(lambda *ys: list(ys))
+    return _MARK.bind(*xs)
 
 
 def _has_mark(jaxpr) -> bool:
@@ -494,7 +493,7 @@ def _has_mark(jaxpr) -> bool:
     return any(e.primitive is _MARK or any(_has_mark(j) for j in jaxprs_in_params(e.params)) for e in jaxpr.eqns)
 
 
-_CALLS = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat")  # sub-jaxpr on the eqn's own inputs
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2")  # sub-jaxpr on the eqn's own inputs
 
 
 def _inner(e):
@@ -519,7 +518,8 @@ class _ScanCut:
         stack, n = lay.scanned, len(lay.units)
 
         def marked(path, mod, call, args, kwargs):
-            return calls._output(_mark(args[0]))
+            leaves = jax.tree_util.tree_leaves((tuple(args[1:]), dict(kwargs)))
+            return calls._output(_mark(args[0], *[leaves[k] for k in calls.side_pos])[0])
 
         rest = {p: lay.shapes[p] for p in lay.rest}
         closed = jax.make_jaxpr(lambda r, b: calls.run(loss_fn, lay.full_params(r), b, marked))(rest, mb)
@@ -547,9 +547,42 @@ class _ScanCut:
         if (carry.shape, carry.dtype) != (calls.act.shape, calls.act.dtype):
             raise ValueError(f"pipeline: the scan over the stack {stack!r} carries {carry.str_short()}, but its layer "
                              f"takes {calls.act.shape} {calls.act.dtype}; the carry must be the layer's activation.")
+        # the layer's side arrays: the scan's broadcast inputs (its consts), traced from the marked call up
+        self.sides = [_scan_input(e, k, stack) for k in range(1, 1 + len(calls.side_pos))]
+        self.carry = e.params["num_consts"]
 
     def __call__(self, rest, mb):
-        return _eval_until(self.jaxpr, self.consts, jax.tree.leaves((rest, mb)), self.path)
+        ins = _eval_until(self.jaxpr, self.consts, jax.tree.leaves((rest, mb)), self.path)
+        return ins[self.carry], [ins[i] for i in self.sides]
+
+
+def _scan_input(scan, k: int, stack: str) -> int:
+    """The input of ``scan`` (an equation) that operand ``k`` of the marked layer call is: one of its consts
+    (broadcast into every iteration), reached through the calls between (``nn.remat``'s)."""
+    where = f"pipeline: the layers of the scanned stack {stack!r} take an array (argument {k - 1} after the activation)"
+    path, j = [], scan.params["jaxpr"].jaxpr
+    while True:  # the equations from the scan's body down to the marked call
+        i = next(i for i, e in enumerate(j.eqns) if e.primitive is _MARK or _has_mark_eqn(e))
+        path.append((j, j.eqns[i]))
+        if j.eqns[i].primitive is _MARK:
+            break
+        sub = _inner(j.eqns[i])
+        if sub is None:
+            raise ValueError(f"{where} through a {j.eqns[i].primitive.name!r} the pipeline cannot follow.")
+        j = sub[0]
+    v = path[-1][1].invars[k]
+    for level in range(len(path) - 1, -1, -1):  # up from the marked call's jaxpr to the scan's body
+        j = path[level][0]
+        if v not in j.invars:
+            raise ValueError(f"{where} computed inside the scan's body; a stage computes the layers' other arrays "
+                             "from its micro-batch: pass them into the scan broadcast (nn.broadcast / in_axes=None).")
+        j_index = j.invars.index(v)
+        if level:
+            v = path[level - 1][1].invars[j_index]
+    if j_index >= scan.params["num_consts"]:
+        raise ValueError(f"{where} that the scan carries or slices per layer; a stage computes the layers' other "
+                         "arrays from its micro-batch: pass them into the scan broadcast (nn.broadcast / in_axes=None).")
+    return j_index
 
 
 def _has_mark_eqn(e) -> bool:
@@ -580,6 +613,6 @@ def _eval_until(jaxpr, consts, args, path):
     e = jaxpr.eqns[i]
     ins = [read(v) for v in e.invars]
     if not more:
-        return ins[e.params["num_consts"]]
+        return ins  # the scan's inputs
     sub, sub_consts = _inner(e)
     return _eval_until(sub, sub_consts, ins, more)

@@ -58,7 +58,9 @@ its slice, so the program does not grow with the depth. The stored rows are the 
 axis (``StageLayout.stack``); ``unstack`` and a checkpoint put the axis back where the model keeps it. The
 code before the scan (``pre``) is cut out of one trace of ``loss_fn`` with the layer marked
 (``spmd.parallel.pipelining._calls._ScanCut``): the scan must run the ``L`` layers once, carrying one array,
-the activation; the layer takes no other array. Tensor-parallel stages of a scanned stack are not offered.
+the activation; the layer's other arrays (a mask, positions) must enter the scan broadcast, and a stage
+computes them again from its micro-batch as the scan's inputs. Tensor-parallel stages of a scanned stack are
+not offered.
 """
 
 from __future__ import annotations

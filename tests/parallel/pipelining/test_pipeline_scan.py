@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import re
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -202,3 +204,116 @@ def test_scanned_stack_refusals():
     with pytest.raises(ValueError, match=re.escape(
             "pipeline: tensor-parallel stages of a scanned stack ('layers') are not offered")):
         init_train_state(pipeline(tpm, mesh3["pp"], units="layers", num_microbatches=2), OPT, EXAMPLE, params=params)
+
+
+# --- the layers' other arrays: broadcast into the scan (MaxText's segment ids and positions) ---------------
+class _MaskedBlock(nn.Module):
+    """A layer as MaxText calls its decoder layers: the activation, then arrays broadcast to every layer."""
+
+    @nn.compact
+    def __call__(self, x, mask, pos):
+        return x + jnp.tanh(nn.Dense(x.shape[-1], name="dense")(x)) * mask[..., None] + 0.01 * pos[..., None], None
+
+
+class _MaskedStack(nn.Module):
+    per_layer: bool = False  # the positions scanned per layer (in_axes=0) instead of broadcast
+
+    @nn.compact
+    def __call__(self, tok):
+        x = nn.Embed(VOCAB, 8, name="embed")(tok)
+        mask = (tok > 3).astype(jnp.float32)
+        pos = jnp.broadcast_to(jnp.arange(tok.shape[1]), tok.shape).astype(jnp.float32)
+        if self.per_layer:
+            pos = jnp.broadcast_to(pos, (4, *pos.shape))
+        x, _ = nn.scan(nn.remat(_MaskedBlock), variable_axes={"params": 1}, split_rngs={"params": True},
+                       in_axes=(nn.broadcast, 0 if self.per_layer else nn.broadcast), length=4)(name="layers")(
+            x, mask, pos)
+        return nn.Dense(VOCAB, name="head")(x)
+
+
+class _NNXMasked:
+    """An nnx stack whose layers take a mask, passed to ``nnx.scan`` broadcast (``in_axes=None``)."""
+
+    @staticmethod
+    def build():
+        from flax import nnx
+
+        class Block(nnx.Module):
+            def __init__(self, rngs):
+                self.up = nnx.Linear(8, 8, rngs=rngs)
+
+            def __call__(self, x, mask):
+                return x + jnp.tanh(self.up(x)) * mask[..., None]
+
+        class Stack(nnx.Module):
+            def __init__(self, rngs):
+                self.embed = nnx.Embed(VOCAB, 8, rngs=rngs)
+
+                @nnx.split_rngs(splits=4)
+                @nnx.vmap(in_axes=(0,), out_axes=0)
+                def make(rngs):
+                    return Block(rngs)
+
+                self.layers = make(rngs)
+                self.head = nnx.Linear(8, VOCAB, rngs=rngs)
+
+            def __call__(self, tok):
+                @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+                def run(x, block, mask):
+                    return block(x, mask)
+
+                return self.head(run(self.embed(tok), self.layers, (tok > 3).astype(jnp.float32)))
+
+        return Stack(nnx.Rngs(0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_layers_with_broadcast_arrays_equal_one_device_training(kind):
+    """The layers' other arrays (a mask, positions) enter the scan broadcast: each stage computes them again
+    from its micro-batch (the scan's inputs in the code before it); 3 SGD steps equal 1-device training."""
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    batch = _batch()
+    if kind == "nnx":
+        from flax import nnx
+
+        model = _NNXMasked.build()
+        graphdef, params = nnx.split(model, nnx.Param)
+        ref_losses, ref = train_one_device(params, [batch] * 3, lambda p, b: _ce(nnx.merge(graphdef, p)(b["inputs"]),
+                                                                                 b), OPT)
+        pm = pipeline(model, mesh["pp"], units="layers", num_microbatches=2, schedule="gpipe")
+        state = init_train_state(pm, OPT, EXAMPLE)
+        step = make_train_step(pm, lambda mm, b: _ce(mm(b["inputs"]), b), OPT)
+    else:
+        model = _MaskedStack()
+        params = model.init(jax.random.key(0), EXAMPLE)["params"]
+
+        def loss(mod):
+            return lambda p, b: _ce(mod.apply({"params": p}, b["inputs"]), b)
+
+        ref_losses, ref = train_one_device(params, [batch] * 3, loss(model), OPT)
+        pm = pipeline(model, mesh["pp"], units="layers", num_microbatches=2, schedule="1f1b")
+        state = init_train_state(pm, OPT, EXAMPLE, params=params)
+        step = make_train_step(pm, loss(pm), OPT)
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params, atol=1e-5)
+    assert ref_losses[-1] < ref_losses[0] - 0.05
+    (lay,) = pm._layouts.values()
+    assert len(lay.calls.side_shapes) == (1 if kind == "nnx" else 2)  # computed again on each stage
+
+
+def test_a_per_layer_array_is_refused():
+    model = _MaskedStack(per_layer=True)
+    params = model.init(jax.random.key(0), EXAMPLE)["params"]
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    pm = pipeline(model, mesh["pp"], units="layers", num_microbatches=2)
+    state = init_train_state(pm, OPT, EXAMPLE, params=params)
+    step = make_train_step(pm, lambda p, b: _ce(pm.apply({"params": p}, b["inputs"]), b), OPT)
+    with pytest.raises(ValueError, match=re.escape(
+            "pipeline: the layers of the scanned stack 'layers' take an array (argument 1 after the activation) that "
+            "the scan carries or slices per layer")):
+        step.lower(state, _batch())
