@@ -4,8 +4,8 @@
 exchanged with all-to-alls, equals 3 SGD steps of one device within 1e-5 under dp=2 x ep=4 and fsdp=2 x ep=2 x
 tp=2, the compiled step's collectives equal to the step's table; the dropped assignments the step reports
 equal a NumPy count of the capacity routing of the router's logits, with and without fully_shard units (what a
-unit sows reaches the loss); dropless and an expert count ep does not divide are refused by name, and so is an
-ep plan under a pipeline.
+unit sows reaches the loss); dropless and an expert count ep does not divide are refused by name (ep under a
+pipeline: tests/parallel/pipelining/test_pipeline_experts.py).
 """
 
 import dataclasses
@@ -179,17 +179,6 @@ def test_experts_ep_does_not_divide_are_refused():
     params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((2, T), jnp.int32))["params"]
     with pytest.raises(ValueError, match=re.escape("over ep=4, which does not divide it")):
         pm.plan(params)
-
-
-def test_ep_plan_under_a_pipeline_is_refused():
-    from spmd.parallel import pipeline
-
-    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "ep"))
-    pm = parallelize_module(MoE(CFG), mesh["ep"], {"layers_*.mlp.experts": ExpertParallel()})
-    with pytest.raises(ValueError, match=r"pipeline: model=.*: ExpertParallel\(.*\) on 'layers_\*\.mlp\.experts' \(a "
-                                         r"plan on 'ep'\) under a pipeline is not offered.* Pipeline the model without "
-                                         r"the 'ep' plan, or leave pp out"):
-        pipeline(pm, mesh["pp"], num_microbatches=2)
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import numpy as np
 
 from placements import Partial, Shard
 from spmd.parallel.pipelining._tables import ROLES
+from spmd.parallel.pipelining._tp import ep_placements
 
 __all__ = ["STAGES", "REST", "pipeline_communication", "format_pipeline_communication", "hlo_permute_pairs",
            "tp_terms"]
@@ -32,24 +33,30 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
     def nbytes(x):
         return int(np.prod(x.shape)) * x.dtype.itemsize
 
-    tp = tp_terms(pm, lay, tp_records, ticks, accum_steps) if tp_records is not None else None
+    tp = tp_terms(pm, lay, tp_records, ticks, accum_steps) if tp_records is not None and pm.tp else None
+    ep = ep_terms(pm, lay, tp_records["ep"], ticks, accum_steps) if tp_records is not None and pm.ep else None
     ab = nbytes(act)
     sent = ab // (tp["activation_cut"] if tp else 1)  # a sequence-parallel activation crosses cut over tp
     local = {e.path: e.local_nbytes for e in lay.plan.entries}  # a device's block (tp-cut: its tp block)
     cut = [rel for rel in lay.rel if lay.fsdp_dim(rel) is not None]
-    whole = sum(local[f"{STAGES}/{rel}"] for rel in lay.rel if rel not in cut)
+    experts = set(ep_placements(pm, lay))  # a rank's own experts: reduced over the data dims but ep
+    n_ep = pm.mesh.size(pm.ep.ep.mesh_dim) if pm.ep else 1
     gathered = sum(local[f"{STAGES}/{rel}"] for rel in cut) * (lay.n_fsdp or 1)  # a rank's stages, full over fsdp
-    n_other = n_data // (lay.n_fsdp or 1)
     rest_bytes = sum(local[f"{REST}/{p}"] for p in lay.rest)
-    ar = rest_bytes + (whole if n_data > 1 else 0) + (gathered // lay.n_fsdp if cut and n_other > 1 else 0)
+    ar = rest_bytes
+    for rel in lay.rel:  # each stage gradient averaged over the data dims it is whole on (fsdp: its shard)
+        others = n_data // ((lay.n_fsdp if rel in cut else 1) * (n_ep if rel in experts else 1))
+        ar += local[f"{STAGES}/{rel}"] if others > 1 else 0
     add = tp["program"] if tp else {k: {"count": 0, "bytes": 0} for k in ("all-reduce", "all-gather", "reduce-scatter")}
+    a2a = ep["program"] if ep else {"count": 0, "bytes": 0}
     return {
         "collective-permute": {"count": ops["F"] + ops["B"], "bytes": (ops["F"] + ops["B"]) * sent,
                                "pairs": pairs, "ops": {"forward": ops["F"], "backward": ops["B"]}},
         "all-reduce": {"bytes": ar + add["all-reduce"]["bytes"]},
         "all-gather": {"bytes": gathered + add["all-gather"]["bytes"], "buffers": len(cut)},
         "reduce-scatter": {"bytes": gathered + add["reduce-scatter"]["bytes"], "buffers": len(cut)},
-        "tp": tp,
+        "all-to-all": dict(a2a),
+        "tp": tp, "ep": ep,
         "schedule": s.name, "pp": s.pp, "num_microbatches": s.num_microbatches, "stages_per_rank": s.stages_per_rank,
         "activation_shape": tuple(act.shape), "activation_bytes": ab, "bubble": s.bubble, "bubble_formula": s.formula,
         "activation_slots": max(s.x_slots), "gradient_slots": max(s.g_slots),
@@ -85,8 +92,8 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     from spmd.parallel.cost._comm import activation_terms
 
     s = pm.schedule
-    fwd = {k: activation_terms(v, part="forward") for k, v in recs.items()}
-    bwd = {k: activation_terms(v, part="backward") for k, v in recs.items()}
+    fwd = {k: activation_terms(recs[k], part="forward") for k in ("pre", "unit", "post")}
+    bwd = {k: activation_terms(recs[k], part="backward") for k in ("pre", "unit", "post")}
     lc = lay.per_slot
     last = recs["unit"][-1] if recs["unit"] else None
     dead1 = (activation_terms([last], part="forward") if last is not None and isinstance(last["local_out"], Partial)
@@ -121,6 +128,43 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
         "activation_cut": n_tp if isinstance(out_layout, Shard) else 1}
 
 
+def ep_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
+    """The all-to-alls of a pipelined step's expert-parallel calls (``ExpertParallel`` in the units), from the
+    calls on the ep dim of one micro-batch by segment (``pre`` / ``unit`` / ``post``: each call's dispatch and
+    combine, an all-to-all of its buffer each, forward; their transposes backward) and the schedule's
+    branches: a forward ``F`` runs the chunk's forward (the first stage: the pre-unit code's too; the last
+    stage's ``F`` nothing), a backward ``B`` the chunk's forward again and its backward (every all-to-all of the
+    recomputation is live: the combine's output is the router weights' gradient's operand). ``program``: what
+    the compiled program holds (each tick's switches hold each branch some rank runs, once; the loop form:
+    every branch, every tick); ``per_rank``: what each rank runs; both per step (``accum_steps`` passes)."""
+    def terms(records: list) -> dict:
+        n = [b for r in records for b in (r["in"], r["out"]) if b]
+        return {"count": len(n), "bytes": sum(n)}
+
+    def add(*ts, scale: int = 1) -> dict:
+        return {f: scale * sum(t[f] for t in ts) for f in ("count", "bytes")}
+
+    pre, unit, post = terms(recs["pre"]), terms(recs["unit"]), terms(recs["post"])
+    zero = add()
+
+    def branch_costs(n_units: int) -> list:
+        c = add(unit, scale=n_units)  # forward; its backward moves as much (each all-to-all's transpose)
+        return [zero, c, add(pre, c), zero, zero,  # idle, then F x roles, B x roles (forward + backward each)
+                add(c, c), add(pre, c, c, pre), add(c, post, post, c), add(pre, c, post, post, c, pre)]
+
+    kinds = lay.kind_rows
+    bodies = sum(len({int(k) for k in kinds[:, :, l].flat if k >= 0}) for l in range(lay.per_slot))
+    cost, pcost = branch_costs(lay.per_slot), branch_costs(bodies)
+    if pm.unroll:
+        program = add(*[pcost[k] for codes in ticks for k in {k for pair in codes for k in pair}], scale=accum_steps)
+    else:
+        used = sorted({k for codes in ticks for pair in codes for k in pair})
+        program = add(*[pcost[k] for k in used], scale=accum_steps * len(ticks))
+    per_rank = [add(*[cost[k] for codes in ticks for k in codes[r]], scale=accum_steps) for r in range(pm.schedule.pp)]
+    return {"program": program, "per_rank": per_rank, "calls": list(recs["unit"]),
+            "branches": dict(zip(["idle"] + [f"{d}-{r}" for d in "FB" for r in ROLES], cost))}
+
+
 def hlo_permute_pairs(text: str, n_replicas: int = 1) -> int:
     """Source-target pairs of the collective-permutes in HLO ``text``, per pipeline (``n_replicas``: data
     replicas, each its own pairs in one op); loop bodies counted once."""
@@ -139,7 +183,9 @@ def format_pipeline_communication(c: dict) -> str:
             f"{c['activation_shape']} per pipeline (M x (stages - 1) each way) in {cp['count']} collective-permutes "
             f"({cp['bytes']} bytes); all-reduce {c['all-reduce']['bytes']} bytes; bubble {c['bubble']:.4f} (formula "
             f"{c['bubble_formula']:.4f}); {c['activation_slots']} activation + {c['gradient_slots']} gradient slots "
-            f"per rank ({c['activation_bound_bytes']} bytes)" + ("" if not c.get("tp") else "\n  tp in the program: " + ", ".join(
+            f"per rank ({c['activation_bound_bytes']} bytes)" + (
+                f"; all-to-all x{c['all-to-all']['count']} = {c['all-to-all']['bytes']:,} B (experts over ep)"
+                if c.get("ep") else "") + ("" if not c.get("tp") else "\n  tp in the program: " + ", ".join(
                 f"{k} x{v['count']} = {v['bytes']:,} B" for k, v in c["tp"]["program"].items() if v["count"])
                 + "; per rank: " + " | ".join(", ".join(f"{k} x{v['count']}" for k, v in t.items() if v["count"])
                                                for t in c["tp"]["per_rank"])))

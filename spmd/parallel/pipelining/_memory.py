@@ -53,7 +53,7 @@ def _variant(pm: PipelineModule, name: str, m: int) -> PipelineModule:
     """``pm`` (its model, mesh, units, fsdp / tp, split points), schedule ``name`` at ``m`` micro-batches, looped."""
     s = pm.schedule
     return PipelineModule(pm.module, pm.mesh, pm.pp, pm.units, build_schedule(name, s.pp, m, s.stages_per_rank),
-                          False, pm.fsdp, pm.split_points, pm.tp)
+                          False, pm.fsdp, pm.split_points, pm.tp, pm.ep)
 
 
 def _table_bytes(pm: PipelineModule, lay) -> int:

@@ -46,7 +46,10 @@ their gradients once; the optimizer state stays cut. The rest (embeddings, head)
 ``pipeline(parallelize_module(model, mesh["tp"], plan), mesh["pp"], ...)``: tensor-parallel stages, the
 region automatic over tp and the tp hooks inside each stage (``spmd.parallel.pipelining._tp``); both
 (``fully_shard(parallelize_module(...), mesh=mesh["fsdp"])``): the stages cut over fsdp and tp on two dims,
-``pp x dp x fsdp x tp``. HSDP (``fully_shard(model, mesh=mesh["dp", "fsdp"])``): the stages cut over fsdp,
+``pp x dp x fsdp x tp``. ``pipeline(parallelize_module(model, mesh["ep"], {"layers_*.mlp.experts":
+ExpertParallel()}), mesh["pp"], ...)``: the units' experts cut over ep on their experts dim (stacked: dim 1),
+``ExpertParallel`` run inside every tick's stage, an expert's gradient averaged over the data dims but ep (not
+with tp stages). HSDP (``fully_shard(model, mesh=mesh["dp", "fsdp"])``): the stages cut over fsdp,
 their shards averaged over dp. Not offered: mixed precision, dropout rngs.
 
 **A scanned stack.** ``units="layers"`` naming one stack under ``nn.scan`` (the layer axis at any
@@ -78,7 +81,7 @@ from spmd.parallel.plan._param_plan import ParamPlan, path_str, plan_params
 from spmd.parallel.pipelining._calls import UnitCalls, model_kind
 from spmd.parallel.pipelining._split import SplitPoint, check_split_points, natural_key, stage_counts, unit_modules
 from spmd.parallel.pipelining._state import stack_state, unstack_state
-from spmd.parallel.pipelining._tp import tp_placements, unwrap_layouts
+from spmd.parallel.pipelining._tp import ep_placements, tp_placements, unwrap_layouts
 from spmd.parallel.pipelining._step import (REST, STAGES, init_pipeline_state, make_pipeline_step,
                                             unshard_pipeline_params)
 from spmd.parallel.plan._rules import Rule
@@ -97,11 +100,12 @@ class PipelineModule(Wrapped, OwnsTrainStep):
     _verb = "pipelining"
 
     def __init__(self, module, mesh: DeviceMesh, pp: str, units: str, schedule: Schedule, unroll: bool = True,
-                 fsdp: str | None = None, split_points: dict | None = None, tp: ParallelModule | None = None):
+                 fsdp: str | None = None, split_points: dict | None = None, tp: ParallelModule | None = None,
+                 ep: ParallelModule | None = None):
         # _scan: (the scanned stack the units name, ((its parameter's rel path, layer axis), ...)), set by
         # init_train_state from its trace of the example inputs (None: the units are modules of their own)
         for k, v in dict(module=module, mesh=mesh, pp=pp, units=units, schedule=schedule, unroll=unroll, fsdp=fsdp,
-                         split_points=split_points, tp=tp, _layouts={}, _checkpoints={}, _scan=None).items():
+                         split_points=split_points, tp=tp, ep=ep, _layouts={}, _checkpoints={}, _scan=None).items():
             object.__setattr__(self, k, v)
 
     def __repr__(self) -> str:
@@ -109,7 +113,8 @@ class PipelineModule(Wrapped, OwnsTrainStep):
         return (f"PipelineModule({type(self.module).__name__}; units {self.units!r} over {self.pp}={s.pp}, "
                 f"{s.name}, M={s.num_microbatches}, v={s.stages_per_rank}" + (f"; stages fsdp on {self.fsdp!r}"
                                                                               if self.fsdp else "")
-                + (f"; tp on {self.tp.tp.mesh_dim!r}" if self.tp else "") + "; mesh "
+                + (f"; tp on {self.tp.tp.mesh_dim!r}" if self.tp else "")
+                + (f"; experts on {self.ep.ep.mesh_dim!r}" if self.ep else "") + "; mesh "
                 f"{dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))})")
 
     @property
@@ -262,20 +267,24 @@ class StageLayout:
             return None
         shape = self.unit_shapes[rel].shape
         tp_cut = tp_placements(self._pm, self)[0].get(rel)  # fsdp cuts another dim than tp (stacked: one later)
+        ep_cut = ep_placements(self._pm, self).get(rel)  # and than the experts dim over ep
         ok = [d for d in range(len(shape)) if shape[d] % self.n_fsdp == 0
-              and not (isinstance(tp_cut, Shard) and tp_cut.dim == d + 1)]
+              and not any(isinstance(c, Shard) and c.dim == d + 1 for c in (tp_cut, ep_cut))]
         return 1 + max(ok, key=lambda d: shape[d]) if ok else None
 
     def _make_plan(self, mesh: DeviceMesh, pp: str) -> ParamPlan:
         sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
         tps, tpr = tp_placements(self._pm, self)  # the tp cuts (spmd.parallel.pipelining._tp); none without tp
         tp = {self._pm.tp.tp.mesh_dim: None} if tps else {}
+        eps = ep_placements(self._pm, self)  # a unit's experts cut over ep on their experts dim (stacked: one later)
+        ep = self._pm.ep.ep.mesh_dim if self._pm.ep else None
         rules = []
         for rel in self.rel:
             d = self.fsdp_dim(rel)
-            pl = {pp: Shard(0), **({self.fsdp: Shard(d)} if d is not None else {}), **{t: tps[rel] for t in tp}}
+            pl = {pp: Shard(0), **({self.fsdp: Shard(d)} if d is not None else {}), **{t: tps[rel] for t in tp},
+                  **({ep: eps[rel]} if rel in eps else {})}
             rules.append(Rule(re.escape(f"{STAGES}/{rel}"), pl, name="pipeline stages" + (" + fully_shard" if d else "")
-                              + (" + tp" if tp else "")))
+                              + (" + tp" if tp else "") + (" + experts" if rel in eps else "")))
         rules += [Rule(re.escape(f"{REST}/{p}"), {t: tpr[p]}, name="tp") for p in self.rest for t in tp]
         return plan_params(self.stored_shapes(), sizes, rules, fsdp="")
 
@@ -336,6 +345,9 @@ def _scan_length(lay: StageLayout, stack: str, n_st: int, pm: PipelineModule, st
         raise ValueError(f"{where}: split_points={ {k.replace('/', '.'): str(v) for k, v in pm.split_points.items()} } "
                          f"with a scanned stack ({stack!r}: {n} layers); its stages are equal slices of the layer axis "
                          "(each a scan over its slice): leave split_points out.")
+    if pm.ep is not None:
+        raise ValueError(f"{where}: expert-parallel stages of a scanned stack ({stack!r}) are not offered; pipeline "
+                         "modules called once each (units='layers_*'), or run ExpertParallel without pp.")
     if pm.tp is not None:
         raise ValueError(f"{where}: tensor-parallel stages of a scanned stack ({stack!r}) are not offered; pipeline "
                          "it with fully_shard / data parallelism, or run tp without pp (tp runs inside the scan).")
@@ -364,7 +376,7 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     where = "pipeline"
     if isinstance(model, PipelineModule):
         raise ValueError(f"{where}: model={model!r} is already pipelined; pipeline the plain model once.")
-    model, fsdp, tp = unwrap_layouts(model, mesh, where)  # fully_shard / parallelize_module under the pipeline
+    model, fsdp, tp, ep = unwrap_layouts(model, mesh, where)  # fully_shard / parallelize_module under the pipeline
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{where}: mesh={mesh!r} must be a spmd.DeviceMesh, the pipeline dim of the mesh (mesh['pp']).")
     if mesh.ndim != 1:
@@ -401,4 +413,4 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     points = check_split_points(split_points)
     sched = build_schedule(schedule, pp, num_microbatches, stages_per_rank)
     return PipelineModule(model, mesh.root_mesh, mesh.mesh_dim_names[0], units.replace(".", "/"), sched, unroll, fsdp,
-                          points, tp)
+                          points, tp, ep)

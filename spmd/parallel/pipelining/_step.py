@@ -38,7 +38,8 @@ from spmd.parallel.pipelining._calls import model_kind
 from spmd.parallel.pipelining._split import unit_modules
 from spmd.parallel.pipelining._comm import REST, STAGES, format_pipeline_communication, pipeline_communication
 from spmd.parallel.pipelining._tables import ROLES, branch_codes, tick_tables
-from spmd.parallel.pipelining._tp import map_tp_aware, reduce_tp_aware, segment_records, stage_hooks
+from spmd.parallel.pipelining._tp import (ep_placements, map_tp_aware, reduce_tp_aware, segment_records,
+                                          stage_hooks)
 from spmd.parallel.plan._shard import entry_sharding, map_like_params
 from spmd.parallel.step._protocol import TrainStep
 from spmd.parallel.step._step import (TrainState, _as_arrays, _check_batch, _keep_finite, _raise_nonfinite, _split_loss,
@@ -256,7 +257,7 @@ class PipelineStep(TrainStep):
 
     def communication(self, state, batch) -> dict:
         b = self._build(state, self._checked(state, batch))
-        recs = segment_records(self._pm, b.lay, self._loss_fn, b.mb)
+        recs = segment_records(self._pm, b.lay, self._loss_fn, b.mb)  # the tp / ep styled calls by segment
         ticks = branch_codes(tick_tables(self._pm)) if recs is not None else None
         return pipeline_communication(self._pm, b.lay, self._accum_steps, recs, ticks)
 
@@ -271,6 +272,18 @@ class _PipelineBuild:
 
     def __init__(self, jitted: Callable, lay, mb):
         self.jitted, self.lay, self.mb, self.compiled = jitted, lay, mb, None
+
+
+def _stage_spec(ppd: str, ndim: int, cuts: dict) -> P:
+    """The region's spec of a stacked stage parameter: ``pp`` on its stacked dim, each of ``cuts`` (mesh dim:
+    the dim it cuts, or None) on its own dim."""
+    dims: list = [ppd] + [None] * (ndim - 1)
+    for name, d in cuts.items():
+        if name is not None and d is not None:
+            dims[d] = name
+    while len(dims) > 1 and dims[-1] is None:
+        dims.pop()
+    return P(*dims)
 
 
 def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, keep_finite: bool = False) -> Callable:
@@ -292,8 +305,8 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, kee
 
     names = mesh.mesh_dim_names
     tp_dim = {pm.tp.tp.mesh_dim} if pm.tp else set()  # automatic in the region (global view over tp)
-    fd = st.fd
-    st_spec = {rel: P(ppd, *[None] * (fd[rel] - 1), lay.fsdp) if fd[rel] else P(ppd) for rel in lay.rel}
+    st_spec = {rel: _stage_spec(ppd, lay.unit_shapes[rel].ndim + 1, {lay.fsdp: st.fd[rel], st.ep: st.ed.get(rel)})
+               for rel in lay.rel}
     specs = {STAGES: st_spec, REST: {p: P() for p in lay.rest}}
     batch_spec = P(data if len(data) > 1 else (data[0] if data else None))
 
@@ -328,6 +341,9 @@ class _Stages:
         self.valid = jnp.asarray(lay.valid)
         self.hooks = stage_hooks(pm, lay)  # tp: the styled calls in regions manual over tp (pipelining._tp)
         self.fd = {rel: lay.fsdp_dim(rel) for rel in lay.rel}  # stage parameters cut over fsdp: gathered once
+        # the experts cut over ep (ExpertParallel in the units): each rank its own experts, never gathered
+        self.ep = pm.ep.ep.mesh_dim if pm.ep else None
+        self.ed = {rel: p.dim for rel, p in ep_placements(pm, lay).items()}
         self.rels = list(lay.rel)
         self.st_entries = [plan.entry(f"{STAGES}/{rel}") for rel in self.rels]
 
@@ -584,16 +600,20 @@ def _reduce_grads(st: _Stages, gsp, grest, loss, aux):
     metrics = jax.tree.map(lambda g: g / n_data, lax.psum(metrics, (ppd, *data)))
     cut = {rel for rel in lay.rel if fd[rel] is not None}
     gsp = st.over_fsdp(gsp, lambda g, d: lax.psum_scatter(g, lay.fsdp, scatter_dimension=d, tiled=True) / lay.n_fsdp)
-    others = tuple(d for d in data if d != lay.fsdp)
-    whole = {rel: g for rel, g in gsp.items() if rel not in cut}
-    if data and whole:
-        wr = list(whole)
-        whole = dict(zip(wr, reduce_tp_aware(hooks, [plan.entry(f"{STAGES}/{rel}") for rel in wr],
-                                             [whole[rel] for rel in wr], data, lax.pmean)))
-    shards = {rel: g for rel, g in gsp.items() if rel in cut}
-    if others and shards:  # HSDP: the shards averaged over the other data dims
-        sr = list(shards)
-        shards = dict(zip(sr, reduce_tp_aware(hooks, [plan.entry(f"{STAGES}/{rel}") for rel in sr],
-                                              [shards[rel] for rel in sr], others, lax.pmean)))
-    gsp = {**whole, **shards}
+    # an expert's gradient over ep is its own (its tokens came from every ep rank through the all-to-alls, its
+    # sum of their losses): averaged over the other data dims only and divided by ep
+    experts = set(st.ed)
+    n_ep = st.pm.mesh.size(st.ep) if st.ep else 1
+    out = {}
+    for group, axes in ((lambda rel: rel not in cut and rel not in experts, data),
+                        (lambda rel: rel in cut and rel not in experts, tuple(d for d in data if d != lay.fsdp)),
+                        (lambda rel: rel not in cut and rel in experts, tuple(d for d in data if d != st.ep)),
+                        (lambda rel: rel in cut and rel in experts,
+                         tuple(d for d in data if d not in (lay.fsdp, st.ep)))):
+        rels = [rel for rel in gsp if group(rel)]
+        gs = [gsp[rel] for rel in rels]
+        if axes and gs:  # (HSDP: the shards averaged over the other data dims)
+            gs = reduce_tp_aware(hooks, [plan.entry(f"{STAGES}/{rel}") for rel in rels], gs, axes, lax.pmean)
+        out.update({rel: g / n_ep if rel in experts else g for rel, g in zip(rels, gs)})
+    gsp = {rel: out[rel] for rel in gsp}
     return {STAGES: gsp, REST: grest}, metrics

@@ -45,30 +45,27 @@ from placements import Placement, Replicate, Shard
 from spmd.parallel.styles._hooks import Hooks
 from spmd.parallel.plan._param_plan import ParamPlan
 
-__all__ = ["StageHooks", "tp_placements", "stage_hooks", "map_tp_aware", "reduce_tp_aware", "unwrap_layouts"]
+__all__ = ["StageHooks", "tp_placements", "ep_placements", "stage_hooks", "map_tp_aware", "reduce_tp_aware", "unwrap_layouts"]
 
 
-def unwrap_layouts(model, mesh, where: str) -> tuple[Any, str | None, Any]:
-    """``(plain model, the fsdp shard dim or None, the tp layout (a ParallelModule) or None)`` of
-    ``pipeline``'s model: ``fully_shard(model, mesh=mesh['fsdp'])`` (or HSDP's ``mesh['dp', 'fsdp']``; no
-    mp_policy), ``parallelize_module(model, mesh['tp'], plan)``, or both."""
+def unwrap_layouts(model, mesh, where: str) -> tuple[Any, str | None, Any, Any]:
+    """``(plain model, the fsdp shard dim or None, the tp layout (a ParallelModule) or None, the ep layout or
+    None)`` of ``pipeline``'s model: ``fully_shard(model, mesh=mesh['fsdp'])`` (or HSDP's ``mesh['dp',
+    'fsdp']``; no mp_policy), ``parallelize_module(model, mesh['tp'], plan)``, or both; or
+    ``parallelize_module(model, mesh['ep'], {experts: ExpertParallel()})`` (with fully_shard, not with tp)."""
     from spmd.parallel.styles._transforms import ParallelModule
 
     if not isinstance(model, ParallelModule):
-        return model, None, None
+        return model, None, None, None
     if model.remat is not None:
         raise ValueError(f"{where}: model={model!r}: activation checkpointing under a pipeline is not offered; "
                          "pipeline the model without activation_checkpointing.")
-    if model.ep is not None:
+    if model.ep is not None and model.tp is not None:
         key, style = model.ep.plan[0]
-        ep = model.ep.mesh_dim
-        raise ValueError(f"{where}: model={model!r}: {style!r} on {key!r} (a plan on {ep!r}) under a pipeline is not "
-                         f"offered: the pipeline's stages carry each stacked unit parameter's tp cut only (not its "
-                         f"experts cut over {ep!r}), average every stage gradient over the data dims (an expert's "
-                         f"gradient over {ep!r} is its own: divided by {ep!r}, never averaged with another expert's), "
-                         f"install the tp styles only (the experts module would run unstyled) and count no "
-                         f"all-to-all per tick in their table. Pipeline the model without the {ep!r} plan, or leave "
-                         f"pp out and run {type(style).__name__} with make_train_step (with dp / fsdp / tp / cp).")
+        raise ValueError(f"{where}: model={model!r}: {style!r} on {key!r} (a plan on {model.ep.mesh_dim!r}) with "
+                         f"tensor-parallel stages (a plan on {model.tp.mesh_dim!r}) under a pipeline is not offered; "
+                         f"pipeline the model with the {model.ep.mesh_dim!r} plan alone (with dp / fsdp), or run "
+                         f"{type(style).__name__} with tp through make_train_step (no pp).")
     if model.fsdp is not None and model.fsdp.mp_policy:
         raise ValueError(f"{where}: model={model!r}: mixed precision under a pipeline is not offered; leave mp_policy "
                          "out of fully_shard.")
@@ -76,11 +73,13 @@ def unwrap_layouts(model, mesh, where: str) -> tuple[Any, str | None, Any]:
         raise ValueError(f"{where}: mesh={mesh!r} is not cut from the mesh the model was sharded on "
                          f"({model.mesh!r}); cut every sub-mesh from one mesh.")
     laid = {model.tp.mesh_dim} if model.tp else set()
+    laid |= {model.ep.mesh_dim} if model.ep else set()
     laid |= {model.fsdp.shard_dim, *model.fsdp.replicate_dims} if model.fsdp else set()
     if laid & set(mesh.mesh_dim_names):
         raise ValueError(f"{where}: mesh={mesh!r} holds the dim {sorted(laid & set(mesh.mesh_dim_names))[0]!r} the "
                          "model is laid out on; pipeline over another dim of the mesh (mesh['pp']).")
-    return model.module, (model.fsdp.shard_dim if model.fsdp else None), (model if model.tp else None)
+    return (model.module, (model.fsdp.shard_dim if model.fsdp else None), (model if model.tp else None),
+            (model if model.ep else None))
 
 
 def user_plan(pm, lay) -> ParamPlan:
@@ -89,7 +88,7 @@ def user_plan(pm, lay) -> ParamPlan:
 
     if getattr(lay, "_tp_user_plan", None) is None:
         shapes = jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths])
-        lay._tp_user_plan = build_plan(pm.tp, shapes)
+        lay._tp_user_plan = build_plan(pm.tp or pm.ep, shapes)
     return lay._tp_user_plan
 
 
@@ -121,10 +120,34 @@ class StageHooks(Hooks):
             self.prefix = saved
 
 
+def ep_placements(pm, lay) -> dict[str, Placement]:
+    """``{stage rel: ep placement of the stacked parameter}`` (a unit's experts cut ``Shard(d)`` over ep: the
+    stacked one ``Shard(d + 1)``), only the ep-cut ones; ``{}`` without an ep plan. A parameter outside the units
+    that the ep plan cuts is refused (its experts module would run outside every stage's hooks)."""
+    if pm.ep is None:
+        return {}
+    plan = user_plan(pm, lay)
+    ei = plan.mesh_dim_names.index(pm.ep.ep.mesh_dim)
+    for p in lay.rest:
+        if isinstance(plan.entry(p).placements[ei], Shard):
+            raise ValueError(f"pipeline: parameter {p!r} is cut over {pm.ep.ep.mesh_dim!r} by the ep plan, outside the "
+                             f"units ({pm.units!r}); a pipeline runs expert-parallel modules inside its units only: "
+                             "put the experts in the repeated blocks, or leave pp out.")
+    out = {}
+    for rel in lay.rel:
+        p = plan.entry(f"{lay.units[0]}/{rel}").placements[ei]
+        if isinstance(p, Shard):
+            out[rel] = Shard(p.dim + 1)
+    return out
+
+
 def stage_hooks(pm, lay) -> StageHooks | None:
-    if pm.tp is None:
+    """The hooks of the pipeline's region: the tp styles and / or the ep styles (``ExpertParallel``) of the
+    layout the model was pipelined with, a unit named by its kind's first unit; None without either."""
+    if pm.tp is None and pm.ep is None:
         return None
-    return StageHooks(pm.tp, user_plan(pm, lay), gather_units=False, whole_heads=unit_whole_heads(pm, lay))
+    return StageHooks(pm.tp or pm.ep, user_plan(pm, lay), gather_units=False,
+                      whole_heads=unit_whole_heads(pm, lay) if pm.tp else None)
 
 
 def unit_whole_heads(pm, lay) -> dict:
@@ -153,7 +176,7 @@ def map_tp_aware(hooks: StageHooks | None, entries: Sequence, leaves: Sequence[A
     """``fn(i, leaf)`` of each leaf (``entries``: their stored plan entries), the tp-cut ones in a region manual
     over tp too (each device its tp block: a collective over a data dim never sees a tp-sharded operand)."""
     leaves = list(leaves)
-    if hooks is None:
+    if hooks is None or hooks.ti is None:
         return [fn(i, x) for i, x in enumerate(leaves)]
     cut = [i for i, e in enumerate(entries) if isinstance(e.placements[hooks.ti], Shard)]
     out = [x if i in cut else fn(i, x) for i, x in enumerate(leaves)]
@@ -172,7 +195,7 @@ def reduce_tp_aware(hooks: StageHooks | None, entries: Sequence, leaves: Sequenc
     leaves = list(leaves)
     if not axes or not leaves:
         return leaves
-    if hooks is None:
+    if hooks is None or hooks.ti is None:
         return list(op(leaves, axes))
     ti = hooks.ti
     cut = [i for i, e in enumerate(entries) if isinstance(e.placements[ti], Shard)]
@@ -193,23 +216,44 @@ def _calls_of(records: list) -> list:
     return [{k: v for k, v in r.items() if k not in ("module", "input_id")} for r in records]
 
 
+def _on_ep(pm, f):
+    """``f`` (shapes as one device sees them) in a region manual over the ep dim, where its styled calls'
+    all-to-alls are bound; ``f`` itself without an ep plan."""
+    if pm.ep is None:
+        return f
+    from jax.sharding import PartitionSpec as P
+
+    def run(*args):
+        jax.shard_map(lambda *a: (f(*a), jax.numpy.zeros(()))[1], mesh=pm.mesh.jax_mesh,
+                      in_specs=jax.tree.map(lambda _: P(), args), out_specs=P(),
+                      axis_names={pm.ep.ep.mesh_dim}, check_vma=False)(*args)
+        return 0
+
+    return run
+
+
 def segment_records(pm, lay, loss_fn, mb) -> dict[str, list] | None:
     """The styled calls of one micro-batch by segment, traced (shapes only) with the region's hooks:
     ``pre`` (before the first unit: the embedding), ``unit`` (one unit), ``post`` (after the last: the
-    head); ``None`` without tp."""
+    head), the tp calls; ``ep``: the calls styled on the ep dim, by the same segments; ``None`` without tp
+    or ep."""
     hooks = stage_hooks(pm, lay)
     if hooks is None:
         return None
     rest = {p: lay.shapes[p] for p in lay.rest}
     unit = [lay.unit_shapes[rel] for rel in lay.rel]
-    out = {}
+    if pm.ep is not None:  # the experts as a rank holds them (E / ep), traced in a region manual over ep
+        n_ep, eps = pm.mesh.size(pm.ep.ep.mesh_dim), ep_placements(pm, lay)
+        unit = [jax.ShapeDtypeStruct(tuple(n // n_ep if rel in eps and i == eps[rel].dim - 1 else n
+                                           for i, n in enumerate(x.shape)), x.dtype) for rel, x in zip(lay.rel, unit)]
+    out, ep = {}, {}
     for name, f, args in (("pre", lambda r, b: lay.pre(loss_fn, r, b), (rest, mb)),
                           ("unit", lambda ls, x, sd: lay.apply_unit(ls, x, sd), (unit, lay.act, lay.calls.side_shapes)),
                           ("post", lambda r, b, h: lay.post(loss_fn, r, b, h), (rest, mb, lay.act))):
-        hooks.records = []
+        hooks.records, hooks.ep_records = [], []
         with hooks.installed(), (hooks.unit(lay.units[0]) if name == "unit" else contextlib.nullcontext()):
-            jax.eval_shape(f, *args)
-        out[name] = list(hooks.records)
+            jax.eval_shape(_on_ep(pm, f), *args)
+        out[name], ep[name] = list(hooks.records), list(hooks.ep_records)
     for k in range(1, len(lay.calls.kinds)):  # the table counts one unit's styled calls for every unit
         hooks.records = []
         with hooks.installed(), hooks.unit(lay.units[lay.calls.kinds[k]]):
@@ -221,4 +265,6 @@ def segment_records(pm, lay, loss_fn, mb) -> dict[str, list] | None:
                              "units that differ are offered where their styled calls are the same: match only "
                              "identical blocks with units=, or pipeline without tp.")
     out["post"] = out["post"][len(out["pre"]):]  # post runs the pre-unit code again, dead (its units return h)
+    ep["post"] = ep["post"][len(ep["pre"]):]
+    out["ep"] = ep  # the calls styled on the ep dim by segment (ExpertParallel's all-to-alls)
     return out
