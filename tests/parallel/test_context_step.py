@@ -48,8 +48,9 @@ def _train(model, mesh, batches, opt=optax.sgd(0.1)):
     params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
     loss_fn = _lm_loss(model)
     ref_losses, ref = train_one_device(params, batches, loss_fn, opt)
-    state = init_train_state(model, opt, params=params, mesh=mesh)
-    step = make_train_step(model, loss_fn, opt, mesh=mesh)
+    kw = {} if mesh is None else {"mesh": mesh}  # None: the model's own (parallelize_module's)
+    state = init_train_state(model, opt, params=params, **kw)
+    step = make_train_step(model, loss_fn, opt, **kw)
     table = step.table(state, batches[0])
     comm = step.communication(state, batches[0])
     hlo = executed_collectives(step._build(state.plan).jitted, state, batches[0], scalars=False)
@@ -92,6 +93,32 @@ def test_llama_under_cp_equals_one_device(shape, names):
     back = 0 if n == 2 else 2 * (n - 1) * kv  # at cp=2 the backward reuses the forward's hop
     per_layer = 2 * (n - 1) * kv + back + 2 * n * kv + moves * (q + kv + kv + q)
     assert comm["context"]["collective-permute"]["bytes"] == CFG.num_layers * per_layer
+    _assert_table_is_hlo(comm, hlo)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,names", [((2, 2), ("cp", "tp")), ((2, 2, 2), ("dp", "cp", "tp"))],
+                         ids=["cp2-tp2", "dp2-cp2-tp2"])
+def test_llama_under_cp_and_tp_equals_one_device(shape, names):
+    """Megatron's plan on tp beside cp: each device attends with its heads (the ring's region manual over tp
+    too), the tp styles' activations hold its positions (1 / cp of their bytes), the gradients' all-reduce over
+    cp is of each device's tp block."""
+    from spmd.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    col, row = ColwiseParallel(), RowwiseParallel()
+    model = parallelize_module(Llama(CFG), mesh["tp"], {
+        "layers_*.self_attn.q_proj": col, "layers_*.self_attn.k_proj": col, "layers_*.self_attn.v_proj": col,
+        "layers_*.self_attn.o_proj": row, "layers_*.mlp.gate_proj": col, "layers_*.mlp.up_proj": col,
+        "layers_*.mlp.down_proj": row})
+    table, comm, hlo = _train(model, None, _batches())
+    assert table.count("ring (zigzag) over cp=2") == CFG.num_layers
+    b = 4 // (shape[0] if len(shape) == 3 else 1)
+    kv = b * (T // 2) * (CFG.num_kv_heads // 2) * (CFG.hidden_size // CFG.num_heads) * 4  # K of one device
+    q = kv * CFG.num_heads // CFG.num_kv_heads
+    # per layer at cp=2: K and V one hop forward, dK and dV two (float32), the zigzag moves of q, k, v, out once
+    # forward and once backward, each of half the local block
+    assert comm["context"]["collective-permute"]["bytes"] == CFG.num_layers * (2 * kv + 4 * kv + (q + kv + kv + q))
     _assert_table_is_hlo(comm, hlo)
 
 

@@ -43,6 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from spmd.parallel.context._attention import ring_attention
+from spmd.parallel.cost._comm import activation_terms
 from spmd.parallel.plan._param_plan import ParamPlan
 from spmd.parallel.styles._tp_calls import TP_COMM
 from spmd.parallel.styles._transforms import CP_DIM
@@ -183,8 +184,10 @@ class ContextCalls:
     outputs cut back to this device's positions (:meth:`around`). ``seen``: every module call of the trace and
     whether it took a ``[batch, seq, ...]`` input (the candidates)."""
 
-    def __init__(self, jax_mesh: Any, n: int, seq_len: int, axis: str = CP, gathered: frozenset = frozenset()):
+    def __init__(self, jax_mesh: Any, n: int, seq_len: int, axis: str = CP, gathered: frozenset = frozenset(),
+                 tp: tuple[str, int] | None = None):
         self.jax_mesh, self.n, self.seq_len, self.axis = jax_mesh, n, seq_len, axis
+        self.tp = tp if tp is not None and tp[1] > 1 else None  # (mesh dim, size): the heads cut over it
         self.gathered = frozenset(gathered)
         self.records: list[dict] = []
         self.lookups: list[dict] = []  # embedding lookups on the batch's ids (linen, nnx), for the table
@@ -391,18 +394,33 @@ class ContextCalls:
                              f"pad it to a multiple of {n}.")
         rec = {"call": fn, "q": (tuple(q.shape), str(q.dtype)), "kv": (tuple(k.shape), str(k.dtype)),
                "causal": bool(causal), "n": n}
+        heads = self._heads_tp(q, k, bias, mask)
+        rec["tp"] = self.tp[1] if heads else 1
         if bias is None and mask is None:
             zig = bool(causal) and t % 2 == 0 and n > 1
             rec["method"] = "ring (zigzag)" if zig else "ring"
             self.records.append(rec)
-            return self._ring(q, k, v, causal, scale, zig)
+            return self._ring(q, k, v, causal, scale, zig, heads)
         rec["method"] = "all-gather K/V"
         self.records.append(rec)
-        return self._allgather(q, k, v, bias, mask, causal, local)
+        return self._allgather(q, k, v, bias, mask, causal, local, heads)
 
-    def _ring(self, q, k, v, causal, scale, zig):
+    def _heads_tp(self, q, k, bias, mask) -> str | None:
+        """The tp dim the call's heads are cut over (its region manual over it too, as the column-parallel
+        projections leave q, k, v: each device attends with its heads), or None: no tp, heads that tp does not
+        divide, or a mask / bias with a heads dim of its own."""
+        if self.tp is None:
+            return None
+        name, size = self.tp
+        if q.shape[2] % size or k.shape[2] % size:
+            return None
+        if any(np.ndim(x) >= 3 and np.shape(x)[-3] != 1 for x in (bias, mask) if x is not None):
+            return None
+        return name
+
+    def _ring(self, q, k, v, causal, scale, zig, heads=None):
         axis, n = self.axis, self.n
-        spec = P(None, axis)
+        spec = P(None, axis, heads)
 
         def body(q, k, v):
             if zig:  # the moves' results are kept by a checkpointed unit (a re-gathering FSDP unit, activation
@@ -413,9 +431,9 @@ class ContextCalls:
             return checkpoint_name(from_zigzag(out, axis, n), TP_COMM) if zig else out
 
         return jax.shard_map(body, mesh=self._region_mesh(), in_specs=(spec, spec, spec), out_specs=spec,
-                             axis_names={axis}, check_vma=False)(q, k, v)
+                             axis_names={axis} | ({heads} if heads else set()), check_vma=False)(q, k, v)
 
-    def _allgather(self, q, k, v, bias, mask, causal, local):
+    def _allgather(self, q, k, v, bias, mask, causal, local, heads=None):
         axis, n, seq = self.axis, self.n, self.seq_len
 
         def rows(x):  # a mask / bias: its query rows cut with the queries where it has them
@@ -427,7 +445,7 @@ class ContextCalls:
             return P()
 
         extra = [x for x in (bias, mask) if x is not None]
-        specs = (P(None, axis),) * 3 + tuple(rows(x) for x in extra)
+        specs = (P(None, axis, heads),) * 3 + tuple(rows(x) for x in extra)
 
         def body(q, k, v, *ex):
             ex = list(ex)
@@ -446,8 +464,9 @@ class ContextCalls:
             finally:
                 self._local = False
 
-        return jax.shard_map(body, mesh=self._region_mesh(), in_specs=specs, out_specs=P(None, axis),
-                             axis_names={axis}, check_vma=False)(q, k, v, *[jnp.asarray(x) for x in extra])
+        return jax.shard_map(body, mesh=self._region_mesh(), in_specs=specs, out_specs=P(None, axis, heads),
+                             axis_names={axis} | ({heads} if heads else set()), check_vma=False)(
+            q, k, v, *[jnp.asarray(x) for x in extra])
 
 
 # ---------------------------------------------------------------------------------------------- the table
@@ -494,8 +513,9 @@ def attention_terms(records: list[dict]) -> dict:
                 add("all-gather", _nbytes(shape, dtype))
             continue
         (qs, qd), (ks, kd) = r["q"], r["kv"]
-        q_loc, kv_loc = _nbytes(qs, qd) // n, _nbytes(ks, kd) // n
-        kv32 = _nbytes(ks, np.float32) // n
+        cut = n * r.get("tp", 1)  # the sequence over cp, the heads over tp
+        q_loc, kv_loc = _nbytes(qs, qd) // cut, _nbytes(ks, kd) // cut
+        kv32 = _nbytes(ks, np.float32) // cut
         if r["method"].startswith("ring"):
             if n > 1:
                 add("collective-permute", kv_loc, 2 * (n - 1))  # K, V forward
@@ -557,7 +577,13 @@ def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, regi
     summed = [e for e in plan.entries if e.path not in tables and e.path not in whole and e not in pos]
     if not region:
         summed += [e for e in plan.entries if e.path in looked_up & attends]
-    ctx["all-reduce"] = {"count": len(summed), "bytes": sum(e.nbytes for e in summed)}
+    tp = calls.tp if calls is not None else None
+    ti = plan.mesh_dim_names.index(tp[0]) if tp is not None and tp[0] in plan.mesh_dim_names else None
+
+    def local(e):  # the gradient each device sums over cp: its block over tp
+        return e.nbytes // tp[1] if ti is not None and e.shard_dim(ti) is not None else e.nbytes
+
+    ctx["all-reduce"] = {"count": len(summed), "bytes": sum(local(e) for e in summed)}
     looked = lookup_terms(lookups)
     ctx["all-gather"] = {f: ctx["all-gather"][f] + looked[f] for f in ("count", "bytes")}
     for kind in ctx:
@@ -575,6 +601,17 @@ def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, regi
             comm["total"] = {k: dict(v) for k, v in comm["total"].items()}
             comm["total"]["all-reduce"]["bytes"] -= less
     total = {k: dict(v) for k, v in comm["total"].items()}
+    # the tp styles' activations ([batch, seq, ...]) hold the device's positions: 1 / cp of the bytes, but inside a
+    # module run on the gathered sequence
+    wholes = [r["call"] for r in records if r["method"] == "gather sequence"]
+    cut = [r for r in comm.get("modules", ()) if not any(r["module"] == g or r["module"].startswith(g + ".")
+                                                          for g in wholes)]
+    if cut and n > 1:
+        act = comm["activations"] = {k: dict(v) for k, v in comm["activations"].items()}
+        for kind, v in activation_terms(cut, accum_steps=accum_steps).items():
+            less = v["bytes"] - v["bytes"] // n
+            act[kind]["bytes"] -= less
+            total[kind]["bytes"] -= less
     for kind, v in ctx.items():
         t = total.setdefault(kind, {"count": 0, "bytes": 0})
         t["count"] += v["count"]

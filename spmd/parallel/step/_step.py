@@ -45,7 +45,8 @@ from spmd.parallel.context._calls import CALL_SCOPE, ContextCalls, check_seq, sc
 from spmd.parallel.styles._experts import with_experts
 from spmd.parallel.cost._recompute import SYNC_BN, recomputed_collectives
 from spmd.parallel.step._grad_layout import transposed_dot_grads, zero_grads
-from spmd.parallel.step._heads import check_whole_sequence, head_splits, positional_params, whole_over_tp, whole_sequence_products
+from spmd.parallel.step._heads import (check_whole_sequence, head_splits, positional_params, whole_over_tp,
+                                      whole_sequence_products)
 from spmd.parallel.step._model_checks import check_model_params, check_seen, check_state_params, held_params
 from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
 from spmd.parallel.styles._hooks import Hooks
@@ -572,13 +573,14 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
 
     attention: list = []  # the attention calls of one micro-batch over cp (filled when the step is traced)
 
-    positional: set = set()  # the parameters added to the sequence row by row (a learned position table; prepare)
-    whole_seq: set = set()  # the modules run on the sequence gathered over cp: a model's own attention (prepare)
+    # (prepare) the parameters added to the sequence row by row; the modules run on the sequence gathered over cp
+    positional, whole_seq = set(), set()
 
     def _context(mb, hooks):
         if cp is None:
             return contextlib.nullcontext()
-        calls = ContextCalls(mesh.jax_mesh, n_cp, seq_len(mb), cp, gathered=frozenset(whole_seq))
+        calls = ContextCalls(mesh.jax_mesh, n_cp, seq_len(mb), cp, gathered=frozenset(whole_seq),
+                             tp=(tp, sizes[tp]) if tp else None)
         hooks.around = calls.around
         attention.clear()
         attention.append(calls)
@@ -736,17 +738,13 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             checked.append(True)
 
     def _find_gathered(state: TrainState, batch: Any) -> None:
-        """A model's own attention (a product of scores over the whole cut sequence, outside the intercepted
-        calls): the innermost module computing it that takes the [batch, seq, ...] sequence runs on the sequence
-        gathered over cp (``ContextCalls.around``); none: refused, naming the fix."""
+        """A model's own attention (scores over the whole cut sequence): the innermost submodule computing it that
+        takes the [batch, seq, ...] sequence runs on it gathered over cp (``ContextCalls.around``), else refused."""
         t = seq_len(batch)
-        jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr
-        n_params = len(entries)  # the state's leaves: its step, then the parameters (plan order)
-        positional.update(entries[i].path for i in positional_params(jaxpr, jaxpr.invars[1:1 + n_params], t))
-        products = whole_sequence_products(jaxpr, t)
-        seen = attention[0].seen if attention else {}
-        products = [(shape, stack) for shape, stack in products if CALL_SCOPE not in stack]
-        for _, stack in products:
+        jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr  # the state's step, then the parameters
+        positional.update(entries[i].path for i in positional_params(jaxpr, jaxpr.invars[1:1 + len(entries)], t))
+        seen, products = attention[0].seen if attention else {}, whole_sequence_products(jaxpr, t)
+        for _, stack in (products := [p for p in products if CALL_SCOPE not in p[1]]):
             mods = [m for m in scopes_of(stack) if m and seen.get(m)]  # a submodule: not the model itself
             if mods and not any(m in whole_seq for m in mods):
                 whole_seq.add(mods[-1])
