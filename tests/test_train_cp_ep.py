@@ -1,5 +1,6 @@
 """The job on cp and ep meshes: ``--model llama --mesh dp=2,cp=4``, ``--mesh dp=2,cp=4`` (the transformer's own
-einsum attention, run on the sequence gathered over cp) and ``--model moe --mesh dp=2,ep=4`` train equal per step
+einsum attention, run on the sequence gathered over cp), ``--model moe --mesh dp=2,ep=4`` and ``--model moe
+--moe-every 1 --mesh pp=2,ep=2,dp=2`` (experts inside pipeline stages) train equal per step
 to ``--mesh dp=8`` of the same model within 1e-5 (3 steps of AdamW, the job's own loss and data), their
 metrics.json recording the ring's permutes, the gathers and the experts' all-to-alls; meshes the job does not offer
 (pp with cp, cp on the mlp, ep without experts) are refused by name."""
@@ -37,10 +38,31 @@ def test_job_on_cp_and_ep_equals_dp8(tmp_path, model, mesh, kind):
     assert collectives[kind]["count"] > 0
 
 
+@pytest.mark.slow
+def test_job_moe_pipeline_with_experts_over_ep_equals_dp8(tmp_path):
+    """``--model moe --moe-every 1 --mesh pp=2,ep=2,dp=2``: the blocks (experts in each) in 2 pipeline stages,
+    their experts cut over ep inside the stages; equal per step to ``--mesh dp=8``, the compiled step's bytes
+    of every kind (the experts' all-to-alls among them) equal to the pipeline's table."""
+    moe = ["--model", "moe", "--moe-every", "1"]
+    want, _ = _losses_and_collectives(tmp_path, [*moe, "--mesh", "dp=8"])
+    out = str(tmp_path / "pp")
+    assert main([*TINY, *moe, "--mesh", "pp=2,ep=2,dp=2", "--out", out]) == 0
+    with open(os.path.join(out, "metrics.json")) as f:
+        summary = json.load(f)
+    got = [h["loss"] for h in summary["history"]]
+    assert len(want) == 3 and want[-1] != want[0]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-5)
+    pipe = summary["pipeline"]
+    assert pipe["bytes_hlo"] == pipe["bytes_table"]
+    assert pipe["bytes_table"]["all-to-all"] > 0 and summary["collectives"]["all-to-all"]["count"] > 0
+
+
 @pytest.mark.parametrize("model,mesh,message", [
     ("llama", "pp=2,fsdp=2,cp=2", "has both pp and cp"),
     ("mlp", "dp=2,cp=4", "--model mlp reads a flat window of digits: use --model transformer, llama or moe"),
     ("llama", "dp=2,ep=4", "cuts experts over ep; --model llama has none: use --model moe"),
+    ("moe", "pp=2,ep=2,dp=2", "--model moe with --moe-every=2 has blocks of two shapes (experts in one block of every 2); "
+                              "pipeline stages stack blocks of one shape: give --moe-every 1"),
 ])
 def test_meshes_the_job_does_not_offer_are_refused(model, mesh, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -92,6 +92,7 @@ class Config:
     d_model: int = 64
     heads: int = 4
     hidden: int = 256  # MLP width (two hidden layers)
+    moe_every: int = 2  # --model moe: every moe_every-th block holds the experts (1: every block; pp needs 1)
     sequence_parallel: bool = False  # with a tp mesh dim: activations between blocks cut on the sequence
     weight_stationary: bool = False  # with a tp mesh dim: weights stay cut, activations cut on the batch
     reshard_after_forward: bool | None = None  # with an fsdp mesh dim; None: the model's default (models._plans)
@@ -133,7 +134,7 @@ def check_config(cfg: Config) -> None:
     if not isinstance(cfg, Config):
         raise TypeError(f"models.train: cfg={cfg!r} must be a models.train.Config.")
     for name in ("steps", "batch_size", "accum_steps", "save_every", "length", "context", "layers", "d_model",
-                 "heads", "hidden", "log_every"):
+                 "heads", "hidden", "moe_every", "log_every"):
         _positive(name, getattr(cfg, name))
     if cfg.eval_size is not None:
         _positive("eval_size", cfg.eval_size)
@@ -276,9 +277,15 @@ def _check_pipeline(cfg: Config, dims: dict) -> None:
     if cfg.schedule is not None and cfg.schedule not in SCHEDULES:
         raise ValueError(f"models.train: --schedule={cfg.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
     schedule, m, v = pipeline_settings(cfg)
-    if cfg.model != "transformer":
+    if cfg.model == "moe" and cfg.moe_every != 1:
+        raise ValueError(f"models.train: --mesh={cfg.mesh!r} pipelines the model's blocks over pp, but --model moe "
+                         f"with --moe-every={cfg.moe_every} has blocks of two shapes (experts in one block of every "
+                         f"{cfg.moe_every}); pipeline stages stack blocks of one shape: give --moe-every 1 (experts "
+                         "in every block), or a mesh without pp.")
+    if cfg.model not in ("transformer", "moe"):
         raise ValueError(f"models.train: --mesh={cfg.mesh!r} pipelines the transformer's blocks over pp, but --model="
-                         f"{cfg.model!r} has none of one shape; use --model transformer, or a mesh without pp.")
+                         f"{cfg.model!r} has none of one shape; use --model transformer (or moe with --moe-every 1), "
+                         "or a mesh without pp.")
     if v != 1 and schedule not in ("interleaved", "looped_bfs"):
         raise ValueError(f"models.train: --stages-per-rank={v} needs --schedule interleaved or looped_bfs (got "
                          f"{schedule!r}); leave --stages-per-rank out or use one of those.")
@@ -353,7 +360,7 @@ def parse_mesh(spec: str | None) -> tuple[tuple[str, int], ...] | None:
 
 # What the config must keep across a resume for the result to be the same run.
 _RUN_KEYS = ("model", "task", "text", "seed", "batch_size", "accum_steps", "length", "context", "layers", "d_model",
-             "heads", "hidden", "lr", "warmup", "lr_floor", "clip_norm", "weight_decay", "steps")
+             "heads", "hidden", "moe_every", "lr", "warmup", "lr_floor", "clip_norm", "weight_decay", "steps")
 
 
 # What a checkpoint also records for --resume to reuse when the flag is left out, but which a resume may change

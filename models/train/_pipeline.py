@@ -33,7 +33,7 @@ from spmd.parallel.pipelining._memory import measure_activation_stash
 
 __all__ = ["pipeline_report"]
 
-_KINDS = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter")
+_KINDS = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
 
 def pipeline_report(progs: Any, state: Any, batch: Any, accum_steps: int = 1) -> tuple[dict, dict]:

@@ -163,7 +163,8 @@ def make_model(cfg: Config):
     if cfg.model in ("llama", "moe"):  # attention through jax.nn.dot_product_attention; all heads their own KV
         sizes = dict(vocab_size=vocab, hidden_size=cfg.d_model, intermediate_size=4 * cfg.d_model,
                      num_layers=cfg.layers, num_heads=cfg.heads, num_kv_heads=cfg.heads, attn_implementation="sdpa")
-        return Llama(LlamaConfig(**sizes)) if cfg.model == "llama" else MoE(MoEConfig(**sizes))
+        return Llama(LlamaConfig(**sizes)) if cfg.model == "llama" else MoE(MoEConfig(**sizes,
+                                                                                     moe_every=cfg.moe_every))
     return Transformer(vocab, seq_len, cfg.layers, cfg.d_model, cfg.heads)
 
 
@@ -243,7 +244,8 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
                         reshard_after_forward=key.reshard_after_forward)
     if pipe is not None:
         schedule, m, v = pipe
-        laid = pipeline(laid, mesh["pp"], units="block_*", num_microbatches=m, schedule=schedule, stages_per_rank=v)
+        laid = pipeline(laid, mesh["pp"], units="layers_*" if key.model == "moe" else "block_*", num_microbatches=m,
+                        schedule=schedule, stages_per_rank=v)
     if key.activation_checkpointing is not None:  # never with pp (check_config)
         laid = activation_checkpointing(laid, units=shard_units(model), policy=key.activation_checkpointing)
     # DDP: the model has no layout (at most activation checkpointing, which has no mesh), the step a mesh
