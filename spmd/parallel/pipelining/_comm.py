@@ -114,7 +114,10 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     # there (units that differ: a switch over the kinds, spmd.parallel.pipelining._step)
     kinds = lay.kind_rows
     bodies = [len({int(k) for k in kinds[:, :, l].flat if k >= 0}) for l in range(lc)]
-    cost, pcost = branch_costs(lc, 1), branch_costs(sum(bodies), bodies[-1])
+    # a chunk's last unit's output reduction in its backward's recompute is dead (XLA drops it), but not inside
+    # the scan a scanned stack's chunk runs (every iteration's output feeds the next)
+    last_dead = 0 if lay.scanned else 1
+    cost, pcost = branch_costs(lc, last_dead), branch_costs(sum(bodies), bodies[-1] * last_dead)
     if pm.unroll:
         program = _sum(*[pcost[k] for codes in ticks for k in {k for pair in codes for k in pair}], scale=accum_steps)
     else:

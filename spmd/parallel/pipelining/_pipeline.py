@@ -62,8 +62,8 @@ axis (``StageLayout.stack``); ``unstack`` and a checkpoint put the axis back whe
 code before the scan (``pre``) is cut out of one trace of ``loss_fn`` with the layer marked
 (``spmd.parallel.pipelining._calls._ScanCut``): the scan must run the ``L`` layers once, carrying one array,
 the activation; the layer's other arrays (a mask, positions) must enter the scan broadcast, and a stage
-computes them again from its micro-batch as the scan's inputs. Tensor-parallel stages of a scanned stack are
-not offered.
+computes them again from its micro-batch as the scan's inputs. Tensor-parallel stages run the layer's styled
+calls inside the stage's scan (each layer runs as the stack's module, ``StageLayout.module_of``).
 """
 
 from __future__ import annotations
@@ -252,6 +252,10 @@ class StageLayout:
                         flat[f"{self.units[u]}/{r}"] = stored[STAGES][r][i]
         return jax.tree_util.tree_unflatten(self.treedef, [flat[p] for p in self.paths])
 
+    def module_of(self, unit: int) -> str:
+        """The module path unit ``unit`` runs as: its own, or a scanned stack's (each layer runs as the stack)."""
+        return self.scanned or self.units[unit]
+
     def own_param(self, rel: str, dim: int) -> tuple[str, int]:
         """The model's own parameter pattern (a regex) and dim that ``dim`` of stacked stage parameter ``rel``
         is (a unit's, or the scanned stack's: past its layer axis, one more)."""
@@ -348,9 +352,6 @@ def _scan_length(lay: StageLayout, stack: str, n_st: int, pm: PipelineModule, st
     if pm.ep is not None:
         raise ValueError(f"{where}: expert-parallel stages of a scanned stack ({stack!r}) are not offered; pipeline "
                          "modules called once each (units='layers_*'), or run ExpertParallel without pp.")
-    if pm.tp is not None:
-        raise ValueError(f"{where}: tensor-parallel stages of a scanned stack ({stack!r}) are not offered; pipeline "
-                         "it with fully_shard / data parallelism, or run tp without pp (tp runs inside the scan).")
     if n % n_st:
         raise ValueError(f"{where}: the scanned stack {stack!r} holds L={n} layers, which {stages_text} = {n_st} "
                          f"stages do not divide; each stage runs an equal slice of the layer axis: use a layer count "

@@ -358,7 +358,7 @@ class _Stages:
         """A unit of kind ``k`` (``UnitCalls.kind_of``), named (tp) by its kind's first unit; ``unit``: its index
         (its constants' row, ``UnitCalls.unit_consts``)."""
         lay = self.lay
-        with self.hooks.unit(lay.units[lay.calls.kinds[k]]) if self.hooks else contextlib.nullcontext():
+        with self.hooks.unit(lay.module_of(lay.calls.kinds[k])) if self.hooks else contextlib.nullcontext():
             return lay.apply_unit(leaves, x, side, kind=k, unit=unit)
 
     def chunk_of(self, sp: dict, j) -> dict:

@@ -88,7 +88,8 @@ def user_plan(pm, lay) -> ParamPlan:
 
     if getattr(lay, "_tp_user_plan", None) is None:
         shapes = jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths])
-        lay._tp_user_plan = build_plan(pm.tp or pm.ep, shapes)
+        stacked = {f"{lay.scanned}/{r}": (lay.scanned, a) for r, a in lay.axis.items()}  # a scanned stack's
+        lay._tp_user_plan = build_plan(pm.tp or pm.ep, shapes, stacked)
     return lay._tp_user_plan
 
 
@@ -101,8 +102,9 @@ def tp_placements(pm, lay) -> tuple[dict[str, Placement], dict[str, Placement]]:
     ti = plan.mesh_dim_names.index(pm.tp.tp.mesh_dim)
     stages = {}
     for rel in lay.rel:
-        p = plan.entry(f"{lay.units[0]}/{rel}").placements[ti]
-        stages[rel] = Shard(p.dim + 1) if isinstance(p, Shard) else Replicate()
+        p = plan.entry(f"{lay.module_of(0)}/{rel}").placements[ti]
+        d = p.dim - (lay.scanned is not None and p.dim > lay.axis[rel]) if isinstance(p, Shard) else None  # a layer's
+        stages[rel] = Shard(d + 1) if d is not None else Replicate()
     rest = {p: plan.entry(p).placements[ti] for p in lay.rest}
     return stages, rest
 
@@ -160,13 +162,13 @@ def unit_whole_heads(pm, lay) -> dict:
 
         hooks = StageHooks(pm.tp, user_plan(pm, lay), gather_units=False)
         unit = [lay.unit_shapes[rel] for rel in lay.rel]
-        with hooks.installed(), hooks.unit(lay.units[0]):
+        with hooks.installed(), hooks.unit(lay.module_of(0)):
             jaxpr = jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act,
                                                                                lay.calls.side_shapes).jaxpr
-        first = lay.units[0].replace("/", ".") + "."
+        first = lay.module_of(0).replace("/", ".") + "."
         got = {}
         for fqn, heads in whole_over_tp(head_splits(jaxpr)).items():
-            for u in lay.units:
+            for u in ([lay.scanned] if lay.scanned else lay.units):
                 got[u.replace("/", ".") + "." + fqn[len(first):] if fqn.startswith(first) else fqn] = heads
         lay.__dict__["_whole_heads"] = got
     return got
@@ -251,12 +253,14 @@ def segment_records(pm, lay, loss_fn, mb) -> dict[str, list] | None:
                           ("unit", lambda ls, x, sd: lay.apply_unit(ls, x, sd), (unit, lay.act, lay.calls.side_shapes)),
                           ("post", lambda r, b, h: lay.post(loss_fn, r, b, h), (rest, mb, lay.act))):
         hooks.records, hooks.ep_records = [], []
-        with hooks.installed(), (hooks.unit(lay.units[0]) if name == "unit" else contextlib.nullcontext()):
+        with hooks.installed(), (hooks.unit(lay.module_of(0)) if name == "unit" else contextlib.nullcontext()):
             jax.eval_shape(_on_ep(pm, f), *args)
         out[name], ep[name] = list(hooks.records), list(hooks.ep_records)
+    for r in out["unit"] if lay.scanned else ():  # one layer of a scanned stack: its calls once (not L times)
+        r["calls"] = 1
     for k in range(1, len(lay.calls.kinds)):  # the table counts one unit's styled calls for every unit
         hooks.records = []
-        with hooks.installed(), hooks.unit(lay.units[lay.calls.kinds[k]]):
+        with hooks.installed(), hooks.unit(lay.module_of(lay.calls.kinds[k])):
             jax.eval_shape(lambda ls, x, sd: lay.apply_unit(ls, x, sd, kind=k), unit, lay.act, lay.calls.side_shapes)
         if _calls_of(hooks.records) != _calls_of(out["unit"]):
             a, b = lay.calls.kinds[0], lay.calls.kinds[k]

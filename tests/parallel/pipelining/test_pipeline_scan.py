@@ -2,7 +2,7 @@
 ``layers`` is one ``nn.scan`` (the layer axis at 0 or at MaxText's 1, with or without ``nn.remat``) or an nnx
 ``nnx.vmap`` + ``nnx.scan`` stack. Its ``L`` layers go to the ``pp x V`` stages in equal slices, each stage a
 scan over its slice (the program does not grow with the depth). 3 SGD steps equal 1-device training within
-1e-5 under GPipe, 1F1B and interleaved, with pp alone, pp x dp, pp x fsdp and HSDP; the compiled collectives equal
+1e-5 under GPipe, 1F1B and interleaved, with pp alone, pp x dp, pp x fsdp, HSDP and tensor-parallel stages; the compiled collectives equal
 the step's table (each micro-batch crosses each stage boundary once each way); a checkpoint's state is the
 model's own tree, the layer axis where the model keeps it."""
 
@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import spmd
-from spmd.parallel import (ColwiseParallel, SplitPoint, fully_shard, hlo_executed_collectives, init_train_state,
+from spmd.parallel import (ColwiseParallel, RowwiseParallel, SplitPoint, fully_shard, hlo_executed_collectives, init_train_state,
                            make_train_step, parallelize_module, pipeline, unshard_params)
 from spmd.parallel.pipelining._comm import hlo_permute_pairs
 from tests._one_device import assert_trees_close, train_one_device
@@ -66,6 +66,10 @@ CONFIGS = {  # name: (model kind, mesh dims, schedule, M, stages_per_rank)
     "nnx-1f1b-pp2dp4": ("nnx", {"pp": 2, "dp": 4}, "1f1b", 2, 1),
     "nnx-gpipe-pp2fsdp4": ("nnx", {"pp": 2, "fsdp": 4}, "gpipe", 2, 1),
     "linen0-1f1b-pp2dp2fsdp2": ("linen0", {"pp": 2, "dp": 2, "fsdp": 2}, "1f1b", 2, 1),  # HSDP stages
+    # tensor-parallel stages: the layer's up / down cut Megatron's way inside each stage's scan
+    "linen1-remat-1f1b-pp2dp2tp2": ("linen1-remat", {"pp": 2, "dp": 2, "tp": 2}, "1f1b", 2, 1),
+    "linen0-remat-gpipe-pp2fsdp2tp2": ("linen0-remat", {"pp": 2, "fsdp": 2, "tp": 2}, "gpipe", 2, 1),
+    "nnx-1f1b-pp2dp2tp2": ("nnx", {"pp": 2, "dp": 2, "tp": 2}, "1f1b", 2, 1),
 }
 
 
@@ -74,7 +78,10 @@ def _pipelined(config, opt=OPT):
     model, params, loss, _, _ = _model(kind)
     mesh = spmd.init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
     shard = tuple(d for d in dims if d in ("dp", "fsdp")) if "fsdp" in dims else None  # HSDP: dp and fsdp
-    laid = fully_shard(model, mesh=mesh[shard], units=["layers"]) if shard else model
+    laid = model
+    if "tp" in dims:
+        laid = parallelize_module(laid, mesh["tp"], {"layers.up": ColwiseParallel(), "layers.down": RowwiseParallel()})
+    laid = fully_shard(laid, mesh=mesh[shard], units=["layers"]) if shard else laid
     pm = pipeline(laid, mesh["pp"], units="layers", num_microbatches=m_count, schedule=sched, stages_per_rank=v)
     state = init_train_state(pm, opt, EXAMPLE, **({} if params is None else {"params": params}))
     return pm, state, make_train_step(pm, loss(pm), opt)
@@ -113,7 +120,7 @@ def test_scanned_stack_stages_equal_one_device_training(config):
     assert (got["all-gather"]["count"] > 0) == ("fsdp" in dims)
     s = run["pm"].schedule
     per_pass = s.num_microbatches * (s.num_stages - 1)
-    n_data = int(np.prod([n for d, n in dims.items() if d != "pp"]))
+    n_data = int(np.prod([n for d, n in dims.items() if d != "pp"]))  # each pp group its own pairs (tp too)
     assert want["collective-permute"]["pairs"] == {"forward": per_pass, "backward": per_pass}
     assert hlo_permute_pairs(run["text"], n_data) == 2 * per_pass
 
@@ -199,11 +206,6 @@ def test_scanned_stack_refusals():
             "use fewer stages or a deeper model (a stack under nn.scan or nnx.scan is one module here unless "
             "init_train_state is given the example inputs")):
         init_train_state(pipeline(model, mesh["pp"], units="layers", num_microbatches=2), OPT, params=params)
-    mesh3 = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    tpm = parallelize_module(model, mesh3["tp"], {"layers.up": ColwiseParallel()})
-    with pytest.raises(ValueError, match=re.escape(
-            "pipeline: tensor-parallel stages of a scanned stack ('layers') are not offered")):
-        init_train_state(pipeline(tpm, mesh3["pp"], units="layers", num_microbatches=2), OPT, EXAMPLE, params=params)
 
 
 # --- the layers' other arrays: broadcast into the scan (MaxText's segment ids and positions) ---------------
