@@ -7,7 +7,10 @@ on and off where the plan has it, the weight-stationary layout (``ws``: the sequ
 cuts moved to the batch; weights never move, activations are gathered over the batch) for every ``tp``,
 the pipelines (``pp`` over the divisors of the device count up to the repeated blocks, the rest over
 ``dp`` x ``fsdp`` x ``tp``, 1F1B at pp, 2 pp and 4 pp micro-batches and interleaved with two chunks per
-rank; costed by ``spmd.parallel.auto._pipeline`` from the schedule's tick table), and, where the memory
+rank; costed by ``spmd.parallel.auto._pipeline`` from the schedule's tick table), context parallelism (the
+sequence cut over ``cp`` for a model whose attention the cp step recognizes) and expert parallelism (the
+experts cut over ``ep`` for a model that has them), each with the rest of the devices over ``dp`` x ``fsdp`` x
+``tp`` (``spmd.parallel.auto._cpep``: their table's cp and ep terms priced over their own dim), and, where the memory
 budget needs them, gradient accumulation and activation checkpointing of the blocks (every policy of
 ``spmd.parallel.styles._remat.POLICIES`` the model and devices allow: ``_budget.weighed_policies``; MaxText's
 named ones where the model names those tensors, ``"offload"`` where the devices have a host memory of their own,
@@ -58,6 +61,7 @@ import optax
 from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
 from spmd.parallel.auto._budget import _fitting, weighed_policies, _measured, check_budget, check_floor, checked, parts
 from spmd.parallel.auto._compiled import compile_figures, extrapolated
+from spmd.parallel.auto._cpep import context_expert_layouts
 from spmd.parallel.auto._measure import example_inputs as _example_inputs, measure_layouts
 from spmd.parallel.auto._pipeline import count_units, pipeline_cost, pipeline_layouts, stage_shapes
 from spmd.parallel.cost._calibrate import Calibration, calibrate
@@ -132,7 +136,22 @@ def _groups(layout: Layout) -> dict:
     ar = ("dp",) if layout.fsdp == 1 or layout.dp > 1 else ("fsdp",)
     at = lambda *names: mesh_group(layout.mesh_dims, names)  # noqa: E731
     return {"parameters": {"all-gather": at("fsdp"), "reduce-scatter": at("fsdp"), "all-reduce": at(*ar)},
-            "activations": {k: at("tp") for k in KINDS}}
+            "activations": {k: at("tp") for k in KINDS},
+            "beyond": at("cp") if layout.cp > 1 else at("ep") if layout.ep > 1 else at(*ar)}
+
+
+def _beyond(comm: dict) -> dict:
+    """Per kind, what the step's table counts in its ``total`` beyond its ``parameters`` and ``activations``
+    sections: the terms of context parallelism (the ring's permutes, the K/V gathers and their gradients'
+    reductions: its ``context`` rows) and of expert parallelism (the experts' all-to-alls), which run over
+    their own mesh dim."""
+    out = {}
+    for kind, v in comm["total"].items():
+        c = v["count"] - sum(comm[s].get(kind, {}).get("count", 0) for s in ("parameters", "activations"))
+        b = v["bytes"] - sum(comm[s].get(kind, {}).get("bytes", 0) for s in ("parameters", "activations"))
+        if c > 0 or b > 0:
+            out[kind] = {"count": max(c, 0), "bytes": max(b, 0)}
+    return out
 
 
 def _policy(layout: Layout) -> str | None:
@@ -169,11 +188,17 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, mesh=mesh)
     jax.eval_shape(step, state, batch)  # validates (batch split, head cuts) and traces the styled calls
     comm = step.communication(state, batch)
-    n_data = layout.dp * layout.fsdp
+    if layout.cp > 1 and not any(r["method"] != "gather sequence" for r in comm.get("attention", ())):
+        raise ValueError(f"{where}: layout {layout.name!r}: the model calls no attention the cp step recognizes "
+                         "(jax.nn.dot_product_attention, flax's dot_product_attention; a module's own einsum "
+                         "attention has its whole sequence gathered): cutting its sequence runs no ring; context "
+                         "parallelism is weighed for models whose attention is such a call.")
+    n_data = layout.n_data
     b = jax.tree.leaves(batch)[0].shape[0]
-    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // (n_data * layout.accum_steps), *x.shape[1:]), x.dtype),
-                         batch)
-    local_bytes = _nbytes(batch) // n_data
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(  # a device's rows, and under cp its part of the sequence
+        (b // (n_data * layout.accum_steps), *((x.shape[1] // layout.cp,) if x.ndim >= 2 else ()), *x.shape[2:]),
+        x.dtype), batch)
+    local_bytes = _nbytes(batch) // (n_data * layout.cp)
     pm = as_parallel(laid, mesh, where)
     # the time's estimate in hardware mode: the model's own flops, no recomputation (a bound below the compiled
     # step's, which replaces it once compiled: spmd.parallel.auto._compiled); calibrated: the step under the
@@ -198,6 +223,8 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
         for kind, v in comm[section].items():
             comm_s[kind] = comm_s.get(kind, 0.0) + cal.collective_s(kind, v["bytes"], v["count"],
                                                                     *groups[section][kind])
+    for kind, v in _beyond(comm).items():  # cp's ring / K/V gathers, ep's all-to-alls: over their own dim
+        comm_s[kind] = comm_s.get(kind, 0.0) + cal.collective_s(kind, v["bytes"], v["count"], *groups["beyond"])
     total = compute + sum(comm_s.values()) + cal.dispatch_s
     return Candidate(layout=layout, predicted_s=total, compute_s=compute, comm_s=comm_s, dispatch_s=cal.dispatch_s,
                      communication={k: comm[k] for k in ("parameters", "activations", "total")}, memory=mem,
@@ -319,7 +346,7 @@ def _state_over(model: Any, devices: list, lay: Layout, params: Any, optimizer: 
     plan = as_parallel(laid, mesh, "auto_layout").plan(params, *_example_inputs(model, batch))
     local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in plan.entries]
     state = plan.bytes_per_device + _nbytes(jax.eval_shape(optimizer.init, local))
-    need = 2 * state + _nbytes(batch) // (lay.dp * lay.fsdp)
+    need = 2 * state + _nbytes(batch) // (lay.n_data * lay.cp)
     if need <= budget:
         return None
     return (f"its state (parameters and optimizer state, {state:,} B per device, before and after the update) and "
@@ -444,7 +471,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     todo = list(layouts) if layouts is not None else [
         replace(lay, mixed_precision=p) for lay in candidate_layouts(len(devices), plan, units)
         for p in (None, *precisions) if p is None or lay.fsdp > 1] + pipeline_layouts(
-            len(devices), plan, units, params, rows)
+            len(devices), plan, units, params, rows) + context_expert_layouts(len(devices), plan, units, params, batch)
     todo = [lay if lay.accum_steps >= accum_steps else replace(lay, accum_steps=accum_steps) for lay in todo]
     slices = _slices(depth, loss_fn, units, params, batch, optimizer, where)
     if slices is not None:
@@ -462,13 +489,21 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         return extrapolated(*got, slices["blocks"], budget)
 
     got, rejected = [], []
-    # the checkpointing policies weighed where memory needs them (those left out: in rejected, with the reason)
-    policies = weighed_policies(loss, params, batch, devices, rejected) if units and memory_budget_bytes is not None \
-        else ()
+    refused: dict = {}  # "cp" / "ep": the step's refusal of the model's first such layout, standing for the rest
+    weighed: list = []  # the checkpointing policies weighed where memory needs them, found at the first need (those
+
+    def policies() -> tuple:  # left out: in rejected, with the reason)
+        if not weighed:
+            weighed.append(weighed_policies(loss, params, batch, devices, rejected) if units else ())
+        return weighed[0]
     bar = _bar(len(todo), f"auto_layout: {len(todo)} layouts on {len(devices)} devices, tracing")
     for lay in todo:
         bar.set_postfix_str(lay.name, refresh=False)
         bar.update()
+        kind = "cp" if lay.cp > 1 else "ep" if lay.ep > 1 else None
+        if kind in refused:
+            rejected.append((lay.name, refused[kind]))
+            continue
         try:
             over = _state_over(model, devices, lay, params, optimizer, batch, memory_budget_bytes)
             if over:  # no checkpointing or accumulation shrinks the state: nothing traced
@@ -477,15 +512,17 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             c = evaluate(lay)
         except Exception as e:  # noqa: BLE001 - a pipeline the model cannot take is no reason to rank nothing
             plain = isinstance(e, (ValueError, TypeError))
-            if not plain and lay.pp == 1:
+            if not plain and lay.pp == 1 and kind is None:
                 bar.close()
                 raise
             rejected.append((lay.name, ("" if plain else f"{type(e).__name__}: ") + str(e).split("\n")[0][:400]))
+            if kind is not None and not any(c.layout.cp > 1 if kind == "cp" else c.layout.ep > 1 for c in got):
+                refused[kind] = rejected[-1][1]
             continue
         if c.fits:
             got.append(c)
             continue
-        got.extend(_fitting(c, evaluate, rows, units, rejected, policies))
+        got.extend(_fitting(c, evaluate, rows, units, rejected, policies()))
     bar.close()
     if not got:
         raise ValueError(f"{where}: no layout of {len(devices)} devices could be built for this model; "
@@ -497,7 +534,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,}; the smallest, {small.name}, "
             f"needs at least {small.memory['peak']:,} B per device ({parts(small.memory)}), with the gradient "
             "accumulation the micro-batches allow"
-            + (f" and activation checkpointing ({', '.join(repr(p) for p in policies)}) weighed" if units
+            + (f" and activation checkpointing ({', '.join(repr(p) for p in policies())}) weighed" if units
                else "") + "; use more devices, a larger budget, a smaller batch or fully_shard units (fsdp).")
     compiled: dict = {}
     if memory_budget_bytes is not None:  # compiled in ranked order until the top fit by XLA's own peak
@@ -513,7 +550,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             return extrapolated(*got, slices["blocks"], memory_budget_bytes)
 
         def variants(c: Candidate, budget: int) -> list[Candidate]:  # those of a layout over once compiled
-            return _fitting(c, lambda lay: evaluate(lay, budget), rows, units, rejected, policies)
+            return _fitting(c, lambda lay: evaluate(lay, budget), rows, units, rejected, policies())
 
         bar = _bar(None, "auto_layout: compiling")
         got = checked(got, max(measure, 1), memory_budget_bytes, compile_one, variants,

@@ -108,7 +108,7 @@ def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]
     needs no less accumulation than a lighter one (in ``CHECKPOINTING``'s order) is dropped. None fitting:
     the smallest variant, for the error. A variant that cannot be built goes to ``rejected`` with its reason."""
     lay = c.layout
-    local = rows // (lay.dp * lay.fsdp)
+    local = rows // lay.n_data
     weighed = [None]
     if lay.pp == 1 and units and lay.activation_checkpointing is None:
         regather = lay.fsdp > 1 and lay.reshard_after_forward

@@ -69,9 +69,12 @@ class Layout:
     stages_per_rank: int = 1
     activation_checkpointing: str | None = None
     mixed_precision: str | None = None
+    cp: int = 1
+    ep: int = 1
+    ep_plan: tuple | None = None
 
     def __post_init__(self):
-        for arg in ("dp", "fsdp", "tp", "accum_steps", "pp", "microbatches", "stages_per_rank"):
+        for arg in ("dp", "fsdp", "tp", "accum_steps", "pp", "microbatches", "stages_per_rank", "cp", "ep"):
             v = getattr(self, arg)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Layout: {arg}={v!r} must be an int >= 1.")
@@ -91,6 +94,12 @@ class Layout:
                              "tuple(weight_stationary_plan(sequence_parallel_plan).items()).")
         if self.fsdp > 1 and not isinstance(self.units, tuple):
             raise TypeError(f"Layout: units={self.units!r} must be a tuple of module fqn globs.")
+        if self.ep > 1 and not self.ep_plan:
+            raise ValueError(f"Layout: ep={self.ep} needs ep_plan=, the parallelize_module plan of the experts "
+                             "(e.g. (('layers_*.mlp.experts', ExpertParallel()),)).")
+        if self.pp > 1 and (self.cp > 1 or self.ep > 1):
+            raise ValueError(f"Layout: pp={self.pp} with cp={self.cp}, ep={self.ep}: auto_layout weighs context and "
+                             "expert parallelism without a pipeline; give pp=1 or cp=ep=1.")
         if self.pp > 1:
             self._check_pipeline()
         if self.activation_checkpointing is not None:
@@ -140,13 +149,20 @@ class Layout:
 
     @property
     def size(self) -> int:
-        return self.pp * self.dp * self.fsdp * self.tp
+        return self.pp * self.dp * self.fsdp * self.ep * self.cp * self.tp
+
+    @property
+    def n_data(self) -> int:
+        """The ways the batch's rows are split: ``dp x fsdp x ep`` (ep's ranks take their own rows)."""
+        return self.dp * self.fsdp * self.ep
 
     @property
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
-        """The mesh's ``(name, size)`` dims: those above 1, ``dp`` kept when it is the only data dim."""
-        dims = [(n, s) for n, s in (("pp", self.pp), ("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp)) if s > 1]
-        if not any(n in ("dp", "fsdp") for n, _ in dims):
+        """The mesh's ``(name, size)`` dims: those above 1 (``pp, dp, fsdp, ep, cp, tp``, row-major), ``dp`` kept
+        when it is the only data dim."""
+        dims = [(n, s) for n, s in (("pp", self.pp), ("dp", self.dp), ("fsdp", self.fsdp), ("ep", self.ep),
+                                    ("cp", self.cp), ("tp", self.tp)) if s > 1]
+        if not any(n in ("dp", "fsdp", "ep") for n, _ in dims):
             dims.insert(1 if self.pp > 1 else 0, ("dp", self.dp))
         return tuple(dims)
 
@@ -209,9 +225,11 @@ def devices_of(mesh_or_devices: Any, where: str) -> list:
 
 
 def layout_mesh(devices: Sequence, layout: Layout, where: str = "apply_layout") -> DeviceMesh:
-    """The ``DeviceMesh`` of ``layout`` over ``devices`` (row-major), named ``pp`` / ``dp`` / ``fsdp`` / ``tp``."""
+    """The ``DeviceMesh`` of ``layout`` over ``devices`` (row-major), named ``pp`` / ``dp`` / ``fsdp`` / ``ep`` /
+    ``cp`` / ``tp``."""
     if len(devices) != layout.size:
-        raise ValueError(f"{where}: layout {layout.name!r} needs pp x dp x fsdp x tp = {layout.size} devices, but "
+        raise ValueError(f"{where}: layout {layout.name!r} needs pp x dp x fsdp x ep x cp x tp = {layout.size} "
+                         f"devices, but "
                          f"{len(devices)} were given; give {layout.size} devices or a layout for {len(devices)}.")
     names, shape = zip(*layout.mesh_dims)
     return DeviceMesh.from_jax(jax.sharding.Mesh(np.array(devices).reshape(shape), names))
@@ -224,6 +242,8 @@ def apply_layout(model: Any, mesh_or_devices: Any, layout: Layout) -> tuple[Any,
         raise TypeError(f"{where}: layout={layout!r} must be a Layout (auto_layout(...).best.layout).")
     mesh = layout_mesh(devices_of(mesh_or_devices, where), layout, where)
     out = model
+    if layout.ep > 1:  # the experts cut over ep first, as models.train lays them out (ExpertParallel)
+        out = parallelize_module(out, mesh["ep"], dict(layout.ep_plan))
     if layout.tp > 1:
         out = parallelize_module(out, mesh["tp"], dict(layout.tp_plan))
     if layout.fsdp > 1:

@@ -131,15 +131,21 @@ def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: An
     takes them, or (``abstract``) their shape structs so laid out, nothing allocated."""
     laid, mesh = apply_layout(model, devices, layout)
     step = make_train_step(laid, loss_of(laid), optimizer, accum_steps=layout.accum_steps, mesh=mesh)
-    data = NamedSharding(mesh.jax_mesh, P(tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp"))))
+    rows = tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp", "cp"))
+    cp = "cp" in mesh.mesh_dim_names  # the sequence (dim 1 of a leaf of rank 2 or more) cut over cp
+
+    def data(x):
+        return NamedSharding(mesh.jax_mesh, P(rows, "cp") if cp and len(x.shape) >= 2 else P(rows))
+
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
     if abstract:
         state = jax.eval_shape(lambda: init_train_state(laid, optimizer, *example_inputs(model, structs[1]),
                                                         params=structs[0], mesh=mesh))
-        return step, state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data), structs[1])
+        return step, state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data(x)),
+                                         structs[1])
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), structs)
     return step, init_train_state(laid, optimizer, *example_inputs(model, zeros[1]), params=zeros[0], mesh=mesh), \
-        jax.device_put(zeros[1], data)
+        jax.tree.map(lambda x: jax.device_put(x, data(x)), zeros[1])
 
 
 def compiled_peak(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,

@@ -1,0 +1,113 @@
+"""auto_layout's context- and expert-parallel candidates (``spmd.parallel.auto._cpep``).
+
+- ``models.MoE`` (top-2 of 8 experts): the ep candidates are every ep the expert count divides, with the rest of
+  the devices over dp x fsdp; each candidate's table (its ``total``: the experts' all-to-alls, the gradients'
+  all-reduces, FSDP's gathers) equals the collectives of its compiled step;
+- ``models.Llama`` (``jax.nn.dot_product_attention``) on a long sequence under a memory budget built from the
+  compiled peaks (between the cp=8 step's and the smallest of the cp-free steps with every block recomputed):
+  the pick cuts the sequence over cp and its compiled peak fits, every cp-free candidate compiled does not;
+- a model calling no attention gets no cp candidate: the first one is refused with the reason, which stands for
+  the rest.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+
+from models import Llama, LlamaConfig, MoE, MoEConfig
+from spmd.parallel import Calibration, Layout, apply_layout, auto_layout, executed_collectives, init_train_state
+from spmd.parallel import make_train_step
+from spmd.parallel.auto._auto import default_loss
+from spmd.parallel.auto._compiled import compile_figures
+from spmd.parallel.auto._cpep import context_expert_layouts
+from spmd.parallel.auto._layout import infer_units
+
+CAL = Calibration(collectives={k: (1e-4, 1e9) for k in ("all-gather", "reduce-scatter", "all-reduce",
+                                                       "collective-permute", "all-to-all")},
+                  matmul_flops_per_s=1e10, elementwise_bytes_per_s=1e10, dispatch_s=1e-4, group_size=8)
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+def _batch(t: int, b: int = 8):
+    tok = np.random.default_rng(0).integers(0, 24, (b, t + 1)).astype(np.int32)
+    return {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+
+
+@pytest.mark.slow  # four layouts traced, three compiled
+def test_moe_ep_candidates_tables_equal_their_compiled_collectives():
+    model = MoE(MoEConfig(vocab_size=24, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
+                          num_kv_heads=2, num_experts=8, top_k=2, capacity_factor=1.0))
+    batch = _batch(16)
+    params = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
+    units = infer_units(params)
+    ep = [lay for lay in context_expert_layouts(8, None, units, params, batch) if lay.ep > 1]
+    assert sorted(lay.name for lay in ep) == sorted([
+        "dp=4,ep=2", "dp=2,fsdp=2,ep=2 regather", "dp=2,fsdp=2,ep=2 keep", "fsdp=4,ep=2 regather",
+        "fsdp=4,ep=2 keep", "dp=2,ep=4", "fsdp=2,ep=4 regather", "fsdp=2,ep=4 keep", "ep=8"])
+    assert {lay.ep_plan[0][0] for lay in ep} == {"layers_*.mlp.experts"}
+    picked = [lay for lay in ep if lay.name in ("ep=8", "dp=2,ep=4", "fsdp=2,ep=4 keep")]
+    got = auto_layout(model, optax.sgd(0.1), batch, 8, layouts=picked, calibration=CAL, params=params)
+    assert sorted(c.name for c in got) == sorted(lay.name for lay in picked)
+    for c in got:
+        laid, mesh = apply_layout(model, 8, c.layout)
+        real = model.init(jax.random.key(0), batch["inputs"])["params"]
+        state = init_train_state(laid, optax.sgd(0.1), params=real, mesh=mesh)
+        step = make_train_step(laid, default_loss(laid), optax.sgd(0.1), mesh=mesh)
+        hlo = executed_collectives(step._build(state.plan).jitted, state, batch, scalars=False)
+        table = c.communication["total"]
+        assert table["all-to-all"]["count"] > 0, c.name
+        for kind in KINDS:  # the table counts buffers, an all-to-all's ops (as tests/parallel/test_expert_step.py)
+            want = table.get(kind, {"count": 0, "bytes": 0})
+            got = hlo[kind]["count" if kind == "all-to-all" else "buffers"], hlo[kind]["bytes"]
+            assert got == (want["count"], want["bytes"]), (c.name, kind)
+        assert c.comm_s["all-to-all"] > 0
+
+
+@pytest.mark.slow  # the candidates traced, the cp-free ones' smallest variants and the pick compiled
+def test_a_long_sequence_under_a_tight_budget_picks_cp():
+    model = Llama(LlamaConfig(vocab_size=24, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
+                              num_kv_heads=2, attn_implementation="sdpa"))
+    batch, opt = _batch(512), optax.sgd(0.1)
+    params = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
+    units, devices = ("layers_*",), jax.devices()[:8]
+
+    def peak(lay):
+        return compile_figures(model, opt, default_loss, params, batch, devices, lay)["memory"].peak
+
+    # the cp-free layouts at their smallest (every block recomputed: one sequence per device, no accumulation)
+    free = min(peak(Layout(dp=8, units=units, activation_checkpointing="full")),
+               peak(Layout(fsdp=8, units=units, activation_checkpointing="full")),
+               peak(Layout(fsdp=8, units=units, reshard_after_forward=False, activation_checkpointing="full")))
+    cp = peak(Layout(dp=1, cp=8))
+    assert cp < free / 2, (cp, free)
+    budget = (cp + free) // 2
+    got = auto_layout(model, opt, batch, 8, calibration=CAL, params=params, memory_budget_bytes=budget)
+    best = got.best
+    assert best.layout.cp > 1 and best.fits and best.measured_peak is not None and best.measured_peak <= budget
+    compiled_free = [c for c in got if c.layout.cp == 1 and c.measured_peak is not None]
+    assert all(c.measured_peak > budget and not c.fits for c in compiled_free), [
+        (c.name, c.measured_peak) for c in compiled_free]
+
+
+class _NoAttention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Embed(24, 16)(x)
+        for i in range(2):
+            x = x + nn.Dense(16, name=f"layers_{i}")(x)
+        return nn.Dense(24)(x)
+
+
+def test_a_model_without_attention_gets_no_cp_candidate():
+    model, batch = _NoAttention(), _batch(8)
+    lays = [lay for lay in context_expert_layouts(8, None, (), jax.eval_shape(
+        model.init, jax.random.key(0), batch["inputs"])["params"], batch)]
+    assert lays and all(lay.cp > 1 for lay in lays)  # no experts: no ep candidate
+    got = auto_layout(model, optax.sgd(0.1), batch, 8, layouts=[Layout(dp=8), *lays[:2]], calibration=CAL)
+    assert [c.name for c in got] == ["dp=8"]
+    assert [n for n, _ in got.rejected] == [lay.name for lay in lays[:2]]
+    assert all("the model calls no attention the cp step recognizes" in r for _, r in got.rejected)
