@@ -105,7 +105,8 @@ def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]
     (none, then ``policies``, ``CHECKPOINTING``'s weighed for the model, on the blocks ``units``; not under a
     pipeline, which recomputes its stages already; FSDP units re-gathered for the backward pass save their
     matmul outputs already: ``"dots"`` is no variant of them), the least gradient accumulation that fits, where the micro-batches divide the replica's rows; a policy that
-    needs no less accumulation than a lighter one (in ``CHECKPOINTING``'s order) is dropped. None fitting:
+    needs no less accumulation than a lighter one (in ``CHECKPOINTING``'s order) is dropped, and once one fits
+    with the layout's own accumulation the heavier ones are not weighed. None fitting:
     the smallest variant, for the error. A variant that cannot be built goes to ``rejected`` with its reason."""
     lay = c.layout
     local = rows // lay.n_data
@@ -128,6 +129,8 @@ def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]
             v = v2 if v2.fits or v2.memory["peak"] < v.memory["peak"] else v  # none fitting: the smallest
             a *= 2
         out.append(v)
+        if v.fits and v.layout.accum_steps == base.accum_steps:  # the heavier policies would be dropped below:
+            break  # none of them needs less accumulation than none at all
     fit = [v for v in out if v.fits]  # more recomputation at no less accumulation is slower: dropped
     fit = [v for i, v in enumerate(fit) if not any(u.layout.accum_steps <= v.layout.accum_steps for u in fit[:i])]
     return fit or [min(out, key=lambda v: v.memory["peak"])]
