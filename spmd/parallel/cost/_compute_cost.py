@@ -2,7 +2,8 @@
 
 Per device and step: the flops and bytes accessed of the user's loss and gradient on one
 micro-batch on one device (XLA's ``cost_analysis`` of the compiled single-device step less its optimizer
-update's), the matmuls of the tensor-parallel kernels (``6 x tokens x kernel size``) divided by ``tp``,
+update's), the matmuls that read a tensor-parallel cut parameter (their forward flops read off the loss's
+traced program, ``param_matmul_flops``, times 3 for the backward's two) divided by ``tp``,
 times the micro-batches, and the operations the gradient launches (``program_ops``); the optimizer's update
 apart (``optimizer_compute_s``). ``Profile.grad_seconds``: the gradient on one micro-batch timed on every
 device at once (a ``shard_map`` of it with no collective: on a host whose fake devices share the cores, the
@@ -22,16 +23,76 @@ from placements import Shard
 
 from spmd.parallel.cost._memory import Profile, _nbytes
 
-__all__ = ["compute_cost", "reference_cost", "optimizer_compute_s", "optimizer_flops", "update_seconds"]
+__all__ = ["compute_cost", "param_matmul_flops", "tp_matmul_flops", "reference_cost", "optimizer_compute_s", "optimizer_flops", "update_seconds"]
 
 
-def tp_kernel_numel(plan, tp: str | None) -> int:
-    """Elements of the tensor-parallel cut matmul kernels (not embedding tables: a lookup has no matmul)."""
+# ops that hand a parameter on unchanged in content (a cast, a view): a matmul on their output reads it
+_VIEW = {"convert_element_type", "copy", "copy_p", "reshape", "transpose", "squeeze", "expand_dims", "name",
+         "sharding_constraint", "optimization_barrier"}
+
+
+def _matmul_flops(eqn) -> float:
+    out = eqn.outvars[0].aval
+    if eqn.primitive.name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        return 2.0 * math.prod(out.shape) * math.prod(lhs[d] for d in lc)
+    rhs = eqn.invars[1].aval.shape  # conv_general_dilated: each output element a kernel window over its inputs
+    return 2.0 * math.prod(out.shape) * math.prod(rhs) / max(rhs[eqn.params["dimension_numbers"].rhs_spec[0]], 1)
+
+
+def _walk(jaxpr, origin: dict, flops: dict, times: float) -> None:
+    """Add to ``flops[i]`` the forward flops of every matmul of ``jaxpr`` an operand of which is parameter
+    ``i`` (``origin``: var -> parameter index), through views and into sub-programs (a scan's body its trip
+    count times, the costlier branch of a cond)."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        src = [origin.get(v) if not hasattr(v, "val") else None for v in eqn.invars]
+        if name in ("dot_general", "conv_general_dilated"):
+            for i in {i for i in src[:2] if i is not None}:
+                flops[i] = flops.get(i, 0.0) + times * _matmul_flops(eqn)
+        elif name in _VIEW and src and src[0] is not None:
+            origin[eqn.outvars[0]] = src[0]
+        elif name == "cond":
+            best: dict = {}
+            for br in eqn.params["branches"]:
+                got: dict = {}
+                _walk(br.jaxpr, {v: i for v, i in zip(br.jaxpr.invars, src[1:]) if i is not None}, got, times)
+                best = got if sum(got.values()) > sum(best.values()) else best
+            for i, f in best.items():
+                flops[i] = flops.get(i, 0.0) + f
+        elif any(i is not None for i in src):
+            n = times * (eqn.params.get("length", 1) if name == "scan" else 1)
+            for v in eqn.params.values():
+                for j in (v if isinstance(v, (tuple, list)) else (v,)):
+                    inner = getattr(j, "jaxpr", j)
+                    if hasattr(inner, "eqns") and len(inner.invars) == len(src):
+                        _walk(inner, {w: i for w, i in zip(inner.invars, src) if i is not None}, flops, n)
+                        break
+
+
+def param_matmul_flops(loss, params: Any, batch: Any) -> list[float]:
+    """Per leaf of ``params`` (flattened), the forward flops of the matmuls (``dot_general``, convolutions)
+    that read it in ``loss(params, batch)``, from its traced program: an embedding table read by a lookup
+    counts none, the same table read by a tied output projection its matmul; the tokens each matmul runs on
+    are the program's, whatever the batch's leaves are."""
+    n = len(jax.tree.leaves(params))
+    closed = jax.make_jaxpr(loss)(params, batch)
+    flops: dict = {}
+    _walk(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars[:n])}, flops, 1.0)
+    return [flops.get(i, 0.0) for i in range(n)]
+
+
+def tp_matmul_flops(profile: Profile, plan, tp: str | None, micro_batch: Any) -> float:
+    """Forward and backward flops (3 x the forward's) of the matmuls on ``plan``'s parameters cut over ``tp``."""
     if tp is None or tp not in plan.mesh_dim_names:
-        return 0
+        return 0.0
     ti = plan.mesh_dim_names.index(tp)
-    return sum(math.prod(e.shape) for e in plan.entries
-               if isinstance(e.placements[ti], Shard) and len(e.shape) >= 2 and not e.path.endswith("embedding"))
+    per = profile.param_matmul_flops(micro_batch)
+    if len(per) != len(plan.entries):
+        raise ValueError(f"auto_layout: the profiled loss reads {len(per)} parameters and the layout's plan holds "
+                         f"{len(plan.entries)}; profile the parameters the layout was built for.")
+    return 3.0 * sum(f for f, e in zip(per, plan.entries) if isinstance(e.placements[ti], Shard))
 
 
 def compute_cost(profile: Profile, plan, model, micro_batch: Any, *, accum_steps: int) -> tuple[float, float, int]:
@@ -41,9 +102,7 @@ def compute_cost(profile: Profile, plan, model, micro_batch: Any, *, accum_steps
     tp = model.tp.mesh_dim if model.tp else None
     n_tp = plan.mesh_size(tp) if tp else 1
     if n_tp > 1 and flops > 0:
-        first = jax.tree.leaves(micro_batch)[0]
-        tokens = math.prod(first.shape[:2])
-        cut = min(6.0 * tokens * tp_kernel_numel(plan, tp), flops)
+        cut = min(tp_matmul_flops(profile, plan, tp, micro_batch), flops)
         local = flops - cut * (1 - 1 / n_tp)
         nbytes, flops = nbytes * local / flops, local
     return accum_steps * flops, accum_steps * nbytes, accum_steps * profile.ops(micro_batch)

@@ -149,6 +149,16 @@ class Profile:
             self._grad[k] = (*_cost(comp), temp, program_ops(comp.as_text()))
         return self._grad[k]
 
+    def param_matmul_flops(self, batch: Any) -> list[float]:
+        """Per parameter leaf, the forward flops of the loss's matmuls that read it on ``batch``
+        (``spmd.parallel.cost._compute_cost.param_matmul_flops``), traced once per batch shape."""
+        from spmd.parallel.cost._compute_cost import param_matmul_flops
+
+        k = ("matmuls", self._key(batch))
+        if k not in self._res:
+            self._res[k] = param_matmul_flops(self.loss, self.params, batch)
+        return self._res[k]
+
     def ops(self, batch: Any) -> int:
         """The operations the one-device gradient on ``batch`` launches (``program_ops`` of the step less of
         the optimizer's update)."""
