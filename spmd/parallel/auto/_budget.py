@@ -56,8 +56,8 @@ def weighed_policies(loss: Callable, params: Any, batch: Any, devices: list, rej
     out = []
     for p in CHECKPOINTING:
         if policy_names(p) and not names & set(policy_names(p)):
-            names = ", ".join(policy_names(p))
-            rejected.append((f"ac={p}", f"the model names none of the tensors {p!r} keeps ({names}: jax.ad_checkpoint"
+            kept = ", ".join(policy_names(p))
+            rejected.append((f"ac={p}", f"the model names none of the tensors {p!r} keeps ({kept}: jax.ad_checkpoint"
                                         ".checkpoint_name); it would keep the blocks' inputs only, as 'full' does"))
             continue
         why = offload_refusal(devices) if p == "offload" else None
