@@ -172,7 +172,7 @@ class _SdpaDecoder(nnx.Module):
     """A user's nnx decoder calling nnx.dot_product_attention with a causal mask array (intercepted: the
     all-gather of K/V)."""
 
-    def __init__(self, rngs, d=32, heads=2):  # a width apart from the sequence's 16: no [.., 16, 16] projection
+    def __init__(self, rngs, d=16, heads=2):  # a width equal to the sequence's 16: its projections are no scores
         self.embed = nnx.Embed(V, d, rngs=rngs)
         self.qkv = nnx.LinearGeneral(d, (3, heads, d // heads), rngs=rngs)
         self.out = nnx.LinearGeneral((heads, d // heads), d, axis=(-2, -1), rngs=rngs)

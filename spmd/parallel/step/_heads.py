@@ -117,7 +117,8 @@ def _pairs_positions(eqn, seq_len: int) -> bool:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars[:2]]
     out = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
-    if any(len(s) < 3 for s in shapes) or len(out) < 3 or out[-2:] != (seq_len, seq_len):
+    # two activations share their batch dims (a projection's kernel, even one whose width equals seq_len, has none)
+    if not lb or any(len(s) < 3 for s in shapes) or len(out) < 3 or out[-2:] != (seq_len, seq_len):
         return False
     return all(any(d == seq_len for i, d in enumerate(s) if i not in c and i not in b)
                for s, c, b in zip(shapes, (lc, rc), (lb, rb)))
