@@ -275,6 +275,27 @@ def _check_batch_cut(batch: Any, layout: Layout, where: str) -> None:
                          f"divide it; use a batch that is a multiple of {per * layout.tp}.")
 
 
+def _check_batch_rows(batch: Any, loss_fn: Any, where: str) -> None:
+    """The example batch as the candidates read it: every leaf cut on its leading (batch) dim, the same in
+    all; without ``loss_fn`` a dict with the default loss's ``inputs`` and ``targets``."""
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise ValueError(f"{where}: example_batch holds no arrays; give a pytree of [batch, ...] arrays.")
+    p0, x0 = leaves[0]
+    for p, x in leaves:
+        if len(x0.shape) == 0 or len(x.shape) == 0 or x.shape[0] != x0.shape[0]:
+            raise ValueError(
+                f"{where}: example_batch{jax.tree_util.keystr(p)} has shape {tuple(x.shape)} and example_batch"
+                f"{jax.tree_util.keystr(p0)} {tuple(x0.shape)}; every layout cuts each batch leaf along its leading "
+                "(batch) dim, so each needs one, the same in all: give per-example arrays (broadcast a shared one "
+                "inside loss_fn).")
+    if loss_fn is None and not (isinstance(batch, Mapping) and "inputs" in batch and "targets" in batch):
+        got = sorted(map(str, batch)) if isinstance(batch, Mapping) else type(batch).__name__
+        raise ValueError(f"{where}: loss_fn=None takes the default loss, next-token cross-entropy of "
+                         f"model(batch['inputs']) against batch['targets'], but example_batch has {got!r}; pass "
+                         "loss_fn=(params, batch) -> loss (an nnx model: (model, batch) -> loss) for this batch.")
+
+
 def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
     if params is not None:
         return _abstract(params)
@@ -444,6 +465,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     check_budget(memory_budget_bytes, where)
     devices = devices_of(mesh_shape_or_devices, where)
     batch = _abstract(example_batch)
+    _check_batch_rows(batch, loss_fn, where)
     params = _params_of(model, batch, params, where)
     if memory_budget_bytes is not None:  # refused at once below what any layout's state needs, nothing compiled
         check_floor(params, optimizer, len(devices), memory_budget_bytes, where)

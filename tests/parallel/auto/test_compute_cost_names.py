@@ -5,6 +5,8 @@ matmul, 3x for forward and backward)."""
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -55,3 +57,30 @@ def test_tp_flops_from_the_program_not_names():
     # the cut matmuls: embedding_proj (D x H) and out (H x D) on every token, the tied head (D x V) on every token
     cut = 3 * 2 * B * T * (D * H + H * D + D * V)
     assert flops == pytest.approx(whole - min(cut, whole) * (1 - 1 / 2), rel=1e-9)
+
+
+def _cal():
+    from spmd.parallel import Calibration
+
+    return Calibration(collectives={k: (1e-4, 1e9) for k in ("all-gather", "reduce-scatter", "all-reduce",
+                                                            "collective-permute")},
+                       matmul_flops_per_s=1e10, elementwise_bytes_per_s=1e10, dispatch_s=1e-4, group_size=8)
+
+
+def test_auto_layout_checks_the_batch_it_reads_and_names_the_leaf():
+    from spmd.parallel import auto_layout
+
+    tokens = np.zeros((B, T), np.int32)
+    params = Odd().init(jax.random.key(0), tokens)["params"]
+    # the default loss reads batch['inputs'] and batch['targets']: another batch is refused, naming the fix
+    with pytest.raises(ValueError, match=re.escape("auto_layout: loss_fn=None takes the default loss, next-token "
+                                                   "cross-entropy of model(batch['inputs']) against batch['targets'], "
+                                                   "but example_batch has ['a_label', 'tokens']; pass loss_fn=")):
+        auto_layout(Odd(), optax.sgd(0.1), {"a_label": np.zeros((B,), np.int32), "tokens": tokens}, 2,
+                    params=params, calibration=_cal())
+    # a leaf without the batch's leading dim is named (the candidates' micro-batches cut every leaf's dim 0)
+    with pytest.raises(ValueError, match=re.escape("auto_layout: example_batch['b_pos'] has shape (6,) and "
+                                                   "example_batch['a_label'] (4,); every layout cuts each batch leaf "
+                                                   "along its leading (batch) dim")):
+        auto_layout(Odd(), optax.sgd(0.1), {"a_label": np.zeros((B,), np.int32), "b_pos": np.arange(T),
+                                            "tokens": tokens}, 2, params=params, loss_fn=loss_fn, calibration=_cal())
