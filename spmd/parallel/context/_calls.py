@@ -46,9 +46,9 @@ from spmd.parallel.context._attention import ring_attention
 from spmd.parallel.cost._comm import activation_terms
 from spmd.parallel.plan._param_plan import ParamPlan
 from spmd.parallel.styles._tp_calls import TP_COMM
-from spmd.parallel.styles._transforms import CP_DIM
+from spmd.parallel.styles._transforms import CP_DIM, EP_DIM
 
-__all__ = ["CALL_SCOPE", "CP", "ContextCalls", "attention_terms", "check_seq", "from_zigzag", "lookup_terms", "seq_len", "to_zigzag",
+__all__ = ["CALL_SCOPE", "CP", "ContextCalls", "attention_terms", "experts_routers", "check_seq", "from_zigzag", "lookup_terms", "seq_len", "to_zigzag",
            "with_context"]
 
 CP = CP_DIM  # the mesh dim name of the sequence cut
@@ -175,6 +175,56 @@ def _cut_bwd(calls, _, ct):
 _cut_seq.defvjp(_cut_fwd, _cut_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _cut_dim(x, calls, dim):
+    """``x`` (whole on every device of cp) cut over cp on ``dim``; backward: the cotangent all-gathered."""
+    return calls._own_chunk(x, dim)
+
+
+def _cut_dim_fwd(x, calls, dim):
+    return calls._own_chunk(x, dim), None
+
+
+def _cut_dim_bwd(calls, dim, _, ct):
+    return (calls._all_gather(ct, dim),)
+
+
+_cut_dim.defvjp(_cut_dim_fwd, _cut_dim_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_dim(y, calls, dim):
+    """``y`` (cut over cp on ``dim``) whole on every device of cp; backward: each device keeps its part of the
+    cotangent (whole on every device: the same)."""
+    return calls._all_gather(y, dim)
+
+
+def _gather_dim_fwd(y, calls, dim):
+    return calls._all_gather(y, dim), None
+
+
+def _gather_dim_bwd(calls, dim, _, ct):
+    return (calls._own_chunk(ct, dim),)
+
+
+_gather_dim.defvjp(_gather_dim_fwd, _gather_dim_bwd)
+
+
+def experts_routers(seen: dict, ep_records: list) -> set:
+    """The modules that route tokens to expert-parallel modules over a sequence cut over cp: each ep-styled
+    module's innermost enclosing module taking the ``[batch, seq, ...]`` sequence (``seen``: every module call of
+    the trace, and whether it did). Its routing (a capacity per sequence: a running count over the whole
+    sequence) runs on the sequence gathered over cp (``ContextCalls.around``), its collectives explicit, and the
+    experts inside it on each device's part of the buffers (``ContextCalls.experts_cut``)."""
+    out = set()
+    for r in ep_records:
+        parts = r["module"].split(".")
+        m = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if seen.get(".".join(parts[:i]))), None)
+        if m is not None:
+            out.add(m)
+    return out
+
+
 class ContextCalls:
     """The attention calls of one trace of the step over mesh dim ``cp`` (size ``n``) cutting a sequence of
     ``seq_len`` positions; ``records`` the calls seen, each with its method and local bytes.
@@ -196,6 +246,7 @@ class ContextCalls:
         self._open: set[str] = set()
         self._local = False  # inside an intercepted call's own attention on this device's block
         self._ints: dict[int, Any] = {}  # integer inputs gathered once per trace (XLA merges the repeats), by id
+        self.cut_params: set[str] = set()  # an expert-parallel module's, run cut over cp (``experts_cut``)
 
     # --- a module run on the gathered sequence --------------------------------------------------------
     def around(self, call: Any, run: Callable) -> Any:
@@ -220,6 +271,7 @@ class ContextCalls:
                 out = run(call)
                 call.args, call.kwargs = args, kwargs
                 out = jax.tree.map(lambda y: self._cut(y, rec), out)
+                rec["params"] = [p for p in rec["params"] if p not in self.cut_params]  # experts: summed over cp
                 self.records.append(rec)
                 return out
         finally:
@@ -255,21 +307,54 @@ class ContextCalls:
         rec["cut"].append((tuple(y.shape), str(y.dtype)))
         return _cut_seq(y, self)
 
-    def _all_gather(self, x):
-        """``x`` (global view, its sequence cut over cp) whole on every device of cp: one all-gather."""
-        return jax.shard_map(lambda x: lax.all_gather(x, self.axis, axis=1, tiled=True), mesh=self._region_mesh(),
-                             in_specs=P(None, self.axis), out_specs=P(), axis_names={self.axis},
+    def _all_gather(self, x, dim: int = 1):
+        """``x`` (global view, cut over cp on ``dim``: the sequence) whole on every device of cp: one all-gather."""
+        return jax.shard_map(lambda x: lax.all_gather(x, self.axis, axis=dim, tiled=True), mesh=self._region_mesh(),
+                             in_specs=P(*[None] * dim, self.axis), out_specs=P(), axis_names={self.axis},
                              check_vma=False)(x)
 
-    def _own_chunk(self, y):
-        """``y`` (whole on every device of cp) cut over cp: each device keeps its positions, nothing moves."""
-        t = y.shape[1] // self.n
+    def _own_chunk(self, y, dim: int = 1):
+        """``y`` (whole on every device of cp) cut over cp on ``dim`` (the sequence): each device keeps its part,
+        nothing moves."""
+        t = y.shape[dim] // self.n
 
         def body(y):
-            return lax.dynamic_slice_in_dim(y, lax.axis_index(self.axis) * t, t, axis=1)
+            return lax.dynamic_slice_in_dim(y, lax.axis_index(self.axis) * t, t, axis=dim)
 
-        return jax.shard_map(body, mesh=self._region_mesh(), in_specs=P(), out_specs=P(None, self.axis),
+        return jax.shard_map(body, mesh=self._region_mesh(), in_specs=P(), out_specs=P(*[None] * dim, self.axis),
                              axis_names={self.axis}, check_vma=False)(y)
+
+    # --- an expert-parallel module inside a module run on the gathered sequence ---------------------------
+    def experts_dim(self, x, keep: tuple[int, ...]) -> int | None:
+        """The dim of an expert-parallel module's input ``x`` (its dispatch buffers, whole on every device of cp
+        inside a module run on the gathered sequence) to cut over cp, so that each device of cp dispatches and
+        runs its own part of the routed tokens (the experts do not run whole on every device of cp): the first of
+        ``keep`` (the groups), else any other but the last (the features; not the experts dim) that cp divides;
+        None outside a gathered module or where cp divides none."""
+        if not any(m in self.gathered for m in self._open) or self.n < 2:
+            return None
+        dims = [d % x.ndim for d in keep[:1]] + [d for d in range(x.ndim - 1) if d not in [k % x.ndim for k in keep]]
+        return next((d for d in dims if x.shape[d] % self.n == 0), None)
+
+    def experts_cut(self, fqn: str, x, dim: int, params: list):
+        """``x`` cut over cp on ``dim`` (nothing moves; backward: its cotangent all-gathered); ``params`` (the
+        experts' own) are then summed over cp, not whole."""
+        self.cut_params.update(params)
+        self.records.append({"call": fqn, "method": "experts cut", "n": self.n,
+                             "gathered": [(tuple(x.shape), str(x.dtype))]})
+        return _cut_dim(x, self, dim)
+
+    def on_cut(self, fn, x, dim: int):
+        """``fn`` (an exchange over another manual dim: ep's all-to-all) on each device's block of ``x`` cut over
+        cp on ``dim``, in a region manual over cp too (in global view GSPMD would gather the block first)."""
+        spec = P(*[None] * dim, self.axis)
+        return jax.shard_map(fn, mesh=self._region_mesh(), in_specs=spec, out_specs=spec, axis_names={self.axis},
+                             check_vma=False)(x)
+
+    def experts_gathered(self, y, dim: int):
+        """The experts' output (cut over cp on ``dim``) whole again on every device of cp: one all-gather."""
+        self.records[-1]["gathered"].append((tuple(y.shape), str(y.dtype)))
+        return _gather_dim(y, self, dim)
 
     # --- interception ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -506,6 +591,10 @@ def attention_terms(records: list[dict]) -> dict:
 
     for r in records:
         n = r["n"]
+        if r["method"] == "experts cut":  # the experts' output gathered forward, their input's cotangent backward
+            for shape, dtype in r["gathered"]:
+                add("all-gather", _nbytes(shape, dtype))
+            continue
         if r["method"] == "gather sequence":  # forward: each input gathered; backward: each output's cotangent
             for shape, dtype in r["gathered"]:
                 add("all-gather", _nbytes(shape, dtype))
@@ -580,8 +669,12 @@ def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, regi
     tp = calls.tp if calls is not None else None
     ti = plan.mesh_dim_names.index(tp[0]) if tp is not None and tp[0] in plan.mesh_dim_names else None
 
-    def local(e):  # the gradient each device sums over cp: its block over tp
-        return e.nbytes // tp[1] if ti is not None and e.shard_dim(ti) is not None else e.nbytes
+    names = plan.mesh_dim_names
+    ei = names.index(EP_DIM) if EP_DIM in names else None
+
+    def local(e):  # the gradient each device sums over cp: its block over tp, its own experts over ep
+        b = e.nbytes // tp[1] if ti is not None and e.shard_dim(ti) is not None else e.nbytes
+        return b // plan.mesh_shape[ei] if ei is not None and e.shard_dim(ei) is not None else b
 
     ctx["all-reduce"] = {"count": len(summed), "bytes": sum(local(e) for e in summed)}
     looked = lookup_terms(lookups)

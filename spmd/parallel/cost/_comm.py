@@ -230,8 +230,15 @@ def format_communication(comm: dict) -> str:
         for r in comm["attention"]:
             if r["method"] == "gather sequence":  # a model's own attention, run on the whole sequence
                 ins = ", ".join(f"{list(s)} {d}" for s, d in r["gathered"]) or "none"
-                lines.append(f"    attention {r['call']!r}: gather sequence over cp={r['n']} (in {ins}; its output "
-                             "cut back, its parameters' gradients whole)")
+                routing = any(x["method"] == "experts cut" and x["call"].startswith(r["call"] + ".")
+                              for x in comm["attention"])  # an MoE block's routing over the whole sequence
+                lines.append(f"    {'MoE routing' if routing else 'attention'} {r['call']!r}: gather sequence over "
+                             f"cp={r['n']} (in {ins}; its output cut back, its parameters' gradients whole)")
+                continue
+            if r["method"] == "experts cut":  # an expert-parallel module inside one: its buffers cut over cp
+                (s_, d_) = r["gathered"][0]
+                lines.append(f"    {r['call']}: experts cut over cp={r['n']} (buffers {list(s_)} {d_}: each device "
+                             "dispatches its part; the output gathered back, the experts' gradients summed over cp)")
                 continue
             (qs, qd), (ks, _) = r["q"], r["kv"]
             lines.append(f"    {r['call']}: {r['method']} over cp={r['n']}, q {list(qs)} {qd}, k/v {list(ks)}"

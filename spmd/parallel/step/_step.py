@@ -41,7 +41,8 @@ from spmd._mesh import DeviceMesh
 from spmd.parallel.plan._checks import (check_batch_leaves, check_loss, check_opt_state, check_rng, describe_tree,
                                         params_hint)
 from spmd.parallel.cost._comm import format_communication, step_communication
-from spmd.parallel.context._calls import CALL_SCOPE, ContextCalls, check_seq, scopes_of, seq_len, with_context
+from spmd.parallel.context._calls import (CALL_SCOPE, ContextCalls, check_seq, experts_routers, scopes_of, seq_len,
+                                         with_context)
 from spmd.parallel.styles._experts import with_experts
 from spmd.parallel.cost._recompute import SYNC_BN, recomputed_collectives
 from spmd.parallel.step._grad_layout import transposed_dot_grads, zero_grads
@@ -748,11 +749,12 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             mods = [m for m in scopes_of(stack) if m and seen.get(m)]  # a submodule: not the model itself
             if mods and not any(m in whole_seq for m in mods):
                 whole_seq.add(mods[-1])
+        whole_seq.update(experts_routers(seen, ep_traced))  # an MoE's routing over the sequence: gathered
         if products:  # traced again with the gathers; what is left is refused
             jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr
             check_whole_sequence(jaxpr, t, n_cp, lambda stack: CALL_SCOPE in stack
                                  or any(m in whole_seq for m in scopes_of(stack)))
-            traced.clear()
+        traced.clear()
 
     def run(state: TrainState, batch: Any):
         batch = _as_arrays(batch)

@@ -216,7 +216,18 @@ def run_on_ep(style: ParallelStyle, call) -> Any:
         raise ValueError(f"{where}: the module is called without an array as its first argument ({call.args!r}); "
                          "a style on ep exchanges the module's first input (the dispatched tokens).")
     checked = _check_experts_dims(where, style, call, x, given, desired)
-    moved = _change(x, axis, given, desired, where)
+    # inside a module run on the sequence gathered over cp (the router's: spmd.parallel.context), each device of
+    # cp dispatches its part of the buffers (cut over cp on the groups), the experts' gradients summed over cp
+    ctx = getattr(call.hooks.around, "__self__", None)
+    cut = ctx.experts_dim(x, (given.dim,)) if hasattr(ctx, "experts_dim") and isinstance(given, Shard) else None
+    n_cp = ctx.n if cut is not None else 1
+    if cut is not None:
+        x = ctx.experts_cut(fqn, x, cut, [p for p, _ in call.params()])
+    def change(v, a, b):  # cut over cp: each device of cp exchanges its block
+        return _change(v, axis, a, b, where) if cut is None or a == b else ctx.on_cut(lambda u: _change(u, axis, a, b, where), v,
+                                                                            cut)
+
+    moved = change(x, given, desired)
     if checked:
         _check_tied(where, call, moved, desired)
     with call.local_params():
@@ -229,10 +240,12 @@ def run_on_ep(style: ParallelStyle, call) -> Any:
                          "output back on the input's groups and experts dims, so the module must keep them "
                          "(experts' outputs in the slots of their tokens, [groups, E, capacity, d] -> "
                          "[groups, E, capacity, d']).")
-    out = _change(y, axis, out_given, out_desired, where)
+    out = change(y, out_given, out_desired)
     call.hooks.ep_records.append({"module": fqn, "style": type(style).__name__,
-                                  "in": 0 if moved is x else int(np.prod(x.shape)) * x.dtype.itemsize,
-                                  "out": 0 if out is y else int(np.prod(y.shape)) * y.dtype.itemsize})
+                                  "in": 0 if moved is x else int(np.prod(x.shape)) * x.dtype.itemsize // n_cp,
+                                  "out": 0 if out is y else int(np.prod(y.shape)) * y.dtype.itemsize // n_cp})
+    if cut is not None:
+        out = ctx.experts_gathered(out, cut)
     return out
 
 
