@@ -341,6 +341,9 @@ class UnitCalls:
         routed, mod.__class__ = mod.__class__, _BASE[mod.__class__]  # its own class in the graph, not the routed one
         route = vars(mod).pop(UNIT_ATTR)
         try:
+            # what the unit sowed in a trace (nnx.Intermediate: an MoE's drops) does not reach the loss under a
+            # pipeline (a stage's units run on their own): dropped, the unit's parameters stacked
+            nnx.pop(mod, nnx.Intermediate)
             gd, ps, other = nnx.split(mod, nnx.Param, ...)
         finally:
             mod.__class__ = routed
