@@ -3,7 +3,8 @@ dense-matmul MoE block is, independently of ``models.MoE``) under expert paralle
 experts module, whose buffers are experts-first (``[E, B, C, M]``: ``experts_dim=0``, ``token_dim=1``), under
 ep=2, dp=2 x ep=2 and fsdp=2 x ep=2 equals 3 SGD steps of one device within 1e-5 (losses and parameters), the
 compiled step's collectives equal to the step's table, and the drops the blocks sow (also inside fully_shard units)
-equal a NumPy count from the gate's logits. The style given dims the model's buffers do not have is
+equal a NumPy count from the gate's logits; pipelined over its blocks with its experts over ep inside the stages
+(pp=2 x ep=2, pp=2 x dp=2 x ep=2) it equals one device too, its collectives equal to the pipeline's table. The style given dims the model's buffers do not have is
 refused naming them (never run on the wrong dims), also where the wrong dim has the experts' size."""
 
 from __future__ import annotations
