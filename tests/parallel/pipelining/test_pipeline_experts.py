@@ -2,7 +2,7 @@
 ExpertParallel()}), mesh["pp"])``.
 
 ``models.MoE`` with experts in every block (``moe_every=1``: the blocks are units of one shape) on ``pp=2 x ep=2``
-(1F1B) and ``pp=2 x dp=2 x ep=2`` (GPipe, 1F1B): the stage parameters carry the experts cut over ep (``Shard(1)``
+(1F1B), ``pp=2 x dp=2 x ep=2`` (GPipe, 1F1B) and ``pp=2 x fsdp=2 x ep=2`` (1F1B, the stages cut over fsdp too): the stage parameters carry the experts cut over ep (``Shard(1)``
 of the stacked experts), the experts module runs under ExpertParallel inside each stage's ticks, expert gradients
 are averaged over the data dims but ep; 3 SGD steps equal one device's within 1e-5, and the compiled program's
 all-to-alls, all-reduces and collective-permutes equal the pipeline's table (the all-to-alls counted per branch of
@@ -15,7 +15,7 @@ import pytest
 
 import spmd
 from models import MoE, MoEConfig
-from spmd.parallel import (ColwiseParallel, ExpertParallel, hlo_executed_collectives, init_train_state,
+from spmd.parallel import (ColwiseParallel, ExpertParallel, fully_shard, hlo_executed_collectives, init_train_state,
                            make_train_step, parallelize_module, pipeline, unshard_params)
 from tests._one_device import assert_trees_close, train_one_device
 
@@ -36,7 +36,8 @@ def _loss(model):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape,names,schedule", [((2, 2), ("pp", "ep"), "1f1b"),
                                                   ((2, 2, 2), ("pp", "dp", "ep"), "gpipe"),
-                                                  ((2, 2, 2), ("pp", "dp", "ep"), "1f1b")])
+                                                  ((2, 2, 2), ("pp", "dp", "ep"), "1f1b"),
+                                                  ((2, 2, 2), ("pp", "fsdp", "ep"), "1f1b")])
 def test_moe_pipeline_with_experts_over_ep_equals_one_device(shape, names, schedule):
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, V, (8, T)).astype(np.int32),
@@ -46,12 +47,17 @@ def test_moe_pipeline_with_experts_over_ep_equals_one_device(shape, names, sched
     opt = optax.sgd(0.1)
     ref_losses, ref = train_one_device(params, batches, _loss(model), opt)
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
-    pm = pipeline(parallelize_module(model, mesh["ep"], PLAN), mesh["pp"], num_microbatches=2, schedule=schedule)
+    laid = parallelize_module(model, mesh["ep"], PLAN)
+    if "fsdp" in names:  # the stages cut over fsdp too, on another dim than the experts'
+        laid = fully_shard(laid, mesh=mesh["fsdp"])
+    pm = pipeline(laid, mesh["pp"], num_microbatches=2, schedule=schedule)
     state = init_train_state(pm, opt, params=params)
     e = state.plan.entry("stages/mlp/experts/gate_proj")  # [stages, E, d, f]: stages over pp, experts over ep
-    assert [str(p) for p in e.placements] == ["S(0)"] + ["R"] * (len(shape) - 2) + ["S(1)"]
-    assert e.local_shape == (1, 4, 16, 32)
-    assert state.params["stages"]["mlp/experts/gate_proj"].addressable_shards[0].data.shape == (1, 4, 16, 32)
+    fsdp = "fsdp" in names  # fsdp cuts the largest other dim: f (32)
+    assert [str(p) for p in e.placements] == ["S(0)", "S(3)" if fsdp else "R", "S(1)"][:len(shape) - 1] + ["S(1)"]
+    local = (1, 4, 16, 16 if fsdp else 32)
+    assert e.local_shape == local
+    assert state.params["stages"]["mlp/experts/gate_proj"].addressable_shards[0].data.shape == local
     step = make_train_step(pm, _loss(model), opt)
     comm = step.communication(state, batches[0])
     hlo = hlo_executed_collectives(step.compiled(state, batches[0]).as_text(), scalars=False)
@@ -75,7 +81,10 @@ def test_moe_pipeline_with_experts_over_ep_equals_one_device(shape, names, sched
     assert hlo["collective-permute"]["count"] == comm["collective-permute"]["count"]
     # the all-reduces: with dp, every stage gradient (the experts over dp only: 24,576 B of experts a device)
     # and the rest (3,136 B); without dp, the non-expert stage gradients over ep (3,712 B) and the rest
-    assert comm["all-reduce"]["bytes"] == (3136 + 3712 + 24576 if "dp" in names else 3136 + 3712)
+    if "fsdp" in names:  # each stage parameter gathered once over fsdp, its gradient reduce-scattered once
+        assert (hlo["all-gather"]["count"], hlo["reduce-scatter"]["count"]) == (10, 10)
+    else:
+        assert comm["all-reduce"]["bytes"] == (3136 + 3712 + 24576 if "dp" in names else 3136 + 3712)
 
 
 def test_experts_with_tp_stages_under_a_pipeline_are_refused():
