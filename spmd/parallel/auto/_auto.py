@@ -132,8 +132,9 @@ def _abstract(tree: Any) -> Any:
 def _groups(layout: Layout) -> dict:
     """Per section of the step's table and kind, ``(group, stride)``: the mesh dim(s) the collectives run
     over (``mesh_group``): the gathers and reduce-scatters over ``fsdp``, the gradients' all-reduce over the
-    replicate dims (``dp``; ``fsdp`` where it is the only data dim), the activations' over ``tp``."""
-    ar = ("dp",) if layout.fsdp == 1 or layout.dp > 1 else ("fsdp",)
+    replicate dims (``dp`` and ``ep``, whose ranks hold the same non-expert parameters; ``fsdp`` where it is the
+    only data dim), the activations' over ``tp``; the rest of the table (``_beyond``) over ``cp`` or ``ep``."""
+    ar = ("dp", "ep") if layout.fsdp == 1 or layout.dp > 1 or layout.ep > 1 else ("fsdp",)
     at = lambda *names: mesh_group(layout.mesh_dims, names)  # noqa: E731
     return {"parameters": {"all-gather": at("fsdp"), "reduce-scatter": at("fsdp"), "all-reduce": at(*ar)},
             "activations": {k: at("tp") for k in KINDS},
