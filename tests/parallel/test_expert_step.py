@@ -123,7 +123,8 @@ def test_moe_under_fsdp2_ep2_tp2_equals_one_device():
 
 
 @pytest.mark.slow
-def test_moe_under_dp2_cp2_ep2_equals_one_device():
+@pytest.mark.parametrize("n", [8, 16])  # 16: the sequence as long as d_model (no dim of d mistaken for positions)
+def test_moe_under_dp2_cp2_ep2_equals_one_device(n):
     """cp and ep together: models.MoE with its attention through jax.nn.dot_product_attention (the ring over cp)
     and its experts cut over ep. The MoE block's routing (a capacity per sequence: a running count over the whole
     sequence) runs on the sequence gathered over cp (one all-gather of its input forward, of its output's cotangent
@@ -131,7 +132,6 @@ def test_moe_under_dp2_cp2_ep2_equals_one_device():
     run whole on every device of cp; their output gathered back over cp, their input's cotangent backward; their
     gradients summed over cp). Equal to 3 SGD steps of one device within 1e-5, the drops equal the NumPy count,
     every kind of collective equal to the table."""
-    n = 8  # a d_model (16) equal to the sequence would look like attention scores to the cp check
     cfg = dataclasses.replace(CFG, attn_implementation="sdpa")
     model = MoE(cfg)
     rng = np.random.default_rng(0)
@@ -156,20 +156,22 @@ def test_moe_under_dp2_cp2_ep2_equals_one_device():
     assert_trees_close(unshard_params(pm, state), ref.params)
     assert drops[0] * 4 == _numpy_drops(model, params, batches[0]["tokens"]) > 0  # averaged over dp x ep
     assert table.count("jax.nn.dot_product_attention: ring (zigzag) over cp=2") == cfg.num_layers
-    assert "MoE routing 'layers_1.mlp': gather sequence over cp=2 (in [2, 8, 16] float32" in table
-    assert "layers_1.mlp.experts: experts cut over cp=2 (buffers [2, 8, 2, 16] float32" in table
-    # per device: 2 rows -> buffers [2, 8 experts, capacity 2, 16] float32 = 2,048 B, of which each device of cp
-    # sends its row: 1,024 B each way, forward and backward
-    assert comm["experts"]["all-to-all"] == {"count": 4, "bytes": 4 * 1024}
+    cap = n * 2 // 8  # capacity factor 1: top-2 of 8 experts over the n tokens of a sequence
+    assert f"MoE routing 'layers_1.mlp': gather sequence over cp=2 (in [2, {n}, 16] float32" in table
+    assert f"layers_1.mlp.experts: experts cut over cp=2 (buffers [2, 8, {cap}, 16] float32" in table
+    # per device: 2 rows -> buffers [2, 8 experts, cap, 16] float32, of which each device of cp sends its row, each
+    # way, forward and backward
+    buf = 2 * 8 * cap * 16 * 4
+    assert comm["experts"]["all-to-all"] == {"count": 4, "bytes": 4 * buf // 2}
     assert (hlo["all-to-all"]["count"], hlo["all-to-all"]["bytes"]) == (comm["total"]["all-to-all"]["count"],
                                                                          comm["total"]["all-to-all"]["bytes"])
     for kind in ("collective-permute", "all-gather", "reduce-scatter", "all-reduce"):
         assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (comm["total"][kind]["count"],
                                                               comm["total"][kind]["bytes"]), kind
-    # the gathers: the MoE block's input [2, 8, 16] (1,024 B) and its output's cotangent, the experts' output
-    # [2, 8, 2, 16] (2,048 B) and their input's cotangent; the rest are the embedding lookup's
+    # the gathers: the MoE block's input [2, n, 16] and its output's cotangent, the experts' output [2, 8, cap, 16]
+    # and their input's cotangent; the rest are the embedding lookup's
     ctx = comm["context"]["all-gather"]
-    assert ctx["count"] >= 4 and ctx["bytes"] >= 2 * 1024 + 2 * 2048
+    assert ctx["count"] >= 4 and ctx["bytes"] >= 2 * (2 * n * 16 * 4) + 2 * buf
 
 
 def test_dropless_is_refused_on_cpu():

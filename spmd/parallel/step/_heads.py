@@ -169,6 +169,15 @@ def positional_params(jaxpr: Any, invars: Any, seq_len: int) -> set[int]:
     states (carried there by slices, reshapes and broadcasts only). Under a sequence cut over cp its gradient is
     cut over cp on those rows, not a partial sum."""
     found: set[int] = set()
+    shapes = [tuple(v.aval.shape) for v in invars]
+
+    def table(src: int, shape: tuple) -> bool:
+        """Parameter ``src`` reaches ``shape`` as a table broadcast over the batch: a ``[.., seq, ..]`` table of
+        lower rank (``[seq, d]`` -> ``[batch, seq, d]``) or one stored with a leading 1 (``[1, seq, d]``); not a
+        parameter of the same rank updated in place (an optimizer's ``p - lr * g`` on an ``[E, d, f]`` expert
+        whose ``d`` equals the sequence length)."""
+        own = shapes[src]
+        return len(own) < len(shape) or (len(own) == len(shape) and own[0] == 1)
 
     def walk(jx, origin: dict) -> None:
         origin = dict(origin)
@@ -182,7 +191,7 @@ def positional_params(jaxpr: Any, invars: Any, seq_len: int) -> set[int]:
                     shape = tuple(eqn.invars[k].aval.shape)
                     other = tuple(getattr(eqn.invars[1 - k].aval, "shape", ()))
                     if (src is not None and len(shape) >= 3 and shape[1] == seq_len and len(other) >= 3
-                            and other[1] == seq_len):
+                            and other[1] == seq_len and table(src, shape)):
                         found.add(src)
             for sub, sub_in in _sub_invars(eqn):
                 walk(sub, {id(sv): src for sv, src in zip(sub_in, ins) if src is not None})
