@@ -140,22 +140,31 @@ def test_bad_batch_norm_options_are_refused():
         step(state, _batch())
 
 
-def test_an_nnx_model_with_batch_statistics_is_refused_by_name():
+def test_an_nnx_model_with_batch_statistics_is_refused_by_a_pipeline():
+    """dp / fsdp train it (tests/parallel/test_nnx_batch_norm.py); a pipeline's micro-batches would each
+    normalize by their own statistics, which is not one device's training on the batch."""
     from flax import nnx
+
+    from spmd.parallel import pipeline
 
     class Net(nnx.Module):
         def __init__(self, *, rngs):
             self.conv = nnx.Conv(3, 4, (3, 3), rngs=rngs)
-            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.layers = nnx.List([nnx.BatchNorm(4, rngs=rngs) for _ in range(2)])
             self.head = nnx.Linear(4, 5, rngs=rngs)
 
         def __call__(self, x):
-            return self.head(nnx.relu(self.bn(self.conv(x))).mean((1, 2)))
+            x = self.conv(x)
+            for bn in self.layers:
+                x = nnx.relu(bn(x))
+            return self.head(x.mean((1, 2)))
 
-    mesh = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    pm = pipeline(Net(rngs=nnx.Rngs(0)), mesh["pp"], units="layers.*", num_microbatches=2)
     with pytest.raises(ValueError, match=re.escape("init_train_state: model=Net holds nnx.BatchStat variables "
-                                                   "('bn/mean' and 1 more")):
-        init_train_state(Net(rngs=nnx.Rngs(0)), OPT, mesh=mesh)
+                                                   "('layers/0/mean' and 3 more: nnx.BatchNorm's running "
+                                                   "statistics), which a pipeline does not carry")):
+        init_train_state(pm, OPT)
 
 
 def test_a_checkpoint_keeps_the_running_statistics(tmp_path):

@@ -51,7 +51,7 @@ from spmd.parallel.step._heads import (check_whole_sequence, head_splits, positi
 from spmd.parallel.step._model_checks import check_model_params, check_seen, check_state_params, held_params
 from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
 from spmd.parallel.styles._hooks import Hooks
-from spmd.parallel.styles._nnx import is_nnx, nnx_loss, nnx_params, nnx_trace_seen
+from spmd.parallel.styles._nnx import is_nnx, nnx_batch_stats, nnx_loss, nnx_params, nnx_trace_seen
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan
 from spmd.parallel.plan._shard import entry_sharding, map_like_params, shard_params, unshard_tree
 from spmd.parallel.plan._scan import check_unscanned, find_stacked, stacked_in, trace_seen
@@ -107,11 +107,17 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
     ``batch_stats``: a linen model's ``batch_stats`` collection (``nn.BatchNorm``'s running statistics) to
     carry in the state, whole on every device (``model.init(rng, x)["batch_stats"]``); initialized from an
     rng, a model that has the collection gets its ``init``'s. A state with ``batch_stats`` calls the loss as
-    ``loss_fn(params, batch_stats, batch)`` (``make_train_step``).
+    ``loss_fn(params, batch_stats, batch)`` (``make_train_step``). An nnx model's ``nnx.BatchStat`` values
+    (``nnx.BatchNorm``'s) are its state's ``batch_stats`` (a dict by path) without the argument; its loss
+    stays ``loss_fn(model, batch)``.
     """
     where = "init_train_state"
     _check_optimizer(optimizer, where)
     if isinstance(model, OwnsTrainStep):  # a layout with a state and step of its own (a pipeline)
+        inner = getattr(model, "module", None)
+        inner = inner.module if isinstance(inner, ParallelModule) else inner
+        if is_nnx(inner):
+            _check_no_nnx_batch_stats(where, inner)
         if batch_stats is not None:
             raise ValueError(f"{where}: batch_stats= is not supported by {type(model).__name__} (a layout that owns "
                              "its step); train a model with batch statistics under dp / fsdp / tp layouts.")
@@ -120,17 +126,18 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
     mesh = pm.mesh
     inner = pm.module
     rep = NamedSharding(mesh.jax_mesh, P())
-    if batch_stats is not None:
+    if is_nnx(inner) and batch_stats is None:  # its nnx.BatchNorm's running statistics, carried by the state
+        batch_stats = nnx_batch_stats(inner)
+    elif batch_stats is not None:
         if is_nnx(inner):
             raise TypeError(f"{where}: batch_stats= is for a linen model; an nnx model holds its BatchNorm "
-                            "statistics itself (nnx.BatchStat).")
+                            "statistics itself (nnx.BatchStat), and the state carries them.")
         if not jax.tree.leaves(batch_stats):
             raise ValueError(f"{where}: batch_stats={batch_stats!r} holds no arrays; pass the model's "
                              "variables['batch_stats'] (or leave it out).")
         batch_stats = jax.device_put(batch_stats, rep)
     known = None  # the model's own parameters (shapes), where known
     if is_nnx(inner):
-        _check_no_nnx_batch_stats(where, inner)
         if params is None:
             params = nnx_params(inner)
         else:
@@ -174,9 +181,8 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
 
 
 def _check_no_nnx_batch_stats(where: str, model: Any) -> None:
-    """An nnx model holding ``nnx.BatchStat`` variables (``nnx.BatchNorm``'s running statistics) is refused: the
-    step carries a linen model's ``batch_stats`` only (an nnx model's own updates inside the step are refused
-    by flax: a ``TraceContextError``)."""
+    """An nnx model holding ``nnx.BatchStat`` variables (``nnx.BatchNorm``'s running statistics) is refused by a
+    pipeline (its micro-batches' statistics are not the batch's)."""
     from flax import nnx
 
     stats = [path for path, v in nnx.iter_graph(model) if isinstance(v, nnx.BatchStat)]
@@ -184,10 +190,10 @@ def _check_no_nnx_batch_stats(where: str, model: Any) -> None:
         name = "/".join(str(p) for p in stats[0])
         raise ValueError(
             f"{where}: model={type(model).__name__} holds nnx.BatchStat variables ({name!r} and {len(stats) - 1} "
-            "more: nnx.BatchNorm's running statistics); the train step carries a linen model's batch_stats "
-            "collection (TrainState.batch_stats), not an nnx model's statistics. Write the "
-            "model with flax.linen's nn.BatchNorm, or use a normalization without running statistics "
-            "(nnx.LayerNorm, nnx.GroupNorm).")
+            "more: nnx.BatchNorm's running statistics), which a pipeline does not carry: its micro-batches would "
+            "each normalize by their own statistics, which is not what one device does on the batch. Train it "
+            "under dp / fsdp layouts (make_train_step(batch_norm='broadcast' | 'sync')), or use a normalization "
+            "without running statistics (nnx.LayerNorm, nnx.GroupNorm).")
 
 
 def unshard_params(model: Any, params: Any, *example_inputs: Any) -> Any:
@@ -299,7 +305,9 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
     A state with ``batch_stats`` (a linen model with ``nn.BatchNorm``: ``init_train_state``) calls
     ``loss_fn(params, batch_stats, batch)``, which returns ``(loss, new_batch_stats)`` or ``((loss, aux),
     new_batch_stats)``: the loss written on one device with ``model.apply({"params": params, "batch_stats":
-    batch_stats}, x, mutable=["batch_stats"])``. ``batch_norm`` says what the data-parallel ranks do with them,
+    batch_stats}, x, mutable=["batch_stats"])``. An nnx model's (``nnx.BatchNorm``) keeps ``loss_fn(model,
+    batch)``: its BatchNorms update their ``nnx.BatchStat`` values on the step's copy of the model, which the
+    step hands back as the new ``batch_stats``. ``batch_norm`` says what the data-parallel ranks do with them,
     as torch does: ``"broadcast"`` (DDP's ``broadcast_buffers=True``, the default): each rank normalizes with
     its own rows' statistics, and the state keeps data rank 0's updated running statistics (one all-reduce of
     their bytes per step); ``"sync"`` (torch's ``SyncBatchNorm``): every ``nn.BatchNorm`` computes its batch
@@ -363,7 +371,7 @@ class _LayoutStep(TrainStep):
             raise ValueError(f"train_step: a state with batch_stats and accum_steps={self._accum_steps}: the running "
                              "statistics of micro-batches are not accumulated; use accum_steps=1 (or a larger "
                              "batch).")
-        loss_fn = self._loss_fn if stats is None else (lambda p, b: self._loss_fn(p, stats, b))
+        loss_fn = self._loss_fn if stats is None or is_nnx(pm.module) else (lambda p, b: self._loss_fn(p, stats, b))
         key = (state.plan, jax.tree_util.tree_structure(state.opt_state), jax.tree_util.tree_structure(stats))
         if key not in self._verified:
             logical = jax.tree_util.tree_unflatten(
@@ -523,6 +531,38 @@ def _sync_batch_norm(axes: tuple[str, ...], calls: list | None = None):
     return interceptor
 
 
+def _sync_nnx_batch_norm(axes: tuple[str, ...], calls: list):
+    """``prepare`` of ``nnx_loss``: every ``nnx.BatchNorm`` of the merged copy without an ``axis_name`` of its own
+    computes its batch statistics over ``axes`` (torch's ``SyncBatchNorm``), under ``SYNC_BN``, each call that
+    computes statistics appending its reductions' bytes to ``calls`` (as ``_sync_batch_norm`` does for linen)."""
+    from flax import nnx
+
+    name = axes[0] if len(axes) == 1 else axes
+
+    def synced(cls: type) -> type:
+        def __call__(self, x, *args, **kwargs):
+            running = kwargs.get("use_running_average", args[0] if args else None)
+            if not (self.use_running_average if running is None else running):
+                feats = [x.shape[a % x.ndim] for a in (self.axis if isinstance(self.axis, (tuple, list)) else
+                                                       (self.axis,))]
+                dt = jnp.promote_types(jnp.result_type(x) if self.dtype is None else jnp.dtype(self.dtype),
+                                       jnp.float32)
+                c = int(np.prod(feats)) * np.dtype(dt).itemsize
+                calls.extend([2 * c] if self.use_fast_variance else [c, c])
+            with jax.named_scope(SYNC_BN):
+                return cls.__call__(self, x, *args, **kwargs)
+
+        return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+
+    def prepare(m):
+        for _, sub in list(nnx.iter_modules(m)):
+            if isinstance(sub, nnx.BatchNorm) and sub.axis_name is None:
+                object.__setattr__(sub, "axis_name", name)
+                sub.__class__ = synced(type(sub))
+
+    return prepare
+
+
 def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, plan: ParamPlan,
            keep_finite: bool = False, batch_norm: str = "broadcast") -> "_Built":
     mesh = pm.mesh
@@ -557,6 +597,13 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
 
     def run_loss(hooks: Hooks, params_tree, mb, stats=None):
         """``(loss, (aux, new batch_stats))``."""
+        if stats is not None and nnx_model:  # loss_fn(model, batch); its BatchNorms update their statistics
+            bn_calls.clear()
+            prep = _sync_nnx_batch_norm(data, bn_calls) if batch_norm == "sync" and data else None
+            with hooks.installed(), _context(mb, hooks):
+                out, new = nnx_loss(pm.module, loss_fn, params_tree, mb, hooks, stats=stats, prepare=prep)
+            loss, aux = _split_loss(out, "make_train_step")
+            return loss, (aux, new)
         if stats is not None:
             import flax.linen as nn
 

@@ -367,7 +367,8 @@ class NnxCall(ModuleCall):
 
     def apply(self, values: list, args: tuple, kwargs: dict, *, remat: bool = False) -> Any:
         """The module's own code on a copy holding ``values``; what it sows (``nnx.Intermediate``) comes out with
-        its output, ``(y, sown values)``, for ``returned`` to put back on the module (the copy runs inside the
+        its output, ``(y, sown values)``, as does a BatchNorm's update of its ``nnx.BatchStat`` statistics, for
+        ``returned`` to put back on the module (the copy runs inside the
         style's transforms, where the module cannot be written)."""
         from flax import nnx
 
@@ -377,7 +378,7 @@ class NnxCall(ModuleCall):
         with self.hooks.entered(self.spath, self.layer, remat=remat):
             y = self.orig(local, *args, **kwargs)
         sown = [(tuple(path), v.get_value() if hasattr(v, "get_value") else v.value)
-                for path, v in nnx.iter_graph(local) if isinstance(v, nnx.Intermediate)]
+                for path, v in nnx.iter_graph(local) if isinstance(v, (nnx.Intermediate, nnx.BatchStat))]
         self.sown_paths = [path for path, _ in sown]
         return (y, [v for _, v in sown]) if sown else y
 
@@ -395,7 +396,9 @@ class NnxCall(ModuleCall):
             for key in path[:-1]:
                 owner = getattr(owner, key) if isinstance(key, str) else owner[key]
             have = getattr(owner, path[-1], None)
-            if isinstance(have, nnx.Intermediate):
+            if isinstance(have, nnx.BatchStat):  # a BatchNorm's running statistics, updated on the copy
+                have[...] = value
+            elif isinstance(have, nnx.Intermediate):
                 have.value = value
             else:
                 setattr(owner, path[-1], nnx.Intermediate(value))

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import jax
 
-__all__ = ["is_nnx", "nnx_params", "nnx_loss", "nnx_trace_seen"]
+__all__ = ["is_nnx", "nnx_params", "nnx_loss", "nnx_trace_seen", "nnx_batch_stats"]
 
 _HOOKED: dict[type, type] = {}  # nnx module class -> its hooked subclass (classes only; no results cached)
 
@@ -83,18 +83,39 @@ def hook_submodules(m: Any, hooks: Any, prefix: tuple = (), skip: tuple = ()) ->
         sub.__class__ = _hooked(type(sub))
 
 
-def nnx_loss(model: Any, loss_fn: Callable, params: Any, batch: Any, hooks: Any) -> Any:
-    """``loss_fn(m, batch)`` where ``m`` is ``model`` with ``params`` (this device's values), hooks installed."""
+def nnx_batch_stats(model: Any) -> Any:
+    """The values of ``model``'s ``nnx.BatchStat`` variables (``nnx.BatchNorm``'s running statistics) as a
+    nested dict of arrays by path, or ``None`` where it holds none."""
     from flax import nnx
 
-    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-    m = nnx.merge(graphdef, params, rest)
+    stats = nnx.state(model, nnx.BatchStat)
+    return stats.to_pure_dict() if jax.tree.leaves(stats) else None
+
+
+def nnx_loss(model: Any, loss_fn: Callable, params: Any, batch: Any, hooks: Any, stats: Any = None,
+             prepare: Callable | None = None) -> Any:
+    """``loss_fn(m, batch)`` where ``m`` is ``model`` with ``params`` (this device's values), hooks installed.
+    ``stats`` (``nnx_batch_stats``'s dict): ``m``'s ``nnx.BatchStat`` values; the call then returns
+    ``(loss_fn's output, m's BatchStat values after it)`` (a BatchNorm in training mode updates its copy's).
+    ``prepare(m)``: run on the merged copy before the loss (the step's SyncBatchNorm)."""
+    from flax import nnx
+
+    if stats is None:
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+        m = nnx.merge(graphdef, params, rest, copy=True)  # its own Variables: a BatchNorm may update them
+    else:
+        graphdef, _, held, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+        nnx.replace_by_pure_dict(held, stats)
+        m = nnx.merge(graphdef, params, held, rest, copy=True)  # its own Variables: a BatchNorm updates them
     for path, sub in list(nnx.iter_modules(m)) if hasattr(nnx, "iter_modules") else list(m.iter_modules()):
         if not path:
             continue
         object.__setattr__(sub, HOOK_ATTR, (hooks, ".".join(str(p) for p in path)))
         sub.__class__ = _hooked(type(sub))
-    return loss_fn(m, batch)
+    if prepare is not None:
+        prepare(m)
+    out = loss_fn(m, batch)
+    return out if stats is None else (out, nnx.state(m, nnx.BatchStat).to_pure_dict())
 
 
 def nnx_unit_params(sub: Any) -> list[tuple[str, Any]]:
