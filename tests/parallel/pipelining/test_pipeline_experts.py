@@ -8,6 +8,8 @@ are averaged over the data dims but ep; 3 SGD steps equal one device's within 1e
 all-to-alls, all-reduces and collective-permutes equal the pipeline's table (the all-to-alls counted per branch of
 each tick: a forward 2, a backward 4, the recomputed forward's and their transposes)."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -96,3 +98,38 @@ def test_experts_with_tp_stages_under_a_pipeline_are_refused():
                                          r"pipeline is not offered; pipeline the model with the 'ep' plan alone"):
         pipeline(pm, mesh["pp"], num_microbatches=2)
 
+
+
+@pytest.mark.slow
+def test_moe_interleaved_pipeline_with_experts_over_ep_equals_one_device():
+    """4 blocks in 4 stages, 2 a rank (interleaved 1F1B, M=2) on pp=2 x dp=2 x ep=2: equal to one device, every
+    collective equal to the table. Per rank, per micro-batch: a forward on each chunk but the last stage (2
+    all-to-alls), a backward on each (4): rank 0 (stages 0, 2) 2 x (2 + 2 + 4 + 4) = 24, rank 1 (stages 1, 3)
+    2 x (2 + 4 + 4) = 20; the program holds a branch two ranks run at one tick once."""
+    cfg = dataclasses.replace(CFG, num_layers=4)
+    rng = np.random.default_rng(1)
+    batches = [{"tokens": rng.integers(0, V, (8, T)).astype(np.int32),
+                "labels": rng.integers(0, V, (8, T)).astype(np.int32)} for _ in range(3)]
+    model = MoE(cfg)
+    params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
+    opt = optax.sgd(0.1)
+    ref_losses, ref = train_one_device(params, batches, _loss(model), opt)
+    mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "ep"))
+    pm = pipeline(parallelize_module(model, mesh["ep"], PLAN), mesh["pp"], num_microbatches=2,
+                  schedule="interleaved", stages_per_rank=2)
+    state = init_train_state(pm, opt, params=params)
+    step = make_train_step(pm, _loss(model), opt)
+    comm = step.communication(state, batches[0])
+    hlo = hlo_executed_collectives(step.compiled(state, batches[0]).as_text(), scalars=False)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params)
+    nbytes = 1 * 8 * 4 * 16 * 4  # a micro-batch's row: buffers [1, 8 experts, capacity 4, 16] float32
+    assert comm["ep"]["per_rank"] == [{"count": 24, "bytes": 24 * nbytes}, {"count": 20, "bytes": 20 * nbytes}]
+    assert (hlo["all-to-all"]["count"], hlo["all-to-all"]["bytes"]) == (comm["all-to-all"]["count"],
+                                                                         comm["all-to-all"]["bytes"])
+    for kind in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute"):
+        assert hlo[kind]["bytes"] == comm[kind]["bytes"], kind
