@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 import spmd
-from spmd.parallel import executed_collectives, init_train_state, make_train_step
+from spmd.parallel import executed_collectives, fully_shard, init_train_state, make_train_step, unshard_params
 from spmd.parallel.step._grad_layout import transposed_dot_grads, zero_grads
 
 
@@ -159,4 +159,50 @@ def test_under_accumulation_the_weight_gradients_stay_in_their_dots_layout_and_e
         ref = optax.apply_updates(ref, u)
         np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(24, name="down")(jnp.tanh(nn.Dense(40, name="up")(x)))[..., :16]
+
+
+class _Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = _Block(name=f"layers_{i}")(x)
+        return nn.Dense(6, name="head")(x)
+
+
+def test_fsdp_gathers_flagged_kernels_transposed_so_their_gradients_stay_in_their_dots_layout():
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(32, 16)).astype(np.float32), "y": rng.normal(size=(32, 6)).astype(np.float32)}
+    model = _Stack()
+    params = model.init(jax.random.key(0), batch["x"])["params"]
+
+    def loss_fn(p, b):
+        return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    opt = optax.sgd(0.1)
+    mesh = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("fsdp",))
+    sharded = fully_shard(model, mesh=mesh, units=["layers_*"])
+    state = init_train_state(sharded, opt, params=params)
+    step = make_train_step(sharded, loss_fn, opt)
+    # each kernel's gradient ([in, out] kernels: up [16, 40], down [40, 24], head [16, 6]) is reduce-scattered
+    # from its dot's own [out, in] output: no dot computes a kernel-shaped result
+    dots = _dot_shapes(step.compiled(state, batch).as_text())
+    assert {(40, 16), (24, 40), (6, 16)} <= dots and not {(16, 40), (40, 24), (16, 6)} & dots, dots
+    comm = step.communication(state, batch)["total"]["reduce-scatter"]
+    hlo = executed_collectives(step, state, batch, scalars=False)["reduce-scatter"]
+    assert (hlo["buffers"], hlo["bytes"]) == (comm["count"], comm["bytes"])
+    ref, s = params, opt.init(params)
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        value, g = jax.value_and_grad(loss_fn)(ref, batch)
+        u, s = opt.update(g, s, ref)
+        ref = optax.apply_updates(ref, u)
+        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(unshard_params(sharded, state)), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)

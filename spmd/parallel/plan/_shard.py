@@ -85,7 +85,7 @@ def unshard_tree(tree: Any, plan: ParamPlan, mesh: DeviceMesh | None = None, *, 
 
 
 def gather_unit(shards: Sequence[jax.Array], entries: Sequence[PlanEntry], fsdp: str,
-                fsdp_index: int) -> list[jax.Array]:
+                fsdp_index: int, flip: Sequence[bool] = ()) -> list[jax.Array]:
     """Inside a region: the full parameters of one unit from this device's padded blocks.
 
     One all-gather per buffer of :func:`gather_buffers`: a sharded parameter
@@ -102,12 +102,18 @@ def gather_unit(shards: Sequence[jax.Array], entries: Sequence[PlanEntry], fsdp:
     buffer, so ``jax.grad`` hands back reduce-scattered gradients, with no
     full-size copy into or out of a flat gradient buffer. Leaves replicated
     on ``fsdp`` pass through.
+    ``flip[i]``: a 2-D parameter whose gradient is a dot's output transposed (``spmd.parallel.step.
+    _grad_layout``) is gathered as ``all_gather(shard.T).T``: the same all-gather, and its transpose
+    reduce-scatters the dot's own output (``ct.T``) instead of folding the transpose into the dot.
     """
     out: list[Any] = list(shards)
     for buf in gather_buffers(entries, fsdp_index):
         if len(entries[buf[0]].shape) == 1:  # flat: (n, F), cut into each vector's n chunks
             g = lax.all_gather(jnp.concatenate([shards[i] for i in buf]), fsdp, axis=0, tiled=False)
             fulls = [piece.reshape(-1) for piece in lax.split(g, [shards[i].size for i in buf], axis=1)]
+        elif len(entries[buf[0]].shape) == 2 and buf[0] < len(flip) and flip[buf[0]]:
+            d = entries[buf[0]].shard_dim(fsdp_index)
+            fulls = [lax.all_gather(shards[buf[0]].T, fsdp, axis=1 - d, tiled=True).T]
         else:
             fulls = [lax.all_gather(shards[buf[0]], fsdp, axis=entries[buf[0]].shard_dim(fsdp_index), tiled=True)]
         for i, full in zip(buf, fulls):

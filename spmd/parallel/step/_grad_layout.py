@@ -20,7 +20,7 @@ from typing import Any
 
 from jax.extend.core import Literal
 
-__all__ = ["transposed_dot_grads", "zero_grads"]
+__all__ = ["transposed_dot_grads", "zero_grads", "gathered_dot_grads"]
 
 _UNARY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reduce_precision"})
 _LOOPS = frozenset({"scan", "while", "cond"})
@@ -62,6 +62,48 @@ def transposed_dot_grads(closed: Any) -> list[bool]:
 
     jaxpr = closed.jaxpr
     return [len(getattr(v.aval, "shape", ())) == 2 and walk(jaxpr, v, "transpose") for v in jaxpr.outvars]
+
+
+def gathered_dot_grads(closed: Any) -> list[bool]:
+    """For each output of ``closed`` (a backward pass's ``ClosedJaxpr``): whether it is the reduce-scatter (an
+    FSDP gather's transpose) of the 2-D transpose of a ``dot_general``'s output (through calls, dtype converts,
+    sums and the padding's slice). Such a parameter is gathered transposed (``plan._shard.gather_unit``), so
+    that the reduce-scatter takes the dot's own output, as GSPMD's partitioner places it."""
+    tables: dict[int, dict] = {}
+
+    def producer(jaxpr, var):
+        table = tables.get(id(jaxpr))
+        if table is None:
+            table = tables[id(jaxpr)] = {id(v): (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
+        return table.get(id(var))
+
+    def walk(jaxpr, var, want: str, depth: int = 0) -> bool:
+        if isinstance(var, Literal) or depth > 96:
+            return False
+        hit = producer(jaxpr, var)
+        if hit is None:
+            return False
+        eqn, i = hit
+        name = eqn.primitive.name
+        sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        if sub is not None and name not in _LOOPS:
+            inner = getattr(sub, "jaxpr", sub)
+            if len(inner.outvars) == len(eqn.outvars):
+                return walk(inner, inner.outvars[i], want, depth + 1)
+            return False
+        if name in _UNARY or (name in ("pad", "slice") and want == "transpose"):
+            return walk(jaxpr, eqn.invars[0], want, depth + 1)
+        if name in ("add", "add_any"):
+            return any(walk(jaxpr, v, want, depth + 1) for v in eqn.invars)
+        if want == "scatter":
+            return name == "reduce_scatter" and walk(jaxpr, eqn.invars[0], "transpose", depth + 1)
+        if want == "transpose":
+            return (name == "transpose" and tuple(eqn.params["permutation"]) == (1, 0)
+                    and walk(jaxpr, eqn.invars[0], "dot", depth + 1))
+        return name == "dot_general"
+
+    jaxpr = closed.jaxpr
+    return [len(getattr(v.aval, "shape", ())) == 2 and walk(jaxpr, v, "scatter") for v in jaxpr.outvars]
 
 
 def zero_grads(closed: Any) -> list[bool]:

@@ -45,7 +45,7 @@ from spmd.parallel.context._calls import (CALL_SCOPE, ContextCalls, check_seq, e
                                          with_context)
 from spmd.parallel.styles._experts import with_experts
 from spmd.parallel.cost._recompute import SYNC_BN, recomputed_collectives
-from spmd.parallel.step._grad_layout import transposed_dot_grads, zero_grads
+from spmd.parallel.step._grad_layout import gathered_dot_grads, transposed_dot_grads, zero_grads
 from spmd.parallel.step._heads import (check_whole_sequence, head_splits, positional_params, whole_over_tp,
                                       whole_sequence_products)
 from spmd.parallel.step._model_checks import check_model_params, check_seen, check_state_params, held_params
@@ -667,7 +667,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
 
     def local_grads(params, batch, stats):
         leaves = jax.tree_util.tree_leaves(params)
-        hooks = Hooks(pm, plan, whole_heads=whole)
+        hooks = Hooks(pm, plan, whole_heads=whole, gather_flip=frozenset(gather_flip))
         new_stats = None
         if accum_steps == 1:
             def loss_of(ls):
@@ -677,6 +677,9 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             seed = jnp.ones_like(loss)  # jax.grad's
             closed = jax.make_jaxpr(backward)(seed)
             flip, zero = transposed_dot_grads(closed), zero_grads(closed)
+            if fsdp is not None and not gather_flip:  # the first trace (prepare's): which to gather transposed
+                found.clear()
+                found.extend(e.path for e, f in zip(entries, gathered_dot_grads(closed)) if f)
             (g,) = backward(seed)
             recomputed.clear()
             recomputed.append(recomputed_collectives(closed, sizes))
@@ -735,6 +738,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         return unflat(g), metrics, new_stats
 
     zeros: list = []  # the paths of the parameters whose gradient is zero by construction (filled when traced)
+    gather_flip: set = set()  # the fsdp-cut parameters gathered transposed (_grad_layout.gathered_dot_grads)
+    found: list = []  # what a trace without them found
     recomputed: list = []  # the collectives a checkpoint's recomputation runs again, and the backward pass's
     # all-reduces of SyncBatchNorm's statistics (filled when traced)
     bn_calls: list = []  # the forward all-reduces of SyncBatchNorm's statistics, bytes each (filled when traced)
@@ -776,6 +781,10 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         (``spmd.parallel.step._heads``): a cut that would split a head is refused, and a projection with fewer
         heads than the tp size runs whole over tp."""
         if not checked:
+            if fsdp is not None and accum_steps == 1:  # read the backward pass once: which gathers to transpose
+                jax.make_jaxpr(lambda s, b: step(s, b))(state, batch)
+                gather_flip.update(found)
+                traced.clear()
             if tp is not None:
                 # a function of its own: jax caches a trace by function, and the step's must see ``whole``
                 jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr

@@ -97,7 +97,8 @@ class FullyShardUnit(ParallelStyle):
             ents = [entries[i] for i in group]
 
             def gather_in(*ls, ents=ents):
-                return tuple(gather_unit(list(ls), ents, hooks.fsdp, hooks.fi))
+                flip = [e.stacked is None and e.path in hooks.gather_flip for e in ents]
+                return tuple(gather_unit(list(ls), ents, hooks.fsdp, hooks.fi, flip))
 
             run = (lambda *ls, f=gather_in, ents=ents: hooks.layouts.island(f, ents, ls)) if in_island else gather_in
             got = run(*[out[i] for i in group]) if pd is None else self._gather_mixed(run, [leaves[i] for i in group])

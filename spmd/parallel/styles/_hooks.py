@@ -52,11 +52,13 @@ __all__ = ["Hooks", "ModuleCall", "COLWISE_MARK", "WHOLE_MARK", "TP_COMM"]
 class Hooks:
     """The styles of one ``ParallelModule`` and ``ParamPlan`` inside the train step's region (one trace).
     ``gather_units=False``: the units' parameters come gathered (accumulation, a pipeline's stage);
-    ``whole_heads``: the projections run whole over tp, by module: their head count (``spmd.parallel.step._heads``)."""
+    ``whole_heads``: the projections run whole over tp, by module: their head count (``spmd.parallel.step._heads``);
+    ``gather_flip``: the paths of the fsdp-cut 2-D parameters gathered transposed (``plan._shard.gather_unit``)."""
 
     def __init__(self, model: ParallelModule, plan: ParamPlan, *, gather_units: bool = True,
-                 whole_heads: dict | None = None):
+                 whole_heads: dict | None = None, gather_flip: frozenset = frozenset()):
         self.model, self.plan = model, plan
+        self.gather_flip = frozenset(gather_flip)
         self.whole_heads = dict(whole_heads or {})
         fsdp = model.fsdp
         self.fsdp = fsdp.shard_dim if fsdp else None
