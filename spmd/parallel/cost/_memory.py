@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd.parallel.cost._calibrate import program_ops
+from spmd.parallel.cost._flops import param_matmul_flops
 from spmd.parallel.cost._loops import loop_extra
 from spmd.parallel.styles._remat import checkpoint_policy
 
@@ -151,9 +152,7 @@ class Profile:
 
     def param_matmul_flops(self, batch: Any) -> list[float]:
         """Per parameter leaf, the forward flops of the loss's matmuls that read it on ``batch``
-        (``spmd.parallel.cost._compute_cost.param_matmul_flops``), traced once per batch shape."""
-        from spmd.parallel.cost._compute_cost import param_matmul_flops
-
+        (``spmd.parallel.cost._flops.param_matmul_flops``), traced once per batch shape."""
         k = ("matmuls", self._key(batch))
         if k not in self._res:
             self._res[k] = param_matmul_flops(self.loss, self.params, batch)
