@@ -167,6 +167,25 @@ def test_an_nnx_model_with_batch_statistics_is_refused_by_a_pipeline():
         init_train_state(pm, OPT)
 
 
+def test_a_pipeline_refuses_batch_statistics_with_the_reason():
+    """A stage sees one micro-batch at a time: its BatchNorms would normalize by a micro-batch's statistics.
+    Initialized from an rng, the model's batch_stats collection is not dropped silently."""
+    from spmd.parallel import pipeline
+
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    pm = pipeline(MODEL, mesh["pp"], units="ResNetBlock_*", num_microbatches=2)
+    reason = re.escape("each micro-batch passes a stage at a tick of its own, so a BatchNorm there would normalize "
+                       "by one micro-batch's statistics")
+    with pytest.raises(ValueError, match=re.escape("init_train_state: the model holds a 'batch_stats' collection "
+                                                   "(nn.BatchNorm's running statistics), which PipelineModule does "
+                                                   "not carry: ") + reason):
+        init_train_state(pm, OPT, jax.random.key(0), _batch()["image"][:2])
+    v = _variables()
+    with pytest.raises(ValueError, match=re.escape("init_train_state: batch_stats= is not supported by "
+                                                   "PipelineModule (a layout that owns its step): ") + reason):
+        init_train_state(pm, OPT, params=v["params"], batch_stats=v["batch_stats"])
+
+
 def test_a_checkpoint_keeps_the_running_statistics(tmp_path):
     """torch's state_dict holds a BatchNorm's buffers; a saved and restored state holds its batch_stats."""
     from models import Checkpointer

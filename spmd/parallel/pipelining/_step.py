@@ -41,6 +41,7 @@ from spmd.parallel.pipelining._tables import ROLES, branch_codes, tick_tables
 from spmd.parallel.pipelining._tp import (ep_placements, map_tp_aware, reduce_tp_aware, segment_records,
                                           stage_hooks)
 from spmd.parallel.plan._shard import entry_sharding, map_like_params
+from spmd.parallel.step._batch_norm import BATCH_STATS_REASON
 from spmd.parallel.step._protocol import TrainStep
 from spmd.parallel.step._step import (TrainState, _as_arrays, _check_batch, _keep_finite, _raise_nonfinite, _split_loss,
                                      state_shardings)
@@ -77,6 +78,10 @@ def init_pipeline_state(pm, optimizer, *init_args, params=None, mesh=None) -> Tr
             raise TypeError(f"{where}: give params=, or (rng, *example_inputs) to initialize the model.")
         rng, *xs = init_args
         check_rng(where, rng)
+        held = jax.eval_shape(lambda r: pm.module.init(r, *xs), rng)
+        if "batch_stats" in held:
+            raise ValueError(f"{where}: the model holds a 'batch_stats' collection (nn.BatchNorm's running "
+                             f"statistics), which {type(pm).__name__} does not carry: {BATCH_STATS_REASON}")
         params = jax.jit(lambda r: pm.module.init(r, *xs)["params"])(rng)
         init_args = tuple(xs)
     if init_args and kind in ("linen", "nnx"):

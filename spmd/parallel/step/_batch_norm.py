@@ -9,7 +9,15 @@ import numpy as np
 
 from spmd.parallel.cost._recompute import SYNC_BN
 
-__all__ = ["sync_batch_norm", "sync_nnx_batch_norm"]
+__all__ = ["BATCH_STATS_REASON", "sync_batch_norm", "sync_nnx_batch_norm"]
+
+# why a pipeline refuses batch statistics (init_train_state's batch_stats=, a linen model's collection, an nnx
+# model's nnx.BatchStat variables)
+BATCH_STATS_REASON = ("each micro-batch passes a stage at a tick of its own, so a BatchNorm there would normalize "
+                      "by one micro-batch's statistics, not the batch's as on one device (nor the global batch's, "
+                      "as SyncBatchNorm does). Train a model with batch statistics under dp / fsdp / tp layouts "
+                      "(make_train_step(batch_norm='broadcast' | 'sync')), or use a normalization without running "
+                      "statistics (LayerNorm, GroupNorm).")
 
 
 def sync_batch_norm(axes: tuple[str, ...], calls: list | None = None):

@@ -45,7 +45,7 @@ from spmd.parallel.context._calls import (CALL_SCOPE, ContextCalls, check_seq, e
                                          with_context)
 from spmd.parallel.styles._experts import with_experts
 from spmd.parallel.cost._recompute import SYNC_BN, recomputed_collectives
-from spmd.parallel.step._batch_norm import sync_batch_norm, sync_nnx_batch_norm
+from spmd.parallel.step._batch_norm import BATCH_STATS_REASON, sync_batch_norm, sync_nnx_batch_norm
 from spmd.parallel.step._grad_layout import gathered_dot_grads, transposed_dot_grads, zero_grads
 from spmd.parallel.step._heads import (check_whole_sequence, head_splits, positional_params, whole_over_tp,
                                       whole_sequence_products)
@@ -121,7 +121,7 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
             _check_no_nnx_batch_stats(where, inner)
         if batch_stats is not None:
             raise ValueError(f"{where}: batch_stats= is not supported by {type(model).__name__} (a layout that owns "
-                             "its step); train a model with batch statistics under dp / fsdp / tp layouts.")
+                             f"its step): {BATCH_STATS_REASON}")
         return model.init_train_state(optimizer, *init_args, params=params, mesh=mesh)
     pm = as_parallel(model, mesh, where)
     mesh = pm.mesh
@@ -191,10 +191,7 @@ def _check_no_nnx_batch_stats(where: str, model: Any) -> None:
         name = "/".join(str(p) for p in stats[0])
         raise ValueError(
             f"{where}: model={type(model).__name__} holds nnx.BatchStat variables ({name!r} and {len(stats) - 1} "
-            "more: nnx.BatchNorm's running statistics), which a pipeline does not carry: its micro-batches would "
-            "each normalize by their own statistics, which is not what one device does on the batch. Train it "
-            "under dp / fsdp layouts (make_train_step(batch_norm='broadcast' | 'sync')), or use a normalization "
-            "without running statistics (nnx.LayerNorm, nnx.GroupNorm).")
+            f"more: nnx.BatchNorm's running statistics), which a pipeline does not carry: {BATCH_STATS_REASON}")
 
 
 def unshard_params(model: Any, params: Any, *example_inputs: Any) -> Any:
