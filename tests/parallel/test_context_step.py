@@ -210,3 +210,20 @@ def test_cp_with_pipeline_or_fully_shard_is_refused():
     mesh = spmd.init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "cp"))
     with pytest.raises(ValueError, match=re.escape("mesh dim 'cp' cuts the batch's sequence")):
         fully_shard(Llama(CFG), mesh=mesh["fsdp", "cp"], units=["layers_*"])
+
+
+def test_a_batch_leaf_without_the_sequence_on_dim_1_is_named_by_its_path():
+    """cp cuts dim 1 of every batch leaf of rank 2+: a leaf whose dim 1 is not the sequence (a [B, 1, T] mask
+    that sorts first) is refused by its path before anything is compiled."""
+    mesh = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    model = Llama(CFG)
+    batch = _batches(1)[0]
+    params = model.init(jax.random.key(0), batch["tokens"])["params"]
+    opt = optax.sgd(0.1)
+    state = init_train_state(model, opt, params=params, mesh=mesh)
+    step = make_train_step(model, _lm_loss(model), opt, mesh=mesh)
+    mask = np.ones((4, 1, T), np.float32)
+    with pytest.raises(ValueError, match=re.escape(f"train_step: a mesh with cp=2 cuts the batch's sequence (dim 1 "
+                                                   f"of every leaf of rank 2 or more), but the batch leaves have "
+                                                   f"shapes batch['a_mask'] (4, 1, {T}), batch['labels'] (4, {T})")):
+        step(state, {"a_mask": mask, **batch})

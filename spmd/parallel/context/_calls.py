@@ -627,11 +627,12 @@ def seq_len(batch: Any) -> int:
 
 
 def check_seq(batch: Any, n_cp: int) -> None:
-    shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
-    lens = {s[1] for s in shapes if len(s) >= 2}
+    named = [(jax.tree_util.keystr(p), tuple(np.shape(x))) for p, x in jax.tree_util.tree_leaves_with_path(batch)]
+    lens = {s[1] for _, s in named if len(s) >= 2}
     if len(lens) != 1:
+        shown = ", ".join(f"batch{k} {s}" for k, s in named)
         raise ValueError(f"train_step: a mesh with cp={n_cp} cuts the batch's sequence (dim 1 of every leaf of rank 2 "
-                         f"or more), but the batch leaves have shapes {shapes}: "
+                         f"or more), but the batch leaves have shapes {shown}: "
                          + ("none has a sequence dim" if not lens else "their dim 1 differs")
                          + "; pass [batch, seq, ...] leaves of one sequence length (tokens, labels).")
     (t,) = lens
