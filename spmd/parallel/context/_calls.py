@@ -235,8 +235,10 @@ class ContextCalls:
     whether it took a ``[batch, seq, ...]`` input (the candidates)."""
 
     def __init__(self, jax_mesh: Any, n: int, seq_len: int, axis: str = CP, gathered: frozenset = frozenset(),
-                 tp: tuple[str, int] | None = None):
+                 tp: tuple[str, int] | None = None, ring: bool = True):
         self.jax_mesh, self.n, self.seq_len, self.axis = jax_mesh, n, seq_len, axis
+        # ring=False: every call the all-gather of K/V (a pipeline's stages: no collective-permute in a branch)
+        self.ring = ring
         self.tp = tp if tp is not None and tp[1] > 1 else None  # (mesh dim, size): the heads cut over it
         self.gathered = frozenset(gathered)
         self.records: list[dict] = []
@@ -481,7 +483,7 @@ class ContextCalls:
                "causal": bool(causal), "n": n}
         heads = self._heads_tp(q, k, bias, mask)
         rec["tp"] = self.tp[1] if heads else 1
-        if bias is None and mask is None:
+        if bias is None and mask is None and self.ring:
             zig = bool(causal) and t % 2 == 0 and n > 1
             rec["method"] = "ring (zigzag)" if zig else "ring"
             self.records.append(rec)

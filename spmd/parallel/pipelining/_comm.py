@@ -37,6 +37,7 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
     ep = ep_terms(pm, lay, tp_records["ep"], ticks, accum_steps) if tp_records is not None and pm.ep else None
     ab = nbytes(act)
     sent = ab // (tp["activation_cut"] if tp else 1)  # a sequence-parallel activation crosses cut over tp
+    sent //= pm.mesh.size(pm.cp) if pm.cp else 1  # and cut over cp on its sequence
     local = {e.path: e.local_nbytes for e in lay.plan.entries}  # a device's block (tp-cut: its tp block)
     cut = [rel for rel in lay.rel if lay.fsdp_dim(rel) is not None]
     experts = set(ep_placements(pm, lay))  # a rank's own experts: reduced over the data dims but ep

@@ -81,6 +81,7 @@ from spmd.parallel.plan._param_plan import ParamPlan, path_str, plan_params
 from spmd.parallel.pipelining._calls import UnitCalls, model_kind
 from spmd.parallel.pipelining._split import SplitPoint, check_split_points, natural_key, stage_counts, unit_modules
 from spmd.parallel.pipelining._state import stack_state, unstack_state
+from spmd.parallel.styles._transforms import CP_DIM
 from spmd.parallel.pipelining._tp import ep_placements, tp_placements, unwrap_layouts
 from spmd.parallel.pipelining._step import (REST, STAGES, init_pipeline_state, make_pipeline_step,
                                             unshard_pipeline_params)
@@ -119,7 +120,13 @@ class PipelineModule(Wrapped, OwnsTrainStep):
 
     @property
     def data_dims(self) -> tuple[str, ...]:
-        return tuple(n for n in self.mesh.mesh_dim_names if n not in (self.pp, self.tp and self.tp.tp.mesh_dim))
+        return tuple(n for n in self.mesh.mesh_dim_names
+                     if n not in (self.pp, self.tp and self.tp.tp.mesh_dim, self.cp))
+
+    @property
+    def cp(self) -> str | None:
+        """The mesh dim cutting the batch's sequence (automatic in the step's region, as tp is), or None."""
+        return CP_DIM if CP_DIM in self.mesh.mesh_dim_names else None
 
     def layout(self, params: Any) -> "StageLayout":
         """The stage layout of ``params`` (arrays or shapes): which units, stacked how."""
@@ -383,10 +390,6 @@ def pipeline(model: Any, mesh: DeviceMesh, *, units: str = "layers_*", num_micro
     if mesh.ndim != 1:
         raise ValueError(f"{where}: mesh={mesh!r} must be 1-D, the pipeline dim (mesh['pp']); the mesh has no single "
                          "pipeline dim.")
-    if "cp" in mesh.root_mesh.mesh_dim_names:
-        raise ValueError(f"{where}: the mesh {mesh.root_mesh!r} has a cp dim; a pipeline does not cut the sequence "
-                         "over cp (its stages run the whole micro-batch). Use cp without pp (dp / fsdp / tp with cp), "
-                         "or pp without cp.")
     kind = model_kind(model)
     if kind is None:
         raise TypeError(f"{where}: model={type(model).__name__} must be a flax.linen Module, a Hugging Face Flax model "

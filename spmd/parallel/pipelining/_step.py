@@ -32,6 +32,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd.parallel.context._calls import ContextCalls, seq_len
 from spmd.parallel.plan._checks import check_rng
 from spmd.parallel.styles._nnx import nnx_params
 from spmd.parallel.pipelining._calls import model_kind
@@ -211,9 +212,11 @@ class PipelineStep(TrainStep):
                 (n_local // (k * pm.schedule.num_microbatches), *np.shape(x)[1:]), jnp.result_type(x)), batch)
             lay.record(self._loss_fn, jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths]),
                        mb)
+            stages: list = []
             self._builds[key] = _PipelineBuild(
                 build_pipeline_step(pm, lay, self._loss_fn, self._optimizer, k, state.plan,
-                                    keep_finite=bool(self._check_finite)), lay, mb)
+                                    keep_finite=bool(self._check_finite), stages_out=stages), lay, mb)
+            self._builds[key].stages = stages[0]
         return self._builds[key]
 
     def _checked(self, state, batch):
@@ -266,9 +269,20 @@ class PipelineStep(TrainStep):
         ticks = branch_codes(tick_tables(self._pm)) if recs is not None else None
         return pipeline_communication(self._pm, b.lay, self._accum_steps, recs, ticks)
 
+    def attention(self, state, batch) -> list[dict]:
+        """Under cp: the stages' attention calls of one micro-batch, each with its method (``all-gather K/V``)."""
+        b = self._build(state, self._checked(state, batch))
+        if self._pm.cp and b.stages.attention is None:
+            jax.eval_shape(b.jitted, state, self._checked(state, batch))  # traced: the calls recorded
+        return list(b.stages.attention.records) if b.stages.attention is not None else []
+
     def table(self, state, batch) -> str:
+        lines = [f"    {r['call']}: {r['method']} over cp={r['n']} (a stage's branch: no ring), q {list(r['q'][0])} "
+                 f"{r['q'][1]}, k/v {list(r['kv'][0])}" + (", causal" if r["causal"] else "")
+                 for r in self.attention(state, batch)]
         return (state.plan.table() + "\n" + str(self._pm.schedule) + "\n"
-                + format_pipeline_communication(self.communication(state, batch)))
+                + format_pipeline_communication(self.communication(state, batch))
+                + ("\n  context (cp): attention calls of one micro-batch\n" + "\n".join(lines) if lines else ""))
 
 
 class _PipelineBuild:
@@ -276,7 +290,7 @@ class _PipelineBuild:
     terms trace one) and, once compiled, ``compiled``."""
 
     def __init__(self, jitted: Callable, lay, mb):
-        self.jitted, self.lay, self.mb, self.compiled = jitted, lay, mb, None
+        self.jitted, self.lay, self.mb, self.compiled, self.stages = jitted, lay, mb, None, None
 
 
 def _stage_spec(ppd: str, ndim: int, cuts: dict) -> P:
@@ -291,7 +305,8 @@ def _stage_spec(ppd: str, ndim: int, cuts: dict) -> P:
     return P(*dims)
 
 
-def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, keep_finite: bool = False) -> Callable:
+def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, keep_finite: bool = False,
+                        stages_out: list | None = None) -> Callable:
     """The jitted ``(state, batch) -> (state, metrics)`` of ``pm`` on layout ``lay`` (its unit calls recorded
     at the micro-batch's shapes), unchecked: what ``make_train_step`` compiles once per layout and batch shape,
     and what ``spmd.parallel.pipelining._memory`` compiles at other micro-batch counts.
@@ -304,20 +319,27 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, kee
     params and opt_state kept; ``metrics["nonfinite"]``), in this same program."""
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     st = _Stages(pm, lay, loss_fn, accum_steps, plan)
+    if stages_out is not None:
+        stages_out.append(st)
 
     def region(stored, batch):
         return _region(st, stored, batch)
 
     names = mesh.mesh_dim_names
     tp_dim = {pm.tp.tp.mesh_dim} if pm.tp else set()  # automatic in the region (global view over tp)
+    cp_dim = {pm.cp} if pm.cp else set()  # automatic too: the sequence cut over cp, attention across it
     st_spec = {rel: _stage_spec(ppd, lay.unit_shapes[rel].ndim + 1, {lay.fsdp: st.fd[rel], st.ep: st.ed.get(rel)})
                for rel in lay.rel}
     specs = {STAGES: st_spec, REST: {p: P() for p in lay.rest}}
     batch_spec = P(data if len(data) > 1 else (data[0] if data else None))
 
     def step(state: TrainState, batch):
+        if pm.cp:  # the sequence (dim 1 of every leaf of rank 2+) cut over cp, the batch over the data dims
+            batch = jax.tree.map(lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh.jax_mesh, P(
+                batch_spec[0], *((pm.cp,) if np.ndim(x) >= 2 else ())))), batch)
         grads, metrics = jax.shard_map(region, mesh=mesh.jax_mesh, in_specs=(specs, batch_spec),
-                                       out_specs=(specs, P()), axis_names=set(names) - tp_dim, check_vma=False)(
+                                       out_specs=(specs, P()), axis_names=set(names) - tp_dim - cp_dim,
+                                       check_vma=False)(
             state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -344,6 +366,7 @@ class _Stages:
         self.act = lay.act
         self.skip = not lay.valid.all()
         self.valid = jnp.asarray(lay.valid)
+        self.attention = None  # under cp: the stages' attention calls (ContextCalls), once traced
         self.hooks = stage_hooks(pm, lay)  # tp: the styled calls in regions manual over tp (pipelining._tp)
         self.fd = {rel: lay.fsdp_dim(rel) for rel in lay.rel}  # stage parameters cut over fsdp: gathered once
         # the experts cut over ep (ExpertParallel in the units): each rank its own experts, never gathered
@@ -412,8 +435,23 @@ class _Stages:
 
 def _region(st: _Stages, stored, batch):
     """The step's region (manual over pp and the data dims): this rank's reduced gradients and the metrics."""
-    with st.hooks.installed() if st.hooks else contextlib.nullcontext():
+    with st.hooks.installed() if st.hooks else contextlib.nullcontext(), _context(st, batch):
         return _region_body(st, stored, batch)
+
+
+def _context(st: _Stages, batch):
+    """Under cp: the attention calls of the stages across the sequence cut, each the all-gather of K/V
+    (``ContextCalls(ring=False)``). A stage runs inside a per-rank ``lax.switch`` branch; the ring's
+    collective-permutes there would meet every device of the program (XLA's rendezvous of a
+    collective-permute), the pp ranks in other branches never arriving; an all-gather meets its cp group only."""
+    pm = st.pm
+    if not pm.cp or pm.mesh.size(pm.cp) < 2:
+        return contextlib.nullcontext()
+    tp = pm.tp.tp.mesh_dim if pm.tp else None
+    calls = ContextCalls(pm.mesh.jax_mesh, pm.mesh.size(pm.cp), seq_len(batch), pm.cp,
+                         tp=(tp, pm.mesh.size(tp)) if tp else None, ring=False)
+    st.attention = calls
+    return calls.installed()
 
 
 def _region_body(st: _Stages, stored, batch):
