@@ -7,8 +7,9 @@ ranks every layout (FSDP / DP / TP up to a node, re-gathering or keeping, float3
 checkpointing where the 80 GB need it) on the H100's published figures: each candidate's communication is its
 step's own table priced on the links its mesh dim crosses, and each one that survives the bound from shapes
 is compiled (not run) for its ``memory_analysis()`` peak and ``cost_analysis()`` flops and bytes
-(``depth=``: compiled at 1 and 2 blocks, carried to the model's depth). Then the pick is compiled whole, at
-its full depth, and its peak set beside the ranked one.
+(``depth=``: compiled at 1 and 2 blocks, carried to the model's depth). Then the pick is compiled at 1, 2
+and ``VALIDATE`` layers (8 for 8B, 4 for 70B) and its 1- and 2-layer figures carried to that depth are set
+beside that compile's (``--full-compile``: also at its full depth).
 
 torchtitan's published H100 numbers (docs/performance.md of pytorch/torchtitan, commit eaea6f6; H100 SXM
 96 GB HBM2e at 500 W, 8 a host on NVLink, 400 Gb/s RDMA per GPU):
@@ -18,7 +19,7 @@ torchtitan's published H100 numbers (docs/performance.md of pytorch/torchtitan, 
 - Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8, local batch 16, full activation checkpointing, torch.compile and
   Float8: 829 tokens/s/GPU at 71.9 GiB (Table 4).
 
-Run: ``python benchmarks/plan_at_scale.py [8b|70b ...] [--no-full-compile]``; writes
+Run: ``python benchmarks/plan_at_scale.py [8b|70b ...] [--validate=LAYERS] [--full-compile]``; writes
 ``benchmarks/results/plan_at_scale.json`` and ``.png``. The predicted tokens/s/GPU counts no overlap of
 communication with compute (torchtitan overlaps FSDP's gathers with the previous layer's compute) and the
 model's attention materializes its scores (no fused attention kernel).
@@ -63,6 +64,13 @@ MODELS = {  # Llama 3 8B and 70B (Meta's model cards: vocabulary 128,256, GQA wi
                         num_kv_heads=8, rope_theta=500000.0), 256),
 }
 
+# the depth the pick is also compiled at, to check the carrying of its 1- and 2-layer figures (0: none); the
+# full depth is compiled with --full-compile
+VALIDATE = {"8b": 8, "70b": 4}
+for a in sys.argv:
+    if a.startswith("--validate="):
+        VALIDATE = {k: int(a.split("=", 1)[1]) for k in VALIDATE}
+
 if "--tiny" in sys.argv:  # the script's own smoke run: the same path on a small Llama and 8 devices
     MODELS = {k: (LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                               num_kv_heads=2), 8) for k in MODELS}
@@ -86,13 +94,14 @@ def plan_one(name: str, full_compile: bool) -> dict:
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     opt = optax.adamw(3e-4)
     devices = jax.devices()[:n]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     got = auto_layout(model, opt, batch, devices, hardware="h100", plan=tp_plan, units=("layers_*",), params=params,
                       mixed_precision="bfloat16", depth=lambda k: Llama(replace(cfg, num_layers=k)), top=10)
-    ranked_s = time.perf_counter() - t0
+    ranked_s, ranked_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    load = os.getloadavg()[0]
     tokens = n * SEQ / n  # per device and step
     print(f"\n== Llama 3 {name.upper()} ({count / 1e9:.2f} B parameters) on {n} fake devices, priced as H100s, "
-          f"80 GB each; ranked in {ranked_s:.0f} s ==")
+          f"80 GB each; ranked in {ranked_s:.0f} s ({ranked_cpu_s:.0f} s of CPU, load {load:.1f}) ==")
     print(got.table(top=10), flush=True)
     rows = []
     for c in got.candidates[:10]:
@@ -104,9 +113,30 @@ def plan_one(name: str, full_compile: bool) -> dict:
               f"{'' if r['peak_compiled'] else '>='}{r['peak_gib']:.1f} GiB")
     best = got.best
     out = {"model": f"llama3-{name}", "parameters": count, "devices": n, "seq": SEQ, "global_batch": n,
-           "hardware": "h100", "budget_bytes": got.budget, "ranked_s": ranked_s, "candidates": len(got.candidates),
+           "hardware": "h100", "budget_bytes": got.budget, "ranked_s": ranked_s, "ranked_cpu_s": ranked_cpu_s,
+           "load_1min": load, "candidates": len(got.candidates),
+           "compiled": sum(c.measured_peak is not None for c in got.candidates),
+           "untraced_by_bound": sum(r.startswith("not traced") for _, r in got.rejected),
            "rejected": len(got.rejected), "pick": best.name, "why": got.why(), "top": rows,
            "torchtitan": TORCHTITAN[name], "predicted_peak_bytes": best.measured_peak}
+    k = VALIDATE[name]
+    if k:  # the pick's 1- and 2-layer figures carried to k layers, against the k-layer model compiled
+        t0 = time.perf_counter()
+        figs = []
+        for d in (1, 2, k):
+            m = Llama(replace(cfg, num_layers=d))
+            p = jax.eval_shape(lambda: m.init(jax.random.key(0), jax.ShapeDtypeStruct((1, SEQ), np.int32))["params"])
+            figs.append(compile_figures(m, opt, default_loss, p, batch, devices, best.layout))
+        carried = {f: getattr(figs[0]["memory"], "peak") + (k - 1) * (figs[1]["memory"].peak - figs[0]["memory"].peak)
+                   for f in ("peak",)}
+        carried["flops"] = figs[0]["flops"] + (k - 1) * (figs[1]["flops"] - figs[0]["flops"])
+        out["validation"] = {"layers": k, "carried_peak_bytes": carried["peak"], "compiled_peak_bytes":
+                             figs[2]["memory"].peak, "carried_flops": carried["flops"], "compiled_flops":
+                             figs[2]["flops"], "seconds": time.perf_counter() - t0}
+        print(f"pick {best.name} at {k} layers: peak carried from 1 and 2 layers {carried['peak'] / GiB:.2f} GiB, "
+              f"compiled {figs[2]['memory'].peak / GiB:.2f} GiB ({carried['peak'] / figs[2]['memory'].peak - 1:+.1%}); "
+              f"flops {carried['flops']:.3e} vs {figs[2]['flops']:.3e} ({out['validation']['seconds']:.0f} s)",
+              flush=True)
     if full_compile:  # the pick compiled whole at its full depth, on the fake devices
         t0 = time.perf_counter()
         figs = compile_figures(model, opt, default_loss, params, batch, devices, best.layout)
@@ -147,7 +177,7 @@ def _plot(results: list, path: Path) -> None:
 
 def main(argv: list[str]) -> None:
     names = [a for a in argv if not a.startswith("--")] or ["8b", "70b"]
-    full = "--no-full-compile" not in argv
+    full = "--full-compile" in argv
     out = Path(__file__).resolve().parent / "results"
     results = []
     for n in names:  # written after each model: the 70B plan takes longer

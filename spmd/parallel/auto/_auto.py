@@ -35,7 +35,12 @@ contract (``apply_layout``) and traced on abstract inputs:
 
 With ``hardware=`` (a ``spmd.parallel.Hardware`` or a built-in's name) no calibration is made and nothing
 is timed: communication and compute are priced on that hardware's figures by the layout's topology
-(``spmd.parallel.auto._priced``).
+(``spmd.parallel.auto._priced``). The layouts are then searched best-first (``_budget.searched``): taken in the
+order of a lower bound on their step time known before anything of theirs is traced (their share of the
+model's matmul flops at the peak rate of their compute dtype, ``_priced.dot_flops``), traced or compiled,
+whichever is cheaper-bounded, until no untraced bound and no uncompiled estimate can beat the fastest
+compiled candidate that fits; a layout whose memory lower bound is over the budget is not traced (its
+variants are). The layouts never traced are in ``rejected`` with their bound.
 
 With ``measure=k`` the top ``k`` fitting candidates are then compiled and timed side by side
 (``spmd.parallel.auto._measure``) and ranked first by their measured time: what the model misses on a host
@@ -50,6 +55,7 @@ depth (``spmd.parallel.auto._compiled``). The answer (``AutoLayout``, ``Candidat
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
@@ -59,7 +65,8 @@ import numpy as np
 import optax
 
 from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
-from spmd.parallel.auto._budget import _fitting, weighed_policies, _measured, check_budget, check_floor, checked, parts
+from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, check_budget, check_floor, checked, parts,
+                                        searched)
 from spmd.parallel.auto._compiled import compile_figures, extrapolated
 from spmd.parallel.auto._cpep import context_expert_layouts
 from spmd.parallel.auto._measure import example_inputs as _example_inputs, measure_layouts
@@ -70,7 +77,7 @@ from spmd.parallel.cost._comm import KINDS
 from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s, optimizer_flops, reference_cost,
                                          update_seconds)
 from spmd.parallel.cost._memory import Profile, _nbytes, memory_floor
-from spmd.parallel.auto._priced import HardwareRates, matmul_dtype, mesh_group
+from spmd.parallel.auto._priced import HardwareRates, dot_flops, matmul_dtype, mesh_group
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
 from spmd.parallel.plan._shard import entry_sharding
@@ -124,6 +131,17 @@ def abstract_state(laid: Any, params: Any, optimizer: Any, mesh, *example_inputs
                       opt_state=jax.eval_shape(optimizer.init, stored), plan=plan)
 
 
+def abstract_inputs(laid: Any, mesh, optimizer: Any, model: Any, params: Any, batch: Any) -> tuple:
+    """``(state, batch)`` of the laid-out model as shape structs with their shardings, nothing allocated: the
+    state ``init_train_state`` builds, the batch cut over the data dims (``spmd.parallel.auto._measure._built``)."""
+    data = jax.sharding.NamedSharding(mesh.jax_mesh, jax.sharding.PartitionSpec(
+        tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp"))))
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+    state = jax.eval_shape(lambda: init_train_state(laid, optimizer, *_example_inputs(model, structs[1]),
+                                                    params=structs[0], mesh=mesh))
+    return state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data), structs[1])
+
+
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype")
                                                        else x.dtype), tree)
@@ -172,8 +190,12 @@ def _rated(cal: HardwareRates, dtype: str) -> str:
 
 def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any, layout: Layout, *,
                     loss_fn: Callable | None = None, params: Any = None, calibration: Calibration | None = None,
-                    profile: Profile | None = None, budget: int | None = None) -> Candidate:
-    """``layout``'s predicted cost (see the module doc); raises ``ValueError`` when it cannot be built."""
+                    profile: Profile | None = None, budget: int | None = None, floor_only: bool = False,
+                    built: list | None = None) -> Candidate:
+    """``layout``'s predicted cost (see the module doc); raises ``ValueError`` when it cannot be built.
+    ``floor_only``: its memory lower bound alone, its step not traced (``untraced``). ``built``: a list its
+    traced ``(step, state, batch)`` is appended to (laid out as ``compile_figures`` compiles them: its
+    ``built=`` then lowers the step traced here, not traced again)."""
     where = "auto_layout"
     devices = devices_of(devices, where)
     batch = _abstract(example_batch)
@@ -185,31 +207,39 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     profile = profile or Profile(params_loss(model, loss_fn), params, optimizer, step_loss=loss)
     if layout.pp > 1:
         return _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget)
-    state = abstract_state(laid, params, optimizer, mesh, *_example_inputs(model, batch))
-    step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, mesh=mesh)
-    jax.eval_shape(step, state, batch)  # validates (batch split, head cuts) and traces the styled calls
-    comm = step.communication(state, batch)
-    if layout.cp > 1 and not any(r["method"] != "gather sequence" for r in comm.get("attention", ())):
-        raise ValueError(f"{where}: layout {layout.name!r}: the model calls no attention the cp step recognizes "
-                         "(jax.nn.dot_product_attention, flax's dot_product_attention; a module's own einsum "
-                         "attention has its whole sequence gathered): cutting its sequence runs no ring; context "
-                         "parallelism is weighed for models whose attention is such a call.")
+    if built is None:
+        state = abstract_state(laid, params, optimizer, mesh, *_example_inputs(model, batch))
+    else:  # the state and batch as the compile takes them (their shardings), so that it finds this trace
+        state, laid_batch = abstract_inputs(laid, mesh, optimizer, model, params, batch)
     n_data = layout.n_data
     b = jax.tree.leaves(batch)[0].shape[0]
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(  # a device's rows, and under cp its part of the sequence
         (b // (n_data * layout.accum_steps), *((x.shape[1] // layout.cp,) if x.ndim >= 2 else ()), *x.shape[2:]),
         x.dtype), batch)
     local_bytes = _nbytes(batch) // (n_data * layout.cp)
+    mem = memory_floor(profile, state.plan, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // (layout.tp if layout.weight_stationary else 1), *x.shape[1:]),
+                                       x.dtype), micro), local_bytes, tp=layout.tp, policy=_policy(layout),
+        compute_dtype=layout.mixed_precision)
+    if floor_only:
+        return untraced(layout, mem, budget)
+    step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, mesh=mesh)
+    traced_batch = batch if built is None else laid_batch
+    jax.eval_shape(step, state, traced_batch)  # validates (batch split, head cuts) and traces the styled calls
+    comm = step.communication(state, traced_batch)
+    if layout.cp > 1 and not any(r["method"] != "gather sequence" for r in comm.get("attention", ())):
+        raise ValueError(f"{where}: layout {layout.name!r}: the model calls no attention the cp step recognizes "
+                         "(jax.nn.dot_product_attention, flax's dot_product_attention; a module's own einsum "
+                         "attention has its whole sequence gathered): cutting its sequence runs no ring; context "
+                         "parallelism is weighed for models whose attention is such a call.")
+    if built is not None:
+        built.append((step, state, laid_batch))
     pm = as_parallel(laid, mesh, where)
     # the time's estimate in hardware mode: the model's own flops, no recomputation (a bound below the compiled
     # step's, which replaces it once compiled: spmd.parallel.auto._compiled); calibrated: the step under the
     # policy on one device
     prof = profile if isinstance(cal, HardwareRates) else remat_profile(profile, model, layout.units,
                                                                         layout.activation_checkpointing)
-    mem = memory_floor(profile, state.plan, jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((x.shape[0] // (layout.tp if layout.weight_stationary else 1), *x.shape[1:]),
-                                       x.dtype), micro), local_bytes, tp=layout.tp, policy=_policy(layout),
-        compute_dtype=layout.mixed_precision)
     flops, nbytes, ops = compute_cost(prof, state.plan, pm, micro, accum_steps=layout.accum_steps)
     if isinstance(cal, HardwareRates):  # a bound until compiled: the model's matmul work at the peak rate
         cal = replace(cal, dtype=_rated(cal, layout.mixed_precision)) if layout.mixed_precision else cal
@@ -230,6 +260,15 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     return Candidate(layout=layout, predicted_s=total, compute_s=compute, comm_s=comm_s, dispatch_s=cal.dispatch_s,
                      communication={k: comm[k] for k in ("parameters", "activations", "total")}, memory=mem,
                      flops=flops, fits=budget is None or mem["peak"] <= budget)
+
+
+def untraced(layout: Layout, memory: dict, budget: int | None) -> Candidate:
+    """A candidate whose memory lower bound alone was computed (its step never traced: over the budget by
+    that bound, it can fit under no time): no time (``predicted_s`` infinite), no communication counted."""
+    zero = {k: {"count": 0, "bytes": 0} for k in KINDS}
+    return Candidate(layout=layout, predicted_s=math.inf, compute_s=math.inf, comm_s={}, dispatch_s=0.0,
+                     communication={"parameters": dict(zero), "activations": dict(zero), "total": dict(zero)},
+                     memory=memory, flops=0.0, fits=budget is None or memory["peak"] <= budget)
 
 
 def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget) -> Candidate:
@@ -317,6 +356,16 @@ def _bar(total: int | None, desc: str):
     return tqdm(total=total, desc=desc, unit="layout", leave=False, disable=None, dynamic_ncols=True)
 
 
+def _dot_work_at(depth: Any, slices: dict | None, loss: Callable, params: Any, batch: Any) -> float:
+    """The model's matmul flops of the loss and its gradient on the whole batch on one device
+    (``spmd.parallel.auto._priced.dot_flops``); with ``depth=``, read on the 1- and 2-block models and carried
+    to the depth (exact: each block adds the same matmuls)."""
+    if slices is None:
+        return dot_flops(loss, params, batch)
+    d1, d2 = (dot_flops(default_loss(m), p, batch) for m, p, _ in slices["at"])
+    return d1 + (slices["blocks"] - 1) * (d2 - d1)
+
+
 def _check_precisions(mixed_precision: Any, where: str) -> tuple[str, ...]:
     """``mixed_precision=``: the compute dtypes weighed beside the parameters' own (a name or a sequence)."""
     got = (mixed_precision,) if isinstance(mixed_precision, str) else mixed_precision
@@ -357,17 +406,27 @@ def _slices(depth: Any, loss_fn: Any, units: tuple, params: Any, batch: Any, opt
     return {"blocks": blocks, "at": at}
 
 
-def _state_over(model: Any, devices: list, lay: Layout, params: Any, optimizer: Any, batch: Any,
-                budget: int | None) -> str | None:
-    """Why ``lay``'s state alone (its parameter and optimizer-state shards, in the arguments and the outputs)
-    and batch slice exceed ``budget``, from the plan's shapes, nothing traced; None where they do not (or under
-    a pipeline, whose state the pipeline builds)."""
-    if budget is None or lay.pp > 1:
-        return None
+def _state_bytes(model: Any, devices: list, lay: Layout, params: Any, optimizer: Any, batch: Any) -> int:
+    """``lay``'s parameter and optimizer-state shards' bytes per device, from its plan's shapes."""
     laid, mesh = apply_layout(model, devices, lay)
     plan = as_parallel(laid, mesh, "auto_layout").plan(params, *_example_inputs(model, batch))
     local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in plan.entries]
-    state = plan.bytes_per_device + _nbytes(jax.eval_shape(optimizer.init, local))
+    return plan.bytes_per_device + _nbytes(jax.eval_shape(optimizer.init, local))
+
+
+def _state_over(model: Any, devices: list, lay: Layout, params: Any, optimizer: Any, batch: Any,
+                budget: int | None, slices: dict | None = None) -> str | None:
+    """Why ``lay``'s state alone (its parameter and optimizer-state shards, in the arguments and the outputs)
+    and batch slice exceed ``budget``, from the plan's shapes, nothing traced; None where they do not (or under
+    a pipeline, whose state the pipeline builds). ``slices`` (``depth=``): read on the 1- and 2-block models
+    and carried to the depth (exact: each block adds its own shards, cut alike)."""
+    if budget is None or lay.pp > 1:
+        return None
+    if slices is None:
+        state = _state_bytes(model, devices, lay, params, optimizer, batch)
+    else:
+        s1, s2 = (_state_bytes(m, devices, lay, p, optimizer, batch) for m, p, _ in slices["at"])
+        state = s1 + (slices["blocks"] - 1) * (s2 - s1)
     need = 2 * state + _nbytes(batch) // (lay.n_data * lay.cp)
     if need <= budget:
         return None
@@ -384,7 +443,7 @@ def _with_compiled(c: Candidate, figs: dict, cal: Any, budget: int | None) -> Ca
     if isinstance(cal, HardwareRates) and c.layout.pp == 1:
         rates = replace(cal, dtype=_rated(cal, c.layout.mixed_precision)) if c.layout.mixed_precision else cal
         compute = rates.compute_s(figs["flops"], figs["bytes"])
-        out = replace(out, compute_s=compute, flops=figs["flops"],
+        out = replace(out, compute_s=compute, flops=figs["flops"], bytes_accessed=figs["bytes"],
                       predicted_s=compute + sum(c.comm_s.values()) + c.dispatch_s)
     return out
 
@@ -501,15 +560,52 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         todo = [lay for lay in todo if lay.pp == 1]  # a 1-block slice has no stages to cut
     loss_of = (lambda laid: loss_fn if loss_fn is not None else default_loss(laid))  # noqa: E731
     pairs: dict = {}  # with depth=: a layout's candidates at 1 and 2 blocks
+    traced_steps: dict = {}  # with depth= and a budget: a layout's traced steps at 1 and 2 blocks, until compiled
 
     def evaluate(lay: Layout, budget: int | None = memory_budget_bytes) -> Candidate:
+        # its memory lower bound first: over the budget, its step is not traced (no time can make it fit)
         if slices is None:
+            c = evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss_fn, params=params,
+                                calibration=cal, profile=profile, budget=budget, floor_only=budget is not None)
+            if budget is None or not c.fits:
+                return c
             return evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss_fn, params=params,
                                    calibration=cal, profile=profile, budget=budget)
+        if budget is not None:
+            c = extrapolated(*[evaluate_layout(m, optimizer, batch, devices, lay, params=p, calibration=cal,
+                                               profile=pr, budget=budget, floor_only=True)
+                               for m, p, pr in slices["at"]], slices["blocks"], budget)
+            if not c.fits:
+                return c
+        steps: list = []  # the slices' traced steps, lowered from these if compiled (not traced again)
         got = [evaluate_layout(m, optimizer, batch, devices, lay, params=p, calibration=cal, profile=pr,
-                               budget=budget) for m, p, pr in slices["at"]]
+                               budget=budget, built=steps if budget is not None else None)
+               for m, p, pr in slices["at"]]
         pairs[lay] = got
+        if steps:
+            traced_steps[lay] = steps
         return extrapolated(*got, slices["blocks"], budget)
+
+    def roofline(lay: Layout, flops: float, nbytes: float) -> float:  # a compiled step's compute on hw
+        return replace(cal, dtype=_rated(cal, lay.mixed_precision) if lay.mixed_precision else cal.dtype
+                       ).compute_s(flops, nbytes)
+
+    compiled: dict = {}
+    keep = compiled if measure else None
+
+    def compile_one(c: Candidate) -> Candidate:
+        if slices is None:
+            return _with_compiled(c, compile_figures(model, optimizer, loss_of, params, batch, devices,
+                                                     c.layout, keep=keep), cal, memory_budget_bytes)
+        steps = traced_steps.pop(c.layout, [None, None])
+        got = [_with_compiled(ci, compile_figures(m, optimizer, default_loss, p, batch, devices, c.layout,
+                                                  built=st), cal, memory_budget_bytes)
+               for ci, (m, p, _), st in zip(pairs[c.layout], slices["at"], steps)]
+        return extrapolated(*got, slices["blocks"], memory_budget_bytes,
+                            roofline if isinstance(cal, HardwareRates) else None)
+
+    def variants(c: Candidate, budget: int) -> list[Candidate]:  # those of a layout over once compiled
+        return _fitting(c, lambda lay: evaluate(lay, budget), rows, units, rejected, policies())
 
     got, rejected = [], []
     refused: dict = {}  # "cp" / "ep": the step's refusal of the model's first such layout, standing for the rest
@@ -520,18 +616,20 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             weighed.append(weighed_policies(loss, params, batch, devices, rejected) if units else ())
         return weighed[0]
     bar = _bar(len(todo), f"auto_layout: {len(todo)} layouts on {len(devices)} devices, tracing")
-    for lay in todo:
-        bar.set_postfix_str(lay.name, refresh=False)
+    made: list = []  # the layouts traced so far that gave a candidate
+
+    def traced(lay: Layout) -> list[Candidate]:  # its estimate, or its variants that fit; [] where rejected
+        bar.set_postfix_str("tracing " + lay.name, refresh=False)
         bar.update()
         kind = "cp" if lay.cp > 1 else "ep" if lay.ep > 1 else None
         if kind in refused:
             rejected.append((lay.name, refused[kind]))
-            continue
+            return []
         try:
-            over = _state_over(model, devices, lay, params, optimizer, batch, memory_budget_bytes)
+            over = _state_over(model, devices, lay, params, optimizer, batch, memory_budget_bytes, slices)
             if over:  # no checkpointing or accumulation shrinks the state: nothing traced
                 rejected.append((lay.name, over))
-                continue
+                return []
             c = evaluate(lay)
         except Exception as e:  # noqa: BLE001 - a pipeline the model cannot take is no reason to rank nothing
             plain = isinstance(e, (ValueError, TypeError))
@@ -539,19 +637,40 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                 bar.close()
                 raise
             rejected.append((lay.name, ("" if plain else f"{type(e).__name__}: ") + str(e).split("\n")[0][:400]))
-            if kind is not None and not any(c.layout.cp > 1 if kind == "cp" else c.layout.ep > 1 for c in got):
+            if kind is not None and not any(m.cp > 1 if kind == "cp" else m.ep > 1 for m in made):
                 refused[kind] = rejected[-1][1]
-            continue
-        if c.fits:
-            got.append(c)
-            continue
-        got.extend(_fitting(c, evaluate, rows, units, rejected, policies()))
-    bar.close()
+            return []
+        made.append(lay)
+        return [c] if c.fits else _fitting(c, evaluate, rows, units, rejected, policies())
+
+    if hw is None:
+        for lay in todo:
+            got.extend(traced(lay))
+        bar.close()
+    else:  # best-first: traced and compiled in the order of their bounds (_budget.searched)
+        work = _dot_work_at(depth, slices, loss, params, batch)
+
+        def bound(lay: Layout) -> float:  # a lower bound on its compiled time: its share of the model's matmuls
+            if lay.pp > 1:
+                return 0.0
+            return cal.hardware.matmul_s(work / lay.size, _rated(cal, lay.mixed_precision or cal.dtype))
+
+        bar2 = _bar(None, "auto_layout: compiling")
+        got, skipped = searched(
+            todo, bound, traced, 1, memory_budget_bytes, compile_one, variants,
+            progress=lambda c: (bar.set_postfix_str("compiling " + c.name, refresh=False), bar2.update()))
+        bar.close()
+        bar2.close()
+        best = next((c for c in got if c.fits), None)
+        rejected.extend((lay.name, f"not traced: its bound ({1e3 * b:.2f} ms/step, the matmuls of its share of the "
+                         f"batch at the peak rate) is no faster than {best.name}'s {1e3 * best.predicted_s:.2f} ms")
+                        for lay, b in skipped)
     if not got:
         raise ValueError(f"{where}: no layout of {len(devices)} devices could be built for this model; "
                          + "; ".join(f"{n}: {r}" for n, r in rejected[:4]))
-    got.sort(key=lambda c: (not c.fits, c.predicted_s))
-    if memory_budget_bytes is not None and not got[0].fits:
+    if hw is None:
+        got.sort(key=lambda c: (not c.fits, c.predicted_s))
+    if memory_budget_bytes is not None and not got[0].fits and all(c.measured_peak is None for c in got):
         small = min(got, key=lambda c: c.memory["peak"])
         raise ValueError(
             f"{where}: no layout fits memory_budget_bytes={memory_budget_bytes:,}; the smallest, {small.name}, "
@@ -559,22 +678,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             "accumulation the micro-batches allow"
             + (f" and activation checkpointing ({', '.join(repr(p) for p in policies())}) weighed" if units
                else "") + "; use more devices, a larger budget, a smaller batch or fully_shard units (fsdp).")
-    compiled: dict = {}
-    if memory_budget_bytes is not None:  # compiled in ranked order until the top fit by XLA's own peak
-        keep = compiled if measure else None
-
-        def compile_one(c: Candidate) -> Candidate:
-            if slices is None:
-                return _with_compiled(c, compile_figures(model, optimizer, loss_of, params, batch, devices,
-                                                         c.layout, keep=keep), cal, memory_budget_bytes)
-            got = [_with_compiled(ci, compile_figures(m, optimizer, default_loss, p, batch, devices, c.layout),
-                                  cal, memory_budget_bytes)
-                   for ci, (m, p, _) in zip(pairs[c.layout], slices["at"])]
-            return extrapolated(*got, slices["blocks"], memory_budget_bytes)
-
-        def variants(c: Candidate, budget: int) -> list[Candidate]:  # those of a layout over once compiled
-            return _fitting(c, lambda lay: evaluate(lay, budget), rows, units, rejected, policies())
-
+    if memory_budget_bytes is not None and hw is None:  # compiled in ranked order until the top fit by XLA's peak
         bar = _bar(None, "auto_layout: compiling")
         got = checked(got, max(measure, 1), memory_budget_bytes, compile_one, variants,
                       bound=isinstance(cal, HardwareRates),

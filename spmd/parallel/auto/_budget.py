@@ -9,6 +9,15 @@
   fitting ones, and its own variants (more checkpointing, more accumulation) whose bound fits join the ranking
   to be compiled in their turn: a layout that needs one more accumulation step is found, not reported as "no
   layout fits";
+- ``searched``: with ``auto_layout(hardware=)``, ``checked`` widened to the tracing: the layouts are taken in
+  the order of a lower bound on their step time computed before anything of theirs is traced (the model's
+  matmul flops per device at the matmul peak of their compute dtype: ``spmd.parallel.auto._priced.dot_flops``),
+  and at each turn the cheaper of (trace the next layout, compile the best traced estimate) is done, until
+  ``k`` compiled candidates fit and neither the next layout's bound nor the best uncompiled estimate is below
+  the fastest compiled fitting one. Sound: a layout's compiled time is at least its bound (its compute is the
+  roofline of its compiled flops, which count every matmul of the gradient on its share of the batch, and
+  recomputed or replicated ones beyond; its communication and dispatch are >= 0), and a traced estimate is at
+  most its compiled time (``checked``), so no layout left out can beat the pick;
 - ``_measured``: the top ``k`` fitting candidates timed (``measure=``), the fastest measured first.
 """
 
@@ -25,7 +34,7 @@ from spmd.parallel.auto._ranking import Candidate
 from spmd.parallel.cost._memory import _nbytes
 from spmd.parallel.styles._remat import offload_refusal, policy_names
 
-__all__ = ["CHECKPOINTING", "weighed_policies", "checked", "check_budget", "check_floor", "parts"]
+__all__ = ["CHECKPOINTING", "weighed_policies", "checked", "searched", "check_budget", "check_floor", "parts"]
 
 # the activation-checkpointing policies weighed where memory needs them, from the least recomputation to the
 # most (spmd.parallel.styles._remat.POLICIES: all of them); MaxText's named ones only where the model names those
@@ -186,3 +195,37 @@ def checked(got: list[Candidate], k: int, budget: int, compiled: Callable, varia
             seen |= {v.layout for v in new}
             rest = _ranked(rest + new)
     return _merged(_ranked(done), rest)
+
+
+def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: int, compiled: Callable,
+             variants: Callable, *, progress: Callable | None = None) -> tuple[list[Candidate], list]:
+    """Best-first search over ``layouts`` (see the module doc): ``bound(layout) -> seconds`` (a lower bound on
+    its compiled predicted time and its variants'), ``trace(layout) -> [candidates]`` (its estimate and, over
+    the budget, its variants that fit: ``_fitting``), ``compiled`` and ``variants`` as ``checked``'s.
+    Returned: the candidates as ``checked`` returns them, and the layouts never traced (their bound no
+    faster than the pick), with their bound."""
+    todo = sorted(layouts, key=bound)
+    done: list = []
+    rest: list = []
+    seen: set = set()
+    i = 0
+    while True:
+        fit = [c.predicted_s for c in done if c.fits]
+        best = min(fit, default=math.inf)
+        nxt = bound(todo[i]) if i < len(todo) else math.inf
+        est = rest[0].predicted_s if rest and rest[0].fits else math.inf
+        if (len(fit) >= k and min(nxt, est) >= best) or (nxt == math.inf and est == math.inf and i >= len(todo)):
+            break
+        if i < len(todo) and nxt < est:  # the next layout could still beat every estimate: trace it
+            new = [c for c in trace(todo[i]) if c.layout not in seen]
+            i += 1
+        else:  # the best estimate is below every untraced bound: compile it
+            c = rest.pop(0)
+            if progress is not None:
+                progress(c)
+            c = compiled(c)
+            done.append(c)
+            new = [] if c.fits else [v for v in variants(c, budget) if v.fits and v.layout not in seen]
+        seen |= {c.layout for c in new}
+        rest = _ranked(rest + new)
+    return _merged(_ranked(done), rest), [(lay, bound(lay)) for lay in todo[i:]]

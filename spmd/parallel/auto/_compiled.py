@@ -24,6 +24,7 @@ block's backward pass) constant.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -36,11 +37,12 @@ __all__ = ["compile_figures", "extrapolated"]
 
 
 def compile_figures(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
-                    layout: Layout, *, keep: dict | None = None) -> dict:
+                    layout: Layout, *, keep: dict | None = None, built: tuple | None = None) -> dict:
     """``{"memory": StepMemory, "flops", "bytes"}`` of ``layout``'s step compiled on shape structs (see the
     module doc). ``keep``: a dict the fully optimized executable is kept in, by layout (to be timed after:
-    ``auto_layout(measure=)``); otherwise compiled to be read only."""
-    step, state, b = _built(model, optimizer, loss_of, params, batch, devices, layout, abstract=True)
+    ``auto_layout(measure=)``); otherwise compiled to be read only. ``built``: the ``(step, state, batch)``
+    of this layout already traced (``evaluate_layout(built=)``), lowered from its trace."""
+    step, state, b = built or _built(model, optimizer, loss_of, params, batch, devices, layout, abstract=True)
     lowered = step.lower(state, b)
     exe = lowered.compile() if keep is not None else lowered.compile(READ_ONLY)
     if keep is not None:
@@ -59,18 +61,29 @@ def _affine(a: Any, b: Any, blocks: int) -> Any:
         return {k: _affine(a[k], b[k], blocks) if k in b else a[k] for k in a}
     if isinstance(a, bool) or not isinstance(a, (int, float)):
         return a
+    if not (math.isfinite(a) and math.isfinite(b)):  # an untraced candidate's time: none
+        return max(a, b)
     got = a + (blocks - 1) * (b - a)
     return int(round(got)) if isinstance(a, int) and isinstance(b, int) else got
 
 
-def extrapolated(one: Any, two: Any, blocks: int, budget: int | None) -> Any:
+def extrapolated(one: Any, two: Any, blocks: int, budget: int | None, roofline: Callable | None = None) -> Any:
     """The ``Candidate`` of a model of ``blocks`` repeated blocks from its candidates ``one`` and ``two`` at 1
-    and 2 blocks (see the module doc); ``fits`` judged again under ``budget``."""
+    and 2 blocks (see the module doc); ``fits`` judged again under ``budget``. ``roofline(layout, flops,
+    bytes) -> seconds``: where both were compiled (their ``bytes_accessed`` known), the compute is the
+    roofline of the carried flops and bytes (the roofline of the deep program, not the carried rooflines of
+    the slices, which a slice bound by its bytes and the other by its flops would bend)."""
     mem = _affine(one.memory, two.memory, blocks)
     peak = None if one.measured_peak is None else _affine(one.measured_peak, two.measured_peak, blocks)
     fits = budget is None or (peak if peak is not None else mem["peak"]) <= budget
-    return replace(one, predicted_s=_affine(one.predicted_s, two.predicted_s, blocks),
-                   compute_s=_affine(one.compute_s, two.compute_s, blocks),
-                   comm_s=_affine(one.comm_s, two.comm_s, blocks),
+    comm_s = _affine(one.comm_s, two.comm_s, blocks)
+    flops = _affine(one.flops, two.flops, blocks)
+    compute, nbytes = _affine(one.compute_s, two.compute_s, blocks), None
+    predicted = _affine(one.predicted_s, two.predicted_s, blocks)
+    if roofline is not None and one.bytes_accessed is not None and two.bytes_accessed is not None:
+        nbytes = _affine(one.bytes_accessed, two.bytes_accessed, blocks)
+        compute = roofline(one.layout, flops, nbytes)
+        predicted = compute + sum(comm_s.values()) + _affine(one.dispatch_s, two.dispatch_s, blocks)
+    return replace(one, predicted_s=predicted, compute_s=compute, comm_s=comm_s,
                    communication=_affine(one.communication, two.communication, blocks), memory=mem,
-                   flops=_affine(one.flops, two.flops, blocks), measured_peak=peak, fits=fits)
+                   flops=flops, measured_peak=peak, fits=fits, bytes_accessed=nbytes)

@@ -30,7 +30,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from spmd.parallel.cost._hardware import Hardware
 
-__all__ = ["HardwareRates", "mesh_group", "matmul_dtype"]
+__all__ = ["HardwareRates", "mesh_group", "matmul_dtype", "dot_flops"]
 
 
 def mesh_group(mesh_dims: Sequence[tuple[str, int]], names: Sequence[str]) -> tuple[int, int]:
@@ -55,23 +55,40 @@ def _subjaxprs(params: dict):
                 yield x
 
 
+def _dot_work(jaxpr, work: dict) -> dict:
+    """``work``: per promoted input dtype, ``2 x M x N x K`` of each ``dot_general`` of ``jaxpr`` and its
+    sub-jaxprs (each counted once, as XLA's cost analysis counts a loop's body; of a ``cond``, the branch
+    with the least)."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            (lc, _), _ = e.params["dimension_numbers"]
+            a, b = e.invars[0].aval, e.invars[1].aval
+            k = math.prod(a.shape[d] for d in lc)
+            dt = np.promote_types(a.dtype, b.dtype).name
+            work[dt] = work.get(dt, 0) + 2 * k * math.prod(e.outvars[0].aval.shape)
+        if e.primitive.name == "cond":  # one branch runs: the one with the most work (a bound's side: the least)
+            got = [_dot_work(b.jaxpr, {}) for b in e.params["branches"]]
+            for dt, v in min(got, key=lambda w: sum(w.values())).items():
+                work[dt] = work.get(dt, 0) + v
+            continue
+        for sub in _subjaxprs(e.params):
+            _dot_work(sub, work)
+    return work
+
+
+def dot_flops(loss: Any, params: Any, batch: Any) -> float:
+    """The matmul flops (``2 x M x N x K`` per ``dot_general``) of the loss and its gradient on ``batch``, one
+    device, read off the gradient's jaxpr (traced on abstract inputs, nothing compiled). A layout's step on
+    ``n`` devices computes this gradient on the same batch split over them, so one device's compiled step
+    counts at least ``dot_flops / n`` (more where a part is replicated or recomputed): the compute bound of
+    ``auto_layout``'s search (``spmd.parallel.auto._budget.searched``)."""
+    return float(sum(_dot_work(jax.make_jaxpr(jax.grad(loss))(params, batch).jaxpr, {}).values()))
+
+
 def matmul_dtype(loss: Any, params: Any, batch: Any) -> str:
     """The dtype name the loss's matmuls run in (their inputs' promoted dtype, weighted by their flops; see
     the module doc), traced on abstract inputs."""
-    work: dict = {}
-
-    def walk(jaxpr) -> None:
-        for e in jaxpr.eqns:
-            if e.primitive.name == "dot_general":
-                (lc, _), _ = e.params["dimension_numbers"]
-                a, b = e.invars[0].aval, e.invars[1].aval
-                k = math.prod(a.shape[d] for d in lc)
-                dt = np.promote_types(a.dtype, b.dtype).name
-                work[dt] = work.get(dt, 0) + 2 * k * math.prod(e.outvars[0].aval.shape)
-            for sub in _subjaxprs(e.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(loss)(params, batch).jaxpr)
+    work = _dot_work(jax.make_jaxpr(loss)(params, batch).jaxpr, {})
     if work:
         return max(work, key=work.get)
     floats = [x for x in jax.tree.leaves(params) if np.issubdtype(x.dtype, np.floating)]

@@ -32,6 +32,7 @@ class Candidate:
     fits: bool = True
     measured_s: float | None = None  # auto_layout(measure=): its compiled step timed (_auto_measure)
     measured_peak: int | None = None  # its compiled step's peak bytes per device (memory_analysis)
+    bytes_accessed: float | None = None  # its compiled step's bytes accessed (cost_analysis), where compiled
 
     @property
     def name(self) -> str:
