@@ -302,13 +302,20 @@ class UnitCalls:
 
         self.units_of, self.configs, self.kinds, self.kind_of = mods, configs, [], []
         for i in range(len(mods)):
-            k = next((k for k, rep in enumerate(self.kinds) if _equal(configs[rep], configs[i])), None)
+            k = next((k for k, rep in enumerate(self.kinds) if _equal(configs[rep], configs[i])
+                      and self._same_graph(mods[rep], mods[i])), None)
             if k is None:
                 k = next((k for k, rep in enumerate(self.kinds) if key(rep) == key(i)), None)
             if k is None:
                 k = len(self.kinds)
                 self.kinds.append(i)
             self.kind_of.append(k)
+
+    def _same_graph(self, a, b) -> bool:
+        """An nnx unit's graph definition holds every static attribute, private ones (``self._scale``) too, which
+        ``_config`` leaves out (nnx keeps its own state in ``_``-named attributes): equal configurations group
+        two nnx units only with equal graph definitions (else their traced programs decide)."""
+        return self.kind != "nnx" or a[0] == b[0]
 
     def _trace_key(self, unit):
         """The unit's traced program (and its constants): equal keys compute the same function."""

@@ -246,3 +246,50 @@ def test_batch_leaves_without_a_common_leading_dim_are_refused_by_path():
     with pytest.raises(ValueError, match=re.escape("train_step: batch['mask'] has shape (1, 8), and batch['inputs'] "
                                                    "(8, 8); a pipelined step cuts every batch leaf")):
         step.lower(state, batch)
+
+
+def test_nnx_units_that_differ_by_a_private_attribute_run_as_themselves():
+    """Blocks that differ only by an attribute whose name starts with '_' (a private scale, 1.0 / 0.5 / 1.0 / 0.5)
+    are still different units: the grouping reads the units' graph definitions, not their public names."""
+    from flax import nnx
+
+    class ScaledBlock(nnx.Module):
+        def __init__(self, scale: float, *, rngs):
+            self._scale = scale
+            self.up = nnx.Linear(8, 16, rngs=rngs)
+            self.down = nnx.Linear(16, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self._scale * self.down(jax.nn.relu(self.up(x)))
+
+    class Mlp(nnx.Module):
+        def __init__(self, *, rngs):
+            self.embed = nnx.Embed(VOCAB, 8, rngs=rngs)
+            self.blocks = nnx.List([ScaledBlock(s, rngs=rngs) for s in (1.0, 0.5, 1.0, 0.5)])
+            self.head = nnx.Linear(8, VOCAB, rngs=rngs)
+
+        def __call__(self, tok):
+            x = self.embed(tok)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    def ce(logits, b):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+
+    m = Mlp(rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(m, nnx.Param)
+    opt = optax.sgd(0.5)
+    batches = [_batch()] * 3
+    ref_losses, ref = train_one_device(params, batches, lambda p, b: ce(nnx.merge(graphdef, p)(b["inputs"]), b), opt)
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    pm = pipeline(m, mesh["pp"], units="blocks.*", num_microbatches=2)
+    state = init_train_state(pm, opt)
+    step = make_train_step(pm, lambda mod, b: ce(mod(b["inputs"]), b), opt)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    assert next(iter(pm._layouts.values())).calls.kind_of == [0, 1, 0, 1]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params, atol=1e-5)
