@@ -2,8 +2,9 @@
 einsum attention, run on the sequence gathered over cp), ``--model moe --mesh dp=2,ep=4`` and ``--model moe
 --moe-every 1 --mesh pp=2,ep=2,dp=2`` (experts inside pipeline stages) train equal per step
 to ``--mesh dp=8`` of the same model within 1e-5 (3 steps of AdamW, the job's own loss and data), their
-metrics.json recording the ring's permutes, the gathers and the experts' all-to-alls; meshes the job does not offer
-(pp with cp, cp on the mlp, ep without experts) are refused by name."""
+metrics.json recording the ring's permutes, the gathers and the experts' all-to-alls; ``--mesh pp=2,fsdp=2,cp=2`` (the transformer's blocks in 2
+pipeline stages, the sequence cut over cp inside them) equals ``--mesh dp=8`` per step too; meshes the job does not
+offer (cp on the mlp, ep without experts) are refused by name."""
 
 import json
 import os
@@ -57,8 +58,24 @@ def test_job_moe_pipeline_with_experts_over_ep_equals_dp8(tmp_path):
     assert pipe["bytes_table"]["all-to-all"] > 0 and summary["collectives"]["all-to-all"]["count"] > 0
 
 
+@pytest.mark.slow
+def test_job_pipeline_with_the_sequence_over_cp_equals_dp8(tmp_path):
+    """``--mesh pp=2,fsdp=2,cp=2``: the transformer's blocks in 2 pipeline stages (cut over fsdp), the batch's
+    sequence cut over cp inside them; equal per step to ``--mesh dp=8``, the pipeline's sends in the compiled step
+    (the activations cut over cp) equal to the pipeline's table."""
+    want, _ = _losses_and_collectives(tmp_path, ["--mesh", "dp=8"])
+    out = str(tmp_path / "pp-cp")
+    assert main([*TINY, "--mesh", "pp=2,fsdp=2,cp=2", "--out", out]) == 0
+    with open(os.path.join(out, "metrics.json")) as f:
+        summary = json.load(f)
+    got = [h["loss"] for h in summary["history"]]
+    assert len(want) == 3 and want[-1] != want[0]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-5)
+    pipe = summary["pipeline"]
+    assert pipe["bytes_hlo"]["collective-permute"] == pipe["bytes_table"]["collective-permute"] > 0
+
+
 @pytest.mark.parametrize("model,mesh,message", [
-    ("llama", "pp=2,fsdp=2,cp=2", "has both pp and cp"),
     ("mlp", "dp=2,cp=4", "--model mlp reads a flat window of digits: use --model transformer, llama or moe"),
     ("llama", "dp=2,ep=4", "cuts experts over ep; --model llama has none: use --model moe"),
     ("moe", "pp=2,ep=2,dp=2", "--model moe with --moe-every=2 has blocks of two shapes (experts in one block of every 2); "

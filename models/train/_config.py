@@ -153,10 +153,6 @@ def check_config(cfg: Config) -> None:
             f"models.train: --d-model={cfg.d_model} is not divisible by --heads={cfg.heads}; pick heads dividing d_model."
         )
     dims = dict(parse_mesh(cfg.mesh) or ()) if cfg.mesh not in (None, AUTO) else {}
-    if "cp" in dims and "pp" in dims:
-        raise ValueError(f"models.train: --mesh={cfg.mesh!r} has both pp and cp: a pipeline's stages run whole "
-                         "micro-batches, the sequence is not cut over cp there; use cp without pp (with dp / fsdp), "
-                         "or pp without cp.")
     if "cp" in dims and cfg.model == "mlp":
         raise ValueError(f"models.train: --mesh={cfg.mesh!r} cuts the sequence over cp, the positions a sequence "
                          "model's attention mixes; --model mlp reads a flat window of digits: use --model transformer, "
