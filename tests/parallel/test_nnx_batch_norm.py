@@ -110,7 +110,8 @@ def _table_is_the_hlo(step, state):
     return comm
 
 
-@pytest.mark.parametrize("shape,names,fsdp", [((8,), ("dp",), False), ((2, 4), ("dp", "fsdp"), True)])
+@pytest.mark.parametrize("shape,names,fsdp", [((8,), ("dp",), False),
+                                               pytest.param((2, 4), ("dp", "fsdp"), True, marks=pytest.mark.slow)])
 def test_sync_batch_norm_equals_one_device_on_the_global_batch(shape, names, fsdp):
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
     losses, params, state, step = _train(mesh, "sync", fsdp)
@@ -126,7 +127,8 @@ def test_sync_batch_norm_equals_one_device_on_the_global_batch(shape, names, fsd
     assert comm["batch_stats"]["all-reduce"] == {"count": 2 * 3, "bytes": 2 * 3 * 2 * 4 * 4}
 
 
-@pytest.mark.parametrize("shape,names,fsdp", [((8,), ("dp",), False), ((2, 4), ("dp", "fsdp"), True)])
+@pytest.mark.parametrize("shape,names,fsdp", [((8,), ("dp",), False),
+                                               pytest.param((2, 4), ("dp", "fsdp"), True, marks=pytest.mark.slow)])
 def test_broadcast_keeps_rank_0s_statistics_and_averages_local_gradients(shape, names, fsdp):
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
     losses, params, state, step = _train(mesh, "broadcast", fsdp)
