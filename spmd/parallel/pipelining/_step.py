@@ -270,7 +270,8 @@ class PipelineStep(TrainStep):
         return pipeline_communication(self._pm, b.lay, self._accum_steps, recs, ticks)
 
     def attention(self, state, batch) -> list[dict]:
-        """Under cp: the stages' attention calls of one micro-batch, each with its method (``all-gather K/V``)."""
+        """Under cp: the stages' attention calls as traced (a unit traced once per branch that runs it), each with
+        its method (``all-gather K/V``)."""
         b = self._build(state, self._checked(state, batch))
         if self._pm.cp and b.stages.attention is None:
             jax.eval_shape(b.jitted, state, self._checked(state, batch))  # traced: the calls recorded
@@ -280,9 +281,10 @@ class PipelineStep(TrainStep):
         lines = [f"    {r['call']}: {r['method']} over cp={r['n']} (a stage's branch: no ring), q {list(r['q'][0])} "
                  f"{r['q'][1]}, k/v {list(r['kv'][0])}" + (", causal" if r["causal"] else "")
                  for r in self.attention(state, batch)]
+        lines = list(dict.fromkeys(lines))  # each distinct call once
         return (state.plan.table() + "\n" + str(self._pm.schedule) + "\n"
                 + format_pipeline_communication(self.communication(state, batch))
-                + ("\n  context (cp): attention calls of one micro-batch\n" + "\n".join(lines) if lines else ""))
+                + ("\n  context (cp): the stages' attention calls\n" + "\n".join(lines) if lines else ""))
 
 
 class _PipelineBuild:
