@@ -16,7 +16,8 @@ __all__ = ["STAGES", "REST", "pipeline_communication", "format_pipeline_communic
 STAGES, REST = "stages", "rest"  # the stored tree: the stacked unit parameters, the others by path
 
 
-def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = None, ticks=None) -> dict:
+def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = None, ticks=None,
+                           cp_records: dict | None = None) -> dict:
     """What one step communicates per device, in ``spmd.parallel.hlo_executed_collectives``' terms (scalars
     aside): one ``collective-permute`` per tick with sends each way, moving one micro-batch's activation
     (``B / (M x data) x T x D`` elements) over each of ``pairs`` stage boundaries (``M x (stages - 1)`` each way per
@@ -49,15 +50,20 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
         others = n_data // ((lay.n_fsdp if rel in cut else 1) * (n_ep if rel in experts else 1))
         ar += local[f"{STAGES}/{rel}"] if others > 1 else 0
     add = tp["program"] if tp else {k: {"count": 0, "bytes": 0} for k in ("all-reduce", "all-gather", "reduce-scatter")}
+    cp = cp_terms(pm, lay, cp_records, ticks, accum_steps) if cp_records is not None else None
+    if cp is not None:
+        add = _sum(add, cp["program"])
     a2a = ep["program"] if ep else {"count": 0, "bytes": 0}
     return {
         "collective-permute": {"count": ops["F"] + ops["B"], "bytes": (ops["F"] + ops["B"]) * sent,
                                "pairs": pairs, "ops": {"forward": ops["F"], "backward": ops["B"]}},
         "all-reduce": {"bytes": ar + add["all-reduce"]["bytes"]},
-        "all-gather": {"bytes": gathered + add["all-gather"]["bytes"], "buffers": len(cut)},
-        "reduce-scatter": {"bytes": gathered + add["reduce-scatter"]["bytes"], "buffers": len(cut)},
+        "all-gather": {"bytes": gathered + add["all-gather"]["bytes"],
+                       "buffers": len(cut) + (cp["program"]["all-gather"]["count"] if cp else 0)},
+        "reduce-scatter": {"bytes": gathered + add["reduce-scatter"]["bytes"],
+                           "buffers": len(cut) + (cp["program"]["reduce-scatter"]["count"] if cp else 0)},
         "all-to-all": dict(a2a),
-        "tp": tp, "ep": ep,
+        "tp": tp, "ep": ep, "cp": cp,
         "schedule": s.name, "pp": s.pp, "num_microbatches": s.num_microbatches, "stages_per_rank": s.stages_per_rank,
         "activation_shape": tuple(act.shape), "activation_bytes": ab, "bubble": s.bubble, "bubble_formula": s.formula,
         "activation_slots": max(s.x_slots), "gradient_slots": max(s.g_slots),
@@ -130,6 +136,52 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     return {"program": program, "per_rank": per_rank, "branches": dict(zip(
         ["idle"] + [f"{d}-{r}" for d in "FB" for r in ROLES], cost)), "dead_recompute": dead1,
         "activation_cut": n_tp if isinstance(out_layout, Shard) else 1}
+
+
+def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
+    """The cp collectives of a pipelined step (the sequence cut over cp in the stages; linen units, no tp), from
+    one unit's attention calls and the pre-unit code's embedding lookups (``_step.context_records``) and the
+    schedule's branches:
+
+    - each attention call, the all-gather of K/V: K and V gathered forward (a ``F``, and a ``B``'s recompute),
+      dK and dV reduce-scattered backward;
+    - a ``B`` all-reduces over cp its chunk's stage gradients (GSPMD's partial sums over the cut sequence; the
+      whole parameters, gathered over fsdp), and, on the last stage, the gradients of the parameters after the
+      units (all the others but the lookups' tables); on the first stage each lookup's ids and output gradient
+      are gathered over cp (GSPMD's transpose of the lookup, in place of an all-reduce of its table's gradient).
+
+    ``program``: what the compiled program holds (each tick's switches hold each branch some rank runs, once;
+    the loop form: every branch, every tick), per step."""
+    from spmd.parallel.context._calls import attention_terms
+
+    at = attention_terms(recs["unit"])
+    lc = lay.per_slot
+    zero = _sum()
+
+    def one(kind, count, nbytes):
+        t = _sum()
+        t[kind] = {"count": count, "bytes": nbytes}
+        return t
+
+    fwd = _sum(one("all-gather", at["all-gather"]["count"], at["all-gather"]["bytes"]), scale=lc)
+    bwd = _sum(one("reduce-scatter", at["reduce-scatter"]["count"], at["reduce-scatter"]["bytes"]), scale=lc)
+    sizes = {rel: int(np.prod(lay.unit_shapes[rel].shape)) * lay.unit_shapes[rel].dtype.itemsize for rel in lay.rel}
+    grads = one("all-reduce", len(lay.rel) * lc, sum(sizes.values()) * lc)
+    tables = {r["param"] for r in recs["lookups"]}
+    post_p = [p for p in lay.rest if p not in tables]
+    post = one("all-reduce", len(post_p), sum(int(np.prod(lay.shapes[p].shape)) * lay.shapes[p].dtype.itemsize
+                                              for p in post_p))
+    pre = one("all-gather", sum(len(r["bytes"]) for r in recs["lookups"]),
+              sum(sum(r["bytes"]) for r in recs["lookups"]))
+    b = _sum(fwd, bwd, grads)
+    cost = [zero, fwd, fwd, zero, zero,  # idle, then F x roles (mid, first, last, only), B x roles
+            b, _sum(b, pre), _sum(b, post), _sum(b, pre, post)]
+    if pm.unroll:
+        program = _sum(*[cost[k] for codes in ticks for k in {k for pair in codes for k in pair}], scale=accum_steps)
+    else:
+        used = sorted({k for codes in ticks for pair in codes for k in pair})
+        program = _sum(*[cost[k] for k in used], scale=accum_steps * len(ticks))
+    return {"program": program, "calls": list(recs["unit"]), "lookups": list(recs["lookups"])}
 
 
 def ep_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:

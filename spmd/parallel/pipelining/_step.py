@@ -266,8 +266,9 @@ class PipelineStep(TrainStep):
     def communication(self, state, batch) -> dict:
         b = self._build(state, self._checked(state, batch))
         recs = segment_records(self._pm, b.lay, self._loss_fn, b.mb)  # the tp / ep styled calls by segment
-        ticks = branch_codes(tick_tables(self._pm)) if recs is not None else None
-        return pipeline_communication(self._pm, b.lay, self._accum_steps, recs, ticks)
+        cp = context_records(self._pm, b.lay, self._loss_fn, b.mb) if self._pm.cp and not self._pm.tp else None
+        ticks = branch_codes(tick_tables(self._pm)) if recs is not None or cp is not None else None
+        return pipeline_communication(self._pm, b.lay, self._accum_steps, recs, ticks, cp)
 
     def attention(self, state, batch) -> list[dict]:
         """Under cp: the stages' attention calls as traced (a unit traced once per branch that runs it), each with
@@ -439,6 +440,37 @@ def _region(st: _Stages, stored, batch):
     """The step's region (manual over pp and the data dims): this rank's reduced gradients and the metrics."""
     with st.hooks.installed() if st.hooks else contextlib.nullcontext(), _context(st, batch):
         return _region_body(st, stored, batch)
+
+
+def context_records(pm, lay, loss_fn, mb) -> dict:
+    """Under cp (linen units, no tp): one unit's attention calls (``ContextCalls`` records, traced on the
+    micro-batch's shapes) and the embedding lookups of the code before the first unit (a module with one rank-2
+    parameter called on the ``[batch, seq]`` ids: GSPMD transposes it by gathering the ids and its output's
+    gradient over cp), for the table's cp terms (``spmd.parallel.pipelining._comm.cp_terms``)."""
+    import flax.linen as nn
+
+    n = pm.mesh.size(pm.cp)
+    calls = ContextCalls(pm.mesh.jax_mesh, n, seq_len(mb), pm.cp, ring=False)
+    unit = [lay.unit_shapes[rel] for rel in lay.rel]
+    with calls.installed():
+        jax.eval_shape(lambda ls, x, sd: lay.apply_unit(ls, x, sd), unit, lay.act, lay.calls.side_shapes)
+    lookups = []
+
+    def note(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        mod, x = context.module, args[0] if args else None
+        own = jax.tree_util.tree_leaves_with_path(mod.variables.get("params", {})) if mod.scope is not None else []
+        if (context.method_name == "__call__" and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
+                and np.ndim(x) == 2 and x.shape[1] == calls.seq_len and hasattr(out, "shape")
+                and tuple(out.shape[:2]) == tuple(x.shape) and len(own) == 1 and np.ndim(own[0][1]) == 2):
+            path = "/".join(str(p) for p in mod.scope.path) + "/" + "/".join(str(k.key) for k in own[0][0])
+            lookups.append({"param": path, "bytes": [x.size * x.dtype.itemsize, out.size * out.dtype.itemsize]})
+        return out
+
+    rest = {p: lay.shapes[p] for p in lay.rest}
+    with nn.intercept_methods(note):
+        jax.eval_shape(lambda r, b: lay.pre(loss_fn, r, b), rest, mb)
+    return {"unit": list(calls.records), "lookups": lookups}
 
 
 def _context(st: _Stages, batch):

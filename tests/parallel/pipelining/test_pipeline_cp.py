@@ -5,7 +5,8 @@ pp=2 x fsdp=2 x cp=2, equals 3 SGD steps of one device within 1e-5 (losses and p
 A stage runs in a per-rank ``lax.switch`` branch, so its attention calls run as the all-gather of K/V (an
 all-gather meets its cp group only; the ring's collective-permutes would meet every device of the program and
 wait on the pp ranks in other branches): the compiled step's only collective-permutes are the pipeline's own
-sends, their count and bytes (the activations cut over cp) equal to the pipeline's table.
+sends, their count and bytes (the activations cut over cp) equal to the pipeline's table, and every other kind's
+bytes (the K/V gathers, dK / dV reduce-scatters, the gradients' all-reduces over cp, the lookup's gathers) too.
 """
 
 import jax
@@ -55,7 +56,15 @@ def test_llama_pipelined_under_cp_equals_one_device(shape, names):
     assert_trees_close(unshard_params(pm, state), ref.params)
 
     hlo = executed_collectives(step._build(state, batches[0]).jitted, state, batches[0], scalars=False)
-    want = step.communication(state, batches[0])["collective-permute"]
+    table = step.communication(state, batches[0])
+    # every kind's bytes equal to the table: the K/V gathers (forward, and a backward's recompute), the dK / dV
+    # reduce-scatters, the stage gradients' all-reduces over cp in each backward, the head's on the last stage,
+    # the embedding lookup's gathers of ids and output gradient on the first, the fsdp gathers
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert hlo[kind]["bytes"] == table[kind]["bytes"], kind
+    for kind in ("all-gather", "reduce-scatter"):
+        assert hlo[kind]["buffers"] == table[kind]["buffers"], kind
+    want = table["collective-permute"]
     # 1F1B at pp=2, M=2: 2 sends each way, each a micro-batch's (2 or 1 rows, 16 / cp = 8 positions, 16) float32
     rows = 4 // 2 // (2 if "fsdp" in names else 1)
     assert (want["count"], want["bytes"]) == (4, 4 * rows * (T // 2) * 16 * 4)
