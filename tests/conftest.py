@@ -1,6 +1,7 @@
 """8 CPU fake devices, set before JAX initialises."""
 
 import os
+from pathlib import Path
 
 # LLVM's backend optimisation level 0: XLA's HLO passes (the partitioner, the collective combiners: what
 # the tests count) run as always, and the numbers are the same (no fast-math either way); only the machine
@@ -76,9 +77,22 @@ _SLOW = __import__("json").loads((__import__("pathlib").Path(__file__).parent / 
 
 def pytest_collection_modifyitems(config, items):
     groups, tests = set(_SLOW["groups"]), set(_SLOW["tests"])
+    seen, files = set(), set()
     for item in items:
         group = next((m.args[0] for m in item.iter_markers("xdist_group")), None)
         path, _, test = item.nodeid.partition("::")
+        files.add(path.split("/")[-1])
         name = f"{path.split('/')[-1]}::{test}"  # file::test[params], wherever the file sits under tests/
-        if group in groups or name in tests or name.split("[")[0] in tests:
-            item.add_marker(pytest.mark.slow)
+        for key in (group, name, name.split("[")[0]):
+            if key in groups or key in tests:
+                seen.add(key)
+                item.add_marker(pytest.mark.slow)
+    # where every test file was collected unfiltered, an entry matching nothing is stale (a docs block's line
+    # moved, a test renamed): its test would silently run in the README's tier
+    every = {f.name for f in Path(__file__).parent.rglob("test_*.py")}
+    if every <= files and not config.option.keyword:
+        stale = sorted((groups | tests) - seen)
+        if stale:
+            raise pytest.UsageError(f"tests/slow_tier.json names {len(stale)} unit(s) no collected test matches: "
+                                    f"{stale}; update them to the tests' current names (a docs block is named by "
+                                    "its page and the line of its fence)")
