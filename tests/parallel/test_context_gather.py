@@ -5,8 +5,8 @@ output head) and a small user-written nnx decoder (einsum attention with RoPE co
 module from ``arange(T)``) trained under cp equal 3 SGD steps on one device within 1e-5 (losses and
 parameters); the table names each gathered module and its all-gathers equal the compiled step's (HLO == table);
 attention outside any submodule taking the sequence is refused, naming the fix. A user's nnx decoder calling
-``nnx.dot_product_attention`` with a causal mask array runs as the all-gather of K/V, equal to one device (its
-table not checked: the mask made from the cut tokens, see the test).
+``nnx.dot_product_attention`` with a causal mask array (``nnx.make_causal_mask``: each device builds its rows, nothing
+moves) runs as the all-gather of K/V, equal to one device, HLO equal to the table.
 """
 
 import re
@@ -44,7 +44,7 @@ def _assert_table_is_hlo(comm, hlo):
         assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (want["count"], want["bytes"]), kind
 
 
-def _run(model, loss_fn, params, mesh, batches, ref_losses, ref_params, check_table=True):
+def _run(model, loss_fn, params, mesh, batches, ref_losses, ref_params):
     state = init_train_state(model, OPT, params=params, mesh=mesh)
     step = make_train_step(model, loss_fn, OPT, mesh=mesh)
     table = step.table(state, batches[0])
@@ -56,8 +56,7 @@ def _run(model, loss_fn, params, mesh, batches, ref_losses, ref_params, check_ta
         losses.append(float(m["loss"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
     assert_trees_close(unshard_params(model, state), ref_params)
-    if check_table:
-        _assert_table_is_hlo(comm, hlo)
+    _assert_table_is_hlo(comm, hlo)
     return table, comm
 
 
@@ -197,9 +196,8 @@ def test_an_nnx_decoder_calling_nnx_dot_product_attention_under_cp():
         return _xent(m(b["tokens"]), b)
 
     ref_losses, ref = train_one_device(params, batches, lambda p, b: loss_fn(nnx.merge(graphdef, p), b), OPT)
-    # not checked against the HLO: the causal mask is formed in global view from the batch's cut tokens, and GSPMD
-    # gathers them over cp (uncounted) and reuses them for the embedding's transpose (the table counts the lookup's
-    # output-gradient gather, 4 KB, which XLA does not run)
-    table, comm = _run(model, loss_fn, None, mesh, batches, ref_losses, ref.params, check_table=False)
+    # nnx.make_causal_mask(tokens) builds each device's rows where it stands (left to GSPMD, its broadcast arange is
+    # cut like the tokens and gathered over cp for the keys: one all-gather the table would not count)
+    table, comm = _run(model, loss_fn, None, mesh, batches, ref_losses, ref.params)
     assert [(r["call"], r["method"]) for r in comm["attention"]] == [("flax dot_product_attention", "all-gather K/V")]
     assert "flax dot_product_attention: all-gather K/V over cp=2" in table

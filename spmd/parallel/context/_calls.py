@@ -15,8 +15,9 @@ each call runs in a region manual over ``cp``, chosen per call:
 - **all-gather K/V** (a ``mask`` or ``bias`` array, any mask: padding, a custom pattern): K and V gathered
   over ``cp``, the local queries attend with the mask's rows of this device's positions (the
   reduce-scatter of dK, dV in the backward pass). The mask itself is the model's, formed in global view: one
-  computed from the batch's cut ids (a padding mask, ``nn.make_causal_mask(tokens)``) has its inputs gathered
-  by GSPMD, which the table does not count; a constant mask moves nothing.
+  computed from the batch's cut ids (a padding mask) has its inputs gathered by GSPMD, which the table does not
+  count; a constant mask moves nothing, and flax's ``make_causal_mask(tokens)`` is built where it stands
+  (``_causal_mask``: each device its rows).
 
 An attention the step cannot intercept (a model's own einsum over the whole sequence) is found in the traced
 step (``spmd.parallel.step._heads.whole_sequence_products``: its ``[.., T, T]`` scores, under the scope of the
@@ -56,6 +57,8 @@ CP = CP_DIM  # the mesh dim name of the sequence cut
 _JAX = (("jax.nn", "dot_product_attention"),)
 _FLAX = (("flax.linen", "dot_product_attention"), ("flax.linen.attention", "dot_product_attention"),
          ("flax.nnx", "dot_product_attention"), ("flax.nnx.nn.attention", "dot_product_attention"))
+_MASKS = (("flax.linen", "make_causal_mask"), ("flax.linen.attention", "make_causal_mask"),
+          ("flax.nnx", "make_causal_mask"), ("flax.nnx.nn.attention", "make_causal_mask"))
 
 
 def _dest(chunk: int, n: int) -> int:
@@ -365,7 +368,7 @@ class ContextCalls:
         step traces (their module attributes, restored on exit)."""
         saved = []
         try:
-            for targets, make in ((_JAX, self._jax_call), (_FLAX, self._flax_call)):
+            for targets, make in ((_JAX, self._jax_call), (_FLAX, self._flax_call), (_MASKS, self._causal_mask)):
                 for modname, attr in targets:
                     mod = importlib.import_module(modname)
                     orig = getattr(mod, attr)
@@ -407,6 +410,30 @@ class ContextCalls:
                              f"batch's sequence cut over cp has {self.seq_len}; attention across the cut is "
                              "self-attention over the batch's sequence (dim 1). Leave cp out of the mesh for this "
                              "model.")
+
+    def _causal_mask(self, orig: Callable) -> Callable:
+        """flax's ``make_causal_mask`` of a ``[batch, seq]`` input under cp: each device builds its rows (its query
+        positions, every key) where it stands, the mask cut over cp on its rows as the all-gather of K/V takes it;
+        nothing moves. (Left to GSPMD, the mask's ``broadcast(arange(T))`` is cut like the tokens, and the
+        comparison with every key gathers it over cp.) Inside a module run on the gathered sequence, or on another
+        shape: flax's own."""
+        calls = self
+
+        def make_causal_mask(x, extra_batch_dims: int = 0, dtype=jnp.float32):
+            if (calls._local or extra_batch_dims or np.ndim(x) != 2 or x.shape[1] != calls.seq_len
+                    or calls.seq_len % calls.n or any(m in calls.gathered for m in calls._open)):
+                return orig(x, extra_batch_dims=extra_batch_dims, dtype=dtype)
+            b, t = x.shape[0], calls.seq_len // calls.n
+
+            def rows():
+                q = lax.axis_index(calls.axis) * t + jnp.arange(t)
+                keep = q[:, None] >= jnp.arange(calls.seq_len)[None, :]
+                return jnp.broadcast_to(keep, (b, 1, t, calls.seq_len)).astype(dtype)
+
+            return jax.shard_map(rows, mesh=self._region_mesh(), in_specs=(), out_specs=P(None, None, calls.axis),
+                                 axis_names={calls.axis}, check_vma=False)()
+
+        return make_causal_mask
 
     def _jax_call(self, orig: Callable) -> Callable:
         calls = self
