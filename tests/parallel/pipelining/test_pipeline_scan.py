@@ -2,8 +2,9 @@
 ``layers`` is one ``nn.scan`` (the layer axis at 0 or at MaxText's 1, with or without ``nn.remat``) or an nnx
 ``nnx.vmap`` + ``nnx.scan`` stack. Its ``L`` layers go to the ``pp x V`` stages in equal slices, each stage a
 scan over its slice (the program does not grow with the depth). 3 SGD steps equal 1-device training within
-1e-5 under GPipe, 1F1B and interleaved, with pp alone, pp x dp, pp x fsdp, HSDP and tensor-parallel stages; the compiled collectives equal
-the step's table (each micro-batch crosses each stage boundary once each way); a checkpoint's state is the
+1e-5 under GPipe, 1F1B, interleaved and looped BFS, with pp alone, pp x dp, pp x fsdp, HSDP and tensor-parallel
+stages, in the loop form (``unroll=False``) and with gradient accumulation; the compiled collectives equal the
+step's table (each micro-batch crosses each stage boundary once each way); a checkpoint's state is the
 model's own tree, the layer axis where the model keeps it."""
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import optax
 import pytest
 
 import spmd
-from spmd.parallel import (ColwiseParallel, RowwiseParallel, SplitPoint, fully_shard, hlo_executed_collectives, init_train_state,
-                           make_train_step, parallelize_module, pipeline, unshard_params)
+from spmd._inspect import hlo_collectives
+from spmd.parallel import (ColwiseParallel, RowwiseParallel, SplitPoint, fully_shard, hlo_executed_collectives,
+                           init_train_state, make_train_step, parallelize_module, pipeline, unshard_params)
 from spmd.parallel.pipelining._comm import hlo_permute_pairs
 from tests._one_device import assert_trees_close, train_one_device
 from tests.third_party.scanned import ScannedMLP, nnx_scanned_mlp
@@ -58,7 +60,7 @@ def _model(kind: str, depth: int = 4):
     return m, params, loss, loss(m), params
 
 
-CONFIGS = {  # name: (model kind, mesh dims, schedule, M, stages_per_rank)
+CONFIGS = {  # name: (model kind, mesh dims, schedule, M, stages_per_rank[, {unroll, accum}])
     "linen0-gpipe-pp2dp4": ("linen0", {"pp": 2, "dp": 4}, "gpipe", 2, 1),
     "linen1-remat-1f1b-pp2fsdp4": ("linen1-remat", {"pp": 2, "fsdp": 4}, "1f1b", 2, 1),  # MaxText's axis 1
     "linen0-remat-interleaved-pp2dp4": ("linen0-remat", {"pp": 2, "dp": 4}, "interleaved", 2, 2),
@@ -70,11 +72,27 @@ CONFIGS = {  # name: (model kind, mesh dims, schedule, M, stages_per_rank)
     "linen1-remat-1f1b-pp2dp2tp2": ("linen1-remat", {"pp": 2, "dp": 2, "tp": 2}, "1f1b", 2, 1),
     "linen0-remat-gpipe-pp2fsdp2tp2": ("linen0-remat", {"pp": 2, "fsdp": 2, "tp": 2}, "gpipe", 2, 1),
     "nnx-1f1b-pp2dp2tp2": ("nnx", {"pp": 2, "dp": 2, "tp": 2}, "1f1b", 2, 1),
+    # torch's ScheduleLoopedBFS: 2 chunks a rank, GPipe-like
+    "linen0-remat-looped_bfs-pp2dp4": ("linen0-remat", {"pp": 2, "dp": 4}, "looped_bfs", 2, 2),
+    # the loop form (one fori_loop over the ticks), fsdp and dp
+    "linen1-remat-1f1b-pp2fsdp4-loop": ("linen1-remat", {"pp": 2, "fsdp": 4}, "1f1b", 2, 1, {"unroll": False}),
+    "linen0-looped_bfs-pp2dp4-loop-accum2": ("linen0", {"pp": 2, "dp": 4}, "looped_bfs", 2, 2,
+                                             {"unroll": False, "accum": 2}),
+    # gradient accumulation: 2 passes of the schedule a step
+    "nnx-1f1b-pp2dp4-accum2": ("nnx", {"pp": 2, "dp": 4}, "1f1b", 2, 1, {"accum": 2}),
+    "linen1-remat-gpipe-pp2fsdp4-accum2": ("linen1-remat", {"pp": 2, "fsdp": 4}, "gpipe", 2, 1, {"accum": 2}),
 }
 
 
+def _opts(config) -> tuple[bool, int]:
+    """(unroll, accum_steps) of a configuration."""
+    extra = CONFIGS[config][5] if len(CONFIGS[config]) > 5 else {}
+    return extra.get("unroll", True), extra.get("accum", 1)
+
+
 def _pipelined(config, opt=OPT):
-    kind, dims, sched, m_count, v = CONFIGS[config]
+    kind, dims, sched, m_count, v = CONFIGS[config][:5]
+    unroll, accum = _opts(config)
     model, params, loss, _, _ = _model(kind)
     mesh = spmd.init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
     shard = tuple(d for d in dims if d in ("dp", "fsdp")) if "fsdp" in dims else None  # HSDP: dp and fsdp
@@ -82,9 +100,10 @@ def _pipelined(config, opt=OPT):
     if "tp" in dims:
         laid = parallelize_module(laid, mesh["tp"], {"layers.up": ColwiseParallel(), "layers.down": RowwiseParallel()})
     laid = fully_shard(laid, mesh=mesh[shard], units=["layers"]) if shard else laid
-    pm = pipeline(laid, mesh["pp"], units="layers", num_microbatches=m_count, schedule=sched, stages_per_rank=v)
+    pm = pipeline(laid, mesh["pp"], units="layers", num_microbatches=m_count, schedule=sched, stages_per_rank=v,
+                  unroll=unroll)
     state = init_train_state(pm, opt, EXAMPLE, **({} if params is None else {"params": params}))
-    return pm, state, make_train_step(pm, loss(pm), opt)
+    return pm, state, make_train_step(pm, loss(pm), opt, accum_steps=accum)
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,18 +130,25 @@ def test_scanned_stack_stages_equal_one_device_training(config):
     assert_trees_close(run["params"], ref.params, atol=1e-5)  # the model's own tree: the layer axis in place
     assert ref_losses[-1] < ref_losses[0] - 0.05  # it trained
     # the compiled collectives equal the table's; each micro-batch crosses each stage boundary once each way
+    unroll, accum = _opts(config)
     got, want = hlo_executed_collectives(run["text"], scalars=False), run["table"]
-    for k in ("collective-permute", "all-reduce", "all-gather", "reduce-scatter"):
+    for k in ("all-reduce", "all-gather", "reduce-scatter"):
         assert got[k]["bytes"] == want[k]["bytes"], (k, got[k], want[k])
-    assert got["collective-permute"]["count"] == want["collective-permute"]["count"]
     assert (got["all-gather"]["buffers"], got["reduce-scatter"]["buffers"]) == (
         (want["all-gather"]["buffers"], want["reduce-scatter"]["buffers"]))
     assert (got["all-gather"]["count"] > 0) == ("fsdp" in dims)
     s = run["pm"].schedule
     per_pass = s.num_microbatches * (s.num_stages - 1)
-    n_data = int(np.prod([n for d, n in dims.items() if d != "pp"]))  # each pp group its own pairs (tp too)
-    assert want["collective-permute"]["pairs"] == {"forward": per_pass, "backward": per_pass}
-    assert hlo_permute_pairs(run["text"], n_data) == 2 * per_pass
+    assert want["collective-permute"]["pairs"] == {"forward": per_pass * accum, "backward": per_pass * accum}
+    if unroll:
+        assert got["collective-permute"]["bytes"] == want["collective-permute"]["bytes"]
+        assert got["collective-permute"]["count"] == want["collective-permute"]["count"]
+        n_data = int(np.prod([n for d, n in dims.items() if d != "pp"]))  # each pp group its own pairs (tp too)
+        assert hlo_permute_pairs(run["text"], n_data) == 2 * per_pass  # an accumulation's scan: its body once
+    else:  # the loop: one permute per direction's distinct pair set, each tick picking its own
+        sets = [{tuple(p) for p in s.sends(d) if p} for d in "FB"]
+        assert hlo_collectives(run["text"])["collective-permute"]["count"] == sum(map(len, sets))
+        assert len(sets[0]) == (2 if s.name == "looped_bfs" else 1)  # a chunk's wrap adds (1, 0) to (0, 1)
 
 
 @pytest.mark.slow
