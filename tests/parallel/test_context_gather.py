@@ -141,6 +141,44 @@ def test_a_user_written_nnx_decoder_runs_its_attention_on_the_gathered_sequence(
     assert "attention 'attns.1': gather sequence over cp=2 (in [2, 16, 16] float32" in table
 
 
+class _CondAttention(_Attention):
+    """The user's attention taking a per-example conditioning vector beside the hidden states: ``[batch, d]`` with
+    ``d`` equal to the sequence length (16), no sequence."""
+
+    def __call__(self, x, cond):
+        return super().__call__(x + cond[:, None, :])
+
+
+class _CondDecoder(nnx.Module):
+    def __init__(self, rngs, d=T):
+        self.embed = nnx.Embed(V, d, rngs=rngs)
+        self.attn = _CondAttention(d, 2, rngs)
+        self.head = nnx.Linear(d, V, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        cond = jnp.broadcast_to(jnp.sin(jnp.arange(x.shape[-1], dtype=x.dtype)), (x.shape[0], x.shape[-1]))
+        return self.head(x + self.attn(x, cond))
+
+
+def test_a_gathered_module_gathers_only_its_sequence_inputs_not_a_vector_as_wide_as_the_sequence():
+    mesh = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    model = _CondDecoder(nnx.Rngs(0))
+    batches = _batches(2)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss_fn(m, b):
+        return _xent(m(b["tokens"]), b)
+
+    ref_losses, ref = train_one_device(params, batches, lambda p, b: loss_fn(nnx.merge(graphdef, p), b), OPT)
+    table, comm = _run(model, loss_fn, None, mesh, batches, ref_losses, ref.params)
+    # read from the program (the step traced at another length): the hidden states follow the sequence, the
+    # [4, 16] conditioning vector keeps its width
+    (rec,) = comm["attention"]
+    assert (rec["call"], rec["gathered"], rec["cut"]) == ("attn", [((4, T, T), "float32")], [((4, T, T), "float32")])
+    assert f"attention 'attn': gather sequence over cp=2 (in [4, {T}, {T}] float32; its output" in table
+
+
 class _Inline(nn.Module):
     """Attention written inline in the model's own __call__: no submodule takes the sequence."""
 

@@ -49,8 +49,8 @@ from spmd.parallel.plan._param_plan import ParamPlan
 from spmd.parallel.styles._tp_calls import TP_COMM
 from spmd.parallel.styles._transforms import CP_DIM, EP_DIM
 
-__all__ = ["CALL_SCOPE", "CP", "ContextCalls", "attention_terms", "experts_routers", "check_seq", "from_zigzag", "lookup_terms", "seq_len", "to_zigzag",
-           "with_context"]
+__all__ = ["CALL_SCOPE", "CP", "ContextCalls", "attention_terms", "experts_routers", "check_seq", "from_zigzag",
+           "lookup_terms", "seq_len", "to_zigzag", "with_context"]
 
 CP = CP_DIM  # the mesh dim name of the sequence cut
 
@@ -126,6 +126,10 @@ def scopes_of(name_stack: str) -> list[str]:
 
 def _is_seq(x: Any, seq_len: int) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype") and np.ndim(x) >= 2 and x.shape[1] == seq_len
+
+
+def _dim1(x: Any) -> int | None:
+    return int(x.shape[1]) if hasattr(x, "shape") and hasattr(x, "dtype") and np.ndim(x) >= 2 else None
 
 
 def _uniform(x, depth: int = 0) -> bool:
@@ -238,7 +242,7 @@ class ContextCalls:
     whether it took a ``[batch, seq, ...]`` input (the candidates)."""
 
     def __init__(self, jax_mesh: Any, n: int, seq_len: int, axis: str = CP, gathered: frozenset = frozenset(),
-                 tp: tuple[str, int] | None = None, ring: bool = True):
+                 tp: tuple[str, int] | None = None, ring: bool = True, seq_of: dict | None = None):
         self.jax_mesh, self.n, self.seq_len, self.axis = jax_mesh, n, seq_len, axis
         # ring=False: every call the all-gather of K/V (a pipeline's stages: no collective-permute in a branch)
         self.ring = ring
@@ -248,6 +252,9 @@ class ContextCalls:
         self.lookups: list[dict] = []  # embedding lookups on the batch's ids (linen, nnx), for the table
         self.attends: set[str] = set()  # the tables a tied output head (linen's Embed.attend) multiplies by
         self.seen: dict[str, bool] = {}
+        # each module call's (fqn, k-th call) leaves' dim 1, inputs and outputs (``seq_leaves`` reads two traces')
+        self.dims: dict[tuple[str, int], tuple[tuple, tuple]] = {}
+        self.seq_of = seq_of or {}  # ``seq_leaves``' answer: which of a call's leaves are the sequence
         self._open: set[str] = set()
         self._local = False  # inside an intercepted call's own attention on this device's block
         self._ints: dict[int, Any] = {}  # integer inputs gathered once per trace (XLA merges the repeats), by id
@@ -264,18 +271,32 @@ class ContextCalls:
         if call.fqn in self._open:
             return NotImplemented
         args, kwargs = call.args, call.kwargs
-        self.seen.setdefault(call.fqn, any(_is_seq(x, self.seq_len) for x in jax.tree.leaves((args, kwargs))))
+        key = (call.fqn, sum(k[0] == call.fqn for k in self.dims))
+        leaves = jax.tree.leaves((args, kwargs))
+        self.dims[key] = (tuple(_dim1(x) for x in leaves), ())
+        seq_in, seq_out = self.seq_of.get(key, (None, None))
+        seq_in = seq_in if seq_in is not None and len(seq_in) == len(leaves) else \
+            tuple(_is_seq(x, self.seq_len) for x in leaves)
+        self.seen[call.fqn] = self.seen.get(call.fqn, False) or any(seq_in)
         self._open.add(call.fqn)
         try:
             with jax.named_scope(scope_name(call.fqn)):
                 if call.fqn not in self.gathered:
-                    return self._lookup(call, run(call))
+                    out = self._lookup(call, run(call))
+                    self.dims[key] = (self.dims[key][0], tuple(_dim1(y) for y in jax.tree.leaves(out)))
+                    return out
                 rec = {"call": call.fqn, "method": "gather sequence", "n": self.n, "gathered": [], "cut": [],
                        "params": [p for p, _ in call.params()]}
-                call.args, call.kwargs = jax.tree.map(lambda x: self._gathered(x, rec), (args, kwargs))
+                it = iter(seq_in)
+                call.args, call.kwargs = jax.tree.map(lambda x: self._gathered(x, rec, next(it)), (args, kwargs))
                 out = run(call)
                 call.args, call.kwargs = args, kwargs
-                out = jax.tree.map(lambda y: self._cut(y, rec), out)
+                outs = jax.tree.leaves(out)
+                self.dims[key] = (self.dims[key][0], tuple(_dim1(y) for y in outs))
+                seq_out = seq_out if seq_out is not None and len(seq_out) == len(outs) else \
+                    tuple(_is_seq(y, self.seq_len) for y in outs)
+                it = iter(seq_out)
+                out = jax.tree.map(lambda y: self._cut(y, rec, next(it)), out)
                 rec["params"] = [p for p in rec["params"] if p not in self.cut_params]  # experts: summed over cp
                 self.records.append(rec)
                 return out
@@ -295,8 +316,8 @@ class ContextCalls:
                                      "out": (tuple(out.shape), str(out.dtype)), "n": self.n})
         return out
 
-    def _gathered(self, x, rec):
-        if not _is_seq(x, self.seq_len) or _uniform(x):  # a constant fill (an all-ones mask) is whole already
+    def _gathered(self, x, rec, seq: bool):
+        if not seq or _uniform(x):  # a constant fill (an all-ones mask) is whole already
             return x
         if not jnp.issubdtype(x.dtype, jnp.inexact):  # ids, positions, a padding mask: no gradient
             if id(x) not in self._ints:
@@ -306,8 +327,8 @@ class ContextCalls:
         rec["gathered"].append((tuple(x.shape), str(x.dtype)))
         return _gather_seq(x, self)
 
-    def _cut(self, y, rec):
-        if not _is_seq(y, self.seq_len) or not jnp.issubdtype(y.dtype, jnp.inexact):
+    def _cut(self, y, rec, seq: bool):
+        if not seq or not jnp.issubdtype(y.dtype, jnp.inexact):
             return y
         rec["cut"].append((tuple(y.shape), str(y.dtype)))
         return _cut_seq(y, self)

@@ -43,6 +43,7 @@ from spmd.parallel.plan._checks import (check_batch_leaves, check_loss, check_op
 from spmd.parallel.cost._comm import format_communication, step_communication
 from spmd.parallel.context._calls import (CALL_SCOPE, ContextCalls, check_seq, experts_routers, scopes_of, seq_len,
                                          with_context)
+from spmd.parallel.context._seq import seq_inputs
 from spmd.parallel.styles._experts import with_experts
 from spmd.parallel.cost._recompute import SYNC_BN, recomputed_collectives
 from spmd.parallel.step._batch_norm import BATCH_STATS_REASON, sync_batch_norm, sync_nnx_batch_norm
@@ -553,13 +554,13 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     attention: list = []  # the attention calls of one micro-batch over cp (filled when the step is traced)
 
     # (prepare) the parameters added to the sequence row by row; the modules run on the sequence gathered over cp
-    positional, whole_seq = set(), set()
+    positional, whole_seq, seq_of = set(), set(), {}
 
     def _context(mb, hooks):
         if cp is None:
             return contextlib.nullcontext()
         calls = ContextCalls(mesh.jax_mesh, n_cp, seq_len(mb), cp, gathered=frozenset(whole_seq),
-                             tp=(tp, sizes[tp]) if tp else None)
+                             tp=(tp, sizes[tp]) if tp else None, seq_of=seq_of)
         hooks.around = calls.around
         attention.clear()
         attention.append(calls)
@@ -732,7 +733,11 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr  # the state's step, then the parameters
         positional.update(entries[i].path for i in positional_params(jaxpr, jaxpr.invars[1:1 + len(entries)], t))
         seen, products = attention[0].seen if attention else {}, whole_sequence_products(jaxpr, t)
-        for _, stack in (products := [p for p in products if CALL_SCOPE not in p[1]]):
+        products = [p for p in products if CALL_SCOPE not in p[1]]
+        if (products or ep_traced) and attention:
+            seen = seq_inputs(lambda b: (jax.make_jaxpr(lambda s, b: step(s, b))(state, b), attention[0])[1],
+                              attention[0], batch, t, n_cp, seq_of)
+        for _, stack in products:
             mods = [m for m in scopes_of(stack) if m and seen.get(m)]  # a submodule: not the model itself
             if mods and not any(m in whole_seq for m in mods):
                 whole_seq.add(mods[-1])

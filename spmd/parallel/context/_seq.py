@@ -1,0 +1,55 @@
+"""Which inputs and outputs of a model's module calls hold the batch's sequence under cp, read from the program.
+
+A module run on the sequence gathered over cp (``ContextCalls.around``) gathers its ``[batch, seq, ...]`` inputs and
+cuts its outputs back. Whether a leaf holds the sequence on dim 1 is not read from its size (a ``[batch, d]``
+input whose width ``d`` happens to equal the sequence length is no sequence) but from how the program shapes it:
+the step is traced once more at another sequence length, and a leaf holds the sequence where its dim 1 follows
+the batch's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+__all__ = ["seq_inputs", "seq_leaves"]
+
+
+def seq_leaves(at: dict, at_probe: dict, seq_len: int, probe_len: int) -> dict:
+    """``{(fqn, k): (ins, outs)}``: which leaves of the ``k``-th call of module ``fqn`` (its inputs, its outputs)
+    hold the batch's sequence on dim 1. ``at`` / ``at_probe``: the calls' leaves' dim 1 (``ContextCalls.dims``) in
+    a trace of the step at the batch's ``seq_len`` and in one at another length ``probe_len``; a leaf is the
+    sequence where its dim 1 follows the batch's (``seq_len`` in one, ``probe_len`` in the other), not where it
+    merely equals ``seq_len``. A call whose leaves differ between the two traces is left out (the dim-1 rule)."""
+    out = {}
+    for key, (ins, outs) in at.items():
+        other = at_probe.get(key)
+        if other is None or len(other[0]) != len(ins) or len(other[1]) != len(outs):
+            continue
+        out[key] = tuple(tuple(a == seq_len and b == probe_len for a, b in zip(x, y))
+                         for x, y in ((ins, other[0]), (outs, other[1])))
+    return out
+
+
+def seq_inputs(trace: Callable[[Any], Any], first: Any, batch: Any, seq_len: int, n: int, seq_of: dict) -> dict:
+    """The modules taking the sequence (``ContextCalls.seen``, read from the program): ``trace(batch)`` traces the
+    step on a batch and returns its ``ContextCalls``; ``first`` is the trace's at ``batch``. The step is traced
+    again at ``seq_len - n`` positions and ``seq_of`` filled by ``seq_leaves``. A model whose shapes fix the
+    sequence length (it does not trace at another), or a sequence of ``n`` positions, keeps the dim-1 rule."""
+    if seq_len <= n:
+        return first.seen
+    probe = seq_len - n
+    short = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], probe) + tuple(x.shape[2:]), x.dtype)
+                         if np.ndim(x) >= 2 else x, batch)
+    try:
+        other = trace(short)
+    except (TypeError, ValueError, IndexError):
+        return first.seen
+    seq_of.update(seq_leaves(first.dims, other.dims, seq_len, probe))
+    seen: dict[str, bool] = {}
+    for key, (ins, _) in first.dims.items():
+        got = seq_of[key][0] if key in seq_of else tuple(d == seq_len for d in ins)
+        seen[key[0]] = seen.get(key[0], False) or any(got)
+    return seen
