@@ -3,6 +3,7 @@ printable."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from spmd.parallel.auto._layout import Layout
@@ -47,6 +48,21 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.2f}"
 
 
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def _over(c: "Candidate", budget: int | None) -> str | None:
+    """Why ``c`` has no time: a candidate never traced, its memory lower bound over the budget (``untraced``)."""
+    if math.isfinite(c.predicted_s):
+        return None
+    return f"over budget (bound {_gib(c.memory['peak'])} > {_gib(budget)})" if budget else "not traced"
+
+
+def _ms(x: float) -> str:
+    return f"{1e3 * x:.2f}" if math.isfinite(x) else "-"
+
+
 def _peak(c: "Candidate") -> str:
     """The peak column: the compiled step's, or ``>=`` the lower bound where the candidate was not compiled."""
     return _mib(c.memory["peak"]) if c.memory.get("compiled", True) else ">=" + _mib(c.memory["peak"])
@@ -82,6 +98,8 @@ class AutoLayout:
             (k, a.comm_s.get(k, 0.0), b.comm_s.get(k, 0.0)) for k in sorted(set(a.comm_s) | set(b.comm_s))]
         terms.sort(key=lambda t: -abs(t[2] - t[1]))
         said = ", ".join(f"{k} {1e3 * x:.2f} vs {1e3 * y:.2f} ms" for k, x, y in terms[:3] if abs(y - x) > 0)
+        if _over(b, self.budget):
+            return f"{a.name} wins over {b.name}, which is {_over(b, self.budget)} by its memory lower bound."
         head = f"{a.name} wins over {b.name} by {1e3 * (b.predicted_s - a.predicted_s):.2f} ms/step"
         if not b.fits:
             head += " (the runner-up does not fit the memory budget)"
@@ -99,8 +117,8 @@ class AutoLayout:
         for i, c in enumerate(self.candidates[:top]):
             t = c.communication["total"]
             meas = (("-" if c.measured_s is None else f"{1e3 * c.measured_s:.2f}",) if timed else ())
-            rows.append((str(i + 1), c.name, *meas, f"{1e3 * c.predicted_s:.2f}", f"{1e3 * c.compute_s:.2f}",
-                         f"{1e3 * sum(c.comm_s.values()):.2f}", *(_mib(t[k]["bytes"]) for k in KINDS),
+            rows.append((str(i + 1), c.name, *meas, _over(c, self.budget) or _ms(c.predicted_s), _ms(c.compute_s),
+                         _ms(sum(c.comm_s.values())), *(_mib(t[k]["bytes"]) for k in KINDS),
                          _mib(t.get(PERMUTE, {"bytes": 0})["bytes"]),
                          _peak(c), *((("-" if c.measured_peak is None else _mib(c.measured_peak)),)
                                                    if compiled else ()), "yes" if c.fits else "no"))
@@ -118,14 +136,17 @@ class AutoLayout:
 
     def to_json(self, top: int | None = None) -> dict:
         """The ranking as plain data (a job's ``metrics.json`` ``"layout"`` entry): the pick, why, and per
-        candidate its predicted time terms, bytes by kind and peak memory."""
-        rows = [{"layout": c.name, "predicted_ms": 1e3 * c.predicted_s, "compute_ms": 1e3 * c.compute_s,
+        candidate its predicted time terms, bytes by kind and peak memory; a candidate never traced (its memory
+        lower bound over the budget) has no time (``predicted_ms`` and ``compute_ms`` None) and says so in
+        ``"untraced"`` (valid JSON: no Infinity)."""
+        finite = lambda x: 1e3 * x if math.isfinite(x) else None  # noqa: E731 - JSON has no Infinity
+        rows = [{"layout": c.name, "predicted_ms": finite(c.predicted_s), "compute_ms": finite(c.compute_s),
                  "measured_ms": None if c.measured_s is None else 1e3 * c.measured_s,
                  "measured_peak_bytes": c.measured_peak,
                  "comm_ms": {k: 1e3 * v for k, v in c.comm_s.items()},
                  "bytes": {k: v["bytes"] for k, v in c.communication["total"].items()},
                  "peak_bytes": int(c.memory["peak"]), "peak_compiled": bool(c.memory.get("compiled", True)),
-                 "fits": c.fits}
+                 "fits": c.fits, **({"untraced": _over(c, self.budget)} if _over(c, self.budget) else {})}
                 for c in self.candidates[: (len(self.candidates) if top is None else top)]]
         return {"pick": self.best.name, "why": self.why(), "candidates": rows, "rejected": [list(r) for r in
                                                                                           self.rejected]}

@@ -33,8 +33,10 @@ def tp_matmul_flops(profile: Profile, plan, tp: str | None, micro_batch: Any) ->
     ti = plan.mesh_dim_names.index(tp)
     per = profile.param_matmul_flops(micro_batch)
     if len(per) != len(plan.entries):
-        raise ValueError(f"auto_layout: the profiled loss reads {len(per)} parameters and the layout's plan holds "
-                         f"{len(plan.entries)}; profile the parameters the layout was built for.")
+        raise ValueError(f"auto_layout: profile= holds {len(per)} parameter leaves and the layout's plan "
+                         f"{len(plan.entries)}: the profile was built on other parameters than the model's; build "
+                         "it as Profile(loss_fn, params, optimizer) on the same params= auto_layout gets, or leave "
+                         "profile= out (auto_layout then builds it).")
     return 3.0 * sum(f for f, e in zip(per, plan.entries) if isinstance(e.placements[ti], Shard))
 
 
