@@ -2,7 +2,10 @@
 attention: RoPE from ``position_ids``, a causal-mask buffer, flax's ``dot_product_attention_weights``) under cp=2
 and dp=2 x cp=2, each layer's attention module run on the sequence gathered over cp (its all-ones padding mask,
 a constant, not gathered), equal to 3 SGD steps on one device within 1e-5 (losses and parameters), the compiled
-step's collectives equal to the table."""
+step's collectives equal to the table. The same for Hugging Face's ``FlaxGPT2LMHeadModel``: its head tied to the
+token table through a ``Dense`` (the table's gradient all-reduced over cp for the head's part: the traced step
+multiplies by it) and its position ids looked up beside the tokens (the two lookups' outputs summed: one
+cotangent, gathered over cp once for both tables' transposes)."""
 
 import jax
 import numpy as np
@@ -24,7 +27,9 @@ def _assert_table_is_hlo(comm, hlo):
 @pytest.mark.parametrize("name,dims,attn", [
     ("hf_mistral", {"cp": 2}, "model.layers.*.self_attn"),
     ("hf_mistral", {"dp": 2, "cp": 2}, "model.layers.*.self_attn"),
-], ids=["hf_mistral-cp2", "hf_mistral-dp2-cp2"])
+    ("hf_gpt2", {"cp": 2}, "transformer.h.*.attn"),
+    ("hf_gpt2", {"dp": 2, "cp": 2}, "transformer.h.*.attn"),
+], ids=["hf_mistral-cp2", "hf_mistral-dp2-cp2", "hf_gpt2-cp2", "hf_gpt2-dp2-cp2"])
 def test_zoo_decoder_under_cp_equals_one_device(name, dims, attn):
     fam = FAMILIES[name]
     mesh = spmd.init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))

@@ -312,7 +312,7 @@ class ContextCalls:
                 and hasattr(out, "shape") and tuple(out.shape[:2]) == tuple(x.shape)):
             own = call.params()
             if len(own) == 1 and np.ndim(own[0][1]) == 2:
-                self.lookups.append({"param": own[0][0], "ids": (tuple(x.shape), str(x.dtype)),
+                self.lookups.append({"param": own[0][0], "module": call.fqn, "ids": (tuple(x.shape), str(x.dtype)),
                                      "out": (tuple(out.shape), str(out.dtype)), "n": self.n})
         return out
 
@@ -607,15 +607,20 @@ class ContextCalls:
 # ---------------------------------------------------------------------------------------------- the table
 
 
-def lookup_terms(lookups: list[dict]) -> dict:
+def lookup_terms(lookups: list[dict], cotangents: dict | None = None) -> dict:
     """``{"all-gather": {count, bytes}}`` of the embedding lookups on the cut ids: GSPMD's transpose of a lookup
     whose ids are cut over cp gathers the ids and the output's gradient (this device's batch rows, every
-    position) and scatter-adds them into the whole table, in place of an all-reduce of its gradient."""
-    out = {"count": 0, "bytes": 0}
+    position) and scatter-adds them into the whole table, in place of an all-reduce of its gradient. Lookups
+    whose transposes scatter-add one cotangent (``cotangents``: ``{module: key}``, read from the traced step,
+    ``spmd.parallel.step._heads.lookup_cotangents``; outputs summed, GPT-2's token and position tables) gather
+    it once."""
+    out, seen = {"count": 0, "bytes": 0}, set()
     for r in lookups:
-        for shape, dtype in (r["ids"], r["out"]):
+        ct = (cotangents or {}).get(r.get("module"))
+        for shape, dtype in (r["ids"],) + (() if ct is not None and ct in seen else (r["out"],)):
             out["count"] += 1
             out["bytes"] += _nbytes(shape, dtype)  # the shapes as the device's region saw them
+        seen.add(ct)
     return out
 
 
@@ -692,22 +697,24 @@ def check_seq(batch: Any, n_cp: int) -> None:
 
 
 def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, region: bool,
-                 positional: Any = ()) -> dict:
+                 positional: Any = (), products: Any = (), cotangents: dict | None = None) -> dict:
     """The table with cp's terms: the attention calls' (``attention_terms``), the all-reduce over cp of every
     parameter's gradient (whole over cp, it sums each device's positions' parts: GSPMD's reduction) but
 
     - inside a region manual over data dims (``region``), the tables of lookups on the cut ids, whose gradients
       GSPMD forms there from the gathered ids (``lookup_terms``), unless the table is also a tied output head
-      (``Embed.attend``: that product's gradient is all-reduced); with no data dim it all-reduces a table's
-      gradient, a tied head's twice (the lookup's part and the head's, each on its own);
+      (a table among ``products``, the parameters the traced step multiplies by: ``Embed.attend``, GPT-2's
+      ``Dense`` with the table as kernel; that product's gradient is all-reduced); with no data dim it
+      all-reduces a table's gradient, a tied head's twice (the lookup's part and the head's, each on its own);
+      lookups sharing a cotangent (``cotangents``) gather it once (``lookup_terms``);
     - a module's run on the gathered sequence (``ContextCalls.around``): computed whole on every device;
     - a ``positional`` one (a learned position table added to the sequence row by row,
       ``spmd.parallel.step._heads.positional_params``): its gradient is cut over cp on the rows, gathered
       (one all-gather), and reduced over the data dims on each device's rows (1 / cp of its bytes)."""
     records, lookups = (calls.records, calls.lookups) if calls is not None else ([], [])
-    attends = set(calls.attends) if calls is not None else set()
     n = calls.n if calls is not None else 1
     looked_up = {r["param"] for r in lookups}
+    attends = (set(calls.attends) if calls is not None else set()) | (looked_up & set(products))
     lookups = lookups if region else []
     comm = {k: (dict(v) if isinstance(v, dict) else v) for k, v in comm.items()}
     ctx = attention_terms(records)
@@ -728,7 +735,7 @@ def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, regi
         return b // plan.mesh_shape[ei] if ei is not None and e.shard_dim(ei) is not None else b
 
     ctx["all-reduce"] = {"count": len(summed), "bytes": sum(local(e) for e in summed)}
-    looked = lookup_terms(lookups)
+    looked = lookup_terms(lookups, cotangents)
     ctx["all-gather"] = {f: ctx["all-gather"][f] + looked[f] for f in ("count", "bytes")}
     for kind in ctx:
         if kind != "all-reduce":  # the activations' terms: per micro-batch

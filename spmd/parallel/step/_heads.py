@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax.numpy as jnp
+
 from spmd.parallel.styles._hooks import COLWISE_MARK, WHOLE_MARK
 
 __all__ = ["head_splits", "whole_over_tp", "check_head_cuts", "check_whole_sequence", "positional_params",
-           "whole_sequence_products"]
+           "whole_sequence_products", "dot_params", "lookup_cotangents"]
 
 _PASS = {"convert_element_type", "add", "sub", "mul", "div", "neg", "copy", "copy_p", "tanh", "logistic",
          "exp", "max", "min", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "select_n", "pjit", "name"}
@@ -198,3 +200,47 @@ def positional_params(jaxpr: Any, invars: Any, seq_len: int) -> set[int]:
 
     walk(jaxpr, {id(v): i for i, v in enumerate(invars)})
     return found
+
+
+def dot_params(jaxpr: Any, invars: Any) -> set[int]:
+    """Which of ``invars`` (a traced step's parameter leaves, by index) are an operand of a product
+    (``dot_general``), carried there unmixed (transposed, cast, reshaped): an embedding table that is also a tied
+    output head (linen's ``Embed.attend``, a ``Dense`` applied with the table as its kernel) is one."""
+    found: set[int] = set()
+
+    def walk(jx, origin: dict) -> None:
+        origin = dict(origin)
+        for eqn in jx.eqns:
+            ins = [origin.get(id(v)) if not hasattr(v, "val") else None for v in eqn.invars]
+            name = eqn.primitive.name
+            if (name in _ALONG or name == "transpose") and ins and ins[0] is not None:
+                origin[id(eqn.outvars[0])] = ins[0]
+            elif name == "dot_general":
+                found.update(src for src in ins if src is not None)
+            for sub, sub_in in _sub_invars(eqn):
+                walk(sub, {id(sv): src for sv, src in zip(sub_in, ins) if src is not None})
+
+    walk(jaxpr, {id(v): i for i, v in enumerate(invars)})
+    return found
+
+
+def lookup_cotangents(jaxpr: Any, scopes: Callable[[str], list]) -> dict[str, int]:
+    """``{module: key}``: the embedding lookups (``jnp.take`` under a module's scope, ``scopes(name stack)``) by the
+    cotangent their transpose scatter-adds: lookups whose outputs are summed (GPT-2's token and position tables)
+    share one (one key), which GSPMD gathers over cp once for both."""
+    out: dict[str, int] = {}
+
+    def walk(jx) -> None:
+        for eqn in jx.eqns:
+            stack = str(eqn.source_info.name_stack)
+            if (eqn.primitive.name in ("pjit", "jit") and str(eqn.params.get("name", "")) == "_take"
+                    and "transpose(" in stack and scopes(stack)):
+                cts = [v for v in eqn.invars if not hasattr(v, "val") and jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+                if len(cts) == 1:
+                    out[scopes(stack)[-1]] = id(cts[0])
+                continue
+            for sub in _sub_jaxprs(eqn):
+                walk(sub)
+
+    walk(jaxpr)
+    return out

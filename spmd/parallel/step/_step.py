@@ -48,8 +48,8 @@ from spmd.parallel.styles._experts import with_experts
 from spmd.parallel.cost._recompute import SYNC_BN, recomputed_collectives
 from spmd.parallel.step._batch_norm import BATCH_STATS_REASON, sync_batch_norm, sync_nnx_batch_norm
 from spmd.parallel.step._grad_layout import gathered_dot_grads, transposed_dot_grads, zero_grads
-from spmd.parallel.step._heads import (check_whole_sequence, head_splits, positional_params, whole_over_tp,
-                                      whole_sequence_products)
+from spmd.parallel.step._heads import (check_whole_sequence, dot_params, head_splits, lookup_cotangents,
+                                       positional_params, whole_over_tp, whole_sequence_products)
 from spmd.parallel.step._model_checks import check_model_params, check_seen, check_state_params, held_params
 from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
 from spmd.parallel.styles._hooks import Hooks
@@ -554,7 +554,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     attention: list = []  # the attention calls of one micro-batch over cp (filled when the step is traced)
 
     # (prepare) the parameters added to the sequence row by row; the modules run on the sequence gathered over cp
-    positional, whole_seq, seq_of = set(), set(), {}
+    positional, whole_seq, seq_of, dotted, cotangents = set(), set(), {}, set(), {}
 
     def _context(mb, hooks):
         if cp is None:
@@ -732,6 +732,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         t = seq_len(batch)
         jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr  # the state's step, then the parameters
         positional.update(entries[i].path for i in positional_params(jaxpr, jaxpr.invars[1:1 + len(entries)], t))
+        dotted.update(entries[i].path for i in dot_params(jaxpr, jaxpr.invars[1:1 + len(entries)]))
+        cotangents.update(lookup_cotangents(jaxpr, scopes_of))
         seen, products = attention[0].seen if attention else {}, whole_sequence_products(jaxpr, t)
         products = [p for p in products if CALL_SCOPE not in p[1]]
         if (products or ep_traced) and attention:
@@ -774,7 +776,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                                   recomputed=recomputed[0] if recomputed else None, batch_stats=stats)
         if cp is not None and n_cp > 1:
             comm = with_context(comm, plan, attention[0] if attention else None, accum_steps, bool(data),
-                                positional)
+                                positional, dotted, cotangents)
         if pm.ep is not None:
             comm = with_experts(comm, ep_traced, accum_steps)
         return comm
