@@ -115,6 +115,7 @@ class UnitCalls:
         self.units_of: list = []  # each unit's (as ``unit``), in call order
         self.kinds: list[int] = [0]  # a representative unit per kind (units computing one program)
         self.kind_of: list[int] = []  # each unit's kind
+        self.remat: list = []  # a scanned stack: the (policy, prevent_cse) its layer runs under (_layer_remat)
 
     # --- running the model's code with the unit calls routed to ``on_unit(path, mod, call, args, kwargs)``
     def run(self, loss_fn: Callable, params: Any, mb: Any, on_unit: Callable):
@@ -284,6 +285,7 @@ class UnitCalls:
         n = len(self.lay.units)
         self.units_of, self.configs, self.kinds, self.kind_of = [unit], [config], [0], [0] * n
         self.cut = _ScanCut(self, loss_fn, params, mb)
+        self.remat = self.cut.remat  # the user's checkpoint of each layer, its policy: a stage runs it so too
         if self.side_shapes:
             self._check_side(loss_fn, params, mb)
 
@@ -560,6 +562,7 @@ class _ScanCut:
         # the layer's side arrays: the scan's broadcast inputs (its consts), traced from the marked call up
         self.sides = [_scan_input(e, k, stack) for k in range(1, 1 + len(calls.side_pos))]
         self.carry = e.params["num_consts"]
+        self.remat = _layer_remat(e)
 
     def __call__(self, rest, mb):
         ins = _eval_until(self.jaxpr, self.consts, jax.tree.leaves((rest, mb)), self.path)
@@ -593,6 +596,24 @@ def _scan_input(scan, k: int, stack: str) -> int:
         raise ValueError(f"{where} that the scan carries or slices per layer; a stage computes the layers' other "
                          "arrays from its micro-batch: pass them into the scan broadcast (nn.broadcast / in_axes=None).")
     return j_index
+
+
+def _layer_remat(scan) -> list[tuple[Any, bool]]:
+    """The checkpoints (``nn.remat`` / ``nnx.remat`` / ``jax.checkpoint``) the scan's body runs the layer under:
+    ``(policy, prevent_cse)`` of each, outermost first. A stage runs each layer of its slice under the same
+    (``_Stages.chunk``), so its backward pass saves what the user's policy saves."""
+    found, j = [], scan.params["jaxpr"].jaxpr
+    while True:
+        i = next((i for i, e in enumerate(j.eqns) if e.primitive is _MARK or _has_mark_eqn(e)), None)
+        if i is None or j.eqns[i].primitive is _MARK:
+            return found
+        e = j.eqns[i]
+        if e.primitive.name in ("checkpoint", "remat2"):
+            found.append((e.params["policy"], bool(e.params["prevent_cse"])))
+        sub = _inner(e)
+        if sub is None:
+            return found
+        j = sub[0]
 
 
 def _has_mark_eqn(e) -> bool:

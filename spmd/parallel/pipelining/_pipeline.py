@@ -63,7 +63,9 @@ code before the scan (``pre``) is cut out of one trace of ``loss_fn`` with the l
 (``spmd.parallel.pipelining._calls._ScanCut``): the scan must run the ``L`` layers once, carrying one array,
 the activation; the layer's other arrays (a mask, positions) must enter the scan broadcast, and a stage
 computes them again from its micro-batch as the scan's inputs. Tensor-parallel stages run the layer's styled
-calls inside the stage's scan (each layer runs as the stack's module, ``StageLayout.module_of``).
+calls inside the stage's scan (each layer runs as the stack's module, ``StageLayout.module_of``). Each layer
+runs under the checkpoints the scan's body runs it under (the user's ``nn.remat`` and its policy, read off the
+same trace: ``_calls._layer_remat``), so a chunk's backward saves what the user's stack saves.
 """
 
 from __future__ import annotations

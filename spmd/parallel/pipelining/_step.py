@@ -408,7 +408,12 @@ class _Stages:
         passing ``x`` through."""
         lay = self.lay
         if lay.scanned:  # a slice of a scanned stack: a scan over its layers (its program one layer's size)
-            return lax.scan(lambda h, ls: (self.unit_call(0, ls, h, side), None), x, [spj[rel] for rel in lay.rel])[0]
+            def layer(ls, h):
+                return self.unit_call(0, ls, h, side)
+
+            for policy, prevent_cse in reversed(lay.calls.remat):  # the user's nn.remat, its policy: B saves so
+                layer = jax.checkpoint(layer, policy=policy, prevent_cse=prevent_cse)
+            return lax.scan(lambda h, ls: (layer(ls, h), None), x, [spj[rel] for rel in lay.rel])[0]
         rows = np.maximum(np.asarray(lay.rows).reshape(lay.valid.shape), 0)  # [pp, v, lc]: each slot's unit
         for l in range(self.lc):
             leaves = [spj[rel][l] for rel in lay.rel]

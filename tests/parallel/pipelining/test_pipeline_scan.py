@@ -25,7 +25,7 @@ from spmd.parallel import (ColwiseParallel, RowwiseParallel, SplitPoint, fully_s
                            init_train_state, make_train_step, parallelize_module, pipeline, unshard_params)
 from spmd.parallel.pipelining._comm import hlo_permute_pairs
 from tests._one_device import assert_trees_close, train_one_device
-from tests.third_party.scanned import ScannedMLP, nnx_scanned_mlp
+from tests.third_party.scanned import Block, ScannedMLP, nnx_scanned_mlp
 
 VOCAB = 32
 OPT = optax.sgd(0.5)
@@ -345,3 +345,75 @@ def test_a_per_layer_array_is_refused():
             "pipeline: the layers of the scanned stack 'layers' take an array (argument 1 after the activation) that "
             "the scan carries or slices per layer")):
         step.lower(state, _batch())
+
+
+# --- the user's nn.remat policy inside a stage ----------------------------------------------------------------
+class _PolicyStack(nn.Module):
+    """A scanned stack whose layers run under ``nn.remat`` with the user's checkpoint policy."""
+
+    policy: object = None
+    depth: int = 4
+
+    @nn.compact
+    def __call__(self, tok):
+        x = nn.Embed(VOCAB, 16, name="embed")(tok)
+        block = nn.remat(Block, prevent_cse=False, policy=self.policy)
+        x, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.depth)(
+            16, 32, name="layers")(x, None)
+        return nn.Dense(VOCAB, name="head")(x)
+
+
+def _residual_shapes(f, *args) -> list:
+    """The shapes of what ``f``'s backward pass saves from its forward, its arguments aside."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    return sorted(tuple(a.shape) for a, why in saved_residuals(f, *args) if not why.startswith("from the argument"))
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "nothing_saveable", "none"])
+def test_a_stage_saves_what_the_users_remat_policy_saves(policy):
+    """A stage's backward pass runs each layer of its slice under the user's ``nn.remat`` and its policy: the
+    chunk saves what the user's own stack of as many layers saves (dots_saveable: each layer's matmul outputs;
+    nothing_saveable: only the layers' inputs), not every intermediate of the chunk."""
+    pol = {"dots_saveable": jax.checkpoint_policies.dots_saveable,
+           "nothing_saveable": jax.checkpoint_policies.nothing_saveable, "none": None}[policy]
+    model = _PolicyStack(policy=pol)
+    params = model.init(jax.random.key(0), EXAMPLE)["params"]
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    pm = pipeline(model, mesh["pp"], units="layers", num_microbatches=2, schedule="gpipe")
+    state = init_train_state(pm, OPT, EXAMPLE, params=params)
+    step = make_train_step(pm, lambda p, b: _ce(pm.apply({"params": p}, b["inputs"]), b), OPT)
+    st = step._build(state, _batch()).stages
+    (lay,) = pm._layouts.values()
+    chunk = {rel: jnp.ones((st.lc, *state.params["stages"][rel].shape[1:])) for rel in lay.rel}
+    x = jnp.ones(lay.act.shape)
+    got = _residual_shapes(lambda p, h: st.chunk(p, 0, 0, h, []), chunk, x)
+    # the user's own stack of the chunk's 2 layers, on one device
+    own = nn.scan(nn.remat(Block, prevent_cse=False, policy=pol), variable_axes={"params": 0},
+                  split_rngs={"params": True}, length=st.lc)(16, 32)
+    own_params = own.init(jax.random.key(1), x, None)["params"]
+    want = _residual_shapes(lambda p, h: own.apply({"params": p}, h, None)[0], own_params, x)
+    assert got == want
+    if policy == "dots_saveable":  # each layer's up and down matmul outputs, stacked over the slice's layers
+        assert (st.lc, *lay.act.shape[:-1], 32) in got
+
+
+@pytest.mark.slow
+def test_a_remat_policy_stack_equals_one_device_training():
+    model = _PolicyStack(policy=jax.checkpoint_policies.dots_saveable)
+    params = model.init(jax.random.key(0), EXAMPLE)["params"]
+
+    def loss(mod):
+        return lambda p, b: _ce(mod.apply({"params": p}, b["inputs"]), b)
+
+    ref_losses, ref = train_one_device(params, [_batch()] * 3, loss(model), OPT)
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    pm = pipeline(model, mesh["pp"], units="layers", num_microbatches=2, schedule="1f1b")
+    state = init_train_state(pm, OPT, EXAMPLE, params=params)
+    step = make_train_step(pm, loss(pm), OPT)
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, _batch())
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params, atol=1e-5)
