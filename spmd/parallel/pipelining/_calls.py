@@ -275,7 +275,11 @@ class UnitCalls:
 
         jax.eval_shape(lambda p, b: self.run(loss_fn, p, b, on_unit), params, mb)
         if not calls:
-            raise ValueError(f"pipeline: loss_fn never called the layers of the scanned stack {stack!r}.")
+            raise ValueError(
+                f"pipeline: loss_fn never called the layers of the scanned stack {stack!r}; a stage runs the layers "
+                "loss_fn calls on the model it is given. Call that model in loss_fn: linen, loss_fn(params, batch) "
+                "running model.apply({'params': params}, ...); nnx, loss_fn(model, batch) calling its model "
+                "argument, not a model it closes over.")
         unit, x, (leaves, tree), o, config = calls[0]
         self.unit, self.act = unit, jax.ShapeDtypeStruct(x.shape, x.dtype)
         self.side_pos = [k for k, a in enumerate(leaves) if _is_array(a)]  # broadcast into the scan (a mask)

@@ -417,3 +417,20 @@ def test_a_remat_policy_stack_equals_one_device_training():
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     assert_trees_close(unshard_params(pm, state), ref.params, atol=1e-5)
+
+
+def test_a_loss_that_never_calls_the_stack_names_the_fix():
+    """A loss_fn that never runs the pipelined model's stack (here: its head's weights alone) is refused with
+    what to call."""
+    model = ScannedMLP(vocab=VOCAB, depth=4)
+    params = model.init(jax.random.key(0), EXAMPLE)["params"]
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    pm = pipeline(model, mesh["pp"], units="layers", num_microbatches=2)
+    state = init_train_state(pm, OPT, EXAMPLE, params=params)
+    step = make_train_step(pm, lambda p, b: jnp.mean(p["head"]["kernel"]) * jnp.mean(b["inputs"]), OPT)
+    with pytest.raises(ValueError, match=re.escape(
+            "pipeline: loss_fn never called the layers of the scanned stack 'layers'; a stage runs the layers "
+            "loss_fn calls on the model it is given. Call that model in loss_fn: linen, loss_fn(params, batch) "
+            "running model.apply({'params': params}, ...); nnx, loss_fn(model, batch) calling its model argument, "
+            "not a model it closes over.")):
+        step.lower(state, _batch())
