@@ -47,6 +47,8 @@ from models._llama import Llama, LlamaConfig  # noqa: E402
 from spmd.parallel import ColwiseParallel, RowwiseParallel, auto_layout  # noqa: E402
 from spmd.parallel.auto._auto import default_loss  # noqa: E402
 from spmd.parallel.auto._compiled import compile_figures  # noqa: E402
+from spmd.parallel.auto._fused import fused_attention  # noqa: E402
+from spmd.parallel.cost._hardware import Hardware  # noqa: E402
 
 GiB = 2**30
 SEQ = 8192 if "--tiny" not in sys.argv else 64
@@ -57,11 +59,15 @@ TORCHTITAN = {  # docs/performance.md, pytorch/torchtitan @ eaea6f6 (see the mod
             "tps_per_gpu": 829, "memory_gib": 71.9,
             "source": "torchtitan docs/performance.md Table 4 (H100, 2D, torch.compile + Float8)"},
 }
+# the attention as a user writes it for an H100: jax.nn.dot_product_attention(implementation="cudnn"), cuDNN's
+# fused flash attention (torchtitan runs torch's sdpa, flash attention, likewise); --attn=sdpa: XLA's attention,
+# the T x T scores materialized
+ATTN = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--attn=")), "flash_attention_2")
 MODELS = {  # Llama 3 8B and 70B (Meta's model cards: vocabulary 128,256, GQA with 8 key/value heads)
     "8b": (LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                       num_kv_heads=8, rope_theta=500000.0), 64),
+                       num_kv_heads=8, rope_theta=500000.0, attn_implementation=ATTN), 64),
     "70b": (LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
-                        num_kv_heads=8, rope_theta=500000.0), 256),
+                        num_kv_heads=8, rope_theta=500000.0, attn_implementation=ATTN), 256),
 }
 
 # the depth the pick is also compiled at, to check the carrying of its 1- and 2-layer figures (0: none); the
@@ -73,7 +79,7 @@ for a in sys.argv:
 
 if "--tiny" in sys.argv:  # the script's own smoke run: the same path on a small Llama and 8 devices
     MODELS = {k: (LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-                              num_kv_heads=2), 8) for k in MODELS}
+                              num_kv_heads=2, attn_implementation=ATTN), 8) for k in MODELS}
 
 
 def tp_plan(sequence_parallel: bool, tp_size: int) -> dict | None:
@@ -181,7 +187,8 @@ def main(argv: list[str]) -> None:
     out = Path(__file__).resolve().parent / "results"
     results = []
     for n in names:  # written after each model: the 70B plan takes longer
-        results.append(plan_one(n, full))
+        with fused_attention(Hardware.named("h100")):  # the cudnn call traced as the H100's kernel throughout
+            results.append(plan_one(n, full))
         if "--tiny" in argv:
             continue
         out.mkdir(exist_ok=True)

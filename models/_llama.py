@@ -29,14 +29,15 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     eps: float = 1e-5
     scan_layers: bool = False  # the blocks as one nn.scan (parameters stacked by layer), as MaxText offers
-    # Hugging Face's switch: "eager" (the einsum below) or "sdpa" (jax.nn.dot_product_attention, which a mesh
-    # with cp runs across the sequence cut)
+    # Hugging Face's switch: "eager" (the einsum below), "sdpa" (jax.nn.dot_product_attention, which a mesh
+    # with cp runs across the sequence cut) or "flash_attention_2" (the same call with implementation="cudnn":
+    # cuDNN's fused flash attention, GPUs only)
     attn_implementation: str = "eager"
 
     def __post_init__(self):
-        if self.attn_implementation not in ("eager", "sdpa"):
-            raise ValueError(f"LlamaConfig: attn_implementation={self.attn_implementation!r} is not 'eager' or "
-                             "'sdpa'.")
+        if self.attn_implementation not in ("eager", "sdpa", "flash_attention_2"):
+            raise ValueError(f"LlamaConfig: attn_implementation={self.attn_implementation!r} is not 'eager', "
+                             "'sdpa' or 'flash_attention_2'.")
 
 
 class RMSNorm(nn.Module):
@@ -78,8 +79,9 @@ class Attention(nn.Module):
         k = checkpoint_name(self.k_proj(x), "key_proj").reshape(b, t, c.num_kv_heads, self.head_dim)
         v = checkpoint_name(self.v_proj(x), "value_proj").reshape(b, t, c.num_kv_heads, self.head_dim)
         q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
-        if c.attn_implementation == "sdpa":  # grouped-query heads as they are
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        if c.attn_implementation != "eager":  # grouped-query heads as they are
+            fused = "cudnn" if c.attn_implementation == "flash_attention_2" else None
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=fused)
             return checkpoint_name(self.o_proj(y.reshape(b, t, c.num_heads * self.head_dim)), "out_proj")
         rep = c.num_heads // c.num_kv_heads
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)

@@ -77,6 +77,7 @@ from spmd.parallel.cost._comm import KINDS
 from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s, optimizer_flops, reference_cost,
                                          update_seconds)
 from spmd.parallel.cost._memory import Profile, _nbytes, memory_floor
+from spmd.parallel.auto._fused import planned_fused
 from spmd.parallel.auto._priced import HardwareRates, dot_flops, matmul_dtype, mesh_group
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
@@ -464,6 +465,7 @@ def candidate_layouts(n: int, plan: Any, units: tuple[str, ...]) -> list[Layout]
     return out
 
 
+@planned_fused
 def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_devices: Any = None, *,
                 memory_budget_bytes: int | None = None, plan: Any = None, loss_fn: Callable | None = None,
                 params: Any = None, units: Any = None, calibration: Calibration | None = None,

@@ -57,8 +57,9 @@ def _subjaxprs(params: dict):
 
 def _dot_work(jaxpr, work: dict) -> dict:
     """``work``: per promoted input dtype, ``2 x M x N x K`` of each ``dot_general`` of ``jaxpr`` and its
-    sub-jaxprs (each counted once, as XLA's cost analysis counts a loop's body; of a ``cond``, the branch
-    with the least)."""
+    sub-jaxprs (a ``scan``'s body times its length, as the compiled step's cost counts a loop of known trip
+    count, ``spmd.parallel.cost._loops``; another loop's body once; of a ``cond``, the branch with the
+    least)."""
     for e in jaxpr.eqns:
         if e.primitive.name == "dot_general":
             (lc, _), _ = e.params["dimension_numbers"]
@@ -70,6 +71,10 @@ def _dot_work(jaxpr, work: dict) -> dict:
             got = [_dot_work(b.jaxpr, {}) for b in e.params["branches"]]
             for dt, v in min(got, key=lambda w: sum(w.values())).items():
                 work[dt] = work.get(dt, 0) + v
+            continue
+        if e.primitive.name == "scan":  # a known trip count: each trip's matmuls (XLA's cost of the compiled
+            for dt, v in _dot_work(e.params["jaxpr"].jaxpr, {}).items():  # loop adds them: cost._loops)
+                work[dt] = work.get(dt, 0) + e.params["length"] * v
             continue
         for sub in _subjaxprs(e.params):
             _dot_work(sub, work)

@@ -47,7 +47,8 @@ class Hardware:
     ``matmul_flops``: peak dense matmul flop/s per dtype name (``"bfloat16"``, ``"float32"``, ...);
     ``memory_bytes`` and ``memory_bandwidth``: one device's memory and its bytes per second;
     ``devices_per_node``: how many devices share the fast ``intra`` links; ``inter``: the links across nodes
-    (per device).
+    (per device); ``fused_attention``: ``jax.nn.dot_product_attention(implementation="cudnn")`` runs there as a
+    fused flash-attention kernel (cuDNN on NVIDIA GPUs from Ampere on; ``spmd.parallel.auto._fused``).
     """
 
     name: str
@@ -57,6 +58,7 @@ class Hardware:
     devices_per_node: int = 1
     intra: Link = Link(1.0, 0.0)
     inter: Link = Link(1.0, 0.0)
+    fused_attention: bool = False
 
     def __post_init__(self):
         if not self.matmul_flops or any(not v > 0 for v in self.matmul_flops.values()):
@@ -133,17 +135,18 @@ _IB_LATENCY = 10e-6
 HARDWARE = {
     # NVIDIA H100 SXM5 datasheet: dense BF16/FP16 tensor 989.5 TFLOPS (1,979 with sparsity), TF32 494.7,
     # FP32 67; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s per GPU (both directions: 450 each way); DGX H100:
-    # 8 GPUs a node, one 400 Gb/s ConnectX-7 NDR port per GPU (50 GB/s each way).
+    # 8 GPUs a node, one 400 Gb/s ConnectX-7 NDR port per GPU (50 GB/s each way). cuDNN's fused attention
+# (flash attention, sm80 and later: cuDNN's developer guide, "Fused Flash Attention") on the three GPUs.
     "h100": Hardware("h100", {"bfloat16": 989.5 * _T, "float16": 989.5 * _T, "float32": 67 * _T},
-                     80 * _GB, 3.35e12, 8, Link(450 * _GB, _NVLINK_LATENCY), Link(50 * _GB, _IB_LATENCY)),
+                     80 * _GB, 3.35e12, 8, Link(450 * _GB, _NVLINK_LATENCY), Link(50 * _GB, _IB_LATENCY), True),
     # NVIDIA H200 SXM datasheet: the H100's compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; DGX H200
     # as DGX H100 (8 GPUs, 400 Gb/s NDR per GPU).
     "h200": Hardware("h200", {"bfloat16": 989.5 * _T, "float16": 989.5 * _T, "float32": 67 * _T},
-                     141 * _GB, 4.8e12, 8, Link(450 * _GB, _NVLINK_LATENCY), Link(50 * _GB, _IB_LATENCY)),
+                     141 * _GB, 4.8e12, 8, Link(450 * _GB, _NVLINK_LATENCY), Link(50 * _GB, _IB_LATENCY), True),
     # NVIDIA A100 80GB SXM datasheet: dense BF16/FP16 tensor 312 TFLOPS, FP32 19.5; 80 GB HBM2e at
     # 2,039 GB/s; NVLink 3 600 GB/s (300 each way); DGX A100: 8 GPUs, one 200 Gb/s HDR port per GPU (25 GB/s).
     "a100-80g": Hardware("a100-80g", {"bfloat16": 312 * _T, "float16": 312 * _T, "float32": 19.5 * _T},
-                         80 * _GB, 2.039e12, 8, Link(300 * _GB, _NVLINK_LATENCY), Link(25 * _GB, _IB_LATENCY)),
+                         80 * _GB, 2.039e12, 8, Link(300 * _GB, _NVLINK_LATENCY), Link(25 * _GB, _IB_LATENCY), True),
     # Google Cloud TPU v5p: 459 TFLOPS BF16 per chip, 95 GB HBM2e at 2,765 GB/s, ICI 4,800 Gbps per chip
     # (600 GB/s: 300 each way) in a 3-D torus of up to 8,960 chips (the ICI domain: a "node" here); across
     # slices the data-center network, 100 Gb/s per chip's share taken as 12.5 GB/s (an assumption). float32:

@@ -1,0 +1,96 @@
+"""A fused attention call (``jax.nn.dot_product_attention(implementation="cudnn")``) as ``auto_layout(hardware=)``
+prices it for a GPU (``spmd.parallel.auto._fused``): the planning kernel computes XLA's attention (values and
+gradients); its matmul flops are FlashAttention's, counted by hand (the tiles on or below the diagonal, 2
+matmuls forward and 5 backward a tile) and equal to what the search's bound reads and what XLA's compiled
+cost counts; its compiled peak holds no ``T x T`` scores where XLA's own lowering holds them."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spmd.parallel import Hardware
+from spmd.parallel.auto._fused import flash_attention, fused_attention
+from spmd.parallel.auto._priced import dot_flops
+from spmd.parallel.cost._loops import loop_extra
+from spmd.parallel.cost._memory import _cost
+
+B, T, N, K, D = 2, 64, 4, 2, 8
+
+
+def _qkv(t=T, dtype=jnp.float32):
+    r = jax.random.split(jax.random.key(0), 4)
+    return (jax.random.normal(r[0], (B, t, N, D), dtype), jax.random.normal(r[1], (B, t, K, D), dtype),
+            jax.random.normal(r[2], (B, t, K, D), dtype), jax.random.normal(r[3], (B, t, N, D), dtype))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_planning_kernel_computes_xlas_attention_and_its_gradients(causal):
+    q, k, v, do = _qkv()
+    ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    got = lambda q, k, v: flash_attention(q, k, v, is_causal=causal, block=16)  # noqa: E731
+    np.testing.assert_allclose(got(q, k, v), ref(q, k, v), atol=2e-6)
+    for a, b in zip(jax.vjp(got, q, k, v)[1](do), jax.vjp(ref, q, k, v)[1](do)):
+        np.testing.assert_allclose(a, b, atol=5e-6)
+
+
+def _flash_matmul_flops(t, b, causal):
+    """FlashAttention's matmuls, by hand: per computed (query tile, key tile) pair and query head, Q K^T and P V
+    forward, Q K^T, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q backward: 7 products of 2 b b D; plus the
+    backward's row sums delta = rowsum(dO * O) (2 T N D a sequence, a dot_general over D)."""
+    n = t // b
+    pairs = n * (n + 1) // 2 if causal else n * n
+    return B * (pairs * 7 * 2 * b * b * D * N + 2 * t * N * D)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_bound_and_the_compiled_cost_count_flash_attentions_matmuls(causal):
+    q, k, v, do = _qkv()
+
+    def loss(w, x):  # the gradient of w's three operands: the forward and the whole backward
+        return jnp.sum(flash_attention(x * w["q"], w["k"], w["v"], is_causal=causal, block=16) * do)
+
+    w = {"q": q, "k": k, "v": v}
+    want = _flash_matmul_flops(T, 16, causal)
+    assert dot_flops(loss, w, jnp.ones_like(q)) == want  # the scan's 10 / 16 trips, each counted
+    exe = jax.jit(jax.grad(loss)).lower(w, jnp.ones_like(q)).compile()
+    flops, _ = _cost(exe)  # XLA's count with the loops' other trips added (cost._loops)
+    assert want <= flops <= want * 1.3, (flops, want)  # the softmax's elementwise work on top, no more
+    assert loop_extra(exe.as_text())[0] > 0  # the tiles run as a loop XLA counts once
+
+
+def test_the_fused_peak_holds_no_scores_where_xlas_lowering_holds_them():
+    t = 4096  # shapes only: nothing allocated
+    q, k, v, do = (jax.ShapeDtypeStruct((B, t, h, D), jnp.float32) for h in (N, K, K, N))
+    scores = B * N * t * t * 4  # one float32 [B, heads, T, T]: 512 MiB
+
+    def temp(impl):
+        def loss(q, k, v, do):
+            return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl) * do)
+
+        with fused_attention(Hardware.named("h100")):
+            exe = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, do).compile()
+        return exe.memory_analysis().temp_size_in_bytes
+
+    assert temp("xla") >= scores  # XLA's lowering: the scores (and their gradient) in memory
+    assert temp("cudnn") < scores / 8  # the kernel: a few 512 x 512 tiles (8 MiB each), O(T D) accumulators
+
+
+def test_a_masked_cudnn_call_is_refused_naming_the_argument():
+    q, k, v, _ = _qkv()
+    with fused_attention(Hardware.named("h100")), pytest.raises(ValueError, match=re.escape(
+            "implementation='cudnn') traced for auto_layout(hardware=): mask='ArrayImpl' is not None")):
+        jax.nn.dot_product_attention(q, k, v, mask=jnp.ones((B, N, T, T), bool), implementation="cudnn")
+
+
+def test_only_hardware_with_the_kernel_patches_the_call():
+    orig = jax.nn.dot_product_attention
+    with fused_attention(Hardware.named("tpu-v5p")):
+        assert jax.nn.dot_product_attention is orig
+    with fused_attention(Hardware.named("h100")):
+        assert jax.nn.dot_product_attention is not orig
+    assert jax.nn.dot_product_attention is orig
