@@ -68,7 +68,7 @@ from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factori
 from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, check_budget, check_floor, checked, parts,
                                         searched)
 from spmd.parallel.auto._compiled import compile_figures, extrapolated
-from spmd.parallel.auto._cpep import context_expert_layouts
+from spmd.parallel.auto._cpep import check_attention, context_expert_layouts
 from spmd.parallel.auto._measure import example_inputs as _example_inputs, measure_layouts
 from spmd.parallel.auto._pipeline import count_units, pipeline_cost, pipeline_layouts, stage_shapes
 from spmd.parallel.cost._calibrate import Calibration, calibrate
@@ -152,12 +152,14 @@ def _groups(layout: Layout) -> dict:
     """Per section of the step's table and kind, ``(group, stride)``: the mesh dim(s) the collectives run
     over (``mesh_group``): the gathers and reduce-scatters over ``fsdp``, the gradients' all-reduce over the
     replicate dims (``dp`` and ``ep``, whose ranks hold the same non-expert parameters; ``fsdp`` where it is the
-    only data dim), the activations' over ``tp``; the rest of the table (``_beyond``) over ``cp`` or ``ep``."""
+    only data dim), the activations' over ``tp``; the rest of the table (``_beyond``) over its own dim: the
+    experts' all-to-alls over ``ep``, cp's terms over ``cp``."""
     ar = ("dp", "ep") if layout.fsdp == 1 or layout.dp > 1 or layout.ep > 1 else ("fsdp",)
     at = lambda *names: mesh_group(layout.mesh_dims, names)  # noqa: E731
     return {"parameters": {"all-gather": at("fsdp"), "reduce-scatter": at("fsdp"), "all-reduce": at(*ar)},
             "activations": {k: at("tp") for k in KINDS},
-            "beyond": at("cp") if layout.cp > 1 else at("ep") if layout.ep > 1 else at(*ar)}
+            "beyond": {k: at("ep") if layout.ep > 1 and (k == "all-to-all" or layout.cp == 1) else
+                       at("cp") if layout.cp > 1 else at(*ar) for k in (*KINDS, "collective-permute", "all-to-all")}}
 
 
 def _beyond(comm: dict) -> dict:
@@ -228,11 +230,7 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     traced_batch = batch if built is None else laid_batch
     jax.eval_shape(step, state, traced_batch)  # validates (batch split, head cuts) and traces the styled calls
     comm = step.communication(state, traced_batch)
-    if layout.cp > 1 and not any(r["method"] != "gather sequence" for r in comm.get("attention", ())):
-        raise ValueError(f"{where}: layout {layout.name!r}: the model calls no attention the cp step recognizes "
-                         "(jax.nn.dot_product_attention, flax's dot_product_attention; a module's own einsum "
-                         "attention has its whole sequence gathered): cutting its sequence runs no ring; context "
-                         "parallelism is weighed for models whose attention is such a call.")
+    check_attention(comm, layout, where)
     if built is not None:
         built.append((step, state, laid_batch))
     pm = as_parallel(laid, mesh, where)
@@ -256,7 +254,8 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
             comm_s[kind] = comm_s.get(kind, 0.0) + cal.collective_s(kind, v["bytes"], v["count"],
                                                                     *groups[section][kind])
     for kind, v in _beyond(comm).items():  # cp's ring / K/V gathers, ep's all-to-alls: over their own dim
-        comm_s[kind] = comm_s.get(kind, 0.0) + cal.collective_s(kind, v["bytes"], v["count"], *groups["beyond"])
+        comm_s[kind] = comm_s.get(kind, 0.0) + cal.collective_s(kind, v["bytes"], v["count"],
+                                                                *groups["beyond"][kind])
     total = compute + sum(comm_s.values()) + cal.dispatch_s
     return Candidate(layout=layout, predicted_s=total, compute_s=compute, comm_s=comm_s, dispatch_s=cal.dispatch_s,
                      communication={k: comm[k] for k in ("parameters", "activations", "total")}, memory=mem,

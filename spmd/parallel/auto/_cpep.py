@@ -3,21 +3,29 @@
 - **cp**: the sequence (dim 1 of every batch leaf of rank 2 or more) cut over ``cp`` for every divisor of the
   device count that divides the sequence, the rest of the devices over ``dp`` x ``fsdp`` x ``tp``. The train
   step runs the attention it recognizes (``jax.nn.dot_product_attention``, flax's ``dot_product_attention``)
-  as ring attention (or an all-gather of K/V) across the cut; a model calling none (its own einsum attention,
-  whose module the step runs on the gathered sequence, or no attention at all) is refused by
-  ``evaluate_layout``, and the first refusal of a model's cp candidate (or the step's refusal of its first ep
-  candidate) stands for the rest: ``auto_layout`` lists them rejected with the reason.
+  as ring attention (or an all-gather of K/V) across the cut, and a model's own einsum attention (its
+  ``[.., T, T]`` scores inside a module, found in the traced step) on the sequence gathered over cp (that
+  module's ``gather sequence`` rows). A model with neither (no attention at all) is refused by
+  ``evaluate_layout`` (``check_attention``), and the first refusal of a model's cp candidate (or the step's
+  refusal of its first ep candidate) stands for the rest: ``auto_layout`` lists them rejected with the reason.
 - **ep**: the experts of a model that has them (a module named ``experts`` whose parameters share a leading
   experts dim: ``models.MoE``'s ``[E, d, f]`` kernels) cut over ``ep`` with ``ExpertParallel`` (the tokens
   exchanged with all-to-alls) for every divisor of the device count that divides the expert count, the
   batch's rows split over ``dp`` x ``fsdp`` x ``ep``, the rest of the devices over ``dp`` x ``fsdp`` x ``tp``.
+- **cp x ep**: for a model with experts and a sequence, every ``cp`` x ``ep`` of those whose product divides
+  the device count (the sequence over cp, the experts over ep: their routers run on the sequence gathered over
+  cp), the rest over ``dp`` x ``fsdp`` x ``tp``.
 
 Each is costed as every other layout is (``evaluate_layout``): the step's own table, whose ``total`` holds the
-cp and ep terms (priced over their own dim), the lower bound, and under a budget the compiled step.
+cp and ep terms (priced over their own dim: the all-to-alls over ep, the rest over cp), the lower bound, and
+under a budget the compiled step.
+A cp layout's compute is the one-device step's on a device's rows at its ``T / cp`` positions: attention's
+``[T, T]`` work counted at ``(T / cp)^2``, below the ring's ``T^2 / cp`` and a gathered module's ``T^2``.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from typing import Any
 
@@ -28,7 +36,7 @@ from spmd.parallel.plan._param_plan import path_str
 from spmd.parallel.styles._experts import ExpertParallel
 from spmd.parallel.styles._transforms import param_module
 
-__all__ = ["context_expert_layouts", "experts_of", "sequence_of"]
+__all__ = ["check_attention", "context_expert_layouts", "experts_of", "sequence_of"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -71,17 +79,39 @@ def _rest(n: int, plan: Any, units: tuple[str, ...], **dims) -> list[Layout]:
 
 
 def context_expert_layouts(n: int, plan: Any, units: tuple[str, ...], params: Any, batch: Any) -> list[Layout]:
-    """The cp and ep layouts ``auto_layout`` weighs on ``n`` devices (see the module doc)."""
-    out = []
+    """The cp, ep and cp x ep layouts ``auto_layout`` weighs on ``n`` devices (see the module doc)."""
     seq = sequence_of(batch)
-    if seq is not None:
-        for cp in _divisors(n):
-            if seq % cp == 0:
-                out += _rest(n // cp, plan, units, cp=cp)
+    cps = [1] + [cp for cp in _divisors(n) if seq is not None and seq % cp == 0]
     got = experts_of(params)
-    if got is not None:
-        glob, experts = got
-        for ep in _divisors(n):
-            if experts % ep == 0:
-                out += _rest(n // ep, plan, units, ep=ep, ep_plan=((glob, ExpertParallel()),))
+    eps = [1] + ([ep for ep in _divisors(n) if got[1] % ep == 0] if got is not None else [])
+    out = []
+    for ep in eps:
+        for cp in cps:
+            if cp * ep > 1 and n % (cp * ep) == 0:
+                dims = dict(cp=cp, ep=ep, ep_plan=((got[0], ExpertParallel()),) if ep > 1 else None)
+                out += _rest(n // (cp * ep), plan, units, **dims)
     return out
+
+
+def _routes(call: str, ep_plan: tuple | None) -> bool:
+    """Whether module ``call`` encloses an expert-parallel module of ``ep_plan`` (its router, run on the gathered
+    sequence under cp x ep)."""
+    names = call.split(".")
+    return any(len(names) < len(glob.split(".")) and all(
+        fnmatch.fnmatchcase(n, g) for n, g in zip(names, glob.split("."))) for glob, _ in ep_plan or ())
+
+
+def check_attention(comm: dict, layout: Layout, where: str) -> None:
+    """A cp layout's step must run some attention across the cut: a call the cp step recognizes (ring or
+    all-gather of K/V) or a module's own attention run on the gathered sequence (not an experts router's:
+    ``_routes``); a model with none is refused with the reason (``comm``: the step's table)."""
+    if layout.cp == 1:
+        return
+    rows = [r for r in comm.get("attention", ()) if r["method"] != "experts cut"
+            and not (r["method"] == "gather sequence" and _routes(r["call"], layout.ep_plan))]
+    if not rows:
+        raise ValueError(f"{where}: layout {layout.name!r}: the model calls no attention the cp step recognizes "
+                         "(jax.nn.dot_product_attention, flax's dot_product_attention) and computes none of its own "
+                         "(no [.., T, T] scores inside a module): cutting its sequence runs no attention across the "
+                         "cut; context parallelism is weighed for models with attention.")
+

@@ -8,7 +8,12 @@
   the pick cuts the sequence over cp and its compiled peak fits, and every cp-free candidate whose bound fits
   is over once compiled;
 - a model calling no attention gets no cp candidate: the first one is refused with the reason, which stands for
-  the rest.
+  the rest;
+- ``models.Transformer`` (its own einsum attention) gets cp candidates, its attention modules run on the sequence
+  gathered over cp, each candidate's table equal to its compiled step's collectives;
+- ``models.MoE`` gets cp x ep candidates (every cp and ep whose product divides the devices, the rest over dp x
+  fsdp), the tables of two equal to their compiled steps' collectives (the routers on the gathered sequence, the
+  experts' all-to-alls over ep).
 """
 
 from __future__ import annotations
@@ -19,12 +24,12 @@ import numpy as np
 import optax
 import pytest
 
-from models import Llama, LlamaConfig, MoE, MoEConfig
+from models import Llama, LlamaConfig, MoE, MoEConfig, Transformer
 from spmd.parallel import Calibration, Layout, apply_layout, auto_layout, executed_collectives, init_train_state
 from spmd.parallel import make_train_step
 from spmd.parallel.auto._auto import default_loss
 from spmd.parallel.auto._compiled import compile_figures
-from spmd.parallel.auto._cpep import context_expert_layouts
+from spmd.parallel.auto._cpep import _routes, context_expert_layouts
 from spmd.parallel.auto._layout import infer_units
 
 CAL = Calibration(collectives={k: (1e-4, 1e9) for k in ("all-gather", "reduce-scatter", "all-reduce",
@@ -38,6 +43,29 @@ def _batch(t: int, b: int = 8):
     return {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
 
 
+MOE = MoE(MoEConfig(vocab_size=24, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    num_experts=8, top_k=2, capacity_factor=1.0))
+
+
+def _tables_equal_hlo(model, got, batch):
+    """Each candidate's table (its ``total``) equals the collectives of its step compiled as it runs (traced once
+    by ``communication`` first: under cp the step finds the modules to run on the gathered sequence there)."""
+    for c in got:
+        laid, mesh = apply_layout(model, 8, c.layout)
+        real = model.init(jax.random.key(0), batch["inputs"])["params"]
+        state = init_train_state(laid, optax.sgd(0.1), params=real, mesh=mesh)
+        step = make_train_step(laid, default_loss(laid), optax.sgd(0.1), mesh=mesh)
+        comm = step.communication(state, batch)
+        hlo = executed_collectives(step._build(state.plan).jitted, state, batch, scalars=False)
+        table = c.communication["total"]
+        assert table == comm["total"], c.name
+        for kind in KINDS:  # the table counts buffers, an all-to-all's ops (as tests/parallel/test_expert_step.py)
+            want = table.get(kind, {"count": 0, "bytes": 0})
+            assert (hlo[kind]["count" if kind == "all-to-all" else "buffers"], hlo[kind]["bytes"]) == (
+                want["count"], want["bytes"]), (c.name, kind)
+        yield c, comm
+
+
 @pytest.mark.slow  # four layouts traced, three compiled
 def test_moe_ep_candidates_tables_equal_their_compiled_collectives():
     model = MoE(MoEConfig(vocab_size=24, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
@@ -45,7 +73,7 @@ def test_moe_ep_candidates_tables_equal_their_compiled_collectives():
     batch = _batch(16)
     params = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
     units = infer_units(params)
-    ep = [lay for lay in context_expert_layouts(8, None, units, params, batch) if lay.ep > 1]
+    ep = [lay for lay in context_expert_layouts(8, None, units, params, batch) if lay.ep > 1 and lay.cp == 1]
     assert sorted(lay.name for lay in ep) == sorted([
         "dp=4,ep=2", "dp=2,fsdp=2,ep=2 regather", "dp=2,fsdp=2,ep=2 keep", "fsdp=4,ep=2 regather",
         "fsdp=4,ep=2 keep", "dp=2,ep=4", "fsdp=2,ep=4 regather", "fsdp=2,ep=4 keep", "ep=8"])
@@ -114,3 +142,54 @@ def test_a_model_without_attention_gets_no_cp_candidate():
     assert [c.name for c in got] == ["dp=8"]
     assert [n for n, _ in got.rejected] == [lay.name for lay in lays[:2]]
     assert all("the model calls no attention the cp step recognizes" in r for _, r in got.rejected)
+
+
+def test_moe_gets_cp_times_ep_candidates():
+    batch = _batch(16)
+    params = jax.eval_shape(MOE.init, jax.random.key(0), batch["inputs"])["params"]
+    lays = context_expert_layouts(8, None, infer_units(params), params, batch)
+    both = sorted(lay.name for lay in lays if lay.cp > 1 and lay.ep > 1)
+    assert both == sorted(["dp=2,ep=2,cp=2", "fsdp=2,ep=2,cp=2 regather", "fsdp=2,ep=2,cp=2 keep", "ep=2,cp=4",
+                           "ep=4,cp=2"])
+    assert all(lay.size == 8 and lay.ep_plan[0][0] == "layers_*.mlp.experts" for lay in lays if lay.ep > 1)
+    # a router (the module enclosing the experts) is no attention; a module beside it is
+    assert _routes("layers_1.mlp", lays[-1].ep_plan) and not _routes("layers_0.self_attn", lays[-1].ep_plan)
+    assert not _routes("layers_1.mlp.experts", lays[-1].ep_plan)
+
+
+@pytest.mark.slow  # two layouts traced and compiled
+def test_moe_cp_times_ep_tables_equal_their_compiled_collectives():
+    batch = _batch(16)
+    params = jax.eval_shape(MOE.init, jax.random.key(0), batch["inputs"])["params"]
+    picked = [lay for lay in context_expert_layouts(8, None, infer_units(params), params, batch)
+              if lay.name in ("dp=2,ep=2,cp=2", "ep=4,cp=2")]
+    got = auto_layout(MOE, optax.sgd(0.1), batch, 8, layouts=picked, calibration=CAL, params=params)
+    assert sorted(c.name for c in got) == ["dp=2,ep=2,cp=2", "ep=4,cp=2"] and not got.rejected
+    for c, comm in _tables_equal_hlo(MOE, got, batch):
+        methods = {r["call"]: r["method"] for r in comm["attention"]}  # eager attention: gathered; the router too
+        assert methods == {"layers_0.self_attn": "gather sequence", "layers_1.self_attn": "gather sequence",
+                           "layers_1.mlp": "gather sequence", "layers_1.mlp.experts": "experts cut"}, c.name
+        assert c.communication["total"]["all-to-all"]["count"] > 0 and c.comm_s["all-to-all"] > 0
+
+
+def test_an_einsum_attention_model_gets_cp_candidates():
+    model, batch = Transformer(24, 16, num_layers=2, d_model=16, num_heads=2), _batch(16)
+    params = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
+    got = sorted(lay.name for lay in context_expert_layouts(8, None, ("block_*",), params, batch))
+    assert got == sorted(["dp=4,cp=2", "dp=2,fsdp=2,cp=2 regather", "dp=2,fsdp=2,cp=2 keep", "fsdp=4,cp=2 regather",
+                          "fsdp=4,cp=2 keep", "dp=2,cp=4", "fsdp=2,cp=4 regather", "fsdp=2,cp=4 keep", "dp=1,cp=8"])
+
+
+@pytest.mark.slow  # two layouts traced and compiled
+def test_an_einsum_attention_models_cp_candidates_run_it_on_the_gathered_sequence():
+    model, batch = Transformer(24, 16, num_layers=2, d_model=16, num_heads=2), _batch(16)
+    params = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
+    picked = [lay for lay in context_expert_layouts(8, None, ("block_*",), params, batch)
+              if lay.name in ("dp=4,cp=2", "fsdp=2,cp=4 keep")]
+    got = auto_layout(model, optax.sgd(0.1), batch, 8, layouts=[Layout(dp=8), *picked], calibration=CAL,
+                      params=params)
+    assert sorted(c.name for c in got) == ["dp=4,cp=2", "dp=8", "fsdp=2,cp=4 keep"] and not got.rejected
+    for c, comm in _tables_equal_hlo(model, [c for c in got if c.layout.cp > 1], batch):
+        assert [(r["call"], r["method"]) for r in comm["attention"]] == [
+            ("block_0.attn", "gather sequence"), ("block_1.attn", "gather sequence")], c.name
+        assert c.communication["total"]["all-gather"]["count"] > 0 and c.comm_s["all-gather"] > 0
