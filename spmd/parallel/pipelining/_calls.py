@@ -116,6 +116,8 @@ class UnitCalls:
         self.kinds: list[int] = [0]  # a representative unit per kind (units computing one program)
         self.kind_of: list[int] = []  # each unit's kind
         self.remat: list = []  # a scanned stack: the (policy, prevent_cse) its layer runs under (_layer_remat)
+        # while a stage collects them (``_Stages.chunk``): what the unit being applied sowed, ``{name: value}``
+        self.sown: dict | None = None
 
     # --- running the model's code with the unit calls routed to ``on_unit(path, mod, call, args, kwargs)``
     def run(self, loss_fn: Callable, params: Any, mb: Any, on_unit: Callable):
@@ -422,9 +424,26 @@ class UnitCalls:
             if hooks is not None:  # tp: the unit's styled calls, named as the unit it runs as (StageHooks.unit)
                 hook_submodules(unit_mod, hooks, prefix=hooks.prefix)
             out = unit_mod(x, *args, **kwargs)
+            if self.sown is not None:
+                self.sown.update(sown_values(nnx.pop(unit_mod, nnx.Intermediate)))
+        elif self.sown is not None:
+            out, vs = unit.apply({"params": self.lay.unit_tree(leaves)}, x, *args, mutable=["intermediates"], **kwargs)
+            self.sown.update(sown_values(vs.get("intermediates", {})))
         else:
             out = unit.apply({"params": self.lay.unit_tree(leaves)}, x, *args, **kwargs)
         return jax.tree.leaves(out)[self.out[2]]
+
+
+def sown_values(tree: Any) -> dict:
+    """``{name: value}`` of what a unit sowed (linen's ``intermediates`` collection, nnx's ``Intermediate``
+    state): the name its path in the unit (``mlp/dropped``), the values of one name (a module sowing it more than
+    once) summed."""
+    out: dict = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        name = "/".join(str(k) for k in keys if k is not None and k != "value")
+        out[name] = out[name] + x if name in out else x
+    return out
 
 
 def _config(mod) -> dict:

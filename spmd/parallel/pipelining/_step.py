@@ -403,9 +403,9 @@ class _Stages:
         return {rel: lax.dynamic_update_slice_in_dim(
             gsp[rel], lax.dynamic_slice_in_dim(gsp[rel], j * lc, lc) + dj[rel], j * lc, 0) for rel in self.lay.rel}
 
-    def chunk(self, spj: dict, r, j, x, side):
+    def chunk(self, spj: dict, r, j, x, side, sown: dict | None = None):
         """Chunk ``j`` of rank ``r`` on ``x``: its units in turn (``spj``: ``chunk_of(sp, j)``), a skipped slot
-        passing ``x`` through."""
+        passing ``x`` through. ``sown`` (``{name: [units, ...]}``): what each unit sows added at its row."""
         lay = self.lay
         if lay.scanned:  # a slice of a scanned stack: a scan over its layers (its program one layer's size)
             def layer(ls, h):
@@ -419,13 +419,47 @@ class _Stages:
             leaves = [spj[rel][l] for rel in lay.rel]
             used, idx = self.slot_kinds[l]
             u = jnp.asarray(rows[:, :, l])[r, j] if lay.calls.unit_consts else 0
+            call = (lambda k, ls, x, sd: self.unit_call(k, ls, x, sd, u)) if sown is None else \
+                (lambda k, ls, x, sd: self.sowing(k, ls, x, sd, u))
             if len(used) == 1:
-                y = self.unit_call(used[0], leaves, x, side, u)
+                y = call(used[0], leaves, x, side)
             else:  # the slot holds units of several kinds across ranks / chunks: each runs its own
-                y = lax.switch(jnp.asarray(idx)[r, j], [lambda ls, x, sd, k=k: self.unit_call(k, ls, x, sd, u)
-                                                        for k in used], leaves, x, side)
+                y = lax.switch(jnp.asarray(idx)[r, j], [functools.partial(call, k) for k in used], leaves, x, side)
+            if sown is not None:  # (y, what the unit sowed): added at its unit's row (a skipped slot: nothing)
+                y, got = y
+                row, ok = jnp.asarray(rows[:, :, l])[r, j], self.valid[r, j, l]
+                for n, v in got.items():
+                    sown[n] = sown[n].at[row].add(jnp.where(ok, v, 0).astype(sown[n].dtype))
             x = jnp.where(self.valid[r, j, l], y, x) if self.skip else y
         return x
+
+    def sowing(self, k: int, leaves, x, side, u=0, raw: bool = False):
+        """``(unit_call, {name: what it sowed})``, float32, for every name some unit sows (zero where this kind
+        does not; ``raw``: its own names only)."""
+        calls = self.lay.calls
+        calls.sown = {}
+        try:
+            y = self.unit_call(k, leaves, x, side, u)
+            got = {n: jnp.asarray(v, jnp.float32) for n, v in calls.sown.items()}
+        finally:
+            calls.sown = None
+        return y, got if raw else {n: got[n] if n in got else jnp.zeros(sh.shape, jnp.float32)
+                                   for n, sh in self.sown_shapes.items()}
+
+    def find_sown(self, sp: dict, rest, mb) -> dict:
+        """``{name: [units, ...] float32 zeros}``: what the units sow (``self.sown_shapes``, ``self.sown_kinds``:
+        each kind's names), traced (shapes only) once per kind; empty for a scanned stack, or units sowing nothing."""
+        self.sown_shapes, self.sown_kinds = {}, {}
+        if self.lay.scanned:
+            return {}
+        leaves, side = [sp[rel][0] for rel in self.rels], self.side_of(rest, mb)
+        for k in range(len(self.lay.calls.kinds)):
+            got = jax.eval_shape(lambda: self.sowing(k, leaves, jnp.zeros(self.act.shape, self.act.dtype), side,
+                                                     raw=True)[1])
+            self.sown_kinds[k] = sorted(got)
+            self.sown_shapes.update(got)
+        n = len(self.lay.calls.kind_of)
+        return {name: jnp.zeros((n, *sh.shape), jnp.float32) for name, sh in self.sown_shapes.items()}
 
     def side_of(self, rest, mb):
         """The units' side arrays (a mask), computed again on a stage after the first."""
@@ -504,12 +538,13 @@ def _region_body(st: _Stages, stored, batch):
     aux0 = jax.eval_shape(lambda: st.loss_aux(rest, jax.tree.map(lambda x: x[0, 0], micro),
                                               jnp.zeros(act.shape, act.dtype))[1])
     aux0z = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0)
+    sown0 = st.find_sown(sp, rest, jax.tree.map(lambda x: x[0, 0], micro))  # what the units sow: the metrics'
 
     def one_pass(carry, mbs):
         return _one_pass(st, r, sp, rest, aux0z, carry, mbs)
 
     zeros = jax.tree.map(jnp.zeros_like, (sp, rest))
-    init = (*zeros, jnp.zeros((), jnp.float32), aux0z)
+    init = (*zeros, jnp.zeros((), jnp.float32), (aux0z, sown0))
     if accum_steps == 1:
         (gsp, grest, loss, aux), _ = one_pass(init, jax.tree.map(lambda x: x[0], micro))
     else:
@@ -570,20 +605,22 @@ class _Pass:
         side = None if first else st.side_of(rest, mb)
 
         def g(rest_, sp_, x):
-            h = st.chunk(sp_, r, j, *(st.lay.pre(st.loss_fn, rest_, mb) if first else (x, side)))
+            sown = {n: jnp.zeros_like(v) for n, v in aux[1].items()}
+            h = st.chunk(sp_, r, j, *(st.lay.pre(st.loss_fn, rest_, mb) if first else (x, side)), sown=sown or None)
             if not last:
-                return h, self.aux0z
+                return h, (self.aux0z, sown)
             lo, ax = st.loss_aux(rest_, mb, h)
-            return lo / st.m_count, ax
+            return lo / st.m_count, (ax, sown)
 
-        out, pull, ax = jax.vjp(g, rest, st.chunk_of(self.sp, j), zero_act if first else x, has_aux=True)
+        out, pull, (ax, sown) = jax.vjp(g, rest, st.chunk_of(self.sp, j), zero_act if first else x, has_aux=True)
         drest, dspj, dx = pull(jnp.ones_like(out) if last else g_in)
         gsp = st.add_chunk(gsp, j, dspj)
         grest = jax.tree.map(jnp.add, grest, drest)
+        user, sown = aux[0], jax.tree.map(lambda a, b: a + b / st.m_count, aux[1], sown)  # each micro-batch's, once
         if last:
             loss = loss + out
-            aux = jax.tree.map(lambda a, b: a + b / st.m_count, aux, ax)
-        return (gsp, grest, loss, aux), (zero_act if first else dx)
+            user = jax.tree.map(lambda a, b: a + b / st.m_count, user, ax)
+        return (gsp, grest, loss, (user, sown)), (zero_act if first else dx)
 
 
 _FCOLS, _BCOLS = ("fj", "fm", "fxr"), ("bj", "bm", "bxr", "bgr")
@@ -674,7 +711,12 @@ def _reduce_grads(st: _Stages, gsp, grest, loss, aux):
     k = st.accum_steps
     gsp = jax.tree.map(lambda g: g / k, gsp)
     grest = jax.tree.map(lambda g: g / k, grest)
+    aux, sown = aux
     metrics = {"loss": loss / k, **jax.tree.map(lambda a: a / k, aux)}
+    if sown:  # what the units sowed (an MoE's drops), each unit's on its rank: by unit, summed over pp below
+        kinds = lay.calls.kind_of
+        metrics["intermediates"] = {f"{u}/{n}": sown[n][i] / k for i, u in enumerate(lay.units)
+                                    for n in st.sown_kinds[kinds[i]]}
     n_data = int(np.prod([st.pm.mesh.size(d) for d in data])) if data else 1
     rp = list(grest)
     grest = dict(zip(rp, [g / n_data for g in reduce_tp_aware(

@@ -6,7 +6,9 @@ ExpertParallel()}), mesh["pp"])``.
 of the stacked experts), the experts module runs under ExpertParallel inside each stage's ticks, expert gradients
 are averaged over the data dims but ep; 3 SGD steps equal one device's within 1e-5, and the compiled program's
 all-to-alls, all-reduces and collective-permutes equal the pipeline's table (the all-to-alls counted per branch of
-each tick: a forward 2, a backward 4, the recomputed forward's and their transposes)."""
+each tick: a forward 2, a backward 4, the recomputed forward's and their transposes). What the units sow (each MoE
+block's dropped assignments) reaches the step's metrics, ``metrics["intermediates"]["layers_i/mlp/dropped"]``, equal
+to a NumPy count of the capacity routing."""
 
 import dataclasses
 
@@ -133,3 +135,39 @@ def test_moe_interleaved_pipeline_with_experts_over_ep_equals_one_device():
                                                                          comm["all-to-all"]["bytes"])
     for kind in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute"):
         assert hlo[kind]["bytes"] == comm[kind]["bytes"], kind
+
+
+@pytest.mark.slow
+def test_the_drops_sown_in_the_stages_reach_the_metrics():
+    from tests.parallel.test_expert_step import _loss as _sowing_loss
+    from tests.parallel.test_expert_step import _numpy_drops
+
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, V, (8, T)).astype(np.int32),
+                "labels": rng.integers(0, V, (8, T)).astype(np.int32)} for _ in range(2)]
+    model = MoE(CFG)
+    params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
+    opt = optax.sgd(0.1)
+    ref_losses, ref = train_one_device(params, batches, _sowing_loss(model), opt, has_aux=True)
+    mesh = spmd.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    pm = pipeline(parallelize_module(model, mesh["ep"], PLAN), mesh["pp"], num_microbatches=2, schedule="1f1b")
+    state = init_train_state(pm, opt, params=params)
+    step = make_train_step(pm, _sowing_loss(model), opt)
+    comm = step.communication(state, batches[0])
+    hlo = hlo_executed_collectives(step.compiled(state, batches[0]).as_text(), scalars=False)
+    assert (hlo["all-to-all"]["count"], hlo["all-to-all"]["bytes"]) == (20, comm["all-to-all"]["bytes"])
+    for kind in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute"):
+        assert hlo[kind]["bytes"] == comm[kind]["bytes"], kind
+    assert hlo["collective-permute"]["count"] == comm["collective-permute"]["count"]
+    p, losses = params, []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+        sown = m["intermediates"]
+        assert sorted(sown) == [f"layers_{i}/mlp/{n}" for i in (0, 1) for n in ("dropped", "load_balancing")]
+        # averaged over the data ranks (ep=2) and the 2 micro-batches, as the loss: x4 is the batch's count
+        got = 4 * sum(float(sown[f"layers_{i}/mlp/dropped"]) for i in (0, 1))
+        assert got == _numpy_drops(MoE(CFG), p, b["tokens"]) > 0
+        p = unshard_params(pm, state)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params)
