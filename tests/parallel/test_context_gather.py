@@ -239,3 +239,22 @@ def test_an_nnx_decoder_calling_nnx_dot_product_attention_under_cp():
     table, comm = _run(model, loss_fn, None, mesh, batches, ref_losses, ref.params)
     assert [(r["call"], r["method"]) for r in comm["attention"]] == [("flax dot_product_attention", "all-gather K/V")]
     assert "flax dot_product_attention: all-gather K/V over cp=2" in table
+
+
+class _BadKeyword(_SdpaDecoder):
+    def __call__(self, tokens):
+        qkv = self.qkv(self.embed(tokens))
+        return nnx.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+
+
+def test_an_attention_keyword_flax_does_not_take_is_named_under_cp():
+    mesh = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    model = _BadKeyword(nnx.Rngs(0))
+    batch = _batches(1)[0]
+    state = init_train_state(model, OPT, mesh=mesh)
+    step = make_train_step(model, lambda m, b: _xent(m(b["tokens"]), b), OPT, mesh=mesh)
+    with pytest.raises(TypeError, match=re.escape("flax dot_product_attention under cp=2 (intercepted to run across "
+                                                  "the sequence cut): keyword argument causal=True is not one of "
+                                                  "flax.nnx.nn.attention.dot_product_attention's (")
+                       + ".*" + re.escape("pass only those (or leave it out).")):
+        step(state, batch)

@@ -496,7 +496,10 @@ class ContextCalls:
                                   **extra):
             unknown = sorted(set(extra) - accepted)
             if unknown:
-                raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
+                raise TypeError(f"{fn} under cp={calls.n} (intercepted to run across the sequence cut): keyword "
+                                f"argument {unknown[0]}={extra[unknown[0]]!r} is not one of "
+                                f"{orig.__module__}.dot_product_attention's ({', '.join(sorted(accepted))}); "
+                                "pass only those (or leave it out).")
             if dropout_rate > 0.0 and not deterministic:
                 raise ValueError(f"{fn} under cp={calls.n}: dropout_rate={dropout_rate!r} with deterministic=False: "
                                  "attention dropout is not supported across the sequence cut; use dropout_rate=0.0 "
