@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import spmd
 from spmd.parallel import executed_collectives, fully_shard, init_train_state, make_train_step, unshard_params
@@ -85,7 +86,9 @@ class _FrozenBias(nn.Module):
         return nn.Dense(5, name="dense")(x) + jax.lax.stop_gradient(frozen)
 
 
-def test_zero_gradients_are_flagged_and_neither_reduced_nor_in_the_table():
+@pytest.mark.parametrize("accum", [1, 2])
+def test_zero_gradients_are_flagged_and_neither_reduced_nor_in_the_table(accum):
+    """Under accumulation too (``accum_steps=2``: read off one micro-batch's backward pass)."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
     y = jnp.asarray(rng.normal(size=(8, 5)), jnp.float32)
@@ -103,7 +106,7 @@ def test_zero_gradients_are_flagged_and_neither_reduced_nor_in_the_table():
     opt = optax.adamw(1e-2)
     mesh = spmd.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     state = init_train_state(model, opt, params=params, mesh=mesh)
-    step = make_train_step(model, loss_fn, opt, mesh=mesh)
+    step = make_train_step(model, loss_fn, opt, mesh=mesh, accum_steps=accum)
     batch = {"x": x, "y": y}
     comm = step.communication(state, batch)
     # the dense kernel and bias alone are averaged: 3 x 5 + 5 floats

@@ -19,7 +19,7 @@ from spmd.parallel.plan._checks import check_same_tree, describe_tree, linen_abs
 from spmd.parallel.styles._nnx import is_nnx, nnx_params
 from spmd.parallel.styles._transforms import ParallelModule
 
-__all__ = ["check_model_params", "held_params", "check_seen", "check_state_params"]
+__all__ = ["check_model_params", "held_params", "check_seen", "check_state_params", "check_batch"]
 
 
 def check_model_params(where: str, arg: str, module: Any, params: Any, example_inputs: tuple = (), fix: str = (
@@ -100,3 +100,21 @@ def check_state_params(pm: ParallelModule, loss_fn: Callable, logical: Any, batc
 
 def _model_name(module: Any) -> str:
     return type(getattr(module, "module", module)).__name__
+
+
+def check_batch(batch: Any, n_data: int, accum_steps: int, data: tuple[str, ...], sizes: dict) -> None:
+    """``batch``'s leaves share a leading (batch) dim that the data dims x ``accum_steps`` divide."""
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("train_step: batch holds no arrays.")
+    n = np.shape(leaves[0])[0] if np.ndim(leaves[0]) else None
+    for x in leaves:
+        if not np.ndim(x) or np.shape(x)[0] != n:
+            raise ValueError(f"train_step: every batch leaf needs the same leading (batch) dim; got shapes "
+                             f"{[np.shape(y) for y in leaves]}.")
+    if n % (n_data * accum_steps):
+        split = " x ".join(f"{d}={sizes[d]}" for d in data) or "1"
+        raise ValueError(
+            f"train_step: the batch has {n} examples, not divisible by the data-parallel size {split} = {n_data}"
+            + (f" times accum_steps={accum_steps}" if accum_steps > 1 else "")
+            + f"; use a batch size that is a multiple of {n_data * accum_steps}.")

@@ -13,7 +13,8 @@ model laid out by ``parallelize_module`` / ``fully_shard`` (or neither: DDP over
 - the optimizer (any optax transformation) runs in global view on the stored arrays: elementwise on the
   shards, a global norm costs a scalar all-reduce;
 - ``accum_steps=k`` gathers every unit once, accumulates the full local gradients over ``k``
-  micro-batches and reduces once (torch's ``no_sync``).
+  micro-batches and reduces once (torch's ``no_sync``); a gradient zero by construction (read off one
+  micro-batch's backward pass, as without accumulation) is neither accumulated nor reduced.
 
 The state is a ``TrainState`` whose ``plan`` (static) is the ``ParamPlan`` it was laid out by; a step
 refuses a state of another plan. A model that is an ``OwnsTrainStep`` (a pipeline, or a user's own layout)
@@ -50,6 +51,7 @@ from spmd.parallel.step._batch_norm import BATCH_STATS_REASON, sync_batch_norm, 
 from spmd.parallel.step._grad_layout import gathered_dot_grads, transposed_dot_grads, zero_grads
 from spmd.parallel.step._heads import (check_whole_sequence, dot_params, head_splits, lookup_cotangents,
                                        positional_params, whole_over_tp, whole_sequence_products)
+from spmd.parallel.step._model_checks import check_batch as _check_batch
 from spmd.parallel.step._model_checks import check_model_params, check_seen, check_state_params, held_params
 from spmd.parallel.step._protocol import OwnsTrainStep, TrainStep
 from spmd.parallel.styles._hooks import Hooks
@@ -258,23 +260,6 @@ def _split_loss(out: Any, where: str) -> tuple[jax.Array, dict]:
                          "a dict of scalar metrics.")
     check_loss(where, loss, aux)
     return loss, aux
-
-
-def _check_batch(batch: Any, n_data: int, accum_steps: int, data: tuple[str, ...], sizes: dict) -> None:
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-        raise ValueError("train_step: batch holds no arrays.")
-    n = np.shape(leaves[0])[0] if np.ndim(leaves[0]) else None
-    for x in leaves:
-        if not np.ndim(x) or np.shape(x)[0] != n:
-            raise ValueError(f"train_step: every batch leaf needs the same leading (batch) dim; got shapes "
-                             f"{[np.shape(y) for y in leaves]}.")
-    if n % (n_data * accum_steps):
-        split = " x ".join(f"{d}={sizes[d]}" for d in data) or "1"
-        raise ValueError(
-            f"train_step: the batch has {n} examples, not divisible by the data-parallel size {split} = {n_data}"
-            + (f" times accum_steps={accum_steps}" if accum_steps > 1 else "")
-            + f"; use a batch size that is a multiple of {n_data * accum_steps}.")
 
 
 def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, *, accum_steps: int = 1,
@@ -495,6 +480,14 @@ def _split_stats(out: Any, stats: Any, where: str) -> tuple[Any, Any]:
     return out, new
 
 
+def _placed(base: list, idx: list[int], values) -> list:
+    """``base`` with ``values`` at the positions ``idx``."""
+    out = list(base)
+    for i, v in zip(idx, values):
+        out[i] = v
+    return out
+
+
 def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, plan: ParamPlan,
            keep_finite: bool = False, batch_norm: str = "broadcast") -> "_Built":
     mesh = pm.mesh
@@ -627,33 +620,38 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             # one micro-batch traced alone, for the carry's shapes
             records = Hooks(pm, plan, gather_units=False, whole_heads=whole)
             n_local = jax.tree.leaves(batch)[0].shape[0]
-            full, scatter = jax.vjp(lambda ls: gathered(hooks, ls, plan.units), leaves)
             micro = jax.tree.map(lambda x: x.reshape(accum_steps, n_local // accum_steps, *x.shape[1:]), batch)
             grad_fn = jax.value_and_grad(lambda ls, mb: run_loss(plain, unflat(ls), mb), has_aux=True)
-            # one micro-batch's backward pass, traced alone: the carry's shapes, and the gradient-layout rule
-            # (a flagged gradient accumulates as its dot's output, transposed, and is reduced so)
+            # one micro-batch's backward pass, traced alone on the gathered parameters' shapes: the carry's
+            # shapes, the gradient-layout rule (a flagged gradient accumulates as its dot's output, transposed,
+            # and is reduced so) and the gradients zero by construction (neither accumulated nor reduced)
+            full_shapes = jax.eval_shape(lambda ls: gathered(hooks, ls, plan.units), leaves)
             closed = jax.make_jaxpr(lambda ls, mb: jax.value_and_grad(
                 lambda l: run_loss(Hooks(pm, plan, gather_units=False, whole_heads=whole), unflat(l), mb),
-                has_aux=True)(ls)[1])(full, jax.tree.map(
-                    lambda x: x[0], micro))
-            flip = transposed_dot_grads(closed)
+                has_aux=True)(ls)[1])(full_shapes, jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro))
+            flip, zero = transposed_dot_grads(closed), zero_grads(closed)
             on_scatter = [any(e.shard_dim(names.index(d)) is not None for d in data) for e in entries]
             flip = [f and not c for f, c in zip(flip, on_scatter)]  # a dp-reduced gradient only (reduce's)
+            live = [i for i, z in enumerate(zero) if not z]  # the zero-gradient ones gathered as constants
+            full, scatter = jax.vjp(lambda xs: gathered(hooks, _placed(leaves, live, xs), plan.units),
+                                    [leaves[i] for i in live])
 
             def one(carry, mb):
                 (value, aux_mb), gr = grad_fn(full, mb)
-                gr = [x.T if f else x for x, f in zip(gr, flip)]
+                gr = [gr[i].T if flip[i] else gr[i] for i in live]
                 return jax.tree.map(jnp.add, carry, ((value, aux_mb), gr)), None
 
             shapes = jax.eval_shape(jax.value_and_grad(lambda ls, mb: run_loss(records, unflat(ls), mb), has_aux=True),
                                     full, jax.tree.map(lambda x: x[0], micro))
-            shapes = (shapes[0], [jax.ShapeDtypeStruct(x.shape[::-1], x.dtype) if f else x
-                                  for x, f in zip(shapes[1], flip)])
-            zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            ((loss, (aux, _)), gf), _ = lax.scan(one, zero, micro)
+            shapes = (shapes[0], [jax.ShapeDtypeStruct(shapes[1][i].shape[::-1], shapes[1][i].dtype) if flip[i]
+                                  else shapes[1][i] for i in live])
+            init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            ((loss, (aux, _)), gf), _ = lax.scan(one, init, micro)
             loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
-            (g,) = scatter([(x.T if f else x) / accum_steps for x, f in zip(gf, flip)])
-            zero = [False] * len(g)
+            (g_live,) = scatter(_placed([jnp.zeros(x.shape, x.dtype) for x in full_shapes], live,
+                                        [(x.T if flip[i] else x) / accum_steps for i, x in zip(live, gf)]))
+            g = _placed([jnp.zeros_like(x) for x in leaves], live, g_live)
             recomputed.clear()  # a checkpoint's recomputation, once per micro-batch
             recomputed.append({k: {f: accum_steps * n for f, n in v.items()}
                                for k, v in recomputed_collectives(closed, sizes).items()})
