@@ -8,9 +8,10 @@ cuts moved to the batch; weights never move, activations are gathered over the b
 the pipelines (``pp`` over the divisors of the device count up to the repeated blocks, the rest over
 ``dp`` x ``fsdp`` x ``tp``, 1F1B at pp, 2 pp and 4 pp micro-batches and interleaved with two chunks per
 rank; costed by ``spmd.parallel.auto._pipeline`` from the schedule's tick table), context parallelism (the
-sequence cut over ``cp`` for a model whose attention the cp step recognizes) and expert parallelism (the
-experts cut over ``ep`` for a model that has them), each with the rest of the devices over ``dp`` x ``fsdp`` x
-``tp`` (``spmd.parallel.auto._cpep``: their table's cp and ep terms priced over their own dim), and, where the memory
+sequence cut over ``cp`` for a model with attention: a call the cp step recognizes, or its own einsum attention
+run on the gathered sequence) and expert parallelism (the experts cut over ``ep`` for a model that has them),
+cp x ep, each with the rest of the devices over ``dp`` x ``fsdp`` x ``tp``, and pipelines with cp or ep
+(``spmd.parallel.auto._cpep``: their table's cp and ep terms priced over their own dim), and, where the memory
 budget needs them, gradient accumulation and activation checkpointing of the blocks (every policy of
 ``spmd.parallel.styles._remat.POLICIES`` the model and devices allow: ``_budget.weighed_policies``; MaxText's
 named ones where the model names those tensors, ``"offload"`` where the devices have a host memory of their own,
@@ -68,7 +69,7 @@ from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factori
 from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, check_budget, check_floor, checked, parts,
                                         searched)
 from spmd.parallel.auto._compiled import compile_figures, extrapolated
-from spmd.parallel.auto._cpep import check_attention, context_expert_layouts
+from spmd.parallel.auto._cpep import check_attention, check_pipelined_attention, context_expert_layouts
 from spmd.parallel.auto._measure import example_inputs as _example_inputs, measure_layouts
 from spmd.parallel.auto._pipeline import count_units, pipeline_cost, pipeline_layouts, stage_shapes
 from spmd.parallel.cost._calibrate import Calibration, calibrate
@@ -275,14 +276,16 @@ def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devic
     """A pipelined candidate (``spmd.parallel.auto._pipeline``): the state's shapes and the step's own table."""
     state = jax.eval_shape(lambda: init_train_state(laid, optimizer, params=params))
     step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps)
-    n_data = layout.dp * layout.fsdp
+    n_data = layout.n_data
     b = jax.tree.leaves(batch)[0].shape[0]
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // (n_data * layout.accum_steps), *x.shape[1:]), x.dtype),
                          batch)
     anchor = _anchor(profile, batch, micro, devices, cal)
+    table = step.communication(state, batch)
+    check_pipelined_attention(table, layout, "auto_layout")
     t = pipeline_cost(laid, params, state, step, batch, layout, profile, cal, anchor,
                       optimizer_compute_s(profile, state.plan, cal, devices),
-                      update_seconds(profile, stage_shapes(laid, params, state.plan), cal, devices))
+                      update_seconds(profile, stage_shapes(laid, params, state.plan), cal, devices), table=table)
     total = t["compute_s"] + sum(t["comm_s"].values()) + cal.dispatch_s
     return Candidate(layout=layout, predicted_s=total, compute_s=t["compute_s"], comm_s=t["comm_s"],
                      dispatch_s=cal.dispatch_s, communication=t["communication"], memory=t["memory"],
@@ -622,7 +625,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     def traced(lay: Layout) -> list[Candidate]:  # its estimate, or its variants that fit; [] where rejected
         bar.set_postfix_str("tracing " + lay.name, refresh=False)
         bar.update()
-        kind = "cp" if lay.cp > 1 else "ep" if lay.ep > 1 else None
+        kind = ("cp" if lay.cp > 1 else "ep" if lay.ep > 1 else None) if lay.pp == 1 else \
+            ("pp x cp" if lay.cp > 1 else "pp x ep" if lay.ep > 1 else None)  # a pipeline's refusal: its own
         if kind in refused:
             rejected.append((lay.name, refused[kind]))
             return []
@@ -638,7 +642,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                 bar.close()
                 raise
             rejected.append((lay.name, ("" if plain else f"{type(e).__name__}: ") + str(e).split("\n")[0][:400]))
-            if kind is not None and not any(m.cp > 1 if kind == "cp" else m.ep > 1 for m in made):
+            if kind is not None and not any((m.cp > 1 if kind.endswith("cp") else m.ep > 1) and (m.pp > 1) == (
+                    lay.pp > 1) for m in made):
                 refused[kind] = rejected[-1][1]
             return []
         made.append(lay)

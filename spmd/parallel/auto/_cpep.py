@@ -15,6 +15,13 @@
 - **cp x ep**: for a model with experts and a sequence, every ``cp`` x ``ep`` of those whose product divides
   the device count (the sequence over cp, the experts over ep: their routers run on the sequence gathered over
   cp), the rest over ``dp`` x ``fsdp`` x ``tp``.
+- **pp x cp, pp x ep** (``pipelined``): the repeated blocks (one units glob) in ``pp`` stages over the divisors
+  of the device count up to the blocks, with the sequence over ``cp`` (the stages' attention calls the
+  all-gather of K/V: a recognized call only, a module's own einsum attention is refused there) or the experts
+  over ``ep`` (stacked with the stages), the rest over ``dp`` x ``fsdp`` (no tp: the step takes neither with tp
+  stages), 1F1B at ``pp`` and ``2 pp`` micro-batches (those a replica's rows divide). Costed as the other
+  pipelines (``spmd.parallel.auto._pipeline``), whose table holds the cp terms (K/V gathers, dK/dV
+  reduce-scatters, the gradients' all-reduces over cp) and the experts' all-to-alls.
 
 Each is costed as every other layout is (``evaluate_layout``): the step's own table, whose ``total`` holds the
 cp and ep terms (priced over their own dim: the all-to-alls over ep, the rest over cp), the lower bound, and
@@ -32,11 +39,13 @@ from typing import Any
 import jax
 
 from spmd.parallel.auto._layout import Layout, factorizations, tp_plan_for
+from spmd.parallel.auto._pipeline import count_units
 from spmd.parallel.plan._param_plan import path_str
 from spmd.parallel.styles._experts import ExpertParallel
 from spmd.parallel.styles._transforms import param_module
 
-__all__ = ["check_attention", "context_expert_layouts", "experts_of", "sequence_of"]
+__all__ = ["check_attention", "check_pipelined_attention", "context_expert_layouts", "experts_of", "pipelined",
+           "sequence_of"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -79,7 +88,8 @@ def _rest(n: int, plan: Any, units: tuple[str, ...], **dims) -> list[Layout]:
 
 
 def context_expert_layouts(n: int, plan: Any, units: tuple[str, ...], params: Any, batch: Any) -> list[Layout]:
-    """The cp, ep and cp x ep layouts ``auto_layout`` weighs on ``n`` devices (see the module doc)."""
+    """The cp, ep and cp x ep layouts ``auto_layout`` weighs on ``n`` devices, then the pipelined ones
+    (``pipelined``; see the module doc)."""
     seq = sequence_of(batch)
     cps = [1] + [cp for cp in _divisors(n) if seq is not None and seq % cp == 0]
     got = experts_of(params)
@@ -90,6 +100,32 @@ def context_expert_layouts(n: int, plan: Any, units: tuple[str, ...], params: An
             if cp * ep > 1 and n % (cp * ep) == 0:
                 dims = dict(cp=cp, ep=ep, ep_plan=((got[0], ExpertParallel()),) if ep > 1 else None)
                 out += _rest(n // (cp * ep), plan, units, **dims)
+    rows = jax.tree.leaves(batch)[0].shape[0] if jax.tree.leaves(batch) else 0
+    return out + pipelined(n, units, params, rows, cps[1:], eps[1:], got[0] if got is not None else None)
+
+
+def pipelined(n: int, units: tuple[str, ...], params: Any, rows: int, cps: list[int], eps: list[int],
+              experts: str | None) -> list[Layout]:
+    """The pp x cp and pp x ep layouts on ``n`` devices for a batch of ``rows`` (see the module doc): ``cps`` /
+    ``eps`` the cuts the sequence / the experts allow, ``experts`` the experts' glob."""
+    if len(units) != 1:
+        return []
+    n_units = count_units(params, units[0])
+    out = []
+    for pp in [d for d in _divisors(n) if d <= n_units]:
+        cuts = [dict(cp=cp) for cp in cps] + [dict(ep=ep, ep_plan=((experts, ExpertParallel()),)) for ep in eps]
+        for dims in cuts:
+            cut = dims.get("cp", 1) * dims.get("ep", 1)
+            if n % (pp * cut):
+                continue
+            for dp, fsdp, tp in factorizations(n // (pp * cut)):
+                n_data = dp * fsdp * dims.get("ep", 1)
+                if tp > 1 or rows % n_data:
+                    continue
+                for m in (pp, 2 * pp):
+                    if (rows // n_data) % m == 0:
+                        out.append(Layout(pp=pp, dp=dp, fsdp=fsdp, units=units, reshard_after_forward=fsdp == 1,
+                                          microbatches=m, **dims))
     return out
 
 
@@ -115,3 +151,13 @@ def check_attention(comm: dict, layout: Layout, where: str) -> None:
                          "(no [.., T, T] scores inside a module): cutting its sequence runs no attention across the "
                          "cut; context parallelism is weighed for models with attention.")
 
+
+
+def check_pipelined_attention(comm: dict, layout: Layout, where: str) -> None:
+    """A pipelined cp layout's stages must call an attention the cp step recognizes (``comm``: the pipeline's
+    table, its ``cp`` part): a module's own einsum attention is not run on the gathered sequence in a stage."""
+    if layout.cp > 1 and not (comm.get("cp") or {}).get("calls"):
+        raise ValueError(f"{where}: layout {layout.name!r}: the pipeline's stages call no attention the cp step "
+                         "recognizes (jax.nn.dot_product_attention, flax's dot_product_attention; a stage runs each "
+                         "as the all-gather of K/V, and a module's own einsum attention is run on the gathered "
+                         "sequence only without a pipeline): cp under a pipeline is weighed for models calling one.")

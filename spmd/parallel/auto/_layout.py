@@ -97,9 +97,6 @@ class Layout:
         if self.ep > 1 and not self.ep_plan:
             raise ValueError(f"Layout: ep={self.ep} needs ep_plan=, the parallelize_module plan of the experts "
                              "(e.g. (('layers_*.mlp.experts', ExpertParallel()),)).")
-        if self.pp > 1 and (self.cp > 1 or self.ep > 1):
-            raise ValueError(f"Layout: pp={self.pp} with cp={self.cp}, ep={self.ep}: auto_layout weighs context and "
-                             "expert parallelism without a pipeline; give pp=1 or cp=ep=1.")
         if self.pp > 1:
             self._check_pipeline()
         if self.activation_checkpointing is not None:

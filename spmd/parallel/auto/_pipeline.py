@@ -43,6 +43,7 @@ from spmd.parallel.cost._memory import _nbytes
 from spmd.parallel.plan._param_plan import path_str
 from spmd.parallel.pipelining._comm import STAGES
 from spmd.parallel.pipelining._pipeline import unit_modules
+from spmd.parallel.pipelining._tp import ep_placements
 
 __all__ = ["pipeline_cost", "pipeline_layouts", "stage_shapes", "stage_passes", "PERMUTE"]
 
@@ -124,16 +125,19 @@ def _replayed(schedule, t_f: float, t_b: float, alone: float) -> float:
 
 
 def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, cal, anchor: float,
-                  optimizer_s: float, stage_s: float) -> dict:
+                  optimizer_s: float, stage_s: float, table: dict | None = None) -> dict:
     """The terms of a pipelined candidate (see the module doc): ``compute_s``, ``comm_s``, ``communication``
-    (``{"parameters", "activations", "total"}: {kind: {count, bytes}}``), ``memory``, ``flops``."""
-    c = step.communication(state, batch)
+    (``{"parameters", "activations", "total"}: {kind: {count, bytes}}``), ``memory``, ``flops``. ``table``: the
+    step's own (``step.communication``), where already read. Under cp its terms (``c["cp"]``) and under ep the
+    experts' all-to-alls are in ``total`` and priced over their own dim; a micro-batch's sequence is cut over cp."""
+    c = table if table is not None else step.communication(state, batch)
     s = laid.schedule
     lay = laid.layout(params)
-    n_data = layout.dp * layout.fsdp
+    n_data = layout.dp * layout.fsdp * layout.ep  # ep's ranks take their own rows
     rows = jax.tree.leaves(batch)[0].shape[0] // n_data
     mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows // (layout.accum_steps * s.num_microbatches),
-                                                      *x.shape[1:]), x.dtype), batch)
+                                                      *((x.shape[1] // layout.cp,) if x.ndim >= 2 else ()),
+                                                      *x.shape[2:]), x.dtype), batch)
     flops, nbytes = profile.grad_cost(mb)
     ops = profile.ops(mb)
     of, ob = profile.optimizer_cost()
@@ -156,22 +160,31 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     program = tp["program"] if tp else none  # what the compiled program holds (= its HLO): the table
     busiest = max(tp["per_rank"], key=lambda t: sum(v["bytes"] for v in t.values())) if tp else none  # the time
     cp = c[PERMUTE]
-    ar = c["all-reduce"]["bytes"] - program["all-reduce"]["bytes"]  # the rest's gradients and the uncut stages'
+    ctx = (c.get("cp") or {}).get("program") or {k: {"count": 0, "bytes": 0} for k in KINDS}  # cp's terms
+    ar = c["all-reduce"]["bytes"] - program["all-reduce"]["bytes"] - ctx["all-reduce"]["bytes"]  # the rest's
+    # gradients and the uncut stages'
     # counts in buffers, as the other candidates' tables count them (XLA combines them into a few ops)
-    n_other = n_data // max(layout.fsdp, 1)
-    stage_leaves = [e for e in state.plan.entries if e.path.startswith(STAGES + "/")]
-    cut = sum(1 for e in stage_leaves if lay.fsdp_dim(e.path[len(STAGES) + 1:]) is not None)
-    ar_buffers = (len(state.plan.entries) - len(stage_leaves)) + (  # the rest's: summed over pp at least
-        (len(stage_leaves) - cut) * (n_data > 1) + cut * (n_other > 1))
+    stage_leaves = [e.path[len(STAGES) + 1:] for e in state.plan.entries if e.path.startswith(STAGES + "/")]
+    experts = set(ep_placements(laid, lay)) if layout.ep > 1 else set()  # a rank's own experts: not over ep
+
+    def others(rel: str) -> int:  # the data ranks a stage gradient is averaged over (not its fsdp / ep cut)
+        return n_data // ((layout.fsdp if lay.fsdp_dim(rel) is not None else 1) * (layout.ep if rel in experts else 1))
+
+    ar_buffers = (len(state.plan.entries) - len(stage_leaves)) + sum(  # the rest's: summed over pp at least
+        others(rel) > 1 for rel in stage_leaves)
     params = {"all-reduce": {"count": ar_buffers if ar else 0, "bytes": ar},
-              **{k: {"count": c[k]["buffers"], "bytes": c[k]["bytes"] - program[k]["bytes"]}
-                 for k in ("all-gather", "reduce-scatter")}, PERMUTE: {"count": 0, "bytes": 0}}
+              **{k: {"count": c[k]["buffers"] - ctx[k]["count"], "bytes": c[k]["bytes"] - program[k]["bytes"]
+                     - ctx[k]["bytes"]} for k in ("all-gather", "reduce-scatter")}, PERMUTE: {"count": 0, "bytes": 0}}
     acts = {**{k: dict(program[k]) for k in KINDS}, PERMUTE: {"count": cp["count"], "bytes": cp["bytes"]}}
-    total = {k: {f: params[k][f] + acts[k][f] for f in ("count", "bytes")} for k in (*KINDS, PERMUTE)}
+    a2a = c.get("all-to-all") or {"count": 0, "bytes": 0}  # the experts' over ep, as the program holds them
+    total = {k: {f: params[k][f] + acts[k][f] + (ctx[k][f] if k in ctx else 0) for f in ("count", "bytes")}
+             for k in (*KINDS, PERMUTE)}
+    if a2a["count"]:
+        total["all-to-all"] = {"count": a2a["count"], "bytes": a2a["bytes"]}
     # (group, stride) of each kind's mesh dims in the row-major pp x dp x fsdp x tp order (a Hardware's
     # links follow the stride; a Calibration has no topology)
     at = lambda *names: mesh_group(layout.mesh_dims, names)  # noqa: E731
-    groups = {"all-reduce": at("dp", "fsdp") if n_data > 1 else at("pp"), "all-gather": at("fsdp"),
+    groups = {"all-reduce": at("dp", "fsdp", "ep") if n_data > 1 else at("pp"), "all-gather": at("fsdp"),
               "reduce-scatter": at("fsdp")}
     comm_s: dict = {}
     for kind, v in params.items():
@@ -183,6 +196,12 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     # between the stages (pp's group and stride)
     comm_s[PERMUTE] = cal.collective_s(PERMUTE, cp["bytes"], cp["count"],
                                        *(at("pp") if isinstance(cal, HardwareRates) else (cal.group_size, 1)))
+    for kind, v in ctx.items():  # cp's K/V gathers, dK/dV reduce-scatters, gradients' all-reduces: over cp
+        if v["count"]:
+            comm_s[kind] += cal.collective_s(kind, v["bytes"], v["count"], *at("cp"))
+    if a2a["count"]:  # the experts' all-to-alls the busiest rank runs, over ep
+        busy = max(c["ep"]["per_rank"], key=lambda t: t["bytes"]) if c.get("ep") else a2a
+        comm_s["all-to-all"] = cal.collective_s("all-to-all", busy["bytes"], busy["count"], *at("ep"))
 
     local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in state.plan.entries]
     p_bytes = state.plan.bytes_per_device
@@ -191,8 +210,8 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     # the lower bound (spmd.parallel.cost._memory's): the state in the arguments and the outputs, the batch,
     # and the stash the schedule holds at once (its activation and gradient slots and two scratch slots); the
     # compiled step's memory_analysis() is the peak (spmd.parallel.auto._compiled)
-    stash = (c["activation_slots"] + c["gradient_slots"] + 2) * c["activation_bytes"] // act_cut
-    mem = {"state": 2 * (p_bytes + opt), "batch": _nbytes(batch) // n_data, "stash": stash}
+    stash = (c["activation_slots"] + c["gradient_slots"] + 2) * c["activation_bytes"] // act_cut // layout.cp
+    mem = {"state": 2 * (p_bytes + opt), "batch": _nbytes(batch) // (n_data * layout.cp), "stash": stash}
     mem["peak"] = sum(mem.values())
     mem["params"], mem["optimizer"], mem["activations"], mem["compiled"] = p_bytes, opt, stash, False
     return {"compute_s": compute, "comm_s": comm_s, "flops": layout.accum_steps * s.num_microbatches * flops * (

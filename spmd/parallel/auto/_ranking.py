@@ -110,8 +110,10 @@ class AutoLayout:
         top = self.top if top is None else top
         timed = any(c.measured_s is not None for c in self.candidates)
         compiled = any(c.measured_peak is not None for c in self.candidates)
+        a2a = any(c.communication["total"].get("all-to-all", {}).get("bytes") for c in self.candidates[:top])
         head = ("#", "layout", *(("meas ms",) if timed else ()), "pred ms", "compute", "comm", "all-gather MiB",
-                "reduce-scatter MiB", "all-reduce MiB", "permute MiB", "peak MiB",
+                "reduce-scatter MiB", "all-reduce MiB", "permute MiB", *(("all-to-all MiB",) if a2a else ()),
+                "peak MiB",
                 *(("compiled MiB",) if compiled else ()), "fits")
         rows = []
         for i, c in enumerate(self.candidates[:top]):
@@ -120,6 +122,7 @@ class AutoLayout:
             rows.append((str(i + 1), c.name, *meas, _over(c, self.budget) or _ms(c.predicted_s), _ms(c.compute_s),
                          _ms(sum(c.comm_s.values())), *(_mib(t[k]["bytes"]) for k in KINDS),
                          _mib(t.get(PERMUTE, {"bytes": 0})["bytes"]),
+                         *((_mib(t.get("all-to-all", {"bytes": 0})["bytes"]),) if a2a else ()),
                          _peak(c), *((("-" if c.measured_peak is None else _mib(c.measured_peak)),)
                                                    if compiled else ()), "yes" if c.fits else "no"))
         w = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]

@@ -13,7 +13,11 @@
   gathered over cp, each candidate's table equal to its compiled step's collectives;
 - ``models.MoE`` gets cp x ep candidates (every cp and ep whose product divides the devices, the rest over dp x
   fsdp), the tables of two equal to their compiled steps' collectives (the routers on the gathered sequence, the
-  experts' all-to-alls over ep).
+  experts' all-to-alls over ep);
+- pipelines with cp or ep: ``models.Llama`` (sdpa) gets pp x cp candidates and ``models.MoE`` (experts in every
+  block) pp x ep ones (the exact sets); the pick of ``pp=2,fsdp=2,cp=2`` and of ``pp=2,ep=4`` each prints a table
+  (its ``total``) equal to its compiled step's collectives; a model's own einsum attention under a pipeline is
+  refused with the reason.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import pytest
 
 from models import Llama, LlamaConfig, MoE, MoEConfig, Transformer
 from spmd.parallel import Calibration, Layout, apply_layout, auto_layout, executed_collectives, init_train_state
-from spmd.parallel import make_train_step
+from spmd.parallel import hlo_executed_collectives, make_train_step
 from spmd.parallel.auto._auto import default_loss
 from spmd.parallel.auto._compiled import compile_figures
 from spmd.parallel.auto._cpep import _routes, context_expert_layouts
@@ -193,3 +197,68 @@ def test_an_einsum_attention_models_cp_candidates_run_it_on_the_gathered_sequenc
         assert [(r["call"], r["method"]) for r in comm["attention"]] == [
             ("block_0.attn", "gather sequence"), ("block_1.attn", "gather sequence")], c.name
         assert c.communication["total"]["all-gather"]["count"] > 0 and c.comm_s["all-gather"] > 0
+
+
+LLAMA = Llama(LlamaConfig(vocab_size=24, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
+                          num_kv_heads=2, attn_implementation="sdpa"))
+MOE_EVERY = MoE(MoEConfig(vocab_size=24, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
+                          num_kv_heads=2, num_experts=8, top_k=2, capacity_factor=1.0, moe_every=1))
+
+
+def test_pipelines_with_cp_and_with_ep_are_candidates():
+    batch = _batch(16)
+    p = jax.eval_shape(LLAMA.init, jax.random.key(0), batch["inputs"])["params"]
+    got = sorted(lay.name for lay in context_expert_layouts(8, None, ("layers_*",), p, batch) if lay.pp > 1)
+    assert got == sorted(["pp=2,dp=2,cp=2 1f1b M=2", "pp=2,dp=2,cp=2 1f1b M=4", "pp=2,fsdp=2,cp=2 1f1b M=2",
+                          "pp=2,fsdp=2,cp=2 1f1b M=4", "pp=2,cp=4 1f1b M=2", "pp=2,cp=4 1f1b M=4"])
+    p = jax.eval_shape(MOE_EVERY.init, jax.random.key(0), batch["inputs"])["params"]
+    got = sorted(lay.name for lay in context_expert_layouts(8, None, ("layers_*",), p, batch)
+                 if lay.pp > 1 and lay.ep > 1)
+    # 8 rows: a replica of dp=2 x ep=2 has 2, which M=4 does not divide
+    assert got == sorted(["pp=2,dp=2,ep=2 1f1b M=2", "pp=2,fsdp=2,ep=2 1f1b M=2", "pp=2,ep=4 1f1b M=2"])
+    assert Layout(pp=2, cp=4, units=("layers_*",), microbatches=2).mesh_dims == (("pp", 2), ("dp", 1), ("cp", 4))
+
+
+def _picked_table_is_hlo(model, name):
+    batch = _batch(16)
+    params = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
+    lay = next(lay for lay in context_expert_layouts(8, None, ("layers_*",), params, batch) if lay.name == name)
+    got = auto_layout(model, optax.sgd(0.1), batch, 8, layouts=[lay], calibration=CAL, params=params)
+    best = got.best
+    assert best.name == name and not got.rejected
+    laid, _ = apply_layout(model, 8, best.layout)
+    real = model.init(jax.random.key(0), batch["inputs"])["params"]
+    state = init_train_state(laid, optax.sgd(0.1), params=real)
+    hlo = hlo_executed_collectives(make_train_step(laid, default_loss(laid), optax.sgd(0.1)).compiled(
+        state, batch).as_text(), scalars=False)
+    table = best.communication["total"]
+    for kind in KINDS:  # buffers, an all-to-all's ops (as tests/parallel/pipelining/test_pipeline_experts.py)
+        want = table.get(kind, {"count": 0, "bytes": 0})
+        assert (hlo[kind]["count" if kind == "all-to-all" else "buffers"], hlo[kind]["bytes"]) == (
+            want["count"], want["bytes"]), (name, kind)
+    row = next(line for line in got.table().splitlines() if line.startswith("1 "))
+    for kind in ("all-gather", "reduce-scatter", "all-reduce", "collective-permute"):  # the printed MiB
+        assert f"{hlo[kind]['bytes'] / 2**20:.2f}" in row.split(), (name, kind)
+    return best, table
+
+
+@pytest.mark.slow  # one pipelined layout traced and compiled
+def test_a_picked_pipeline_with_cp_prints_its_compiled_collectives():
+    best, table = _picked_table_is_hlo(LLAMA, "pp=2,fsdp=2,cp=2 1f1b M=2")
+    # the K/V gathers and the stages' gathers over fsdp; the sends of activations cut over cp
+    assert table["all-gather"]["count"] > 2 and table["collective-permute"]["count"] == 4
+    assert best.comm_s["all-gather"] > 0 and "all-to-all" not in table
+
+
+@pytest.mark.slow  # one pipelined layout traced and compiled
+def test_a_picked_pipeline_with_ep_prints_its_compiled_collectives():
+    best, table = _picked_table_is_hlo(MOE_EVERY, "pp=2,ep=4 1f1b M=2")
+    assert table["all-to-all"]["count"] == 20 and best.comm_s["all-to-all"] > 0
+
+
+def test_a_pipeline_with_cp_refuses_a_models_own_attention():
+    model, batch = Transformer(24, 16, num_layers=2, d_model=16, num_heads=2), _batch(16)
+    lay = Layout(pp=2, dp=2, cp=2, units=("block_*",), microbatches=2)
+    got = auto_layout(model, optax.sgd(0.1), batch, 8, layouts=[Layout(dp=8), lay], calibration=CAL)
+    assert [c.name for c in got] == ["dp=8"] and [n for n, _ in got.rejected] == [lay.name]
+    assert "the pipeline's stages call no attention the cp step recognizes" in got.rejected[0][1]
