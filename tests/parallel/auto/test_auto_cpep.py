@@ -179,7 +179,7 @@ def test_moe_cp_times_ep_tables_equal_their_compiled_collectives():
 def test_an_einsum_attention_model_gets_cp_candidates():
     model, batch = Transformer(24, 16, num_layers=2, d_model=16, num_heads=2), _batch(16)
     params = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
-    got = sorted(lay.name for lay in context_expert_layouts(8, None, ("block_*",), params, batch))
+    got = sorted(lay.name for lay in context_expert_layouts(8, None, ("block_*",), params, batch) if lay.pp == 1)
     assert got == sorted(["dp=4,cp=2", "dp=2,fsdp=2,cp=2 regather", "dp=2,fsdp=2,cp=2 keep", "fsdp=4,cp=2 regather",
                           "fsdp=4,cp=2 keep", "dp=2,cp=4", "fsdp=2,cp=4 regather", "fsdp=2,cp=4 keep", "dp=1,cp=8"])
 
