@@ -97,20 +97,26 @@ def test_llama_under_cp_equals_one_device(shape, names):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,names", [((2, 2), ("cp", "tp")), ((2, 2, 2), ("dp", "cp", "tp"))],
-                         ids=["cp2-tp2", "dp2-cp2-tp2"])
-def test_llama_under_cp_and_tp_equals_one_device(shape, names):
+@pytest.mark.parametrize("shape,names,sp", [((2, 2), ("cp", "tp"), False), ((2, 2, 2), ("dp", "cp", "tp"), False),
+                                            ((2, 2), ("cp", "tp"), True), ((2, 2, 2), ("dp", "cp", "tp"), True)],
+                         ids=["cp2-tp2", "dp2-cp2-tp2", "cp2-tp2-sp", "dp2-cp2-tp2-sp"])
+def test_llama_under_cp_and_tp_equals_one_device(shape, names, sp):
     """Megatron's plan on tp beside cp: each device attends with its heads (the ring's region manual over tp
     too), the tp styles' activations hold its positions (1 / cp of their bytes), the gradients' all-reduce over
-    cp is of each device's tp block."""
-    from spmd.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    cp is of each device's tp block. ``sp``: with sequence parallelism (``SequenceParallel`` norms, the
+    projections taking and handing on ``Shard(1)``): the styles' regions manual over cp too, each device's
+    (cp, tp) block of the sequence, their gathers and reduce-scatters over tp of its cp block (T / cp)."""
+    from placements import Shard
+    from spmd.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
-    col, row = ColwiseParallel(), RowwiseParallel()
+    col, row = (ColwiseParallel(input_layouts=Shard(1)), RowwiseParallel(output_layouts=Shard(1))) if sp else \
+        (ColwiseParallel(), RowwiseParallel())
+    norms = {"layers_*.input_layernorm": SequenceParallel(), "layers_*.post_attention_layernorm": SequenceParallel()}
     model = parallelize_module(Llama(CFG), mesh["tp"], {
         "layers_*.self_attn.q_proj": col, "layers_*.self_attn.k_proj": col, "layers_*.self_attn.v_proj": col,
         "layers_*.self_attn.o_proj": row, "layers_*.mlp.gate_proj": col, "layers_*.mlp.up_proj": col,
-        "layers_*.mlp.down_proj": row})
+        "layers_*.mlp.down_proj": row, **(norms if sp else {})})
     table, comm, hlo = _train(model, None, _batches())
     assert table.count("ring (zigzag) over cp=2") == CFG.num_layers
     b = 4 // (shape[0] if len(shape) == 3 else 1)
@@ -119,6 +125,10 @@ def test_llama_under_cp_and_tp_equals_one_device(shape, names):
     # per layer at cp=2: K and V one hop forward, dK and dV two (float32), the zigzag moves of q, k, v, out once
     # forward and once backward, each of half the local block
     assert comm["context"]["collective-permute"]["bytes"] == CFG.num_layers * (2 * kv + 4 * kv + (q + kv + kv + q))
+    if sp:  # per layer: the norms' outputs gathered over tp forward (once for q, k, v; once for gate, up), the
+        # o_proj and down_proj outputs' cotangents backward (their reduce-scatters' transposes): [b, T / cp, d] each
+        act = b * (T // 2) * CFG.hidden_size * 4
+        assert comm["activations"]["all-gather"] == {"count": 4 * CFG.num_layers, "bytes": 4 * CFG.num_layers * act}
     _assert_table_is_hlo(comm, hlo)
 
 

@@ -43,6 +43,8 @@ from typing import Any, Callable, ClassVar, Mapping
 
 from placements import Partial, Placement, Replicate, Shard
 
+CP_DIM = "cp"  # the mesh dim the step cuts the batch's sequence over (spmd.parallel.context._calls)
+
 __all__ = ["ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
            "ParallelStyle", "KNOWN_LINEAR", "KNOWN_EMBED"]
 

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from placements import Partial, Replicate, Shard
 from spmd.parallel.plan._param_plan import PlanEntry
 from spmd.parallel.plan._scan import scan_of
-from spmd.parallel.styles._styles import KNOWN_LINEAR
+from spmd.parallel.styles._styles import CP_DIM, KNOWN_LINEAR
 
 __all__ = ["TPCalls", "COLWISE_MARK", "WHOLE_MARK", "TP_COMM"]
 
@@ -81,6 +81,10 @@ class TPCalls:
         self.tp = model.tp.mesh_dim if model.tp else None
         self.ti = plan.mesh_dim_names.index(self.tp) if self.tp else None
         self.n_tp = model.mesh.size(self.tp) if self.tp else 1
+        # a step whose mesh cuts the batch's sequence (dim 1) over cp: a sequence-parallel layout (Shard(1) over
+        # tp) cuts each device's cp block of the sequence over tp, so dim 1 is over (cp, tp), cp-major
+        names = plan.mesh_dim_names
+        self.cp = CP_DIM if CP_DIM in names and plan.mesh_shape[names.index(CP_DIM)] > 1 else None
 
     def tp_cut(self, e: PlanEntry) -> bool:
         return self.ti is not None and isinstance(e.placements[self.ti], Shard)
@@ -91,17 +95,24 @@ class TPCalls:
             return x
         if isinstance(layout, Shard) and not -x.ndim <= layout.dim < x.ndim:
             return x
-        spec = self.layout_spec(layout, x.ndim)
+        spec = self.layout_spec(layout, x.ndim, seq=self._seq_cut(layout, x.ndim))
         if jax.sharding.get_abstract_mesh().empty:  # no enclosing region (a mesh of tp alone): the model's mesh
             return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.model.mesh.jax_mesh, spec))
         return jax.lax.with_sharding_constraint(x, spec)
 
-    def layout_spec(self, layout: Any, ndim: int) -> P:
-        """The ``PartitionSpec`` over tp of a ``Shard(d)`` / ``Replicate()`` layout of a rank-``ndim`` array."""
+    def layout_spec(self, layout: Any, ndim: int, seq: bool = False) -> P:
+        """The ``PartitionSpec`` over tp of a ``Shard(d)`` / ``Replicate()`` layout of a rank-``ndim`` array; ``seq``
+        (a ``[batch, seq, ...]`` activation in a region manual over cp too): its sequence over cp, then tp."""
         spec: list = [None] * ndim
         if isinstance(layout, Shard):
             spec[layout.dim % ndim] = self.tp
+        if seq and ndim >= 2:
+            spec[1] = (self.cp, self.tp) if spec[1] == self.tp else self.cp
         return P(*spec)
+
+    def _seq_cut(self, layout: Any, ndim: int) -> bool:
+        """A sequence-parallel layout under cp: ``Shard(1)`` over tp of an activation whose dim 1 is cut over cp."""
+        return self.cp is not None and isinstance(layout, Shard) and ndim >= 2 and layout.dim % ndim == 1
 
     def tp_spec(self, e: PlanEntry, ndim: int) -> P:
         return self.layout_spec(e.placements[self.ti] if self.ti is not None else None, ndim)
@@ -265,9 +276,14 @@ class TPCalls:
             out_layout = resolve(local, ndim) if isinstance(out, Shard) else Replicate()
         else:
             out_layout = out
-        in_specs = (tuple(self.tp_spec(e, np.ndim(v)) for e, v in zip(ents, vals)), self.layout_spec(x_layout, x.ndim))
+        # sequence parallelism under cp: the region manual over cp too, each device's (cp, tp) block of the sequence
+        # (in global view over cp its tp collectives would span the whole sequence, gathered over cp first)
+        seq = self._seq_cut(x_layout, x.ndim) or self._seq_cut(out_layout, ndim)
+        in_specs = (tuple(self.tp_spec(e, np.ndim(v)) for e, v in zip(ents, vals)),
+                    self.layout_spec(x_layout, x.ndim, seq))
         y = jax.shard_map(body, mesh=self.region_mesh(), in_specs=in_specs,
-                          out_specs=self.layout_spec(out_layout, ndim), axis_names={tp}, check_vma=False)(tuple(vals), x)
+                          out_specs=self.layout_spec(out_layout, ndim, seq), axis_names={tp} | ({self.cp} if seq else set()),
+                          check_vma=False)(tuple(vals), x)
         if bias_outside:
             y = y + vals[names.index("bias")].astype(y.dtype)
         # every parameter whole over tp read in the region has its gradient all-reduced (the region's transpose)
@@ -277,7 +293,9 @@ class TPCalls:
             "module": fqn, "style": type(style).__name__, "type": typ, "region": True, "in_layout": x_layout,
             "in_desired": need, "local_out": local, "out_layout": out,
             "in_bytes": x_bytes, "out_bytes": int(np.prod(y.shape)) * jnp.dtype(y.dtype).itemsize,
-            "input_grad": bool(jnp.issubdtype(x.dtype, jnp.inexact)), "summed_params": summed,
+            # (a region manual over cp too sums them over cp and tp at once: the step's reduction over cp, counted
+            # with it, spmd.parallel.context._calls.with_context)
+            "input_grad": bool(jnp.issubdtype(x.dtype, jnp.inexact)), "summed_params": [] if seq else summed,
             "input_id": id(x)})  # modules reading one input (q, k, v) share its sequence all-gather (XLA merges them)
         # the input kept alive while these calls trace: a freed tracer's id may be given to another input, which
         # the table would then count as shared (one all-gather fewer than the program's)

@@ -38,7 +38,7 @@ __all__ = ["Wrapped", "ParallelModule", "MixedPrecisionPolicy", "parallelize_mod
            "activation_checkpointing", "TPSpec", "FSDPSpec", "RematSpec", "param_module", "glob_regex", "CP_DIM",
            "EP_DIM"]
 
-CP_DIM = "cp"  # the mesh dim the step cuts the batch's sequence over (spmd.parallel.context._calls)
+from spmd.parallel.styles._styles import CP_DIM  # noqa: E402  (the sequence's mesh dim; defined with the styles)
 EP_DIM = "ep"  # the mesh dim of expert parallelism: a data dim whose styles cut experts (spmd.parallel.styles._experts)
 
 
