@@ -82,6 +82,19 @@ if "--tiny" in sys.argv:  # the script's own smoke run: the same path on a small
                               num_kv_heads=2, attn_implementation=ATTN), 8) for k in MODELS}
 
 
+def _progress_bar(total, desc):  # auto_layout's bar, shown in a log too (tqdm shows it on a terminal only)
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="layout", leave=True, disable=False, file=sys.stdout, mininterval=20,
+                ascii=True)
+
+
+if "--quiet" not in sys.argv:
+    import spmd.parallel.auto._auto as _auto_mod  # noqa: E402
+
+    _auto_mod._bar = _progress_bar
+
+
 def tp_plan(sequence_parallel: bool, tp_size: int) -> dict | None:
     """Megatron's plan of a Llama block (heads and MLP features cut), tensor parallelism inside a node (<= 8)."""
     if sequence_parallel or tp_size > 8:
