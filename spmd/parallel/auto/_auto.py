@@ -79,7 +79,7 @@ from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s,
                                          update_seconds)
 from spmd.parallel.cost._memory import Profile, _nbytes, memory_floor
 from spmd.parallel.auto._fused import planned_fused
-from spmd.parallel.auto._priced import HardwareRates, dot_flops, matmul_dtype, mesh_group
+from spmd.parallel.auto._priced import HardwareRates, comm_floor, dot_flops, matmul_dtype, mesh_group
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
 from spmd.parallel.plan._shard import entry_sharding
@@ -657,9 +657,10 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         work = _dot_work_at(depth, slices, loss, params, batch)
 
         def bound(lay: Layout) -> float:  # a lower bound on its compiled time: its share of the model's matmuls
-            if lay.pp > 1:
+            if lay.pp > 1:  # and its gradients' reduction (and FSDP's gathers) at the least bytes
                 return 0.0
-            return cal.hardware.matmul_s(work / lay.size, _rated(cal, lay.mixed_precision or cal.dtype))
+            return cal.hardware.matmul_s(work / lay.size, _rated(cal, lay.mixed_precision or cal.dtype)) + \
+                comm_floor(lay, cal.hardware, params)
 
         bar2 = _bar(None, "auto_layout: compiling")
         got, skipped = searched(
@@ -669,7 +670,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         bar2.close()
         best = next((c for c in got if c.fits), None)
         rejected.extend((lay.name, f"not traced: its bound ({1e3 * b:.2f} ms/step, the matmuls of its share of the "
-                         f"batch at the peak rate) is no faster than {best.name}'s {1e3 * best.predicted_s:.2f} ms")
+                         f"batch at the peak rate and its gradients' reduction at the least bytes) is no faster than {best.name}'s {1e3 * best.predicted_s:.2f} ms")
                         for lay, b in skipped)
     if not got:
         raise ValueError(f"{where}: no layout of {len(devices)} devices could be built for this model; "

@@ -30,7 +30,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from spmd.parallel.cost._hardware import Hardware
 
-__all__ = ["HardwareRates", "mesh_group", "matmul_dtype", "dot_flops"]
+__all__ = ["HardwareRates", "mesh_group", "matmul_dtype", "dot_flops", "comm_floor"]
 
 
 def mesh_group(mesh_dims: Sequence[tuple[str, int]], names: Sequence[str]) -> tuple[int, int]:
@@ -98,6 +98,33 @@ def matmul_dtype(loss: Any, params: Any, batch: Any) -> str:
         return max(work, key=work.get)
     floats = [x for x in jax.tree.leaves(params) if np.issubdtype(x.dtype, np.floating)]
     return max(floats, key=lambda x: math.prod(x.shape)).dtype.name if floats else "float32"
+
+
+def comm_floor(layout: Any, hardware: Any, params: Any) -> float:
+    """A lower bound, before anything of ``layout`` is traced, on the seconds its step's parameter collectives
+    take as ``auto_layout(hardware=)`` prices them (each kind's total bytes over the group of its mesh dims,
+    ``auto._auto._groups``): the gradients, in the parameters' dtype (a mixed-precision policy reduces in
+    float32), are reduce-scattered over ``fsdp`` and the shards all-reduced over ``dp`` (``fsdp`` alone:
+    reduce-scattered; ``dp`` alone: all-reduced), and under FSDP the parameters are all-gathered at least once,
+    in the compute dtype. Every parameter is taken as cut over ``tp`` (the plan cuts some, the rest are whole
+    on each device: fewer bytes than any layout moves), each kind as one collective of its total bytes (one
+    link latency, not one a collective). 0 where the layout's data dims are not ``dp`` x ``fsdp`` alone
+    (pipelines, cp, ep, weight-stationary tp)."""
+    if layout.pp > 1 or layout.cp > 1 or layout.ep > 1 or layout.weight_stationary or layout.n_data < 2:
+        return 0.0
+    leaves = [x for x in jax.tree.leaves(params) if np.issubdtype(x.dtype, np.floating)]
+    grads = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves) / layout.tp
+    dims = layout.mesh_dims
+    t = 0.0
+    if layout.fsdp > 1:
+        item = np.dtype(layout.mixed_precision).itemsize if layout.mixed_precision else None
+        gathered = sum(math.prod(x.shape) * (item or np.dtype(x.dtype).itemsize) for x in leaves) / layout.tp
+        t += hardware.collective_s("all-gather", gathered, *mesh_group(dims, ("fsdp",)))
+        t += hardware.collective_s("reduce-scatter", grads, *mesh_group(dims, ("fsdp",)))
+        grads /= layout.fsdp
+    if layout.dp > 1:
+        t += hardware.collective_s("all-reduce", grads, *mesh_group(dims, ("dp",)))
+    return t
 
 
 @dataclass(frozen=True)

@@ -88,3 +88,29 @@ def test_the_search_picks_what_compiling_every_candidate_picks():
     assert got.best.name == best.name
     assert got.best.predicted_s == pytest.approx(best.predicted_s, rel=1e-9)
     assert all(math.isfinite(c.predicted_s) for c in got if c.fits)
+
+
+@pytest.mark.slow  # traces six layouts of a two-block model
+def test_the_communication_bound_is_below_every_traced_steps_parameter_collectives():
+    """``comm_floor`` (the gradients' reduction and FSDP's gathers at the least bytes, before any trace) is at
+    most what the step's own table costs on the same hardware, for DP, FSDP, HSDP, mixed precision and tp; and
+    it is no bound at all (0) for a layout without data dims."""
+    from spmd.parallel.auto._priced import comm_floor
+
+    batch = _batch()
+    params = jax.eval_shape(lambda: MODEL.init(jax.random.key(0), batch["inputs"])["params"])
+    hw = Hardware("h100 links", {"float32": 67e12}, 80e9, 3.35e12, 4, Link(450e9, 3e-6), Link(50e9, 1e-5))
+    free = Hardware("no latency", {"float32": 67e12}, 80e9, 3.35e12, 4, Link(450e9, 0.0), Link(50e9, 0.0))
+    tp = lambda n: tuple(_plan(False, n).items())  # noqa: E731
+    seen = []
+    for lay in (Layout(dp=8), Layout(fsdp=8, units=U), Layout(fsdp=8, units=U, mixed_precision="bfloat16"),
+                Layout(dp=2, fsdp=4, units=U), Layout(dp=2, tp=4, tp_plan=tp(4)),
+                Layout(fsdp=2, tp=4, tp_plan=tp(4), units=U, reshard_after_forward=False)):
+        for h in (hw, free):
+            c = evaluate_layout(MODEL, OPT, batch, jax.devices()[:8], lay, params=params,
+                                calibration=HardwareRates(h, "float32", group_size=8))
+            floor = comm_floor(lay, h, params)
+            assert 0 < floor <= sum(c.comm_s.values()) * (1 + 1e-9), (lay.name, h.name, floor, c.comm_s)
+        seen.append(floor / sum(c.comm_s.values()))
+    assert seen[0] == pytest.approx(1.0)  # dp=8 without latency: all of it (one all-reduce of every gradient)
+    assert comm_floor(Layout(tp=8, tp_plan=tp(8)), hw, params) == 0.0
