@@ -204,23 +204,24 @@ def positional_params(jaxpr: Any, invars: Any, seq_len: int) -> set[int]:
 
 def dot_params(jaxpr: Any, invars: Any) -> set[int]:
     """Which of ``invars`` (a traced step's parameter leaves, by index) are an operand of a product
-    (``dot_general``), carried there unmixed (transposed, cast, reshaped): an embedding table that is also a tied
-    output head (linen's ``Embed.attend``, a ``Dense`` applied with the table as its kernel) is one."""
+    (``dot_general``) of the model's forward pass (under ``jvp``, not its transpose nor the optimizer's update),
+    carried there unmixed (transposed, cast, reshaped): an embedding table that is also a tied output head
+    (linen's ``Embed.attend``, a ``Dense`` applied with the table as its kernel) is one."""
     found: set[int] = set()
 
-    def walk(jx, origin: dict) -> None:
+    def walk(jx, origin: dict, ctx: str) -> None:
         origin = dict(origin)
         for eqn in jx.eqns:
             ins = [origin.get(id(v)) if not hasattr(v, "val") else None for v in eqn.invars]
-            name = eqn.primitive.name
+            name, stack = eqn.primitive.name, f"{ctx}/{eqn.source_info.name_stack}"
             if (name in _ALONG or name == "transpose") and ins and ins[0] is not None:
                 origin[id(eqn.outvars[0])] = ins[0]
-            elif name == "dot_general":
+            elif name == "dot_general" and "jvp(" in stack and "transpose(" not in stack:
                 found.update(src for src in ins if src is not None)
             for sub, sub_in in _sub_invars(eqn):
-                walk(sub, {id(sv): src for sv, src in zip(sub_in, ins) if src is not None})
+                walk(sub, {id(sv): src for sv, src in zip(sub_in, ins) if src is not None}, stack)
 
-    walk(jaxpr, {id(v): i for i, v in enumerate(invars)})
+    walk(jaxpr, {id(v): i for i, v in enumerate(invars)}, "")
     return found
 
 
