@@ -71,7 +71,7 @@ from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, c
 from spmd.parallel.auto._compiled import compile_figures, extrapolated
 from spmd.parallel.auto._cpep import check_attention, check_pipelined_attention, context_expert_layouts
 from spmd.parallel.auto._measure import example_inputs as _example_inputs, measure_layouts
-from spmd.parallel.auto._pipeline import count_units, pipeline_cost, pipeline_layouts, stage_shapes
+from spmd.parallel.auto._pipeline import count_units, pipeline_cost, pipeline_layouts, scanned_stack, stage_shapes
 from spmd.parallel.cost._calibrate import Calibration, calibrate
 from spmd.parallel.cost._hardware import Hardware
 from spmd.parallel.cost._comm import KINDS
@@ -210,7 +210,10 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     loss = loss_fn if loss_fn is not None else default_loss(laid)
     profile = profile or Profile(params_loss(model, loss_fn), params, optimizer, step_loss=loss)
     if layout.pp > 1:
-        return _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget)
+        # a scanned stack (one module here, fewer than the stages) shows its layers on the example inputs
+        stack = count_units(params, layout.units[0]) < layout.pp * layout.stages_per_rank
+        return _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget,
+                          _example_inputs(model, batch, layout.pp) if stack else ())
     if built is None:
         state = abstract_state(laid, params, optimizer, mesh, *_example_inputs(model, batch))
     else:  # the state and batch as the compile takes them (their shardings), so that it finds this trace
@@ -272,9 +275,10 @@ def untraced(layout: Layout, memory: dict, budget: int | None) -> Candidate:
                      memory=memory, flops=0.0, fits=budget is None or memory["peak"] <= budget)
 
 
-def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget) -> Candidate:
-    """A pipelined candidate (``spmd.parallel.auto._pipeline``): the state's shapes and the step's own table."""
-    state = jax.eval_shape(lambda: init_train_state(laid, optimizer, params=params))
+def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget, inputs=()) -> Candidate:
+    """A pipelined candidate (``spmd.parallel.auto._pipeline``): the state's shapes and the step's own table;
+    ``inputs``: the model's example inputs (a scanned stack's layers are found from them)."""
+    state = jax.eval_shape(lambda: init_train_state(laid, optimizer, *inputs, params=params))
     step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps)
     n_data = layout.n_data
     b = jax.tree.leaves(batch)[0].shape[0]
@@ -554,10 +558,13 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                          "accumulation of every candidate).")
     rows = jax.tree.leaves(batch)[0].shape[0]
     precisions = _check_precisions(mixed_precision, where)
+    # a scanned stack's layers are the pipeline's units (its stages slices of the layer axis)
+    stack = scanned_stack(model, params, _example_inputs(model, batch, 2)) if layouts is None else None
+    pp_units, layers = ((stack[0],), stack[1]) if stack and units in ((), (stack[0],)) else (units, None)
     todo = list(layouts) if layouts is not None else [
         replace(lay, mixed_precision=p) for lay in candidate_layouts(len(devices), plan, units)
         for p in (None, *precisions) if p is None or lay.fsdp > 1] + pipeline_layouts(
-            len(devices), plan, units, params, rows) + context_expert_layouts(len(devices), plan, units, params, batch)
+            len(devices), plan, pp_units, params, rows, layers) + context_expert_layouts(len(devices), plan, units, params, batch)
     todo = [lay if lay.accum_steps >= accum_steps else replace(lay, accum_steps=accum_steps) for lay in todo]
     slices = _slices(depth, loss_fn, units, params, batch, optimizer, where)
     if slices is not None:

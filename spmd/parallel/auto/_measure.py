@@ -117,10 +117,11 @@ def peak_bytes(compiled: Any) -> int:
     return StepMemory.from_compiled(compiled).peak
 
 
-def example_inputs(model: Any, batch: Any) -> tuple:
+def example_inputs(model: Any, batch: Any, pp: int = 1) -> tuple:
     """A linen model's inputs in ``batch`` (``batch["inputs"]``, as the default loss applies it), for its plan to
-    see its ``nn.scan`` blocks; none for an nnx model (its modules are seen as they are) or another batch."""
-    if is_nnx(getattr(model, "module", model)) or not (isinstance(batch, Mapping) and "inputs" in batch):
+    see its ``nn.scan`` blocks; an nnx model's only under a pipeline (``pp > 1``: its stages find a scanned
+    stack's layers from them; elsewhere its modules are seen as they are); none for another batch."""
+    if (is_nnx(getattr(model, "module", model)) and pp == 1) or not (isinstance(batch, Mapping) and "inputs" in batch):
         return ()
     return (batch["inputs"],)
 
@@ -139,13 +140,13 @@ def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: An
 
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
     if abstract:
-        state = jax.eval_shape(lambda: init_train_state(laid, optimizer, *example_inputs(model, structs[1]),
+        state = jax.eval_shape(lambda: init_train_state(laid, optimizer, *example_inputs(model, structs[1], layout.pp),
                                                         params=structs[0], mesh=mesh))
         return step, state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data(x)),
                                          structs[1])
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), structs)
-    return step, init_train_state(laid, optimizer, *example_inputs(model, zeros[1]), params=zeros[0], mesh=mesh), \
-        jax.tree.map(lambda x: jax.device_put(x, data(x)), zeros[1])
+    state = init_train_state(laid, optimizer, *example_inputs(model, zeros[1], layout.pp), params=zeros[0], mesh=mesh)
+    return step, state, jax.tree.map(lambda x: jax.device_put(x, data(x)), zeros[1])
 
 
 def compiled_peak(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,

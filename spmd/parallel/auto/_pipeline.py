@@ -45,7 +45,7 @@ from spmd.parallel.pipelining._comm import STAGES
 from spmd.parallel.pipelining._pipeline import unit_modules
 from spmd.parallel.pipelining._tp import ep_placements
 
-__all__ = ["pipeline_cost", "pipeline_layouts", "stage_shapes", "stage_passes", "PERMUTE"]
+__all__ = ["pipeline_cost", "pipeline_layouts", "scanned_stack", "stage_shapes", "stage_passes", "PERMUTE"]
 
 PERMUTE = "collective-permute"
 
@@ -62,18 +62,43 @@ def count_units(params: Any, glob: str) -> int:
     return len(unit_modules(paths, glob.replace(".", "/")))
 
 
-def pipeline_layouts(n: int, plan: Any, units: tuple[str, ...], params: Any, rows: int) -> list[Layout]:
+def scanned_stack(model: Any, params: Any, example_inputs: tuple) -> tuple[str, int] | None:
+    """``(its module path, dotted; its layer count)`` of the model's one scanned stack (``nn.scan``, or
+    ``nnx.vmap`` + ``nnx.scan``), found by one abstract call on ``example_inputs`` as ``pipeline`` finds it;
+    None for a model with none, several, or that this call cannot run (a linen model holding batch
+    statistics: a pipeline refuses it by name)."""
+    from spmd.parallel.pipelining._calls import model_kind
+    from spmd.parallel.styles._transforms import stacked_of
+
+    if model_kind(model) not in ("linen", "nnx") or not example_inputs:
+        return None
+    try:
+        stacked = stacked_of(model, params, example_inputs) or {}
+    except Exception:  # noqa: BLE001 (flax's errors for other collections: no pipeline of a stack offered)
+        return None
+    shapes = {path_str(kp): np.shape(x) for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    stacks = {m: shapes[p][axis] for p, (m, axis) in stacked.items()}
+    if len(stacks) != 1:
+        return None
+    ((stack, layers),) = stacks.items()
+    return stack.replace("/", "."), int(layers)
+
+
+def pipeline_layouts(n: int, plan: Any, units: tuple[str, ...], params: Any, rows: int,
+                     layers: int | None = None) -> list[Layout]:
     """The pipelined layouts ``auto_layout`` weighs on ``n`` devices for a global batch of ``rows``: ``pp``
     over the divisors of ``n`` up to the units' count, the rest of the devices over ``dp`` x ``fsdp`` x
     ``tp`` (``tp`` with a plan, without sequence parallelism); 1F1B at ``M`` = pp, 2 pp and 4 pp micro-batches
     (those the replica's rows divide), and the interleaved schedule (2 chunks per rank) at the largest of them
-    where the units allow 2 pp stages. None unless the units are one glob (the pipeline's stages)."""
+    where the units allow 2 pp stages. None unless the units are one glob (the pipeline's stages).
+    ``layers``: the layer count of the scanned stack ``units`` names (``scanned_stack``): its layers are the
+    units, and the stages equal slices of them (``pp`` and ``2 pp`` for the interleaved schedule dividing it)."""
     if len(units) != 1:
         return []
-    n_units = count_units(params, units[0])
+    n_units = count_units(params, units[0]) if layers is None else layers
     out = []
     for pp in range(2, min(n, n_units) + 1):
-        if n % pp:
+        if n % pp or (layers is not None and layers % pp):
             continue
         for dp, fsdp, tp in factorizations(n // pp):
             tp_plan = tp_plan_for(plan, False, tp) if tp > 1 else None
@@ -83,7 +108,7 @@ def pipeline_layouts(n: int, plan: Any, units: tuple[str, ...], params: Any, row
             ms = [m for m in (pp, 2 * pp, 4 * pp) if per and per % m == 0]
             base = dict(pp=pp, dp=dp, fsdp=fsdp, tp=tp, tp_plan=tp_plan, units=units, reshard_after_forward=fsdp == 1)
             out += [Layout(**base, microbatches=m) for m in ms]
-            if ms and n_units >= 2 * pp:
+            if ms and n_units >= 2 * pp and (layers is None or layers % (2 * pp) == 0):
                 out.append(Layout(**base, microbatches=ms[-1], schedule="interleaved", stages_per_rank=2))
     return out
 
@@ -142,7 +167,8 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     ops = profile.ops(mb)
     of, ob = profile.optimizer_cost()
     u = _share(lay)
-    chunk = u * lay.per_slot / len(lay.found) / layout.tp  # a chunk's share of the one-device step
+    chunk = u * lay.per_slot / len(lay.units) / layout.tp  # a chunk's share of the one-device step (a scanned
+    # stack: its layers are the units)
     t_f = cal.compute_s(flops, nbytes, ops) * chunk / 3
     ends = cal.compute_s(flops, nbytes, ops) * (1 - u) * 4 / 3
     share = state.plan.bytes_per_device / max(profile.param_bytes, 1)
