@@ -108,6 +108,13 @@ def build(name: str):
     return m, params, loss, units, plan
 
 
+def _example():
+    """Example inputs the model is called on (``init_train_state(model, optimizer, x, params=params)``)."""
+    import jax.numpy as jnp
+
+    return jnp.zeros((2, SEQ), jnp.int32)
+
+
 def _batches(n: int = 4):
     import numpy as np
 
@@ -161,7 +168,7 @@ def prepare_ours(name: str, shape: tuple, names: tuple, regather: bool = True, u
     laid, params, loss, mesh, _ = layout(name, shape, names, regather)
     opt = _optimizer()
     step = make_train_step(laid, loss(laid), opt)
-    state = init_train_state(laid, opt, params=params)
+    state = init_train_state(laid, opt, _example(), params=params)  # the example inputs: see the module doc
     rule = step_module.transposed_dot_grads
     if unflipped:
         step_module.transposed_dot_grads = lambda closed: [False] * len(closed.jaxpr.outvars)
@@ -202,7 +209,7 @@ def prepare_gspmd(name: str, shape: tuple, names: tuple):
     from spmd.parallel import TrainState, entry_sharding, hlo_executed_collectives, map_like_params
 
     laid, params, loss, mesh, model = layout(name, shape, names)
-    plan = laid.plan(params)
+    plan = laid.plan(params, _example())
     opt = _optimizer()
     rep = NamedSharding(mesh.jax_mesh, P())
     sizes = dict(zip(names, shape))

@@ -112,6 +112,10 @@ class ParamPlan:
     units: tuple[str, ...]  # gather units, in first-use order of the leaves
     treedef: Any  # the parameters' jax PyTreeDef (immutable)
     keep: tuple[str, ...] = (ROOT,)  # regexes of the units gathered once and held for the backward pass
+    # the 2-D parameters whose gradient is a dot's output transposed, read off the model's backward pass when the
+    # plan was built with example inputs (fsdp cuts them on dim 1 where it can; the step gathers them
+    # transposed); None: not read (the step reads its own backward pass once instead)
+    out_cut: tuple[str, ...] | None = None
 
     @property
     def scans(self) -> tuple[tuple[str, int], ...]:

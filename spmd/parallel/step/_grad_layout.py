@@ -20,7 +20,7 @@ from typing import Any
 
 from jax.extend.core import Literal
 
-__all__ = ["transposed_dot_grads", "zero_grads", "gathered_dot_grads"]
+__all__ = ["transposed_dot_grads", "zero_grads", "gathered_dot_grads", "output_cut", "out_cut_gathers"]
 
 _UNARY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reduce_precision"})
 _LOOPS = frozenset({"scan", "while", "cond"})
@@ -62,6 +62,37 @@ def transposed_dot_grads(closed: Any) -> list[bool]:
 
     jaxpr = closed.jaxpr
     return [len(getattr(v.aval, "shape", ())) == 2 and walk(jaxpr, v, "transpose") for v in jaxpr.outvars]
+
+
+def output_cut(forward: Any, params: Any, paths: Any) -> tuple[str, ...]:
+    """The paths (``paths``: one per leaf of ``params``, in leaf order) of the 2-D parameters whose gradient is
+    a dot's output transposed (:func:`transposed_dot_grads`) in the backward pass of ``forward(params)`` (its
+    floating outputs summed), traced abstractly: nothing runs or compiles. A ``Dense`` kernel ``[in, out]`` is
+    one; cut over fsdp on its output dim (dim 1, as torch's FSDP cuts a ``Linear`` weight ``[out, in]`` on dim
+    0), it is gathered as the all-gather of its shard's transpose on dim 0 and its gradient is reduce-scattered
+    on dim 0 of the dot's own output ``[out, in]``: neither needs a full-size transposed copy."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
+
+    def total(p):
+        outs = [y for y in jax.tree.leaves(forward(p)) if jnp.issubdtype(jnp.result_type(y), jnp.floating)]
+        return sum((jnp.sum(y.astype(jnp.float32)) for y in outs), jnp.zeros((), jnp.float32))
+
+    closed = jax.make_jaxpr(jax.grad(total))(abstract)
+    return tuple(p for p, f in zip(paths, transposed_dot_grads(closed)) if f)
+
+
+def out_cut_gathers(plan: Any, fsdp: str | None) -> list[str]:
+    """The paths of ``plan.out_cut``'s parameters (a ``ParamPlan``'s) that are 2-D and cut over the mesh dim
+    ``fsdp``: gathered transposed (``plan._shard.gather_unit``), no backward pass read for it."""
+    if fsdp is None or not plan.out_cut:
+        return []
+    fi = plan.mesh_dim_names.index(fsdp)
+    return [e.path for e in plan.entries if e.path in plan.out_cut and len(e.shape) == 2
+            and e.shard_dim(fi) is not None]
 
 
 def gathered_dot_grads(closed: Any) -> list[bool]:

@@ -48,7 +48,7 @@ from spmd.parallel.context._seq import seq_inputs
 from spmd.parallel.styles._experts import with_experts
 from spmd.parallel.cost._recompute import SYNC_BN, recomputed_collectives
 from spmd.parallel.step._batch_norm import BATCH_STATS_REASON, sync_batch_norm, sync_nnx_batch_norm
-from spmd.parallel.step._grad_layout import gathered_dot_grads, transposed_dot_grads, zero_grads
+from spmd.parallel.step._grad_layout import gathered_dot_grads, out_cut_gathers, transposed_dot_grads, zero_grads
 from spmd.parallel.step._heads import (check_whole_sequence, dot_params, head_splits, lookup_cotangents,
                                        positional_params, whole_over_tp, whole_sequence_products)
 from spmd.parallel.step._model_checks import check_batch as _check_batch
@@ -59,7 +59,7 @@ from spmd.parallel.styles._nnx import is_nnx, nnx_batch_stats, nnx_loss, nnx_par
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan
 from spmd.parallel.plan._shard import entry_sharding, map_like_params, shard_params, unshard_tree
 from spmd.parallel.plan._scan import check_unscanned, find_stacked, stacked_in, trace_seen
-from spmd.parallel.styles._transforms import ParallelModule, as_parallel, build_plan, stacked_of
+from spmd.parallel.styles._transforms import ParallelModule, as_parallel, build_plan, out_cut_of, stacked_of
 
 __all__ = ["TrainState", "init_train_state", "make_train_step", "unshard_params", "state_shardings"]
 
@@ -162,7 +162,9 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
         check_rng(where, rng)
         variables, seen = trace_seen(lambda r: inner.init(r, *xs), rng)
         abstract = variables["params"]
-        plan = build_plan(pm, abstract, find_stacked(seen, abstract))
+        plan = build_plan(pm, abstract, find_stacked(seen, abstract),
+                          out_cut_of(pm, abstract, xs, batch_stats if batch_stats is not None else variables.get(
+                              "batch_stats")))
         shardings = map_like_params(plan, abstract, lambda x, e: entry_sharding(e, mesh))
         from spmd.parallel.plan._shard import pad_tree
 
@@ -171,7 +173,8 @@ def init_train_state(model: Any, optimizer: optax.GradientTransformation, *init_
             inner.init(r, *xs)), out_shardings=(shardings, rep))(rng)
         batch_stats = got if stats else batch_stats
     else:
-        plan = build_plan(pm, params, stacked_of(inner, params, init_args, batch_stats))
+        plan = build_plan(pm, params, stacked_of(inner, params, init_args, batch_stats),
+                          out_cut_of(pm, params, init_args, batch_stats))
         stored = shard_params(params, plan, mesh)
     opt_abstract = jax.eval_shape(optimizer.init, stored)
     _, opt_sh = state_shardings(plan, mesh, stored, opt_abstract, optimizer)
@@ -360,7 +363,7 @@ class _LayoutStep(TrainStep):
         if key not in self._verified:
             logical = jax.tree_util.tree_unflatten(
                 state.plan.treedef, [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in state.plan.entries])
-            if build_plan(pm, logical, stacked_in(state.plan)) != state.plan:
+            if build_plan(pm, logical, stacked_in(state.plan), state.plan.out_cut) != state.plan:
                 raise ValueError("train_step: the state was laid out for another model or plan than this step's "
                                  f"({pm!r}); build it with init_train_state on the same model.")
             seen = check_state_params(pm, loss_fn, logical, batch)
@@ -668,7 +671,9 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         return unflat(g), metrics, new_stats
 
     zeros: list = []  # the paths of the parameters whose gradient is zero by construction (filled when traced)
-    gather_flip: set = set()  # the fsdp-cut parameters gathered transposed (_grad_layout.gathered_dot_grads)
+    # the fsdp-cut parameters gathered transposed: known from the plan (_grad_layout.output_cut), else read off the
+    # backward pass once (_grad_layout.gathered_dot_grads)
+    gather_flip: set = set(out_cut_gathers(plan, fsdp))
     found: list = []  # what a trace without them found
     recomputed: list = []  # the collectives a checkpoint's recomputation runs again, and the backward pass's
     # all-reduces of SyncBatchNorm's statistics (filled when traced)
@@ -711,7 +716,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         (``spmd.parallel.step._heads``): a cut that would split a head is refused, and a projection with fewer
         heads than the tp size runs whole over tp."""
         if not checked:
-            if fsdp is not None and accum_steps == 1:  # read the backward pass once: which gathers to transpose
+            if fsdp is not None and accum_steps == 1 and plan.out_cut is None:  # which gathers to transpose
                 jax.make_jaxpr(lambda s, b: step(s, b))(state, batch)
                 gather_flip.update(found)
                 traced.clear()

@@ -17,6 +17,7 @@ a plan key or unit is such a name with ``*`` globs, each ``*`` within one name c
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -210,7 +211,8 @@ class ParallelModule(Wrapped):
             raise TypeError("ParallelModule.plan: the model has no mesh (activation_checkpointing alone); the "
                             "step's mesh= lays it out: init_train_state(model, optimizer, mesh=mesh, params=params)"
                             ".plan.")
-        return build_plan(self, params, stacked_of(self.module, params, example_inputs))
+        return build_plan(self, params, stacked_of(self.module, params, example_inputs),
+                          out_cut_of(self, params, example_inputs))
 
 
 def stacked_of(module: Any, params: Any, example_inputs: Sequence[Any], batch_stats: Any = None) -> dict | None:
@@ -224,10 +226,39 @@ def stacked_of(module: Any, params: Any, example_inputs: Sequence[Any], batch_st
         return None
     if is_nnx(module):
         return find_stacked(nnx_trace_seen(module, params, lambda m: m(*example_inputs)), params)
+    if _is_hf(module):  # a Hugging Face Flax model: its linen module called with params=
+        return find_stacked(trace_seen(lambda p: module(*example_inputs, params=p), params)[1], params)
     if batch_stats is None:
         return find_stacked(trace_seen(lambda p: module.apply({"params": p}, *example_inputs), params)[1], params)
     return find_stacked(trace_seen(lambda p: module.apply({"params": p, "batch_stats": batch_stats}, *example_inputs,
                                                           mutable=["batch_stats"]), params)[1], params)
+
+
+def _is_hf(module: Any) -> bool:
+    import flax.linen as nn
+
+    return not isinstance(module, nn.Module) and isinstance(getattr(module, "module", None), nn.Module)
+
+
+def out_cut_of(model: Any, params: Any, example_inputs: Sequence[Any], batch_stats: Any = None) -> tuple | None:
+    """Under ``fully_shard``: the 2-D parameters to cut on their output dim, read off the backward pass of the
+    model applied to ``example_inputs`` (``spmd.parallel.step._grad_layout.output_cut``, an abstract trace);
+    None where not read (no fsdp, no inputs, an nnx model, a linen model with ``batch_stats``)."""
+    from spmd.parallel.styles._nnx import is_nnx
+    # imports nothing of the library (see _unwrap's note on the protocol module)
+    from spmd.parallel.step._grad_layout import output_cut
+
+    module = model.module if isinstance(model, ParallelModule) else model
+    if not isinstance(model, ParallelModule) or model.fsdp is None or not example_inputs or is_nnx(module):
+        return None
+    if _is_hf(module):
+        forward = lambda p: module(*example_inputs, params=p)  # noqa: E731
+    elif batch_stats is None and hasattr(module, "apply"):
+        forward = lambda p: module.apply({"params": p}, *example_inputs)  # noqa: E731
+    else:
+        return None
+    paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return output_cut(forward, params, paths)
 
 
 def ep_of(module: Any) -> TPSpec | None:
@@ -422,9 +453,13 @@ def _no_match(where: str, arg: str, key: str, modules: list[str], params: Any = 
                       "Fix the name (globs: 'layers_*.mlp.up_proj', 'transformer.h.*').")
 
 
-def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[str, int]] | None = None) -> ParamPlan:
+def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[str, int]] | None = None,
+               out_cut: Sequence[str] | None = None) -> ParamPlan:
     """Every parameter's placements under the model's layouts (see the module doc). ``stacked``: the
-    parameters ``nn.scan`` stacks, ``{path: (scan module, axis)}`` (``spmd.parallel.plan._scan``): never cut."""
+    parameters ``nn.scan`` stacks, ``{path: (scan module, axis)}`` (``spmd.parallel.plan._scan``): never cut.
+    ``out_cut``: the 2-D parameters whose gradient is a dot's output transposed (:func:`out_cut_of`); fsdp
+    cuts each on its output dim (1) where the default would cut dim 0, dim 1 is free of tp and fsdp divides it
+    (or not dim 0 either)."""
     where = "init_train_state"
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     if not leaves:
@@ -524,10 +559,15 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
                 stacked[path][1] if path in stacked else None}
             if isinstance(p, Shard) and p.dim % len(shape) in taken:
                 p = next((Shard(d) for d in range(len(shape)) if d not in taken), Replicate())
+            n = sizes[fsdp.shard_dim]
+            if (out_cut and path in out_cut and len(shape) == 2 and isinstance(p, Shard) and p.dim % 2 == 0
+                    and 1 not in taken and (shape[1] % n == 0 or shape[0] % n)):
+                p = Shard(1)
             pl[fsdp.shard_dim] = p
         rules.append(Rule(re.escape(path), pl, name=_rule_name(model, path)))
-    return plan_params(params, sizes, rules, fsdp=fsdp.shard_dim if fsdp else "", units=tuple(unit_res),
+    plan = plan_params(params, sizes, rules, fsdp=fsdp.shard_dim if fsdp else "", units=tuple(unit_res),
                        keep=(ROOT,) if (fsdp is None or fsdp.reshard_after_forward) else (".*",), stacked=stacked)
+    return plan if out_cut is None else dataclasses.replace(plan, out_cut=tuple(sorted(out_cut)))
 
 
 def _layer_shape(shape: Sequence[int], stacked: tuple[str, int] | None) -> tuple[int, ...]:
