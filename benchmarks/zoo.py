@@ -17,8 +17,10 @@ Layouts, on 8 CPU fake devices:
   same with the step's gradient-layout rule switched off (``unflipped``: every gradient all-reduced as it
   comes, see ``spmd.parallel.step._grad_layout``), the ablation that shows what that rule is worth.
 
-Ours is what a user writes: the layout, ``init_train_state`` and ``make_train_step`` with the one-device
-loss. GSPMD is the same model as a JAX user writes it today: a global-view ``jax.jit`` step with every
+Ours is what a user writes: the layout, ``init_train_state`` (given the example inputs the model is called on,
+``init_train_state(model, optimizer, x, params=params)``: it reads the model's backward pass, and fsdp cuts each
+kernel whose gradient is its dot's output transposed on its output dim) and ``make_train_step`` with the
+one-device loss. GSPMD is the same model as a JAX user writes it today: a global-view ``jax.jit`` step with every
 parameter and its AdamW moments placed by ``NamedSharding`` exactly as our plan places them, the batch over
 the data dims, XLA's partitioner choosing the communication. Every layout of a model is compiled first, then
 all are timed in interleaved rounds (the layouts take turns, so load from other processes on the host falls on

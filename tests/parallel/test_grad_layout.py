@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import spmd
+from placements import Shard
 from spmd.parallel import executed_collectives, fully_shard, init_train_state, make_train_step, unshard_params
 from spmd.parallel.step._grad_layout import transposed_dot_grads, zero_grads
 
@@ -200,6 +201,50 @@ def test_fsdp_gathers_flagged_kernels_transposed_so_their_gradients_stay_in_thei
     comm = step.communication(state, batch)["total"]["reduce-scatter"]
     hlo = executed_collectives(step, state, batch, scalars=False)["reduce-scatter"]
     assert (hlo["buffers"], hlo["bytes"]) == (comm["count"], comm["bytes"])
+    ref, s = params, opt.init(params)
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        value, g = jax.value_and_grad(loss_fn)(ref, batch)
+        u, s = opt.update(g, s, ref)
+        ref = optax.apply_updates(ref, u)
+        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(unshard_params(sharded, state)), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def _gathered_shapes(hlo: str) -> set:
+    return {tuple(int(d) for d in m.split(",")) for m in re.findall(r"= f32\[([\d,]+)\]\{[\d,]*\} all-gather\(", hlo)}
+
+
+def test_fsdp_with_example_inputs_cuts_flagged_kernels_on_their_output_dim():
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(32, 16)).astype(np.float32), "y": rng.normal(size=(32, 6)).astype(np.float32)}
+    model = _Stack()
+    params = model.init(jax.random.key(0), batch["x"])["params"]
+
+    def loss_fn(p, b):
+        return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    opt = optax.sgd(0.1)
+    mesh = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("fsdp",))
+    sharded = fully_shard(model, mesh=mesh, units=["layers_*"])
+    state = init_train_state(sharded, opt, batch["x"][:2], params=params)  # example inputs: the backward is read
+    placed = {e.path: e.placements for e in state.plan.entries}
+    # up [16, 40] and down [40, 24] on their output dim (8 divides it); head [16, 6] on dim 0 (8 does not divide 6)
+    assert placed["layers_0/up/kernel"] == placed["layers_1/down/kernel"] == (Shard(1),), placed
+    assert placed["head/kernel"] == placed["layers_0/up/bias"] == (Shard(0),), placed
+    assert sharded.plan(params, batch["x"][:2]) == state.plan
+    assert sharded.plan(params).out_cut is None and sharded.plan(params) != state.plan
+    step = make_train_step(sharded, loss_fn, opt)
+    hlo = step.compiled(state, batch).as_text()
+    # each output-cut kernel is gathered as [out, in] (its shard's transpose, on dim 0) and its gradient is
+    # reduce-scattered from its dot's own [out, in] output; no dot computes a kernel-shaped result
+    assert {(40, 16), (24, 40)} <= _gathered_shapes(hlo) and not {(16, 40), (40, 24)} & _gathered_shapes(hlo)
+    dots = _dot_shapes(hlo)
+    assert {(40, 16), (24, 40), (6, 16)} <= dots and not {(16, 40), (40, 24), (16, 6)} & dots, dots
+    comm = step.communication(state, batch)["total"]["reduce-scatter"]
+    got = executed_collectives(step, state, batch, scalars=False)["reduce-scatter"]
+    assert (got["buffers"], got["bytes"]) == (comm["count"], comm["bytes"])
     ref, s = params, opt.init(params)
     for _ in range(3):
         state, metrics = step(state, batch)

@@ -347,3 +347,23 @@ def test_zoo(name, layout):
     else:
         for kind in ("collective-permute", "all-reduce", "all-gather", "reduce-scatter"):
             assert got[kind]["bytes"] == want[kind]["bytes"], (kind, got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,layout", [("hf_mistral", "fsdp"), ("hf_gpt_neo", "hsdp")])
+def test_given_example_inputs_fsdp_cuts_a_kernel_on_its_output_dim(name, layout):
+    # init_train_state(model, optimizer, x, params=params) reads the model's backward pass: a kernel whose gradient
+    # is its dot's output transposed ([in, out], a Hugging Face Dense) is cut on dim 1 (what torch's FSDP cuts of a
+    # Linear's [out, in] weight), and trains as 1 device does, the compiled collectives equal to the table
+    fam = dataclasses.replace(FAMILIES[name], example=(np.zeros((2, 8), np.int32),))
+    ref_losses, ref_params = _reference(name)
+    losses, params, step, state = _train(fam, layout)
+    fi = state.plan.mesh_dim_names.index("fsdp")
+    q = [e for e in state.plan.entries if e.path.endswith("q_proj/kernel")]
+    assert q and all(e.shard_dim(fi) == 1 for e in q), [(e.path, e.placements) for e in q]
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    got = hlo_executed_collectives(step.compiled(state, fam.batch(0)).as_text(), scalars=False)
+    for kind, w in step.communication(state, fam.batch(0))["total"].items():
+        assert (got[kind]["buffers"], got[kind]["bytes"]) == (w["count"], w["bytes"]), (kind, got)
