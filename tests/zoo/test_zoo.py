@@ -350,8 +350,10 @@ def test_zoo(name, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,layout", [("hf_mistral", "fsdp"), ("hf_gpt_neo", "hsdp")])
-def test_given_example_inputs_fsdp_cuts_a_kernel_on_its_output_dim(name, layout):
+@pytest.mark.parametrize("name,layout,kernel", [("hf_mistral", "fsdp", "q_proj/kernel"),
+                                                ("hf_gpt_neo", "hsdp", "q_proj/kernel"),
+                                                ("hf_mistral", "3d", "o_proj/kernel")])  # tp cuts q_proj's dim 1
+def test_given_example_inputs_fsdp_cuts_a_kernel_on_its_output_dim(name, layout, kernel):
     # init_train_state(model, optimizer, x, params=params) reads the model's backward pass: a kernel whose gradient
     # is its dot's output transposed ([in, out], a Hugging Face Dense) is cut on dim 1 (what torch's FSDP cuts of a
     # Linear's [out, in] weight), and trains as 1 device does, the compiled collectives equal to the table
@@ -359,7 +361,7 @@ def test_given_example_inputs_fsdp_cuts_a_kernel_on_its_output_dim(name, layout)
     ref_losses, ref_params = _reference(name)
     losses, params, step, state = _train(fam, layout)
     fi = state.plan.mesh_dim_names.index("fsdp")
-    q = [e for e in state.plan.entries if e.path.endswith("q_proj/kernel")]
+    q = [e for e in state.plan.entries if e.path.endswith(kernel)]
     assert q and all(e.shard_dim(fi) == 1 for e in q), [(e.path, e.placements) for e in q]
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
