@@ -53,6 +53,9 @@ def test_job_moe_pipeline_with_experts_over_ep_equals_dp8(tmp_path):
     got = [h["loss"] for h in summary["history"]]
     assert len(want) == 3 and want[-1] != want[0]
     assert got == pytest.approx(want, rel=1e-5, abs=1e-5)
+    # the drops each block sows in its stage reach the history (one scalar per unit and name)
+    assert {k for k in summary["history"][0] if k.startswith("intermediates/")} == {
+        f"intermediates/layers_{i}/mlp/{n}" for i in range(2) for n in ("dropped", "load_balancing")}
     pipe = summary["pipeline"]
     assert pipe["bytes_hlo"] == pipe["bytes_table"]
     assert pipe["bytes_table"]["all-to-all"] > 0 and summary["collectives"]["all-to-all"]["count"] > 0

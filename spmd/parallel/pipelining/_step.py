@@ -715,8 +715,8 @@ def _reduce_grads(st: _Stages, gsp, grest, loss, aux):
     metrics = {"loss": loss / k, **jax.tree.map(lambda a: a / k, aux)}
     if sown:  # what the units sowed (an MoE's drops), each unit's on its rank: by unit, summed over pp below
         kinds = lay.calls.kind_of
-        metrics["intermediates"] = {f"{u}/{n}": sown[n][i] / k for i, u in enumerate(lay.units)
-                                    for n in st.sown_kinds[kinds[i]]}
+        metrics.update({f"intermediates/{u}/{n}": sown[n][i] / k for i, u in enumerate(lay.units)
+                        for n in st.sown_kinds[kinds[i]]})
     n_data = int(np.prod([st.pm.mesh.size(d) for d in data])) if data else 1
     rp = list(grest)
     grest = dict(zip(rp, [g / n_data for g in reduce_tp_aware(

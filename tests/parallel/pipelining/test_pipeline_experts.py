@@ -7,7 +7,7 @@ of the stacked experts), the experts module runs under ExpertParallel inside eac
 are averaged over the data dims but ep; 3 SGD steps equal one device's within 1e-5, and the compiled program's
 all-to-alls, all-reduces and collective-permutes equal the pipeline's table (the all-to-alls counted per branch of
 each tick: a forward 2, a backward 4, the recomputed forward's and their transposes). What the units sow (each MoE
-block's dropped assignments) reaches the step's metrics, ``metrics["intermediates"]["layers_i/mlp/dropped"]``, equal
+block's dropped assignments) reaches the step's metrics, ``metrics["intermediates/layers_i/mlp/dropped"]``, equal
 to a NumPy count of the capacity routing."""
 
 import dataclasses
@@ -163,10 +163,11 @@ def test_the_drops_sown_in_the_stages_reach_the_metrics():
     for b in batches:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
-        sown = m["intermediates"]
-        assert sorted(sown) == [f"layers_{i}/mlp/{n}" for i in (0, 1) for n in ("dropped", "load_balancing")]
+        sown = {k: v for k, v in m.items() if k.startswith("intermediates/")}
+        assert sorted(sown) == [f"intermediates/layers_{i}/mlp/{n}" for i in (0, 1)
+                                for n in ("dropped", "load_balancing")]
         # averaged over the data ranks (ep=2) and the 2 micro-batches, as the loss: x4 is the batch's count
-        got = 4 * sum(float(sown[f"layers_{i}/mlp/dropped"]) for i in (0, 1))
+        got = 4 * sum(float(sown[f"intermediates/layers_{i}/mlp/dropped"]) for i in (0, 1))
         assert got == _numpy_drops(MoE(CFG), p, b["tokens"]) > 0
         p = unshard_params(pm, state)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
