@@ -255,6 +255,7 @@ class ContextCalls:
         # each module call's (fqn, k-th call) leaves' dim 1, inputs and outputs (``seq_leaves`` reads two traces')
         self.dims: dict[tuple[str, int], tuple[tuple, tuple]] = {}
         self.seq_of = seq_of or {}  # ``seq_leaves``' answer: which of a call's leaves are the sequence
+        self._calls: dict[str, int] = {}  # each module's calls so far in this trace
         self._open: set[str] = set()
         self._local = False  # inside an intercepted call's own attention on this device's block
         self._ints: dict[int, Any] = {}  # integer inputs gathered once per trace (XLA merges the repeats), by id
@@ -271,7 +272,8 @@ class ContextCalls:
         if call.fqn in self._open:
             return NotImplemented
         args, kwargs = call.args, call.kwargs
-        key = (call.fqn, sum(k[0] == call.fqn for k in self.dims))
+        self._calls[call.fqn] = k = self._calls.get(call.fqn, -1) + 1
+        key = (call.fqn, k)
         leaves = jax.tree.leaves((args, kwargs))
         self.dims[key] = (tuple(_dim1(x) for x in leaves), ())
         seq_in, seq_out = self.seq_of.get(key, (None, None))
