@@ -434,3 +434,61 @@ def test_a_loss_that_never_calls_the_stack_names_the_fix():
             "running model.apply({'params': params}, ...); nnx, loss_fn(model, batch) calling its model argument, "
             "not a model it closes over.")):
         step.lower(state, _batch())
+
+
+def _nnx_remat_stack(depth: int):
+    """An nnx stack whose scan body runs each layer under ``nnx.remat(policy=dots_saveable)``."""
+    from flax import nnx
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.up, self.down = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jnp.tanh(self.up(x)))
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(VOCAB, 16, rngs=rngs)
+
+            @nnx.split_rngs(splits=depth)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Layer(rngs)
+
+            self.layers = make(rngs)
+            self.head = nnx.Linear(16, VOCAB, rngs=rngs)
+
+        def run_layers(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            @nnx.remat(policy=jax.checkpoint_policies.dots_saveable)
+            def run(h, layer):
+                return layer(h)
+
+            return run(x, self.layers)
+
+        def __call__(self, tok):
+            return self.head(self.run_layers(self.embed(tok)))
+
+    return Stack(nnx.Rngs(0))
+
+
+def test_an_nnx_stage_saves_what_the_users_nnx_remat_policy_saves():
+    """``nnx.remat(policy=dots_saveable)`` in the scan's body: a stage's chunk saves what the user's own stack of
+    as many layers saves (each layer's matmul outputs), as for linen's ``nn.remat``."""
+    from flax import nnx
+
+    model = _nnx_remat_stack(4)
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    pm = pipeline(model, mesh["pp"], units="layers", num_microbatches=2, schedule="gpipe")
+    state = init_train_state(pm, OPT, EXAMPLE)
+    step = make_train_step(pm, lambda mm, b: _ce(mm(b["inputs"]), b), OPT)
+    st = step._build(state, _batch()).stages
+    (lay,) = pm._layouts.values()
+    chunk = {rel: jnp.ones((st.lc, *state.params["stages"][rel].shape[1:])) for rel in lay.rel}
+    x = jnp.ones(lay.act.shape)
+    got = _residual_shapes(lambda p, h: st.chunk(p, 0, 0, h, []), chunk, x)
+    own = _nnx_remat_stack(st.lc)  # the user's own stack of the chunk's 2 layers, on one device
+    graphdef, own_params = nnx.split(own, nnx.Param)
+    want = _residual_shapes(lambda p, h: nnx.merge(graphdef, p).run_layers(h), own_params, x)
+    assert got == want == [(st.lc, *lay.act.shape), (st.lc, *lay.act.shape[:-1], 32)]
