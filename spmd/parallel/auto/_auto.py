@@ -69,7 +69,8 @@ from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factori
 from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, check_budget, check_floor, checked, parts,
                                         searched)
 from spmd.parallel.auto._compiled import compile_figures, extrapolated
-from spmd.parallel.auto._cpep import check_attention, check_pipelined_attention, context_expert_layouts
+from spmd.parallel.auto._cpep import (GATHER_ONLY, check_attention, check_pipelined_attention, context_expert_layouts,
+                                      gather_only)
 from spmd.parallel.auto._measure import example_inputs as _example_inputs, measure_layouts
 from spmd.parallel.auto._pipeline import count_units, pipeline_cost, pipeline_layouts, scanned_stack, stage_shapes
 from spmd.parallel.cost._calibrate import Calibration, calibrate
@@ -195,11 +196,12 @@ def _rated(cal: HardwareRates, dtype: str) -> str:
 def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any, layout: Layout, *,
                     loss_fn: Callable | None = None, params: Any = None, calibration: Calibration | None = None,
                     profile: Profile | None = None, budget: int | None = None, floor_only: bool = False,
-                    built: list | None = None) -> Candidate:
+                    built: list | None = None, notes: dict | None = None) -> Candidate:
     """``layout``'s predicted cost (see the module doc); raises ``ValueError`` when it cannot be built.
     ``floor_only``: its memory lower bound alone, its step not traced (``untraced``). ``built``: a list its
     traced ``(step, state, batch)`` is appended to (laid out as ``compile_figures`` compiles them: its
-    ``built=`` then lowers the step traced here, not traced again)."""
+    ``built=`` then lowers the step traced here, not traced again). ``notes``: a dict a cp layout's step sets
+    ``"gather"`` in (whether its attention all runs on the gathered sequence: ``_cpep.check_attention``)."""
     where = "auto_layout"
     devices = devices_of(devices, where)
     batch = _abstract(example_batch)
@@ -234,7 +236,9 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     traced_batch = batch if built is None else laid_batch
     jax.eval_shape(step, state, traced_batch)  # validates (batch split, head cuts) and traces the styled calls
     comm = step.communication(state, traced_batch)
-    check_attention(comm, layout, where)
+    rows = check_attention(comm, layout, where)
+    if notes is not None and rows:
+        notes.setdefault("gather", all(r["method"] == "gather sequence" for r in rows))
     if built is not None:
         built.append((step, state, laid_batch))
     pm = as_parallel(laid, mesh, where)
@@ -577,11 +581,12 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         # its memory lower bound first: over the budget, its step is not traced (no time can make it fit)
         if slices is None:
             c = evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss_fn, params=params,
-                                calibration=cal, profile=profile, budget=budget, floor_only=budget is not None)
+                                calibration=cal, profile=profile, budget=budget, floor_only=budget is not None,
+                                notes=notes)
             if budget is None or not c.fits:
                 return c
             return evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss_fn, params=params,
-                                   calibration=cal, profile=profile, budget=budget)
+                                   calibration=cal, profile=profile, budget=budget, notes=notes)
         if budget is not None:
             c = extrapolated(*[evaluate_layout(m, optimizer, batch, devices, lay, params=p, calibration=cal,
                                                profile=pr, budget=budget, floor_only=True)
@@ -620,6 +625,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
 
     got, rejected = [], []
     refused: dict = {}  # "cp" / "ep": the step's refusal of the model's first such layout, standing for the rest
+    notes: dict = {}  # "gather": the model's attention runs on the sequence gathered over cp (_cpep.gather_only)
     weighed: list = []  # the checkpointing policies weighed where memory needs them, found at the first need (those
 
     def policies() -> tuple:  # left out: in rejected, with the reason)
@@ -636,6 +642,9 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             ("pp x cp" if lay.cp > 1 else "pp x ep" if lay.ep > 1 else None)  # a pipeline's refusal: its own
         if kind in refused:
             rejected.append((lay.name, refused[kind]))
+            return []
+        if layouts is None and gather_only(notes, lay):
+            rejected.append((lay.name, GATHER_ONLY))
             return []
         try:
             over = _state_over(model, devices, lay, params, optimizer, batch, memory_budget_bytes, slices)

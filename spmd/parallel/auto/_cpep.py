@@ -5,9 +5,11 @@
   step runs the attention it recognizes (``jax.nn.dot_product_attention``, flax's ``dot_product_attention``)
   as ring attention (or an all-gather of K/V) across the cut, and a model's own einsum attention (its
   ``[.., T, T]`` scores inside a module, found in the traced step) on the sequence gathered over cp (that
-  module's ``gather sequence`` rows). A model with neither (no attention at all) is refused by
-  ``evaluate_layout`` (``check_attention``), and the first refusal of a model's cp candidate (or the step's
-  refusal of its first ep candidate) stands for the rest: ``auto_layout`` lists them rejected with the reason.
+  module's ``gather sequence`` rows: whole on every cp rank, so once a traced cp layout shows it, the model's
+  other cp layouts are weighed over ``dp`` x ``cp`` (x ``ep``) only: ``gather_only``). A model with neither (no
+  attention at all) is refused by ``evaluate_layout`` (``check_attention``), and the first refusal of a model's
+  cp candidate (or the step's refusal of its first ep candidate) stands for the rest: ``auto_layout`` lists them
+  rejected with the reason.
 - **ep**: the experts of a model that has them (a module named ``experts`` whose parameters share a leading
   experts dim: ``models.MoE``'s ``[E, d, f]`` kernels) cut over ``ep`` with ``ExpertParallel`` (the tokens
   exchanged with all-to-alls) for every divisor of the device count that divides the expert count, the
@@ -44,8 +46,11 @@ from spmd.parallel.plan._param_plan import path_str
 from spmd.parallel.styles._experts import ExpertParallel
 from spmd.parallel.styles._transforms import param_module
 
-__all__ = ["check_attention", "check_pipelined_attention", "context_expert_layouts", "experts_of", "pipelined",
-           "sequence_of"]
+__all__ = ["GATHER_ONLY", "check_attention", "check_pipelined_attention", "context_expert_layouts", "experts_of",
+           "gather_only", "pipelined", "sequence_of"]
+
+GATHER_ONLY = ("the model's own attention runs on the sequence gathered over cp, whole on every cp rank (no ring): its "
+               "cp layouts are weighed over dp x cp (x ep) only, not with fsdp or tp")
 
 
 def _divisors(n: int) -> list[int]:
@@ -137,12 +142,20 @@ def _routes(call: str, ep_plan: tuple | None) -> bool:
         fnmatch.fnmatchcase(n, g) for n, g in zip(names, glob.split("."))) for glob, _ in ep_plan or ())
 
 
-def check_attention(comm: dict, layout: Layout, where: str) -> None:
+def gather_only(notes: dict, layout: Layout) -> bool:
+    """Whether ``auto_layout`` leaves ``layout`` out: a cp layout with fsdp or tp (unpipelined) of a model whose
+    attention a traced cp layout found all run on the gathered sequence (``notes["gather"]``), whose every cp rank
+    computes it whole, so only dp x cp (x ep) are weighed (``GATHER_ONLY``): each cp candidate traces the step
+    several times to find those modules."""
+    return bool(notes.get("gather")) and layout.cp > 1 and layout.pp == 1 and (layout.fsdp > 1 or layout.tp > 1)
+
+
+def check_attention(comm: dict, layout: Layout, where: str) -> list[dict]:
     """A cp layout's step must run some attention across the cut: a call the cp step recognizes (ring or
     all-gather of K/V) or a module's own attention run on the gathered sequence (not an experts router's:
-    ``_routes``); a model with none is refused with the reason (``comm``: the step's table)."""
+    ``_routes``); a model with none is refused with the reason (``comm``: the step's table). Returns those rows."""
     if layout.cp == 1:
-        return
+        return []
     rows = [r for r in comm.get("attention", ()) if r["method"] != "experts cut"
             and not (r["method"] == "gather sequence" and _routes(r["call"], layout.ep_plan))]
     if not rows:
@@ -150,6 +163,7 @@ def check_attention(comm: dict, layout: Layout, where: str) -> None:
                          "(jax.nn.dot_product_attention, flax's dot_product_attention) and computes none of its own "
                          "(no [.., T, T] scores inside a module): cutting its sequence runs no attention across the "
                          "cut; context parallelism is weighed for models with attention.")
+    return rows
 
 
 

@@ -262,3 +262,15 @@ def test_a_pipeline_with_cp_refuses_a_models_own_attention():
     got = auto_layout(model, optax.sgd(0.1), batch, 8, layouts=[Layout(dp=8), lay], calibration=CAL)
     assert [c.name for c in got] == ["dp=8"] and [n for n, _ in got.rejected] == [lay.name]
     assert "the pipeline's stages call no attention the cp step recognizes" in got.rejected[0][1]
+
+
+def test_a_gathered_attentions_cp_layouts_are_weighed_over_dp_only():
+    from spmd.parallel.auto._cpep import gather_only
+
+    seen = {"gather": True}  # a traced cp layout ran the model's attention on the gathered sequence
+    assert gather_only(seen, Layout(fsdp=2, cp=4, units=("block_*",)))
+    assert gather_only(seen, Layout(dp=2, tp=2, cp=2, tp_plan=(("block_*.fc", None),)))
+    assert not gather_only(seen, Layout(dp=2, cp=4)) and not gather_only(seen, Layout(dp=2, ep=2, cp=2, ep_plan=(
+        ("layers_*.mlp.experts", None),)))
+    assert not gather_only({"gather": False}, Layout(fsdp=2, cp=4, units=("block_*",)))  # a ring: every cp layout
+    assert not gather_only({}, Layout(fsdp=2, cp=4, units=("block_*",)))  # none traced yet
