@@ -84,6 +84,29 @@ def test_einsum_transformer_runs_its_attention_on_the_gathered_sequence(shape, n
     assert all(r["gathered"] == [((b_local, T, 16), "float32")] == r["cut"] for r in gathers)
 
 
+@pytest.mark.slow
+def test_einsum_transformer_under_cp_and_tp_equals_one_device():
+    """Megatron's plan on tp beside cp: the styles' regions outside the gathered attention take the sequence cut
+    over cp (manual over cp too: the ids of the vocabulary-parallel lookup, the blocks' MLPs, the tied head), the
+    attention module's own on the gathered sequence; the HLO equal to the table."""
+    from models._plans import transformer_tp_plan
+    from spmd.parallel import parallelize_module
+
+    mesh = spmd.init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    model = Transformer(V, T, 2, 16, 2)
+    batches = _batches()
+    params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
+
+    def loss_fn(p, b):
+        return _xent(laid.apply({"params": p}, b["tokens"]), b)
+
+    laid = parallelize_module(model, mesh["tp"], transformer_tp_plan(False, vocab_size=V, tp_size=2))
+    ref_losses, ref = train_one_device(params, batches, lambda p, b: _xent(model.apply({"params": p}, b["tokens"]), b),
+                                       OPT)
+    table, comm = _run(laid, loss_fn, params, mesh, batches, ref_losses, ref.params)
+    assert [r["call"] for r in comm["attention"]] == ["block_0.attn", "block_1.attn"]
+
+
 class _Attention(nnx.Module):
     """A user's attention: einsum scores, RoPE from arange(T) computed here, a causal mask by position."""
 

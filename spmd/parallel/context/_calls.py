@@ -256,6 +256,7 @@ class ContextCalls:
         self.dims: dict[tuple[str, int], tuple[tuple, tuple]] = {}
         self.seq_of = seq_of or {}  # ``seq_leaves``' answer: which of a call's leaves are the sequence
         self._calls: dict[str, int] = {}  # each module's calls so far in this trace
+        self._seq_ids: dict[int, Any] = {}  # the open calls' inputs read from the program as the sequence, by id
         self._open: set[str] = set()
         self._local = False  # inside an intercepted call's own attention on this device's block
         self._ints: dict[int, Any] = {}  # integer inputs gathered once per trace (XLA merges the repeats), by id
@@ -277,8 +278,10 @@ class ContextCalls:
         leaves = jax.tree.leaves((args, kwargs))
         self.dims[key] = (tuple(_dim1(x) for x in leaves), ())
         seq_in, seq_out = self.seq_of.get(key, (None, None))
-        seq_in = seq_in if seq_in is not None and len(seq_in) == len(leaves) else \
-            tuple(_is_seq(x, self.seq_len) for x in leaves)
+        read = seq_in is not None and len(seq_in) == len(leaves)
+        seq_in = seq_in if read else tuple(_is_seq(x, self.seq_len) for x in leaves)
+        opened = {id(x): x for x, s in zip(leaves, seq_in) if read and s and id(x) not in self._seq_ids}
+        self._seq_ids.update(opened)
         self.seen[call.fqn] = self.seen.get(call.fqn, False) or any(seq_in)
         self._open.add(call.fqn)
         try:
@@ -304,6 +307,14 @@ class ContextCalls:
                 return out
         finally:
             self._open.discard(call.fqn)
+            for i in opened:
+                self._seq_ids.pop(i, None)
+
+    def cut_seq(self, x) -> bool:
+        """Whether ``x`` (a styled module's input) holds the batch's sequence cut over cp, as read from the program
+        (``spmd.parallel.context._seq``: an input of an open module call whose dim 1 follows the batch's), outside
+        any module run on the gathered sequence: a tp style's region takes it manual over cp too."""
+        return id(x) in self._seq_ids and self._seq_ids[id(x)] is x and not any(m in self.gathered for m in self._open)
 
     def _lookup(self, call: Any, out: Any) -> Any:
         """Note a lookup: a module with one parameter, a rank-2 table, called on the batch's [batch, seq] integer

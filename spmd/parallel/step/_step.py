@@ -557,7 +557,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             return contextlib.nullcontext()
         calls = ContextCalls(mesh.jax_mesh, n_cp, seq_len(mb), cp, gathered=frozenset(whole_seq),
                              tp=(tp, sizes[tp]) if tp else None, seq_of=seq_of)
-        hooks.around = calls.around
+        hooks.around, hooks.context = calls.around, calls
         attention.clear()
         attention.append(calls)
         return calls.installed()
@@ -739,7 +739,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         cotangents.update(lookup_cotangents(jaxpr, scopes_of))
         seen, products = attention[0].seen if attention else {}, whole_sequence_products(jaxpr, t)
         products = [p for p in products if CALL_SCOPE not in p[1]]
-        if (products or ep_traced) and attention:
+        if (products or ep_traced or tp is not None) and attention:  # tp: its styles' inputs (TPCalls)
             seen = seq_inputs(lambda b: (jax.make_jaxpr(lambda s, b: step(s, b))(state, b), attention[0])[1],
                               attention[0], batch, t, n_cp, seq_of)
         for _, stack in products:

@@ -279,6 +279,11 @@ class TPCalls:
         # sequence parallelism under cp: the region manual over cp too, each device's (cp, tp) block of the sequence
         # (in global view over cp its tp collectives would span the whole sequence, gathered over cp first)
         seq = self._seq_cut(x_layout, x.ndim) or self._seq_cut(out_layout, ndim)
+        # ... and a module taking the [batch, seq, ...] sequence whole over tp (Megatron's f), where the step read
+        # that input's sequence from the program (``ContextCalls.cut_seq``): its region is manual over cp too
+        ctx = getattr(self.hooks, "context", None)
+        seq = seq or (self.cp is not None and ctx is not None and ndim >= 2 and not isinstance(x_layout, Shard)
+                      and ctx.cut_seq(x))
         in_specs = (tuple(self.tp_spec(e, np.ndim(v)) for e, v in zip(ents, vals)),
                     self.layout_spec(x_layout, x.ndim, seq))
         y = jax.shard_map(body, mesh=self.region_mesh(), in_specs=in_specs,
