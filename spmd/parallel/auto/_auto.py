@@ -70,7 +70,7 @@ from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, c
                                         searched)
 from spmd.parallel.auto._compiled import compile_figures, extrapolated
 from spmd.parallel.auto._cpep import (GATHER_ONLY, check_attention, check_pipelined_attention, context_expert_layouts,
-                                      gather_only)
+                                      cp_work, gather_only, uncut)
 from spmd.parallel.auto._measure import example_inputs as _example_inputs, measure_layouts
 from spmd.parallel.auto._pipeline import count_units, pipeline_cost, pipeline_layouts, scanned_stack, stage_shapes
 from spmd.parallel.cost._calibrate import Calibration, calibrate
@@ -248,6 +248,9 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     prof = profile if isinstance(cal, HardwareRates) else remat_profile(profile, model, layout.units,
                                                                         layout.activation_checkpointing)
     flops, nbytes, ops = compute_cost(prof, state.plan, pm, micro, accum_steps=layout.accum_steps)
+    if rows and all(r["method"] == "gather sequence" for r in rows):  # attention whole on each cp rank: not T / cp
+        flops, nbytes = cp_work(compute_cost(prof, state.plan, pm, uncut(micro, layout.cp),
+                                             accum_steps=layout.accum_steps), layout.cp)
     if isinstance(cal, HardwareRates):  # a bound until compiled: the model's matmul work at the peak rate
         cal = replace(cal, dtype=_rated(cal, layout.mixed_precision)) if layout.mixed_precision else cal
         compute = cal.hardware.matmul_s(flops, cal.dtype)

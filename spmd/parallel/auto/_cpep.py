@@ -29,7 +29,9 @@ Each is costed as every other layout is (``evaluate_layout``): the step's own ta
 cp and ep terms (priced over their own dim: the all-to-alls over ep, the rest over cp), the lower bound, and
 under a budget the compiled step.
 A cp layout's compute is the one-device step's on a device's rows at its ``T / cp`` positions: attention's
-``[T, T]`` work counted at ``(T / cp)^2``, below the ring's ``T^2 / cp`` and a gathered module's ``T^2``.
+``[T, T]`` work counted at ``(T / cp)^2``, below the ring's ``T^2 / cp``. Where every attention runs on the
+gathered sequence it is the step's at the whole sequence over cp (``cp_work``): that attention is whole on every
+cp rank, and at ``T / cp`` a ``dp=1,cp=8`` layout would count an eighth of ``dp=8``'s work for more traffic.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from spmd.parallel.styles._experts import ExpertParallel
 from spmd.parallel.styles._transforms import param_module
 
 __all__ = ["GATHER_ONLY", "check_attention", "check_pipelined_attention", "context_expert_layouts", "experts_of",
-           "gather_only", "pipelined", "sequence_of"]
+           "cp_work", "gather_only", "pipelined", "sequence_of", "uncut"]
 
 GATHER_ONLY = ("the model's own attention runs on the sequence gathered over cp, whole on every cp rank (no ring): its "
                "cp layouts are weighed over dp x cp (x ep) only, not with fsdp or tp")
@@ -175,3 +177,15 @@ def check_pipelined_attention(comm: dict, layout: Layout, where: str) -> None:
                          "recognizes (jax.nn.dot_product_attention, flax's dot_product_attention; a stage runs each "
                          "as the all-gather of K/V, and a module's own einsum attention is run on the gathered "
                          "sequence only without a pipeline): cp under a pipeline is weighed for models calling one.")
+
+
+def uncut(micro: Any, cp: int) -> Any:
+    """A device's micro-batch (shape structs, its sequence cut over ``cp``) with the whole sequence."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], x.shape[1] * cp, *x.shape[2:]) if x.ndim >= 2
+                                                       else x.shape, x.dtype), micro)
+
+
+def cp_work(cost: tuple, cp: int) -> tuple[float, float]:
+    """``(flops, bytes)`` of a gathered-attention cp layout's device (see the module doc): ``cost``
+    (``compute_cost`` on its rows at the whole sequence, ``uncut``) over cp."""
+    return cost[0] / cp, cost[1] / cp
