@@ -1,7 +1,10 @@
 """The zoo: families the project did not write (tests/zoo/*.py, each as its users write it), each trained under
 every layout that applies: dp, fsdp per block, HSDP, tp at 2 and 4 (Megatron's cut of its dense layers), tp
 with sequence parallelism, 3-D and a pipeline over its blocks. A case that runs must equal 1-device training
-(3 SGD steps, the losses and the final parameters within 1e-5), and its compiled collectives the printed table
+over 10 AdamW steps: the losses and the final parameters within 1e-5, and the optimizer state gathered whole
+(AdamW's ``mu`` and ``sqrt(nu)``, each entry within 1e-5 of it plus 1e-5 of the largest; ``assert_state_matches``), which
+sees a gradient scaled by 2 that AdamW's update hides (``test_a_gradient_summed_twice_...``); and its compiled
+collectives the printed table
 (``TABLE_GAPS`` names where the table misses a term). A case the library refuses must be a clear refusal
 (``REFUSED``: the exception and the part of its message the library owns), never a skip; ``BROKEN`` cases
 would fail with an error the library does not own (xfail, strict: they must turn into one or the other)."""
@@ -21,14 +24,19 @@ import pytest
 
 import spmd
 from spmd import Replicate, Shard
-from spmd.parallel import (ColwiseParallel, ParallelModule, RowwiseParallel, SequenceParallel, fully_shard,
-                           hlo_executed_collectives, init_train_state, make_train_step, parallelize_module, pipeline,
-                           unshard_params)
+from spmd.parallel import (ColwiseParallel, ParallelModule, PipelineModule, RowwiseParallel, SequenceParallel,
+                           TrainState, fully_shard, hlo_executed_collectives, init_train_state, make_train_step,
+                           parallelize_module, pipeline, unshard_params, unshard_tree)
 from tests._one_device import train_one_device
 
 VOCAB = 64
-OPT = optax.sgd(0.5)
-STEPS = 3
+# eps 1e-5, not optax's 1e-8: Adam divides each gradient by its own RMS plus eps, so a gradient at rounding level
+# (a key bias's, zero in exact arithmetic) moves its parameter by up to lr a step, in a direction the summation
+# order decides. One device against itself, the batch's gradient summed whole or as the mean of 8 shards' (what dp=8
+# sums), 10 steps at lr 1e-3: params 1.5e-5 apart at eps 1e-8 (nnx_list; 1.5e-4 at lr 1e-2), 4.7e-7 at eps 1e-5
+# (hf_gpt2 1.2e-7, hf_mistral 6e-8): no 1e-5 comparison holds at eps 1e-8 whatever the library does
+OPT = optax.adamw(1e-3, eps=1e-5)
+STEPS = 10
 COL, ROW = ColwiseParallel(), RowwiseParallel()
 
 
@@ -226,35 +234,34 @@ def _variables(fam: Family, model):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(name: str):
-    """(losses, final params) of STEPS SGD steps on one device, the whole batch (BatchNorm: its statistics)."""
+def _reference(name: str, steps: int = STEPS, opt=OPT) -> tuple[list, TrainState]:
+    """(losses, final state: params and opt_state) of ``steps`` steps of ``opt`` on one device, the whole batch
+    (BatchNorm: its statistics)."""
     fam = FAMILIES[name]
     model = fam.build()
-    batches = [fam.batch(0)] * STEPS
+    batches = [fam.batch(0)] * steps
     params, stats = _variables(fam, model)
     if fam.kind == "nnx":
         from flax import nnx
 
         graphdef, params = nnx.split(model, nnx.Param)
         user = fam.loss(None)
-        losses, state = train_one_device(params, batches, lambda p, b: user(nnx.merge(graphdef, p), b), OPT)
-        return losses, state.params
+        return train_one_device(params, batches, lambda p, b: user(nnx.merge(graphdef, p), b), opt)
     if stats is None:
-        losses, state = train_one_device(params, batches, fam.loss(model), OPT)
-        return losses, state.params
+        return train_one_device(params, batches, fam.loss(model), opt)
     loss_fn = fam.loss(model)
 
     @jax.jit
     def step(p, s, o, b):
         (value, s), g = jax.value_and_grad(loss_fn, has_aux=True)(p, s, b)
-        u, o = OPT.update(g, o, p)
+        u, o = opt.update(g, o, p)
         return optax.apply_updates(p, u), s, o, value
 
-    o, losses = OPT.init(params), []
+    o, losses = opt.init(params), []
     for b in batches:
         params, stats, o, value = step(params, stats, o, b)
         losses.append(float(value))
-    return losses, params
+    return losses, TrainState(jnp.asarray(steps, jnp.int32), params, o)
 
 
 def _laid_out(fam: Family, layout: str):
@@ -272,20 +279,68 @@ def _laid_out(fam: Family, layout: str):
     return m, mesh, params, stats
 
 
-def _train(fam: Family, layout: str):
+@jax.custom_vjp
+def _twice_the_gradient(loss):
+    """``loss`` itself, its cotangent doubled: a data-parallel step that sums its ranks' two halves instead of
+    averaging them (the bug a comparison with 1-device training must catch)."""
+    return loss
+
+
+_twice_the_gradient.defvjp(lambda loss: (loss, None), lambda _, ct: (2 * ct,))
+
+
+def _train(fam: Family, layout: str, *, grad_bug: bool = False, steps: int = STEPS, opt=OPT):
     m, mesh, params, stats = _laid_out(fam, layout)
     kw = {} if isinstance(m, ParallelModule) or "pp" in LAYOUTS[layout] else {"mesh": mesh}
     args = fam.example or ()
     if fam.kind == "nnx":
-        state = init_train_state(m, OPT, *args, **kw)
+        state = init_train_state(m, opt, *args, **kw)
     else:
-        state = init_train_state(m, OPT, *args, params=params, **kw, **({"batch_stats": stats} if stats else {}))
-    step = make_train_step(m, fam.loss(m), OPT, **kw, **({"batch_norm": "sync"} if stats else {}))
+        state = init_train_state(m, opt, *args, params=params, **kw, **({"batch_stats": stats} if stats else {}))
+    loss_fn = fam.loss(m)
+    if grad_bug:
+        loss_fn = lambda *a, f=loss_fn: _twice_the_gradient(f(*a))  # noqa: E731
+    step = make_train_step(m, loss_fn, opt, **kw, **({"batch_norm": "sync"} if stats else {}))
     losses = []
-    for _ in range(STEPS):  # one batch, seen 3 times: the loss falls
+    for _ in range(steps):  # one batch, seen each step: the loss falls
         state, metrics = step(state, fam.batch(0))
         losses.append(float(metrics["loss"]))
-    return losses, unshard_params(m, state), step, state
+    return losses, step, state, m
+
+
+def _gathered(m, state: TrainState, opt=OPT) -> tuple[Any, Any]:
+    """(params, opt_state) whole, in the model's own tree (a pipeline's stages unstacked)."""
+    if isinstance(m, PipelineModule):
+        own = m.unstack_state(state, opt)
+        return own.params, own.opt_state
+    return unshard_params(m, state), unshard_tree(state.opt_state, state.plan, optimizer=opt)
+
+
+def _moments(opt_state) -> dict:
+    """AdamW's first moment and the square root of its second (both in a gradient's units)."""
+    return {"mu": optax.tree_utils.tree_get(opt_state, "mu"),
+            "sqrt(nu)": jax.tree.map(jnp.sqrt, optax.tree_utils.tree_get(opt_state, "nu"))}
+
+
+def assert_state_matches(params, opt_state, ref: TrainState, tol: float = 1e-5,
+                         trees: tuple = ("params", "mu", "sqrt(nu)")) -> None:
+    """The parameters within ``tol`` (absolute and relative) of one device's; AdamW's ``mu`` and ``sqrt(nu)``
+    each entry within ``tol`` of one device's (relative) plus ``tol`` of the tree's largest entry. A moment has a
+    gradient's units, 1e-8 to 1e-1 here: an absolute 1e-5 would pass a gradient summed twice over wherever it is
+    below 1e-5, and a relative one alone fails on gradients zero in exact arithmetic (a key bias's: 1e-14 of
+    rounding, whose sign the summation order decides). ``nu`` (squared gradients, 1e-28 to 1e-2) is compared as
+    its square root, the gradient's RMS."""
+    pairs = {"params": (params, ref.params)} | {k: (v, _moments(ref.opt_state)[k])
+                                                 for k, v in _moments(opt_state).items()}
+    for what in trees:
+        got, want = pairs[what]
+        flat, ref_flat = jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves_with_path(want)
+        assert [k for k, _ in flat] == [k for k, _ in ref_flat], what
+        atol = tol * (1.0 if what == "params" else max(float(np.abs(np.asarray(b)).max(initial=0.0))
+                                                        for _, b in ref_flat))
+        for (k, a), (_, b) in zip(flat, ref_flat):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=atol,
+                                       err_msg=f"{what}{jax.tree_util.keystr(k)}")
 
 
 # where the compiled step's collectives differ from the printed table (a family, or a family and layout): not
@@ -327,13 +382,10 @@ def test_zoo(name, layout):
         with pytest.raises(exc, match=match):
             _train(fam, layout)
         return
-    ref_losses, ref_params = _reference(name)
-    losses, params, step, state = _train(fam, layout)
+    ref_losses, ref = _reference(name)
+    losses, step, state, m = _train(fam, layout)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
-    got, want = jax.tree.leaves(params), jax.tree.leaves(ref_params)
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert_state_matches(*_gathered(m, state), ref)
     assert ref_losses[-1] < ref_losses[0]  # it trained
     if name in TABLE_GAPS or (name, layout) in TABLE_GAPS:
         return
@@ -358,14 +410,43 @@ def test_given_example_inputs_fsdp_cuts_a_kernel_on_its_output_dim(name, layout,
     # is its dot's output transposed ([in, out], a Hugging Face Dense) is cut on dim 1 (what torch's FSDP cuts of a
     # Linear's [out, in] weight), and trains as 1 device does, the compiled collectives equal to the table
     fam = dataclasses.replace(FAMILIES[name], example=(np.zeros((2, 8), np.int32),))
-    ref_losses, ref_params = _reference(name)
-    losses, params, step, state = _train(fam, layout)
+    ref_losses, ref = _reference(name)
+    losses, step, state, m = _train(fam, layout)
     fi = state.plan.mesh_dim_names.index("fsdp")
     q = [e for e in state.plan.entries if e.path.endswith(kernel)]
     assert q and all(e.shard_dim(fi) == 1 for e in q), [(e.path, e.placements) for e in q]
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert_state_matches(*_gathered(m, state), ref)
     got = hlo_executed_collectives(step.compiled(state, fam.batch(0)).as_text(), scalars=False)
     for kind, w in step.communication(state, fam.batch(0))["total"].items():
         assert (got[kind]["buffers"], got[kind]["bytes"]) == (w["count"], w["bytes"]), (kind, got)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("zoo_nnx_list")
+def test_a_gradient_summed_twice_is_caught_by_the_optimizer_state():
+    """The comparison can fail: nnx_list under fsdp=8 with its loss's cotangent doubled (a step that sums two
+    halves of the batch's gradient instead of averaging them). AdamW at optax's eps (1e-8) divides the gradient by
+    its own RMS plus eps, so after one step the loss is equal to one device's and the parameters nearly so: only
+    an entry whose gradient is within a few eps of zero moves differently (1 of 12,672 here; a model need not
+    have one); the moments are off everywhere, ``mu`` and ``sqrt(nu)`` twice one device's. The zoo's
+    own check (eps 1e-5, 10 steps) fails on them as well."""
+    fam = FAMILIES["nnx_list"]
+    blind = optax.adamw(1e-3)
+    ref_losses, ref = _reference("nnx_list", 1, blind)
+    losses, _, state, m = _train(fam, "fsdp", grad_bug=True, steps=1, opt=blind)
+    params, opt_state = _gathered(m, state, blind)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    off = [np.abs(np.asarray(a) - np.asarray(b)) > 1e-5 * (1 + np.abs(np.asarray(b)))
+           for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref.params), strict=True)]
+    assert sum(int(o.sum()) for o in off) <= sum(o.size for o in off) // 1000  # the params alone: nearly blind
+    for what in ("mu", "sqrt(nu)"):
+        with pytest.raises(AssertionError, match=re.escape(f"{what}[")):
+            assert_state_matches(params, opt_state, ref, trees=(what,))
+        twice = jax.tree.map(lambda x: 2 * x, _moments(ref.opt_state)[what])
+        atol = 1e-5 * max(float(np.abs(x).max()) for x in jax.tree.leaves(twice))
+        for a, b in zip(jax.tree.leaves(_moments(opt_state)[what]), jax.tree.leaves(twice), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=atol)
+    _, _, state, m = _train(fam, "fsdp", grad_bug=True)
+    with pytest.raises(AssertionError, match=re.escape("mu[")):
+        assert_state_matches(*_gathered(m, state), _reference("nnx_list")[1], trees=("mu", "sqrt(nu)"))

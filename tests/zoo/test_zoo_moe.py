@@ -1,7 +1,8 @@
 """The zoo's mixture of experts (``tests/zoo/nnx_moe.py``: a Mixtral-like flax.nnx decoder written as MaxText's
 dense-matmul MoE block is, independently of ``models.MoE``) under expert parallelism: ``ExpertParallel`` on its
 experts module, whose buffers are experts-first (``[E, B, C, M]``: ``experts_dim=0``, ``token_dim=1``), under
-ep=2, dp=2 x ep=2 and fsdp=2 x ep=2 equals 3 SGD steps of one device within 1e-5 (losses and parameters), the
+ep=2, dp=2 x ep=2 and fsdp=2 x ep=2 equals 10 AdamW steps of one device within 1e-5 (losses, parameters and the
+optimizer state, as ``test_zoo.assert_state_matches`` compares them), the
 compiled step's collectives equal to the step's table, and the drops the blocks sow (also inside fully_shard units)
 equal a NumPy count from the gate's logits; pipelined over its blocks with its experts over ep inside the stages
 (pp=2 x ep=2, pp=2 x dp=2 x ep=2) it equals one device too, its collectives equal to the pipeline's table, and
@@ -21,11 +22,11 @@ import pytest
 
 import spmd
 from spmd.parallel import (ExpertParallel, fully_shard, hlo_executed_collectives, init_train_state, make_train_step,
-                           parallelize_module, unshard_params)
+                           parallelize_module, unshard_params, unshard_tree)
 from tests._one_device import train_one_device
+from tests.zoo.test_zoo import OPT, STEPS, assert_state_matches
 
-V, S, STEPS = 32, 8, 3
-OPT = optax.sgd(0.5)
+V, S = 32, 8
 EP = ExpertParallel(token_dim=1, experts_dim=0)  # the model's buffers: [E, B, C, M]
 
 
@@ -111,11 +112,7 @@ def test_zoo_moe_under_ep_equals_one_device(dims):
     n_data = dims.get("dp", 1) * dims.get("fsdp", 1) * dims["ep"]  # the step averages the metric over them
     assert drops[0] * n_data == _numpy_drops(_model(), batch["inputs"]) > 0
     assert ref_losses[-1] < ref_losses[0]
-    got, want = jax.tree_util.tree_leaves_with_path(unshard_params(m, state)), jax.tree_util.tree_leaves_with_path(
-        ref.params)
-    assert [k for k, _ in got] == [k for k, _ in want]
-    for (k, a), (_, b) in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(k))
+    assert_state_matches(unshard_params(m, state), unshard_tree(state.opt_state, state.plan, optimizer=OPT), ref)
     # per device, each block: buffers [E=4, B, C=4, M=16] float32 cut to [2, B, 4, 16] on the way in and out
     rows = 8 // (dims.get("dp", 1) * dims.get("fsdp", 1) * dims["ep"])
     assert comm["experts"]["all-to-all"] == {"count": 8, "bytes": 8 * 4 * rows * 4 * 16 * 4}
@@ -153,7 +150,7 @@ def test_zoo_moe_with_a_wrong_dim_of_the_experts_size_is_refused():
 @pytest.mark.parametrize("dims", [{"pp": 2, "ep": 2}, {"pp": 2, "dp": 2, "ep": 2}], ids=["pp2-ep2", "pp2-dp2-ep2"])
 def test_zoo_moe_pipeline_with_experts_over_ep_equals_one_device(dims):
     """The zoo's nnx MoE pipelined over its blocks (one block a stage, 1F1B over 2 micro-batches) with its experts
-    cut over ep inside the stages: equal to 3 SGD steps of one device within 1e-5, every collective equal to the
+    cut over ep inside the stages: equal to 10 AdamW steps of one device within 1e-5, every collective equal to the
     pipeline's table (the all-to-alls per tick: a forward 2 per block, a backward 4)."""
     from spmd.parallel import pipeline
 
@@ -172,11 +169,8 @@ def test_zoo_moe_pipeline_with_experts_over_ep_equals_one_device(dims):
         losses.append(float(metrics["loss"]))
         sown.append({k: v for k, v in metrics.items() if k.startswith("intermediates/")})
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
-    got, want = jax.tree_util.tree_leaves_with_path(unshard_params(m, state)), jax.tree_util.tree_leaves_with_path(
-        ref.params)
-    assert [k for k, _ in got] == [k for k, _ in want]
-    for (k, a), (_, b) in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(k))
+    own = m.unstack_state(state, OPT)
+    assert_state_matches(own.params, own.opt_state, ref)
     # the drops each block sows (an nnx.Intermediate) reach the step's metrics by unit, averaged over the data
     # ranks and the 2 micro-batches as the loss
     assert sorted(sown[0]) == ["intermediates/blocks/0/moe/dropped", "intermediates/blocks/1/moe/dropped"]
