@@ -31,7 +31,9 @@ contract (``apply_layout``) and traced on abstract inputs:
   layout's own shards (measured: ``Profile.optimizer_seconds``; its cost is far from linear in the shard's
   size on a host), plus per collective kind ``count`` times its calibrated cost curve at their mean size
   over its group (``fsdp`` for the gathers and reduce-scatters, the replicate dims for the gradients'
-  all-reduce, ``tp`` for the activations), plus the program's dispatch. No overlap of communication with
+  all-reduce, ``tp`` for the activations), plus the program's dispatch. Without a memory budget the update
+  is timed only for the candidates that can rank in the top ``max(measure, 1)`` (those by the time without it
+  first, until no other can: ``_refined``); the rest have it from its cost analysis at the calibrated rates. No overlap of communication with
   compute is assumed.
 
 With ``hardware=`` (a ``spmd.parallel.Hardware`` or a built-in's name) no calibration is made and nothing
@@ -145,6 +147,26 @@ def abstract_inputs(laid: Any, mesh, optimizer: Any, model: Any, params: Any, ba
     return state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data), structs[1])
 
 
+def _refined(got: list[Candidate], k: int, pending: dict, progress: Callable) -> list[Candidate]:
+    """``got`` (no budget: all fit) with each candidate's optimizer update (``pending[layout](timed)``, left out of
+    its time: ``evaluate_layout(pending=)``) added, timed in the order of the times without it until ``k`` are
+    complete and no incomplete one is faster than the ``k``-th: the top ``k`` are those timing every update
+    would rank first (an update's seconds are >= 0), for a few of the updates' timings (each a compile and a
+    run on every device). The rest have theirs from its cost analysis at the calibrated rates (not timed)."""
+    def done(c: Candidate, timed: bool) -> Candidate:
+        s = pending.pop(c.layout)(timed)
+        return replace(c, compute_s=c.compute_s + s, predicted_s=c.predicted_s + s)
+
+    got = sorted(got, key=lambda c: c.predicted_s)
+    while True:
+        i = next((j for j, c in enumerate(got) if c.layout in pending), None)
+        if i is None or i >= k:  # k complete ahead of every incomplete one
+            break
+        progress(got[i])
+        got = sorted(got[:i] + [done(got[i], True)] + got[i + 1:], key=lambda c: c.predicted_s)
+    return [done(c, False) if c.layout in pending else c for c in got]
+
+
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype")
                                                        else x.dtype), tree)
@@ -196,12 +218,16 @@ def _rated(cal: HardwareRates, dtype: str) -> str:
 def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any, layout: Layout, *,
                     loss_fn: Callable | None = None, params: Any = None, calibration: Calibration | None = None,
                     profile: Profile | None = None, budget: int | None = None, floor_only: bool = False,
-                    built: list | None = None, notes: dict | None = None) -> Candidate:
+                    built: list | None = None, notes: dict | None = None, pending: dict | None = None
+                    ) -> Candidate:
     """``layout``'s predicted cost (see the module doc); raises ``ValueError`` when it cannot be built.
     ``floor_only``: its memory lower bound alone, its step not traced (``untraced``). ``built``: a list its
     traced ``(step, state, batch)`` is appended to (laid out as ``compile_figures`` compiles them: its
     ``built=`` then lowers the step traced here, not traced again). ``notes``: a dict a cp layout's step sets
-    ``"gather"`` in (whether its attention all runs on the gathered sequence: ``_cpep.check_attention``)."""
+    ``"gather"`` in (whether its attention all runs on the gathered sequence: ``_cpep.check_attention``).
+    ``pending``: under a measured calibration, the optimizer's update is left out of the time (a lower bound)
+    and ``pending[layout](timed) -> seconds`` gives it, timed or (``timed=False``) from its cost analysis
+    (``_refined``)."""
     where = "auto_layout"
     devices = devices_of(devices, where)
     batch = _abstract(example_batch)
@@ -215,7 +241,7 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
         # a scanned stack (one module here, fewer than the stages) shows its layers on the example inputs
         stack = count_units(params, layout.units[0]) < layout.pp * layout.stages_per_rank
         return _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget,
-                          _example_inputs(model, batch, layout.pp) if stack else ())
+                          _example_inputs(model, batch, layout.pp) if stack else (), pending)
     if built is None:
         state = abstract_state(laid, params, optimizer, mesh, *_example_inputs(model, batch))
     else:  # the state and batch as the compile takes them (their shardings), so that it finds this trace
@@ -255,8 +281,12 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
         cal = replace(cal, dtype=_rated(cal, layout.mixed_precision)) if layout.mixed_precision else cal
         compute = cal.hardware.matmul_s(flops, cal.dtype)
     else:
-        compute = cal.compute_s(flops, nbytes, ops) * _anchor(profile, batch, micro, devices, cal) + \
-            optimizer_compute_s(profile, state.plan, cal, devices)
+        compute = cal.compute_s(flops, nbytes, ops) * _anchor(profile, batch, micro, devices, cal)
+        update = lambda timed, plan=state.plan: optimizer_compute_s(profile, plan, cal, devices, timed=timed)  # noqa
+        if pending is None or not cal.measured:
+            compute += update(True)
+        else:
+            pending[layout] = update
     flops += optimizer_flops(profile, state.plan)
     groups = _groups(layout)
     comm_s: dict = {}
@@ -282,9 +312,11 @@ def untraced(layout: Layout, memory: dict, budget: int | None) -> Candidate:
                      memory=memory, flops=0.0, fits=budget is None or memory["peak"] <= budget)
 
 
-def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget, inputs=()) -> Candidate:
+def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget, inputs=(),
+               pending=None) -> Candidate:
     """A pipelined candidate (``spmd.parallel.auto._pipeline``): the state's shapes and the step's own table;
-    ``inputs``: the model's example inputs (a scanned stack's layers are found from them)."""
+    ``inputs``: the model's example inputs (a scanned stack's layers are found from them); ``pending``: as
+    ``evaluate_layout``'s."""
     state = jax.eval_shape(lambda: init_train_state(laid, optimizer, *inputs, params=params))
     step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps)
     n_data = layout.n_data
@@ -294,9 +326,14 @@ def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devic
     anchor = _anchor(profile, batch, micro, devices, cal)
     table = step.communication(state, batch)
     check_pipelined_attention(table, layout, "auto_layout")
+    lazy = pending is not None and getattr(cal, "measured", False)
+    opt = lambda timed: optimizer_compute_s(profile, state.plan, cal, devices, timed=timed)  # noqa: E731
+    stage = lambda timed: update_seconds(profile, stage_shapes(laid, params, state.plan), cal, devices,  # noqa
+                                         timed=timed)
     t = pipeline_cost(laid, params, state, step, batch, layout, profile, cal, anchor,
-                      optimizer_compute_s(profile, state.plan, cal, devices),
-                      update_seconds(profile, stage_shapes(laid, params, state.plan), cal, devices), table=table)
+                      0.0 if lazy else opt(True), 0.0 if lazy else stage(True), table=table)
+    if lazy:  # the compute is affine in the two updates' seconds (pipeline_cost)
+        pending[layout] = lambda timed: opt(timed) + t["stage_coef"] * stage(timed)
     total = t["compute_s"] + sum(t["comm_s"].values()) + cal.dispatch_s
     return Candidate(layout=layout, predicted_s=total, compute_s=t["compute_s"], comm_s=t["comm_s"],
                      dispatch_s=cal.dispatch_s, communication=t["communication"], memory=t["memory"],
@@ -580,12 +617,15 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     pairs: dict = {}  # with depth=: a layout's candidates at 1 and 2 blocks
     traced_steps: dict = {}  # with depth= and a budget: a layout's traced steps at 1 and 2 blocks, until compiled
 
+    # no budget, calibrated: each optimizer update timed only where it can rank (_refined)
+    pending: dict | None = {} if hw is None and memory_budget_bytes is None and slices is None else None
+
     def evaluate(lay: Layout, budget: int | None = memory_budget_bytes) -> Candidate:
         # its memory lower bound first: over the budget, its step is not traced (no time can make it fit)
         if slices is None:
             c = evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss_fn, params=params,
                                 calibration=cal, profile=profile, budget=budget, floor_only=budget is not None,
-                                notes=notes)
+                                notes=notes, pending=pending)
             if budget is None or not c.fits:
                 return c
             return evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss_fn, params=params,
@@ -671,6 +711,9 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     if hw is None:
         for lay in todo:
             got.extend(traced(lay))
+        if pending:
+            got = _refined(got, max(measure, 1), pending, lambda c: bar.set_postfix_str(
+                "timing the optimizer update of " + c.name))
         bar.close()
     else:  # best-first: traced and compiled in the order of their bounds (_budget.searched)
         work = _dot_work_at(depth, slices, loss, params, batch)
@@ -711,8 +754,11 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                       progress=lambda c: (bar.set_postfix_str(c.name, refresh=False), bar.update()))
         bar.close()
     if measure:  # those timed side by side (all fitting: one interleaved set), not compiled again
+        bar = _bar(measure, f"auto_layout: {len(got)} candidates, compiling and timing the top {measure}")
         got = _measured(got, measure, memory_budget_bytes, lambda lays: measure_layouts(
-            model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled))
+            model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled, progress=lambda lay: (
+                bar.set_postfix_str("compiling " + lay.name), bar.update())))
+        bar.close()
     compiled.clear()
     if memory_budget_bytes is not None and not got[0].fits:
         small = min((c for c in got if c.measured_peak is not None), key=lambda c: c.measured_peak)

@@ -58,13 +58,13 @@ class _Timed:
 
 def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
                     layouts: Sequence[Layout], *, rounds: int = 5, steps: int = 2, max_rounds: int = 15,
-                    compiled: dict | None = None) -> list[tuple[float, int]]:
+                    compiled: dict | None = None, progress: Callable | None = None) -> list[tuple[float, int]]:
     """``(seconds per step, peak bytes per device)`` of each of ``layouts``, measured (see the module doc), in
     their order.
 
     ``loss_of(laid_model)``: the loss of a laid-out model; ``params`` and ``batch``: arrays or shape
     structs (the step runs on zeros of them); ``compiled``: the steps ``compiled_peak`` compiled, by layout
-    (not compiled again)."""
+    (not compiled again); ``progress(layout)``: called before each is built and compiled."""
     where = "auto_layout"
     if max_rounds < rounds:
         raise ValueError(f"measure_layouts: max_rounds={max_rounds} must be >= rounds={rounds} (the race's rounds "
@@ -74,7 +74,11 @@ def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
                          f"{jax.process_count()} processes run; measure on one process (every process would have "
                          "to time the same candidates in the same order), or give measure=0.")
     compiled = compiled or {}
-    timed = [_Timed(model, optimizer, loss_of, params, batch, devices, lay, compiled.get(lay)) for lay in layouts]
+    timed = []
+    for lay in layouts:
+        if progress is not None:
+            progress(lay)
+        timed.append(_Timed(model, optimizer, loss_of, params, batch, devices, lay, compiled.get(lay)))
     for _ in range(rounds):
         for t in timed:
             t.round(steps)

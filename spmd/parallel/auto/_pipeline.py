@@ -177,9 +177,10 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     # each backward tick passes over the rank's stacked stage gradient stage_passes times, a pass priced at the
     # optimizer's update of those bytes (stage_s, timed on every device at once) over its own passes over them
     ticks_b = layout.accum_steps * s.num_microbatches * s.stages_per_rank
-    per_pass = stage_s * profile.param_bytes / max(ob, 1.0)
-    compute = (layout.accum_steps * per_step * anchor + optimizer_s
-               + ticks_b * stage_passes(s.stages_per_rank) * per_pass)
+    # stage_coef: seconds per second of stage_s (the compute is affine in optimizer_s and stage_s: auto_layout
+    # times those only for the candidates that can rank, _auto._refined)
+    stage_coef = ticks_b * stage_passes(s.stages_per_rank) * profile.param_bytes / max(ob, 1.0)
+    compute = layout.accum_steps * per_step * anchor + optimizer_s + stage_coef * stage_s
 
     tp = c.get("tp")
     none = {k: {"count": 0, "bytes": 0} for k in KINDS}
@@ -240,6 +241,7 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     mem = {"state": 2 * (p_bytes + opt), "batch": _nbytes(batch) // (n_data * layout.cp), "stash": stash}
     mem["peak"] = sum(mem.values())
     mem["params"], mem["optimizer"], mem["activations"], mem["compiled"] = p_bytes, opt, stash, False
-    return {"compute_s": compute, "comm_s": comm_s, "flops": layout.accum_steps * s.num_microbatches * flops * (
-        chunk * s.stages_per_rank + (1 - u)) + of * share, "memory": mem,
+    return {"compute_s": compute, "stage_coef": stage_coef, "comm_s": comm_s,
+            "flops": layout.accum_steps * s.num_microbatches * flops * (chunk * s.stages_per_rank + (1 - u))
+            + of * share, "memory": mem,
             "communication": {"parameters": params, "activations": acts, "total": total}}

@@ -58,19 +58,20 @@ def optimizer_flops(profile: Profile, plan) -> float:
     return profile.optimizer_cost()[0] * plan.bytes_per_device / max(profile.param_bytes, 1)
 
 
-def optimizer_compute_s(profile: Profile, plan, cal, devices: list) -> float:
+def optimizer_compute_s(profile: Profile, plan, cal, devices: list, *, timed: bool = True) -> float:
     """Seconds of the optimizer's update of ``plan``'s shards on one device: measured
     (``Profile.optimizer_seconds``, less dispatch) under a measured calibration; else the whole update's
     flops and bytes by the shard's share, and its operations, at ``cal``'s rates."""
     shards = jax.tree_util.tree_unflatten(plan.treedef, [jax.ShapeDtypeStruct(e.local_shape, e.dtype)
                                                         for e in plan.entries])  # the optimizer sees the tree
-    return update_seconds(profile, shards, cal, devices)
+    return update_seconds(profile, shards, cal, devices, timed=timed)
 
 
-def update_seconds(profile: Profile, shards: Any, cal, devices: list) -> float:
+def update_seconds(profile: Profile, shards: Any, cal, devices: list, *, timed: bool = True) -> float:
     """Seconds of the optimizer's update of parameters shaped ``shards`` (shape structs) on one device, as
-    ``optimizer_compute_s`` takes them: measured on every device at once, or by the bytes' share."""
-    if cal.measured and len(devices) > 1:
+    ``optimizer_compute_s`` takes them: measured on every device at once, or by the bytes' share (also under
+    a measured calibration with ``timed=False``: the one-device update's cost analysis, nothing run)."""
+    if cal.measured and len(devices) > 1 and timed:
         return max(profile.optimizer_seconds(shards, devices) - cal.dispatch_s, 0.0)
     of, ob, ops = profile._optimizer()
     share = _nbytes(shards) / max(profile.param_bytes, 1)

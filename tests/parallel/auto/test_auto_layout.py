@@ -520,6 +520,30 @@ def test_a_measured_calibration_anchors_the_gradients_and_times_the_optimizer_on
     assert shards[0] == n and n / 8 <= shards[1] < n / 7 and n / 2 < shards[2] < n  # each layout's own shards
 
 
+@pytest.mark.slow  # traces each layout twice (10-27 s here)
+def test_a_measured_calibration_times_the_optimizer_only_where_it_can_rank(data, monkeypatch):
+    """Without a budget, auto_layout times a layout's optimizer update only while the layout can still rank first
+    (by its time without the update, a lower bound): the pick and its time are those of timing every update
+    (evaluate_layout on each), with fewer updates timed. The timings are stubbed (tests never time): the
+    update of dp=8's whole state costs 1 ms, any other's shards 30 ms; dp=8 is the fastest without its update
+    and, with it, still faster than the others without theirs: theirs are not timed."""
+    batch, params, prof = data
+    cal = _cal(op_s=2e-6, measured=True)
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    timed = []
+    monkeypatch.setattr(prof, "grad_seconds", lambda b, devices: 0.05)
+    monkeypatch.setattr(prof, "optimizer_seconds", lambda s, devices: timed.append(
+        sum(math.prod(x.shape) for x in jax.tree.leaves(s))) or (0.001 if timed[-1] == n else 0.03))
+    lays = [LAYOUTS["dp=8"], LAYOUTS["fsdp=8 regather"], LAYOUTS["dp=4,tp=2"]]
+    full = {lay.name: evaluate_layout(MODEL, OPT, batch, 8, lay, calibration=cal, profile=prof).predicted_s
+            for lay in lays}
+    timed.clear()
+    got = auto_layout(MODEL, OPT, batch, 8, calibration=cal, profile=prof, layouts=lays, plan=PLAN)
+    assert got.best.name == min(full, key=full.get)
+    assert got.best.predicted_s == pytest.approx(full[got.best.name], rel=1e-9)
+    assert got.best.name == "dp=8" and timed == [n], (timed, full)
+
+
 def test_the_profile_times_the_gradient_and_the_optimizer_on_every_device_at_once(data, monkeypatch):
     """What is timed: one device's gradient on its micro-batch (the batch cut over all 8 devices, the
     parameters whole on each), and the optimizer's update of the given shards whole on each device; each
