@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd.parallel.pipelining._sown import check_sown_read, sown_names
 from spmd.parallel.styles._nnx import hook_submodules, installed_hooks
 
 __all__ = ["UnitCalls", "model_kind"]
@@ -160,6 +161,7 @@ class UnitCalls:
         if self.lay.scanned:
             return self._record_scan(loss_fn, params, mb)
         calls: list = []
+        sown: dict = {}  # {unit: [names]}: what each unit sowed where loss_fn can read it (check_sown_read)
 
         def on_unit(path, mod, call, args, kwargs):
             if not args or not _is_array(args[0]):
@@ -180,6 +182,7 @@ class UnitCalls:
                     raise ValueError(f"pipeline: unit {path!r} does not take the output of {calls[-1][0]!r}; the units "
                                      "must chain (x = block(x) for each block, in order).")
             out = call(*args, **kwargs)
+            sown[path] = sown_names(self.kind, mod)
             o_leaves, o_tree = jax.tree_util.tree_flatten(out)
             arrays = [i for i, y in enumerate(o_leaves) if _is_array(y)]
             x = args[0]
@@ -215,6 +218,7 @@ class UnitCalls:
         self._group([c[1] for c in calls], [c[6] for c in calls])
         if self.side_shapes:
             self._check_side(loss_fn, params, mb)
+        check_sown_read(self, loss_fn, params, mb, sown)
 
     def _unit_constants(self, loss_fn, params, mb, positions: list[int], names: list[str]) -> dict:
         """``{argument position: [L, ...] array}``: the side arguments at ``positions`` (flattened ``(args[1:],
