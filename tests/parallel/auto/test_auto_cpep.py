@@ -77,7 +77,7 @@ def test_moe_ep_candidates_tables_equal_their_compiled_collectives():
     batch = _batch(16)
     params = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
     units = infer_units(params)
-    ep = [lay for lay in context_expert_layouts(8, None, units, params, batch) if lay.ep > 1 and lay.cp == 1]
+    ep = [lay for lay in context_expert_layouts(8, None, units, params, batch) if lay.ep > 1 and lay.cp == lay.pp == 1]
     assert sorted(lay.name for lay in ep) == sorted([
         "dp=4,ep=2", "dp=2,fsdp=2,ep=2 regather", "dp=2,fsdp=2,ep=2 keep", "fsdp=4,ep=2 regather",
         "fsdp=4,ep=2 keep", "dp=2,ep=4", "fsdp=2,ep=4 regather", "fsdp=2,ep=4 keep", "ep=8"])
