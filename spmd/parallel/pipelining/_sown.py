@@ -20,10 +20,10 @@ import jax.numpy as jnp
 
 
 def _linen_sown(mod) -> dict | None:
-    """The unit's part of the ``intermediates`` collection, where ``loss_fn``'s ``apply`` made it mutable (a
-    dict of the root scope's: changed in place), else None."""
+    """The unit's part of the ``intermediates`` collection, where ``loss_fn``'s ``apply`` made it mutable and
+    the unit sowed (a dict of the root scope's: changed in place), else None (none created)."""
     scope = getattr(mod, "scope", None)
-    if scope is None or not scope.is_mutable_collection("intermediates"):
+    if scope is None or not scope.is_mutable_collection("intermediates") or "intermediates" not in scope._variables:
         return None
     return scope._mutable_collection("intermediates")
 
