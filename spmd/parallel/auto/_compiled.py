@@ -8,9 +8,9 @@ the compiled step:
 - **memory**: ``argument + output + temp - alias`` (``StepMemory``), XLA's own peak per device;
 - **compute**: ``flops`` and ``bytes accessed`` of XLA's cost analysis of the partitioned (per-device)
   program. XLA counts a loop's body once, whatever its trip count: a loop of known trip count (an ``nn.scan``
-  stack of blocks) has its other trips added from the HLO (``spmd.parallel.cost._loops``); a step with
-  gradient accumulation is costed as the same layout's step without it on the whole batch
-  (``accum_steps=1``): the same forward and backward work, and the optimizer's update once.
+  stack of blocks, and a step's gradient-accumulation loop) has its other trips added from the HLO
+  (``spmd.parallel.cost._loops``): an accumulating step is costed as its own program, once compiled (its
+  micro-batches' work, the accumulator's traffic each micro-batch, the optimizer's update once).
 
 The program is compiled with LLVM's code generation unoptimized (``READ_ONLY``: XLA's HLO passes, buffer
 assignment and cost analysis run before it, so the numbers are those of the optimized compile).
@@ -48,11 +48,7 @@ def compile_figures(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
     if keep is not None:
         keep[layout] = exe
     mem = StepMemory.from_compiled(exe)
-    flops, nbytes = _cost(exe)
-    if layout.accum_steps > 1:  # the loop's body counted once: the same work as one step on the whole batch
-        s1, st1, b1 = _built(model, optimizer, loss_of, params, batch, devices, replace(layout, accum_steps=1),
-                             abstract=True)
-        flops, nbytes = _cost(s1.lower(st1, b1).compile(READ_ONLY))
+    flops, nbytes = _cost(exe)  # an accumulation loop's other trips added (cost._loops)
     return {"memory": mem, "flops": flops, "bytes": nbytes}
 
 

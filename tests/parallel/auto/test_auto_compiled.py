@@ -63,11 +63,15 @@ def test_compiled_figures_are_the_steps_own_and_the_bound_is_below_them():
         bound = evaluate_layout(model, OPT, batch, 8, lay, params=params, profile=prof,
                                 calibration=_rates()).memory
         assert not bound["compiled"] and bound["peak"] <= got["memory"].peak, (lay.name, bound, got["memory"])
-    # accumulation: XLA counts the loop's body once; the figures count the micro-batches' work twice, as the
-    # plain step on the whole batch does
+    # accumulation: XLA counts the loop's body once; the figures are the accumulating program's own, both
+    # micro-batches' work counted (and the accumulator's elementwise work each micro-batch: more than the plain
+    # step on the whole batch, by a few percent beside the matmuls), compiled once
     acc = compile_figures(model, OPT, default_loss, params, batch, jax.devices()[:8], Layout(dp=8, accum_steps=2))
-    assert acc["flops"] == pytest.approx(_cost(_by_hand(model, Layout(dp=8), batch))[0], rel=1e-6)
-    assert acc["flops"] > 1.5 * _flops(_by_hand(model, Layout(dp=8, accum_steps=2), batch))  # XLA's own count
+    exe = _by_hand(model, Layout(dp=8, accum_steps=2), batch)
+    assert acc["flops"] == pytest.approx(_cost(exe)[0], rel=1e-6)
+    assert acc["flops"] > 1.5 * _flops(exe)  # XLA's own count: the loop's body once
+    plain = _cost(_by_hand(model, Layout(dp=8), batch))[0]
+    assert plain < acc["flops"] < 1.1 * plain, (acc["flops"], plain)
 
 
 def _rates():
