@@ -101,6 +101,7 @@ def test_moe_ep_candidates_tables_equal_their_compiled_collectives():
 
 
 @pytest.mark.slow  # the candidates traced, the cp-free ones' smallest variants and the pick compiled
+@pytest.mark.timeout(600)  # 196 s alone on a loaded 2-core machine, 250 s with the pp x cp candidates traced too
 def test_a_long_sequence_under_a_tight_budget_picks_cp():
     model = Llama(LlamaConfig(vocab_size=24, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
                               num_kv_heads=2, attn_implementation="sdpa"))
