@@ -316,10 +316,10 @@ def main(argv=None) -> int:
                   f"{vs}  compile {r['compile_s']:4.0f} s  state {r['state_bytes_per_device'] / 2**20:5.2f} MiB/device"
                   f"  {comm}", flush=True)
         del preps
-    os.makedirs(RESULTS, exist_ok=True)
-    name = "zoo_quick" if a.quick else a.out
-    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        os.makedirs(RESULTS, exist_ok=True)  # written after each model: a run cut short keeps what it measured
+        name = "zoo_quick" if a.quick else a.out
+        with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+            json.dump(results, f, indent=1)
     _plot(results, os.path.join(RESULTS, f"{name}.png"))
     return 0
 
