@@ -706,7 +706,7 @@ def _reduce_grads(st: _Stages, gsp, grest, loss, aux):
     """The accumulated gradients and metrics averaged over the accumulation steps, then reduced: the rest over
     pp (summed: each end's part) and the data dims (averaged), one all-reduce each; the stage gradients
     reduce-scattered over fsdp (the gather's transpose), the whole ones and (HSDP) the shards averaged over
-    the other data dims."""
+    the other data dims (those of size over 1)."""
     lay, plan, hooks, ppd, data, fd = st.lay, st.plan, st.hooks, st.ppd, st.data, st.fd
     k = st.accum_steps
     gsp = jax.tree.map(lambda g: g / k, gsp)
@@ -736,6 +736,9 @@ def _reduce_grads(st: _Stages, gsp, grest, loss, aux):
                          tuple(d for d in data if d not in (lay.fsdp, st.ep)))):
         rels = [rel for rel in gsp if group(rel)]
         gs = [gsp[rel] for rel in rels]
+        # a data dim of size 1 (a named dp=1) reduces nothing: left out (its all-reduce over singleton groups
+        # would stay in the compiled program, moving the whole gradients for nothing)
+        axes = tuple(d for d in axes if st.pm.mesh.size(d) > 1)
         if axes and gs:  # (HSDP: the shards averaged over the other data dims)
             gs = reduce_tp_aware(hooks, [plan.entry(f"{STAGES}/{rel}") for rel in rels], gs, axes, lax.pmean)
         out.update({rel: g / n_ep if rel in experts else g for rel, g in zip(rels, gs)})
