@@ -184,6 +184,7 @@ class _CondDecoder(nnx.Module):
         return self.head(x + self.attn(x, cond))
 
 
+@pytest.mark.slow
 def test_a_gathered_module_gathers_only_its_sequence_inputs_not_a_vector_as_wide_as_the_sequence():
     mesh = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     model = _CondDecoder(nnx.Rngs(0))

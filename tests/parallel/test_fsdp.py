@@ -257,11 +257,17 @@ def _job_dp8():
 
 def _job_state_bytes(state):
     """(whole parameter bytes, one device's fsdp=8 chunk of them, optimizer scalar bytes) of a restored job
-    state: each parameter cut Shard(0) over 8 as torch.chunk cuts (ceil), the scalars (step counts) on every
-    device. Parameters and AdamW's two moments make the state bytes."""
+    state: each parameter cut over 8 as torch.chunk cuts (ceil), the scalars (step counts) on every device.
+    Parameters and AdamW's two moments make the state bytes. The job gives init_train_state example inputs, so a
+    Dense kernel [in, out] is cut on its output dim as torch's FSDP cuts a Linear weight [out, in], where 8
+    divides it or divides neither dim (docs/training/any-model.md); every other parameter on dim 0."""
     params = jax.tree.leaves(state.params)
     whole = sum(x.nbytes for x in params)
-    chunk = sum(-(-x.shape[0] // 8) * int(np.prod(x.shape[1:])) * x.dtype.itemsize for x in params)
+
+    def dim(x):
+        return 1 if x.ndim == 2 and (x.shape[1] % 8 == 0 or x.shape[0] % 8 != 0) else 0
+
+    chunk = sum(-(-x.shape[dim(x)] // 8) * x.size // x.shape[dim(x)] * x.dtype.itemsize for x in params)
     return whole, chunk, sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if np.ndim(x) == 0)
 
 

@@ -180,6 +180,7 @@ class _Stack(nn.Module):
         return nn.Dense(6, name="head")(x)
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_flagged_kernels_transposed_so_their_gradients_stay_in_their_dots_layout():
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(32, 16)).astype(np.float32), "y": rng.normal(size=(32, 6)).astype(np.float32)}
@@ -216,6 +217,7 @@ def _gathered_shapes(hlo: str) -> set:
     return {tuple(int(d) for d in m.split(",")) for m in re.findall(r"= f32\[([\d,]+)\]\{[\d,]*\} all-gather\(", hlo)}
 
 
+@pytest.mark.slow
 def test_fsdp_with_example_inputs_cuts_flagged_kernels_on_their_output_dim():
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(32, 16)).astype(np.float32), "y": rng.normal(size=(32, 6)).astype(np.float32)}

@@ -257,6 +257,7 @@ def test_a_picked_pipeline_with_ep_prints_its_compiled_collectives():
     assert table["all-to-all"]["count"] == 20 and best.comm_s["all-to-all"] > 0
 
 
+@pytest.mark.slow
 def test_a_pipeline_with_cp_refuses_a_models_own_attention():
     model, batch = Transformer(24, 16, num_layers=2, d_model=16, num_heads=2), _batch(16)
     lay = Layout(pp=2, dp=2, cp=2, units=("block_*",), microbatches=2)

@@ -28,6 +28,7 @@ def _qkv(t=T, dtype=jnp.float32):
             jax.random.normal(r[2], (B, t, K, D), dtype), jax.random.normal(r[3], (B, t, N, D), dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_planning_kernel_computes_xlas_attention_and_its_gradients(causal):
     q, k, v, do = _qkv()
@@ -63,6 +64,7 @@ def test_the_bound_and_the_compiled_cost_count_flash_attentions_matmuls(causal):
     assert loop_extra(exe.as_text())[0] > 0  # the tiles run as a loop XLA counts once
 
 
+@pytest.mark.slow
 def test_the_fused_peak_holds_no_scores_where_xlas_lowering_holds_them():
     t = 4096  # shapes only: nothing allocated
     q, k, v, do = (jax.ShapeDtypeStruct((B, t, h, D), jnp.float32) for h in (N, K, K, N))

@@ -240,8 +240,15 @@ def test_the_weight_stationary_layout_is_ranked_and_printed_by_name(built, data)
 def test_a_memory_budget_excludes_what_does_not_fit_and_none_fitting_is_a_clear_error(built, data):
     """Under a budget the candidates are compiled in ranked order and XLA's peak judges the fit; a budget below
     every candidate's lower bound is refused naming the smallest bound."""
-    batch = data[0]
-    peak = {n: StepMemory.from_compiled(built[n][1]).peak for n in ("dp=8", "fsdp=8 regather")}
+    batch, params = data[0], data[1]
+
+    def compiled_peak(name):  # the step as auto_layout builds it: given example inputs (fsdp's output-dim cut)
+        laid, mesh = apply_layout(MODEL, 8, LAYOUTS[name])
+        state = init_train_state(laid, OPT, batch["inputs"], params=params, mesh=mesh)
+        step = make_train_step(laid, default_loss(laid), OPT, mesh=mesh)
+        return StepMemory.from_compiled(step.lower(state, batch).compile()).peak
+
+    peak = {n: compiled_peak(n) for n in ("dp=8", "fsdp=8 regather")}
     assert peak["fsdp=8 regather"] < peak["dp=8"]
     lays = [LAYOUTS["dp=8"], LAYOUTS["fsdp=8 regather"]]
     budget = (peak["fsdp=8 regather"] + peak["dp=8"]) // 2
@@ -902,7 +909,7 @@ def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fi
     # measure=2 under the budget: compiled until 2 fit, then those 2 timed together on their compiled steps
     timed = []
 
-    def fake_measure(*a, compiled):
+    def fake_measure(*a, compiled, progress=None):
         timed.append(([lay.name for lay in a[-1]], [compiled[lay] for lay in a[-1]]))
         return [(0.1, budget // 2)] * len(a[-1])
 

@@ -40,6 +40,7 @@ def _batch():
     return {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
 
 
+@pytest.mark.slow
 def test_a_scanned_stacks_pipeline_layouts_slice_its_layer_axis():
     model = ScannedMLP(depth=6, axis=1, remat=True)
     params = model.init(jax.random.key(0), EXAMPLE)["params"]

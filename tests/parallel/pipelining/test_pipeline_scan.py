@@ -370,6 +370,7 @@ def _residual_shapes(f, *args) -> list:
     return sorted(tuple(a.shape) for a, why in saved_residuals(f, *args) if not why.startswith("from the argument"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["dots_saveable", "nothing_saveable", "none"])
 def test_a_stage_saves_what_the_users_remat_policy_saves(policy):
     """A stage's backward pass runs each layer of its slice under the user's ``nn.remat`` and its policy: the

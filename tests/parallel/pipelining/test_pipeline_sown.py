@@ -72,6 +72,7 @@ def test_a_linen_loss_adding_what_the_units_sow_is_refused():
         step(state, _batch())
 
 
+@pytest.mark.slow
 def test_a_linen_aux_metric_reading_what_the_units_sow_is_warned_about_and_the_step_trains():
     m = Net()
     params = m.init(jax.random.key(0), _batch()["inputs"])["params"]
