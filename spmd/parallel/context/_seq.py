@@ -9,12 +9,26 @@ the batch's.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["seq_inputs", "seq_leaves"]
+__all__ = ["seq_batch", "seq_inputs", "seq_leaves"]
+
+_TRACE_ERRORS: tuple = (TypeError, ValueError, IndexError)
+
+
+def _trace_errors() -> tuple:
+    """What a trace at the wrong shapes raises: JAX's shape errors, and flax's (a parameter whose shape the input
+    no longer fits)."""
+    try:
+        from flax.errors import FlaxError
+    except ImportError:  # flax is optional
+        return _TRACE_ERRORS
+    return _TRACE_ERRORS + (FlaxError,)
 
 
 def seq_leaves(at: dict, at_probe: dict, seq_len: int, probe_len: int) -> dict:
@@ -45,7 +59,7 @@ def seq_inputs(trace: Callable[[Any], Any], first: Any, batch: Any, seq_len: int
                          if np.ndim(x) >= 2 else x, batch)
     try:
         other = trace(short)
-    except (TypeError, ValueError, IndexError):
+    except _trace_errors():
         return first.seen
     seq_of.update(seq_leaves(first.dims, other.dims, seq_len, probe))
     seen: dict[str, bool] = {}
@@ -53,3 +67,33 @@ def seq_inputs(trace: Callable[[Any], Any], first: Any, batch: Any, seq_len: int
         got = seq_of[key][0] if key in seq_of else tuple(d == seq_len for d in ins)
         seen[key[0]] = seen.get(key[0], False) or any(got)
     return seen
+
+
+def seq_batch(trace: Callable[[Any], Any], batch: Any, seq_len: int, n: int, most: int = 64) -> tuple[bool, ...]:
+    """Which leaves of ``batch`` (in ``jax.tree.leaves`` order) hold the sequence on dim 1, read from the program:
+    ``trace(b)`` traces the step (shapes only) on a batch ``b``. The candidates are the leaves whose dim 1 is
+    ``seq_len``; the step is traced with them at ``seq_len - n`` positions, and where it does not trace, with
+    fewer of them (the fewest kept at ``seq_len`` first, at most ``most`` traces). The leaves it traces shortened
+    are the sequence; one the program needs at its width (a ``[batch, d]`` vector with ``d == seq_len`` into a
+    dense layer) is not. A step that traces at no such set (its shapes fix the sequence length), or a sequence of
+    ``n`` positions, keeps the dim-1 rule."""
+    leaves, tree = jax.tree.flatten(batch)
+    dim1 = tuple(np.ndim(x) >= 2 and np.shape(x)[1] == seq_len for x in leaves)
+    cand = [i for i, c in enumerate(dim1) if c]
+    if seq_len <= n or not cand:
+        return dim1
+    errors, tried = _trace_errors(), 0
+    for k in range(len(cand)):
+        for keep in itertools.combinations(cand, k):
+            if tried == most:
+                return dim1
+            tried += 1
+            cut = tuple(i in cand and i not in keep for i in range(len(leaves)))
+            short = [jax.ShapeDtypeStruct((np.shape(x)[0], seq_len - n, *np.shape(x)[2:]) if c else np.shape(x),
+                                          jnp.result_type(x)) for x, c in zip(leaves, cut)]
+            try:
+                trace(jax.tree.unflatten(tree, short))
+            except errors:
+                continue
+            return cut
+    return dim1

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd.parallel.context._calls import ContextCalls, seq_len
+from spmd.parallel.context._seq import seq_batch
 from spmd.parallel.plan._checks import check_rng
 from spmd.parallel.styles._nnx import nnx_params
 from spmd.parallel.pipelining._calls import model_kind
@@ -212,10 +213,11 @@ class PipelineStep(TrainStep):
                 (n_local // (k * pm.schedule.num_microbatches), *np.shape(x)[1:]), jnp.result_type(x)), batch)
             lay.record(self._loss_fn, jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths]),
                        mb)
+            seq = _seq_leaves(pm, lay, self._loss_fn, mb)
             stages: list = []
             self._builds[key] = _PipelineBuild(
                 build_pipeline_step(pm, lay, self._loss_fn, self._optimizer, k, state.plan,
-                                    keep_finite=bool(self._check_finite), stages_out=stages), lay, mb)
+                                    keep_finite=bool(self._check_finite), stages_out=stages, seq=seq), lay, mb)
             self._builds[key].stages = stages[0]
         return self._builds[key]
 
@@ -308,8 +310,23 @@ def _stage_spec(ppd: str, ndim: int, cuts: dict) -> P:
     return P(*dims)
 
 
+def _seq_leaves(pm, lay, loss_fn, mb) -> tuple[bool, ...] | None:
+    """Under cp: which batch leaves hold the sequence on dim 1 (cut over cp), read from the program
+    (``spmd.parallel.context._seq.seq_batch``: ``loss_fn`` traced with them at fewer positions), not from their
+    size: a ``[batch, d]`` input with ``d`` equal to the sequence length stays whole over cp. None without cp."""
+    if not pm.cp or pm.mesh.size(pm.cp) < 2:
+        return None
+    params = jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths])
+
+    def trace(b):
+        return jax.eval_shape(lambda p, b: lay.calls.run(loss_fn, p, b, lambda path, mod, call, a, kw: call(*a, **kw)),
+                              params, b)
+
+    return seq_batch(trace, mb, seq_len(mb), pm.mesh.size(pm.cp))
+
+
 def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, keep_finite: bool = False,
-                        stages_out: list | None = None) -> Callable:
+                        stages_out: list | None = None, seq: tuple[bool, ...] | None = None) -> Callable:
     """The jitted ``(state, batch) -> (state, metrics)`` of ``pm`` on layout ``lay`` (its unit calls recorded
     at the micro-batch's shapes), unchecked: what ``make_train_step`` compiles once per layout and batch shape,
     and what ``spmd.parallel.pipelining._memory`` compiles at other micro-batch counts.
@@ -319,7 +336,9 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, kee
     pass runs the tick table (``_ticks_unrolled`` or ``_ticks_looped``), each tick switching between the
     ``_Pass`` branches (a chunk's forward or backward in each stage role) that the table names for the rank.
     ``keep_finite``: the update applied only where the loss and gradient norm are finite (else the state's
-    params and opt_state kept; ``metrics["nonfinite"]``), in this same program."""
+    params and opt_state kept; ``metrics["nonfinite"]``), in this same program. ``seq``: under cp, which batch
+    leaves (``jax.tree.leaves`` order) hold the sequence, cut over cp (``_seq_leaves``; None: every leaf of rank
+    2 or more)."""
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     st = _Stages(pm, lay, loss_fn, accum_steps, plan)
     if stages_out is not None:
@@ -337,9 +356,11 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, kee
     batch_spec = P(data if len(data) > 1 else (data[0] if data else None))
 
     def step(state: TrainState, batch):
-        if pm.cp:  # the sequence (dim 1 of every leaf of rank 2+) cut over cp, the batch over the data dims
-            batch = jax.tree.map(lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh.jax_mesh, P(
-                batch_spec[0], *((pm.cp,) if np.ndim(x) >= 2 else ())))), batch)
+        if pm.cp:  # the sequence (dim 1 of the leaves that hold it) cut over cp, the batch over the data dims
+            leaves, tree = jax.tree.flatten(batch)
+            cut = seq if seq is not None else tuple(np.ndim(x) >= 2 for x in leaves)
+            batch = jax.tree.unflatten(tree, [lax.with_sharding_constraint(x, NamedSharding(mesh.jax_mesh, P(
+                batch_spec[0], *((pm.cp,) if c else ())))) for x, c in zip(leaves, cut)])
         grads, metrics = jax.shard_map(region, mesh=mesh.jax_mesh, in_specs=(specs, batch_spec),
                                        out_specs=(specs, P()), axis_names=set(names) - tp_dim - cp_dim,
                                        check_vma=False)(

@@ -9,7 +9,9 @@ sends, their count and bytes (the activations cut over cp) equal to the pipeline
 bytes (the K/V gathers, dK / dV reduce-scatters, the gradients' all-reduces over cp, the lookup's gathers) too.
 """
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -108,3 +110,59 @@ def test_pp2_cp4_named_dp1_table_equals_hlo():
     for kind in ("all-gather", "reduce-scatter"):
         assert hlo[kind]["buffers"] == table[kind]["buffers"], kind
     assert hlo["collective-permute"]["buffers"] == table["collective-permute"]["count"]
+
+
+class _CondBlock(nn.Module):
+    """A block taking a per-example vector ``[batch, d]`` beside the hidden states, ``d`` equal to the sequence
+    length: no sequence."""
+
+    @nn.compact
+    def __call__(self, x, cond):
+        x = x + nn.Dense(x.shape[-1])(cond)[:, None, :]
+        b, t, d = x.shape
+        q, k, v = (nn.Dense(d)(x).reshape(b, t, 2, d // 2) for _ in range(3))
+        return x + nn.Dense(d)(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d))
+
+
+class _CondModel(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, feat):
+        x, cond = nn.Embed(V, 8)(tokens), jnp.sin(feat)
+        for i in range(2):
+            x = _CondBlock(name=f"blocks_{i}")(x, cond)
+        return nn.Dense(V)(x)
+
+
+@pytest.mark.slow
+def test_a_batch_vector_as_wide_as_the_sequence_stays_whole_over_cp_in_a_pipeline():
+    """pp=2 x cp=2 with a ``[batch, d]`` batch leaf, ``d`` equal to the sequence length (8): which leaves hold the
+    sequence is read from the program (``loss_fn`` traced at fewer positions: this one's dense layer needs its
+    width), so it is not cut over cp (it was, by its dim 1: one all-gather of it the table did not count); 2 SGD
+    steps equal one device's, and the compiled all-gathers equal the table's."""
+    t = 8
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, V, (4, t)).astype(np.int32),
+                "feat": rng.normal(size=(4, t)).astype(np.float32), "labels": rng.integers(0, V, (4, t)).astype(np.int32)} for _ in range(2)]
+    model = _CondModel()
+
+    def loss_fn(p, b):
+        logits = model.apply({"params": p}, b["tokens"], b["feat"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["labels"]).mean()
+
+    params = model.init(jax.random.key(0), batches[0]["tokens"], batches[0]["feat"])["params"]
+    opt = optax.sgd(0.1)
+    ref_losses, ref = train_one_device(params, batches, loss_fn, opt)
+    mesh = spmd.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+    pm = pipeline(model, mesh["pp"], units="blocks_*", num_microbatches=2)
+    state = init_train_state(pm, opt, params=params)
+    step = make_train_step(pm, loss_fn, opt)
+    hlo = executed_collectives(step._build(state, batches[0]).jitted, state, batches[0], scalars=False)
+    table = step.communication(state, batches[0])
+    assert (hlo["all-gather"]["buffers"], hlo["all-gather"]["bytes"]) == (table["all-gather"]["buffers"],
+                                                                           table["all-gather"]["bytes"])
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params)
