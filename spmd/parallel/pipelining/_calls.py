@@ -261,6 +261,7 @@ class UnitCalls:
         (``_ScanCut``), which ``pre`` evaluates."""
         stack = self.lay.scanned
         calls: list = []
+        sown: dict = {}  # {stack: [names]}: what its layer sowed where loss_fn can read it (check_sown_read)
 
         def on_unit(path, mod, call, args, kwargs):
             if not args or not _is_array(args[0]):
@@ -269,6 +270,7 @@ class UnitCalls:
                                  "(the scan's carry).")
             leaves, tree = jax.tree_util.tree_flatten((tuple(args[1:]), dict(kwargs)))
             out = call(*args, **kwargs)
+            sown[path] = sown_names(self.kind, mod)
             o_leaves, o_tree = jax.tree_util.tree_flatten(out)
             outs = [i for i, y in enumerate(o_leaves) if _is_array(y)]
             x = args[0]
@@ -294,6 +296,8 @@ class UnitCalls:
         self.out = (o[0], [None if _is_array(y) else y for y in o[1]], o[2])
         n = len(self.lay.units)
         self.units_of, self.configs, self.kinds, self.kind_of = [unit], [config], [0], [0] * n
+        # before the cut: its trace runs loss_fn with the layers not run (a loss reading what they sow fails there)
+        check_sown_read(self, loss_fn, params, mb, sown, shown=lambda u: f"{u}/<layer>")
         self.cut = _ScanCut(self, loss_fn, params, mb)
         self.remat = self.cut.remat  # the user's checkpoint of each layer, its policy: a stage runs it so too
         if self.side_shapes:

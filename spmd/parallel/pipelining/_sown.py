@@ -3,7 +3,8 @@
 Under a pipeline the units run on their stages apart from ``loss_fn`` (``_step._Pass``: ``loss_fn`` runs with
 the units' calls routed to the stages), so what a unit sows (linen's ``self.sow("intermediates", ...)``, nnx's
 ``nnx.Intermediate``: an MoE block's load-balancing term) never reaches the loss: a loss adding it would train
-without it. The step reports those values in its metrics (``metrics["intermediates/<unit>/<name>"]``); a
+without it. The step reports those values in its metrics (``metrics["intermediates/<unit>/<name>"]``; a scanned
+stack's by layer, ``<stack>/<i>``); a
 ``loss_fn`` that reads them is refused. ``sown_names`` lists what a unit sowed where ``loss_fn`` could read it
 (in the trace ``UnitCalls.record`` makes); ``check_sown_read`` traces ``loss_fn`` once more with a probe added
 to each of those values: a loss that depends on one is refused, an aux metric that does is warned about
@@ -66,10 +67,12 @@ def sown_names(kind: str, mod) -> list[str]:
     return names
 
 
-def check_sown_read(calls: Any, loss_fn: Callable, params: Any, mb: Any, sown: dict) -> None:
+def check_sown_read(calls: Any, loss_fn: Callable, params: Any, mb: Any, sown: dict,
+                    shown: Callable[[str], str] = str) -> None:
     """Refuse ``loss_fn`` if its loss depends on what a unit sows, warn if an aux metric does (``sown``:
-    ``{unit: [names]}``, from ``sown_names``): one trace of ``loss_fn`` with the units run in place and a scalar probe added to each sown
-    value, then which probes the loss (each aux metric) uses (dead-code elimination, through nested programs)."""
+    ``{unit: [names]}``, from ``sown_names``): one trace of ``loss_fn`` with the units run in place and a scalar
+    probe added to each sown value, then which probes the loss (each aux metric) uses (dead-code elimination,
+    through nested programs). ``shown(unit)``: the unit as the metrics name it (a scanned stack: by layer)."""
     probes = [(u, n) for u, names in sown.items() for n in names]
     if not probes:
         return
@@ -107,7 +110,7 @@ def check_sown_read(calls: Any, loss_fn: Callable, params: Any, mb: Any, sown: d
             f"pipeline: loss_fn reads {name!r}, which unit {unit!r} sows{more} (linen's self.sow('intermediates', "
             "...), nnx's nnx.Intermediate), into its loss; under a pipeline the units run on their stages apart from "
             "loss_fn, so a value a unit sows cannot reach loss_fn across the stages (the loss would train without "
-            f"that term). The step reports it in its metrics instead, as metrics['intermediates/{unit}/{name}']. "
+            f"that term). The step reports it in its metrics instead, as metrics['intermediates/{shown(unit)}/{name}']. "
             "Compute the term outside the units (in the head, from the last unit's output), leave it out of the "
             "loss (it stays in the metrics), or train without pp (fsdp, ep).")
     for j, key in enumerate(aux_keys):  # a metric only: warned (the step's own metrics carry the values)
@@ -117,5 +120,5 @@ def check_sown_read(calls: Any, loss_fn: Callable, params: Any, mb: Any, sown: d
             warnings.warn(
                 f"pipeline: loss_fn's aux{key} reads {name!r}, which unit {unit!r} sows; under a pipeline the units "
                 "run on their stages apart from loss_fn, so that metric is computed without what the units sow. "
-                f"The step reports it as metrics['intermediates/{unit}/{name}'] (each sown value by unit): read "
+                f"The step reports it as metrics['intermediates/{shown(unit)}/{name}'] (each sown value by unit): read "
                 "those instead.", stacklevel=2)

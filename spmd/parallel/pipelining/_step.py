@@ -428,14 +428,21 @@ class _Stages:
         """Chunk ``j`` of rank ``r`` on ``x``: its units in turn (``spj``: ``chunk_of(sp, j)``), a skipped slot
         passing ``x`` through. ``sown`` (``{name: [units, ...]}``): what each unit sows added at its row."""
         lay = self.lay
+        rows = np.maximum(np.asarray(lay.rows).reshape(lay.valid.shape), 0)  # [pp, v, lc]: each slot's unit
         if lay.scanned:  # a slice of a scanned stack: a scan over its layers (its program one layer's size)
             def layer(ls, h):
-                return self.unit_call(0, ls, h, side)
+                return self.unit_call(0, ls, h, side) if sown is None else self.sowing(0, ls, h, side)
 
             for policy, prevent_cse in reversed(lay.calls.remat):  # the user's nn.remat, its policy: B saves so
                 layer = jax.checkpoint(layer, policy=policy, prevent_cse=prevent_cse)
-            return lax.scan(lambda h, ls: (layer(ls, h), None), x, [spj[rel] for rel in lay.rel])[0]
-        rows = np.maximum(np.asarray(lay.rows).reshape(lay.valid.shape), 0)  # [pp, v, lc]: each slot's unit
+            if sown is None:
+                return lax.scan(lambda h, ls: (layer(ls, h), None), x, [spj[rel] for rel in lay.rel])[0]
+            # what each layer sowed, stacked on the scan's output, added at its layer's row
+            x, got = lax.scan(lambda h, ls: layer(ls, h), x, [spj[rel] for rel in lay.rel])
+            idx = jnp.asarray(rows)[r, j]
+            for n, v in got.items():
+                sown[n] = sown[n].at[idx].add(v.astype(sown[n].dtype))
+            return x
         for l in range(self.lc):
             leaves = [spj[rel][l] for rel in lay.rel]
             used, idx = self.slot_kinds[l]
@@ -469,10 +476,9 @@ class _Stages:
 
     def find_sown(self, sp: dict, rest, mb) -> dict:
         """``{name: [units, ...] float32 zeros}``: what the units sow (``self.sown_shapes``, ``self.sown_kinds``:
-        each kind's names), traced (shapes only) once per kind; empty for a scanned stack, or units sowing nothing."""
+        each kind's names), traced (shapes only) once per kind (a scanned stack: its one layer); empty for units
+        sowing nothing."""
         self.sown_shapes, self.sown_kinds = {}, {}
-        if self.lay.scanned:
-            return {}
         leaves, side = [sp[rel][0] for rel in self.rels], self.side_of(rest, mb)
         for k in range(len(self.lay.calls.kinds)):
             got = jax.eval_shape(lambda: self.sowing(k, leaves, jnp.zeros(self.act.shape, self.act.dtype), side,

@@ -150,3 +150,108 @@ def test_an_nnx_loss_adding_what_the_units_sow_is_refused():
     with pytest.raises(ValueError, match=re.escape("pipeline: loss_fn reads 'aux', which unit 'blocks/0' sows (and 1 "
                                                    "more: ['blocks/1/aux'])") + ".*" + re.escape(WHY)):
         step(init_train_state(pm, opt), _batch())
+
+
+class _ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.Dense(8)(x)
+        self.sow("intermediates", "aux", jnp.mean(h ** 2))
+        return x + jnp.tanh(h), None
+
+
+class _ScanNet(nn.Module):
+    @nn.compact
+    def __call__(self, tok):
+        x = nn.Embed(VOCAB, 8)(tok)
+        x, _ = nn.scan(_ScanBlock, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+                       length=4)(name="layers")(x, None)
+        return nn.Dense(VOCAB)(x)
+
+
+def _nnx_scan_net():
+    from flax import nnx
+
+    class NBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.up(x)
+            self.sow(nnx.Intermediate, "aux", jnp.mean(h ** 2))
+            return x + jnp.tanh(h)
+
+    class NNet(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(VOCAB, 8, rngs=rngs)
+
+            @nnx.split_rngs(splits=4)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return NBlock(rngs)
+
+            self.layers = make(rngs)
+            self.head = nnx.Linear(8, VOCAB, rngs=rngs)
+
+        def __call__(self, tok):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run(x, block):
+                return block(x)
+
+            return self.head(run(self.embed(tok), self.layers))
+
+    return NNet(nnx.Rngs(0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_what_a_scanned_stacks_layers_sow_reaches_the_metrics_per_layer(kind):
+    """A scanned stack (linen ``nn.scan`` with ``intermediates`` on the layer axis, nnx ``nnx.vmap`` +
+    ``nnx.scan``) of 4 layers over pp=2: what each layer sows reaches the step's metrics as
+    ``metrics['intermediates/layers/<i>/aux']``, equal to layer ``i``'s value in one device's run."""
+    b = _batch()
+    if kind == "linen":
+        m = _ScanNet()
+        params = m.init(jax.random.key(0), b["inputs"])["params"]
+        _, vs = m.apply({"params": params}, b["inputs"], mutable=["intermediates"])
+        (want,) = vs["intermediates"]["layers"]["aux"]
+
+        def loss(p, b):
+            return _ce(m.apply({"params": p}, b["inputs"]), b)
+
+        kw = {"params": params}
+    else:
+        from flax import nnx
+
+        m = _nnx_scan_net()
+        ref = _nnx_scan_net()
+        ref(b["inputs"])
+        (want,) = nnx.pop(ref, nnx.Intermediate)["layers"]["aux"].get_value()
+
+        def loss(mod, b):
+            return _ce(mod(b["inputs"]), b)
+
+        kw = {}
+    assert np.shape(want) == (4,)
+    pm = pipeline(m, _mesh()["pp"], units="layers", num_microbatches=2)
+    opt = optax.sgd(0.1)
+    _, metrics = make_train_step(pm, loss, opt)(init_train_state(pm, opt, b["inputs"][:2], **kw), b)
+    got = [float(metrics[f"intermediates/layers/{i}/aux"]) for i in range(4)]
+    # each micro-batch's mean of h**2, averaged: the batch's (micro-batches of one size)
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5)
+
+
+def test_a_linen_loss_adding_what_a_scanned_stacks_layers_sow_is_refused():
+    m = _ScanNet()
+    params = m.init(jax.random.key(0), _batch()["inputs"])["params"]
+
+    def loss(p, b):
+        logits, vs = m.apply({"params": p}, b["inputs"], mutable=["intermediates"])
+        return _ce(logits, b) + 0.01 * sum(jax.tree.leaves(vs["intermediates"]))
+
+    pm = pipeline(m, _mesh()["pp"], units="layers", num_microbatches=2)
+    opt = optax.sgd(0.1)
+    state = init_train_state(pm, opt, _batch()["inputs"][:2], params=params)
+    with pytest.raises(ValueError, match=re.escape("pipeline: loss_fn reads 'aux', which unit 'layers' sows") + ".*"
+                       + re.escape(WHY) + ".*" + re.escape("metrics['intermediates/layers/<layer>/aux']")):
+        make_train_step(pm, loss, opt)(state, _batch())
