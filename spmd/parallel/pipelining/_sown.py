@@ -4,16 +4,17 @@ Under a pipeline the units run on their stages apart from ``loss_fn`` (``_step._
 the units' calls routed to the stages), so what a unit sows (linen's ``self.sow("intermediates", ...)``, nnx's
 ``nnx.Intermediate``: an MoE block's load-balancing term) never reaches the loss: a loss adding it would train
 without it. The step reports those values in its metrics (``metrics["intermediates/<unit>/<name>"]``; a scanned
-stack's by layer, ``<stack>/<i>``); a
-``loss_fn`` that reads them is refused. ``sown_names`` lists what a unit sowed where ``loss_fn`` could read it
-(in the trace ``UnitCalls.record`` makes); ``check_sown_read`` traces ``loss_fn`` once more with a probe added
-to each of those values: a loss that depends on one is refused, an aux metric that does is warned about
-(the step's own metrics carry those values).
+stack's by layer, ``<stack>/<i>``); a ``loss_fn`` that reads them is refused. ``sown_names`` lists what a unit
+sowed where ``loss_fn`` could read it (in the trace ``UnitCalls.record`` makes); ``check_sown_read`` traces
+``loss_fn`` once more with a probe added to each of those values: a loss that depends on one is refused, an aux
+metric that does is warned about (the step's own metrics carry those values). Both read and write a linen unit's
+values through flax's public ``Module`` API (``variables``, ``is_mutable_collection``, ``put_variable``).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -21,21 +22,18 @@ import jax.numpy as jnp
 
 
 def _linen_sown(mod) -> dict | None:
-    """The unit's part of the ``intermediates`` collection, where ``loss_fn``'s ``apply`` made it mutable and
-    the unit sowed (a dict of the root scope's: changed in place), else None (none created)."""
-    scope = getattr(mod, "scope", None)
-    if scope is None or not scope.is_mutable_collection("intermediates") or "intermediates" not in scope._variables:
+    """The unit's part of the ``intermediates`` collection (``Module.variables``), where ``loss_fn``'s ``apply``
+    made it mutable and the unit sowed, else None."""
+    if getattr(mod, "scope", None) is None or not mod.is_mutable_collection("intermediates"):
         return None
-    return scope._mutable_collection("intermediates")
+    return mod.variables.get("intermediates") or None
 
 
-def _walk(d: dict, prefix: str, fn: Callable) -> None:
-    for k, v in list(d.items()):
-        name = f"{prefix}/{k}" if prefix else str(k)
-        if isinstance(v, dict):
-            _walk(v, name, fn)
-        else:
-            d[k] = fn(name, v)
+def _mapped(v: Any, name: str, fn: Callable) -> Any:
+    """``v`` (a sown value, or a dict of them by name) with ``fn(name, value)`` in place of each value."""
+    if not isinstance(v, Mapping):
+        return fn(name, v)
+    return {k: _mapped(x, f"{name}/{k}" if name else str(k), fn) for k, x in v.items()}
 
 
 def _nnx_sown(mod) -> list:
@@ -45,9 +43,9 @@ def _nnx_sown(mod) -> list:
     return [("/".join(str(p) for p in path), v) for path, v in nnx.iter_graph(mod) if isinstance(v, nnx.Intermediate)]
 
 
-def _visit(kind: str, mod, fn: Callable) -> None:
+def _visit(kind: str, mod, fn: Callable, put: bool = True) -> None:
     """``fn(name, value)`` for each value the unit ``mod`` sowed where ``loss_fn`` can read it, its result put
-    back in place."""
+    back in place (``put``; else only read)."""
     if kind == "nnx":
         for name, var in _nnx_sown(mod):
             if hasattr(var, "get_value"):
@@ -55,15 +53,16 @@ def _visit(kind: str, mod, fn: Callable) -> None:
             else:
                 var.value = fn(name, var.value)
         return
-    d = _linen_sown(mod)
-    if d:
-        _walk(d, "", fn)
+    for k, v in (_linen_sown(mod) or {}).items():  # each top-level entry put back whole (Module.put_variable)
+        new = _mapped(v, str(k), fn)
+        if put:
+            mod.put_variable("intermediates", k, new)
 
 
 def sown_names(kind: str, mod) -> list[str]:
     """The names of what unit ``mod`` sowed (just called) where ``loss_fn`` can read it."""
     names: list[str] = []
-    _visit(kind, mod, lambda n, v: names.append(n) or v)
+    _visit(kind, mod, lambda n, v: names.append(n) or v, put=False)
     return names
 
 
