@@ -164,7 +164,7 @@ def prepare_ours(name: str, shape: tuple, names: tuple, regather: bool = True, u
     (``spmd.parallel.step._grad_layout``): every gradient reduced as it comes, as before that rule."""
     import fsdp as fb  # benchmarks/fsdp.py: the interleaved timing and the state bytes
 
-    import spmd.parallel.step._step as step_module
+    import spmd.parallel.step._build as step_module
     from spmd.parallel import hlo_executed_collectives, init_train_state, make_train_step
 
     laid, params, loss, mesh, _ = layout(name, shape, names, regather)

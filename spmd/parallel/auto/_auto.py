@@ -86,7 +86,8 @@ from spmd.parallel.auto._priced import HardwareRates, comm_floor, dot_flops, mat
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
 from spmd.parallel.plan._shard import entry_sharding
-from spmd.parallel.step._step import TrainState, _check_optimizer, init_train_state, make_train_step
+from spmd.parallel.step._state import TrainState, _check_optimizer, init_train_state
+from spmd.parallel.step._step import make_train_step
 from spmd.parallel.styles._nnx import is_nnx, nnx_params
 from spmd.parallel.styles._transforms import as_parallel
 

@@ -30,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.parallel.auto._layout import Layout, apply_layout
 from spmd.parallel.step._protocol import StepMemory
-from spmd.parallel.step._step import init_train_state, make_train_step
+from spmd.parallel.step._state import init_train_state
+from spmd.parallel.step._step import make_train_step
 from spmd.parallel.styles._nnx import is_nnx
 
 __all__ = ["measure_layouts", "compiled_peak", "compiled_warm", "peak_bytes"]

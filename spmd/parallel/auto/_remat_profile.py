@@ -23,7 +23,8 @@ from spmd._mesh import DeviceMesh
 from spmd.parallel.cost._calibrate import program_ops
 from spmd.parallel.cost._memory import READ_ONLY, Profile, _cost
 from spmd.parallel.styles._transforms import activation_checkpointing
-from spmd.parallel.step._step import init_train_state, make_train_step
+from spmd.parallel.step._state import init_train_state
+from spmd.parallel.step._step import make_train_step
 
 __all__ = ["RematProfile", "remat_profile"]
 

@@ -237,7 +237,7 @@ class ContextCalls:
     ``seq_len`` positions; ``records`` the calls seen, each with its method and local bytes.
 
     ``gathered``: the modules (dotted paths) run on the whole sequence: the module that computes a model's own
-    attention (found by the step, ``spmd.parallel.step._step``), its sequence inputs gathered over cp and its
+    attention (found by the step, ``spmd.parallel.step._build``), its sequence inputs gathered over cp and its
     outputs cut back to this device's positions (:meth:`around`). ``seen``: every module call of the trace and
     whether it took a ``[batch, seq, ...]`` input (the candidates)."""
 

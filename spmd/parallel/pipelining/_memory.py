@@ -44,7 +44,7 @@ from spmd.parallel.pipelining._pipeline import PipelineModule
 from spmd.parallel.pipelining._step import build_pipeline_step
 from spmd.parallel.pipelining._tables import tick_tables
 from spmd.parallel.pipelining._schedules import build_schedule
-from spmd.parallel.step._step import _as_arrays
+from spmd.parallel.step._loss_io import _as_arrays
 
 __all__ = ["measure_activation_stash"]
 

@@ -24,7 +24,7 @@ from placements import Shard
 from spmd.parallel.plan._param_plan import ParamPlan, path_str, plan_params
 from spmd.parallel.pipelining._comm import REST, STAGES
 from spmd.parallel.plan._rules import Rule
-from spmd.parallel.step._step import TrainState, state_shardings
+from spmd.parallel.step._state import TrainState, state_shardings
 
 __all__ = ["checkpoint_plan", "unstack_state", "stack_state"]
 

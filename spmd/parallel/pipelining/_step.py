@@ -44,9 +44,11 @@ from spmd.parallel.pipelining._tp import (ep_placements, map_tp_aware, reduce_tp
                                           stage_hooks)
 from spmd.parallel.plan._shard import entry_sharding, map_like_params
 from spmd.parallel.step._batch_norm import BATCH_STATS_REASON
+from spmd.parallel.step._finite import _keep_finite, _raise_nonfinite
+from spmd.parallel.step._loss_io import _as_arrays, _split_loss
+from spmd.parallel.step._model_checks import check_batch as _check_batch
 from spmd.parallel.step._protocol import TrainStep
-from spmd.parallel.step._step import (TrainState, _as_arrays, _check_batch, _keep_finite, _raise_nonfinite, _split_loss,
-                                     state_shardings)
+from spmd.parallel.step._state import TrainState, state_shardings
 
 __all__ = ["init_pipeline_state", "make_pipeline_step", "PipelineStep", "build_pipeline_step",
            "unshard_pipeline_params", "STAGES", "REST"]

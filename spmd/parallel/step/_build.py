@@ -1,0 +1,355 @@
+"""One plan's step program (``_build``): the manual region over the data dims that runs the user's loss on
+each device's rows with the layouts' gathers, reduces the gradients (with accumulation, once), applies the
+optimizer in global view, and reads what the communication table needs off the traced step (``prepare``:
+the model's heads over tp, the gathers to transpose, the sequence over cp)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from placements import Shard
+from spmd.parallel.context._calls import (CALL_SCOPE, ContextCalls, check_seq, experts_routers, scopes_of, seq_len,
+                                         with_context)
+from spmd.parallel.context._seq import seq_inputs
+from spmd.parallel.cost._comm import step_communication
+from spmd.parallel.cost._recompute import SYNC_BN, recomputed_collectives
+from spmd.parallel.plan._param_plan import ROOT, ParamPlan
+from spmd.parallel.step._batch_norm import sync_batch_norm, sync_nnx_batch_norm
+from spmd.parallel.step._finite import _keep_finite
+from spmd.parallel.step._grad_layout import gathered_dot_grads, out_cut_gathers, transposed_dot_grads, zero_grads
+from spmd.parallel.step._heads import (check_whole_sequence, dot_params, head_splits, lookup_cotangents,
+                                       positional_params, whole_over_tp, whole_sequence_products)
+from spmd.parallel.step._loss_io import _as_arrays, _split_loss, _split_stats
+from spmd.parallel.step._model_checks import check_batch as _check_batch
+from spmd.parallel.step._state import TrainState, state_shardings
+from spmd.parallel.styles._experts import with_experts
+from spmd.parallel.styles._hooks import Hooks
+from spmd.parallel.styles._nnx import is_nnx, nnx_loss
+from spmd.parallel.styles._transforms import ParallelModule
+
+
+class _Built:
+    """One plan's compiled step (``_build``): ``jitted`` (the jax.jit), ``plan``, ``run(state, batch)`` (the
+    batch checked, then the jitted step) and ``communication(state, batch)`` (the analytic table)."""
+
+    def __init__(self, jitted: Callable, plan: ParamPlan, run: Callable, communication: Callable,
+                 prepare: Callable):
+        self.jitted, self.plan, self._run, self.communication = jitted, plan, run, communication
+        self.prepare = prepare  # (state, batch): read the model's heads once, before the step is traced
+
+    def __call__(self, state: TrainState, batch: Any):
+        return self._run(state, batch)
+
+
+def _placed(base: list, idx: list[int], values) -> list:
+    """``base`` with ``values`` at the positions ``idx``."""
+    out = list(base)
+    for i, v in zip(idx, values):
+        out[i] = v
+    return out
+
+
+def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, plan: ParamPlan,
+           keep_finite: bool = False, batch_norm: str = "broadcast") -> "_Built":
+    mesh = pm.mesh
+    names = mesh.mesh_dim_names
+    sizes = dict(zip(names, mesh.shape))
+    tp = pm.tp.mesh_dim if pm.tp else None
+    cp = pm.cp
+    n_cp = sizes[cp] if cp else 1
+    data = pm.data_dims
+    n_data = int(np.prod([sizes[d] for d in data])) if data else 1
+    fsdp = pm.fsdp.shard_dim if pm.fsdp else None
+    fi = names.index(fsdp) if fsdp else None
+    n_fsdp = sizes[fsdp] if fsdp else 1
+    entries = plan.entries
+    # each parameter's gradient: divided by the data dims it is cut over (fsdp's reduce-scatter and ep's
+    # all-to-alls sum over them), then averaged over the rest
+    cut_over = [tuple(d for d in data if e.shard_dim(names.index(d)) is not None) for e in entries]
+    nnx_model = is_nnx(pm.module)
+
+    def manual_spec(e) -> P:
+        spec: list[list[str]] = [[] for _ in e.shape]
+        for n, p in zip(names, e.placements):
+            if n not in (tp, cp) and isinstance(p, Shard):
+                spec[p.dim].append(n)
+        return P(*[None if not s else (s[0] if len(s) == 1 else tuple(s)) for s in spec])
+
+    param_specs = jax.tree_util.tree_unflatten(plan.treedef, [manual_spec(e) for e in entries])
+    batch_spec = P(data if len(data) > 1 else (data[0] if data else None))
+
+    def unflat(ls):
+        return jax.tree_util.tree_unflatten(plan.treedef, ls)
+
+    def run_loss(hooks: Hooks, params_tree, mb, stats=None):
+        """``(loss, (aux, new batch_stats))``."""
+        if stats is not None and nnx_model:  # loss_fn(model, batch); its BatchNorms update their statistics
+            bn_calls.clear()
+            prep = sync_nnx_batch_norm(data, bn_calls) if batch_norm == "sync" and data else None
+            with hooks.installed(), _context(mb, hooks):
+                out, new = nnx_loss(pm.module, loss_fn, params_tree, mb, hooks, stats=stats, prepare=prep)
+            loss, aux = _split_loss(out, "make_train_step")
+            return loss, (aux, new)
+        if stats is not None:
+            import flax.linen as nn
+
+            bn_calls.clear()
+            sync = nn.intercept_methods(sync_batch_norm(data, bn_calls)) if batch_norm == "sync" and data else \
+                contextlib.nullcontext()
+            with hooks.installed(), sync, _context(mb, hooks):
+                out, new = _split_stats(loss_fn(params_tree, stats, mb), stats, "make_train_step")
+            loss, aux = _split_loss(out, "make_train_step")
+            return loss, (aux, new)
+        with hooks.installed(), _context(mb, hooks):
+            out = nnx_loss(pm.module, loss_fn, params_tree, mb, hooks) if nnx_model else loss_fn(params_tree, mb)
+        loss, aux = _split_loss(out, "make_train_step")
+        return loss, (aux, None)
+
+    attention: list = []  # the attention calls of one micro-batch over cp (filled when the step is traced)
+
+    # (prepare) the parameters added to the sequence row by row; the modules run on the sequence gathered over cp
+    positional, whole_seq, seq_of, dotted, cotangents = set(), set(), {}, set(), {}
+
+    def _context(mb, hooks):
+        if cp is None:
+            return contextlib.nullcontext()
+        calls = ContextCalls(mesh.jax_mesh, n_cp, seq_len(mb), cp, gathered=frozenset(whole_seq),
+                             tp=(tp, sizes[tp]) if tp else None, seq_of=seq_of)
+        hooks.around, hooks.context = calls.around, calls
+        attention.clear()
+        attention.append(calls)
+        return calls.installed()
+
+    def gathered(hooks: Hooks, leaves, units):
+        out = list(leaves)
+        for u in units:
+            idx = [i for i, e in enumerate(entries) if e.unit == u]
+            for i, y in zip(idx, hooks.gather([leaves[i] for i in idx], [entries[i] for i in idx])):
+                out[i] = y
+        return out
+
+    def reduce(hooks: Hooks, g: list, flip: list, zero: list) -> list:
+        """The gradients averaged over the data dims; a ``flip`` one reduced transposed, a ``zero`` one (zero
+        by construction) not at all (``_grad_layout``)."""
+        g = list(g)
+        kinds = list(dict.fromkeys(cut_over))
+        groups = [([i for i in range(len(g)) if cut_over[i] == k and not zero[i]], tuple(d for d in data if d not in k),
+                   int(np.prod([sizes[d] for d in k]))) for k in kinds]
+        for idx, axes, scale in groups:
+            if not idx:
+                continue
+            if scale != 1:
+                for i in idx:
+                    g[i] = g[i] / scale
+            if axes and int(np.prod([sizes[a] for a in axes])) > 1:
+                def mean(*xs, fl=[flip[i] for i in idx], axes=axes):  # on each device's blocks
+                    ys = lax.pmean([x.T if f else x for x, f in zip(xs, fl)], axes)
+                    return tuple(y.T if f else y for y, f in zip(ys, fl))
+
+                red = hooks.island(mean, [entries[i] for i in idx], [g[i] for i in idx])
+                for i, y in zip(idx, red):
+                    g[i] = y
+        return g
+
+    def local_grads(params, batch, stats):
+        leaves = jax.tree_util.tree_leaves(params)
+        hooks = Hooks(pm, plan, whole_heads=whole, gather_flip=frozenset(gather_flip))
+        new_stats = None
+        if accum_steps == 1:
+            def loss_of(ls):
+                return run_loss(hooks, unflat(gathered(hooks, ls, [ROOT])), batch, stats)
+
+            loss, backward, (aux, new_stats) = jax.vjp(loss_of, leaves, has_aux=True)
+            seed = jnp.ones_like(loss)  # jax.grad's
+            closed = jax.make_jaxpr(backward)(seed)
+            flip, zero = transposed_dot_grads(closed), zero_grads(closed)
+            if fsdp is not None and not gather_flip:  # the first trace (prepare's): which to gather transposed
+                found.clear()
+                found.extend(e.path for e, f in zip(entries, gathered_dot_grads(closed)) if f)
+            (g,) = backward(seed)
+            recomputed.clear()
+            recomputed.append(recomputed_collectives(closed, sizes))
+            recomputed.append(recomputed_collectives(closed, sizes, scope=SYNC_BN))
+            if new_stats is not None and data:
+                if batch_norm == "broadcast":  # data rank 0's statistics, on every rank (DDP's broadcast_buffers)
+                    first = functools.reduce(jnp.logical_and, [lax.axis_index(d) == 0 for d in data])
+                    new_stats = lax.psum(jax.tree.map(lambda x: jnp.where(first, x, jnp.zeros_like(x)), new_stats),
+                                         data)
+                # "sync": equal on every rank already (each BatchNorm's moments were averaged over the data dims)
+        else:
+            plain = Hooks(pm, plan, gather_units=False, whole_heads=whole)
+            # one micro-batch traced alone, for the carry's shapes
+            records = Hooks(pm, plan, gather_units=False, whole_heads=whole)
+            n_local = jax.tree.leaves(batch)[0].shape[0]
+            micro = jax.tree.map(lambda x: x.reshape(accum_steps, n_local // accum_steps, *x.shape[1:]), batch)
+            grad_fn = jax.value_and_grad(lambda ls, mb: run_loss(plain, unflat(ls), mb), has_aux=True)
+            # one micro-batch's backward pass, traced alone on the gathered parameters' shapes: the carry's
+            # shapes, the gradient-layout rule (a flagged gradient accumulates as its dot's output, transposed,
+            # and is reduced so) and the gradients zero by construction (neither accumulated nor reduced)
+            full_shapes = jax.eval_shape(lambda ls: gathered(hooks, ls, plan.units), leaves)
+            closed = jax.make_jaxpr(lambda ls, mb: jax.value_and_grad(
+                lambda l: run_loss(Hooks(pm, plan, gather_units=False, whole_heads=whole), unflat(l), mb),
+                has_aux=True)(ls)[1])(full_shapes, jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro))
+            flip, zero = transposed_dot_grads(closed), zero_grads(closed)
+            on_scatter = [any(e.shard_dim(names.index(d)) is not None for d in data) for e in entries]
+            flip = [f and not c for f, c in zip(flip, on_scatter)]  # a dp-reduced gradient only (reduce's)
+            live = [i for i, z in enumerate(zero) if not z]  # the zero-gradient ones gathered as constants
+            full, scatter = jax.vjp(lambda xs: gathered(hooks, _placed(leaves, live, xs), plan.units),
+                                    [leaves[i] for i in live])
+
+            def one(carry, mb):
+                (value, aux_mb), gr = grad_fn(full, mb)
+                gr = [gr[i].T if flip[i] else gr[i] for i in live]
+                return jax.tree.map(jnp.add, carry, ((value, aux_mb), gr)), None
+
+            shapes = jax.eval_shape(jax.value_and_grad(lambda ls, mb: run_loss(records, unflat(ls), mb), has_aux=True),
+                                    full, jax.tree.map(lambda x: x[0], micro))
+            shapes = (shapes[0], [jax.ShapeDtypeStruct(shapes[1][i].shape[::-1], shapes[1][i].dtype) if flip[i]
+                                  else shapes[1][i] for i in live])
+            init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            ((loss, (aux, _)), gf), _ = lax.scan(one, init, micro)
+            loss, aux = jax.tree.map(lambda x: x / accum_steps, (loss, aux))
+            (g_live,) = scatter(_placed([jnp.zeros(x.shape, x.dtype) for x in full_shapes], live,
+                                        [(x.T if flip[i] else x) / accum_steps for i, x in zip(live, gf)]))
+            g = _placed([jnp.zeros_like(x) for x in leaves], live, g_live)
+            recomputed.clear()  # a checkpoint's recomputation, once per micro-batch
+            recomputed.append({k: {f: accum_steps * n for f, n in v.items()}
+                               for k, v in recomputed_collectives(closed, sizes).items()})
+        g = reduce(hooks, g, flip, zero)
+        zeros.clear()
+        zeros.extend(e.path for e, z in zip(entries, zero) if z)
+        metrics = {"loss": loss, **aux}
+        if data:
+            metrics = jax.tree.map(lambda m: lax.pmean(m, data), metrics)
+        traced.clear()
+        traced.extend(records.records if accum_steps > 1 else hooks.records)
+        ep_traced.clear()
+        ep_traced.extend(records.ep_records if accum_steps > 1 else hooks.ep_records)
+        return unflat(g), metrics, new_stats
+
+    zeros: list = []  # the paths of the parameters whose gradient is zero by construction (filled when traced)
+    # the fsdp-cut parameters gathered transposed: known from the plan (_grad_layout.output_cut), else read off the
+    # backward pass once (_grad_layout.gathered_dot_grads)
+    gather_flip: set = set(out_cut_gathers(plan, fsdp))
+    found: list = []  # what a trace without them found
+    recomputed: list = []  # the collectives a checkpoint's recomputation runs again, and the backward pass's
+    # all-reduces of SyncBatchNorm's statistics (filled when traced)
+    bn_calls: list = []  # the forward all-reduces of SyncBatchNorm's statistics, bytes each (filled when traced)
+    whole: dict = {}  # the projections run whole over tp: {module: heads}, read from the traced step (prepare)
+    ep_traced: list = []  # the calls styled on the ep dim, of one micro-batch
+    traced: list = []  # the styled calls of one micro-batch, (module, style, input bytes, output bytes): the
+    # activation terms of the communication table (filled when the step is traced)
+
+    def region(params, batch, stats):
+        if not data:
+            return local_grads(params, batch, stats)
+        return jax.shard_map(local_grads, mesh=mesh.jax_mesh, in_specs=(param_specs, batch_spec, P()),
+                             out_specs=(param_specs, P(), P()), axis_names=set(data), check_vma=False)(
+            params, batch, stats)
+
+    def step(state: TrainState, batch: Any):
+        if cp is not None:  # the sequence (dim 1 of every leaf of rank 2+) cut over cp, the batch over the data dims
+            batch = jax.tree.map(lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh.jax_mesh, P(
+                batch_spec[0], *((cp,) if np.ndim(x) >= 2 else ())))), batch)
+        grads, metrics, stats = region(state.params, batch, state.batch_stats)
+        if stats is not None:
+            stats = jax.lax.with_sharding_constraint(stats, NamedSharding(mesh.jax_mesh, P()))
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # the state leaves the step laid out as it came in (XLA may otherwise pick another sharding for an
+        # optimizer moment, and the next call would compile the step again)
+        p_sh, o_sh = state_shardings(plan, mesh, params, opt_state, optimizer)
+        new = TrainState(step=state.step + 1, params=jax.lax.with_sharding_constraint(params, p_sh),
+                         opt_state=jax.lax.with_sharding_constraint(opt_state, o_sh), plan=state.plan,
+                         batch_stats=stats)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return _keep_finite(state, new, metrics) if keep_finite else (new, metrics)
+
+    jitted = jax.jit(step)
+    checked = []
+
+    def prepare(state: TrainState, batch: Any) -> None:
+        """Once, before the step is traced for good: where the model splits a tp-cut projection into heads
+        (``spmd.parallel.step._heads``): a cut that would split a head is refused, and a projection with fewer
+        heads than the tp size runs whole over tp."""
+        if not checked:
+            if fsdp is not None and accum_steps == 1 and plan.out_cut is None:  # which gathers to transpose
+                jax.make_jaxpr(lambda s, b: step(s, b))(state, batch)
+                gather_flip.update(found)
+                traced.clear()
+            if tp is not None:
+                # a function of its own: jax caches a trace by function, and the step's must see ``whole``
+                jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr
+                whole.update(whole_over_tp(head_splits(jaxpr)))
+                traced.clear()
+            if cp is not None and n_cp > 1:
+                _find_gathered(state, batch)
+            checked.append(True)
+
+    def _find_gathered(state: TrainState, batch: Any) -> None:
+        """A model's own attention (scores over the whole cut sequence): the innermost submodule computing it that
+        takes the [batch, seq, ...] sequence runs on it gathered over cp (``ContextCalls.around``), else refused."""
+        t = seq_len(batch)
+        jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr  # the state's step, then the parameters
+        positional.update(entries[i].path for i in positional_params(jaxpr, jaxpr.invars[1:1 + len(entries)], t))
+        dotted.update(entries[i].path for i in dot_params(jaxpr, jaxpr.invars[1:1 + len(entries)]))
+        cotangents.update(lookup_cotangents(jaxpr, scopes_of))
+        seen, products = attention[0].seen if attention else {}, whole_sequence_products(jaxpr, t)
+        products = [p for p in products if CALL_SCOPE not in p[1]]
+        if (products or ep_traced or tp is not None) and attention:  # tp: its styles' inputs (TPCalls)
+            seen = seq_inputs(lambda b: (jax.make_jaxpr(lambda s, b: step(s, b))(state, b), attention[0])[1],
+                              attention[0], batch, t, n_cp, seq_of)
+        for _, stack in products:
+            mods = [m for m in scopes_of(stack) if m and seen.get(m)]  # a submodule: not the model itself
+            if mods and not any(m in whole_seq for m in mods):
+                whole_seq.add(mods[-1])
+        whole_seq.update(experts_routers(seen, ep_traced))  # an MoE's routing over the sequence: gathered
+        if products:  # traced again with the gathers; what is left is refused
+            jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr
+            check_whole_sequence(jaxpr, t, n_cp, lambda stack: CALL_SCOPE in stack
+                                 or any(m in whole_seq for m in scopes_of(stack)))
+        traced.clear()
+
+    def run(state: TrainState, batch: Any):
+        batch = _as_arrays(batch)
+        _check_batch(batch, n_data, accum_steps, data, sizes)
+        if cp is not None:
+            check_seq(batch, n_cp)
+        prepare(state, batch)
+        return jitted(state, batch)
+
+    def communication(state: TrainState, batch: Any) -> dict:
+        batch = _as_arrays(batch)
+        prepare(state, batch)
+        if not traced:  # not traced yet: trace it (the styled calls and their shapes; nothing runs)
+            jax.eval_shape(step, state, batch)
+        stats = None
+        if state.batch_stats is not None and n_data > 1:
+            stats = {k: {"count": 0, "bytes": 0} for k in ("all-gather", "reduce-scatter", "all-reduce")}
+            if batch_norm == "sync":  # forward: each BatchNorm's means; backward: their transposes
+                back = recomputed[1]["all-reduce"] if len(recomputed) > 1 else {"count": 0, "bytes": 0}
+                stats["all-reduce"] = {"count": len(bn_calls) + back["count"], "bytes": sum(bn_calls) + back["bytes"]}
+            else:  # rank 0's new statistics, summed with the others' zeros: one all-reduce per array
+                leaves = [x for x in jax.tree.leaves(state.batch_stats) if np.ndim(x)]
+                stats["all-reduce"] = {"count": len(leaves), "bytes": sum(int(x.nbytes) for x in leaves)}
+        comm = step_communication(plan, pm, traced, accum_steps=accum_steps, zero=frozenset(zeros),
+                                  recomputed=recomputed[0] if recomputed else None, batch_stats=stats)
+        if cp is not None and n_cp > 1:
+            comm = with_context(comm, plan, attention[0] if attention else None, accum_steps, bool(data),
+                                positional, dotted, cotangents)
+        if pm.ep is not None:
+            comm = with_experts(comm, ep_traced, accum_steps)
+        return comm
+
+    return _Built(jitted, plan, run, communication, prepare)
