@@ -265,3 +265,41 @@ def test_scale(fn_name):
                                 mesh=_mesh(cp), in_specs=(P(None, "cp"),) * 3, out_specs=P(None, "cp")))
     ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=0.3)
     np.testing.assert_allclose(cut(q, k, v), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_runs_across_the_cut_only_in_the_context_that_installed_it():
+    """``ContextCalls.installed`` is per context (a ``contextvars.ContextVar``), not a module attribute swapped while
+    a step traces: another thread calling ``jax.nn.dot_product_attention`` meanwhile runs the original (before, it
+    ran the cp version and was refused: its 4 positions are not the installed sequence's 8)."""
+    import threading
+
+    from spmd.parallel.context._calls import ContextCalls
+
+    mesh = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 4, 2, 8)), jnp.float32) for _ in range(3))
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("bqhd,bkhd->bhqk", qn, kn) / np.sqrt(8)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), vn)  # NumPy's attention
+    inside, release, seen = threading.Event(), threading.Event(), {}
+
+    def trace_in_context():
+        with ContextCalls(mesh.jax_mesh, 2, 8, "cp").installed():
+            try:
+                jax.nn.dot_product_attention(q, k, v)
+            except ValueError as e:
+                seen["error"] = str(e)
+            inside.set()
+            release.wait(60)
+
+    t = threading.Thread(target=trace_in_context)
+    t.start()
+    try:
+        assert inside.wait(60)
+        got = jax.nn.dot_product_attention(q, k, v)  # while the other thread's context is open
+    finally:
+        release.set()
+        t.join(60)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    assert "query has 4 positions and key 4, but the batch's sequence cut over cp has 8" in seen["error"]

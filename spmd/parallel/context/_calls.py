@@ -30,10 +30,12 @@ submodule taking the sequence is refused with the fix (``check_whole_sequence``)
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
 import re
+import threading
 from typing import Any, Callable
 
 import jax
@@ -59,6 +61,38 @@ _FLAX = (("flax.linen", "dot_product_attention"), ("flax.linen.attention", "dot_
          ("flax.nnx", "dot_product_attention"), ("flax.nnx.nn.attention", "dot_product_attention"))
 _MASKS = (("flax.linen", "make_causal_mask"), ("flax.linen.attention", "make_causal_mask"),
           ("flax.nnx", "make_causal_mask"), ("flax.nnx.nn.attention", "make_causal_mask"))
+
+
+# the ContextCalls whose attention runs across the cut in this context (``ContextCalls.installed``), or None
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("spmd_context_calls", default=None)
+_INSTALL = threading.Lock()
+
+
+def _dispatching(orig: Callable, method: str) -> Callable:
+    """``orig`` (a module attribute such as ``jax.nn.dot_product_attention``) as a dispatcher: the active
+    ``ContextCalls``' version (its method ``method``, made from ``orig``) inside ``ContextCalls.installed``, else
+    ``orig`` itself, unchanged."""
+
+    @functools.wraps(orig)
+    def dispatch(*args, **kwargs):
+        calls = _ACTIVE.get()
+        fn = orig if calls is None else getattr(calls, method)(orig)
+        return fn(*args, **kwargs)
+
+    dispatch.__spmd_original__ = orig
+    return dispatch
+
+
+def _install_dispatchers() -> None:
+    """Put the dispatchers in place of the attention functions, once (idempotent, under a lock); each defers to
+    the original outside ``ContextCalls.installed``."""
+    with _INSTALL:
+        for targets, method in ((_JAX, "_jax_call"), (_FLAX, "_flax_call"), (_MASKS, "_causal_mask")):
+            for modname, attr in targets:
+                mod = importlib.import_module(modname)
+                orig = getattr(mod, attr)
+                if not hasattr(orig, "__spmd_original__"):
+                    setattr(mod, attr, _dispatching(orig, method))
 
 
 def _dest(chunk: int, n: int) -> int:
@@ -398,23 +432,19 @@ class ContextCalls:
     # --- interception ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def installed(self):
-        """``jax.nn.dot_product_attention`` and flax's ``dot_product_attention`` run across the cut while the
-        step traces (their module attributes, restored on exit)."""
-        saved = []
-        try:
-            for targets, make in ((_JAX, self._jax_call), (_FLAX, self._flax_call), (_MASKS, self._causal_mask)):
-                for modname, attr in targets:
-                    mod = importlib.import_module(modname)
-                    orig = getattr(mod, attr)
-                    saved.append((mod, attr, orig))
-                    setattr(mod, attr, make(orig))
-            import flax.linen as nn
+        """``jax.nn.dot_product_attention`` and flax's ``dot_product_attention`` / ``make_causal_mask`` run across
+        the cut while the step traces in this context: each is a dispatcher (``_dispatching``, put in place once)
+        that runs this object's version while it is the context's active one (a ``contextvars.ContextVar``: other
+        threads and contexts, tracing at the same time, see theirs or the original), the original otherwise."""
+        _install_dispatchers()
+        import flax.linen as nn
 
+        token = _ACTIVE.set(self)
+        try:
             with nn.intercept_methods(self._linen):
                 yield self
         finally:
-            for mod, attr, orig in reversed(saved):
-                setattr(mod, attr, orig)
+            _ACTIVE.reset(token)
 
     def _linen(self, next_fun, args, kwargs, context):
         """Note a tied output head: linen's ``Embed.attend`` (its table's gradient has a product's part, summed
