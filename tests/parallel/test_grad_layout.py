@@ -19,6 +19,20 @@ from spmd.parallel import executed_collectives, fully_shard, init_train_state, m
 from spmd.parallel.step._grad_layout import transposed_dot_grads, zero_grads
 
 
+def _assert_trains_as_one_device(step, state, batch, loss_fn, opt, params, final=lambda st: st.params):
+    """3 steps of ``step`` from ``state`` on ``batch``: each step's loss equal to one device's (``opt`` on
+    ``loss_fn``'s gradient, from ``params``), then the parameters (``final(state)``) too, within 1e-6."""
+    ref, s = params, opt.init(params)
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        value, g = jax.value_and_grad(loss_fn)(ref, batch)
+        u, s = opt.update(g, s, ref)
+        ref = optax.apply_updates(ref, u)
+        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(final(state)), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
 class _TwoWays(nn.Module):
     """A Dense (kernel ``[in, out]``: its gradient is a dot's output transposed) and a torch-style weight
     ``[out, in]`` used as ``x @ w.T`` (its gradient is a dot's output as it comes)."""
@@ -66,15 +80,7 @@ def test_ddp_step_with_the_rule_equals_one_device():
     mesh = spmd.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     state = init_train_state(model, opt, params=params, mesh=mesh)
     step = make_train_step(model, loss_fn, opt, mesh=mesh)
-    ref, s = params, opt.init(params)
-    for _ in range(3):
-        state, metrics = step(state, {"x": x, "y": y})
-        value, g = jax.value_and_grad(loss_fn)(ref, {"x": x, "y": y})
-        u, s = opt.update(g, s, ref)
-        ref = optax.apply_updates(ref, u)
-        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    _assert_trains_as_one_device(step, state, {"x": x, "y": y}, loss_fn, opt, params)
 
 
 class _FrozenBias(nn.Module):
@@ -114,15 +120,7 @@ def test_zero_gradients_are_flagged_and_neither_reduced_nor_in_the_table(accum):
     assert comm["total"]["all-reduce"] == {"count": 2, "bytes": (3 * 5 + 5) * 4}
     hlo = executed_collectives(step, state, batch, scalars=False)
     assert (hlo["all-reduce"]["buffers"], hlo["all-reduce"]["bytes"]) == (2, (3 * 5 + 5) * 4)
-    ref, s = params, opt.init(params)
-    for _ in range(3):
-        state, metrics = step(state, batch)
-        value, g = jax.value_and_grad(loss_fn)(ref, batch)
-        u, s = opt.update(g, s, ref)
-        ref = optax.apply_updates(ref, u)
-        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    _assert_trains_as_one_device(step, state, batch, loss_fn, opt, params)
 
 
 class _TwoDense(nn.Module):
@@ -155,15 +153,7 @@ def test_under_accumulation_the_weight_gradients_stay_in_their_dots_layout_and_e
     comm = step.communication(state, batch)["total"]["all-reduce"]
     hlo = executed_collectives(step, state, batch, scalars=False)["all-reduce"]
     assert (hlo["buffers"], hlo["bytes"]) == (comm["count"], comm["bytes"]) == (4, (16 * 32 + 32 + 32 * 6 + 6) * 4)
-    ref, s = params, opt.init(params)
-    for _ in range(3):
-        state, metrics = step(state, batch)
-        value, g = jax.value_and_grad(loss_fn)(ref, batch)
-        u, s = opt.update(g, s, ref)
-        ref = optax.apply_updates(ref, u)
-        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    _assert_trains_as_one_device(step, state, batch, loss_fn, opt, params)
 
 
 class _Block(nn.Module):
@@ -202,15 +192,7 @@ def test_fsdp_gathers_flagged_kernels_transposed_so_their_gradients_stay_in_thei
     comm = step.communication(state, batch)["total"]["reduce-scatter"]
     hlo = executed_collectives(step, state, batch, scalars=False)["reduce-scatter"]
     assert (hlo["buffers"], hlo["bytes"]) == (comm["count"], comm["bytes"])
-    ref, s = params, opt.init(params)
-    for _ in range(3):
-        state, metrics = step(state, batch)
-        value, g = jax.value_and_grad(loss_fn)(ref, batch)
-        u, s = opt.update(g, s, ref)
-        ref = optax.apply_updates(ref, u)
-        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(unshard_params(sharded, state)), jax.tree.leaves(ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    _assert_trains_as_one_device(step, state, batch, loss_fn, opt, params, final=lambda st: unshard_params(sharded, st))
 
 
 def _gathered_shapes(hlo: str) -> set:
@@ -247,12 +229,4 @@ def test_fsdp_with_example_inputs_cuts_flagged_kernels_on_their_output_dim():
     comm = step.communication(state, batch)["total"]["reduce-scatter"]
     got = executed_collectives(step, state, batch, scalars=False)["reduce-scatter"]
     assert (got["buffers"], got["bytes"]) == (comm["count"], comm["bytes"])
-    ref, s = params, opt.init(params)
-    for _ in range(3):
-        state, metrics = step(state, batch)
-        value, g = jax.value_and_grad(loss_fn)(ref, batch)
-        u, s = opt.update(g, s, ref)
-        ref = optax.apply_updates(ref, u)
-        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=0, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(unshard_params(sharded, state)), jax.tree.leaves(ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    _assert_trains_as_one_device(step, state, batch, loss_fn, opt, params, final=lambda st: unshard_params(sharded, st))
