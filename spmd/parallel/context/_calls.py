@@ -30,12 +30,9 @@ submodule taking the sequence is refused with the fix (``check_whole_sequence``)
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
-import importlib
 import inspect
 import re
-import threading
 from typing import Any, Callable
 
 import jax
@@ -46,6 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from spmd.parallel.context._attention import ring_attention
+from spmd.parallel.context._dispatch import ACTIVE, install_dispatchers
 from spmd.parallel.cost._comm import activation_terms
 from spmd.parallel.plan._param_plan import ParamPlan
 from spmd.parallel.styles._tp_calls import TP_COMM
@@ -55,44 +53,6 @@ __all__ = ["CALL_SCOPE", "CP", "ContextCalls", "attention_terms", "experts_route
            "lookup_terms", "seq_len", "to_zigzag", "with_context"]
 
 CP = CP_DIM  # the mesh dim name of the sequence cut
-
-_JAX = (("jax.nn", "dot_product_attention"),)
-_FLAX = (("flax.linen", "dot_product_attention"), ("flax.linen.attention", "dot_product_attention"),
-         ("flax.nnx", "dot_product_attention"), ("flax.nnx.nn.attention", "dot_product_attention"))
-_MASKS = (("flax.linen", "make_causal_mask"), ("flax.linen.attention", "make_causal_mask"),
-          ("flax.nnx", "make_causal_mask"), ("flax.nnx.nn.attention", "make_causal_mask"))
-
-
-# the ContextCalls whose attention runs across the cut in this context (``ContextCalls.installed``), or None
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("spmd_context_calls", default=None)
-_INSTALL = threading.Lock()
-
-
-def _dispatching(orig: Callable, method: str) -> Callable:
-    """``orig`` (a module attribute such as ``jax.nn.dot_product_attention``) as a dispatcher: the active
-    ``ContextCalls``' version (its method ``method``, made from ``orig``) inside ``ContextCalls.installed``, else
-    ``orig`` itself, unchanged."""
-
-    @functools.wraps(orig)
-    def dispatch(*args, **kwargs):
-        calls = _ACTIVE.get()
-        fn = orig if calls is None else getattr(calls, method)(orig)
-        return fn(*args, **kwargs)
-
-    dispatch.__spmd_original__ = orig
-    return dispatch
-
-
-def _install_dispatchers() -> None:
-    """Put the dispatchers in place of the attention functions, once (idempotent, under a lock); each defers to
-    the original outside ``ContextCalls.installed``."""
-    with _INSTALL:
-        for targets, method in ((_JAX, "_jax_call"), (_FLAX, "_flax_call"), (_MASKS, "_causal_mask")):
-            for modname, attr in targets:
-                mod = importlib.import_module(modname)
-                orig = getattr(mod, attr)
-                if not hasattr(orig, "__spmd_original__"):
-                    setattr(mod, attr, _dispatching(orig, method))
 
 
 def _dest(chunk: int, n: int) -> int:
@@ -433,18 +393,24 @@ class ContextCalls:
     @contextlib.contextmanager
     def installed(self):
         """``jax.nn.dot_product_attention`` and flax's ``dot_product_attention`` / ``make_causal_mask`` run across
-        the cut while the step traces in this context: each is a dispatcher (``_dispatching``, put in place once)
-        that runs this object's version while it is the context's active one (a ``contextvars.ContextVar``: other
+        the cut while the step traces in this context: each is a dispatcher (``_dispatch``, put in place once)
+        that runs this object's version while it is the context's active one (``_dispatch.ACTIVE``: other
         threads and contexts, tracing at the same time, see theirs or the original), the original otherwise."""
-        _install_dispatchers()
+        install_dispatchers()
         import flax.linen as nn
 
-        token = _ACTIVE.set(self)
+        token = ACTIVE.set(self)
         try:
             with nn.intercept_methods(self._linen):
                 yield self
         finally:
-            _ACTIVE.reset(token)
+            ACTIVE.reset(token)
+
+    def version(self, kind: str, orig: Callable) -> Callable:
+        """This object's version of an intercepted function ``orig`` (``kind``: ``"jax"``, ``jax.nn``'s
+        attention; ``"flax"``, flax's; ``"causal_mask"``, flax's ``make_causal_mask``), run across the cut."""
+        make = {"jax": self._jax_call, "flax": self._flax_call, "causal_mask": self._causal_mask}[kind]
+        return make(orig)
 
     def _linen(self, next_fun, args, kwargs, context):
         """Note a tied output head: linen's ``Embed.attend`` (its table's gradient has a product's part, summed
