@@ -27,6 +27,18 @@ CFG = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers
                   attn_implementation="sdpa")
 
 
+def _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref):
+    """``step`` over ``batches`` from ``state``: the losses and the final parameters equal one device's
+    (``ref_losses``, ``ref``) within 1e-5; returns the final state."""
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params)
+    return state
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape,names", [((2, 2), ("pp", "cp")), ((2, 2, 2), ("pp", "fsdp", "cp"))],
                          ids=["pp2-cp2", "pp2-fsdp2-cp2"])
@@ -50,12 +62,7 @@ def test_llama_pipelined_under_cp_equals_one_device(shape, names):
     assert pm.data_dims == (("fsdp",) if "fsdp" in names else ())  # cp cuts the sequence, not the batch
     state = init_train_state(pm, opt, params=params)
     step = make_train_step(pm, loss_fn, opt)
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
-    assert_trees_close(unshard_params(pm, state), ref.params)
+    state = _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref)
 
     hlo = executed_collectives(step._build(state, batches[0]).jitted, state, batches[0], scalars=False)
     table = step.communication(state, batches[0])
@@ -160,9 +167,4 @@ def test_a_batch_vector_as_wide_as_the_sequence_stays_whole_over_cp_in_a_pipelin
     table = step.communication(state, batches[0])
     assert (hlo["all-gather"]["buffers"], hlo["all-gather"]["bytes"]) == (table["all-gather"]["buffers"],
                                                                            table["all-gather"]["bytes"])
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
-    assert_trees_close(unshard_params(pm, state), ref.params)
+    state = _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref)

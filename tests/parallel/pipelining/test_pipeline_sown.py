@@ -54,18 +54,22 @@ def _mesh():
     return spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
 
 
-def test_a_linen_loss_adding_what_the_units_sow_is_refused():
-    m = Net()
+def _adding_what_is_sown(m, units: str, *example):
+    """``(step, state)`` of linen model ``m`` pipelined over ``units`` on pp=2, its loss adding every value the
+    model sows (``example``: init_train_state's example inputs, a scanned stack's)."""
     params = m.init(jax.random.key(0), _batch()["inputs"])["params"]
 
     def loss(p, b):
         logits, vs = m.apply({"params": p}, b["inputs"], mutable=["intermediates"])
         return _ce(logits, b) + 0.01 * sum(jax.tree.leaves(vs["intermediates"]))
 
-    pm = pipeline(m, _mesh()["pp"], units="layers_*", num_microbatches=2)
+    pm = pipeline(m, _mesh()["pp"], units=units, num_microbatches=2)
     opt = optax.sgd(0.1)
-    state = init_train_state(pm, opt, params=params)
-    step = make_train_step(pm, loss, opt)
+    return make_train_step(pm, loss, opt), init_train_state(pm, opt, *example, params=params)
+
+
+def test_a_linen_loss_adding_what_the_units_sow_is_refused():
+    step, state = _adding_what_is_sown(Net(), "layers_*")
     with pytest.raises(ValueError, match=re.escape("pipeline: loss_fn reads 'aux', which unit 'layers_0' sows (and 1 "
                                                    "more: ['layers_1/aux'])") + ".*" + re.escape(WHY) + ".*"
                        + re.escape("metrics['intermediates/layers_0/aux']") + ".*" + re.escape("without pp (fsdp, ep)")):
@@ -242,16 +246,7 @@ def test_what_a_scanned_stacks_layers_sow_reaches_the_metrics_per_layer(kind):
 
 
 def test_a_linen_loss_adding_what_a_scanned_stacks_layers_sow_is_refused():
-    m = _ScanNet()
-    params = m.init(jax.random.key(0), _batch()["inputs"])["params"]
-
-    def loss(p, b):
-        logits, vs = m.apply({"params": p}, b["inputs"], mutable=["intermediates"])
-        return _ce(logits, b) + 0.01 * sum(jax.tree.leaves(vs["intermediates"]))
-
-    pm = pipeline(m, _mesh()["pp"], units="layers", num_microbatches=2)
-    opt = optax.sgd(0.1)
-    state = init_train_state(pm, opt, _batch()["inputs"][:2], params=params)
+    step, state = _adding_what_is_sown(_ScanNet(), "layers", _batch()["inputs"][:2])
     with pytest.raises(ValueError, match=re.escape("pipeline: loss_fn reads 'aux', which unit 'layers' sows") + ".*"
                        + re.escape(WHY) + ".*" + re.escape("metrics['intermediates/layers/<layer>/aux']")):
-        make_train_step(pm, loss, opt)(state, _batch())
+        step(state, _batch())
