@@ -119,7 +119,8 @@ def test_a_linen_loss_asking_for_the_sown_values_without_reading_them_trains():
     np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=1e-5)
 
 
-def test_an_nnx_loss_adding_what_the_units_sow_is_refused():
+def _nnx_block():
+    """The nnx block sowing ``aux`` (``nnx.Intermediate``), as a class."""
     from flax import nnx
 
     class NBlock(nnx.Module):
@@ -130,6 +131,14 @@ def test_an_nnx_loss_adding_what_the_units_sow_is_refused():
             h = self.up(x)
             self.sow(nnx.Intermediate, "aux", jnp.mean(h ** 2))
             return x + jnp.tanh(h)
+
+    return NBlock
+
+
+def test_an_nnx_loss_adding_what_the_units_sow_is_refused():
+    from flax import nnx
+
+    NBlock = _nnx_block()
 
     class NNet(nnx.Module):
         def __init__(self, *, rngs):
@@ -176,14 +185,7 @@ class _ScanNet(nn.Module):
 def _nnx_scan_net():
     from flax import nnx
 
-    class NBlock(nnx.Module):
-        def __init__(self, rngs):
-            self.up = nnx.Linear(8, 8, rngs=rngs)
-
-        def __call__(self, x):
-            h = self.up(x)
-            self.sow(nnx.Intermediate, "aux", jnp.mean(h ** 2))
-            return x + jnp.tanh(h)
+    NBlock = _nnx_block()
 
     class NNet(nnx.Module):
         def __init__(self, rngs):
@@ -192,7 +194,7 @@ def _nnx_scan_net():
             @nnx.split_rngs(splits=4)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def make(rngs):
-                return NBlock(rngs)
+                return NBlock(rngs=rngs)
 
             self.layers = make(rngs)
             self.head = nnx.Linear(8, VOCAB, rngs=rngs)
