@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from spmd.parallel.pipelining._pipeline import PipelineModule
-from spmd.parallel.pipelining._step import build_pipeline_step
+from spmd.parallel.pipelining._step import build_pipeline_step, seq_batch_leaves
 from spmd.parallel.pipelining._tables import tick_tables
 from spmd.parallel.pipelining._schedules import build_schedule
 from spmd.parallel.step._loss_io import _as_arrays
@@ -78,8 +78,10 @@ def _compile(pm: PipelineModule, shapes, loss_fn, optimizer, state, batch, rows:
     like = jax.tree.map(zeros, batch)
     n_data = int(np.prod([pm.mesh.size(d) for d in pm.data_dims])) if pm.data_dims else 1
     mb = rows // (n_data * pm.schedule.num_microbatches * accum)
-    lay.record(loss_fn, shapes, jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb, *np.shape(x)[1:]), x.dtype), like))
-    step = build_pipeline_step(pm, lay, loss_fn, optimizer, accum, state.plan)
+    mbs = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb, *np.shape(x)[1:]), x.dtype), like)
+    lay.record(loss_fn, shapes, mbs)
+    step = build_pipeline_step(pm, lay, loss_fn, optimizer, accum, state.plan,
+                               seq=seq_batch_leaves(pm, lay, loss_fn, mbs))
     temp = jax.jit(step, donate_argnums=0).lower(state, like).compile().memory_analysis().temp_size_in_bytes
     return int(temp), int(np.prod(lay.act.shape)) * lay.act.dtype.itemsize
 

@@ -50,7 +50,7 @@ from spmd.parallel.step._model_checks import check_batch as _check_batch
 from spmd.parallel.step._protocol import TrainStep
 from spmd.parallel.step._state import TrainState, state_shardings
 
-__all__ = ["init_pipeline_state", "make_pipeline_step", "PipelineStep", "build_pipeline_step",
+__all__ = ["init_pipeline_state", "make_pipeline_step", "PipelineStep", "build_pipeline_step", "seq_batch_leaves",
            "unshard_pipeline_params", "STAGES", "REST"]
 
 
@@ -215,7 +215,7 @@ class PipelineStep(TrainStep):
                 (n_local // (k * pm.schedule.num_microbatches), *np.shape(x)[1:]), jnp.result_type(x)), batch)
             lay.record(self._loss_fn, jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths]),
                        mb)
-            seq = _seq_leaves(pm, lay, self._loss_fn, mb)
+            seq = seq_batch_leaves(pm, lay, self._loss_fn, mb)
             stages: list = []
             self._builds[key] = _PipelineBuild(
                 build_pipeline_step(pm, lay, self._loss_fn, self._optimizer, k, state.plan,
@@ -312,7 +312,7 @@ def _stage_spec(ppd: str, ndim: int, cuts: dict) -> P:
     return P(*dims)
 
 
-def _seq_leaves(pm, lay, loss_fn, mb) -> tuple[bool, ...] | None:
+def seq_batch_leaves(pm, lay, loss_fn, mb) -> tuple[bool, ...] | None:
     """Under cp: which batch leaves hold the sequence on dim 1 (cut over cp), read from the program
     (``spmd.parallel.context._seq.seq_batch``: ``loss_fn`` traced with them at fewer positions), not from their
     size: a ``[batch, d]`` input with ``d`` equal to the sequence length stays whole over cp. None without cp."""
@@ -339,7 +339,7 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, kee
     ``_Pass`` branches (a chunk's forward or backward in each stage role) that the table names for the rank.
     ``keep_finite``: the update applied only where the loss and gradient norm are finite (else the state's
     params and opt_state kept; ``metrics["nonfinite"]``), in this same program. ``seq``: under cp, which batch
-    leaves (``jax.tree.leaves`` order) hold the sequence, cut over cp (``_seq_leaves``; None: every leaf of rank
+    leaves (``jax.tree.leaves`` order) hold the sequence, cut over cp (``seq_batch_leaves``; None: every leaf of rank
     2 or more)."""
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     st = _Stages(pm, lay, loss_fn, accum_steps, plan)
