@@ -144,33 +144,33 @@ def _uniform(x, depth: int = 0) -> bool:
     return False
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gather_seq(x, calls):
-    return calls._all_gather(x)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_seq(x, calls, joint=False):
+    return calls._all_gather(x, joint=joint)
 
 
-def _gather_fwd(x, calls):
-    return calls._all_gather(x), None
+def _gather_fwd(x, calls, joint):
+    return calls._all_gather(x, joint=joint), None
 
 
-def _gather_bwd(calls, _, ct):
-    return (calls._own_chunk(ct),)
+def _gather_bwd(calls, joint, _, ct):
+    return (calls._own_chunk(ct, joint=joint),)
 
 
 _gather_seq.defvjp(_gather_fwd, _gather_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _cut_seq(y, calls):
-    return calls._own_chunk(y)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _cut_seq(y, calls, joint=False):
+    return calls._own_chunk(y, joint=joint)
 
 
-def _cut_fwd(y, calls):
-    return calls._own_chunk(y), None
+def _cut_fwd(y, calls, joint):
+    return calls._own_chunk(y, joint=joint), None
 
 
-def _cut_bwd(calls, _, ct):
-    return (calls._all_gather(ct),)
+def _cut_bwd(calls, joint, _, ct):
+    return (calls._all_gather(ct, joint=joint),)
 
 
 _cut_seq.defvjp(_cut_fwd, _cut_bwd)
@@ -255,6 +255,8 @@ class ContextCalls:
         self._local = False  # inside an intercepted call's own attention on this device's block
         self._ints: dict[int, Any] = {}  # integer inputs gathered once per trace (XLA merges the repeats), by id
         self.cut_params: set[str] = set()  # an expert-parallel module's, run cut over cp (``experts_cut``)
+        # the activations a sequence-parallel style handed on cut over cp and tp (``note_sp_cut``), by id
+        self._sp_cut: dict[int, Any] = {}
 
     # --- a module run on the gathered sequence --------------------------------------------------------
     def around(self, call: Any, run: Callable) -> Any:
@@ -287,7 +289,12 @@ class ContextCalls:
                 rec = {"call": call.fqn, "method": "gather sequence", "n": self.n, "gathered": [], "cut": [],
                        "params": [p for p, _ in call.params()]}
                 it = iter(seq_in)
-                call.args, call.kwargs = jax.tree.map(lambda x: self._gathered(x, rec, next(it)), (args, kwargs))
+                # sequence parallelism beside cp: inputs cut over cp and tp are gathered over both, and the
+                # module's outputs cut back over both (its tp styles take the whole sequence: ``in_gathered``)
+                joint = self.tp is not None and any(self._sp_cut.get(id(x)) is x for x in leaves)
+                rec["joint"] = joint
+                call.args, call.kwargs = jax.tree.map(lambda x: self._gathered(x, rec, next(it), joint),
+                                                      (args, kwargs))
                 out = run(call)
                 call.args, call.kwargs = args, kwargs
                 outs = jax.tree.leaves(out)
@@ -295,7 +302,7 @@ class ContextCalls:
                 seq_out = seq_out if seq_out is not None and len(seq_out) == len(outs) else \
                     tuple(_is_seq(y, self.seq_len) for y in outs)
                 it = iter(seq_out)
-                out = jax.tree.map(lambda y: self._cut(y, rec, next(it)), out)
+                out = jax.tree.map(lambda y: self._cut(y, rec, next(it), joint), out)
                 rec["params"] = [p for p in rec["params"] if p not in self.cut_params]  # experts: summed over cp
                 self.records.append(rec)
                 return out
@@ -303,6 +310,16 @@ class ContextCalls:
             self._open.discard(call.fqn)
             for i in opened:
                 self._seq_ids.pop(i, None)
+
+    def note_sp_cut(self, y) -> None:
+        """``y``: a tp style's output handed on cut over cp and tp (sequence parallelism beside cp): a module run
+        on the gathered sequence gathers it over both, and cuts its outputs back over both."""
+        self._sp_cut[id(y)] = y
+        self.__dict__.setdefault("_sp_alive", []).append(y)  # kept alive: a freed tracer's id may be reused
+
+    def in_gathered(self) -> bool:
+        """Whether a module run on the gathered sequence is open (its activations whole over cp)."""
+        return any(m in self.gathered for m in self._open)
 
     def cut_seq(self, x) -> bool:
         """Whether ``x`` (a styled module's input) holds the batch's sequence cut over cp, as read from the program
@@ -323,7 +340,7 @@ class ContextCalls:
                                      "out": (tuple(out.shape), str(out.dtype)), "n": self.n})
         return out
 
-    def _gathered(self, x, rec, seq: bool):
+    def _gathered(self, x, rec, seq: bool, joint: bool = False):
         if not seq or _uniform(x):  # a constant fill (an all-ones mask) is whole already
             return x
         if not jnp.issubdtype(x.dtype, jnp.inexact):  # ids, positions, a padding mask: no gradient
@@ -332,30 +349,38 @@ class ContextCalls:
                 rec["gathered"].append((tuple(x.shape), str(x.dtype)))
             return self._ints[id(x)][1]
         rec["gathered"].append((tuple(x.shape), str(x.dtype)))
-        return _gather_seq(x, self)
+        return _gather_seq(x, self, joint and self._sp_cut.get(id(x)) is x)
 
-    def _cut(self, y, rec, seq: bool):
+    def _cut(self, y, rec, seq: bool, joint: bool = False):
         if not seq or not jnp.issubdtype(y.dtype, jnp.inexact):
             return y
         rec["cut"].append((tuple(y.shape), str(y.dtype)))
-        return _cut_seq(y, self)
+        return _cut_seq(y, self, joint)
 
-    def _all_gather(self, x, dim: int = 1):
-        """``x`` (global view, cut over cp on ``dim``: the sequence) whole on every device of cp: one all-gather."""
-        return jax.shard_map(lambda x: lax.all_gather(x, self.axis, axis=dim, tiled=True), mesh=self._region_mesh(),
-                             in_specs=P(*[None] * dim, self.axis), out_specs=P(), axis_names={self.axis},
+    def _axes(self, joint: bool) -> tuple:
+        """The mesh dims a sequence is cut over: cp, or (``joint``: sequence parallelism beside cp, each device's
+        (cp, tp) block, cp-major) cp and tp."""
+        return (self.axis, self.tp[0]) if joint and self.tp is not None else (self.axis,)
+
+    def _all_gather(self, x, dim: int = 1, joint: bool = False):
+        """``x`` (global view, cut over cp on ``dim``: the sequence; ``joint``: over cp and tp) whole on every
+        device of cp (and tp): one all-gather."""
+        axes = self._axes(joint)
+        return jax.shard_map(lambda x: lax.all_gather(x, axes, axis=dim, tiled=True), mesh=self._region_mesh(),
+                             in_specs=P(*[None] * dim, axes), out_specs=P(), axis_names=set(axes),
                              check_vma=False)(x)
 
-    def _own_chunk(self, y, dim: int = 1):
-        """``y`` (whole on every device of cp) cut over cp on ``dim`` (the sequence): each device keeps its part,
-        nothing moves."""
-        t = y.shape[dim] // self.n
+    def _own_chunk(self, y, dim: int = 1, joint: bool = False):
+        """``y`` (whole on every device of cp) cut over cp (``joint``: cp and tp) on ``dim`` (the sequence): each
+        device keeps its part, nothing moves."""
+        axes = self._axes(joint)
+        t = y.shape[dim] // (self.n * (self.tp[1] if len(axes) > 1 else 1))
 
         def body(y):
-            return lax.dynamic_slice_in_dim(y, lax.axis_index(self.axis) * t, t, axis=dim)
+            return lax.dynamic_slice_in_dim(y, lax.axis_index(axes) * t, t, axis=dim)
 
-        return jax.shard_map(body, mesh=self._region_mesh(), in_specs=P(), out_specs=P(*[None] * dim, self.axis),
-                             axis_names={self.axis}, check_vma=False)(y)
+        return jax.shard_map(body, mesh=self._region_mesh(), in_specs=P(), out_specs=P(*[None] * dim, axes),
+                             axis_names=set(axes), check_vma=False)(y)
 
     # --- an expert-parallel module inside a module run on the gathered sequence ---------------------------
     def experts_dim(self, x, keep: tuple[int, ...]) -> int | None:

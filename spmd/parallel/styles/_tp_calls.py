@@ -193,6 +193,12 @@ class TPCalls:
         given, desired = style.input_layouts_for(typ)
         given, desired = (v[0] if isinstance(v, (tuple, list)) else v for v in (given, desired))
         x_layout = given if given is not None else Replicate()  # the input's block as it enters the region
+        # inside a module run on the sequence gathered over cp (and tp: sequence parallelism beside cp), the
+        # sequence is whole: a style's Shard(1) of it is read as Replicate (Megatron's plan without sp there)
+        ctx = getattr(self.hooks, "context", None)
+        whole_seq = self.cp is not None and ctx is not None and ctx.in_gathered()
+        if whole_seq and self._seq_cut(x_layout, np.ndim(x)):
+            x_layout = Replicate()
         # the input the module's computation reads: a cut one is read as it arrives where a cut one is needed
         need = x_layout if desired is None or (isinstance(desired, Shard) and isinstance(x_layout, Shard)) else desired
         kern = next((e for e, n in zip(ents, names) if n in ("kernel", "embedding")), None)
@@ -212,6 +218,8 @@ class TPCalls:
         local, out = style.output_layouts_for(typ)
         local = local if local is not None else Replicate()
         out = out if out is not None else local
+        if whole_seq and isinstance(out, Shard) and out.dim == 1 and not isinstance(local, Shard):
+            out = Replicate()  # the sequence whole (above): the partial sum all-reduced, not reduce-scattered
         if isinstance(x_layout, Shard) and np.shape(x)[x_layout.dim % np.ndim(x)] % self.n_tp:
             d = x_layout.dim % np.ndim(x)
             raise ValueError(
@@ -281,7 +289,6 @@ class TPCalls:
         seq = self._seq_cut(x_layout, x.ndim) or self._seq_cut(out_layout, ndim)
         # ... and a module taking the [batch, seq, ...] sequence whole over tp (Megatron's f), where the step read
         # that input's sequence from the program (``ContextCalls.cut_seq``): its region is manual over cp too
-        ctx = getattr(self.hooks, "context", None)
         seq = seq or (self.cp is not None and ctx is not None and ndim >= 2 and not isinstance(x_layout, Shard)
                       and ctx.cut_seq(x))
         in_specs = (tuple(self.tp_spec(e, np.ndim(v)) for e, v in zip(ents, vals)),
@@ -291,6 +298,8 @@ class TPCalls:
                           check_vma=False)(tuple(vals), x)
         if bias_outside:
             y = y + vals[names.index("bias")].astype(y.dtype)
+        if seq and ctx is not None and self._seq_cut(out_layout, ndim):
+            ctx.note_sp_cut(y)  # handed on cut over cp and tp: a gathered module gathers it over both
         # every parameter whole over tp read in the region has its gradient all-reduced (the region's transpose)
         summed = [int(np.prod(np.shape(v))) * jnp.dtype(v.dtype).itemsize for e, n, v in zip(ents, names, vals)
                   if e.shard_dim(self.ti) is None and not (n == "bias" and bias_outside)]
