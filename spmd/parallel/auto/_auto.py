@@ -275,9 +275,9 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     prof = profile if isinstance(cal, HardwareRates) else remat_profile(profile, model, layout.units,
                                                                         layout.activation_checkpointing)
     flops, nbytes, ops = compute_cost(prof, state.plan, pm, micro, accum_steps=layout.accum_steps)
-    if rows and all(r["method"] == "gather sequence" for r in rows):  # attention whole on each cp rank: not T / cp
-        flops, nbytes = cp_work(compute_cost(prof, state.plan, pm, uncut(micro, layout.cp),
-                                             accum_steps=layout.accum_steps), layout.cp)
+    if rows:  # attention's [T, T] work: T^2 / cp (ring, K/V gathered), whole on each rank (gathered module)
+        flops, nbytes = cp_work((flops, nbytes), compute_cost(prof, state.plan, pm, uncut(micro, layout.cp),
+                                                              accum_steps=layout.accum_steps), layout.cp, rows)
     if isinstance(cal, HardwareRates):  # a bound until compiled: the model's matmul work at the peak rate
         cal = replace(cal, dtype=_rated(cal, layout.mixed_precision)) if layout.mixed_precision else cal
         compute = cal.hardware.matmul_s(flops, cal.dtype)

@@ -17,7 +17,8 @@
 - **cp x ep**: for a model with experts and a sequence, every ``cp`` x ``ep`` of those whose product divides
   the device count (the sequence over cp, the experts over ep: their routers run on the sequence gathered over
   cp), the rest over ``dp`` x ``fsdp`` x ``tp``.
-- **pp x cp, pp x ep** (``pipelined``): the repeated blocks (one units glob) in ``pp`` stages over the divisors
+- **pp x cp, pp x ep** (``pipelined``): the repeated blocks (one units glob, its modules holding the same
+  parameters as ``pipeline`` requires: not an MoE's with experts in every other block) in ``pp`` stages over the divisors
   of the device count up to the blocks, with the sequence over ``cp`` (the stages' attention calls the
   all-gather of K/V: a recognized call only, a module's own einsum attention is refused there) or the experts
   over ``ep`` (stacked with the stages), the rest over ``dp`` x ``fsdp`` (no tp: the step takes neither with tp
@@ -28,10 +29,13 @@
 Each is costed as every other layout is (``evaluate_layout``): the step's own table, whose ``total`` holds the
 cp and ep terms (priced over their own dim: the all-to-alls over ep, the rest over cp), the lower bound, and
 under a budget the compiled step.
-A cp layout's compute is the one-device step's on a device's rows at its ``T / cp`` positions: attention's
-``[T, T]`` work counted at ``(T / cp)^2``, below the ring's ``T^2 / cp``. Where every attention runs on the
-gathered sequence it is the step's at the whole sequence over cp (``cp_work``): that attention is whole on every
-cp rank, and at ``T / cp`` a ``dp=1,cp=8`` layout would count an eighth of ``dp=8``'s work for more traffic.
+A cp layout's compute is read from the one-device step at a device's rows (``cp_work``), at its ``T / cp``
+positions and at the whole ``T``: their difference is attention's ``[T, T]`` part. A rank computes the rest on its
+``T / cp`` positions and of that part what its attention calls compute: its ``T / cp`` queries against all ``T``
+keys (``T^2 / cp``: the all-gather of K/V, the ring), the causal ring's blocks not wholly in the future (the
+zigzag cut's busiest rank: ``5 / 8`` of that at cp=2), or all of it for a module run on the gathered sequence
+(whole on every cp rank). Counting attention at ``(T / cp)^2`` instead would price ``dp=1,cp=8`` at an eighth of
+``dp=8``'s work.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from typing import Any
 import jax
 
 from spmd.parallel.auto._layout import Layout, factorizations, tp_plan_for
-from spmd.parallel.auto._pipeline import count_units
+from spmd.parallel.auto._pipeline import count_units, units_alike
+from spmd.parallel.context._layout import causal_work
 from spmd.parallel.plan._param_plan import path_str
 from spmd.parallel.styles._experts import ExpertParallel
 from spmd.parallel.styles._transforms import param_module
@@ -115,7 +120,7 @@ def pipelined(n: int, units: tuple[str, ...], params: Any, rows: int, cps: list[
               experts: str | None) -> list[Layout]:
     """The pp x cp and pp x ep layouts on ``n`` devices for a batch of ``rows`` (see the module doc): ``cps`` /
     ``eps`` the cuts the sequence / the experts allow, ``experts`` the experts' glob."""
-    if len(units) != 1:
+    if len(units) != 1 or not units_alike(params, units[0]):  # units of other parameters: refused by pipeline
         return []
     n_units = count_units(params, units[0])
     out = []
@@ -185,7 +190,37 @@ def uncut(micro: Any, cp: int) -> Any:
                                                        else x.shape, x.dtype), micro)
 
 
-def cp_work(cost: tuple, cp: int) -> tuple[float, float]:
-    """``(flops, bytes)`` of a gathered-attention cp layout's device (see the module doc): ``cost``
-    (``compute_cost`` on its rows at the whole sequence, ``uncut``) over cp."""
-    return cost[0] / cp, cost[1] / cp
+def _rank_share(rec: dict) -> float:
+    """The share of one attention call's ``[T, T]`` work (the one-device program's) a cp rank computes: ``1 / cp``
+    for the all-gather of K/V and the ring without a mask (its ``T / cp`` queries against all ``T`` keys), the
+    busiest rank's (query piece, key piece) blocks over all of them for the causal ring (the pairs wholly in the
+    future skipped: ``causal_work``; ``5 / 8`` of ``1 / cp`` at zigzag cp=2), and all of it for a module run on the
+    gathered sequence (whole on every cp rank)."""
+    n = rec["n"]
+    if rec["method"] == "gather sequence":
+        return 1.0
+    if rec["method"].startswith("ring") and rec.get("causal"):
+        layout = "zigzag" if "zigzag" in rec["method"] else "contiguous"
+        try:
+            blocks = causal_work(rec["q"][0][1], n, layout=layout)["blocks"]
+        except ValueError:  # a local sequence not cut in two pieces: every block counted
+            return 1.0 / n
+        return float(blocks.max()) / (4 * n * n)  # each rank: 2 query pieces x 2 key pieces of each of n ranks
+    return 1.0 / n
+
+
+def cp_work(cut: tuple, whole: tuple, cp: int, rows: list[dict]) -> tuple[float, float]:
+    """``(flops, bytes)`` of a cp layout's device (see the module doc) from the one-device program's at the
+    device's rows: ``cut`` at its ``T / cp`` positions, ``whole`` at all ``T`` (``uncut``). Each is ``a t + b t^2``
+    in the positions ``t`` (the ``b t^2`` attention's ``[t, t]`` scores); the two give the whole sequence's
+    quadratic part ``Q = (whole - cp cut) / (1 - 1 / cp)`` and the rest ``whole - Q``. A rank computes the rest
+    on its ``T / cp`` positions (``(whole - Q) / cp``) and ``Q`` times the mean share of its attention calls
+    (``rows``, the step's table: ``_rank_share``): ``whole / cp`` for the all-gather of K/V and the unmasked
+    ring, less for the causal ring's skipped blocks, ``Q`` whole on every rank for a module run on the gathered
+    sequence."""
+    share = sum(_rank_share(r) for r in rows) / len(rows)
+    out = []
+    for c, w in zip(cut[:2], whole[:2]):
+        q = min(max((w - cp * c) / (1 - 1 / cp), 0.0), w)
+        out.append((w - q) / cp + share * q)
+    return out[0], out[1]

@@ -62,6 +62,17 @@ def count_units(params: Any, glob: str) -> int:
     return len(unit_modules(paths, glob.replace(".", "/")))
 
 
+def units_alike(params: Any, glob: str) -> bool:
+    """Whether the modules of ``params`` the pipeline glob matches all hold the same parameters (relative paths,
+    shapes and dtypes): the check ``pipeline`` runs on its units before it cuts stages (it refuses units of
+    other parameters, such as an MoE's blocks with experts beside blocks without), here on the shapes alone."""
+    leaves = {path_str(kp): (tuple(np.shape(x)), str(x.dtype))
+              for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    found = unit_modules(list(leaves), glob.replace(".", "/"))
+    kinds = {tuple(sorted((p[len(u) + 1:], v) for p, v in leaves.items() if p.startswith(u + "/"))) for u in found}
+    return len(kinds) <= 1
+
+
 def scanned_stack(model: Any, params: Any, example_inputs: tuple) -> tuple[str, int] | None:
     """``(its module path, dotted; its layer count)`` of the model's one scanned stack (``nn.scan``, or
     ``nnx.vmap`` + ``nnx.scan``), found by one abstract call on ``example_inputs`` as ``pipeline`` finds it;
@@ -90,10 +101,11 @@ def pipeline_layouts(n: int, plan: Any, units: tuple[str, ...], params: Any, row
     over the divisors of ``n`` up to the units' count, the rest of the devices over ``dp`` x ``fsdp`` x
     ``tp`` (``tp`` with a plan, without sequence parallelism); 1F1B at ``M`` = pp, 2 pp and 4 pp micro-batches
     (those the replica's rows divide), and the interleaved schedule (2 chunks per rank) at the largest of them
-    where the units allow 2 pp stages. None unless the units are one glob (the pipeline's stages).
+    where the units allow 2 pp stages. None unless the units are one glob (the pipeline's stages) of modules
+    holding the same parameters (``units_alike``: ``pipeline`` refuses others).
     ``layers``: the layer count of the scanned stack ``units`` names (``scanned_stack``): its layers are the
     units, and the stages equal slices of them (``pp`` and ``2 pp`` for the interleaved schedule dividing it)."""
-    if len(units) != 1:
+    if len(units) != 1 or (layers is None and not units_alike(params, units[0])):  # refused by pipeline
         return []
     n_units = count_units(params, units[0]) if layers is None else layers
     out = []

@@ -276,3 +276,127 @@ def test_a_gathered_attentions_cp_layouts_are_weighed_over_dp_only():
         ("layers_*.mlp.experts", None),)))
     assert not gather_only({"gather": False}, Layout(fsdp=2, cp=4, units=("block_*",)))  # a ring: every cp layout
     assert not gather_only({}, Layout(fsdp=2, cp=4, units=("block_*",)))  # none traced yet
+
+
+class _Sdpa(nn.Module):
+    """One attention layer through ``jax.nn.dot_product_attention`` (the cp step's ring), narrow enough that its
+    ``[T, T]`` work dominates the step's."""
+    causal: bool
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Embed(24, 8)(x)
+        q, k, v = (nn.DenseGeneral((2, 4), name=n)(x) for n in ("q", "k", "v"))
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=self.causal)
+        return nn.Dense(24)(nn.DenseGeneral(8, axis=(-2, -1))(y))
+
+
+def _one_device_flops(model, params, rows: int, t: int) -> float:
+    """XLA's flops of the loss and its gradient on one device, ``rows`` sequences of ``t`` tokens."""
+    b = _batch(t, rows)
+    loss = default_loss(model)
+    with jax.default_device(jax.devices()[0]):
+        comp = jax.jit(jax.value_and_grad(loss)).lower(params, b).compile()
+    cost = comp.cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+@pytest.mark.slow  # four layouts traced, a dozen one-device programs compiled
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_cp_candidates_compute_counts_its_queries_against_every_key(causal):
+    """A cp rank computes its ``T / cp`` queries against all ``T`` keys: attention's ``[T, T]`` work at ``T^2 / cp``
+    (the causal ring's zigzag blocks: those not wholly in the future on the busiest rank), the rest of the step at
+    ``T / cp`` positions. Reference: the one-device program's flops (XLA's count, at 3 lengths: its quadratic part
+    fitted) and a NumPy count of the zigzag blocks; the old estimate (the step at ``T / cp``: attention at
+    ``(T / cp)^2``) is below by about half at cp=2 and more at cp=4."""
+    from spmd.parallel.auto._auto import evaluate_layout
+
+    t, b = 64, 8
+    model = _Sdpa(causal)
+    batch = _batch(t, b)
+    params = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
+    for cp in (2, 4):
+        dp = 8 // cp
+        rows = b // dp
+        # the one-device step's flops at the device's rows: c + a s + q s^2 over s positions, fitted at 3 lengths
+        ts = np.array([t // 4, t // 2, t], float)
+        f = np.array([_one_device_flops(model, params, rows, int(s)) for s in ts])
+        c0, a, q = np.linalg.solve(np.stack([np.ones(3), ts, ts ** 2], 1), f)
+        quad = q * t * t
+        if causal:  # zigzag: rank r holds chunks r and 2 cp - 1 - r of the 2 cp; a (query chunk, key chunk) pair
+            # is computed unless wholly in the future; the busiest rank's share of its T / cp x T
+            blocks = [sum(kc <= qc for qc in (r, 2 * cp - 1 - r) for kc in range(2 * cp)) for r in range(cp)]
+            share = max(blocks) / (2 * 2 * cp)
+        else:
+            share = 1.0
+        want = (f[2] - quad) / cp + share * quad / cp
+        got = evaluate_layout(model, optax.sgd(0.1), batch, 8, Layout(dp=dp, cp=cp), calibration=CAL)
+        assert got.communication["total"]["collective-permute"]["count"] > 0  # the ring ran
+        np.testing.assert_allclose(got.flops, want, rtol=0.02, err_msg=f"cp={cp}")
+
+
+def test_an_moe_with_experts_in_every_other_block_gets_no_pipeline():
+    """``models.MoE`` with ``moe_every=2``: its blocks hold other parameters by turns (experts or an MLP), which
+    ``pipeline`` refuses (its stages run one unit's code on stacked parameters); auto_layout proposes no pipeline
+    of them (pp x ep, pp x cp, plain pp), where with experts in every block (``moe_every=1``) it does."""
+    import re
+
+    from spmd.parallel.auto._auto import evaluate_layout
+    from spmd.parallel import ExpertParallel
+    from spmd.parallel.auto._pipeline import pipeline_layouts
+
+    batch = _batch(16)
+    p = jax.eval_shape(MOE.init, jax.random.key(0), batch["inputs"])["params"]
+    lays = context_expert_layouts(8, None, ("layers_*",), p, batch)
+    assert lays and not [lay.name for lay in lays if lay.pp > 1]
+    assert {lay.ep for lay in lays} == {1, 2, 4, 8} and {lay.cp for lay in lays} == {1, 2, 4, 8}
+    assert pipeline_layouts(8, None, ("layers_*",), p, 8) == []
+    every = jax.eval_shape(MOE_EVERY.init, jax.random.key(0), batch["inputs"])["params"]
+    assert pipeline_layouts(8, None, ("layers_*",), every, 8)
+    # the layout left out is one the step refuses
+    lay = Layout(pp=2, ep=4, units=("layers_*",), microbatches=2,
+                 ep_plan=(("layers_*.mlp.experts", ExpertParallel()),))
+    with pytest.raises(ValueError, match=re.escape("unit 'layers_1' has other parameters than 'layers_0'")):
+        evaluate_layout(MOE, optax.sgd(0.1), batch, 8, lay, calibration=CAL, params=p)
+
+
+def _moe_tp_plan():
+    from spmd.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"layers_*.self_attn.q_proj": ColwiseParallel(), "layers_*.self_attn.k_proj": ColwiseParallel(),
+            "layers_*.self_attn.v_proj": ColwiseParallel(), "layers_*.self_attn.o_proj": RowwiseParallel(),
+            "layers_0.mlp.gate_proj": ColwiseParallel(), "layers_0.mlp.up_proj": ColwiseParallel(),
+            "layers_0.mlp.down_proj": RowwiseParallel()}
+
+
+def _moe_candidate(pick):
+    batch = _batch(16)
+    params = jax.eval_shape(MOE.init, jax.random.key(0), batch["inputs"])["params"]
+    lays = [lay for lay in context_expert_layouts(8, _moe_tp_plan(), infer_units(params), params, batch) if pick(lay)]
+    got = auto_layout(MOE, optax.sgd(0.1), batch, 8, layouts=lays[:1], calibration=CAL, params=params)
+    assert len(got.candidates) == 1 and not got.rejected
+    return got, batch
+
+
+@pytest.mark.slow  # one layout traced and compiled
+def test_moe_cp_only_candidates_table_equals_its_compiled_collectives():
+    """``models.MoE`` cut over cp alone (``dp=4,cp=2``): its eager attention and its MoE block (router and experts,
+    no ep) run on the sequence gathered over cp; the table equals the compiled step's collectives."""
+    got, batch = _moe_candidate(lambda lay: lay.cp == 2 and lay.ep == 1 and lay.dp == 4)
+    assert got.best.name == "dp=4,cp=2"
+    for c, comm in _tables_equal_hlo(MOE, got, batch):
+        methods = {r["call"]: r["method"] for r in comm["attention"]}
+        assert methods == {"layers_0.self_attn": "gather sequence", "layers_1.self_attn": "gather sequence",
+                           "layers_1.mlp": "gather sequence"}
+        assert "all-to-all" not in c.communication["total"] or not c.communication["total"]["all-to-all"]["count"]
+
+
+@pytest.mark.slow  # one layout traced and compiled
+def test_moe_ep_times_tp_candidates_table_equals_its_compiled_collectives():
+    """``models.MoE`` with its experts over ep and Megatron's plan on its attention and dense MLP over tp
+    (``dp=2,tp=2,ep=2``): the table (the experts' all-to-alls, tp's all-reduces, the gradients') equals the
+    compiled step's collectives."""
+    got, batch = _moe_candidate(lambda lay: lay.ep == 2 and lay.tp == 2 and lay.cp == 1 and lay.dp == 2)
+    for c, comm in _tables_equal_hlo(MOE, got, batch):
+        assert c.layout.tp == 2 and c.communication["total"]["all-to-all"]["count"] > 0
+        assert comm["activations"]["all-reduce"]["count"] > 0  # Megatron's f and g
