@@ -1,8 +1,8 @@
 """Benchmark: context parallelism in the train step (a ``cp`` mesh dim) against GSPMD and against the all-gather of K/V.
 
 A one-block ``models.Llama`` (d_model 64, 4 heads, causal attention through ``jax.nn.dot_product_attention``),
-SGD, on ``dp=2, cp=4`` (8 CPU fake devices; 2 sequences per step, one per dp rank), at sequences of 1K, 2K
-and 4K tokens, three ways in one run:
+SGD, on ``dp=2, cp=4`` (8 CPU fake devices; 2 sequences per step, one per dp rank), at sequences of 1K, 2K,
+4K and 8K tokens, three ways in one run per sequence:
 
 - ``ring``: ``make_train_step`` on the mesh: the sequence cut over cp, attention as ring attention
   (zigzag-balanced), the step's table (and the compiled HLO) holding the ring's permutes;
@@ -16,8 +16,9 @@ step executes, and its temporaries (XLA's ``memory_analysis().temp``, the activa
 ``1 / cp`` of the same step uncut (``dp=2`` alone). On a CPU host the devices share the cores: throughput
 compares the methods' costs, not a speed-up.
 
-    python benchmarks/context_parallel.py           # a few minutes on 2 idle cores
+    python benchmarks/context_parallel.py           # 1K-8K: tens of minutes on 2 idle cores (8K dominates)
     python benchmarks/context_parallel.py --quick   # 1K only
+    python benchmarks/context_parallel.py --seqs 8192 --rounds 1 --add   # those sequences, the others' rows kept
 
 Writes benchmarks/results/context_parallel.json and .png.
 """
@@ -141,10 +142,20 @@ def _short(hlo):
     return {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in hlo.items() if v["count"]}
 
 
+def _flag(args, name, default):
+    """``--name V`` of ``args`` (a comma-separated int list for ``--seqs``), else ``default``."""
+    if name not in args:
+        return default
+    v = args[args.index(name) + 1]
+    return [int(x) for x in v.split(",")] if name == "--seqs" else int(v)
+
+
 def main(argv=None):
-    quick = "--quick" in (argv or sys.argv[1:])
-    seqs = [1024] if quick else [1024, 2048, 4096]
-    rounds = 2 if quick else 3
+    args = list(argv or sys.argv[1:])
+    quick = "--quick" in args
+    seqs = _flag(args, "--seqs", [1024] if quick else [1024, 2048, 4096, 8192])
+    rounds = _flag(args, "--rounds", 2 if quick else 3)
+    keep = "--add" in args  # the other sequences' rows of the results file kept (each sequence's ratios one run)
     mesh = spmd.init_device_mesh("cpu", (2, CP), mesh_dim_names=("dp", "cp"))
     uncut_mesh = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     results = {"model": f"Llama d{D} x1 block, {HEADS} heads, causal", "mesh": "dp=2,cp=4", "batch": BATCH,
@@ -174,6 +185,10 @@ def main(argv=None):
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
     out = os.path.join(ROOT, "results", "context_parallel.json")
+    if keep and os.path.exists(out):
+        with open(out) as f:
+            old = [r for r in json.load(f)["runs"] if r["seq"] not in seqs]
+        results["runs"] = sorted(old + results["runs"], key=lambda r: r["seq"])  # stable: methods in run order
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
     _plot(results, out[:-5] + ".png")
