@@ -30,7 +30,6 @@ submodule taking the sequence is refused with the fix (``check_whole_sequence``)
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import re
 from typing import Any, Callable
@@ -44,6 +43,8 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.parallel.context._attention import ring_attention
 from spmd.parallel.context._dispatch import ACTIVE, install_dispatchers
+from spmd.parallel.context._moves import cut_dim as _cut_dim, cut_seq as _cut_seq, gather_dim as _gather_dim
+from spmd.parallel.context._moves import gather_seq as _gather_seq
 from spmd.parallel.cost._comm import activation_terms
 from spmd.parallel.plan._param_plan import ParamPlan
 from spmd.parallel.styles._tp_calls import TP_COMM
@@ -142,73 +143,6 @@ def _uniform(x, depth: int = 0) -> bool:
             and len(eqn.in_tracers) == 1:
         return _uniform(eqn.in_tracers[0], depth + 1)
     return False
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather_seq(x, calls, joint=False):
-    return calls._all_gather(x, joint=joint)
-
-
-def _gather_fwd(x, calls, joint):
-    return calls._all_gather(x, joint=joint), None
-
-
-def _gather_bwd(calls, joint, _, ct):
-    return (calls._own_chunk(ct, joint=joint),)
-
-
-_gather_seq.defvjp(_gather_fwd, _gather_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _cut_seq(y, calls, joint=False):
-    return calls._own_chunk(y, joint=joint)
-
-
-def _cut_fwd(y, calls, joint):
-    return calls._own_chunk(y, joint=joint), None
-
-
-def _cut_bwd(calls, joint, _, ct):
-    return (calls._all_gather(ct, joint=joint),)
-
-
-_cut_seq.defvjp(_cut_fwd, _cut_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _cut_dim(x, calls, dim):
-    """``x`` (whole on every device of cp) cut over cp on ``dim``; backward: the cotangent all-gathered."""
-    return calls._own_chunk(x, dim)
-
-
-def _cut_dim_fwd(x, calls, dim):
-    return calls._own_chunk(x, dim), None
-
-
-def _cut_dim_bwd(calls, dim, _, ct):
-    return (calls._all_gather(ct, dim),)
-
-
-_cut_dim.defvjp(_cut_dim_fwd, _cut_dim_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather_dim(y, calls, dim):
-    """``y`` (cut over cp on ``dim``) whole on every device of cp; backward: each device keeps its part of the
-    cotangent (whole on every device: the same)."""
-    return calls._all_gather(y, dim)
-
-
-def _gather_dim_fwd(y, calls, dim):
-    return calls._all_gather(y, dim), None
-
-
-def _gather_dim_bwd(calls, dim, _, ct):
-    return (calls._own_chunk(ct, dim),)
-
-
-_gather_dim.defvjp(_gather_dim_fwd, _gather_dim_bwd)
 
 
 def experts_routers(seen: dict, ep_records: list) -> set:
