@@ -189,10 +189,17 @@ def test_fsdp_gathers_flagged_kernels_transposed_so_their_gradients_stay_in_thei
     # from its dot's own [out, in] output: no dot computes a kernel-shaped result
     dots = _dot_shapes(step.compiled(state, batch).as_text())
     assert {(40, 16), (24, 40), (6, 16)} <= dots and not {(16, 40), (40, 24), (16, 6)} & dots, dots
-    comm = step.communication(state, batch)["total"]["reduce-scatter"]
-    hlo = executed_collectives(step, state, batch, scalars=False)["reduce-scatter"]
-    assert (hlo["buffers"], hlo["bytes"]) == (comm["count"], comm["bytes"])
+    _assert_fsdp_table_is_the_hlos(step, state, batch)
     _assert_trains_as_one_device(step, state, batch, loss_fn, opt, params, final=lambda st: unshard_params(sharded, st))
+
+
+def _assert_fsdp_table_is_the_hlos(step, state, batch) -> None:
+    """The printed table's all-gathers and reduce-scatters equal the compiled step's (buffers and bytes)."""
+    comm = step.communication(state, batch)["total"]
+    got = executed_collectives(step, state, batch, scalars=False)
+    for kind in ("all-gather", "reduce-scatter"):
+        assert (got[kind]["buffers"], got[kind]["bytes"]) == (comm[kind]["count"], comm[kind]["bytes"]), (kind, got,
+                                                                                                          comm)
 
 
 def _gathered_shapes(hlo: str) -> set:
@@ -226,7 +233,190 @@ def test_fsdp_with_example_inputs_cuts_flagged_kernels_on_their_output_dim():
     assert {(40, 16), (24, 40)} <= _gathered_shapes(hlo) and not {(16, 40), (40, 24)} & _gathered_shapes(hlo)
     dots = _dot_shapes(hlo)
     assert {(40, 16), (24, 40), (6, 16)} <= dots and not {(16, 40), (40, 24), (16, 6)} & dots, dots
-    comm = step.communication(state, batch)["total"]["reduce-scatter"]
-    got = executed_collectives(step, state, batch, scalars=False)["reduce-scatter"]
-    assert (got["buffers"], got["bytes"]) == (comm["count"], comm["bytes"])
+    # no full-size copy or transpose of an output-cut kernel (the dim-0 cut gathered transposed has them)
+    assert _relayouts(hlo, {(16, 40), (40, 16), (40, 24), (24, 40)}) == {}, _relayouts(hlo, {(16, 40), (40, 24)})
+    # the tables are the HLO's, all-gathers too: the first layer's re-gather of up/kernel (read only for the
+    # gradient of the layer's input, the batch) is left out, as XLA drops it
+    comm = step.communication(state, batch)["total"]["all-gather"]
+    assert (comm["count"], comm["bytes"]) == (13, 4 * (4 * (16 * 40 + 40 * 24 + 64) - 16 * 40 + 16 * 6 + 8 * 1))
+    _assert_fsdp_table_is_the_hlos(step, state, batch)
+    _assert_trains_as_one_device(step, state, batch, loss_fn, opt, params, final=lambda st: unshard_params(sharded, st))
+
+def _relayouts(hlo: str, shapes: set) -> dict:
+    """``{(op, shape): n}``: the copies and transposes (``wrapped_copy`` / ``wrapped_transpose`` fusions, bare
+    ``copy`` / ``transpose``) of a shape in ``shapes`` that the compiled step runs: its instructions outside
+    fused computations (a loop's body once)."""
+    found: dict = {}
+    inside = False
+    for line in hlo.splitlines():
+        if line and not line[0].isspace():
+            inside = bool(re.match(r"%?(wrapped_|fused_|[\w.\-]*fusion)", line))
+        m = re.match(r"\s*(?:ROOT )?%\S+ = f32\[([\d,]*)\]\{[\d,]*\} (copy|transpose|fusion)\(", line)
+        wrapped = re.search(r"calls=%?(wrapped_copy|wrapped_transpose)", line)
+        if inside or not m or (m.group(2) == "fusion" and not wrapped):
+            continue
+        shape = tuple(int(d) for d in m.group(1).split(",") if d)
+        if shape in shapes:
+            key = (wrapped.group(1) if wrapped else m.group(2), shape)
+            found[key] = found.get(key, 0) + 1
+    return found
+
+
+class _ScanBlock(nn.Module):
+    """Three Dense layers ``[16, 40]``, ``[40, 24]``, ``[24, 16]`` and a residual: a block as ``nn.scan`` runs it."""
+
+    @nn.compact
+    def __call__(self, x, _=None):
+        h = jnp.tanh(nn.Dense(24, name="mid")(jnp.tanh(nn.Dense(40, name="up")(x))))
+        return x + nn.Dense(16, name="down")(h), None
+
+
+class _Scanned(nn.Module):
+    """Two ``_ScanBlock`` under ``nn.scan``, their parameters stacked on ``axis`` (MaxText's 1), then a head."""
+    axis: int = 0
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        block = nn.remat(_ScanBlock, prevent_cse=False) if self.remat else _ScanBlock
+        x, _ = nn.scan(block, variable_axes={"params": self.axis}, split_rngs={"params": True}, length=2)(
+            name="layers")(x)
+        return nn.Dense(6, name="head")(x)
+
+
+def _nnx_models():
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up, self.mid = nnx.Linear(16, 40, rngs=rngs), nnx.Linear(40, 24, rngs=rngs)
+            self.down = nnx.Linear(24, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jnp.tanh(self.mid(jnp.tanh(self.up(x)))))
+
+    class Listed(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+            self.head = nnx.Linear(16, 6, rngs=rngs)
+
+        def __call__(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    class Scanned(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=2)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Block(rngs)
+
+            self.blocks = make(rngs)
+            self.head = nnx.Linear(16, 6, rngs=rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run(x, block):
+                return block(x)
+
+            return self.head(run(x, self.blocks))
+
+    return Listed, Scanned
+
+
+# (model, fully_shard's units, the paths of the three kernels up / mid / down of one layer, their stored dim the
+# output-dim cut takes)
+_CASES = {
+    "nnx_list": ("blocks.*", "blocks/0/{}/kernel/value", 1),
+    "nnx_scan": ("blocks", "blocks/{}/kernel/value", 2),
+    "linen_scan_axis0": ("layers", "layers/{}/kernel", 2),
+    "linen_scan_axis1_remat": ("layers", "layers/{}/kernel", 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(_CASES))
+def test_nnx_and_scanned_kernels_are_cut_on_their_output_dim(case):
+    """An nnx model (its blocks a list, or stacked by ``nnx.vmap`` and run under ``nnx.scan``) and a linen
+    ``nn.scan`` stack (layer axis 0, or MaxText's 1 under ``nn.remat``), given the example inputs they are called
+    on: each kernel ``[in, out]`` (a scan's ``[L, in, out]``, one layer gathered per iteration) is cut over fsdp
+    on its output dim, gathered as its shard's transpose and its gradient reduce-scattered from the
+    weight-gradient dot's own ``[out, in]`` output: no dot computes a kernel-shaped (transposed) result and no
+    full-size copy of a kernel is made (the dim-0 cut had either: 14 ``wrapped_copy`` of the kernels on
+    ``tests/zoo/nnx_mlp``, 7 kernel-shaped weight-gradient dots per layer on ``tests/zoo/linen_scan``); trains
+    as 1-device SGD does, the compiled all-gathers and reduce-scatters equal to the table."""
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(32, 16)).astype(np.float32), "y": rng.normal(size=(32, 6)).astype(np.float32)}
+    units, kernel, dim = _CASES[case]
+    opt = optax.sgd(0.1)
+    mesh = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("fsdp",))
+    if case.startswith("nnx"):
+        from flax import nnx
+
+        model = _nnx_models()[case == "nnx_scan"](nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss_fn(m, b):
+            return jnp.mean((m(b["x"]) - b["y"]) ** 2)
+
+        def ref_loss(p, b):
+            return loss_fn(nnx.merge(graphdef, p, rest, copy=True), b)
+
+        sharded = fully_shard(model, mesh=mesh, units=[units])
+        state = init_train_state(sharded, opt, batch["x"][:2])
+    else:
+        model = _Scanned(axis=1 if "axis1" in case else 0, remat="remat" in case)
+        params = model.init(jax.random.key(0), batch["x"])["params"]
+
+        def loss_fn(p, b):
+            return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+        ref_loss = loss_fn
+        sharded = fully_shard(model, mesh=mesh, units=[units])
+        state = init_train_state(sharded, opt, batch["x"][:2], params=params)
+    placed = {e.path: e.placements for e in state.plan.entries}
+    for name in ("up", "mid", "down"):
+        assert placed[kernel.format(name)] == (Shard(dim),), placed
+    step = make_train_step(sharded, loss_fn, opt)
+    hlo = step.compiled(state, batch).as_text()
+    dots = _dot_shapes(hlo)
+    assert {(40, 16), (24, 40), (16, 24)} <= dots and not {(16, 40), (40, 24), (24, 16)} & dots, dots
+    kernels = {(16, 40), (40, 24), (24, 16)}
+    assert _relayouts(hlo, kernels | {k[::-1] for k in kernels}) == {}
+    _assert_fsdp_table_is_the_hlos(step, state, batch)
+    assert len(state.plan.entries) == len(jax.tree.leaves(params))
+    _assert_trains_as_one_device(step, state, batch, ref_loss, opt, params,
+                                 final=lambda st: unshard_params(sharded, st))
+
+
+class _Unread(nn.Module):
+    """A Dense and a parameter the model never reads."""
+
+    @nn.compact
+    def __call__(self, x):
+        self.param("unread", nn.initializers.normal(0.1), (8, 4))
+        return nn.Dense(4, name="dense")(x)
+
+
+def test_the_fsdp_table_leaves_out_the_gather_of_a_parameter_never_read():
+    """XLA drops an all-gather whose result nothing reads (``unread``'s, [8, 4]); the table leaves it out too:
+    the dense kernel [8, 4] and the flat buffer of its bias are gathered (once: the root unit)."""
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 8)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
+    model = _Unread()
+    params = model.init(jax.random.key(0), batch["x"])["params"]
+
+    def loss_fn(p, b):
+        return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    opt = optax.sgd(0.1)
+    mesh = spmd.init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))
+    sharded = fully_shard(model, mesh=mesh)
+    state = init_train_state(sharded, opt, params=params)
+    step = make_train_step(sharded, loss_fn, opt)
+    comm = step.communication(state, batch)["total"]
+    assert comm["all-gather"] == {"count": 2, "bytes": (8 * 4 + 4) * 4}, comm
+    assert comm["reduce-scatter"] == {"count": 2, "bytes": (8 * 4 + 4) * 4}, comm  # unread's gradient: zero
+    _assert_fsdp_table_is_the_hlos(step, state, batch)
     _assert_trains_as_one_device(step, state, batch, loss_fn, opt, params, final=lambda st: unshard_params(sharded, st))

@@ -69,8 +69,10 @@ def test_scanned_blocks_train_per_layer_fsdp_equal_to_one_device(spec):
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = fully_shard(MODEL, mesh=mesh, units=["layers"], **kw)
     state = init_train_state(model, OPT, jax.random.key(0), EXAMPLE)  # initialized straight into the shards
-    kernel = state.params["layers"]["mlp"]["up_proj"]["kernel"]  # (3, 64, 96): the layer axis is never cut
-    assert {s.data.shape for s in kernel.addressable_shards} == {(LAYERS, 64 // shape[-1], 96)}
+    # (3, 64, 96): the layer axis is never cut; the example inputs show each layer's [64, 96] is a Dense kernel
+    # (its gradient a dot's output transposed): cut on its output dim, as torch's FSDP cuts a Linear's weight
+    kernel = state.params["layers"]["mlp"]["up_proj"]["kernel"]
+    assert {s.data.shape for s in kernel.addressable_shards} == {(LAYERS, 64, 96 // shape[-1])}
     step = make_train_step(model, _loss(model), OPT, accum_steps=accum)
     losses = []
     for _ in range(STEPS):

@@ -404,7 +404,8 @@ def test_zoo(name, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,layout,kernel", [("hf_mistral", "fsdp", "q_proj/kernel"),
                                                 ("hf_gpt_neo", "hsdp", "q_proj/kernel"),
-                                                ("hf_mistral", "3d", "o_proj/kernel")])  # tp cuts q_proj's dim 1
+                                                ("hf_mistral", "3d", "o_proj/kernel"),  # tp cuts q_proj's dim 1
+                                                ("nnx_list", "fsdp", "up/kernel/value")])
 def test_given_example_inputs_fsdp_cuts_a_kernel_on_its_output_dim(name, layout, kernel):
     # init_train_state(model, optimizer, x, params=params) reads the model's backward pass: a kernel whose gradient
     # is its dot's output transposed ([in, out], a Hugging Face Dense) is cut on dim 1 (what torch's FSDP cuts of a

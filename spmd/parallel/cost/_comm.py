@@ -9,7 +9,9 @@ HLO reader's ``buffers`` and ``bytes`` are what equal this table).
   ``MixedPrecisionPolicy`` the gathers move ``param_dtype`` bytes, the reductions ``reduce_dtype``): one all-gather before
   the unit runs, one more for its backward pass with ``reshard_after_forward`` (not the root unit, which
   is gathered once per step, nor with accumulation, which gathers every unit once), one reduce-scatter of
-  its gradient;
+  its gradient; less the gathers whose result nothing reads, which XLA drops (read off the traced step:
+  ``spmd.parallel.cost._recompute.dead_gathers``; the first unit's re-gather of a kernel that only its
+  input's gradient reads, a parameter the loss never reads);
 - **dp** (the replicate dims, HSDP): one all-reduce of the fsdp-cut gradient shards; parameters whole on
   the data dims: one all-reduce of their gradients over every data dim (DDP);
 - **tp**, per styled module call and micro-batch (``A``: its activation bytes, global over tp), from its
@@ -96,10 +98,14 @@ def _cast(e, dtype) -> int:
     return e.local_nbytes // e.itemsize * np.dtype(dtype).itemsize
 
 
-def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1, zero: frozenset = frozenset()) -> dict:
+def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1, zero: frozenset = frozenset(),
+                    dead: dict | None = None) -> dict:
     """The fsdp and dp terms of one step; ``zero``: the paths of the parameters whose gradient is zero by
-    construction (not reduced)."""
+    construction (not reduced); ``dead``: ``{"count", "bytes"}`` of the units' all-gathers whose result nothing
+    reads (``spmd.parallel.cost._recompute.dead_gathers``: not run), taken off."""
     out = _table()
+    if dead:
+        out["all-gather"] = {"count": -dead["count"], "bytes": -dead["bytes"]}
     fsdp = model.fsdp
     sizes = dict(zip(plan.mesh_dim_names, plan.mesh_shape))
     data = model.data_dims
@@ -199,12 +205,13 @@ def batch_cut_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dic
 
 def step_communication(plan: ParamPlan, model: Any, records: Sequence[dict], *, accum_steps: int = 1,
                        zero: frozenset = frozenset(), recomputed: dict | None = None,
-                       batch_stats: dict | None = None) -> dict:
+                       batch_stats: dict | None = None, dead: dict | None = None) -> dict:
     """``{"parameters": {kind: {count, bytes}}, "activations": {...}, "recomputed": {...}, "total": {...},
     "modules": [...]}``. ``zero``: the paths of the parameters whose gradient is zero by construction;
+    ``dead``: the units' all-gathers whose result nothing reads (``parameter_terms``);
     ``recomputed``: the collectives a checkpoint's recomputation runs again (``_recompute``), per step;
     ``batch_stats``: SyncBatchNorm's all-reduces of its statistics, per step (a ``"batch_stats"`` term)."""
-    par = parameter_terms(plan, model, accum_steps=accum_steps, zero=zero)
+    par = parameter_terms(plan, model, accum_steps=accum_steps, zero=zero, dead=dead)
     act = activation_terms(records, accum_steps=accum_steps)
     ws = batch_cut_terms(plan, model, accum_steps=accum_steps)
     act = {k: {f: act[k][f] + ws[k][f] for f in ("count", "bytes")} for k in KINDS}

@@ -22,7 +22,7 @@ import numpy as np
 
 from spmd.parallel.styles._fully_shard import REGATHER
 
-__all__ = ["recomputed_collectives", "RECOMPUTED", "SYNC_BN"]
+__all__ = ["recomputed_collectives", "dead_gathers", "RECOMPUTED", "SYNC_BN"]
 
 RECOMPUTED = "rematted_computation"  # JAX's name for a checkpoint's recomputation in the backward pass
 SYNC_BN = "spmd_sync_batch_norm"  # the named scope of a BatchNorm call whose statistics the step averages
@@ -84,3 +84,36 @@ def recomputed_collectives(closed: Any, sizes: Mapping[str, int], scope: str | N
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
     walk(jaxpr, (), 1, {})  # what the outputs need (a recomputed value nothing reads is not run: XLA drops it too)
     return out
+
+
+def dead_gathers(closed: Any, axis: str) -> dict:
+    """``{"count", "bytes"}`` of the all-gathers over the mesh dim ``axis`` (a ``fully_shard`` unit's gathers) in
+    ``closed`` (the ``ClosedJaxpr`` of a whole train step) whose result nothing reads: those JAX's dead-code
+    elimination removes (as XLA's does), times the trip count of the loops (``scan``) around them. A unit's
+    re-gather for its backward pass reads a kernel only for the gradient of the unit's input, which the first
+    unit, on the batch, does not need; a parameter the loss never reads is gathered for nothing. A gather in a
+    checkpoint's recomputation other than the re-gather (``recomputed_collectives``' term, counted alive) is left
+    out."""
+    from jax.interpreters import partial_eval as pe
+
+    def count(jaxpr: Any, stack: tuple, trips: int, out: list) -> None:
+        for eqn in jaxpr.eqns:
+            here = stack + tuple(str(eqn.source_info.name_stack).split("/"))
+            n = trips * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else trips
+            if eqn.primitive.name == "all_gather":
+                names = eqn.params.get("axis_name", ())
+                path = "/".join(here)
+                if axis in (names if isinstance(names, (tuple, list)) else (names,)) and (
+                        RECOMPUTED not in path or REGATHER in path):
+                    out[0] += n
+                    out[1] += n * sum(_nbytes(v.aval) for v in eqn.outvars)
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                    if inner is not None and hasattr(inner, "eqns"):
+                        count(inner, here, n, out)
+
+    every, live = [0, 0], [0, 0]
+    count(closed.jaxpr, (), 1, every)
+    count(pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)[0], (), 1, live)
+    return {"count": every[0] - live[0], "bytes": every[1] - live[1]}

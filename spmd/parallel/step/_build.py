@@ -22,7 +22,7 @@ from spmd.parallel.context._calls import (CALL_SCOPE, ContextCalls, check_seq, e
                                          with_context)
 from spmd.parallel.context._seq import seq_inputs
 from spmd.parallel.cost._comm import step_communication
-from spmd.parallel.cost._recompute import SYNC_BN, recomputed_collectives
+from spmd.parallel.cost._recompute import SYNC_BN, dead_gathers, recomputed_collectives
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan
 from spmd.parallel.step._batch_norm import sync_batch_norm, sync_nnx_batch_norm
 from spmd.parallel.step._finite import _keep_finite
@@ -243,6 +243,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     # backward pass once (_grad_layout.gathered_dot_grads)
     gather_flip: set = set(out_cut_gathers(plan, fsdp))
     found: list = []  # what a trace without them found
+    dead: list = []  # the units' all-gathers nothing reads, {"count", "bytes"} (filled by communication)
     recomputed: list = []  # the collectives a checkpoint's recomputation runs again, and the backward pass's
     # all-reduces of SyncBatchNorm's statistics (filled when traced)
     bn_calls: list = []  # the forward all-reduces of SyncBatchNorm's statistics, bytes each (filled when traced)
@@ -332,6 +333,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     def communication(state: TrainState, batch: Any) -> dict:
         batch = _as_arrays(batch)
         prepare(state, batch)
+        if fsdp is not None and not dead:  # the units' gathers nothing reads (XLA drops them): traced once
+            dead.append(dead_gathers(jax.make_jaxpr(lambda s, b: step(s, b))(state, batch), fsdp))
         if not traced:  # not traced yet: trace it (the styled calls and their shapes; nothing runs)
             jax.eval_shape(step, state, batch)
         stats = None
@@ -344,7 +347,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                 leaves = [x for x in jax.tree.leaves(state.batch_stats) if np.ndim(x)]
                 stats["all-reduce"] = {"count": len(leaves), "bytes": sum(int(x.nbytes) for x in leaves)}
         comm = step_communication(plan, pm, traced, accum_steps=accum_steps, zero=frozenset(zeros),
-                                  recomputed=recomputed[0] if recomputed else None, batch_stats=stats)
+                                  recomputed=recomputed[0] if recomputed else None, batch_stats=stats,
+                                  dead=dead[0] if dead else None)
         if cp is not None and n_cp > 1:
             comm = with_context(comm, plan, attention[0] if attention else None, accum_steps, bool(data),
                                 positional, dotted, cotangents)

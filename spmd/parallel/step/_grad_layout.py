@@ -26,9 +26,12 @@ _UNARY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reduce_p
 _LOOPS = frozenset({"scan", "while", "cond"})
 
 
-def transposed_dot_grads(closed: Any) -> list[bool]:
+def transposed_dot_grads(closed: Any, stacked: bool = False) -> list[bool]:
     """For each output of ``closed`` (the ``ClosedJaxpr`` of a backward pass): whether it is the 2-D transpose
-    of a ``dot_general``'s output (through calls, dtype converts and sums of such)."""
+    of a ``dot_general``'s output (through calls, dtype converts and sums of such). ``stacked``: also a 3-D
+    output that is a ``scan``'s stacked per-iteration outputs (through a transpose that moves the layer axis
+    alone, as ``nn.scan`` with ``variable_axes={"params": 1}`` does), each of them such a 2-D transpose: a
+    kernel ``[L, in, out]`` of blocks under ``nn.scan`` / ``nnx.scan``."""
     producers: dict[int, dict] = {}
 
     def producer(jaxpr, var):
@@ -55,44 +58,68 @@ def transposed_dot_grads(closed: Any) -> list[bool]:
             return walk(jaxpr, eqn.invars[0], want, depth + 1)
         if name == "add_any":
             return any(walk(jaxpr, v, want, depth + 1) for v in eqn.invars)
+        if want == "layers":  # a 3-D stack of per-layer 2-D gradients
+            if name == "transpose":  # the layer axis moved back where it is stored; the other two in order
+                perm = tuple(eqn.params["permutation"])
+                return (tuple(d for d in perm if d != 0) == (1, 2)
+                        and walk(jaxpr, eqn.invars[0], want, depth + 1))
+            if name == "scan" and i >= eqn.params["num_carry"]:  # the per-iteration outputs, stacked on axis 0
+                body = eqn.params["jaxpr"].jaxpr
+                return walk(body, body.outvars[i], "transpose", depth + 1)
+            return False
         if want == "transpose":
             return (name == "transpose" and tuple(eqn.params["permutation"]) == (1, 0)
                     and walk(jaxpr, eqn.invars[0], "dot", depth + 1))
         return name == "dot_general"
 
+    def flagged(v) -> bool:
+        rank = len(getattr(v.aval, "shape", ()))
+        return (rank == 2 and walk(jaxpr, v, "transpose")) or (stacked and rank == 3 and walk(jaxpr, v, "layers"))
+
     jaxpr = closed.jaxpr
-    return [len(getattr(v.aval, "shape", ())) == 2 and walk(jaxpr, v, "transpose") for v in jaxpr.outvars]
+    return [flagged(v) for v in jaxpr.outvars]
 
 
 def output_cut(forward: Any, params: Any, paths: Any) -> tuple[str, ...]:
-    """The paths (``paths``: one per leaf of ``params``, in leaf order) of the 2-D parameters whose gradient is
-    a dot's output transposed (:func:`transposed_dot_grads`) in the backward pass of ``forward(params)`` (its
-    floating outputs summed), traced abstractly: nothing runs or compiles. A ``Dense`` kernel ``[in, out]`` is
-    one; cut over fsdp on its output dim (dim 1, as torch's FSDP cuts a ``Linear`` weight ``[out, in]`` on dim
-    0), it is gathered as the all-gather of its shard's transpose on dim 0 and its gradient is reduce-scattered
-    on dim 0 of the dot's own output ``[out, in]``: neither needs a full-size transposed copy."""
+    """The paths (``paths``: one per leaf of ``params``, in leaf order) of the parameters whose gradient is a
+    dot's output transposed (:func:`transposed_dot_grads`, ``stacked``: per layer, for blocks under a scan) in
+    the backward pass of ``forward(params)`` (its floating outputs summed), traced abstractly: nothing runs or
+    compiles. A ``Dense`` kernel ``[in, out]`` is one; cut over fsdp on its output dim (dim 1, as torch's FSDP
+    cuts a ``Linear`` weight ``[out, in]`` on dim 0), it is gathered as the all-gather of its shard's transpose
+    on dim 0 and its gradient is reduce-scattered on dim 0 of the dot's own output ``[out, in]``: neither needs
+    a full-size transposed copy, and the weight-gradient dot stays canonical (contracting its operands' last
+    dims). A stacked kernel ``[L, in, out]`` is so per layer, inside the scan's loop."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
+    leaves, treedef = jax.tree.flatten(params)
+    abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves]
+    floats = [i for i, x in enumerate(abstract) if jnp.issubdtype(x.dtype, jnp.floating)]  # the differentiable
 
-    def total(p):
-        outs = [y for y in jax.tree.leaves(forward(p)) if jnp.issubdtype(jnp.result_type(y), jnp.floating)]
+    def total(fl, others):
+        full = list(others)
+        for i, x in zip(floats, fl):
+            full[i] = x
+        outs = [y for y in jax.tree.leaves(forward(jax.tree.unflatten(treedef, full)))
+                if jnp.issubdtype(jnp.result_type(y), jnp.floating)]
         return sum((jnp.sum(y.astype(jnp.float32)) for y in outs), jnp.zeros((), jnp.float32))
 
-    closed = jax.make_jaxpr(jax.grad(total))(abstract)
-    return tuple(p for p, f in zip(paths, transposed_dot_grads(closed)) if f)
+    closed = jax.make_jaxpr(jax.grad(total))([abstract[i] for i in floats], abstract)
+    flagged = transposed_dot_grads(closed, stacked=True)
+    return tuple(paths[i] for i, f in zip(floats, flagged) if f)
 
 
 def out_cut_gathers(plan: Any, fsdp: str | None) -> list[str]:
-    """The paths of ``plan.out_cut``'s parameters (a ``ParamPlan``'s) that are 2-D and cut over the mesh dim
-    ``fsdp``: gathered transposed (``plan._shard.gather_unit``), no backward pass read for it."""
+    """The paths of ``plan.out_cut``'s parameters (a ``ParamPlan``'s) that are 2-D (one layer of a stacked one:
+    its scan gathers it per layer) and cut over the mesh dim ``fsdp`` (off a stacked one's layer axis): gathered
+    transposed (``plan._shard.gather_unit``), no backward pass read for it."""
     if fsdp is None or not plan.out_cut:
         return []
     fi = plan.mesh_dim_names.index(fsdp)
-    return [e.path for e in plan.entries if e.path in plan.out_cut and len(e.shape) == 2
-            and e.shard_dim(fi) is not None]
+    return [e.path for e in plan.entries if e.path in plan.out_cut and e.shard_dim(fi) is not None
+            and len(e.shape) - (e.stacked is not None) == 2
+            and (e.stacked is None or e.shard_dim(fi) != e.stacked[1])]
 
 
 def gathered_dot_grads(closed: Any) -> list[bool]:

@@ -241,17 +241,23 @@ def _is_hf(module: Any) -> bool:
 
 
 def out_cut_of(model: Any, params: Any, example_inputs: Sequence[Any], batch_stats: Any = None) -> tuple | None:
-    """Under ``fully_shard``: the 2-D parameters to cut on their output dim, read off the backward pass of the
-    model applied to ``example_inputs`` (``spmd.parallel.step._grad_layout.output_cut``, an abstract trace);
-    None where not read (no fsdp, no inputs, an nnx model, a linen model with ``batch_stats``)."""
+    """Under ``fully_shard``: the kernels (2-D, or stacked by a scan) to cut on their output dim, read off the
+    backward pass of the model applied to ``example_inputs`` (``spmd.parallel.step._grad_layout.output_cut``,
+    an abstract trace); None where not read (no fsdp, no inputs, a linen model with ``batch_stats``). An nnx
+    model is called on them as a merged copy with ``params`` (its own ``nnx.BatchStat`` values updated there)."""
     from spmd.parallel.styles._nnx import is_nnx
     # imports nothing of the library (see _unwrap's note on the protocol module)
     from spmd.parallel.step._grad_layout import output_cut
 
     module = model.module if isinstance(model, ParallelModule) else model
-    if not isinstance(model, ParallelModule) or model.fsdp is None or not example_inputs or is_nnx(module):
+    if not isinstance(model, ParallelModule) or model.fsdp is None or not example_inputs:
         return None
-    if _is_hf(module):
+    if is_nnx(module):
+        from flax import nnx
+
+        graphdef, _, rest = nnx.split(module, nnx.Param, ...)
+        forward = lambda p: nnx.merge(graphdef, p, rest, copy=True)(*example_inputs)  # noqa: E731
+    elif _is_hf(module):
         forward = lambda p: module(*example_inputs, params=p)  # noqa: E731
     elif batch_stats is None and hasattr(module, "apply"):
         forward = lambda p: module.apply({"params": p}, *example_inputs)  # noqa: E731
@@ -457,9 +463,10 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
                out_cut: Sequence[str] | None = None) -> ParamPlan:
     """Every parameter's placements under the model's layouts (see the module doc). ``stacked``: the
     parameters ``nn.scan`` stacks, ``{path: (scan module, axis)}`` (``spmd.parallel.plan._scan``): never cut.
-    ``out_cut``: the 2-D parameters whose gradient is a dot's output transposed (:func:`out_cut_of`); fsdp
-    cuts each on its output dim (1) where the default would cut dim 0, dim 1 is free of tp and fsdp divides it
-    (or not dim 0 either)."""
+    ``out_cut``: the parameters whose gradient is a dot's output transposed (:func:`out_cut_of`), 2-D or
+    stacked ``[L, in, out]`` (any layer axis); fsdp cuts each on its output dim (the last one past the layer
+    axis) where the default would cut its input dim, the output dim is free of tp and fsdp divides it (or not
+    the input dim either)."""
     where = "init_train_state"
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     if not leaves:
@@ -560,9 +567,13 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             if isinstance(p, Shard) and p.dim % len(shape) in taken:
                 p = next((Shard(d) for d in range(len(shape)) if d not in taken), Replicate())
             n = sizes[fsdp.shard_dim]
-            if (out_cut and path in out_cut and len(shape) == 2 and isinstance(p, Shard) and p.dim % 2 == 0
-                    and 1 not in taken and (shape[1] % n == 0 or shape[0] % n)):
-                p = Shard(1)
+            # a kernel [in, out] (one layer's: dims past a scan's layer axis) on its output dim where the default
+            # cut its input dim, tp leaves the output dim free and fsdp divides it (or not the input dim either)
+            layer = [d for d in range(len(shape)) if path not in stacked or d != stacked[path][1]]
+            if (out_cut and path in out_cut and len(layer) == 2 and isinstance(p, Shard)
+                    and p.dim % len(shape) == layer[0] and layer[1] not in taken
+                    and (shape[layer[1]] % n == 0 or shape[layer[0]] % n)):
+                p = Shard(layer[1])
             pl[fsdp.shard_dim] = p
         rules.append(Rule(re.escape(path), pl, name=_rule_name(model, path)))
     plan = plan_params(params, sizes, rules, fsdp=fsdp.shard_dim if fsdp else "", units=tuple(unit_res),
