@@ -166,7 +166,8 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     """The terms of a pipelined candidate (see the module doc): ``compute_s``, ``comm_s``, ``communication``
     (``{"parameters", "activations", "total"}: {kind: {count, bytes}}``), ``memory``, ``flops``. ``table``: the
     step's own (``step.communication``), where already read. Under cp its terms (``c["cp"]``) and under ep the
-    experts' all-to-alls are in ``total`` and priced over their own dim; a micro-batch's sequence is cut over cp."""
+    experts' all-to-alls are in ``total`` and priced over their own dim; a micro-batch's sequence is cut over cp,
+    its attention's ``[T, T]`` work counted at ``T^2 / cp`` (``_cpep.cp_work``: each rank's queries against all keys)."""
     c = table if table is not None else step.communication(state, batch)
     s = laid.schedule
     lay = laid.layout(params)
@@ -176,6 +177,11 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
                                                       *((x.shape[1] // layout.cp,) if x.ndim >= 2 else ()),
                                                       *x.shape[2:]), x.dtype), batch)
     flops, nbytes = profile.grad_cost(mb)
+    calls = (c.get("cp") or {}).get("calls")
+    if layout.cp > 1 and calls:  # the stages' attention (K/V gathered): T^2 / cp, not (T / cp)^2
+        from spmd.parallel.auto._cpep import cp_work, uncut
+
+        flops, nbytes = cp_work((flops, nbytes), profile.grad_cost(uncut(mb, layout.cp)), layout.cp, calls)
     ops = profile.ops(mb)
     of, ob = profile.optimizer_cost()
     u = _share(lay)

@@ -400,3 +400,30 @@ def test_moe_ep_times_tp_candidates_table_equals_its_compiled_collectives():
     for c, comm in _tables_equal_hlo(MOE, got, batch):
         assert c.layout.tp == 2 and c.communication["total"]["all-to-all"]["count"] > 0
         assert comm["activations"]["all-reduce"]["count"] > 0  # Megatron's f and g
+
+
+@pytest.mark.slow  # four layouts traced (two pipelines)
+def test_a_cp_candidates_work_per_device_equals_the_data_parallel_ones():
+    """Cutting the sequence over cp moves no work: a device of ``dp=4,cp=2`` computes 2 rows of ``T / 2`` queries
+    against all ``T`` keys (the ring without a mask: every block), as much as a device of ``dp=8`` on its 1 row;
+    the same under a pipeline (``pp=2,dp=2,cp=2`` against ``pp=2,dp=4``: the stages' K/V gathered, every pair
+    computed). Before, attention was counted at ``(T / cp)^2`` and the cp candidates' flops were below the
+    data-parallel ones'."""
+    from spmd.parallel.auto._auto import evaluate_layout
+
+    batch = _batch(64)
+    params = jax.eval_shape(LLAMA.init, jax.random.key(0), batch["inputs"])["params"]
+
+    def flops(lay):
+        return evaluate_layout(LLAMA, optax.sgd(0.1), batch, 8, lay, calibration=CAL, params=params).flops
+
+    # unpipelined: a mask-free attention (the causal ring skips blocks wholly in the future)
+    masked = _Sdpa(False)
+    mp = jax.eval_shape(masked.init, jax.random.key(0), batch["inputs"])["params"]
+    got = [evaluate_layout(masked, optax.sgd(0.1), batch, 8, lay, calibration=CAL, params=mp).flops
+           for lay in (Layout(dp=4, cp=2), Layout(dp=8))]
+    np.testing.assert_allclose(got[0], got[1], rtol=0.01)
+    units = ("layers_*",)
+    cut, whole = (flops(Layout(pp=2, dp=2, cp=2, units=units, microbatches=2)),
+                  flops(Layout(pp=2, dp=4, units=units, microbatches=2)))
+    np.testing.assert_allclose(cut, whole, rtol=0.01)
