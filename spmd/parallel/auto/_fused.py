@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ import numpy as np
 from jax import lax
 
 from spmd.parallel.context._attention import _grads, _group, _update
+from spmd.parallel.context._dispatch import kernel_installed
 from spmd.parallel.cost._hardware import Hardware
 
 __all__ = ["BLOCK", "flash_attention", "fused_attention", "planned_fused"]
@@ -151,15 +152,9 @@ def _refuse(arg: str, value: Any, rule: str) -> ValueError:
                       "with implementation='xla' to plan XLA's materialized attention.")
 
 
-@contextlib.contextmanager
-def fused_attention(hardware: Any):
-    """While active, ``jax.nn.dot_product_attention(..., implementation="cudnn")`` is traced as
-    ``flash_attention`` where ``hardware.fused_attention`` (see the module doc); other calls as they are.
-    Restored on exit. Nothing is patched for hardware without the kernel."""
-    if not getattr(hardware, "fused_attention", False):
-        yield
-        return
-    orig = jax.nn.dot_product_attention
+def _planned(orig: Callable) -> Callable:
+    """``orig`` (``jax.nn.dot_product_attention``) with its ``implementation="cudnn"`` calls traced as
+    ``flash_attention`` (see the module doc); other calls go to ``orig`` as they are."""
 
     def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
@@ -180,11 +175,21 @@ def fused_attention(hardware: Any):
                 raise _refuse(f"{name}.shape", tuple(np.shape(x)), "is not [batch, seq, heads, head_dim]")
         return flash_attention(query, key, value, is_causal=is_causal, scale=scale)
 
-    jax.nn.dot_product_attention = dot_product_attention
-    try:
+    return dot_product_attention
+
+
+@contextlib.contextmanager
+def fused_attention(hardware: Any):
+    """While active, in this context only, ``jax.nn.dot_product_attention(..., implementation="cudnn")`` is
+    traced as ``flash_attention`` where ``hardware.fused_attention`` (see the module doc); other calls as they
+    are. The call is dispatched per context (``spmd.parallel.context._dispatch.kernel_installed``, the
+    dispatcher cp's attention uses): another thread tracing meanwhile runs its own, or the original; under cp the
+    sequence cut's version wraps this one. Nothing changes for hardware without the kernel."""
+    if not getattr(hardware, "fused_attention", False):
         yield
-    finally:
-        jax.nn.dot_product_attention = orig
+        return
+    with kernel_installed("jax", _planned):
+        yield
 
 
 def planned_fused(fn):

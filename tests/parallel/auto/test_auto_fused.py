@@ -89,10 +89,49 @@ def test_a_masked_cudnn_call_is_refused_naming_the_argument():
         jax.nn.dot_product_attention(q, k, v, mask=jnp.ones((B, N, T, T), bool), implementation="cudnn")
 
 
-def test_only_hardware_with_the_kernel_patches_the_call():
-    orig = jax.nn.dot_product_attention
-    with fused_attention(Hardware.named("tpu-v5p")):
-        assert jax.nn.dot_product_attention is orig
+def _cudnn(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def test_only_hardware_with_the_kernel_installs_it_and_only_while_open():
+    """A cudnn call is traced as the planning kernel (XLA's values) inside ``fused_attention`` of hardware with the
+    kernel; for other hardware and after the context it is jax's own (on CPU: refused, no cuDNN)."""
+    q, k, v, _ = _qkv()
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    with fused_attention(Hardware.named("tpu-v5p")), pytest.raises(RuntimeError):
+        _cudnn(q, k, v)
     with fused_attention(Hardware.named("h100")):
-        assert jax.nn.dot_product_attention is not orig
-    assert jax.nn.dot_product_attention is orig
+        np.testing.assert_allclose(_cudnn(q, k, v), ref, atol=2e-6)
+    with pytest.raises(RuntimeError):
+        _cudnn(q, k, v)
+
+
+def test_the_kernel_runs_only_in_the_context_that_installed_it():
+    """``fused_attention`` is per context (``spmd.parallel.context._dispatch.kernel_installed``: a
+    ``contextvars.ContextVar``, as cp's attention), not a module attribute swapped while a plan traces: another
+    thread's cudnn call meanwhile runs jax's own (on CPU: refused), not the planning kernel."""
+    import threading
+
+    q, k, v, _ = _qkv()
+    ref = np.asarray(jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    inside, release, got = threading.Event(), threading.Event(), {}
+
+    def plan():
+        try:
+            with fused_attention(Hardware.named("h100")):
+                got["kernel"] = np.asarray(_cudnn(q, k, v))
+                inside.set()
+                release.wait(60)
+        finally:
+            inside.set()
+
+    t = threading.Thread(target=plan)
+    t.start()
+    try:
+        assert inside.wait(60)
+        with pytest.raises(RuntimeError):
+            _cudnn(q, k, v)  # while the other thread's context is open
+    finally:
+        release.set()
+        t.join(60)
+    np.testing.assert_allclose(got["kernel"], ref, atol=2e-6)
