@@ -16,7 +16,7 @@ import pytest
 import spmd
 from placements import Shard
 from spmd.parallel import executed_collectives, fully_shard, init_train_state, make_train_step, unshard_params
-from spmd.parallel.step._grad_layout import transposed_dot_grads, zero_grads
+from spmd.parallel.step._grad_layout import equal_grads, transposed_dot_grads, zero_grads
 
 
 def _assert_trains_as_one_device(step, state, batch, loss_fn, opt, params, final=lambda st: st.params):
@@ -121,6 +121,61 @@ def test_zero_gradients_are_flagged_and_neither_reduced_nor_in_the_table(accum):
     hlo = executed_collectives(step, state, batch, scalars=False)
     assert (hlo["all-reduce"]["buffers"], hlo["all-reduce"]["bytes"]) == (2, (3 * 5 + 5) * 4)
     _assert_trains_as_one_device(step, state, batch, loss_fn, opt, params)
+
+
+class _TwoBiases(nn.Module):
+    """Three biases added to a bias-free Dense's output: ``b1`` and ``b2`` get the same gradient by construction
+    (the sum's cotangent, summed over the batch: what a residual sum gives two BatchNorm biases), ``2 * b3``
+    twice it."""
+
+    @nn.compact
+    def __call__(self, x):
+        b1, b2, b3 = (self.param(n, nn.initializers.normal(0.1), (5,)) for n in ("b1", "b2", "b3"))
+        return jnp.tanh(nn.Dense(5, use_bias=False, name="dense")(x) + b1 + b2 + 2 * b3)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_equal_gradients_are_reduced_once_and_counted_once(accum):
+    """XLA merges the all-reduces of two gradients that are one value (its CSE); the table counts one, read off
+    the backward pass. Accumulated over micro-batches (``accum_steps=2``) each is a loop carry of its own,
+    reduced and counted apart."""
+    rng = np.random.default_rng(0)
+    batch = {"x": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
+             "y": jnp.asarray(rng.normal(size=(8, 5)), jnp.float32)}
+    model = _TwoBiases()
+    params = model.init(jax.random.key(0), batch["x"])["params"]
+
+    def loss_fn(p, b):
+        return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    value, bwd = jax.vjp(lambda p: loss_fn(p, batch), params)
+    names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    same = equal_grads(jax.make_jaxpr(bwd)(jnp.ones_like(value)))
+    assert {names[i]: names[j] for i, j in enumerate(same) if j is not None} == {"['b2']": "['b1']"}
+
+    opt = optax.adamw(1e-2)
+    mesh = spmd.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    state = init_train_state(model, opt, params=params, mesh=mesh)
+    step = make_train_step(model, loss_fn, opt, mesh=mesh, accum_steps=accum)
+    # the kernel (3 x 5), b1 and b3 (and b2 apart under accumulation)
+    want = (3, (3 * 5 + 2 * 5) * 4) if accum == 1 else (4, (3 * 5 + 3 * 5) * 4)
+    comm = step.communication(state, batch)
+    assert (comm["total"]["all-reduce"]["count"], comm["total"]["all-reduce"]["bytes"]) == want
+    hlo = executed_collectives(step, state, batch, scalars=False)
+    assert (hlo["all-reduce"]["buffers"], hlo["all-reduce"]["bytes"]) == want
+    _assert_trains_as_one_device(step, state, batch, loss_fn, opt, params)
+
+
+def test_equal_gradients_need_the_same_equation_on_the_same_inputs():
+    """``a`` and ``b`` get one value (``cos(a + b)`` times the cotangent); ``c`` the same equations on another
+    input; ``d`` and ``e`` twice the cotangent by two equations (``2 * ct``, ``ct + ct``): none of these three is
+    taken for another's."""
+    def loss(p):
+        a, b, c, d, e = p
+        return jnp.sum(jnp.sin(a + b)) + jnp.sum(jnp.sin(c)) + jnp.sum(d * 2) + jnp.sum(e + e)
+
+    value, bwd = jax.vjp(loss, [jnp.ones(3)] * 5)
+    assert equal_grads(jax.make_jaxpr(bwd)(jnp.ones_like(value))) == [None, 0, None, None, None]
 
 
 class _TwoDense(nn.Module):

@@ -2,12 +2,13 @@
 every layout that applies: dp, fsdp per block, HSDP, tp at 2 and 4 (Megatron's cut of its dense layers), tp
 with sequence parallelism, 3-D and a pipeline over its blocks. A case that runs must equal 1-device training
 over 10 AdamW steps: the losses and the final parameters within 1e-5, and the optimizer state gathered whole
-(AdamW's ``mu`` and ``sqrt(nu)``, each entry within 1e-5 of it plus 1e-5 of the largest; ``assert_state_matches``), which
-sees a gradient scaled by 2 that AdamW's update hides (``test_a_gradient_summed_twice_...``); and its compiled
-collectives the printed table
-(``TABLE_GAPS`` names where the table misses a term). A case the library refuses must be a clear refusal
-(``REFUSED``: the exception and the part of its message the library owns), never a skip; ``BROKEN`` cases
-would fail with an error the library does not own (xfail, strict: they must turn into one or the other)."""
+(AdamW's ``mu`` and ``sqrt(nu)``, each entry within 1e-5 of it plus 1e-5 of the largest;
+``assert_state_matches``), which sees a gradient scaled by 2 that AdamW's update hides
+(``test_a_gradient_summed_twice_...``); a BatchNorm's running statistics within 1e-5 (``batch_norm="sync"``:
+the global batch's; ``"broadcast"``: data rank 0's rows', ``test_resnet_broadcast_...``); and its compiled
+collectives the printed table (``TABLE_GAPS`` names where the table misses a term). A case the library
+refuses must be a clear refusal (``REFUSED``: the exception and the part of its message the library owns),
+never a skip; ``BROKEN`` cases would fail with an error the library does not own (xfail, strict: they must turn into one or the other)."""
 
 from __future__ import annotations
 
@@ -234,9 +235,12 @@ def _variables(fam: Family, model):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(name: str, steps: int = STEPS, opt=OPT) -> tuple[list, TrainState]:
-    """(losses, final state: params and opt_state) of ``steps`` steps of ``opt`` on one device, the whole batch
-    (BatchNorm: its statistics)."""
+def _reference(name: str, steps: int = STEPS, opt=OPT, ranks: int = 1) -> tuple[list, TrainState]:
+    """(losses, final state: params, opt_state and a BatchNorm's running statistics) of ``steps`` steps of
+    ``opt`` on one device, the whole batch (BatchNorm: its statistics). ``ranks`` > 1 (a BatchNorm family):
+    what DDP with ``broadcast_buffers`` computes over that many data ranks, on one device: the batch cut into
+    ``ranks`` slices of consecutive rows, each normalized by its own statistics, the gradient the mean of the
+    slices' (the loss too), and the running statistics slice 0's (data rank 0's rows)."""
     fam = FAMILIES[name]
     model = fam.build()
     batches = [fam.batch(0)] * steps
@@ -249,7 +253,14 @@ def _reference(name: str, steps: int = STEPS, opt=OPT) -> tuple[list, TrainState
         return train_one_device(params, batches, lambda p, b: user(nnx.merge(graphdef, p), b), opt)
     if stats is None:
         return train_one_device(params, batches, fam.loss(model), opt)
-    loss_fn = fam.loss(model)
+    user = fam.loss(model)
+
+    def loss_fn(p, s, b):
+        if ranks == 1:
+            return user(p, s, b)
+        outs = [user(p, s, jax.tree.map(lambda x, r=r: x[r * len(x) // ranks:(r + 1) * len(x) // ranks], b))
+                for r in range(ranks)]
+        return sum(value for value, _ in outs) / ranks, outs[0][1]
 
     @jax.jit
     def step(p, s, o, b):
@@ -261,7 +272,7 @@ def _reference(name: str, steps: int = STEPS, opt=OPT) -> tuple[list, TrainState
     for b in batches:
         params, stats, o, value = step(params, stats, o, b)
         losses.append(float(value))
-    return losses, TrainState(jnp.asarray(steps, jnp.int32), params, o)
+    return losses, TrainState(jnp.asarray(steps, jnp.int32), params, o, batch_stats=stats)
 
 
 def _laid_out(fam: Family, layout: str):
@@ -289,7 +300,8 @@ def _twice_the_gradient(loss):
 _twice_the_gradient.defvjp(lambda loss: (loss, None), lambda _, ct: (2 * ct,))
 
 
-def _train(fam: Family, layout: str, *, grad_bug: bool = False, steps: int = STEPS, opt=OPT):
+def _train(fam: Family, layout: str, *, grad_bug: bool = False, steps: int = STEPS, opt=OPT,
+           batch_norm: str = "sync"):
     m, mesh, params, stats = _laid_out(fam, layout)
     kw = {} if isinstance(m, ParallelModule) or "pp" in LAYOUTS[layout] else {"mesh": mesh}
     args = fam.example or ()
@@ -300,7 +312,7 @@ def _train(fam: Family, layout: str, *, grad_bug: bool = False, steps: int = STE
     loss_fn = fam.loss(m)
     if grad_bug:
         loss_fn = lambda *a, f=loss_fn: _twice_the_gradient(f(*a))  # noqa: E731
-    step = make_train_step(m, loss_fn, opt, **kw, **({"batch_norm": "sync"} if stats else {}))
+    step = make_train_step(m, loss_fn, opt, **kw, **({"batch_norm": batch_norm} if stats else {}))
     losses = []
     for _ in range(steps):  # one batch, seen each step: the loss falls
         state, metrics = step(state, fam.batch(0))
@@ -343,15 +355,34 @@ def assert_state_matches(params, opt_state, ref: TrainState, tol: float = 1e-5,
                                        err_msg=f"{what}{jax.tree_util.keystr(k)}")
 
 
+def assert_stats_match(got, want, tol: float = 1e-5) -> None:
+    """A BatchNorm's running statistics (``batch_stats``: each norm's ``mean`` and ``var``) hold the same paths
+    and each entry is within ``tol`` (absolute and relative) of ``want``'s."""
+    flat, ref_flat = jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves_with_path(want)
+    assert [k for k, _ in flat] == [k for k, _ in ref_flat]
+    for (k, a), (_, b) in zip(flat, ref_flat):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol,
+                                   err_msg=f"batch_stats{jax.tree_util.keystr(k)}")
+
+
+def _assert_table(step, state: TrainState, batch: dict) -> None:
+    """The compiled step's collectives equal the printed table's (scalars aside): buffers and bytes per kind; a
+    pipeline's table, bytes per kind (its permutes too)."""
+    got = hlo_executed_collectives(step.compiled(state, batch).as_text(), scalars=False)
+    want = step.communication(state, batch)
+    if "total" in want:
+        for kind, w in want["total"].items():
+            assert (got[kind]["buffers"], got[kind]["bytes"]) == (w["count"], w["bytes"]), (kind, got, want["total"])
+    else:
+        for kind in ("collective-permute", "all-reduce", "all-gather", "reduce-scatter"):
+            assert got[kind]["bytes"] == want[kind]["bytes"], (kind, got, want)
+
+
 # where the compiled step's collectives differ from the printed table (a family, or a family and layout): not
-# checked, the difference named
-TABLE_GAPS = {
-    # the residual sum's cotangent reaches two BatchNorm biases (the block's last norm and its projection's): their
-    # gradients are equal by construction and XLA merges their two all-reduces into one (the table counts two);
-    # under fsdp they are reduce-scattered in the units' buffers, and the table equals the HLO
-    ("resnet_bn", "dp"): "XLA merges the all-reduces of two BatchNorm biases' gradients, equal by construction",
-    ("resnet_bn", "tp"): "XLA merges the all-reduces of two BatchNorm biases' gradients, equal by construction",
-}
+# checked, the difference named. None today: the ResNet's two BatchNorm biases after a residual sum get the same
+# gradient value, whose all-reduce XLA merges into one; the table counts it once (the step reads the equal
+# gradients off its traced backward pass: spmd.parallel.step._grad_layout.equal_grads)
+TABLE_GAPS: dict = {}
 
 # the cases in the README's tier (a light training case of two kinds, and every refusal); the rest, a few to
 # 25 s each of compiling on a 2-core machine, form the slow tier
@@ -386,19 +417,34 @@ def test_zoo(name, layout):
     losses, step, state, m = _train(fam, layout)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     assert_state_matches(*_gathered(m, state), ref)
+    if ref.batch_stats is not None:  # batch_norm="sync" (SyncBatchNorm): the global batch's statistics
+        assert_stats_match(state.batch_stats, ref.batch_stats)
     assert ref_losses[-1] < ref_losses[0]  # it trained
     if name in TABLE_GAPS or (name, layout) in TABLE_GAPS:
         return
-    # the compiled step's collectives equal the printed table's (scalars aside): buffers and bytes per kind; a
-    # pipeline's table, bytes per kind (its permutes too)
-    got = hlo_executed_collectives(step.compiled(state, fam.batch(0)).as_text(), scalars=False)
-    want = step.communication(state, fam.batch(0))
-    if "total" in want:
-        for kind, w in want["total"].items():
-            assert (got[kind]["buffers"], got[kind]["bytes"]) == (w["count"], w["bytes"]), (kind, got, want["total"])
-    else:
-        for kind in ("collective-permute", "all-reduce", "all-gather", "reduce-scatter"):
-            assert got[kind]["bytes"] == want[kind]["bytes"], (kind, got, want)
+    _assert_table(step, state, fam.batch(0))
+
+
+@pytest.mark.xdist_group("zoo_resnet_bn")
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["hsdp", "tp", "3d"])
+def test_resnet_broadcast_buffers_keep_data_rank_0s_statistics(layout):
+    """``batch_norm="broadcast"`` (DDP's ``broadcast_buffers``): each data rank normalizes by its own rows, the
+    gradients are averaged and the state keeps data rank 0's running statistics (the first rows of the batch:
+    the data dims in mesh order; the tp ranks of data rank 0 share them). Equal to one device doing that over
+    the data ranks' slices (``_reference(ranks=)``): losses, parameters, AdamW's moments and the statistics within
+    1e-5 over 10 steps, the compiled collectives the table's. The statistics check can fail: the global batch's
+    (one device's, what ``"sync"`` keeps) are not rank 0's."""
+    fam, dims = FAMILIES["resnet_bn"], LAYOUTS[layout]
+    ranks = int(np.prod([n for d, n in dims.items() if d in ("dp", "fsdp")]))
+    ref_losses, ref = _reference("resnet_bn", ranks=ranks)
+    losses, step, state, m = _train(fam, layout, batch_norm="broadcast")
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_state_matches(*_gathered(m, state), ref)
+    assert_stats_match(state.batch_stats, ref.batch_stats)
+    with pytest.raises(AssertionError, match=re.escape("batch_stats[")):  # rank 0's are not the global batch's
+        assert_stats_match(state.batch_stats, _reference("resnet_bn")[1].batch_stats)
+    _assert_table(step, state, fam.batch(0))
 
 
 @pytest.mark.slow

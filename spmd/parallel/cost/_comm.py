@@ -51,7 +51,11 @@ HLO reader's ``buffers`` and ``bytes`` are what equal this table).
 
 A parameter whose gradient is zero by construction (read under ``stop_gradient`` only, or not at all: the
 backward pass's own instantiated zero, ``spmd.parallel.step._grad_layout.zero_grads``) is not reduced and
-not counted (a reduce-scatter only when every parameter of its buffer is such).
+not counted (a reduce-scatter only when every parameter of its buffer is such). A parameter whose gradient is
+the same value as an earlier parameter's by construction (the same equation on the same inputs in the traced
+backward pass, ``spmd.parallel.step._grad_layout.equal_grads``: two BatchNorm biases after a residual sum), both
+averaged whole over the data dims, is not counted either: XLA's common-subexpression elimination reduces the
+value once. Reduce-scattered in a unit's buffer, or accumulated over micro-batches, each is counted.
 Scalars (the loss, metrics, the global norm's partial sums) are not counted.
 """
 
@@ -99,10 +103,11 @@ def _cast(e, dtype) -> int:
 
 
 def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1, zero: frozenset = frozenset(),
-                    dead: dict | None = None) -> dict:
+                    dead: dict | None = None, merged: frozenset = frozenset()) -> dict:
     """The fsdp and dp terms of one step; ``zero``: the paths of the parameters whose gradient is zero by
     construction (not reduced); ``dead``: ``{"count", "bytes"}`` of the units' all-gathers whose result nothing
-    reads (``spmd.parallel.cost._recompute.dead_gathers``: not run), taken off."""
+    reads (``spmd.parallel.cost._recompute.dead_gathers``: not run), taken off; ``merged``: the paths of those
+    whose gradient is another's value, all-reduced with it."""
     out = _table()
     if dead:
         out["all-gather"] = {"count": -dead["count"], "bytes": -dead["bytes"]}
@@ -130,7 +135,8 @@ def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1, zero: 
                      sum(_cast(e, mp and (mp.reduce_dtype or mp.param_dtype)) for e in buf) * n_fsdp, layers)
     names = plan.mesh_dim_names
     for e in plan.entries:  # averaged over the data dims it is whole on (fsdp and ep cuts sum over theirs)
-        if e.path not in zero and int(np.prod([sizes[d] for d in data if e.shard_dim(names.index(d)) is None])) > 1:
+        whole_on = [sizes[d] for d in data if e.shard_dim(names.index(d)) is None]
+        if e.path not in zero and e.path not in merged and int(np.prod(whole_on)) > 1:
             out["all-reduce"]["count"] += 1
             out["all-reduce"]["bytes"] += e.local_nbytes
     return out
@@ -205,13 +211,15 @@ def batch_cut_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dic
 
 def step_communication(plan: ParamPlan, model: Any, records: Sequence[dict], *, accum_steps: int = 1,
                        zero: frozenset = frozenset(), recomputed: dict | None = None,
-                       batch_stats: dict | None = None, dead: dict | None = None) -> dict:
+                       batch_stats: dict | None = None, dead: dict | None = None,
+                       merged: frozenset = frozenset()) -> dict:
     """``{"parameters": {kind: {count, bytes}}, "activations": {...}, "recomputed": {...}, "total": {...},
     "modules": [...]}``. ``zero``: the paths of the parameters whose gradient is zero by construction;
-    ``dead``: the units' all-gathers whose result nothing reads (``parameter_terms``);
+    ``merged``: those whose gradient is the same value as another parameter's, both reduced whole by one
+    all-reduce (counted once); ``dead``: the units' all-gathers whose result nothing reads (``parameter_terms``);
     ``recomputed``: the collectives a checkpoint's recomputation runs again (``_recompute``), per step;
     ``batch_stats``: SyncBatchNorm's all-reduces of its statistics, per step (a ``"batch_stats"`` term)."""
-    par = parameter_terms(plan, model, accum_steps=accum_steps, zero=zero, dead=dead)
+    par = parameter_terms(plan, model, accum_steps=accum_steps, zero=zero, dead=dead, merged=merged)
     act = activation_terms(records, accum_steps=accum_steps)
     ws = batch_cut_terms(plan, model, accum_steps=accum_steps)
     act = {k: {f: act[k][f] + ws[k][f] for f in ("count", "bytes")} for k in KINDS}

@@ -26,7 +26,8 @@ from spmd.parallel.cost._recompute import SYNC_BN, dead_gathers, recomputed_coll
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan
 from spmd.parallel.step._batch_norm import sync_batch_norm, sync_nnx_batch_norm
 from spmd.parallel.step._finite import _keep_finite
-from spmd.parallel.step._grad_layout import gathered_dot_grads, out_cut_gathers, transposed_dot_grads, zero_grads
+from spmd.parallel.step._grad_layout import (equal_grads, gathered_dot_grads, out_cut_gathers, reduced_once,
+                                             transposed_dot_grads, zero_grads)
 from spmd.parallel.step._heads import (check_whole_sequence, dot_params, head_splits, lookup_cotangents,
                                        positional_params, whole_over_tp, whole_sequence_products)
 from spmd.parallel.step._loss_io import _as_arrays, _split_loss, _split_stats
@@ -173,6 +174,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             seed = jnp.ones_like(loss)  # jax.grad's
             closed = jax.make_jaxpr(backward)(seed)
             flip, zero = transposed_dot_grads(closed), zero_grads(closed)
+            merged[:] = reduced_once(equal_grads(closed), entries, zero, cut_over)
             if fsdp is not None and not gather_flip:  # the first trace (prepare's): which to gather transposed
                 found.clear()
                 found.extend(e.path for e, f in zip(entries, gathered_dot_grads(closed)) if f)
@@ -202,6 +204,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                 has_aux=True)(ls)[1])(full_shapes, jax.tree.map(
                     lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro))
             flip, zero = transposed_dot_grads(closed), zero_grads(closed)
+            merged.clear()  # each micro-batch's gradients accumulate in a loop carry of their own
             on_scatter = [any(e.shard_dim(names.index(d)) is not None for d in data) for e in entries]
             flip = [f and not c for f, c in zip(flip, on_scatter)]  # a dp-reduced gradient only (reduce's)
             live = [i for i, z in enumerate(zero) if not z]  # the zero-gradient ones gathered as constants
@@ -239,6 +242,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         return unflat(g), metrics, new_stats
 
     zeros: list = []  # the paths of the parameters whose gradient is zero by construction (filled when traced)
+    merged: list = []  # the paths of the parameters whose gradient is an earlier one's (reduced_once; when traced)
     # the fsdp-cut parameters gathered transposed: known from the plan (_grad_layout.output_cut), else read off the
     # backward pass once (_grad_layout.gathered_dot_grads)
     gather_flip: set = set(out_cut_gathers(plan, fsdp))
@@ -347,6 +351,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                 leaves = [x for x in jax.tree.leaves(state.batch_stats) if np.ndim(x)]
                 stats["all-reduce"] = {"count": len(leaves), "bytes": sum(int(x.nbytes) for x in leaves)}
         comm = step_communication(plan, pm, traced, accum_steps=accum_steps, zero=frozenset(zeros),
+                                  merged=frozenset(merged),
                                   recomputed=recomputed[0] if recomputed else None, batch_stats=stats,
                                   dead=dead[0] if dead else None)
         if cp is not None and n_cp > 1:

@@ -20,7 +20,8 @@ from typing import Any
 
 from jax.extend.core import Literal
 
-__all__ = ["transposed_dot_grads", "zero_grads", "gathered_dot_grads", "output_cut", "out_cut_gathers"]
+__all__ = ["transposed_dot_grads", "zero_grads", "equal_grads", "reduced_once", "gathered_dot_grads", "output_cut",
+           "out_cut_gathers"]
 
 _UNARY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reduce_precision"})
 _LOOPS = frozenset({"scan", "while", "cond"})
@@ -78,6 +79,78 @@ def transposed_dot_grads(closed: Any, stacked: bool = False) -> list[bool]:
 
     jaxpr = closed.jaxpr
     return [flagged(v) for v in jaxpr.outvars]
+
+
+# collectives are never taken for one another (XLA merges two equal all-reduces only where nothing orders them)
+_NEVER_EQUAL = frozenset({"psum", "pmax", "pmin", "all_gather", "reduce_scatter", "all_to_all", "ppermute",
+                          "psum_scatter", "axis_index", "rng_bit_generator", "random_bits", "random_seed"})
+
+
+def equal_grads(closed: Any) -> list[int | None]:
+    """For each output of ``closed`` (the ``ClosedJaxpr`` of a backward pass): the index of the first earlier
+    output that is the same value by construction, else ``None``. Two outputs are the same value where the same
+    equation computes them: the same primitive with the same parameters on the same inputs, recursively (value
+    numbering: what XLA's common-subexpression elimination merges). The residual sum's cotangent reaching two
+    BatchNorm biases (``y + r``, each the output of a BatchNorm) is one: each bias's gradient is the
+    ``reduce_sum`` of that cotangent over the same axes, and XLA merges their two all-reduces into one.
+    Equations with effects, collectives and random bits are never equal to another; a parameter it cannot hash
+    (an array, a list) makes its equation unique too."""
+    numbers: dict[int, Any] = {}  # id(var) -> its value number
+    table: dict[Any, int] = {}  # an equation's key -> its first outputs' value number
+    fresh = iter(range(1 << 62))
+
+    def hashable(v: Any) -> Any:
+        try:
+            hash(v)
+        except TypeError:
+            return ("id", id(v))
+        return v
+
+    def number(var) -> Any:
+        if isinstance(var, Literal):
+            val = var.val
+            try:
+                import numpy as np
+
+                a = np.asarray(val)
+                return ("lit", a.dtype.str, a.shape, a.tobytes())
+            except Exception:  # noqa: BLE001 (an unusual literal: unique)
+                return ("id", id(var))
+        n = numbers.get(id(var))
+        if n is None:  # an input of the backward pass (a residual, the seed): itself
+            n = numbers[id(var)] = ("in", next(fresh))
+        return n
+
+    jaxpr = closed.jaxpr
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if eqn.effects or name in _NEVER_EQUAL:
+            key = ("unique", next(fresh))
+        else:
+            params = tuple(sorted((k, hashable(v)) for k, v in eqn.params.items()))
+            key = (name, params, tuple(number(v) for v in eqn.invars))
+        base = table.setdefault(key, next(fresh))
+        for i, v in enumerate(eqn.outvars):
+            numbers[id(v)] = ("eqn", base, i)
+    first: dict[Any, int] = {}
+    out: list[int | None] = []
+    for i, v in enumerate(jaxpr.outvars):
+        n = number(v)
+        if isinstance(v, Literal):  # a literal gradient (a zero: zero_grads's) is no reduction to merge
+            out.append(None)
+            continue
+        j = first.setdefault(n, i)
+        out.append(None if j == i else j)
+    return out
+
+
+def reduced_once(same: list, entries: list, zero: list, cut_over: list) -> list[str]:
+    """The paths of the parameters (``entries``: their plan entries, in the backward pass's output order) whose
+    gradient is an earlier one's value (``same``: :func:`equal_grads`), neither zero by construction (``zero``)
+    and both averaged whole over the data dims (``cut_over``: the data dims each is cut over, none): the step's
+    one all-reduce of both, which XLA's common-subexpression elimination reduces once, counts once."""
+    return [e.path for i, (e, j) in enumerate(zip(entries, same)) if j is not None and not zero[i] and not zero[j]
+            and not cut_over[i] and not cut_over[j] and e.local_shape == entries[j].local_shape]
 
 
 def output_cut(forward: Any, params: Any, paths: Any) -> tuple[str, ...]:
