@@ -136,7 +136,8 @@ def plan_one(name: str, full_compile: bool) -> dict:
     load = os.getloadavg()[0]
     tokens = n * SEQ / n  # per device and step
     print(f"\n== Llama 3 {name.upper()} ({count / 1e9:.2f} B parameters) on {n} fake devices, priced as H100s, "
-          f"80 GB each; ranked in {ranked_s:.0f} s ({ranked_cpu_s:.0f} s of CPU, load {load:.1f}) ==")
+          f"80 GB each; ranked in {ranked_s:.0f} s ({ranked_cpu_s:.0f} s of CPU, load {load:.1f}); search: "
+          f"{got.search} ==")
     print(got.table(top=10), flush=True)
     rows = []
     for c in got.candidates[:10]:
@@ -149,7 +150,7 @@ def plan_one(name: str, full_compile: bool) -> dict:
     best = got.best
     out = {"model": f"llama3-{name}", "parameters": count, "devices": n, "seq": SEQ, "global_batch": n,
            "hardware": "h100", "budget_bytes": got.budget, "ranked_s": ranked_s, "ranked_cpu_s": ranked_cpu_s,
-           "load_1min": load, "candidates": len(got.candidates),
+           "load_1min": load, "candidates": len(got.candidates), "search": got.search,
            "compiled": sum(c.measured_peak is not None for c in got.candidates),
            "untraced_by_bound": sum(r.startswith("not traced") for _, r in got.rejected),
            "rejected": len(got.rejected), "pick": best.name, "why": got.why(), "top": rows,

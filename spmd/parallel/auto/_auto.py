@@ -668,6 +668,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         return _fitting(c, lambda lay: evaluate(lay, budget), rows, units, rejected, policies())
 
     got, rejected = [], []
+    search_stats: dict = {}  # hardware=: what the search traced and compiled (_budget.searched)
     refused: dict = {}  # "cp" / "ep": the step's refusal of the model's first such layout, standing for the rest
     notes: dict = {}  # "gather": the model's attention runs on the sequence gathered over cp (_cpep.gather_only)
     weighed: list = []  # the checkpointing policies weighed where memory needs them, found at the first need (those
@@ -719,21 +720,27 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     else:  # best-first: traced and compiled in the order of their bounds (_budget.searched)
         work = _dot_work_at(depth, slices, loss, params, batch)
 
-        def bound(lay: Layout) -> float:  # a lower bound on its compiled time: its share of the model's matmuls
-            if lay.pp > 1:  # and its gradients' reduction (and FSDP's gathers) at the least bytes
+        def bound_compute(lay: Layout) -> float:  # a lower bound on its compute: its share of the model's matmuls
+            if lay.pp > 1:
                 return 0.0
-            return cal.hardware.matmul_s(work / lay.size, _rated(cal, lay.mixed_precision or cal.dtype)) + \
-                comm_floor(lay, cal.hardware, params)
+            return cal.hardware.matmul_s(work / lay.size, _rated(cal, lay.mixed_precision or cal.dtype))
+
+        def bound(lay: Layout) -> float:  # a lower bound on its compiled time: its compute's and its gradients'
+            if lay.pp > 1:  # reduction (and FSDP's gathers) at the least bytes
+                return 0.0
+            return bound_compute(lay) + comm_floor(lay, cal.hardware, params)
 
         bar2 = _bar(None, "auto_layout: compiling")
         got, skipped = searched(
-            todo, bound, traced, 1, memory_budget_bytes, compile_one, variants,
+            todo, bound, traced, 1, memory_budget_bytes, compile_one, variants, bound_compute=bound_compute,
+            stats=search_stats,
             progress=lambda c: (bar.set_postfix_str("compiling " + c.name, refresh=False), bar2.update()))
         bar.close()
         bar2.close()
         best = next((c for c in got if c.fits), None)
         rejected.extend((lay.name, f"not traced: its bound ({1e3 * b:.2f} ms/step, the matmuls of its share of the "
-                         f"batch at the peak rate and its gradients' reduction at the least bytes) is no faster than {best.name}'s {1e3 * best.predicted_s:.2f} ms")
+                         "batch at the peak rate, scaled as its nearest compiled kin's compute was, and its gradients' "
+                         f"reduction at the least bytes) is no faster than {best.name}'s {1e3 * best.predicted_s:.2f} ms")
                         for lay, b in skipped)
     if not got:
         raise ValueError(f"{where}: no layout of {len(devices)} devices could be built for this model; "
@@ -770,4 +777,4 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                          f"per device (bound {int(small.memory['floor']):,}); use more devices, a larger budget or a "
                          "smaller batch.")
     return AutoLayout(tuple(got), tuple(rejected), None if hw is not None else cal, memory_budget_bytes, top,
-                      hardware=hw)
+                      hardware=hw, search=search_stats or None)

@@ -14,10 +14,23 @@
   matmul flops per device at the matmul peak of their compute dtype: ``spmd.parallel.auto._priced.dot_flops``),
   and at each turn the cheaper of (trace the next layout, compile the best traced estimate) is done, until
   ``k`` compiled candidates fit and neither the next layout's bound nor the best uncompiled estimate is below
-  the fastest compiled fitting one. Sound: a layout's compiled time is at least its bound (its compute is the
-  roofline of its compiled flops, which count every matmul of the gradient on its share of the batch, and
-  recomputed or replicated ones beyond; its communication and dispatch are >= 0), and a traced estimate is at
-  most its compiled time (``checked``), so no layout left out can beat the pick;
+  the fastest compiled fitting one. Sound (``SHARPEN = False``): a layout's compiled time is at least its bound
+  (its compute is the roofline of its compiled flops, which count every matmul of the gradient on its share of
+  the batch, and recomputed or replicated ones beyond; its communication and dispatch are >= 0), and a traced
+  estimate is at most its compiled time (``checked``), so no layout left out can beat the pick. By default
+  (``SHARPEN = True``) the search compiles only the promising: once a candidate is compiled, the ratio of its
+  compiled compute (the roofline of its own flops and bytes) to its estimate's (its flops at the matmul peak,
+  no bytes, no recomputation) scales the compute of the uncompiled estimates and untraced bounds of its kin
+  (``sharpened``: the compiled candidate nearest by ``_kin``: same compute dtype, checkpointing policy, tp cut,
+  accumulation, then data-parallel split), and those scaled figures decide what is traced and compiled. They
+  are **estimates, not bounds**: the compiled compute of two layouts with the same per-device program (they
+  differ in how the data-parallel degree splits, or keep / re-gather) differs only by the optimizer update's
+  shards and the collectives' buffers, so a kin's ratio carries over closely, but a layout whose scaled
+  estimate is above the pick's compiled time is not compiled, and nothing proves its compiled time would have
+  been. The first candidate traced that fits its bound is compiled at once (its ratio scales the bounds of the
+  layouts not yet traced). The uncompiled candidates are ranked at their scaled estimate, their peak at its
+  lower bound (``>=``).
+  ``tests/parallel/auto/test_auto_search.py`` checks that the pick equals the sound search's;
 - ``_measured``: the top ``k`` fitting candidates timed (``measure=``), the fastest measured first.
 """
 
@@ -34,7 +47,7 @@ from spmd.parallel.auto._ranking import Candidate
 from spmd.parallel.cost._memory import _nbytes
 from spmd.parallel.styles._remat import offload_refusal, policy_names
 
-__all__ = ["CHECKPOINTING", "weighed_policies", "checked", "searched", "check_budget", "check_floor", "parts"]
+__all__ = ["CHECKPOINTING", "weighed_policies", "checked", "searched", "sharpened", "policy_of", "check_budget", "check_floor", "parts"]
 
 # the activation-checkpointing policies weighed where memory needs them, from the least recomputation to the
 # most (spmd.parallel.styles._remat.POLICIES: all of them); MaxText's named ones only where the model names those
@@ -197,35 +210,102 @@ def checked(got: list[Candidate], k: int, budget: int, compiled: Callable, varia
     return _merged(_ranked(done), rest)
 
 
+def policy_of(layout: Any) -> str | None:
+    """The checkpointing policy ``layout``'s blocks run under: its own, else ``"dots"`` where FSDP gathers the
+    units again for their backward pass (each under ``jax.checkpoint`` saving its matmul outputs:
+    ``spmd.parallel.styles._hooks``), else None."""
+    if layout.activation_checkpointing:
+        return layout.activation_checkpointing
+    return "dots" if layout.fsdp > 1 and layout.reshard_after_forward and layout.pp == 1 else None
+
+
+# what makes two layouts' per-device compute programs alike, the most telling first (``_kin``): the compute
+# dtype, the checkpointing policy (what is recomputed), the tensor-parallel cut and its variant, the
+# micro-batch (accumulation), then how the data-parallel degree is split (FSDP's update shards)
+_KIN = (lambda lay: lay.mixed_precision, policy_of, lambda lay: lay.tp, lambda lay: lay.sequence_parallel,
+        lambda lay: lay.weight_stationary, lambda lay: lay.accum_steps, lambda lay: (lay.pp, lay.cp, lay.ep),
+        lambda lay: lay.reshard_after_forward, lambda lay: lay.fsdp)
+
+
+def _kin(a: Any, b: Any) -> tuple:
+    """How alike the per-device programs of layouts ``a`` and ``b`` are: ``_KIN``'s equalities in order."""
+    return tuple(f(a) == f(b) for f in _KIN)
+
+
+def sharpened(c: Candidate, ratios: list) -> float:
+    """``c``'s time with its compute scaled as its nearest compiled kin's was (``ratios``: ``(layout, compiled
+    compute / estimated compute)`` of each compiled candidate; the nearest by ``_kin``, the first compiled on a
+    tie; a ratio under 1 taken as 1): an estimate, not a bound (see the module doc). With no ratio, or ``c``
+    compiled (``measured_peak`` set), ``c.predicted_s``."""
+    if not ratios or not math.isfinite(c.predicted_s) or c.measured_peak is not None:
+        return c.predicted_s
+    near = max(range(len(ratios)), key=lambda i: (_kin(c.layout, ratios[i][0]), -i))
+    return c.predicted_s + (max(ratios[near][1], 1.0) - 1.0) * c.compute_s
+
+
+# False: every candidate whose estimate is below the fastest compiled one is compiled (the sound search);
+# True: the estimates scaled by the nearest compiled kin's ratio first (see the module doc)
+SHARPEN = True
+
+
 def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: int, compiled: Callable,
-             variants: Callable, *, progress: Callable | None = None) -> tuple[list[Candidate], list]:
+             variants: Callable, *, progress: Callable | None = None, bound_compute: Callable | None = None,
+             stats: dict | None = None) -> tuple[list[Candidate], list]:
     """Best-first search over ``layouts`` (see the module doc): ``bound(layout) -> seconds`` (a lower bound on
     its compiled predicted time and its variants'), ``trace(layout) -> [candidates]`` (its estimate and, over
     the budget, its variants that fit: ``_fitting``), ``compiled`` and ``variants`` as ``checked``'s.
-    Returned: the candidates as ``checked`` returns them, and the layouts never traced (their bound no
-    faster than the pick), with their bound."""
+    ``bound_compute(layout) -> seconds``: the compute part of ``bound`` (with ``SHARPEN``, scaled by the
+    nearest compiled kin's ratio of its compiled compute to that part; None: the bounds are not scaled).
+    ``stats``: a dict given the counts traced, compiled and left uncompiled. Returned: the candidates as
+    ``checked`` returns them, and the layouts never traced (their bound no faster than the pick), with their
+    bound."""
     todo = sorted(layouts, key=bound)
     done: list = []
     rest: list = []
     seen: set = set()
-    i = 0
+    ratios: list = []  # (layout, compiled compute / estimated compute) of each compiled candidate
+    bratios: list = []  # (layout, compiled compute / its bound's compute part)
+
+    def est_of(c: Candidate) -> float:
+        return sharpened(c, ratios) if SHARPEN else c.predicted_s
+
+    def bound_of(lay: Any) -> float:
+        b = bound(lay)
+        if not (SHARPEN and bratios and bound_compute is not None and math.isfinite(b)):
+            return b
+        near = max(range(len(bratios)), key=lambda j: (_kin(lay, bratios[j][0]), -j))
+        return b + (max(bratios[near][1], 1.0) - 1.0) * bound_compute(lay)
+
+    i = traced_n = 0
     while True:
         fit = [c.predicted_s for c in done if c.fits]
         best = min(fit, default=math.inf)
-        nxt = bound(todo[i]) if i < len(todo) else math.inf
-        est = rest[0].predicted_s if rest and rest[0].fits else math.inf
+        nxt = bound_of(todo[i]) if i < len(todo) else math.inf
+        est = est_of(rest[0]) if rest and rest[0].fits else math.inf
         if (len(fit) >= k and min(nxt, est) >= best) or (nxt == math.inf and est == math.inf and i >= len(todo)):
             break
-        if i < len(todo) and nxt < est:  # the next layout could still beat every estimate: trace it
+        first = SHARPEN and not done and est < math.inf  # the first kin compiled early: its ratio scales the rest
+        if i < len(todo) and nxt < est and not first:  # the next layout could still beat every estimate: trace it
             new = [c for c in trace(todo[i]) if c.layout not in seen]
             i += 1
+            traced_n += 1
         else:  # the best estimate is below every untraced bound: compile it
             c = rest.pop(0)
             if progress is not None:
                 progress(c)
+            before = c.compute_s
             c = compiled(c)
             done.append(c)
+            if c.layout.pp == 1 and before > 0 and math.isfinite(before) and math.isfinite(c.compute_s):
+                ratios.append((c.layout, c.compute_s / before))
+                if bound_compute is not None and bound_compute(c.layout) > 0:
+                    bratios.append((c.layout, c.compute_s / bound_compute(c.layout)))
+                    todo[i:] = sorted(todo[i:], key=bound_of)  # the scaled bounds in their new order
             new = [] if c.fits else [v for v in variants(c, budget) if v.fits and v.layout not in seen]
         seen |= {c.layout for c in new}
-        rest = _ranked(rest + new)
-    return _merged(_ranked(done), rest), [(lay, bound(lay)) for lay in todo[i:]]
+        rest = sorted(rest + new, key=lambda c: (not c.fits, est_of(c)))
+    if stats is not None:
+        stats.update(traced=traced_n, compiled=len(done), uncompiled=len(rest), untraced=len(todo) - i)
+    if SHARPEN and ratios:  # the uncompiled ones at their scaled estimates (none faster than the pick)
+        rest = [replace(c, predicted_s=est_of(c), compute_s=c.compute_s + est_of(c) - c.predicted_s) for c in rest]
+    return _merged(_ranked(done), rest), [(lay, bound_of(lay)) for lay in todo[i:]]

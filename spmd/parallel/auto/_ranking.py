@@ -79,6 +79,7 @@ class AutoLayout:
     budget: int | None = None
     top: int = 5
     hardware: Hardware | None = None  # auto_layout(hardware=): the hardware it was priced for
+    search: dict | None = None  # auto_layout(hardware=): layouts traced / untraced, candidates compiled / not
 
     @property
     def best(self) -> Candidate:

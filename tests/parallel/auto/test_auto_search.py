@@ -114,3 +114,63 @@ def test_the_communication_bound_is_below_every_traced_steps_parameter_collectiv
         seen.append(floor / sum(c.comm_s.values()))
     assert seen[0] == pytest.approx(1.0)  # dp=8 without latency: all of it (one all-reduce of every gradient)
     assert comm_floor(Layout(tp=8, tp_plan=tp(8)), hw, params) == 0.0
+
+
+def test_an_uncompiled_estimate_is_scaled_by_its_nearest_compiled_kins_ratio():
+    """``sharpened``: the kin of the same compute dtype (and, among those, checkpointing policy) gives the ratio,
+    whatever the order compiled; the communication is not scaled; a compiled one and a candidate with no time
+    keep theirs."""
+    from spmd.parallel.auto._budget import sharpened
+    from spmd.parallel.auto._ranking import Candidate
+
+    def cand(lay, predicted, compute, peak=None):
+        return Candidate(layout=lay, predicted_s=predicted, compute_s=compute, comm_s={"all-gather": predicted - compute},
+                         dispatch_s=0.0, communication={}, memory={"peak": 1}, flops=0.0, measured_peak=peak)
+
+    f32 = Layout(fsdp=8, units=U)
+    bf16_keep = Layout(fsdp=8, units=U, mixed_precision="bfloat16", reshard_after_forward=False)
+    bf16 = Layout(fsdp=8, units=U, mixed_precision="bfloat16")  # re-gathering: the "dots" policy, as the target
+    ratios = [(f32, 5.0), (bf16_keep, 3.0), (bf16, 2.0)]
+    u = cand(Layout(dp=2, fsdp=4, units=U, mixed_precision="bfloat16"), 1.0, 0.4)
+    assert sharpened(u, ratios) == pytest.approx(1.0 + (2.0 - 1.0) * 0.4)  # bf16 and "dots", not the first bf16
+    assert sharpened(u, ratios[::-1]) == pytest.approx(1.4)
+    assert sharpened(u, ratios[:2]) == pytest.approx(1.0 + (3.0 - 1.0) * 0.4)  # bf16 before the policy
+    assert sharpened(u, [(f32, 0.5)]) == 1.0  # a ratio under 1 (the estimate is a bound): not lowered
+    assert sharpened(u, []) == 1.0
+    assert sharpened(cand(bf16, 1.0, 0.4, peak=10), ratios) == 1.0  # compiled: its own time
+    assert sharpened(cand(bf16, math.inf, math.inf), ratios) == math.inf
+
+
+@pytest.mark.slow  # traces and compiles ten layouts of a two-block model on 8 devices, twice
+@pytest.mark.timeout(900)  # ~1 min of CPU; minutes on a loaded 2-core host
+def test_the_scaled_search_picks_what_the_sound_search_picks_on_8_devices(monkeypatch):
+    """``_budget.SHARPEN`` (compile only the candidates whose estimate, scaled as their nearest compiled kin's,
+    is below the pick) against the sound search (every candidate whose estimate is below the pick compiled):
+    the same pick at the same compiled time, with fewer candidates compiled, over DP / FSDP / HSDP / tp, keep
+    and re-gather, float32 and bfloat16."""
+    from spmd.parallel.auto import _budget
+
+    batch = _batch()
+    params = jax.eval_shape(lambda: MODEL.init(jax.random.key(0), batch["inputs"])["params"])
+    prof = Profile(default_loss(MODEL), params, OPT)
+    # memory slow beside the matmuls: the compiled compute is the bytes' side of the roofline, several times
+    # the estimate (the flops at the matmul peak), so the sound search compiles every estimate below the pick
+    hw = Hardware("slow memory", {"float32": 2e10, "bfloat16": 2e11}, 80e9, 1e9, 4, Link(450e9, 3e-6),
+                  Link(50e9, 1e-5))
+    tp = lambda n: tuple(_plan(False, n).items())  # noqa: E731
+    lays = [Layout(dp=8), Layout(dp=2, tp=4, tp_plan=tp(4))] + [
+        Layout(dp=8 // f // t, fsdp=f, tp=t, tp_plan=tp(t) if t > 1 else None, units=U, reshard_after_forward=raf,
+               mixed_precision=mp)
+        for f, t, raf, mp in ((8, 1, True, None), (8, 1, True, "bfloat16"), (8, 1, False, "bfloat16"),
+                              (4, 1, True, "bfloat16"), (2, 1, False, "bfloat16"), (4, 2, True, "bfloat16"),
+                              (2, 2, False, "bfloat16"), (2, 4, True, "bfloat16"))]
+    got = {}
+    for sharpen in (False, True):
+        monkeypatch.setattr(_budget, "SHARPEN", sharpen)
+        got[sharpen] = auto_layout(MODEL, OPT, batch, 8, hardware=hw, plan=_plan, units=U, params=params,
+                                   profile=prof, layouts=lays)
+    sound, scaled = got[False], got[True]
+    assert scaled.best.name == sound.best.name
+    assert scaled.best.predicted_s == pytest.approx(sound.best.predicted_s, rel=1e-9)
+    assert scaled.best.measured_peak == sound.best.measured_peak
+    assert scaled.search["compiled"] < sound.search["compiled"], (scaled.search, sound.search)
