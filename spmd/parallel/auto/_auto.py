@@ -74,7 +74,8 @@ from spmd.parallel.auto._compiled import compile_figures, extrapolated
 from spmd.parallel.auto._cpep import (GATHER_ONLY, check_attention, check_pipelined_attention, context_expert_layouts,
                                       cp_work, gather_only, uncut)
 from spmd.parallel.auto._measure import example_inputs as _example_inputs, measure_layouts
-from spmd.parallel.auto._pipeline import count_units, pipeline_cost, pipeline_layouts, scanned_stack, stage_shapes
+from spmd.parallel.auto._pipeline import pipeline_cost, pipeline_layouts, scanned_stack, stage_shapes
+from spmd.parallel.auto._units import count_units
 from spmd.parallel.cost._calibrate import Calibration, calibrate
 from spmd.parallel.cost._hardware import Hardware
 from spmd.parallel.cost._comm import KINDS

@@ -47,7 +47,7 @@ from typing import Any
 import jax
 
 from spmd.parallel.auto._layout import Layout, factorizations, tp_plan_for
-from spmd.parallel.auto._pipeline import count_units, units_alike
+from spmd.parallel.auto._units import count_units, units_alike
 from spmd.parallel.context._layout import causal_work
 from spmd.parallel.plan._param_plan import path_str
 from spmd.parallel.styles._experts import ExpertParallel

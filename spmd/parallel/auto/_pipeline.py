@@ -37,12 +37,13 @@ import jax
 import numpy as np
 
 from spmd.parallel.cost._comm import KINDS
+from spmd.parallel.auto._cpep import cp_work, uncut
 from spmd.parallel.auto._layout import Layout, factorizations, tp_plan_for
 from spmd.parallel.auto._priced import HardwareRates, mesh_group
+from spmd.parallel.auto._units import count_units, units_alike
 from spmd.parallel.cost._memory import _nbytes
 from spmd.parallel.plan._param_plan import path_str
 from spmd.parallel.pipelining._comm import STAGES
-from spmd.parallel.pipelining._pipeline import unit_modules
 from spmd.parallel.pipelining._tp import ep_placements
 
 __all__ = ["pipeline_cost", "pipeline_layouts", "scanned_stack", "stage_shapes", "stage_passes", "PERMUTE"]
@@ -54,23 +55,6 @@ def stage_passes(stages_per_rank: int) -> float:
     """A backward tick's passes over the rank's stacked stage gradient (see the module doc): 2 (the accumulator
     into and out of the tick's branch) + 3 of the chunk it adds to (``1 / stages_per_rank`` of the stage)."""
     return 2 + 3 / stages_per_rank
-
-
-def count_units(params: Any, glob: str) -> int:
-    """How many modules of ``params`` the pipeline glob matches (the stages it can cut)."""
-    paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    return len(unit_modules(paths, glob.replace(".", "/")))
-
-
-def units_alike(params: Any, glob: str) -> bool:
-    """Whether the modules of ``params`` the pipeline glob matches all hold the same parameters (relative paths,
-    shapes and dtypes): the check ``pipeline`` runs on its units before it cuts stages (it refuses units of
-    other parameters, such as an MoE's blocks with experts beside blocks without), here on the shapes alone."""
-    leaves = {path_str(kp): (tuple(np.shape(x)), str(x.dtype))
-              for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-    found = unit_modules(list(leaves), glob.replace(".", "/"))
-    kinds = {tuple(sorted((p[len(u) + 1:], v) for p, v in leaves.items() if p.startswith(u + "/"))) for u in found}
-    return len(kinds) <= 1
 
 
 def scanned_stack(model: Any, params: Any, example_inputs: tuple) -> tuple[str, int] | None:
@@ -179,8 +163,6 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     flops, nbytes = profile.grad_cost(mb)
     calls = (c.get("cp") or {}).get("calls")
     if layout.cp > 1 and calls:  # the stages' attention (K/V gathered): T^2 / cp, not (T / cp)^2
-        from spmd.parallel.auto._cpep import cp_work, uncut
-
         flops, nbytes = cp_work((flops, nbytes), profile.grad_cost(uncut(mb, layout.cp)), layout.cp, calls)
     ops = profile.ops(mb)
     of, ob = profile.optimizer_cost()
