@@ -219,18 +219,78 @@ def test_cp_in_fully_shard_is_refused():
         fully_shard(Llama(CFG), mesh=mesh["fsdp", "cp"], units=["layers_*"])
 
 
-def test_a_batch_leaf_without_the_sequence_on_dim_1_is_named_by_its_path():
-    """cp cuts dim 1 of every batch leaf of rank 2+: a leaf whose dim 1 is not the sequence (a [B, 1, T] mask
-    that sorts first) is refused by its path before anything is compiled."""
+class _CondModel(nn.Module):
+    """A causal attention block conditioned on per-example vectors beside the tokens: ``feat`` ``[batch, T]`` (its
+    width equal to the sequence length) and, given, ``side`` ``[batch, 5]``, both into a dense layer: no sequence."""
+
+    @nn.compact
+    def __call__(self, tokens, feat, side=None):
+        cond = jnp.sin(feat) if side is None else jnp.concatenate([jnp.sin(feat), side], -1)
+        x = nn.Embed(V, 8)(tokens)
+        x = x + nn.Dense(8)(cond)[:, None, :]
+        b, t, d = x.shape
+        q, k, v = (nn.Dense(d)(x).reshape(b, t, 2, d // 2) for _ in range(3))
+        x = x + nn.Dense(d)(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d))
+        return nn.Dense(V)(x)
+
+
+def _cond_loss(model):
+    def loss_fn(p, b):
+        logits = model.apply({"params": p}, b["tokens"], b["feat"], b.get("side"))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["labels"]).mean()
+
+    return loss_fn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side", [False, True], ids=["feat", "feat-side"])
+def test_batch_vectors_beside_the_sequence_stay_whole_over_cp(side):
+    """dp=2 x cp=2 with ``[batch, d]`` batch leaves into a dense layer: ``feat`` with ``d`` equal to the sequence
+    length (it was cut over cp by its dim 1: an all-gather of it the table does not count) and ``side`` of another
+    width (it was refused: the leaves' dim 1 differs). Which leaves hold the sequence is read from the program
+    (``loss_fn`` traced with them at fewer positions), so both stay whole over cp; 2 SGD steps equal one device's
+    and the compiled step's collectives equal the table."""
+    t = 8
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, V, (4, t)).astype(np.int32), "feat": rng.normal(size=(4, t)).astype(
+        np.float32), "labels": rng.integers(0, V, (4, t)).astype(np.int32),
+        **({"side": rng.normal(size=(4, 5)).astype(np.float32)} if side else {})} for _ in range(2)]
+    model, opt = _CondModel(), optax.sgd(0.1)
+    loss_fn = _cond_loss(model)
+    params = model.init(jax.random.key(0), batches[0]["tokens"], batches[0]["feat"], batches[0].get("side"))["params"]
+    ref_losses, ref = train_one_device(params, batches, loss_fn, opt)
+    mesh = spmd.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    state = init_train_state(model, opt, params=params, mesh=mesh)
+    step = make_train_step(model, loss_fn, opt, mesh=mesh)
+    comm = step.communication(state, batches[0])
+    hlo = executed_collectives(step._build(state.plan).jitted, state, batches[0], scalars=False)
+    _assert_table_is_hlo(comm, hlo)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(model, state), ref.params)
+
+
+def test_a_batch_leaf_the_program_reads_at_any_length_beside_the_sequence_is_refused_by_its_path():
+    """Leaves whose dim 1 differs, and ``loss_fn`` runs with either length's leaves at fewer positions (a ``[B, 1,
+    T]`` mask only summed, a weight): which is the sequence is ambiguous, refused naming the leaves before anything
+    is compiled."""
     mesh = spmd.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     model = Llama(CFG)
-    batch = _batches(1)[0]
+    batch = {"weights": np.ones((4, 6), np.float32), **_batches(1)[0]}
     params = model.init(jax.random.key(0), batch["tokens"])["params"]
     opt = optax.sgd(0.1)
+
+    def loss_fn(p, b):
+        return _lm_loss(model)(p, b) * b["weights"].mean()
+
     state = init_train_state(model, opt, params=params, mesh=mesh)
-    step = make_train_step(model, _lm_loss(model), opt, mesh=mesh)
-    mask = np.ones((4, 1, T), np.float32)
-    with pytest.raises(ValueError, match=re.escape(f"train_step: a mesh with cp=2 cuts the batch's sequence (dim 1 "
-                                                   f"of every leaf of rank 2 or more), but the batch leaves have "
-                                                   f"shapes batch['a_mask'] (4, 1, {T}), batch['labels'] (4, {T})")):
-        step(state, {"a_mask": mask, **batch})
+    step = make_train_step(model, loss_fn, opt, mesh=mesh)
+    with pytest.raises(ValueError, match=re.escape(
+            f"train_step: a mesh with cp=2 cuts the batch's sequence (dim 1 of the leaves the program reads as the "
+            f"sequence), and the batch leaves' dim 1 differs: batch['labels'] (4, {T}), batch['tokens'] (4, {T}), "
+            f"batch['weights'] (4, 6); loss_fn, traced with the leaves of each length at 2 fewer positions, runs at "
+            f"each of 6 and {T}, so which leaves hold the sequence is ambiguous")):
+        step(state, batch)

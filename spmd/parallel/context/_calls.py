@@ -50,7 +50,7 @@ from spmd.parallel.plan._param_plan import ParamPlan
 from spmd.parallel.styles._tp_calls import TP_COMM
 from spmd.parallel.styles._transforms import CP_DIM, EP_DIM
 
-__all__ = ["CALL_SCOPE", "CP", "ContextCalls", "attention_terms", "experts_routers", "check_seq", "from_zigzag",
+__all__ = ["CALL_SCOPE", "CP", "ContextCalls", "attention_terms", "experts_routers", "from_zigzag",
            "lookup_terms", "seq_len", "to_zigzag", "with_context"]
 
 CP = CP_DIM  # the mesh dim name of the sequence cut
@@ -652,23 +652,9 @@ def seq_len(batch: Any) -> int:
     return lens.pop() if len(lens) == 1 else 0
 
 
-def check_seq(batch: Any, n_cp: int) -> None:
-    named = [(jax.tree_util.keystr(p), tuple(np.shape(x))) for p, x in jax.tree_util.tree_leaves_with_path(batch)]
-    lens = {s[1] for _, s in named if len(s) >= 2}
-    if len(lens) != 1:
-        shown = ", ".join(f"batch{k} {s}" for k, s in named)
-        raise ValueError(f"train_step: a mesh with cp={n_cp} cuts the batch's sequence (dim 1 of every leaf of rank 2 "
-                         f"or more), but the batch leaves have shapes {shown}: "
-                         + ("none has a sequence dim" if not lens else "their dim 1 differs")
-                         + "; pass [batch, seq, ...] leaves of one sequence length (tokens, labels).")
-    (t,) = lens
-    if t % n_cp:
-        raise ValueError(f"train_step: the batch's sequence has {t} positions, not divisible by cp={n_cp}; use a "
-                         f"sequence length that is a multiple of {n_cp} (of {2 * n_cp} for the balanced causal cut).")
-
-
 def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, region: bool,
-                 positional: Any = (), products: Any = (), cotangents: dict | None = None) -> dict:
+                 positional: Any = (), products: Any = (), cotangents: dict | None = None, side: Any = (),
+                 joins: Any = ()) -> dict:
     """The table with cp's terms: the attention calls' (``attention_terms``), the all-reduce over cp of every
     parameter's gradient (whole over cp, it sums each device's positions' parts: GSPMD's reduction) but
 
@@ -681,7 +667,10 @@ def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, regi
     - a module's run on the gathered sequence (``ContextCalls.around``): computed whole on every device;
     - a ``positional`` one (a learned position table added to the sequence row by row,
       ``spmd.parallel.step._heads.positional_params``): its gradient is cut over cp on the rows, gathered
-      (one all-gather), and reduced over the data dims on each device's rows (1 / cp of its bytes)."""
+      (one all-gather), and reduced over the data dims on each device's rows (1 / cp of its bytes);
+    - a ``side`` one (computed on batch vectors whole over cp only, ``spmd.parallel.step._heads.side_params``): its
+      gradient is whole over cp, formed from the cotangent of its value where the model broadcasts it into the
+      sequence, which is all-reduced there (``joins``: the bytes of each, per micro-batch)."""
     records, lookups = (calls.records, calls.lookups) if calls is not None else ([], [])
     n = calls.n if calls is not None else 1
     looked_up = {r["param"] for r in lookups}
@@ -692,7 +681,8 @@ def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, regi
     tables = {r["param"] for r in lookups} - attends
     whole = {p for r in records for p in r.get("params", ())}  # a gathered module's: computed whole on each device
     pos = [e for e in plan.entries if e.path in set(positional) and e.path not in whole]
-    summed = [e for e in plan.entries if e.path not in tables and e.path not in whole and e not in pos]
+    summed = [e for e in plan.entries if e.path not in tables and e.path not in whole and e not in pos
+              and e.path not in set(side)]
     if not region:
         summed += [e for e in plan.entries if e.path in looked_up & attends]
     tp = calls.tp if calls is not None else None
@@ -705,7 +695,8 @@ def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, regi
         b = e.nbytes // tp[1] if ti is not None and e.shard_dim(ti) is not None else e.nbytes
         return b // plan.mesh_shape[ei] if ei is not None and e.shard_dim(ei) is not None else b
 
-    ctx["all-reduce"] = {"count": len(summed), "bytes": sum(local(e) for e in summed)}
+    ctx["all-reduce"] = {"count": len(summed) + len(joins) * accum_steps,
+                         "bytes": sum(local(e) for e in summed) + sum(joins) * accum_steps}
     looked = lookup_terms(lookups, cotangents)
     ctx["all-gather"] = {f: ctx["all-gather"][f] + looked[f] for f in ("count", "bytes")}
     for kind in ctx:

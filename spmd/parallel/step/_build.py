@@ -18,9 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from placements import Shard
-from spmd.parallel.context._calls import (CALL_SCOPE, ContextCalls, check_seq, experts_routers, scopes_of, seq_len,
-                                         with_context)
-from spmd.parallel.context._seq import seq_inputs
+from spmd.parallel.context._calls import CALL_SCOPE, ContextCalls, experts_routers, scopes_of, with_context
+from spmd.parallel.context._seq import batch_seq, seq_inputs
 from spmd.parallel.cost._comm import step_communication
 from spmd.parallel.cost._recompute import SYNC_BN, dead_gathers, recomputed_collectives
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan
@@ -29,7 +28,8 @@ from spmd.parallel.step._finite import _keep_finite
 from spmd.parallel.step._grad_layout import (equal_grads, gathered_dot_grads, out_cut_gathers, reduced_once,
                                              transposed_dot_grads, zero_grads)
 from spmd.parallel.step._heads import (check_whole_sequence, dot_params, head_splits, lookup_cotangents,
-                                       positional_params, whole_over_tp, whole_sequence_products)
+                                       positional_params, side_params, whole_over_tp,
+                                       whole_sequence_products)
 from spmd.parallel.step._loss_io import _as_arrays, _split_loss, _split_stats
 from spmd.parallel.step._model_checks import check_batch as _check_batch
 from spmd.parallel.step._state import TrainState, state_shardings
@@ -50,6 +50,13 @@ class _Built:
 
     def __call__(self, state: TrainState, batch: Any):
         return self._run(state, batch)
+
+
+class _AsWritten:
+    """Hooks that run each nnx submodule's call as written: the loss traced as on one device."""
+
+    def nnx_call(self, fqn: str, sub: Any, orig: Callable, args: tuple, kwargs: dict) -> Any:
+        return orig(sub, *args, **kwargs)
 
 
 def _placed(base: list, idx: list[int], values) -> list:
@@ -120,11 +127,38 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
 
     # (prepare) the parameters added to the sequence row by row; the modules run on the sequence gathered over cp
     positional, whole_seq, seq_of, dotted, cotangents = set(), set(), {}, set(), {}
+    side: dict = {}  # "params": the parameters computed on batch vectors whole over cp only, "joins": the bytes of
+    # each broadcast of such a value into the sequence (``_heads.side_params``)
+
+    seq_cuts: dict = {}  # (batch tree, leaves' shapes past dim 0) -> (sequence length, the leaves cut over cp)
+
+    def seq_of_batch(batch, stats=None) -> tuple[int, tuple[bool, ...]]:
+        """Under cp: the batch's sequence length and which leaves hold it on dim 1 (cut over cp), read from the
+        program (``spmd.parallel.context._seq.batch_seq``: ``loss_fn`` traced on one device's view, shapes only,
+        with them at fewer positions), not from their size: a ``[batch, d]`` input with ``d`` equal to the
+        sequence length, or of another width, stays whole over cp. Refused where it is ambiguous."""
+        leaves, tree = jax.tree.flatten(batch)
+        key = (tree, tuple((tuple(np.shape(x)[1:]), jnp.result_type(x)) for x in leaves))
+        if key not in seq_cuts:
+            logical = unflat([jax.ShapeDtypeStruct(e.shape, e.dtype) for e in entries])
+            held = None if stats is None else jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), stats)
+
+            def trace(b):
+                if nnx_model:
+                    return jax.eval_shape(lambda p, b: nnx_loss(pm.module, loss_fn, p, b, _AsWritten()), logical, b)
+                if held is not None:
+                    return jax.eval_shape(loss_fn, logical, held, b)
+                return jax.eval_shape(loss_fn, logical, b)
+
+            seq_cuts[key] = batch_seq(trace, jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), batch), n_cp)
+        return seq_cuts[key]
 
     def _context(mb, hooks):
         if cp is None:
             return contextlib.nullcontext()
-        calls = ContextCalls(mesh.jax_mesh, n_cp, seq_len(mb), cp, gathered=frozenset(whole_seq),
+        calls = ContextCalls(mesh.jax_mesh, n_cp, seq_of_batch(mb)[0], cp, gathered=frozenset(whole_seq),
                              tp=(tp, sizes[tp]) if tp else None, seq_of=seq_of)
         hooks.around, hooks.context = calls.around, calls
         attention.clear()
@@ -264,9 +298,11 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             params, batch, stats)
 
     def step(state: TrainState, batch: Any):
-        if cp is not None:  # the sequence (dim 1 of every leaf of rank 2+) cut over cp, the batch over the data dims
-            batch = jax.tree.map(lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh.jax_mesh, P(
-                batch_spec[0], *((cp,) if np.ndim(x) >= 2 else ())))), batch)
+        if cp is not None:  # the sequence (dim 1 of the leaves that hold it) cut over cp, the batch over the data dims
+            leaves, tree = jax.tree.flatten(batch)
+            cut = seq_of_batch(batch, state.batch_stats)[1]
+            batch = jax.tree.unflatten(tree, [lax.with_sharding_constraint(x, NamedSharding(mesh.jax_mesh, P(
+                batch_spec[0], *((cp,) if c else ())))) for x, c in zip(leaves, cut)])
         grads, metrics, stats = region(state.params, batch, state.batch_stats)
         if stats is not None:
             stats = jax.lax.with_sharding_constraint(stats, NamedSharding(mesh.jax_mesh, P()))
@@ -305,16 +341,20 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     def _find_gathered(state: TrainState, batch: Any) -> None:
         """A model's own attention (scores over the whole cut sequence): the innermost submodule computing it that
         takes the [batch, seq, ...] sequence runs on it gathered over cp (``ContextCalls.around``), else refused."""
-        t = seq_len(batch)
+        t, cut = seq_of_batch(batch, state.batch_stats)
         jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr  # the state's step, then the parameters
         positional.update(entries[i].path for i in positional_params(jaxpr, jaxpr.invars[1:1 + len(entries)], t))
         dotted.update(entries[i].path for i in dot_params(jaxpr, jaxpr.invars[1:1 + len(entries)]))
         cotangents.update(lookup_cotangents(jaxpr, scopes_of))
+        n_batch = len(cut)
+        found, joins = side_params(jaxpr, jaxpr.invars[1:1 + len(entries)],
+                                   [v for v, c in zip(jaxpr.invars[len(jaxpr.invars) - n_batch:], cut) if c], t)
+        side.update(params={entries[i].path for i in found}, joins=joins)
         seen, products = attention[0].seen if attention else {}, whole_sequence_products(jaxpr, t)
         products = [p for p in products if CALL_SCOPE not in p[1]]
         if (products or ep_traced or tp is not None) and attention:  # tp: its styles' inputs (TPCalls)
             seen = seq_inputs(lambda b: (jax.make_jaxpr(lambda s, b: step(s, b))(state, b), attention[0])[1],
-                              attention[0], batch, t, n_cp, seq_of)
+                              attention[0], batch, t, n_cp, seq_of, cut)
         for _, stack in products:
             mods = [m for m in scopes_of(stack) if m and seen.get(m)]  # a submodule: not the model itself
             if mods and not any(m in whole_seq for m in mods):
@@ -330,7 +370,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         batch = _as_arrays(batch)
         _check_batch(batch, n_data, accum_steps, data, sizes)
         if cp is not None:
-            check_seq(batch, n_cp)
+            seq_of_batch(batch, state.batch_stats)  # refused here, before anything is compiled, where ambiguous
         prepare(state, batch)
         return jitted(state, batch)
 
@@ -356,7 +396,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                                   dead=dead[0] if dead else None)
         if cp is not None and n_cp > 1:
             comm = with_context(comm, plan, attention[0] if attention else None, accum_steps, bool(data),
-                                positional, dotted, cotangents)
+                                positional, dotted, cotangents, side.get("params", ()), side.get("joins", ()))
         if pm.ep is not None:
             comm = with_experts(comm, ep_traced, accum_steps)
         return comm

@@ -22,11 +22,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax.numpy as jnp
+import numpy as np
 
 from spmd.parallel.styles._hooks import COLWISE_MARK, WHOLE_MARK
 
 __all__ = ["head_splits", "whole_over_tp", "check_head_cuts", "check_whole_sequence", "positional_params",
-           "whole_sequence_products", "dot_params", "lookup_cotangents"]
+           "whole_sequence_products", "dot_params", "lookup_cotangents", "side_params"]
 
 _PASS = {"convert_element_type", "add", "sub", "mul", "div", "neg", "copy", "copy_p", "tanh", "logistic",
          "exp", "max", "min", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "select_n", "pjit", "name"}
@@ -245,3 +246,78 @@ def lookup_cotangents(jaxpr: Any, scopes: Callable[[str], list]) -> dict[str, in
 
     walk(jaxpr)
     return out
+
+
+_BINARY = {"add", "add_any", "sub", "mul", "div", "max", "min"}
+
+
+def _broadcast_into(eqn, seq_len: int) -> bool:
+    """A ``broadcast_in_dim`` of a per-example value (its batch dim kept) whose output gains a sequence dim (dim 1
+    of ``seq_len`` positions) its input lacks (absent, or of size 1); not a bias's broadcast over the batch."""
+    if eqn.primitive.name != "broadcast_in_dim":
+        return False
+    out, x = tuple(eqn.outvars[0].aval.shape), tuple(getattr(eqn.invars[0].aval, "shape", ()))
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    return (len(out) >= 2 and out[1] == seq_len and 0 in dims and x[dims.index(0)] == out[0]
+            and (1 not in dims or x[dims.index(1)] == 1))
+
+
+def side_params(jaxpr: Any, params: Any, seqs: Any, seq_len: int) -> tuple[set[int], list[int]]:
+    """``(side, joins)``: the parameters (of ``params``, by index) computed on values whole over cp only, and the
+    bytes of each place where such a value joins the sequence (``joins``). ``seqs``: the batch leaves cut over cp
+    (the sequence). A parameter computed on a ``[batch, d]`` batch vector (a dense layer on it) whose output the
+    model broadcasts into the ``[batch, seq, ...]`` hidden states: the broadcast's transpose sums its cotangent over
+    the cut sequence (GSPMD: one all-reduce over cp of the broadcast's input, there), and the parameters' gradients
+    formed from it are whole over cp (no all-reduce of theirs). A parameter that meets the sequence otherwise is
+    not a side one. Read off the forward pass (outside ``transpose``)."""
+    touched: set[int] = set()
+    joined: set[int] = set()
+    joins: list[int] = []
+
+    def walk(jx, seq: set, deps: dict, ctx: str) -> tuple[set, dict]:
+        seq, deps = set(seq), dict(deps)
+        for eqn in jx.eqns:
+            stack = f"{ctx}/{eqn.source_info.name_stack}"
+            if "transpose(" in stack:
+                continue
+            ins = [v for v in eqn.invars if not hasattr(v, "val")]
+            subs = _sub_invars(eqn)
+            if subs and len(subs) == 1 and len(subs[0][0].outvars) == len(eqn.outvars):
+                sub, sub_in = subs[0]
+                s_in = {id(sv) for sv, v in zip(sub_in, eqn.invars) if not hasattr(v, "val") and id(v) in seq}
+                d_in = {id(sv): deps[id(v)] for sv, v in zip(sub_in, eqn.invars)
+                        if not hasattr(v, "val") and id(v) in deps}
+                s_out, d_out = walk(sub, s_in, d_in, stack)
+                for o, so in zip(eqn.outvars, sub.outvars):
+                    if id(so) in s_out:
+                        seq.add(id(o))
+                    elif id(so) in d_out:
+                        deps[id(o)] = d_out[id(so)]
+                continue
+            d = frozenset().union(*[deps.get(id(v), frozenset()) for v in ins])
+            name = eqn.primitive.name
+            if any(id(v) in seq for v in ins):
+                out = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+                for v in ins:
+                    if id(v) in seq or not deps.get(id(v)):
+                        continue
+                    x = tuple(getattr(v.aval, "shape", ()))
+                    if (len(x) == len(out) >= 2 and out[1] == seq_len and x[1] == 1 and x[0] == out[0]
+                            and name in _BINARY):  # broadcast into the sequence by the op itself
+                        joined.update(deps[id(v)])
+                        joins.append(int(np.prod(x)) * v.aval.dtype.itemsize)
+                    else:
+                        touched.update(deps[id(v)])
+                seq.update(id(o) for o in eqn.outvars)
+            elif d and _broadcast_into(eqn, seq_len):
+                joined.update(d)
+                x = eqn.invars[0].aval
+                joins.append(int(np.prod(x.shape)) * x.dtype.itemsize)
+                seq.add(id(eqn.outvars[0]))
+            elif d:
+                for o in eqn.outvars:
+                    deps[id(o)] = d
+        return seq, deps
+
+    walk(jaxpr, {id(v) for v in seqs}, {id(v): frozenset({i}) for i, v in enumerate(params)}, "")
+    return joined - touched, joins
