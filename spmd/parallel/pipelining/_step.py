@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd.parallel.context._calls import ContextCalls, seq_len
-from spmd.parallel.context._seq import seq_batch
+from spmd.parallel.context._seq import batch_seq
 from spmd.parallel.plan._checks import check_rng
 from spmd.parallel.styles._nnx import nnx_params
 from spmd.parallel.pipelining._calls import model_kind
@@ -221,6 +221,7 @@ class PipelineStep(TrainStep):
                 build_pipeline_step(pm, lay, self._loss_fn, self._optimizer, k, state.plan,
                                     keep_finite=bool(self._check_finite), stages_out=stages, seq=seq), lay, mb)
             self._builds[key].stages = stages[0]
+            self._builds[key].seq = seq
         return self._builds[key]
 
     def _checked(self, state, batch):
@@ -270,7 +271,8 @@ class PipelineStep(TrainStep):
     def communication(self, state, batch) -> dict:
         b = self._build(state, self._checked(state, batch))
         recs = segment_records(self._pm, b.lay, self._loss_fn, b.mb)  # the tp / ep styled calls by segment
-        cp = context_records(self._pm, b.lay, self._loss_fn, b.mb) if self._pm.cp and not self._pm.tp else None
+        cp = (context_records(self._pm, b.lay, self._loss_fn, b.mb, b.seq[0] if b.seq else None)
+              if self._pm.cp and not self._pm.tp else None)
         ticks = branch_codes(tick_tables(self._pm)) if recs is not None or cp is not None else None
         return pipeline_communication(self._pm, b.lay, self._accum_steps, recs, ticks, cp)
 
@@ -298,6 +300,7 @@ class _PipelineBuild:
 
     def __init__(self, jitted: Callable, lay, mb):
         self.jitted, self.lay, self.mb, self.compiled, self.stages = jitted, lay, mb, None, None
+        self.seq = None  # under cp: (sequence length, the batch leaves cut over cp), ``seq_batch_leaves``
 
 
 def _stage_spec(ppd: str, ndim: int, cuts: dict) -> P:
@@ -312,10 +315,11 @@ def _stage_spec(ppd: str, ndim: int, cuts: dict) -> P:
     return P(*dims)
 
 
-def seq_batch_leaves(pm, lay, loss_fn, mb) -> tuple[bool, ...] | None:
-    """Under cp: which batch leaves hold the sequence on dim 1 (cut over cp), read from the program
-    (``spmd.parallel.context._seq.seq_batch``: ``loss_fn`` traced with them at fewer positions), not from their
-    size: a ``[batch, d]`` input with ``d`` equal to the sequence length stays whole over cp. None without cp."""
+def seq_batch_leaves(pm, lay, loss_fn, mb) -> tuple[int, tuple[bool, ...]] | None:
+    """Under cp: the sequence length and which batch leaves hold it on dim 1 (cut over cp), read from the program
+    (``spmd.parallel.context._seq.batch_seq``, as the plain step: ``loss_fn`` traced with them at fewer
+    positions), not from their size: a ``[batch, d]`` input, ``d`` equal to the sequence length or not, stays
+    whole over cp; leaves of two lengths the program takes either way are refused. None without cp."""
     if not pm.cp or pm.mesh.size(pm.cp) < 2:
         return None
     params = jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths])
@@ -324,11 +328,11 @@ def seq_batch_leaves(pm, lay, loss_fn, mb) -> tuple[bool, ...] | None:
         return jax.eval_shape(lambda p, b: lay.calls.run(loss_fn, p, b, lambda path, mod, call, a, kw: call(*a, **kw)),
                               params, b)
 
-    return seq_batch(trace, mb, seq_len(mb), pm.mesh.size(pm.cp))
+    return batch_seq(trace, mb, pm.mesh.size(pm.cp))
 
 
 def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, keep_finite: bool = False,
-                        stages_out: list | None = None, seq: tuple[bool, ...] | None = None) -> Callable:
+                        stages_out: list | None = None, seq: tuple[int, tuple[bool, ...]] | None = None) -> Callable:
     """The jitted ``(state, batch) -> (state, metrics)`` of ``pm`` on layout ``lay`` (its unit calls recorded
     at the micro-batch's shapes), unchecked: what ``make_train_step`` compiles once per layout and batch shape,
     and what ``spmd.parallel.pipelining._memory`` compiles at other micro-batch counts.
@@ -338,11 +342,12 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, kee
     pass runs the tick table (``_ticks_unrolled`` or ``_ticks_looped``), each tick switching between the
     ``_Pass`` branches (a chunk's forward or backward in each stage role) that the table names for the rank.
     ``keep_finite``: the update applied only where the loss and gradient norm are finite (else the state's
-    params and opt_state kept; ``metrics["nonfinite"]``), in this same program. ``seq``: under cp, which batch
-    leaves (``jax.tree.leaves`` order) hold the sequence, cut over cp (``seq_batch_leaves``; None: every leaf of rank
-    2 or more)."""
+    params and opt_state kept; ``metrics["nonfinite"]``), in this same program. ``seq``: under cp, the sequence
+    length and which batch leaves (``jax.tree.leaves`` order) hold it, cut over cp (``seq_batch_leaves``; None:
+    every leaf of rank 2 or more, of the one dim-1 length)."""
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     st = _Stages(pm, lay, loss_fn, accum_steps, plan)
+    st.seq_len = seq[0] if seq is not None else None
     if stages_out is not None:
         stages_out.append(st)
 
@@ -360,7 +365,7 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, kee
     def step(state: TrainState, batch):
         if pm.cp:  # the sequence (dim 1 of the leaves that hold it) cut over cp, the batch over the data dims
             leaves, tree = jax.tree.flatten(batch)
-            cut = seq if seq is not None else tuple(np.ndim(x) >= 2 for x in leaves)
+            cut = seq[1] if seq is not None else tuple(np.ndim(x) >= 2 for x in leaves)
             batch = jax.tree.unflatten(tree, [lax.with_sharding_constraint(x, NamedSharding(mesh.jax_mesh, P(
                 batch_spec[0], *((pm.cp,) if c else ())))) for x, c in zip(leaves, cut)])
         grads, metrics = jax.shard_map(region, mesh=mesh.jax_mesh, in_specs=(specs, batch_spec),
@@ -384,6 +389,7 @@ class _Stages:
 
     def __init__(self, pm, lay, loss_fn, accum_steps: int, plan):
         self.pm, self.lay, self.loss_fn, self.accum_steps, self.plan = pm, lay, loss_fn, accum_steps, plan
+        self.seq_len = None  # under cp: the batch's sequence length (``seq_batch_leaves``), once built
         self.ppd, self.data = pm.pp, pm.data_dims
         s = pm.schedule
         self.m_count, self.lc = s.num_microbatches, lay.per_slot
@@ -510,15 +516,16 @@ def _region(st: _Stages, stored, batch):
         return _region_body(st, stored, batch)
 
 
-def context_records(pm, lay, loss_fn, mb) -> dict:
+def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
     """Under cp (linen units, no tp): one unit's attention calls (``ContextCalls`` records, traced on the
     micro-batch's shapes) and the embedding lookups of the code before the first unit (a module with one rank-2
     parameter called on the ``[batch, seq]`` ids: GSPMD transposes it by gathering the ids and its output's
-    gradient over cp), for the table's cp terms (``spmd.parallel.pipelining._comm.cp_terms``)."""
+    gradient over cp), for the table's cp terms (``spmd.parallel.pipelining._comm.cp_terms``). ``t``: the batch's
+    sequence length (``seq_batch_leaves``; None: the one dim-1 length of ``mb``'s leaves)."""
     import flax.linen as nn
 
     n = pm.mesh.size(pm.cp)
-    calls = ContextCalls(pm.mesh.jax_mesh, n, seq_len(mb), pm.cp, ring=False)
+    calls = ContextCalls(pm.mesh.jax_mesh, n, t or seq_len(mb), pm.cp, ring=False)
     unit = [lay.unit_shapes[rel] for rel in lay.rel]
     with calls.installed():
         jax.eval_shape(lambda ls, x, sd: lay.apply_unit(ls, x, sd), unit, lay.act, lay.calls.side_shapes)
@@ -550,7 +557,7 @@ def _context(st: _Stages, batch):
     if not pm.cp or pm.mesh.size(pm.cp) < 2:
         return contextlib.nullcontext()
     tp = pm.tp.tp.mesh_dim if pm.tp else None
-    calls = ContextCalls(pm.mesh.jax_mesh, pm.mesh.size(pm.cp), seq_len(batch), pm.cp,
+    calls = ContextCalls(pm.mesh.jax_mesh, pm.mesh.size(pm.cp), st.seq_len or seq_len(batch), pm.cp,
                          tp=(tp, pm.mesh.size(tp)) if tp else None, ring=False)
     st.attention = calls
     return calls.installed()

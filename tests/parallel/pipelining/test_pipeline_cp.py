@@ -133,30 +133,35 @@ class _CondBlock(nn.Module):
 
 class _CondModel(nn.Module):
     @nn.compact
-    def __call__(self, tokens, feat):
-        x, cond = nn.Embed(V, 8)(tokens), jnp.sin(feat)
+    def __call__(self, tokens, feat, side=None):
+        x, cond = nn.Embed(V, 8)(tokens), jnp.sin(feat) if side is None else jnp.concatenate([jnp.sin(feat), side], -1)
         for i in range(2):
             x = _CondBlock(name=f"blocks_{i}")(x, cond)
         return nn.Dense(V)(x)
 
 
 @pytest.mark.slow
-def test_a_batch_vector_as_wide_as_the_sequence_stays_whole_over_cp_in_a_pipeline():
+@pytest.mark.parametrize("side", [False, True], ids=["feat", "feat-side"])
+def test_a_batch_vector_as_wide_as_the_sequence_stays_whole_over_cp_in_a_pipeline(side):
     """pp=2 x cp=2 with a ``[batch, d]`` batch leaf, ``d`` equal to the sequence length (8): which leaves hold the
     sequence is read from the program (``loss_fn`` traced at fewer positions: this one's dense layer needs its
     width), so it is not cut over cp (it was, by its dim 1: one all-gather of it the table did not count); 2 SGD
-    steps equal one device's, and the compiled all-gathers equal the table's."""
+    steps equal one device's, and the compiled all-gathers equal the table's. With a ``side`` ``[batch, 5]`` leaf too
+    (the leaves' dim 1 differs: the sequence is the length the program takes at fewer positions; it was read as
+    none, and the attention refused a sequence of 0 positions)."""
     t = 8
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, V, (4, t)).astype(np.int32),
-                "feat": rng.normal(size=(4, t)).astype(np.float32), "labels": rng.integers(0, V, (4, t)).astype(np.int32)} for _ in range(2)]
+                "feat": rng.normal(size=(4, t)).astype(np.float32),
+                "labels": rng.integers(0, V, (4, t)).astype(np.int32),
+                **({"side": rng.normal(size=(4, 5)).astype(np.float32)} if side else {})} for _ in range(2)]
     model = _CondModel()
 
     def loss_fn(p, b):
-        logits = model.apply({"params": p}, b["tokens"], b["feat"])
+        logits = model.apply({"params": p}, b["tokens"], b["feat"], b.get("side"))
         return optax.softmax_cross_entropy_with_integer_labels(logits, b["labels"]).mean()
 
-    params = model.init(jax.random.key(0), batches[0]["tokens"], batches[0]["feat"])["params"]
+    params = model.init(jax.random.key(0), batches[0]["tokens"], batches[0]["feat"], batches[0].get("side"))["params"]
     opt = optax.sgd(0.1)
     ref_losses, ref = train_one_device(params, batches, loss_fn, opt)
     mesh = spmd.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
