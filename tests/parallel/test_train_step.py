@@ -218,3 +218,30 @@ def test_step_memory_of_a_program_without_memory_analysis_is_a_clear_error():
     with pytest.raises(ValueError, match=re.escape("StepMemory.from_compiled: compiled=NoAnalysis.memory_analysis() "
                                                    "is None: this backend or compiler gives no memory analysis")):
         StepMemory.from_compiled(NoAnalysis())
+
+
+def test_a_step_is_traced_once_where_prepare_changes_nothing():
+    """``prepare`` reads which FSDP gathers to transpose and how the model splits its tp-cut projections into
+    heads off one trace of the step; where neither changes the step (8 heads over tp=4, FSDP gathers the plan
+    already knows), lowering it and its communication table reuse that trace: the user's loss runs once."""
+    from models import Transformer
+    from models._plans import layout_model
+
+    model = Transformer(vocab_size=8, max_len=4, num_layers=2, d_model=16, num_heads=8, mlp_ratio=2)
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("fsdp", "tp"))
+    laid = layout_model(model, mesh, sequence_parallel=False)
+    tokens = np.random.default_rng(0).integers(0, 8, (8, 4)).astype(np.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    params = jax.eval_shape(lambda r: model.init(r, tokens)["params"], jax.random.key(0))
+    state = jax.eval_shape(lambda: init_train_state(laid, OPT, tokens, params=params))
+    calls = []
+
+    def loss_fn(p, b):
+        calls.append(1)
+        logits = laid.apply({"params": p}, b["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+
+    step = make_train_step(laid, loss_fn, OPT)
+    step.lower(state, batch)
+    step.communication(state, batch)
+    assert len(calls) == 1

@@ -84,6 +84,7 @@ from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s,
 from spmd.parallel.cost._memory import Profile, _nbytes, memory_floor
 from spmd.parallel.auto._fused import planned_fused
 from spmd.parallel.auto._priced import HardwareRates, comm_floor, dot_flops, matmul_dtype, mesh_group
+from spmd.parallel.auto._progress import _bar
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
 from spmd.parallel.plan._shard import entry_sharding
@@ -402,13 +403,6 @@ def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
     return jax.eval_shape(lambda r, x: model.init(r, x)["params"], jax.random.key(0), batch["inputs"])
 
 
-def _bar(total: int | None, desc: str):
-    """A progress bar on stderr (shown on a terminal only)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="layout", leave=False, disable=None, dynamic_ncols=True)
-
-
 def _dot_work_at(depth: Any, slices: dict | None, loss: Callable, params: Any, batch: Any) -> float:
     """The model's matmul flops of the loss and its gradient on the whole batch on one device
     (``spmd.parallel.auto._priced.dot_flops``); with ``depth=``, read on the 1- and 2-block models and carried
@@ -678,7 +672,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         if not weighed:
             weighed.append(weighed_policies(loss, params, batch, devices, rejected) if units else ())
         return weighed[0]
-    bar = _bar(len(todo), f"auto_layout: {len(todo)} layouts on {len(devices)} devices, tracing")
+    bar = _bar(len(todo), f"auto_layout on {len(devices)} devices: layouts")
     made: list = []  # the layouts traced so far that gave a candidate
 
     def traced(lay: Layout) -> list[Candidate]:  # its estimate, or its variants that fit; [] where rejected
@@ -735,7 +729,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         got, skipped = searched(
             todo, bound, traced, 1, memory_budget_bytes, compile_one, variants, bound_compute=bound_compute,
             stats=search_stats,
-            progress=lambda c: (bar.set_postfix_str("compiling " + c.name, refresh=False), bar2.update()))
+            progress=lambda c: (bar.set_postfix_str("compiling " + c.name, refresh=False),
+                                bar2.set_postfix_str(c.name, refresh=False), bar2.update()))
         bar.close()
         bar2.close()
         best = next((c for c in got if c.fits), None)
@@ -760,13 +755,13 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         bar = _bar(None, "auto_layout: compiling")
         got = checked(got, max(measure, 1), memory_budget_bytes, compile_one, variants,
                       bound=isinstance(cal, HardwareRates),
-                      progress=lambda c: (bar.set_postfix_str(c.name, refresh=False), bar.update()))
+                      progress=lambda c: (bar.set_postfix_str("compiling " + c.name, refresh=False), bar.update()))
         bar.close()
     if measure:  # those timed side by side (all fitting: one interleaved set), not compiled again
-        bar = _bar(measure, f"auto_layout: {len(got)} candidates, compiling and timing the top {measure}")
+        bar = _bar(measure, f"auto_layout: timing the top {measure} of {len(got)}")
         got = _measured(got, measure, memory_budget_bytes, lambda lays: measure_layouts(
             model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled, progress=lambda lay: (
-                bar.set_postfix_str("compiling " + lay.name), bar.update())))
+                bar.set_postfix_str("compiling " + lay.name, refresh=False), bar.update())))
         bar.close()
     compiled.clear()
     if memory_budget_bytes is not None and not got[0].fits:

@@ -40,13 +40,18 @@ from spmd.parallel.styles._transforms import ParallelModule
 
 
 class _Built:
-    """One plan's compiled step (``_build``): ``jitted`` (the jax.jit), ``plan``, ``run(state, batch)`` (the
-    batch checked, then the jitted step) and ``communication(state, batch)`` (the analytic table)."""
+    """One plan's compiled step (``_build``): ``jitted`` (the jax.jit: after ``prepare``, the one whose trace
+    ``prepare`` read, where that trace is the step's), ``plan``, ``run(state, batch)`` (the batch checked, then
+    the jitted step) and ``communication(state, batch)`` (the analytic table)."""
 
-    def __init__(self, jitted: Callable, plan: ParamPlan, run: Callable, communication: Callable,
+    def __init__(self, jitted: list, plan: ParamPlan, run: Callable, communication: Callable,
                  prepare: Callable):
-        self.jitted, self.plan, self._run, self.communication = jitted, plan, run, communication
+        self._jitted, self.plan, self._run, self.communication = jitted, plan, run, communication
         self.prepare = prepare  # (state, batch): read the model's heads once, before the step is traced
+
+    @property
+    def jitted(self) -> Callable:
+        return self._jitted[0]
 
     def __call__(self, state: TrainState, batch: Any):
         return self._run(state, batch)
@@ -317,25 +322,33 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         metrics["grad_norm"] = optax.tree.norm(grads)
         return _keep_finite(state, new, metrics) if keep_finite else (new, metrics)
 
-    jitted = jax.jit(step)
+    jitted = [jax.jit(step)]  # the step's jit; prepare's probe where its trace is the step's (read by _Built)
     checked = []
 
     def prepare(state: TrainState, batch: Any) -> None:
-        """Once, before the step is traced for good: where the model splits a tp-cut projection into heads
-        (``spmd.parallel.step._heads``): a cut that would split a head is refused, and a projection with fewer
-        heads than the tp size runs whole over tp."""
+        """Once, before the step is traced for good: which fsdp gathers to transpose (``_grad_layout``) and where
+        the model splits a tp-cut projection into heads (``spmd.parallel.step._heads``): a cut that would split a
+        head is refused, and a projection with fewer heads than the tp size runs whole over tp. Both are read off
+        one trace of the step (the heads are marked on the projections' outputs, which a gather's layout does not
+        change); where neither changes the step, that trace is the step's (its jit is kept: the call, the table
+        and ``lower`` reuse it), else the step is traced again with them."""
         if not checked:
-            if fsdp is not None and accum_steps == 1 and plan.out_cut is None:  # which gathers to transpose
-                jax.make_jaxpr(lambda s, b: step(s, b))(state, batch)
-                gather_flip.update(found)
-                traced.clear()
-            if tp is not None:
-                # a function of its own: jax caches a trace by function, and the step's must see ``whole``
-                jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr
-                whole.update(whole_over_tp(head_splits(jaxpr)))
-                traced.clear()
+            flips = fsdp is not None and accum_steps == 1 and plan.out_cut is None  # which gathers to transpose
+            if flips or tp is not None:
+                # a function of its own: jax caches a trace by function, and a changed step must be traced again
+                probe = jax.jit(lambda s, b: step(s, b))
+                jaxpr = probe.trace(state, batch).jaxpr.jaxpr
+                new = set(found) - gather_flip if flips else set()
+                heads = whole_over_tp(head_splits(jaxpr)) if tp is not None else {}
+                if new or heads:
+                    gather_flip.update(new)
+                    whole.update(heads)
+                    traced.clear()
+                else:  # the probe's trace is the step's: its records stand
+                    jitted[0] = probe
             if cp is not None and n_cp > 1:
                 _find_gathered(state, batch)
+                jitted[0] = jax.jit(step)  # the step with what it found, traced afresh
             checked.append(True)
 
     def _find_gathered(state: TrainState, batch: Any) -> None:
@@ -372,7 +385,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         if cp is not None:
             seq_of_batch(batch, state.batch_stats)  # refused here, before anything is compiled, where ambiguous
         prepare(state, batch)
-        return jitted(state, batch)
+        return jitted[0](state, batch)
 
     def communication(state: TrainState, batch: Any) -> dict:
         batch = _as_arrays(batch)

@@ -221,6 +221,16 @@ def test_the_ranking_follows_the_calibration(data):
     assert js["candidates"][1]["bytes"] == {k: v["bytes"] for k, v in slow_links.candidates[1].communication["total"].items()} and "peak MiB" in text
 
 
+def test_off_a_terminal_the_progress_is_one_line_per_layout_on_stderr(data, capsys):
+    """A CI log or a pipe (stderr not a terminal: capsys) gets one line per layout traced: the count and the
+    layout; nothing on stdout."""
+    batch, params, prof = data
+    auto_layout(MODEL, OPT, batch, 8, layouts=[LAYOUTS["dp=8"]], calibration=_cal(lat=1e-2, bw=1e7), profile=prof)
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == ["auto_layout on 8 devices: layouts [1/1] tracing dp=8"]
+
+
 def test_the_weight_stationary_layout_is_ranked_and_printed_by_name(built, data):
     """It moves activations, not weights: fewer bytes than fsdp=8 at 2 sequences per device, so links that
     cost bandwidth alone pick it; the table and the json name it."""
