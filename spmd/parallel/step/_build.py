@@ -391,7 +391,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         batch = _as_arrays(batch)
         prepare(state, batch)
         if fsdp is not None and not dead:  # the units' gathers nothing reads (XLA drops them): traced once
-            dead.append(dead_gathers(jax.make_jaxpr(lambda s, b: step(s, b))(state, batch), fsdp))
+            dead.append(dead_gathers(jitted[0].trace(state, batch).jaxpr, fsdp))  # the step's trace, reused
         if not traced:  # not traced yet: trace it (the styled calls and their shapes; nothing runs)
             jax.eval_shape(step, state, batch)
         stats = None
