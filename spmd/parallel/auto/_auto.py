@@ -554,8 +554,9 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     computing in it too (``Layout.mixed_precision``: ``fully_shard``'s ``MixedPrecisionPolicy``, gradients
     reduced in float32). ``depth``: ``n -> the model with n repeated blocks`` (the units' glob must match
     ``n`` modules); every candidate is then traced and compiled at 1 and 2 blocks and its figures carried to
-    the model's own count (``spmd.parallel.auto._compiled``; default loss only, no pipelines). A progress
-    bar (on a terminal) counts the layouts traced and names the one compiled.
+    the model's own count (``spmd.parallel.auto._compiled``; default loss only, no pipelines). Progress on
+    stderr: a bar on a terminal, else one line per layout, counting them and naming the one traced, timed or
+    compiled.
     """
     where = "auto_layout"
     _check_optimizer(optimizer, where)
