@@ -437,6 +437,52 @@ def test_regathering_ties_add_no_collective(variant, monkeypatch):
     assert collectives(True) == tied
 
 
+_TRANSCENDENTAL = re.compile(r" (exponential|rsqrt|sqrt|logistic|tanh|sine|cosine|log)\(")
+
+
+@pytest.mark.slow
+def test_regathering_recomputes_nothing_but_the_gather():
+    """A re-gathering unit's backward pass gathers its parameters again and recomputes nothing else (torch's
+    FSDP2 frees the gathered parameters and keeps every activation autograd saves): on a Llama block (RMSNorm,
+    rotary, softmax, SwiGLU) the compiled step's all-gathers are the table's, the keeping step's plus each
+    block's parameters once more (bytes from the shapes, no padding at d32 over 8), and its backward pass
+    (the named scope ``REGATHER``) runs no exp, rsqrt, sigmoid or sine: the forward pass's ones, as many as
+    the keeping step's. Under a policy saving the matmul outputs alone, the norms, the softmax and the SiLU ran
+    again in every block's backward pass (8 exp and rsqrt of the 17 each in the d256x4 Llama's step)."""
+    from models import Llama, LlamaConfig
+    from spmd.parallel.cost._hlo import hlo_executed_collectives
+    from spmd.parallel.styles._fully_shard import REGATHER
+
+    model = Llama(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                              num_kv_heads=2))
+    x = jnp.zeros((16, 8), jnp.int32)
+    params = model.init(jax.random.key(0), x)["params"]
+    mesh = spmd.init_device_mesh("cpu", (8,), mesh_dim_names=("fsdp",))
+    batch = {"inputs": x, "targets": x}
+    got, text, table = {}, {}, {}
+    for regather in (True, False):
+        laid = fully_shard(model, mesh=mesh, units=["layers_*"], reshard_after_forward=regather)
+        step = make_train_step(laid, lambda p, b, m=laid: _ce(m.apply({"params": p}, b["inputs"]), b), OPT)
+        state = init_train_state(laid, OPT, x, params=params)
+        text[regather] = step.lower(state, batch).compile().as_text()
+        got[regather] = hlo_executed_collectives(text[regather])
+        table[regather] = state.plan.communication(dp="dp")["total"]
+    for regather in (True, False):
+        for kind in ("all-gather", "reduce-scatter"):
+            assert {k: got[regather][kind][k] for k in ("count", "bytes")} == table[regather][kind], (regather, kind)
+    blocks = [v for k, v in params.items() if k.startswith("layers_")]
+    again = sum(4 * v.size for v in jax.tree.leaves(blocks))  # every block parameter, f32, gathered once more
+    # per block: 7 kernels one by one, the 2 norm scales as one buffer
+    assert got[True]["all-gather"]["count"] == got[False]["all-gather"]["count"] + 2 * 8
+    assert got[True]["all-gather"]["bytes"] == got[False]["all-gather"]["bytes"] + again
+    assert got[True]["reduce-scatter"] == got[False]["reduce-scatter"]
+    backward = [line for line in text[True].splitlines() if _TRANSCENDENTAL.search(line) and REGATHER in line]
+    assert backward == [], backward[:3]
+    for op in ("exponential", "rsqrt"):
+        counts = [len(re.findall(rf" {op}\(", text[r])) for r in (True, False)]
+        assert counts[0] == counts[1] > 0, (op, counts)
+
+
 @pytest.mark.slow
 def test_fully_shards_unit_is_a_style_the_hooks_dispatch(monkeypatch):
     """``fully_shard``'s unit is an ordinary ``ParallelStyle`` (``FullyShardUnit``): its ``param_placements`` are

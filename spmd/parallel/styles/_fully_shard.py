@@ -12,7 +12,8 @@ unit's call to its style's ``run_call``, as they hand a styled module's to its t
   all-gather per buffer over the shard dim, in a nested region manual over every dim, so XLA never sees a
   collective on a tp-sharded operand, which it would first gather over tp), run the unit on them. ``jax.grad``
   of the all-gather is one reduce-scatter per buffer. With ``reshard_after_forward`` that runs under
-  ``jax.checkpoint`` (matmul outputs saved, gathered parameters not: the backward pass gathers again), its
+  ``jax.checkpoint`` (every value saved but the gathered parameters and their casts and reshapes: the backward
+  pass gathers again and recomputes nothing else, as torch's FSDP2), its
   gathers tied to its input so that they run when it runs (``_after``; the tie's zero summed on each device's
   block, no collective: ``_zero_from``).
 - **with activation checkpointing** (``spmd.parallel.styles._remat``) on the same unit: re-gathering, its
@@ -33,7 +34,6 @@ from jax.sharding import PartitionSpec as P
 from placements import Replicate, Shard
 from spmd.parallel.plan._param_plan import PlanEntry
 from spmd.parallel.plan._shard import gather_unit
-from spmd.parallel.styles._remat import checkpoint_policy
 from spmd.parallel.styles._styles import ParallelStyle
 from spmd.parallel.styles._tp_calls import _is_array, split_arrays
 
@@ -41,7 +41,18 @@ __all__ = ["FullyShardUnit", "REGATHER"]
 
 REGATHER = "spmd_fsdp_regather"  # the named scope of a unit's backward pass: its re-gather, the fsdp term's
 
-_SAVED = checkpoint_policy("dots")  # a re-gathering unit's residuals: the matmul outputs and the tp results
+# What a re-gathering unit's backward pass computes again: the gather and what the gathered parameters become
+# without arithmetic (a slice off the padding, a cast, a transpose, a reshape), the operations below. Every
+# other value its forward pass computed is kept, as torch's FSDP keeps every activation autograd saves and frees
+# only the gathered parameters: no norm, softmax or activation function runs twice.
+_REGATHERED = frozenset({"all_gather", "slice", "split", "concatenate", "convert_element_type", "transpose",
+                         "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "copy", "copy_p"})
+
+
+def _saved(prim, *_, **params) -> bool:
+    """The ``jax.checkpoint`` policy of a re-gathering unit (see ``_REGATHERED``): the gathered parameters and
+    their casts and reshapes are not saved, every other value is (the tp collectives' results among them)."""
+    return prim.name not in _REGATHERED
 
 
 @dataclass(frozen=True)
@@ -143,17 +154,19 @@ class FullyShardUnit(ParallelStyle):
     # --- the unit's call ----------------------------------------------------------------------------
     def _call(self, hooks, run: Callable, shards: list, arrays: list, policy: Callable | None = None) -> Any:
         """``run(shards, arrays)``: the unit gathering its parameters and running. With
-        ``reshard_after_forward``, the backward pass gathers them again: ``jax.checkpoint`` keeps the matmul
-        outputs and the tp collectives' results and drops the gathered parameters, and the shards it keeps get
+        ``reshard_after_forward``, the backward pass gathers them again: ``jax.checkpoint`` keeps every value
+        computed with arithmetic (matmul outputs, norms, softmax, the tp collectives' results) and drops the
+        gathered parameters and their casts and reshapes (``_saved``), so it recomputes no activation; the
+        shards it keeps get
         ``+ 0`` computed from the incoming cotangent (``_plus_zero``), so the re-gather is a new all-gather of
         the backward pass (XLA:CPU drops optimization barriers before it merges equal ops, and would merge it
         with the forward pass's all-gather, holding the parameters all along, when the blocks are a Python
         loop). Likewise the shards get ``+ 0`` computed from the unit's input in the forward pass (``_after``).
-        ``policy``: an activation-checkpointing unit's, in place of the matmul outputs and tp results."""
+        ``policy``: an activation-checkpointing unit's, in place of ``_saved``."""
         if not self.reshard_after_forward:
             return run(shards, arrays)
         shards = _after(hooks, shards, arrays)
-        ckpt = jax.checkpoint(run, policy=policy or _SAVED)
+        ckpt = jax.checkpoint(run, policy=policy or _saved)
 
         @jax.custom_vjp
         def unit(shards, arrays):
