@@ -25,7 +25,11 @@ parameter and its AdamW moments placed by ``NamedSharding`` exactly as our plan 
 the data dims, XLA's partitioner choosing the communication. Every layout of a model is compiled first, then
 all are timed in interleaved rounds (the layouts take turns, so load from other processes on the host falls on
 all of them alike); ``vs_gspmd`` is the median and the range of the per-round ratios of samples/s (ours over
-GSPMD's), which shows what of a difference is the host's noise.
+GSPMD's), which shows what of a difference is the host's noise; ``vs_gspmd_cpu`` the same of the process's CPU
+time per step (GSPMD's over ours), which other processes' load on a shared host disturbs less than wall time.
+``peak_bytes_per_device`` is each compiled step's peak (``argument + output + temp - alias`` of XLA's
+``memory_analysis()``): what a layout's speed costs in memory, beside it (re-gathering the units for their
+backward pass holds one unit's parameters, keeping them and GSPMD's CSE'd gathers hold every unit's).
 
 On a CPU host the 8 devices share the cores: throughput measures the cost of a layout, not a speed-up.
 
@@ -33,7 +37,7 @@ On a CPU host the 8 devices share the cores: throughput measures the cost of a l
     python benchmarks/zoo.py --quick         # smoke run: one model, 2 rounds
     python benchmarks/zoo.py --hlo DIR       # also write every compiled step's HLO text to DIR
 
-Writes benchmarks/results/zoo.json and benchmarks/results/zoo.png.
+Writes benchmarks/results/zoo.json and benchmarks/results/zoo.png (speed beside peak memory).
 """
 
 from __future__ import annotations
@@ -165,7 +169,7 @@ def prepare_ours(name: str, shape: tuple, names: tuple, regather: bool = True, u
     import fsdp as fb  # benchmarks/fsdp.py: the interleaved timing and the state bytes
 
     import spmd.parallel.step._build as step_module
-    from spmd.parallel import hlo_executed_collectives, init_train_state, make_train_step
+    from spmd.parallel import init_train_state, make_train_step
 
     laid, params, loss, mesh, _ = layout(name, shape, names, regather)
     opt = _optimizer()
@@ -178,10 +182,22 @@ def prepare_ours(name: str, shape: tuple, names: tuple, regather: bool = True, u
         prep = fb._Prepared(step, state, _on_devices(_batches(), mesh, names), BATCH)
     finally:
         step_module.transposed_dot_grads = rule
-    got = hlo_executed_collectives(prep.compiled.as_text())
-    prep.extra = dict(state_bytes_per_device=fb._state_bytes(prep.state),
-                      collectives={k: v for k, v in got.items() if v["count"]})
+    prep.extra = _extra(prep)
     return prep
+
+
+def _extra(prep) -> dict:
+    """What a layout holds and sends, per device: its stored state, its compiled peak (XLA's
+    ``argument + output + temp - alias``, ``spmd.parallel.cost._memory``) and its collectives."""
+    import fsdp as fb
+
+    from spmd.parallel import hlo_executed_collectives
+
+    mem = prep.compiled.memory_analysis()
+    peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    got = hlo_executed_collectives(prep.compiled.as_text())
+    return dict(state_bytes_per_device=fb._state_bytes(prep.state), peak_bytes_per_device=peak,
+                collectives={k: v for k, v in got.items() if v["count"]})
 
 
 def _gspmd_step(loss_fn, opt):
@@ -208,7 +224,7 @@ def prepare_gspmd(name: str, shape: tuple, names: tuple):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from spmd.parallel import TrainState, entry_sharding, hlo_executed_collectives, map_like_params
+    from spmd.parallel import TrainState, entry_sharding, map_like_params
 
     laid, params, loss, mesh, model = layout(name, shape, names)
     plan = laid.plan(params, _example())
@@ -235,9 +251,7 @@ def prepare_gspmd(name: str, shape: tuple, names: tuple):
     jitted = jax.jit(_gspmd_step(loss(model), opt), in_shardings=(shardings, batches[0]["inputs"].sharding),
                      out_shardings=(shardings, rep))
     prep = fb._Prepared(jitted, state, batches, BATCH)
-    got = hlo_executed_collectives(prep.compiled.as_text())
-    prep.extra = dict(state_bytes_per_device=fb._state_bytes(prep.state),
-                      collectives={k: v for k, v in got.items() if v["count"]})
+    prep.extra = _extra(prep)
     return prep
 
 
@@ -251,7 +265,7 @@ def _plot(results: dict, path: str) -> None:
 
     models = list(results["models"])
     labels = [label for label, *_ in LAYOUTS]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, (ax, mx) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1, 1.2]})
     width = 0.8 / len(labels)
     for j, label in enumerate(labels):
         got = [results["models"][m].get(f"ours {label}", {}).get("vs_gspmd") or {} for m in models]
@@ -264,7 +278,20 @@ def _plot(results: dict, path: str) -> None:
     ax.set_ylabel("ours / GSPMD samples/s (median, range of rounds)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend()
-    ax.set_title(f"Third-party decoders d{D}x{LAYERS}, {BATCH // 8} sequences/device, 8 CPU devices")
+    ax.set_title(f"Speed: third-party decoders d{D}x{LAYERS}, {BATCH // 8} sequences/device, 8 CPU devices",
+                 fontsize=10)
+    systems = list(dict.fromkeys(k for m in models for k in results["models"][m]))  # ours and GSPMD, each layout
+    width = 0.8 / max(len(systems), 1)
+    for j, label in enumerate(systems):
+        peak = [results["models"][m].get(label, {}).get("peak_bytes_per_device", 0) / 2**20 for m in models]
+        mx.bar([i + j * width for i in range(len(models))], peak, width, label=label,
+               hatch="//" if label.startswith("gspmd") else None)
+    mx.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(models))])
+    mx.set_xticklabels(models)
+    mx.set_ylabel("compiled peak, MiB per device")
+    mx.grid(axis="y", alpha=0.3)
+    mx.legend(fontsize=7, ncol=2)
+    mx.set_title("Memory: what each buys its speed with", fontsize=10)
     save_figure(fig, path)
 
 
@@ -311,9 +338,13 @@ def main(argv=None) -> int:
                 twin = preps[f"gspmd {label.split()[1]}"]
                 ratios = [g / o for o, g in zip(prep.wall, twin.wall)]
                 r["vs_gspmd"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+                cpu = [g / o for o, g in zip(prep.cpu, twin.cpu)]
+                r["vs_gspmd_cpu"] = {"median": statistics.median(cpu), "min": min(cpu), "max": max(cpu)}
                 vs = "  vs GSPMD {median:.2f}x [{min:.2f}-{max:.2f}]".format(**r["vs_gspmd"])
+                vs += " (CPU time {median:.2f}x [{min:.2f}-{max:.2f}])".format(**r["vs_gspmd_cpu"])
             print(f"{name:10s} {label:18s} {r['samples_per_s']:7.1f} samples/s (best {r['samples_per_s_best']:6.1f})"
                   f"{vs}  compile {r['compile_s']:4.0f} s  state {r['state_bytes_per_device'] / 2**20:5.2f} MiB/device"
+                  f"  peak {r['peak_bytes_per_device'] / 2**20:6.2f} MiB/device"
                   f"  {comm}", flush=True)
         del preps
         os.makedirs(RESULTS, exist_ok=True)  # written after each model: a run cut short keeps what it measured
