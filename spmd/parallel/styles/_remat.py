@@ -136,8 +136,8 @@ _CACHED = {p: _policy_of(p) for p in POLICIES if p != "selective"}
 
 def checkpoint_policy(policy: str) -> Callable:
     """The ``jax.checkpoint`` policy of ``policy``: its residuals and the tp collectives' results. One object
-    per stateless policy (``"dots"`` is also what a re-gathering FSDP unit saves): equal layouts trace equal
-    programs; ``"selective"`` counts its matmuls, a fresh one per call."""
+    per stateless policy: equal layouts trace equal programs; ``"selective"`` counts its matmuls, a fresh one
+    per call."""
     if policy == "selective":
         return _Selective()
     if policy not in _CACHED:
