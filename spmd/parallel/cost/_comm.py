@@ -10,8 +10,9 @@ HLO reader's ``buffers`` and ``bytes`` are what equal this table).
   the unit runs, one more for its backward pass with ``reshard_after_forward`` (not the root unit, which
   is gathered once per step, nor with accumulation, which gathers every unit once), one reduce-scatter of
   its gradient; less the gathers whose result nothing reads, which XLA drops (read off the traced step:
-  ``spmd.parallel.cost._recompute.dead_gathers``; the first unit's re-gather of a kernel that only its
-  input's gradient reads, a parameter the loss never reads);
+  ``spmd.parallel.cost._recompute.dead_gathers``, a parameter the loss never reads); a train step's table
+  counts the re-gathers its backward pass runs (``_recompute.regathered``: none of a bias, whose gradient
+  reads no parameter, nor of the first unit's kernels, which only its input's gradient reads);
 - **dp** (the replicate dims, HSDP): one all-reduce of the fsdp-cut gradient shards; parameters whole on
   the data dims: one all-reduce of their gradients over every data dim (DDP);
 - **tp**, per styled module call and micro-batch (``A``: its activation bytes, global over tp), from its
@@ -103,11 +104,13 @@ def _cast(e, dtype) -> int:
 
 
 def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1, zero: frozenset = frozenset(),
-                    dead: dict | None = None, merged: frozenset = frozenset()) -> dict:
+                    dead: dict | None = None, merged: frozenset = frozenset(), regathered: dict | None = None) -> dict:
     """The fsdp and dp terms of one step; ``zero``: the paths of the parameters whose gradient is zero by
     construction (not reduced); ``dead``: ``{"count", "bytes"}`` of the units' all-gathers whose result nothing
     reads (``spmd.parallel.cost._recompute.dead_gathers``: not run), taken off; ``merged``: the paths of those
-    whose gradient is another's value, all-reduced with it."""
+    whose gradient is another's value, all-reduced with it; ``regathered``: the backward pass's re-gathers as its
+    traced program runs them (``spmd.parallel.cost._recompute.regathered``: those the gradients read), in place
+    of one per buffer of every re-gathering unit."""
     out = _table()
     if dead:
         out["all-gather"] = {"count": -dead["count"], "bytes": -dead["bytes"]}
@@ -121,7 +124,7 @@ def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1, zero: 
     mp = fsdp.mp_policy if fsdp else None
     scans = dict(plan.scans)
     for u in plan.units:
-        regather = bool(fsdp and fsdp.reshard_after_forward) and u != ROOT and accum_steps == 1
+        regather = bool(fsdp and fsdp.reshard_after_forward) and u != ROOT and accum_steps == 1 and regathered is None
         # a unit run inside an nn.scan (not with accumulation, which gathers every unit once, whole) gathers
         # one layer per iteration: its buffers as the block sees them, once per layer
         layers = scan_of(u, scans) if u != ROOT and accum_steps == 1 else 1
@@ -133,6 +136,9 @@ def parameter_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1, zero: 
             if not all(e.path in zero for e in buf):
                 _add(out, "reduce-scatter",
                      sum(_cast(e, mp and (mp.reduce_dtype or mp.param_dtype)) for e in buf) * n_fsdp, layers)
+    if regathered is not None and accum_steps == 1:
+        for f in ("count", "bytes"):
+            out["all-gather"][f] += regathered["all-gather"][f]
     names = plan.mesh_dim_names
     for e in plan.entries:  # averaged over the data dims it is whole on (fsdp and ep cuts sum over theirs)
         whole_on = [sizes[d] for d in data if e.shard_dim(names.index(d)) is None]
@@ -212,14 +218,16 @@ def batch_cut_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dic
 def step_communication(plan: ParamPlan, model: Any, records: Sequence[dict], *, accum_steps: int = 1,
                        zero: frozenset = frozenset(), recomputed: dict | None = None,
                        batch_stats: dict | None = None, dead: dict | None = None,
-                       merged: frozenset = frozenset()) -> dict:
+                       merged: frozenset = frozenset(), regathered: dict | None = None) -> dict:
     """``{"parameters": {kind: {count, bytes}}, "activations": {...}, "recomputed": {...}, "total": {...},
     "modules": [...]}``. ``zero``: the paths of the parameters whose gradient is zero by construction;
     ``merged``: those whose gradient is the same value as another parameter's, both reduced whole by one
     all-reduce (counted once); ``dead``: the units' all-gathers whose result nothing reads (``parameter_terms``);
+    ``regathered``: the backward pass's re-gathers, read off its program (``parameter_terms``);
     ``recomputed``: the collectives a checkpoint's recomputation runs again (``_recompute``), per step;
     ``batch_stats``: SyncBatchNorm's all-reduces of its statistics, per step (a ``"batch_stats"`` term)."""
-    par = parameter_terms(plan, model, accum_steps=accum_steps, zero=zero, dead=dead, merged=merged)
+    par = parameter_terms(plan, model, accum_steps=accum_steps, zero=zero, dead=dead, merged=merged,
+                          regathered=regathered)
     act = activation_terms(records, accum_steps=accum_steps)
     ws = batch_cut_terms(plan, model, accum_steps=accum_steps)
     act = {k: {f: act[k][f] + ws[k][f] for f in ("count", "bytes")} for k in KINDS}

@@ -22,7 +22,7 @@ import numpy as np
 
 from spmd.parallel.styles._fully_shard import REGATHER
 
-__all__ = ["recomputed_collectives", "dead_gathers", "RECOMPUTED", "SYNC_BN"]
+__all__ = ["recomputed_collectives", "dead_gathers", "regathered", "RECOMPUTED", "SYNC_BN"]
 
 RECOMPUTED = "rematted_computation"  # JAX's name for a checkpoint's recomputation in the backward pass
 SYNC_BN = "spmd_sync_batch_norm"  # the named scope of a BatchNorm call whose statistics the step averages
@@ -42,10 +42,19 @@ def _group(eqn: Any, sizes: Mapping[str, int]) -> int:
     return int(np.prod([sizes.get(n, 1) for n in names if isinstance(n, str)], dtype=np.int64))
 
 
+def regathered(closed: Any, sizes: Mapping[str, int]) -> dict:
+    """``{kind: {"count", "bytes"}}`` of the all-gathers ``closed`` (a backward pass's ``ClosedJaxpr``) runs to
+    gather re-gathering ``fully_shard`` units again (under ``REGATHER``), those the gradients read: JAX's partial
+    evaluation emits no re-gather of a parameter whose gradient does not read its value (a bias), and a
+    re-gather nothing reads (the first unit's kernels, whose input needs no gradient) is dead code, dropped."""
+    return recomputed_collectives(closed, sizes, scope=REGATHER)
+
+
 def recomputed_collectives(closed: Any, sizes: Mapping[str, int], scope: str | None = None) -> dict:
     """``{kind: {"count", "bytes"}}`` of the collectives ``closed`` (a backward pass's ``ClosedJaxpr``) runs
     in a checkpoint's recomputation (see the module doc); ``sizes``: mesh dim name -> size. ``scope``: instead,
-    those it runs under that named scope outside any recomputation (a SyncBatchNorm's transposed means)."""
+    those it runs under that named scope outside any recomputation (a SyncBatchNorm's transposed means); under
+    ``REGATHER``, a unit's re-gathers (its all-gathers, in or out of a recomputation: ``regathered``)."""
     out = {k: {"count": 0, "bytes": 0} for k in ("all-gather", "reduce-scatter", "all-reduce")}
 
     seen: set = set()
@@ -56,8 +65,12 @@ def recomputed_collectives(closed: Any, sizes: Mapping[str, int], scope: str | N
             n = trips * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else trips
             kind = _KIND.get(eqn.primitive.name)
             path = "/".join(here)  # a scope's name may come wrapped: transpose(jvp(name))
-            hit = (RECOMPUTED in path and not (REGATHER in path and kind == "all-gather")) if scope is None else (
-                scope in path and RECOMPUTED not in path)
+            if scope is None:
+                hit = RECOMPUTED in path and not (REGATHER in path and kind == "all-gather")
+            elif scope == REGATHER:
+                hit = REGATHER in path and kind == "all-gather"
+            else:
+                hit = scope in path and RECOMPUTED not in path
             if kind is not None and hit and _group(eqn, sizes) > 1:
                 # one all-gather of a value however many modules gather it (a sequence-parallel input that q,
                 # k and v read): XLA merges equal ones
@@ -89,11 +102,10 @@ def recomputed_collectives(closed: Any, sizes: Mapping[str, int], scope: str | N
 def dead_gathers(closed: Any, axis: str) -> dict:
     """``{"count", "bytes"}`` of the all-gathers over the mesh dim ``axis`` (a ``fully_shard`` unit's gathers) in
     ``closed`` (the ``ClosedJaxpr`` of a whole train step) whose result nothing reads: those JAX's dead-code
-    elimination removes (as XLA's does), times the trip count of the loops (``scan``) around them. A unit's
-    re-gather for its backward pass reads a kernel only for the gradient of the unit's input, which the first
-    unit, on the batch, does not need; a parameter the loss never reads is gathered for nothing. A gather in a
-    checkpoint's recomputation other than the re-gather (``recomputed_collectives``' term, counted alive) is left
-    out."""
+    elimination removes (as XLA's does), times the trip count of the loops (``scan``) around them: a parameter
+    the loss never reads is gathered for nothing. A gather in a
+    checkpoint's recomputation (``recomputed_collectives``' term, counted alive) and a unit's re-gather (the
+    table counts those its backward pass runs: ``regathered``) are left out."""
     from jax.interpreters import partial_eval as pe
 
     def count(jaxpr: Any, stack: tuple, trips: int, out: list) -> None:
@@ -104,7 +116,7 @@ def dead_gathers(closed: Any, axis: str) -> dict:
                 names = eqn.params.get("axis_name", ())
                 path = "/".join(here)
                 if axis in (names if isinstance(names, (tuple, list)) else (names,)) and (
-                        RECOMPUTED not in path or REGATHER in path):
+                        RECOMPUTED not in path and REGATHER not in path):
                     out[0] += n
                     out[1] += n * sum(_nbytes(v.aval) for v in eqn.outvars)
             for p in eqn.params.values():

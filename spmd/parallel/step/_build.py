@@ -21,7 +21,7 @@ from placements import Shard
 from spmd.parallel.context._calls import CALL_SCOPE, ContextCalls, experts_routers, scopes_of, with_context
 from spmd.parallel.context._seq import batch_seq, seq_inputs
 from spmd.parallel.cost._comm import step_communication
-from spmd.parallel.cost._recompute import SYNC_BN, dead_gathers, recomputed_collectives
+from spmd.parallel.cost._recompute import SYNC_BN, dead_gathers, recomputed_collectives, regathered
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan
 from spmd.parallel.step._batch_norm import sync_batch_norm, sync_nnx_batch_norm
 from spmd.parallel.step._finite import _keep_finite
@@ -221,6 +221,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             recomputed.clear()
             recomputed.append(recomputed_collectives(closed, sizes))
             recomputed.append(recomputed_collectives(closed, sizes, scope=SYNC_BN))
+            again = pm.fsdp is not None and pm.fsdp.reshard_after_forward  # the units' re-gathers the gradients read
+            recomputed.append(regathered(closed, sizes) if again else None)
             if new_stats is not None and data:
                 if batch_norm == "broadcast":  # data rank 0's statistics, on every rank (DDP's broadcast_buffers)
                     first = functools.reduce(jnp.logical_and, [lax.axis_index(d) == 0 for d in data])
@@ -406,7 +408,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         comm = step_communication(plan, pm, traced, accum_steps=accum_steps, zero=frozenset(zeros),
                                   merged=frozenset(merged),
                                   recomputed=recomputed[0] if recomputed else None, batch_stats=stats,
-                                  dead=dead[0] if dead else None)
+                                  dead=dead[0] if dead else None,
+                                  regathered=recomputed[2] if len(recomputed) > 2 else None)
         if cp is not None and n_cp > 1:
             comm = with_context(comm, plan, attention[0] if attention else None, accum_steps, bool(data),
                                 positional, dotted, cotangents, side.get("params", ()), side.get("joins", ()))
