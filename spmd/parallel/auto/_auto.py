@@ -91,7 +91,7 @@ from spmd.parallel.plan._shard import entry_sharding
 from spmd.parallel.step._state import TrainState, _check_optimizer, init_train_state
 from spmd.parallel.step._step import make_train_step
 from spmd.parallel.styles._nnx import is_nnx, nnx_params
-from spmd.parallel.styles._transforms import as_parallel
+from spmd.parallel.styles._transforms import as_parallel, build_plan, out_cut_of, stacked_of
 
 __all__ = ["Candidate", "AutoLayout", "auto_layout", "evaluate_layout", "default_loss", "abstract_state"]  # the
 # first two: spmd.parallel.auto._ranking
@@ -127,16 +127,33 @@ def params_loss(model: Any, loss_fn: Callable | None) -> Callable:
     return lambda params, batch: loss(nnx.merge(graphdef, params, rest), batch)
 
 
-def abstract_state(laid: Any, params: Any, optimizer: Any, mesh, *example_inputs: Any) -> TrainState:
+def abstract_state(laid: Any, params: Any, optimizer: Any, mesh, *example_inputs: Any,
+                   plans: dict | None = None) -> TrainState:
     """A ``TrainState`` of shape structs laid out by ``laid``'s plan (what ``init_train_state`` would build);
     ``example_inputs``: what the model is applied to (a linen model's blocks under ``nn.scan``: their stacked
-    axis, which the plan must know)."""
+    axis, which the plan must know). ``plans``: a dict shared by the layouts of one model, where what the plan
+    reads off the model is kept (``_plan``)."""
     pm = as_parallel(laid, mesh, "auto_layout")
-    plan = pm.plan(params, *example_inputs)
+    plan = pm.plan(params, *example_inputs) if plans is None else _plan(pm, params, example_inputs, plans)
     stored = jax.tree_util.tree_unflatten(plan.treedef, [
         jax.ShapeDtypeStruct(plan.padded_shape(e), e.dtype, sharding=entry_sharding(e, mesh)) for e in plan.entries])
     return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=stored,
                       opt_state=jax.eval_shape(optimizer.init, stored), plan=plan)
+
+
+def _plan(pm: Any, params: Any, example_inputs: tuple, plans: dict) -> Any:
+    """``pm.plan(params, *example_inputs)``, with what it reads off the model traced once for every layout of
+    it (kept in ``plans`` by the unwrapped model): its scanned stacks (``stacked_of``) and, under FSDP, the kernels
+    cut on their output dim (``out_cut_of``): both are the unwrapped model's on ``params`` and the inputs, the
+    layout aside."""
+    key = (id(pm.module), jax.tree_util.tree_structure(params), tuple(
+        (tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves((params, example_inputs))))
+    if key not in plans:  # the model held with them: its id is not reused while they are kept
+        plans[key] = (pm.module, stacked_of(pm.module, params, example_inputs), {})
+    _, stacked, cuts = plans[key]
+    if (fsdp := pm.fsdp is not None) not in cuts:
+        cuts[fsdp] = out_cut_of(pm, params, example_inputs)
+    return build_plan(pm, params, stacked, cuts[fsdp])
 
 
 def abstract_inputs(laid: Any, mesh, optimizer: Any, model: Any, params: Any, batch: Any) -> tuple:
@@ -221,8 +238,8 @@ def _rated(cal: HardwareRates, dtype: str) -> str:
 def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any, layout: Layout, *,
                     loss_fn: Callable | None = None, params: Any = None, calibration: Calibration | None = None,
                     profile: Profile | None = None, budget: int | None = None, floor_only: bool = False,
-                    built: list | None = None, notes: dict | None = None, pending: dict | None = None
-                    ) -> Candidate:
+                    built: list | None = None, notes: dict | None = None, pending: dict | None = None,
+                    plans: dict | None = None) -> Candidate:
     """``layout``'s predicted cost (see the module doc); raises ``ValueError`` when it cannot be built.
     ``floor_only``: its memory lower bound alone, its step not traced (``untraced``). ``built``: a list its
     traced ``(step, state, batch)`` is appended to (laid out as ``compile_figures`` compiles them: its
@@ -230,7 +247,7 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     ``"gather"`` in (whether its attention all runs on the gathered sequence: ``_cpep.check_attention``).
     ``pending``: under a measured calibration, the optimizer's update is left out of the time (a lower bound)
     and ``pending[layout](timed) -> seconds`` gives it, timed or (``timed=False``) from its cost analysis
-    (``_refined``)."""
+    (``_refined``). ``plans``: shared by the layouts of one model (``abstract_state``)."""
     where = "auto_layout"
     devices = devices_of(devices, where)
     batch = _abstract(example_batch)
@@ -246,7 +263,7 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
         return _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devices, budget,
                           _example_inputs(model, batch, layout.pp) if stack else (), pending)
     if built is None:
-        state = abstract_state(laid, params, optimizer, mesh, *_example_inputs(model, batch))
+        state = abstract_state(laid, params, optimizer, mesh, *_example_inputs(model, batch), plans=plans)
     else:  # the state and batch as the compile takes them (their shardings), so that it finds this trace
         state, laid_batch = abstract_inputs(laid, mesh, optimizer, model, params, batch)
     n_data = layout.n_data
@@ -613,6 +630,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     loss_of = (lambda laid: loss_fn if loss_fn is not None else default_loss(laid))  # noqa: E731
     pairs: dict = {}  # with depth=: a layout's candidates at 1 and 2 blocks
     traced_steps: dict = {}  # with depth= and a budget: a layout's traced steps at 1 and 2 blocks, until compiled
+    plans: dict = {}  # what the layouts' plans read off the model, once (abstract_state)
 
     # no budget, calibrated: each optimizer update timed only where it can rank (_refined)
     pending: dict | None = {} if hw is None and memory_budget_bytes is None and slices is None else None
@@ -622,11 +640,11 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         if slices is None:
             c = evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss_fn, params=params,
                                 calibration=cal, profile=profile, budget=budget, floor_only=budget is not None,
-                                notes=notes, pending=pending)
+                                notes=notes, pending=pending, plans=plans)
             if budget is None or not c.fits:
                 return c
             return evaluate_layout(model, optimizer, batch, devices, lay, loss_fn=loss_fn, params=params,
-                                   calibration=cal, profile=profile, budget=budget, notes=notes)
+                                   calibration=cal, profile=profile, budget=budget, notes=notes, plans=plans)
         if budget is not None:
             c = extrapolated(*[evaluate_layout(m, optimizer, batch, devices, lay, params=p, calibration=cal,
                                                profile=pr, budget=budget, floor_only=True)

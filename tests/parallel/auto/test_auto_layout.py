@@ -221,6 +221,26 @@ def test_the_ranking_follows_the_calibration(data):
     assert js["candidates"][1]["bytes"] == {k: v["bytes"] for k, v in slow_links.candidates[1].communication["total"].items()} and "peak MiB" in text
 
 
+def test_the_layouts_plans_read_the_model_once_and_equal_each_layouts_own(data, monkeypatch):
+    """``abstract_state(plans=)``: what a plan reads off the model (its scanned stacks; under FSDP the kernels cut
+    on their output dim) is traced once for every layout of the model; each plan equals the layout's own
+    (``ParallelModule.plan``)."""
+    import spmd.parallel.auto._auto as auto
+
+    batch, params, _ = data
+    inputs = _abstract(batch)["inputs"]
+    abstract = _abstract(params)
+    traced = []
+    monkeypatch.setattr(auto, "stacked_of", lambda *a, f=auto.stacked_of: traced.append("stacked") or f(*a))
+    monkeypatch.setattr(auto, "out_cut_of", lambda *a, f=auto.out_cut_of: traced.append("out_cut") or f(*a))
+    plans = {}
+    for name in ("dp=8", "fsdp=8 regather", "fsdp=4,tp=2 keep", "dp=4,tp=2"):
+        laid, mesh = apply_layout(MODEL, 8, LAYOUTS[name])
+        got = abstract_state(laid, abstract, OPT, mesh, inputs, plans=plans).plan
+        assert got == abstract_state(laid, abstract, OPT, mesh, inputs).plan, name
+    assert traced == ["stacked", "out_cut", "out_cut"]  # once per model, and without and with fsdp
+
+
 def test_off_a_terminal_the_progress_is_one_line_per_layout_on_stderr(data, capsys):
     """A CI log or a pipe (stderr not a terminal: capsys) gets one line per layout traced: the count and the
     layout; nothing on stdout."""
