@@ -222,8 +222,9 @@ def _beyond(comm: dict) -> dict:
 
 def _policy(layout: Layout) -> str | None:
     """The checkpointing policy ``layout``'s blocks run under: its own, else ``"dots"`` where FSDP gathers the
-    units again for their backward pass (each under ``jax.checkpoint`` saving its matmul outputs:
-    ``spmd.parallel.styles._hooks``), else None."""
+    units again for their backward pass (each under ``jax.checkpoint`` keeping its matmul outputs and every
+    other value but the gathered parameters, ``spmd.parallel.styles._fully_shard._saved``: the memory floor
+    of ``"dots"``, which counts the matmul outputs), else None."""
     if layout.activation_checkpointing:
         return layout.activation_checkpointing
     return "dots" if layout.fsdp > 1 and layout.reshard_after_forward and layout.pp == 1 else None

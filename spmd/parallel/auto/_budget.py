@@ -125,8 +125,8 @@ def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]
              policies: tuple[str, ...] = CHECKPOINTING) -> list[Candidate]:
     """The variants of a layout that does not fit the budget which do: per activation-checkpointing policy
     (none, then ``policies``, ``CHECKPOINTING``'s weighed for the model, on the blocks ``units``; not under a
-    pipeline, which recomputes its stages already; FSDP units re-gathered for the backward pass save their
-    matmul outputs already: ``"dots"`` is no variant of them), the least gradient accumulation that fits, where the micro-batches divide the replica's rows; a policy that
+    pipeline, which recomputes its stages already; FSDP units re-gathered for the backward pass are not
+    weighed under ``"dots"``), the least gradient accumulation that fits, where the micro-batches divide the replica's rows; a policy that
     needs no less accumulation than a lighter one (in ``CHECKPOINTING``'s order) is dropped, and once one fits
     with the layout's own accumulation the heavier ones are not weighed. None fitting:
     the smallest variant, for the error. A variant that cannot be built goes to ``rejected`` with its reason."""
@@ -212,8 +212,9 @@ def checked(got: list[Candidate], k: int, budget: int, compiled: Callable, varia
 
 def policy_of(layout: Any) -> str | None:
     """The checkpointing policy ``layout``'s blocks run under: its own, else ``"dots"`` where FSDP gathers the
-    units again for their backward pass (each under ``jax.checkpoint`` saving its matmul outputs:
-    ``spmd.parallel.styles._hooks``), else None."""
+    units again for their backward pass (each under ``jax.checkpoint`` keeping its matmul outputs and every
+    other value but the gathered parameters, ``spmd.parallel.styles._fully_shard._saved``: the memory floor
+    of ``"dots"``, which counts the matmul outputs), else None."""
     if layout.activation_checkpointing:
         return layout.activation_checkpointing
     return "dots" if layout.fsdp > 1 and layout.reshard_after_forward and layout.pp == 1 else None

@@ -211,9 +211,9 @@ class Profile:
 
     def residuals(self, batch: Any, *, dots_only: bool = False, policy: str | None = None) -> list:
         """The activations the backward pass reads (shape structs), parameters taken out; ``dots_only``: under
-        ``jax.checkpoint`` saving the matmul outputs alone (the policy of a unit re-gathered for its backward
-        pass, ``spmd.parallel.styles._hooks``); ``policy``: under that activation-checkpointing policy's
-        (``spmd.parallel.styles._remat.POLICIES``), applied to the whole loss."""
+        ``jax.checkpoint`` saving the matmul outputs alone (what a unit re-gathered for its backward pass keeps
+        at least: ``spmd.parallel.styles._fully_shard._saved``); ``policy``: under that activation-checkpointing
+        policy's (``spmd.parallel.styles._remat.POLICIES``), applied to the whole loss."""
         policy = "dots" if dots_only and policy is None else policy
         k = (self._key(batch), policy)
         if k not in self._res:
