@@ -36,10 +36,12 @@ def _batch(rows: int = B) -> dict:
 
 
 def _by_hand(model, lay: Layout, batch: dict):
-    """The step of ``lay`` built through the contract on real zeros of the parameters, compiled."""
+    """The step of ``lay`` built through the contract on real zeros of the parameters, compiled; given the
+    example inputs as ``auto_layout`` gives them (``_measure.example_inputs``: the plan then cuts a kernel whose
+    gradient is its dot's output transposed on its output dim, another program than the dim-0 cut's)."""
     params = model.init(jax.random.key(0), batch["inputs"])["params"]
     laid, mesh = apply_layout(model, 8, lay)
-    state = init_train_state(laid, OPT, params=params, mesh=mesh)
+    state = init_train_state(laid, OPT, batch["inputs"], params=params, mesh=mesh)
     return make_train_step(laid, default_loss(laid), OPT, accum_steps=lay.accum_steps,
                            mesh=mesh).lower(state, batch).compile()
 
