@@ -41,12 +41,14 @@ __all__ = ["FullyShardUnit", "REGATHER"]
 
 REGATHER = "spmd_fsdp_regather"  # the named scope of a unit's backward pass: its re-gather, the fsdp term's
 
-# What a re-gathering unit's backward pass computes again: the gather and what the gathered parameters become
-# without arithmetic (a slice off the padding, a cast, a transpose, a reshape), the operations below. Every
-# other value its forward pass computed is kept, as torch's FSDP keeps every activation autograd saves and frees
-# only the gathered parameters: no norm, softmax or activation function runs twice.
-_REGATHERED = frozenset({"all_gather", "slice", "split", "concatenate", "convert_element_type", "transpose",
-                         "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "copy", "copy_p"})
+# What a re-gathering unit's backward pass computes again: the gather (a mixed precision's is a custom_vjp around
+# it) and what the gathered parameters become without arithmetic (a slice off the padding, a cast, a transpose, a
+# reshape), the operations below. Every other value its forward pass computed is kept, as torch's FSDP keeps
+# every activation autograd saves and frees only the gathered parameters: no norm, softmax or activation
+# function runs twice.
+_REGATHERED = frozenset({"all_gather", "custom_vjp_call", "custom_vjp_call_jaxpr", "slice", "split", "concatenate",
+                         "convert_element_type", "transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim",
+                         "copy", "copy_p"})
 
 
 def _saved(prim, *_, **params) -> bool:
