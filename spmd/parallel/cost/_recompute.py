@@ -42,15 +42,17 @@ def _group(eqn: Any, sizes: Mapping[str, int]) -> int:
     return int(np.prod([sizes.get(n, 1) for n in names if isinstance(n, str)], dtype=np.int64))
 
 
-def regathered(closed: Any, sizes: Mapping[str, int]) -> dict:
+def regathered(closed: Any, sizes: Mapping[str, int], axis: str) -> dict:
     """``{kind: {"count", "bytes"}}`` of the all-gathers ``closed`` (a backward pass's ``ClosedJaxpr``) runs to
     gather re-gathering ``fully_shard`` units again (under ``REGATHER``), those the gradients read: JAX's partial
     evaluation emits no re-gather of a parameter whose gradient does not read its value (a bias), and a
-    re-gather nothing reads (the first unit's kernels, whose input needs no gradient) is dead code, dropped."""
-    return recomputed_collectives(closed, sizes, scope=REGATHER)
+    re-gather nothing reads (the first unit's kernels, whose input needs no gradient) is dead code, dropped.
+    ``axis``: the shard dim the units gather over (a sequence-parallel all-gather there is the tp term's)."""
+    return recomputed_collectives(closed, sizes, scope=REGATHER, axis=axis)
 
 
-def recomputed_collectives(closed: Any, sizes: Mapping[str, int], scope: str | None = None) -> dict:
+def recomputed_collectives(closed: Any, sizes: Mapping[str, int], scope: str | None = None,
+                           axis: str | None = None) -> dict:
     """``{kind: {"count", "bytes"}}`` of the collectives ``closed`` (a backward pass's ``ClosedJaxpr``) runs
     in a checkpoint's recomputation (see the module doc); ``sizes``: mesh dim name -> size. ``scope``: instead,
     those it runs under that named scope outside any recomputation (a SyncBatchNorm's transposed means); under
@@ -68,7 +70,9 @@ def recomputed_collectives(closed: Any, sizes: Mapping[str, int], scope: str | N
             if scope is None:
                 hit = RECOMPUTED in path and not (REGATHER in path and kind == "all-gather")
             elif scope == REGATHER:
-                hit = REGATHER in path and kind == "all-gather"
+                names = eqn.params.get("axis_name", ())
+                hit = REGATHER in path and kind == "all-gather" and axis in (
+                    names if isinstance(names, (tuple, list)) else (names,))
             else:
                 hit = scope in path and RECOMPUTED not in path
             if kind is not None and hit and _group(eqn, sizes) > 1:

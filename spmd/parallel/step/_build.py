@@ -222,7 +222,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             recomputed.append(recomputed_collectives(closed, sizes))
             recomputed.append(recomputed_collectives(closed, sizes, scope=SYNC_BN))
             again = pm.fsdp is not None and pm.fsdp.reshard_after_forward  # the units' re-gathers the gradients read
-            recomputed.append(regathered(closed, sizes) if again else None)
+            recomputed.append(regathered(closed, sizes, fsdp) if again else None)
             if new_stats is not None and data:
                 if batch_norm == "broadcast":  # data rank 0's statistics, on every rank (DDP's broadcast_buffers)
                     first = functools.reduce(jnp.logical_and, [lax.axis_index(d) == 0 for d in data])
