@@ -93,6 +93,10 @@ for a in sys.argv:
     if a.startswith("--validate="):
         VALIDATE = {k: int(a.split("=", 1)[1]) for k in VALIDATE}
 
+# --tolerance=F: the search leaves out the layouts and candidates whose bound or estimate is within F of the
+# fastest compiled one (spmd.parallel.auto._budget.TOLERANCE; default 0)
+TOLERANCE = float(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--tolerance=")), 0.0))
+
 if "--tiny" in sys.argv:  # the script's own smoke run: the same path on a small Llama and 8 devices
     MODELS = {k: (LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                               num_kv_heads=2, attn_implementation=ATTN), 8) for k in MODELS}
@@ -130,6 +134,9 @@ def plan_one(name: str, full_compile: bool) -> dict:
     opt = optax.adamw(3e-4)
     devices = jax.devices()[:n]
     t0, c0 = time.perf_counter(), time.process_time()
+    import spmd.parallel.auto._budget as budget_mod
+
+    budget_mod.TOLERANCE = TOLERANCE
     got = auto_layout(model, opt, batch, devices, hardware="h100", plan=tp_plan, units=("layers_*",), params=params,
                       mixed_precision="bfloat16", depth=lambda k: Llama(replace(cfg, num_layers=k)), top=10)
     ranked_s, ranked_cpu_s = time.perf_counter() - t0, time.process_time() - c0
@@ -150,7 +157,7 @@ def plan_one(name: str, full_compile: bool) -> dict:
     best = got.best
     out = {"model": f"llama3-{name}", "parameters": count, "devices": n, "seq": SEQ, "global_batch": n,
            "hardware": "h100", "budget_bytes": got.budget, "ranked_s": ranked_s, "ranked_cpu_s": ranked_cpu_s,
-           "load_1min": load, "candidates": len(got.candidates), "search": got.search,
+           "load_1min": load, "candidates": len(got.candidates), "search": got.search, "tolerance": TOLERANCE,
            "compiled": sum(c.measured_peak is not None for c in got.candidates),
            "untraced_by_bound": sum(r.startswith("not traced") for _, r in got.rejected),
            "rejected": len(got.rejected), "pick": best.name, "why": got.why(), "top": rows,

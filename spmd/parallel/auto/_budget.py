@@ -21,8 +21,8 @@
   (``SHARPEN = True``) the search compiles only the promising: once a candidate is compiled, the ratio of its
   compiled compute (the roofline of its own flops and bytes) to its estimate's (its flops at the matmul peak,
   no bytes, no recomputation) scales the compute of the uncompiled estimates and untraced bounds of its kin
-  (``sharpened``: the compiled candidate nearest by ``_kin``: same compute dtype, checkpointing policy, tp cut,
-  accumulation, then data-parallel split), and those scaled figures decide what is traced and compiled. They
+  (``sharpened``: the compiled candidate nearest by ``_kin`` among those of the same compute dtype and tp cut:
+  same checkpointing policy first, then accumulation, then data-parallel split; none such: not scaled), and those scaled figures decide what is traced and compiled. They
   are **estimates, not bounds**: the compiled compute of two layouts with the same per-device program (they
   differ in how the data-parallel degree splits, or keep / re-gather) differs only by the optimizer update's
   shards and the collectives' buffers, so a kin's ratio carries over closely, but a layout whose scaled
@@ -233,20 +233,31 @@ def _kin(a: Any, b: Any) -> tuple:
     return tuple(f(a) == f(b) for f in _KIN)
 
 
+def _nearest(lay: Any, ratios: list) -> float | None:
+    """The ratio of ``lay``'s nearest compiled kin (``_kin``; the first compiled on a tie), among those of the
+    same compute dtype and tensor-parallel cut (a tp layout's compiled compute counts what it replicates, a
+    ratio no other cut shares); None where there is none."""
+    same = [i for i, (other, _) in enumerate(ratios) if all(_kin(lay, other)[j] for j in (0, 2, 3, 4))]
+    if not same:
+        return None
+    return ratios[max(same, key=lambda i: (_kin(lay, ratios[i][0]), -i))][1]
+
+
 def sharpened(c: Candidate, ratios: list) -> float:
     """``c``'s time with its compute scaled as its nearest compiled kin's was (``ratios``: ``(layout, compiled
-    compute / estimated compute)`` of each compiled candidate; the nearest by ``_kin``, the first compiled on a
-    tie; a ratio under 1 taken as 1): an estimate, not a bound (see the module doc). With no ratio, or ``c``
+    compute / estimated compute)`` of each compiled candidate; the nearest of the same compute dtype and tp cut,
+    ``_nearest``; a ratio under 1 taken as 1): an estimate, not a bound (see the module doc). With no ratio, or ``c``
     compiled (``measured_peak`` set), ``c.predicted_s``."""
-    if not ratios or not math.isfinite(c.predicted_s) or c.measured_peak is not None:
-        return c.predicted_s
-    near = max(range(len(ratios)), key=lambda i: (_kin(c.layout, ratios[i][0]), -i))
-    return c.predicted_s + (max(ratios[near][1], 1.0) - 1.0) * c.compute_s
+    r = _nearest(c.layout, ratios) if math.isfinite(c.predicted_s) and c.measured_peak is None else None
+    return c.predicted_s if r is None else c.predicted_s + (max(r, 1.0) - 1.0) * c.compute_s
 
 
 # False: every candidate whose estimate is below the fastest compiled one is compiled (the sound search);
 # True: the estimates scaled by the nearest compiled kin's ratio first (see the module doc)
 SHARPEN = True
+# what the search leaves out: a layout or candidate whose bound or estimate is within this fraction of the
+# fastest compiled fitting one (0: none; the pick then is within that fraction of the search's own best)
+TOLERANCE = 0.0
 
 
 def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: int, compiled: Callable,
@@ -274,13 +285,13 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
         b = bound(lay)
         if not (SHARPEN and bratios and bound_compute is not None and math.isfinite(b)):
             return b
-        near = max(range(len(bratios)), key=lambda j: (_kin(lay, bratios[j][0]), -j))
-        return b + (max(bratios[near][1], 1.0) - 1.0) * bound_compute(lay)
+        r = _nearest(lay, bratios)
+        return b if r is None else b + (max(r, 1.0) - 1.0) * bound_compute(lay)
 
     i = traced_n = 0
     while True:
         fit = [c.predicted_s for c in done if c.fits]
-        best = min(fit, default=math.inf)
+        best = min(fit, default=math.inf) * (1.0 - TOLERANCE)
         nxt = bound_of(todo[i]) if i < len(todo) else math.inf
         est = est_of(rest[0]) if rest and rest[0].fits else math.inf
         if (len(fit) >= k and min(nxt, est) >= best) or (nxt == math.inf and est == math.inf and i >= len(todo)):
