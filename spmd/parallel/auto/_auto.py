@@ -564,8 +564,10 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     bandwidth)`` of the same flops and bytes (the max: the memory traffic of a matmul-bound step runs under
     its matmuls, a sum would count the overlap twice); no dispatch or launch cost
     (``spmd.parallel.auto._priced``); once a candidate is compiled its compute is the roofline of its own
-    step's ``cost_analysis()`` flops and bytes, and before, the model's matmul work at the peak rate (a bound,
-    which stops the compiling: ``_budget.checked``). ``memory_budget_bytes`` defaults to the hardware's
+    step's ``cost_analysis()`` flops and bytes, and before, the model's matmul work at the peak rate: a bound,
+    but the search (``_budget.SHARPEN``, on by default) scales it by its nearest compiled kin's ratio (same
+    compute dtype and tp cut), an estimate, not a bound, to decide what to compile next; with ``SHARPEN``
+    off the bound alone stops the compiling (``_budget.checked``). ``memory_budget_bytes`` defaults to the hardware's
     ``memory_bytes``.
 
     ``mixed_precision``: a floating dtype's name (``"bfloat16"``) or several: every FSDP layout is weighed
