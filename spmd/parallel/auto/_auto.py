@@ -69,7 +69,7 @@ import optax
 
 from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
 from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, check_budget, check_floor, checked, parts,
-                                        searched)
+                                        policy_of, searched)
 from spmd.parallel.auto._compiled import compile_figures, extrapolated
 from spmd.parallel.auto._cpep import (GATHER_ONLY, check_attention, check_pipelined_attention, context_expert_layouts,
                                       cp_work, gather_only, uncut)
@@ -220,16 +220,6 @@ def _beyond(comm: dict) -> dict:
     return out
 
 
-def _policy(layout: Layout) -> str | None:
-    """The checkpointing policy ``layout``'s blocks run under: its own, else ``"dots"`` where FSDP gathers the
-    units again for their backward pass (each under ``jax.checkpoint`` keeping its matmul outputs and every
-    other value but the gathered parameters, ``spmd.parallel.styles._fully_shard._saved``: the memory floor
-    of ``"dots"``, which counts the matmul outputs), else None."""
-    if layout.activation_checkpointing:
-        return layout.activation_checkpointing
-    return "dots" if layout.fsdp > 1 and layout.reshard_after_forward and layout.pp == 1 else None
-
-
 def _rated(cal: HardwareRates, dtype: str) -> str:
     """The dtype whose matmul rate prices a mixed-precision candidate: its compute dtype where the hardware
     gives a rate for it, else the model's."""
@@ -275,7 +265,7 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     local_bytes = _nbytes(batch) // (n_data * layout.cp)
     mem = memory_floor(profile, state.plan, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // (layout.tp if layout.weight_stationary else 1), *x.shape[1:]),
-                                       x.dtype), micro), local_bytes, tp=layout.tp, policy=_policy(layout),
+                                       x.dtype), micro), local_bytes, tp=layout.tp, policy=policy_of(layout),
         compute_dtype=layout.mixed_precision)
     if floor_only:
         return untraced(layout, mem, budget)
