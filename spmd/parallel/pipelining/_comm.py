@@ -45,10 +45,14 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
     n_ep = pm.mesh.size(pm.ep.ep.mesh_dim) if pm.ep else 1
     gathered = sum(local[f"{STAGES}/{rel}"] for rel in cut) * (lay.n_fsdp or 1)  # a rank's stages, full over fsdp
     rest_bytes = sum(local[f"{REST}/{p}"] for p in lay.rest)
-    ar = rest_bytes
+    n_cp = pm.mesh.size(pm.cp) if pm.cp else 1  # a position table's gradient: reduced on each device's rows
+    rest_bytes -= sum(local[f"{REST}/{p}"] - local[f"{REST}/{p}"] // n_cp
+                      for p in (cp_records or {}).get("positional", ()))
+    ar, ar_n = rest_bytes, len(lay.rest)
     for rel in lay.rel:  # each stage gradient averaged over the data dims it is whole on (fsdp: its shard)
         others = n_data // ((lay.n_fsdp if rel in cut else 1) * (n_ep if rel in experts else 1))
         ar += local[f"{STAGES}/{rel}"] if others > 1 else 0
+        ar_n += others > 1
     add = tp["program"] if tp else {k: {"count": 0, "bytes": 0} for k in ("all-reduce", "all-gather", "reduce-scatter")}
     cp = cp_terms(pm, lay, cp_records, ticks, accum_steps) if cp_records is not None else None
     if cp is not None:
@@ -57,7 +61,8 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
     return {
         "collective-permute": {"count": ops["F"] + ops["B"], "bytes": (ops["F"] + ops["B"]) * sent,
                                "pairs": pairs, "ops": {"forward": ops["F"], "backward": ops["B"]}},
-        "all-reduce": {"bytes": ar + add["all-reduce"]["bytes"]},
+        # buffers: one per gradient each reduction holds (pp's of the rest, the data dims', cp's)
+        "all-reduce": {"bytes": ar + add["all-reduce"]["bytes"], "buffers": ar_n + add["all-reduce"]["count"]},
         "all-gather": {"bytes": gathered + add["all-gather"]["bytes"],
                        "buffers": len(cut) + (cp["program"]["all-gather"]["count"] if cp else 0)},
         "reduce-scatter": {"bytes": gathered + add["reduce-scatter"]["bytes"],
@@ -154,7 +159,9 @@ def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     the loop form: every branch, every tick), per step."""
     from spmd.parallel.context._calls import attention_terms
 
-    at = attention_terms(recs["unit"])
+    kv = [r for r in recs["unit"] if r["method"] != "gather sequence"]
+    whole = [r for r in recs["unit"] if r["method"] == "gather sequence"]
+    at = attention_terms(kv)
     lc = lay.per_slot
     zero = _sum()
 
@@ -163,12 +170,20 @@ def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
         t[kind] = {"count": count, "bytes": nbytes}
         return t
 
-    fwd = _sum(one("all-gather", at["all-gather"]["count"], at["all-gather"]["bytes"]), scale=lc)
-    bwd = _sum(one("reduce-scatter", at["reduce-scatter"]["count"], at["reduce-scatter"]["bytes"]), scale=lc)
-    sizes = {rel: int(np.prod(lay.unit_shapes[rel].shape)) * lay.unit_shapes[rel].dtype.itemsize for rel in lay.rel}
-    grads = one("all-reduce", len(lay.rel) * lc, sum(sizes.values()) * lc)
-    tables = {r["param"] for r in recs["lookups"]}
-    post_p = [p for p in lay.rest if p not in tables]
+    def gathers(key):  # a gathered module's inputs (forward) or its outputs' cotangents (backward)
+        shapes = [sd for r in whole for sd in r[key]]
+        return one("all-gather", len(shapes), sum(int(np.prod(sh)) * np.dtype(d).itemsize for sh, d in shapes))
+
+    fwd = _sum(one("all-gather", at["all-gather"]["count"], at["all-gather"]["bytes"]), gathers("gathered"), scale=lc)
+    bwd = _sum(one("reduce-scatter", at["reduce-scatter"]["count"], at["reduce-scatter"]["bytes"]), gathers("cut"),
+               scale=lc)
+    own = {p for r in whole for p in r.get("params", ())}  # computed whole on every device of cp: not summed
+    summed = [rel for rel in lay.rel if rel not in own]
+    sizes = {rel: int(np.prod(lay.unit_shapes[rel].shape)) * lay.unit_shapes[rel].dtype.itemsize for rel in summed}
+    grads = one("all-reduce", len(summed) * lc, sum(sizes.values()) * lc)
+    tables = {r["param"] for r in recs["lookups"]} - set(recs.get("attends", ()))  # a tied head's: summed
+    positional = set(recs.get("positional", ()))
+    post_p = [p for p in lay.rest if p not in tables and p not in positional]
     post = one("all-reduce", len(post_p), sum(int(np.prod(lay.shapes[p].shape)) * lay.shapes[p].dtype.itemsize
                                               for p in post_p))
     pre = one("all-gather", sum(len(r["bytes"]) for r in recs["lookups"]),
@@ -181,7 +196,11 @@ def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     else:
         used = sorted({k for codes in ticks for pair in codes for k in pair})
         program = _sum(*[cost[k] for k in used], scale=accum_steps * len(ticks))
-    return {"program": program, "calls": list(recs["unit"]), "lookups": list(recs["lookups"])}
+    # a position table's gradient: cut over cp on its rows, gathered once per step (beside the update)
+    program = _sum(program, one("all-gather", len(positional), sum(
+        int(np.prod(lay.shapes[p].shape)) * lay.shapes[p].dtype.itemsize for p in positional)))
+    return {"program": program, "calls": list(recs["unit"]), "lookups": list(recs["lookups"]),
+            "positional": sorted(positional)}
 
 
 def ep_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:

@@ -32,12 +32,12 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd.parallel.context._calls import ContextCalls, seq_len
 from spmd.parallel.context._seq import batch_seq
 from spmd.parallel.plan._checks import check_rng
 from spmd.parallel.styles._nnx import nnx_params
 from spmd.parallel.pipelining._calls import model_kind
 from spmd.parallel.pipelining._split import unit_modules
+from spmd.parallel.pipelining._cp import context_records, routed, stage_context
 from spmd.parallel.pipelining._comm import REST, STAGES, format_pipeline_communication, pipeline_communication
 from spmd.parallel.pipelining._tables import ROLES, branch_codes, tick_tables
 from spmd.parallel.pipelining._tp import (ep_placements, map_tp_aware, reduce_tp_aware, segment_records,
@@ -287,6 +287,8 @@ class PipelineStep(TrainStep):
     def table(self, state, batch) -> str:
         lines = [f"    {r['call']}: {r['method']} over cp={r['n']} (a stage's branch: no ring), q {list(r['q'][0])} "
                  f"{r['q'][1]}, k/v {list(r['kv'][0])}" + (", causal" if r["causal"] else "")
+                 if "q" in r else f"    attention '{r['call']}' (a unit's module): gather sequence over cp={r['n']} "
+                 f"(in {', '.join(f'{list(s)} {d}' for s, d in r['gathered'])}; its output cut back)"
                  for r in self.attention(state, batch)]
         lines = list(dict.fromkeys(lines))  # each distinct call once
         return (state.plan.table() + "\n" + str(self._pm.schedule) + "\n"
@@ -418,7 +420,8 @@ class _Stages:
         """A unit of kind ``k`` (``UnitCalls.kind_of``), named (tp) by its kind's first unit; ``unit``: its index
         (its constants' row, ``UnitCalls.unit_consts``)."""
         lay = self.lay
-        with self.hooks.unit(lay.module_of(lay.calls.kinds[k])) if self.hooks else contextlib.nullcontext():
+        with self.hooks.unit(lay.module_of(lay.calls.kinds[k])) if self.hooks else contextlib.nullcontext(), \
+                routed(self.attention if self.attention is not None and self.attention.gathered else None):
             return lay.apply_unit(leaves, x, side, kind=k, unit=unit)
 
     def chunk_of(self, sp: dict, j) -> dict:
@@ -512,55 +515,8 @@ class _Stages:
 
 def _region(st: _Stages, stored, batch):
     """The step's region (manual over pp and the data dims): this rank's reduced gradients and the metrics."""
-    with st.hooks.installed() if st.hooks else contextlib.nullcontext(), _context(st, batch):
+    with st.hooks.installed() if st.hooks else contextlib.nullcontext(), stage_context(st, batch):
         return _region_body(st, stored, batch)
-
-
-def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
-    """Under cp (linen units, no tp): one unit's attention calls (``ContextCalls`` records, traced on the
-    micro-batch's shapes) and the embedding lookups of the code before the first unit (a module with one rank-2
-    parameter called on the ``[batch, seq]`` ids: GSPMD transposes it by gathering the ids and its output's
-    gradient over cp), for the table's cp terms (``spmd.parallel.pipelining._comm.cp_terms``). ``t``: the batch's
-    sequence length (``seq_batch_leaves``; None: the one dim-1 length of ``mb``'s leaves)."""
-    import flax.linen as nn
-
-    n = pm.mesh.size(pm.cp)
-    calls = ContextCalls(pm.mesh.jax_mesh, n, t or seq_len(mb), pm.cp, ring=False)
-    unit = [lay.unit_shapes[rel] for rel in lay.rel]
-    with calls.installed():
-        jax.eval_shape(lambda ls, x, sd: lay.apply_unit(ls, x, sd), unit, lay.act, lay.calls.side_shapes)
-    lookups = []
-
-    def note(next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
-        mod, x = context.module, args[0] if args else None
-        own = jax.tree_util.tree_leaves_with_path(mod.variables.get("params", {})) if mod.scope is not None else []
-        if (context.method_name == "__call__" and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
-                and np.ndim(x) == 2 and x.shape[1] == calls.seq_len and hasattr(out, "shape")
-                and tuple(out.shape[:2]) == tuple(x.shape) and len(own) == 1 and np.ndim(own[0][1]) == 2):
-            path = "/".join(str(p) for p in mod.scope.path) + "/" + "/".join(str(k.key) for k in own[0][0])
-            lookups.append({"param": path, "bytes": [x.size * x.dtype.itemsize, out.size * out.dtype.itemsize]})
-        return out
-
-    rest = {p: lay.shapes[p] for p in lay.rest}
-    with nn.intercept_methods(note):
-        jax.eval_shape(lambda r, b: lay.pre(loss_fn, r, b), rest, mb)
-    return {"unit": list(calls.records), "lookups": lookups}
-
-
-def _context(st: _Stages, batch):
-    """Under cp: the attention calls of the stages across the sequence cut, each the all-gather of K/V
-    (``ContextCalls(ring=False)``). A stage runs inside a per-rank ``lax.switch`` branch; the ring's
-    collective-permutes there would meet every device of the program (XLA's rendezvous of a
-    collective-permute), the pp ranks in other branches never arriving; an all-gather meets its cp group only."""
-    pm = st.pm
-    if not pm.cp or pm.mesh.size(pm.cp) < 2:
-        return contextlib.nullcontext()
-    tp = pm.tp.tp.mesh_dim if pm.tp else None
-    calls = ContextCalls(pm.mesh.jax_mesh, pm.mesh.size(pm.cp), st.seq_len or seq_len(batch), pm.cp,
-                         tp=(tp, pm.mesh.size(tp)) if tp else None, ring=False)
-    st.attention = calls
-    return calls.installed()
 
 
 def _region_body(st: _Stages, stored, batch):
