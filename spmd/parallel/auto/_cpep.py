@@ -176,12 +176,14 @@ def check_attention(comm: dict, layout: Layout, where: str) -> list[dict]:
 
 def check_pipelined_attention(comm: dict, layout: Layout, where: str) -> None:
     """A pipelined cp layout's stages must call an attention the cp step recognizes (``comm``: the pipeline's
-    table, its ``cp`` part): a module's own einsum attention is not run on the gathered sequence in a stage."""
-    if layout.cp > 1 and not (comm.get("cp") or {}).get("calls"):
+    table, its ``cp`` part): a module's own einsum attention runs on the gathered sequence in a stage, whole on every
+    cp rank (as ``gather_only`` leaves such layouts out without a pipeline), so it is refused here."""
+    calls = [r for r in (comm.get("cp") or {}).get("calls", ()) if r["method"] != "gather sequence"]
+    if layout.cp > 1 and not calls:
         raise ValueError(f"{where}: layout {layout.name!r}: the pipeline's stages call no attention the cp step "
                          "recognizes (jax.nn.dot_product_attention, flax's dot_product_attention; a stage runs each "
-                         "as the all-gather of K/V, and a module's own einsum attention is run on the gathered "
-                         "sequence only without a pipeline): cp under a pipeline is weighed for models calling one.")
+                         "as the all-gather of K/V); a module's own einsum attention runs on the gathered sequence, "
+                         "whole on every cp rank: cp under a pipeline is weighed for models calling one.")
 
 
 def uncut(micro: Any, cp: int) -> Any:

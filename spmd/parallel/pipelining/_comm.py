@@ -178,9 +178,11 @@ def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     bwd = _sum(one("reduce-scatter", at["reduce-scatter"]["count"], at["reduce-scatter"]["bytes"]), gathers("cut"),
                scale=lc)
     own = {p for r in whole for p in r.get("params", ())}  # computed whole on every device of cp: not summed
+    own |= set(recs.get("side", ()))  # computed on the unit's side arrays: whole over cp, their joins summed
     summed = [rel for rel in lay.rel if rel not in own]
     sizes = {rel: int(np.prod(lay.unit_shapes[rel].shape)) * lay.unit_shapes[rel].dtype.itemsize for rel in summed}
-    grads = one("all-reduce", len(summed) * lc, sum(sizes.values()) * lc)
+    joins = recs.get("joins", ())
+    grads = one("all-reduce", (len(summed) + len(joins)) * lc, (sum(sizes.values()) + sum(joins)) * lc)
     tables = {r["param"] for r in recs["lookups"]} - set(recs.get("attends", ()))  # a tied head's: summed
     positional = set(recs.get("positional", ()))
     post_p = [p for p in lay.rest if p not in tables and p not in positional]

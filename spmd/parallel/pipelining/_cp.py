@@ -111,18 +111,24 @@ def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
     traced on the micro-batch's shapes), the embedding lookups of the code before the first unit (a module with one
     rank-2 parameter called on the ``[batch, seq]`` ids: GSPMD transposes it by gathering the ids and its output's
     gradient over cp) and its position tables (``positional``: a parameter added to the sequence row by row, its
-    gradient cut over cp on the rows), the tied heads of the code after the last unit (``attends``: a lookup's table
+    gradient cut over cp on the rows), the unit's ``side`` parameters (computed on its side arrays, whole over cp;
+    ``joins``: the bytes of each broadcast of such a value into the sequence, all-reduced over cp backward), the tied heads of the code after the last unit (``attends``: a lookup's table
     multiplied by there, that product's gradient summed over cp on the last stage), for the table's cp terms (``spmd.parallel.pipelining._comm.cp_terms``).
     ``t``: the batch's sequence length (``seq_batch_leaves``; None: the one dim-1 length of ``mb``'s leaves)."""
     import flax.linen as nn
 
-    from spmd.parallel.step._heads import positional_params
+    from spmd.parallel.step._heads import positional_params, side_params
 
     t = t or seq_len(mb)
     calls = _calls(pm, lay, t)
     unit = [lay.unit_shapes[rel] for rel in lay.rel]
     with calls.installed(), routed(calls if calls.gathered else None):
-        jax.eval_shape(lambda ls, x, sd: lay.apply_unit(ls, x, sd), unit, lay.act, lay.calls.side_shapes)
+        closed = jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act, lay.calls.side_shapes)
+    # the unit's parameters computed on its side arrays only (whole over cp: a [batch, d] vector's dense layer) whose
+    # output joins the sequence by broadcast: their gradients whole over cp, the join's cotangent summed over cp
+    # (none without side arrays: at one row per device a bias broadcast as [1, 1, d] would read as a batch vector)
+    side, joins = side_params(closed.jaxpr, closed.jaxpr.invars[:len(unit)], closed.jaxpr.invars[len(unit):][:1],
+                              t) if lay.calls.side_shapes else ((), [])
     lookups = []
 
     def note(next_fun, args, kwargs, context):
@@ -146,4 +152,5 @@ def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
     flat = jax.tree_util.tree_flatten_with_path(rest)[0]
     order = [path[0].key for path, _ in flat]
     positional = sorted(order[i] for i in positional_params(jaxpr, jaxpr.invars[:len(order)], t))
-    return {"unit": list(calls.records), "lookups": lookups, "positional": positional, "attends": sorted(tail.attends)}
+    return {"unit": list(calls.records), "lookups": lookups, "positional": positional, "attends": sorted(tail.attends),
+            "side": sorted(lay.rel[i] for i in side), "joins": list(joins)}

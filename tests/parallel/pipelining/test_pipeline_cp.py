@@ -71,7 +71,7 @@ def test_llama_pipelined_under_cp_equals_one_device(shape, names):
     # the embedding lookup's gathers of ids and output gradient on the first, the fsdp gathers
     for kind in ("all-gather", "reduce-scatter", "all-reduce"):
         assert hlo[kind]["bytes"] == table[kind]["bytes"], kind
-    for kind in ("all-gather", "reduce-scatter"):
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
         assert hlo[kind]["buffers"] == table[kind]["buffers"], kind
     want = table["collective-permute"]
     # 1F1B at pp=2, M=2: 2 sends each way, each a micro-batch's (2 or 1 rows, 16 / cp = 8 positions, 16) float32
@@ -146,7 +146,9 @@ def test_a_batch_vector_as_wide_as_the_sequence_stays_whole_over_cp_in_a_pipelin
     """pp=2 x cp=2 with a ``[batch, d]`` batch leaf, ``d`` equal to the sequence length (8): which leaves hold the
     sequence is read from the program (``loss_fn`` traced at fewer positions: this one's dense layer needs its
     width), so it is not cut over cp (it was, by its dim 1: one all-gather of it the table did not count); 2 SGD
-    steps equal one device's, and the compiled all-gathers equal the table's. With a ``side`` ``[batch, 5]`` leaf too
+    steps equal one device's, and the compiled collectives equal the table's (the all-reduces too: the block's dense
+    layer on ``cond`` has its gradients whole over cp and its broadcast's cotangent all-reduced, which the table
+    counted as the layer's gradients summed over cp: 47 buffers, 9,760 B, against 43, 8,224 B). With a ``side`` ``[batch, 5]`` leaf too
     (the leaves' dim 1 differs: the sequence is the length the program takes at fewer positions; it was read as
     none, and the attention refused a sequence of 0 positions)."""
     t = 8
@@ -170,8 +172,11 @@ def test_a_batch_vector_as_wide_as_the_sequence_stays_whole_over_cp_in_a_pipelin
     step = make_train_step(pm, loss_fn, opt)
     hlo = executed_collectives(step._build(state, batches[0]).jitted, state, batches[0], scalars=False)
     table = step.communication(state, batches[0])
-    assert (hlo["all-gather"]["buffers"], hlo["all-gather"]["bytes"]) == (table["all-gather"]["buffers"],
-                                                                           table["all-gather"]["bytes"])
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (table[kind]["buffers"], table[kind]["bytes"]), kind
+    # the block's dense layer on cond: its gradients whole over cp (not summed), the [batch, d] cotangent of its
+    # broadcast into the sequence all-reduced instead (each B: 9 buffers, 8 + 1, not 10; 43 / 8,224 B in all)
+    assert (hlo["all-reduce"]["buffers"], hlo["all-reduce"]["bytes"]) == (43, 8224)
     state = _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref)
 
 
