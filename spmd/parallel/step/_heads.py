@@ -29,8 +29,12 @@ from spmd.parallel.styles._hooks import COLWISE_MARK, WHOLE_MARK
 __all__ = ["head_splits", "whole_over_tp", "check_head_cuts", "check_whole_sequence", "positional_params",
            "whole_sequence_products", "dot_params", "lookup_cotangents", "side_params"]
 
+# elementwise ops a projection's output passes through on its way to the heads' reshape; ``reduce_precision`` at
+# its own dtype's precision is the identity that ``jax.checkpoint`` puts after each value it saves (a re-gathering
+# unit's policy saves a projection's output and recomputes its reshape: ``_fully_shard._saved``)
 _PASS = {"convert_element_type", "add", "sub", "mul", "div", "neg", "copy", "copy_p", "tanh", "logistic",
-         "exp", "max", "min", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "select_n", "pjit", "name"}
+         "exp", "max", "min", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "select_n", "pjit", "name",
+         "reduce_precision"}
 
 
 def _sub_jaxprs(eqn) -> list:
