@@ -181,8 +181,9 @@ def test_a_batch_vector_as_wide_as_the_sequence_stays_whole_over_cp_in_a_pipelin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,names", [((2, 2), ("pp", "cp")), ((2, 2, 2), ("pp", "fsdp", "cp"))],
-                         ids=["pp2-cp2", "pp2-fsdp2-cp2"])
+@pytest.mark.parametrize("shape,names", [((2, 2), ("pp", "cp")), ((2, 2, 2), ("pp", "fsdp", "cp")),
+                                         ((2, 2, 2), ("dp", "pp", "cp")), ((2, 4), ("pp", "cp"))],
+                         ids=["pp2-cp2", "pp2-fsdp2-cp2", "dp2-pp2-cp2", "pp2-cp4"])
 def test_einsum_transformer_pipelined_under_cp_table_equals_hlo(shape, names):
     """``models.Transformer`` (its own einsum attention in ``block_*.attn``, a learned position table, a tied head)
     pipelined over its 2 blocks under cp: each unit's ``attn`` runs on the sequence gathered over cp, as in the plain
@@ -219,7 +220,8 @@ def test_einsum_transformer_pipelined_under_cp_table_equals_hlo(shape, names):
     assert (hlo["collective-permute"]["buffers"], hlo["collective-permute"]["bytes"]) == (want["count"], want["bytes"])
     recs = step.attention(state, batches[0])
     assert {(r["call"], r["method"]) for r in recs} == {("attn", "gather sequence")}
-    rows = 4 // 2 // (2 if "fsdp" in names else 1)  # a micro-batch's rows on a device
+    rows = 4 // 2 // (2 if "fsdp" in names or "dp" in names else 1)  # a micro-batch's rows on a device
     assert all(r["gathered"] == [((rows, T, 16), "float32")] == r["cut"] for r in recs)
-    assert "attention 'attn' (a unit's module): gather sequence over cp=2" in step.table(state, batches[0])
+    n_cp = dict(zip(names, shape))["cp"]
+    assert f"attention 'attn' (a unit's module): gather sequence over cp={n_cp}" in step.table(state, batches[0])
     _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref)
