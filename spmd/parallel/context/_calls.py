@@ -139,7 +139,7 @@ def _uniform(x, depth: int = 0) -> bool:
     eqn = getattr(x, "parent", None)
     if eqn is None or getattr(eqn, "primitive", None) is None:
         return False
-    if eqn.primitive.name in ("broadcast_in_dim", "convert_element_type", "reshape", "copy") \
+    if eqn.primitive.name in ("broadcast_in_dim", "convert_element_type", "reshape", "copy", "reduce_precision") \
             and len(eqn.in_tracers) == 1:
         return _uniform(eqn.in_tracers[0], depth + 1)
     return False

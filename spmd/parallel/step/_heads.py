@@ -162,7 +162,8 @@ def check_whole_sequence(jaxpr: Any, seq_len: int, n: int, gathered: Callable[[s
 
 
 _ALONG = {"slice", "dynamic_slice", "reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims",
-          "copy", "copy_p", "all_gather", "sharding_constraint"}  # ops that carry a parameter's rows along unmixed
+          "copy", "copy_p", "all_gather", "sharding_constraint", "reduce_precision"}  # ops that carry a parameter's rows
+# along unmixed (reduce_precision: what jax.checkpoint puts on a saved value, at its own precision a no-op)
 
 
 def _sub_invars(eqn) -> list:
