@@ -28,8 +28,13 @@
   shards and the collectives' buffers, so a kin's ratio carries over closely, but a layout whose scaled
   estimate is above the pick's compiled time is not compiled, and nothing proves its compiled time would have
   been. The first candidate traced that fits its bound is compiled at once (its ratio scales the bounds of the
-  layouts not yet traced). The uncompiled candidates are ranked at their scaled estimate, their peak at its
-  lower bound (``>=``).
+  layouts not yet traced), and so is the first of each compute dtype and tp cut (no ratio of its kind yet: its
+  unscaled estimate, the matmuls at the peak rate, would otherwise have every layout of its kind traced). The uncompiled candidates are ranked at their scaled estimate, their peak at its
+  lower bound (``>=``). Under a budget (``SHARPEN``) a candidate about to be compiled whose kin of the same
+  per-device program (all but the data-parallel split) was compiled is judged first by its memory bound plus
+  what that kin's compiled peak was over its own bound (``over_by_kin``; at 8B on 64 devices the bound misses
+  the activations XLA keeps by 124-125 GiB alike for ``dp=8,fsdp=8`` and ``dp=16,fsdp=4``): over the budget so,
+  it is not compiled (ranked behind the fitting ones, its peak marked ``~``) and its variants join the ranking.
   ``tests/parallel/auto/test_auto_search.py`` checks that the pick equals the sound search's;
 - ``_measured``: the top ``k`` fitting candidates timed (``measure=``), the fastest measured first.
 """
@@ -47,7 +52,7 @@ from spmd.parallel.auto._ranking import Candidate
 from spmd.parallel.cost._memory import _nbytes
 from spmd.parallel.styles._remat import offload_refusal, policy_names
 
-__all__ = ["CHECKPOINTING", "weighed_policies", "checked", "searched", "sharpened", "policy_of", "check_budget", "check_floor", "parts"]
+__all__ = ["CHECKPOINTING", "weighed_policies", "checked", "searched", "sharpened", "over_by_kin", "policy_of", "check_budget", "check_floor", "parts"]
 
 # the activation-checkpointing policies weighed where memory needs them, from the least recomputation to the
 # most (spmd.parallel.styles._remat.POLICIES: all of them); MaxText's named ones only where the model names those
@@ -124,7 +129,10 @@ def parts(memory: dict) -> str:
 def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...], rejected: list,
              policies: tuple[str, ...] = CHECKPOINTING) -> list[Candidate]:
     """The variants of a layout that does not fit the budget which do: per activation-checkpointing policy
-    (none, then ``policies``, ``CHECKPOINTING``'s weighed for the model, on the blocks ``units``; not under a
+    (none, then ``policies``, ``CHECKPOINTING``'s weighed for the model, on the blocks ``units``; a layout with
+    a policy of its own: that one, then the heavier ones after it in ``policies``, each with the layout's own
+    accumulation at least (a layout over with ``"dots"`` and all the accumulation its rows allow is not a dead
+    end: ``"full"`` is weighed for it); not under a
     pipeline, which recomputes its stages already; FSDP units re-gathered for the backward pass are not
     weighed under ``"dots"``), the least gradient accumulation that fits, where the micro-batches divide the replica's rows; a policy that
     needs no less accumulation than a lighter one (in ``CHECKPOINTING``'s order) is dropped, and once one fits
@@ -133,9 +141,11 @@ def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]
     lay = c.layout
     local = rows // lay.n_data
     weighed = [None]
-    if lay.pp == 1 and units and lay.activation_checkpointing is None:
+    own = lay.activation_checkpointing
+    if lay.pp == 1 and units and (own is None or own in policies):  # a policy over: the heavier ones after it
         regather = lay.fsdp > 1 and lay.reshard_after_forward
-        weighed += [p for p in policies if not (regather and p == "dots")]
+        heavier = policies[policies.index(own) + 1:] if own is not None else policies
+        weighed += [p for p in heavier if not (regather and p == "dots")]
     out = []
     for policy in weighed:
         base = lay if policy is None else replace(lay, activation_checkpointing=policy, units=lay.units or units)
@@ -252,6 +262,29 @@ def sharpened(c: Candidate, ratios: list) -> float:
     return c.predicted_s if r is None else c.predicted_s + (max(r, 1.0) - 1.0) * c.compute_s
 
 
+def _excess_of(lay: Any, excesses: list) -> float | None:
+    """What the compiled peak of ``lay``'s kin was over its memory lower bound (``excesses``: ``(layout, compiled
+    peak - bound)`` of each compiled candidate): the last compiled of those whose per-device program is ``lay``'s
+    but for how the data-parallel degree splits (``_KIN``'s all but the last: the same compute dtype,
+    checkpointing policy, tp cut, accumulation, keep / re-gather); None where there is none."""
+    same = [e for other, e in excesses if all(_kin(lay, other)[:-1])]
+    return same[-1] if same else None
+
+
+def over_by_kin(c: Candidate, excesses: list, budget: int | None) -> float | None:
+    """``c``'s estimated peak where it is over ``budget``: its memory lower bound plus what its kin's compiled
+    peak was over theirs (``_excess_of``: the activations and work buffers of the same per-device program, which
+    the bound under-counts alike; the state, which differs with the split, the bound counts for each), else None
+    (no kin, within the budget, or ``c`` compiled). An estimate, not a bound (see the module doc)."""
+    if budget is None or c.measured_peak is not None or not c.fits:
+        return None
+    e = _excess_of(c.layout, excesses)
+    if e is None:
+        return None
+    est = c.memory["peak"] + max(e, 0.0)
+    return est if est > budget else None
+
+
 # False: every candidate whose estimate is below the fastest compiled one is compiled (the sound search);
 # True: the estimates scaled by the nearest compiled kin's ratio first (see the module doc)
 SHARPEN = True
@@ -277,6 +310,8 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
     seen: set = set()
     ratios: list = []  # (layout, compiled compute / estimated compute) of each compiled candidate
     bratios: list = []  # (layout, compiled compute / its bound's compute part)
+    excesses: list = []  # (layout, compiled peak - its memory lower bound) of each compiled candidate
+    estimated: list = []  # the candidates left uncompiled as over the budget by their kin's excess (over_by_kin)
 
     def est_of(c: Candidate) -> float:
         return sharpened(c, ratios) if SHARPEN else c.predicted_s
@@ -296,18 +331,30 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
         est = est_of(rest[0]) if rest and rest[0].fits else math.inf
         if (len(fit) >= k and min(nxt, est) >= best) or (nxt == math.inf and est == math.inf and i >= len(todo)):
             break
-        first = SHARPEN and not done and est < math.inf  # the first kin compiled early: its ratio scales the rest
+        # the first of each kin compiled early (no ratio of its dtype and tp cut yet): its ratio scales the rest
+        first = SHARPEN and est < math.inf and (not done or (
+            rest[0].layout.pp == 1 and _nearest(rest[0].layout, ratios) is None))
         if i < len(todo) and nxt < est and not first:  # the next layout could still beat every estimate: trace it
             new = [c for c in trace(todo[i]) if c.layout not in seen]
             i += 1
             traced_n += 1
         else:  # the best estimate is below every untraced bound: compile it
             c = rest.pop(0)
+            over = over_by_kin(c, excesses, budget) if SHARPEN else None
+            if over is not None:  # its kin's excess puts it over the budget: its variants instead, not compiled
+                c = replace(c, fits=False, memory={**c.memory, "peak": over, "estimated": True})
+                estimated.append(c)
+                new = [v for v in variants(c, budget) if v.fits and v.layout not in seen]
+                seen |= {v.layout for v in new}
+                rest = sorted(rest + new, key=lambda c: (not c.fits, est_of(c)))
+                continue
             if progress is not None:
                 progress(c)
-            before = c.compute_s
+            before, floor = c.compute_s, c.memory["peak"]
             c = compiled(c)
             done.append(c)
+            if c.measured_peak is not None and c.layout.pp == 1:
+                excesses.append((c.layout, c.measured_peak - floor))
             if c.layout.pp == 1 and before > 0 and math.isfinite(before) and math.isfinite(c.compute_s):
                 ratios.append((c.layout, c.compute_s / before))
                 if bound_compute is not None and bound_compute(c.layout) > 0:
@@ -317,7 +364,9 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
         seen |= {c.layout for c in new}
         rest = sorted(rest + new, key=lambda c: (not c.fits, est_of(c)))
     if stats is not None:
-        stats.update(traced=traced_n, compiled=len(done), uncompiled=len(rest), untraced=len(todo) - i)
+        stats.update(traced=traced_n, compiled=len(done), uncompiled=len(rest), untraced=len(todo) - i,
+                     over_by_kin=len(estimated))
+    rest += estimated
     if SHARPEN and ratios:  # the uncompiled ones at their scaled estimates (none faster than the pick)
         rest = [replace(c, predicted_s=est_of(c), compute_s=c.compute_s + est_of(c) - c.predicted_s) for c in rest]
-    return _merged(_ranked(done), rest), [(lay, bound_of(lay)) for lay in todo[i:]]
+    return _merged(_ranked(done), _ranked(rest)), [(lay, bound_of(lay)) for lay in todo[i:]]

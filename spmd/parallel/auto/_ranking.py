@@ -65,6 +65,8 @@ def _ms(x: float) -> str:
 
 def _peak(c: "Candidate") -> str:
     """The peak column: the compiled step's, or ``>=`` the lower bound where the candidate was not compiled."""
+    if c.memory.get("estimated"):  # its bound plus its compiled kin's excess (_budget.over_by_kin)
+        return "~" + _mib(c.memory["peak"])
     return _mib(c.memory["peak"]) if c.memory.get("compiled", True) else ">=" + _mib(c.memory["peak"])
 
 

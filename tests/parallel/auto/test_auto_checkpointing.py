@@ -73,6 +73,20 @@ def test_the_budget_loop_weighs_each_policy_with_the_least_accumulation_that_fit
     assert [c.name for c in _fitting(evaluate(base), evaluate, rows=8, units=UNITS, rejected=[], policies=TWO)] == ["dp=8 ac=dots"]
 
 
+def test_a_layout_over_with_a_policy_of_its_own_weighs_the_heavier_ones():
+    """A compiled ``ac=dots`` candidate over the budget with all the accumulation its rows allow (2 rows per
+    replica): ``"full"`` is weighed for it at its accumulation (before: no variant, a dead end); a lighter
+    policy is not weighed again."""
+    base = Layout(dp=8, units=UNITS, activation_checkpointing="dots", accum_steps=2)
+    evaluate, calls = _stub({"dp=8 ac=dots accum=2": 300, "dp=8 ac=full accum=2": 90})
+    got = _fitting(evaluate(base), evaluate, rows=16, units=UNITS, rejected=[], policies=TWO)
+    assert [c.name for c in got] == ["dp=8 ac=full accum=2"]
+    assert calls == ["dp=8 ac=dots accum=2", "dp=8 ac=full accum=2"]
+    evaluate, calls = _stub({"dp=8 ac=full": 300})  # the heaviest over: nothing heavier, the smallest for the error
+    assert [c.name for c in _fitting(evaluate(Layout(dp=8, units=UNITS, activation_checkpointing="full")), evaluate,
+                                     rows=8, units=UNITS, rejected=[], policies=TWO)] == ["dp=8 ac=full"]
+
+
 @pytest.mark.parametrize("lay, weighed", [
     # re-gathered units save their matmul outputs already: "full" alone is a variant of them
     (Layout(fsdp=8, units=UNITS), ["fsdp=8 regather", "fsdp=8 regather ac=full"]),

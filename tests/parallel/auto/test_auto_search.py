@@ -144,6 +144,31 @@ def test_an_uncompiled_estimate_is_scaled_by_its_nearest_compiled_kins_ratio():
     assert sharpened(cand(bf16, math.inf, math.inf), ratios) == math.inf
 
 
+def test_a_candidate_is_over_the_budget_by_its_compiled_kins_excess_over_its_bound():
+    """``over_by_kin``: the bound plus what the compiled kin of the same per-device program (same dtype, policy,
+    tp cut, accumulation, keep / re-gather; another data-parallel split) was over its own bound; no such kin
+    (another accumulation, policy or tp cut), within the budget, compiled or no budget: None."""
+    from spmd.parallel.auto._budget import over_by_kin
+    from spmd.parallel.auto._ranking import Candidate
+
+    def cand(lay, bound, peak=None):
+        return Candidate(layout=lay, predicted_s=1.0, compute_s=0.5, comm_s={}, dispatch_s=0.0, communication={},
+                         memory={"peak": bound}, flops=0.0, measured_peak=peak)
+
+    keep = dict(units=U, mixed_precision="bfloat16", reshard_after_forward=False)
+    kin = Layout(dp=2, fsdp=4, **keep)
+    excesses = [(Layout(dp=8), 500), (kin, 100)]  # kin: compiled 130, bound 30
+    u = cand(Layout(fsdp=8, **keep), 20)
+    assert over_by_kin(u, excesses, 110) == 120  # 20 + 100 > 110
+    assert over_by_kin(u, excesses, 120) is None  # fits so
+    assert over_by_kin(u, excesses, None) is None
+    assert over_by_kin(cand(u.layout, 20, peak=200), excesses, 110) is None  # compiled: its own peak
+    for other in (Layout(fsdp=8, accum_steps=2, **keep), Layout(fsdp=8, activation_checkpointing="full", **keep),
+                  Layout(fsdp=8, units=U, mixed_precision="bfloat16"), Layout(fsdp=8, units=U, reshard_after_forward=False)):
+        assert over_by_kin(cand(other, 20), excesses, 110) is None, other.name
+    assert over_by_kin(u, [(kin, 100), (Layout(dp=4, fsdp=2, **keep), 50)], 60) == 70  # the last compiled kin
+
+
 @pytest.mark.slow  # traces and compiles ten layouts of a two-block model on 8 devices, twice
 @pytest.mark.timeout(900)  # ~1 min of CPU; minutes on a loaded 2-core host
 def test_the_scaled_search_picks_what_the_sound_search_picks_on_8_devices(monkeypatch):
