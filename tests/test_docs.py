@@ -22,8 +22,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)]
-# The environment of docs/getting-started.md: 8 CPU fake devices, asked for before JAX starts.
-DOCS_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+# The environment of docs/getting-started.md: 8 CPU fake devices, asked for before JAX starts; with the suite's
+# compile-time flags (tests/conftest.py: LLVM's -O0 and the older CPU fusion emitters, which leave the
+# collectives and the numbers as they are) that halve a block's compiles. Set XLA_FLAGS yourself (with the
+# device count) to run the blocks at XLA's defaults.
+DOCS_ENV = {"XLA_FLAGS": os.environ["XLA_FLAGS"], "JAX_PLATFORMS": "cpu"}
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>[^`\n]*)$")
 # Info strings a fenced block may carry; ``python`` blocks run, the others are shown only.
 LANGUAGES = {"python", "text", "console", "bash", "json", "toml", "ini", "yaml", "diff", "rst", ""}

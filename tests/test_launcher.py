@@ -138,7 +138,7 @@ def test_dtensor_across_processes(tmp_path, devices):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode,code,says", [
     ("raise", 1, "RuntimeError: boom from rank 2"),
-    ("exit", 3, None),
+    pytest.param("exit", 3, None, marks=pytest.mark.slow),  # sys.exit: reported as os._exit ("hard") is; slow tier
     ("hard", 7, None),
 ])
 def test_rank_failing_mid_collective_stops_all(mode, code, says):
@@ -423,7 +423,7 @@ def test_gloo_connection_lines_are_recognised():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["default", "--verbose", "SPMD_VERBOSE=1"])
+@pytest.mark.parametrize("how", ["default", pytest.param("--verbose", marks=pytest.mark.slow), "SPMD_VERBOSE=1"])
 def test_gloo_connection_lines_only_when_asked(how):
     flags = ["--verbose"] if how == "--verbose" else []
     env = clean_env(SPMD_VERBOSE="1") if how == "SPMD_VERBOSE=1" else clean_env()

@@ -110,6 +110,7 @@ def test_seed_demo_ops_from_strings(pg):
     np.testing.assert_allclose(pg.allreduce(x.astype(np.float32), ReduceOp.PREMUL_SUM(0.5))[:, 0], [5.0] * WORLD)
 
 
+@pytest.mark.slow  # the script test_examples.py::test_seed_collectives runs and checks line by line
 def test_seed_collectives_example_runs():
     """examples/seed_collectives.py runs on its own (it asks for 8 CPU devices itself) and prints the
     seed's numbers."""

@@ -162,7 +162,8 @@ def test_catalogue_1d_simulated(mesh_shape, shape):
         ((2, 4), (10, 7), ("sum", "max")),
         ((2, 4), (8, 4), ("avg", "product")),
         ((2, 4), (3, 1), ("min",)),
-        ((2, 2, 2), (5, 3), ("sum",)),
+        # every pair on the 3-D mesh (4,096): the slow tier; test_catalogue_3d_rank3_sampled samples it here
+        pytest.param((2, 2, 2), (5, 3), ("sum",), marks=pytest.mark.slow),
     ],
 )
 def test_catalogue_nd_simulated(mesh_shape, shape, ops):

@@ -90,7 +90,9 @@ def _train(mesh, batch_norm, units=None, **kw):
     return losses, unshard_params(model, state), state
 
 
-@pytest.mark.parametrize("shape,names,units", [((8,), ("dp",), None), ((2, 4), ("dp", "fsdp"), None),
+# the 2-D mesh without units repeats the one with (compile-bound): the slow tier
+@pytest.mark.parametrize("shape,names,units", [((8,), ("dp",), None),
+                                               pytest.param((2, 4), ("dp", "fsdp"), None, marks=pytest.mark.slow),
                                                ((2, 4), ("dp", "fsdp"), "fsdp"), ((8,), ("dp",), "remat")])
 def test_sync_batch_norm_equals_one_device_on_the_global_batch(shape, names, units):
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
