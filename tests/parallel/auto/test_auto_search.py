@@ -169,6 +169,28 @@ def test_a_candidate_is_over_the_budget_by_its_compiled_kins_excess_over_its_bou
     assert over_by_kin(u, [(kin, 100), (Layout(dp=4, fsdp=2, **keep), 50)], 60) == 70  # the last compiled kin
 
 
+def test_a_policy_that_lowered_nothing_stops_the_heavier_ones():
+    """``stalled``: a compiled policy whose peak is no lower than the same layout's (same accumulation) with no
+    policy or a lighter one (the 8B/64 ``dp=8,fsdp=8 keep``: 158.6 GiB with none, 274.6 with ``"dots"``);
+    lower, another accumulation, no lighter one compiled, or no policy of its own: not stalled."""
+    from spmd.parallel.auto._budget import stalled
+    from spmd.parallel.auto._ranking import Candidate
+
+    def cand(lay, peak):
+        return Candidate(layout=lay, predicted_s=1.0, compute_s=0.5, comm_s={}, dispatch_s=0.0, communication={},
+                         memory={"peak": 1}, flops=0.0, measured_peak=peak, fits=False)
+
+    keep = dict(dp=8, fsdp=8, units=U, mixed_precision="bfloat16", reshard_after_forward=False)
+    none = cand(Layout(**keep), 158)
+    dots = cand(Layout(**keep, activation_checkpointing="dots"), 274)
+    assert stalled(dots, [none]) and stalled(cand(dots.layout, 158), [none])
+    assert not stalled(cand(dots.layout, 150), [none])  # lowered: the heavier ones weighed
+    full = cand(Layout(**keep, activation_checkpointing="full"), 158)
+    assert stalled(full, [none, dots]) and not stalled(full, [dots, cand(Layout(**keep, accum_steps=2), 100)])
+    assert not stalled(full, []) and not stalled(none, [dots])  # nothing lighter compiled; no policy of its own
+    assert stalled(cand(Layout(dp=8, units=U, activation_checkpointing="minimal"), 5), [cand(Layout(dp=8), 5)])
+
+
 @pytest.mark.slow  # traces and compiles ten layouts of a two-block model on 8 devices, twice
 @pytest.mark.timeout(900)  # ~1 min of CPU; minutes on a loaded 2-core host
 def test_the_scaled_search_picks_what_the_sound_search_picks_on_8_devices(monkeypatch):
