@@ -108,25 +108,50 @@ class MoEDecoderLayer(nn.Module):
         self.mlp = MoEMLP(self.cfg) if self.sparse else MLP(self.cfg)
 
     def __call__(self, x):
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return _block(self, x)
+
+
+def _block(layer: MoEDecoderLayer, x):
+    """A block's computation, a plain function: the scanned layer runs it without a second ``__call__`` of the
+    same module (which module hooks, a pipeline's among them, would see as the layer called twice)."""
+    x = x + layer.self_attn(layer.input_layernorm(x))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+class ScannedMoELayer(MoEDecoderLayer):
+    """An MoE decoder layer as an ``nn.scan`` body: ``(carry, _) -> (carry, None)``."""
+
+    def __call__(self, x, _):
+        return _block(self, x), None
 
 
 class MoE(nn.Module):
     """tokens (b, t) -> logits (b, t, vocab); blocks ``layers_i`` with ``i % moe_every == moe_every - 1``
-    hold a mixture of experts (``layers_i.mlp.router``, ``layers_i.mlp.experts``)."""
+    hold a mixture of experts (``layers_i.mlp.router``, ``layers_i.mlp.experts``). ``scan_layers=True``
+    (``moe_every=1``: every block holds experts): the blocks as one ``nn.scan`` stack ``layers``, its parameters
+    stacked on a leading layer axis (``layers.mlp.experts`` ``[L, E, d, f]``), as MaxText scans its MoE blocks."""
 
     cfg: MoEConfig
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size)
-        self.layers = [MoEDecoderLayer(c, i % c.moe_every == c.moe_every - 1) for i in range(c.num_layers)]
+        if c.scan_layers:
+            if c.moe_every != 1:
+                raise ValueError(f"MoE: scan_layers=True stacks blocks of one shape, but moe_every={c.moe_every} "
+                                 "puts experts in one block of every few; give moe_every=1 or scan_layers=False.")
+            self.layers = nn.scan(ScannedMoELayer, variable_axes={"params": 0, "intermediates": 0},
+                                  split_rngs={"params": True}, length=c.num_layers)(c, True)
+        else:
+            self.layers = [MoEDecoderLayer(c, i % c.moe_every == c.moe_every - 1) for i in range(c.num_layers)]
         self.norm = RMSNorm(c.eps)
         self.lm_head = nn.Dense(c.vocab_size, use_bias=False)
 
     def __call__(self, tokens):
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer(x)
+        if self.cfg.scan_layers:
+            x, _ = self.layers(x, None)
+        else:
+            for layer in self.layers:
+                x = layer(x)
         return self.lm_head(self.norm(x))

@@ -4,8 +4,9 @@
 exchanged with all-to-alls, equals 3 SGD steps of one device within 1e-5 under dp=2 x ep=4 and fsdp=2 x ep=2 x
 tp=2, the compiled step's collectives equal to the step's table; the dropped assignments the step reports
 equal a NumPy count of the capacity routing of the router's logits, with and without fully_shard units (what a
-unit sows reaches the loss); dropless and an expert count ep does not divide are refused by name (ep under a
-pipeline: tests/parallel/pipelining/test_pipeline_experts.py).
+unit sows reaches the loss); the blocks as one nn.scan stack under dp=2 x ep=4 equal one device's too; dropless and
+an expert count ep does not divide are refused by name (ep under a pipeline:
+tests/parallel/pipelining/test_pipeline_experts.py).
 """
 
 import dataclasses
@@ -43,7 +44,7 @@ def _loss(model):
         logits, st = model.apply({"params": p}, b["tokens"], mutable=["intermediates"])
         drops = [x for k, x in jax.tree_util.tree_leaves_with_path(st) if "dropped" in jax.tree_util.keystr(k)]
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, b["labels"]).mean()
-        return loss, {"dropped": jnp.asarray(sum(drops), jnp.float32)}
+        return loss, {"dropped": jnp.asarray(sum(jnp.sum(x) for x in drops), jnp.float32)}  # scanned: [L] each
 
     return loss_fn
 
@@ -172,6 +173,47 @@ def test_moe_under_dp2_cp2_ep2_equals_one_device(n):
     # and their input's cotangent; the rest are the embedding lookup's
     ctx = comm["context"]["all-gather"]
     assert ctx["count"] >= 4 and ctx["bytes"] >= 2 * (2 * n * 16 * 4) + 2 * buf
+
+
+@pytest.mark.slow
+def test_scanned_moe_under_dp2_ep4_equals_one_device():
+    """models.MoE with its blocks as one nn.scan stack (scan_layers=True, experts in each of 4 layers): the stacked
+    experts [L, E, d, f] cut over ep on their experts dim (1, past the layer axis), the scan's body exchanging its
+    layer's tokens; 3 SGD steps equal one device's within 1e-5, the table's all-to-alls (once per layer, not once
+    per trace of the body) equal to the compiled step's."""
+    cfg = dataclasses.replace(CFG, num_layers=4, moe_every=1, scan_layers=True)
+    model = MoE(cfg)
+    batches = _batches()
+    params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
+    opt = optax.sgd(0.1)
+    ref_losses, ref = train_one_device(params, batches, _loss(model), opt, has_aux=True)
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "ep"))
+    pm = parallelize_module(model, mesh["ep"], {"layers.mlp.experts": ExpertParallel()})
+    state = init_train_state(pm, opt, batches[0]["tokens"], params=params)
+    e = state.plan.entry("layers/mlp/experts/gate_proj")
+    assert ([str(p) for p in e.placements], e.local_shape) == (["R", "S(1)"], (4, 2, 16, 32))
+    step = make_train_step(pm, _loss(model), opt)
+    comm = step.communication(state, batches[0])
+    hlo = executed_collectives(step._build(state.plan).jitted, state, batches[0], scalars=False)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params)
+    # per device: 1 row -> buffers [1, 8 experts, capacity 4, 16] float32 = 2,048 B; per layer dispatch and combine
+    # forward and their transposes backward: 4 x 4 layers
+    assert comm["experts"]["all-to-all"] == {"count": 16, "bytes": 16 * 2048}
+    assert (hlo["all-to-all"]["count"], hlo["all-to-all"]["bytes"]) == (16, 16 * 2048)
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (comm["total"][kind]["count"],
+                                                              comm["total"][kind]["bytes"]), kind
+
+
+def test_scanned_moe_needs_experts_in_every_block():
+    with pytest.raises(ValueError, match=re.escape("MoE: scan_layers=True stacks blocks of one shape, but "
+                                                   "moe_every=2 puts experts in one block of every few")):
+        MoE(dataclasses.replace(CFG, scan_layers=True)).init(jax.random.key(0), jnp.zeros((2, T), jnp.int32))
 
 
 def test_dropless_is_refused_on_cpu():

@@ -94,7 +94,8 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
       with the post-unit code's) and runs its backward pass; on a stage that is not the last, the
       recomputed output feeds nothing but the unused primal: the forward collective of the chunk's last
       styled call, a reduction (``RowwiseParallel``'s ``Partial`` output) whose output a residual block adds (``x + proj(h)``), is dead
-      and compiled away.
+      and compiled away; not when an expert-parallel call comes after it in the unit (an MoE block's experts
+      after its tp attention: the router's backward reads the recomputed activation).
 
     ``program``: what the compiled program holds (each tick's forward switch and backward switch hold each
     branch some rank runs once; the loop form: every branch once, run every tick); ``per_rank``: what each
@@ -108,8 +109,10 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     bwd = {k: activation_terms(recs[k], part="backward") for k in ("pre", "unit", "post")}
     lc = lay.per_slot
     last = recs["unit"][-1] if recs["unit"] else None
+    # an expert-parallel call after it (an MoE block's experts after its attention) reads that reduction: live
+    later = any(r.get("after_tp", 0) >= len(recs["unit"]) for r in recs.get("ep", {}).get("unit", ()))
     dead1 = (activation_terms([last], part="forward") if last is not None and isinstance(last["local_out"], Partial)
-             else _sum())
+             and not later else _sum())
     zero = _sum()
 
     def branch_costs(n_units: int, n_last: int) -> list:

@@ -48,8 +48,8 @@ region automatic over tp and the tp hooks inside each stage (``spmd.parallel.pip
 (``fully_shard(parallelize_module(...), mesh=mesh["fsdp"])``): the stages cut over fsdp and tp on two dims,
 ``pp x dp x fsdp x tp``. ``pipeline(parallelize_module(model, mesh["ep"], {"layers_*.mlp.experts":
 ExpertParallel()}), mesh["pp"], ...)``: the units' experts cut over ep on their experts dim (stacked: dim 1),
-``ExpertParallel`` run inside every tick's stage, an expert's gradient averaged over the data dims but ep (not
-with tp stages). HSDP (``fully_shard(model, mesh=mesh["dp", "fsdp"])``): the stages cut over fsdp,
+``ExpertParallel`` run inside every tick's stage, an expert's gradient averaged over the data dims but ep (with
+tp stages too; a scanned stack's stacked experts likewise). HSDP (``fully_shard(model, mesh=mesh["dp", "fsdp"])``): the stages cut over fsdp,
 their shards averaged over dp. Not offered: mixed precision, dropout rngs.
 
 **A scanned stack.** ``units="layers"`` naming one stack under ``nn.scan`` (the layer axis at any
@@ -358,9 +358,6 @@ def _scan_length(lay: StageLayout, stack: str, n_st: int, pm: PipelineModule, st
         raise ValueError(f"{where}: split_points={ {k.replace('/', '.'): str(v) for k, v in pm.split_points.items()} } "
                          f"with a scanned stack ({stack!r}: {n} layers); its stages are equal slices of the layer axis "
                          "(each a scan over its slice): leave split_points out.")
-    if pm.ep is not None:
-        raise ValueError(f"{where}: expert-parallel stages of a scanned stack ({stack!r}) are not offered; pipeline "
-                         "modules called once each (units='layers_*'), or run ExpertParallel without pp.")
     if n % n_st:
         raise ValueError(f"{where}: the scanned stack {stack!r} holds L={n} layers, which {stages_text} = {n_st} "
                          f"stages do not divide; each stage runs an equal slice of the layer axis: use a layer count "

@@ -52,7 +52,7 @@ def unwrap_layouts(model, mesh, where: str) -> tuple[Any, str | None, Any, Any]:
     """``(plain model, the fsdp shard dim or None, the tp layout (a ParallelModule) or None, the ep layout or
     None)`` of ``pipeline``'s model: ``fully_shard(model, mesh=mesh['fsdp'])`` (or HSDP's ``mesh['dp',
     'fsdp']``; no mp_policy), ``parallelize_module(model, mesh['tp'], plan)``, or both; or
-    ``parallelize_module(model, mesh['ep'], {experts: ExpertParallel()})`` (with fully_shard, not with tp)."""
+    ``parallelize_module(model, mesh['ep'], {experts: ExpertParallel()})`` (with fully_shard and / or tp)."""
     from spmd.parallel.styles._transforms import ParallelModule
 
     if not isinstance(model, ParallelModule):
@@ -60,12 +60,6 @@ def unwrap_layouts(model, mesh, where: str) -> tuple[Any, str | None, Any, Any]:
     if model.remat is not None:
         raise ValueError(f"{where}: model={model!r}: activation checkpointing under a pipeline is not offered; "
                          "pipeline the model without activation_checkpointing.")
-    if model.ep is not None and model.tp is not None:
-        key, style = model.ep.plan[0]
-        raise ValueError(f"{where}: model={model!r}: {style!r} on {key!r} (a plan on {model.ep.mesh_dim!r}) with "
-                         f"tensor-parallel stages (a plan on {model.tp.mesh_dim!r}) under a pipeline is not offered; "
-                         f"pipeline the model with the {model.ep.mesh_dim!r} plan alone (with dp / fsdp), or run "
-                         f"{type(style).__name__} with tp through make_train_step (no pp).")
     if model.fsdp is not None and model.fsdp.mp_policy:
         raise ValueError(f"{where}: model={model!r}: mixed precision under a pipeline is not offered; leave mp_policy "
                          "out of fully_shard.")
@@ -136,10 +130,10 @@ def ep_placements(pm, lay) -> dict[str, Placement]:
                              f"units ({pm.units!r}); a pipeline runs expert-parallel modules inside its units only: "
                              "put the experts in the repeated blocks, or leave pp out.")
     out = {}
-    for rel in lay.rel:
-        p = plan.entry(f"{lay.units[0]}/{rel}").placements[ei]
+    for rel in lay.rel:  # a scanned stack's: its entry's cut, less its layer axis where before it
+        p = plan.entry(f"{lay.module_of(0)}/{rel}").placements[ei]
         if isinstance(p, Shard):
-            out[rel] = Shard(p.dim + 1)
+            out[rel] = Shard(p.dim - (lay.scanned is not None and p.dim > lay.axis[rel]) + 1)
     return out
 
 
@@ -161,10 +155,9 @@ def unit_whole_heads(pm, lay) -> dict:
         from spmd.parallel.step._heads import head_splits, whole_over_tp
 
         hooks = StageHooks(pm.tp, user_plan(pm, lay), gather_units=False)
-        unit = [lay.unit_shapes[rel] for rel in lay.rel]
-        with hooks.installed(), hooks.unit(lay.module_of(0)):
-            jaxpr = jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act,
-                                                                               lay.calls.side_shapes).jaxpr
+        with hooks.installed(), hooks.unit(lay.module_of(0)):  # with ep too: the unit as a rank of ep runs it
+            jaxpr = jax.make_jaxpr(_on_ep(pm, lambda ls, x, sd: lay.apply_unit(ls, x, sd)))(
+                _local_unit(pm, lay), lay.act, lay.calls.side_shapes).jaxpr
         first = lay.module_of(0).replace("/", ".") + "."
         got = {}
         for fqn, heads in whole_over_tp(head_splits(jaxpr)).items():
@@ -218,6 +211,17 @@ def _calls_of(records: list) -> list:
     return [{k: v for k, v in r.items() if k not in ("module", "input_id")} for r in records]
 
 
+def _local_unit(pm, lay) -> list:
+    """One unit's parameter shapes (``lay.rel`` order), the experts as a rank holds them (``E / ep``) with an ep
+    plan, traced in a region manual over ep (``_on_ep``)."""
+    unit = [lay.unit_shapes[rel] for rel in lay.rel]
+    if pm.ep is None:
+        return unit
+    n_ep, eps = pm.mesh.size(pm.ep.ep.mesh_dim), ep_placements(pm, lay)
+    return [jax.ShapeDtypeStruct(tuple(n // n_ep if rel in eps and i == eps[rel].dim - 1 else n
+                                       for i, n in enumerate(x.shape)), x.dtype) for rel, x in zip(lay.rel, unit)]
+
+
 def _on_ep(pm, f):
     """``f`` (shapes as one device sees them) in a region manual over the ep dim, where its styled calls'
     all-to-alls are bound; ``f`` itself without an ep plan."""
@@ -243,11 +247,7 @@ def segment_records(pm, lay, loss_fn, mb) -> dict[str, list] | None:
     if hooks is None:
         return None
     rest = {p: lay.shapes[p] for p in lay.rest}
-    unit = [lay.unit_shapes[rel] for rel in lay.rel]
-    if pm.ep is not None:  # the experts as a rank holds them (E / ep), traced in a region manual over ep
-        n_ep, eps = pm.mesh.size(pm.ep.ep.mesh_dim), ep_placements(pm, lay)
-        unit = [jax.ShapeDtypeStruct(tuple(n // n_ep if rel in eps and i == eps[rel].dim - 1 else n
-                                           for i, n in enumerate(x.shape)), x.dtype) for rel, x in zip(lay.rel, unit)]
+    unit = _local_unit(pm, lay)
     out, ep = {}, {}
     for name, f, args in (("pre", lambda r, b: lay.pre(loss_fn, r, b), (rest, mb)),
                           ("unit", lambda ls, x, sd: lay.apply_unit(ls, x, sd), (unit, lay.act, lay.calls.side_shapes)),

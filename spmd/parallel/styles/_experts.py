@@ -241,9 +241,18 @@ def run_on_ep(style: ParallelStyle, call) -> Any:
                          "(experts' outputs in the slots of their tokens, [groups, E, capacity, d] -> "
                          "[groups, E, capacity, d']).")
     out = change(y, out_given, out_desired)
-    call.hooks.ep_records.append({"module": fqn, "style": type(style).__name__,
-                                  "in": 0 if moved is x else int(np.prod(x.shape)) * x.dtype.itemsize // n_cp,
-                                  "out": 0 if out is y else int(np.prod(y.shape)) * y.dtype.itemsize // n_cp})
+    # a module inside an nn.scan runs (and exchanges) once per layer; flax traces the scan's body twice (its
+    # broadcast check, then the scan), so its record replaces the one of the earlier trace
+    from spmd.parallel.plan._scan import scan_of
+
+    calls = scan_of(fqn.replace(".", "/"), dict(call.hooks.plan.scans))
+    records = call.hooks.ep_records
+    if calls > 1:
+        records[:] = [r for r in records if r["module"] != fqn]
+    records.append({"module": fqn, "style": type(style).__name__,
+                    "in": 0 if moved is x else int(np.prod(x.shape)) * x.dtype.itemsize // n_cp,
+                    "out": 0 if out is y else int(np.prod(y.shape)) * y.dtype.itemsize // n_cp,
+                    "after_tp": len(call.hooks.records), "calls": calls})  # after_tp: the tp calls traced before
     if cut is not None:
         out = ctx.experts_gathered(out, cut)
     return out
@@ -254,10 +263,11 @@ def expert_terms(records: list, accum_steps: int = 1) -> dict:
     its buffer forward and one backward (its transpose)."""
     out = {"count": 0, "bytes": 0}
     for r in records:
+        n = 2 * accum_steps * r.get("calls", 1)  # under nn.scan: once per layer
         for nbytes in (r["in"], r["out"]):
             if nbytes:
-                out["count"] += 2 * accum_steps
-                out["bytes"] += 2 * accum_steps * nbytes
+                out["count"] += n
+                out["bytes"] += n * nbytes
     return out
 
 

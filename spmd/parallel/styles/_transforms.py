@@ -519,11 +519,12 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             tp_of[path] = p
     ep_of_path: dict[str, Placement] = {}
     if model.ep:  # each expert-parallel module's own parameters, placed over ep by its style
+        # (under nn.scan as the block sees them, one layer: the cut one dim past the stacked layer axis, as tp's)
         ep = model.ep
         own_ep: dict[str, dict[str, tuple]] = {}
         for (kp, x), path in zip(leaves, paths):
             fqn, name = param_module(path)
-            own_ep.setdefault(fqn, {})[name] = tuple(int(d) for d in np.shape(x))
+            own_ep.setdefault(fqn, {})[name] = tuple(int(d) for d in _layer_shape(np.shape(x), stacked.get(path)))
         for key, _ in ep.plan:
             if not any(re.fullmatch(glob_regex(key, "."), m) for m in modules):
                 raise _no_match("parallelize_module", "plan key", key, modules, params)
@@ -539,7 +540,10 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
                     f"parallelize_module: {hit[1]!r} on {fqn!r} cuts dim {p.dim} of {path!r} (shape {shape}) over "
                     f"{ep.mesh_dim}={sizes[ep.mesh_dim]}, which does not divide it; use an ep size dividing "
                     f"{shape[p.dim % len(shape)]} (each rank holds the same number of experts).")
-            ep_of_path[path] = Shard(p.dim % len(shape)) if isinstance(p, Shard) else p
+            if isinstance(p, Shard):
+                d, axis = p.dim % len(shape), stacked[path][1] if path in stacked else None
+                p = Shard(d + 1 if axis is not None and d >= axis else d)
+            ep_of_path[path] = p
     rules = []
     n_tp = sizes.get(tp.mesh_dim, 1) if tp else 1
     for (kp, x), path in zip(leaves, paths):
