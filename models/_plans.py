@@ -11,8 +11,9 @@
   between the blocks stay cut on the sequence (``Shard(1)``). ``spmd.parallel`` cuts evenly only, so a
   vocabulary the tp size does not divide (the digit task's 11 tokens over tp=4) keeps the embedding whole
   (replicated; under sequence parallelism its output is then cut on the sequence, a local slice);
+- ``decoder_tp_plan(model)``: Megatron's plan of the Llama / MoE decoder (attention and dense MLP projections);
 - ``layout_model(model, mesh, sequence_parallel)``: the model wrapped for a job mesh of ``dp`` / ``fsdp``
-  / ``tp`` dims (a plain model for ``dp`` only: DDP over ``mesh``).
+  / ``tp`` / ``ep`` dims (a plain model for ``dp`` only: DDP over ``mesh``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from spmd import DeviceMesh
 from spmd.parallel import (ColwiseParallel, ExpertParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                            fully_shard, parallelize_module, weight_stationary_plan)
 
-__all__ = ["shard_units", "reshard_after_forward", "transformer_tp_plan", "layout_model", "DATA"]
+__all__ = ["shard_units", "reshard_after_forward", "transformer_tp_plan", "decoder_tp_plan", "layout_model", "DATA"]
 
 DATA = ("dp", "fsdp")  # the mesh dims the batch is split over
 
@@ -99,6 +100,24 @@ def transformer_tp_plan(sequence_parallel: bool = False, *, vocab_size: int | No
     }
 
 
+def decoder_tp_plan(model: Any) -> dict | None:
+    """Megatron's plan of the Llama / MoE decoder's blocks (``models._llama``), or None for another model: the
+    attention's ``q_proj`` / ``k_proj`` / ``v_proj`` column-parallel (on the heads), ``o_proj`` row-parallel; the
+    dense MLP blocks' ``gate_proj`` / ``up_proj`` column- and ``down_proj`` row-parallel (an MoE with experts in
+    every block has none: its experts go over ep, its router stays whole)."""
+    from models._llama import Llama
+    from models._moe import MoE
+
+    if not isinstance(model, (Llama, MoE)):
+        return None
+    plan = {f"layers_*.self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
+    plan["layers_*.self_attn.o_proj"] = RowwiseParallel()
+    if isinstance(model, Llama) or model.cfg.moe_every > 1:
+        plan.update({"layers_*.mlp.gate_proj": ColwiseParallel(), "layers_*.mlp.up_proj": ColwiseParallel(),
+                     "layers_*.mlp.down_proj": RowwiseParallel()})
+    return plan
+
+
 def layout_model(model: Any, mesh: DeviceMesh, *, sequence_parallel: bool = False, weight_stationary: bool = False,
                  reshard_after_forward: bool | None = None) -> Any:
     """``model`` laid out for ``mesh`` (dims from ``dp``, ``fsdp``, ``tp``), through the public contract.
@@ -118,11 +137,18 @@ def layout_model(model: Any, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
     if "ep" in names:  # the MoE blocks' experts cut over ep, their tokens exchanged with all-to-alls
         out = parallelize_module(out, mesh["ep"], {"layers_*.mlp.experts": ExpertParallel()})
     if "tp" in names:
-        if not isinstance(model, Transformer):
-            raise ValueError(f"models.train: a mesh with a 'tp' dim runs the transformer's tensor-parallel plan; "
-                             f"{type(model).__name__} has none: use --model transformer, or a mesh without tp.")
-        plan = transformer_tp_plan(sequence_parallel or weight_stationary, vocab_size=model.vocab_size,
-                                   tp_size=mesh.size("tp"))
+        plan = decoder_tp_plan(model) if not isinstance(model, Transformer) else None
+        if plan is None and not isinstance(model, Transformer):
+            raise ValueError(f"models.train: a mesh with a 'tp' dim runs a model's tensor-parallel plan; "
+                             f"{type(model).__name__} has none: use --model transformer, llama or moe, or a mesh "
+                             "without tp.")
+        if plan is not None and (sequence_parallel or weight_stationary):
+            raise ValueError(f"models.train: --sequence-parallel / --weight-stationary cut the transformer's "
+                             f"activations; {type(model).__name__}'s tp plan (its attention and MLP projections) has "
+                             "no such form: drop the flag, or use --model transformer.")
+        if plan is None:
+            plan = transformer_tp_plan(sequence_parallel or weight_stationary, vocab_size=model.vocab_size,
+                                       tp_size=mesh.size("tp"))
         out = parallelize_module(out, mesh["tp"], weight_stationary_plan(plan) if weight_stationary else plan)
     if "fsdp" in names:
         data = tuple(n for n in names if n in DATA)

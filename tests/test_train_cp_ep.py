@@ -1,6 +1,6 @@
 """The job on cp and ep meshes: ``--model llama --mesh dp=2,cp=4``, ``--mesh dp=2,cp=4`` (the transformer's own
 einsum attention, run on the sequence gathered over cp), ``--model moe --mesh dp=2,ep=4`` and ``--model moe
---moe-every 1 --mesh pp=2,ep=2,dp=2`` (experts inside pipeline stages) train equal per step
+--moe-every 1 --mesh pp=2,ep=2,dp=2`` / ``pp=2,tp=2,ep=2`` (experts inside pipeline stages, with tp stages) train equal per step
 to ``--mesh dp=8`` of the same model within 1e-5 (3 steps of AdamW, the job's own loss and data), their
 metrics.json recording the ring's permutes, the gathers and the experts' all-to-alls; ``--mesh pp=2,fsdp=2,cp=2`` (the transformer's blocks in 2
 pipeline stages, the sequence cut over cp inside them) equals ``--mesh dp=8`` per step too; meshes the job does not
@@ -40,14 +40,16 @@ def test_job_on_cp_and_ep_equals_dp8(tmp_path, model, mesh, kind):
 
 
 @pytest.mark.slow
-def test_job_moe_pipeline_with_experts_over_ep_equals_dp8(tmp_path):
+@pytest.mark.parametrize("mesh", ["pp=2,ep=2,dp=2", "pp=2,tp=2,ep=2"])
+def test_job_moe_pipeline_with_experts_over_ep_equals_dp8(tmp_path, mesh):
     """``--model moe --moe-every 1 --mesh pp=2,ep=2,dp=2``: the blocks (experts in each) in 2 pipeline stages,
-    their experts cut over ep inside the stages; equal per step to ``--mesh dp=8``, the compiled step's bytes
+    their experts cut over ep inside the stages; ``pp=2,tp=2,ep=2``: the attention's projections over tp inside the
+    stages too (``models._plans.decoder_tp_plan``); each equal per step to ``--mesh dp=8``, the compiled step's bytes
     of every kind (the experts' all-to-alls among them) equal to the pipeline's table."""
     moe = ["--model", "moe", "--moe-every", "1"]
     want, _ = _losses_and_collectives(tmp_path, [*moe, "--mesh", "dp=8"])
     out = str(tmp_path / "pp")
-    assert main([*TINY, *moe, "--mesh", "pp=2,ep=2,dp=2", "--out", out]) == 0
+    assert main([*TINY, *moe, "--mesh", mesh, "--out", out]) == 0
     with open(os.path.join(out, "metrics.json")) as f:
         summary = json.load(f)
     got = [h["loss"] for h in summary["history"]]

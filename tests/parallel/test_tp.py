@@ -227,8 +227,8 @@ def test_uneven_heads_and_bad_layouts_are_clear_errors():
                                          r"projection runs column-parallel on the vocabulary"):
         step(init_train_state(tied, OPT, params=params), batches[0])
     with pytest.raises(ValueError, match=re.escape(
-            "models.train: a mesh with a 'tp' dim runs the transformer's tensor-parallel plan; MLP has none: use "
-            "--model transformer, or a mesh without tp.")):
+            "models.train: a mesh with a 'tp' dim runs a model's tensor-parallel plan; MLP has none: use "
+            "--model transformer, llama or moe, or a mesh without tp.")):
         layout_model(MLP(7, 3, (10,)), mesh)
 
 
