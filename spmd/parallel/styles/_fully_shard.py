@@ -41,14 +41,16 @@ __all__ = ["FullyShardUnit", "REGATHER"]
 
 REGATHER = "spmd_fsdp_regather"  # the named scope of a unit's backward pass: its re-gather, the fsdp term's
 
-# What a re-gathering unit's backward pass computes again: the gather (a mixed precision's is a custom_vjp around
-# it) and what the gathered parameters become without arithmetic (a slice off the padding, a cast, a transpose, a
-# reshape), the operations below. Every other value its forward pass computed is kept, as torch's FSDP keeps
-# every activation autograd saves and frees only the gathered parameters: no norm, softmax or activation
-# function runs twice.
-_REGATHERED = frozenset({"all_gather", "custom_vjp_call", "custom_vjp_call_jaxpr", "slice", "split", "concatenate",
-                         "convert_element_type", "transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim",
-                         "copy", "copy_p"})
+# What a re-gathering unit's backward pass computes again: the gather and what the gathered parameters become
+# without arithmetic (a slice off the padding, a cast, a transpose, a reshape), the operations below. Every other
+# value its forward pass computed is kept, as torch's FSDP keeps every activation autograd saves and frees only
+# the gathered parameters: no norm, softmax or activation function runs twice. A user's ``jax.custom_vjp`` whose
+# forward rule calls the function itself (``return f(x), res``, the JAX docs' idiom) reaches the policy as one
+# ``custom_vjp_call``: it is kept too (not kept, its forward ran again in the backward pass). A mixed precision's
+# gather, a custom_vjp too, runs its gather inline in its forward rule (``_gather_mixed``), so the policy sees
+# the all-gather and the casts, not a ``custom_vjp_call``.
+_REGATHERED = frozenset({"all_gather", "slice", "split", "concatenate", "convert_element_type", "transpose",
+                         "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "copy", "copy_p"})
 
 
 def _saved(prim, *_, **params) -> bool:
@@ -131,8 +133,8 @@ class FullyShardUnit(ParallelStyle):
         def gathered(*xs):
             return gather_in(*cast(xs, pd))
 
-        def fwd(*xs):
-            return gathered(*xs), None
+        def fwd(*xs):  # the gather inline, not ``gathered``: a re-gathering unit's policy drops all-gathers
+            return gather_in(*cast(xs, pd)), None
 
         def bwd(_, cts):
             dt = rd or pd
