@@ -294,3 +294,26 @@ def test_a_batch_leaf_the_program_reads_at_any_length_beside_the_sequence_is_ref
             f"batch['weights'] (4, 6); loss_fn, traced with the leaves of each length at 2 fewer positions, runs at "
             f"each of 6 and {T}, so which leaves hold the sequence is ambiguous")):
         step(state, batch)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_side_parameters_are_those_computed_from_a_batch_vector_at_any_batch_size(rows):
+    """``step._heads.side_params`` on the gradient's program of ``_CondModel``: the side parameters are the dense
+    layer's on the ``[batch, d]`` vectors (``Dense_0``, by the model's construction), joining the sequence once
+    (its ``[rows, 1, 8]`` float32 output broadcast into the hidden states). At one row (``rows=1``) the biases of the
+    layers on the sequence, broadcast ``[1, 1, d] -> [1, T, d]``, were read as side values too: decided from a
+    size-1 batch dim, not from what the value is computed from."""
+    from spmd.parallel.step._heads import side_params
+
+    t, rng = 8, np.random.default_rng(0)
+    b = {"feat": rng.normal(size=(rows, t)).astype(np.float32), "labels": np.zeros((rows, t), np.int32),
+         "side": rng.normal(size=(rows, 5)).astype(np.float32), "tokens": np.zeros((rows, t), np.int32)}
+    model = _CondModel()
+    params = model.init(jax.random.key(0), b["tokens"], b["feat"], b["side"])["params"]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    jaxpr = jax.make_jaxpr(jax.grad(_cond_loss(model)))(params, b).jaxpr
+    n = len(paths)
+    feat, labels, side, tokens = jaxpr.invars[n:]  # the batch's leaves, in its dict's (sorted) order
+    found, joins = side_params(jaxpr, jaxpr.invars[:n], [labels, tokens], t, [feat, side])
+    assert sorted(paths[i] for i in found) == ["['Dense_0']['bias']", "['Dense_0']['kernel']"]
+    assert joins == [rows * 8 * 4]

@@ -126,9 +126,8 @@ def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
         closed = jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act, lay.calls.side_shapes)
     # the unit's parameters computed on its side arrays only (whole over cp: a [batch, d] vector's dense layer) whose
     # output joins the sequence by broadcast: their gradients whole over cp, the join's cotangent summed over cp
-    # (none without side arrays: at one row per device a bias broadcast as [1, 1, d] would read as a batch vector)
-    side, joins = side_params(closed.jaxpr, closed.jaxpr.invars[:len(unit)], closed.jaxpr.invars[len(unit):][:1],
-                              t) if lay.calls.side_shapes else ((), [])
+    ins = closed.jaxpr.invars[len(unit):]  # the unit's activation (the sequence), then its side arrays' leaves
+    side, joins = side_params(closed.jaxpr, closed.jaxpr.invars[:len(unit)], ins[:1], t, ins[1:])
     lookups = []
 
     def note(next_fun, args, kwargs, context):

@@ -361,9 +361,9 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         positional.update(entries[i].path for i in positional_params(jaxpr, jaxpr.invars[1:1 + len(entries)], t))
         dotted.update(entries[i].path for i in dot_params(jaxpr, jaxpr.invars[1:1 + len(entries)]))
         cotangents.update(lookup_cotangents(jaxpr, scopes_of))
-        n_batch = len(cut)
-        found, joins = side_params(jaxpr, jaxpr.invars[1:1 + len(entries)],
-                                   [v for v, c in zip(jaxpr.invars[len(jaxpr.invars) - n_batch:], cut) if c], t)
+        leaves = list(zip(jaxpr.invars[len(jaxpr.invars) - len(cut):], cut))  # the batch's, cut over cp or not
+        found, joins = side_params(jaxpr, jaxpr.invars[1:1 + len(entries)], [v for v, c in leaves if c], t,
+                                   [v for v, c in leaves if not c])
         side.update(params={entries[i].path for i in found}, joins=joins)
         seen, products = attention[0].seen if attention else {}, whole_sequence_products(jaxpr, t)
         products = [p for p in products if CALL_SCOPE not in p[1]]

@@ -267,14 +267,20 @@ def _broadcast_into(eqn, seq_len: int) -> bool:
             and (1 not in dims or x[dims.index(1)] == 1))
 
 
-def side_params(jaxpr: Any, params: Any, seqs: Any, seq_len: int) -> tuple[set[int], list[int]]:
+_DATA = -1  # in a value's dependencies: it is computed from a batch leaf whole over cp (a side input)
+
+
+def side_params(jaxpr: Any, params: Any, seqs: Any, seq_len: int, sides: Any = ()) -> tuple[set[int], list[int]]:
     """``(side, joins)``: the parameters (of ``params``, by index) computed on values whole over cp only, and the
     bytes of each place where such a value joins the sequence (``joins``). ``seqs``: the batch leaves cut over cp
-    (the sequence). A parameter computed on a ``[batch, d]`` batch vector (a dense layer on it) whose output the
-    model broadcasts into the ``[batch, seq, ...]`` hidden states: the broadcast's transpose sums its cotangent over
-    the cut sequence (GSPMD: one all-reduce over cp of the broadcast's input, there), and the parameters' gradients
-    formed from it are whole over cp (no all-reduce of theirs). A parameter that meets the sequence otherwise is
-    not a side one. Read off the forward pass (outside ``transpose``)."""
+    (the sequence); ``sides``: the batch leaves whole over cp. A parameter computed with a ``[batch, d]`` batch
+    vector of ``sides`` (a dense layer on it) into a value the model broadcasts into the ``[batch, seq, ...]``
+    hidden states: the broadcast's transpose sums its cotangent over the cut sequence (GSPMD: one all-reduce over cp
+    of the broadcast's input, there), and the parameters' gradients formed from it are whole over cp (no all-reduce
+    of theirs). A value computed from parameters alone is no side value, whatever its shape: a bias broadcast
+    ``[1, 1, d] -> [1, seq, d]`` at one row per device reaches the sequence as a parameter does, its gradient a
+    partial sum over cp. A parameter that meets the sequence otherwise is not a side one. Read off the forward pass
+    (outside ``transpose``)."""
     touched: set[int] = set()
     joined: set[int] = set()
     joins: list[int] = []
@@ -304,18 +310,19 @@ def side_params(jaxpr: Any, params: Any, seqs: Any, seq_len: int) -> tuple[set[i
             if any(id(v) in seq for v in ins):
                 out = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
                 for v in ins:
-                    if id(v) in seq or not deps.get(id(v)):
+                    own = deps.get(id(v), frozenset()) - {_DATA}  # its parameters
+                    if id(v) in seq or not own:
                         continue
                     x = tuple(getattr(v.aval, "shape", ()))
-                    if (len(x) == len(out) >= 2 and out[1] == seq_len and x[1] == 1 and x[0] == out[0]
-                            and name in _BINARY):  # broadcast into the sequence by the op itself
-                        joined.update(deps[id(v)])
+                    if (_DATA in deps[id(v)] and len(x) == len(out) >= 2 and out[1] == seq_len and x[1] == 1
+                            and x[0] == out[0] and name in _BINARY):  # broadcast into the sequence by the op itself
+                        joined.update(own)
                         joins.append(int(np.prod(x)) * v.aval.dtype.itemsize)
                     else:
-                        touched.update(deps[id(v)])
+                        touched.update(own)
                 seq.update(id(o) for o in eqn.outvars)
-            elif d and _broadcast_into(eqn, seq_len):
-                joined.update(d)
+            elif _DATA in d and len(d) > 1 and _broadcast_into(eqn, seq_len):
+                joined.update(d - {_DATA})
                 x = eqn.invars[0].aval
                 joins.append(int(np.prod(x.shape)) * x.dtype.itemsize)
                 seq.add(id(eqn.outvars[0]))
@@ -324,5 +331,7 @@ def side_params(jaxpr: Any, params: Any, seqs: Any, seq_len: int) -> tuple[set[i
                     deps[id(o)] = d
         return seq, deps
 
-    walk(jaxpr, {id(v) for v in seqs}, {id(v): frozenset({i}) for i, v in enumerate(params)}, "")
+    deps = {id(v): frozenset({i}) for i, v in enumerate(params)}
+    deps.update({id(v): frozenset({_DATA}) for v in sides})
+    walk(jaxpr, {id(v) for v in seqs}, deps, "")
     return joined - touched, joins
