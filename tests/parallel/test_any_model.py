@@ -160,9 +160,11 @@ PLAN_COUNTS = {
     "hf_gpt2": (2 * 12 + 4, 4 + 1, 2 + 1, 2),
 }
 LAYOUTS = ["dp=8", "fsdp=8", "dp=2,fsdp=4", "dp=2,tp=4", "dp=2,fsdp=2,tp=2", "fsdp=2,tp=4+sp"]
-# The README's tier: llama on every layout, the other three models on the 3-D one (dp, fsdp and tp at once:
-# each model's units and plan); their other layouts are compile-bound repeats of those, in the slow tier.
-CASES = [pytest.param(m, lay, marks=() if m == "llama" or lay == "dp=2,fsdp=2,tp=2" else pytest.mark.slow)
+# The README's tier: every model on the 3-D layout (dp, fsdp and tp at once: each model's units and plan), llama
+# also alone on dp and with sequence parallelism; the other layouts are compile-bound repeats of those (fsdp and
+# tp alone: test_fsdp, test_tp), in the slow tier.
+FAST = {"dp=2,fsdp=2,tp=2", "llama dp=8", "llama fsdp=2,tp=4+sp"}
+CASES = [pytest.param(m, lay, marks=() if lay in FAST or f"{m} {lay}" in FAST else pytest.mark.slow)
          for m in ("llama", "nnx", "hf_gpt2", "hf_llama") for lay in LAYOUTS if not (lay.endswith("+sp") and m != "llama")]
 
 
