@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from placements import Replicate, Shard
@@ -166,7 +167,8 @@ class FullyShardUnit(ParallelStyle):
         the backward pass (XLA:CPU drops optimization barriers before it merges equal ops, and would merge it
         with the forward pass's all-gather, holding the parameters all along, when the blocks are a Python
         loop). Likewise the shards get ``+ 0`` computed from the unit's input in the forward pass (``_after``).
-        ``policy``: an activation-checkpointing unit's, in place of ``_saved``."""
+        The forward pass is ``jax.vjp`` of the checkpoint less the value-preserving roundings it puts on each
+        saved value (``_vjp_unrounded``). ``policy``: an activation-checkpointing unit's, in place of ``_saved``."""
         if not self.reshard_after_forward:
             return run(shards, arrays)
         shards = _after(hooks, shards, arrays)
@@ -177,7 +179,7 @@ class FullyShardUnit(ParallelStyle):
             return ckpt(shards, arrays)
 
         def fwd(shards, arrays):
-            return jax.vjp(ckpt, shards, arrays)
+            return _vjp_unrounded(ckpt, shards, arrays)
 
         kinds = {(tuple(np.shape(x)), jnp.dtype(x.dtype)) for x in shards}
 
@@ -188,6 +190,51 @@ class FullyShardUnit(ParallelStyle):
 
         unit.defvjp(fwd, bwd)
         return unit(shards, arrays)
+
+
+def _vjp_unrounded(f: Callable, *args) -> tuple:
+    """``jax.vjp(f, *args)`` of a ``jax.checkpoint``-ed ``f`` without the ``reduce_precision`` its partial
+    evaluation puts on every value the backward pass keeps (``jax._src.ad_checkpoint._insert_reduce_precision``,
+    against a low-precision value held in excess precision in the forward pass and recomputed rounded in the
+    backward one). To a float32 or float64 value the bits of its own type change nothing, but XLA:CPU keeps the
+    op: a re-gathering unit keeps every value, and each got one, some as a pass of their own over an
+    attention-sized array (the zoo's Llama at fsdp=8: 244 ``reduce-precision``, 8 of them unfused, 12.7 MB a
+    step of the 647 MB its ``cost_analysis`` reads; GSPMD's step, with no checkpoint, has none). Those are
+    dropped; a narrower type's are kept. The vjp is traced once, its eqns replayed without them
+    (``_drop_exact_roundings``)."""
+    flat, tree = jax.tree_util.tree_flatten(args)
+    out_tree: list = []
+
+    def flat_vjp(*xs):
+        out, pull = jax.vjp(f, *jax.tree_util.tree_unflatten(tree, list(xs)))
+        leaves, t = jax.tree_util.tree_flatten((out, pull))  # pull: a Partial, its leaves the saved values
+        out_tree.append(t)
+        return leaves
+
+    closed = jax.make_jaxpr(flat_vjp)(*flat)
+    outs = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(_drop_exact_roundings(closed.jaxpr), closed.consts))(*flat)
+    return jax.tree_util.tree_unflatten(out_tree[0], outs)
+
+
+def _drop_exact_roundings(jaxpr):
+    """``jaxpr`` less its ``reduce_precision`` eqns that round a float32 / float64 value to its own type's bits
+    (the identity), each use of their output reading their input."""
+    same: dict = {}
+
+    def read(v):
+        return same.get(v, v) if isinstance(v, jcore.Var) else v
+
+    eqns = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "reduce_precision":
+            dt = e.invars[0].aval.dtype
+            if dt in (np.dtype(np.float32), np.dtype(np.float64)):
+                fi = jnp.finfo(dt)
+                if e.params["exponent_bits"] >= fi.nexp and e.params["mantissa_bits"] >= fi.nmant:
+                    same[e.outvars[0]] = read(e.invars[0])
+                    continue
+        eqns.append(e.replace(invars=[read(v) for v in e.invars]) if same else e)
+    return jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars]) if same else jaxpr
 
 
 def _after(hooks, shards: list, arrays: Sequence[Any]) -> list:
