@@ -84,7 +84,7 @@ from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s,
 from spmd.parallel.cost._memory import Profile, _nbytes, memory_floor
 from spmd.parallel.auto._fused import planned_fused
 from spmd.parallel.auto._priced import HardwareRates, comm_floor, dot_flops, matmul_dtype, mesh_group
-from spmd.parallel.auto._progress import _bar
+from spmd.parallel.auto._progress import _bar, now
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
 from spmd.parallel.plan._shard import entry_sharding
@@ -688,8 +688,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     made: list = []  # the layouts traced so far that gave a candidate
 
     def traced(lay: Layout) -> list[Candidate]:  # its estimate, or its variants that fit; [] where rejected
-        bar.set_postfix_str("tracing " + lay.name, refresh=False)
-        bar.update()
+        now(bar, "tracing " + lay.name)
         kind = ("cp" if lay.cp > 1 else "ep" if lay.ep > 1 else None) if lay.pp == 1 else \
             ("pp x cp" if lay.cp > 1 else "pp x ep" if lay.ep > 1 else None)  # a pipeline's refusal: its own
         if kind in refused:
@@ -721,8 +720,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         for lay in todo:
             got.extend(traced(lay))
         if pending:
-            got = _refined(got, max(measure, 1), pending, lambda c: bar.set_postfix_str(
-                "timing the optimizer update of " + c.name))
+            got = _refined(got, max(measure, 1), pending, lambda c: now(
+                bar, "timing the optimizer update of " + c.name, 0))
         bar.close()
     else:  # best-first: traced and compiled in the order of their bounds (_budget.searched)
         work = _dot_work_at(depth, slices, loss, params, batch)
@@ -741,8 +740,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         got, skipped = searched(
             todo, bound, traced, 1, memory_budget_bytes, compile_one, variants, bound_compute=bound_compute,
             stats=search_stats,
-            progress=lambda c: (bar.set_postfix_str("compiling " + c.name, refresh=False),
-                                bar2.set_postfix_str(c.name, refresh=False), bar2.update()))
+            progress=lambda c: (now(bar, "compiling " + c.name, 0), now(bar2, c.name)))
         bar.close()
         bar2.close()
         best = next((c for c in got if c.fits), None)
@@ -767,13 +765,14 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         bar = _bar(None, "auto_layout: compiling")
         got = checked(got, max(measure, 1), memory_budget_bytes, compile_one, variants,
                       bound=isinstance(cal, HardwareRates),
-                      progress=lambda c: (bar.set_postfix_str("compiling " + c.name, refresh=False), bar.update()))
+                      progress=lambda c: now(bar, "compiling " + c.name))
         bar.close()
     if measure:  # those timed side by side (all fitting: one interleaved set), not compiled again
         bar = _bar(measure, f"auto_layout: timing the top {measure} of {len(got)}")
-        got = _measured(got, measure, memory_budget_bytes, lambda lays: measure_layouts(
-            model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled, progress=lambda lay: (
-                bar.set_postfix_str("compiling " + lay.name, refresh=False), bar.update())))
+        spreads: dict = {}  # each timed layout's rounds' spread (_measure.settled)
+        got = _measured(got, measure, memory_budget_bytes, lambda lays: [(*r, spreads.get(lay)) for lay, r in zip(
+            lays, measure_layouts(model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled,
+                                  progress=lambda lay: now(bar, "compiling " + lay.name), spreads=spreads))])
         bar.close()
     compiled.clear()
     if memory_budget_bytes is not None and not got[0].fits:

@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 import jax
 
+from spmd.parallel.auto._measure import settled
 from spmd.parallel.auto._ranking import Candidate
 from spmd.parallel.cost._memory import _nbytes
 from spmd.parallel.styles._remat import offload_refusal, policy_names
@@ -170,18 +171,20 @@ def _fitting(c: Candidate, evaluate: Callable, rows: int, units: tuple[str, ...]
 
 def _measured(got: list[Candidate], k: int, budget: int | None, measure: Callable) -> list[Candidate]:
     """``got`` (ranked, the fitting first) with its top ``k`` fitting candidates measured and first
-    (``measure(layouts) -> [(seconds or None, peak bytes)]``), the fastest measured first (none timed: in
-    ``got``'s order). A measured peak over ``budget`` does not fit: it goes behind the fitting ones and as many
+    (``measure(layouts) -> [(seconds or None, peak bytes[, spread])]``), the fastest measured first (none timed:
+    in ``got``'s order; those tied with it within the noise, the simplest first: ``_measure.settled``). A
+    measured peak over ``budget`` does not fit: it goes behind the fitting ones and as many
     more are measured, until ``k`` fit or none is left."""
     timed, rest = [], list(got)
     while sum(c.fits for c in timed) < k and rest and rest[0].fits:
         need = k - sum(c.fits for c in timed)
         fit = [c for c in rest if c.fits]
         batch, rest = fit[:need], fit[need:] + [c for c in rest if not c.fits]
-        for c, (t, peak) in zip(batch, measure([c.layout for c in batch])):
-            timed.append(replace(c, measured_s=t, measured_peak=peak, fits=budget is None or peak <= budget))
+        for c, (t, peak, *spread) in zip(batch, measure([c.layout for c in batch])):  # spread: settled's
+            timed.append(replace(c, measured_s=t, measured_peak=peak, fits=budget is None or peak <= budget,
+                                 measured_spread=spread[0] if spread else None))
     timed.sort(key=lambda c: (not c.fits, c.predicted_s if c.measured_s is None else c.measured_s))
-    return _merged(timed, rest)
+    return _merged(settled(timed), rest)  # a tie within the noise: the simpler first
 
 
 def _ranked(cands: list[Candidate]) -> list[Candidate]:

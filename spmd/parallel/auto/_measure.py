@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -34,9 +34,12 @@ from spmd.parallel.step._state import init_train_state
 from spmd.parallel.step._step import make_train_step
 from spmd.parallel.styles._nnx import is_nnx
 
-__all__ = ["measure_layouts", "compiled_peak", "compiled_warm", "peak_bytes"]
+__all__ = ["measure_layouts", "compiled_peak", "compiled_warm", "peak_bytes", "settled", "NOISE"]
 
 RACE = 0.10  # a candidate within this share of the fastest's median is timed again (see the module doc)
+# the least noise of a measured median (``settled``): the spread of one candidate's median from run to run on a
+# quiet host (docs/benchmarks.md: a round varies by several percent); more where the rounds spread more
+NOISE = 0.05
 
 
 class _Timed:
@@ -59,13 +62,15 @@ class _Timed:
 
 def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
                     layouts: Sequence[Layout], *, rounds: int = 5, steps: int = 2, max_rounds: int = 15,
-                    compiled: dict | None = None, progress: Callable | None = None) -> list[tuple[float, int]]:
+                    compiled: dict | None = None, progress: Callable | None = None,
+                    spreads: dict | None = None) -> list[tuple[float, int]]:
     """``(seconds per step, peak bytes per device)`` of each of ``layouts``, measured (see the module doc), in
     their order.
 
     ``loss_of(laid_model)``: the loss of a laid-out model; ``params`` and ``batch``: arrays or shape
     structs (the step runs on zeros of them); ``compiled``: the steps ``compiled_peak`` compiled, by layout
-    (not compiled again); ``progress(layout)``: called before each is built and compiled."""
+    (not compiled again); ``progress(layout)``: called before each is built and compiled; ``spreads``: a dict
+    given the spread of each layout's rounds (half their interquartile range, seconds: ``settled``)."""
     where = "auto_layout"
     if max_rounds < rounds:
         raise ValueError(f"measure_layouts: max_rounds={max_rounds} must be >= rounds={rounds} (the race's rounds "
@@ -84,6 +89,10 @@ def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
         for t in timed:
             t.round(steps)
     _race(timed, max_rounds - rounds, steps)
+    if spreads is not None:
+        for lay, t in zip(layouts, timed):
+            q = statistics.quantiles(t.seconds, n=4) if len(t.seconds) > 1 else (0.0, 0.0, 0.0)
+            spreads[lay] = (q[2] - q[0]) / 2
     return [(statistics.median(t.seconds), t.peak) for t in timed]
 
 
@@ -97,6 +106,33 @@ def _race(timed: list, more: int, steps: int) -> None:
             return
         for t in contenders:
             t.round(steps)
+
+
+def simplicity(c: Any) -> tuple:
+    """How simple a candidate's layout is, simplest first: its mesh dims over 1 (``dp=8`` before
+    ``dp=4,tp=2``), then its bytes moved per device and step (the step's exact table), then its name."""
+    return (sum(s > 1 for _, s in c.layout.mesh_dims), c.comm_bytes, c.name)
+
+
+def tied(a: Any, b: Any) -> bool:
+    """Whether measured ``b`` is no slower than measured ``a`` beyond the measurement's noise: their medians
+    apart by at most ``NOISE`` of ``a``'s or the sum of their rounds' spreads (half the interquartile range of
+    each one's rounds, ``measure_layouts(spreads=)``), whichever is more."""
+    spread = (a.measured_spread or 0.0) + (b.measured_spread or 0.0)
+    return b.measured_s - a.measured_s <= max(NOISE * a.measured_s, spread)
+
+
+def settled(timed: list) -> list:
+    """``timed`` (candidates, fitting first, ranked by measured time) with the fitting measured ones tied with
+    the fastest measured (``tied``: their order is the host's noise, not theirs) put first, simplest first
+    (``simplicity``); the others after them in their order. Stable from run to run where the fastest's median
+    alone is not."""
+    meas = [c for c in timed if c.fits and c.measured_s is not None]
+    if not meas:
+        return timed
+    fastest = min(meas, key=lambda c: c.measured_s)
+    tie = sorted((c for c in meas if tied(fastest, c)), key=simplicity)
+    return tie + [c for c in timed if not any(c is t for t in tie)]
 
 
 def compiled_warm(step: Any, state: Any, batch: Any, compiled: Any = None) -> tuple:
@@ -149,7 +185,7 @@ def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: An
                                                         params=structs[0], mesh=mesh))
         return step, state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data(x)),
                                          structs[1])
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), structs)
+    zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), structs)  # from the host: nothing compiled
     state = init_train_state(laid, optimizer, *example_inputs(model, zeros[1], layout.pp), params=zeros[0], mesh=mesh)
     return step, state, jax.tree.map(lambda x: jax.device_put(x, data(x)), zeros[1])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["_bar"]
+__all__ = ["_bar", "now"]
 
 
 def _bar(total: int | None, desc: str):
@@ -15,6 +15,16 @@ def _bar(total: int | None, desc: str):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="layout", leave=False, dynamic_ncols=True)
+
+
+def now(bar, text: str, advance: int = 1) -> None:
+    """``bar`` counts ``advance`` more and shows ``text`` at once, before the work it names starts (a postfix set
+    with ``refresh=False`` showed only at the next update, after that work): one line off a terminal."""
+    bar.set_postfix_str(text, refresh=False)
+    if advance:
+        bar.update(advance)
+    if not isinstance(bar, _Lines) or not advance:
+        bar.refresh()
 
 
 class _Lines:
@@ -36,6 +46,9 @@ class _Lines:
 
     def update(self, n: int = 1) -> None:
         self.n += n
+        self._line()
+
+    def refresh(self) -> None:
         self._line()
 
     def close(self) -> None:

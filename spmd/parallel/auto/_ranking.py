@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from spmd.parallel.auto._layout import Layout
+from spmd.parallel.auto._measure import NOISE
 from spmd.parallel.auto._pipeline import PERMUTE
 from spmd.parallel.cost._calibrate import Calibration
 from spmd.parallel.cost._comm import KINDS
@@ -33,6 +34,7 @@ class Candidate:
     fits: bool = True
     measured_s: float | None = None  # auto_layout(measure=): its compiled step timed (_auto_measure)
     measured_peak: int | None = None  # its compiled step's peak bytes per device (memory_analysis)
+    measured_spread: float | None = None  # half the interquartile range of its timed rounds' seconds
     bytes_accessed: float | None = None  # its compiled step's bytes accessed (cost_analysis), where compiled
 
     @property
@@ -42,6 +44,10 @@ class Candidate:
     @property
     def comm_bytes(self) -> int:
         return sum(v["bytes"] for v in self.communication["total"].values())
+
+
+def _dims(c: Candidate) -> int:
+    return sum(s > 1 for _, s in c.layout.mesh_dims)
 
 
 def _mib(b: float) -> str:
@@ -92,6 +98,12 @@ class AutoLayout:
         if len(self.candidates) < 2:
             return f"{self.best.name}: the only candidate."
         a, b = self.candidates[0], self.candidates[1]
+        if a.measured_s is not None and b.measured_s is not None and a.measured_s > b.measured_s:
+            return (f"{a.name} ties with {b.name} within the measurement's noise ({1e3 * a.measured_s:.2f} vs "
+                    f"{1e3 * b.measured_s:.2f} ms/step measured, within the larger of {NOISE:.0%} and their rounds' "
+                    f"spreads, {1e3 * ((a.measured_spread or 0) + (b.measured_spread or 0)):.2f} ms) and is the simpler: "
+                    f"{_dims(a)} vs {_dims(b)} mesh dims over 1, it moves {_mib(a.comm_bytes)} MiB per device and "
+                    f"step where {b.name} moves {_mib(b.comm_bytes)} MiB.")
         if a.measured_s is not None and b.measured_s is not None:
             return (f"{a.name} wins over {b.name} by {1e3 * (b.measured_s - a.measured_s):.2f} ms/step measured "
                     f"({1e3 * a.measured_s:.2f} vs {1e3 * b.measured_s:.2f} ms; predicted {1e3 * a.predicted_s:.2f} "

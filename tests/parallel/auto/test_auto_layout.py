@@ -860,7 +860,8 @@ def test_a_measured_peak_over_the_budget_does_not_fit_and_the_next_is_measured(d
 
     def fake(model, optimizer, loss_of, params, batch, devices, layouts):
         seen.append([lay.name for lay in layouts])
-        return [(0.1, 2000) if lay.name == order[0] else (0.3, 500) for lay in layouts]
+        return [(0.1, 2000) if lay.name == order[0] else (0.3 if lay.name == order[1] else 0.4, 500)  # no tie
+                for lay in layouts]
 
     ranked = auto_layout(MODEL, OPT, batch, 8, calibration=_cal(), profile=prof, layouts=lays, plan=PLAN)
     got = auto._measured(list(ranked.candidates), 2, 1000, lambda lays: fake(*[None] * 6, lays))
@@ -939,7 +940,7 @@ def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fi
     # measure=2 under the budget: compiled until 2 fit, then those 2 timed together on their compiled steps
     timed = []
 
-    def fake_measure(*a, compiled, progress=None):
+    def fake_measure(*a, compiled, progress=None, spreads=None):
         timed.append(([lay.name for lay in a[-1]], [compiled[lay] for lay in a[-1]]))
         return [(0.1, budget // 2)] * len(a[-1])
 

@@ -1,0 +1,94 @@
+"""``auto_layout(measure=)``'s pick made stable: measured medians tied within the measurement's noise (the larger
+of ``_measure.NOISE`` of the fastest and the sum of the two candidates' rounds' spreads) go to the simpler layout
+(fewer mesh dims over 1, then fewer bytes moved); and the progress names the work before it starts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from spmd.parallel import Layout
+from spmd.parallel.auto import _measure
+from spmd.parallel.auto._auto import untraced
+from spmd.parallel.auto._budget import _measured
+from spmd.parallel.auto._progress import _Lines, now
+from spmd.parallel.auto._ranking import AutoLayout
+
+
+def _cand(layout: Layout, predicted: float, moved: int):
+    c = untraced(layout, {"peak": 0}, None)
+    total = {"all-gather": {"count": 1, "bytes": moved}}
+    return replace(c, predicted_s=predicted, communication={**c.communication, "total": total})
+
+
+DP = Layout(dp=8)  # 1 mesh dim over 1
+FSDP = Layout(fsdp=8, units=("u",))  # 1 mesh dim over 1
+TP = Layout(dp=2, fsdp=4, units=("u",))  # 2 mesh dims over 1
+
+
+def _ranked(times: dict, spreads: dict | None = None) -> list:
+    cands = [_cand(TP, 1.0, 100), _cand(FSDP, 1.1, 300), _cand(DP, 1.2, 200)]  # predicted order: TP, FSDP, DP
+    spreads = spreads or {}
+    return _measured(cands, 3, None, lambda lays: [(times[lay], 10, spreads.get(lay, 0.0)) for lay in lays])
+
+
+def test_a_tie_within_the_noise_goes_to_the_simpler_layout():
+    assert _measure.NOISE == 0.05
+    # TP fastest by 4% (< 5%): a tie with both; of the three, DP and FSDP have 1 mesh dim, DP moves fewer bytes
+    got = _ranked({TP: 1.00, FSDP: 1.03, DP: 1.04})
+    assert [c.layout for c in got] == [DP, FSDP, TP]
+    # FSDP 6% over TP (> 5%), DP 3%: TP and DP tie, DP the simpler; FSDP after them
+    got = _ranked({TP: 1.00, FSDP: 1.06, DP: 1.03})
+    assert [c.layout for c in got] == [DP, TP, FSDP]
+    # no tie: the fastest measured first, as before
+    got = _ranked({TP: 1.00, FSDP: 1.20, DP: 1.30})
+    assert [c.layout for c in got] == [TP, FSDP, DP]
+    assert [c.measured_s for c in got] == [1.00, 1.20, 1.30]
+    text = AutoLayout(tuple(_ranked({TP: 1.00, FSDP: 1.20, DP: 1.30})), (), None, None).why()
+    assert text.startswith(f"{TP.name} wins over {FSDP.name}")
+
+
+def test_the_rounds_spread_widens_the_noise():
+    # 20% apart: no tie at 5%, but the rounds spread 0.12 s and 0.09 s (sum 0.21 s >= 0.20 s): a tie
+    times = {TP: 1.00, FSDP: 1.50, DP: 1.20}
+    assert [c.layout for c in _ranked(times)] == [TP, DP, FSDP]
+    got = _ranked(times, {TP: 0.12, DP: 0.09})
+    assert [c.layout for c in got] == [DP, TP, FSDP] and got[0].measured_spread == 0.09
+    assert [c.layout for c in _ranked(times, {TP: 0.10, DP: 0.09})] == [TP, DP, FSDP]  # 0.19 s < 0.20 s
+    why = AutoLayout(tuple(got), (), None, None).why()
+    assert why.startswith(f"dp=8 ties with {TP.name} within the measurement's noise (1200.00 vs 1000.00 ms/step "
+                          "measured, within the larger of 5% and their rounds' spreads, 210.00 ms) and is the "
+                          "simpler: 1 vs 2 mesh dims over 1"), why
+
+
+def test_measure_layouts_gives_half_the_interquartile_range_of_the_rounds(monkeypatch):
+    class Fake:
+        def __init__(self, *a, **k):
+            self.seconds, self.peak = [], 7
+
+        def round(self, steps):
+            self.seconds.append([1.0, 2.0, 3.0, 4.0, 5.0][len(self.seconds) % 5])
+
+    monkeypatch.setattr(_measure, "_Timed", Fake)
+    spreads = {}
+    got = _measure.measure_layouts(None, None, None, None, None, [], [DP], rounds=5, max_rounds=5, spreads=spreads)
+    assert got == [(3.0, 7)]
+    q1, _, q3 = __import__("statistics").quantiles([1.0, 2.0, 3.0, 4.0, 5.0], n=4)
+    assert spreads == {DP: pytest.approx((q3 - q1) / 2)} and q3 - q1 == pytest.approx(3.0)
+
+
+def test_the_progress_names_the_work_before_it_starts(capsys):
+    bar = _Lines(3, "auto_layout: hardware=h100")
+    now(bar, "compiling fsdp=8")  # counted and shown at once: one line
+    now(bar, "compiling dp=8 regather", 0)  # shown, not counted
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["auto_layout: hardware=h100 [1/3] compiling fsdp=8",
+                   "auto_layout: hardware=h100 [1/3] compiling dp=8 regather"]
+    tqdm = pytest.importorskip("tqdm")
+    import io
+
+    out = io.StringIO()
+    bar = tqdm.tqdm(total=3, file=out, mininterval=1e9)  # no refresh by time: only now()'s own
+    now(bar, "compiling fsdp=8")
+    assert "compiling fsdp=8" in out.getvalue() and "1/3" in out.getvalue()
