@@ -942,7 +942,7 @@ def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fi
 
     def fake_measure(*a, compiled, progress=None, spreads=None):
         timed.append(([lay.name for lay in a[-1]], [compiled[lay] for lay in a[-1]]))
-        return [(0.1, budget // 2)] * len(a[-1])
+        return [(0.1 * (1 + i), budget // 2) for i in range(len(a[-1]))]  # no tie: their order kept
 
     seen.clear()
     monkeypatch.setattr(auto, "measure_layouts", fake_measure)
