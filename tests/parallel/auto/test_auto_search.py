@@ -185,6 +185,7 @@ def test_a_policy_that_lowered_nothing_stops_the_heavier_ones():
     dots = cand(Layout(**keep, activation_checkpointing="dots"), 274)
     assert stalled(dots, [none]) and stalled(cand(dots.layout, 158), [none])
     assert not stalled(cand(dots.layout, 150), [none])  # lowered: the heavier ones weighed
+    assert stalled(cand(dots.layout, 157), [none])  # within 1%: lowered nothing
     full = cand(Layout(**keep, activation_checkpointing="full"), 158)
     assert stalled(full, [none, dots]) and not stalled(full, [dots, cand(Layout(**keep, accum_steps=2), 100)])
     assert not stalled(full, []) and not stalled(none, [dots])  # nothing lighter compiled; no policy of its own
