@@ -769,7 +769,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         bar.close()
     if measure:  # those timed side by side (all fitting: one interleaved set), not compiled again
         bar = _bar(measure, f"auto_layout: timing the top {measure} of {len(got)}")
-        spreads: dict = {}  # each timed layout's rounds' spread (_measure.settled)
+        spreads: dict = {}  # each timed layout's median's standard error (_measure.median_error)
         got = _measured(got, measure, memory_budget_bytes, lambda lays: [(*r, spreads.get(lay)) for lay, r in zip(
             lays, measure_layouts(model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled,
                                   progress=lambda lay: now(bar, "compiling " + lay.name), spreads=spreads))])

@@ -19,6 +19,7 @@ its peak alone: under a memory budget ``auto_layout`` compiles so until its top 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -70,7 +71,7 @@ def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
     ``loss_of(laid_model)``: the loss of a laid-out model; ``params`` and ``batch``: arrays or shape
     structs (the step runs on zeros of them); ``compiled``: the steps ``compiled_peak`` compiled, by layout
     (not compiled again); ``progress(layout)``: called before each is built and compiled; ``spreads``: a dict
-    given the spread of each layout's rounds (half their interquartile range, seconds: ``settled``)."""
+    given the uncertainty of each layout's median (``median_error`` of its rounds, seconds: ``settled``)."""
     where = "auto_layout"
     if max_rounds < rounds:
         raise ValueError(f"measure_layouts: max_rounds={max_rounds} must be >= rounds={rounds} (the race's rounds "
@@ -91,8 +92,7 @@ def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
     _race(timed, max_rounds - rounds, steps)
     if spreads is not None:
         for lay, t in zip(layouts, timed):
-            q = statistics.quantiles(t.seconds, n=4) if len(t.seconds) > 1 else (0.0, 0.0, 0.0)
-            spreads[lay] = (q[2] - q[0]) / 2
+            spreads[lay] = median_error(t.seconds)
     return [(statistics.median(t.seconds), t.peak) for t in timed]
 
 
@@ -114,12 +114,27 @@ def simplicity(c: Any) -> tuple:
     return (sum(s > 1 for _, s in c.layout.mesh_dims), c.comm_bytes, c.name)
 
 
+def median_error(seconds: list) -> float:
+    """The standard error of the median of ``seconds`` (one candidate's timed rounds): ``sqrt(pi / 2) sigma /
+    sqrt(n)`` for ``n`` rounds of spread ``sigma`` (the median's asymptotic variance under a normal spread), with
+    ``sigma`` read robustly off the rounds as their interquartile range over 1.349 (a normal's IQR in sigmas):
+    0.929 IQR / sqrt(n). 0 for fewer than two rounds."""
+    if len(seconds) < 2:
+        return 0.0
+    q = statistics.quantiles(seconds, n=4, method="inclusive")  # exclusive ones widen a few rounds' IQR
+    return math.sqrt(math.pi / 2) * (q[2] - q[0]) / 1.349 / math.sqrt(len(seconds))
+
+
+def tie_margin(a: Any, b: Any) -> float:
+    """How far apart measured ``a`` and ``b``'s medians may be and still be the host's noise (seconds): the
+    larger of ``NOISE`` of ``a``'s and the standard error of their difference (the root of the sum of the
+    squares of each median's ``median_error``, ``measure_layouts(spreads=)``)."""
+    return max(NOISE * a.measured_s, math.hypot(a.measured_spread or 0.0, b.measured_spread or 0.0))
+
+
 def tied(a: Any, b: Any) -> bool:
-    """Whether measured ``b`` is no slower than measured ``a`` beyond the measurement's noise: their medians
-    apart by at most ``NOISE`` of ``a``'s or the sum of their rounds' spreads (half the interquartile range of
-    each one's rounds, ``measure_layouts(spreads=)``), whichever is more."""
-    spread = (a.measured_spread or 0.0) + (b.measured_spread or 0.0)
-    return b.measured_s - a.measured_s <= max(NOISE * a.measured_s, spread)
+    """Whether measured ``b`` is no slower than measured ``a`` beyond the measurement's noise (``tie_margin``)."""
+    return b.measured_s - a.measured_s <= tie_margin(a, b)
 
 
 def settled(timed: list) -> list:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from spmd.parallel.auto._layout import Layout
-from spmd.parallel.auto._measure import NOISE
+from spmd.parallel.auto._measure import NOISE, tie_margin
 from spmd.parallel.auto._pipeline import PERMUTE
 from spmd.parallel.cost._calibrate import Calibration
 from spmd.parallel.cost._comm import KINDS
@@ -34,7 +34,7 @@ class Candidate:
     fits: bool = True
     measured_s: float | None = None  # auto_layout(measure=): its compiled step timed (_auto_measure)
     measured_peak: int | None = None  # its compiled step's peak bytes per device (memory_analysis)
-    measured_spread: float | None = None  # half the interquartile range of its timed rounds' seconds
+    measured_spread: float | None = None  # the standard error of its measured median (_measure.median_error)
     bytes_accessed: float | None = None  # its compiled step's bytes accessed (cost_analysis), where compiled
 
     @property
@@ -100,8 +100,8 @@ class AutoLayout:
         a, b = self.candidates[0], self.candidates[1]
         if a.measured_s is not None and b.measured_s is not None and a.measured_s > b.measured_s:
             return (f"{a.name} ties with {b.name} within the measurement's noise ({1e3 * a.measured_s:.2f} vs "
-                    f"{1e3 * b.measured_s:.2f} ms/step measured, within the larger of {NOISE:.0%} and their rounds' "
-                    f"spreads, {1e3 * ((a.measured_spread or 0) + (b.measured_spread or 0)):.2f} ms) and is the simpler: "
+                    f"{1e3 * b.measured_s:.2f} ms/step measured, within the larger of {NOISE:.0%} and the standard error "
+                    f"of their medians' difference, {1e3 * tie_margin(b, a):.2f} ms) and is the simpler: "
                     f"{_dims(a)} vs {_dims(b)} mesh dims over 1, it moves {_mib(a.comm_bytes)} MiB per device and "
                     f"step where {b.name} moves {_mib(b.comm_bytes)} MiB.")
         if a.measured_s is not None and b.measured_s is not None:

@@ -1,5 +1,5 @@
 """``auto_layout(measure=)``'s pick made stable: measured medians tied within the measurement's noise (the larger
-of ``_measure.NOISE`` of the fastest and the sum of the two candidates' rounds' spreads) go to the simpler layout
+of ``_measure.NOISE`` of the fastest and the standard error of the two medians' difference) go to the simpler layout
 (fewer mesh dims over 1, then fewer bytes moved); and the progress names the work before it starts."""
 
 from __future__ import annotations
@@ -49,20 +49,22 @@ def test_a_tie_within_the_noise_goes_to_the_simpler_layout():
     assert text.startswith(f"{TP.name} wins over {FSDP.name}")
 
 
-def test_the_rounds_spread_widens_the_noise():
-    # 20% apart: no tie at 5%, but the rounds spread 0.12 s and 0.09 s (sum 0.21 s >= 0.20 s): a tie
+def test_the_medians_error_widens_the_noise():
+    # 20% apart: no tie at 5%; medians uncertain by 0.16 s and 0.13 s: their difference's standard error is
+    # hypot(0.16, 0.13) = 0.206 s >= 0.20 s, a tie; 0.15 s and 0.12 s: 0.192 s < 0.20 s, none (the sum of the
+    # two, 0.27 s, would call it one: a 17% gap between 9%-noisy rounds is not the host's noise)
     times = {TP: 1.00, FSDP: 1.50, DP: 1.20}
     assert [c.layout for c in _ranked(times)] == [TP, DP, FSDP]
-    got = _ranked(times, {TP: 0.12, DP: 0.09})
-    assert [c.layout for c in got] == [DP, TP, FSDP] and got[0].measured_spread == 0.09
-    assert [c.layout for c in _ranked(times, {TP: 0.10, DP: 0.09})] == [TP, DP, FSDP]  # 0.19 s < 0.20 s
+    got = _ranked(times, {TP: 0.16, DP: 0.13})
+    assert [c.layout for c in got] == [DP, TP, FSDP] and got[0].measured_spread == 0.13
+    assert [c.layout for c in _ranked(times, {TP: 0.15, DP: 0.12})] == [TP, DP, FSDP]
     why = AutoLayout(tuple(got), (), None, None).why()
     assert why.startswith(f"dp=8 ties with {TP.name} within the measurement's noise (1200.00 vs 1000.00 ms/step "
-                          "measured, within the larger of 5% and their rounds' spreads, 210.00 ms) and is the "
-                          "simpler: 1 vs 2 mesh dims over 1"), why
+                          "measured, within the larger of 5% and the standard error of their medians' difference, "
+                          "206.16 ms) and is the simpler: 1 vs 2 mesh dims over 1"), why
 
 
-def test_measure_layouts_gives_half_the_interquartile_range_of_the_rounds(monkeypatch):
+def test_measure_layouts_gives_the_standard_error_of_each_median(monkeypatch):
     class Fake:
         def __init__(self, *a, **k):
             self.seconds, self.peak = [], 7
@@ -74,8 +76,10 @@ def test_measure_layouts_gives_half_the_interquartile_range_of_the_rounds(monkey
     spreads = {}
     got = _measure.measure_layouts(None, None, None, None, None, [], [DP], rounds=5, max_rounds=5, spreads=spreads)
     assert got == [(3.0, 7)]
-    q1, _, q3 = __import__("statistics").quantiles([1.0, 2.0, 3.0, 4.0, 5.0], n=4)
-    assert spreads == {DP: pytest.approx((q3 - q1) / 2)} and q3 - q1 == pytest.approx(3.0)
+    # 1..5: sample sd sqrt(2.5); a normal median's standard error sqrt(pi/2) sd / sqrt(n); the rounds' IQR (2.0,
+    # the inclusive quartiles 2 and 4) over 1.349 stands for the sd
+    assert spreads == {DP: pytest.approx(1.2533141 * 2.0 / 1.349 / 5 ** 0.5, rel=1e-6)}
+    assert spreads[DP] == pytest.approx(1.2533141 * 2.5 ** 0.5 / 5 ** 0.5, rel=0.2)  # near the sd-based error
 
 
 def test_the_progress_names_the_work_before_it_starts(capsys):
