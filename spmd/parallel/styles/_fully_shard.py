@@ -93,7 +93,7 @@ class FullyShardUnit(ParallelStyle):
             for i, y in zip(mine, self.gather(hooks, [shards[i] for i in mine], [entries[i] for i in mine])):
                 full[i] = y
             if policy is not None and not self.reshard_after_forward:
-                return jax.checkpoint(apply, policy=policy)(full, arrays)
+                return _tied_checkpoint(hooks, apply, policy, full, arrays)
             return apply(full, arrays)
 
         return self._call(hooks, run, [v for _, v in params], arrays, policy)
@@ -190,6 +190,33 @@ class FullyShardUnit(ParallelStyle):
 
         unit.defvjp(fwd, bwd)
         return unit(shards, arrays)
+
+
+def _tied_checkpoint(hooks, f: Callable, policy: Callable, full: list, arrays: list) -> Any:
+    """``jax.checkpoint(f, policy=policy)(full, arrays)`` (a keeping unit's activation checkpointing) whose
+    backward pass cannot start before the unit's cotangent: the saved values shaped like the unit's array inputs
+    get ``+ 0`` computed from the cotangent (``_plus_zero``), as a re-gathering unit's shards do (``_call``).
+    Without it the recomputation's inputs are ready at the end of the forward pass and XLA (XLA:CPU's scheduler,
+    whose compile the planner reads) runs it there, before the loss's backward pass: every block's recomputed
+    activations were live at once, and a checkpointed keeping step peaked as the uncheckpointed one (Llama 3 8B,
+    dp=8,fsdp=8 keep: 158.6 GiB under every policy)."""
+    ckpt = jax.checkpoint(f, policy=policy)
+    kinds = {(tuple(np.shape(x)), jnp.dtype(x.dtype)) for x in jax.tree.leaves(arrays)
+             if jnp.issubdtype(x.dtype, jnp.floating)}
+
+    @jax.custom_vjp
+    def unit(full, arrays):
+        return ckpt(full, arrays)
+
+    def fwd(full, arrays):
+        return jax.vjp(ckpt, full, arrays)
+
+    def bwd(res, ct):
+        leaves, treedef = jax.tree_util.tree_flatten(res)
+        return jax.tree_util.tree_unflatten(treedef, _plus_zero(leaves, _zero_from(hooks, ct), kinds))(ct)
+
+    unit.defvjp(fwd, bwd)
+    return unit(full, arrays)
 
 
 def _vjp_unrounded(f: Callable, *args) -> tuple:
