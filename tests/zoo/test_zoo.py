@@ -25,7 +25,8 @@ import pytest
 
 import spmd
 from spmd import Replicate, Shard
-from spmd.parallel import (ColwiseParallel, ParallelModule, PipelineModule, RowwiseParallel, SequenceParallel,
+from spmd.parallel import (ColwiseParallel, ParallelModule, PipelineModule, PrepareModuleInput, PrepareModuleOutput,
+                           RowwiseParallel, SequenceParallel,
                            TrainState, fully_shard, hlo_executed_collectives, init_train_state, make_train_step,
                            parallelize_module, pipeline, unshard_params, unshard_tree)
 from tests._one_device import train_one_device
@@ -101,6 +102,23 @@ def _sp(norms: list[str], embed: str, head: str) -> dict:
                head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
 
 
+def _sp_tied(norms: list[str], embeds: list[str], last: str) -> dict:
+    """Sequence parallelism before a head tied to the token embedding (Hugging Face's ``lm_head.apply`` on the
+    embedding's table: no module of its own to style, so the table stays whole, not cut over the vocabulary): the
+    norms on the sequence cut, the embeddings' outputs (token, position: summed on the device's positions) cut onto
+    it, the module before the head gathering the sequence back (it and the head run whole)."""
+    return ({n: SequenceParallel() for n in norms}
+            | {e: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)) for e in embeds}
+            | {last: PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())})
+
+
+def _sp_whole_attention(qkv: str, out: str) -> dict:
+    """An attention tp leaves whole under sequence parallelism: its input projection gathers the sequence, its
+    output projection cuts it back onto the device's positions."""
+    return {qkv: PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+            out: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))}
+
+
 def _linen_scan():
     from tests.zoo.linen_scan import ScannedDecoder
 
@@ -146,20 +164,40 @@ FAMILIES = {
     "hf_gpt2": Family("hf", _hf("hf_gpt2"), _tokens, _lm, ("transformer.h.*",),
                       # GPT-2's Conv1D kernels are (in, out) under the name Conv1D: the cut dims said explicitly
                       {"transformer.h.*.mlp.c_fc": ColwiseParallel(dim=0),
-                       "transformer.h.*.mlp.c_proj": RowwiseParallel(dim=1)}, "transformer.h.*"),
+                       "transformer.h.*.mlp.c_proj": RowwiseParallel(dim=1)}, "transformer.h.*",
+                      # the fused q/k/v stays whole (as in tp): the attention gathers the sequence and cuts it back
+                      sp={"transformer.h.*.mlp.c_fc": ColwiseParallel(dim=0, input_layouts=Shard(1)),
+                          "transformer.h.*.mlp.c_proj": RowwiseParallel(dim=1, output_layouts=Shard(1))}
+                      | _sp_whole_attention("transformer.h.*.attn.c_attn", "transformer.h.*.attn.c_proj")
+                      | _sp_tied(["transformer.h.*.ln_1", "transformer.h.*.ln_2"],
+                                 ["transformer.wte", "transformer.wpe"], "transformer.ln_f")),
     "hf_mistral": Family("hf", _hf("hf_mistral"), _tokens, _lm, ("model.layers.*",), _megatron("model.layers.*"),
                          "model.layers.*",
                          sp=_megatron("model.layers.*", sp=True)
                          | _sp(["model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm",
                                 "model.norm"], "model.embed_tokens", "lm_head")),
     "hf_gpt_neo": Family("hf", _hf("hf_gpt_neo"), _tokens, _lm, ("transformer.h.*",),
-                         {"transformer.h.*.mlp.c_fc": COL, "transformer.h.*.mlp.c_proj": ROW}, "transformer.h.*"),
+                         {"transformer.h.*.mlp.c_fc": COL, "transformer.h.*.mlp.c_proj": ROW}, "transformer.h.*",
+                         sp={"transformer.h.*.mlp.c_fc": ColwiseParallel(input_layouts=Shard(1)),
+                             "transformer.h.*.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))}
+                         # the attention cut too (tp leaves it whole): its 2 heads, one per tp rank
+                         | _megatron("transformer.h.*.attn.attention", "q_proj", "k_proj", "v_proj", "out_proj", (),
+                                     "out_proj", sp=True)
+                         | _sp_tied(["transformer.h.*.ln_1", "transformer.h.*.ln_2"],
+                                    ["transformer.wte", "transformer.wpe"], "transformer.ln_f")),
     "hf_bert": Family("hf", _hf("hf_bert"), _tokens, _lm, ("bert.encoder.layer.*",),
                       {"bert.encoder.layer.*.attention.self.query": COL, "bert.encoder.layer.*.attention.self.key": COL,
                        "bert.encoder.layer.*.attention.self.value": COL,
                        "bert.encoder.layer.*.attention.output.dense": ROW,
                        "bert.encoder.layer.*.intermediate.dense": COL, "bert.encoder.layer.*.output.dense": ROW},
-                      "bert.encoder.layer.*"),
+                      "bert.encoder.layer.*",
+                      sp=_megatron("bert.encoder.layer.*", "attention.self.query", "attention.self.key",
+                                   "attention.self.value", "attention.output.dense", ("intermediate.dense",),
+                                   "output.dense", sp=True)
+                      | _sp_tied(["bert.embeddings.LayerNorm", "bert.encoder.layer.*.attention.output.LayerNorm",
+                                  "bert.encoder.layer.*.output.LayerNorm"],
+                                 ["bert.embeddings.word_embeddings", "bert.embeddings.position_embeddings",
+                                  "bert.embeddings.token_type_embeddings"], "cls.predictions.transform.dense")),
     "hf_bart": Family("hf", _hf("hf_bart"), _seq2seq,
                       lambda mod: lambda p, b: _ce(mod(b["inputs"], decoder_input_ids=b["decoder_inputs"],
                                                        params=p).logits, b["targets"]),
@@ -173,7 +211,23 @@ FAMILIES = {
                                                                               ("decoder", "encoder_attn"))}
                       | {f"model.{s}.layers.*.fc1": COL for s in ("encoder", "decoder")}
                       | {f"model.{s}.layers.*.fc2": ROW for s in ("encoder", "decoder")},
-                      "model.decoder.layers.*"),
+                      "model.decoder.layers.*",
+                      sp={f"model.{s}.layers.*.{a}.{n}": ColwiseParallel(input_layouts=Shard(1))
+                          for s, a in (("encoder", "self_attn"), ("decoder", "self_attn"), ("decoder", "encoder_attn"))
+                          for n in ("q_proj", "k_proj", "v_proj")}
+                      | {f"model.{s}.layers.*.{a}.out_proj": RowwiseParallel(output_layouts=Shard(1))
+                         for s, a in (("encoder", "self_attn"), ("decoder", "self_attn"), ("decoder", "encoder_attn"))}
+                      | {f"model.{s}.layers.*.fc1": ColwiseParallel(input_layouts=Shard(1))
+                         for s in ("encoder", "decoder")}
+                      | {f"model.{s}.layers.*.fc2": RowwiseParallel(output_layouts=Shard(1))
+                         for s in ("encoder", "decoder")}
+                      | _sp_tied([f"model.{s}.{n}" for s in ("encoder", "decoder")
+                                  for n in ("layernorm_embedding", "layers.*.self_attn_layer_norm")]
+                                 + ["model.encoder.layers.*.final_layer_norm",
+                                    "model.decoder.layers.*.encoder_attn_layer_norm",
+                                    "model.decoder.layers.0.final_layer_norm"],  # the last block's gathers
+                                 ["model.shared", "model.encoder.embed_positions", "model.decoder.embed_positions"],
+                                 "model.decoder.layers.1.final_layer_norm")),
     "resnet_bn": Family("linen", _resnet, _images, _resnet_loss, ("ResNetBlock_*",),
                         {"head": ColwiseParallel(output_layouts=Replicate())}, "ResNetBlock_*",
                         example=(np.zeros((2, 8, 8, 3), np.float32),)),

@@ -26,7 +26,10 @@ HLO reader's ``buffers`` and ``bytes`` are what equal this table).
   forward, a reduce-scatter backward. Parameters whole over tp that it reads (``SequenceParallel`` norms,
   a row-wise bias added to ``Shard`` outputs): an all-reduce of their gradients. A style in global view
   (``PrepareModuleOutput``) from ``Replicate`` to ``Shard`` (a whole embedding's output cut): a slice
-  forward, an all-gather of its gradient backward. A projection with fewer heads than tp
+  forward, an all-gather of its gradient backward; an input from ``Shard`` to ``Replicate``
+  (``PrepareModuleInput`` before a module run whole, such as a tied head after sequence parallelism): an
+  all-gather forward per module call (XLA does not merge two modules' gathers of one input), its gradient
+  sliced back. A projection with fewer heads than tp
   (``spmd.parallel.step._heads``; grouped-query attention's key / value heads), run whole over tp: an
   all-gather forward of each of its parameters the plan cuts over tp; backward, its output's gradient
   (``A``, whole on each device) summed over the devices sharing a head (an all-reduce of ``A / heads``, when
@@ -180,6 +183,8 @@ def activation_terms(records: Sequence[dict], *, accum_steps: int = 1, part: str
             elif isinstance(local, Shard) and not isinstance(wanted, Shard):
                 add("forward", "all-gather", a_out)
                 add("backward", "reduce-scatter", a_out)
+        elif r.get("gathered_input"):  # a global-view input Shard -> Replicate (PrepareModuleInput): one per call
+            add("forward", "all-gather", a_in)
         elif r.get("whole_heads"):  # a projection with fewer heads than tp, run whole over tp
             if isinstance(r["in_layout"], Shard):  # its sequence-cut input gathered whole (its gradient: a slice)
                 add("forward", "all-gather", a_in)

@@ -156,11 +156,13 @@ class TPCalls:
             ds = desired if isinstance(desired, (tuple, list)) else (desired,)
             for i, (g, d) in enumerate(zip(gs, ds)):
                 if i < len(args):
+                    self._record_gather(fqn, style, typ, args[i], g, d)
                     args[i] = self.constrain(self.constrain(args[i], g), d)
         kg, kd = style.kwarg_layouts()
         kwargs = dict(kwargs)
         for k in set(kg) | set(kd):
             if k in kwargs:
+                self._record_gather(fqn, style, typ, kwargs[k], kg.get(k), kd.get(k))
                 kwargs[k] = self.constrain(self.constrain(kwargs[k], kg.get(k)), kd.get(k))
         y = call(*args, **kwargs)
         given, desired = style.output_layouts_for(typ)
@@ -177,6 +179,23 @@ class TPCalls:
         if isinstance(y, (tuple, list)) and y:
             return type(y)([self.constrain(self.constrain(y[0], given), desired), *y[1:]])
         return self.constrain(self.constrain(y, given), desired)
+
+    def _record_gather(self, fqn, style, typ, x, given, desired):
+        """An input arriving cut (``Shard``) and needed whole (``Replicate``) in global view (``PrepareModuleInput``
+        before a module run whole: a tied head after sequence parallelism): an all-gather forward, one per module
+        reading it (XLA does not merge the gathers of q, k and v reading one input); its gradient, whole on each
+        device, is sliced back (no collective). One module called twice on one input (Hugging Face's GPT-Neo runs
+        its ``ln_f`` twice, the first result unused): one gather."""
+        if any(r["module"] == fqn and r.get("gathered_input") and r["input_id"] == id(x)
+               for r in self.hooks.records):
+            return
+        if (isinstance(given, Shard) and isinstance(desired, Replicate) and _is_array(x)
+                and jnp.issubdtype(x.dtype, jnp.inexact)):
+            self.hooks.records.append({
+                "module": fqn, "style": type(style).__name__, "type": typ, "region": False, "in_layout": given,
+                "in_desired": desired, "local_out": None, "out_layout": None, "gathered_input": True,
+                "in_bytes": int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize, "out_bytes": 0,
+                "input_grad": False, "summed_params": [], "input_id": id(x)})
 
     def _island_call(self, fqn, typ, style, params, run_local, args, kwargs):
         """The styled module on this device's tp blocks, in a region manual over tp: every tp collective
