@@ -72,7 +72,8 @@ def pytest_report_header(config):
 # out (`-m "not slow"`). A test marks itself with @pytest.mark.slow; the units listed in tests/slow_tier.json
 # (an xdist group, whose tests share cached compiled runs and so go together, or a test by file and name) were
 # measured to take the most time on a 2-core machine and join the tier here.
-_SLOW = __import__("json").loads((__import__("pathlib").Path(__file__).parent / "slow_tier.json").read_text())
+_SLOW_TIER = "tests/slow_tier.json"
+_SLOW = __import__("json").loads((Path(__file__).parent / "slow_tier.json").read_text())
 
 
 def pytest_collection_modifyitems(config, items):
@@ -87,12 +88,25 @@ def pytest_collection_modifyitems(config, items):
             if key in groups or key in tests:
                 seen.add(key)
                 item.add_marker(pytest.mark.slow)
-    # where every test file was collected unfiltered, an entry matching nothing is stale (a docs block's line
-    # moved, a test renamed): its test would silently run in the README's tier
+    # where every test file was collected unfiltered, an entry matching nothing is stale (a test or a docs heading
+    # renamed): its test would silently run in the README's tier
     every = {f.name for f in Path(__file__).parent.rglob("test_*.py")}
     if every <= files and not config.option.keyword:
         stale = sorted((groups | tests) - seen)
         if stale:
-            raise pytest.UsageError(f"tests/slow_tier.json names {len(stale)} unit(s) no collected test matches: "
-                                    f"{stale}; update them to the tests' current names (a docs block is named by "
-                                    "its page and the line of its fence)")
+            message = (f"tests/slow_tier.json names {len(stale)} unit(s) no collected test matches: {stale}; update "
+                       "them to the tests' current names (a docs block is named page::heading-N: its page, the anchor "
+                       "of the heading above it and its ordinal among the python blocks under that heading)")
+            if not os.environ.get("PYTEST_XDIST_WORKER"):
+                raise pytest.UsageError(message)
+            # an xdist worker: an exception here would end the worker, and the controller would report only a
+            # crash ('no tests ran', INTERNALERROR); it goes to the controller as a failed collection report instead
+            config.hook.pytest_collectreport(report=pytest.CollectReport(_SLOW_TIER, "failed", message, []))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collectreport(report):
+    """In the main process (xdist's controller): a worker's stale tests/slow_tier.json report stops the session as
+    the same usage error as without xdist, once."""
+    if report.nodeid == _SLOW_TIER and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        raise pytest.UsageError(str(report.longrepr))

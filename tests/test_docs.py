@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -34,12 +35,33 @@ BLOCK_TIMEOUT_S = 240  # under pytest-timeout's 300 s; the slowest block (a 3-D 
 HISTORY = ("this stop", "next issue", "rerun_issue", "as measured this", "the seed's eager", "this session")
 
 
-def _fenced_blocks(path: Path) -> list[tuple[int, str, str]]:
-    """(line number, info string, code) of every top-level fenced block of a markdown file."""
-    out, lines, i = [], path.read_text().splitlines(), 0
+HEADING = re.compile(r"^#{1,6}\s+(?P<title>.+?)(?:\s+#+)?\s*$")
+
+
+class Block(NamedTuple):
+    """A top-level fenced block: its fence's line (1-based), info string, code, and the slug of the nearest heading
+    above it ("top" before the first)."""
+
+    line: int
+    info: str
+    code: str
+    heading: str
+
+
+def _slug(title: str) -> str:
+    """A heading's anchor as GitHub and MyST's ``myst_heading_anchors`` write it: lower case, no punctuation, a
+    hyphen for each space."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def _fenced_blocks(path: Path) -> list[Block]:
+    """Every top-level fenced block of a markdown file, in order."""
+    out, lines, i, heading = [], path.read_text().splitlines(), 0, "top"
     while i < len(lines):
         m = FENCE.match(lines[i])
         if not m:
+            h = HEADING.match(lines[i])
+            heading = _slug(h.group("title")) if h else heading
             i += 1
             continue
         fence, info, start = m.group("fence"), m.group("info").strip(), i + 1
@@ -49,16 +71,21 @@ def _fenced_blocks(path: Path) -> list[tuple[int, str, str]]:
             body.append(lines[i])
             i += 1
         i += 1
-        out.append((start, info, "\n".join(body) + "\n"))
+        out.append(Block(start, info, "\n".join(body) + "\n", heading))
     return out
 
 
-def _python_blocks() -> list[tuple[str, str]]:
+def _python_blocks() -> list[tuple[str, int, str]]:
+    """(name, line, code) of every python block. The name, ``page::heading-slug-N`` (the N-th python block under
+    that heading), stays as lines are added above the block (tests/slow_tier.json lists some by it); the line is
+    for finding the block."""
     blocks = []
     for page in PAGES:
-        for line, info, code in _fenced_blocks(page):
-            if info == "python":
-                blocks.append((f"{page.relative_to(ROOT)}:{line}", code))
+        ordinal: dict[str, int] = {}
+        for b in _fenced_blocks(page):
+            if b.info == "python":
+                ordinal[b.heading] = ordinal.get(b.heading, 0) + 1
+                blocks.append((f"{page.relative_to(ROOT)}::{b.heading}-{ordinal[b.heading]}", b.line, b.code))
     return blocks
 
 
@@ -67,14 +94,15 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
 def test_blocks_found():
-    assert len(BLOCKS) >= 15, [name for name, _ in BLOCKS]
+    assert len(BLOCKS) >= 15, [name for name, _, _ in BLOCKS]
+    assert len({name for name, _, _ in BLOCKS}) == len(BLOCKS), "two python blocks share a name"
 
 
 INSTALLED = ("spmd", "placements", "models")  # pyproject's packages: what a reader's script can import
 
 
-@pytest.mark.parametrize("name,code", BLOCKS, ids=[name for name, _ in BLOCKS])
-def test_python_block_runs(name, code, tmp_path):
+@pytest.mark.parametrize("name,line,code", BLOCKS, ids=[name for name, _, _ in BLOCKS])
+def test_python_block_runs(name, line, code, tmp_path):
     if re.search(r"^\s*(import torch|from torch)\b", code, re.M) and not HAS_TORCH:
         pytest.skip("needs torch (pip install -e '.[torch]')")
     site, cwd = tmp_path / "site", tmp_path / "work"  # this checkout's packages (not another install's)
@@ -85,14 +113,13 @@ def test_python_block_runs(name, code, tmp_path):
     env = {**os.environ, **DOCS_ENV, "PYTHONPATH": str(site)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=BLOCK_TIMEOUT_S)
-    assert proc.returncode == 0, f"{name} failed (rc {proc.returncode}):\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{name} (line {line}) failed (rc {proc.returncode}):\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"
 
 
 def test_fences_are_known():
     """No block dodges the runner with another spelling of python (``py``, ``python3``, ``pycon``)."""
-    bad = [f"{page.relative_to(ROOT)}:{line} ```{info}" for page in PAGES
-           for line, info, _ in _fenced_blocks(page)
-           if info.split()[0:1] and info.split()[0] not in LANGUAGES and not info.startswith("{")]
+    bad = [f"{page.relative_to(ROOT)}:{b.line} ```{b.info}" for page in PAGES for b in _fenced_blocks(page)
+           if b.info.split()[0:1] and b.info.split()[0] not in LANGUAGES and not b.info.startswith("{")]
     assert not bad, bad
 
 
