@@ -391,6 +391,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
 
     def communication(state: TrainState, batch: Any) -> dict:
         batch = _as_arrays(batch)
+        _check_batch(batch, n_data, accum_steps, data, sizes)  # as the call: refused by name, not by a reshape
         prepare(state, batch)
         if fsdp is not None and not dead:  # the units' gathers nothing reads (XLA drops them): traced once
             dead.append(dead_gathers(jitted[0].trace(state, batch).jaxpr, fsdp))  # the step's trace, reused
