@@ -21,8 +21,10 @@
   parameters as ``pipeline`` requires: not an MoE's with experts in every other block) in ``pp`` stages over the divisors
   of the device count up to the blocks, with the sequence over ``cp`` (the stages' attention calls the
   all-gather of K/V: a recognized call only, a module's own einsum attention is refused there) or the experts
-  over ``ep`` (stacked with the stages), the rest over ``dp`` x ``fsdp`` (no tp: the step takes neither with tp
-  stages), 1F1B at ``pp`` and ``2 pp`` micro-batches (those a replica's rows divide). Costed as the other
+  over ``ep`` (stacked with the stages), the rest over ``dp`` x ``fsdp``, and with the experts over ``ep`` over
+  ``tp`` too where the plan has a tensor-parallel plan for that size (the stages' attention projections over tp,
+  the experts over ep: ``pp=2,tp=2,ep=2``; not with cp, whose stages' K/V gathers take no tp), 1F1B at ``pp``
+  and ``2 pp`` micro-batches (those a replica's rows divide). Costed as the other
   pipelines (``spmd.parallel.auto._pipeline``), whose table holds the cp terms (K/V gathers, dK/dV
   reduce-scatters, the gradients' all-reduces over cp) and the experts' all-to-alls.
 
@@ -113,13 +115,14 @@ def context_expert_layouts(n: int, plan: Any, units: tuple[str, ...], params: An
                 dims = dict(cp=cp, ep=ep, ep_plan=((got[0], ExpertParallel()),) if ep > 1 else None)
                 out += _rest(n // (cp * ep), plan, units, **dims)
     rows = jax.tree.leaves(batch)[0].shape[0] if jax.tree.leaves(batch) else 0
-    return out + pipelined(n, units, params, rows, cps[1:], eps[1:], got[0] if got is not None else None)
+    return out + pipelined(n, units, params, rows, cps[1:], eps[1:], got[0] if got is not None else None, plan)
 
 
 def pipelined(n: int, units: tuple[str, ...], params: Any, rows: int, cps: list[int], eps: list[int],
-              experts: str | None) -> list[Layout]:
-    """The pp x cp and pp x ep layouts on ``n`` devices for a batch of ``rows`` (see the module doc): ``cps`` /
-    ``eps`` the cuts the sequence / the experts allow, ``experts`` the experts' glob."""
+              experts: str | None, plan: Any = None) -> list[Layout]:
+    """The pp x cp and pp x ep (x tp) layouts on ``n`` devices for a batch of ``rows`` (see the module doc):
+    ``cps`` / ``eps`` the cuts the sequence / the experts allow, ``experts`` the experts' glob, ``plan`` the
+    tensor-parallel plan (``auto_layout``'s: the ep stages' tp, where it has one for the tp size)."""
     if len(units) != 1 or not units_alike(params, units[0]):  # units of other parameters: refused by pipeline
         return []
     n_units = count_units(params, units[0])
@@ -132,12 +135,14 @@ def pipelined(n: int, units: tuple[str, ...], params: Any, rows: int, cps: list[
                 continue
             for dp, fsdp, tp in factorizations(n // (pp * cut)):
                 n_data = dp * fsdp * dims.get("ep", 1)
-                if tp > 1 or rows % n_data:
+                # tp stages with the experts over ep (not with cp: the stages' K/V gathers take no tp)
+                tp_plan = tp_plan_for(plan, False, tp) if tp > 1 and "ep" in dims else None
+                if (tp > 1 and tp_plan is None) or rows % n_data:
                     continue
                 for m in (pp, 2 * pp):
                     if (rows // n_data) % m == 0:
-                        out.append(Layout(pp=pp, dp=dp, fsdp=fsdp, units=units, reshard_after_forward=fsdp == 1,
-                                          microbatches=m, **dims))
+                        out.append(Layout(pp=pp, dp=dp, fsdp=fsdp, tp=tp, tp_plan=tp_plan, units=units,
+                                          reshard_after_forward=fsdp == 1, microbatches=m, **dims))
     return out
 
 

@@ -1,0 +1,65 @@
+"""auto_layout's pp x tp x ep candidates (``spmd.parallel.auto._cpep.pipelined``): ``models.MoE`` with experts in
+every block on 8 devices, given Megatron's plan of its attention (``models._plans.decoder_tp_plan``), gets
+``pp=2,ep=2,tp=2`` (the blocks in 2 stages, the experts over ep and the attention's projections over tp inside
+them) beside the pp x ep ones, and none without a plan; the candidate, ranked by ``auto_layout``, prices the
+table of its step, whose every collective equals the compiled program's."""
+
+from __future__ import annotations
+
+import jax
+import optax
+import pytest
+
+from models._plans import decoder_tp_plan
+from spmd.parallel import apply_layout, auto_layout, hlo_executed_collectives, init_train_state, make_train_step
+from spmd.parallel.auto._auto import default_loss
+from spmd.parallel.auto._cpep import context_expert_layouts
+from tests.parallel.auto.test_auto_cpep import CAL, KINDS, MOE_EVERY, _batch
+
+PLAN = decoder_tp_plan(MOE_EVERY)  # q/k/v column-, o row-parallel (every block's MLP is experts: over ep)
+
+
+def _pipelined_ep(plan):
+    batch = _batch(16)
+    params = jax.eval_shape(MOE_EVERY.init, jax.random.key(0), batch["inputs"])["params"]
+    lays = [lay for lay in context_expert_layouts(8, plan, ("layers_*",), params, batch) if lay.pp > 1 and lay.ep > 1]
+    return lays, params, batch
+
+
+def test_an_moe_pipeline_gets_tp_times_ep_candidates_where_a_plan_is_given():
+    lays, _, _ = _pipelined_ep(PLAN)
+    # 8 rows: a replica of ep=2 has 4 (M=2, 4); of dp=2 x ep=2 or fsdp=2 x ep=2 2 (M=2); of ep=4 2 (M=2)
+    assert sorted(lay.name for lay in lays) == sorted([
+        "pp=2,dp=2,ep=2 1f1b M=2", "pp=2,fsdp=2,ep=2 1f1b M=2", "pp=2,ep=4 1f1b M=2",
+        "pp=2,ep=2,tp=2 1f1b M=2", "pp=2,ep=2,tp=2 1f1b M=4"])
+    tp = next(lay for lay in lays if lay.tp == 2)
+    assert tp.mesh_dims == (("pp", 2), ("ep", 2), ("tp", 2)) and dict(tp.tp_plan) == PLAN
+    assert all(lay.tp == 1 for lay in _pipelined_ep(None)[0])  # no plan: no tp stages
+
+
+@pytest.mark.slow  # one pipelined layout traced and compiled
+def test_a_ranked_pipeline_with_tp_and_ep_prices_its_compiled_collectives():
+    lays, params, batch = _pipelined_ep(PLAN)
+    lay = next(lay for lay in lays if lay.name == "pp=2,ep=2,tp=2 1f1b M=2")
+    got = auto_layout(MOE_EVERY, optax.sgd(0.1), batch, 8, layouts=[lay], calibration=CAL, params=params)
+    best = got.best
+    assert best.name == lay.name and not got.rejected
+    laid, _ = apply_layout(MOE_EVERY, 8, best.layout)
+    real = MOE_EVERY.init(jax.random.key(0), batch["inputs"])["params"]
+    state = init_train_state(laid, optax.sgd(0.1), params=real)
+    hlo = hlo_executed_collectives(make_train_step(laid, default_loss(laid), optax.sgd(0.1)).compiled(
+        state, batch).as_text(), scalars=False)
+    table = best.communication["total"]
+    for kind in KINDS:  # buffers, an all-to-all's ops (as tests/parallel/pipelining/test_pipeline_experts.py)
+        want = table.get(kind, {"count": 0, "bytes": 0})
+        assert (hlo[kind]["count" if kind == "all-to-all" else "buffers"], hlo[kind]["bytes"]) == (
+            want["count"], want["bytes"]), kind
+    # per device and micro-batch: 8 rows / (ep=2 x M=2) = 2 rows -> buffers [2, 8 experts, capacity 4, 16]
+    # float32 = 4,096 B; 20 all-to-alls in the program (tests/parallel/pipelining/test_pipeline_experts.py)
+    assert table["all-to-all"] == {"count": 20, "bytes": 20 * 4096}
+    # priced from that table: the all-to-alls over ep, the all-reduces (tp's activations among them)
+    assert best.comm_s["all-to-all"] > 0 and best.comm_s["all-reduce"] > 0
+    assert best.communication["activations"]["all-reduce"]["count"] > 0  # Megatron's f and g inside the stages
+    row = next(line for line in got.table().splitlines() if line.startswith("1 "))
+    for kind in ("all-gather", "reduce-scatter", "all-reduce", "collective-permute"):  # the printed MiB
+        assert f"{hlo[kind]['bytes'] / 2**20:.2f}" in row.split(), kind
