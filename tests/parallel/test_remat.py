@@ -191,6 +191,14 @@ def test_dots_on_a_regathering_unit_replaces_fully_shards_policy(spec):
     assert _dots(runs["dots"].hlo) == _dots(runs[None].hlo) < _dots(runs["full"].hlo)
 
 
+@pytest.mark.parametrize("spec,policy", _on_its_worker(*[(s, p) for s in LAYOUTS if "fsdp" in s for p in POLICIES]))
+def test_a_checkpointed_fsdp_unit_rounds_no_float32_value(spec, policy):
+    """``jax.checkpoint``'s vjp puts a ``reduce_precision`` on each value it saves (the identity in float32, an
+    op XLA:CPU keeps); a fully_shard unit's checkpoint, re-gathering or keeping, drops them: the compiled step of
+    this float32 model has none."""
+    assert _run(spec, policy).hlo.count(" reduce-precision(") == 0
+
+
 def _other_model_steps(name: str):
     """(losses, grad norms, logical params, dots, collectives) of 2 steps of a model the project did not write, on
     fsdp=8 keeping its units' gathers, with and without "full" checkpointing of every block."""

@@ -23,6 +23,7 @@ unit's call to its style's ``run_call``, as they hand a styled module's to its t
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -175,26 +176,11 @@ class FullyShardUnit(ParallelStyle):
         if not self.reshard_after_forward:
             return run(shards, arrays)
         shards = _after(hooks, shards, arrays)
-        ckpt = jax.checkpoint(run, policy=policy or _saved)
-
-        @jax.custom_vjp
-        def unit(shards, arrays):
-            return ckpt(shards, arrays)
-
-        def fwd(shards, arrays):
-            return _vjp_unrounded(ckpt, shards, arrays)
-
         kinds = {(tuple(np.shape(x)), jnp.dtype(x.dtype)) for x in shards}
         if policy is not None:  # checkpointed: what is recomputed from the unit's inputs alone waits too
             kinds |= _input_kinds(arrays)
-
-        def bwd(res, ct):
-            leaves, treedef = jax.tree_util.tree_flatten(res)  # the re-gather cannot run (or merge) before ct
-            with jax.named_scope(REGATHER):
-                return jax.tree_util.tree_unflatten(treedef, _plus_zero(leaves, _zero_from(hooks, ct), kinds))(ct)
-
-        unit.defvjp(fwd, bwd)
-        return unit(shards, arrays)
+        # the re-gather cannot run (or merge) before the cotangent
+        return _tied(hooks, jax.checkpoint(run, policy=policy or _saved), shards, arrays, kinds, REGATHER)
 
 
 def _input_kinds(arrays: Any) -> set:
@@ -206,27 +192,33 @@ def _input_kinds(arrays: Any) -> set:
 def _tied_checkpoint(hooks, f: Callable, policy: Callable, full: list, arrays: list) -> Any:
     """``jax.checkpoint(f, policy=policy)(full, arrays)`` (a keeping unit's activation checkpointing) whose
     backward pass cannot start before the unit's cotangent: the saved values shaped like the unit's array inputs
-    get ``+ 0`` computed from the cotangent (``_plus_zero``), as a re-gathering unit's shards do (``_call``).
+    get ``+ 0`` computed from the cotangent, as a re-gathering unit's shards do (``_tied``).
     Without it the recomputation's inputs are ready at the end of the forward pass and XLA (XLA:CPU's scheduler,
     whose compile the planner reads) runs it there, before the loss's backward pass: every block's recomputed
     activations were live at once, and a checkpointed keeping step peaked as the uncheckpointed one (Llama 3 8B,
     dp=8,fsdp=8 keep: 158.6 GiB under every policy)."""
-    ckpt = jax.checkpoint(f, policy=policy)
-    kinds = _input_kinds(arrays)
+    return _tied(hooks, jax.checkpoint(f, policy=policy), full, arrays, _input_kinds(arrays))
+
+
+def _tied(hooks, ckpt: Callable, first: list, arrays: list, kinds: set, scope: str | None = None) -> Any:
+    """``ckpt(first, arrays)`` (a ``jax.checkpoint``-ed function) whose backward pass cannot run before the
+    cotangent: the saved values whose ``(shape, dtype)`` is in ``kinds`` get ``+ 0`` computed from it
+    (``_plus_zero``), under the named scope ``scope``. Its forward pass is ``_vjp_unrounded``'s."""
 
     @jax.custom_vjp
-    def unit(full, arrays):
-        return ckpt(full, arrays)
+    def unit(first, arrays):
+        return ckpt(first, arrays)
 
-    def fwd(full, arrays):
-        return jax.vjp(ckpt, full, arrays)
+    def fwd(first, arrays):
+        return _vjp_unrounded(ckpt, first, arrays)
 
     def bwd(res, ct):
         leaves, treedef = jax.tree_util.tree_flatten(res)
-        return jax.tree_util.tree_unflatten(treedef, _plus_zero(leaves, _zero_from(hooks, ct), kinds))(ct)
+        with jax.named_scope(scope) if scope else contextlib.nullcontext():
+            return jax.tree_util.tree_unflatten(treedef, _plus_zero(leaves, _zero_from(hooks, ct), kinds))(ct)
 
     unit.defvjp(fwd, bwd)
-    return unit(full, arrays)
+    return unit(first, arrays)
 
 
 def _vjp_unrounded(f: Callable, *args) -> tuple:
