@@ -85,6 +85,14 @@ class TPCalls:
         # tp) cuts each device's cp block of the sequence over tp, so dim 1 is over (cp, tp), cp-major
         names = plan.mesh_dim_names
         self.cp = CP_DIM if CP_DIM in names and plan.mesh_shape[names.index(CP_DIM)] > 1 else None
+        self._inputs: dict[int, Any] = {}  # the inputs recorded by id, kept alive: see ``_input_id``
+
+    def _input_id(self, x: Any) -> int:
+        """``id(x)``, a record's ``input_id`` (the table counts one all-gather per input however many modules read
+        it), with ``x`` kept alive while the step traces: a freed tracer's id may be given to another input, which
+        would then count as the same one (one all-gather fewer than the program's)."""
+        self._inputs[id(x)] = x
+        return id(x)
 
     def tp_cut(self, e: PlanEntry) -> bool:
         return self.ti is not None and isinstance(e.placements[self.ti], Shard)
@@ -186,8 +194,8 @@ class TPCalls:
         reading it (XLA does not merge the gathers of q, k and v reading one input); its gradient, whole on each
         device, is sliced back (no collective). One module called twice on one input (Hugging Face's GPT-Neo runs
         its ``ln_f`` twice, the first result unused): one gather."""
-        if any(r["module"] == fqn and r.get("gathered_input") and r["input_id"] == id(x)
-               for r in self.hooks.records):
+        key = self._input_id(x)
+        if any(r["module"] == fqn and r.get("gathered_input") and r["input_id"] == key for r in self.hooks.records):
             return
         if (isinstance(given, Shard) and isinstance(desired, Replicate) and _is_array(x)
                 and jnp.issubdtype(x.dtype, jnp.inexact)):
@@ -195,7 +203,7 @@ class TPCalls:
                 "module": fqn, "style": type(style).__name__, "type": typ, "region": False, "in_layout": given,
                 "in_desired": desired, "local_out": None, "out_layout": None, "gathered_input": True,
                 "in_bytes": int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize, "out_bytes": 0,
-                "input_grad": False, "summed_params": [], "input_id": id(x)})
+                "input_grad": False, "summed_params": [], "input_id": key})
 
     def _island_call(self, fqn, typ, style, params, run_local, args, kwargs):
         """The styled module on this device's tp blocks, in a region manual over tp: every tp collective
@@ -329,10 +337,8 @@ class TPCalls:
             # (a region manual over cp too sums them over cp and tp at once: the step's reduction over cp, counted
             # with it, spmd.parallel.context._calls.with_context)
             "input_grad": bool(jnp.issubdtype(x.dtype, jnp.inexact)), "summed_params": [] if seq else summed,
-            "input_id": id(x)})  # modules reading one input (q, k, v) share its sequence all-gather (XLA merges them)
-        # the input kept alive while these calls trace: a freed tracer's id may be given to another input, which
-        # the table would then count as shared (one all-gather fewer than the program's)
-        self.__dict__.setdefault("_inputs_alive", []).append(x)
+            # modules reading one input (q, k, v) share its sequence all-gather (XLA merges them)
+            "input_id": self._input_id(x)})
         if isinstance(local, Shard) and local.dim == -1 and isinstance(out, Shard) and "embedding" not in names:
             y = checkpoint_name(y, f"{COLWISE_MARK}{fqn}|{self.n_tp}")  # an output cut on its features (heads)
         return y
@@ -378,7 +384,7 @@ class TPCalls:
             "out_layout": Replicate(),
             "in_bytes": int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize if _is_array(x) else 0,
             "out_bytes": int(np.prod(y.shape)) * jnp.dtype(y.dtype).itemsize, "input_grad": False,
-            "summed_params": [], "input_id": id(x0), "whole_heads": heads, "n_tp": self.n_tp,
+            "summed_params": [], "input_id": self._input_id(x0), "whole_heads": heads, "n_tp": self.n_tp,
             "gathered_params": [int(np.prod(np.shape(v))) * jnp.dtype(v.dtype).itemsize
                                 for v, c in zip(vals, cut) if c]})
         return y
