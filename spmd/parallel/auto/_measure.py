@@ -25,11 +25,11 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd.parallel.auto._layout import Layout, apply_layout
+from spmd.parallel.cost._memory import host_zeros
 from spmd.parallel.step._protocol import StepMemory
 from spmd.parallel.step._state import init_train_state
 from spmd.parallel.step._step import make_train_step
@@ -200,7 +200,7 @@ def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: An
                                                         params=structs[0], mesh=mesh))
         return step, state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data(x)),
                                          structs[1])
-    zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), structs)  # from the host: nothing compiled
+    zeros = host_zeros(structs)
     state = init_train_state(laid, optimizer, *example_inputs(model, zeros[1], layout.pp), params=zeros[0], mesh=mesh)
     return step, state, jax.tree.map(lambda x: jax.device_put(x, data(x)), zeros[1])
 

@@ -53,6 +53,12 @@ def _nbytes(tree: Any) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def host_zeros(tree: Any) -> Any:
+    """Zeros of ``tree``'s leaves' shapes and dtypes as numpy arrays: placed from the host, nothing compiled (a
+    jitted zeros is one more compile), their pages mapped lazily."""
+    return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), tree)
+
+
 def _cost(compiled) -> tuple[float, float]:
     """(flops, bytes accessed) of a compiled program: XLA's ``cost_analysis``, plus what its loops' other trips
     add (XLA counts a ``while`` body once: ``spmd.parallel.cost._loops``), so an ``nn.scan`` stack costs what
@@ -97,10 +103,9 @@ def _on_every_device(fn: Callable, devices: list, args: tuple, rounds: int, batc
         (x.shape[0] // len(devices), *x.shape[1:]) if s != P() else x.shape, x.dtype), a) for a, s in zip(args, specs)])
     f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=jax.tree.map(lambda _: P(), out),
                               check_vma=False))
-    # zeros placed from the host, one buffer per leaf (numpy's zeros: pages mapped lazily), nothing compiled: a
-    # jitted zeros was one more compile per argument (3 of an optimizer's update, 2 of the gradient)
-    vals = tuple(jax.device_put(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), a), NamedSharding(mesh, s))
-                 for a, s in zip(args, specs))
+    # zeros placed from the host, one buffer per leaf: a jitted zeros was one more compile per argument (3 of an
+    # optimizer's update, 2 of the gradient)
+    vals = tuple(jax.device_put(host_zeros(a), NamedSharding(mesh, s)) for a, s in zip(args, specs))
     return _median_seconds(f, vals, rounds)
 
 
