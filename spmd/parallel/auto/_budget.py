@@ -290,20 +290,23 @@ def over_by_kin(c: Candidate, excesses: list, budget: int | None) -> float | Non
 
 def stalled(c: Candidate, compiled: list) -> bool:
     """Whether ``c``, compiled with a checkpointing policy of its own, peaks no lower than the same layout (same
-    accumulation) compiled with no policy or a lighter one (earlier in ``CHECKPOINTING``; within 1%, the
-    carried peaks of two policies keeping the same differ by KiB): its peak is then set by
-    what no policy touches (at 8B on 64 devices ``dp=8,fsdp=8 keep`` peaked at 158.6 GiB with no policy and with
-    every policy but ``"dots"``, 274.6), and the heavier ones, keeping fewer of the same residuals, are not
-    weighed (an estimate, not a bound: ``SHARPEN``)."""
+    accumulation) compiled with no policy or a lighter one (``_lighter``), within 1% (the carried peaks of two
+    policies keeping the same differ by KiB): its peak is then set by what no policy touches (at 8B on 64 devices
+    ``dp=8,fsdp=8 keep`` peaked at 158.6 GiB with no policy and with every policy but ``"dots"``, 274.6), and the
+    heavier ones, keeping fewer of the same residuals, are not weighed (an estimate, not a bound: ``SHARPEN``)."""
     own = c.layout.activation_checkpointing
     if own is None or own not in CHECKPOINTING or c.measured_peak is None:
         return False
     lighter = [o.measured_peak for o in compiled if o.measured_peak is not None
                and replace(o.layout, activation_checkpointing=own, units=c.layout.units) == c.layout
-               and o.layout != c.layout
-               and (o.layout.activation_checkpointing is None or (o.layout.activation_checkpointing in CHECKPOINTING and
-                    CHECKPOINTING.index(o.layout.activation_checkpointing) < CHECKPOINTING.index(own)))]
-    return bool(lighter) and c.measured_peak >= 0.99 * min(lighter)  # 1%: the carried peaks differ by KiB
+               and o.layout != c.layout and _lighter(o.layout.activation_checkpointing, own)]
+    return bool(lighter) and c.measured_peak >= 0.99 * min(lighter)
+
+
+def _lighter(policy: str | None, than: str) -> bool:
+    """Whether the checkpointing ``policy`` (None: none) keeps more than ``than`` (one of ``CHECKPOINTING``): no
+    policy, or one earlier in ``CHECKPOINTING``."""
+    return policy is None or (policy in CHECKPOINTING and CHECKPOINTING.index(policy) < CHECKPOINTING.index(than))
 
 
 # False: every candidate whose estimate is below the fastest compiled one is compiled (the sound search);
