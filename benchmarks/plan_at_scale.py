@@ -97,6 +97,10 @@ for a in sys.argv:
 # fastest compiled one (spmd.parallel.auto._budget.TOLERANCE; default 0)
 TOLERANCE = float(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--tolerance=")), 0.0))
 
+# --search-s=S: the search's wall-clock budget (spmd.parallel.auto._budget.SEARCH_SECONDS): once spent and a compiled
+# candidate fits, nothing more is traced or compiled, and what was left says so (default: none)
+SEARCH_S = next((float(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--search-s=")), None)
+
 if "--tiny" in sys.argv:  # the script's own smoke run: the same path on a small Llama and 8 devices
     MODELS = {k: (LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                               num_kv_heads=2, attn_implementation=ATTN), 8) for k in MODELS}
@@ -113,6 +117,18 @@ if "--quiet" not in sys.argv:
     import spmd.parallel.auto._auto as _auto_mod  # noqa: E402
 
     _auto_mod._bar = _progress_bar
+    _compile_figures = _auto_mod.compile_figures
+
+    def _logged_compile(model, *a, **k):  # each slice compile's layout, depth, seconds and peak, as it ends
+        t = time.perf_counter()
+        got = _compile_figures(model, *a, **k)
+        layout = a[5] if len(a) > 5 else k.get("layout")
+        print(f"  compiled {layout.name} at {getattr(getattr(model, 'cfg', None), 'num_layers', '?')} layer(s): "
+              f"{time.perf_counter() - t:.1f} s, peak {got['memory'].peak / GiB:.2f} GiB (load "
+              f"{os.getloadavg()[0]:.1f})", flush=True)
+        return got
+
+    _auto_mod.compile_figures = _logged_compile
 
 
 def tp_plan(sequence_parallel: bool, tp_size: int) -> dict | None:
@@ -122,7 +138,18 @@ def tp_plan(sequence_parallel: bool, tp_size: int) -> dict | None:
     col, row = ColwiseParallel(), RowwiseParallel()
     return {**{f"layers_*.self_attn.{p}": col for p in ("q_proj", "k_proj", "v_proj")},
             "layers_*.self_attn.o_proj": row, "layers_*.mlp.gate_proj": col, "layers_*.mlp.up_proj": col,
-            "layers_*.mlp.down_proj": row}
+            "layers_*.mlp.down_proj": row, "lm_head": ColwiseParallel()}
+
+
+def _why(c) -> str:
+    """Where a row's peak and time come from."""
+    if c.memory.get("screened"):
+        return "over: its 1-layer compile plus the bound's per-layer growth (2-layer not compiled)"
+    if c.memory.get("estimated"):
+        return "over: its bound plus its compiled kin's excess (not compiled)"
+    if c.memory.get("compiled"):
+        return "compiled at 1 and 2 layers, carried" + ("" if c.fits else "; over 80 GB")
+    return "not compiled: estimate (matmuls at peak, kin-scaled), peak its lower bound"
 
 
 def plan_one(name: str, full_compile: bool) -> dict:
@@ -137,6 +164,7 @@ def plan_one(name: str, full_compile: bool) -> dict:
     import spmd.parallel.auto._budget as budget_mod
 
     budget_mod.TOLERANCE = TOLERANCE
+    budget_mod.SEARCH_SECONDS = SEARCH_S
     got = auto_layout(model, opt, batch, devices, hardware="h100", plan=tp_plan, units=("layers_*",), params=params,
                       mixed_precision="bfloat16", depth=lambda k: Llama(replace(cfg, num_layers=k)), top=10)
     ranked_s, ranked_cpu_s = time.perf_counter() - t0, time.process_time() - c0
@@ -144,23 +172,32 @@ def plan_one(name: str, full_compile: bool) -> dict:
     tokens = n * SEQ / n  # per device and step
     print(f"\n== Llama 3 {name.upper()} ({count / 1e9:.2f} B parameters) on {n} fake devices, priced as H100s, "
           f"80 GB each; ranked in {ranked_s:.0f} s ({ranked_cpu_s:.0f} s of CPU, load {load:.1f}); search: "
-          f"{got.search} ==")
+          f"{ {k: v for k, v in (got.search or {}).items() if k != 'log'} } ==")
     print(got.table(top=10), flush=True)
+    log = (got.search or {}).get("log", [])
+    secs = {a: sum(s for b, _, s, _ in log if b == a) for a in ("compile", "trace")}
+    print(f"search: {sum(a == 'compile' for a, *_ in log)} compiles ({secs['compile']:.0f} s), "
+          f"{sum(a == 'trace' for a, *_ in log)} layouts traced ({secs['trace']:.0f} s), stopped by "
+          f"{(got.search or {}).get('stopped')}")
+    for a, lay, s, what in log:
+        print(f"  {a:<11} {lay:<44} {s:6.1f} s  {what}")
+    for lay in (got.search or {}).get("uncompiled_faster", []):
+        print(f"  not compiled (time budget spent), estimated faster than the pick: {lay}")
     rows = []
     for c in got.candidates[:10]:
         rows.append({"layout": c.name, "predicted_s": c.predicted_s, "tokens_per_s_per_gpu": tokens / c.predicted_s,
                      "compute_s": c.compute_s, "comm_s": sum(c.comm_s.values()), "peak_gib": c.memory["peak"] / GiB,
-                     "peak_compiled": bool(c.memory.get("compiled")), "fits": c.fits})
+                     "peak_compiled": bool(c.memory.get("compiled")), "fits": c.fits, "why": _why(c)})
     for r in rows:
-        print(f"  {r['layout']:<34} {r['tokens_per_s_per_gpu']:>8.0f} tok/s/GPU  peak "
-              f"{'' if r['peak_compiled'] else '>='}{r['peak_gib']:.1f} GiB")
+        print(f"  {r['layout']:<40} {r['tokens_per_s_per_gpu']:>8.0f} tok/s/GPU  peak "
+              f"{'' if r['peak_compiled'] else '~' if 'over' in r['why'] else '>='}{r['peak_gib']:.1f} GiB  {r['why']}")
     best = got.best
     out = {"model": f"llama3-{name}", "parameters": count, "devices": n, "seq": SEQ, "global_batch": n,
            "hardware": "h100", "budget_bytes": got.budget, "ranked_s": ranked_s, "ranked_cpu_s": ranked_cpu_s,
            "load_1min": load, "candidates": len(got.candidates), "search": got.search, "tolerance": TOLERANCE,
            "compiled": sum(c.measured_peak is not None for c in got.candidates),
            "untraced_by_bound": sum(r.startswith("not traced") for _, r in got.rejected),
-           "rejected": len(got.rejected), "pick": best.name, "why": got.why(), "top": rows,
+           "rejected": len(got.rejected), "search_s": SEARCH_S, "pick": best.name, "why": got.why(), "top": rows,
            "torchtitan": TORCHTITAN[name], "torchtitan_at_scale": AT_SCALE[name], "predicted_peak_bytes": best.measured_peak}
     k = VALIDATE[name]
     if k:  # the pick's 1- and 2-layer figures carried to k layers, against the k-layer model compiled

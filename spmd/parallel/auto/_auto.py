@@ -68,8 +68,9 @@ import numpy as np
 import optax
 
 from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
-from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, check_budget, check_floor, checked, parts,
-                                        policy_of, searched)
+from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, check_budget, check_floor, checked,
+                                        parts, policy_of, screened, searched)
+import spmd.parallel.auto._budget as _budget_mod
 from spmd.parallel.auto._compiled import compile_figures, extrapolated
 from spmd.parallel.auto._cpep import (GATHER_ONLY, check_attention, check_pipelined_attention, context_expert_layouts,
                                       cp_work, gather_only, uncut)
@@ -83,7 +84,7 @@ from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s,
                                          update_seconds)
 from spmd.parallel.cost._memory import Profile, _nbytes, memory_floor
 from spmd.parallel.auto._fused import planned_fused
-from spmd.parallel.auto._priced import HardwareRates, comm_floor, dot_flops, matmul_dtype, mesh_group
+from spmd.parallel.auto._priced import HardwareRates, _dot_work, comm_floor, dot_flops, matmul_dtype, mesh_group
 from spmd.parallel.auto._progress import _bar, now
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
@@ -271,7 +272,7 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
         return untraced(layout, mem, budget)
     step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, mesh=mesh)
     traced_batch = batch if built is None else laid_batch
-    jax.eval_shape(step, state, traced_batch)  # validates (batch split, head cuts) and traces the styled calls
+    traced = jax.make_jaxpr(step)(state, traced_batch)  # validates (batch split, head cuts), traces the styled calls
     comm = step.communication(state, traced_batch)
     rows = check_attention(comm, layout, where)
     if notes is not None and rows:
@@ -279,9 +280,10 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     if built is not None:
         built.append((step, state, laid_batch))
     pm = as_parallel(laid, mesh, where)
-    # the time's estimate in hardware mode: the model's own flops, no recomputation (a bound below the compiled
-    # step's, which replaces it once compiled: spmd.parallel.auto._compiled); calibrated: the step under the
-    # policy on one device
+    # the time's estimate in hardware mode: the model's own flops, or the matmuls of the traced step (per device:
+    # what it recomputes and replicates too) where more, at the peak rate (a bound below the compiled step's,
+    # which replaces it once compiled: spmd.parallel.auto._compiled); calibrated: the step under the policy on
+    # one device
     prof = profile if isinstance(cal, HardwareRates) else remat_profile(profile, model, layout.units,
                                                                         layout.activation_checkpointing)
     flops, nbytes, ops = compute_cost(prof, state.plan, pm, micro, accum_steps=layout.accum_steps)
@@ -290,7 +292,7 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
                                                               accum_steps=layout.accum_steps), layout.cp, rows)
     if isinstance(cal, HardwareRates):  # a bound until compiled: the model's matmul work at the peak rate
         cal = replace(cal, dtype=_rated(cal, layout.mixed_precision)) if layout.mixed_precision else cal
-        compute = cal.hardware.matmul_s(flops, cal.dtype)
+        compute = cal.hardware.matmul_s(max(flops, sum(_dot_work(traced.jaxpr, {}).values())), cal.dtype)
     else:
         compute = cal.compute_s(flops, nbytes, ops) * _anchor(profile, batch, micro, devices, cal)
         update = lambda timed, plan=state.plan: optimizer_compute_s(profile, plan, cal, devices, timed=timed)  # noqa
@@ -664,10 +666,13 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         if slices is None:
             return _with_compiled(c, compile_figures(model, optimizer, loss_of, params, batch, devices,
                                                      c.layout, keep=keep), cal, memory_budget_bytes)
-        steps = traced_steps.pop(c.layout, [None, None])
-        got = [_with_compiled(ci, compile_figures(m, optimizer, default_loss, p, batch, devices, c.layout,
-                                                  built=st), cal, memory_budget_bytes)
-               for ci, (m, p, _), st in zip(pairs[c.layout], slices["at"], steps)]
+        steps, got = traced_steps.pop(c.layout, [None, None]), []
+        for ci, (m, p, _), st in zip(pairs[c.layout], slices["at"], steps):
+            got.append(_with_compiled(ci, compile_figures(m, optimizer, default_loss, p, batch, devices, c.layout,
+                                                          built=st), cal, memory_budget_bytes))
+            if len(got) == 1 and _budget_mod.SHARPEN and (over := screened(  # over by its 1-block compile alone
+                    got[0], *pairs[c.layout], slices["blocks"], memory_budget_bytes)):
+                return replace(c, fits=False, memory={**c.memory, "peak": over, "estimated": True, "screened": True})
         return extrapolated(*got, slices["blocks"], memory_budget_bytes,
                             roofline if isinstance(cal, HardwareRates) else None)
 
@@ -744,10 +749,16 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         bar.close()
         bar2.close()
         best = next((c for c in got if c.fits), None)
-        rejected.extend((lay.name, f"not traced: its bound ({1e3 * b:.2f} ms/step, the matmuls of its share of the "
-                         "batch at the peak rate, scaled as its nearest compiled kin's compute was, and its gradients' "
-                         f"reduction at the least bytes) is no faster than {best.name}'s {1e3 * best.predicted_s:.2f} ms")
-                        for lay, b in skipped)
+        what = ("the matmuls of its share of the batch at the peak rate, scaled as its nearest compiled kin's compute "
+                "was, and its gradients' reduction at the least bytes")
+        rejected.extend((lay.name, f"not traced: its bound ({1e3 * b:.2f} ms/step, {what}) is no faster than "
+                         f"{best.name}'s {1e3 * best.predicted_s:.2f} ms") if b >= best.predicted_s else (
+            lay.name, f"not traced: the search's time budget ({_budget_mod.SEARCH_SECONDS} s) was spent first; its "
+                      f"bound ({1e3 * b:.2f} ms/step, {what}) is below {best.name}'s {1e3 * best.predicted_s:.2f} ms, so it "
+                      "might be faster") for lay, b in skipped)
+        if search_stats.get("stopped") == "time":  # the uncompiled candidates that might beat the pick, by name
+            search_stats["uncompiled_faster"] = [c.name for c in got if c.measured_peak is None and c.fits
+                                                 and c.predicted_s < best.predicted_s]
     if not got:
         raise ValueError(f"{where}: no layout of {len(devices)} devices could be built for this model; "
                          + "; ".join(f"{n}: {r}" for n, r in rejected[:4]))

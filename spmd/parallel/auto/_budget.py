@@ -20,7 +20,8 @@
   estimate is at most its compiled time (``checked``), so no layout left out can beat the pick. By default
   (``SHARPEN = True``) the search compiles only the promising: once a candidate is compiled, the ratio of its
   compiled compute (the roofline of its own flops and bytes) to its estimate's (its flops at the matmul peak,
-  no bytes, no recomputation) scales the compute of the uncompiled estimates and untraced bounds of its kin
+  no bytes; the model's matmuls, or the traced step's where more: what it recomputes and replicates) scales
+  the compute of the uncompiled estimates and untraced bounds of its kin
   (``sharpened``: the compiled candidate nearest by ``_kin`` among those of the same compute dtype and tp cut:
   same checkpointing policy first, then accumulation, then data-parallel split; none such: not scaled), and those scaled figures decide what is traced and compiled. They
   are **estimates, not bounds**: the compiled compute of two layouts with the same per-device program (they
@@ -35,7 +36,12 @@
   what that kin's compiled peak was over its own bound (``over_by_kin``; at 8B on 64 devices the bound misses
   the activations XLA keeps by 124-125 GiB alike for ``dp=8,fsdp=8`` and ``dp=16,fsdp=4``): over the budget so,
   it is not compiled (ranked behind the fitting ones, its peak marked ``~``) and its variants join the ranking.
-  ``tests/parallel/auto/test_auto_search.py`` checks that the pick equals the sound search's;
+  With ``depth=`` (``SHARPEN``), a candidate's 1-block slice is compiled first, and where its peak plus what
+  each further block adds to the memory lower bound is over the budget already (``screened``) the 2-block
+  slice is not compiled: over either way, its variants join the ranking (its peak marked ``~``).
+  ``tests/parallel/auto/test_auto_search.py`` checks that the pick equals the sound search's. The
+  search's time (``SEARCH_SECONDS``, wall clock; default none) stops it once spent and a compiled candidate
+  fits: what it left untraced or uncompiled is reported so (``auto_layout``'s ``rejected``, ``search``);
 - ``_measured``: the top ``k`` fitting candidates timed (``measure=``), the fastest measured first.
 """
 
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -53,7 +60,7 @@ from spmd.parallel.auto._ranking import Candidate
 from spmd.parallel.cost._memory import _nbytes
 from spmd.parallel.styles._remat import offload_refusal, policy_names
 
-__all__ = ["CHECKPOINTING", "weighed_policies", "checked", "searched", "sharpened", "over_by_kin", "stalled", "policy_of", "check_budget", "check_floor", "parts"]
+__all__ = ["screened", "CHECKPOINTING", "weighed_policies", "checked", "searched", "sharpened", "over_by_kin", "stalled", "policy_of", "check_budget", "check_floor", "parts"]
 
 # the activation-checkpointing policies weighed where memory needs them, from the least recomputation to the
 # most (spmd.parallel.styles._remat.POLICIES: all of them); MaxText's named ones only where the model names those
@@ -288,6 +295,22 @@ def over_by_kin(c: Candidate, excesses: list, budget: int | None) -> float | Non
     return est if est > budget else None
 
 
+def screened(one: Candidate, one_bound: Candidate, two_bound: Candidate, blocks: int, budget: int | None
+             ) -> float | None:
+    """With ``auto_layout(depth=)``: a candidate's carried peak judged from its 1-block slice compiled alone
+    (``one``), where that says it is over ``budget``: the compile's peak plus ``blocks - 1`` times what one more
+    block adds to the memory lower bound (``two_bound`` less ``one_bound``: the block's parameter and
+    optimizer-state shards, before and after the update, and the residuals its policy keeps, which the
+    compiled step holds too), returned where over, else None (then the 2-block slice is compiled: only it gives
+    what a block adds beyond the bound). An estimate, not a bound (``SHARPEN``): a compiled step holding less
+    of a block than the bound counts would be judged over wrongly; the 2-block compile it saves adds nothing to
+    a verdict of over."""
+    if budget is None or one.measured_peak is None:
+        return None
+    est = one.measured_peak + (blocks - 1) * max(two_bound.memory["peak"] - one_bound.memory["peak"], 0)
+    return est if est > budget else None
+
+
 def stalled(c: Candidate, compiled: list) -> bool:
     """Whether ``c``, compiled with a checkpointing policy of its own, peaks no lower than the same layout (same
     accumulation) compiled with no policy or a lighter one (``_lighter``), within 1% (the carried peaks of two
@@ -315,19 +338,26 @@ SHARPEN = True
 # what the search leaves out: a layout or candidate whose bound or estimate is within this fraction of the
 # fastest compiled fitting one (0: none; the pick then is within that fraction of the search's own best)
 TOLERANCE = 0.0
+# the search's wall-clock budget in seconds (None: none): once spent and ``k`` compiled candidates fit, nothing
+# more is traced or compiled; the layouts left untraced and the candidates left uncompiled are reported as such
+# (``searched``'s ``stats["stopped"]``, the skipped layouts' reasons), never silently dropped
+SEARCH_SECONDS: float | None = None
 
 
 def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: int, compiled: Callable,
              variants: Callable, *, progress: Callable | None = None, bound_compute: Callable | None = None,
-             stats: dict | None = None) -> tuple[list[Candidate], list]:
+             stats: dict | None = None, clock: Callable[[], float] = time.perf_counter
+             ) -> tuple[list[Candidate], list]:
     """Best-first search over ``layouts`` (see the module doc): ``bound(layout) -> seconds`` (a lower bound on
     its compiled predicted time and its variants'), ``trace(layout) -> [candidates]`` (its estimate and, over
     the budget, its variants that fit: ``_fitting``), ``compiled`` and ``variants`` as ``checked``'s.
     ``bound_compute(layout) -> seconds``: the compute part of ``bound`` (with ``SHARPEN``, scaled by the
     nearest compiled kin's ratio of its compiled compute to that part; None: the bounds are not scaled).
-    ``stats``: a dict given the counts traced, compiled and left uncompiled. Returned: the candidates as
-    ``checked`` returns them, and the layouts never traced (their bound no faster than the pick), with their
-    bound."""
+    ``stats``: a dict given the counts traced, compiled and left uncompiled, ``"stopped"`` (``"bound"``: nothing
+    left could beat the pick; ``"time"``: ``SEARCH_SECONDS`` of ``clock()`` spent first) and ``"log"``, one
+    ``(action, layout name, seconds, outcome)`` per trace and compile. Returned: the candidates as ``checked``
+    returns them, and the layouts never traced, with their bound (no faster than the pick unless the time ran
+    out)."""
     todo = sorted(layouts, key=bound)
     done: list = []
     rest: list = []
@@ -348,6 +378,9 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
         return b if r is None else b + (max(r, 1.0) - 1.0) * bound_compute(lay)
 
     i = traced_n = 0
+    t0 = clock()
+    log: list = []  # (action, layout name, seconds, outcome) of each trace and compile
+    stopped = "bound"
     while True:
         fit = [c.predicted_s for c in done if c.fits]
         best = min(fit, default=math.inf) * (1.0 - TOLERANCE)
@@ -355,11 +388,16 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
         est = est_of(rest[0]) if rest and rest[0].fits else math.inf
         if (len(fit) >= k and min(nxt, est) >= best) or (nxt == math.inf and est == math.inf and i >= len(todo)):
             break
+        if SEARCH_SECONDS is not None and len(fit) >= k and clock() - t0 >= SEARCH_SECONDS:
+            stopped = "time"
+            break
+        t1 = clock()
         # the first of each kin compiled early (no ratio of its dtype and tp cut yet): its ratio scales the rest
         first = SHARPEN and est < math.inf and (not done or (
             rest[0].layout.pp == 1 and _nearest(rest[0].layout, ratios) is None))
         if i < len(todo) and nxt < est and not first:  # the next layout could still beat every estimate: trace it
             new = [c for c in trace(todo[i]) if c.layout not in seen]
+            log.append(("trace", todo[i].name, clock() - t1, f"{len(new)} candidate(s)"))
             i += 1
             traced_n += 1
         else:  # the best estimate is below every untraced bound: compile it
@@ -368,6 +406,7 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
             if over is not None:  # its kin's excess puts it over the budget: its variants instead, not compiled
                 c = replace(c, fits=False, memory={**c.memory, "peak": over, "estimated": True})
                 estimated.append(c)
+                log.append(("over by kin", c.name, clock() - t1, f"~{over / 2**30:.1f} GiB, not compiled"))
                 new = [v for v in variants(c, budget) if v.fits and v.layout not in seen]
                 seen |= {v.layout for v in new}
                 rest = sorted(rest + new, key=lambda c: (not c.fits, est_of(c)))
@@ -376,10 +415,14 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
                 progress(c)
             before, floor = c.compute_s, c.memory["peak"]
             c = compiled(c)
+            log.append(("compile", c.name, clock() - t1, f"over by its 1-block compile, ~{c.memory['peak'] / 2**30:.1f}"
+                        " GiB carried" if c.memory.get("screened") else f"{1e3 * c.predicted_s:.1f} ms, peak "
+                        f"{(c.measured_peak or 0) / 2**30:.1f} GiB, {'fits' if c.fits else 'over'}"))
             done.append(c)
             if c.measured_peak is not None and c.layout.pp == 1:
                 excesses.append((c.layout, c.measured_peak - floor))
-            if c.layout.pp == 1 and before > 0 and math.isfinite(before) and math.isfinite(c.compute_s):
+            if c.layout.pp == 1 and before > 0 and math.isfinite(before) and math.isfinite(c.compute_s) and (
+                    c.measured_peak is not None):  # not screened over by its 1-block compile (no compute read)
                 ratios.append((c.layout, c.compute_s / before))
                 if bound_compute is not None and bound_compute(c.layout) > 0:
                     bratios.append((c.layout, c.compute_s / bound_compute(c.layout)))
@@ -391,7 +434,7 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
         rest = sorted(rest + new, key=lambda c: (not c.fits, est_of(c)))
     if stats is not None:
         stats.update(traced=traced_n, compiled=len(done), uncompiled=len(rest), untraced=len(todo) - i,
-                     over_by_kin=len(estimated))
+                     over_by_kin=len(estimated), stopped=stopped, seconds=clock() - t0, log=log)
     rest += estimated
     if SHARPEN and ratios:  # the uncompiled ones at their scaled estimates (none faster than the pick)
         rest = [replace(c, predicted_s=est_of(c), compute_s=c.compute_s + est_of(c) - c.predicted_s) for c in rest]

@@ -244,3 +244,71 @@ def test_the_scaled_search_picks_what_the_sound_search_picks_on_8_devices(monkey
     assert loose.best.predicted_s <= sound.best.predicted_s / (1 - 0.25)
     assert loose.search["compiled"] <= scaled.search["compiled"], (loose.search, scaled.search)
     print(sound.search, scaled.search, loose.search, f"{len(figures)} layouts compiled")
+
+
+def test_the_search_stops_at_its_time_budget_once_one_fits_and_says_what_it_left(monkeypatch):
+    """``SEARCH_SECONDS``: with a fake clock that advances 10 s a trace and 30 s a compile, a 50 s budget stops the
+    search after the first fitting compile (the layouts left untraced are returned with their bounds, below the
+    pick's time, and ``stats`` says ``"time"`` and logs each trace and compile); with no budget the same search
+    runs on to the bound and compiles the faster layout the budget left out; a budget never stops a search that
+    has no fitting compiled candidate yet."""
+    from spmd.parallel.auto import _budget
+    from spmd.parallel.auto._ranking import Candidate
+
+    now = [0.0]
+
+    def cand(lay, t, peak=None, fits=True):
+        return Candidate(layout=lay, predicted_s=t, compute_s=t, comm_s={}, dispatch_s=0.0, communication={},
+                         memory={"peak": 1}, flops=0.0, measured_peak=peak, fits=fits)
+
+    lays = [Layout(dp=8), Layout(fsdp=8, units=U), Layout(dp=2, fsdp=4, units=U)]
+    bounds = {lays[0]: 1.0, lays[1]: 1.1, lays[2]: 1.2}
+    compiled_t = {lays[0]: 3.0, lays[1]: 1.5, lays[2]: 2.5}  # the second layout is the fastest once compiled
+    over = set()
+
+    def trace(lay):
+        now[0] += 10
+        return [cand(lay, bounds[lay])]
+
+    def compiled(c):
+        now[0] += 30
+        return cand(c.layout, compiled_t[c.layout], peak=5, fits=c.layout not in over)
+
+    def run(seconds):
+        monkeypatch.setattr(_budget, "SHARPEN", False)
+        monkeypatch.setattr(_budget, "SEARCH_SECONDS", seconds)
+        now[0], stats = 0.0, {}
+        got, skipped = _budget.searched(lays, bounds.get, trace, 1, 100, compiled, lambda c, b: [], stats=stats,
+                                        clock=lambda: now[0])
+        return got, skipped, stats
+
+    got, skipped, stats = run(50.0)  # trace (10) + compile (30): 40 s, under; the next trace: 50 s, spent
+    assert stats["stopped"] == "time" and stats["compiled"] == 1
+    assert got[0].layout == lays[0] and got[0].measured_peak is not None
+    assert [lay for lay, _ in skipped] == [lays[2]] and skipped[0][1] < got[0].predicted_s
+    assert [a for a, *_ in stats["log"]] == ["trace", "compile", "trace"]
+    assert [s for _, _, s, _ in stats["log"]] == [10.0, 30.0, 10.0]
+    assert any(c.layout == lays[1] and c.measured_peak is None for c in got)  # traced, left uncompiled, ranked
+    got, skipped, stats = run(None)
+    assert stats["stopped"] == "bound" and got[0].layout == lays[1] and got[0].predicted_s == 1.5
+    over.add(lays[0])  # the first compiled does not fit: the budget waits for one that does
+    got, skipped, stats = run(1.0)
+    assert stats["stopped"] == "time" and got[0].layout == lays[1] and got[0].fits
+
+
+def test_a_candidate_over_by_its_one_block_compile_and_the_bounds_growth_is_screened_out():
+    """``screened``: the 1-block compile's peak plus ``blocks - 1`` times the bound's growth from 1 to 2 blocks
+    (20 + 31 x 2 = 82 over 80): over, that estimate; within the budget, no budget, not compiled, or a bound
+    that does not grow (taken as 0): None."""
+    from spmd.parallel.auto._budget import screened
+    from spmd.parallel.auto._ranking import Candidate
+
+    def cand(bound, peak=None):
+        return Candidate(layout=Layout(dp=8), predicted_s=1.0, compute_s=0.5, comm_s={}, dispatch_s=0.0,
+                         communication={}, memory={"peak": bound}, flops=0.0, measured_peak=peak)
+
+    one, b1, b2 = cand(5, peak=20), cand(5), cand(7)
+    assert screened(one, b1, b2, 32, 80) == 20 + 31 * 2
+    assert screened(one, b1, b2, 32, 82) is None and screened(one, b1, b2, 32, None) is None
+    assert screened(cand(5), b1, b2, 32, 10) is None  # not compiled: nothing to judge by
+    assert screened(one, b2, b1, 32, 19) == 20 and screened(one, b2, b1, 32, 20) is None  # no growth: its peak
