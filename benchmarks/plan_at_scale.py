@@ -143,8 +143,6 @@ def tp_plan(sequence_parallel: bool, tp_size: int) -> dict | None:
 
 def _why(c) -> str:
     """Where a row's peak and time come from."""
-    if c.memory.get("screened"):
-        return "over: its 1-layer compile plus the bound's per-layer growth (2-layer not compiled)"
     if c.memory.get("estimated"):
         return "over: its bound plus its compiled kin's excess (not compiled)"
     if c.memory.get("compiled"):

@@ -59,6 +59,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import copy_context
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
@@ -69,7 +71,7 @@ import optax
 
 from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
 from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, check_budget, check_floor, checked,
-                                        parts, policy_of, screened, searched)
+                                        parts, policy_of, searched)
 import spmd.parallel.auto._budget as _budget_mod
 from spmd.parallel.auto._compiled import compile_figures, extrapolated
 from spmd.parallel.auto._cpep import (GATHER_ONLY, check_attention, check_pipelined_attention, context_expert_layouts,
@@ -666,13 +668,13 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         if slices is None:
             return _with_compiled(c, compile_figures(model, optimizer, loss_of, params, batch, devices,
                                                      c.layout, keep=keep), cal, memory_budget_bytes)
-        steps, got = traced_steps.pop(c.layout, [None, None]), []
-        for ci, (m, p, _), st in zip(pairs[c.layout], slices["at"], steps):
-            got.append(_with_compiled(ci, compile_figures(m, optimizer, default_loss, p, batch, devices, c.layout,
-                                                          built=st), cal, memory_budget_bytes))
-            if len(got) == 1 and _budget_mod.SHARPEN and (over := screened(  # over by its 1-block compile alone
-                    got[0], *pairs[c.layout], slices["blocks"], memory_budget_bytes)):
-                return replace(c, fits=False, memory={**c.memory, "peak": over, "estimated": True, "screened": True})
+        steps = traced_steps.pop(c.layout, [None, None])
+        jobs = [(copy_context(), lambda m=m, p=p, st=st: compile_figures(
+            m, optimizer, default_loss, p, batch, devices, c.layout, built=st))
+            for (m, p, _), st in zip(slices["at"], steps)]
+        with ThreadPoolExecutor(2) as pool:  # the slices compiled side by side: XLA's compile releases the GIL
+            figs = list(pool.map(lambda job: job[0].run(job[1]), jobs))  # (each in a copy of this context)
+        got = [_with_compiled(ci, f, cal, memory_budget_bytes) for ci, f in zip(pairs[c.layout], figs)]
         return extrapolated(*got, slices["blocks"], memory_budget_bytes,
                             roofline if isinstance(cal, HardwareRates) else None)
 
@@ -754,8 +756,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         rejected.extend((lay.name, f"not traced: its bound ({1e3 * b:.2f} ms/step, {what}) is no faster than "
                          f"{best.name}'s {1e3 * best.predicted_s:.2f} ms") if b >= best.predicted_s else (
             lay.name, f"not traced: the search's time budget ({_budget_mod.SEARCH_SECONDS} s) was spent first; its "
-                      f"bound ({1e3 * b:.2f} ms/step, {what}) is below {best.name}'s {1e3 * best.predicted_s:.2f} ms, so it "
-                      "might be faster") for lay, b in skipped)
+                      f"bound ({1e3 * b:.2f} ms/step, {what}) is below {best.name}'s {1e3 * best.predicted_s:.2f} "
+                      "ms, so it might be faster") for lay, b in skipped)
         if search_stats.get("stopped") == "time":  # the uncompiled candidates that might beat the pick, by name
             search_stats["uncompiled_faster"] = [c.name for c in got if c.measured_peak is None and c.fits
                                                  and c.predicted_s < best.predicted_s]

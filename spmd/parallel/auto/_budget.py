@@ -36,9 +36,6 @@
   what that kin's compiled peak was over its own bound (``over_by_kin``; at 8B on 64 devices the bound misses
   the activations XLA keeps by 124-125 GiB alike for ``dp=8,fsdp=8`` and ``dp=16,fsdp=4``): over the budget so,
   it is not compiled (ranked behind the fitting ones, its peak marked ``~``) and its variants join the ranking.
-  With ``depth=`` (``SHARPEN``), a candidate's 1-block slice is compiled first, and where its peak plus what
-  each further block adds to the memory lower bound is over the budget already (``screened``) the 2-block
-  slice is not compiled: over either way, its variants join the ranking (its peak marked ``~``).
   ``tests/parallel/auto/test_auto_search.py`` checks that the pick equals the sound search's. The
   search's time (``SEARCH_SECONDS``, wall clock; default none) stops it once spent and a compiled candidate
   fits: what it left untraced or uncompiled is reported so (``auto_layout``'s ``rejected``, ``search``);
@@ -60,7 +57,7 @@ from spmd.parallel.auto._ranking import Candidate
 from spmd.parallel.cost._memory import _nbytes
 from spmd.parallel.styles._remat import offload_refusal, policy_names
 
-__all__ = ["screened", "CHECKPOINTING", "weighed_policies", "checked", "searched", "sharpened", "over_by_kin", "stalled", "policy_of", "check_budget", "check_floor", "parts"]
+__all__ = ["CHECKPOINTING", "weighed_policies", "checked", "searched", "sharpened", "over_by_kin", "stalled", "policy_of", "check_budget", "check_floor", "parts"]
 
 # the activation-checkpointing policies weighed where memory needs them, from the least recomputation to the
 # most (spmd.parallel.styles._remat.POLICIES: all of them); MaxText's named ones only where the model names those
@@ -295,22 +292,6 @@ def over_by_kin(c: Candidate, excesses: list, budget: int | None) -> float | Non
     return est if est > budget else None
 
 
-def screened(one: Candidate, one_bound: Candidate, two_bound: Candidate, blocks: int, budget: int | None
-             ) -> float | None:
-    """With ``auto_layout(depth=)``: a candidate's carried peak judged from its 1-block slice compiled alone
-    (``one``), where that says it is over ``budget``: the compile's peak plus ``blocks - 1`` times what one more
-    block adds to the memory lower bound (``two_bound`` less ``one_bound``: the block's parameter and
-    optimizer-state shards, before and after the update, and the residuals its policy keeps, which the
-    compiled step holds too), returned where over, else None (then the 2-block slice is compiled: only it gives
-    what a block adds beyond the bound). An estimate, not a bound (``SHARPEN``): a compiled step holding less
-    of a block than the bound counts would be judged over wrongly; the 2-block compile it saves adds nothing to
-    a verdict of over."""
-    if budget is None or one.measured_peak is None:
-        return None
-    est = one.measured_peak + (blocks - 1) * max(two_bound.memory["peak"] - one_bound.memory["peak"], 0)
-    return est if est > budget else None
-
-
 def stalled(c: Candidate, compiled: list) -> bool:
     """Whether ``c``, compiled with a checkpointing policy of its own, peaks no lower than the same layout (same
     accumulation) compiled with no policy or a lighter one (``_lighter``), within 1% (the carried peaks of two
@@ -415,14 +396,12 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
                 progress(c)
             before, floor = c.compute_s, c.memory["peak"]
             c = compiled(c)
-            log.append(("compile", c.name, clock() - t1, f"over by its 1-block compile, ~{c.memory['peak'] / 2**30:.1f}"
-                        " GiB carried" if c.memory.get("screened") else f"{1e3 * c.predicted_s:.1f} ms, peak "
+            log.append(("compile", c.name, clock() - t1, f"{1e3 * c.predicted_s:.1f} ms, peak "
                         f"{(c.measured_peak or 0) / 2**30:.1f} GiB, {'fits' if c.fits else 'over'}"))
             done.append(c)
             if c.measured_peak is not None and c.layout.pp == 1:
                 excesses.append((c.layout, c.measured_peak - floor))
-            if c.layout.pp == 1 and before > 0 and math.isfinite(before) and math.isfinite(c.compute_s) and (
-                    c.measured_peak is not None):  # not screened over by its 1-block compile (no compute read)
+            if c.layout.pp == 1 and before > 0 and math.isfinite(before) and math.isfinite(c.compute_s):
                 ratios.append((c.layout, c.compute_s / before))
                 if bound_compute is not None and bound_compute(c.layout) > 0:
                     bratios.append((c.layout, c.compute_s / bound_compute(c.layout)))

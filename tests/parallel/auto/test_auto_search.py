@@ -295,20 +295,3 @@ def test_the_search_stops_at_its_time_budget_once_one_fits_and_says_what_it_left
     got, skipped, stats = run(1.0)
     assert stats["stopped"] == "time" and got[0].layout == lays[1] and got[0].fits
 
-
-def test_a_candidate_over_by_its_one_block_compile_and_the_bounds_growth_is_screened_out():
-    """``screened``: the 1-block compile's peak plus ``blocks - 1`` times the bound's growth from 1 to 2 blocks
-    (20 + 31 x 2 = 82 over 80): over, that estimate; within the budget, no budget, not compiled, or a bound
-    that does not grow (taken as 0): None."""
-    from spmd.parallel.auto._budget import screened
-    from spmd.parallel.auto._ranking import Candidate
-
-    def cand(bound, peak=None):
-        return Candidate(layout=Layout(dp=8), predicted_s=1.0, compute_s=0.5, comm_s={}, dispatch_s=0.0,
-                         communication={}, memory={"peak": bound}, flops=0.0, measured_peak=peak)
-
-    one, b1, b2 = cand(5, peak=20), cand(5), cand(7)
-    assert screened(one, b1, b2, 32, 80) == 20 + 31 * 2
-    assert screened(one, b1, b2, 32, 82) is None and screened(one, b1, b2, 32, None) is None
-    assert screened(cand(5), b1, b2, 32, 10) is None  # not compiled: nothing to judge by
-    assert screened(one, b2, b1, 32, 19) == 20 and screened(one, b2, b1, 32, 20) is None  # no growth: its peak
