@@ -267,8 +267,12 @@ def main(argv: list[str]) -> None:
         if "--tiny" in argv:
             continue
         out.mkdir(exist_ok=True)
-        (out / "plan_at_scale.json").write_text(json.dumps(results, indent=1, default=str))
-        _plot(results, out / "plan_at_scale.png")
+        path = out / "plan_at_scale.json"  # the other models' entries of an earlier run kept (runs one model each)
+        mine = {r["model"] for r in results}
+        kept = [r for r in json.loads(path.read_text()) if r["model"] not in mine] if path.exists() else []
+        both = sorted(kept + results, key=lambda r: r["devices"])
+        path.write_text(json.dumps(both, indent=1, default=str))
+        _plot(both, out / "plan_at_scale.png")
         print(f"wrote {out / 'plan_at_scale.json'} and .png", flush=True)
 
 
