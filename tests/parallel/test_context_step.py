@@ -132,6 +132,78 @@ def test_llama_under_cp_and_tp_equals_one_device(shape, names, sp):
     _assert_table_is_hlo(comm, hlo)
 
 
+def _llama_with_head(shape, names, **head):
+    """``models.Llama`` with Megatron's plan on tp and a column-parallel output head (torchtitan's ``lm_head``):
+    the logits cut over tp on the vocabulary (``Shard(-1)``), handed to the loss so."""
+    from models._plans import decoder_tp_plan
+    from spmd.parallel import ColwiseParallel, parallelize_module
+
+    mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    plan = decoder_tp_plan(Llama(CFG))
+    plan["lm_head"] = ColwiseParallel(**head)
+    return parallelize_module(Llama(CFG), mesh["tp"], plan)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,names", [((2, 2, 2), ("dp", "cp", "tp")), ((4, 2), ("cp", "tp")),
+                                         ((2, 4), ("dp", "tp"))], ids=["dp2-cp2-tp2", "cp4-tp2", "dp2-tp4"])
+def test_llama_column_parallel_head_equals_one_device(shape, names):
+    """A column-parallel ``lm_head`` beside cp and tp (issue 48: at dp=2,cp=2,tp=2 XLA aborted the process while
+    partitioning the loss's ``take_along_axis`` of the labels' logits, cut over tp on the vocabulary and over cp on
+    the sequence; the step now runs it as a masked sum): 3 SGD steps equal one device's within 1e-5, and the
+    compiled step's collectives equal the table, which counts the loss's three all-reduces over tp (the
+    log-sum-exp's max and sum, the label logit), one float32 per position of the device's rows."""
+    dims = dict(zip(names, shape))
+    table, comm, hlo = _train(_llama_with_head(shape, names), None, _batches())
+    rows = 4 // dims.get("dp", 1) * T // dims.get("cp", 1)  # the positions of one device's rows
+    assert comm["vocab"]["all-reduce"] == {"count": 3, "bytes": 3 * rows * 4}
+    assert table.count("loss over lm_head's output cut on its features") == 3
+    _assert_table_is_hlo(comm, hlo)
+
+
+def test_a_gather_of_a_column_parallel_head_under_cp_is_refused_before_xla():
+    """A loss that indexes the vocabulary-cut logits with a gather the step does not rewrite (``mode="clip"``)
+    on dp x cp x tp is refused with the fixes, before XLA (whose partitioner would abort the process)."""
+    model = _llama_with_head((2, 2, 2), ("dp", "cp", "tp"))
+    batch = _batches(1)[0]
+    params = Llama(CFG).init(jax.random.key(0), batch["tokens"])["params"]
+
+    def loss_fn(p, b):
+        logits = model.apply({"params": p}, b["tokens"])
+        picked = jnp.take_along_axis(logits, b["labels"][..., None], axis=-1, mode="clip")
+        return (jax.nn.logsumexp(logits, -1) - picked[..., 0]).mean()
+
+    opt = optax.sgd(0.1)
+    state = init_train_state(model, opt, params=params)
+    step = make_train_step(model, loss_fn, opt)
+    with pytest.raises(ValueError, match=re.escape(
+            "the loss indexes 'lm_head''s output, cut over tp on its features (ColwiseParallel's Shard(-1)), with a "
+            "gather on mesh dp=2,cp=2,tp=2")) as e:
+        step(state, batch)
+    assert "jnp.take_along_axis(logits, labels[..., None], axis=-1)" in str(e.value)
+    assert "ColwiseParallel(output_layouts=Replicate())" in str(e.value)
+
+
+def test_masked_take_along_axis_equals_the_gather():
+    """The step's masked sum (``spmd.parallel.context._take``) against ``jnp.take_along_axis`` itself: values
+    (negative labels wrapped, out-of-bounds ones NaN) and gradients; other forms run the original."""
+    from spmd.parallel.context._take import masked_take_along_axis
+
+    take = masked_take_along_axis(jnp.take_along_axis)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(3, 5, 7)), jnp.float32)
+    idx = jnp.asarray(rng.integers(-7, 7, (3, 5, 1)), jnp.int32)
+    np.testing.assert_array_equal(take(x, idx, -1), jnp.take_along_axis(x, idx, -1))
+    bad = idx.at[0, 0, 0].set(7).at[1, 2, 0].set(-8)
+    np.testing.assert_array_equal(take(x, bad, -1), jnp.take_along_axis(x, bad, -1))  # NaN where out of bounds
+    assert np.isnan(np.asarray(take(x, bad, -1))[0, 0, 0])
+    w = jnp.asarray(rng.normal(size=(3, 5, 1)), jnp.float32)
+    np.testing.assert_array_equal(jax.grad(lambda x: (take(x, idx, -1) * w).sum())(x),
+                                  jax.grad(lambda x: (jnp.take_along_axis(x, idx, -1) * w).sum())(x))
+    wide = jnp.asarray(rng.integers(0, 7, (3, 5, 2)), jnp.int32)  # two per position: the original's gather
+    np.testing.assert_array_equal(take(x, wide, -1), jnp.take_along_axis(x, wide, -1))
+
+
 class _FlaxMasked(nn.Module):
     """A decoder block calling flax's dot_product_attention with a mask array."""
 

@@ -45,6 +45,7 @@ from spmd.parallel.context._attention import ring_attention
 from spmd.parallel.context._dispatch import ACTIVE, install_dispatchers
 from spmd.parallel.context._moves import cut_dim as _cut_dim, cut_seq as _cut_seq, gather_dim as _gather_dim
 from spmd.parallel.context._moves import gather_seq as _gather_seq
+from spmd.parallel.context._take import masked_take_along_axis
 from spmd.parallel.cost._comm import activation_terms
 from spmd.parallel.plan._param_plan import ParamPlan
 from spmd.parallel.styles._tp_calls import TP_COMM
@@ -367,7 +368,10 @@ class ContextCalls:
 
     def version(self, kind: str, orig: Callable) -> Callable:
         """This object's version of an intercepted function ``orig`` (``kind``: ``"jax"``, ``jax.nn``'s
-        attention; ``"flax"``, flax's; ``"causal_mask"``, flax's ``make_causal_mask``), run across the cut."""
+        attention; ``"flax"``, flax's; ``"causal_mask"``, flax's ``make_causal_mask``), run across the cut;
+        ``"take"``: ``jnp.take_along_axis``, a masked sum where tp cuts the model too (``_take``)."""
+        if kind == "take":
+            return masked_take_along_axis(orig) if self.tp is not None else orig
         make = {"jax": self._jax_call, "flax": self._flax_call, "causal_mask": self._causal_mask}[kind]
         return make(orig)
 

@@ -1,5 +1,6 @@
 """The attention functions a step under cp runs across the sequence cut (``jax.nn.dot_product_attention``, flax's
-``dot_product_attention`` and ``make_causal_mask``), dispatched per context.
+``dot_product_attention`` and ``make_causal_mask``), and ``jnp.take_along_axis`` (a loss's label logits, cut
+over cp and tp: ``_take``), dispatched per context.
 
 Each is replaced once (``install_dispatchers``: idempotent, under a lock) by a dispatcher that runs the active
 ``ContextCalls``' version of it (``ACTIVE``, a ``contextvars.ContextVar`` set by ``ContextCalls.installed``) and
@@ -24,6 +25,8 @@ __all__ = ["ACTIVE", "KERNELS", "install_dispatchers", "kernel_installed"]
 _JAX = (("jax.nn", "dot_product_attention"),)
 _FLAX = (("flax.linen", "dot_product_attention"), ("flax.linen.attention", "dot_product_attention"),
          ("flax.nnx", "dot_product_attention"), ("flax.nnx.nn.attention", "dot_product_attention"))
+# jnp.take_along_axis: a loss's label logits over a vocabulary cut over tp (``_take``)
+_TAKE = (("jax.numpy", "take_along_axis"),)
 _MASKS = (("flax.linen", "make_causal_mask"), ("flax.linen.attention", "make_causal_mask"),
           ("flax.nnx", "make_causal_mask"), ("flax.nnx.nn.attention", "make_causal_mask"))
 
@@ -58,7 +61,7 @@ def install_dispatchers() -> None:
     """Put the dispatchers in place of the attention functions, once (idempotent, under a lock); each defers to
     the original outside ``ContextCalls.installed``."""
     with _LOCK:
-        for targets, kind in ((_JAX, "jax"), (_FLAX, "flax"), (_MASKS, "causal_mask")):
+        for targets, kind in ((_JAX, "jax"), (_FLAX, "flax"), (_MASKS, "causal_mask"), (_TAKE, "take")):
             for modname, attr in targets:
                 mod = importlib.import_module(modname)
                 orig = getattr(mod, attr)

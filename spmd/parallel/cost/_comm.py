@@ -249,6 +249,10 @@ def format_communication(comm: dict) -> str:
     lines = [f"step communication per device: {line(comm['total'])}",
              f"  parameters (fsdp / dp): {line(comm['parameters'])}",
              f"  activations (tp): {line(comm['activations'])}"]
+    for r in comm.get("vocab", {}).get("calls", ()):  # the loss over a column-parallel output's cut (step._vocab)
+        times = f" x{r['calls']}" if r["calls"] > 1 else ""
+        lines.append(f"    loss over {r['module']}'s output cut on its features: {r['op']} over them, all-reduce "
+                     f"over tp ({r['bytes']:,} B{times})")
     if any(v["count"] for v in comm.get("batch_stats", {}).values()):
         lines.append(f"  batch statistics (BatchNorm): {line(comm['batch_stats'])}")
     if any(v["count"] for v in comm.get("recomputed", {}).values()):

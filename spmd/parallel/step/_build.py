@@ -33,6 +33,7 @@ from spmd.parallel.step._heads import (check_whole_sequence, dot_params, head_sp
 from spmd.parallel.step._loss_io import _as_arrays, _split_loss, _split_stats
 from spmd.parallel.step._model_checks import check_batch as _check_batch
 from spmd.parallel.step._state import TrainState, state_shardings
+from spmd.parallel.step._vocab import check_vocab_gathers, vocab_reductions, vocab_terms
 from spmd.parallel.styles._experts import with_experts
 from spmd.parallel.styles._hooks import Hooks
 from spmd.parallel.styles._nnx import is_nnx, nnx_loss
@@ -292,6 +293,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     recomputed: list = []  # the collectives a checkpoint's recomputation runs again, and the backward pass's
     # all-reduces of SyncBatchNorm's statistics (filled when traced)
     bn_calls: list = []  # the forward all-reduces of SyncBatchNorm's statistics, bytes each (filled when traced)
+    vocab: list = []  # the loss's reductions over a column-parallel output's cut features (read by prepare)
     whole: dict = {}  # the projections run whole over tp: {module: heads}, read from the traced step (prepare)
     ep_traced: list = []  # the calls styled on the ep dim, of one micro-batch
     traced: list = []  # the styled calls of one micro-batch, (module, style, input bytes, output bytes): the
@@ -340,6 +342,10 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                 # a function of its own: jax caches a trace by function, and a changed step must be traced again
                 probe = jax.jit(lambda s, b: step(s, b))
                 jaxpr = probe.trace(state, batch).jaxpr.jaxpr
+                if tp is not None:  # the loss's reductions over a column-parallel output's cut (``_vocab``)
+                    vocab[:] = vocab_reductions(jaxpr, tp)
+                    if cp is not None and n_cp > 1 and data:
+                        check_vocab_gathers(vocab, {d: sizes[d] for d in (*data, cp, tp)})
                 new = set(found) - gather_flip if flips else set()
                 heads = whole_over_tp(head_splits(jaxpr)) if tp is not None else {}
                 if new or heads:
@@ -416,6 +422,13 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                                 positional, dotted, cotangents, side.get("params", ()), side.get("joins", ()))
         if pm.ep is not None:
             comm = with_experts(comm, ep_traced, accum_steps)
+        if vocab:  # tp's all-reduces of the loss over a vocabulary cut: in the activations' term
+            t = seq_of_batch(batch, state.batch_stats)[0] if cp is not None and n_cp > 1 else None
+            comm = dict(comm, vocab=vocab_terms(vocab, t, n_cp))
+            red = comm["vocab"]["all-reduce"]
+            for part in ("activations", "total"):
+                comm[part] = {k: ({f: v[f] + red[f] for f in ("count", "bytes")} if k == "all-reduce" else v)
+                              for k, v in comm[part].items()}
         return comm
 
     return _Built(jitted, plan, run, communication, prepare)
