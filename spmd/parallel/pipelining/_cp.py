@@ -1,9 +1,15 @@
 """cp under a pipeline: the sequence cut over ``cp`` inside the stages (``spmd.parallel.pipelining._step``).
 
-- **a recognized attention call** (``jax.nn.dot_product_attention``, flax's) runs as the all-gather of K/V
-  (``ContextCalls(ring=False)``): a stage runs inside a per-rank ``lax.switch`` branch, and the ring's
-  collective-permutes there would meet every device of the program (XLA's rendezvous of a collective-permute), the
-  pp ranks in other branches never arriving; an all-gather meets its cp group only;
+- **a recognized attention call** (``jax.nn.dot_product_attention``, flax's) runs as the ring, as in the plain step
+  (``ring_blocker``: where the stages' units are all of one kind, without tp or ep). A stage runs inside a per-rank
+  ``lax.switch`` branch, and XLA:CPU meets the devices of every collective-permute of the program in the order
+  each device runs them, whatever op each runs (every one has ``channel_id=1``; its rendezvous waits for every
+  device of the program): a ring in one pp rank's branch would wait on the pp ranks in other branches (idle, or
+  the last stage's forward, which runs nothing) and hang. So where a unit holds a ring (``unit_rings``), the
+  branches without one run the same chunk on a block of their own and keep nothing of it (``shadow``): every
+  device runs the same collective-permutes in the same order, each moving within its own cp group (the cp ranks
+  of one pp rank, always in the same branch). Elsewhere the call runs as the all-gather of K/V
+  (``ContextCalls(ring=False)``; an all-gather meets its cp group only), the reason printed in the plan;
 - **a model's own attention** (an einsum over the whole sequence inside a linen unit, ``models.Transformer``'s
   ``attn``) is found in one unit's trace (``unit_gathered``: its ``[.., T, T]`` scores under the scope of the
   innermost submodule taking the sequence) and that submodule runs on the sequence gathered over cp, as the plain
@@ -25,7 +31,7 @@ import numpy as np
 
 from spmd.parallel.context._calls import CALL_SCOPE, ContextCalls, scopes_of, seq_len
 
-__all__ = ["context_records", "routed", "stage_context", "unit_gathered"]
+__all__ = ["context_records", "ring_blocker", "routed", "stage_context", "unit_gathered", "unit_rings"]
 
 
 class _UnitCall:
@@ -90,19 +96,52 @@ def unit_gathered(pm, lay, t: int) -> frozenset:
     return cache[t]
 
 
+def ring_blocker(pm, lay) -> str | None:
+    """Why a stage's attention calls cannot run as the ring (None: they can): the branches without a ring run the
+    chunk of a rank that has one (``shadow``), which holds only where every unit is of one kind (the same
+    collective-permutes on every rank) and no tp or ep call of the stages moves anything of its own in them."""
+    if pm.tp is not None:
+        return "tp in the stages"
+    if pm.ep is not None:
+        return "ep in the stages"
+    kinds = lay.kind_rows
+    if any(len({int(k) for k in kinds[:, :, l].flat if k >= 0}) > 1 for l in range(lay.per_slot)):
+        return "units of different kinds across the stages"
+    return None
+
+
+def unit_rings(pm, lay, t: int) -> bool:
+    """Whether one unit, traced on a sequence of ``t`` positions, runs an attention call as the ring (cached on
+    ``lay`` per ``t``); False where ``ring_blocker`` says it cannot."""
+    if ring_blocker(pm, lay) is not None:
+        return False
+    cache = lay.__dict__.setdefault("_cp_rings", {})
+    if t not in cache:
+        calls = _calls(pm, lay, t)
+        unit = [lay.unit_shapes[rel] for rel in lay.rel]
+        with calls.installed(), routed(calls if calls.gathered else None):
+            jax.eval_shape(lambda ls, x, sd: lay.apply_unit(ls, x, sd), unit, lay.act, lay.calls.side_shapes)
+        cache[t] = any(r.get("method", "").startswith("ring") for r in calls.records)
+    return cache[t]
+
+
 def _calls(pm, lay, t: int) -> ContextCalls:
     tp = pm.tp.tp.mesh_dim if pm.tp else None
     return ContextCalls(pm.mesh.jax_mesh, pm.mesh.size(pm.cp), t, pm.cp, gathered=unit_gathered(pm, lay, t),
-                        tp=(tp, pm.mesh.size(tp)) if tp else None, ring=False)
+                        tp=(tp, pm.mesh.size(tp)) if tp else None, ring=ring_blocker(pm, lay) is None)
 
 
 def stage_context(st, batch):
-    """Under cp: the attention calls of the stages across the sequence cut (``ContextCalls(ring=False)``, kept as
-    ``st.attention``), with the units' gathered modules (``unit_gathered``); nothing without cp."""
+    """Under cp: the attention calls of the stages across the sequence cut (``ContextCalls``, the ring where
+    ``ring_blocker`` allows, kept as ``st.attention``), with the units' gathered modules (``unit_gathered``);
+    ``st.shadow``: whether a unit runs a ring (the branches without one run a chunk too, ``unit_rings``); nothing
+    without cp."""
     pm = st.pm
     if not pm.cp or pm.mesh.size(pm.cp) < 2:
         return contextlib.nullcontext()
-    st.attention = _calls(pm, st.lay, st.seq_len or seq_len(batch))
+    t = st.seq_len or seq_len(batch)
+    st.attention = _calls(pm, st.lay, t)
+    st.shadow = unit_rings(pm, st.lay, t)
     return st.attention.installed()
 
 

@@ -401,6 +401,7 @@ class _Stages:
         self.skip = not lay.valid.all()
         self.valid = jnp.asarray(lay.valid)
         self.attention = None  # under cp: the stages' attention calls (ContextCalls), once traced
+        self.shadow = False  # under cp: a unit runs a ring (the branches without one run a chunk too, _cp.py)
         self.hooks = stage_hooks(pm, lay)  # tp: the styled calls in regions manual over tp (pipelining._tp)
         self.fd = {rel: lay.fsdp_dim(rel) for rel in lay.rel}  # stage parameters cut over fsdp: gathered once
         # the experts cut over ep (ExpertParallel in the units): each rank its own experts, never gathered
@@ -552,9 +553,15 @@ def _one_pass(st: _Stages, r, sp, rest, aux0z, carry, mbs):
     gbuf = jnp.zeros((st.kg + 1, *st.act.shape), st.act.dtype)
     zero_act = jnp.zeros(st.act.shape, st.act.dtype)
     ps = _Pass(st, r, sp, rest, mbs, aux0z, zero_act)
-    f_branches = [ps.idle_f] + [functools.partial(ps.forward, ro) for ro in ROLES]  # code k: f_branches[k]
+    f_plain = [ps.idle_f] + [functools.partial(ps.forward, ro) for ro in ROLES]  # code k: f_branches[k]
     # code k: b_branches[k - len(ROLES)] (k > 0)
-    b_branches = [ps.idle_b] + [functools.partial(ps.backward, ro) for ro in ROLES]
+    b_plain = [ps.idle_b] + [functools.partial(ps.backward, ro) for ro in ROLES]
+    # a ring in the units: a switch holding a branch with one runs the chunk in those without (_cp.py)
+    f_shadow = [ps.shadow_f] + f_plain[1:3] + [ps.shadow_f] * 2 if st.shadow else None
+    b_shadow = [ps.shadow_b] + b_plain[1:] if st.shadow else None
+    # the codes (of ``_local_codes``' list) whose branch runs a ring: a forward of a middle or the first stage (the
+    # last stage's runs nothing), any backward
+    f_branches, b_branches = (f_plain, f_shadow, (1, 2)), (b_plain, b_shadow, tuple(range(1, len(ROLES) + 1)))
     c = (xbuf, gbuf, gsp, grest, loss, aux)
     run_ticks = _ticks_unrolled if st.pm.unroll else _ticks_looped
     c = run_ticks(st, r, c, f_branches, b_branches)
@@ -576,6 +583,24 @@ class _Pass:
 
     def idle_b(self, acc, x, g, j, m):
         return acc, self.zero_act
+
+    def shadow_f(self, x, j, m, *_):
+        """An idle or last-stage forward in a tick where another rank's forward runs a ring: chunk ``j`` on ``x``,
+        nothing of it kept (``m`` is never negative), so that this rank's cp group runs the ring's
+        collective-permutes as the others do (``spmd.parallel.pipelining._cp``)."""
+        st = self.st
+        y = st.chunk(st.chunk_of(self.sp, j), self.r, j, x, st.side_of(self.rest, self.mb_of(m)))
+        return jnp.where(m < 0, y, self.zero_act)
+
+    def shadow_b(self, acc, x, g, j, m):
+        """An idle backward in a tick where another rank's backward runs (a ring in it): chunk ``j``'s forward and
+        backward on ``x`` and ``g``, nothing of it kept (its sum tied to the loss under ``m < 0``, never true)."""
+        st, r = self.st, self.r
+        side = st.side_of(self.rest, self.mb_of(m))
+        _, pull = jax.vjp(lambda sp_, x_: st.chunk(sp_, r, j, x_, side), st.chunk_of(self.sp, j), x)
+        tie = sum(jnp.sum(d).astype(jnp.float32) for d in jax.tree.leaves(pull(g)))
+        gsp, grest, loss, aux = acc
+        return (gsp, grest, jnp.where(m < 0, loss + tie, loss), aux), self.zero_act
 
     def forward(self, role, x, j, m):
         """Chunk ``j`` forward on micro-batch ``m``; the last stage's waits for its backward (which computes the
@@ -619,7 +644,11 @@ _FCOLS, _BCOLS = ("fj", "fm", "fxr"), ("bj", "bm", "bxr", "bgr")
 
 
 def _run(branches, code, used, args):
-    """``branches[code]`` where ``used`` (the codes some rank runs) holds several, else the one directly."""
+    """``branches[code]`` where ``used`` (the codes some rank runs) holds several, else the one directly.
+    ``branches``: ``(plain, shadowed, ring)``: the shadowed ones (a ring in the units, else None) where a code of
+    ``used`` is one of ``ring`` (its branch runs a ring), so that every rank runs one."""
+    plain, shadowed, ring = branches
+    branches = shadowed if shadowed is not None and any(k in ring for k in used) else plain
     if len(used) == 1:
         return branches[used[0]](*args)
     return lax.switch(code, [branches[k] for k in used], *args)
