@@ -599,8 +599,9 @@ def lookup_terms(lookups: list[dict], cotangents: dict | None = None) -> dict:
     return out
 
 
-def attention_terms(records: list[dict]) -> dict:
-    """``{kind: {count, bytes}}`` per device of one step's attention calls over cp (forward and backward):
+def attention_terms(records: list[dict], forward_only: bool = False) -> dict:
+    """``{kind: {count, bytes}}`` per device of one step's attention calls over cp (forward and backward; a ring's
+    forward alone with ``forward_only``, a pipeline's forward branch):
 
     - ring: ``cp - 1`` hops of K and V forward; backward ``cp - 1`` hops of K and V (none at cp=2: its one hop
       is the forward's, which XLA reuses) and ``cp`` of dK, dV (float32, travelling with their block, the last
@@ -636,6 +637,12 @@ def attention_terms(records: list[dict]) -> dict:
         q_loc, kv_loc = _nbytes(qs, qd) // cut, _nbytes(ks, kd) // cut
         kv32 = _nbytes(ks, np.float32) // cut
         if r["method"].startswith("ring"):
+            if forward_only:
+                add("collective-permute", kv_loc, 2 * (n - 1))  # K, V
+                if r["method"] == "ring (zigzag)":
+                    for nbytes in (q_loc, kv_loc, kv_loc, q_loc):  # q, k, v in; the output out
+                        add("collective-permute", nbytes // 2, zigzag_moves(n))
+                continue
             if n > 1:
                 add("collective-permute", kv_loc, 2 * (n - 1))  # K, V forward
                 if n > 2:  # at cp=2 the backward's one hop is the forward's (XLA inlines the 1-step loops, merges them)

@@ -58,9 +58,11 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
     if cp is not None:
         add = _sum(add, cp["program"])
     a2a = ep["program"] if ep else {"count": 0, "bytes": 0}
+    ring = cp["permutes"] if cp else {"count": 0, "bytes": 0}  # the stages' rings (cp_terms)
     return {
-        "collective-permute": {"count": ops["F"] + ops["B"], "bytes": (ops["F"] + ops["B"]) * sent,
-                               "pairs": pairs, "ops": {"forward": ops["F"], "backward": ops["B"]}},
+        "collective-permute": {"count": ops["F"] + ops["B"] + ring["count"],
+                               "bytes": (ops["F"] + ops["B"]) * sent + ring["bytes"],
+                               "pairs": pairs, "ops": {"forward": ops["F"], "backward": ops["B"]}, "ring": dict(ring)},
         # buffers: one per gradient each reduction holds (pp's of the rest, the data dims', cp's)
         "all-reduce": {"bytes": ar + add["all-reduce"]["bytes"], "buffers": ar_n + add["all-reduce"]["count"]},
         "all-gather": {"bytes": gathered + add["all-gather"]["bytes"],
@@ -158,13 +160,18 @@ def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
       units (all the others but the lookups' tables); on the first stage each lookup's ids and output gradient
       are gathered over cp (GSPMD's transpose of the lookup, in place of an all-reduce of its table's gradient).
 
+    - a ring (``recs["shadow"]``, ``spmd.parallel.pipelining._cp``): its collective-permutes in a ``F`` (the
+      forward's) and a ``B`` (the recompute's and the backward's); in a switch holding a branch that runs one, the
+      branches that do not (idle, the last stage's ``F``) run a middle stage's ``F`` or ``B`` on a block of their
+      own, and move what it moves.
+
     ``program``: what the compiled program holds (each tick's switches hold each branch some rank runs, once;
-    the loop form: every branch, every tick), per step."""
+    the loop form: every branch, every tick), per step; ``permutes``: its collective-permutes (the rings')."""
     from spmd.parallel.context._calls import attention_terms
 
     kv = [r for r in recs["unit"] if r["method"] != "gather sequence"]
     whole = [r for r in recs["unit"] if r["method"] == "gather sequence"]
-    at = attention_terms(kv)
+    at, at_f = attention_terms(kv), attention_terms(kv, forward_only=True)
     lc = lay.per_slot
     zero = _sum()
 
@@ -172,6 +179,9 @@ def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
         t = _sum()
         t[kind] = {"count": count, "bytes": nbytes}
         return t
+
+    def permutes(t: dict, scale: int) -> dict:  # an attention_terms' collective-permutes, as a cost's extra kind
+        return {f: scale * t["collective-permute"][f] for f in ("count", "bytes")}
 
     def gathers(key):  # a gathered module's inputs (forward) or its outputs' cotangents (backward)
         shapes = [sd for r in whole for sd in r[key]]
@@ -196,15 +206,30 @@ def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     b = _sum(fwd, bwd, grads)
     cost = [zero, fwd, fwd, zero, zero,  # idle, then F x roles (mid, first, last, only), B x roles
             b, _sum(b, pre), _sum(b, post), _sum(b, pre, post)]
+    nop = {"count": 0, "bytes": 0}
+    pf, pb = permutes(at_f, lc), permutes(at, lc)
+    perm = [nop, pf, pf, nop, nop, pb, pb, pb, pb]
+    shadow = bool(recs.get("shadow"))
+
+    def switch(codes: set, ring: set, mid: int) -> list:  # one switch's branches: (kinds' terms, permutes) each
+        shade = shadow and bool(codes & ring)  # the branches without a ring run a middle stage's chunk
+        return [(cost[mid], perm[mid]) if shade and k not in ring else (cost[k], perm[k]) for k in codes]
+
+    f_ring, b_ring = {1, 2}, set(range(1 + len(ROLES), 1 + 2 * len(ROLES)))
     if pm.unroll:
-        program = _sum(*[cost[k] for codes in ticks for k in {k for pair in codes for k in pair}], scale=accum_steps)
+        parts = [p for codes in ticks for p in switch({f for f, _ in codes}, f_ring, 1)
+                 + switch({b_ for _, b_ in codes}, b_ring, 1 + len(ROLES))]
+        scale = accum_steps
     else:
-        used = sorted({k for codes in ticks for pair in codes for k in pair})
-        program = _sum(*[cost[k] for k in used], scale=accum_steps * len(ticks))
+        parts = (switch({f for codes in ticks for f, _ in codes}, f_ring, 1)
+                 + switch({b_ for codes in ticks for _, b_ in codes}, b_ring, 1 + len(ROLES)))
+        scale = accum_steps * len(ticks)
+    program = _sum(*[c for c, _ in parts], scale=scale)
+    moved = {f: scale * sum(p[f] for _, p in parts) for f in ("count", "bytes")}
     # a position table's gradient: cut over cp on its rows, gathered once per step (beside the update)
     program = _sum(program, one("all-gather", len(positional), sum(
         int(np.prod(lay.shapes[p].shape)) * lay.shapes[p].dtype.itemsize for p in positional)))
-    return {"program": program, "calls": list(recs["unit"]), "lookups": list(recs["lookups"]),
+    return {"program": program, "permutes": moved, "calls": list(recs["unit"]), "lookups": list(recs["lookups"]),
             "positional": sorted(positional)}
 
 

@@ -190,5 +190,5 @@ def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
     flat = jax.tree_util.tree_flatten_with_path(rest)[0]
     order = [path[0].key for path, _ in flat]
     positional = sorted(order[i] for i in positional_params(jaxpr, jaxpr.invars[:len(order)], t))
-    return {"unit": list(calls.records), "lookups": lookups, "positional": positional, "attends": sorted(tail.attends),
+    return {"unit": list(calls.records), "shadow": unit_rings(pm, lay, t), "lookups": lookups, "positional": positional, "attends": sorted(tail.attends),
             "side": sorted(lay.rel[i] for i in side), "joins": list(joins)}
