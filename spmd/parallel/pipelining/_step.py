@@ -37,7 +37,7 @@ from spmd.parallel.plan._checks import check_rng
 from spmd.parallel.styles._nnx import nnx_params
 from spmd.parallel.pipelining._calls import model_kind
 from spmd.parallel.pipelining._split import unit_modules
-from spmd.parallel.pipelining._cp import context_records, routed, stage_context
+from spmd.parallel.pipelining._cp import context_records, ring_blocker, routed, stage_context
 from spmd.parallel.pipelining._comm import REST, STAGES, format_pipeline_communication, pipeline_communication
 from spmd.parallel.pipelining._tables import ROLES, branch_codes, tick_tables
 from spmd.parallel.pipelining._tp import (ep_placements, map_tp_aware, reduce_tp_aware, segment_records,
@@ -278,14 +278,21 @@ class PipelineStep(TrainStep):
 
     def attention(self, state, batch) -> list[dict]:
         """Under cp: the stages' attention calls as traced (a unit traced once per branch that runs it), each with
-        its method (``all-gather K/V``)."""
+        its method (``ring``, ``ring (zigzag)``, ``all-gather K/V``)."""
         b = self._build(state, self._checked(state, batch))
         if self._pm.cp and b.stages.attention is None:
             jax.eval_shape(b.jitted, state, self._checked(state, batch))  # traced: the calls recorded
         return list(b.stages.attention.records) if b.stages.attention is not None else []
 
     def table(self, state, batch) -> str:
-        lines = [f"    {r['call']}: {r['method']} over cp={r['n']} (a stage's branch: no ring), q {list(r['q'][0])} "
+        blocked = ring_blocker(self._pm, self._build(state, self._checked(state, batch)).lay)
+
+        def why(r):  # where a call runs as it does in a stage (spmd.parallel.pipelining._cp)
+            if r["method"].startswith("ring"):
+                return "in a stage's branch: the branches without a ring run the chunk too"
+            return f"a stage's branch: no ring, {blocked}" if blocked else "a mask or bias array: no ring"
+
+        lines = [f"    {r['call']}: {r['method']} over cp={r['n']} ({why(r)}), q {list(r['q'][0])} "
                  f"{r['q'][1]}, k/v {list(r['kv'][0])}" + (", causal" if r["causal"] else "")
                  if "q" in r else f"    attention '{r['call']}' (a unit's module): gather sequence over cp={r['n']} "
                  f"(in {', '.join(f'{list(s)} {d}' for s, d in r['gathered'])}; its output cut back)"

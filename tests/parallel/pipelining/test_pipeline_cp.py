@@ -1,12 +1,13 @@
 """cp under a pipeline: ``models.Llama`` (``attn_implementation='sdpa'``: ``jax.nn.dot_product_attention``,
-causal, GQA) pipelined over its layers (1F1B) with the batch's sequence cut over ``cp``, under pp=2 x cp=2 and
-pp=2 x fsdp=2 x cp=2, equals 3 SGD steps of one device within 1e-5 (losses and parameters).
+causal, GQA) pipelined over its layers (1F1B) with the batch's sequence cut over ``cp``, under pp=2 x cp=2,
+pp=2 x fsdp=2 x cp=2 and dp=2 x pp=2 x cp=2, equals 3 SGD steps of one device within 1e-5 (losses and parameters).
 
-A stage runs in a per-rank ``lax.switch`` branch, so its attention calls run as the all-gather of K/V (an
-all-gather meets its cp group only; the ring's collective-permutes would meet every device of the program and
-wait on the pp ranks in other branches): the compiled step's only collective-permutes are the pipeline's own
-sends, their count and bytes (the activations cut over cp) equal to the pipeline's table, and every other kind's
-bytes (the K/V gathers, dK / dV reduce-scatters, the gradients' all-reduces over cp, the lookup's gathers) too.
+A stage runs in a per-rank ``lax.switch`` branch, and XLA:CPU meets every collective-permute of the program over
+all its devices in the order each runs them: the stages' attention calls run as the ring (zigzag) all the same,
+the branches without a ring (idle, the last stage's forward) running a chunk of their own so that every device
+runs the same collective-permutes (``spmd.parallel.pipelining._cp``); the compiled step's collective-permutes
+(the pipeline's sends and the rings') and every other kind's buffers and bytes equal the pipeline's table. Where
+the units differ across the stages the calls stay on the all-gather of K/V, and the plan says why.
 """
 
 import flax.linen as nn
@@ -40,8 +41,9 @@ def _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,names", [((2, 2), ("pp", "cp")), ((2, 2, 2), ("pp", "fsdp", "cp"))],
-                         ids=["pp2-cp2", "pp2-fsdp2-cp2"])
+@pytest.mark.parametrize("shape,names", [((2, 2), ("pp", "cp")), ((2, 2, 2), ("pp", "fsdp", "cp")),
+                                         ((2, 2, 2), ("dp", "pp", "cp"))],
+                         ids=["pp2-cp2", "pp2-fsdp2-cp2", "dp2-pp2-cp2"])
 def test_llama_pipelined_under_cp_equals_one_device(shape, names):
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, V, (4, T)).astype(np.int32),
@@ -59,7 +61,7 @@ def test_llama_pipelined_under_cp_equals_one_device(shape, names):
     mesh = spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)
     inner = fully_shard(model, mesh=mesh["fsdp"]) if "fsdp" in names else model
     pm = pipeline(inner, mesh["pp"], units="layers_*", num_microbatches=2)
-    assert pm.data_dims == (("fsdp",) if "fsdp" in names else ())  # cp cuts the sequence, not the batch
+    assert pm.data_dims == tuple(d for d in names if d in ("dp", "fsdp"))  # cp cuts the sequence, not the batch
     state = init_train_state(pm, opt, params=params)
     step = make_train_step(pm, loss_fn, opt)
     state = _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref)
@@ -75,14 +77,26 @@ def test_llama_pipelined_under_cp_equals_one_device(shape, names):
         assert hlo[kind]["buffers"] == table[kind]["buffers"], kind
     want = table["collective-permute"]
     # 1F1B at pp=2, M=2: 2 sends each way, each a micro-batch's (2 or 1 rows, 16 / cp = 8 positions, 16) float32
-    rows = 4 // 2 // (2 if "fsdp" in names else 1)
-    assert (want["count"], want["bytes"]) == (4, 4 * rows * (T // 2) * 16 * 4)
+    rows = 4 // 2 // (1 if names == ("pp", "cp") else 2)
+    sends = 4 * rows * (T // 2) * 16 * 4
+    # and the rings of the program's branches. A layer's ring (zigzag) at cp=2: a forward moves K and V one hop
+    # and q, k, v in and the output out by one zigzag move each (6 permutes); a backward 14 (the recompute's 6, its
+    # one K / V hop shared with the backward's, dK and dV 2 hops each, the 4 zigzag moves' transposes). The ticks'
+    # (forward, backward) switches hold {F first, idle}, {F first, F last}: each branch a forward (the idle and
+    # the last stage's running a chunk too), 2 x 2 x 6; {idle, B last}, {B first, B last}, {B first, idle}:
+    # 3 x 2 x 14. So 24 + 84 = 108, each a local block: K / V [rows, 8, 2, 4] float32 (or halves of q [rows, 8, 4,
+    # 4], k / v, out for the zigzag moves), dK / dV float32 alike
+    kv = rows * 8 * 2 * 4 * 4
+    q = 2 * kv
+    fwd, bwd = 2 * kv + (q + kv + kv + q) // 2, 2 * kv + 4 * kv + (q + kv + kv + q)
+    assert want["ring"] == {"count": 108, "bytes": 2 * 2 * fwd + 3 * 2 * bwd}
+    assert (want["count"], want["bytes"]) == (4 + 108, sends + want["ring"]["bytes"])
     assert (hlo["collective-permute"]["buffers"], hlo["collective-permute"]["bytes"]) == (want["count"], want["bytes"])
-    # the attention calls ran as the all-gather of K/V (one record per layer's call in a micro-batch)
+    # the attention calls ran as the ring, zigzag (one record per layer's call in a micro-batch)
     recs = step.attention(state, batches[0])
-    assert recs and {r["method"] for r in recs} == {"all-gather K/V"}
-    assert "jax.nn.dot_product_attention: all-gather K/V over cp=2 (a stage's branch: no ring)" in step.table(
-        state, batches[0])
+    assert recs and {r["method"] for r in recs} == {"ring (zigzag)"}
+    assert ("jax.nn.dot_product_attention: ring (zigzag) over cp=2 (in a stage's branch: the branches without a ring "
+            "run the chunk too)") in step.table(state, batches[0])
 
 
 @pytest.mark.slow
