@@ -189,8 +189,9 @@ def test_a_batch_vector_as_wide_as_the_sequence_stays_whole_over_cp_in_a_pipelin
     for kind in ("all-gather", "reduce-scatter", "all-reduce"):
         assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (table[kind]["buffers"], table[kind]["bytes"]), kind
     # the block's dense layer on cond: its gradients whole over cp (not summed), the [batch, d] cotangent of its
-    # broadcast into the sequence all-reduced instead (each B: 9 buffers, 8 + 1, not 10; 43 / 8,224 B in all)
-    assert (hlo["all-reduce"]["buffers"], hlo["all-reduce"]["bytes"]) == (43, 8224)
+    # broadcast into the sequence all-reduced instead (each B: 9 buffers, 8 + 1, not 10, 1,216 B; 43 / 8,224 B in all
+    # with the ring's: the 2 idle backwards beside a B run a block's backward too, 2 x 9 more buffers, 2 x 1,216 B)
+    assert (hlo["all-reduce"]["buffers"], hlo["all-reduce"]["bytes"]) == (43 + 2 * 9, 8224 + 2 * 1216)
     state = _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref)
 
 
@@ -238,4 +239,60 @@ def test_einsum_transformer_pipelined_under_cp_table_equals_hlo(shape, names):
     assert all(r["gathered"] == [((rows, T, 16), "float32")] == r["cut"] for r in recs)
     n_cp = dict(zip(names, shape))["cp"]
     assert f"attention 'attn' (a unit's module): gather sequence over cp={n_cp}" in step.table(state, batches[0])
+    _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref)
+
+
+class _Block(nn.Module):
+    """A causal attention block (``jax.nn.dot_product_attention``); ``squash``: its output through a tanh (the same
+    parameters, another kind of unit)."""
+
+    squash: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, d = x.shape
+        q, k, v = (nn.Dense(d)(x).reshape(b, t, 2, d // 2) for _ in range(3))
+        y = nn.Dense(d)(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d))
+        return x + (jnp.tanh(y) if self.squash else y)
+
+
+class _MixedModel(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, 8)(tokens)
+        x = _Block(name="blocks_0")(x)
+        x = _Block(squash=True, name="blocks_1")(x)
+        return nn.Dense(V)(x)
+
+
+@pytest.mark.slow
+def test_stages_of_different_kinds_keep_the_all_gather_and_say_why():
+    """pp=2 x cp=2 over two blocks of different kinds (the second's output through a tanh): a rank's branches could not run
+    another rank's chunk in its place (``ring_blocker``), so the calls stay on the all-gather of K/V, the plan says
+    why, and the compiled step's only collective-permutes are the pipeline's 4 sends (as the table); 2 SGD steps
+    equal one device's."""
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, V, (4, T)).astype(np.int32),
+                "labels": rng.integers(0, V, (4, T)).astype(np.int32)} for _ in range(2)]
+    model = _MixedModel()
+
+    def loss_fn(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, b["tokens"]),
+                                                               b["labels"]).mean()
+
+    params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
+    opt = optax.sgd(0.1)
+    ref_losses, ref = train_one_device(params, batches, loss_fn, opt)
+    mesh = spmd.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+    pm = pipeline(model, mesh["pp"], units="blocks_*", num_microbatches=2)
+    state = init_train_state(pm, opt, params=params)
+    step = make_train_step(pm, loss_fn, opt)
+    hlo = executed_collectives(step._build(state, batches[0]).jitted, state, batches[0], scalars=False)
+    table = step.communication(state, batches[0])
+    assert table["collective-permute"]["ring"] == {"count": 0, "bytes": 0}
+    assert (hlo["collective-permute"]["buffers"], hlo["collective-permute"]["bytes"]) == (
+        4, table["collective-permute"]["bytes"])
+    assert {r["method"] for r in step.attention(state, batches[0])} == {"all-gather K/V"}
+    assert ("jax.nn.dot_product_attention: all-gather K/V over cp=2 (a stage's branch: no ring, units of different "
+            "kinds across the stages)") in step.table(state, batches[0])
     _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref)
