@@ -187,7 +187,7 @@ def check_pipelined_attention(comm: dict, layout: Layout, where: str) -> None:
     if layout.cp > 1 and not calls:
         raise ValueError(f"{where}: layout {layout.name!r}: the pipeline's stages call no attention the cp step "
                          "recognizes (jax.nn.dot_product_attention, flax's dot_product_attention; a stage runs each "
-                         "as the all-gather of K/V); a module's own einsum attention runs on the gathered sequence, "
+                         "as the ring); a module's own einsum attention runs on the gathered sequence, "
                          "whole on every cp rank: cp under a pipeline is weighed for models calling one.")
 
 

@@ -173,7 +173,7 @@ class ContextCalls:
     def __init__(self, jax_mesh: Any, n: int, seq_len: int, axis: str = CP, gathered: frozenset = frozenset(),
                  tp: tuple[str, int] | None = None, ring: bool = True, seq_of: dict | None = None):
         self.jax_mesh, self.n, self.seq_len, self.axis = jax_mesh, n, seq_len, axis
-        # ring=False: every call the all-gather of K/V (a pipeline's stages: no collective-permute in a branch)
+        # ring=False: every call the all-gather of K/V (a pipeline's stages where no ring can run: _cp.ring_blocker)
         self.ring = ring
         self.tp = tp if tp is not None and tp[1] > 1 else None  # (mesh dim, size): the heads cut over it
         self.gathered = frozenset(gathered)

@@ -153,8 +153,8 @@ def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     one unit's attention calls and the pre-unit code's embedding lookups (``_step.context_records``) and the
     schedule's branches:
 
-    - each attention call, the all-gather of K/V: K and V gathered forward (a ``F``, and a ``B``'s recompute),
-      dK and dV reduce-scattered backward;
+    - each attention call run as the all-gather of K/V: K and V gathered forward (a ``F``, and a ``B``'s
+      recompute), dK and dV reduce-scattered backward;
     - a ``B`` all-reduces over cp its chunk's stage gradients (GSPMD's partial sums over the cut sequence; the
       whole parameters, gathered over fsdp), and, on the last stage, the gradients of the parameters after the
       units (all the others but the lookups' tables); on the first stage each lookup's ids and output gradient
