@@ -361,6 +361,7 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
     i = traced_n = 0
     t0 = clock()
     log: list = []  # (action, layout name, seconds, outcome) of each trace and compile
+    hurried: list = []  # (candidate, why) whose lighter heavier policies were skipped, the time spent
     stopped = "bound"
     while True:
         fit = [c.predicted_s for c in done if c.fits]
@@ -376,7 +377,13 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
         # the first of each kin compiled early (no ratio of its dtype and tp cut yet): its ratio scales the rest
         first = SHARPEN and est < math.inf and (not done or (
             rest[0].layout.pp == 1 and _nearest(rest[0].layout, ratios) is None))
-        if i < len(todo) and nxt < est and not first:  # the next layout could still beat every estimate: trace it
+        # the time spent and none fits: a heaviest-policy candidate compiled first, nothing more traced
+        hurry = SEARCH_SECONDS is not None and not fit and clock() - t0 >= SEARCH_SECONDS and est < math.inf
+        full = next((j for j, r in enumerate(rest) if r.fits and r.layout.activation_checkpointing ==
+                     CHECKPOINTING[-1]), None) if hurry else None
+        if full is not None:
+            rest.insert(0, rest.pop(full))
+        if i < len(todo) and nxt < est and not first and not hurry:  # the next layout could beat every estimate
             new = [c for c in trace(todo[i]) if c.layout not in seen]
             log.append(("trace", todo[i].name, clock() - t1, f"{len(new)} candidate(s)"))
             i += 1
@@ -406,14 +413,24 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
                 if bound_compute is not None and bound_compute(c.layout) > 0:
                     bratios.append((c.layout, c.compute_s / bound_compute(c.layout)))
                     todo[i:] = sorted(todo[i:], key=bound_of)  # the scaled bounds in their new order
-            new = [] if c.fits else [v for v in variants(c, budget) if v.fits and v.layout not in seen]
-            if SHARPEN and not c.fits and stalled(c, done[:-1]):  # its policy lowered nothing: none heavier will
-                new = [v for v in new if v.layout.activation_checkpointing == c.layout.activation_checkpointing]
+            heaviest = replace(c.layout, activation_checkpointing=CHECKPOINTING[-1]) if c.layout.units and (
+                c.layout.pp == 1) else c.layout
+            if (not c.fits and SEARCH_SECONDS is not None and clock() - t0 >= SEARCH_SECONDS and not fit
+                    and c.layout != heaviest):
+                # the time spent and none fits: straight to its heaviest policy, the lighter ones not weighed (said)
+                new = [v for v in trace(heaviest) if v.fits and v.layout not in seen]
+                hurried.append((c.name, f"over once compiled after the search's time budget ({SEARCH_SECONDS} s) was "
+                                f"spent with no candidate fitting: {heaviest.name} traced next, the policies between "
+                                "its own and that one not weighed"))
+            else:
+                new = [] if c.fits else [v for v in variants(c, budget) if v.fits and v.layout not in seen]
+                if SHARPEN and not c.fits and stalled(c, done[:-1]):  # its policy lowered nothing: none heavier will
+                    new = [v for v in new if v.layout.activation_checkpointing == c.layout.activation_checkpointing]
         seen |= {c.layout for c in new}
         rest = sorted(rest + new, key=lambda c: (not c.fits, est_of(c)))
     if stats is not None:
         stats.update(traced=traced_n, compiled=len(done), uncompiled=len(rest), untraced=len(todo) - i,
-                     over_by_kin=len(estimated), stopped=stopped, seconds=clock() - t0, log=log)
+                     over_by_kin=len(estimated), stopped=stopped, seconds=clock() - t0, log=log, hurried=hurried)
     rest += estimated
     if SHARPEN and ratios:  # the uncompiled ones at their scaled estimates (none faster than the pick)
         rest = [replace(c, predicted_s=est_of(c), compute_s=c.compute_s + est_of(c) - c.predicted_s) for c in rest]

@@ -295,3 +295,41 @@ def test_the_search_stops_at_its_time_budget_once_one_fits_and_says_what_it_left
     got, skipped, stats = run(1.0)
     assert stats["stopped"] == "time" and got[0].layout == lays[1] and got[0].fits
 
+
+
+def test_once_the_time_is_spent_with_none_fitting_an_over_candidate_goes_straight_to_full_checkpointing(
+        monkeypatch):
+    """``SEARCH_SECONDS`` spent and no compiled candidate fitting: a candidate over once compiled has its
+    ``"full"`` variant traced next (the lighter policies its ``variants`` would give not weighed, said in
+    ``stats["hurried"]``), and that one is compiled before any lighter candidate left."""
+    from spmd.parallel.auto import _budget
+    from spmd.parallel.auto._ranking import Candidate
+
+    now = [0.0]
+    lay = Layout(fsdp=8, units=U)
+    other = Layout(dp=2, fsdp=4, units=U)
+
+    def cand(lay, t, peak=None, fits=True):
+        return Candidate(layout=lay, predicted_s=t, compute_s=t, comm_s={}, dispatch_s=0.0, communication={},
+                         memory={"peak": 1}, flops=0.0, measured_peak=peak, fits=fits)
+
+    def trace(x):
+        now[0] += 10
+        return [cand(x, 1.4 if x.activation_checkpointing == "full" else 1.0 if x == lay else 1.1)]
+
+    def compiled(c):
+        now[0] += 30
+        return cand(c.layout, c.predicted_s, peak=5, fits=c.layout.activation_checkpointing == "full")
+
+    def variants(c, budget):  # the next lighter policy: never asked once hurried
+        return [cand(__import__("dataclasses").replace(c.layout, activation_checkpointing="minimal"), 1.05)]
+
+    monkeypatch.setattr(_budget, "SHARPEN", False)
+    monkeypatch.setattr(_budget, "SEARCH_SECONDS", 15.0)
+    stats = {}
+    got, _ = _budget.searched([lay, other], {lay: 1.0, other: 1.1}.get, trace, 1, 100, compiled, variants,
+                              stats=stats, clock=lambda: now[0])
+    assert [(a, n) for a, n, *_ in stats["log"]] == [
+        ("trace", lay.name), ("compile", lay.name), ("compile", lay.name + " ac=full")], stats["log"]
+    assert got[0].layout.activation_checkpointing == "full" and got[0].fits and stats["stopped"] == "time"
+    assert [n for n, _ in stats["hurried"]] == [lay.name] and "not weighed" in stats["hurried"][0][1]
