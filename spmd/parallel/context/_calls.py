@@ -48,6 +48,7 @@ from spmd.parallel.context._moves import gather_seq as _gather_seq
 from spmd.parallel.context._take import masked_take_along_axis
 from spmd.parallel.cost._comm import activation_terms
 from spmd.parallel.plan._param_plan import ParamPlan
+from spmd.parallel.plan._scan import scan_of
 from spmd.parallel.styles._tp_calls import TP_COMM
 from spmd.parallel.styles._transforms import CP_DIM, EP_DIM
 
@@ -193,6 +194,11 @@ class ContextCalls:
         # the activations a sequence-parallel style handed on cut over cp and tp (``note_sp_cut``), by id
         self._sp_cut: dict[int, Any] = {}
 
+    def _record(self, rec: dict) -> None:
+        """A call's record, with the modules open around it (``with_context`` reads which run in an ``nn.scan``)."""
+        rec["open"] = tuple(sorted(self._open))
+        self.records.append(rec)
+
     # --- a module run on the gathered sequence --------------------------------------------------------
     def around(self, call: Any, run: Callable) -> Any:
         """``Hooks``' hook (``spmd.parallel.styles._hooks.Hooks.around``) for every module call of the step: traced
@@ -239,7 +245,7 @@ class ContextCalls:
                 it = iter(seq_out)
                 out = jax.tree.map(lambda y: self._cut(y, rec, next(it), joint), out)
                 rec["params"] = [p for p in rec["params"] if p not in self.cut_params]  # experts: summed over cp
-                self.records.append(rec)
+                self._record(rec)
                 return out
         finally:
             self._open.discard(call.fqn)
@@ -333,7 +339,7 @@ class ContextCalls:
         """``x`` cut over cp on ``dim`` (nothing moves; backward: its cotangent all-gathered); ``params`` (the
         experts' own) are then summed over cp, not whole."""
         self.cut_params.update(params)
-        self.records.append({"call": fqn, "method": "experts cut", "n": self.n,
+        self._record({"call": fqn, "method": "experts cut", "n": self.n,
                              "gathered": [(tuple(x.shape), str(x.dtype))]})
         return _cut_dim(x, self, dim)
 
@@ -509,10 +515,10 @@ class ContextCalls:
         if bias is None and mask is None and self.ring:
             zig = bool(causal) and t % 2 == 0 and n > 1
             rec["method"] = "ring (zigzag)" if zig else "ring"
-            self.records.append(rec)
+            self._record(rec)
             return self._ring(q, k, v, causal, scale, zig, heads)
         rec["method"] = "all-gather K/V"
-        self.records.append(rec)
+        self._record(rec)
         return self._allgather(q, k, v, bias, mask, causal, local, heads)
 
     def _heads_tp(self, q, k, bias, mask) -> str | None:
@@ -615,13 +621,14 @@ def attention_terms(records: list[dict], forward_only: bool = False) -> dict:
       backward.
     """
     out = {k: {"count": 0, "bytes": 0} for k in ("all-gather", "reduce-scatter", "collective-permute")}
+    layers = 1
 
     def add(kind, nbytes, count=1):
-        out[kind]["count"] += count
-        out[kind]["bytes"] += count * nbytes
+        out[kind]["count"] += count * layers
+        out[kind]["bytes"] += count * layers * nbytes
 
     for r in records:
-        n = r["n"]
+        n, layers = r["n"], r.get("scan", 1)  # in an nn.scan body (``per_layer``): once per layer
         if r["method"] == "experts cut":  # the experts' output gathered forward, their input's cotangent backward
             for shape, dtype in r["gathered"]:
                 add("all-gather", _nbytes(shape, dtype))
@@ -645,7 +652,8 @@ def attention_terms(records: list[dict], forward_only: bool = False) -> dict:
                 continue
             if n > 1:
                 add("collective-permute", kv_loc, 2 * (n - 1))  # K, V forward
-                if n > 2:  # at cp=2 the backward's one hop is the forward's (XLA inlines the 1-step loops, merges them)
+                if n > 2 or layers > 1:  # at cp=2 the backward's one hop is the forward's (XLA inlines the 1-step
+                    # loops, merges them), but in an nn.scan body: the backward runs in a loop of its own
                     add("collective-permute", kv_loc, 2 * (n - 1))  # K, V backward
                 add("collective-permute", kv32, 2 * n)  # dK, dV
             if r["method"] == "ring (zigzag)":
@@ -655,6 +663,16 @@ def attention_terms(records: list[dict], forward_only: bool = False) -> dict:
             add("all-gather", kv_loc * n, 2)
             add("reduce-scatter", kv_loc * n, 2)
     return out
+
+
+def per_layer(records: list[dict], scans: dict) -> list[dict]:
+    """``records`` with those of calls in an ``nn.scan`` body (a module open around them runs in a scan of
+    ``scans``, ``{path: length}``) kept from the body's last trace alone (flax traces a scan's body twice: its
+    loop-invariant check, then ``lax.scan``'s), each marked ``scan``: its length (the call runs once per layer)."""
+    lengths = [max([scan_of(m.replace(".", "/"), scans) for m in r.get("open", ())] or [1]) for r in records]
+    last = {(r["call"], r.get("open")): i for i, (r, k) in enumerate(zip(records, lengths)) if k > 1}
+    return [r if k == 1 else {**r, "scan": k} for i, (r, k) in enumerate(zip(records, lengths))
+            if k == 1 or last[(r["call"], r.get("open"))] == i]
 
 
 def seq_len(batch: Any) -> int:
@@ -683,6 +701,8 @@ def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, regi
       gradient is whole over cp, formed from the cotangent of its value where the model broadcasts it into the
       sequence, which is all-reduced there (``joins``: the bytes of each, per micro-batch)."""
     records, lookups = (calls.records, calls.lookups) if calls is not None else ([], [])
+    scans = dict(plan.scans)
+    records = per_layer(records, scans)
     n = calls.n if calls is not None else 1
     looked_up = {r["param"] for r in lookups}
     attends = (set(calls.attends) if calls is not None else set()) | (looked_up & set(products))
@@ -706,7 +726,9 @@ def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, regi
         b = e.nbytes // tp[1] if ti is not None and e.shard_dim(ti) is not None else e.nbytes
         return b // plan.mesh_shape[ei] if ei is not None and e.shard_dim(ei) is not None else b
 
-    ctx["all-reduce"] = {"count": len(summed) + len(joins) * accum_steps,
+    # a stacked (nn.scan) parameter's gradient: summed over cp in the backward loop, layer by layer
+    ctx["all-reduce"] = {"count": sum(scan_of(e.path, scans) if e.stacked else 1 for e in summed)
+                         + len(joins) * accum_steps,
                          "bytes": sum(local(e) for e in summed) + sum(joins) * accum_steps}
     looked = lookup_terms(lookups, cotangents)
     ctx["all-gather"] = {f: ctx["all-gather"][f] + looked[f] for f in ("count", "bytes")}
