@@ -619,7 +619,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     todo = list(layouts) if layouts is not None else [
         replace(lay, mixed_precision=p) for lay in candidate_layouts(len(devices), plan, units)
         for p in (None, *precisions) if p is None or lay.fsdp > 1] + pipeline_layouts(
-            len(devices), plan, pp_units, params, rows, layers) + context_expert_layouts(len(devices), plan, units, params, batch)
+            len(devices), plan, pp_units, params, rows, layers) + context_expert_layouts(len(devices), plan, units, params, batch, stack)
     todo = [lay if lay.accum_steps >= accum_steps else replace(lay, accum_steps=accum_steps) for lay in todo]
     slices = _slices(depth, loss_fn, units, params, batch, optimizer, where)
     if slices is not None:

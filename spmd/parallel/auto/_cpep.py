@@ -66,14 +66,16 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(2, n + 1) if n % d == 0]
 
 
-def experts_of(params: Any) -> tuple[str, int] | None:
+def experts_of(params: Any, stack: str | None = None) -> tuple[str, int] | None:
     """``(glob, experts)`` of the model's experts modules (their fqn with each layer index a ``*``, and the
-    leading dim their parameters share), or None where it has none."""
+    leading dim their parameters share: past the layer axis inside the scanned stack ``stack``, its dotted path),
+    or None where it has none."""
     mods: dict[str, set] = {}
     for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         mod, _ = param_module(path_str(kp))
-        if mod.split(".")[-1] == "experts" and len(x.shape) >= 3:
-            mods.setdefault(mod, set()).add(x.shape[0])
+        lead = 1 if stack is not None and (mod + ".").startswith(stack + ".") else 0  # [L, E, d, f]: dim 1
+        if mod.split(".")[-1] == "experts" and len(x.shape) >= 3 + lead:
+            mods.setdefault(mod, set()).add(x.shape[lead])
     if not mods or any(len(e) != 1 for e in mods.values()):
         return None
     counts = {next(iter(e)) for e in mods.values()}
@@ -101,12 +103,14 @@ def _rest(n: int, plan: Any, units: tuple[str, ...], **dims) -> list[Layout]:
     return out
 
 
-def context_expert_layouts(n: int, plan: Any, units: tuple[str, ...], params: Any, batch: Any) -> list[Layout]:
+def context_expert_layouts(n: int, plan: Any, units: tuple[str, ...], params: Any, batch: Any,
+                           stack: tuple[str, int] | None = None) -> list[Layout]:
     """The cp, ep and cp x ep layouts ``auto_layout`` weighs on ``n`` devices, then the pipelined ones
-    (``pipelined``; see the module doc)."""
+    (``pipelined``; see the module doc). ``stack``: the model's scanned stack (``_pipeline.scanned_stack``), whose
+    experts' parameters carry the layer axis first."""
     seq = sequence_of(batch)
     cps = [1] + [cp for cp in _divisors(n) if seq is not None and seq % cp == 0]
-    got = experts_of(params)
+    got = experts_of(params, stack[0] if stack else None)
     eps = [1] + ([ep for ep in _divisors(n) if got[1] % ep == 0] if got is not None else [])
     out = []
     for ep in eps:

@@ -2,7 +2,8 @@
 every block on 8 devices, given Megatron's plan of its attention (``models._plans.decoder_tp_plan``), gets
 ``pp=2,ep=2,tp=2`` (the blocks in 2 stages, the experts over ep and the attention's projections over tp inside
 them) beside the pp x ep ones, and none without a plan; the candidate, ranked by ``auto_layout``, prices the
-table of its step, whose every collective equals the compiled program's."""
+table of its step, whose every collective equals the compiled program's. A scanned MoE's experts are counted past
+the stack's layer axis."""
 
 from __future__ import annotations
 
@@ -63,3 +64,22 @@ def test_a_ranked_pipeline_with_tp_and_ep_prices_its_compiled_collectives():
     row = next(line for line in got.table().splitlines() if line.startswith("1 "))
     for kind in ("all-gather", "reduce-scatter", "all-reduce", "collective-permute"):  # the printed MiB
         assert f"{hlo[kind]['bytes'] / 2**20:.2f}" in row.split(), kind
+
+
+def test_a_scanned_moes_experts_are_counted_past_the_layer_axis():
+    """``models.MoE`` with its 4 blocks as one nn.scan stack: its experts' kernels are [L=4, E=8, d, f]; the ep
+    candidates are every ep that the 8 experts divide (ep=8 among them), not the 4 layers (which offered ep=2, 4
+    only)."""
+    import dataclasses
+
+    from spmd.parallel.auto._cpep import experts_of
+    from spmd.parallel.auto._pipeline import scanned_stack
+
+    model = type(MOE_EVERY)(dataclasses.replace(MOE_EVERY.cfg, num_layers=4, scan_layers=True))
+    batch = _batch(16)
+    params = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
+    stack = scanned_stack(model, params, (batch["inputs"],))
+    assert stack == ("layers", 4)
+    assert experts_of(params, stack[0]) == ("layers.mlp.experts", 8)
+    eps = {lay.ep for lay in context_expert_layouts(8, None, (), params, batch, stack) if lay.cp == lay.pp == 1}
+    assert eps == {2, 4, 8}
