@@ -19,14 +19,15 @@
   cp), the rest over ``dp`` x ``fsdp`` x ``tp``.
 - **pp x cp, pp x ep** (``pipelined``): the repeated blocks (one units glob, its modules holding the same
   parameters as ``pipeline`` requires: not an MoE's with experts in every other block) in ``pp`` stages over the divisors
-  of the device count up to the blocks, with the sequence over ``cp`` (the stages' attention calls the
-  all-gather of K/V: a recognized call only, a module's own einsum attention is refused there) or the experts
+  of the device count up to the blocks, with the sequence over ``cp`` (the stages' attention calls the ring
+  where the stages allow it, else the all-gather of K/V; a module's own einsum attention on the gathered
+  sequence, whole on every cp rank) or the experts
   over ``ep`` (stacked with the stages), the rest over ``dp`` x ``fsdp``, and with the experts over ``ep`` over
   ``tp`` too where the plan has a tensor-parallel plan for that size (the stages' attention projections over tp,
-  the experts over ep: ``pp=2,tp=2,ep=2``; not with cp, whose stages' K/V gathers take no tp), 1F1B at ``pp``
+  the experts over ep: ``pp=2,tp=2,ep=2``; not with cp, whose stages' attention takes no tp), 1F1B at ``pp``
   and ``2 pp`` micro-batches (those a replica's rows divide). Costed as the other
-  pipelines (``spmd.parallel.auto._pipeline``), whose table holds the cp terms (K/V gathers, dK/dV
-  reduce-scatters, the gradients' all-reduces over cp) and the experts' all-to-alls.
+  pipelines (``spmd.parallel.auto._pipeline``), whose table holds the cp terms (the rings' permutes or the K/V
+  gathers, a gathered module's gathers, the gradients' all-reduces over cp) and the experts' all-to-alls.
 
 Each is costed as every other layout is (``evaluate_layout``): the step's own table, whose ``total`` holds the
 cp and ep terms (priced over their own dim: the all-to-alls over ep, the rest over cp), the lower bound, and
@@ -184,15 +185,15 @@ def check_attention(comm: dict, layout: Layout, where: str) -> list[dict]:
 
 
 def check_pipelined_attention(comm: dict, layout: Layout, where: str) -> None:
-    """A pipelined cp layout's stages must call an attention the cp step recognizes (``comm``: the pipeline's
-    table, its ``cp`` part): a module's own einsum attention runs on the gathered sequence in a stage, whole on every
-    cp rank (as ``gather_only`` leaves such layouts out without a pipeline), so it is refused here."""
-    calls = [r for r in (comm.get("cp") or {}).get("calls", ()) if r["method"] != "gather sequence"]
-    if layout.cp > 1 and not calls:
+    """A pipelined cp layout's stages must run some attention across the cut (``comm``: the pipeline's table, its
+    ``cp`` part): a call the cp step recognizes (the ring, or the all-gather of K/V) or a module's own einsum
+    attention run on the gathered sequence (whole on every cp rank: ``cp_work`` counts it so, and the table holds
+    its gathers); a model with none is refused with the reason."""
+    if layout.cp > 1 and not (comm.get("cp") or {}).get("calls"):
         raise ValueError(f"{where}: layout {layout.name!r}: the pipeline's stages call no attention the cp step "
-                         "recognizes (jax.nn.dot_product_attention, flax's dot_product_attention; a stage runs each "
-                         "as the ring); a module's own einsum attention runs on the gathered sequence, "
-                         "whole on every cp rank: cp under a pipeline is weighed for models calling one.")
+                         "recognizes (jax.nn.dot_product_attention, flax's dot_product_attention) and compute none "
+                         "of their own (no [.., T, T] scores inside a module): cutting the sequence runs no "
+                         "attention across the cut; cp under a pipeline is weighed for models with attention.")
 
 
 def uncut(micro: Any, cp: int) -> Any:

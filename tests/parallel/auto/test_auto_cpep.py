@@ -258,13 +258,31 @@ def test_a_picked_pipeline_with_ep_prints_its_compiled_collectives():
     assert table["all-to-all"]["count"] == 20 and best.comm_s["all-to-all"] > 0
 
 
-@pytest.mark.slow
-def test_a_pipeline_with_cp_refuses_a_models_own_attention():
+@pytest.mark.slow  # one pipelined layout traced and compiled
+def test_a_pipeline_with_cp_weighs_a_models_own_attention():
+    """``models.Transformer`` (its own einsum attention) under ``pp=2,dp=2,cp=2``: weighed (it was refused), its
+    stages' ``attn`` run on the sequence gathered over cp (the table's ``gather sequence`` rows), the candidate's
+    table equal to its compiled step's collectives (each kind's buffers and bytes), and its attention's work whole
+    on every cp rank: as much compute per device as ``pp=2,dp=4`` at its ``T / cp`` positions plus the whole
+    ``[T, T]`` part, more than ``pp=2,dp=4``'s."""
     model, batch = Transformer(24, 16, num_layers=2, d_model=16, num_heads=2), _batch(16)
     lay = Layout(pp=2, dp=2, cp=2, units=("block_*",), microbatches=2)
-    got = auto_layout(model, optax.sgd(0.1), batch, 8, layouts=[Layout(dp=8), lay], calibration=CAL)
-    assert [c.name for c in got] == ["dp=8"] and [n for n, _ in got.rejected] == [lay.name]
-    assert "the pipeline's stages call no attention the cp step recognizes" in got.rejected[0][1]
+    plain = Layout(pp=2, dp=4, units=("block_*",), microbatches=2)
+    got = auto_layout(model, optax.sgd(0.1), batch, 8, layouts=[plain, lay], calibration=CAL)
+    assert sorted(c.name for c in got) == sorted([plain.name, lay.name]) and not got.rejected
+    cand = next(c for c in got if c.name == lay.name)
+    laid, _ = apply_layout(model, 8, lay)
+    state = init_train_state(laid, optax.sgd(0.1), params=model.init(jax.random.key(0), batch["inputs"])["params"])
+    step = make_train_step(laid, default_loss(laid), optax.sgd(0.1))
+    assert {r["method"] for r in step.attention(state, batch)} == {"gather sequence"}
+    hlo = hlo_executed_collectives(step.compiled(state, batch).as_text(), scalars=False)
+    table = cand.communication["total"]
+    for kind in KINDS:
+        want = table.get(kind, {"count": 0, "bytes": 0})
+        assert (hlo[kind]["count" if kind == "all-to-all" else "buffers"], hlo[kind]["bytes"]) == (
+            want["count"], want["bytes"]), kind
+    dp4 = next(c for c in got if c.name == plain.name)
+    assert cand.flops > dp4.flops  # the [T, T] part whole on each cp rank, the rest on its half of the positions
 
 
 def test_a_gathered_attentions_cp_layouts_are_weighed_over_dp_only():
