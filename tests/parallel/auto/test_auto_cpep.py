@@ -16,8 +16,8 @@
   experts' all-to-alls over ep);
 - pipelines with cp or ep: ``models.Llama`` (sdpa) gets pp x cp candidates and ``models.MoE`` (experts in every
   block) pp x ep ones (the exact sets); the pick of ``pp=2,fsdp=2,cp=2`` and of ``pp=2,ep=4`` each prints a table
-  (its ``total``) equal to its compiled step's collectives; a model's own einsum attention under a pipeline is
-  refused with the reason.
+  (its ``total``) equal to its compiled step's collectives; a model's own einsum attention under a pipeline
+  (``pp=2,dp=2,cp=2``) is weighed, its table equal to the compiled step's and its attention whole on every cp rank.
 """
 
 from __future__ import annotations
