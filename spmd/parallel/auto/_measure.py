@@ -155,12 +155,15 @@ def compiled_warm(step: Any, state: Any, batch: Any, compiled: Any = None) -> tu
     ``batch`` (or ``compiled``, that compile given) and run once (the warm-up). A step that returns its state
     laid out otherwise than it took it (seen: a tensor-parallel mesh's optimizer moment of a tp-replicated
     parameter coming out cut on tp) is compiled again for the state it returns, once (``relaid``), so that
-    every timed call runs one program."""
-    before = [x.sharding for x in jax.tree.leaves(state)]
+    every timed call runs one program; one returned in equivalent shardings (the same cuts, the spec spelled
+    without its trailing Nones) runs the same program, not compiled again."""
+    before = [(x.sharding, x.ndim) for x in jax.tree.leaves(state)]
     compiled = step.lower(state, batch).compile() if compiled is None else compiled
     state, m = compiled(state, batch)
     jax.block_until_ready(m)
-    relaid = [x.sharding for x in jax.tree.leaves(state)] != before
+    # the same layout spelled otherwise (P('fsdp', None) back as P('fsdp',): every candidate's moments) is the
+    # same program: not compiled again
+    relaid = any(not s.is_equivalent_to(x.sharding, n) for (s, n), x in zip(before, jax.tree.leaves(state)))
     if relaid:
         compiled = step.lower(state, batch).compile()
         state, m = compiled(state, batch)

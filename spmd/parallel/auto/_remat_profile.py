@@ -8,7 +8,8 @@ the step ``make_train_step`` builds for ``activation_checkpointing(model, units=
 one micro-batch, and its flops, bytes accessed and operations stand in for the plain step's in the time's
 estimate under a measured calibration, recomputation included (its memory is the candidate's own compiled
 step's: ``spmd.parallel.auto._compiled``). It is the
-same compile the plain ``Profile`` does, once per micro-batch size and policy (its code unoptimized:
+same compile the plain ``Profile`` does, once per micro-batch size and policy (or derived from two at other
+sizes: ``spmd.parallel.cost._affine``) (its code unoptimized:
 ``spmd.parallel.cost._memory.READ_ONLY``; nothing read from it depends on LLVM).
 """
 
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 
 from spmd._mesh import DeviceMesh
+from spmd.parallel.cost._affine import InBatch
 from spmd.parallel.cost._calibrate import program_ops
 from spmd.parallel.cost._memory import READ_ONLY, Profile, _cost
 from spmd.parallel.styles._transforms import activation_checkpointing
@@ -36,10 +38,13 @@ class RematProfile(Profile):
     def __init__(self, base: Profile, model: Any, units: tuple[str, ...], policy: str):
         self.__dict__.update(base.__dict__)  # the residuals and the optimizer's cost cached once, on base
         self._grad, self._timed = {}, {}
+        self.in_batch = InBatch(base.loss, base.params)  # its own compiles (base's are without the policy)
         self.model, self.units, self.policy, self._base = model, units, policy, base
 
     def _step(self, batch: Any) -> tuple[float, float, int, int]:
         k = self._key(batch)
+        if k not in self._grad and (got := self.in_batch.derived(batch)) is not None:
+            self._grad[k] = got  # from two compiles at other rows (spmd.parallel.cost._affine)
         if k not in self._grad:
             model = activation_checkpointing(self.model, units=list(self.units), policy=self.policy)
             mesh = DeviceMesh.from_jax(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",)))
@@ -47,6 +52,7 @@ class RematProfile(Profile):
             comp = make_train_step(model, self.step_loss, self.optimizer, mesh=mesh).lower(state, batch).compile(READ_ONLY)
             temp = int(getattr(comp.memory_analysis(), "temp_size_in_bytes", 0) or 0)
             self._grad[k] = (*_cost(comp), temp, program_ops(comp.as_text()))
+            self.in_batch.compiled(batch, self._grad[k])
         return self._grad[k]
 
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd.parallel.cost._affine import InBatch
 from spmd.parallel.cost._calibrate import program_ops
 from spmd.parallel.cost._flops import param_matmul_flops
 from spmd.parallel.cost._loops import loop_extra
@@ -131,6 +132,7 @@ class Profile:
         self._opt: tuple | None = None
         self._timed: dict = {}
         self.param_bytes = _nbytes(self.params)
+        self.in_batch = InBatch(self.loss, self.params)  # the step's cost at new rows from two compiled
 
     @staticmethod
     def _key(batch: Any) -> tuple:
@@ -147,14 +149,18 @@ class Profile:
 
     def _step(self, batch: Any) -> tuple[float, float, int, int]:
         """(flops, bytes accessed, XLA temp bytes, operations) of the whole step (loss, gradient, optimizer
-        update) on ``batch``, one device, compiled once per batch shape."""
+        update) on ``batch``, one device, compiled once per batch shape, or derived from two compiles at other
+        rows where that is exact (``spmd.parallel.cost._affine``: no temp bytes then)."""
         k = self._key(batch)
+        if k not in self._grad and (got := self.in_batch.derived(batch)) is not None:
+            self._grad[k] = got  # from two compiles at other rows (spmd.parallel.cost._affine)
         if k not in self._grad:
             with jax.default_device(jax.devices()[0]):
                 comp = jax.jit(self._fn()).lower(self.params, jax.eval_shape(self.optimizer.init, self.params),
                                                  batch).compile(READ_ONLY)
             temp = int(getattr(comp.memory_analysis(), "temp_size_in_bytes", 0) or 0)
             self._grad[k] = (*_cost(comp), temp, program_ops(comp.as_text()))
+            self.in_batch.compiled(batch, self._grad[k])
         return self._grad[k]
 
     def param_matmul_flops(self, batch: Any) -> list[float]:

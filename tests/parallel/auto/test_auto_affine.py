@@ -1,0 +1,78 @@
+"""``auto_layout``'s one-device profile at a new micro-batch size derived from its compiles at two others
+(``spmd.parallel.cost._affine``: the step's flops, bytes accessed and operations are affine in the rows where
+its program and work are), against the step compiled at that size; refused where the work is not affine; and
+a measured candidate whose state comes back in equivalent shardings is not compiled again."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from models import Transformer
+from spmd.parallel import Layout
+from spmd.parallel.auto._auto import default_loss
+from spmd.parallel.auto._measure import _built, compiled_warm
+from spmd.parallel.cost._memory import Profile
+
+OPT = optax.adamw(1e-3)
+
+
+def _batch(rows: int, t: int = 16) -> dict:
+    return {"inputs": jax.ShapeDtypeStruct((rows, t), jnp.int32), "targets": jax.ShapeDtypeStruct((rows, t), jnp.int32)}
+
+
+@pytest.mark.slow  # five one-device compiles
+def test_the_step_at_new_rows_is_derived_from_two_compiles_as_xla_compiles_it():
+    model = Transformer(vocab_size=12, d_model=32, num_heads=2, num_layers=2, max_len=16)
+    params = jax.eval_shape(lambda x: model.init(jax.random.key(0), x)["params"], _batch(8)["inputs"])
+    prof = Profile(default_loss(model), params, OPT)
+    ref = Profile(default_loss(model), params, OPT)  # every size compiled: the reference
+    for rows in (8, 16):
+        assert prof._step(_batch(rows)) == ref._step(_batch(rows))
+    got = prof._step(_batch(48))
+    assert got[2] is None  # derived: no temp bytes
+    ref.in_batch.derived = lambda batch: None  # compiled at 48 rows
+    want = ref._step(_batch(48))
+    assert want[2] is not None
+    assert abs(got[0] - want[0]) <= 1e-5 * want[0]  # flops
+    assert abs(got[1] - want[1]) <= 1e-3 * want[1]  # bytes accessed
+    assert got[3] == want[3]  # operations
+    # another sequence length is another program: compiled, not derived from the 16-token ones
+    assert prof._step(_batch(8, 8))[2] is not None
+
+
+def test_a_step_whose_work_is_not_affine_in_the_rows_is_compiled():
+    params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+
+    def loss(p, b):  # a [rows, rows] matmul: its flops grow with the square of the rows
+        h = b["x"] @ p["w"]
+        return jnp.mean(h @ h.T)
+
+    prof = Profile(loss, params, optax.sgd(0.1))
+    for rows in (4, 8):
+        prof._step({"x": jax.ShapeDtypeStruct((rows, 4), jnp.float32)})
+    got = prof._step({"x": jax.ShapeDtypeStruct((16, 4), jnp.float32)})
+    assert got[2] is not None  # compiled
+    # the affine guess from 4 and 8 rows is 3x the 8-row step's extra flops, not the 16-row step's
+    f4, f8 = (prof._step({"x": jax.ShapeDtypeStruct((r, 4), jnp.float32)})[0] for r in (4, 8))
+    assert got[0] > f4 + (f8 - f4) * 3 * 1.2
+
+
+def test_a_state_back_in_equivalent_shardings_is_not_compiled_again():
+    model = Transformer(vocab_size=12, d_model=32, num_heads=2, num_layers=1, max_len=16)
+    batch = {"inputs": np.zeros((16, 16), np.int32), "targets": np.zeros((16, 16), np.int32)}
+    params = jax.eval_shape(lambda x: model.init(jax.random.key(0), x)["params"], batch["inputs"])
+    lay = Layout(dp=2, fsdp=4, units=("block_0",), reshard_after_forward=False)
+    step, state, b = _built(model, OPT, default_loss, params, batch, jax.devices(), lay)
+    comp = step.lower(state, b).compile()
+    outs = jax.tree.leaves(comp.output_shardings[0])
+    ins = [x.sharding for x in jax.tree.leaves(state)]
+    assert any(i != o for i, o in zip(ins, outs))  # spelled otherwise (P('fsdp', None) back as P('fsdp',))
+    assert all(i.is_equivalent_to(o, x.ndim) for i, o, x in zip(ins, outs, jax.tree.leaves(state)))
+    got, state, relaid = compiled_warm(step, state, b, comp)
+    assert not relaid and got is comp
+    state, m = got(state, b)  # the same executable takes the state it returned
+    jax.block_until_ready(m)
