@@ -70,7 +70,7 @@ def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
 
     ``loss_of(laid_model)``: the loss of a laid-out model; ``params`` and ``batch``: arrays or shape
     structs (the step runs on zeros of them); ``compiled``: the steps ``compiled_peak`` compiled, by layout
-    (not compiled again); ``progress(layout)``: called before each is built and compiled; ``spreads``: a dict
+    (not compiled again); ``progress(layout)``: called before each is built and compiled, and ``progress(None)`` before the rounds; ``spreads``: a dict
     given the uncertainty of each layout's median (``median_error`` of its rounds, seconds: ``settled``)."""
     where = "auto_layout"
     if max_rounds < rounds:
@@ -86,6 +86,8 @@ def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
         if progress is not None:
             progress(lay)
         timed.append(_Timed(model, optimizer, loss_of, params, batch, devices, lay, compiled.get(lay)))
+    if progress is not None:
+        progress(None)
     for _ in range(rounds):
         for t in timed:
             t.round(steps)

@@ -23,7 +23,7 @@ import numpy as np
 from spmd._mesh import DeviceMesh
 from spmd.parallel.cost._affine import InBatch
 from spmd.parallel.cost._calibrate import program_ops
-from spmd.parallel.cost._memory import READ_ONLY, Profile, _cost
+from spmd.parallel.cost._memory import READ_ONLY, Profile, _cost, _rows
 from spmd.parallel.styles._transforms import activation_checkpointing
 from spmd.parallel.step._state import init_train_state
 from spmd.parallel.step._step import make_train_step
@@ -46,6 +46,7 @@ class RematProfile(Profile):
         if k not in self._grad and (got := self.in_batch.derived(batch)) is not None:
             self._grad[k] = got  # from two compiles at other rows (spmd.parallel.cost._affine)
         if k not in self._grad:
+            self._base._say(f"compiling its one-device step under {self.policy!r} at {_rows(batch)}")
             model = activation_checkpointing(self.model, units=list(self.units), policy=self.policy)
             mesh = DeviceMesh.from_jax(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",)))
             state = jax.eval_shape(lambda: init_train_state(model, self.optimizer, params=self.params, mesh=mesh))

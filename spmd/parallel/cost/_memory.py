@@ -110,6 +110,11 @@ def _on_every_device(fn: Callable, devices: list, args: tuple, rounds: int, batc
     return _median_seconds(f, vals, rounds)
 
 
+def _rows(batch: Any) -> str:
+    """A batch's shape as the progress names it: ``16x8 rows`` (its first leaf's)."""
+    return "x".join(map(str, jax.tree.leaves(batch)[0].shape)) + " rows"
+
+
 def _scalar_loss(loss_fn: Callable) -> Callable:
     def f(p, b):
         out = loss_fn(p, b)
@@ -133,6 +138,11 @@ class Profile:
         self._timed: dict = {}
         self.param_bytes = _nbytes(self.params)
         self.in_batch = InBatch(self.loss, self.params)  # the step's cost at new rows from two compiled
+        self.progress: Callable[[str], None] | None = None  # told what is compiled or timed, before it starts
+
+    def _say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress(text)
 
     @staticmethod
     def _key(batch: Any) -> tuple:
@@ -155,6 +165,7 @@ class Profile:
         if k not in self._grad and (got := self.in_batch.derived(batch)) is not None:
             self._grad[k] = got  # from two compiles at other rows (spmd.parallel.cost._affine)
         if k not in self._grad:
+            self._say(f"compiling its one-device step at {_rows(batch)}")
             with jax.default_device(jax.devices()[0]):
                 comp = jax.jit(self._fn()).lower(self.params, jax.eval_shape(self.optimizer.init, self.params),
                                                  batch).compile(READ_ONLY)
@@ -183,6 +194,7 @@ class Profile:
         k = ("grad", self._key(batch), tuple(d.id for d in devices))
         if k not in self._timed:
             n = len(devices)
+            self._say(f"timing the one-device gradient at {_rows(batch)} on {n} devices at once")
             data = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n * x.shape[0], *x.shape[1:]), x.dtype), batch)
             self._timed[k] = _on_every_device(jax.grad(self.loss), devices, (self.params, data), rounds)
         return self._timed[k]

@@ -76,3 +76,40 @@ def test_a_state_back_in_equivalent_shardings_is_not_compiled_again():
     assert not relaid and got is comp
     state, m = got(state, b)  # the same executable takes the state it returned
     jax.block_until_ready(m)
+
+
+def test_the_profiles_compiles_and_timings_are_named_before_they_start():
+    params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+    prof = Profile(lambda p, b: jnp.mean(b["x"] @ p["w"]), params, optax.sgd(0.1))
+    said = []
+    prof.progress = lambda text: said.append((text, len(prof._grad), len(prof._timed)))
+    x = lambda rows: {"x": jax.ShapeDtypeStruct((rows, 4), jnp.float32)}  # noqa: E731
+    prof._step(x(4))
+    prof._step(x(8))
+    prof._step(x(4))  # cached: nothing said
+    prof._step(x(12))  # derived: nothing compiled, nothing said
+    prof.grad_seconds(x(2), jax.devices()[:2], rounds=1)
+    assert said == [("compiling its one-device step at 4x4 rows", 0, 0),  # said before its entry exists
+                    ("compiling its one-device step at 8x4 rows", 1, 0),
+                    ("timing the one-device gradient at 2x4 rows on 2 devices at once", 3, 0)]
+
+
+def test_measure_layouts_says_when_the_rounds_start(monkeypatch):
+    from spmd.parallel.auto import _measure
+
+    events = []
+
+    class Fake:
+        def __init__(self, *a, **k):
+            self.seconds, self.peak = [], 1
+            events.append("built")
+
+        def round(self, steps):
+            events.append("round")
+            self.seconds.append(1.0)
+
+    monkeypatch.setattr(_measure, "_Timed", Fake)
+    lays = [Layout(dp=8), Layout(fsdp=8, units=("u",))]
+    _measure.measure_layouts(None, None, None, None, None, [], lays, rounds=1, max_rounds=1,
+                             progress=lambda lay: events.append(lay))
+    assert events == [lays[0], "built", lays[1], "built", None, "round", "round"]
