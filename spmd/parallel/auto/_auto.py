@@ -87,7 +87,7 @@ from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s,
 from spmd.parallel.cost._memory import Profile, _nbytes, memory_floor
 from spmd.parallel.auto._fused import planned_fused
 from spmd.parallel.auto._priced import HardwareRates, _dot_work, comm_floor, dot_flops, matmul_dtype, mesh_group
-from spmd.parallel.auto._progress import _bar, now
+from spmd.parallel.auto._progress import _bar, measuring, now
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
 from spmd.parallel.plan._shard import entry_sharding
@@ -691,14 +691,11 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         if not weighed:
             weighed.append(weighed_policies(loss, params, batch, devices, rejected) if units else ())
         return weighed[0]
-    bar = _bar(len(todo), f"auto_layout on {len(devices)} devices: layouts")
+    bar = _bar(len(todo), f"auto_layout on {len(devices)} devices: layouts", under=profile)
     made: list = []  # the layouts traced so far that gave a candidate
-    doing = [""]  # what the bar names: the profile's compiles and timings named under it, before they start
-    profile.progress = lambda text: now(bar, f"{doing[0]}: {text}", 0)
 
     def traced(lay: Layout) -> list[Candidate]:  # its estimate, or its variants that fit; [] where rejected
-        doing[0] = "tracing " + lay.name
-        now(bar, doing[0])
+        now(bar, "tracing " + lay.name)
         kind = ("cp" if lay.cp > 1 else "ep" if lay.ep > 1 else None) if lay.pp == 1 else \
             ("pp x cp" if lay.cp > 1 else "pp x ep" if lay.ep > 1 else None)  # a pipeline's refusal: its own
         if kind in refused:
@@ -733,7 +730,6 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             got = _refined(got, max(measure, 1), pending, lambda c: now(
                 bar, "timing the optimizer update of " + c.name, 0))
         bar.close()
-        profile.progress = None
     else:  # best-first: traced and compiled in the order of their bounds (_budget.searched)
         work = _dot_work_at(depth, slices, loss, params, batch)
 
@@ -754,7 +750,6 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             progress=lambda c: (now(bar, "compiling " + c.name, 0), now(bar2, c.name)))
         bar.close()
         bar2.close()
-        profile.progress = None
         best = next((c for c in got if c.fits), None)
         what = ("the matmuls of its share of the batch at the peak rate, scaled as its nearest compiled kin's compute "
                 "was, and its gradients' reduction at the least bytes")
@@ -790,8 +785,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         spreads: dict = {}  # each timed layout's median's standard error (_measure.median_error)
         got = _measured(got, measure, memory_budget_bytes, lambda lays: [(*r, spreads.get(lay)) for lay, r in zip(
             lays, measure_layouts(model, optimizer, loss_of, params, batch, devices, lays, compiled=compiled,
-                                  progress=lambda lay: now(bar, "compiling " + lay.name) if lay is not None else now(
-                                      bar, f"timing the {len(lays)} side by side, in rounds", 0), spreads=spreads))])
+                                  progress=measuring(bar, len(lays)), spreads=spreads))])
         bar.close()
     compiled.clear()
     if memory_budget_bytes is not None and not got[0].fits:

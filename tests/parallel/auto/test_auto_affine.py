@@ -113,3 +113,30 @@ def test_measure_layouts_says_when_the_rounds_start(monkeypatch):
     _measure.measure_layouts(None, None, None, None, None, [], lays, rounds=1, max_rounds=1,
                              progress=lambda lay: events.append(lay))
     assert events == [lays[0], "built", lays[1], "built", None, "round", "round"]
+
+
+def test_the_bar_names_the_profiles_work_under_its_own_until_closed(capsys):
+    from spmd.parallel.auto._progress import _bar, measuring, now
+
+    class Prof:
+        progress = None
+
+    prof = Prof()
+    bar = _bar(3, "auto_layout on 8 devices: layouts", under=prof)  # stderr is not a terminal here: lines
+    now(bar, "tracing dp=4,cp=2")
+    prof.progress("compiling its one-device step at 32x8 rows")
+    now(bar, "timing the optimizer update of dp=8", 0)  # not counted: not what the profile's work is named under
+    prof.progress("compiling its one-device step at 16x16 rows")
+    bar.close()
+    prof.progress("compiling its one-device step at 64x4 rows")  # the bar is closed: nothing
+    bar = _bar(2, "auto_layout: timing the top 2 of 9")
+    show = measuring(bar, 2)
+    show(Layout(dp=8))
+    show(None)
+    assert capsys.readouterr().err.splitlines() == [
+        "auto_layout on 8 devices: layouts [1/3] tracing dp=4,cp=2",
+        "auto_layout on 8 devices: layouts [1/3] tracing dp=4,cp=2: compiling its one-device step at 32x8 rows",
+        "auto_layout on 8 devices: layouts [1/3] timing the optimizer update of dp=8",
+        "auto_layout on 8 devices: layouts [1/3] tracing dp=4,cp=2: compiling its one-device step at 16x16 rows",
+        "auto_layout: timing the top 2 of 9 [1/2] compiling dp=8",
+        "auto_layout: timing the top 2 of 9 [1/2] timing the 2 side by side, in rounds"]
