@@ -242,15 +242,17 @@ def _plot(results: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(8 * len(results), 4.5), squeeze=False)
     for ax, r in zip(axes[0], results):
         top = r["top"][:8]
         names = [t["layout"] for t in top]
         ax.barh(names[::-1], [t["tokens_per_s_per_gpu"] for t in top][::-1], color=[
-            "tab:blue" if t["peak_compiled"] else "tab:gray" for t in top][::-1])
+            ("tab:blue" if t["fits"] else "tab:orange") if t["peak_compiled"] else "tab:gray" for t in top][::-1])
         ax.axvline(r["torchtitan"]["tps_per_gpu"], color="tab:red", ls="--", label="torchtitan (published)")
+        ax.axvline(r["torchtitan_at_scale"]["tps_per_gpu"], color="tab:purple", ls=":",
+                   label=f"torchtitan at {r['torchtitan_at_scale']['gpus']} GPUs")
         ax.set_title(f"{r['model']} on {r['devices']} H100s (predicted)")
-        ax.set_xlabel("tokens / s / GPU (blue: peak compiled, gray: bound only)")
+        ax.set_xlabel("tok/s/GPU (blue: compiled, fits; orange: over 80 GB; gray: not compiled)")
         ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
