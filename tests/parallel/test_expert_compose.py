@@ -4,7 +4,8 @@ parameters and moments), gradient accumulation (accum_steps=2 under dp=2 x ep=4 
 (dp=2 x cp=2 x ep=2: the ring over cp and the experts over ep in the scan's body); each equal to one device's
 training within 1e-5 and the compiled step's collectives equal to the step's table (under cp: the ring's permutes
 and the gradients' all-reduces over cp counted once per layer of the scan, the cp=2 ring's backward hop its own in
-the backward loop; ``models.Llama``'s scanned stack under dp=4 x cp=2 too). pp x fsdp x ep x tp on 16 devices:
+the backward loop, the gradients' all-reduces over cp once per micro-batch; ``models.Llama``'s scanned stack under
+dp=4 x cp=2 too). pp x fsdp x ep x tp on 16 devices:
 ``tests/parallel/pipelining/test_pipeline_experts_16.py``.
 """
 
@@ -129,10 +130,10 @@ def test_a_batch_ep_and_accumulation_do_not_divide_is_refused_by_the_table_too()
         step(state, batch)
 
 
-def _cp_batches(n=16):
+def _cp_batches(n=16, b=8):
     rng = np.random.default_rng(0)
-    return [{"tokens": rng.integers(0, V, (8, n)).astype(np.int32),
-             "labels": rng.integers(0, V, (8, n)).astype(np.int32)} for _ in range(3)]
+    return [{"tokens": rng.integers(0, V, (b, n)).astype(np.int32),
+             "labels": rng.integers(0, V, (b, n)).astype(np.int32)} for _ in range(3)]
 
 
 def _plain_loss(model):
@@ -147,21 +148,24 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 
 
 @pytest.mark.slow
-def test_scanned_moe_under_dp2_cp2_ep2_equals_one_device():
+@pytest.mark.parametrize("scan,accum", [(True, 1), (True, 2), (False, 2)])
+def test_scanned_moe_under_dp2_cp2_ep2_equals_one_device(scan, accum):
     """The scan's body (4 layers) runs its attention as the zigzag ring over cp, its MoE block's routing on the
     sequence gathered over cp and its experts over ep; 3 SGD steps equal one device's within 1e-5, every kind of
     collective equal to the table: per layer the ring's 16 permutes (K, V forward, their backward hop: a loop of
     its own, dK, dV home, the zigzag's moves of q, k, v and the output), the stacked gradients summed over cp in
-    the backward loop, layer by layer (51 all-reduced buffers: 13 over dp, 2 + 4 x 9 over cp)."""
-    model = MoE(dataclasses.replace(SCANNED, attn_implementation="sdpa"))
-    batches = _cp_batches()
+    the backward loop, layer by layer (51 all-reduced buffers: 13 over dp, 2 + 4 x 9 over cp). With accum_steps=2
+    (scanned or not: the blocks layers_0..3, the ring's backward hop at cp=2 then the forward's) every activation's
+    collective and the gradients' sums over cp run once per micro-batch."""
+    model = MoE(dataclasses.replace(SCANNED, attn_implementation="sdpa", scan_layers=scan))
+    batches = _cp_batches(b=8 * accum)
     params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
     opt = optax.sgd(0.1)
     ref_losses, ref = train_one_device(params, batches, _loss(model), opt, has_aux=True)
     mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "ep"))
-    pm = parallelize_module(model, mesh["ep"], EP)
+    pm = parallelize_module(model, mesh["ep"], EP if scan else {"layers_*.mlp.experts": ExpertParallel()})
     state = init_train_state(pm, opt, batches[0]["tokens"], params=params)
-    step = make_train_step(pm, _loss(model), opt)
+    step = make_train_step(pm, _loss(model), opt, accum_steps=accum)
     table = step.table(state, batches[0])
     comm = step.communication(state, batches[0])
     hlo = _compiled(step, state, batches[0])
@@ -172,30 +176,34 @@ def test_scanned_moe_under_dp2_cp2_ep2_equals_one_device():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
     assert_trees_close(unshard_params(pm, state), ref.params)
     _assert_table_is_hlo(comm, hlo, KINDS)
-    assert table.count("jax.nn.dot_product_attention: ring (zigzag) over cp=2") == 1  # the body's last trace
-    # per device: 2 rows -> buffers [2, 8 experts, capacity 4, 16] float32, each device of cp sending its row
-    # (2,048 B), 4 a layer
-    assert comm["experts"]["all-to-all"] == {"count": 16, "bytes": 16 * 2048}
-    # per layer: K, V [2, 8, 2, 4] float32 (512 B) forward and backward, dK, dV twice (512 B), the zigzag's halves
-    # of q, o (512 B) and k, v (256 B) each way: 16 permutes, 7,168 B
-    assert comm["context"]["collective-permute"] == {"count": 4 * 16, "bytes": 4 * 7168}
+    # the scan's body: its last trace's call
+    assert table.count("jax.nn.dot_product_attention: ring (zigzag) over cp=2") == (1 if scan else 4)
+    # per device and micro-batch: 2 rows -> buffers [2, 8 experts, capacity 4, 16] float32, each device of cp
+    # sending its row (2,048 B), 4 a layer
+    assert comm["experts"]["all-to-all"] == {"count": 16 * accum, "bytes": 16 * 2048 * accum}
+    # per layer: K, V [2, 8, 2, 4] float32 (512 B) forward and (scanned) backward, dK, dV twice (512 B), the zigzag's
+    # halves of q, o (512 B) and k, v (256 B) each way: 16 permutes, 7,168 B (14, 6,144 B unscanned)
+    per = (16, 7168) if scan else (14, 6144)
+    assert comm["context"]["collective-permute"] == {"count": 4 * per[0] * accum, "bytes": 4 * per[1] * accum}
 
 
 @pytest.mark.slow
-def test_scanned_llama_under_dp4_cp2_table_equals_its_compiled_collectives():
+@pytest.mark.parametrize("accum", [1, 2])
+def test_scanned_llama_under_dp4_cp2_table_equals_its_compiled_collectives(accum):
     """``models.Llama``'s blocks as one nn.scan stack (sdpa) with the sequence over cp: 2 SGD steps equal one
     device's, the table's permutes (the ring's, per layer) and all-reduces (the stacked gradients over cp, per
-    layer) equal to the compiled step's."""
+    layer) equal to the compiled step's; with accum_steps=2 each micro-batch's (the gradients summed over cp in the
+    accumulation loop: the table counted them once per step)."""
     cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                       scan_layers=True, attn_implementation="sdpa")
     model = Llama(cfg)
-    batches = _cp_batches()[:2]
+    batches = _cp_batches(b=8 * accum)[:2]
     params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
     opt = optax.sgd(0.1)
     ref_losses, ref = train_one_device(params, batches, _plain_loss(model), opt)
     mesh = spmd.init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "cp"))
     state = init_train_state(model, opt, batches[0]["tokens"], params=params, mesh=mesh)
-    step = make_train_step(model, _plain_loss(model), opt, mesh=mesh)
+    step = make_train_step(model, _plain_loss(model), opt, mesh=mesh, accum_steps=accum)
     comm = step.communication(state, batches[0])
     hlo = _compiled(step, state, batches[0])
     losses = []
@@ -209,5 +217,5 @@ def test_scanned_llama_under_dp4_cp2_table_equals_its_compiled_collectives():
                                                               comm["total"][kind]["bytes"]), kind
     # 2 layers x 16 permutes, 7,168 B (as the MoE's: the same attention); 9 stacked gradients x 2 layers + the
     # final norm's and the head's over cp
-    assert comm["context"]["collective-permute"] == {"count": 32, "bytes": 2 * 7168}
-    assert comm["context"]["all-reduce"]["count"] == 20
+    assert comm["context"]["collective-permute"] == {"count": 32 * accum, "bytes": 2 * 7168 * accum}
+    assert comm["context"]["all-reduce"]["count"] == 20 * accum

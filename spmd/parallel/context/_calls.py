@@ -726,10 +726,11 @@ def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, regi
         b = e.nbytes // tp[1] if ti is not None and e.shard_dim(ti) is not None else e.nbytes
         return b // plan.mesh_shape[ei] if ei is not None and e.shard_dim(ei) is not None else b
 
-    # a stacked (nn.scan) parameter's gradient: summed over cp in the backward loop, layer by layer
-    ctx["all-reduce"] = {"count": sum(scan_of(e.path, scans) if e.stacked else 1 for e in summed)
-                         + len(joins) * accum_steps,
-                         "bytes": sum(local(e) for e in summed) + sum(joins) * accum_steps}
+    # each micro-batch's gradients summed over cp (in the accumulation loop), a stacked (nn.scan) parameter's in
+    # the backward loop, layer by layer
+    ctx["all-reduce"] = {"count": (sum(scan_of(e.path, scans) if e.stacked else 1 for e in summed)
+                                   + len(joins)) * accum_steps,
+                         "bytes": (sum(local(e) for e in summed) + sum(joins)) * accum_steps}
     looked = lookup_terms(lookups, cotangents)
     ctx["all-gather"] = {f: ctx["all-gather"][f] + looked[f] for f in ("count", "bytes")}
     for kind in ctx:
