@@ -245,3 +245,41 @@ def test_a_step_is_traced_once_where_prepare_changes_nothing():
     step.lower(state, batch)
     step.communication(state, batch)
     assert len(calls) == 1
+
+
+def _per_device_bytes(tree) -> int:
+    """Bytes of ``tree``'s arrays on device 0 (its own shard of each), counted from the arrays."""
+    return sum(next(s.data.nbytes for s in x.addressable_shards if s.device == jax.devices()[0])
+               for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("layout", ["plain", "fsdp", "pipeline"])
+def test_a_donating_step_holds_its_state_once_and_trains_as_the_other(layout):
+    """``donate=True``: the step writes its new state into the old one's buffers: ``memory_analysis()``'s alias
+    is the state's bytes on a device (parameters, optimizer state, step counter: counted from the arrays), which
+    the step that does not donate holds twice (alias 0), and the state passed in is deleted; the training is the
+    same, step for step."""
+    laid, mesh = _laid(layout)
+    kept, donated = (make_train_step(laid, _loss(Tiny()), OPT, mesh=mesh, donate=d) for d in (False, True))
+    new = lambda: init_train_state(laid, OPT, params=_params(), mesh=mesh)  # noqa: E731
+    s_kept, s_don, batch = new(), new(), _batch()
+    state_bytes = _per_device_bytes((s_don.step, s_don.params, s_don.opt_state))
+    m_kept, m_don = kept.memory(s_kept, batch), donated.memory(s_don, batch)
+    assert m_kept.alias == 0 and m_don.alias == state_bytes > 0, (m_kept, m_don, state_bytes)
+    assert m_don.argument == m_kept.argument and m_don.peak == m_don.argument + m_don.output + m_don.temp - m_don.alias
+    for _ in range(2):
+        before = jax.tree.leaves(s_don.params)
+        (s_kept, mk), (s_don, md) = kept(s_kept, batch), donated(s_don, batch)
+        assert all(x.is_deleted() for x in before)
+        assert float(md["loss"]) == float(mk["loss"])
+    for a, b in zip(jax.tree.leaves(s_kept.params), jax.tree.leaves(s_don.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_donate_is_refused_with_check_finite_true_and_off_a_bool():
+    laid, mesh = _laid("plain")
+    with pytest.raises(ValueError, match=re.escape("make_train_step: donate=True with check_finite=True")):
+        make_train_step(laid, _loss(Tiny()), OPT, mesh=mesh, donate=True, check_finite=True)
+    with pytest.raises(TypeError, match=re.escape("make_train_step: donate='yes' must be a bool")):
+        make_train_step(laid, _loss(Tiny()), OPT, mesh=mesh, donate="yes")
+    make_train_step(laid, _loss(Tiny()), OPT, mesh=mesh, donate=True, check_finite="skip")  # the skip is in the step

@@ -272,7 +272,8 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
         compute_dtype=layout.mixed_precision)
     if floor_only:
         return untraced(layout, mem, budget)
-    step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, mesh=mesh)
+    # donating its state, as the compiled figures' step (``_measure._built``): ``built`` hands it to them
+    step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, mesh=mesh, donate=True)
     traced_batch = batch if built is None else laid_batch
     traced = jax.make_jaxpr(step)(state, traced_batch)  # validates (batch split, head cuts), traces the styled calls
     comm = step.communication(state, traced_batch)
@@ -333,7 +334,7 @@ def _pipelined(laid, loss, optimizer, batch, params, layout, profile, cal, devic
     ``inputs``: the model's example inputs (a scanned stack's layers are found from them); ``pending``: as
     ``evaluate_layout``'s."""
     state = jax.eval_shape(lambda: init_train_state(laid, optimizer, *inputs, params=params))
-    step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps)
+    step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, donate=True)
     n_data = layout.n_data
     b = jax.tree.leaves(batch)[0].shape[0]
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // (n_data * layout.accum_steps), *x.shape[1:]), x.dtype),
@@ -663,14 +664,16 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
 
     compiled: dict = {}
     keep = compiled if measure else None
+    # hardware running bfloat16 as it is: the memory of the program as it holds it, not XLA:CPU's float32 copies
+    bf16 = hw is not None and "bfloat16" in hw.matmul_flops
 
     def compile_one(c: Candidate) -> Candidate:
         if slices is None:
             return _with_compiled(c, compile_figures(model, optimizer, loss_of, params, batch, devices,
-                                                     c.layout, keep=keep), cal, memory_budget_bytes)
+                                                     c.layout, keep=keep, bf16=bf16), cal, memory_budget_bytes)
         steps = traced_steps.pop(c.layout, [None, None])
         jobs = [(copy_context(), lambda m=m, p=p, st=st: compile_figures(
-            m, optimizer, default_loss, p, batch, devices, c.layout, built=st))
+            m, optimizer, default_loss, p, batch, devices, c.layout, built=st, bf16=bf16))
             for (m, p, _), st in zip(slices["at"], steps)]
         with ThreadPoolExecutor(2) as pool:  # the slices compiled side by side: XLA's compile releases the GIL
             figs = list(pool.map(lambda job: job[0].run(job[1]), jobs))  # (each in a copy of this context)

@@ -5,7 +5,9 @@
 shape structs: nothing is allocated, so a plan for 64 or 256 devices is compiled on CPU fake devices. Read from
 the compiled step:
 
-- **memory**: ``argument + output + temp - alias`` (``StepMemory``), XLA's own peak per device;
+- **memory**: ``argument + output + temp - alias`` (``StepMemory``), XLA's own peak per device, of the step
+  donating its state (``make_train_step(donate=True)``, as a training loop runs it and as torch updates in
+  place): the new state written into the old one's buffers (``alias``), held once;
 - **compute**: ``flops`` and ``bytes accessed`` of XLA's cost analysis of the partitioned (per-device)
   program. XLA counts a loop's body once, whatever its trip count: a loop of known trip count (an ``nn.scan``
   stack of blocks, and a step's gradient-accumulation loop) has its other trips added from the HLO
@@ -14,6 +16,12 @@ the compiled step:
 
 The program is compiled with LLVM's code generation unoptimized (``READ_ONLY``: XLA's HLO passes, buffer
 assignment and cost analysis run before it, so the numbers are those of the optimized compile).
+
+``bf16=True`` (``auto_layout(hardware=)`` on hardware with a bfloat16 matmul rate: a GPU, a TPU): the memory is
+that of the program compiled once more without XLA:CPU's bfloat16 normalization (``BF16_READ_ONLY``: XLA:CPU
+otherwise computes every bfloat16 dot, and what surrounds it, in float32, holding buffers twice an
+accelerator's; Llama 3 8B dp=8,fsdp=8 bf16 at 1 layer: 18.97 GiB so, 11.16 without), read off its buffer
+assignment (``bf16_memory``); the flops and bytes stay the first compile's.
 
 ``extrapolated``: with ``auto_layout(depth=)`` every figure of a candidate (its table, bounds, compiled peak and
 cost) is read on the model at 1 and 2 repeated blocks and carried to the model's own count affinely,
@@ -24,33 +32,81 @@ block's backward pass) constant.
 
 from __future__ import annotations
 
+import glob
 import math
+import os
+import re
+import shutil
+import tempfile
 from dataclasses import replace
 from typing import Any, Callable
 
 from spmd.parallel.auto._layout import Layout
 from spmd.parallel.auto._measure import _built
-from spmd.parallel.cost._memory import READ_ONLY, _cost
+from spmd.parallel.cost._memory import BF16_READ_ONLY, READ_ONLY, _cost
 from spmd.parallel.step._protocol import StepMemory
 
-__all__ = ["compile_figures", "extrapolated"]
+__all__ = ["compile_figures", "extrapolated", "bf16_memory", "buffer_assignment_memory"]
 
 
 def compile_figures(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
-                    layout: Layout, *, keep: dict | None = None, built: tuple | None = None) -> dict:
+                    layout: Layout, *, keep: dict | None = None, built: tuple | None = None,
+                    bf16: bool = False) -> dict:
     """``{"memory": StepMemory, "flops", "bytes"}`` of ``layout``'s step compiled on shape structs (see the
     module doc). ``keep``: a dict the fully optimized executable is kept in, by layout (to be timed after:
     ``auto_layout(measure=)``); otherwise compiled to be read only. ``built``: the ``(step, state, batch)``
-    of this layout already traced (``evaluate_layout(built=)``), lowered from its trace."""
+    of this layout already traced (``evaluate_layout(built=)``), lowered from its trace. ``bf16``: the target
+    runs bfloat16 as it is (the memory ``bf16_memory``'s, where the program has bfloat16)."""
     step, state, b = built or _built(model, optimizer, loss_of, params, batch, devices, layout, abstract=True)
     lowered = step.lower(state, b)
     exe = lowered.compile() if keep is not None else lowered.compile(READ_ONLY)
     if keep is not None:
         keep[layout] = exe
     mem = StepMemory.from_compiled(exe)
+    if bf16 and "bf16" in lowered.as_text():
+        mem = bf16_memory(lowered)
     flops, nbytes = _cost(exe)  # an accumulation loop's other trips added (cost._loops)
     return {"memory": mem, "flops": flops, "bytes": nbytes}
 
+
+
+def buffer_assignment_memory(text: str) -> StepMemory:
+    """The ``StepMemory`` of XLA's buffer assignment as its dump prints it (``*-buffer-assignment.txt``): each
+    ``allocation N: size S, ...`` line an entry parameter's (argument), a maybe-live-out one's (output; both:
+    alias) or another (temp; constants and thread-local ones aside), as ``memory_analysis()`` sums them."""
+    arg = out = alias = temp = 0
+    for line in text.splitlines():
+        m = re.match(r"allocation \d+: size (\d+), (.*)", line)
+        if not m:
+            continue
+        size, kind = int(m.group(1)), m.group(2)
+        param, live = "parameter " in kind, "maybe-live-out" in kind or "output shape" in kind
+        arg += size if param else 0
+        out += size if live else 0
+        alias += size if param and live else 0
+        temp += size if not (param or live or "constant" in kind or "thread-local" in kind) else 0
+    return StepMemory(arg, out, temp, alias)
+
+
+def bf16_memory(lowered: Any) -> StepMemory:
+    """The memory of ``lowered`` compiled as hardware running bfloat16 would hold it (``BF16_READ_ONLY``: see
+    the module doc). XLA:CPU then has no code for some bfloat16 ops (a bfloat16 all-reduce: the loss's psum,
+    tensor parallelism's activations) and refuses the program after its buffers are assigned: the figures are
+    read off that buffer assignment, dumped (``xla_dump_to``), as ``memory_analysis()`` would sum them."""
+    where = tempfile.mkdtemp(prefix="spmd_bf16_")
+    try:
+        try:
+            return StepMemory.from_compiled(lowered.compile({**BF16_READ_ONLY, "xla_dump_to": where}))
+        except Exception as e:  # noqa: BLE001 (XLA's runtime error: no code for a bfloat16 op)
+            found = sorted(glob.glob(os.path.join(where, "*buffer-assignment.txt")))
+            if not found:
+                raise RuntimeError("auto_layout: the step compiled without XLA:CPU's bfloat16 normalization (to "
+                                   "read the memory of hardware running bfloat16) failed before its buffers "
+                                   f"were assigned: {e}") from e
+            with open(found[-1]) as f:
+                return buffer_assignment_memory(f.read())
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 def _affine(a: Any, b: Any, blocks: int) -> Any:
     if isinstance(a, dict):

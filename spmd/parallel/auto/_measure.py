@@ -190,9 +190,12 @@ def example_inputs(model: Any, batch: Any, pp: int = 1) -> tuple:
 def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list, layout: Layout,
            *, abstract: bool = False) -> tuple:
     """``(step, state, batch)`` of ``layout`` through the contract: its state and batch zeros laid out as the step
-    takes them, or (``abstract``) their shape structs so laid out, nothing allocated."""
+    takes them, or (``abstract``) their shape structs so laid out, nothing allocated. The step donates its state
+    (``make_train_step(donate=True)``): calling it deletes the state passed in."""
     laid, mesh = apply_layout(model, devices, layout)
-    step = make_train_step(laid, loss_of(laid), optimizer, accum_steps=layout.accum_steps, mesh=mesh)
+    # donated, as a training loop runs it (``state = step(state, batch)[0]``): the state held once, not in the
+    # arguments and again in the outputs (torch's optimizer updates the parameters in place)
+    step = make_train_step(laid, loss_of(laid), optimizer, accum_steps=layout.accum_steps, mesh=mesh, donate=True)
     rows = tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp", "cp"))
     cp = "cp" in mesh.mesh_dim_names  # the sequence (dim 1 of a leaf of rank 2 or more) cut over cp
 

@@ -234,11 +234,11 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     p_bytes = state.plan.bytes_per_device
     opt = _nbytes(jax.eval_shape(profile.optimizer.init, local))
     act_cut = tp["activation_cut"] if tp else 1
-    # the lower bound (spmd.parallel.cost._memory's): the state in the arguments and the outputs, the batch,
+    # the lower bound (spmd.parallel.cost._memory's): the state (donated: held once), the batch,
     # and the stash the schedule holds at once (its activation and gradient slots and two scratch slots); the
     # compiled step's memory_analysis() is the peak (spmd.parallel.auto._compiled)
     stash = (c["activation_slots"] + c["gradient_slots"] + 2) * c["activation_bytes"] // act_cut // layout.cp
-    mem = {"state": 2 * (p_bytes + opt), "batch": _nbytes(batch) // (n_data * layout.cp), "stash": stash}
+    mem = {"state": p_bytes + opt, "batch": _nbytes(batch) // (n_data * layout.cp), "stash": stash}
     mem["peak"] = sum(mem.values())
     mem["params"], mem["optimizer"], mem["activations"], mem["compiled"] = p_bytes, opt, stash, False
     return {"compute_s": compute, "stage_coef": stage_coef, "comm_s": comm_s,

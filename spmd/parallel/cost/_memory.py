@@ -7,8 +7,9 @@ The peak of a step is XLA's: ``argument + output + temp - alias`` of the compile
 (``spmd.parallel.auto._compiled``). Nothing here is fitted: the bound, ``memory_floor``, is what any
 program of the layout must hold, from shapes alone:
 
-- ``state``: the stored parameter shards plus the optimizer state (``ParamPlan`` local shapes), in the
-  arguments and again in the outputs (the step does not donate its state: two buffers each);
+- ``state``: the stored parameter shards plus the optimizer state (``ParamPlan`` local shapes), held once: the
+  step the planner compiles donates its state (``make_train_step(donate=True)``, as a training loop runs it),
+  so the new state is written into the old one's buffers (``alias`` of ``memory_analysis()``);
 - ``batch``: the device's slice of the batch (an argument);
 - ``activations``: the matmul outputs the backward pass reads (the ``jax.vjp`` closure of the user's loss on one
   micro-batch, one device, under ``jax.checkpoint`` saving the matmul outputs, parameters taken out): without
@@ -16,9 +17,10 @@ program of the layout must hold, from shapes alone:
   save them) every one is kept until its backward pass (XLA may fuse an elementwise residual into the
   backward pass that reads it, recomputing it there, so the others are no bound; a matmul it does not
   recompute); under ``"full"`` (and ``"offload"``, whose residuals leave the device) none counted (a unit's
-  inputs only); under another policy what it saves applied to the whole loss. In the compute dtype (2 bytes a float under a bfloat16 mixed
-  precision), divided by ``tp`` (a residual is cut at most ``tp`` ways); XLA may place residuals in the
-  step's output buffers before their final values are written, so only what exceeds the outputs is added.
+  inputs only); under another policy what it saves applied to the whole loss. In the compute dtype (2 bytes a
+  float under a bfloat16 mixed precision), divided by ``tp`` (a residual is cut at most ``tp`` ways). They
+  are temporaries: the step's outputs are the donated state's own buffers, live from the start (the forward
+  pass reads the parameters), so no residual can be placed in them.
 
 ``peak`` is that sum; it never exceeds the compiled peak (``tests/parallel/auto/test_auto_compiled.py``).
 """
@@ -39,7 +41,7 @@ from spmd.parallel.cost._flops import param_matmul_flops
 from spmd.parallel.cost._loops import loop_extra
 from spmd.parallel.styles._remat import checkpoint_policy
 
-__all__ = ["Profile", "memory_floor", "READ_ONLY"]
+__all__ = ["Profile", "memory_floor", "READ_ONLY", "BF16_READ_ONLY"]
 
 # the compiler options of a program compiled only to read its memory_analysis, cost analysis or optimized HLO:
 # XLA's HLO passes and buffer assignment run before LLVM generates the code, which such a program never runs
@@ -49,6 +51,17 @@ READ_ONLY = {"xla_backend_optimization_level": 0,
              # on one whose reduction is a copy (jax 0.10); a program only read is never run here, and a GPU's
              # collectives reduce bfloat16 as it is: the pass is left out
              "xla_disable_hlo_passes": "all-reduce-promotion"}
+
+# READ_ONLY for hardware that runs bfloat16 as it is (a GPU, a TPU: ``auto_layout(hardware=)`` whose matmul rates
+# include bfloat16; ``spmd.parallel.auto._compiled.bf16_memory``). XLA:CPU's FloatNormalization pass
+# ("float-normalization-bf16", CpuFloatSupport) rewrites each bfloat16 op it cannot lower (every dot, and the
+# elementwise ops and reductions around them) to float32 between converts, so a bfloat16 program compiled here
+# holds float32 buffers twice the size of an accelerator's: its matmul outputs, the logits and the loss's
+# [tokens, vocab] buffers. Left out here, the dots go to oneDNN one by one ("INDIVIDUAL_DOT": as a GPU's cuBLAS
+# calls, nothing fused into them), which takes bfloat16; the program's buffers are then those of its own dtypes.
+BF16_READ_ONLY = {**READ_ONLY, "xla_disable_hlo_passes": "all-reduce-promotion,float-normalization-bf16",
+                  "xla_cpu_use_onednn": True,
+                  "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 def _nbytes(tree: Any) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
@@ -283,8 +296,7 @@ def memory_floor(profile: Profile, plan, micro_batch: Any, local_batch_bytes: in
     res = [] if policy in ("full", "offload") else profile.residuals(
         micro_batch, policy="dots" if policy is None else policy)
     acts = _floats_at(res, size) // max(tp, 1)
-    out = {"state": 2 * (params + opt), "batch": local_batch_bytes,
-           "activations": max(acts - (params + opt), 0)}  # those beyond what the output buffers can hold
+    out = {"state": params + opt, "batch": local_batch_bytes, "activations": acts}  # the state donated: held once
     out["peak"] = sum(out.values())
     out["params"], out["optimizer"], out["compiled"] = params, opt, False
     return out

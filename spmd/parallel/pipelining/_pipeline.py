@@ -142,10 +142,10 @@ class PipelineModule(Wrapped, OwnsTrainStep):
         """Step 0: the units' parameters stacked per stage and cut over pp (``spmd.parallel.init_train_state``)."""
         return init_pipeline_state(self, optimizer, *init_args, params=params, mesh=mesh)
 
-    def make_train_step(self, loss_fn, optimizer, *, accum_steps=1, mesh=None, check_finite=False):
+    def make_train_step(self, loss_fn, optimizer, *, accum_steps=1, mesh=None, check_finite=False, donate=False):
         """The pipeline's ``TrainStep`` (``spmd.parallel.make_train_step``)."""
         return make_pipeline_step(self, loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh,
-                                  check_finite=check_finite)
+                                  check_finite=check_finite, donate=donate)
 
     def unshard_params(self, params):
         """The model's own parameter tree from a pipeline state's (``spmd.parallel.unshard_params``)."""

@@ -173,9 +173,10 @@ def _check_leading_dims(batch) -> None:
 
 
 def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1, mesh=None,
-                       check_finite: bool | str = False) -> "PipelineStep":
-    """``(state, batch) -> (state, metrics)`` of a pipelined model (see the module doc); ``check_finite`` as
-    ``spmd.parallel.make_train_step`` documents it, the update kept or dropped inside the one jitted step."""
+                       check_finite: bool | str = False, donate: bool = False) -> "PipelineStep":
+    """``(state, batch) -> (state, metrics)`` of a pipelined model (see the module doc); ``check_finite`` and
+    ``donate`` as ``spmd.parallel.make_train_step`` documents them, the update kept or dropped inside the one
+    jitted step."""
     where = "make_train_step"
     if mesh is not None and mesh.root_mesh != pm.mesh:
         raise ValueError(f"{where}: mesh={mesh!r} is not the mesh the model was pipelined on; leave mesh= out.")
@@ -185,16 +186,17 @@ def make_pipeline_step(pm, loss_fn: Callable, optimizer, *, accum_steps: int = 1
         raise (ValueError if isinstance(check_finite, str) else TypeError)(
             f"{where}: check_finite={check_finite!r} must be False (no check), 'skip' (a non-finite step keeps the "
             "previous params and opt_state) or True (the same, and the call raises FloatingPointError).")
-    return PipelineStep(pm, loss_fn, optimizer, accum_steps, check_finite)
+    return PipelineStep(pm, loss_fn, optimizer, accum_steps, check_finite, donate)
 
 
 class PipelineStep(TrainStep):
     """A ``PipelineModule``'s ``TrainStep``: one compiled program per (plan, batch shape), built on first use;
     ``schedule``: the pipeline's tick table."""
 
-    def __init__(self, pm, loss_fn: Callable, optimizer, accum_steps: int, check_finite: bool | str = False):
+    def __init__(self, pm, loss_fn: Callable, optimizer, accum_steps: int, check_finite: bool | str = False,
+                 donate: bool = False):
         self._pm, self._loss_fn, self._optimizer, self._accum_steps = pm, loss_fn, optimizer, accum_steps
-        self._check_finite = check_finite
+        self._check_finite, self._donate = check_finite, donate
         self.schedule = pm.schedule
         sizes = dict(zip(pm.mesh.mesh_dim_names, pm.mesh.shape))
         self._sizes = sizes
@@ -219,7 +221,8 @@ class PipelineStep(TrainStep):
             stages: list = []
             self._builds[key] = _PipelineBuild(
                 build_pipeline_step(pm, lay, self._loss_fn, self._optimizer, k, state.plan,
-                                    keep_finite=bool(self._check_finite), stages_out=stages, seq=seq), lay, mb)
+                                    keep_finite=bool(self._check_finite), stages_out=stages, seq=seq,
+                                    donate=self._donate), lay, mb)
             self._builds[key].stages = stages[0]
             self._builds[key].seq = seq
         return self._builds[key]
@@ -341,7 +344,8 @@ def seq_batch_leaves(pm, lay, loss_fn, mb) -> tuple[int, tuple[bool, ...]] | Non
 
 
 def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, keep_finite: bool = False,
-                        stages_out: list | None = None, seq: tuple[int, tuple[bool, ...]] | None = None) -> Callable:
+                        stages_out: list | None = None, seq: tuple[int, tuple[bool, ...]] | None = None,
+                        donate: bool = False) -> Callable:
     """The jitted ``(state, batch) -> (state, metrics)`` of ``pm`` on layout ``lay`` (its unit calls recorded
     at the micro-batch's shapes), unchecked: what ``make_train_step`` compiles once per layout and batch shape,
     and what ``spmd.parallel.pipelining._memory`` compiles at other micro-batch counts.
@@ -353,7 +357,8 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, kee
     ``keep_finite``: the update applied only where the loss and gradient norm are finite (else the state's
     params and opt_state kept; ``metrics["nonfinite"]``), in this same program. ``seq``: under cp, the sequence
     length and which batch leaves (``jax.tree.leaves`` order) hold it, cut over cp (``seq_batch_leaves``; None:
-    every leaf of rank 2 or more, of the one dim-1 length)."""
+    every leaf of rank 2 or more, of the one dim-1 length). ``donate``: the state's buffers reused for the state
+    returned (``donate_argnums=0``)."""
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     st = _Stages(pm, lay, loss_fn, accum_steps, plan)
     st.seq_len = seq[0] if seq is not None else None
@@ -389,7 +394,7 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, kee
         metrics["grad_norm"] = optax.tree.norm(grads)
         return _keep_finite(state, new, metrics) if keep_finite else (new, metrics)
 
-    return jax.jit(step)
+    return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
 class _Stages:

@@ -74,8 +74,9 @@ def _placed(base: list, idx: list[int], values) -> list:
 
 
 def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, plan: ParamPlan,
-           keep_finite: bool = False, batch_norm: str = "broadcast") -> "_Built":
+           keep_finite: bool = False, batch_norm: str = "broadcast", donate: bool = False) -> "_Built":
     mesh = pm.mesh
+    jit = functools.partial(jax.jit, donate_argnums=(0,) if donate else ())  # donate: the state's buffers reused
     names = mesh.mesh_dim_names
     sizes = dict(zip(names, mesh.shape))
     tp = pm.tp.mesh_dim if pm.tp else None
@@ -326,7 +327,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         metrics["grad_norm"] = optax.tree.norm(grads)
         return _keep_finite(state, new, metrics) if keep_finite else (new, metrics)
 
-    jitted = [jax.jit(step)]  # the step's jit; prepare's probe where its trace is the step's (read by _Built)
+    jitted = [jit(step)]  # the step's jit; prepare's probe where its trace is the step's (read by _Built)
     checked = []
 
     def prepare(state: TrainState, batch: Any) -> None:
@@ -340,7 +341,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             flips = fsdp is not None and accum_steps == 1 and plan.out_cut is None  # which gathers to transpose
             if flips or tp is not None:
                 # a function of its own: jax caches a trace by function, and a changed step must be traced again
-                probe = jax.jit(lambda s, b: step(s, b))
+                probe = jit(lambda s, b: step(s, b))
                 jaxpr = probe.trace(state, batch).jaxpr.jaxpr
                 if tp is not None:  # the loss's reductions over a column-parallel output's cut (``_vocab``)
                     vocab[:] = vocab_reductions(jaxpr, tp)
@@ -356,7 +357,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                     jitted[0] = probe
             if cp is not None and n_cp > 1:
                 _find_gathered(state, batch)
-                jitted[0] = jax.jit(step)  # the step with what it found, traced afresh
+                jitted[0] = jit(step)  # the step with what it found, traced afresh
             checked.append(True)
 
     def _find_gathered(state: TrainState, batch: Any) -> None:

@@ -51,7 +51,7 @@ __all__ = ["make_train_step"]
 
 def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, *, accum_steps: int = 1,
                     mesh: DeviceMesh | None = None, check_finite: bool | str = False,
-                    batch_norm: str = "broadcast") -> TrainStep:
+                    batch_norm: str = "broadcast", donate: bool = False) -> TrainStep:
     """The train step ``(state, batch) -> (state, metrics)`` of any layout (see the module doc): a ``TrainStep``,
     whose ``lower``, ``compiled``, ``memory``, ``communication`` and ``table`` read the step before it runs.
     A model that is an ``OwnsTrainStep`` (a pipeline) makes its own.
@@ -87,6 +87,12 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
     ``axis_name`` keeps it.
     """
     where = "make_train_step"
+    if not isinstance(donate, bool):
+        raise TypeError(f"{where}: donate={donate!r} must be a bool (True: the step reuses the state's buffers).")
+    if donate and check_finite is True:
+        raise ValueError(f"{where}: donate=True with check_finite=True: a non-finite step raises and hands the "
+                         "state passed in back intact, which donation deletes; use check_finite='skip' (the "
+                         "update dropped inside the step) or donate=False.")
     if not callable(loss_fn):
         raise TypeError(f"{where}: loss_fn={loss_fn!r} must be callable as loss_fn(params, batch) -> loss or "
                         "(loss, aux).")
@@ -103,15 +109,22 @@ def make_train_step(model: Any, loss_fn: Callable, optimizer: optax.GradientTran
             "keeps data rank 0's: DDP's broadcast_buffers) or 'sync' (statistics over the global batch: "
             "SyncBatchNorm).")
     if isinstance(model, OwnsTrainStep):  # a layout with a step of its own (a pipeline)
-        inside = check_finite and "check_finite" in inspect.signature(model.make_train_step).parameters
+        takes = inspect.signature(model.make_train_step).parameters
+        inside = check_finite and "check_finite" in takes
         extra = {"check_finite": check_finite} if inside else {}  # its step keeps or drops the update itself
+        if donate:
+            if "donate" not in takes:
+                raise ValueError(f"{where}: donate=True, but {type(model).__name__}.make_train_step takes no donate; "
+                                 "leave donate out for this layout.")
+            extra["donate"] = True
         own = model.make_train_step(loss_fn, optimizer, accum_steps=accum_steps, mesh=mesh, **extra)
         if not isinstance(own, TrainStep):
             raise TypeError(f"{where}: {type(model).__name__}.make_train_step returned {type(own).__name__}; an "
                             "OwnsTrainStep layout's make_train_step must return a spmd.parallel.TrainStep (subclass "
                             "it: __call__, lower, communication, table).")
         return _FiniteChecked(own, check_finite) if check_finite and not inside else own
-    return _LayoutStep(as_parallel(model, mesh, where), loss_fn, optimizer, accum_steps, check_finite, batch_norm)
+    return _LayoutStep(as_parallel(model, mesh, where), loss_fn, optimizer, accum_steps, check_finite, batch_norm,
+                       donate)
 
 
 class _LayoutStep(TrainStep):
@@ -119,11 +132,11 @@ class _LayoutStep(TrainStep):
     program per plan (``_build``), each plan's state checked against the model once, before it compiles."""
 
     def __init__(self, pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int,
-                 check_finite: bool | str, batch_norm: str = "broadcast"):
+                 check_finite: bool | str, batch_norm: str = "broadcast", donate: bool = False):
         self._pm, self._loss_fn, self._optimizer = pm, loss_fn, optimizer
         self._accum_steps, self._check_finite = accum_steps, check_finite
         self._build = functools.lru_cache(maxsize=4)(lambda plan: _build(pm, loss_fn, optimizer, accum_steps, plan,
-                                                                         bool(check_finite), batch_norm))
+                                                                         bool(check_finite), batch_norm, donate))
         self._verified: set = set()  # the plans checked against this step's model (once each)
 
     def __repr__(self) -> str:

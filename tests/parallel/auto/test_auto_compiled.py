@@ -36,14 +36,15 @@ def _batch(rows: int = B) -> dict:
 
 
 def _by_hand(model, lay: Layout, batch: dict):
-    """The step of ``lay`` built through the contract on real zeros of the parameters, compiled; given the
+    """The step of ``lay`` built through the contract on real zeros of the parameters, donating its state (as
+    the planner compiles it), compiled; given the
     example inputs as ``auto_layout`` gives them (``_measure.example_inputs``: the plan then cuts a kernel whose
     gradient is its dot's output transposed on its output dim, another program than the dim-0 cut's)."""
     params = model.init(jax.random.key(0), batch["inputs"])["params"]
     laid, mesh = apply_layout(model, 8, lay)
     state = init_train_state(laid, OPT, batch["inputs"], params=params, mesh=mesh)
-    return make_train_step(laid, default_loss(laid), OPT, accum_steps=lay.accum_steps,
-                           mesh=mesh).lower(state, batch).compile()
+    return make_train_step(laid, default_loss(laid), OPT, accum_steps=lay.accum_steps, mesh=mesh,
+                           donate=True).lower(state, batch).compile()
 
 
 def _flops(exe) -> float:
@@ -128,3 +129,67 @@ def test_mixed_precision_is_a_candidate_that_gathers_and_computes_in_bfloat16():
         Layout(dp=8, mixed_precision="bfloat16")
     with pytest.raises(ValueError, match=re.escape("auto_layout: mixed_precision='int8' must be a floating dtype")):
         auto_layout(model, OPT, batch, 8, hardware="h100", mixed_precision="int8", params=params, profile=prof)
+
+
+def test_the_planners_step_donates_its_state():
+    """The step ``compile_figures`` compiles donates its state, as a training loop runs it: XLA aliases the new
+    state to the old one's buffers, the state's bytes on a device (parameter shards and adamw's moments and count
+    cut as the state is, and the step counter: counted from the state's own shapes), held once; its peak is
+    ``argument + output + temp - alias``."""
+    model, batch = _model(1), _batch()
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"])["params"])
+    lay = Layout(fsdp=8, units=U)
+    laid, mesh = apply_layout(model, 8, lay)
+    state = init_train_state(laid, OPT, batch["inputs"], params=model.init(jax.random.key(0), batch["inputs"])["params"],
+                             mesh=mesh)
+    held = sum(next(s.data.nbytes for s in x.addressable_shards if s.device == jax.devices()[0])
+               for x in jax.tree.leaves((state.step, state.params, state.opt_state)))
+    got = compile_figures(model, OPT, default_loss, params, batch, jax.devices()[:8], lay)["memory"]
+    assert got.alias == held > 0 and got.argument == held + B // 8 * T * 4 * 2  # and the batch's two int32 leaves
+    assert got.peak == got.argument + got.output + got.temp - got.alias
+
+
+def test_buffer_assignment_dump_sums_as_memory_analysis():
+    """``buffer_assignment_memory`` of a compiled step's dumped buffer assignment is its ``memory_analysis()``."""
+    import glob
+    import tempfile
+
+    from spmd.parallel.auto._compiled import buffer_assignment_memory
+    from spmd.parallel.auto._measure import _built
+    from spmd.parallel.cost._memory import READ_ONLY
+
+    model, batch = _model(1), _batch()
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"])["params"])
+    for lay in (Layout(dp=8), Layout(fsdp=8, units=U, mixed_precision="bfloat16")):
+        step, state, b = _built(model, OPT, default_loss, params, batch, jax.devices()[:8], lay, abstract=True)
+        where = tempfile.mkdtemp()
+        exe = step.lower(state, b).compile({**READ_ONLY, "xla_dump_to": where})
+        [dump] = glob.glob(where + "/*buffer-assignment.txt")
+        with open(dump) as f:
+            assert buffer_assignment_memory(f.read()) == StepMemory.from_compiled(exe), lay.name
+
+
+def test_a_bfloat16_program_is_held_as_hardware_running_bfloat16_holds_it():
+    """``bf16_memory``: XLA:CPU computes a bfloat16 dot in float32 (its operands and product converted: 4 bytes
+    an element); compiled without that normalization the program holds its own bfloat16 buffers, counted here
+    from the shapes: ``tanh(x @ w) @ w.T`` keeps one [256, 512] bfloat16 product besides its arguments and
+    output. A bfloat16 all-reduce, for which XLA:CPU has no code, is read off the buffer assignment: per device
+    its [64, 128] rows and the whole [128, 128] weight, the product, the psum's output."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from spmd.parallel.auto._compiled import bf16_memory
+    from spmd.parallel.cost._memory import READ_ONLY
+
+    w, x = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16), jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+    low = jax.jit(lambda w, x: jnp.tanh(x @ w) @ w.T).lower(w, x)
+    assert bf16_memory(low) == StepMemory(argument=(512 + 256) * 512 * 2, output=256 * 512 * 2, temp=256 * 512 * 2,
+                                          alias=0)
+    assert StepMemory.from_compiled(low.compile(READ_ONLY)).temp >= (512 + 256) * 512 * 4  # float32 copies
+    mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
+    f = jax.shard_map(lambda x, w: jax.lax.psum(x @ w, "i"), mesh=mesh, in_specs=(P("i"), P()), out_specs=P())
+    low = jax.jit(f).lower(jax.ShapeDtypeStruct((8 * 64, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P("i"))),
+                           jax.ShapeDtypeStruct((128, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P())))
+    assert bf16_memory(low) == StepMemory(argument=(64 + 128) * 128 * 2, output=64 * 128 * 2, temp=64 * 128 * 2,
+                                          alias=0)

@@ -111,7 +111,7 @@ def test_compute_is_the_roofline_of_the_compiled_steps_flops_and_bytes(data, mon
     lay = Layout(dp=8)
     laid, mesh = apply_layout(MODEL, 8, lay)
     state = init_train_state(laid, OPT, params=params, mesh=mesh)
-    exe = make_train_step(laid, default_loss(laid), OPT, mesh=mesh).lower(state, batch).compile()
+    exe = make_train_step(laid, default_loss(laid), OPT, mesh=mesh, donate=True).lower(state, batch).compile()
     f, b = _cost(exe)  # cost_analysis(), each loop's other trips added (spmd.parallel.cost._loops)
     for rate, bw in ((1e9, 1e18), (1e18, 1e9)):  # matmul-bound, then memory-bound
         got = auto_layout(MODEL, OPT, batch, 8, layouts=[lay], hardware=_hw(8, rate, bw), profile=prof,
