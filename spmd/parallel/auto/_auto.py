@@ -272,8 +272,7 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
         compute_dtype=layout.mixed_precision)
     if floor_only:
         return untraced(layout, mem, budget)
-    # donating its state, as the compiled figures' step (``_measure._built``): ``built`` hands it to them
-    step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, mesh=mesh, donate=True)
+    step = make_train_step(laid, loss, optimizer, accum_steps=layout.accum_steps, mesh=mesh, donate=True)  # as _built
     traced_batch = batch if built is None else laid_batch
     traced = jax.make_jaxpr(step)(state, traced_batch)  # validates (batch split, head cuts), traces the styled calls
     comm = step.communication(state, traced_batch)
@@ -664,8 +663,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
 
     compiled: dict = {}
     keep = compiled if measure else None
-    # hardware running bfloat16 as it is: the memory of the program as it holds it, not XLA:CPU's float32 copies
-    bf16 = hw is not None and "bfloat16" in hw.matmul_flops
+    bf16 = hw is not None and "bfloat16" in hw.matmul_flops  # runs bfloat16 as it is (_compiled.bf16_memory)
 
     def compile_one(c: Candidate) -> Candidate:
         if slices is None:

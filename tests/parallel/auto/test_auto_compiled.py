@@ -140,8 +140,8 @@ def test_the_planners_step_donates_its_state():
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"])["params"])
     lay = Layout(fsdp=8, units=U)
     laid, mesh = apply_layout(model, 8, lay)
-    state = init_train_state(laid, OPT, batch["inputs"], params=model.init(jax.random.key(0), batch["inputs"])["params"],
-                             mesh=mesh)
+    real = model.init(jax.random.key(0), batch["inputs"])["params"]
+    state = init_train_state(laid, OPT, batch["inputs"], params=real, mesh=mesh)
     held = sum(next(s.data.nbytes for s in x.addressable_shards if s.device == jax.devices()[0])
                for x in jax.tree.leaves((state.step, state.params, state.opt_state)))
     got = compile_figures(model, OPT, default_loss, params, batch, jax.devices()[:8], lay)["memory"]
