@@ -663,15 +663,14 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
 
     compiled: dict = {}
     keep = compiled if measure else None
-    bf16 = hw is not None and "bfloat16" in hw.matmul_flops  # runs bfloat16 as it is (_compiled.bf16_memory)
 
     def compile_one(c: Candidate) -> Candidate:
         if slices is None:
             return _with_compiled(c, compile_figures(model, optimizer, loss_of, params, batch, devices,
-                                                     c.layout, keep=keep, bf16=bf16), cal, memory_budget_bytes)
+                                                     c.layout, keep=keep, hardware=hw), cal, memory_budget_bytes)
         steps = traced_steps.pop(c.layout, [None, None])
         jobs = [(copy_context(), lambda m=m, p=p, st=st: compile_figures(
-            m, optimizer, default_loss, p, batch, devices, c.layout, built=st, bf16=bf16))
+            m, optimizer, default_loss, p, batch, devices, c.layout, built=st, hardware=hw))
             for (m, p, _), st in zip(slices["at"], steps)]
         with ThreadPoolExecutor(2) as pool:  # the slices compiled side by side: XLA's compile releases the GIL
             figs = list(pool.map(lambda job: job[0].run(job[1]), jobs))  # (each in a copy of this context)

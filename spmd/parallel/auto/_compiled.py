@@ -17,7 +17,7 @@ the compiled step:
 The program is compiled with LLVM's code generation unoptimized (``READ_ONLY``: XLA's HLO passes, buffer
 assignment and cost analysis run before it, so the numbers are those of the optimized compile).
 
-``bf16=True`` (``auto_layout(hardware=)`` on hardware with a bfloat16 matmul rate: a GPU, a TPU): the memory is
+``hardware=`` with a bfloat16 matmul rate (``auto_layout(hardware=)``: a GPU, a TPU): the memory is
 that of the program compiled once more without XLA:CPU's bfloat16 normalization (``BF16_READ_ONLY``: XLA:CPU
 otherwise computes every bfloat16 dot, and what surrounds it, in float32, holding buffers twice an
 accelerator's; Llama 3 8B dp=8,fsdp=8 bf16 at 1 layer: 18.97 GiB so, 11.16 without), read off its buffer
@@ -51,19 +51,20 @@ __all__ = ["compile_figures", "extrapolated", "bf16_memory", "buffer_assignment_
 
 def compile_figures(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,
                     layout: Layout, *, keep: dict | None = None, built: tuple | None = None,
-                    bf16: bool = False) -> dict:
+                    hardware: Any = None) -> dict:
     """``{"memory": StepMemory, "flops", "bytes"}`` of ``layout``'s step compiled on shape structs (see the
     module doc). ``keep``: a dict the fully optimized executable is kept in, by layout (to be timed after:
     ``auto_layout(measure=)``); otherwise compiled to be read only. ``built``: the ``(step, state, batch)``
-    of this layout already traced (``evaluate_layout(built=)``), lowered from its trace. ``bf16``: the target
-    runs bfloat16 as it is (the memory ``bf16_memory``'s, where the program has bfloat16)."""
+    of this layout already traced (``evaluate_layout(built=)``), lowered from its trace. ``hardware``: the
+    ``Hardware`` planned for; one with a bfloat16 matmul rate runs bfloat16 as it is (the memory of a program
+    with bfloat16 is then ``bf16_memory``'s)."""
     step, state, b = built or _built(model, optimizer, loss_of, params, batch, devices, layout, abstract=True)
     lowered = step.lower(state, b)
     exe = lowered.compile() if keep is not None else lowered.compile(READ_ONLY)
     if keep is not None:
         keep[layout] = exe
     mem = StepMemory.from_compiled(exe)
-    if bf16 and "bf16" in lowered.as_text():
+    if hardware is not None and "bfloat16" in hardware.matmul_flops and "bf16" in lowered.as_text():
         mem = bf16_memory(lowered)
     flops, nbytes = _cost(exe)  # an accumulation loop's other trips added (cost._loops)
     return {"memory": mem, "flops": flops, "bytes": nbytes}

@@ -922,7 +922,7 @@ def test_under_a_budget_the_pick_is_compiled_and_its_compiled_peak_judges_the_fi
     order = [c.name for c in plain.candidates]
     seen = []
 
-    def fake(model, optimizer, loss_of, params, batch, devices, lay, keep=None, bf16=False):
+    def fake(model, optimizer, loss_of, params, batch, devices, lay, keep=None, hardware=None):
         seen.append(lay.name)
         if keep is not None:
             keep[lay] = f"compiled {lay.name}"

@@ -206,12 +206,12 @@ def test_the_scaled_search_picks_what_the_sound_search_picks_on_8_devices(monkey
     # its compiles as without the cache)
     figures, compile_figures_once = {}, _auto.compile_figures
 
-    def cached(*args, keep=None, built=None, bf16=False):
+    def cached(*args, keep=None, built=None, hardware=None):
         lay = args[6]
         if keep is not None or built is not None:  # a kept executable or a given trace: not what is cached
-            return compile_figures_once(*args, keep=keep, built=built, bf16=bf16)
+            return compile_figures_once(*args, keep=keep, built=built, hardware=hardware)
         if lay not in figures:
-            figures[lay] = compile_figures_once(*args, bf16=bf16)
+            figures[lay] = compile_figures_once(*args, hardware=hardware)
         return figures[lay]
 
     monkeypatch.setattr(_auto, "compile_figures", cached)
