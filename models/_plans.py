@@ -22,7 +22,7 @@ from typing import Any
 
 from placements import Replicate, Shard
 from spmd import DeviceMesh
-from spmd.parallel import (ColwiseParallel, ExpertParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+from spmd.parallel import (ColwiseParallel, ExpertParallel, ExpertTensorParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                            fully_shard, parallelize_module, weight_stationary_plan)
 
 __all__ = ["shard_units", "reshard_after_forward", "transformer_tp_plan", "decoder_tp_plan", "layout_model", "DATA"]
@@ -146,6 +146,10 @@ def layout_model(model: Any, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
             raise ValueError(f"models.train: --sequence-parallel / --weight-stationary cut the transformer's "
                              f"activations; {type(model).__name__}'s tp plan (its attention and MLP projections) has "
                              "no such form: drop the flag, or use --model transformer.")
+        if plan is not None and "ep" in names and model.cfg.intermediate_size % mesh.size("tp") == 0 and hasattr(
+                model.cfg, "num_experts"):  # the experts' own tp inside ep: their hidden f cut over tp
+            plan["layers_*.mlp.experts"] = ExpertTensorParallel(
+                model_dim=model.cfg.hidden_size)
         if plan is None:
             plan = transformer_tp_plan(sequence_parallel or weight_stationary, vocab_size=model.vocab_size,
                                        tp_size=mesh.size("tp"))

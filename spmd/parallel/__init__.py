@@ -16,7 +16,7 @@ anything runs. ``Rule`` / ``shard_rule`` / ``replicate`` / ``plan_params`` build
 # the sub-packages in layer order, each importing only those before it
 from spmd.parallel.plan import (ROOT, ParamPlan, PlanEntry, Rule, entry_sharding, gather_unit, map_like_params,
                                 pad_tree, path_str, plan_params, replicate, shard_params, shard_rule, unshard_tree)
-from spmd.parallel.styles import (ColwiseParallel, ExpertParallel, MixedPrecisionPolicy, ParallelModule, ParallelStyle,
+from spmd.parallel.styles import (ColwiseParallel, ExpertParallel, ExpertTensorParallel, MixedPrecisionPolicy, ParallelModule, ParallelStyle,
                                   PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                                   activation_checkpointing, fully_shard, parallelize_module, weight_stationary_plan)
 from spmd.parallel.context import (allgather_attention, causal_work, ring_attention, unzigzag_permutation,
@@ -52,6 +52,7 @@ __all__ = [
     "ParallelModule",
     "ColwiseParallel",
     "ExpertParallel",
+    "ExpertTensorParallel",
     "RowwiseParallel",
     "SequenceParallel",
     "PrepareModuleInput",

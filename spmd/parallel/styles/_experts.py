@@ -12,11 +12,16 @@ layouts read through the ``ParallelStyle`` protocol.
 
 The experts module runs unchanged on its local experts' parameters (``[E / ep, d, f]``); each rank's expert
 gradients sum every rank's tokens (the all-to-alls' transposes) and are divided by ``ep``.
+
+``ExpertTensorParallel`` (torchtitan's), in the tp plan of the same module, cuts each expert's hidden ``f`` over
+``tp`` too: between the dispatch and the combine the module runs on its ``[E / ep, d, f / tp]`` blocks in a region
+manual over tp (``run_on_ep`` hands the call to the tp layouts), its partial output all-reduced over tp.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -24,10 +29,10 @@ import jax
 import numpy as np
 from jax import lax
 
-from placements import Placement, Shard
+from placements import Partial, Placement, Replicate, Shard
 from spmd.parallel.styles._styles import ParallelStyle
 
-__all__ = ["ExpertParallel", "CPU_DROPLESS", "run_on_ep", "expert_terms", "with_experts"]
+__all__ = ["ExpertParallel", "ExpertTensorParallel", "apply_stored", "CPU_DROPLESS", "run_on_ep", "expert_terms", "with_experts"]
 
 CPU_DROPLESS = "ragged_all_to_all does not run on CPU; use a capacity factor"
 
@@ -83,6 +88,80 @@ class ExpertParallel(ParallelStyle):
         return Shard(self.experts_dim), Shard(self.token_dim)
 
 
+@dataclass(frozen=True)
+class ExpertTensorParallel(ParallelStyle):
+    """torchtitan's ``ExpertTensorParallel``, as a tensor-parallel style: each expert's hidden dim ``f`` cut over
+    ``tp`` (Megatron's MLP inside every expert), applied with ``parallelize_module`` on ``mesh["tp"]`` to the
+    module ``ExpertParallel`` cuts over ``mesh["ep"]`` (or alone, the experts whole over ep).
+
+    The in-projections (``[E, d, f]``: gate, up) are cut column-parallel on ``f`` (``Shard(2)``), the
+    out-projection (``[E, f, d]``: down) row-parallel on ``f`` (``Shard(1)``): each tp rank of an expert computes
+    its ``f`` slice on the whole dispatched tokens and the partial outputs are all-reduced over tp (one all-reduce
+    forward per call; the tokens' gradient one all-reduce backward, Megatron's ``f`` and ``g``), inside the ep
+    exchange (dispatch all_to_all, the experts' tp block, combine all_to_all).
+
+    ``model_dim``: the tokens' width ``d``, which tells ``[E, d, f]`` from ``[E, f, d]``; None: read from the
+    parameters' shapes when they tell it (a gated expert: two projections into ``f``, one out of it), else a
+    ``ValueError`` asks for it. The module's input's last dim is checked against it at its first call.
+    """
+
+    model_dim: int | None = None
+
+    def __post_init__(self):
+        v = self.model_dim
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise TypeError(f"ExpertTensorParallel: model_dim={v!r} must be None or an int >= 1 (the experts' input "
+                            "width d).")
+
+    def dims(self, module_path: str, params: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
+        """``(d, f)`` of the experts module's parameters (each ``[E, d, f]`` or ``[E, f, d]``)."""
+        shapes = {n: tuple(int(d) for d in s) for n, s in params.items()}
+        where = f"ExpertTensorParallel on {module_path!r}"
+        pairs = [s[1:] for s in shapes.values() if len(s) == 3]
+        if len(pairs) != len(shapes) or len({s[0] for s in shapes.values()}) != 1 or len(set(map(frozenset, pairs))) != 1:
+            raise ValueError(f"{where}: the module's parameters {shapes} must all be [E, d, f] or [E, f, d] (one "
+                             "experts dim E, one width d, one hidden f): style the module holding the stacked "
+                             "experts' projections (e.g. 'layers_*.mlp.experts').")
+        sizes = set(pairs[0])
+        if self.model_dim is not None:
+            if self.model_dim not in sizes:
+                raise ValueError(f"{where}: model_dim={self.model_dim} is not a dim of the parameters {shapes}; give "
+                                 f"the experts' input width, one of {sorted(sizes)}.")
+            d = self.model_dim
+            f = next(iter(sizes - {d}), d)
+        else:
+            count = {p: pairs.count(p) for p in set(pairs)}
+            if len(sizes) == 1 or len(count) != 2 or len(set(count.values())) != 2:
+                raise ValueError(f"{where}: the parameters {shapes} do not tell the width d from the hidden f (d == f, "
+                                 "or as many projections into f as out of it); give ExpertTensorParallel(model_dim=d).")
+            d = max(count, key=count.get)[0]  # the in-projections [E, d, f] outnumber the out-projection [E, f, d]
+            f = next(iter(sizes - {d}))
+        if d == f:
+            raise ValueError(f"{where}: the parameters {shapes} have d == f == {d}: [E, d, f] and [E, f, d] look the "
+                             "same, so the hidden dim to cut is not known from the shapes; ExpertTensorParallel "
+                             "needs d != f.")
+        return d, f
+
+    def param_placements(self, module_path: str, params: Mapping[str, tuple[int, ...]],
+                         module_type: str | None = None) -> dict[str, Placement]:
+        _, f = self.dims(module_path, params)
+        return {n: Shard(2) if int(s[2]) == f else Shard(1) for n, s in params.items()}
+
+    def input_layouts_for(self, module_type: str | None) -> tuple[Any, Any]:
+        return Replicate(), Replicate()
+
+    def output_layouts_for(self, module_type: str | None) -> tuple[Any, Any]:
+        return Partial(), Replicate()
+
+    def check_input(self, module_path: str, params: Mapping[str, tuple[int, ...]], x: Any) -> None:
+        """The module's input ``x`` has the experts' width ``d`` last (else the cut dim is not their hidden one)."""
+        d, f = self.dims(module_path, params)
+        if not np.ndim(x) or np.shape(x)[-1] != d:
+            raise ValueError(f"parallelize_module: ExpertTensorParallel on {module_path!r}: the module's input has "
+                             f"shape {tuple(np.shape(x))}, whose last dim is not the experts' width d={d} read from "
+                             f"its parameters (hidden f={f}); give ExpertTensorParallel(model_dim=<the input's width>).")
+
+
 class _StoredParamsScope:
     """Mixed into one bound linen scope's class (``stored_params``): ``param`` returns the stored value without
     comparing its shape to the initializer's, so the module reads its local experts (``[E / ep, ...]``) where
@@ -116,6 +195,22 @@ def stored_params(scope: Any):
         yield
     finally:
         scope.__class__ = cls
+
+
+def apply_stored(module: Any, params: Any, args: tuple, kwargs: dict) -> Any:
+    """``module.apply({"params": params}, *args, **kwargs)`` with its root scope reading the parameters as given
+    (``stored_params``): a module declaring ``[E, d, f]`` run on its blocks (``ExpertTensorParallel``'s)."""
+    import flax.linen as nn
+
+    def local(next_fun, a, k, context):
+        scope = getattr(context.module, "scope", None)
+        if scope is not None and not scope.path:
+            with stored_params(scope):
+                return next_fun(*a, **k)
+        return next_fun(*a, **k)
+
+    with nn.intercept_methods(local):
+        return module.apply({"params": params}, *args, **kwargs)
 
 
 def _change(x, axis: str, given: Any, desired: Any, where: str):
@@ -230,8 +325,16 @@ def run_on_ep(style: ParallelStyle, call) -> Any:
     moved = change(x, given, desired)
     if checked:
         _check_tied(where, call, moved, desired)
+    tp = call.hooks.model.tp
+    tp_hit = tp.style_for(call.tp_key) if tp and call.tp_key else None
     with call.local_params():
-        y = call.next((moved, *call.args[1:]), call.kwargs)
+        if tp_hit is None:
+            y = call.next((moved, *call.args[1:]), call.kwargs)
+        else:  # the experts' own tp (ExpertTensorParallel): their blocks over tp on their tokens, in a region
+            # manual over tp (its input's gradient and its partial output all-reduced over tp)
+            on_tp = copy.copy(call)
+            on_tp.args, on_tp.layer = (moved, *call.args[1:]), "tp"
+            y = on_tp.with_layouts(tp_hit[1])
     if not hasattr(y, "shape") or np.ndim(y) != moved.ndim or any(
             np.shape(y)[i] != np.shape(moved)[i] for i in (given.dim % moved.ndim, desired.dim % moved.ndim)
             if isinstance(given, Shard) and isinstance(desired, Shard)):

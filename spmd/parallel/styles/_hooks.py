@@ -39,7 +39,7 @@ import numpy as np
 
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan, PlanEntry, path_str
 from spmd.parallel.plan._scan import unstacked
-from spmd.parallel.styles._experts import run_on_ep, stored_params
+from spmd.parallel.styles._experts import ExpertTensorParallel, apply_stored, run_on_ep, stored_params
 from spmd.parallel.styles._remat import checkpoint_policy
 from spmd.parallel.styles._styles import KNOWN_LINEAR, ParallelStyle
 from spmd.parallel.styles._tp_calls import COLWISE_MARK, TP_COMM, WHOLE_MARK, TPCalls
@@ -303,6 +303,8 @@ class LinenCall(ModuleCall):
         params = self.params()
         if method == "attend":
             tpc.check_attend(style, key, params)
+        if isinstance(style, ExpertTensorParallel) and self.args:
+            style.check_input(fqn, {p.split("/")[-1]: np.shape(v) for p, v in params}, self.args[0])
         lookup = method == "__call__" and typ == "Embed" and tpc.rows_cut(  # a vocabulary-cut Embed's lookup
             typ, [hooks.entry_for(p, v) for p, v in params], [p.split("/")[-1] for p, _ in params])
 
@@ -316,6 +318,9 @@ class LinenCall(ModuleCall):
                         {"params": tree}, *a, method="attend", **k)
             if lookup:
                 return tpc.embed_rows(tree["embedding"], a[0], getattr(mod, "dtype", None))
+            if isinstance(style, ExpertTensorParallel):  # the experts' tp blocks ([E, d, f / tp]) where it declares f
+                with hooks.bypassing():
+                    return apply_stored(mod.clone(parent=None), tree, a, k)
             attrs = {}
             if typ in ("Dense", "DenseGeneral", "Embed"):  # their width as their blocks have it
                 attrs["features"] = tpc.local_features(typ, mod, tree)

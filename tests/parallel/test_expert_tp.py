@@ -1,0 +1,114 @@
+"""The experts' own tp inside ep (torchtitan's ``ExpertTensorParallel``): ``models.MoE``'s experts cut over ep on E
+and over tp on their hidden f (gate / up ``[E, d, f]`` on dim 2, down ``[E, f, d]`` on dim 1), laid out by
+``models.layout_model`` on dp=2 x ep=2 x tp=2: 3 SGD steps equal one device's within 1e-5, every collective kind
+of the step's table (count and bytes) equals the compiled step's, each device holds 1/(ep x tp) of the experts'
+parameter bytes; the style's reading of d and f from the shapes, and its refusals, by name.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import spmd
+from models import MoE
+from models._plans import layout_model
+from spmd.parallel import ExpertTensorParallel, init_train_state, make_train_step, unshard_params
+from tests._one_device import assert_trees_close, train_one_device
+from tests.parallel.test_expert_compose import _assert_table_is_hlo, _compiled
+from tests.parallel.test_expert_step import CFG, _batches, _loss
+
+
+@pytest.mark.slow
+def test_moe_experts_over_ep_and_tp_under_dp2_ep2_tp2_equals_one_device():
+    model = MoE(CFG)  # 8 experts of d=16, f=32 in layers_1 (layers_0 dense)
+    batches = _batches()
+    params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
+    opt = optax.sgd(0.1)
+    ref_losses, ref = train_one_device(params, batches, _loss(model), opt, has_aux=True)
+    mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+    pm = layout_model(model, mesh)
+    state = init_train_state(pm, opt, params=params)
+    full = local = 0
+    for name, dim in (("gate_proj", 2), ("up_proj", 2), ("down_proj", 1)):
+        e = state.plan.entry(f"layers_1/mlp/experts/{name}")
+        want = ["R", "S(0)", f"S({dim})"]
+        assert [str(p) for p in e.placements] == want, name
+        full += int(np.prod(e.shape)) * 4
+        local += int(np.prod(e.local_shape)) * 4
+    # per device: E/ep = 4 experts of f/tp = 16: 3 x 4 x 16 x 16 x 4 B
+    assert (full, local) == (3 * 8 * 16 * 32 * 4, 3 * 4 * 16 * 16 * 4) and local * 4 == full
+    leaves = state.params["layers_1"]["mlp"]["experts"]
+    assert all(x.addressable_shards[0].data.nbytes * 4 == x.nbytes for x in leaves.values())
+    step = make_train_step(pm, _loss(model), opt)
+    comm = step.communication(state, batches[0])
+    hlo = _compiled(step, state, batches[0])
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params)
+    _assert_table_is_hlo(comm, hlo)
+    # over ep: per device 8 rows / (dp x ep) = 2 -> buffers [2, 8 experts, capacity 4, 16] float32 = 4,096 B,
+    # dispatch and combine forward, their transposes backward
+    assert comm["experts"]["all-to-all"] == {"count": 4, "bytes": 4 * 4096}
+    # over tp: the attention's (o_proj's output forward, q/k/v's input gradients backward: 4 per layer, 2 layers)
+    # and the dense layers_0 MLP's (down's output, gate/up's input gradients: 3), [2, 16, 16] float32 = 2,048 B
+    # each; the experts' partial output forward and their tokens' gradient backward, one 4,096 B buffer each
+    assert comm["activations"]["all-reduce"] == {"count": 8 + 3 + 2, "bytes": 11 * 2048 + 2 * 4096}
+
+
+SHAPES = {"gate_proj": (8, 16, 32), "up_proj": (8, 16, 32), "down_proj": (8, 32, 16)}
+
+
+def test_expert_tensor_parallel_reads_d_and_f_from_the_shapes():
+    want = {"gate_proj": "S(2)", "up_proj": "S(2)", "down_proj": "S(1)"}
+    for style in (ExpertTensorParallel(), ExpertTensorParallel(model_dim=16)):
+        got = style.param_placements("layers_1.mlp.experts", SHAPES)
+        assert {n: str(p) for n, p in got.items()} == want
+    # an ungated expert (one projection in, one out): d given, f cut; not given, refused
+    plain = {"w_in": (4, 8, 24), "w_out": (4, 24, 8)}
+    got = ExpertTensorParallel(model_dim=8).param_placements("experts", plain)
+    assert {n: str(p) for n, p in got.items()} == {"w_in": "S(2)", "w_out": "S(1)"}
+    with pytest.raises(ValueError, match=r"ExpertTensorParallel on 'experts'.*give ExpertTensorParallel\(model_dim=d\)"):
+        ExpertTensorParallel().param_placements("experts", plain)
+
+
+def test_expert_tensor_parallel_refusals_name_the_fix():
+    with pytest.raises(ValueError, match=r"model_dim=12 is not a dim of the parameters.*one of \[16, 32\]"):
+        ExpertTensorParallel(model_dim=12).param_placements("e", SHAPES)
+    with pytest.raises(ValueError, match=r"d == f == 16"):
+        ExpertTensorParallel(model_dim=16).param_placements("e", {"a": (2, 16, 16), "b": (2, 16, 16)})
+    with pytest.raises(ValueError, match=r"must all be \[E, d, f\] or \[E, f, d\]"):
+        ExpertTensorParallel().param_placements("e", {"kernel": (16, 32)})
+    with pytest.raises(TypeError, match=r"model_dim=0 must be None or an int >= 1"):
+        ExpertTensorParallel(model_dim=0)
+    with pytest.raises(ValueError, match=r"input has shape \(2, 8, 4, 32\), whose last dim is not the experts' "
+                                         r"width d=16"):
+        ExpertTensorParallel().check_input("e", SHAPES, np.zeros((2, 8, 4, 32)))
+
+
+@pytest.mark.slow
+def test_moe_experts_over_ep_and_tp_under_fsdp2_ep2_tp2_equals_one_device():
+    """With fully_shard units too: the experts' blocks [E / ep, d, f / tp] cut over fsdp on their free dim d."""
+    model = MoE(CFG)
+    batches = _batches()
+    params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
+    opt = optax.sgd(0.1)
+    ref_losses, ref = train_one_device(params, batches, _loss(model), opt, has_aux=True)
+    mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("fsdp", "ep", "tp"))
+    pm = layout_model(model, mesh)
+    state = init_train_state(pm, opt, params=params)
+    e = state.plan.entry("layers_1/mlp/experts/down_proj")  # [E, f, d]
+    assert ([str(p) for p in e.placements], e.local_shape) == (["S(2)", "S(0)", "S(1)"], (4, 16, 8))
+    step = make_train_step(pm, _loss(model), opt)
+    comm = step.communication(state, batches[0])
+    hlo = _compiled(step, state, batches[0])
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params)
+    _assert_table_is_hlo(comm, hlo)
