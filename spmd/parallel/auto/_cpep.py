@@ -14,6 +14,9 @@
   experts dim: ``models.MoE``'s ``[E, d, f]`` kernels) cut over ``ep`` with ``ExpertParallel`` (the tokens
   exchanged with all-to-alls) for every divisor of the device count that divides the expert count, the
   batch's rows split over ``dp`` x ``fsdp`` x ``ep``, the rest of the devices over ``dp`` x ``fsdp`` x ``tp``.
+  With tp, the experts' hidden ``f`` is cut over tp too (``ExpertTensorParallel`` added to the tp plan, as
+  ``models.train`` lays them out: ``expert_tp``) where their shapes tell ``d`` from ``f`` and tp divides ``f``;
+  else (and under cp) they stay whole over tp and the layout's ``note`` says why (``AutoLayout.why`` prints it).
 - **cp x ep**: for a model with experts and a sequence, every ``cp`` x ``ep`` of those whose product divides
   the device count (the sequence over cp, the experts over ep: their routers run on the sequence gathered over
   cp), the rest over ``dp`` x ``fsdp`` x ``tp``.
@@ -53,10 +56,10 @@ from spmd.parallel.auto._layout import Layout, factorizations, tp_plan_for
 from spmd.parallel.auto._units import count_units, units_alike
 from spmd.parallel.context._layout import causal_work
 from spmd.parallel.plan._param_plan import path_str
-from spmd.parallel.styles._experts import ExpertParallel
+from spmd.parallel.styles._experts import ExpertParallel, ExpertTensorParallel
 from spmd.parallel.styles._transforms import param_module
 
-__all__ = ["GATHER_ONLY", "check_attention", "check_pipelined_attention", "context_expert_layouts", "experts_of",
+__all__ = ["GATHER_ONLY", "check_attention", "expert_tp", "check_pipelined_attention", "context_expert_layouts", "experts_of",
            "cp_work", "gather_only", "pipelined", "sequence_of", "uncut"]
 
 GATHER_ONLY = ("the model's own attention runs on the sequence gathered over cp, whole on every cp rank (no ring): its "
@@ -92,15 +95,47 @@ def sequence_of(batch: Any) -> int | None:
     return seqs.pop() if len(seqs) == 1 else None
 
 
-def _rest(n: int, plan: Any, units: tuple[str, ...], **dims) -> list[Layout]:
+def expert_tp(params: Any, experts: str | None, tp: int, stack: str | None = None,
+              cp: int = 1) -> tuple[tuple, str | None]:
+    """The experts' own tp for an ep x ``tp`` candidate, as ``models.train`` lays them out (``layout_model``):
+    ``((glob, ExpertTensorParallel()),)`` to add to its tp plan where ``ExpertTensorParallel`` reads the experts'
+    ``d`` and ``f`` from their parameters' shapes (those of the first module matching ``experts``) and ``tp``
+    divides ``f``, and no note; else ``()`` (the experts whole over tp) and the note saying why. Not with ``cp``:
+    there the step's table of the experts cut over tp does not yet equal its compiled program's all-reduces."""
+    if experts is None or tp == 1:
+        return (), None
+    if cp > 1:
+        return (), (f"the experts {experts!r} kept whole over tp={tp} under cp={cp}: ExpertTensorParallel with the "
+                    "sequence over cp is not priced yet (its all-reduces' table differs from the compiled step)")
+    shapes, first = {}, None
+    for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        mod, name = param_module(path_str(kp))
+        if fnmatch.fnmatchcase(mod, experts) and first in (None, mod):
+            first = mod
+            shapes[name] = tuple(x.shape[1:] if stack is not None and (mod + ".").startswith(stack + ".") else x.shape)
+    style = ExpertTensorParallel()
+    try:
+        _, f = style.dims(first or experts, shapes)
+    except ValueError as e:
+        return (), f"the experts {experts!r} kept whole over tp={tp} (no ExpertTensorParallel): {e}"
+    if stack is not None:
+        return (), (f"the experts {experts!r} kept whole over tp={tp}: they are in the scanned stack {stack!r}, "
+                    "whose layer axis ExpertTensorParallel does not cut past")
+    if f % tp:
+        return (), f"the experts {experts!r} kept whole over tp={tp}: tp does not divide their hidden f={f}"
+    return ((experts, style),), None
+
+
+def _rest(n: int, plan: Any, units: tuple[str, ...], experts_tp=None, **dims) -> list[Layout]:
     out = []
     for dp, fsdp, tp in factorizations(n):
         tp_plan = tp_plan_for(plan, False, tp) if tp > 1 else None
         if tp > 1 and tp_plan is None:
             continue
+        extra, note = experts_tp(tp) if experts_tp is not None and tp > 1 else ((), None)
         for raf in (True, False) if fsdp > 1 else (True,):
             out.append(Layout(dp=dp, fsdp=fsdp, tp=tp, reshard_after_forward=raf, units=units if fsdp > 1 else (),
-                              tp_plan=tp_plan, **dims))
+                              tp_plan=tp_plan and tp_plan + extra, note=note, **dims))
     return out
 
 
@@ -118,7 +153,9 @@ def context_expert_layouts(n: int, plan: Any, units: tuple[str, ...], params: An
         for cp in cps:
             if cp * ep > 1 and n % (cp * ep) == 0:
                 dims = dict(cp=cp, ep=ep, ep_plan=((got[0], ExpertParallel()),) if ep > 1 else None)
-                out += _rest(n // (cp * ep), plan, units, **dims)
+                etp = (lambda tp, cp=cp: expert_tp(params, got[0], tp, stack[0] if stack else None, cp)) if ep > 1 \
+                    else None
+                out += _rest(n // (cp * ep), plan, units, etp, **dims)
     rows = jax.tree.leaves(batch)[0].shape[0] if jax.tree.leaves(batch) else 0
     return out + pipelined(n, units, params, rows, cps[1:], eps[1:], got[0] if got is not None else None, plan)
 
@@ -144,10 +181,12 @@ def pipelined(n: int, units: tuple[str, ...], params: Any, rows: int, cps: list[
                 tp_plan = tp_plan_for(plan, False, tp) if tp > 1 and "ep" in dims else None
                 if (tp > 1 and tp_plan is None) or rows % n_data:
                     continue
+                extra, note = expert_tp(params, experts, tp) if tp_plan else ((), None)
                 for m in (pp, 2 * pp):
                     if (rows // n_data) % m == 0:
-                        out.append(Layout(pp=pp, dp=dp, fsdp=fsdp, tp=tp, tp_plan=tp_plan, units=units,
-                                          reshard_after_forward=fsdp == 1, microbatches=m, **dims))
+                        out.append(Layout(pp=pp, dp=dp, fsdp=fsdp, tp=tp, tp_plan=tp_plan and tp_plan + extra,
+                                          units=units, reshard_after_forward=fsdp == 1, microbatches=m, note=note,
+                                          **dims))
     return out
 
 

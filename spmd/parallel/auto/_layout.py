@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -72,6 +72,7 @@ class Layout:
     cp: int = 1
     ep: int = 1
     ep_plan: tuple | None = None
+    note: str | None = field(default=None, compare=False)  # what the candidate's maker chose not to cut, and why
 
     def __post_init__(self):
         for arg in ("dp", "fsdp", "tp", "accum_steps", "pp", "microbatches", "stages_per_rank", "cp", "ep"):

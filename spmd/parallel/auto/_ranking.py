@@ -94,7 +94,12 @@ class AutoLayout:
         return self.candidates[0]
 
     def why(self) -> str:
-        """Why the pick won over the runner-up: the time terms that differ most."""
+        """Why the pick won over the runner-up: the time terms that differ most; then what the pick's layout
+        chose not to cut, and why (``Layout.note``: the experts kept whole over tp)."""
+        note = self.best.layout.note
+        return self._why() + (f" ({note})" if note else "")
+
+    def _why(self) -> str:
         if len(self.candidates) < 2:
             return f"{self.best.name}: the only candidate."
         a, b = self.candidates[0], self.candidates[1]
@@ -115,11 +120,6 @@ class AutoLayout:
         said = ", ".join(f"{k} {1e3 * x:.2f} vs {1e3 * y:.2f} ms" for k, x, y in terms[:3] if abs(y - x) > 0)
         if _over(b, self.budget):
             return f"{a.name} wins over {b.name}, which is {_over(b, self.budget)} by its memory lower bound."
-        if b.predicted_s < a.predicted_s and b.measured_peak is None and a.measured_peak is not None:
-            return (f"{a.name} is the fastest compiled candidate that fits; {b.name} is predicted "
-                    f"{1e3 * (a.predicted_s - b.predicted_s):.2f} ms/step faster ({said or 'equal terms'}) but was not "
-                    "compiled, so its peak is only bounded from below (the search stopped first: search"
-                    "['uncompiled_faster'] names each such candidate).")
         head = f"{a.name} wins over {b.name} by {1e3 * (b.predicted_s - a.predicted_s):.2f} ms/step"
         if not b.fits:
             head += " (the runner-up does not fit the memory budget)"

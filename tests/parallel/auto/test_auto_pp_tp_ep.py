@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from models._plans import decoder_tp_plan
-from spmd.parallel import apply_layout, auto_layout, hlo_executed_collectives, init_train_state, make_train_step
+from spmd.parallel import ExpertTensorParallel, apply_layout, auto_layout, hlo_executed_collectives, init_train_state, make_train_step
 from spmd.parallel.auto._auto import default_loss
 from spmd.parallel.auto._cpep import context_expert_layouts
 from tests.parallel.auto.test_auto_cpep import CAL, KINDS, MOE_EVERY, _batch
@@ -34,7 +34,9 @@ def test_an_moe_pipeline_gets_tp_times_ep_candidates_where_a_plan_is_given():
         "pp=2,dp=2,ep=2 1f1b M=2", "pp=2,fsdp=2,ep=2 1f1b M=2", "pp=2,ep=4 1f1b M=2",
         "pp=2,ep=2,tp=2 1f1b M=2", "pp=2,ep=2,tp=2 1f1b M=4"])
     tp = next(lay for lay in lays if lay.tp == 2)
-    assert tp.mesh_dims == (("pp", 2), ("ep", 2), ("tp", 2)) and dict(tp.tp_plan) == PLAN
+    # the plan, and the experts' own tp (ExpertTensorParallel: f=32 over tp=2), as models.train lays them out
+    assert tp.mesh_dims == (("pp", 2), ("ep", 2), ("tp", 2)) and dict(tp.tp_plan) == {
+        **PLAN, "layers_*.mlp.experts": ExpertTensorParallel()}
     assert all(lay.tp == 1 for lay in _pipelined_ep(None)[0])  # no plan: no tp stages
 
 
