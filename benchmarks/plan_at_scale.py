@@ -106,11 +106,16 @@ if "--tiny" in sys.argv:  # the script's own smoke run: the same path on a small
                               num_kv_heads=2, attn_implementation=ATTN), 8) for k in MODELS}
 
 
-def _progress_bar(total, desc):  # auto_layout's bar, shown in a log too (tqdm shows it on a terminal only)
+def _progress_bar(total, desc, under=None):  # auto_layout's bar (_progress._bar), shown in a log too
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="layout", leave=True, disable=False, file=sys.stdout, mininterval=20,
-                ascii=True)
+    from spmd.parallel.auto._progress import now
+
+    bar = tqdm(total=total, desc=desc, unit="layout", leave=True, disable=False, file=sys.stdout, mininterval=20,
+               ascii=True)
+    if under is not None:  # the profile's compiles and timings named under the layout traced, as _bar does
+        under.progress = lambda text: now(bar, f"{getattr(bar, 'doing', '')}: {text}", 0)
+    return bar
 
 
 if "--quiet" not in sys.argv:
