@@ -585,6 +585,40 @@ def test_throughput_times_steps_alone_not_the_saves_between_them(monkeypatch):
     assert log.timed_windows == 6  # flushed after steps 2 (a save), 3 (log_every), 4, 6, 8 (saves), 9 (the end)
 
 
+def test_a_ctrl_c_during_a_step_saves_the_state_that_step_returned():
+    """The job's step donates the state it is passed (its buffers deleted): a Ctrl-C arriving while step 2 runs is
+    held until the step has returned, then raised, and the loop saves step 2's state, not the deleted one it
+    passed in (which it would have saved at step 1)."""
+    import os
+    import signal
+
+    import models.train._loop as loop
+
+    def train_step(state, batch):
+        if state == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while step 2 runs
+        return state + 1, {"loss": 1.0, "accuracy": 0.5}
+
+    saved = []
+
+    class Saves:
+        save_every = 1000
+
+        def save(self, step, state, meta, force=False):
+            saved.append((step, state))
+
+        def wait(self):
+            pass
+
+    log = loop.MetricLog(start=0, batch_size=32, history=[])
+    stopped = []
+    with pytest.raises(KeyboardInterrupt):
+        loop.train_loop(0, start=0, steps=5, log_every=1, train_step=train_step, next_batch=lambda s: None, log=log,
+                        checkpointer=Saves(), meta=dict, on_step=None, interrupted=stopped.append)
+    assert saved == [(2, 2)] and stopped == [2] and [h["step"] for h in log.history] == [1, 2]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler back
+
+
 def test_each_progress_line_carries_its_own_steps_metrics():
     """Lines every 6 steps of 60, metrics read every 10: each line still shows the metrics of the step it names
     (the loop reads them at a line's step), not those of the last read (issue 45.6)."""

@@ -6,9 +6,12 @@ steps, before a save and at the end), so the loop does not wait on the devices a
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
 import statistics
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -153,16 +156,19 @@ def train_loop(state: Any, *, start: int, steps: int, log_every: int, train_step
 
     ``next_batch(step)`` gives the placed batch of ``step`` (0-based). Saves every ``save_every`` steps
     and at the end; on ``KeyboardInterrupt`` (Ctrl-C, or raised by ``on_step``) saves the last finished
-    step, calls ``interrupted(step)`` and re-raises. The metrics are read before each save: with
+    step, calls ``interrupted(step)`` and re-raises (a Ctrl-C during a step: once the step has returned its
+    state, since the step deletes the state it is passed). The metrics are read before each save: with
     ``log.stop_nonfinite``, a non-finite loss or gradient norm raises ``NonFiniteError`` there, nothing saved
     after that step (the saves before it finished first).
     """
     step = start
     try:
         while step < steps:
-            state, metrics = train_step(state, next_batch(step))
-            step += 1
-            log.add(step, metrics)
+            batch = next_batch(step)
+            with _ctrl_c_held():  # the step deletes the state passed in (donated): hold Ctrl-C till the new one
+                state, metrics = train_step(state, batch)
+                step += 1
+                log.add(step, metrics)
             due = getattr(log.bar, "due", None)  # a progress line at this step: it shows this step's metrics
             if step == start + 1 or step % log_every == 0 or step == steps or (due is not None and due(step)):
                 log.flush()
@@ -188,6 +194,26 @@ def train_loop(state: Any, *, start: int, steps: int, log_every: int, train_step
     log.flush()
     log.close()
     return state
+
+
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """Ctrl-C (SIGINT) held while a step runs and its new state is taken, then raised: the job's step donates
+    the state it is passed (its buffers deleted), so an interrupt between the call and the assignment would
+    leave no state to save. Only where Python's own handler is installed, in the main thread (a handler of the
+    caller's is left as it is)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    got: list = []
+    previous = signal.signal(signal.SIGINT, lambda *_: got.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if got:
+        raise KeyboardInterrupt
 
 
 def report(message: str, lead: bool) -> None:

@@ -6,7 +6,8 @@ Every ``--mesh`` layout goes through ``spmd.parallel``'s contract: the plain mod
 ``dp``: DDP), then, with a ``pp`` dim, ``pipeline`` over the blocks (``--schedule``, ``--microbatches``), or
 with ``--activation-checkpointing``, ``activation_checkpointing`` on the model's repeated blocks (its
 ``fully_shard`` units, ``models._plans.shard_units``: the units ``--mesh auto`` gives its layouts),
-``init_train_state``, and one ``make_train_step`` on the job's plain 1-device loss (``make_loss_fn``).
+``init_train_state``, and one ``make_train_step`` on the job's plain 1-device loss (``make_loss_fn``), donating
+the state (``donate=True``: the step updates it in place, as torch's optimizer does).
 
 The batch layout is stated once: ``Programs.batch_placements`` (``Shard(0)`` over every data-parallel mesh
 dim of ``DATA_DIMS``, ``Replicate`` on the others). ``place_batch`` lays a host batch out by it as DTensors,
@@ -255,8 +256,11 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
     def init(rng, x):
         return init_train_state(laid, optimizer, rng, x, mesh=plain)
 
+    # donate: the step writes the new state into the old one's buffers (torch's in-place update; what
+    # auto_layout's plan counts), the loop never reading a state it has passed to the step (train_loop). The
+    # job's check_finite is "skip" or off, never True (which donation refuses: it hands the old state back).
     train_step = make_train_step(laid, make_loss_fn(model), optimizer, accum_steps=key.accum_steps, mesh=plain,
-                                 check_finite="skip" if key.skip_nonfinite else False)
+                                 check_finite="skip" if key.skip_nonfinite else False, donate=True)
     abstract = jax.eval_shape(init, jax.random.key(0), jax.ShapeDtypeStruct((2, task_dims(key)[1]), jnp.int32))
     sharding = jax.tree.map(lambda x: x.sharding, abstract)
     if pipe is not None:

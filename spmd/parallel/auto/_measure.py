@@ -4,7 +4,7 @@ The cost model ranks every candidate without compiling one; what it does not see
 On a CPU host with fake devices that is much: the devices' threads share the cores, and a step whose buffers
 pass glibc's mmap threshold (32 MiB) takes fresh pages every step. So ``auto_layout`` can time its top
 candidates as a user would run them: each is built through the contract (``apply_layout`` +
-``init_train_state`` on zeros of the parameters + ``make_train_step``), compiled once, warmed up, then timed
+``init_train_state`` on a fixed pattern of the parameters' shapes + ``make_train_step``), compiled once, warmed up, then timed
 in ``rounds`` interleaved rounds of ``steps`` steps on the example batch (a load spike on a shared host then
 falls on every candidate of its round). Then the race: the candidates whose median is within ``RACE`` (10%)
 of the fastest's are timed in more rounds, the others dropped, until one is left or ``max_rounds``: on a
@@ -25,11 +25,11 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd.parallel.auto._layout import Layout, apply_layout
-from spmd.parallel.cost._memory import host_zeros
 from spmd.parallel.step._protocol import StepMemory
 from spmd.parallel.step._state import init_train_state
 from spmd.parallel.step._step import make_train_step
@@ -69,7 +69,7 @@ def measure_layouts(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
     their order.
 
     ``loss_of(laid_model)``: the loss of a laid-out model; ``params`` and ``batch``: arrays or shape
-    structs (the step runs on zeros of them); ``compiled``: the steps ``compiled_peak`` compiled, by layout
+    structs (the step runs on ``host_pattern`` parameters and ``timed_batch``); ``compiled``: the steps ``compiled_peak`` compiled, by layout
     (not compiled again); ``progress(layout)``: called before each is built and compiled, and ``progress(None)`` before the rounds; ``spreads``: a dict
     given the uncertainty of each layout's median (``median_error`` of its rounds, seconds: ``settled``)."""
     where = "auto_layout"
@@ -189,8 +189,8 @@ def example_inputs(model: Any, batch: Any, pp: int = 1) -> tuple:
 
 def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list, layout: Layout,
            *, abstract: bool = False) -> tuple:
-    """``(step, state, batch)`` of ``layout`` through the contract: its state and batch zeros laid out as the step
-    takes them, or (``abstract``) their shape structs so laid out, nothing allocated. The step donates its state
+    """``(step, state, batch)`` of ``layout`` through the contract: its state (``host_pattern`` of the parameters)
+    and batch (``timed_batch``) laid out as the step takes them, or (``abstract``) their shape structs so laid out, nothing allocated. The step donates its state
     (``make_train_step(donate=True)``): calling it deletes the state passed in."""
     laid, mesh = apply_layout(model, devices, layout)
     # donated, as a training loop runs it (``state = step(state, batch)[0]``): the state held once, not in the
@@ -208,9 +208,35 @@ def _built(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: An
                                                         params=structs[0], mesh=mesh))
         return step, state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data(x)),
                                          structs[1])
-    zeros = host_zeros(structs)
-    state = init_train_state(laid, optimizer, *example_inputs(model, zeros[1], layout.pp), params=zeros[0], mesh=mesh)
-    return step, state, jax.tree.map(lambda x: jax.device_put(x, data(x)), zeros[1])
+    values = (host_pattern(structs[0]), timed_batch(batch))
+    state = init_train_state(laid, optimizer, *example_inputs(model, values[1], layout.pp), params=values[0], mesh=mesh)
+    return step, state, jax.tree.map(lambda x: jax.device_put(x, data(x)), values[1])
+
+
+_PATTERN = 251  # the pattern's length: a prime, so that no row of a power-of-two dim repeats the one before it
+
+
+def host_pattern(tree: Any) -> Any:
+    """Finite, non-degenerate values of ``tree``'s leaves' shapes and dtypes as numpy arrays, built on the host
+    (nothing compiled): a floating leaf ``_PATTERN`` values in ``[-0.01, 0.01)`` tiled over it, an integer one
+    ones, a bool one True. The timed step's parameters: on zeros (``host_zeros``) its gradients were all zero
+    and, with a batch of zeros, a loss divided by a mask's sum NaN, unlike any step a run times."""
+    base = ((np.arange(_PATTERN) * 97 % _PATTERN) / _PATTERN - 0.5) * 0.02
+
+    def one(x):
+        if np.issubdtype(np.dtype(x.dtype), np.inexact):
+            return np.resize(base.astype(x.dtype), x.shape)
+        return np.ones(x.shape, x.dtype)
+
+    return jax.tree.map(one, tree)
+
+
+def timed_batch(batch: Any) -> Any:
+    """The batch the timed step takes, on the host: the example batch's own values where it gives arrays (copied
+    to the host, placed from there: nothing compiled), ones of a shape struct's shape and dtype (a token id,
+    target and mask of 1: a finite loss)."""
+    return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, (np.ndarray, jax.Array)) else
+                        np.ones(x.shape, x.dtype), batch)
 
 
 def compiled_peak(model: Any, optimizer: Any, loss_of: Callable, params: Any, batch: Any, devices: list,

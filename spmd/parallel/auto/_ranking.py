@@ -120,6 +120,11 @@ class AutoLayout:
         said = ", ".join(f"{k} {1e3 * x:.2f} vs {1e3 * y:.2f} ms" for k, x, y in terms[:3] if abs(y - x) > 0)
         if _over(b, self.budget):
             return f"{a.name} wins over {b.name}, which is {_over(b, self.budget)} by its memory lower bound."
+        if b.predicted_s < a.predicted_s and b.measured_peak is None and a.measured_peak is not None:
+            return (f"{a.name} is the fastest compiled candidate that fits; {b.name} is predicted "
+                    f"{1e3 * (a.predicted_s - b.predicted_s):.2f} ms/step faster ({said or 'equal terms'}) but was not "
+                    "compiled, so its peak is only bounded from below (the search stopped first: search"
+                    "['uncompiled_faster'] names each such candidate).")
         head = f"{a.name} wins over {b.name} by {1e3 * (b.predicted_s - a.predicted_s):.2f} ms/step"
         if not b.fits:
             head += " (the runner-up does not fit the memory budget)"

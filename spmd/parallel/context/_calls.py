@@ -510,8 +510,13 @@ class ContextCalls:
                              f"pad it to a multiple of {n}.")
         rec = {"call": fn, "q": (tuple(q.shape), str(q.dtype)), "kv": (tuple(k.shape), str(k.dtype)),
                "causal": bool(causal), "n": n}
-        heads = self._heads_tp(q, k, bias, mask)
+        heads = self._heads_tp(q, k, v, bias, mask)
         rec["tp"] = self.tp[1] if heads else 1
+        if heads and k.shape[2] < self.tp[1]:  # grouped-query K/V with fewer heads than tp (whole over tp):
+            # each head repeated once per device of its group, cut over tp with the queries, each device takes the
+            # head its query heads use (nothing moves forward; backward, the devices of a group sum their parts)
+            rec["kv_repeat"] = r = self.tp[1] // k.shape[2]
+            k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
         if bias is None and mask is None and self.ring:
             zig = bool(causal) and t % 2 == 0 and n > 1
             rec["method"] = "ring (zigzag)" if zig else "ring"
@@ -521,14 +526,15 @@ class ContextCalls:
         self._record(rec)
         return self._allgather(q, k, v, bias, mask, causal, local, heads)
 
-    def _heads_tp(self, q, k, bias, mask) -> str | None:
+    def _heads_tp(self, q, k, v, bias, mask) -> str | None:
         """The tp dim the call's heads are cut over (its region manual over it too, as the column-parallel
-        projections leave q, k, v: each device attends with its heads), or None: no tp, heads that tp does not
-        divide, or a mask / bias with a heads dim of its own."""
+        projections leave q, k, v: each device attends with its heads; grouped-query K/V with fewer heads than
+        tp, a divisor of it, are repeated to one per device), or None: no tp, heads that tp does not divide, or a
+        mask / bias with a heads dim of its own."""
         if self.tp is None:
             return None
         name, size = self.tp
-        if q.shape[2] % size or k.shape[2] % size:
+        if q.shape[2] % size or (k.shape[2] % size and size % k.shape[2]) or v.shape[2] != k.shape[2]:
             return None
         if any(np.ndim(x) >= 3 and np.shape(x)[-3] != 1 for x in (bias, mask) if x is not None):
             return None
@@ -641,8 +647,9 @@ def attention_terms(records: list[dict], forward_only: bool = False) -> dict:
             continue
         (qs, qd), (ks, kd) = r["q"], r["kv"]
         cut = n * r.get("tp", 1)  # the sequence over cp, the heads over tp
-        q_loc, kv_loc = _nbytes(qs, qd) // cut, _nbytes(ks, kd) // cut
-        kv32 = _nbytes(ks, np.float32) // cut
+        rep = r.get("kv_repeat", 1)  # grouped-query K/V repeated to one head per device of tp
+        q_loc, kv_loc = _nbytes(qs, qd) // cut, _nbytes(ks, kd) * rep // cut
+        kv32 = _nbytes(ks, np.float32) * rep // cut
         if r["method"].startswith("ring"):
             if forward_only:
                 add("collective-permute", kv_loc, 2 * (n - 1))  # K, V
@@ -749,10 +756,10 @@ def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, regi
             comm["total"]["all-reduce"]["bytes"] -= less
     total = {k: dict(v) for k, v in comm["total"].items()}
     # the tp styles' activations ([batch, seq, ...]) hold the device's positions: 1 / cp of the bytes, but inside a
-    # module run on the gathered sequence
+    # module run on the gathered sequence (and not the parameters a projection whole over tp gathers: whole)
     wholes = [r["call"] for r in records if r["method"] == "gather sequence"]
-    cut = [r for r in comm.get("modules", ()) if not any(r["module"] == g or r["module"].startswith(g + ".")
-                                                          for g in wholes)]
+    cut = [dict(r, gathered_params=[]) if r.get("gathered_params") else r for r in comm.get("modules", ())
+           if not any(r["module"] == g or r["module"].startswith(g + ".") for g in wholes)]
     if cut and n > 1:
         act = comm["activations"] = {k: dict(v) for k, v in comm["activations"].items()}
         for kind, v in activation_terms(cut, accum_steps=accum_steps).items():

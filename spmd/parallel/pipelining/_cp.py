@@ -10,10 +10,11 @@
   device runs the same collective-permutes in the same order, each moving within its own cp group (the cp ranks
   of one pp rank, always in the same branch). Elsewhere the call runs as the all-gather of K/V
   (``ContextCalls(ring=False)``; an all-gather meets its cp group only), the reason printed in the plan;
-- **a model's own attention** (an einsum over the whole sequence inside a linen unit, ``models.Transformer``'s
-  ``attn``) is found in one unit's trace (``unit_gathered``: its ``[.., T, T]`` scores under the scope of the
-  innermost submodule taking the sequence) and that submodule runs on the sequence gathered over cp, as the plain
-  step runs it (``ContextCalls.around``, routed here by ``routed``: a unit runs on its own, outside the step's
+- **a model's own attention** (an einsum over the whole sequence inside a unit, linen or nnx:
+  ``models.Transformer``'s ``attn``; an nnx unit's merged copy has its submodules hooked, ``_NnxRoute``) is found
+  in one unit's trace (``unit_gathered``: its ``[.., T, T]`` scores under the scope of the innermost submodule
+  taking the sequence) and that submodule runs on the sequence gathered over cp, as the plain step runs it
+  (``ContextCalls.around``, routed here by ``routed``: a unit runs on its own, outside the step's
   hooks): its input gathered forward, its output's cotangent gathered backward, its parameters' gradients whole on
   every device of cp. Left to GSPMD it gathered K and V at both einsums of every forward and recompute and
   all-reduced their gradients (pp=2, cp=2: 17 all-gathers, 29,952 B, against 9 here, 14,336 B).
@@ -50,12 +51,59 @@ class _UnitCall:
         return [(base + "/" + "/".join(str(getattr(k, "key", k)) for k in path), v) for path, v in own]
 
 
+class _NnxUnitCall:
+    """An nnx submodule call inside a unit (a merged copy's, ``UnitCalls._apply``), as ``ContextCalls.around``
+    reads it: ``fqn`` its dotted path in the unit, ``params()`` its parameters by their path in ``names`` (the
+    unit's ``StageLayout.rel``, or the code around the units' ``StageLayout.rest``)."""
+
+    method = "__call__"
+
+    def __init__(self, fqn: str, sub, orig, args, kwargs, names):
+        self.fqn, self.sub, self.orig, self.args, self.kwargs, self.names = fqn, sub, orig, args, kwargs, names
+
+    def params(self) -> list:
+        from spmd.parallel.styles._nnx import nnx_unit_params
+
+        base = self.fqn.replace(".", "/")
+        out = []
+        for rel, v in nnx_unit_params(self.sub):
+            p = f"{base}/{rel}"
+            out.append((p + "/value" if p + "/value" in self.names else p, v[...]))
+        return out
+
+
+class _NnxRoute:
+    """The hooks (``spmd.parallel.styles._nnx.hook_submodules``' protocol: ``prefix``, ``nnx_call``) routing an nnx
+    unit's submodule calls through ``calls.around``, as ``routed`` does linen's with ``nn.intercept_methods``."""
+
+    prefix = ()
+
+    def __init__(self, calls: ContextCalls, names):
+        self.calls, self.names = calls, set(names)
+
+    def nnx_call(self, fqn, sub, orig, args, kwargs):
+        out = self.calls.around(_NnxUnitCall(fqn, sub, orig, args, kwargs, self.names),
+                                lambda c: c.orig(c.sub, *c.args, **c.kwargs))
+        return orig(sub, *args, **kwargs) if out is NotImplemented else out
+
+
 @contextlib.contextmanager
-def routed(calls: ContextCalls | None):
-    """A linen unit's submodule calls through ``calls.around`` (a module of ``calls.gathered`` on the sequence
-    gathered over cp, the others as they are, each under its scope); nothing without ``calls``."""
+def routed(calls: ContextCalls | None, lay=None):
+    """A unit's submodule calls through ``calls.around`` (a module of ``calls.gathered`` on the sequence gathered
+    over cp, the others as they are, each under its scope); nothing without ``calls``. Linen: intercepted
+    (``nn.intercept_methods``); nnx (``lay`` an nnx model's layout): the unit's merged copy hooked
+    (``UnitCalls._apply`` hooks the installed hooks' submodules; not under tp or ep, whose hooks these are)."""
     if calls is None:
         yield
+        return
+    if lay is not None and lay.calls.kind == "nnx":
+        from spmd.parallel.styles._nnx import installed_hooks, installing
+
+        if installed_hooks() is not None:
+            yield
+            return
+        with installing(_NnxRoute(calls, lay.rel)):
+            yield
         return
     import flax.linen as nn
 
@@ -71,19 +119,19 @@ def routed(calls: ContextCalls | None):
 
 
 def unit_gathered(pm, lay, t: int) -> frozenset:
-    """The submodules of a linen unit that compute a product over the whole sequence of ``t`` positions (a model's
-    own einsum attention, not an intercepted call): for each, the innermost submodule taking the ``[batch, seq,
-    ...]`` sequence, read from one unit's trace (``spmd.parallel.step._heads.whole_sequence_products``). Cached on
-    ``lay`` per ``t``; empty for an nnx unit or under tp."""
+    """The submodules of a unit (linen or nnx) that compute a product over the whole sequence of ``t`` positions
+    (a model's own einsum attention, not an intercepted call): for each, the innermost submodule taking the
+    ``[batch, seq, ...]`` sequence, read from one unit's trace (``spmd.parallel.step._heads.whole_sequence_products``).
+    Cached on ``lay`` per ``t``; empty under tp (an nnx unit: under ep too, whose hooks route its calls)."""
     from spmd.parallel.step._heads import whole_sequence_products
 
-    if lay.calls.kind == "nnx" or pm.tp is not None or lay.scanned:
+    if pm.tp is not None or lay.scanned or (lay.calls.kind == "nnx" and pm.ep is not None):
         return frozenset()
     cache = lay.__dict__.setdefault("_cp_gathered", {})
     if t not in cache:
         calls = ContextCalls(pm.mesh.jax_mesh, pm.mesh.size(pm.cp), t, pm.cp, ring=False)
         unit = [lay.unit_shapes[rel] for rel in lay.rel]
-        with calls.installed(), routed(calls):
+        with calls.installed(), routed(calls, lay):
             jaxpr = jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act, lay.calls.side_shapes)
         found = set()
         for _, stack in whole_sequence_products(jaxpr.jaxpr, t):
@@ -119,7 +167,7 @@ def unit_rings(pm, lay, t: int) -> bool:
     if t not in cache:
         calls = _calls(pm, lay, t)
         unit = [lay.unit_shapes[rel] for rel in lay.rel]
-        with calls.installed(), routed(calls if calls.gathered else None):
+        with calls.installed(), routed(calls if calls.gathered else None, lay):
             jax.eval_shape(lambda ls, x, sd: lay.apply_unit(ls, x, sd), unit, lay.act, lay.calls.side_shapes)
         cache[t] = any(r.get("method", "").startswith("ring") for r in calls.records)
     return cache[t]
@@ -146,9 +194,10 @@ def stage_context(st, batch):
 
 
 def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
-    """Under cp (linen units, no tp): one unit's attention calls and gathered modules (``ContextCalls`` records,
+    """Under cp (no tp): one unit's attention calls and gathered modules (``ContextCalls`` records,
     traced on the micro-batch's shapes), the embedding lookups of the code before the first unit (a module with one
-    rank-2 parameter called on the ``[batch, seq]`` ids: GSPMD transposes it by gathering the ids and its output's
+    rank-2 parameter called on the ``[batch, seq]`` ids, linen's or nnx's: GSPMD transposes it by gathering the ids
+    and its output's
     gradient over cp) and its position tables (``positional``: a parameter added to the sequence row by row, its
     gradient cut over cp on the rows), the unit's ``side`` parameters (computed on its side arrays, whole over cp;
     ``joins``: the bytes of each broadcast of such a value into the sequence, all-reduced over cp backward), the tied heads of the code after the last unit (``attends``: a lookup's table
@@ -161,7 +210,7 @@ def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
     t = t or seq_len(mb)
     calls = _calls(pm, lay, t)
     unit = [lay.unit_shapes[rel] for rel in lay.rel]
-    with calls.installed(), routed(calls if calls.gathered else None):
+    with calls.installed(), routed(calls if calls.gathered else None, lay):
         closed = jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act, lay.calls.side_shapes)
     # the unit's parameters computed on its side arrays only (whole over cp: a [batch, d] vector's dense layer) whose
     # output joins the sequence by broadcast: their gradients whole over cp, the join's cotangent summed over cp
@@ -169,20 +218,42 @@ def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
     side, joins = side_params(closed.jaxpr, closed.jaxpr.invars[:len(unit)], ins[:1], t, ins[1:])
     lookups = []
 
+    def lookup(x, out, own, path):  # a module with one rank-2 parameter on the [batch, seq] ids: a lookup
+        if (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer) and np.ndim(x) == 2
+                and x.shape[1] == calls.seq_len and hasattr(out, "shape") and tuple(out.shape[:2]) == tuple(x.shape)
+                and len(own) == 1 and np.ndim(own[0][1]) == 2):
+            lookups.append({"param": path(own[0][0]),
+                            "bytes": [x.size * x.dtype.itemsize, out.size * out.dtype.itemsize]})
+
     def note(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
-        mod, x = context.module, args[0] if args else None
+        mod = context.module
         own = jax.tree_util.tree_leaves_with_path(mod.variables.get("params", {})) if mod.scope is not None else []
-        if (context.method_name == "__call__" and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
-                and np.ndim(x) == 2 and x.shape[1] == calls.seq_len and hasattr(out, "shape")
-                and tuple(out.shape[:2]) == tuple(x.shape) and len(own) == 1 and np.ndim(own[0][1]) == 2):
-            path = "/".join(str(p) for p in mod.scope.path) + "/" + "/".join(str(k.key) for k in own[0][0])
-            lookups.append({"param": path, "bytes": [x.size * x.dtype.itemsize, out.size * out.dtype.itemsize]})
+        if context.method_name == "__call__":
+            lookup(args[0] if args else None, out, own, lambda k: "/".join(str(p) for p in mod.scope.path) + "/"
+                   + "/".join(str(e.key) for e in k))
         return out
 
     rest = {p: lay.shapes[p] for p in lay.rest}
-    with nn.intercept_methods(note):
-        jax.eval_shape(lambda r, b: lay.pre(loss_fn, r, b), rest, mb)
+    if lay.calls.kind == "nnx":  # the model's submodules before the units hooked (``UnitCalls._run_nnx``)
+        from spmd.parallel.styles._nnx import installing, nnx_unit_params
+
+        class _Note:
+            prefix = ()
+
+            def nnx_call(self, fqn, sub, orig, args, kwargs):
+                out = orig(sub, *args, **kwargs)
+                base = fqn.replace(".", "/")
+                own = [(f"{base}/{r}" + ("/value" if f"{base}/{r}/value" in lay.rest else ""), v[...])
+                       for r, v in nnx_unit_params(sub)]
+                lookup(args[0] if args else None, out, own, lambda k: k)
+                return out
+
+        with installing(_Note()):
+            jax.eval_shape(lambda r, b: lay.pre(loss_fn, r, b), rest, mb)
+    else:
+        with nn.intercept_methods(note):
+            jax.eval_shape(lambda r, b: lay.pre(loss_fn, r, b), rest, mb)
     tail = ContextCalls(pm.mesh.jax_mesh, calls.n, t, pm.cp, ring=False)  # notes a tied head (``Embed.attend``)
     with tail.installed():
         jax.eval_shape(lambda r, b, h: lay.post(loss_fn, r, b, h), rest, mb, lay.act)

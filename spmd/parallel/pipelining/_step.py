@@ -434,7 +434,7 @@ class _Stages:
         (its constants' row, ``UnitCalls.unit_consts``)."""
         lay = self.lay
         with self.hooks.unit(lay.module_of(lay.calls.kinds[k])) if self.hooks else contextlib.nullcontext(), \
-                routed(self.attention if self.attention is not None and self.attention.gathered else None):
+                routed(self.attention if self.attention is not None and self.attention.gathered else None, lay):
             return lay.apply_unit(leaves, x, side, kind=k, unit=unit)
 
     def chunk_of(self, sp: dict, j) -> dict:

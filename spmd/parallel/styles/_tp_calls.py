@@ -97,13 +97,14 @@ class TPCalls:
     def tp_cut(self, e: PlanEntry) -> bool:
         return self.ti is not None and isinstance(e.placements[self.ti], Shard)
 
-    def constrain(self, x: Any, layout: Any) -> Any:
-        """``x`` laid out as ``layout`` (``Shard(d)`` / ``Replicate()``) over tp: a sharding constraint."""
+    def constrain(self, x: Any, layout: Any, seq: bool = False) -> Any:
+        """``x`` laid out as ``layout`` (``Shard(d)`` / ``Replicate()``) over tp: a sharding constraint; ``seq``: an
+        activation whose sequence (dim 1) stays cut over cp (else a ``Replicate()`` would gather it over cp too)."""
         if self.tp is None or layout is None or isinstance(layout, Partial) or not _is_array(x) or not hasattr(x, "ndim"):
             return x
         if isinstance(layout, Shard) and not -x.ndim <= layout.dim < x.ndim:
             return x
-        spec = self.layout_spec(layout, x.ndim, seq=self._seq_cut(layout, x.ndim))
+        spec = self.layout_spec(layout, x.ndim, seq=seq or self._seq_cut(layout, x.ndim))
         if jax.sharding.get_abstract_mesh().empty:  # no enclosing region (a mesh of tp alone): the model's mesh
             return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.model.mesh.jax_mesh, spec))
         return jax.lax.with_sharding_constraint(x, spec)
@@ -367,15 +368,21 @@ class TPCalls:
         given = style.input_layouts_for(typ)[0] if style is not None else None
         given = given[0] if isinstance(given, (tuple, list)) else given
         x0 = args[0] if args else None
+        # under cp, an input holding the sequence cut over cp (read from the program, or sequence parallelism's
+        # Shard(1)): its input and output stay cut over cp, whole over tp (not gathered over cp too)
+        ctx = getattr(self.hooks, "context", None)
+        seq = (self.cp is not None and ctx is not None and _is_array(x0) and np.ndim(x0) >= 2
+               and not ctx.in_gathered() and (self._seq_cut(given, np.ndim(x0)) or ctx.cut_seq(x0)))
         if isinstance(given, Shard):  # a sequence-cut input: gathered whole (GSPMD; its gradient sliced back)
-            args = (checkpoint_name(self.constrain(self.constrain(x0, given), Replicate()), TP_COMM), *args[1:])
+            args = (checkpoint_name(self.constrain(self.constrain(x0, given), Replicate(), seq), TP_COMM), *args[1:])
         if any(cut):
-            vals = [checkpoint_name(self.constrain(v, Replicate()), TP_COMM) if c else v for v, c in zip(vals, cut)]
+            vals = [checkpoint_name(self._gather_whole(v, e), TP_COMM) if c else v for v, e, c in zip(vals, ents, cut)]
             y = run_local(vals, args, kwargs, False)
         else:
             with self.hooks.bypassing():
                 y = call(*args, **kwargs)
-        y = self.constrain(y, Replicate())  # and its gradient: summed over the devices sharing a head
+        y = self.constrain(y, Replicate(), seq and np.ndim(y) >= 2)  # and its gradient: summed over the devices
+        # sharing a head
         x = args[0] if args else None
         self.hooks.records.append({
             "module": fqn, "style": type(style).__name__ if style is not None else "whole over tp", "type": typ,
@@ -388,6 +395,25 @@ class TPCalls:
             "gathered_params": [int(np.prod(np.shape(v))) * jnp.dtype(v.dtype).itemsize
                                 for v, c in zip(vals, cut) if c]})
         return y
+
+    def _gather_whole(self, v: jax.Array, e: PlanEntry) -> jax.Array:
+        """A parameter cut over tp gathered whole (an all-gather). Under cp its gradient, summed over cp (each
+        device's positions' part), is taken back to its tp block first: the reduction over cp is of the block
+        (left to GSPMD, the whole gradient's constraint sums the whole over cp, then slices it)."""
+        if self.cp is None:
+            return self.constrain(v, Replicate())
+        whole, block = self.layout_spec(Replicate(), v.ndim), self.tp_spec(e, v.ndim)
+        mesh = self.model.mesh.jax_mesh if jax.sharding.get_abstract_mesh().empty else None
+
+        def wsc(x, spec):
+            return jax.lax.with_sharding_constraint(x, spec if mesh is None else jax.sharding.NamedSharding(mesh, spec))
+
+        @jax.custom_vjp
+        def gather(x):
+            return wsc(x, whole)
+
+        gather.defvjp(lambda x: (wsc(x, whole), None), lambda _, g: (wsc(g, block),))
+        return gather(v)
 
     def features_cut(self, style, typ: str) -> bool:
         """Whether the style computes its module's output cut on the features (``Shard(-1)``: column-parallel)."""

@@ -193,3 +193,33 @@ def test_a_bfloat16_program_is_held_as_hardware_running_bfloat16_holds_it():
                            jax.ShapeDtypeStruct((128, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P())))
     assert bf16_memory(low) == StepMemory(argument=(64 + 128) * 128 * 2, output=64 * 128 * 2, temp=64 * 128 * 2,
                                           alias=0)
+
+
+@pytest.mark.slow  # one compile of a one-block step (13 s on a loaded host)
+def test_the_timed_step_runs_on_finite_values_with_a_gradient():
+    """``auto_layout(measure=)`` times each candidate's step on ``host_pattern`` parameters and ``timed_batch``
+    (here a batch of shape structs, as the planner may be given: ones, a mask of ones): its loss is finite, the
+    one-device loss of the parameters it was given (``model.apply`` on the host's values), and its gradient not
+    zero. On zeros the gradient was zero, and a masked loss 0 / 0 = NaN."""
+    from spmd.parallel.auto._measure import _built, host_pattern
+
+    model = _model(1)
+    batch = {**_batch(), "mask": np.ones((B, T), np.float32)}
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"])["params"])
+
+    def masked_loss(laid):
+        def loss_fn(p, b):
+            logits = laid.apply({"params": p}, b["inputs"])
+            nll = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"])
+            return (nll * b["mask"]).sum() / b["mask"].sum()
+        return loss_fn
+
+    step, state, b = _built(model, OPT, masked_loss, params, structs, jax.devices()[:8], Layout(dp=8))
+    _, metrics = step(state, b)
+    got = jax.device_get(metrics)
+    ones = np.ones((B, T), np.int32)
+    logits = model.apply({"params": host_pattern(params)}, ones)
+    want = optax.softmax_cross_entropy_with_integer_labels(logits, ones).mean()
+    assert np.isfinite(got["loss"]) and np.isfinite(got["grad_norm"]) and got["grad_norm"] > 0
+    np.testing.assert_allclose(got["loss"], want, rtol=1e-5)

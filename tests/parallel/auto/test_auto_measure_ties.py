@@ -96,3 +96,17 @@ def test_the_progress_names_the_work_before_it_starts(capsys):
     bar = tqdm.tqdm(total=3, file=out, mininterval=1e9)  # no refresh by time: only now()'s own
     now(bar, "compiling fsdp=8")
     assert "compiling fsdp=8" in out.getvalue() and "1/3" in out.getvalue()
+
+
+def test_the_why_of_a_pick_beside_a_faster_uncompiled_estimate_says_it_was_not_compiled():
+    # the search's time budget stopped before compiling FSDP, predicted 0.3 s faster than the compiled TP: the pick
+    # is TP (its peak compiled and fitting), and the why names the gap the right way round, not "wins by -300 ms"
+    tp = replace(_cand(TP, 1.0, 100), measured_peak=2**30)
+    fsdp = _cand(FSDP, 0.7, 300)
+    text = AutoLayout((tp, fsdp), (), None, None).why()
+    assert text.startswith(f"{TP.name} is the fastest compiled candidate that fits; {FSDP.name} is predicted "
+                           "300.00 ms/step faster")
+    assert "not compiled" in text and "-300" not in text
+    # both compiled: the plain comparison, by the positive gap
+    text = AutoLayout((replace(fsdp, measured_peak=2**30), tp), (), None, None).why()
+    assert text.startswith(f"{FSDP.name} wins over {TP.name} by 300.00 ms/step")
