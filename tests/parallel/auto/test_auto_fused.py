@@ -135,3 +135,27 @@ def test_the_kernel_runs_only_in_the_context_that_installed_it():
         release.set()
         t.join(60)
     np.testing.assert_allclose(got["kernel"], ref, atol=2e-6)
+
+
+def test_one_more_attention_layer_adds_its_saved_values_not_the_loops_accumulators():
+    """The kernel's loop carries (the output / statistics accumulators forward, dQ / dK / dV backward, float32)
+    are made from the loop's operands: built as broadcast constants, XLA:CPU gave each loop a copy scheduled at
+    the step's start and held every layer's to its backward pass (Llama 3 70B fsdp=32,tp=8: 0.57 GiB a layer).
+    One more layer of ``x + attention(x)`` adds what its backward keeps, counted from the shapes (q = the
+    layer's input, the k and v slices, the float32 output, the log-sum-exp), plus at most one q-shaped float32
+    buffer; with the copies held it added the backward's accumulators on top (10.5 MB here against 8.4)."""
+    b, t, n, k, d = 2, 1024, 4, 2, 64
+
+    def peak(layers):
+        def loss(x):
+            for _ in range(layers):
+                x = x + flash_attention(x, x[:, :, :k], x[:, :, k:], is_causal=True, block=128)
+            return jnp.sum(x * x)
+
+        x = jax.ShapeDtypeStruct((b, t, n, d), jnp.float32)
+        return jax.jit(jax.grad(loss)).lower(x).compile().memory_analysis().temp_size_in_bytes
+
+    f32 = 4
+    saved = (b * t * n * d + 2 * b * t * k * d + b * t * n * d) * f32 + b * n * t * f32  # q, k, v, out, lse
+    grew = [peak(3) - peak(2), peak(4) - peak(3)]
+    assert max(grew) <= saved + b * t * n * d * f32 + 4096, (grew, saved)
