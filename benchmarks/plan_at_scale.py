@@ -52,7 +52,9 @@ import optax  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models._llama import Llama, LlamaConfig  # noqa: E402
-from spmd.parallel import ColwiseParallel, RowwiseParallel, auto_layout  # noqa: E402
+from spmd import Replicate, Shard  # noqa: E402
+from spmd.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel,  # noqa: E402
+                           auto_layout)
 from spmd.parallel.auto._auto import default_loss  # noqa: E402
 from spmd.parallel.auto._compiled import compile_figures  # noqa: E402
 from spmd.parallel.auto._fused import fused_attention  # noqa: E402
@@ -137,13 +139,24 @@ if "--quiet" not in sys.argv:
 
 
 def tp_plan(sequence_parallel: bool, tp_size: int) -> dict | None:
-    """Megatron's plan of a Llama block (heads and MLP features cut), tensor parallelism inside a node (<= 8)."""
-    if sequence_parallel or tp_size > 8:
+    """Megatron's plan of a Llama block (heads and MLP features cut), tensor parallelism inside a node (<= 8), and
+    with ``sequence_parallel`` torchtitan's: the norms ``SequenceParallel``, the activations between blocks cut on
+    the sequence (the embedding's output cut, the projections taking ``Shard(1)``, the row-parallel ones handing it
+    on), so a block's saved input is ``1 / tp`` of it."""
+    if tp_size > 8:
         return None
-    col, row = ColwiseParallel(), RowwiseParallel()
-    return {**{f"layers_*.self_attn.{p}": col for p in ("q_proj", "k_proj", "v_proj")},
+    if not sequence_parallel:
+        col, row = ColwiseParallel(), RowwiseParallel()
+        return {**{f"layers_*.self_attn.{p}": col for p in ("q_proj", "k_proj", "v_proj")},
+                "layers_*.self_attn.o_proj": row, "layers_*.mlp.gate_proj": col, "layers_*.mlp.up_proj": col,
+                "layers_*.mlp.down_proj": row, "lm_head": ColwiseParallel()}
+    col, row = ColwiseParallel(input_layouts=Shard(1)), RowwiseParallel(output_layouts=Shard(1))
+    return {"embed_tokens": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+            **{f"layers_*.{n}": SequenceParallel() for n in ("input_layernorm", "post_attention_layernorm")},
+            "norm": SequenceParallel(),
+            **{f"layers_*.self_attn.{p}": col for p in ("q_proj", "k_proj", "v_proj")},
             "layers_*.self_attn.o_proj": row, "layers_*.mlp.gate_proj": col, "layers_*.mlp.up_proj": col,
-            "layers_*.mlp.down_proj": row, "lm_head": ColwiseParallel()}
+            "layers_*.mlp.down_proj": row, "lm_head": col}
 
 
 def _why(c) -> str:
