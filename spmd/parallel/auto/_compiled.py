@@ -70,7 +70,6 @@ def compile_figures(model: Any, optimizer: Any, loss_of: Callable, params: Any, 
     return {"memory": mem, "flops": flops, "bytes": nbytes}
 
 
-
 def buffer_assignment_memory(text: str) -> StepMemory:
     """The ``StepMemory`` of XLA's buffer assignment as its dump prints it (``*-buffer-assignment.txt``): each
     ``allocation N: size S, ...`` line an entry parameter's (argument), a maybe-live-out one's (output; both:
@@ -108,6 +107,7 @@ def bf16_memory(lowered: Any) -> StepMemory:
                 return buffer_assignment_memory(f.read())
     finally:
         shutil.rmtree(where, ignore_errors=True)
+
 
 def _affine(a: Any, b: Any, blocks: int) -> Any:
     if isinstance(a, dict):

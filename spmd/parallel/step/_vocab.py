@@ -18,21 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from spmd.parallel.step._heads import _sub_jaxprs
 from spmd.parallel.styles._tp_calls import COLWISE_MARK
 
 __all__ = ["check_vocab_gathers", "vocab_reductions", "vocab_terms"]
 
 _REDUCE = {"reduce_max", "reduce_min", "reduce_sum", "reduce_prod", "argmax", "argmin", "reduce_and", "reduce_or"}
-
-
-def _subs(eqn) -> list:
-    out = []
-    for v in eqn.params.values():
-        for j in (v if isinstance(v, (tuple, list)) else (v,)):
-            inner = getattr(j, "jaxpr", j)
-            if hasattr(inner, "eqns") and hasattr(inner, "invars"):
-                out.append(inner)
-    return out
 
 
 def _itemsize(v) -> int:
@@ -67,7 +58,7 @@ def _walk(jaxpr: Any, tp_axis: str, found: list, cut: dict, calls: int) -> None:
         if name == "shard_map" and tp_axis in set(eqn.params.get("axis_names", ()) or ()):
             continue  # a style's region: its collectives are its own rows
         ins = [v for v in eqn.invars if not hasattr(v, "val") and v in cut]
-        subs = _subs(eqn)
+        subs = _sub_jaxprs(eqn)
         if subs:
             n = calls * int(eqn.params.get("length", 1)) if name == "scan" else calls
             for sub in subs:
