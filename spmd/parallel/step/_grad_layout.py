@@ -27,34 +27,51 @@ _UNARY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reduce_p
 _LOOPS = frozenset({"scan", "while", "cond"})
 
 
+class _Producers:
+    """The equation producing a variable, per jaxpr (each jaxpr's table built once), for the walkers below,
+    which follow a gradient back through the backward pass's equations."""
+
+    def __init__(self):
+        self._tables: dict[int, dict] = {}
+
+    def __call__(self, jaxpr: Any, var: Any) -> tuple[Any, int] | None:
+        """``(equation, output index)`` producing ``var`` in ``jaxpr``; None for a literal or an input."""
+        if isinstance(var, Literal):
+            return None
+        table = self._tables.get(id(jaxpr))
+        if table is None:
+            table = self._tables[id(jaxpr)] = {id(v): (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
+        return table.get(id(var))
+
+
+def _called(eqn: Any, i: int) -> tuple[Any, Any] | bool:
+    """Output ``i`` of a call-like equation (``pjit``, ``remat``, ``custom_jvp_call`` / ``custom_vjp_call``):
+    ``(the called jaxpr, its output)`` to follow; False for a call whose outputs do not map one to one; True
+    where ``eqn`` is no call (a loop is none: its body is not entered)."""
+    sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+    if sub is None or eqn.primitive.name in _LOOPS:
+        return True
+    inner = getattr(sub, "jaxpr", sub)
+    return (inner, inner.outvars[i]) if len(inner.outvars) == len(eqn.outvars) else False
+
+
 def transposed_dot_grads(closed: Any, stacked: bool = False) -> list[bool]:
     """For each output of ``closed`` (the ``ClosedJaxpr`` of a backward pass): whether it is the 2-D transpose
     of a ``dot_general``'s output (through calls, dtype converts and sums of such). ``stacked``: also a 3-D
     output that is a ``scan``'s stacked per-iteration outputs (through a transpose that moves the layer axis
     alone, as ``nn.scan`` with ``variable_axes={"params": 1}`` does), each of them such a 2-D transpose: a
     kernel ``[L, in, out]`` of blocks under ``nn.scan`` / ``nnx.scan``."""
-    producers: dict[int, dict] = {}
-
-    def producer(jaxpr, var):
-        table = producers.get(id(jaxpr))
-        if table is None:
-            table = producers[id(jaxpr)] = {id(v): (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
-        return table.get(id(var))
+    producer = _Producers()
 
     def walk(jaxpr, var, want: str, depth: int = 0) -> bool:
-        if isinstance(var, Literal) or depth > 64:
-            return False
-        hit = producer(jaxpr, var)
+        hit = producer(jaxpr, var) if depth <= 64 else None
         if hit is None:
             return False
         eqn, i = hit
         name = eqn.primitive.name
-        sub = eqn.params.get("jaxpr")
-        if sub is not None and name not in _LOOPS:
-            inner = getattr(sub, "jaxpr", sub)
-            if len(inner.outvars) == len(eqn.outvars):
-                return walk(inner, inner.outvars[i], want, depth + 1)
-            return False
+        call = _called(eqn, i)
+        if call is not True:
+            return bool(call) and walk(*call, want, depth + 1)
         if name in _UNARY:
             return walk(jaxpr, eqn.invars[0], want, depth + 1)
         if name == "add_any":
@@ -200,28 +217,17 @@ def gathered_dot_grads(closed: Any) -> list[bool]:
     FSDP gather's transpose) of the 2-D transpose of a ``dot_general``'s output (through calls, dtype converts,
     sums and the padding's slice). Such a parameter is gathered transposed (``plan._shard.gather_unit``), so
     that the reduce-scatter takes the dot's own output, as GSPMD's partitioner places it."""
-    tables: dict[int, dict] = {}
-
-    def producer(jaxpr, var):
-        table = tables.get(id(jaxpr))
-        if table is None:
-            table = tables[id(jaxpr)] = {id(v): (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
-        return table.get(id(var))
+    producer = _Producers()
 
     def walk(jaxpr, var, want: str, depth: int = 0) -> bool:
-        if isinstance(var, Literal) or depth > 96:
-            return False
-        hit = producer(jaxpr, var)
+        hit = producer(jaxpr, var) if depth <= 96 else None
         if hit is None:
             return False
         eqn, i = hit
         name = eqn.primitive.name
-        sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-        if sub is not None and name not in _LOOPS:
-            inner = getattr(sub, "jaxpr", sub)
-            if len(inner.outvars) == len(eqn.outvars):
-                return walk(inner, inner.outvars[i], want, depth + 1)
-            return False
+        call = _called(eqn, i)
+        if call is not True:
+            return bool(call) and walk(*call, want, depth + 1)
         if name in _UNARY or (name in ("pad", "slice") and want == "transpose"):
             return walk(jaxpr, eqn.invars[0], want, depth + 1)
         if name in ("add", "add_any"):
@@ -242,24 +248,19 @@ def zero_grads(closed: Any) -> list[bool]:
     construction, JAX's instantiation of a symbolic zero cotangent (a parameter the loss reads under
     ``stop_gradient`` only, or not at all): a literal 0, or a ``broadcast_in_dim`` of one, through calls and
     dtype converts. Such a gradient needs no reduction (XLA would drop it: the table must not count it)."""
-    producers = {id(v): (e, i) for e in closed.jaxpr.eqns for i, v in enumerate(e.outvars)}
+    producer = _Producers()
 
     def zero(jaxpr, var, depth: int = 0) -> bool:
         if isinstance(var, Literal):
             return not bool(getattr(var.val, "any", lambda: var.val)())
-        if depth > 64:
-            return False
-        table = producers if jaxpr is closed.jaxpr else {id(v): (e, i) for e in jaxpr.eqns
-                                                         for i, v in enumerate(e.outvars)}
-        hit = table.get(id(var))
+        hit = producer(jaxpr, var) if depth <= 64 else None
         if hit is None:
             return False
         eqn, i = hit
         name = eqn.primitive.name
-        sub = eqn.params.get("jaxpr")
-        if sub is not None and name not in _LOOPS:
-            inner = getattr(sub, "jaxpr", sub)
-            return len(inner.outvars) == len(eqn.outvars) and zero(inner, inner.outvars[i], depth + 1)
+        call = _called(eqn, i)
+        if call is not True:
+            return bool(call) and zero(*call, depth + 1)
         if name in _UNARY or name == "broadcast_in_dim":
             return zero(jaxpr, eqn.invars[0], depth + 1)
         return False
