@@ -121,27 +121,36 @@ def routed(calls: ContextCalls | None, lay=None):
 def unit_gathered(pm, lay, t: int) -> frozenset:
     """The submodules of a unit (linen or nnx) that compute a product over the whole sequence of ``t`` positions
     (a model's own einsum attention, not an intercepted call): for each, the innermost submodule taking the
-    ``[batch, seq, ...]`` sequence, read from one unit's trace (``spmd.parallel.step._heads.whole_sequence_products``).
-    Cached on ``lay`` per ``t``; empty under tp (an nnx unit: under ep too, whose hooks route its calls)."""
-    from spmd.parallel.step._heads import whole_sequence_products
-
+    ``[batch, seq, ...]`` sequence, read from one unit's trace (``spmd.parallel.step._heads.whole_sequence_products``),
+    once per layout, sequence length and shapes (``StageLayout.traced``); empty under tp (an nnx unit: under ep
+    too, whose hooks route its calls)."""
     if pm.tp is not None or lay.scanned or (lay.calls.kind == "nnx" and pm.ep is not None):
         return frozenset()
-    cache = lay.__dict__.setdefault("_cp_gathered", {})
-    if t not in cache:
-        calls = ContextCalls(pm.mesh.jax_mesh, pm.mesh.size(pm.cp), t, pm.cp, ring=False)
-        unit = [lay.unit_shapes[rel] for rel in lay.rel]
-        with calls.installed(), routed(calls, lay):
-            jaxpr = jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act, lay.calls.side_shapes)
-        found = set()
-        for _, stack in whole_sequence_products(jaxpr.jaxpr, t):
-            if CALL_SCOPE in stack:
-                continue
-            mods = [m for m in scopes_of(stack) if m and calls.seen.get(m)]
-            if mods and not any(m in found for m in mods):
-                found.add(mods[-1])
-        cache[t] = frozenset(found)
-    return cache[t]
+    return lay.traced(("cp gathered", *_trace_key(pm, lay, t)), lambda: _find_gathered(pm, lay, t))
+
+
+def _trace_key(pm, lay, t: int) -> tuple:
+    """What one unit's trace under cp reads beyond the layout: the sequence length, the activation's and side arrays'
+    shapes, the mesh dims (and sizes) of cp, tp and ep."""
+    dims = tuple((d, pm.mesh.size(d)) for d in (pm.cp, pm.tp and pm.tp.tp.mesh_dim, pm.ep and pm.ep.ep.mesh_dim) if d)
+    return t, lay.act, tuple(lay.calls.side_shapes), dims
+
+
+def _find_gathered(pm, lay, t: int) -> frozenset:
+    from spmd.parallel.step._heads import whole_sequence_products
+
+    calls = ContextCalls(pm.mesh.jax_mesh, pm.mesh.size(pm.cp), t, pm.cp, ring=False)
+    unit = [lay.unit_shapes[rel] for rel in lay.rel]
+    with calls.installed(), routed(calls, lay):
+        jaxpr = jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act, lay.calls.side_shapes)
+    found = set()
+    for _, stack in whole_sequence_products(jaxpr.jaxpr, t):
+        if CALL_SCOPE in stack:
+            continue
+        mods = [m for m in scopes_of(stack) if m and calls.seen.get(m)]
+        if mods and not any(m in found for m in mods):
+            found.add(mods[-1])
+    return frozenset(found)
 
 
 def ring_blocker(pm, lay) -> str | None:
@@ -159,18 +168,19 @@ def ring_blocker(pm, lay) -> str | None:
 
 
 def unit_rings(pm, lay, t: int) -> bool:
-    """Whether one unit, traced on a sequence of ``t`` positions, runs an attention call as the ring (cached on
-    ``lay`` per ``t``); False where ``ring_blocker`` says it cannot."""
+    """Whether one unit, traced on a sequence of ``t`` positions, runs an attention call as the ring (once per layout,
+    sequence length and shapes: ``StageLayout.traced``); False where ``ring_blocker`` says it cannot."""
     if ring_blocker(pm, lay) is not None:
         return False
-    cache = lay.__dict__.setdefault("_cp_rings", {})
-    if t not in cache:
-        calls = _calls(pm, lay, t)
-        unit = [lay.unit_shapes[rel] for rel in lay.rel]
-        with calls.installed(), routed(calls if calls.gathered else None, lay):
-            jax.eval_shape(lambda ls, x, sd: lay.apply_unit(ls, x, sd), unit, lay.act, lay.calls.side_shapes)
-        cache[t] = any(r.get("method", "").startswith("ring") for r in calls.records)
-    return cache[t]
+    return lay.traced(("cp rings", *_trace_key(pm, lay, t)), lambda: _find_rings(pm, lay, t))
+
+
+def _find_rings(pm, lay, t: int) -> bool:
+    calls = _calls(pm, lay, t)
+    unit = [lay.unit_shapes[rel] for rel in lay.rel]
+    with calls.installed(), routed(calls if calls.gathered else None, lay):
+        jax.eval_shape(lambda ls, x, sd: lay.apply_unit(ls, x, sd), unit, lay.act, lay.calls.side_shapes)
+    return any(r.get("method", "").startswith("ring") for r in calls.records)
 
 
 def _calls(pm, lay, t: int) -> ContextCalls:
@@ -205,7 +215,8 @@ def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
     ``t``: the batch's sequence length (``seq_batch_leaves``; None: the one dim-1 length of ``mb``'s leaves)."""
     import flax.linen as nn
 
-    from spmd.parallel.step._heads import positional_params, side_params
+    from spmd.parallel.step._loss_io import _split_loss
+    from spmd.parallel.step._heads import dot_params, positional_params, side_params
 
     t = t or seq_len(mb)
     calls = _calls(pm, lay, t)
@@ -260,6 +271,12 @@ def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
     jaxpr = jax.make_jaxpr(lambda r, b: lay.pre(loss_fn, r, b)[0])(rest, mb).jaxpr
     flat = jax.tree_util.tree_flatten_with_path(rest)[0]
     order = [path[0].key for path, _ in flat]
+    # a lookup's table multiplied by after the units (a tied head: linen's or nnx's ``Embed.attend``, a dense layer
+    # on the table), read from the post-unit code's gradient (``dot_params``: a product of its forward pass)
+    post = jax.make_jaxpr(jax.grad(lambda r, b, h: _split_loss(lay.post(loss_fn, r, b, h), "make_train_step")[0]))(
+        rest, mb, lay.act).jaxpr
+    dotted = {order[i] for i in dot_params(post, post.invars[:len(order)])}
+    attends = set(tail.attends) | (dotted & {r["param"] for r in lookups})
     positional = sorted(order[i] for i in positional_params(jaxpr, jaxpr.invars[:len(order)], t))
-    return {"unit": list(calls.records), "shadow": unit_rings(pm, lay, t), "lookups": lookups, "positional": positional, "attends": sorted(tail.attends),
+    return {"unit": list(calls.records), "shadow": unit_rings(pm, lay, t), "lookups": lookups, "positional": positional, "attends": sorted(attends),
             "side": sorted(lay.rel[i] for i in side), "joins": list(joins)}

@@ -71,7 +71,7 @@ same trace: ``_calls._layer_remat``), so a chunk's backward saves what the user'
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +229,17 @@ class StageLayout:
         self._pm = pm
         self.plan = self._make_plan(pm.mesh, pm.pp)
         self.calls = UnitCalls(self, pm.module)
+        # what one unit's trace shows (``traced``): by an immutable key naming the question and what was traced
+        self._traced: dict[tuple, Any] = {}
+
+    def traced(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """``compute()``, once per ``key`` (hashable: the question's name, then every input its answer reads beyond
+        this layout: the sequence length, the unit's activation and side arrays' shapes, the mesh dims of its
+        styles), for what one unit's trace shows (``spmd.parallel.pipelining._cp.unit_gathered``, ``unit_rings``;
+        ``_tp.unit_whole_heads``). The answer must be an immutable value."""
+        if key not in self._traced:
+            self._traced[key] = compute()
+        return self._traced[key]
 
     # --- the stored tree ----------------------------------------------------------------------------
     def stored_shapes(self) -> dict:

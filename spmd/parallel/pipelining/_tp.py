@@ -148,23 +148,25 @@ def stage_hooks(pm, lay) -> StageHooks | None:
 
 def unit_whole_heads(pm, lay) -> dict:
     """``{module: heads}``: the units' projections that run whole over tp (fewer heads than tp;
-    ``spmd.parallel.step._heads``), read once per stage layout from one unit's trace (which also refuses a cut
-    that would split a head), for every unit's module names."""
-    got = lay.__dict__.get("_whole_heads")
-    if got is None:
-        from spmd.parallel.step._heads import head_splits, whole_over_tp
+    ``spmd.parallel.step._heads``), read from one unit's trace (which also refuses a cut that would split a head)
+    once per stage layout and shapes (``StageLayout.traced``), for every unit's module names."""
+    key = ("tp whole heads", lay.act, tuple(lay.calls.side_shapes), pm.tp.tp.mesh_dim, pm.mesh.size(pm.tp.tp.mesh_dim))
+    return dict(lay.traced(key, lambda: _find_whole_heads(pm, lay)))
 
-        hooks = StageHooks(pm.tp, user_plan(pm, lay), gather_units=False)
-        with hooks.installed(), hooks.unit(lay.module_of(0)):  # with ep too: the unit as a rank of ep runs it
-            jaxpr = jax.make_jaxpr(_on_ep(pm, lambda ls, x, sd: lay.apply_unit(ls, x, sd)))(
-                _local_unit(pm, lay), lay.act, lay.calls.side_shapes).jaxpr
-        first = lay.module_of(0).replace("/", ".") + "."
-        got = {}
-        for fqn, heads in whole_over_tp(head_splits(jaxpr)).items():
-            for u in ([lay.scanned] if lay.scanned else lay.units):
-                got[u.replace("/", ".") + "." + fqn[len(first):] if fqn.startswith(first) else fqn] = heads
-        lay.__dict__["_whole_heads"] = got
-    return got
+
+def _find_whole_heads(pm, lay) -> tuple:
+    from spmd.parallel.step._heads import head_splits, whole_over_tp
+
+    hooks = StageHooks(pm.tp, user_plan(pm, lay), gather_units=False)
+    with hooks.installed(), hooks.unit(lay.module_of(0)):  # with ep too: the unit as a rank of ep runs it
+        jaxpr = jax.make_jaxpr(_on_ep(pm, lambda ls, x, sd: lay.apply_unit(ls, x, sd)))(
+            _local_unit(pm, lay), lay.act, lay.calls.side_shapes).jaxpr
+    first = lay.module_of(0).replace("/", ".") + "."
+    got = {}
+    for fqn, heads in whole_over_tp(head_splits(jaxpr)).items():
+        for u in ([lay.scanned] if lay.scanned else lay.units):
+            got[u.replace("/", ".") + "." + fqn[len(first):] if fqn.startswith(first) else fqn] = heads
+    return tuple(got.items())
 
 
 def map_tp_aware(hooks: StageHooks | None, entries: Sequence, leaves: Sequence[Any], fn) -> list:
