@@ -5,6 +5,8 @@ of the step's table (count and bytes) equals the compiled step's, each device ho
 parameter bytes; the style's reading of d and f from the shapes, and its refusals, by name.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -15,7 +17,7 @@ from models import MoE
 from models._plans import layout_model
 from spmd.parallel import ExpertTensorParallel, init_train_state, make_train_step, unshard_params
 from tests._one_device import assert_trees_close, train_one_device
-from tests.parallel.test_expert_compose import _assert_table_is_hlo, _compiled
+from tests.parallel.test_expert_compose import _assert_table_is_hlo, _compiled, _cp_batches
 from tests.parallel.test_expert_step import CFG, _batches, _loss
 
 
@@ -112,3 +114,39 @@ def test_moe_experts_over_ep_and_tp_under_fsdp2_ep2_tp2_equals_one_device():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
     assert_trees_close(unshard_params(pm, state), ref.params)
     _assert_table_is_hlo(comm, hlo)
+
+
+@pytest.mark.slow
+def test_moe_experts_over_ep_and_tp_under_cp2_ep2_tp2_equals_one_device():
+    """With the sequence over cp: the router runs on the sequence gathered over cp, each device of cp dispatches its
+    half of the buffers' groups, so the experts' all-reduces over tp move 1/cp of the gathered buffers' bytes."""
+    model = MoE(dataclasses.replace(CFG, attn_implementation="sdpa"))  # the ring over cp
+    batches = _cp_batches()
+    params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
+    opt = optax.sgd(0.1)
+    ref_losses, ref = train_one_device(params, batches, _loss(model), opt, has_aux=True)
+    mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("cp", "ep", "tp"))
+    pm = layout_model(model, mesh)
+    state = init_train_state(pm, opt, batches[0]["tokens"], params=params)
+    e = state.plan.entry("layers_1/mlp/experts/gate_proj")  # [E, d, f]
+    assert ([str(p) for p in e.placements], e.local_shape) == (["R", "S(0)", "S(2)"], (4, 16, 16))
+    step = make_train_step(pm, _loss(model), opt)
+    comm = step.communication(state, batches[0])
+    hlo = _compiled(step, state, batches[0])
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params)
+    _assert_table_is_hlo(comm, hlo, ("all-gather", "reduce-scatter", "all-reduce", "collective-permute"))
+    # per device: 8 rows / ep = 4, the router's buffers [4, 8 experts, capacity 4, 16] on the gathered sequence,
+    # each device of cp dispatching 2 groups (4,096 B); after the dispatch [4, 4 local experts, 4, 16] = 4,096 B:
+    # the experts' partial output forward and their tokens' gradient backward over tp, one such buffer each
+    # (8,192 B each were the whole buffers, counted before: 8,192 B more than the compiled step)
+    assert comm["experts"]["all-to-all"] == {"count": 4, "bytes": 4 * 4096}
+    mods = {r["module"]: r for r in comm["modules"]}
+    assert mods["layers_1.mlp.experts"]["style"] == "ExpertTensorParallel"
+    # over tp: the attention's (4 a layer) and the dense layers_0 MLP's (3), [4, 8, 16] float32 = 2,048 B each
+    # on a device's 8 of the 16 positions; the experts' 2 of 4,096 B
+    assert comm["activations"]["all-reduce"] == {"count": 8 + 3 + 2, "bytes": 11 * 2048 + 2 * 4096}

@@ -756,10 +756,17 @@ def with_context(comm: dict, plan: ParamPlan, calls: Any, accum_steps: int, regi
             comm["total"]["all-reduce"]["bytes"] -= less
     total = {k: dict(v) for k, v in comm["total"].items()}
     # the tp styles' activations ([batch, seq, ...]) hold the device's positions: 1 / cp of the bytes, but inside a
-    # module run on the gathered sequence (and not the parameters a projection whole over tp gathers: whole)
+    # module run on the gathered sequence (and not the parameters a projection whole over tp gathers: whole); an
+    # experts module cut over cp there (``experts_cut``: each device of cp runs its part of the dispatched
+    # tokens, ExpertTensorParallel's all-reduces on that part) holds 1 / cp of them again
     wholes = [r["call"] for r in records if r["method"] == "gather sequence"]
+    parts = [r["call"] for r in records if r["method"] == "experts cut"]
+
+    def under(r, calls):
+        return any(r["module"] == g or r["module"].startswith(g + ".") for g in calls)
+
     cut = [dict(r, gathered_params=[]) if r.get("gathered_params") else r for r in comm.get("modules", ())
-           if not any(r["module"] == g or r["module"].startswith(g + ".") for g in wholes)]
+           if not under(r, wholes) or under(r, parts)]
     if cut and n > 1:
         act = comm["activations"] = {k: dict(v) for k, v in comm["activations"].items()}
         for kind, v in activation_terms(cut, accum_steps=accum_steps).items():
