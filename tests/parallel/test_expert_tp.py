@@ -2,10 +2,16 @@
 and over tp on their hidden f (gate / up ``[E, d, f]`` on dim 2, down ``[E, f, d]`` on dim 1), laid out by
 ``models.layout_model`` on dp=2 x ep=2 x tp=2: 3 SGD steps equal one device's within 1e-5, every collective kind
 of the step's table (count and bytes) equals the compiled step's, each device holds 1/(ep x tp) of the experts'
-parameter bytes; the style's reading of d and f from the shapes, and its refusals, by name.
+parameter bytes; with the sequence over cp too (cp=2 x ep=2 x tp=2, and fsdp=2 x cp=2 x ep=2 x tp=2 on 16 devices
+in its own process), the router on the gathered sequence and each device of cp dispatching its part, the same; the
+style's reading of d and f from the shapes, and its refusals, by name.
 """
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -19,6 +25,8 @@ from spmd.parallel import ExpertTensorParallel, init_train_state, make_train_ste
 from tests._one_device import assert_trees_close, train_one_device
 from tests.parallel.test_expert_compose import _assert_table_is_hlo, _compiled, _cp_batches
 from tests.parallel.test_expert_step import CFG, _batches, _loss
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.slow
@@ -150,3 +158,29 @@ def test_moe_experts_over_ep_and_tp_under_cp2_ep2_tp2_equals_one_device():
     # over tp: the attention's (4 a layer) and the dense layers_0 MLP's (3), [4, 8, 16] float32 = 2,048 B each
     # on a device's 8 of the 16 positions; the experts' 2 of 4,096 B
     assert comm["activations"]["all-reduce"] == {"count": 8 + 3 + 2, "bytes": 11 * 2048 + 2 * 4096}
+
+
+@pytest.mark.slow  # a 16-device program compiled in a subprocess (~1.5 min on 2 cores)
+def test_moe_experts_over_ep_and_tp_under_fsdp2_cp2_ep2_tp2_equals_one_device():
+    """fsdp=2 x cp=2 x ep=2 x tp=2 on 16 devices, in its own process (``_fsdp_cp_ep_tp.py``; the tests' processes
+    have 8): 3 SGD steps equal one device's within 1e-5, every collective kind of the table equal to the compiled
+    step's (the experts' all-reduces over tp on each cp device's half of the buffers: 4,096 B less than counted
+    on the whole ones before)."""
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=16"))
+    out = subprocess.run([sys.executable, "-m", "tests.parallel._fsdp_cp_ep_tp"], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(got["losses"], got["ref_losses"], rtol=1e-5, atol=1e-5)
+    assert got["params"] < 1e-5
+    # gate_proj [E, d, f]: d over fsdp, E over ep, f over tp, whole over cp
+    assert got["placements"] == [["S(1)", "R", "S(0)", "S(2)"], [4, 8, 16]]
+    table, hlo = got["table"], got["hlo"]
+    for kind in ("all-reduce", "all-gather", "reduce-scatter"):  # buffers and bytes
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (table[kind]["count"], table[kind]["bytes"]), kind
+    for kind in ("all-to-all", "collective-permute"):
+        assert (hlo[kind]["count"], hlo[kind]["bytes"]) == (table[kind]["count"], table[kind]["bytes"]), kind
+    # per device: 8 rows / (fsdp x ep) = 2 -> buffers [2, 8 experts, capacity 4, 16] on the gathered sequence, each
+    # device of cp dispatching one group (2,048 B)
+    assert got["experts"] == {"count": 4, "bytes": 4 * 2048}
