@@ -15,8 +15,10 @@
   exchanged with all-to-alls) for every divisor of the device count that divides the expert count, the
   batch's rows split over ``dp`` x ``fsdp`` x ``ep``, the rest of the devices over ``dp`` x ``fsdp`` x ``tp``.
   With tp, the experts' hidden ``f`` is cut over tp too (``ExpertTensorParallel`` added to the tp plan, as
-  ``models.train`` lays them out: ``expert_tp``) where their shapes tell ``d`` from ``f`` and tp divides ``f``;
-  else (and under cp) they stay whole over tp and the layout's ``note`` says why (``AutoLayout.why`` prints it).
+  ``models.train`` lays them out: ``expert_tp``) where their shapes tell ``d`` from ``f`` and tp divides ``f``,
+  with the sequence over cp too (each device of cp runs the experts on its part of the dispatched buffers, its
+  all-reduces over tp on that part); else they stay whole over tp and the layout's ``note`` says why
+  (``AutoLayout.why`` prints it).
 - **cp x ep**: for a model with experts and a sequence, every ``cp`` x ``ep`` of those whose product divides
   the device count (the sequence over cp, the experts over ep: their routers run on the sequence gathered over
   cp), the rest over ``dp`` x ``fsdp`` x ``tp``.
@@ -95,18 +97,14 @@ def sequence_of(batch: Any) -> int | None:
     return seqs.pop() if len(seqs) == 1 else None
 
 
-def expert_tp(params: Any, experts: str | None, tp: int, stack: str | None = None,
-              cp: int = 1) -> tuple[tuple, str | None]:
+def expert_tp(params: Any, experts: str | None, tp: int, stack: str | None = None) -> tuple[tuple, str | None]:
     """The experts' own tp for an ep x ``tp`` candidate, as ``models.train`` lays them out (``layout_model``):
     ``((glob, ExpertTensorParallel()),)`` to add to its tp plan where ``ExpertTensorParallel`` reads the experts'
     ``d`` and ``f`` from their parameters' shapes (those of the first module matching ``experts``) and ``tp``
-    divides ``f``, and no note; else ``()`` (the experts whole over tp) and the note saying why. Not with ``cp``:
-    there the step's table of the experts cut over tp does not yet equal its compiled program's all-reduces."""
+    divides ``f``, and no note; else ``()`` (the experts whole over tp) and the note saying why. The same with the
+    sequence over cp (the experts' all-reduces over tp on each cp device's part of the dispatched buffers)."""
     if experts is None or tp == 1:
         return (), None
-    if cp > 1:
-        return (), (f"the experts {experts!r} kept whole over tp={tp} under cp={cp}: ExpertTensorParallel with the "
-                    "sequence over cp is not priced yet (its all-reduces' table differs from the compiled step)")
     shapes, first = {}, None
     for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         mod, name = param_module(path_str(kp))
@@ -153,8 +151,7 @@ def context_expert_layouts(n: int, plan: Any, units: tuple[str, ...], params: An
         for cp in cps:
             if cp * ep > 1 and n % (cp * ep) == 0:
                 dims = dict(cp=cp, ep=ep, ep_plan=((got[0], ExpertParallel()),) if ep > 1 else None)
-                etp = (lambda tp, cp=cp: expert_tp(params, got[0], tp, stack[0] if stack else None, cp)) if ep > 1 \
-                    else None
+                etp = (lambda tp: expert_tp(params, got[0], tp, stack[0] if stack else None)) if ep > 1 else None
                 out += _rest(n // (cp * ep), plan, units, etp, **dims)
     rows = jax.tree.leaves(batch)[0].shape[0] if jax.tree.leaves(batch) else 0
     return out + pipelined(n, units, params, rows, cps[1:], eps[1:], got[0] if got is not None else None, plan)

@@ -3,16 +3,20 @@
 (``decoder_tp_plan``) gets, in its ``dp=2,ep=2,tp=2`` candidate (and the pipelined ``pp=2,ep=2,tp=2`` ones), the
 experts' ``ExpertTensorParallel`` beside that plan: gate/up ``[E, d, f]`` on ``Shard(2)``, down ``[E, f, d]`` on
 ``Shard(1)`` over tp. Its table equals the compiled step's collectives, and it prices 1/(ep x tp) of the experts'
-bytes per device. Where the shapes do not tell d from f (or tp does not divide f, or the sequence is over cp), the
-experts stay whole over tp and the layout's note says why."""
+bytes per device. With the sequence over cp too (``cp=2,ep=2,tp=2``, sdpa attention: the ring) the experts are cut
+over tp as well, and that candidate's table equals its compiled step's collectives. Where the shapes do not tell d
+from f (or tp does not divide f), the experts stay whole over tp and the layout's note says why."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 import optax
 import pytest
 
+from models import MoE
 from models._plans import decoder_tp_plan
 from spmd.parallel import (ExpertTensorParallel, apply_layout, auto_layout, hlo_executed_collectives,
                            init_train_state, make_train_step)
@@ -34,9 +38,8 @@ def test_ep_times_tp_candidates_cut_the_experts_over_tp():
     tps = [lay for lay in lays if lay.ep > 1 and lay.tp > 1]
     names = {lay.name for lay in tps}
     assert {"dp=2,ep=2,tp=2", "pp=2,ep=2,tp=2 1f1b M=2"} <= names, names
-    for lay in [lay for lay in tps if lay.cp > 1]:  # under cp: kept whole, and said
-        assert "layers_*.mlp.experts" not in dict(lay.tp_plan) and "kept whole over tp=2 under cp=2" in lay.note
-    for lay in [lay for lay in tps if lay.cp == 1]:  # f=32: tp=2 and tp=4 divide it
+    assert any(lay.cp > 1 for lay in tps) and any(lay.cp == 1 for lay in tps)
+    for lay in tps:  # f=32: tp=2 and tp=4 divide it; under cp too
         got = dict(lay.tp_plan)
         assert isinstance(got.pop("layers_*.mlp.experts"), ExpertTensorParallel) and got == PLAN, lay.name
         assert lay.note is None
@@ -91,6 +94,37 @@ def test_the_ranking_says_why_a_picks_experts_stay_whole():
     from spmd.parallel.auto._ranking import AutoLayout, Candidate
 
     lays, _, _ = _layouts()
-    lay = next(lay for lay in lays if lay.cp > 1 and lay.ep > 1 and lay.tp > 1)
+    params = {"layers_0": {"mlp": {"experts": {"w_in": np.zeros((4, 8, 24)), "w_out": np.zeros((4, 24, 8))}}}}
+    _, note = expert_tp(params, "layers_*.mlp.experts", 2)  # one projection in, one out: d not told from f
+    lay = dataclasses.replace(next(lay for lay in lays if lay.ep > 1 and lay.tp > 1), note=note)
     cand = Candidate(lay, 1.0, 1.0, {}, 0.0, {"total": {}}, {"peak": 0}, 0.0)
     assert AutoLayout((cand,)).why() == f"{lay.name}: the only candidate. ({lay.note})"
+
+
+@pytest.mark.slow  # one cp x ep x tp layout traced and compiled
+def test_the_cp2_ep2_tp2_candidate_cuts_the_experts_and_prices_its_compiled_collectives():
+    model = MoE(dataclasses.replace(MOE_EVERY.cfg, attn_implementation="sdpa"))  # the ring over cp
+    batch = _batch(16)
+    params = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
+    lay = next(lay for lay in context_expert_layouts(8, PLAN, ("layers_*",), params, batch)
+               if lay.name == "ep=2,cp=2,tp=2")
+    got = dict(lay.tp_plan)
+    assert isinstance(got.pop("layers_*.mlp.experts"), ExpertTensorParallel) and got == PLAN and lay.note is None
+    res = auto_layout(model, optax.sgd(0.1), batch, 8, layouts=[lay], calibration=CAL, params=params)
+    assert not res.rejected
+    best = res.candidates[0]
+    laid, _ = apply_layout(model, 8, best.layout)
+    real = model.init(jax.random.key(0), batch["inputs"])["params"]
+    state = init_train_state(laid, optax.sgd(0.1), params=real)
+    for i in range(2):
+        for name, dim in (("gate_proj", 2), ("up_proj", 2), ("down_proj", 1)):
+            e = state.plan.entry(f"layers_{i}/mlp/experts/{name}")
+            assert dict(zip(state.plan.mesh_dim_names, map(str, e.placements))) == {
+                "cp": "R", "ep": "S(0)", "tp": f"S({dim})"}, name
+    hlo = hlo_executed_collectives(make_train_step(laid, default_loss(laid), optax.sgd(0.1)).compiled(
+        state, batch).as_text(), scalars=False)
+    table = best.communication["total"]
+    for kind in KINDS:  # buffers; an all-to-all's ops
+        want = table.get(kind, {"count": 0, "bytes": 0})
+        assert (hlo[kind]["count" if kind == "all-to-all" else "buffers"], hlo[kind]["bytes"]) == (
+            want["count"], want["bytes"]), kind
