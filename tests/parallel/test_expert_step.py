@@ -21,7 +21,8 @@ import pytest
 import spmd
 from models import MoE, MoEConfig
 from spmd.parallel import (ColwiseParallel, ExpertParallel, RowwiseParallel, executed_collectives, fully_shard,
-                           init_train_state, make_train_step, parallelize_module, unshard_params)
+                           hlo_executed_collectives, init_train_state, make_train_step, parallelize_module,
+                           unshard_params)
 from tests._one_device import assert_trees_close, train_one_device
 
 T, V = 16, 24
@@ -129,7 +130,8 @@ def test_moe_under_dp2_cp2_ep2_equals_one_device(n):
     """cp and ep together: models.MoE with its attention through jax.nn.dot_product_attention (the ring over cp)
     and its experts cut over ep. The MoE block's routing (a capacity per sequence: a running count over the whole
     sequence) runs on the sequence gathered over cp (one all-gather of its input forward, of its output's cotangent
-    backward), and each device of cp dispatches its half of the buffers' groups to the experts (the experts do not
+    backward), but its router's projection on the device's own positions (1/cp of the matmul flops, read from the
+    compiled step; its logits gathered, its kernel's gradient summed over cp), and each device of cp dispatches its half of the buffers' groups to the experts (the experts do not
     run whole on every device of cp; their output gathered back over cp, their input's cotangent backward; their
     gradients summed over cp). Equal to 3 SGD steps of one device within 1e-5, the drops equal the NumPy count,
     every kind of collective equal to the table."""
@@ -147,7 +149,8 @@ def test_moe_under_dp2_cp2_ep2_equals_one_device(n):
     step = make_train_step(pm, _loss(model), opt)
     table = step.table(state, batches[0])
     comm = step.communication(state, batches[0])
-    hlo = executed_collectives(step._build(state.plan).jitted, state, batches[0], scalars=False)
+    text = step._build(state.plan).jitted.lower(state, batches[0]).compile().as_text()
+    hlo = hlo_executed_collectives(text, scalars=False)
     losses, drops = [], []
     for b in batches:
         state, m = step(state, b)
@@ -156,6 +159,10 @@ def test_moe_under_dp2_cp2_ep2_equals_one_device(n):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
     assert_trees_close(unshard_params(pm, state), ref.params)
     assert drops[0] * 4 == _numpy_drops(model, params, batches[0]["tokens"]) > 0  # averaged over dp x ep
+    # the router's projection runs on the device's own positions: its three matmuls (forward, the input's and the
+    # kernel's gradients) on 2 rows x n/2 positions x d 16 x E 8, 1/cp of the whole sequence's
+    assert _router_flops(text) == 3 * 2 * (2 * n // 2 * 16 * 8)
+    assert "'layers_1.mlp.router' on the device's positions, its output gathered, its gradients summed over cp" in table
     assert table.count("jax.nn.dot_product_attention: ring (zigzag) over cp=2") == cfg.num_layers
     cap = n * 2 // 8  # capacity factor 1: top-2 of 8 experts over the n tokens of a sequence
     assert f"MoE routing 'layers_1.mlp': gather sequence over cp=2 (in [2, {n}, 16] float32" in table
@@ -173,6 +180,20 @@ def test_moe_under_dp2_cp2_ep2_equals_one_device(n):
     # and their input's cotangent; the rest are the embedding lookup's
     ctx = comm["context"]["all-gather"]
     assert ctx["count"] >= 4 and ctx["bytes"] >= 2 * (2 * n * 16 * 4) + 2 * buf
+
+
+def _router_flops(hlo: str) -> int:
+    """The flops of the compiled step's matmuls traced in a module named ``router`` (per device: 2 x the output's
+    size x the contracted size, read from the lhs operand's shape)."""
+    shapes = dict(re.findall(r"(%[\w.\-]+) = \w+\[([\d,]*)\]", hlo))
+    total = 0
+    for line in hlo.splitlines():
+        m = re.search(r"= \w+\[([\d,]*)\]\S* dot\((%[\w.\-]+),.*lhs_contracting_dims=\{([\d,]*)\}", line)
+        if m and "/router/" in line:
+            lhs = [int(x) for x in shapes[m.group(2)].split(",") if x]
+            total += 2 * int(np.prod([int(x) for x in m.group(1).split(",") if x])) * int(
+                np.prod([lhs[int(i)] for i in m.group(3).split(",") if i]))
+    return total
 
 
 @pytest.mark.slow

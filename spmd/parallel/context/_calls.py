@@ -46,6 +46,7 @@ from spmd.parallel.context._dispatch import ACTIVE, install_dispatchers
 from spmd.parallel.context._moves import cut_dim as _cut_dim, cut_seq as _cut_seq, gather_dim as _gather_dim
 from spmd.parallel.context._moves import gather_seq as _gather_seq
 from spmd.parallel.context._take import masked_take_along_axis
+from spmd.parallel.context._tokenwise import run_on_cut
 from spmd.parallel.cost._comm import activation_terms
 from spmd.parallel.plan._param_plan import ParamPlan
 from spmd.parallel.plan._scan import scan_of
@@ -172,12 +173,16 @@ class ContextCalls:
     whether it took a ``[batch, seq, ...]`` input (the candidates)."""
 
     def __init__(self, jax_mesh: Any, n: int, seq_len: int, axis: str = CP, gathered: frozenset = frozenset(),
-                 tp: tuple[str, int] | None = None, ring: bool = True, seq_of: dict | None = None):
+                 tp: tuple[str, int] | None = None, ring: bool = True, seq_of: dict | None = None,
+                 routers: frozenset = frozenset()):
         self.jax_mesh, self.n, self.seq_len, self.axis = jax_mesh, n, seq_len, axis
         # ring=False: every call the all-gather of K/V (a pipeline's stages where no ring can run: _cp.ring_blocker)
         self.ring = ring
         self.tp = tp if tp is not None and tp[1] > 1 else None  # (mesh dim, size): the heads cut over it
         self.gathered = frozenset(gathered)
+        # of those, an MoE's routing (``experts_routers``): its token-wise submodules run on the cut (``run_on_cut``)
+        self.routers = frozenset(routers)
+        self.whole_of: dict[int, tuple] = {}  # a router's gathered inputs, by id: (gathered, cut, joint, record)
         self.records: list[dict] = []
         self.lookups: list[dict] = []  # embedding lookups on the batch's ids (linen, nnx), for the table
         self.attends: set[str] = set()  # the tables a tied output head (linen's Embed.attend) multiplies by
@@ -224,7 +229,8 @@ class ContextCalls:
         try:
             with jax.named_scope(scope_name(call.fqn)):
                 if call.fqn not in self.gathered:
-                    out = self._lookup(call, run(call))
+                    out = run_on_cut(self, call, run)
+                    out = self._lookup(call, run(call)) if out is NotImplemented else out
                     self.dims[key] = (self.dims[key][0], tuple(_dim1(y) for y in jax.tree.leaves(out)))
                     return out
                 rec = {"call": call.fqn, "method": "gather sequence", "n": self.n, "gathered": [], "cut": [],
@@ -236,6 +242,10 @@ class ContextCalls:
                 rec["joint"] = joint
                 call.args, call.kwargs = jax.tree.map(lambda x: self._gathered(x, rec, next(it), joint),
                                                       (args, kwargs))
+                if call.fqn in self.routers:
+                    for x, g in zip(leaves, jax.tree.leaves((call.args, call.kwargs))):
+                        if g is not x and jnp.issubdtype(g.dtype, jnp.inexact):
+                            self.whole_of[id(g)] = (g, x, joint, rec)
                 out = run(call)
                 call.args, call.kwargs = args, kwargs
                 outs = jax.tree.leaves(out)

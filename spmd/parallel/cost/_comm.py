@@ -264,8 +264,11 @@ def format_communication(comm: dict) -> str:
                 ins = ", ".join(f"{list(s)} {d}" for s, d in r["gathered"]) or "none"
                 routing = any(x["method"] == "experts cut" and x["call"].startswith(r["call"] + ".")
                               for x in comm["attention"])  # an MoE block's routing over the whole sequence
+                own = "".join(f"; {m!r} on the device's positions, its output gathered, its gradients summed over cp"
+                              for m in r.get("on_cut", ()))  # token-wise submodules (context._tokenwise.run_on_cut)
                 lines.append(f"    {'MoE routing' if routing else 'attention'} {r['call']!r}: gather sequence over "
-                             f"cp={r['n']} (in {ins}; its output cut back, its parameters' gradients whole)")
+                             f"cp={r['n']} (in {ins}{own}; its output cut back, its "
+                             f"{'other ' if own else ''}parameters' gradients whole)")
                 continue
             if r["method"] == "experts cut":  # an expert-parallel module inside one: its buffers cut over cp
                 (s_, d_) = r["gathered"][0]

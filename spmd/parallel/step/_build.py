@@ -133,7 +133,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     attention: list = []  # the attention calls of one micro-batch over cp (filled when the step is traced)
 
     # (prepare) the parameters added to the sequence row by row; the modules run on the sequence gathered over cp
-    positional, whole_seq, seq_of, dotted, cotangents = set(), set(), {}, set(), {}
+    positional, whole_seq, seq_of, dotted, cotangents, routers = set(), set(), {}, set(), {}, set()
     side: dict = {}  # "params": the parameters computed on batch vectors whole over cp only, "joins": the bytes of
     # each broadcast of such a value into the sequence (``_heads.side_params``)
 
@@ -166,7 +166,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
         if cp is None:
             return contextlib.nullcontext()
         calls = ContextCalls(mesh.jax_mesh, n_cp, seq_of_batch(mb)[0], cp, gathered=frozenset(whole_seq),
-                             tp=(tp, sizes[tp]) if tp else None, seq_of=seq_of)
+                             tp=(tp, sizes[tp]) if tp else None, seq_of=seq_of, routers=frozenset(routers))
         hooks.around, hooks.context = calls.around, calls
         attention.clear()
         attention.append(calls)
@@ -381,7 +381,8 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             mods = [m for m in scopes_of(stack) if m and seen.get(m)]  # a submodule: not the model itself
             if mods and not any(m in whole_seq for m in mods):
                 whole_seq.add(mods[-1])
-        whole_seq.update(experts_routers(seen, ep_traced))  # an MoE's routing over the sequence: gathered
+        routers.update(experts_routers(seen, ep_traced))  # an MoE's routing over the sequence: gathered
+        whole_seq.update(routers)
         if products:  # traced again with the gathers; what is left is refused
             jaxpr = jax.make_jaxpr(lambda s, b: step(s, b))(state, batch).jaxpr
             check_whole_sequence(jaxpr, t, n_cp, lambda stack: CALL_SCOPE in stack

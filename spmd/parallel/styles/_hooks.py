@@ -196,8 +196,8 @@ class ModuleCall:
     - ``next(args=None, kwargs=None)``: the call as it goes on without a style (on other inputs, if given);
     - ``with_layouts(style)``: the call under a style's layouts (``ParallelStyle.run_call``'s default): over tp,
       or, a call of the ep layer, over ep (``spmd.parallel.styles._experts.run_on_ep``);
-    - ``abstract(args, kwargs)``: the call's output shapes on other inputs (``jax.eval_shape``), on the module's
-      local parameters;
+    - ``abstract(args, kwargs, how=jax.eval_shape)``: the call's output shapes on other inputs (``how``: another
+      tracer of ``(f, args, kwargs)``), on the module's local parameters;
     - ``local_params()``: a context in which ``next`` runs the module on its parameters as this device holds them
       (a linen module's declared shapes not compared: its local experts, ``[E / ep, ...]``);
     - ``remat_policy``: the ``jax.checkpoint`` policy of its activation checkpointing (None: not a unit of it).
@@ -254,9 +254,10 @@ class LinenCall(ModuleCall):
     def local_params(self) -> Any:
         return stored_params(self.mod.scope)
 
-    def abstract(self, args: tuple, kwargs: dict) -> Any:
-        """The module's shapes out on ``args`` (``jax.eval_shape``: nothing runs), on its local parameters: a copy
-        applied as a function of its variables (a bound module's method runs once per call of its parent)."""
+    def abstract(self, args: tuple, kwargs: dict, how: Callable = jax.eval_shape) -> Any:
+        """The module's shapes out on ``args`` (``jax.eval_shape``: nothing runs; ``how``: another tracer of ``(f, args,
+        kwargs)``, ``jax.make_jaxpr``'s for its program), on its local parameters: a copy applied as a function of its variables (a bound module's method
+        runs once per call of its parent)."""
         import flax.linen as nn
 
         kp, treedef, others, clone, _ = self._variables
@@ -270,8 +271,7 @@ class LinenCall(ModuleCall):
             return next_fun(*a, **k)
 
         with nn.intercept_methods(local), self.hooks.bypassing():
-            return jax.eval_shape(lambda a, k: clone.apply({"params": values, **others}, *a, method=self.method, **k),
-                                  args, kwargs)
+            return how(lambda a, k: clone.apply({"params": values, **others}, *a, method=self.method, **k), args, kwargs)
 
     def apply(self, values: list, args: tuple, kwargs: dict, *, remat: bool = False) -> Any:
         _, treedef, others, clone, mutable = self._variables
@@ -411,10 +411,11 @@ class NnxCall(ModuleCall):
                 setattr(owner, path[-1], nnx.Intermediate(value))
         return y
 
-    def abstract(self, args: tuple, kwargs: dict) -> Any:
-        """The module's shapes out on ``args`` (``jax.eval_shape``: nothing runs)."""
+    def abstract(self, args: tuple, kwargs: dict, how: Callable = jax.eval_shape) -> Any:
+        """The module's shapes out on ``args`` (``jax.eval_shape``: nothing runs; ``how``: another tracer of ``(f, args,
+        kwargs)``, ``jax.make_jaxpr``'s for its program)."""
         with self.hooks.bypassing():
-            return jax.eval_shape(lambda a, k: self.orig(self.sub, *a, **k), args, kwargs)
+            return how(lambda a, k: self.orig(self.sub, *a, **k), args, kwargs)
 
     def next(self, args: tuple | None = None, kwargs: dict | None = None) -> Any:
         return self.orig(self.sub, *(self.args if args is None else args),
