@@ -185,6 +185,34 @@ def test_llama_with_fewer_kv_heads_than_tp_under_cp_equals_one_device():
     _assert_table_is_hlo(comm, hlo)
 
 
+@pytest.mark.slow
+def test_llama_with_fewer_kv_heads_than_tp_under_cp_and_sequence_parallelism_equals_one_device():
+    """2 KV heads at cp=2 x tp=4 with sequence parallelism (``SequenceParallel`` norms, the projections taking and
+    handing on ``Shard(1)``: each device's (cp, tp) block of the sequence between them), a 2-layer Llama trained
+    3 SGD steps: equal to one device's within 1e-5 (losses and parameters), the ring attending per device with its
+    query head and the K / V head it uses, the compiled step's collectives equal to the table."""
+    from placements import Shard
+    from spmd.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    mesh = spmd.init_device_mesh("cpu", (2, 4), mesh_dim_names=("cp", "tp"))
+    col, row = ColwiseParallel(input_layouts=Shard(1)), RowwiseParallel(output_layouts=Shard(1))
+    model = parallelize_module(Llama(CFG), mesh["tp"], {
+        "layers_*.input_layernorm": SequenceParallel(), "layers_*.post_attention_layernorm": SequenceParallel(),
+        "layers_*.self_attn.q_proj": col, "layers_*.self_attn.k_proj": col, "layers_*.self_attn.v_proj": col,
+        "layers_*.self_attn.o_proj": row, "layers_*.mlp.gate_proj": col, "layers_*.mlp.up_proj": col,
+        "layers_*.mlp.down_proj": row})
+    assert CFG.num_kv_heads < 4 and CFG.num_layers == 2
+    table, comm, hlo = _train(model, None, _batches())
+    assert table.count("ring (zigzag) over cp=2") == CFG.num_layers
+    hd = CFG.hidden_size // CFG.num_heads
+    kv = 4 * (T // 2) * 1 * hd * 4  # the one K head of a device's positions
+    q = kv  # one query head per device
+    # per layer at cp=2: K and V one hop forward, dK and dV two (float32), the zigzag moves of q, k, v, out once
+    # forward and once backward, each of half the local block
+    assert comm["context"]["collective-permute"]["bytes"] == CFG.num_layers * (2 * kv + 4 * kv + (q + kv + kv + q))
+    _assert_table_is_hlo(comm, hlo)
+
+
 def test_a_gather_of_a_column_parallel_head_under_cp_is_refused_before_xla():
     """A loss that indexes the vocabulary-cut logits with a gather the step does not rewrite (``mode="clip"``)
     on dp x cp x tp is refused with the fixes, before XLA (whose partitioner would abort the process)."""
