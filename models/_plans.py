@@ -11,7 +11,8 @@
   between the blocks stay cut on the sequence (``Shard(1)``). ``spmd.parallel`` cuts evenly only, so a
   vocabulary the tp size does not divide (the digit task's 11 tokens over tp=4) keeps the embedding whole
   (replicated; under sequence parallelism its output is then cut on the sequence, a local slice);
-- ``decoder_tp_plan(model)``: Megatron's plan of the Llama / MoE decoder (attention and dense MLP projections);
+- ``decoder_tp_plan(model)``: Megatron's plan of the Llama / MoE decoder (attention and dense MLP projections),
+  its blocks ``layers_*`` or their ``nn.scan`` stack ``layers`` (``decoder_blocks``);
 - ``layout_model(model, mesh, sequence_parallel)``: the model wrapped for a job mesh of ``dp`` / ``fsdp``
   / ``tp`` / ``ep`` dims (a plain model for ``dp`` only: DDP over ``mesh``).
 """
@@ -25,7 +26,7 @@ from spmd import DeviceMesh
 from spmd.parallel import (ColwiseParallel, ExpertParallel, ExpertTensorParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                            fully_shard, parallelize_module, weight_stationary_plan)
 
-__all__ = ["shard_units", "reshard_after_forward", "transformer_tp_plan", "decoder_tp_plan", "layout_model", "DATA"]
+__all__ = ["shard_units", "decoder_blocks", "reshard_after_forward", "transformer_tp_plan", "decoder_tp_plan", "layout_model", "DATA"]
 
 DATA = ("dp", "fsdp")  # the mesh dims the batch is split over
 
@@ -42,9 +43,15 @@ def shard_units(model: Any) -> list[str]:
     if isinstance(model, MLP):
         return ["hidden_*", "out"]
     if isinstance(model, (Llama, MoE)):
-        return ["layers_*"]
+        return [decoder_blocks(model)]
     raise TypeError(f"shard_units: model={type(model).__name__} is not a project model (Transformer, MLP, Llama, "
                     "MoE).")
+
+
+def decoder_blocks(model: Any) -> str:
+    """The glob of a Llama / MoE decoder's blocks: ``layers_*``, or ``layers`` (its ``nn.scan`` stack, a unit
+    sequence of its own, when ``scan_layers``)."""
+    return "layers" if getattr(model.cfg, "scan_layers", False) else "layers_*"
 
 
 def reshard_after_forward(model: Any) -> bool:
@@ -110,11 +117,12 @@ def decoder_tp_plan(model: Any) -> dict | None:
 
     if not isinstance(model, (Llama, MoE)):
         return None
-    plan = {f"layers_*.self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
-    plan["layers_*.self_attn.o_proj"] = RowwiseParallel()
+    blocks = decoder_blocks(model)
+    plan = {f"{blocks}.self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
+    plan[f"{blocks}.self_attn.o_proj"] = RowwiseParallel()
     if isinstance(model, Llama) or model.cfg.moe_every > 1:
-        plan.update({"layers_*.mlp.gate_proj": ColwiseParallel(), "layers_*.mlp.up_proj": ColwiseParallel(),
-                     "layers_*.mlp.down_proj": RowwiseParallel()})
+        plan.update({f"{blocks}.mlp.gate_proj": ColwiseParallel(), f"{blocks}.mlp.up_proj": ColwiseParallel(),
+                     f"{blocks}.mlp.down_proj": RowwiseParallel()})
     return plan
 
 
@@ -135,7 +143,7 @@ def layout_model(model: Any, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
     names = mesh.mesh_dim_names
     out = model
     if "ep" in names:  # the MoE blocks' experts cut over ep, their tokens exchanged with all-to-alls
-        out = parallelize_module(out, mesh["ep"], {"layers_*.mlp.experts": ExpertParallel()})
+        out = parallelize_module(out, mesh["ep"], {f"{decoder_blocks(model)}.mlp.experts": ExpertParallel()})
     if "tp" in names:
         plan = decoder_tp_plan(model) if not isinstance(model, Transformer) else None
         if plan is None and not isinstance(model, Transformer):
@@ -148,7 +156,7 @@ def layout_model(model: Any, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
                              "no such form: drop the flag, or use --model transformer.")
         if plan is not None and "ep" in names and model.cfg.intermediate_size % mesh.size("tp") == 0 and hasattr(
                 model.cfg, "num_experts"):  # the experts' own tp inside ep: their hidden f cut over tp
-            plan["layers_*.mlp.experts"] = ExpertTensorParallel(
+            plan[f"{decoder_blocks(model)}.mlp.experts"] = ExpertTensorParallel(
                 model_dim=model.cfg.hidden_size)
         if plan is None:
             plan = transformer_tp_plan(sequence_parallel or weight_stationary, vocab_size=model.vocab_size,

@@ -89,3 +89,39 @@ def test_job_pipeline_with_the_sequence_over_cp_equals_dp8(tmp_path):
 def test_meshes_the_job_does_not_offer_are_refused(model, mesh, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         check_config(Config(model=model, mesh=mesh))
+
+
+@pytest.mark.slow
+def test_job_scanned_moe_over_ep_equals_dp8(tmp_path):
+    """``--model moe --moe-every 1 --scan-layers --mesh dp=2,ep=4``: the blocks as one nn.scan stack (experts
+    ``layers.mlp.experts`` [L, E, d, f] cut over ep on their experts dim), equal per step to ``--mesh dp=8`` of the
+    same scanned model within 1e-5; the compiled step exchanges both layers' tokens (dispatch and combine, forward
+    and backward: 8 all-to-alls)."""
+    moe = ["--model", "moe", "--moe-every", "1", "--scan-layers"]
+    want, _ = _losses_and_collectives(tmp_path, [*moe, "--mesh", "dp=8"])
+    got, collectives = _losses_and_collectives(tmp_path, [*moe, "--mesh", "dp=2,ep=4"])
+    assert len(want) == 3 and want[-1] != want[0]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-5)
+    assert collectives["all-to-all"]["count"] == 8
+
+
+def test_the_scanned_model_is_the_scan_of_the_listed_one():
+    """``--scan-layers`` gives the model its blocks as one nn.scan stack, laid out by the same plans on ``layers``."""
+    from models._plans import decoder_tp_plan, shard_units
+    from models.train._programs import make_model
+
+    model = make_model(Config(model="moe", moe_every=1, scan_layers=True, layers=2, d_model=16, heads=2))
+    assert model.cfg.scan_layers and shard_units(model) == ["layers"]
+    assert "layers.self_attn.q_proj" in decoder_tp_plan(model)
+    assert shard_units(make_model(Config(model="llama", layers=2, d_model=16, heads=2))) == ["layers_*"]
+
+
+@pytest.mark.parametrize("model,moe_every,message", [
+    ("transformer", 2, "--scan-layers stacks a decoder's blocks in one nn.scan; --model transformer has no such form: "
+                       "use --model llama or moe, or drop --scan-layers"),
+    ("moe", 2, "--scan-layers stacks blocks of one shape, but --model moe with --moe-every=2 has experts in one block "
+               "of every 2: give --moe-every 1"),
+])
+def test_scan_layers_the_job_does_not_offer_is_refused(model, moe_every, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_config(Config(model=model, moe_every=moe_every, scan_layers=True))

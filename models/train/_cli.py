@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=d.hidden, help=f"MLP width (default {d.hidden})")
     p.add_argument("--moe-every", type=int, default=d.moe_every,
                    help=f"--model moe: experts in every Nth block (default {d.moe_every}; a pp mesh dim needs 1)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="--model llama or moe: the blocks as one nn.scan stack, parameters stacked by layer (moe: "
+                        "--moe-every 1)")
     p.add_argument("--log-every", type=int, default=d.log_every, help=f"steps between metric reads (default {d.log_every})")
     p.add_argument("--eval-size", type=int, default=None,
                    help="held-out examples for the final evaluation, a multiple of the dp size (default: 512 "

@@ -93,6 +93,7 @@ class Config:
     heads: int = 4
     hidden: int = 256  # MLP width (two hidden layers)
     moe_every: int = 2  # --model moe: every moe_every-th block holds the experts (1: every block; pp needs 1)
+    scan_layers: bool = False  # --model llama or moe: the blocks as one nn.scan stack (moe: --moe-every 1)
     sequence_parallel: bool = False  # with a tp mesh dim: activations between blocks cut on the sequence
     weight_stationary: bool = False  # with a tp mesh dim: weights stay cut, activations cut on the batch
     reshard_after_forward: bool | None = None  # with an fsdp mesh dim; None: the model's default (models._plans)
@@ -142,6 +143,8 @@ def check_config(cfg: Config) -> None:
         _positive("devices", cfg.devices)
     if cfg.skip_nonfinite not in (True, False):
         raise TypeError(f"models.train: --skip-nonfinite={cfg.skip_nonfinite!r} must be a bool.")
+    if cfg.scan_layers not in (True, False):
+        raise TypeError(f"models.train: --scan-layers={cfg.scan_layers!r} must be a bool.")
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed <= _MAX_SEED:
         raise ValueError(f"models.train: --seed={cfg.seed!r} must be an int in [0, 2**63 - 1]; e.g. --seed 0.")
     if cfg.task not in DigitTask.OPS:
@@ -160,6 +163,13 @@ def check_config(cfg: Config) -> None:
     if "ep" in dims and cfg.model != "moe":
         raise ValueError(f"models.train: --mesh={cfg.mesh!r} cuts experts over ep; --model {cfg.model} has none: use "
                          "--model moe.")
+    if cfg.scan_layers and cfg.model not in ("llama", "moe"):
+        raise ValueError(f"models.train: --scan-layers stacks a decoder's blocks in one nn.scan; --model {cfg.model} "
+                         "has no such form: use --model llama or moe, or drop --scan-layers.")
+    if cfg.scan_layers and cfg.model == "moe" and cfg.moe_every != 1:
+        raise ValueError(f"models.train: --scan-layers stacks blocks of one shape, but --model moe with "
+                         f"--moe-every={cfg.moe_every} has experts in one block of every {cfg.moe_every}: give "
+                         "--moe-every 1 (experts in every block), or drop --scan-layers.")
     _real("lr", cfg.lr, 0.0, lo_open=True)
     _real("lr_floor", cfg.lr_floor, 0.0, lo_open=False, hi=1.0)
     _real("clip_norm", cfg.clip_norm, 0.0, lo_open=True)
@@ -356,7 +366,8 @@ def parse_mesh(spec: str | None) -> tuple[tuple[str, int], ...] | None:
 
 # What the config must keep across a resume for the result to be the same run.
 _RUN_KEYS = ("model", "task", "text", "seed", "batch_size", "accum_steps", "length", "context", "layers", "d_model",
-             "heads", "hidden", "moe_every", "lr", "warmup", "lr_floor", "clip_norm", "weight_decay", "steps")
+             "heads", "hidden", "moe_every", "scan_layers", "lr", "warmup", "lr_floor", "clip_norm", "weight_decay",
+             "steps")
 
 
 # What a checkpoint also records for --resume to reuse when the flag is left out, but which a resume may change

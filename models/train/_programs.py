@@ -163,7 +163,8 @@ def make_model(cfg: Config):
         return MLP(vocab, out_len, (cfg.hidden, cfg.hidden))
     if cfg.model in ("llama", "moe"):  # attention through jax.nn.dot_product_attention; all heads their own KV
         sizes = dict(vocab_size=vocab, hidden_size=cfg.d_model, intermediate_size=4 * cfg.d_model,
-                     num_layers=cfg.layers, num_heads=cfg.heads, num_kv_heads=cfg.heads, attn_implementation="sdpa")
+                     num_layers=cfg.layers, num_heads=cfg.heads, num_kv_heads=cfg.heads, attn_implementation="sdpa",
+                     scan_layers=cfg.scan_layers)
         return Llama(LlamaConfig(**sizes)) if cfg.model == "llama" else MoE(MoEConfig(**sizes,
                                                                                      moe_every=cfg.moe_every))
     return Transformer(vocab, seq_len, cfg.layers, cfg.d_model, cfg.heads)
@@ -245,7 +246,7 @@ def _programs(key: Config, mesh: DeviceMesh) -> Programs:
                         reshard_after_forward=key.reshard_after_forward)
     if pipe is not None:
         schedule, m, v = pipe
-        laid = pipeline(laid, mesh["pp"], units="layers_*" if key.model == "moe" else "block_*", num_microbatches=m,
+        laid = pipeline(laid, mesh["pp"], units=shard_units(model)[0], num_microbatches=m,
                         schedule=schedule, stages_per_rank=v)
     if key.activation_checkpointing is not None:  # never with pp (check_config)
         laid = activation_checkpointing(laid, units=shard_units(model), policy=key.activation_checkpointing)
