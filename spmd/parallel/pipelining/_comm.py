@@ -293,4 +293,5 @@ def format_pipeline_communication(c: dict) -> str:
                 if c.get("ep") else "") + ("" if not c.get("tp") else "\n  tp in the program: " + ", ".join(
                 f"{k} x{v['count']} = {v['bytes']:,} B" for k, v in c["tp"]["program"].items() if v["count"])
                 + "; per rank: " + " | ".join(", ".join(f"{k} x{v['count']}" for k, v in t.items() if v["count"])
-                                               for t in c["tp"]["per_rank"])))
+                                               for t in c["tp"]["per_rank"]))) + (
+        f"\n  not counted: {c['uncounted']}" if c.get("uncounted") else "")

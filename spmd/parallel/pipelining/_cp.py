@@ -32,7 +32,7 @@ import numpy as np
 
 from spmd.parallel.context._calls import CALL_SCOPE, ContextCalls, scopes_of, seq_len
 
-__all__ = ["context_records", "ring_blocker", "routed", "stage_context", "unit_gathered", "unit_rings"]
+__all__ = ["context_records", "ring_blocker", "routed", "stage_context", "uncounted", "unit_gathered", "unit_rings"]
 
 
 class _UnitCall:
@@ -151,6 +151,25 @@ def _find_gathered(pm, lay, t: int) -> frozenset:
         if mods and not any(m in found for m in mods):
             found.add(mods[-1])
     return frozenset(found)
+
+
+def uncounted(pm, lay, t: int) -> str | None:
+    """What the stages move over cp that the table's cp terms (``context_records``) leave out, said so (None:
+    nothing): under tp, every collective over cp (the table has no cp terms there: GSPMD partitions the stages over
+    cp); an nnx unit under ep, its own attention (``unit_gathered`` is empty there: the stage hooks route the unit's
+    calls, and GSPMD partitions its products over the whole sequence)."""
+    if not pm.cp or pm.mesh.size(pm.cp) < 2:
+        return None
+    if pm.tp is not None:
+        return (f"{pm.cp}={pm.mesh.size(pm.cp)} with tp in the stages: what the stages move over {pm.cp!r} (GSPMD's "
+                "partitioning of the sequence, the attention, the gradients' sums) is not in this table")
+    if lay.calls.kind == "nnx" and pm.ep is not None and not lay.scanned:
+        own = lay.traced(("cp own attention", *_trace_key(pm, lay, t)), lambda: _find_gathered(pm, lay, t))
+        if own:
+            return (f"{pm.cp}={pm.mesh.size(pm.cp)} with ep in the stages: the units' own attention ("
+                    + ", ".join(sorted(f"{m!r}" for m in own)) + f") runs as GSPMD partitions it over {pm.cp!r}, its "
+                    "collectives (and the gradients' sums they change) not in this table")
+    return None
 
 
 def ring_blocker(pm, lay) -> str | None:

@@ -32,12 +32,13 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd.parallel.context._calls import seq_len
 from spmd.parallel.context._seq import batch_seq
 from spmd.parallel.plan._checks import check_rng
 from spmd.parallel.styles._nnx import nnx_params
 from spmd.parallel.pipelining._calls import model_kind
 from spmd.parallel.pipelining._split import unit_modules
-from spmd.parallel.pipelining._cp import context_records, ring_blocker, routed, stage_context
+from spmd.parallel.pipelining._cp import context_records, ring_blocker, routed, stage_context, uncounted
 from spmd.parallel.pipelining._comm import REST, STAGES, format_pipeline_communication, pipeline_communication
 from spmd.parallel.pipelining._tables import ROLES, branch_codes, tick_tables
 from spmd.parallel.pipelining._tp import (ep_placements, map_tp_aware, reduce_tp_aware, segment_records,
@@ -277,7 +278,10 @@ class PipelineStep(TrainStep):
         cp = (context_records(self._pm, b.lay, self._loss_fn, b.mb, b.seq[0] if b.seq else None)
               if self._pm.cp and not self._pm.tp else None)
         ticks = branch_codes(tick_tables(self._pm)) if recs is not None or cp is not None else None
-        return pipeline_communication(self._pm, b.lay, self._accum_steps, recs, ticks, cp)
+        out = pipeline_communication(self._pm, b.lay, self._accum_steps, recs, ticks, cp)
+        if self._pm.cp:  # what the cp terms leave to GSPMD, said (``_cp.uncounted``)
+            out["uncounted"] = uncounted(self._pm, b.lay, b.seq[0] if b.seq else seq_len(b.mb))
+        return out
 
     def attention(self, state, batch) -> list[dict]:
         """Under cp: the stages' attention calls as traced (a unit traced once per branch that runs it), each with
