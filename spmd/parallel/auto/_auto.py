@@ -440,9 +440,8 @@ def _check_precisions(mixed_precision: Any, where: str) -> tuple[str, ...]:
 
 def _slices(depth: Any, loss_fn: Any, units: tuple, params: Any, batch: Any, optimizer: Any, where: str
             ) -> dict | None:
-    """``depth=``: the model at the two block counts of ``slice_depths`` (3 and 4; fewer for a model of fewer than
-    4), their parameters' shapes and profiles, the counts, and the model's own block count
-    (``spmd.parallel.auto._compiled``)."""
+    """``depth=``: the model at the two block counts of ``slice_depths``, their parameters' shapes and
+    profiles, the counts, and the model's own block count (``spmd.parallel.auto._compiled``)."""
     if depth is None:
         return None
     if not callable(depth):
@@ -568,9 +567,9 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     ``mixed_precision``: a floating dtype's name (``"bfloat16"``) or several: every FSDP layout is weighed
     computing in it too (``Layout.mixed_precision``: ``fully_shard``'s ``MixedPrecisionPolicy``, gradients
     reduced in float32). ``depth``: ``n -> the model with n repeated blocks`` (the units' glob must match
-    ``n`` modules); every candidate is then traced and compiled at 3 and 4 blocks (fewer for a model of fewer than 4:
-    the peak is steady once the block added is a middle one) and its figures carried to the model's own count
-    (``spmd.parallel.auto._compiled``; default loss only, no pipelines). Progress on stderr: a bar on a
+    ``n`` modules); every candidate is then traced and compiled at 3 and 4 blocks (fewer for a model of fewer
+    than 4: the peak is steady once the block added is a middle one) and its figures carried to the model's
+    own count (``spmd.parallel.auto._compiled``; default loss only, no pipelines). Progress on stderr: a bar on a
     terminal, else one line per layout, counting them and naming the one traced, timed or compiled.
     """
     where = "auto_layout"
@@ -646,8 +645,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         if budget is not None:
             c = extrapolated(*[evaluate_layout(m, optimizer, batch, devices, lay, params=p, calibration=cal,
                                                profile=pr, budget=budget, floor_only=True)
-                               for m, p, pr in slices["at"]], slices["blocks"], budget,
-                             at=slices["depths"][0])
+                               for m, p, pr in slices["at"]], slices["blocks"], budget, at=slices["depths"][0])
             if not c.fits:
                 return c
         steps: list = []  # the slices' traced steps, lowered from these if compiled (not traced again)
