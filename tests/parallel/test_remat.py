@@ -146,14 +146,25 @@ def test_training_equals_no_checkpointing(spec, policy):
 
 @pytest.mark.parametrize("spec,policy", CASES)
 def test_collectives_equal_no_checkpointing_and_the_table(spec, policy):
-    """No recomputation repeats a collective: the compiled step's ops, buffers and bytes per kind, and the
-    lowered program's ops, are those of the layout without checkpointing; its buffers and bytes are the
+    """No recomputation repeats a data-parallel collective: the compiled step's ops, buffers and bytes per kind,
+    and the lowered program's ops, are those of the layout without checkpointing; its buffers and bytes are the
     analytic table's (``step.communication``). Re-gathering units aside: without checkpointing their backward
     pass gathers again only the buffers the gradients read (a 2-D bias is not: the qkv bias, 1 KiB a block),
-    a recomputation reads every one; the table counts what the traced backward pass reads, either way."""
+    a recomputation reads every one; the table counts what the traced backward pass reads, either way. "full"
+    on tp (torch's full AC) keeps the blocks' inputs alone: its backward pass runs again each block's
+    attention all-reduce (row-parallel ``proj``'s output, which ``ln2``'s backward reads; ``fc_out``'s feeds
+    the residual sum alone, whose backward reads no value): one [4 rows, 8, 32] float32 all-reduce a block."""
     run, ref = _run(spec, policy), _run(spec, None)
     got, want_ref = _collectives(run.hlo), _collectives(ref.hlo)
     lowered, lowered_ref = _lowered_collectives(run.lowered), _lowered_collectives(ref.lowered)
+    if "tp" in spec and policy == "full":  # one all-reduce a block again: (ops, buffers, bytes) and the lowered op
+        n, nbytes = LAYERS, LAYERS * (BATCH // 4) * SEQ * 32 * 4
+        ops, buffers, b = want_ref["all-reduce"]
+        assert got["all-reduce"][1:] == (buffers + n, b + nbytes), (got, want_ref)
+        want_ref["all-reduce"] = (got["all-reduce"][0], buffers + n, b + nbytes)  # XLA may combine the ops
+        lowered_ref["all_reduce"] += n
+        rec = run.step.communication(run.state0, run.batch)["recomputed"]
+        assert rec["all-reduce"] == {"count": n, "bytes": nbytes} and rec["all-gather"]["count"] == 0, rec
     if spec in ("fsdp=8", "dp=2,fsdp=2,tp=2"):  # re-gathering
         assert got["all-gather"][0] == want_ref["all-gather"][0] + LAYERS, (got, want_ref)
         assert lowered["all_gather"] > lowered_ref["all_gather"]
@@ -259,6 +270,193 @@ def test_other_models_equal_no_checkpointing(name):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     assert comm == ref_comm
     assert dots > ref_dots and (dots - ref_dots) % LAYERS == 0, (ref_dots, dots)
+
+
+# --- "full" under tp: torch's full AC, the tp collectives recomputed -----------------------------------------
+LLAMA = dict(vocab_size=24, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+def _llama_tp_plan(sp: bool) -> dict:
+    """Megatron's plan of ``models.Llama`` on tp; ``sp``: with sequence parallelism (torchtitan's)."""
+    from spmd import Replicate, Shard
+    from spmd.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if not sp:
+        col, row = ColwiseParallel(), RowwiseParallel()
+        return {f"layers_*.self_attn.{p}_proj": col for p in "qkv"} | {
+            "layers_*.self_attn.o_proj": row, "layers_*.mlp.gate_proj": col, "layers_*.mlp.up_proj": col,
+            "layers_*.mlp.down_proj": row}
+    col, row = ColwiseParallel(input_layouts=Shard(1)), RowwiseParallel(output_layouts=Shard(1))
+    return {f"layers_*.self_attn.{p}_proj": col for p in "qkv"} | {
+        "layers_*.self_attn.o_proj": row, "layers_*.mlp.gate_proj": col, "layers_*.mlp.up_proj": col,
+        "layers_*.mlp.down_proj": row, "layers_*.input_layernorm": SequenceParallel(),
+        "layers_*.post_attention_layernorm": SequenceParallel(), "norm": SequenceParallel(),
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+
+
+@pytest.mark.parametrize("sp", [pytest.param(False, marks=pytest.mark.slow), True], ids=["tp2", "tp2-sp"])
+def test_full_under_tp_recomputes_the_tp_collectives_trains_as_one_device_and_the_table_is_the_hlo(sp):
+    """``models.Llama`` (2 layers, d 16) on dp=4 x tp=2, every layer under "full": 2 SGD steps equal one
+    device's within 1e-5, and the step's table (counts and bytes per kind) equals the compiled step's. "full"
+    keeps each layer's input alone (torch's), so its backward pass runs again the tp collectives whose results
+    the backward pass reads, each of one [2 rows, 8, 16] float32 activation (1024 B): without sp, o_proj's
+    all-reduce (the post-attention norm's input; down_proj's output feeds the residual sum alone, whose
+    backward reads no value); with sp, the two norms' outputs gathered over tp (for q / k / v and for gate /
+    up: the matmuls' weight gradients read them) and o_proj's reduce-scatter (the norm's input). Before, "full"
+    kept those results (``TP_COMM``) and recomputed none."""
+    from models import Llama, LlamaConfig
+    from tests._one_device import assert_trees_close, train_one_device
+
+    net = Llama(LlamaConfig(**LLAMA))
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, 24, (8, 8)).astype(np.int32),
+                "labels": rng.integers(0, 24, (8, 8)).astype(np.int32)} for _ in range(2)]
+    params = net.init(jax.random.key(0), batches[0]["tokens"])["params"]
+
+    def loss(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, b["tokens"]),
+                                                               b["labels"]).mean()
+
+    opt = optax.sgd(0.1)
+    ref_losses, ref = train_one_device(params, batches, loss, opt)
+    mesh = spmd.init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    model = activation_checkpointing(parallelize_module(net, mesh["tp"], _llama_tp_plan(sp)), units=["layers_*"],
+                                     policy="full")
+    state = init_train_state(model, opt, params=params)
+    step = make_train_step(model, loss, opt)
+    comm = step.communication(state, batches[0])
+    hlo = hlo_executed_collectives(step.lower(state, batches[0]).compile().as_text(), scalars=False)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(model, state), ref.params)
+    act, n = 2 * 8 * 16 * 4, LLAMA["num_layers"]
+    zero = {"count": 0, "bytes": 0}
+    want = ({"all-gather": {"count": 2 * n, "bytes": 2 * n * act}, "reduce-scatter": {"count": n, "bytes": n * act},
+             "all-reduce": zero} if sp else
+            {"all-gather": zero, "reduce-scatter": zero, "all-reduce": {"count": n, "bytes": n * act}})
+    assert comm["recomputed"] == want, comm["recomputed"]
+    assert comm["recomputed_dims"] == {"tp": want}  # the planner prices them over tp
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (comm["total"][kind]["count"],
+                                                              comm["total"][kind]["bytes"]), (kind, hlo, comm)
+
+
+def _full_case(case: str):
+    """(model, loss, batch, example inputs or None) of one layout under "full" (see the test below)."""
+    from models import Llama, LlamaConfig, MoE
+
+    rng = np.random.default_rng(0)
+    mesh_of = lambda shape, names: spmd.init_device_mesh("cpu", shape, mesh_dim_names=names)  # noqa: E731
+    if case == "scan-tp2-sp":
+        from tests.parallel.test_scan_layouts import EXAMPLE, _batch, _loss, _tp_plan
+        from tests.third_party.scanned import ScannedMLP
+
+        net = ScannedMLP(vocab=32, axis=0)
+        pm = parallelize_module(net, mesh_of((4, 2), ("dp", "tp"))["tp"], _tp_plan(True))
+        return activation_checkpointing(pm, units=["layers"]), _loss(net), _batch(0), EXAMPLE
+    if case == "dp2-ep2-tp2":
+        from models._plans import layout_model
+        from tests.parallel.test_expert_step import CFG, _batches
+        from tests.parallel.test_expert_step import _loss as moe_loss
+
+        net = MoE(CFG)
+        pm = layout_model(net, mesh_of((2, 2, 2), ("dp", "ep", "tp")))
+        return activation_checkpointing(pm, units=["layers_*"]), moe_loss(net), _batches()[0], None
+    cp = case.startswith("cp")
+    net = Llama(LlamaConfig(**LLAMA, **({"attn_implementation": "sdpa"} if cp else {})))
+    t = 32 if cp else 8
+    batch = {"tokens": rng.integers(0, 24, (4 if cp else 8, t)).astype(np.int32),
+             "labels": rng.integers(0, 24, (4 if cp else 8, t)).astype(np.int32)}
+
+    def loss(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, b["tokens"]),
+                                                               b["labels"]).mean()
+
+    if cp:  # Megatron's plan beside cp=2 (the ring's permutes inside each layer, run again)
+        pm = parallelize_module(net, mesh_of((2, 2, 2), ("dp", "cp", "tp"))["tp"], _llama_tp_plan(False))
+    else:  # sequence parallelism in re-gathering fully_shard units: the tp gathers run again, not the fsdp ones
+        mesh = mesh_of((2, 2, 2), ("dp", "fsdp", "tp"))
+        pm = fully_shard(parallelize_module(net, mesh["tp"], _llama_tp_plan(True)), mesh=mesh["dp", "fsdp"],
+                         units=["layers_*"])
+    return activation_checkpointing(pm, units=["layers_*"]), loss, batch, None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["cp2-tp2", "dp2-fsdp2-tp2-sp", "dp2-ep2-tp2", "scan-tp2-sp"])
+def test_full_recomputations_beyond_tp_are_in_the_table(case):
+    """Under "full" the table equals the compiled step's collectives (buffers and bytes per kind, the permutes
+    and all-to-alls included) where the recomputation runs more than Megatron's tp collectives: cp's ring and
+    zigzag permutes (cp=2 beside tp=2; the tp all-reduce of a region in global view over cp moves the
+    device's half of the sequence), a re-gathering fully_shard unit's sequence-parallel gathers (counted, its
+    fsdp re-gathers left to the fsdp term), an MoE block's all-to-alls over ep, an ``nn.scan`` stack
+    checkpointed whole (its sp gathers, once per layer)."""
+    model, loss, batch, example = _full_case(case)
+    opt = optax.sgd(0.1)
+    params = (model.module.init(jax.random.key(0), example if example is not None else batch["tokens"])["params"])
+    state = init_train_state(model, opt, *([example] if example is not None else []), params=params)
+    step = make_train_step(model, loss, opt)
+    comm = step.communication(state, batch)
+    hlo = hlo_executed_collectives(step.lower(state, batch).compile().as_text(), scalars=False)
+    rec = comm["recomputed"]
+    assert any(v["count"] for v in rec.values()), rec  # the case recomputes a collective
+    for kind in KINDS:
+        want = comm["total"].get(kind, {"count": 0, "bytes": 0})
+        got = hlo[kind]["count" if kind == "all-to-all" else "buffers"], hlo[kind]["bytes"]
+        assert got == (want["count"], want["bytes"]), (kind, hlo[kind], want, rec)
+
+
+def _llama_sp_peak(layers: int, policy: str, seq: int) -> tuple[int, int]:
+    """(compiled peak, one layer's parameter bytes) of a d-64 ``models.Llama``'s fsdp=4 x tp=2 step with sequence
+    parallelism (re-gathering its layers, AdamW, float32, XLA:CPU's default scheduler), 8 sequences of ``seq``:
+    ``memory_analysis()``'s argument + output + temp - alias."""
+    from models import Llama, LlamaConfig
+    from spmd.parallel import apply_layout
+    from spmd.parallel.auto._auto import default_loss
+    from spmd.parallel.auto._layout import Layout
+    from spmd.parallel.cost._memory import READ_ONLY
+
+    net = Llama(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=256, num_layers=layers, num_heads=4,
+                            num_kv_heads=2))
+    tok = np.random.default_rng(0).integers(0, 64, (8, seq + 1)).astype(np.int32)
+    batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+    params = jax.eval_shape(lambda: net.init(jax.random.key(0), batch["inputs"][:1])["params"])
+    plan = {k: v for k, v in _llama_tp_plan(True).items() if k.startswith("layers_*")}
+    lay = Layout(fsdp=4, tp=2, tp_plan=tuple(plan.items()), units=("layers_*",), activation_checkpointing=policy)
+    laid, mesh = apply_layout(net, 8, lay)
+    opt = optax.adamw(1e-3)
+    state = jax.eval_shape(lambda: init_train_state(laid, opt, params=params, mesh=mesh))
+    m = make_train_step(laid, default_loss(laid), opt, mesh=mesh).lower(state, batch).compile(
+        READ_ONLY).memory_analysis()
+    layer = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["layers_0"]))
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes, layer
+
+
+@pytest.mark.slow
+def test_full_under_tp_and_sp_holds_a_layers_input_and_state_alone():
+    """What one more layer adds to the compiled peak under "full" with tp=2 and sequence parallelism (fsdp=4,
+    seq 512, d 64) is what torch's full AC holds for it, counted by hand from the shapes:
+
+    - the layer's input, cut on the sequence by sp: [8 / 4 data ranks = 2 rows, 512 / tp 2, 64] float32
+      = 131,072 B;
+    - its state: parameters (246,272 B), AdamW's mu and nu, each cut 8 ways (fsdp x tp), in the arguments and
+      again in the outputs (this step does not donate): 2 x 3 x 246,272 / 8 = 184,704 B;
+
+    315,776 B in all. Before, "full" kept the tp collectives' results too (``TP_COMM``): the two norms' outputs
+    gathered whole over the sequence ([2, 512, 64], 262,144 B each) and o_proj's reduce-scatter: 939,168 B a
+    layer measured (Llama 3 70B, tp=8 with sp: 2.29 GiB a layer against 0.16 GiB). Measured now: 283,808 B;
+    "minimal" (the projections' outputs kept), 3,576,992 B."""
+    seq = 512
+    (f1, layer), (f2, _) = _llama_sp_peak(1, "full", seq), _llama_sp_peak(2, "full", seq)
+    (m1, _), (m2, _) = _llama_sp_peak(1, "minimal", seq), _llama_sp_peak(2, "minimal", seq)
+    x = 2 * (seq // 2) * 64 * 4  # the layer's input on one device
+    state = 2 * 3 * layer // 8
+    full, minimal = f2 - f1, m2 - m1
+    assert full <= x + state, (full, x, state)
+    assert full < minimal / 4, (full, minimal)
 
 
 def test_the_transforms_compose_in_any_order():

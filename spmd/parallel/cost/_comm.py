@@ -223,13 +223,16 @@ def batch_cut_terms(plan: ParamPlan, model: Any, *, accum_steps: int = 1) -> dic
 def step_communication(plan: ParamPlan, model: Any, records: Sequence[dict], *, accum_steps: int = 1,
                        zero: frozenset = frozenset(), recomputed: dict | None = None,
                        batch_stats: dict | None = None, dead: dict | None = None,
-                       merged: frozenset = frozenset(), regathered: dict | None = None) -> dict:
+                       merged: frozenset = frozenset(), regathered: dict | None = None,
+                       recomputed_dims: dict | None = None) -> dict:
     """``{"parameters": {kind: {count, bytes}}, "activations": {...}, "recomputed": {...}, "total": {...},
     "modules": [...]}``. ``zero``: the paths of the parameters whose gradient is zero by construction;
     ``merged``: those whose gradient is the same value as another parameter's, both reduced whole by one
     all-reduce (counted once); ``dead``: the units' all-gathers whose result nothing reads (``parameter_terms``);
     ``regathered``: the backward pass's re-gathers, read off its program (``parameter_terms``);
     ``recomputed``: the collectives a checkpoint's recomputation runs again (``_recompute``), per step;
+    ``recomputed_dims``: the same by the mesh dims they run over (``{"tp": {kind: ...}}``; the table's
+    ``"recomputed_dims"``, which the planner prices at their group);
     ``batch_stats``: SyncBatchNorm's all-reduces of its statistics, per step (a ``"batch_stats"`` term)."""
     par = parameter_terms(plan, model, accum_steps=accum_steps, zero=zero, dead=dead, merged=merged,
                           regathered=regathered)
@@ -238,8 +241,8 @@ def step_communication(plan: ParamPlan, model: Any, records: Sequence[dict], *, 
     act = {k: {f: act[k][f] + ws[k][f] for f in ("count", "bytes")} for k in KINDS}
     rec, bn = recomputed or _table(), batch_stats or _table()
     total = {k: {f: par[k][f] + act[k][f] + rec[k][f] + bn[k][f] for f in ("count", "bytes")} for k in KINDS}
-    return {"parameters": par, "activations": act, "recomputed": rec, "batch_stats": bn, "total": total,
-            "modules": list(records)}
+    return {"parameters": par, "activations": act, "recomputed": rec, "recomputed_dims": dict(recomputed_dims or {}),
+            "batch_stats": bn, "total": total, "modules": list(records)}
 
 
 def format_communication(comm: dict) -> str:
@@ -256,7 +259,9 @@ def format_communication(comm: dict) -> str:
     if any(v["count"] for v in comm.get("batch_stats", {}).values()):
         lines.append(f"  batch statistics (BatchNorm): {line(comm['batch_stats'])}")
     if any(v["count"] for v in comm.get("recomputed", {}).values()):
-        lines.append(f"  recomputed (a checkpoint's forward pass again): {line(comm['recomputed'])}")
+        by = comm.get("recomputed_dims", {})
+        lines.append(f"  recomputed (a checkpoint's forward pass again): {line(comm['recomputed'])}"
+                     + "".join(f"; over {d}: {line(t)}" for d, t in by.items() if len(by) > 1 and d))
     if "context" in comm:  # a mesh with cp (spmd.parallel.context._calls): the attention calls and the cp reduction
         lines.append(f"  context (cp): {line(comm['context'])}")
         for r in comm["attention"]:

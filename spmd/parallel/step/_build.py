@@ -21,7 +21,7 @@ from placements import Shard
 from spmd.parallel.context._calls import CALL_SCOPE, ContextCalls, experts_routers, scopes_of, with_context
 from spmd.parallel.context._seq import batch_seq, seq_inputs
 from spmd.parallel.cost._comm import step_communication
-from spmd.parallel.cost._recompute import SYNC_BN, dead_gathers, recomputed_collectives, regathered
+from spmd.parallel.cost._recompute import EXTRA, SYNC_BN, dead_gathers, recomputed_collectives, regathered
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan
 from spmd.parallel.step._batch_norm import sync_batch_norm, sync_nnx_batch_norm
 from spmd.parallel.step._finite import _keep_finite
@@ -82,6 +82,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     tp = pm.tp.mesh_dim if pm.tp else None
     cp = pm.cp
     n_cp = sizes[cp] if cp else 1
+    seq_dims = (cp, tp) if cp and tp and n_cp > 1 else None  # a recomputed tp collective's sequence cut over cp
     data = pm.data_dims
     n_data = int(np.prod([sizes[d] for d in data])) if data else 1
     fsdp = pm.fsdp.shard_dim if pm.fsdp else None
@@ -221,7 +222,9 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                 found.extend(e.path for e, f in zip(entries, gathered_dot_grads(closed)) if f)
             (g,) = backward(seed)
             recomputed.clear()
-            recomputed.append(recomputed_collectives(closed, sizes))
+            recomputed.append(recomputed_collectives(closed, sizes, axis=fsdp, seq=seq_dims))
+            rec_dims.clear()
+            rec_dims.update(recomputed_collectives(closed, sizes, axis=fsdp, by_dims=True, seq=seq_dims))
             recomputed.append(recomputed_collectives(closed, sizes, scope=SYNC_BN))
             again = pm.fsdp is not None and pm.fsdp.reshard_after_forward  # the units' re-gathers the gradients read
             recomputed.append(regathered(closed, sizes, fsdp) if again else None)
@@ -271,7 +274,11 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
             g = _placed([jnp.zeros_like(x) for x in leaves], live, g_live)
             recomputed.clear()  # a checkpoint's recomputation, once per micro-batch
             recomputed.append({k: {f: accum_steps * n for f, n in v.items()}
-                               for k, v in recomputed_collectives(closed, sizes).items()})
+                               for k, v in recomputed_collectives(closed, sizes, axis=fsdp, seq=seq_dims).items()})
+            rec_dims.clear()
+            by = recomputed_collectives(closed, sizes, axis=fsdp, by_dims=True, seq=seq_dims)
+            rec_dims.update({d: {k: {f: accum_steps * n for f, n in v.items()} for k, v in t.items()}
+                             for d, t in by.items()})
         g = reduce(hooks, g, flip, zero)
         zeros.clear()
         zeros.extend(e.path for e, z in zip(entries, zero) if z)
@@ -293,6 +300,7 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
     dead: list = []  # the units' all-gathers nothing reads, {"count", "bytes"} (filled by communication)
     recomputed: list = []  # the collectives a checkpoint's recomputation runs again, and the backward pass's
     # all-reduces of SyncBatchNorm's statistics (filled when traced)
+    rec_dims: dict = {}  # the first of them by the mesh dims they run over ("tp": a checkpointed unit's tp ones)
     bn_calls: list = []  # the forward all-reduces of SyncBatchNorm's statistics, bytes each (filled when traced)
     vocab: list = []  # the loss's reductions over a column-parallel output's cut features (read by prepare)
     whole: dict = {}  # the projections run whole over tp: {module: heads}, read from the traced step (prepare)
@@ -418,12 +426,21 @@ def _build(pm: ParallelModule, loss_fn: Callable, optimizer, accum_steps: int, p
                                   merged=frozenset(merged),
                                   recomputed=recomputed[0] if recomputed else None, batch_stats=stats,
                                   dead=dead[0] if dead else None,
-                                  regathered=recomputed[2] if len(recomputed) > 2 else None)
+                                  regathered=recomputed[2] if len(recomputed) > 2 else None,
+                                  recomputed_dims=dict(rec_dims))
         if cp is not None and n_cp > 1:
             comm = with_context(comm, plan, attention[0] if attention else None, accum_steps, bool(data),
                                 positional, dotted, cotangents, side.get("params", ()), side.get("joins", ()))
         if pm.ep is not None:
             comm = with_experts(comm, ep_traced, accum_steps)
+        if any(comm["recomputed"].get(k, {}).get("count") for k in EXTRA):  # a checkpoint's recomputed ring
+            # permutes (cp) or all-to-alls (ep): their kinds are beyond step_communication's total
+            total = {k: dict(v) for k, v in comm["total"].items()}
+            for k in EXTRA:
+                t = total.setdefault(k, {"count": 0, "bytes": 0})
+                for f in ("count", "bytes"):
+                    t[f] += comm["recomputed"].get(k, {}).get(f, 0)
+            comm = dict(comm, total=total)
         if vocab:  # tp's all-reduces of the loss over a vocabulary cut: in the activations' term
             t = seq_of_batch(batch, state.batch_stats)[0] if cp is not None and n_cp > 1 else None
             comm = dict(comm, vocab=vocab_terms(vocab, t, n_cp))

@@ -32,8 +32,9 @@ __all__ = ["TPCalls", "COLWISE_MARK", "WHOLE_MARK", "TP_COMM"]
 
 COLWISE_MARK = "spmd.colwise|"  # checkpoint_name prefix on column-parallel outputs (the head-cut check reads it)
 WHOLE_MARK = "spmd.whole|"  # ... and on the outputs of projections whole over tp (left out of the plan)
-TP_COMM = "spmd.tp_comm"  # checkpoint_name of the tp collectives' results: a re-gathering unit keeps them
-# (with the matmul outputs) and recomputes the rest, so its backward pass repeats no tp communication
+TP_COMM = "spmd.tp_comm"  # checkpoint_name of the tp collectives' results: a re-gathering unit and every
+# checkpointing policy but "full" keep them (spmd.parallel.styles._remat), so their backward pass repeats no tp
+# communication; "full" keeps the unit's inputs alone and runs them again (torch's full AC)
 
 
 def _is_array(x: Any) -> bool:

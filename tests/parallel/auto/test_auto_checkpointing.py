@@ -279,3 +279,41 @@ def test_a_checkpointed_regathering_unit_recomputes_nothing_before_its_cotangent
     full, none = (p4 - p2) / 2, (n4 - n2) / 2
     assert none > 20 * live, (none, live)
     assert full < 1.5 * live, (full, live, none)
+
+
+@pytest.mark.slow
+def test_full_on_tp_prices_its_recomputed_tp_collectives_over_tp():
+    """``models.Llama`` (2 layers, d 16) on dp=4 x tp=2 (Megatron's plan) under "full" and under "dots": "full"
+    runs each layer's o_proj all-reduce again in the backward pass (its step's table: ``recomputed``, by mesh dim
+    ``{"tp": ...}``), "dots" keeps it; the planner prices those all-reduces over tp (2 devices, adjacent: the
+    innermost dim), not over the data dims (4 devices, 2 apart), and nothing else differs between the two:
+    the all-reduce seconds differ by 2 of H100's all-reduces of [2 rows, 8, 16] float32 over 2 adjacent
+    devices."""
+    import jax
+    import numpy as np
+    import optax
+
+    from models._llama import Llama, LlamaConfig
+    from spmd.parallel import ColwiseParallel, RowwiseParallel
+    from spmd.parallel.auto._auto import evaluate_layout
+    from spmd.parallel.auto._priced import HardwareRates
+    from spmd.parallel.cost._hardware import HARDWARE
+
+    col, row = ColwiseParallel(), RowwiseParallel()
+    plan = (*((f"layers_*.self_attn.{p}_proj", col) for p in "qkv"), ("layers_*.self_attn.o_proj", row),
+            ("layers_*.mlp.gate_proj", col), ("layers_*.mlp.up_proj", col), ("layers_*.mlp.down_proj", row))
+    net = Llama(LlamaConfig(vocab_size=24, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
+                            num_kv_heads=2))
+    tok = np.random.default_rng(0).integers(0, 24, (8, 9)).astype(np.int32)
+    batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+    cal = HardwareRates(HARDWARE["h100"], "float32")
+    got = {p: evaluate_layout(net, optax.sgd(0.1), batch, 8, Layout(dp=4, tp=2, tp_plan=plan, units=("layers_*",),
+                                                                     activation_checkpointing=p), calibration=cal)
+           for p in ("full", "dots")}
+    act = 2 * 8 * 16 * 4
+    want = 2 * HARDWARE["h100"].collective_s("all-reduce", act, 2, 1)
+    assert want > 0 and HARDWARE["h100"].collective_s("all-reduce", act, 4, 2) != want / 2
+    diff = got["full"].comm_s["all-reduce"] - got["dots"].comm_s["all-reduce"]
+    assert abs(diff - want) <= 1e-9 * want, (diff, want)
+    for kind in ("all-gather", "reduce-scatter"):
+        assert got["full"].comm_s.get(kind, 0.0) == got["dots"].comm_s.get(kind, 0.0)
