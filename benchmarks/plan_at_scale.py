@@ -7,9 +7,10 @@ ranks every layout (FSDP / DP / TP up to a node, re-gathering or keeping, float3
 checkpointing where the 80 GB need it) on the H100's published figures: each candidate's communication is its
 step's own table priced on the links its mesh dim crosses, and each one that survives the bound from shapes
 is compiled (not run) for its ``memory_analysis()`` peak and ``cost_analysis()`` flops and bytes
-(``depth=``: compiled at 1 and 2 blocks, carried to the model's depth). Then the pick is compiled at 1, 2
-and ``VALIDATE`` layers (8 for 8B, 4 for 70B) and its 1- and 2-layer figures carried to that depth are set
-beside that compile's (``--full-compile``: also at its full depth).
+(``depth=``: compiled at 3 and 4 blocks, carried to the model's depth; the peak is steady once the block added is a
+middle one, ``spmd.parallel.auto._compiled``). Then the pick is compiled at 3, 4 and ``VALIDATE`` layers (8 for 8B,
+6 for 70B) and its 3- and 4-layer figures carried to that depth are set beside that compile's
+(``--full-compile``: also at its full depth).
 
 torchtitan's published H100 numbers (docs/performance.md of pytorch/torchtitan, commit eaea6f6; H100 SXM
 96 GB HBM2e at 500 W, 8 a host on NVLink, 400 Gb/s RDMA per GPU):
@@ -56,7 +57,8 @@ from spmd import Replicate, Shard  # noqa: E402
 from spmd.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel,  # noqa: E402
                            auto_layout)
 from spmd.parallel.auto._auto import default_loss  # noqa: E402
-from spmd.parallel.auto._compiled import compile_figures  # noqa: E402
+from spmd.parallel.auto._compiled import carried as carry  # noqa: E402
+from spmd.parallel.auto._compiled import compile_figures, slice_depths  # noqa: E402
 from spmd.parallel.auto._fused import fused_attention  # noqa: E402
 from spmd.parallel.cost._hardware import Hardware  # noqa: E402
 
@@ -88,9 +90,9 @@ MODELS = {  # Llama 3 8B and 70B (Meta's model cards: vocabulary 128,256, GQA wi
                         num_kv_heads=8, rope_theta=500000.0, attn_implementation=ATTN), 256),
 }
 
-# the depth the pick is also compiled at, to check the carrying of its 1- and 2-layer figures (0: none); the
+# the depth the pick is also compiled at, to check the carrying of its 3- and 4-layer figures (0: none); the
 # full depth is compiled with --full-compile
-VALIDATE = {"8b": 8, "70b": 4}
+VALIDATE = {"8b": 8, "70b": 6}
 for a in sys.argv:
     if a.startswith("--validate="):
         VALIDATE = {k: int(a.split("=", 1)[1]) for k in VALIDATE}
@@ -164,7 +166,7 @@ def _why(c) -> str:
     if c.memory.get("estimated"):
         return "over: its bound plus its compiled kin's excess (not compiled)"
     if c.memory.get("compiled"):
-        return "compiled at 1 and 2 layers, carried" + ("" if c.fits else "; over 80 GB")
+        return "compiled at 3 and 4 layers, carried" + ("" if c.fits else "; over 80 GB")
     return "not compiled: estimate (matmuls at peak, kin-scaled), peak its lower bound"
 
 
@@ -216,20 +218,20 @@ def plan_one(name: str, full_compile: bool) -> dict:
            "rejected": len(got.rejected), "search_s": SEARCH_S, "pick": best.name, "why": got.why(), "top": rows,
            "torchtitan": TORCHTITAN[name], "torchtitan_at_scale": AT_SCALE[name], "predicted_peak_bytes": best.measured_peak}
     k = VALIDATE[name]
-    if k:  # the pick's 1- and 2-layer figures carried to k layers, against the k-layer model compiled
+    if k:  # the pick's slices' figures (3 and 4 layers) carried to k layers, against the k-layer model compiled
         t0 = time.perf_counter()
-        figs = []
-        for d in (1, 2, k):
+        figs, at = [], slice_depths(cfg.num_layers)
+        for d in (*at, k):
             m = Llama(replace(cfg, num_layers=d))
             p = jax.eval_shape(lambda: m.init(jax.random.key(0), jax.ShapeDtypeStruct((1, SEQ), np.int32))["params"])
             figs.append(compile_figures(m, opt, default_loss, p, batch, devices, best.layout))
-        carried = {f: getattr(figs[0]["memory"], "peak") + (k - 1) * (figs[1]["memory"].peak - figs[0]["memory"].peak)
-                   for f in ("peak",)}
-        carried["flops"] = figs[0]["flops"] + (k - 1) * (figs[1]["flops"] - figs[0]["flops"])
+        carried = {"peak": carry(figs[0]["memory"].peak, figs[1]["memory"].peak, k, at[0]),
+                   "flops": carry(figs[0]["flops"], figs[1]["flops"], k, at[0])}
         out["validation"] = {"layers": k, "carried_peak_bytes": carried["peak"], "compiled_peak_bytes":
                              figs[2]["memory"].peak, "carried_flops": carried["flops"], "compiled_flops":
                              figs[2]["flops"], "seconds": time.perf_counter() - t0}
-        print(f"pick {best.name} at {k} layers: peak carried from 1 and 2 layers {carried['peak'] / GiB:.2f} GiB, "
+        print(f"pick {best.name} at {k} layers: peak carried from {at[0]} and {at[1]} layers "
+              f"{carried['peak'] / GiB:.2f} GiB, "
               f"compiled {figs[2]['memory'].peak / GiB:.2f} GiB ({carried['peak'] / figs[2]['memory'].peak - 1:+.1%}); "
               f"flops {carried['flops']:.3e} vs {figs[2]['flops']:.3e} ({out['validation']['seconds']:.0f} s)",
               flush=True)
@@ -240,7 +242,9 @@ def plan_one(name: str, full_compile: bool) -> dict:
         out["compiled_flops"] = figs["flops"]
         out["predicted_flops"] = best.flops
         out["full_compile_s"] = time.perf_counter() - t0
-        print(f"pick {best.name}: predicted peak {best.measured_peak / GiB:.2f} GiB (layers 1 and 2 compiled, carried "
+        lo, hi = slice_depths(cfg.num_layers)
+        print(f"pick {best.name}: predicted peak {best.measured_peak / GiB:.2f} GiB (layers {lo} and {hi} compiled, "
+              "carried "
               f"to {cfg.num_layers}), compiled whole {figs['memory'].peak / GiB:.2f} GiB "
               f"({best.measured_peak / figs['memory'].peak - 1:+.1%}); flops {best.flops:.3e} vs {figs['flops']:.3e} "
               f"({out['full_compile_s']:.0f} s)")

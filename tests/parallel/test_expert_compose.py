@@ -20,9 +20,10 @@ import pytest
 import spmd
 from models import Llama, LlamaConfig, MoE
 from spmd.parallel import (ColwiseParallel, ExpertParallel, RowwiseParallel, executed_collectives, fully_shard,
-                           init_train_state, make_train_step, parallelize_module, unshard_params, unshard_tree)
+                           hlo_executed_collectives, init_train_state, make_train_step, parallelize_module,
+                           unshard_params, unshard_tree)
 from tests._one_device import assert_trees_close, train_one_device
-from tests.parallel.test_expert_step import CFG, V, _batches, _loss
+from tests.parallel.test_expert_step import CFG, V, _batches, _loss, _router_flops
 
 SCANNED = dataclasses.replace(CFG, num_layers=4, moe_every=1, scan_layers=True)
 EP = {"layers.mlp.experts": ExpertParallel()}
@@ -154,7 +155,8 @@ def test_scanned_moe_under_dp2_cp2_ep2_equals_one_device(scan, accum):
     sequence gathered over cp and its experts over ep; 3 SGD steps equal one device's within 1e-5, every kind of
     collective equal to the table: per layer the ring's 16 permutes (K, V forward, their backward hop: a loop of
     its own, dK, dV home, the zigzag's moves of q, k, v and the output), the stacked gradients summed over cp in
-    the backward loop, layer by layer (51 all-reduced buffers: 13 over dp, 2 + 4 x 9 over cp). With accum_steps=2
+    the backward loop, layer by layer (55 all-reduced buffers: 13 over dp, 2 + 4 x 10 over cp, the router's kernel
+    among them: its projection runs on the device's positions, 1/cp of its matmul flops). With accum_steps=2
     (scanned or not: the blocks layers_0..3, the ring's backward hop at cp=2 then the forward's) every activation's
     collective and the gradients' sums over cp run once per micro-batch."""
     model = MoE(dataclasses.replace(SCANNED, attn_implementation="sdpa", scan_layers=scan))
@@ -168,7 +170,8 @@ def test_scanned_moe_under_dp2_cp2_ep2_equals_one_device(scan, accum):
     step = make_train_step(pm, _loss(model), opt, accum_steps=accum)
     table = step.table(state, batches[0])
     comm = step.communication(state, batches[0])
-    hlo = _compiled(step, state, batches[0])
+    text = step._build(state.plan).jitted.lower(state, batches[0]).compile().as_text()
+    hlo = hlo_executed_collectives(text, scalars=False)
     losses = []
     for b in batches:
         state, m = step(state, b)
@@ -178,6 +181,12 @@ def test_scanned_moe_under_dp2_cp2_ep2_equals_one_device(scan, accum):
     _assert_table_is_hlo(comm, hlo, KINDS)
     # the scan's body: its last trace's call
     assert table.count("jax.nn.dot_product_attention: ring (zigzag) over cp=2") == (1 if scan else 4)
+    # the router's projection on the device's positions: its 3 matmuls (forward, input and kernel gradients) on
+    # 2 rows x 8 of the 16 positions x d 16 x E 8, once in the scan's loop bodies (4 blocks unscanned)
+    assert table.count("router' on the device's positions, its output gathered, its gradients summed over cp") == (
+        1 if scan else 4)
+    if accum == 1:
+        assert _router_flops(text) == 3 * 2 * (2 * 8 * 16 * 8)
     # per device and micro-batch: 2 rows -> buffers [2, 8 experts, capacity 4, 16] float32, each device of cp
     # sending its row (2,048 B), 4 a layer
     assert comm["experts"]["all-to-all"] == {"count": 16 * accum, "bytes": 16 * 2048 * accum}

@@ -51,7 +51,7 @@ With ``measure=k`` the top ``k`` fitting candidates are then compiled and timed 
 cores) a compiled step shows. Under a memory budget the candidates are compiled first, nothing run, until the
 top ``max(measure, 1)`` fit by their ``memory_analysis()``; a candidate over the budget once compiled goes
 behind the fitting ones and its checkpointing and accumulation variants join the ranking
-(``spmd.parallel.auto._budget``). ``depth=``: the figures read at 1 and 2 blocks and carried to the model's
+(``spmd.parallel.auto._budget``). ``depth=``: the figures read at 3 and 4 blocks and carried to the model's
 depth (``spmd.parallel.auto._compiled``). The answer (``AutoLayout``, ``Candidate``) is ``spmd.parallel.auto._ranking``.
 """
 
@@ -73,7 +73,7 @@ from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factori
 from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, check_budget, check_floor, checked,
                                         parts, policy_of, searched)
 import spmd.parallel.auto._budget as _budget_mod
-from spmd.parallel.auto._compiled import compile_figures, extrapolated
+from spmd.parallel.auto._compiled import carried, compile_figures, extrapolated, slice_depths
 from spmd.parallel.auto._cpep import (GATHER_ONLY, check_attention, check_pipelined_attention, context_expert_layouts,
                                       cp_work, gather_only, uncut)
 from spmd.parallel.auto._measure import example_inputs as _example_inputs, measure_layouts
@@ -417,12 +417,12 @@ def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
 
 def _dot_work_at(depth: Any, slices: dict | None, loss: Callable, params: Any, batch: Any) -> float:
     """The model's matmul flops of the loss and its gradient on the whole batch on one device
-    (``spmd.parallel.auto._priced.dot_flops``); with ``depth=``, read on the 1- and 2-block models and carried
+    (``spmd.parallel.auto._priced.dot_flops``); with ``depth=``, read on the 3- and 4-block models and carried
     to the depth (exact: each block adds the same matmuls)."""
     if slices is None:
         return dot_flops(loss, params, batch)
     d1, d2 = (dot_flops(default_loss(m), p, batch) for m, p, _ in slices["at"])
-    return d1 + (slices["blocks"] - 1) * (d2 - d1)
+    return carried(d1, d2, slices["blocks"], slices["depths"][0])
 
 
 def _check_precisions(mixed_precision: Any, where: str) -> tuple[str, ...]:
@@ -440,8 +440,8 @@ def _check_precisions(mixed_precision: Any, where: str) -> tuple[str, ...]:
 
 def _slices(depth: Any, loss_fn: Any, units: tuple, params: Any, batch: Any, optimizer: Any, where: str
             ) -> dict | None:
-    """``depth=``: the model at 1 and 2 repeated blocks, their parameters' shapes and profiles, and the
-    model's own block count (``spmd.parallel.auto._compiled``)."""
+    """``depth=``: the model at the two block counts of ``slice_depths``, their parameters' shapes and
+    profiles, the counts, and the model's own block count (``spmd.parallel.auto._compiled``)."""
     if depth is None:
         return None
     if not callable(depth):
@@ -454,15 +454,15 @@ def _slices(depth: Any, loss_fn: Any, units: tuple, params: Any, batch: Any, opt
         raise ValueError(f"{where}: depth= needs the model's repeated blocks as one glob (units={units!r}); give "
                          "units=('layers_*',).")
     blocks = count_units(params, units[0])
-    at = []
-    for n in (1, 2):
+    at, depths = [], slice_depths(max(blocks, 1))
+    for n in depths:
         m = depth(n)
         p = jax.eval_shape(lambda r, x: m.init(r, x)["params"], jax.random.key(0), batch["inputs"])
         if count_units(p, units[0]) != n:
             raise ValueError(f"{where}: depth({n}) has {count_units(p, units[0])} blocks matching {units[0]!r}, not "
                              f"{n}; depth must build the model with n repeated blocks.")
         at.append((m, p, Profile(default_loss(m), p, optimizer)))
-    return {"blocks": blocks, "at": at}
+    return {"blocks": blocks, "at": at, "depths": depths}
 
 
 def _state_bytes(model: Any, devices: list, lay: Layout, params: Any, optimizer: Any, batch: Any) -> int:
@@ -477,7 +477,7 @@ def _state_over(model: Any, devices: list, lay: Layout, params: Any, optimizer: 
                 budget: int | None, slices: dict | None = None) -> str | None:
     """Why ``lay``'s state alone (its parameter and optimizer-state shards, in the arguments and the outputs)
     and batch slice exceed ``budget``, from the plan's shapes, nothing traced; None where they do not (or under
-    a pipeline, whose state the pipeline builds). ``slices`` (``depth=``): read on the 1- and 2-block models
+    a pipeline, whose state the pipeline builds). ``slices`` (``depth=``): read on the 3- and 4-block models
     and carried to the depth (exact: each block adds its own shards, cut alike)."""
     if budget is None or lay.pp > 1:
         return None
@@ -485,7 +485,7 @@ def _state_over(model: Any, devices: list, lay: Layout, params: Any, optimizer: 
         state = _state_bytes(model, devices, lay, params, optimizer, batch)
     else:
         s1, s2 = (_state_bytes(m, devices, lay, p, optimizer, batch) for m, p, _ in slices["at"])
-        state = s1 + (slices["blocks"] - 1) * (s2 - s1)
+        state = carried(s1, s2, slices["blocks"], slices["depths"][0])
     need = 2 * state + _nbytes(batch) // (lay.n_data * lay.cp)
     if need <= budget:
         return None
@@ -567,10 +567,10 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     ``mixed_precision``: a floating dtype's name (``"bfloat16"``) or several: every FSDP layout is weighed
     computing in it too (``Layout.mixed_precision``: ``fully_shard``'s ``MixedPrecisionPolicy``, gradients
     reduced in float32). ``depth``: ``n -> the model with n repeated blocks`` (the units' glob must match
-    ``n`` modules); every candidate is then traced and compiled at 1 and 2 blocks and its figures carried to
-    the model's own count (``spmd.parallel.auto._compiled``; default loss only, no pipelines). Progress on
-    stderr: a bar on a terminal, else one line per layout, counting them and naming the one traced, timed or
-    compiled.
+    ``n`` modules); every candidate is then traced and compiled at 3 and 4 blocks (fewer for a model of fewer
+    than 4: the peak is steady once the block added is a middle one) and its figures carried to the model's
+    own count (``spmd.parallel.auto._compiled``; default loss only, no pipelines). Progress on stderr: a bar on a
+    terminal, else one line per layout, counting them and naming the one traced, timed or compiled.
     """
     where = "auto_layout"
     _check_optimizer(optimizer, where)
@@ -623,10 +623,10 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     todo = [lay if lay.accum_steps >= accum_steps else replace(lay, accum_steps=accum_steps) for lay in todo]
     slices = _slices(depth, loss_fn, units, params, batch, optimizer, where)
     if slices is not None:
-        todo = [lay for lay in todo if lay.pp == 1]  # a 1-block slice has no stages to cut
+        todo = [lay for lay in todo if lay.pp == 1]  # no pipelines: a slice's stages are not the model's
     loss_of = (lambda laid: loss_fn if loss_fn is not None else default_loss(laid))  # noqa: E731
-    pairs: dict = {}  # with depth=: a layout's candidates at 1 and 2 blocks
-    traced_steps: dict = {}  # with depth= and a budget: a layout's traced steps at 1 and 2 blocks, until compiled
+    pairs: dict = {}  # with depth=: a layout's candidates at its slices' blocks
+    traced_steps: dict = {}  # with depth= and a budget: a layout's traced slice steps, until compiled
     plans: dict = {}  # what the layouts' plans read off the model, once (abstract_state)
 
     # no budget, calibrated: each optimizer update timed only where it can rank (_refined)
@@ -645,7 +645,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         if budget is not None:
             c = extrapolated(*[evaluate_layout(m, optimizer, batch, devices, lay, params=p, calibration=cal,
                                                profile=pr, budget=budget, floor_only=True)
-                               for m, p, pr in slices["at"]], slices["blocks"], budget)
+                               for m, p, pr in slices["at"]], slices["blocks"], budget, at=slices["depths"][0])
             if not c.fits:
                 return c
         steps: list = []  # the slices' traced steps, lowered from these if compiled (not traced again)
@@ -655,7 +655,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         pairs[lay] = got
         if steps:
             traced_steps[lay] = steps
-        return extrapolated(*got, slices["blocks"], budget)
+        return extrapolated(*got, slices["blocks"], budget, at=slices["depths"][0])
 
     def roofline(lay: Layout, flops: float, nbytes: float) -> float:  # a compiled step's compute on hw
         return replace(cal, dtype=_rated(cal, lay.mixed_precision) if lay.mixed_precision else cal.dtype
@@ -676,7 +676,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             figs = list(pool.map(lambda job: job[0].run(job[1]), jobs))  # (each in a copy of this context)
         got = [_with_compiled(ci, f, cal, memory_budget_bytes) for ci, f in zip(pairs[c.layout], figs)]
         return extrapolated(*got, slices["blocks"], memory_budget_bytes,
-                            roofline if isinstance(cal, HardwareRates) else None)
+                            roofline if isinstance(cal, HardwareRates) else None, at=slices["depths"][0])
 
     def variants(c: Candidate, budget: int) -> list[Candidate]:  # those of a layout over once compiled
         return _fitting(c, lambda lay: evaluate(lay, budget), rows, units, rejected, policies())
