@@ -17,7 +17,8 @@
   With tp, the experts' hidden ``f`` is cut over tp too (``ExpertTensorParallel`` added to the tp plan, as
   ``models.train`` lays them out: ``expert_tp``) where their shapes tell ``d`` from ``f`` and tp divides ``f``,
   with the sequence over cp too (each device of cp runs the experts on its part of the dispatched buffers, its
-  all-reduces over tp on that part); else they stay whole over tp and the layout's ``note`` says why
+  all-reduces over tp on that part), and in a scanned stack (``[L, E, d, f]``: past the layer axis); else they
+  stay whole over tp and the layout's ``note`` says why
   (``AutoLayout.why`` prints it).
 - **cp x ep**: for a model with experts and a sequence, every ``cp`` x ``ep`` of those whose product divides
   the device count (the sequence over cp, the experts over ep: their routers run on the sequence gathered over
@@ -102,7 +103,9 @@ def expert_tp(params: Any, experts: str | None, tp: int, stack: str | None = Non
     ``((glob, ExpertTensorParallel()),)`` to add to its tp plan where ``ExpertTensorParallel`` reads the experts'
     ``d`` and ``f`` from their parameters' shapes (those of the first module matching ``experts``) and ``tp``
     divides ``f``, and no note; else ``()`` (the experts whole over tp) and the note saying why. The same with the
-    sequence over cp (the experts' all-reduces over tp on each cp device's part of the dispatched buffers)."""
+    sequence over cp (the experts' all-reduces over tp on each cp device's part of the dispatched buffers), and for
+    the experts of the scanned stack ``stack`` (its dotted path): their ``[L, E, d, f]`` read past the layer axis,
+    cut on ``E`` over ep and ``f`` over tp as a tp style on a scanned module is."""
     if experts is None or tp == 1:
         return (), None
     shapes, first = {}, None
@@ -116,9 +119,6 @@ def expert_tp(params: Any, experts: str | None, tp: int, stack: str | None = Non
         _, f = style.dims(first or experts, shapes)
     except ValueError as e:
         return (), f"the experts {experts!r} kept whole over tp={tp} (no ExpertTensorParallel): {e}"
-    if stack is not None:
-        return (), (f"the experts {experts!r} kept whole over tp={tp}: they are in the scanned stack {stack!r}, "
-                    "whose layer axis ExpertTensorParallel does not cut past")
     if f % tp:
         return (), f"the experts {experts!r} kept whole over tp={tp}: tp does not divide their hidden f={f}"
     return ((experts, style),), None

@@ -119,9 +119,12 @@ class ExpertTensorParallel(ParallelStyle):
         where = f"ExpertTensorParallel on {module_path!r}"
         pairs = [s[1:] for s in shapes.values() if len(s) == 3]
         if len(pairs) != len(shapes) or len({s[0] for s in shapes.values()}) != 1 or len(set(map(frozenset, pairs))) != 1:
+            stack = (" Under nn.scan ([L, E, d, f]) they are read past the layer axis once the plan knows it: give "
+                     "init_train_state the example inputs the model is called on."
+                     if shapes and all(len(s) == 4 for s in shapes.values()) else "")
             raise ValueError(f"{where}: the module's parameters {shapes} must all be [E, d, f] or [E, f, d] (one "
                              "experts dim E, one width d, one hidden f): style the module holding the stacked "
-                             "experts' projections (e.g. 'layers_*.mlp.experts').")
+                             f"experts' projections (e.g. 'layers_*.mlp.experts').{stack}")
         sizes = set(pairs[0])
         if self.model_dim is not None:
             if self.model_dim not in sizes:

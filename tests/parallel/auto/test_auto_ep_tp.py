@@ -4,8 +4,10 @@
 experts' ``ExpertTensorParallel`` beside that plan: gate/up ``[E, d, f]`` on ``Shard(2)``, down ``[E, f, d]`` on
 ``Shard(1)`` over tp. Its table equals the compiled step's collectives, and it prices 1/(ep x tp) of the experts'
 bytes per device. With the sequence over cp too (``cp=2,ep=2,tp=2``, sdpa attention: the ring) the experts are cut
-over tp as well, and that candidate's table equals its compiled step's collectives. Where the shapes do not tell d
-from f (or tp does not divide f), the experts stay whole over tp and the layout's note says why."""
+over tp as well, and that candidate's table equals its compiled step's collectives; so are a scanned MoE's stacked
+experts ``[L, E, d, f]`` (past the layer axis: ``dp=2,ep=2,tp=2``, table equal to its compiled step's). Where the
+shapes do not tell d from f (or tp does not divide f), the experts stay whole over tp and the layout's note says
+why."""
 
 from __future__ import annotations
 
@@ -128,3 +130,57 @@ def test_the_cp2_ep2_tp2_candidate_cuts_the_experts_and_prices_its_compiled_coll
         want = table.get(kind, {"count": 0, "bytes": 0})
         assert (hlo[kind]["count" if kind == "all-to-all" else "buffers"], hlo[kind]["bytes"]) == (
             want["count"], want["bytes"]), kind
+
+
+SCANNED = MoE(dataclasses.replace(MOE_EVERY.cfg, num_layers=4, scan_layers=True))  # [L=4, E=8, d, f] experts
+SCANNED_PLAN = {f"layers.self_attn.{p}": c for p, c in (("q_proj", PLAN["layers_*.self_attn.q_proj"]),
+                                                         ("k_proj", PLAN["layers_*.self_attn.k_proj"]),
+                                                         ("v_proj", PLAN["layers_*.self_attn.v_proj"]),
+                                                         ("o_proj", PLAN["layers_*.self_attn.o_proj"]))}
+
+
+def _scanned_layouts():
+    from spmd.parallel.auto._pipeline import scanned_stack
+
+    batch = _batch(16)
+    params = jax.eval_shape(SCANNED.init, jax.random.key(0), batch["inputs"])["params"]
+    stack = scanned_stack(SCANNED, params, (batch["inputs"],))
+    assert stack == ("layers", 4)
+    return context_expert_layouts(8, SCANNED_PLAN, (), params, batch, stack), params, batch
+
+
+def test_a_scanned_stacks_experts_are_cut_over_tp_past_the_layer_axis():
+    lays, _, _ = _scanned_layouts()
+    tps = [lay for lay in lays if lay.ep > 1 and lay.tp > 1 and lay.pp == 1]
+    assert {"dp=2,ep=2,tp=2", "ep=2,cp=2,tp=2"} <= {lay.name for lay in tps}
+    for lay in tps:
+        got = dict(lay.tp_plan)
+        assert isinstance(got.pop("layers.mlp.experts"), ExpertTensorParallel) and got == SCANNED_PLAN, lay.name
+        assert lay.note is None
+
+
+@pytest.mark.slow  # one layout traced and compiled
+def test_the_scanned_dp2_ep2_tp2_candidate_cuts_the_experts_and_prices_its_compiled_collectives():
+    lays, params, batch = _scanned_layouts()
+    lay = next(lay for lay in lays if lay.name == "dp=2,ep=2,tp=2")
+    res = auto_layout(SCANNED, optax.sgd(0.1), batch, 8, layouts=[lay], calibration=CAL, params=params)
+    assert not res.rejected
+    best = res.candidates[0]
+    laid, _ = apply_layout(SCANNED, 8, best.layout)
+    real = SCANNED.init(jax.random.key(0), batch["inputs"])["params"]
+    state = init_train_state(laid, optax.sgd(0.1), batch["inputs"], params=real)  # the inputs: the scan's layer axis
+    for name, dim in (("gate_proj", 3), ("up_proj", 3), ("down_proj", 2)):  # [L, E, d, f] / [L, E, f, d]
+        e = state.plan.entry(f"layers/mlp/experts/{name}")
+        assert dict(zip(state.plan.mesh_dim_names, map(str, e.placements))) == {
+            "dp": "R", "ep": "S(1)", "tp": f"S({dim})"}, name
+        assert e.local_shape == (4, 4, 16, 16), name
+    hlo = hlo_executed_collectives(make_train_step(laid, default_loss(laid), optax.sgd(0.1)).compiled(
+        state, batch).as_text(), scalars=False)
+    table = best.communication["total"]
+    for kind in KINDS:  # buffers; an all-to-all's ops
+        want = table.get(kind, {"count": 0, "bytes": 0})
+        assert (hlo[kind]["count" if kind == "all-to-all" else "buffers"], hlo[kind]["bytes"]) == (
+            want["count"], want["bytes"]), kind
+    # per layer: the experts' partial output forward and their tokens' gradient backward over tp beside the
+    # attention's 4
+    assert best.communication["activations"]["all-reduce"]["count"] == 4 * 6
