@@ -8,7 +8,7 @@ import numpy as np
 
 from placements import Partial, Shard
 from spmd.parallel.pipelining._tables import ROLES
-from spmd.parallel.pipelining._tp import ep_placements
+from spmd.parallel.pipelining._tp import ep_placements, tp_placements
 
 __all__ = ["STAGES", "REST", "pipeline_communication", "format_pipeline_communication", "hlo_permute_pairs",
            "tp_terms"]
@@ -34,7 +34,9 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
     def nbytes(x):
         return int(np.prod(x.shape)) * x.dtype.itemsize
 
-    tp = tp_terms(pm, lay, tp_records, ticks, accum_steps) if tp_records is not None and pm.tp else None
+    n_cp = pm.mesh.size(pm.cp) if pm.cp else 1
+    shadow = bool((cp_records or {}).get("shadow"))
+    tp = tp_terms(pm, lay, tp_records, ticks, accum_steps, shadow, n_cp) if tp_records is not None and pm.tp else None
     ep = ep_terms(pm, lay, tp_records["ep"], ticks, accum_steps) if tp_records is not None and pm.ep else None
     ab = nbytes(act)
     sent = ab // (tp["activation_cut"] if tp else 1)  # a sequence-parallel activation crosses cut over tp
@@ -45,7 +47,7 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
     n_ep = pm.mesh.size(pm.ep.ep.mesh_dim) if pm.ep else 1
     gathered = sum(local[f"{STAGES}/{rel}"] for rel in cut) * (lay.n_fsdp or 1)  # a rank's stages, full over fsdp
     rest_bytes = sum(local[f"{REST}/{p}"] for p in lay.rest)
-    n_cp = pm.mesh.size(pm.cp) if pm.cp else 1  # a position table's gradient: reduced on each device's rows
+    # a position table's gradient: reduced on each device's rows (1 / n_cp of it)
     rest_bytes -= sum(local[f"{REST}/{p}"] - local[f"{REST}/{p}"] // n_cp
                       for p in (cp_records or {}).get("positional", ()))
     ar, ar_n = rest_bytes, len(lay.rest)
@@ -85,7 +87,34 @@ def _sum(*tables, scale: int = 1) -> dict:
     return {k: {f: scale * sum(t[k][f] for t in tables) for f in ("count", "bytes")} for k in _KINDS}
 
 
-def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
+_F_RING, _B_RING = {1, 2}, set(range(1 + len(ROLES), 1 + 2 * len(ROLES)))  # the codes whose branch runs a ring
+
+
+def shaded_switches(pm, ticks, shadow: bool) -> tuple[list, list]:
+    """``(switches, ran)``: the branch codes each switch of the compiled program holds (a tick's forward switch and
+    its backward switch; the loop form: one of each over every tick), and per tick each rank's ``(forward,
+    backward)`` codes as it runs them. With ``shadow`` (a ring in the units, ``spmd.parallel.pipelining._cp``),
+    in a switch holding a branch that runs a ring (a forward of the first or a middle stage, any backward), the
+    branches that run none (idle, the last stage's forward) are a middle stage's (code 1 forward, 5 backward): each
+    such branch of the switch is one more body (two of them: two bodies)."""
+    def shade(codes: set, ring: set, mid: int) -> dict:
+        on = shadow and bool(codes & ring)
+        return {k: (mid if on and k not in ring else k) for k in codes}
+
+    mid_f, mid_b = 1, 1 + len(ROLES)
+    if pm.unroll:
+        maps = [(shade({f for f, _ in codes}, _F_RING, mid_f), shade({b for _, b in codes}, _B_RING, mid_b))
+                for codes in ticks]
+    else:
+        one = (shade({f for codes in ticks for f, _ in codes}, _F_RING, mid_f),
+               shade({b for codes in ticks for _, b in codes}, _B_RING, mid_b))
+        maps = [one] * len(ticks)
+    switches = [list(m.values()) for pair in (maps if pm.unroll else maps[:1]) for m in pair]
+    ran = [[(fm[f], bm[b]) for f, b in codes] for (fm, bm), codes in zip(maps, ticks)]
+    return switches, ran
+
+
+def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int, shadow: bool = False, n_cp: int = 1) -> dict:
     """The tp collectives of a pipelined step, from the styled calls of one micro-batch by segment
     (``pre``: before the first unit, ``unit``: one unit, ``post``: after the last; the terms of each call as
     ``spmd.parallel.cost._comm`` writes them, forward and backward apart) and the schedule's branches:
@@ -103,10 +132,17 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     branch some rank runs once; the loop form: every branch once, run every tick); ``per_rank``: what each
     rank runs; both per step
     (``accum_steps`` passes). ``activation_cut``: ``tp`` when the activation between units is cut over tp
-    (the unit's last styled call's output is ``Shard``: sequence parallelism), else 1."""
+    (the unit's last styled call's output is ``Shard``: sequence parallelism), else 1.
+
+    Under cp (``n_cp``; the records traced on the whole sequence): each styled call's activations are a device's
+    positions, ``1 / n_cp`` of their bytes (its parameters' gradients whole); ``shadow``: a ring in the units
+    (``shaded_switches``)."""
     from spmd.parallel.cost._comm import activation_terms
 
     s = pm.schedule
+    if n_cp > 1:
+        recs = {k: ([{**r, "in_bytes": r["in_bytes"] // n_cp, "out_bytes": r["out_bytes"] // n_cp} for r in v]
+                    if k in ("pre", "unit", "post") else v) for k, v in recs.items()}
     fwd = {k: activation_terms(recs[k], part="forward") for k in ("pre", "unit", "post")}
     bwd = {k: activation_terms(recs[k], part="backward") for k in ("pre", "unit", "post")}
     lc = lay.per_slot
@@ -135,12 +171,12 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     # the scan a scanned stack's chunk runs (every iteration's output feeds the next)
     last_dead = 0 if lay.scanned else 1
     cost, pcost = branch_costs(lc, last_dead), branch_costs(sum(bodies), bodies[-1] * last_dead)
-    if pm.unroll:
-        program = _sum(*[pcost[k] for codes in ticks for k in {k for pair in codes for k in pair}], scale=accum_steps)
-    else:
-        used = sorted({k for codes in ticks for pair in codes for k in pair})
-        program = _sum(*[pcost[k] for k in used], scale=accum_steps * len(ticks))
-    per_rank = [_sum(*[cost[k] for codes in ticks for k in codes[r]], scale=accum_steps) for r in range(s.pp)]
+    # a ring in the units (cp, ``shadow``): a switch holding a branch that runs one runs a middle stage's chunk in the
+    # branches that run none (idle, the last stage's F), its tp calls too (spmd.parallel.pipelining._cp)
+    switches, ran = shaded_switches(pm, ticks, shadow)
+    scale = accum_steps if pm.unroll else accum_steps * len(ticks)
+    program = _sum(*[pcost[k] for sw in switches for k in sw], scale=scale)
+    per_rank = [_sum(*[cost[k] for t in ran for k in t[r]], scale=accum_steps) for r in range(s.pp)]
     out_layout = last["out_layout"] if last is not None else None
     n_tp = pm.mesh.size(pm.tp.tp.mesh_dim)
     return {"program": program, "per_rank": per_rank, "branches": dict(zip(
@@ -193,14 +229,20 @@ def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     own = {p for r in whole for p in r.get("params", ())}  # computed whole on every device of cp: not summed
     own |= set(recs.get("side", ()))  # computed on the unit's side arrays: whole over cp, their joins summed
     summed = [rel for rel in lay.rel if rel not in own]
-    sizes = {rel: int(np.prod(lay.unit_shapes[rel].shape)) * lay.unit_shapes[rel].dtype.itemsize for rel in summed}
+    # under tp: each device's tp block (a stage parameter's, and one after the units)
+    n_tp = pm.mesh.size(pm.tp.tp.mesh_dim) if pm.tp else 1
+    tp_st, tp_rest = tp_placements(pm, lay)
+
+    def nbytes(x, p) -> int:
+        return int(np.prod(x.shape)) * x.dtype.itemsize // (n_tp if isinstance(p, Shard) else 1)
+
+    sizes = {rel: nbytes(lay.unit_shapes[rel], tp_st.get(rel)) for rel in summed}
     joins = recs.get("joins", ())
     grads = one("all-reduce", (len(summed) + len(joins)) * lc, (sum(sizes.values()) + sum(joins)) * lc)
     tables = {r["param"] for r in recs["lookups"]} - set(recs.get("attends", ()))  # a tied head's: summed
     positional = set(recs.get("positional", ()))
     post_p = [p for p in lay.rest if p not in tables and p not in positional]
-    post = one("all-reduce", len(post_p), sum(int(np.prod(lay.shapes[p].shape)) * lay.shapes[p].dtype.itemsize
-                                              for p in post_p))
+    post = one("all-reduce", len(post_p), sum(nbytes(lay.shapes[p], tp_rest.get(p)) for p in post_p))
     pre = one("all-gather", sum(len(r["bytes"]) for r in recs["lookups"]),
               sum(sum(r["bytes"]) for r in recs["lookups"]))
     b = _sum(fwd, bwd, grads)
@@ -209,23 +251,10 @@ def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     nop = {"count": 0, "bytes": 0}
     pf, pb = permutes(at_f, lc), permutes(at, lc)
     perm = [nop, pf, pf, nop, nop, pb, pb, pb, pb]
-    shadow = bool(recs.get("shadow"))
-
-    def switch(codes: set, ring: set, mid: int) -> list:  # one switch's branches: (kinds' terms, permutes) each
-        shade = shadow and bool(codes & ring)  # the branches without a ring run a middle stage's chunk
-        return [(cost[mid], perm[mid]) if shade and k not in ring else (cost[k], perm[k]) for k in codes]
-
-    f_ring, b_ring = {1, 2}, set(range(1 + len(ROLES), 1 + 2 * len(ROLES)))
-    if pm.unroll:
-        parts = [p for codes in ticks for p in switch({f for f, _ in codes}, f_ring, 1)
-                 + switch({b_ for _, b_ in codes}, b_ring, 1 + len(ROLES))]
-        scale = accum_steps
-    else:
-        parts = (switch({f for codes in ticks for f, _ in codes}, f_ring, 1)
-                 + switch({b_ for codes in ticks for _, b_ in codes}, b_ring, 1 + len(ROLES)))
-        scale = accum_steps * len(ticks)
-    program = _sum(*[c for c, _ in parts], scale=scale)
-    moved = {f: scale * sum(p[f] for _, p in parts) for f in ("count", "bytes")}
+    switches, _ = shaded_switches(pm, ticks, bool(recs.get("shadow")))
+    scale = accum_steps if pm.unroll else accum_steps * len(ticks)
+    program = _sum(*[cost[k] for sw in switches for k in sw], scale=scale)
+    moved = {f: scale * sum(perm[k][f] for sw in switches for k in sw) for f in ("count", "bytes")}
     # a position table's gradient: cut over cp on its rows, gathered once per step (beside the update)
     program = _sum(program, one("all-gather", len(positional), sum(
         int(np.prod(lay.shapes[p].shape)) * lay.shapes[p].dtype.itemsize for p in positional)))

@@ -176,8 +176,6 @@ def ring_blocker(pm, lay) -> str | None:
     """Why a stage's attention calls cannot run as the ring (None: they can): the branches without a ring run the
     chunk of a rank that has one (``shadow``), which holds only where every unit is of one kind (the same
     collective-permutes on every rank) and no tp or ep call of the stages moves anything of its own in them."""
-    if pm.tp is not None:
-        return "tp in the stages"
     if pm.ep is not None:
         return "ep in the stages"
     kinds = lay.kind_rows

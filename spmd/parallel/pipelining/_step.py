@@ -276,7 +276,7 @@ class PipelineStep(TrainStep):
         b = self._build(state, self._checked(state, batch))
         recs = segment_records(self._pm, b.lay, self._loss_fn, b.mb)  # the tp / ep styled calls by segment
         cp = (context_records(self._pm, b.lay, self._loss_fn, b.mb, b.seq[0] if b.seq else None)
-              if self._pm.cp and not self._pm.tp else None)
+              if self._pm.cp else None)
         ticks = branch_codes(tick_tables(self._pm)) if recs is not None or cp is not None else None
         out = pipeline_communication(self._pm, b.lay, self._accum_steps, recs, ticks, cp)
         if self._pm.cp:  # what the cp terms leave to GSPMD, said (``_cp.uncounted``)
