@@ -621,7 +621,7 @@ def lookup_terms(lookups: list[dict], cotangents: dict | None = None) -> dict:
     return out
 
 
-def attention_terms(records: list[dict], forward_only: bool = False) -> dict:
+def attention_terms(records: list[dict], forward_only: bool = False, switched: bool = False) -> dict:
     """``{kind: {count, bytes}}`` per device of one step's attention calls over cp (forward and backward; a ring's
     forward alone with ``forward_only``, a pipeline's forward branch):
 
@@ -629,7 +629,8 @@ def attention_terms(records: list[dict], forward_only: bool = False) -> dict:
       is the forward's, which XLA reuses) and ``cp`` of dK, dV (float32, travelling with their block, the last
       hop home); zigzag adds, per q, k, v and the output, two ppermutes
       of half the local block forward and two backward (the transposes), one each at cp=2 (where the even
-      chunks stay home);
+      chunks stay home); ``switched``: each call in a branch of a ``lax.switch`` (a pipeline's units of different
+      kinds), whose forward and backward are two switches: the backward's hops of K and V at cp=2 too;
     - all-gather K/V: one all-gather each of K and V (the gathered bytes) forward, one reduce-scatter each of
       dK, dV backward;
     - gather sequence (a module run on the whole sequence, :meth:`ContextCalls.around`): one all-gather of each
@@ -669,8 +670,9 @@ def attention_terms(records: list[dict], forward_only: bool = False) -> dict:
                 continue
             if n > 1:
                 add("collective-permute", kv_loc, 2 * (n - 1))  # K, V forward
-                if n > 2 or layers > 1:  # at cp=2 the backward's one hop is the forward's (XLA inlines the 1-step
-                    # loops, merges them), but in an nn.scan body: the backward runs in a loop of its own
+                if n > 2 or layers > 1 or switched:  # at cp=2 the backward's one hop is the forward's (XLA inlines
+                    # the 1-step loops, merges them), but in an nn.scan body (the backward runs in a loop of its own)
+                    # or a switch's branch (the backward in a switch of its own)
                     add("collective-permute", kv_loc, 2 * (n - 1))  # K, V backward
                 add("collective-permute", kv32, 2 * n)  # dK, dV
             if r["method"] == "ring (zigzag)":

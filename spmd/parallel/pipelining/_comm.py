@@ -185,7 +185,8 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int, shadow: bool = False,
 
 
 def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
-    """The cp collectives of a pipelined step (the sequence cut over cp in the stages; linen units, no tp), from
+    """The cp collectives of a pipelined step (the sequence cut over cp in the stages; under tp, of each device's
+    tp block), from
     one unit's attention calls and the pre-unit code's embedding lookups (``_step.context_records``) and the
     schedule's branches:
 
@@ -204,11 +205,16 @@ def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     ``program``: what the compiled program holds (each tick's switches hold each branch some rank runs, once;
     the loop form: every branch, every tick), per step; ``permutes``: its collective-permutes (the rings')."""
     from spmd.parallel.context._calls import attention_terms
+    from spmd.parallel.pipelining._cp import slot_bodies
 
     kv = [r for r in recs["unit"] if r["method"] != "gather sequence"]
     whole = [r for r in recs["unit"] if r["method"] == "gather sequence"]
     at, at_f = attention_terms(kv), attention_terms(kv, forward_only=True)
-    lc = lay.per_slot
+    # the program holds, per slot, one unit body per kind some rank's chunk has there (a switch over the kinds, whose
+    # rings' backward hops are their own: ``attention_terms(switched=True)``)
+    bodies = slot_bodies(lay)
+    lc = sum(bodies)
+    at_b = [at if n == 1 else attention_terms(kv, switched=True) for n in bodies]
     zero = _sum()
 
     def one(kind, count, nbytes):
@@ -249,7 +255,8 @@ def cp_terms(pm, lay, recs: dict, ticks, accum_steps: int) -> dict:
     cost = [zero, fwd, fwd, zero, zero,  # idle, then F x roles (mid, first, last, only), B x roles
             b, _sum(b, pre), _sum(b, post), _sum(b, pre, post)]
     nop = {"count": 0, "bytes": 0}
-    pf, pb = permutes(at_f, lc), permutes(at, lc)
+    pf = permutes(at_f, lc)
+    pb = {f: sum(n * permutes(a, 1)[f] for n, a in zip(bodies, at_b)) for f in ("count", "bytes")}
     perm = [nop, pf, pf, nop, nop, pb, pb, pb, pb]
     switches, _ = shaded_switches(pm, ticks, bool(recs.get("shadow")))
     scale = accum_steps if pm.unroll else accum_steps * len(ticks)

@@ -1,7 +1,8 @@
 """cp under a pipeline: the sequence cut over ``cp`` inside the stages (``spmd.parallel.pipelining._step``).
 
 - **a recognized attention call** (``jax.nn.dot_product_attention``, flax's) runs as the ring, as in the plain step
-  (``ring_blocker``: where the stages' units are all of one kind, without tp or ep). A stage runs inside a per-rank
+  (``ring_blocker``: where the units of different kinds make the same attention calls, without ep; tp in the stages
+  runs it manual over tp too, each device its heads). A stage runs inside a per-rank
   ``lax.switch`` branch, and XLA:CPU meets the devices of every collective-permute of the program in the order
   each device runs them, whatever op each runs (every one has ``channel_id=1``; its rendezvous waits for every
   device of the program): a ring in one pp rank's branch would wait on the pp ranks in other branches (idle, or
@@ -32,7 +33,8 @@ import numpy as np
 
 from spmd.parallel.context._calls import CALL_SCOPE, ContextCalls, scopes_of, seq_len
 
-__all__ = ["context_records", "ring_blocker", "routed", "stage_context", "uncounted", "unit_gathered", "unit_rings"]
+__all__ = ["context_records", "kinds_alike", "ring_blocker", "routed", "slot_bodies", "stage_context", "uncounted",
+           "unit_gathered", "unit_rings"]
 
 
 class _UnitCall:
@@ -155,39 +157,68 @@ def _find_gathered(pm, lay, t: int) -> frozenset:
 
 def uncounted(pm, lay, t: int) -> str | None:
     """What the stages move over cp that the table's cp terms (``context_records``) leave out, said so (None:
-    nothing): under tp, every collective over cp (the table has no cp terms there: GSPMD partitions the stages over
-    cp); an nnx unit under ep, its own attention (``unit_gathered`` is empty there: the stage hooks route the unit's
-    calls, and GSPMD partitions its products over the whole sequence)."""
-    if not pm.cp or pm.mesh.size(pm.cp) < 2:
+    nothing): a unit's own attention (a product over the whole sequence, not an intercepted call) under tp, or an
+    nnx unit's under ep (``unit_gathered`` is empty there: the stage hooks route the unit's calls, and GSPMD
+    partitions its products over the whole sequence)."""
+    if not pm.cp or pm.mesh.size(pm.cp) < 2 or lay.scanned:
         return None
-    if pm.tp is not None:
-        return (f"{pm.cp}={pm.mesh.size(pm.cp)} with tp in the stages: what the stages move over {pm.cp!r} (GSPMD's "
-                "partitioning of the sequence, the attention, the gradients' sums) is not in this table")
-    if lay.calls.kind == "nnx" and pm.ep is not None and not lay.scanned:
+    for dim, on in (("tp", pm.tp is not None), ("ep", lay.calls.kind == "nnx" and pm.ep is not None)):
+        if not on:
+            continue
         own = lay.traced(("cp own attention", *_trace_key(pm, lay, t)), lambda: _find_gathered(pm, lay, t))
         if own:
-            return (f"{pm.cp}={pm.mesh.size(pm.cp)} with ep in the stages: the units' own attention ("
+            return (f"{pm.cp}={pm.mesh.size(pm.cp)} with {dim} in the stages: the units' own attention ("
                     + ", ".join(sorted(f"{m!r}" for m in own)) + f") runs as GSPMD partitions it over {pm.cp!r}, its "
                     "collectives (and the gradients' sums they change) not in this table")
     return None
 
 
-def ring_blocker(pm, lay) -> str | None:
+def ring_blocker(pm, lay, t: int | None = None) -> str | None:
     """Why a stage's attention calls cannot run as the ring (None: they can): the branches without a ring run the
-    chunk of a rank that has one (``shadow``), which holds only where every unit is of one kind (the same
-    collective-permutes on every rank) and no tp or ep call of the stages moves anything of its own in them."""
+    chunk of a rank that has one (``shadow``), which holds where every device runs the same collective-permutes:
+    the units of different kinds a slot holds across the ranks (a switch over the kinds in each chunk,
+    ``_step._Stages.chunk``) make the same attention calls (``kinds_alike``, on a sequence of ``t`` positions,
+    the activation's by default), and no ep call of the stages moves anything of its own in them. tp in the stages
+    moves nothing of its own in them: the ring's region is manual over tp too (each device its heads), and a styled
+    call's collectives meet its tp group only, in the same branch."""
     if pm.ep is not None:
         return "ep in the stages"
-    kinds = lay.kind_rows
-    if any(len({int(k) for k in kinds[:, :, l].flat if k >= 0}) > 1 for l in range(lay.per_slot)):
-        return "units of different kinds across the stages"
+    if not kinds_alike(pm, lay, t or int(lay.act.shape[1])):
+        return "units of different kinds across the stages, whose attention calls differ"
     return None
+
+
+def slot_bodies(lay) -> list[int]:
+    """Per slot of a chunk: how many unit kinds some rank's chunk holds there (a switch over them where > 1)."""
+    kinds = lay.kind_rows
+    return [len({int(k) for k in kinds[:, :, l].flat if k >= 0}) for l in range(lay.per_slot)]
+
+
+def kinds_alike(pm, lay, t: int) -> bool:
+    """Whether the unit kinds a slot holds across the ranks (``slot_bodies``) make the same attention calls: each
+    kind's unit traced on a sequence of ``t`` positions, its calls' records (method, shapes, causal) equal to the
+    first kind's, and no module of a unit run on the gathered sequence (``unit_gathered``). True where every slot
+    holds one kind. Once per layout, sequence length and shapes (``StageLayout.traced``)."""
+    if all(b == 1 for b in slot_bodies(lay)):
+        return True
+    return lay.traced(("cp kinds alike", *_trace_key(pm, lay, t)), lambda: _find_kinds_alike(pm, lay, t))
+
+
+def _find_kinds_alike(pm, lay, t: int) -> bool:
+    unit = [lay.unit_shapes[rel] for rel in lay.rel]
+    seen = []
+    for k in range(len(lay.calls.kinds)):
+        calls = ContextCalls(pm.mesh.jax_mesh, pm.mesh.size(pm.cp), t, pm.cp, ring=True)
+        with calls.installed():
+            jax.eval_shape(lambda ls, x, sd: lay.apply_unit(ls, x, sd, kind=k), unit, lay.act, lay.calls.side_shapes)
+        seen.append([{n: v for n, v in r.items() if n not in ("open", "module")} for r in calls.records])
+    return all(s_ == seen[0] for s_ in seen) and not unit_gathered(pm, lay, t)
 
 
 def unit_rings(pm, lay, t: int) -> bool:
     """Whether one unit, traced on a sequence of ``t`` positions, runs an attention call as the ring (once per layout,
     sequence length and shapes: ``StageLayout.traced``); False where ``ring_blocker`` says it cannot."""
-    if ring_blocker(pm, lay) is not None:
+    if ring_blocker(pm, lay, t) is not None:
         return False
     return lay.traced(("cp rings", *_trace_key(pm, lay, t)), lambda: _find_rings(pm, lay, t))
 
@@ -203,7 +234,7 @@ def _find_rings(pm, lay, t: int) -> bool:
 def _calls(pm, lay, t: int) -> ContextCalls:
     tp = pm.tp.tp.mesh_dim if pm.tp else None
     return ContextCalls(pm.mesh.jax_mesh, pm.mesh.size(pm.cp), t, pm.cp, gathered=unit_gathered(pm, lay, t),
-                        tp=(tp, pm.mesh.size(tp)) if tp else None, ring=ring_blocker(pm, lay) is None)
+                        tp=(tp, pm.mesh.size(tp)) if tp else None, ring=ring_blocker(pm, lay, t) is None)
 
 
 def stage_context(st, batch):
@@ -221,7 +252,7 @@ def stage_context(st, batch):
 
 
 def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
-    """Under cp (no tp): one unit's attention calls and gathered modules (``ContextCalls`` records,
+    """Under cp: one unit's attention calls and gathered modules (``ContextCalls`` records,
     traced on the micro-batch's shapes), the embedding lookups of the code before the first unit (a module with one
     rank-2 parameter called on the ``[batch, seq]`` ids, linen's or nnx's: GSPMD transposes it by gathering the ids
     and its output's

@@ -292,7 +292,8 @@ class PipelineStep(TrainStep):
         return list(b.stages.attention.records) if b.stages.attention is not None else []
 
     def table(self, state, batch) -> str:
-        blocked = ring_blocker(self._pm, self._build(state, self._checked(state, batch)).lay)
+        b = self._build(state, self._checked(state, batch))
+        blocked = ring_blocker(self._pm, b.lay, b.seq[0] if b.seq else None)
 
         def why(r):  # where a call runs as it does in a stage (spmd.parallel.pipelining._cp)
             if r["method"].startswith("ring"):

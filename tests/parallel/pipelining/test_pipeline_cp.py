@@ -6,8 +6,9 @@ A stage runs in a per-rank ``lax.switch`` branch, and XLA:CPU meets every collec
 all its devices in the order each runs them: the stages' attention calls run as the ring (zigzag) all the same,
 the branches without a ring (idle, the last stage's forward) running a chunk of their own so that every device
 runs the same collective-permutes (``spmd.parallel.pipelining._cp``); the compiled step's collective-permutes
-(the pipeline's sends and the rings') and every other kind's buffers and bytes equal the pipeline's table. Where
-the units differ across the stages the calls stay on the all-gather of K/V, and the plan says why.
+(the pipeline's sends and the rings') and every other kind's buffers and bytes equal the pipeline's table. So with
+tp in the stages, and with units of different kinds whose attention calls are alike; where those calls differ
+across the stages they stay on the all-gather of K/V, and the plan says why.
 """
 
 import flax.linen as nn
@@ -244,37 +245,35 @@ def test_einsum_transformer_pipelined_under_cp_table_equals_hlo(shape, names):
 
 class _Block(nn.Module):
     """A causal attention block (``jax.nn.dot_product_attention``); ``squash``: its output through a tanh (the same
-    parameters, another kind of unit)."""
+    parameters, another kind of unit); ``causal=False``: attending to the whole sequence (another attention call)."""
 
     squash: bool = False
+    causal: bool = True
 
     @nn.compact
     def __call__(self, x):
         b, t, d = x.shape
         q, k, v = (nn.Dense(d)(x).reshape(b, t, 2, d // 2) for _ in range(3))
-        y = nn.Dense(d)(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d))
+        y = nn.Dense(d)(jax.nn.dot_product_attention(q, k, v, is_causal=self.causal).reshape(b, t, d))
         return x + (jnp.tanh(y) if self.squash else y)
 
 
 class _MixedModel(nn.Module):
+    causal: bool = True  # the second block's attention
+
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(V, 8)(tokens)
         x = _Block(name="blocks_0")(x)
-        x = _Block(squash=True, name="blocks_1")(x)
+        x = _Block(squash=True, causal=self.causal, name="blocks_1")(x)
         return nn.Dense(V)(x)
 
 
-@pytest.mark.slow
-def test_stages_of_different_kinds_keep_the_all_gather_and_say_why():
-    """pp=2 x cp=2 over two blocks of different kinds (the second's output through a tanh): a rank's branches could not run
-    another rank's chunk in its place (``ring_blocker``), so the calls stay on the all-gather of K/V, the plan says
-    why, and the compiled step's only collective-permutes are the pipeline's 4 sends (as the table); 2 SGD steps
-    equal one device's."""
+def _mixed_step(causal: bool):
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, V, (4, T)).astype(np.int32),
                 "labels": rng.integers(0, V, (4, T)).astype(np.int32)} for _ in range(2)]
-    model = _MixedModel()
+    model = _MixedModel(causal=causal)
 
     def loss_fn(p, b):
         return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, b["tokens"]),
@@ -289,12 +288,47 @@ def test_stages_of_different_kinds_keep_the_all_gather_and_say_why():
     step = make_train_step(pm, loss_fn, opt)
     hlo = executed_collectives(step._build(state, batches[0]).jitted, state, batches[0], scalars=False)
     table = step.communication(state, batches[0])
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (table[kind]["buffers"], table[kind]["bytes"]), kind
+    want = table["collective-permute"]
+    assert (hlo["collective-permute"]["buffers"], hlo["collective-permute"]["bytes"]) == (want["count"], want["bytes"])
+    return pm, step, state, batches, ref_losses, ref, hlo, table
+
+
+@pytest.mark.slow
+def test_stages_of_different_kinds_with_alike_attention_run_the_ring():
+    """pp=2 x cp=2 over two blocks of different kinds (the second's output through a tanh), each with the same causal
+    attention call: each chunk runs a switch over the kinds, each kind's ring with as many collective-permutes
+    (``kinds_alike``), so the calls run as the ring; 2 SGD steps equal one device's, and every kind's buffers and
+    bytes in the compiled step equal the table's. Before, units of different kinds kept the all-gather of K/V."""
+    pm, step, state, batches, ref_losses, ref, hlo, table = _mixed_step(causal=True)
+    # each F / B branch holds both kinds' bodies: a body's forward ring (zigzag, cp=2) 6 permutes; its backward 16
+    # (14, and the K / V hop of the backward's own switch, which XLA cannot merge with the forward's). 2 ticks x 2
+    # forward branches x 2 kinds x 6 + 3 ticks x 2 backward branches x 2 kinds x 16 = 48 + 192; a body's K / V / q
+    # [2 rows, 8 positions, 2 heads, 4] float32 (512 B): forward 2 x 512 + 4 halves, backward 4 x 512 + 4 x 512
+    # (dK, dV) + 8 halves
+    kv = 2 * 8 * 2 * 4 * 4
+    assert table["collective-permute"]["ring"] == {"count": 48 + 192, "bytes": 8 * 4 * kv + 12 * 12 * kv}
+    assert hlo["collective-permute"]["buffers"] == 4 + 240
+    assert {r["method"] for r in step.attention(state, batches[0])} == {"ring (zigzag)"}
+    assert ("jax.nn.dot_product_attention: ring (zigzag) over cp=2 (in a stage's branch: the branches without a ring "
+            "run the chunk too)") in step.table(state, batches[0])
+    _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref)
+
+
+@pytest.mark.slow
+def test_stages_of_kinds_with_different_attention_keep_the_all_gather_and_say_why():
+    """pp=2 x cp=2 over two blocks whose attention calls differ (the second's not causal: a ring without the zigzag
+    moves, fewer collective-permutes): a rank's branches could not run another rank's chunk in its place
+    (``ring_blocker``), so the calls stay on the all-gather of K/V, the plan says why, and the compiled step's only
+    collective-permutes are the pipeline's 4 sends (as the table); every kind equals the table; 2 SGD steps equal one
+    device's."""
+    pm, step, state, batches, ref_losses, ref, hlo, table = _mixed_step(causal=False)
     assert table["collective-permute"]["ring"] == {"count": 0, "bytes": 0}
-    assert (hlo["collective-permute"]["buffers"], hlo["collective-permute"]["bytes"]) == (
-        4, table["collective-permute"]["bytes"])
+    assert hlo["collective-permute"]["buffers"] == 4
     assert {r["method"] for r in step.attention(state, batches[0])} == {"all-gather K/V"}
     assert ("jax.nn.dot_product_attention: all-gather K/V over cp=2 (a stage's branch: no ring, units of different "
-            "kinds across the stages)") in step.table(state, batches[0])
+            "kinds across the stages, whose attention calls differ)") in step.table(state, batches[0])
     _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref)
 
 
