@@ -369,14 +369,17 @@ def test_llama_ring_under_other_schedules_equals_one_device(schedule, v):
 
 
 @pytest.mark.slow
-def test_llama_ring_in_tensor_parallel_stages_equals_one_device():
+@pytest.mark.parametrize("sp", [False, True], ids=["megatron", "sp"])
+def test_llama_ring_in_tensor_parallel_stages_equals_one_device(sp):
     """pp=2 x cp=2 x tp=2 (``pipeline(parallelize_module(Llama, mesh['tp'], Megatron's plan), mesh['pp'])``, sdpa,
     causal, GQA): the stages' attention calls run as the ring (zigzag), manual over tp too (each device its query head
     pair and its KV head), the branches without a ring running a middle stage's chunk, its tp calls too. 3 SGD steps
     equal one device's within 1e-5, and every kind's buffers and bytes in the compiled step equal the table's. Before,
-    tp in the stages kept the all-gather of K/V ("tp in the stages"), and the table counted no cp term under tp."""
-    from models._plans import decoder_tp_plan
-    from spmd.parallel import parallelize_module
+    tp in the stages kept the all-gather of K/V ("tp in the stages"), and the table counted no cp term under tp.
+    ``sp``: with sequence parallelism (``SequenceParallel`` norms, the projections taking and handing on ``Shard(1)``;
+    the table's all-gather and reduce-scatter buffers are the non-tp ones, the tp styles' counted apart)."""
+    from placements import Shard
+    from spmd.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, V, (4, T)).astype(np.int32),
@@ -391,30 +394,40 @@ def test_llama_ring_in_tensor_parallel_stages_equals_one_device():
     opt = optax.sgd(0.1)
     ref_losses, ref = train_one_device(params, batches, loss_fn, opt)
     mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "cp", "tp"))
-    pm = pipeline(parallelize_module(model, mesh["tp"], decoder_tp_plan(model)), mesh["pp"], units="layers_*",
-                  num_microbatches=2)
+    col, row = (ColwiseParallel(input_layouts=Shard(1)), RowwiseParallel(output_layouts=Shard(1))) if sp else \
+        (ColwiseParallel(), RowwiseParallel())
+    norms = {"layers_*.input_layernorm": SequenceParallel(), "layers_*.post_attention_layernorm": SequenceParallel()}
+    plan = {**{f"layers_*.self_attn.{p}": col for p in ("q_proj", "k_proj", "v_proj")},
+            "layers_*.self_attn.o_proj": row, "layers_*.mlp.gate_proj": col, "layers_*.mlp.up_proj": col,
+            "layers_*.mlp.down_proj": row, **(norms if sp else {})}
+    pm = pipeline(parallelize_module(model, mesh["tp"], plan), mesh["pp"], units="layers_*", num_microbatches=2)
     state = init_train_state(pm, opt, params=params)
     step = make_train_step(pm, loss_fn, opt)
     hlo = executed_collectives(step._build(state, batches[0]).jitted, state, batches[0], scalars=False)
     table = step.communication(state, batches[0])
+    tp = table["tp"]["program"]
     for kind in ("all-gather", "reduce-scatter", "all-reduce"):
-        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (table[kind]["buffers"], table[kind]["bytes"]), kind
+        assert hlo[kind]["bytes"] == table[kind]["bytes"], kind
+        assert hlo[kind]["buffers"] == table[kind]["buffers"] + (tp[kind]["count"] if kind != "all-reduce" else 0), kind
     want = table["collective-permute"]
     assert (hlo["collective-permute"]["buffers"], hlo["collective-permute"]["bytes"]) == (want["count"], want["bytes"])
     # the rings: as at pp=2, cp=2 (108 permutes: 2 x 2 forwards of 6, 3 x 2 backwards of 14), each of a device's
-    # heads: K / V [2 rows, 8 positions, 1 KV head, 4] float32, q [2, 8, 2, 4]
+    # heads: K / V [2 rows, 8 positions, 1 KV head, 4] float32, q [2, 8, 2, 4]; the sends [2, 8, 16] float32 (sp: cut
+    # over tp too)
     kv, q = 2 * 8 * 1 * 4 * 4, 2 * 8 * 2 * 4 * 4
     fwd, bwd = 2 * kv + (q + kv + kv + q) // 2, 2 * kv + 4 * kv + (q + kv + kv + q)
     assert want["ring"] == {"count": 108, "bytes": 2 * 2 * fwd + 3 * 2 * bwd}
-    assert (want["count"], want["bytes"]) == (4 + 108, 4 * 2 * 8 * 16 * 4 + want["ring"]["bytes"])
-    # the all-reduces over tp: a unit's forward reduces o_proj's and down_proj's outputs (2), its backward the
-    # cotangents of q / k / v's and gate / up's inputs (5), a recompute not on the last stage leaving down_proj's
-    # dead (6 in a B); the ticks' switches hold {F first, F middle (idle's shadow)}, {F first, F middle (the last
-    # stage's F)}, {B middle (idle's), B last}, {B first, B last}, {B first, B middle (idle's)}: 2 x 4 + 13 + 13 + 12
-    # = 46, each a device's positions [2, 8, 16] float32. Over cp: each B's 9 stage gradients (a device's tp block:
-    # 4,736 B), 6 B bodies; the last stage's 2 also lm_head's and the norm's (1,600 B); over pp the 3 others (3,136 B)
-    assert (hlo["all-reduce"]["buffers"], hlo["all-reduce"]["bytes"]) == (
-        46 + 6 * 9 + 2 * 2 + 3, 46 * 2 * 8 * 16 * 4 + 6 * 4736 + 2 * 1600 + 3136)
+    assert (want["count"], want["bytes"]) == (4 + 108, 4 * 2 * 8 * 16 * 4 // (2 if sp else 1) + want["ring"]["bytes"])
+    if not sp:
+        # the all-reduces over tp: a unit's forward reduces o_proj's and down_proj's outputs (2), its backward the
+        # cotangents of q / k / v's and gate / up's inputs (5), a recompute not on the last stage leaving down_proj's
+        # dead (6 in a B); the ticks' switches hold {F first, F middle (idle's shadow)}, {F first, F middle (the
+        # last stage's F)}, {B middle (idle's), B last}, {B first, B last}, {B first, B middle (idle's)}: 2 x 4 + 13
+        # + 13 + 12 = 46, each a device's positions [2, 8, 16] float32. Over cp: each B's 9 stage gradients (a
+        # device's tp block: 4,736 B), 6 B bodies; the last stage's 2 also lm_head's and the norm's (1,600 B); over
+        # pp the 3 others (3,136 B)
+        assert (hlo["all-reduce"]["buffers"], hlo["all-reduce"]["bytes"]) == (
+            46 + 6 * 9 + 2 * 2 + 3, 46 * 2 * 8 * 16 * 4 + 6 * 4736 + 2 * 1600 + 3136)
     recs = step.attention(state, batches[0])
     assert recs and {r["method"] for r in recs} == {"ring (zigzag)"}
     assert ("jax.nn.dot_product_attention: ring (zigzag) over cp=2 (in a stage's branch: the branches without a ring "
