@@ -405,6 +405,7 @@ def test_llama_ring_in_tensor_parallel_stages_equals_one_device(sp):
     step = make_train_step(pm, loss_fn, opt)
     hlo = executed_collectives(step._build(state, batches[0]).jitted, state, batches[0], scalars=False)
     table = step.communication(state, batches[0])
+    assert table["uncounted"] is None  # every collective over cp counted
     tp = table["tp"]["program"]
     for kind in ("all-gather", "reduce-scatter", "all-reduce"):
         assert hlo[kind]["bytes"] == table[kind]["bytes"], kind
