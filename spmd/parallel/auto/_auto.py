@@ -72,7 +72,6 @@ import optax
 from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
 from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, check_budget, check_floor, checked,
                                         parts, policy_of, searched)
-import spmd.parallel.auto._budget as _budget_mod
 from spmd.parallel.auto._compiled import carried, compile_figures, extrapolated, slice_depths
 from spmd.parallel.auto._cpep import (GATHER_ONLY, check_attention, check_pipelined_attention, context_expert_layouts,
                                       cp_work, gather_only, uncut)
@@ -86,7 +85,8 @@ from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s,
                                          update_seconds)
 from spmd.parallel.cost._memory import Profile, _nbytes, memory_floor
 from spmd.parallel.auto._fused import planned_fused
-from spmd.parallel.auto._priced import HardwareRates, _dot_work, comm_floor, dot_flops, matmul_dtype, mesh_group
+from spmd.parallel.auto._priced import (HardwareRates, _dots, comm_floor, dot_bytes, dot_cost, matmul_dtype, mesh_group,
+                                       shard_bytes, state_floor, step_floor)
 from spmd.parallel.auto._progress import _bar, measuring, now
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
@@ -291,9 +291,11 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     if rows:  # attention's [T, T] work: T^2 / cp (ring, K/V gathered), whole on each rank (gathered module)
         flops, nbytes = cp_work((flops, nbytes), compute_cost(prof, state.plan, pm, uncut(micro, layout.cp),
                                                               accum_steps=layout.accum_steps), layout.cp, rows)
-    if isinstance(cal, HardwareRates):  # a bound until compiled: the model's matmul work at the peak rate
+    if isinstance(cal, HardwareRates):  # a bound until compiled: its matmuls' flops and bytes, its update's bytes
         cal = replace(cal, dtype=_rated(cal, layout.mixed_precision)) if layout.mixed_precision else cal
-        compute = cal.hardware.matmul_s(max(flops, sum(_dot_work(traced.jaxpr, {}).values())), cal.dtype)
+        work, io = _dots(traced.jaxpr)
+        compute = step_floor(cal.hardware, cal.dtype, max(flops, sum(work.values())), dot_bytes(io),
+                             shard_bytes(state.plan, optimizer))
     else:
         compute = cal.compute_s(flops, nbytes, ops) * _anchor(profile, batch, micro, devices, cal)
         update = lambda timed, plan=state.plan: optimizer_compute_s(profile, plan, cal, devices, timed=timed)  # noqa
@@ -415,14 +417,16 @@ def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
     return jax.eval_shape(lambda r, x: model.init(r, x)["params"], jax.random.key(0), batch["inputs"])
 
 
-def _dot_work_at(depth: Any, slices: dict | None, loss: Callable, params: Any, batch: Any) -> float:
-    """The model's matmul flops of the loss and its gradient on the whole batch on one device
-    (``spmd.parallel.auto._priced.dot_flops``); with ``depth=``, read on the 3- and 4-block models and carried
-    to the depth (exact: each block adds the same matmuls)."""
+def _dot_work_at(depth: Any, slices: dict | None, loss: Callable, params: Any, batch: Any) -> tuple[float, dict]:
+    """The model's matmul flops and elements per dtype read and written (``_priced.dot_cost``) of the loss and its
+    gradient on the whole batch on one device; with ``depth=``, read on the sliced models and carried to the
+    depth (exact: each block adds the same matmuls)."""
     if slices is None:
-        return dot_flops(loss, params, batch)
-    d1, d2 = (dot_flops(default_loss(m), p, batch) for m, p, _ in slices["at"])
-    return carried(d1, d2, slices["blocks"], slices["depths"][0])
+        return dot_cost(loss, params, batch)
+    (f1, e1), (f2, e2) = (dot_cost(default_loss(m), p, batch) for m, p, _ in slices["at"])
+    keys = set(e1) | set(e2)
+    return carried(f1, f2, slices["blocks"], slices["depths"][0]), carried(
+        {k: e1.get(k, 0) for k in keys}, {k: e2.get(k, 0) for k in keys}, slices["blocks"], slices["depths"][0])
 
 
 def _check_precisions(mixed_precision: Any, where: str) -> tuple[str, ...]:
@@ -731,12 +735,13 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                 bar, "timing the optimizer update of " + c.name, 0))
         bar.close()
     else:  # best-first: traced and compiled in the order of their bounds (_budget.searched)
-        work = _dot_work_at(depth, slices, loss, params, batch)
+        work, io = _dot_work_at(depth, slices, loss, params, batch)
 
-        def bound_compute(lay: Layout) -> float:  # a lower bound on its compute: its share of the model's matmuls
-            if lay.pp > 1:
+        def bound_compute(lay: Layout) -> float:  # a lower bound on its compute: its share of the model's matmuls'
+            if lay.pp > 1:  # flops and bytes, its update's bytes (_priced.step_floor)
                 return 0.0
-            return cal.hardware.matmul_s(work / lay.size, _rated(cal, lay.mixed_precision or cal.dtype))
+            return step_floor(cal.hardware, _rated(cal, lay.mixed_precision or cal.dtype), work / lay.size,
+                              dot_bytes(io, lay.mixed_precision) / lay.size, state_floor(lay, params, optimizer))
 
         def bound(lay: Layout) -> float:  # a lower bound on its compiled time: its compute's and its gradients'
             if lay.pp > 1:  # reduction (and FSDP's gathers) at the least bytes
@@ -744,20 +749,15 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             return bound_compute(lay) + comm_floor(lay, cal.hardware, params)
 
         bar2 = _bar(None, "auto_layout: compiling")
-        got, skipped = searched(
+        got, _ = searched(
             todo, bound, traced, 1, memory_budget_bytes, compile_one, variants, bound_compute=bound_compute,
             stats=search_stats,
             progress=lambda c: (now(bar, "compiling " + c.name, 0), now(bar2, c.name)))
         bar.close()
         bar2.close()
         best = next((c for c in got if c.fits), None)
-        what = ("the matmuls of its share of the batch at the peak rate, scaled as its nearest compiled kin's compute "
-                "was, and its gradients' reduction at the least bytes")
-        rejected.extend((lay.name, f"not traced: its bound ({1e3 * b:.2f} ms/step, {what}) is no faster than "
-                         f"{best.name}'s {1e3 * best.predicted_s:.2f} ms") if b >= best.predicted_s else (
-            lay.name, f"not traced: the search's time budget ({_budget_mod.SEARCH_SECONDS} s) was spent first; its "
-                      f"bound ({1e3 * b:.2f} ms/step, {what}) is below {best.name}'s {1e3 * best.predicted_s:.2f} "
-                      "ms, so it might be faster") for lay, b in skipped)
+        # each layout left untraced and candidate left uncompiled, and why: its bound no faster than the pick's
+        rejected.extend(search_stats.pop("left"))  # (proven), the time spent first, or its estimate (SHARPEN)
         if search_stats.get("stopped") == "time":  # the uncompiled candidates that might beat the pick, by name
             search_stats["uncompiled_faster"] = [c.name for c in got if c.measured_peak is None and c.fits
                                                  and c.predicted_s < best.predicted_s]

@@ -11,13 +11,21 @@
   layout fits";
 - ``searched``: with ``auto_layout(hardware=)``, ``checked`` widened to the tracing: the layouts are taken in
   the order of a lower bound on their step time computed before anything of theirs is traced (the model's
-  matmul flops per device at the matmul peak of their compute dtype: ``spmd.parallel.auto._priced.dot_flops``),
+  matmuls' flops and bytes per device at the peak rates, the update's bytes, the gradients' reduction at the
+  least bytes: ``spmd.parallel.auto._priced.step_floor``, ``comm_floor``),
   and at each turn the cheaper of (trace the next layout, compile the best traced estimate) is done, until
   ``k`` compiled candidates fit and neither the next layout's bound nor the best uncompiled estimate is below
   the fastest compiled fitting one. Sound (``SHARPEN = False``): a layout's compiled time is at least its bound
-  (its compute is the roofline of its compiled flops, which count every matmul of the gradient on its share of
-  the batch, and recomputed or replicated ones beyond; its communication and dispatch are >= 0), and a traced
-  estimate is at most its compiled time (``checked``), so no layout left out can beat the pick. By default
+  (its compute is the roofline of its compiled flops and bytes, which count every matmul of the gradient on
+  its share of the batch, and recomputed or replicated ones beyond, each matmul's operands and result, and the
+  update's state read and written; its communication and dispatch are >= 0), and a traced candidate's time
+  until compiled is a bound too (its own matmuls and shards, its own communication table priced exactly as
+  once compiled: ``tests/parallel/auto/test_auto_prune.py`` checks both inequalities), so no layout left out
+  can beat the pick. Each layout or candidate left out is named with why (``stats["left"]``, ``auto_layout``'s
+  ``rejected``): "bound X ms >= the pick's Y ms" (proven no faster: an uncompiled candidate so is dropped
+  from the ranking), the time budget spent first, or (``SHARPEN``) its scaled estimate no faster, its bound
+  below (not proven); ``stats`` counts each (``pruned_by_bound``, ``left_by_time``, ``skipped_by_estimate``)
+  and ``AutoLayout.why()`` says them. By default
   (``SHARPEN = True``) the search compiles only the promising: once a candidate is compiled, the ratio of its
   compiled compute (the roofline of its own flops and bytes) to its estimate's (its flops at the matmul peak,
   no bytes; the model's matmuls, or the traced step's where more: what it recomputes and replicates) scales
@@ -428,10 +436,41 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
                     new = [v for v in new if v.layout.activation_checkpointing == c.layout.activation_checkpointing]
         seen |= {c.layout for c in new}
         rest = sorted(rest + new, key=lambda c: (not c.fits, est_of(c)))
+    pick = min((c for c in done if c.fits), key=lambda c: c.predicted_s, default=None)
+    # what was left, and why: each uncompiled candidate's time is its bound (the traced step's: _priced.step_floor)
+    left = [_left(lay.name, bound(lay), bound_of(lay), pick, stopped, "not traced") for lay in todo[i:]]
+    cut = [_left(c.name, c.predicted_s, est_of(c), pick, stopped, "not compiled") if c.fits else None for c in rest]
+    pruned = {c.layout for c, why in zip(rest, cut) if why is not None and why[1] == "bound"}
+    left += [why for why in cut if why is not None]
+    rest = [c for c in rest if c.layout not in pruned]  # dropped: proven no faster than the pick
     if stats is not None:
+        counts = {k: sum(w[1] == k for w in left) for k in ("bound", "time", "estimate")}
+        log.append(("end", f"stopped by {stopped}", clock() - t0, f"{len(done)} compiled, {counts['bound']} pruned by "
+                    f"bound, {counts['time']} left by time, {counts['estimate']} skipped by estimate"))
         stats.update(traced=traced_n, compiled=len(done), uncompiled=len(rest), untraced=len(todo) - i,
-                     over_by_kin=len(estimated), stopped=stopped, seconds=clock() - t0, log=log, hurried=hurried)
+                     over_by_kin=len(estimated), stopped=stopped, seconds=clock() - t0, log=log, hurried=hurried,
+                     pruned_by_bound=counts["bound"], left_by_time=counts["time"],
+                     skipped_by_estimate=counts["estimate"], left=[(n, why) for n, _, why in left])
     rest += estimated
     if SHARPEN and ratios:  # the uncompiled ones at their scaled estimates (none faster than the pick)
         rest = [replace(c, predicted_s=est_of(c), compute_s=c.compute_s + est_of(c) - c.predicted_s) for c in rest]
     return _merged(_ranked(done), _ranked(rest)), [(lay, bound_of(lay)) for lay in todo[i:]]
+
+
+def _left(name: str, bound_s: float, est_s: float, pick: Candidate | None, stopped: str, what: str
+          ) -> tuple[str, str, str]:
+    """``(name, kind, reason)`` of a layout left untraced or a candidate left uncompiled by ``searched``: kind
+    ``"bound"`` where its lower bound ``bound_s`` is at least ``pick``'s compiled time (proven no faster),
+    ``"time"`` where the search's time ran out first, ``"estimate"`` where its estimate ``est_s`` (scaled as its
+    nearest compiled kin's compute was: ``SHARPEN``, not a bound) is no faster but its bound is."""
+    ms = lambda x: f"{1e3 * x:.2f} ms"  # noqa: E731
+    if pick is None:
+        return name, "time", f"{what}: the search stopped before any compiled candidate fit (bound {ms(bound_s)})"
+    if bound_s >= pick.predicted_s:
+        return name, "bound", f"{what}: bound {ms(bound_s)} >= the pick's {ms(pick.predicted_s)} ({pick.name})"
+    if stopped == "time":
+        return name, "time", (f"{what}: the search's time budget ({SEARCH_SECONDS} s) was spent first; bound "
+                              f"{ms(bound_s)} < the pick's {ms(pick.predicted_s)} ({pick.name}), so it might be faster")
+    return name, "estimate", (f"{what}: estimated {ms(est_s)} (its compute scaled as its nearest compiled kin's: "
+                              f"_budget.SHARPEN, not a bound) >= the pick's {ms(pick.predicted_s)} ({pick.name}); "
+                              f"bound {ms(bound_s)}, so not proven slower")

@@ -14,6 +14,13 @@
   them would count the overlapped time twice; the max is the standard roofline bound. The per-operation
   launch cost and the dispatch a measured calibration carries are not on a datasheet: not counted (a
   GPU's fused step is far from launch-bound at the sizes planned for).
+- **bounds** (``auto_layout``'s search, ``spmd.parallel.auto._budget.searched``): a compiled step's predicted
+  time is at least ``step_floor`` (its matmul flops at the peak rate, or the bytes its matmuls read and write
+  plus its state's, read and written once by the update, over the memory bandwidth, whichever is more) plus
+  its communication: before any trace, the one-device gradient's matmuls (``dot_cost``) split over all the
+  devices, ``state_floor`` and ``comm_floor``; once traced, the traced step's own matmuls (per device, what it
+  recomputes and replicates included), its own shards (``shard_bytes``) and its own table, priced exactly as
+  the compiled candidate's is.
 - **dtype**: the matmuls' (``dot_general``) input dtype weighted by their flops in the loss's jaxpr
   (``matmul_dtype``); the parameters' floating dtype where the loss has no matmul.
 """
@@ -26,11 +33,12 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
 from spmd.parallel.cost._hardware import Hardware
 
-__all__ = ["HardwareRates", "mesh_group", "matmul_dtype", "dot_flops", "comm_floor"]
+__all__ = ["HardwareRates", "mesh_group", "matmul_dtype", "dot_flops", "dot_cost", "dot_bytes", "comm_floor",
+           "state_floor", "shard_bytes", "step_floor"]
 
 
 def mesh_group(mesh_dims: Sequence[tuple[str, int]], names: Sequence[str]) -> tuple[int, int]:
@@ -55,30 +63,74 @@ def _subjaxprs(params: dict):
                 yield x
 
 
-def _dot_work(jaxpr, work: dict) -> dict:
-    """``work``: per promoted input dtype, ``2 x M x N x K`` of each ``dot_general`` of ``jaxpr`` and its
-    sub-jaxprs (a ``scan``'s body times its length, as the compiled step's cost counts a loop of known trip
-    count, ``spmd.parallel.cost._loops``; another loop's body once; of a ``cond``, the branch with the
-    least)."""
+def _dots(jaxpr) -> tuple[dict, dict]:
+    """``(work, io)`` of ``jaxpr`` and its sub-jaxprs: ``work`` per promoted input dtype, ``2 x M x N x K`` of
+    each ``dot_general``; ``io`` per dtype, the elements each ``dot_general`` reads (its two operands, but one
+    made by a ``broadcast_in_dim`` or ``iota`` beside it, which XLA may fold into the dot) and writes (its
+    result). A ``scan``'s body counts its length times (as the compiled step's cost counts a loop of known trip
+    count, ``spmd.parallel.cost._loops``), another loop's body once; of a ``cond``, the branch with the least
+    of each (a bound's side)."""
+    work: dict = {}
+    io: dict = {}
+    folded: set = set()  # the vars made by a broadcast or an iota in this jaxpr
+
+    def add(into: dict, got: dict, times: float = 1) -> None:
+        for k, v in got.items():
+            into[k] = into.get(k, 0) + times * v
+
     for e in jaxpr.eqns:
-        if e.primitive.name == "dot_general":
+        name = e.primitive.name
+        if name in ("broadcast_in_dim", "iota"):
+            folded.update(e.outvars)
+        if name == "dot_general":
             (lc, _), _ = e.params["dimension_numbers"]
             a, b = e.invars[0].aval, e.invars[1].aval
             k = math.prod(a.shape[d] for d in lc)
             dt = np.promote_types(a.dtype, b.dtype).name
-            work[dt] = work.get(dt, 0) + 2 * k * math.prod(e.outvars[0].aval.shape)
-        if e.primitive.name == "cond":  # one branch runs: the one with the most work (a bound's side: the least)
-            got = [_dot_work(b.jaxpr, {}) for b in e.params["branches"]]
-            for dt, v in min(got, key=lambda w: sum(w.values())).items():
-                work[dt] = work.get(dt, 0) + v
+            add(work, {dt: 2 * k * math.prod(e.outvars[0].aval.shape)})
+            for v in (*e.invars[:2], e.outvars[0]):
+                if isinstance(v, Var) and v not in folded:
+                    add(io, {np.dtype(v.aval.dtype).name: math.prod(v.aval.shape)})
             continue
-        if e.primitive.name == "scan":  # a known trip count: each trip's matmuls (XLA's cost of the compiled
-            for dt, v in _dot_work(e.params["jaxpr"].jaxpr, {}).items():  # loop adds them: cost._loops)
-                work[dt] = work.get(dt, 0) + e.params["length"] * v
+        if name == "cond":  # one branch runs: the least of each (a bound's side)
+            got = [_dots(b.jaxpr) for b in e.params["branches"]]
+            add(work, min((w for w, _ in got), key=lambda w: sum(w.values())))
+            add(io, min((i for _, i in got), key=lambda i: sum(i.values())))
+            continue
+        if name == "scan":  # a known trip count: each trip's matmuls (XLA's cost of the compiled loop adds them)
+            w, i = _dots(e.params["jaxpr"].jaxpr)
+            add(work, w, e.params["length"])
+            add(io, i, e.params["length"])
             continue
         for sub in _subjaxprs(e.params):
-            _dot_work(sub, work)
+            w, i = _dots(sub)
+            add(work, w)
+            add(io, i)
+    return work, io
+
+
+def _dot_work(jaxpr, work: dict) -> dict:
+    """``work`` plus ``_dots(jaxpr)``'s matmul flops per promoted input dtype."""
+    for dt, v in _dots(jaxpr)[0].items():
+        work[dt] = work.get(dt, 0) + v
     return work
+
+
+def dot_bytes(io: dict, compute_dtype: str | None = None) -> float:
+    """The bytes of ``_dots``' elements ``io`` (per dtype), each at its dtype's size, or ``compute_dtype``'s
+    where smaller (a mixed-precision layout's matmuls run in it: the one-device loss's float32 ones, read at
+    its size)."""
+    cap = np.dtype(compute_dtype).itemsize if compute_dtype else math.inf
+    return float(sum(n * min(np.dtype(dt).itemsize, cap) for dt, n in io.items()))
+
+
+def dot_cost(loss: Any, params: Any, batch: Any) -> tuple[float, dict]:
+    """``(flops, io)``: ``dot_flops`` and the elements per dtype the gradient's matmuls read and write
+    (``_dots``), one device, on the whole batch (a bound's side: a layout's ``n`` devices compute that gradient
+    between them, each matmul's operands read and its result written by one device at least, so one device's
+    step moves at least ``dot_bytes(io) / n``)."""
+    work, io = _dots(jax.make_jaxpr(jax.grad(loss))(params, batch).jaxpr)
+    return float(sum(work.values())), io
 
 
 def dot_flops(loss: Any, params: Any, batch: Any) -> float:
@@ -87,7 +139,7 @@ def dot_flops(loss: Any, params: Any, batch: Any) -> float:
     ``n`` devices computes this gradient on the same batch split over them, so one device's compiled step
     counts at least ``dot_flops / n`` (more where a part is replicated or recomputed): the compute bound of
     ``auto_layout``'s search (``spmd.parallel.auto._budget.searched``)."""
-    return float(sum(_dot_work(jax.make_jaxpr(jax.grad(loss))(params, batch).jaxpr, {}).values()))
+    return dot_cost(loss, params, batch)[0]
 
 
 def matmul_dtype(loss: Any, params: Any, batch: Any) -> str:
@@ -125,6 +177,35 @@ def comm_floor(layout: Any, hardware: Any, params: Any) -> float:
     if layout.dp > 1:
         t += hardware.collective_s("all-reduce", grads, *mesh_group(dims, ("dp",)))
     return t
+
+
+def state_floor(layout: Any, params: Any, optimizer: Any) -> float:
+    """A lower bound, before anything of ``layout`` is traced, on the bytes its step's optimizer update moves
+    per device: the parameters and the optimizer state, each read once and written once, cut over every mesh
+    dim but ``dp`` (the plan cuts some over ``tp``, the rest are whole: fewer bytes than any layout's shards).
+    The traced step's own shards: ``shard_bytes``."""
+    p = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    o = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(jax.eval_shape(optimizer.init,
+                                                                                                     params)))
+    return 2 * (p + o) / max(layout.size // layout.dp, 1)
+
+
+def shard_bytes(plan: Any, optimizer: Any) -> float:
+    """The bytes a step's optimizer update moves per device at least: its parameter and optimizer-state shards
+    (``plan``'s local shapes), each read once and written once."""
+    local = [jax.ShapeDtypeStruct(e.local_shape, e.dtype) for e in plan.entries]
+    opt = jax.eval_shape(optimizer.init, local)
+    return 2.0 * (plan.bytes_per_device + sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                                              for x in jax.tree.leaves(opt)))
+
+
+def step_floor(hardware: Hardware, dtype: str, flops: float, io_bytes: float, state_bytes: float) -> float:
+    """The roofline ``max(flops / dtype's matmul peak, (io_bytes + state_bytes) / the memory bandwidth)``: a
+    lower bound on a compiled step's compute (``HardwareRates.compute_s`` of its ``cost_analysis()``) where
+    ``flops`` are matmul flops it runs, ``io_bytes`` what its matmuls read and write (``dot_bytes``) and
+    ``state_bytes`` what its update moves (``shard_bytes``): XLA counts each op's operands and result, so the
+    matmuls' and the update's are among the bytes it counts."""
+    return max(hardware.matmul_s(flops, dtype), hardware.memory_s(io_bytes + state_bytes))
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,16 @@ class AutoLayout:
         """Why the pick won over the runner-up: the time terms that differ most; then what the pick's layout
         chose not to cut, and why (``Layout.note``: the experts kept whole over tp)."""
         note = self.best.layout.note
-        return self._why() + (f" ({note})" if note else "")
+        return self._why() + (f" ({note})" if note else "") + self._searched()
+
+    def _searched(self) -> str:
+        """What the search (``auto_layout(hardware=)``) compiled and left out, by reason (``_budget.searched``)."""
+        s = self.search or {}
+        if "pruned_by_bound" not in s:
+            return ""
+        return (f" Search: {s['compiled']} compiled; {s['pruned_by_bound']} pruned by bound (a lower bound on their "
+                f"step time no faster than the pick's), {s['left_by_time']} left by the time budget, "
+                f"{s['skipped_by_estimate']} skipped by estimate (not proven slower).")
 
     def _why(self) -> str:
         if len(self.candidates) < 2:

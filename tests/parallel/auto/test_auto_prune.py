@@ -1,0 +1,104 @@
+"""auto_layout's search prunes by proven bounds (``_priced.step_floor``, ``comm_floor``): a layout's bound before
+any trace is at most its traced bound, which is at most its compiled predicted time, on DP, FSDP, HSDP with
+accumulation, tp, mixed precision and full checkpointing, priced on an H100's figures and on a hardware whose
+memory is slow beside its matmuls (the bytes' side of the roofline); the sound search (``_budget.SHARPEN``
+off) picks what compiling every candidate picks, compiling fewer, and every candidate it drops by its bound is
+no faster than the pick once compiled."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from spmd.parallel import Hardware, Layout, Link, auto_layout
+from spmd.parallel.auto._auto import _with_compiled, default_loss, evaluate_layout
+from spmd.parallel.auto._compiled import compile_figures
+from spmd.parallel.auto._priced import HardwareRates, comm_floor, dot_bytes, dot_cost, state_floor, step_floor
+from spmd.parallel.cost._memory import Profile
+from tests.parallel.auto.test_auto_search import MODEL, OPT, U, _batch, _plan
+
+SLOW_MEMORY = Hardware("slow memory", {"float32": 2e10, "bfloat16": 2e11}, 80e9, 1e9, 4, Link(450e9, 3e-6),
+                       Link(50e9, 1e-5))
+
+
+def _tp(n: int) -> tuple:
+    return tuple(_plan(False, n).items())
+
+
+def _pre_bound(lay: Layout, hw: Hardware, params, work: float, io: dict) -> float:
+    """What ``auto_layout``'s search bounds ``lay`` by before tracing it (its ``bound``)."""
+    return step_floor(hw, lay.mixed_precision or "float32", work / lay.size, dot_bytes(io, lay.mixed_precision) /
+                      lay.size, state_floor(lay, params, OPT)) + comm_floor(lay, hw, params)
+
+
+@pytest.mark.slow  # compiles five layouts of a two-block model on 8 devices
+@pytest.mark.timeout(900)
+def test_the_bounds_are_below_the_compiled_predicted_time():
+    batch = _batch()
+    params = jax.eval_shape(lambda: MODEL.init(jax.random.key(0), batch["inputs"])["params"])
+    prof = Profile(default_loss(MODEL), params, OPT)
+    work, io = dot_cost(default_loss(MODEL), params, batch)
+    lays = (Layout(dp=8), Layout(fsdp=8, units=U, mixed_precision="bfloat16"),
+            Layout(dp=2, fsdp=4, units=U, accum_steps=2), Layout(dp=2, tp=4, tp_plan=_tp(4)),
+            Layout(fsdp=8, units=U, reshard_after_forward=False, activation_checkpointing="full"))
+    for lay in lays:
+        figs = compile_figures(MODEL, OPT, default_loss, params, batch, jax.devices()[:8], lay)
+        for hw in (Hardware.named("h100"), SLOW_MEMORY):
+            rates = HardwareRates(hw, "float32", group_size=8)
+            traced = evaluate_layout(MODEL, OPT, batch, 8, lay, params=params, calibration=rates, profile=prof)
+            compiled = _with_compiled(traced, figs, rates, None)
+            pre = _pre_bound(lay, hw, params, work, io)
+            assert 0 < pre <= traced.predicted_s * (1 + 1e-9), (lay.name, hw.name, pre, traced.predicted_s)
+            assert traced.predicted_s <= compiled.predicted_s * (1 + 1e-9), (lay.name, hw.name, traced.predicted_s,
+                                                                             compiled.predicted_s)
+            if hw is SLOW_MEMORY and lay.tp == 1:  # the bytes' side: the traced bound's compute is its bytes'
+                assert traced.compute_s > hw.matmul_s(work / 8, lay.mixed_precision or "float32"), lay.name
+
+
+@pytest.mark.slow  # traces eight layouts of a two-block model on 8 devices and compiles each once
+@pytest.mark.timeout(900)
+def test_the_sound_search_prunes_by_bound_and_picks_what_compiling_every_candidate_picks(monkeypatch):
+    from spmd.parallel.auto import _auto, _budget
+
+    figures, compile_figures_once = {}, _auto.compile_figures
+    asked = []  # the layouts the search compiled
+
+    def cached(*args, keep=None, built=None, hardware=None):
+        asked.append(args[6])
+        if args[6] not in figures:
+            figures[args[6]] = compile_figures_once(*args, keep=keep, built=built, hardware=hardware)
+        return figures[args[6]]
+
+    monkeypatch.setattr(_auto, "compile_figures", cached)
+    monkeypatch.setattr(_budget, "SHARPEN", False)  # the sound search: pruned by bounds alone
+    batch = _batch()
+    params = jax.eval_shape(lambda: MODEL.init(jax.random.key(0), batch["inputs"])["params"])
+    prof = Profile(default_loss(MODEL), params, OPT)
+    hw = Hardware.named("h100")
+    lays = [Layout(dp=8), Layout(dp=2, tp=4, tp_plan=_tp(4)), Layout(fsdp=8, units=U),
+            Layout(fsdp=8, units=U, reshard_after_forward=False, mixed_precision="bfloat16"),
+            Layout(dp=2, fsdp=4, units=U, mixed_precision="bfloat16"), Layout(dp=4, fsdp=2, units=U),
+            Layout(dp=2, fsdp=2, tp=2, tp_plan=_tp(2), units=U), Layout(fsdp=2, tp=4, tp_plan=_tp(4), units=U)]
+    got = auto_layout(MODEL, OPT, batch, 8, hardware=hw, plan=_plan, units=U, params=params, profile=prof,
+                      layouts=lays)
+    searched = list(asked)
+    pruned = [n for n, why in got.rejected if ": bound " in why and f">= the pick's {1e3 * got.best.predicted_s:.2f} ms"
+              in why]
+    assert pruned, got.rejected
+    assert got.search["pruned_by_bound"] == len(pruned) and got.search["left_by_time"] == 0
+    assert got.search["skipped_by_estimate"] == 0 and got.search["stopped"] == "bound"
+    assert f"{len(searched)} compiled; {len(pruned)} pruned by bound" in got.why()
+    # the reference: every layout traced and compiled, the fastest fitting one by its compiled time
+    rates = HardwareRates(hw, "float32", group_size=8)
+    every = {}
+    for lay in lays:
+        c = evaluate_layout(MODEL, OPT, batch, 8, lay, params=params, calibration=rates, profile=prof)
+        every[lay.name] = _with_compiled(c, cached(MODEL, OPT, _auto.default_loss, params, batch, jax.devices()[:8],
+                                                   lay, hardware=hw), rates, int(hw.memory_bytes))
+    best = min((c for c in every.values() if c.fits), key=lambda c: c.predicted_s)
+    assert got.best.name == best.name
+    assert got.best.predicted_s == pytest.approx(best.predicted_s, rel=1e-9)
+    assert len(searched) == got.search["compiled"] < len(lays), (searched, got.search)
+    for name in pruned:  # each dropped by its bound is no faster once compiled
+        assert every[name].predicted_s >= got.best.predicted_s, (name, every[name].predicted_s)
+    print(f"compiled {len(searched)} of {len(lays)}; pruned by bound: {pruned}")
