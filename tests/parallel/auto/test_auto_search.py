@@ -286,8 +286,15 @@ def test_the_search_stops_at_its_time_budget_once_one_fits_and_says_what_it_left
     assert stats["stopped"] == "time" and stats["compiled"] == 1
     assert got[0].layout == lays[0] and got[0].measured_peak == 5  # its compiled peak
     assert [lay for lay, _ in skipped] == [lays[2]] and skipped[0][1] < got[0].predicted_s
-    assert [a for a, *_ in stats["log"]] == ["trace", "compile", "trace"]
-    assert [s for _, _, s, _ in stats["log"]] == [10.0, 30.0, 10.0]
+    assert [a for a, *_ in stats["log"]] == ["trace", "compile", "trace", "end"]
+    assert [s for _, _, s, _ in stats["log"][:-1]] == [10.0, 30.0, 10.0]
+    # both left out below the pick's 3 s by their bounds: left by the time, not pruned
+    assert (stats["left_by_time"], stats["pruned_by_bound"], stats["skipped_by_estimate"]) == (2, 0, 0)
+    assert stats["left"] == [
+        (lays[2].name, "not traced: the search's time budget (50.0 s) was spent first; bound 1200.00 ms < the "
+                       f"pick's 3000.00 ms ({lays[0].name}), so it might be faster"),
+        (lays[1].name, "not compiled: the search's time budget (50.0 s) was spent first; bound 1100.00 ms < the "
+                       f"pick's 3000.00 ms ({lays[0].name}), so it might be faster")]
     assert any(c.layout == lays[1] and c.measured_peak is None for c in got)  # traced, left uncompiled, ranked
     got, skipped, stats = run(None)
     assert stats["stopped"] == "bound" and got[0].layout == lays[1] and got[0].predicted_s == 1.5
@@ -330,6 +337,7 @@ def test_once_the_time_is_spent_with_none_fitting_an_over_candidate_goes_straigh
     got, _ = _budget.searched([lay, other], {lay: 1.0, other: 1.1}.get, trace, 1, 100, compiled, variants,
                               stats=stats, clock=lambda: now[0])
     assert [(a, n) for a, n, *_ in stats["log"]] == [
-        ("trace", lay.name), ("compile", lay.name), ("compile", lay.name + " ac=full")], stats["log"]
+        ("trace", lay.name), ("compile", lay.name), ("compile", lay.name + " ac=full"), ("end", "stopped by time")
+    ], stats["log"]
     assert got[0].layout.activation_checkpointing == "full" and got[0].fits and stats["stopped"] == "time"
     assert [n for n, _ in stats["hurried"]] == [lay.name] and "not weighed" in stats["hurried"][0][1]
