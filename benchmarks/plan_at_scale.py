@@ -167,7 +167,8 @@ def _why(c) -> str:
         return "over: its bound plus its compiled kin's excess (not compiled)"
     if c.memory.get("compiled"):
         return "compiled at 3 and 4 layers, carried" + ("" if c.fits else "; over 80 GB")
-    return "not compiled: estimate (matmuls at peak, kin-scaled), peak its lower bound"
+    return ("not compiled: its bound (matmuls' flops and bytes at the peak rates, its own collectives), "
+            "kin-scaled; peak its lower bound")
 
 
 def plan_one(name: str, full_compile: bool) -> dict:
@@ -214,7 +215,7 @@ def plan_one(name: str, full_compile: bool) -> dict:
            "hardware": "h100", "budget_bytes": got.budget, "ranked_s": ranked_s, "ranked_cpu_s": ranked_cpu_s,
            "load_1min": load, "candidates": len(got.candidates), "search": got.search, "tolerance": TOLERANCE,
            "compiled": sum(c.measured_peak is not None for c in got.candidates),
-           "untraced_by_bound": sum(r.startswith("not traced") for _, r in got.rejected),
+           "untraced_by_bound": sum(r.startswith("not traced: bound ") for _, r in got.rejected),
            "rejected": len(got.rejected), "search_s": SEARCH_S, "pick": best.name, "why": got.why(), "top": rows,
            "torchtitan": TORCHTITAN[name], "torchtitan_at_scale": AT_SCALE[name], "predicted_peak_bytes": best.measured_peak}
     k = VALIDATE[name]
