@@ -756,8 +756,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         bar.close()
         bar2.close()
         best = next((c for c in got if c.fits), None)
-        # each layout left untraced and candidate left uncompiled, and why: its bound no faster than the pick's
-        rejected.extend(search_stats.pop("left"))  # (proven), the time spent first, or its estimate (SHARPEN)
+        # each layout left untraced, and why: its bound no faster than the pick's (proven), the time spent first,
+        rejected.extend(search_stats.pop("left"))  # or its estimate (SHARPEN); the uncompiled: search["not_compiled"]
         if search_stats.get("stopped") == "time":  # the uncompiled candidates that might beat the pick, by name
             search_stats["uncompiled_faster"] = [c.name for c in got if c.measured_peak is None and c.fits
                                                  and c.predicted_s < best.predicted_s]

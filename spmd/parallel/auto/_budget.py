@@ -22,8 +22,8 @@
   until compiled is a bound too (its own matmuls and shards, its own communication table priced exactly as
   once compiled: ``tests/parallel/auto/test_auto_prune.py`` checks both inequalities), so no layout left out
   can beat the pick. Each layout or candidate left out is named with why (``stats["left"]``, ``auto_layout``'s
-  ``rejected``): "bound X ms >= the pick's Y ms" (proven no faster: an uncompiled candidate so is dropped
-  from the ranking), the time budget spent first, or (``SHARPEN``) its scaled estimate no faster, its bound
+  ``rejected``; ``stats["not_compiled"]``, those ranked uncompiled): "bound X ms >= the pick's Y ms" (proven
+  no faster), the time budget spent first, or (``SHARPEN``) its scaled estimate no faster, its bound
   below (not proven); ``stats`` counts each (``pruned_by_bound``, ``left_by_time``, ``skipped_by_estimate``)
   and ``AutoLayout.why()`` says them. By default
   (``SHARPEN = True``) the search compiles only the promising: once a candidate is compiled, the ratio of its
@@ -439,18 +439,16 @@ def searched(layouts: list, bound: Callable, trace: Callable, k: int, budget: in
     pick = min((c for c in done if c.fits), key=lambda c: c.predicted_s, default=None)
     # what was left, and why: each uncompiled candidate's time is its bound (the traced step's: _priced.step_floor)
     left = [_left(lay.name, bound(lay), bound_of(lay), pick, stopped, "not traced") for lay in todo[i:]]
-    cut = [_left(c.name, c.predicted_s, est_of(c), pick, stopped, "not compiled") if c.fits else None for c in rest]
-    pruned = {c.layout for c, why in zip(rest, cut) if why is not None and why[1] == "bound"}
-    left += [why for why in cut if why is not None]
-    rest = [c for c in rest if c.layout not in pruned]  # dropped: proven no faster than the pick
+    cut = [_left(c.name, c.predicted_s, est_of(c), pick, stopped, "not compiled") for c in rest if c.fits]
     if stats is not None:
-        counts = {k: sum(w[1] == k for w in left) for k in ("bound", "time", "estimate")}
+        counts = {k: sum(w[1] == k for w in left + cut) for k in ("bound", "time", "estimate")}
         log.append(("end", f"stopped by {stopped}", clock() - t0, f"{len(done)} compiled, {counts['bound']} pruned by "
                     f"bound, {counts['time']} left by time, {counts['estimate']} skipped by estimate"))
         stats.update(traced=traced_n, compiled=len(done), uncompiled=len(rest), untraced=len(todo) - i,
                      over_by_kin=len(estimated), stopped=stopped, seconds=clock() - t0, log=log, hurried=hurried,
                      pruned_by_bound=counts["bound"], left_by_time=counts["time"],
-                     skipped_by_estimate=counts["estimate"], left=[(n, why) for n, _, why in left])
+                     skipped_by_estimate=counts["estimate"], left=[(n, why) for n, _, why in left],
+                     not_compiled=[(n, why) for n, _, why in cut])
     rest += estimated
     if SHARPEN and ratios:  # the uncompiled ones at their scaled estimates (none faster than the pick)
         rest = [replace(c, predicted_s=est_of(c), compute_s=c.compute_s + est_of(c) - c.predicted_s) for c in rest]

@@ -6,6 +6,8 @@ numbers come from steps built and compiled here by hand through the public contr
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 
 import jax
@@ -132,10 +134,12 @@ def test_mixed_precision_is_a_candidate_that_gathers_and_computes_in_bfloat16():
     model, batch = _model(2), _batch()
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"])["params"])
     prof = Profile(default_loss(model), params, OPT)
+    # memory without limit: the estimates' compute their matmuls' side of the roofline (_priced.step_floor)
+    rates = dataclasses.replace(_rates(), hardware=dataclasses.replace(HARDWARE["h100"], memory_bandwidth=math.inf))
     f32 = evaluate_layout(model, OPT, batch, 8, Layout(fsdp=8, units=U), params=params, profile=prof,
-                          calibration=_rates())
+                          calibration=rates)
     bf16 = evaluate_layout(model, OPT, batch, 8, Layout(fsdp=8, units=U, mixed_precision="bfloat16"), params=params,
-                           profile=prof, calibration=_rates())
+                           profile=prof, calibration=rates)
     ag = [c.communication["total"]["all-gather"]["bytes"] for c in (f32, bf16)]
     rs = [c.communication["total"]["reduce-scatter"]["bytes"] for c in (f32, bf16)]
     assert ag[1] * 2 == ag[0] and rs[1] == rs[0]  # gathered in bf16, reduced in f32

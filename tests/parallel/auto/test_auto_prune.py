@@ -82,8 +82,8 @@ def test_the_sound_search_prunes_by_bound_and_picks_what_compiling_every_candida
     got = auto_layout(MODEL, OPT, batch, 8, hardware=hw, plan=_plan, units=U, params=params, profile=prof,
                       layouts=lays)
     searched = list(asked)
-    pruned = [n for n, why in got.rejected if ": bound " in why and f">= the pick's {1e3 * got.best.predicted_s:.2f} ms"
-              in why]
+    pruned = [n for n, why in got.rejected + tuple(got.search["not_compiled"])
+              if ": bound " in why and f">= the pick's {1e3 * got.best.predicted_s:.2f} ms" in why]
     assert pruned, got.rejected
     assert got.search["pruned_by_bound"] == len(pruned) and got.search["left_by_time"] == 0
     assert got.search["skipped_by_estimate"] == 0 and got.search["stopped"] == "bound"
@@ -102,3 +102,35 @@ def test_the_sound_search_prunes_by_bound_and_picks_what_compiling_every_candida
     for name in pruned:  # each dropped by its bound is no faster once compiled
         assert every[name].predicted_s >= got.best.predicted_s, (name, every[name].predicted_s)
     print(f"compiled {len(searched)} of {len(lays)}; pruned by bound: {pruned}")
+
+
+def test_what_the_search_leaves_out_is_named_with_its_bound_and_counted(monkeypatch):
+    """A layout untraced and a candidate uncompiled whose bounds are no faster than the pick's compiled time are
+    pruned, each named "bound X ms >= the pick's Y ms", counted in ``stats`` and said by ``AutoLayout.why()``."""
+    from dataclasses import replace
+
+    from spmd.parallel.auto import _budget
+    from spmd.parallel.auto._ranking import AutoLayout, Candidate
+
+    def cand(lay, t, peak=None):
+        return Candidate(layout=lay, predicted_s=t, compute_s=t, comm_s={}, dispatch_s=0.0,
+                         communication={"total": {}}, memory={"peak": 1}, flops=0.0, measured_peak=peak)
+
+    a, b, c = Layout(dp=8), Layout(fsdp=8, units=U), Layout(dp=2, fsdp=4, units=U)
+    a2 = replace(a, accum_steps=2)
+    bounds = {a: 1.0, b: 2.0, c: 3.0}
+    monkeypatch.setattr(_budget, "SHARPEN", False)
+    stats = {}
+    got, _ = _budget.searched([c, b, a], bounds.get, lambda lay: [cand(lay, 1.0), cand(a2, 1.8)], 1, 100,
+                              lambda x: cand(x.layout, 1.5, peak=5), lambda x, budget: [], stats=stats)
+    assert [x.layout for x in got] == [a, a2] and got[0].measured_peak == 5  # a2 ranked uncompiled
+    assert stats["left"] == [(b.name, f"not traced: bound 2000.00 ms >= the pick's 1500.00 ms ({a.name})"),
+                             (c.name, f"not traced: bound 3000.00 ms >= the pick's 1500.00 ms ({a.name})")]
+    assert stats["not_compiled"] == [(a2.name, f"not compiled: bound 1800.00 ms >= the pick's 1500.00 ms ({a.name})")]
+    assert (stats["compiled"], stats["pruned_by_bound"], stats["left_by_time"], stats["skipped_by_estimate"]) == (
+        1, 3, 0, 0)
+    assert stats["log"][-1] == ("end", "stopped by bound", stats["log"][-1][2],
+                                "1 compiled, 3 pruned by bound, 0 left by time, 0 skipped by estimate")
+    why = AutoLayout(tuple(got), search=stats).why()
+    assert why.endswith(" Search: 1 compiled; 3 pruned by bound (a lower bound on their step time no faster than "
+                        "the pick's), 0 left by the time budget, 0 skipped by estimate (not proven slower)."), why
