@@ -63,16 +63,17 @@ def _subjaxprs(params: dict):
                 yield x
 
 
-def _dots(jaxpr) -> tuple[dict, dict]:
+def _dots(jaxpr, folded_in: frozenset = frozenset()) -> tuple[dict, dict]:
     """``(work, io)`` of ``jaxpr`` and its sub-jaxprs: ``work`` per promoted input dtype, ``2 x M x N x K`` of
     each ``dot_general``; ``io`` per dtype, the elements each ``dot_general`` reads (its two operands, but one
-    made by a ``broadcast_in_dim`` or ``iota`` beside it, which XLA may fold into the dot) and writes (its
-    result). A ``scan``'s body counts its length times (as the compiled step's cost counts a loop of known trip
-    count, ``spmd.parallel.cost._loops``), another loop's body once; of a ``cond``, the branch with the least
-    of each (a bound's side)."""
+    made by a ``broadcast_in_dim`` or ``iota``, or by other operations of those and constants alone, which XLA
+    may fold into the dot: ``folded_in``, the positions of ``jaxpr``'s inputs so made) and writes (its result).
+    A ``scan``'s body counts its length times (as the compiled step's cost counts a loop of known trip count,
+    ``spmd.parallel.cost._loops``), another loop's body once; of a ``cond``, the branch with the least of each
+    (a bound's side)."""
     work: dict = {}
     io: dict = {}
-    folded: set = set()  # the vars made by a broadcast or an iota in this jaxpr
+    folded: set = {v for j, v in enumerate(jaxpr.invars) if j in folded_in}  # those vars in this jaxpr
 
     def add(into: dict, got: dict, times: float = 1) -> None:
         for k, v in got.items():
@@ -80,7 +81,8 @@ def _dots(jaxpr) -> tuple[dict, dict]:
 
     for e in jaxpr.eqns:
         name = e.primitive.name
-        if name in ("broadcast_in_dim", "iota"):
+        if name in ("broadcast_in_dim", "iota") or (name != "dot_general" and not any(_subjaxprs(e.params)) and all(
+                not isinstance(v, Var) or v in folded for v in e.invars)):  # made of those and constants alone
             folded.update(e.outvars)
         if name == "dot_general":
             (lc, _), _ = e.params["dimension_numbers"]
@@ -102,8 +104,10 @@ def _dots(jaxpr) -> tuple[dict, dict]:
             add(work, w, e.params["length"])
             add(io, i, e.params["length"])
             continue
-        for sub in _subjaxprs(e.params):
-            w, i = _dots(sub)
+        for sub in _subjaxprs(e.params):  # a call's inputs are the eqn's, in order (pjit, shard_map, remat)
+            called = len(sub.invars) == len(e.invars)
+            w, i = _dots(sub, frozenset(j for j, v in enumerate(e.invars)
+                                        if called and isinstance(v, Var) and v in folded))
             add(work, w)
             add(io, i)
     return work, io

@@ -134,3 +134,39 @@ def test_what_the_search_leaves_out_is_named_with_its_bound_and_counted(monkeypa
     why = AutoLayout(tuple(got), search=stats).why()
     assert why.endswith(" Search: 1 compiled; 3 pruned by bound (a lower bound on their step time no faster than "
                         "the pick's), 0 left by the time budget, 0 skipped by estimate (not proven slower)."), why
+
+
+def test_the_pre_trace_matmul_work_carried_from_the_slices_equals_the_deep_models():
+    """``depth=``: the matmuls' flops and elements read off the sliced models and carried to the depth equal the
+    deep model's own (each block adds the same matmuls), so the untraced bound of a deep model is its own."""
+    from models import Transformer
+    from spmd.parallel.auto._auto import _dot_work_at, _slices
+
+    def model(n):
+        return Transformer(16, 16, num_layers=n, d_model=32, num_heads=4)
+
+    batch = _batch()
+    deep = model(6)
+    params = jax.eval_shape(lambda: deep.init(jax.random.key(0), batch["inputs"])["params"])
+    slices = _slices(model, None, U, params, batch, OPT, "auto_layout")
+    flops, io = _dot_work_at(model, slices, default_loss(deep), params, batch)
+    want_flops, want_io = dot_cost(default_loss(deep), params, batch)
+    assert flops == want_flops and io == want_io and want_io
+
+
+def test_the_matmul_elements_are_counted_by_hand():
+    """``loss = sum((x @ w1) @ w2)``: forward reads x, w1 and writes h, reads h, w2 and writes the output;
+    backward (the loss's cotangent a broadcast of 1, which XLA folds: not counted) dh = g w2^T reads w2 and
+    writes dh, dw2 = h^T g reads h and writes dw2, dw1 = x^T dh reads x, dh and writes dw1."""
+    import jax.numpy as jnp
+
+    b, d, h, o = 5, 3, 7, 2
+    params = {"w1": jax.ShapeDtypeStruct((d, h), jnp.float32), "w2": jax.ShapeDtypeStruct((h, o), jnp.bfloat16)}
+    x = jax.ShapeDtypeStruct((b, d), jnp.float32)
+    flops, io = dot_cost(lambda p, x: jnp.sum(((x @ p["w1"]).astype(jnp.bfloat16) @ p["w2"]).astype(jnp.float32)),
+                         params, x)
+    assert flops == 4 * b * d * h + 6 * b * h * o
+    f32 = 2 * b * d + 2 * d * h + 2 * b * h  # x twice, w1 and dw1, h (forward's result) and dh (its cotangent)
+    bf16 = 3 * b * h + 3 * h * o + b * o  # h read twice and dh written, w2 twice and dw2, the output
+    assert io == {"float32": f32, "bfloat16": bf16}, io
+    assert dot_bytes(io) == 4 * f32 + 2 * bf16 and dot_bytes(io, "bfloat16") == 2 * (f32 + bf16)
