@@ -460,7 +460,8 @@ def _left(name: str, bound_s: float, est_s: float, pick: Candidate | None, stopp
     """``(name, kind, reason)`` of a layout left untraced or a candidate left uncompiled by ``searched``: kind
     ``"bound"`` where its lower bound ``bound_s`` is at least ``pick``'s compiled time (proven no faster),
     ``"time"`` where the search's time ran out first, ``"estimate"`` where its estimate ``est_s`` (scaled as its
-    nearest compiled kin's compute was: ``SHARPEN``, not a bound) is no faster but its bound is."""
+    nearest compiled kin's compute was: ``SHARPEN``, not a bound) is no faster than the pick but its bound is
+    below the pick's time, or (``TOLERANCE``) its bound within that fraction of it."""
     ms = lambda x: f"{1e3 * x:.2f} ms"  # noqa: E731
     if pick is None:
         return name, "time", f"{what}: the search stopped before any compiled candidate fit (bound {ms(bound_s)})"
@@ -469,6 +470,9 @@ def _left(name: str, bound_s: float, est_s: float, pick: Candidate | None, stopp
     if stopped == "time":
         return name, "time", (f"{what}: the search's time budget ({SEARCH_SECONDS} s) was spent first; bound "
                               f"{ms(bound_s)} < the pick's {ms(pick.predicted_s)} ({pick.name}), so it might be faster")
+    if not SHARPEN or est_s < pick.predicted_s:  # left by TOLERANCE alone
+        return name, "estimate", (f"{what}: bound {ms(bound_s)} within _budget.TOLERANCE ({TOLERANCE:.0%}) of the "
+                                  f"pick's {ms(pick.predicted_s)} ({pick.name}), so not proven slower")
     return name, "estimate", (f"{what}: estimated {ms(est_s)} (its compute scaled as its nearest compiled kin's: "
                               f"_budget.SHARPEN, not a bound) >= the pick's {ms(pick.predicted_s)} ({pick.name}); "
                               f"bound {ms(bound_s)}, so not proven slower")

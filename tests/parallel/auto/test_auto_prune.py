@@ -170,3 +170,24 @@ def test_the_matmul_elements_are_counted_by_hand():
     bf16 = 3 * b * h + 3 * h * o + b * o  # h read twice and dh written, w2 twice and dw2, the output
     assert io == {"float32": f32, "bfloat16": bf16}, io
     assert dot_bytes(io) == 4 * f32 + 2 * bf16 and dot_bytes(io, "bfloat16") == 2 * (f32 + bf16)
+
+
+def test_a_layout_left_by_the_tolerance_alone_is_not_said_pruned(monkeypatch):
+    """``TOLERANCE``: a layout whose bound is below the pick's time but within that fraction of it is left
+    untraced, named so and counted as skipped, not as pruned by its bound."""
+    from spmd.parallel.auto import _budget
+    from spmd.parallel.auto._ranking import Candidate
+
+    def cand(lay, t, peak=None):
+        return Candidate(layout=lay, predicted_s=t, compute_s=t, comm_s={}, dispatch_s=0.0,
+                         communication={"total": {}}, memory={"peak": 1}, flops=0.0, measured_peak=peak)
+
+    a, b = Layout(dp=8), Layout(fsdp=8, units=U)
+    monkeypatch.setattr(_budget, "SHARPEN", False)
+    monkeypatch.setattr(_budget, "TOLERANCE", 0.5)
+    stats = {}
+    _budget.searched([a, b], {a: 1.0, b: 1.2}.get, lambda lay: [cand(lay, 1.0)], 1, 100,
+                     lambda x: cand(x.layout, 1.5, peak=5), lambda x, budget: [], stats=stats)
+    assert stats["left"] == [(b.name, f"not traced: bound 1200.00 ms within _budget.TOLERANCE (50%) of the pick's "
+                                      f"1500.00 ms ({a.name}), so not proven slower")]
+    assert (stats["pruned_by_bound"], stats["skipped_by_estimate"]) == (0, 1)
