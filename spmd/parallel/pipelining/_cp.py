@@ -89,19 +89,72 @@ class _NnxRoute:
         return orig(sub, *args, **kwargs) if out is NotImplemented else out
 
 
+class _StagedNnxCall(_NnxUnitCall):
+    """A stage hooks' nnx call (``spmd.parallel.styles._hooks.NnxCall``, named by the unit it runs as,
+    ``StageHooks.unit``) as ``ContextCalls.around`` reads it: named by its path in the unit."""
+
+    def __init__(self, call, fqn: str, base: str, names):
+        super().__init__(fqn, call.sub, call.orig, call.args, call.kwargs, names)
+        self.call, self.base = call, base
+
+    def params(self) -> list:
+        return [(p[len(self.base) + 1:], v) for p, v in self.call.params()]
+
+
+class _StageRoute:
+    """``Hooks.around`` of an ep stage's hooks under cp: an nnx unit's submodule calls (named by the unit it runs
+    as) through ``calls.around`` by their path in the unit, a module of ``calls.gathered`` on the sequence gathered
+    over cp with its styles inside (an MoE's ``ExpertParallel`` on the whole sequence's buffers); the calls outside
+    a unit as they are. Reads as ``calls`` otherwise."""
+
+    def __init__(self, calls: ContextCalls, hooks, names):
+        self.calls, self.hooks, self.names = calls, hooks, set(names)
+
+    def __getattr__(self, name):
+        return getattr(self.calls, name)
+
+    def experts_dim(self, x, keep) -> None:
+        """No experts cut over cp inside a stage's gathered module (``ContextCalls.experts_dim``): each device of cp
+        runs them on the whole sequence's buffers. (Cut, the pipelined zoo MoE's forward differed from one device's
+        at pp=2 x cp=2 x ep=2: a first loss of 3.9187 against 3.7991.)"""
+        return None
+
+    def around(self, call, run):
+        base = ".".join(self.hooks.prefix)
+        if not base or not call.fqn.startswith(base + ".") or not hasattr(call, "sub"):
+            return NotImplemented
+
+        def go(c):
+            call.args, call.kwargs = c.args, c.kwargs
+            return run(call)
+
+        return self.calls.around(_StagedNnxCall(call, call.fqn[len(base) + 1:], base.replace(".", "/"), self.names),
+                                 go)
+
+
 @contextlib.contextmanager
 def routed(calls: ContextCalls | None, lay=None):
     """A unit's submodule calls through ``calls.around`` (a module of ``calls.gathered`` on the sequence gathered
     over cp, the others as they are, each under its scope); nothing without ``calls``. Linen: intercepted
     (``nn.intercept_methods``); nnx (``lay`` an nnx model's layout): the unit's merged copy hooked
-    (``UnitCalls._apply`` hooks the installed hooks' submodules; not under tp or ep, whose hooks these are)."""
+    (``UnitCalls._apply`` hooks the installed hooks' submodules); under ep, whose hooks these are, through their
+    ``around`` (``_StageRoute``); not under tp."""
     if calls is None:
         yield
         return
     if lay is not None and lay.calls.kind == "nnx":
         from spmd.parallel.styles._nnx import installed_hooks, installing
 
-        if installed_hooks() is not None:
+        hooks = installed_hooks()
+        if hooks is not None and hasattr(hooks, "around"):  # an ep stage's hooks: their calls routed
+            saved = hooks.around
+            hooks.around = _StageRoute(calls, hooks, lay.rel).around
+            try:
+                yield
+            finally:
+                hooks.around = saved
+            return
+        if hooks is not None:
             yield
             return
         with installing(_NnxRoute(calls, lay.rel)):
@@ -124,9 +177,9 @@ def unit_gathered(pm, lay, t: int) -> frozenset:
     """The submodules of a unit (linen or nnx) that compute a product over the whole sequence of ``t`` positions
     (a model's own einsum attention, not an intercepted call): for each, the innermost submodule taking the
     ``[batch, seq, ...]`` sequence, read from one unit's trace (``spmd.parallel.step._heads.whole_sequence_products``),
-    once per layout, sequence length and shapes (``StageLayout.traced``); empty under tp (an nnx unit: under ep
-    too, whose hooks route its calls)."""
-    if pm.tp is not None or lay.scanned or (lay.calls.kind == "nnx" and pm.ep is not None):
+    once per layout, sequence length and shapes (``StageLayout.traced``); an nnx unit of ep stages traced with
+    their hooks (``_StageRoute``); empty under tp."""
+    if pm.tp is not None or lay.scanned:
         return frozenset()
     return lay.traced(("cp gathered", *_trace_key(pm, lay, t)), lambda: _find_gathered(pm, lay, t))
 
@@ -142,9 +195,7 @@ def _find_gathered(pm, lay, t: int) -> frozenset:
     from spmd.parallel.step._heads import whole_sequence_products
 
     calls = ContextCalls(pm.mesh.jax_mesh, pm.mesh.size(pm.cp), t, pm.cp, ring=False)
-    unit = [lay.unit_shapes[rel] for rel in lay.rel]
-    with calls.installed(), routed(calls, lay):
-        jaxpr = jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act, lay.calls.side_shapes)
+    jaxpr = _unit_jaxpr(pm, lay, calls)
     found = set()
     for _, stack in whole_sequence_products(jaxpr.jaxpr, t):
         if CALL_SCOPE in stack:
@@ -155,31 +206,42 @@ def _find_gathered(pm, lay, t: int) -> frozenset:
     return frozenset(found)
 
 
+def _unit_jaxpr(pm, lay, calls: ContextCalls, route: bool = True):
+    """One unit traced with ``calls`` (``route``: every submodule call through ``calls.around``); an nnx unit of ep
+    stages with their hooks too (``pipelining._tp``: the unit as a rank of ep runs it, its experts' calls styled)."""
+    from spmd.parallel.pipelining._tp import local_unit, on_ep, stage_hooks
+
+    hooks = stage_hooks(pm, lay) if lay.calls.kind == "nnx" and pm.tp is None else None
+    if hooks is None:
+        unit = [lay.unit_shapes[rel] for rel in lay.rel]
+        with calls.installed(), routed(calls if route else None, lay):
+            return jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act, lay.calls.side_shapes)
+    with hooks.installed(), hooks.unit(lay.module_of(0)), calls.installed(), routed(calls if route else None, lay):
+        return jax.make_jaxpr(on_ep(pm, lambda ls, x, sd: lay.apply_unit(ls, x, sd)))(
+            local_unit(pm, lay), lay.act, lay.calls.side_shapes)
+
+
 def uncounted(pm, lay, t: int) -> str | None:
     """What the stages move over cp that the table's cp terms (``context_records``) leave out, said so (None:
-    nothing): a unit's own attention (a product over the whole sequence, not an intercepted call) under tp, or an
-    nnx unit's under ep (``unit_gathered`` is empty there: the stage hooks route the unit's calls, and GSPMD
-    partitions its products over the whole sequence); under tp, the projections run whole over tp (fewer heads
-    than tp, ``_tp.unit_whole_heads``), whose outputs GSPMD makes whole over cp too (measured at pp=2, cp=2, tp=2,
-    Llama with 1 KV head: all-gather 62 buffers, 38,144 B, against the table's 24, 9,472 B)."""
-    if not pm.cp or pm.mesh.size(pm.cp) < 2 or lay.scanned:
+    nothing): a unit's own attention (a product over the whole sequence, not an intercepted call) under tp
+    (``unit_gathered`` is empty there: GSPMD partitions its products over the whole sequence; an nnx unit's under
+    ep runs on the gathered sequence, ``_StageRoute``, counted); under tp, the projections run whole over tp (fewer
+    heads than tp, ``_tp.unit_whole_heads``), whose outputs GSPMD makes whole over cp too (measured at pp=2, cp=2,
+    tp=2, Llama with 1 KV head: all-gather 62 buffers, 38,144 B, against the table's 24, 9,472 B)."""
+    if not pm.cp or pm.mesh.size(pm.cp) < 2 or lay.scanned or pm.tp is None:
         return None
-    if pm.tp is not None:
-        from spmd.parallel.pipelining._tp import unit_whole_heads
+    from spmd.parallel.pipelining._tp import unit_whole_heads
 
-        whole = unit_whole_heads(pm, lay)
-        if whole:
-            return (f"{pm.cp}={pm.mesh.size(pm.cp)} with tp in the stages: the projections run whole over tp (fewer "
-                    f"heads than tp: {', '.join(sorted(repr(m) for m in whole))}) are partitioned over {pm.cp!r} by "
-                    "GSPMD, their gathers and reductions over cp not in this table")
-    for dim, on in (("tp", pm.tp is not None), ("ep", lay.calls.kind == "nnx" and pm.ep is not None)):
-        if not on:
-            continue
-        own = lay.traced(("cp own attention", *_trace_key(pm, lay, t)), lambda: _find_gathered(pm, lay, t))
-        if own:
-            return (f"{pm.cp}={pm.mesh.size(pm.cp)} with {dim} in the stages: the units' own attention ("
-                    + ", ".join(sorted(f"{m!r}" for m in own)) + f") runs as GSPMD partitions it over {pm.cp!r}, its "
-                    "collectives (and the gradients' sums they change) not in this table")
+    whole = unit_whole_heads(pm, lay)
+    if whole:
+        return (f"{pm.cp}={pm.mesh.size(pm.cp)} with tp in the stages: the projections run whole over tp (fewer "
+                f"heads than tp: {', '.join(sorted(repr(m) for m in whole))}) are partitioned over {pm.cp!r} by "
+                "GSPMD, their gathers and reductions over cp not in this table")
+    own = lay.traced(("cp own attention", *_trace_key(pm, lay, t)), lambda: _find_gathered(pm, lay, t))
+    if own:
+        return (f"{pm.cp}={pm.mesh.size(pm.cp)} with tp in the stages: the units' own attention ("
+                + ", ".join(sorted(f"{m!r}" for m in own)) + f") runs as GSPMD partitions it over {pm.cp!r}, its "
+                "collectives (and the gradients' sums they change) not in this table")
     return None
 
 
@@ -264,9 +326,8 @@ def stage_context(st, batch):
 def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
     """Under cp: one unit's attention calls and gathered modules (``ContextCalls`` records,
     traced on the micro-batch's shapes), the embedding lookups of the code before the first unit (a module with one
-    rank-2 parameter called on the ``[batch, seq]`` ids, linen's or nnx's: GSPMD transposes it by gathering the ids
-    and its output's
-    gradient over cp) and its position tables (``positional``: a parameter added to the sequence row by row, its
+    rank-2 parameter called on the ``[batch, seq]`` ids or the ``[seq]`` positions, linen's or nnx's: GSPMD transposes
+    it by gathering the ids and its output's gradient over cp) and its position tables (``positional``: a parameter added to the sequence row by row, its
     gradient cut over cp on the rows), the unit's ``side`` parameters (computed on its side arrays, whole over cp;
     ``joins``: the bytes of each broadcast of such a value into the sequence, all-reduced over cp backward), the tied heads of the code after the last unit (``attends``: a lookup's table
     multiplied by there, that product's gradient summed over cp on the last stage), for the table's cp terms (``spmd.parallel.pipelining._comm.cp_terms``).
@@ -279,18 +340,18 @@ def context_records(pm, lay, loss_fn, mb, t: int | None = None) -> dict:
     t = t or seq_len(mb)
     calls = _calls(pm, lay, t)
     unit = [lay.unit_shapes[rel] for rel in lay.rel]
-    with calls.installed(), routed(calls if calls.gathered else None, lay):
-        closed = jax.make_jaxpr(lambda ls, x, sd: lay.apply_unit(ls, x, sd))(unit, lay.act, lay.calls.side_shapes)
+    closed = _unit_jaxpr(pm, lay, calls, route=bool(calls.gathered))
     # the unit's parameters computed on its side arrays only (whole over cp: a [batch, d] vector's dense layer) whose
     # output joins the sequence by broadcast: their gradients whole over cp, the join's cotangent summed over cp
     ins = closed.jaxpr.invars[len(unit):]  # the unit's activation (the sequence), then its side arrays' leaves
     side, joins = side_params(closed.jaxpr, closed.jaxpr.invars[:len(unit)], ins[:1], t, ins[1:])
     lookups = []
 
-    def lookup(x, out, own, path):  # a module with one rank-2 parameter on the [batch, seq] ids: a lookup
-        if (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer) and np.ndim(x) == 2
-                and x.shape[1] == calls.seq_len and hasattr(out, "shape") and tuple(out.shape[:2]) == tuple(x.shape)
-                and len(own) == 1 and np.ndim(own[0][1]) == 2):
+    def lookup(x, out, own, path):  # a module with one rank-2 parameter on the [batch, seq] ids (or the [seq]
+        # positions: an nnx.Embed of learned positions on jnp.arange(seq)): a lookup
+        if (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer) and np.ndim(x) in (1, 2)
+                and x.shape[-1] == calls.seq_len and hasattr(out, "shape")
+                and tuple(out.shape[:np.ndim(x)]) == tuple(x.shape) and len(own) == 1 and np.ndim(own[0][1]) == 2):
             lookups.append({"param": path(own[0][0]),
                             "bytes": [x.size * x.dtype.itemsize, out.size * out.dtype.itemsize]})
 

@@ -38,7 +38,8 @@ from spmd.parallel.plan._checks import check_rng
 from spmd.parallel.styles._nnx import nnx_params
 from spmd.parallel.pipelining._calls import model_kind
 from spmd.parallel.pipelining._split import unit_modules
-from spmd.parallel.pipelining._cp import context_records, ring_blocker, routed, stage_context, uncounted
+from spmd.parallel.pipelining._cp import (context_records, ring_blocker, routed, stage_context, uncounted,
+                                          unit_gathered, unit_rings)
 from spmd.parallel.pipelining._comm import REST, STAGES, format_pipeline_communication, pipeline_communication
 from spmd.parallel.pipelining._tables import ROLES, branch_codes, tick_tables
 from spmd.parallel.pipelining._tp import (ep_placements, map_tp_aware, reduce_tp_aware, segment_records,
@@ -367,6 +368,8 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, kee
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     st = _Stages(pm, lay, loss_fn, accum_steps, plan)
     st.seq_len = seq[0] if seq is not None else None
+    if st.seq_len and pm.mesh.size(pm.cp) > 1:  # one unit traced here, outside the region (whose mesh it would see)
+        unit_gathered(pm, lay, st.seq_len), unit_rings(pm, lay, st.seq_len)
     if stages_out is not None:
         stages_out.append(st)
 

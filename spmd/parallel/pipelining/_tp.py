@@ -45,7 +45,8 @@ from placements import Placement, Replicate, Shard
 from spmd.parallel.styles._hooks import Hooks
 from spmd.parallel.plan._param_plan import ParamPlan
 
-__all__ = ["StageHooks", "tp_placements", "ep_placements", "stage_hooks", "map_tp_aware", "reduce_tp_aware", "unwrap_layouts"]
+__all__ = ["StageHooks", "tp_placements", "ep_placements", "stage_hooks", "map_tp_aware", "reduce_tp_aware", "unwrap_layouts",
+           "local_unit", "on_ep"]
 
 
 def unwrap_layouts(model, mesh, where: str) -> tuple[Any, str | None, Any, Any]:
@@ -159,8 +160,8 @@ def _find_whole_heads(pm, lay) -> tuple:
 
     hooks = StageHooks(pm.tp, user_plan(pm, lay), gather_units=False)
     with hooks.installed(), hooks.unit(lay.module_of(0)):  # with ep too: the unit as a rank of ep runs it
-        jaxpr = jax.make_jaxpr(_on_ep(pm, lambda ls, x, sd: lay.apply_unit(ls, x, sd)))(
-            _local_unit(pm, lay), lay.act, lay.calls.side_shapes).jaxpr
+        jaxpr = jax.make_jaxpr(on_ep(pm, lambda ls, x, sd: lay.apply_unit(ls, x, sd)))(
+            local_unit(pm, lay), lay.act, lay.calls.side_shapes).jaxpr
     first = lay.module_of(0).replace("/", ".") + "."
     got = {}
     for fqn, heads in whole_over_tp(head_splits(jaxpr)).items():
@@ -213,9 +214,9 @@ def _calls_of(records: list) -> list:
     return [{k: v for k, v in r.items() if k not in ("module", "input_id")} for r in records]
 
 
-def _local_unit(pm, lay) -> list:
+def local_unit(pm, lay) -> list:
     """One unit's parameter shapes (``lay.rel`` order), the experts as a rank holds them (``E / ep``) with an ep
-    plan, traced in a region manual over ep (``_on_ep``)."""
+    plan, traced in a region manual over ep (``on_ep``)."""
     unit = [lay.unit_shapes[rel] for rel in lay.rel]
     if pm.ep is None:
         return unit
@@ -224,7 +225,7 @@ def _local_unit(pm, lay) -> list:
                                        for i, n in enumerate(x.shape)), x.dtype) for rel, x in zip(lay.rel, unit)]
 
 
-def _on_ep(pm, f):
+def on_ep(pm, f):
     """``f`` (shapes as one device sees them) in a region manual over the ep dim, where its styled calls'
     all-to-alls are bound; ``f`` itself without an ep plan."""
     if pm.ep is None:
@@ -249,14 +250,14 @@ def segment_records(pm, lay, loss_fn, mb) -> dict[str, list] | None:
     if hooks is None:
         return None
     rest = {p: lay.shapes[p] for p in lay.rest}
-    unit = _local_unit(pm, lay)
+    unit = local_unit(pm, lay)
     out, ep = {}, {}
     for name, f, args in (("pre", lambda r, b: lay.pre(loss_fn, r, b), (rest, mb)),
                           ("unit", lambda ls, x, sd: lay.apply_unit(ls, x, sd), (unit, lay.act, lay.calls.side_shapes)),
                           ("post", lambda r, b, h: lay.post(loss_fn, r, b, h), (rest, mb, lay.act))):
         hooks.records, hooks.ep_records = [], []
         with hooks.installed(), (hooks.unit(lay.module_of(0)) if name == "unit" else contextlib.nullcontext()):
-            jax.eval_shape(_on_ep(pm, f), *args)
+            jax.eval_shape(on_ep(pm, f), *args)
         out[name], ep[name] = list(hooks.records), list(hooks.ep_records)
     for r in out["unit"] if lay.scanned else ():  # one layer of a scanned stack: its calls once (not L times)
         r["calls"] = 1

@@ -8,6 +8,10 @@ and the embedding lookup before the units is counted as the linen one is. 3 SGD 
 Before (GSPMD partitioned the einsums itself, uncounted), at pp=2, cp=2 the step all-gathered 16 buffers (28,928 B)
 against the table's 0 and all-reduced 47 (45,088 B) against 41 (31,776 B); now 14 (24,832 B) and 23 (11,296 B),
 both equal.
+
+Also: a tied nnx head (``Embed.attend``) under pp x cp; the zoo's nnx MoE under pp x cp x ep (its units' calls
+routed through the ep stages' hooks to the same ``ContextCalls.around``); what the table leaves to GSPMD with tp
+in the stages, said; and the units' traces held by ``StageLayout.traced``.
 """
 
 import jax
@@ -228,20 +232,49 @@ def test_what_the_table_leaves_to_gspmd_over_cp_under_tp_in_the_stages_is_said()
     assert "not counted: cp=2 with tp in the stages" in step.table(state, _batches())
 
 
-def test_an_nnx_units_own_attention_left_to_gspmd_under_ep_in_the_stages_is_said():
-    """The zoo's nnx MoE on pp=2 x cp=2 x ep=2: its units' calls go through the stages' ep hooks, so their own einsum
-    attention is not run on the gathered sequence but partitioned by GSPMD (values equal one device's; measured:
-    the step all-gathered 32 buffers, 21,248 B, against the table's 4, 2,176 B). The table names it."""
+@pytest.mark.slow
+def test_zoo_nnx_moe_pipelined_under_cp_and_ep_runs_its_attention_and_moe_on_the_gathered_sequence():
+    """The zoo's nnx MoE (einsum attention, a capacity cumsum over the sequence, learned positions looked up on
+    ``jnp.arange``) on pp=2 x cp=2 x ep=2: its units' calls go through the stages' ep hooks, whose ``around`` routes
+    them through ``ContextCalls.around`` (``pipelining._cp._StageRoute``), so ``attn`` and ``moe`` run on the
+    sequence gathered over cp (the experts on the whole sequence's buffers), and the positions' lookup is counted as
+    the tokens' is. Every kind's buffers and bytes in the compiled step equal the table's; 3 SGD steps equal one
+    device's within 1e-5. Before (the attention and the MoE left to GSPMD), the step all-gathered 32 buffers
+    (21,248 B) against the table's 4 (2,176 B) and all-reduced 51 (60,480 B) against 47 (132,160 B)."""
     from spmd.parallel import ExpertParallel, parallelize_module
     from tests.zoo.nnx_moe import MixtralLike
 
+    def model():
+        return MixtralLike(vocab=32, rngs=nnx.Rngs(0))
+
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, 32, (4, T)).astype(np.int32),
+                "labels": rng.integers(0, 32, (4, T)).astype(np.int32)} for _ in range(3)]
+    opt = optax.sgd(0.1)
+    graphdef, params = nnx.split(model(), nnx.Param)
+    ref_losses, ref = train_one_device(params, batches, lambda p, b: _ce(nnx.merge(graphdef, p), b), opt)
     mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "cp", "ep"))
-    model = parallelize_module(MixtralLike(vocab=32, rngs=nnx.Rngs(0)), mesh["ep"],
-                               {"blocks.*.moe.experts": ExpertParallel(token_dim=1, experts_dim=0)})
-    pm = pipeline(model, mesh["pp"], units="blocks.*", num_microbatches=2)
-    state = init_train_state(pm, optax.sgd(0.1))
-    step = make_train_step(pm, _ce, optax.sgd(0.1))
-    said = step.communication(state, _batches(vocab=32))["uncounted"]
-    assert said.startswith("cp=2 with ep in the stages: the units' own attention ('attn'")
-    assert said.endswith("runs as GSPMD partitions it over 'cp', its collectives (and the gradients' sums they "
-                         "change) not in this table")
+    pm = pipeline(parallelize_module(model(), mesh["ep"], {"blocks.*.moe.experts": ExpertParallel(token_dim=1,
+                                                                                                    experts_dim=0)}),
+                  mesh["pp"], units="blocks.*", num_microbatches=2)
+    state = init_train_state(pm, opt)
+    step = make_train_step(pm, _ce, opt)
+    hlo = executed_collectives(step._build(state, batches[0]).jitted, state, batches[0], scalars=False)
+    table = step.communication(state, batches[0])
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (table[kind]["buffers"], table[kind]["bytes"]), kind
+    assert (hlo["all-to-all"]["count"], hlo["all-to-all"]["bytes"]) == (table["all-to-all"]["count"],
+                                                                         table["all-to-all"]["bytes"])
+    want = table["collective-permute"]
+    assert (hlo["collective-permute"]["buffers"], hlo["collective-permute"]["bytes"]) == (want["count"], want["bytes"])
+    assert (hlo["all-gather"]["buffers"], hlo["all-gather"]["bytes"]) == (28, 24832)
+    assert table["uncounted"] is None
+    assert sorted(r["param"] for r in table["cp"]["lookups"]) == ["embed/embedding/value", "pos/embedding/value"]
+    assert {(r["call"], r["method"]) for r in step.attention(state, batches[0])} == {("attn", "gather sequence"),
+                                                                                    ("moe", "gather sequence")}
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_trees_close(unshard_params(pm, state), ref.params)
