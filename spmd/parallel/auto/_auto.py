@@ -700,8 +700,8 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
 
     def traced(lay: Layout) -> list[Candidate]:  # its estimate, or its variants that fit; [] where rejected
         now(bar, "tracing " + lay.name)
-        kind = ("cp" if lay.cp > 1 else "ep" if lay.ep > 1 else None) if lay.pp == 1 else \
-            ("pp x cp" if lay.cp > 1 else "pp x ep" if lay.ep > 1 else None)  # a pipeline's refusal: its own
+        kind = ("cp" if lay.cp > 1 else "ep" if lay.ep > 1 else None) if lay.pp == 1 else (  # a pipeline's: its
+            ("pp x tp x cp" if lay.tp > 1 else "pp x cp") if lay.cp > 1 else "pp x ep" if lay.ep > 1 else None)  # own
         if kind in refused:
             rejected.append((lay.name, refused[kind]))
             return []

@@ -28,9 +28,13 @@
   of the device count up to the blocks, with the sequence over ``cp`` (the stages' attention calls the ring
   where the stages allow it, else the all-gather of K/V; a module's own einsum attention on the gathered
   sequence, whole on every cp rank) or the experts
-  over ``ep`` (stacked with the stages), the rest over ``dp`` x ``fsdp``, and with the experts over ``ep`` over
-  ``tp`` too where the plan has a tensor-parallel plan for that size (the stages' attention projections over tp,
-  the experts over ep: ``pp=2,tp=2,ep=2``; not with cp, whose stages' attention takes no tp), 1F1B at ``pp``
+  over ``ep`` (stacked with the stages), the rest over ``dp`` x ``fsdp`` x ``tp``, ``tp`` where the plan has a
+  tensor-parallel plan for that size: the stages' projections over tp, with the experts over ep
+  (``pp=2,ep=2,tp=2``) or the sequence over cp (``pp=2,cp=2,tp=2``: the ring runs manual over tp too, each device
+  its heads, and the table counts cp's terms under tp). A pp x cp x tp candidate whose table says it leaves
+  collectives over cp out (its ``uncounted``: projections with fewer heads than tp, run whole over tp, which GSPMD
+  partitions over cp; or a unit's own einsum attention) is refused with that reason (``check_pipelined_attention``:
+  it would be priced below what its program moves). 1F1B at ``pp``
   and ``2 pp`` micro-batches (those a replica's rows divide). Costed as the other
   pipelines (``spmd.parallel.auto._pipeline``), whose table holds the cp terms (the rings' permutes or the K/V
   gathers, a gathered module's gathers, the gradients' all-reduces over cp) and the experts' all-to-alls.
@@ -66,7 +70,8 @@ __all__ = ["GATHER_ONLY", "check_attention", "expert_tp", "check_pipelined_atten
            "cp_work", "gather_only", "pipelined", "sequence_of", "uncut"]
 
 GATHER_ONLY = ("the model's own attention runs on the sequence gathered over cp, whole on every cp rank (no ring): its "
-               "cp layouts are weighed over dp x cp (x ep) only, not with fsdp or tp")
+               "cp layouts are weighed over dp x cp (x ep) only, not with fsdp or tp (pipelined: not with tp in the "
+               "stages, whose table would leave that attention's collectives over cp out)")
 
 
 def _divisors(n: int) -> list[int]:
@@ -161,7 +166,7 @@ def pipelined(n: int, units: tuple[str, ...], params: Any, rows: int, cps: list[
               experts: str | None, plan: Any = None) -> list[Layout]:
     """The pp x cp and pp x ep (x tp) layouts on ``n`` devices for a batch of ``rows`` (see the module doc):
     ``cps`` / ``eps`` the cuts the sequence / the experts allow, ``experts`` the experts' glob, ``plan`` the
-    tensor-parallel plan (``auto_layout``'s: the ep stages' tp, where it has one for the tp size)."""
+    tensor-parallel plan (``auto_layout``'s: the stages' tp under cp or ep, where it has one for the tp size)."""
     if len(units) != 1 or not units_alike(params, units[0]):  # units of other parameters: refused by pipeline
         return []
     n_units = count_units(params, units[0])
@@ -174,8 +179,9 @@ def pipelined(n: int, units: tuple[str, ...], params: Any, rows: int, cps: list[
                 continue
             for dp, fsdp, tp in factorizations(n // (pp * cut)):
                 n_data = dp * fsdp * dims.get("ep", 1)
-                # tp stages with the experts over ep (not with cp: the stages' K/V gathers take no tp)
-                tp_plan = tp_plan_for(plan, False, tp) if tp > 1 and "ep" in dims else None
+                # tp stages: the attention projections over tp, the sequence over cp (the ring manual over tp
+                # too: each device its heads) or the experts over ep
+                tp_plan = tp_plan_for(plan, False, tp) if tp > 1 else None
                 if (tp > 1 and tp_plan is None) or rows % n_data:
                     continue
                 extra, note = expert_tp(params, experts, tp) if tp_plan else ((), None)
@@ -196,11 +202,13 @@ def _routes(call: str, ep_plan: tuple | None) -> bool:
 
 
 def gather_only(notes: dict, layout: Layout) -> bool:
-    """Whether ``auto_layout`` leaves ``layout`` out: a cp layout with fsdp or tp (unpipelined) of a model whose
-    attention a traced cp layout found all run on the gathered sequence (``notes["gather"]``), whose every cp rank
-    computes it whole, so only dp x cp (x ep) are weighed (``GATHER_ONLY``): each cp candidate traces the step
-    several times to find those modules."""
-    return bool(notes.get("gather")) and layout.cp > 1 and layout.pp == 1 and (layout.fsdp > 1 or layout.tp > 1)
+    """Whether ``auto_layout`` leaves ``layout`` out: a cp layout with fsdp or tp (unpipelined), or with tp in
+    its stages (pipelined), of a model whose attention a traced cp layout found all run on the gathered sequence
+    (``notes["gather"]``), whose every cp rank computes it whole, so only dp x cp (x ep) are weighed
+    (``GATHER_ONLY``): each cp candidate traces the step several times to find those modules; and under tp in the
+    stages GSPMD partitions such attention over cp, which the pipeline's table does not count (its ``uncounted``:
+    ``check_pipelined_attention`` refuses it)."""
+    return bool(notes.get("gather")) and layout.cp > 1 and (layout.tp > 1 or (layout.pp == 1 and layout.fsdp > 1))
 
 
 def check_attention(comm: dict, layout: Layout, where: str) -> list[dict]:
@@ -224,7 +232,14 @@ def check_pipelined_attention(comm: dict, layout: Layout, where: str) -> None:
     """A pipelined cp layout's stages must run some attention across the cut (``comm``: the pipeline's table, its
     ``cp`` part): a call the cp step recognizes (the ring, or the all-gather of K/V) or a module's own einsum
     attention run on the gathered sequence (whole on every cp rank: ``cp_work`` counts it so, and the table holds
-    its gathers); a model with none is refused with the reason."""
+    its gathers); a model with none is refused with the reason. A table that says it leaves collectives over cp
+    out (``uncounted``: under tp in the stages, the projections run whole over tp where the model has fewer heads
+    than tp, or a unit's own attention) is refused too, with what it leaves out: such a layout is not priced from
+    a table that is not its program's."""
+    if layout.cp > 1 and comm.get("uncounted"):  # its table would not be its program's: not priced from it
+        raise ValueError(f"{where}: layout {layout.name!r}: not weighed, its table leaving collectives out (it would "
+                         "be priced below what its program moves; the pp x cp layouts without tp in the stages are "
+                         f"weighed): {comm['uncounted']}")
     if layout.cp > 1 and not (comm.get("cp") or {}).get("calls"):
         raise ValueError(f"{where}: layout {layout.name!r}: the pipeline's stages call no attention the cp step "
                          "recognizes (jax.nn.dot_product_attention, flax's dot_product_attention) and compute none "

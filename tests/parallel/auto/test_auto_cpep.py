@@ -295,6 +295,11 @@ def test_a_gathered_attentions_cp_layouts_are_weighed_over_dp_only():
         ("layers_*.mlp.experts", None),)))
     assert not gather_only({"gather": False}, Layout(fsdp=2, cp=4, units=("block_*",)))  # a ring: every cp layout
     assert not gather_only({}, Layout(fsdp=2, cp=4, units=("block_*",)))  # none traced yet
+    # pipelined: fsdp weighed (the stages' table holds the gathered attention's collectives), tp in the stages not
+    assert not gather_only(seen, Layout(pp=2, fsdp=2, cp=2, units=("block_*",), microbatches=2,
+                                        reshard_after_forward=False))
+    assert gather_only(seen, Layout(pp=2, cp=2, tp=2, tp_plan=(("block_*.fc", None),), units=("block_*",),
+                                    microbatches=2))
 
 
 class _Sdpa(nn.Module):
