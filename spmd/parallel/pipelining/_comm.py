@@ -11,7 +11,7 @@ from spmd.parallel.pipelining._tables import ROLES
 from spmd.parallel.pipelining._tp import ep_placements, tp_placements
 
 __all__ = ["STAGES", "REST", "pipeline_communication", "format_pipeline_communication", "hlo_permute_pairs",
-           "tp_terms"]
+           "tp_terms", "loop_sends"]
 
 STAGES, REST = "stages", "rest"  # the stored tree: the stacked unit parameters, the others by path
 
@@ -19,7 +19,8 @@ STAGES, REST = "stages", "rest"  # the stored tree: the stacked unit parameters,
 def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = None, ticks=None,
                            cp_records: dict | None = None) -> dict:
     """What one step communicates per device, in ``spmd.parallel.hlo_executed_collectives``' terms (scalars
-    aside): one ``collective-permute`` per tick with sends each way, moving one micro-batch's activation
+    aside): one ``collective-permute`` per tick with sends each way (the loop form: one per distinct pair set of
+    the direction, every tick, ``loop_sends``; what runs: ``ops`` and ``sent``), moving one micro-batch's activation
     (``B / (M x data) x T x D`` elements) over each of ``pairs`` stage boundaries (``M x (stages - 1)`` each way per
     pipeline); one all-reduce of the stage gradients over the data dims and one of the other gradients over
     pp and the data dims (each device's bytes: its tp block of a tp-cut one). Plus the schedule's bubble and
@@ -28,7 +29,8 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
     s = pm.schedule
     act = lay.act
     n_data = int(np.prod([pm.mesh.size(d) for d in pm.data_dims])) if pm.data_dims else 1
-    ops = {k: sum(1 for p in s.sends(k) if p) * accum_steps for k in ("F", "B")}
+    ops = {k: sum(1 for p in s.sends(k) if p) * accum_steps for k in ("F", "B")}  # the sends that run
+    held = ops if pm.unroll else loop_sends(s, accum_steps)  # the program's, as the HLO counter counts them
     pairs = {k: v * accum_steps for k, v in s.transfers().items()}
 
     def nbytes(x):
@@ -62,9 +64,11 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
     a2a = ep["program"] if ep else {"count": 0, "bytes": 0}
     ring = cp["permutes"] if cp else {"count": 0, "bytes": 0}  # the stages' rings (cp_terms)
     return {
-        "collective-permute": {"count": ops["F"] + ops["B"] + ring["count"],
-                               "bytes": (ops["F"] + ops["B"]) * sent + ring["bytes"],
-                               "pairs": pairs, "ops": {"forward": ops["F"], "backward": ops["B"]}, "ring": dict(ring)},
+        "collective-permute": {"count": held["F"] + held["B"] + ring["count"],
+                               "bytes": (held["F"] + held["B"]) * sent + ring["bytes"],
+                               "pairs": pairs, "ops": {"forward": ops["F"], "backward": ops["B"]},
+                               "sent": {"count": ops["F"] + ops["B"], "bytes": (ops["F"] + ops["B"]) * sent},
+                               "ring": dict(ring)},
         # buffers: one per gradient each reduction holds (pp's of the rest, the data dims', cp's)
         "all-reduce": {"bytes": ar + add["all-reduce"]["bytes"], "buffers": ar_n + add["all-reduce"]["count"]},
         "all-gather": {"bytes": gathered + add["all-gather"]["bytes"],
@@ -78,6 +82,16 @@ def pipeline_communication(pm, lay, accum_steps: int, tp_records: dict | None = 
         "activation_slots": max(s.x_slots), "gradient_slots": max(s.g_slots),
         "activation_bound_bytes": (max(s.x_slots) + max(s.g_slots)) * ab,
     }
+
+
+def loop_sends(s, accum_steps: int) -> dict:
+    """The pipeline's collective-permutes the loop form (``unroll=False``, ``_step._ticks_looped``) holds per step,
+    each way (``"F"``, ``"B"``), as ``spmd.parallel.hlo_executed_collectives`` counts them: a tick's send is a
+    ``lax.switch`` over the direction's distinct pair sets (a send's pairs are static) and nothing, and the counter
+    counts every branch of a conditional and each trip of the loop, so each distinct set once per tick. What runs is
+    one send at each tick that sends (the table's ``ops``, ``sent``); a bubble tick's branch sends nothing."""
+    ticks = len(s.sends("F"))
+    return {k: len({tuple(p) for p in s.sends(k) if p}) * ticks * accum_steps for k in ("F", "B")}
 
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter")
@@ -319,12 +333,15 @@ def hlo_permute_pairs(text: str, n_replicas: int = 1) -> int:
 
 def format_pipeline_communication(c: dict) -> str:
     cp = c["collective-permute"]
+    held = cp["count"] - cp["ring"]["count"]  # the loop form holds more than run (``loop_sends``)
+    ran = "" if held == cp["sent"]["count"] else (f"; {cp['sent']['count']} of the pipeline's {held} run: the loop's "
+                                                  "switches, each branch counted each tick")
     return (f"pipeline {c['schedule']} pp={c['pp']} M={c['num_microbatches']} v={c['stages_per_rank']}: "
             f"{cp['pairs']['forward']} activation + {cp['pairs']['backward']} gradient transfers of "
             f"{c['activation_shape']} per pipeline (M x (stages - 1) each way) in {cp['count']} collective-permutes "
-            f"({cp['bytes']} bytes); all-reduce {c['all-reduce']['bytes']} bytes; bubble {c['bubble']:.4f} (formula "
-            f"{c['bubble_formula']:.4f}); {c['activation_slots']} activation + {c['gradient_slots']} gradient slots "
-            f"per rank ({c['activation_bound_bytes']} bytes)" + (
+            f"({cp['bytes']} bytes{ran}); all-reduce {c['all-reduce']['bytes']} bytes; bubble {c['bubble']:.4f} "
+            f"(formula {c['bubble_formula']:.4f}); {c['activation_slots']} activation + {c['gradient_slots']} gradient "
+            f"slots per rank ({c['activation_bound_bytes']} bytes)" + (
                 f"; all-to-all x{c['all-to-all']['count']} = {c['all-to-all']['bytes']:,} B (experts over ep)"
                 if c.get("ep") else "") + ("" if not c.get("tp") else "\n  tp in the program: " + ", ".join(
                 f"{k} x{v['count']} = {v['bytes']:,} B" for k, v in c["tp"]["program"].items() if v["count"])

@@ -202,7 +202,7 @@ def test_split_points_rule():
     assert sorted(["layers_10", "layers_2", "layers_1"], key=natural_key) == ["layers_1", "layers_2", "layers_10"]
 
 
-@pytest.mark.parametrize("config", _cases([c for c in CONFIGS if CONFIGS[c][-1]]))
+@pytest.mark.parametrize("config", _cases(CONFIGS))
 def test_hlo_collectives_equal_table(config):
     run = _run(config)
     got = hlo_executed_collectives(run["text"], scalars=False)
@@ -217,7 +217,11 @@ def test_hlo_collectives_equal_table(config):
     s = run["pm"].schedule
     per_pass = s.num_microbatches * (s.num_stages - 1)  # one per micro-batch and stage boundary, each way
     assert want["collective-permute"]["pairs"] == {"forward": per_pass * run["accum"], "backward": per_pass * run["accum"]}
-    assert hlo_permute_pairs(run["text"], run["n_data"]) == 2 * per_pass  # a scanned accumulation: its body once
+    if CONFIGS[config][-1]:
+        assert hlo_permute_pairs(run["text"], run["n_data"]) == 2 * per_pass  # a scanned accumulation: its body once
+    else:  # the loop: each tick a switch over each direction's distinct pair sets, counted per branch and per tick
+        sets = [{tuple(p) for p in s.sends(d) if p} for d in "FB"]
+        assert got["collective-permute"]["count"] == sum(map(len, sets)) * len(s.ticks) * run["accum"]
     rows = 32 // run["n_data"] // run["accum"] // s.num_microbatches
     assert want["activation_shape"] == (rows, 8, 16)
 
@@ -228,6 +232,14 @@ def test_loop_holds_one_permute_per_pair_set():
     s = run["pm"].schedule
     sets = {tuple(p) for d in "FB" for p in s.sends(d) if p}  # pp=2: (0, 1) forward, (1, 0) backward
     assert hlo_collectives(run["text"])["collective-permute"]["count"] == len(sets) == 2
+    # run at each of the 5 ticks (the counter counts each branch of a conditional, each trip of a loop): 10 of a
+    # micro-batch's activation (32 rows / 4 dp / M=2, 8 positions, 16 float32) each, in the table too; what runs is
+    # one send a micro-batch each way
+    one = 4 * 8 * 16 * 4
+    got = hlo_executed_collectives(run["text"], scalars=False)["collective-permute"]
+    assert len(s.ticks) == 5 and (got["count"], got["bytes"]) == (10, 10 * one)
+    want = run["table"]["collective-permute"]
+    assert (want["count"], want["bytes"]) == (10, 10 * one) and want["sent"] == {"count": 4, "bytes": 4 * one}
     assert hlo_executed_collectives(run["text"], scalars=False)["all-reduce"]["bytes"] == run["table"]["all-reduce"]["bytes"]
 
 

@@ -134,6 +134,45 @@ def test_pp2_cp4_named_dp1_table_equals_hlo():
     assert hlo["collective-permute"]["buffers"] == table["collective-permute"]["count"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_loop_form_under_cp_table_equals_hlo(schedule):
+    """The loop form (``unroll=False``) under pp=2 x cp=2, M=4: each tick's send a switch over the direction's
+    one pair set and nothing, counted at every tick as the HLO counter counts a loop's body (each trip, each
+    branch): 2 x ticks collective-permutes of the pipeline's beside the rings', in the table as in the compiled
+    step (the table counted the 2 x M sends that run: 1F1B 8 of 14, GPipe 8 of 18); every kind's buffers and bytes
+    equal the table's, and 3 SGD steps equal one device's."""
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, V, (4, T)).astype(np.int32),
+                "labels": rng.integers(0, V, (4, T)).astype(np.int32)} for _ in range(3)]
+    model = Llama(CFG)
+
+    def loss_fn(p, b):
+        logits = model.apply({"params": p}, b["tokens"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["labels"]).mean()
+
+    params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
+    opt = optax.sgd(0.1)
+    ref_losses, ref = train_one_device(params, batches, loss_fn, opt)
+    mesh = spmd.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+    pm = pipeline(model, mesh["pp"], units="layers_*", num_microbatches=4, schedule=schedule, unroll=False)
+    state = init_train_state(pm, opt, params=params)
+    step = make_train_step(pm, loss_fn, opt)
+    hlo = executed_collectives(step._build(state, batches[0]).jitted, state, batches[0], scalars=False)
+    table = step.communication(state, batches[0])
+    for kind in ("all-gather", "reduce-scatter", "all-reduce", "collective-permute"):
+        assert (hlo[kind]["buffers"], hlo[kind]["bytes"]) == (table[kind]["buffers"] if kind != "collective-permute"
+                                                              else table[kind]["count"], table[kind]["bytes"]), kind
+    # pp=2, M=4: 1F1B 7 ticks, GPipe 9 (2 M + pp - 1 = 9; 1F1B's overlap saves 2); each send a micro-batch's
+    # activation (1 row, 16 / cp = 8 positions, 16) float32, 512 B
+    ticks, one = {"1f1b": 7, "gpipe": 9}[schedule], 1 * 8 * 16 * 4
+    want = table["collective-permute"]
+    pp_sends = (want["count"] - want["ring"]["count"], want["bytes"] - want["ring"]["bytes"])
+    assert pp_sends == (2 * ticks, 2 * ticks * one)
+    assert want["sent"] == {"count": 2 * 4, "bytes": 2 * 4 * one}  # what runs: one send a micro-batch each way
+    _assert_trains_as_one_device(pm, step, state, batches, ref_losses, ref)
+
+
 class _CondBlock(nn.Module):
     """A block taking a per-example vector ``[batch, d]`` beside the hidden states, ``d`` equal to the sequence
     length: no sequence."""

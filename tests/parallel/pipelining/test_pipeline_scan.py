@@ -140,15 +140,17 @@ def test_scanned_stack_stages_equal_one_device_training(config):
     s = run["pm"].schedule
     per_pass = s.num_microbatches * (s.num_stages - 1)
     assert want["collective-permute"]["pairs"] == {"forward": per_pass * accum, "backward": per_pass * accum}
+    assert got["collective-permute"]["bytes"] == want["collective-permute"]["bytes"]
+    assert got["collective-permute"]["count"] == want["collective-permute"]["count"]
     if unroll:
-        assert got["collective-permute"]["bytes"] == want["collective-permute"]["bytes"]
-        assert got["collective-permute"]["count"] == want["collective-permute"]["count"]
         n_data = int(np.prod([n for d, n in dims.items() if d != "pp"]))  # each pp group its own pairs (tp too)
         assert hlo_permute_pairs(run["text"], n_data) == 2 * per_pass  # an accumulation's scan: its body once
     else:  # the loop: one permute per direction's distinct pair set, each tick picking its own
         sets = [{tuple(p) for p in s.sends(d) if p} for d in "FB"]
         assert hlo_collectives(run["text"])["collective-permute"]["count"] == sum(map(len, sets))
         assert len(sets[0]) == (2 if s.name == "looped_bfs" else 1)  # a chunk's wrap adds (1, 0) to (0, 1)
+        # each counted at every tick (a switch's branches each, a loop's trips each), of every accumulation pass
+        assert got["collective-permute"]["count"] == sum(map(len, sets)) * len(s.ticks) * accum
 
 
 @pytest.mark.slow
