@@ -220,8 +220,10 @@ def pipeline_cost(laid, params: Any, state, step, batch: Any, layout, profile, c
     for kind in KINDS:
         comm_s[kind] += cal.collective_s(kind, busiest[kind]["bytes"], busiest[kind]["count"], *at("tp"))
     # point to point: the calibrated bytes / bandwidth as measured (no ring factor); on a Hardware the link
-    # between the stages (pp's group and stride)
-    comm_s[PERMUTE] = cal.collective_s(PERMUTE, cp["bytes"], cp["count"],
+    # between the stages (pp's group and stride). The sends that run (the loop form's program counts each tick's
+    # switch branches, bubble ticks too: ``_comm.loop_sends``) and the rings'
+    runs = {f: cp["sent"][f] + cp["ring"][f] for f in ("count", "bytes")}
+    comm_s[PERMUTE] = cal.collective_s(PERMUTE, runs["bytes"], runs["count"],
                                        *(at("pp") if isinstance(cal, HardwareRates) else (cal.group_size, 1)))
     for kind, v in ctx.items():  # cp's K/V gathers, dK/dV reduce-scatters, gradients' all-reduces: over cp
         if v["count"]:
