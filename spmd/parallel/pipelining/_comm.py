@@ -155,7 +155,8 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int, shadow: bool = False,
 
     s = pm.schedule
     if n_cp > 1:
-        recs = {k: ([{**r, "in_bytes": r["in_bytes"] // n_cp, "out_bytes": r["out_bytes"] // n_cp} for r in v]
+        recs = {k: ([r if r.get("whole_seq") else {**r, "in_bytes": r["in_bytes"] // n_cp,
+                                                    "out_bytes": r["out_bytes"] // n_cp} for r in v]
                     if k in ("pre", "unit", "post") else v) for k, v in recs.items()}
     fwd = {k: activation_terms(recs[k], part="forward") for k in ("pre", "unit", "post")}
     bwd = {k: activation_terms(recs[k], part="backward") for k in ("pre", "unit", "post")}

@@ -33,8 +33,8 @@ import numpy as np
 
 from spmd.parallel.context._calls import CALL_SCOPE, ContextCalls, scopes_of, seq_len
 
-__all__ = ["context_records", "kinds_alike", "ring_blocker", "routed", "slot_bodies", "stage_context", "uncounted",
-           "unit_gathered", "unit_rings"]
+__all__ = ["context_records", "gathered_context", "kinds_alike", "ring_blocker", "routed", "slot_bodies",
+           "stage_context", "uncounted", "unit_gathered", "unit_rings"]
 
 
 class _UnitCall:
@@ -102,7 +102,7 @@ class _StagedNnxCall(_NnxUnitCall):
 
 
 class _StageRoute:
-    """``Hooks.around`` of an ep stage's hooks under cp: an nnx unit's submodule calls (named by the unit it runs
+    """``Hooks.around`` of a tp or ep stage's hooks under cp: an nnx unit's submodule calls (named by the unit it runs
     as) through ``calls.around`` by their path in the unit, a module of ``calls.gathered`` on the sequence gathered
     over cp with its styles inside (an MoE's ``ExpertParallel`` on the whole sequence's buffers); the calls outside
     a unit as they are. Reads as ``calls`` otherwise."""
@@ -137,8 +137,9 @@ def routed(calls: ContextCalls | None, lay=None):
     """A unit's submodule calls through ``calls.around`` (a module of ``calls.gathered`` on the sequence gathered
     over cp, the others as they are, each under its scope); nothing without ``calls``. Linen: intercepted
     (``nn.intercept_methods``); nnx (``lay`` an nnx model's layout): the unit's merged copy hooked
-    (``UnitCalls._apply`` hooks the installed hooks' submodules); under ep, whose hooks these are, through their
-    ``around`` (``_StageRoute``); not under tp."""
+    (``UnitCalls._apply`` hooks the installed hooks' submodules); under tp or ep, whose hooks these are, through
+    their ``around`` (``_StageRoute``, and their ``context``: a tp style inside a gathered module takes the whole
+    sequence)."""
     if calls is None:
         yield
         return
@@ -146,13 +147,14 @@ def routed(calls: ContextCalls | None, lay=None):
         from spmd.parallel.styles._nnx import installed_hooks, installing
 
         hooks = installed_hooks()
-        if hooks is not None and hasattr(hooks, "around"):  # an ep stage's hooks: their calls routed
-            saved = hooks.around
+        if hooks is not None and hasattr(hooks, "around"):  # a tp / ep stage's hooks: their calls routed
+            saved = hooks.around, getattr(hooks, "context", None)
             hooks.around = _StageRoute(calls, hooks, lay.rel).around
+            hooks.context = calls
             try:
                 yield
             finally:
-                hooks.around = saved
+                hooks.around, hooks.context = saved
             return
         if hooks is not None:
             yield
@@ -177,9 +179,9 @@ def unit_gathered(pm, lay, t: int) -> frozenset:
     """The submodules of a unit (linen or nnx) that compute a product over the whole sequence of ``t`` positions
     (a model's own einsum attention, not an intercepted call): for each, the innermost submodule taking the
     ``[batch, seq, ...]`` sequence, read from one unit's trace (``spmd.parallel.step._heads.whole_sequence_products``),
-    once per layout, sequence length and shapes (``StageLayout.traced``); an nnx unit of ep stages traced with
-    their hooks (``_StageRoute``); empty under tp."""
-    if pm.tp is not None or lay.scanned:
+    once per layout, sequence length and shapes (``StageLayout.traced``); an nnx unit of tp or ep stages traced
+    with their hooks (``_StageRoute``); empty for a linen unit under tp."""
+    if (pm.tp is not None and lay.calls.kind != "nnx") or lay.scanned:
         return frozenset()
     return lay.traced(("cp gathered", *_trace_key(pm, lay, t)), lambda: _find_gathered(pm, lay, t))
 
@@ -207,11 +209,12 @@ def _find_gathered(pm, lay, t: int) -> frozenset:
 
 
 def _unit_jaxpr(pm, lay, calls: ContextCalls, route: bool = True):
-    """One unit traced with ``calls`` (``route``: every submodule call through ``calls.around``); an nnx unit of ep
-    stages with their hooks too (``pipelining._tp``: the unit as a rank of ep runs it, its experts' calls styled)."""
+    """One unit traced with ``calls`` (``route``: every submodule call through ``calls.around``); an nnx unit of tp
+    or ep stages with their hooks too (``pipelining._tp``: its styled calls in their regions, the unit as a rank of
+    ep runs it)."""
     from spmd.parallel.pipelining._tp import local_unit, on_ep, stage_hooks
 
-    hooks = stage_hooks(pm, lay) if lay.calls.kind == "nnx" and pm.tp is None else None
+    hooks = stage_hooks(pm, lay) if lay.calls.kind == "nnx" else None
     if hooks is None:
         unit = [lay.unit_shapes[rel] for rel in lay.rel]
         with calls.installed(), routed(calls if route else None, lay):
@@ -224,8 +227,8 @@ def _unit_jaxpr(pm, lay, calls: ContextCalls, route: bool = True):
 def uncounted(pm, lay, t: int) -> str | None:
     """What the stages move over cp that the table's cp terms (``context_records``) leave out, said so (None:
     nothing): a unit's own attention (a product over the whole sequence, not an intercepted call) under tp
-    (``unit_gathered`` is empty there: GSPMD partitions its products over the whole sequence; an nnx unit's under
-    ep runs on the gathered sequence, ``_StageRoute``, counted); under tp, the projections run whole over tp (fewer
+    (a linen unit's: ``unit_gathered`` is empty there, GSPMD partitions its products over the whole sequence; an
+    nnx unit's runs on the gathered sequence, ``_StageRoute``, counted); under tp, the projections run whole over tp (fewer
     heads than tp, ``_tp.unit_whole_heads``), whose outputs GSPMD makes whole over cp too (measured at pp=2, cp=2,
     tp=2, Llama with 1 KV head: all-gather 62 buffers, 38,144 B, against the table's 24, 9,472 B)."""
     if not pm.cp or pm.mesh.size(pm.cp) < 2 or lay.scanned or pm.tp is None:
@@ -238,6 +241,7 @@ def uncounted(pm, lay, t: int) -> str | None:
                 f"heads than tp: {', '.join(sorted(repr(m) for m in whole))}) are partitioned over {pm.cp!r} by "
                 "GSPMD, their gathers and reductions over cp not in this table")
     own = lay.traced(("cp own attention", *_trace_key(pm, lay, t)), lambda: _find_gathered(pm, lay, t))
+    own = own - unit_gathered(pm, lay, t)  # an nnx unit's: run on the gathered sequence (``_StageRoute``), counted
     if own:
         return (f"{pm.cp}={pm.mesh.size(pm.cp)} with tp in the stages: the units' own attention ("
                 + ", ".join(sorted(f"{m!r}" for m in own)) + f") runs as GSPMD partitions it over {pm.cp!r}, its "
@@ -307,6 +311,18 @@ def _calls(pm, lay, t: int) -> ContextCalls:
     tp = pm.tp.tp.mesh_dim if pm.tp else None
     return ContextCalls(pm.mesh.jax_mesh, pm.mesh.size(pm.cp), t, pm.cp, gathered=unit_gathered(pm, lay, t),
                         tp=(tp, pm.mesh.size(tp)) if tp else None, ring=ring_blocker(pm, lay, t) is None)
+
+
+@contextlib.contextmanager
+def gathered_context(pm, lay, t: int):
+    """A unit's calls as a stage runs them under cp (``_calls``, routed): its gathered modules on the whole sequence;
+    nothing where it has none or cp is 1."""
+    calls = _calls(pm, lay, t) if pm.mesh.size(pm.cp) > 1 else None
+    if calls is None or not calls.gathered:
+        yield
+        return
+    with calls.installed(), routed(calls, lay):
+        yield
 
 
 def stage_context(st, batch):

@@ -38,8 +38,8 @@ from spmd.parallel.plan._checks import check_rng
 from spmd.parallel.styles._nnx import nnx_params
 from spmd.parallel.pipelining._calls import model_kind
 from spmd.parallel.pipelining._split import unit_modules
-from spmd.parallel.pipelining._cp import (context_records, ring_blocker, routed, stage_context, uncounted,
-                                          unit_gathered, unit_rings)
+from spmd.parallel.pipelining._cp import (context_records, gathered_context, ring_blocker, routed, stage_context,
+                                          uncounted, unit_gathered, unit_rings)
 from spmd.parallel.pipelining._comm import REST, STAGES, format_pipeline_communication, pipeline_communication
 from spmd.parallel.pipelining._tables import ROLES, branch_codes, tick_tables
 from spmd.parallel.pipelining._tp import (ep_placements, map_tp_aware, reduce_tp_aware, segment_records,
@@ -275,7 +275,10 @@ class PipelineStep(TrainStep):
 
     def communication(self, state, batch) -> dict:
         b = self._build(state, self._checked(state, batch))
-        recs = segment_records(self._pm, b.lay, self._loss_fn, b.mb)  # the tp / ep styled calls by segment
+        t = b.seq[0] if b.seq else None
+        recs = segment_records(self._pm, b.lay, self._loss_fn, b.mb,  # the tp / ep styled calls by segment
+                               lambda: gathered_context(self._pm, b.lay, t or seq_len(b.mb)) if self._pm.cp
+                               else contextlib.nullcontext())
         cp = (context_records(self._pm, b.lay, self._loss_fn, b.mb, b.seq[0] if b.seq else None)
               if self._pm.cp else None)
         ticks = branch_codes(tick_tables(self._pm)) if recs is not None or cp is not None else None

@@ -241,11 +241,12 @@ def on_ep(pm, f):
     return run
 
 
-def segment_records(pm, lay, loss_fn, mb) -> dict[str, list] | None:
+def segment_records(pm, lay, loss_fn, mb, unit_context=contextlib.nullcontext) -> dict[str, list] | None:
     """The styled calls of one micro-batch by segment, traced (shapes only) with the region's hooks:
     ``pre`` (before the first unit: the embedding), ``unit`` (one unit), ``post`` (after the last: the
     head), the tp calls; ``ep``: the calls styled on the ep dim, by the same segments; ``None`` without tp
-    or ep."""
+    or ep. ``unit_context()``: around the unit's trace (under cp, its modules run on the gathered sequence as the
+    stages run them, ``pipelining._cp.gathered_context``: a tp style inside one takes the whole sequence)."""
     hooks = stage_hooks(pm, lay)
     if hooks is None:
         return None
@@ -256,7 +257,8 @@ def segment_records(pm, lay, loss_fn, mb) -> dict[str, list] | None:
                           ("unit", lambda ls, x, sd: lay.apply_unit(ls, x, sd), (unit, lay.act, lay.calls.side_shapes)),
                           ("post", lambda r, b, h: lay.post(loss_fn, r, b, h), (rest, mb, lay.act))):
         hooks.records, hooks.ep_records = [], []
-        with hooks.installed(), (hooks.unit(lay.module_of(0)) if name == "unit" else contextlib.nullcontext()):
+        with hooks.installed(), (hooks.unit(lay.module_of(0)) if name == "unit" else contextlib.nullcontext()), \
+                (unit_context() if name == "unit" else contextlib.nullcontext()):
             jax.eval_shape(on_ep(pm, f), *args)
         out[name], ep[name] = list(hooks.records), list(hooks.ep_records)
     for r in out["unit"] if lay.scanned else ():  # one layer of a scanned stack: its calls once (not L times)

@@ -339,6 +339,7 @@ class TPCalls:
             # (a region manual over cp too sums them over cp and tp at once: the step's reduction over cp, counted
             # with it, spmd.parallel.context._calls.with_context)
             "input_grad": bool(jnp.issubdtype(x.dtype, jnp.inexact)), "summed_params": [] if seq else summed,
+            "whole_seq": whole_seq,  # inside a module run on the sequence gathered over cp: whole-sequence bytes
             # modules reading one input (q, k, v) share its sequence all-gather (XLA merges them)
             "input_id": self._input_id(x)})
         if isinstance(local, Shard) and local.dim == -1 and isinstance(out, Shard) and "embedding" not in names:
