@@ -106,7 +106,10 @@ def tp_placements(pm, lay) -> tuple[dict[str, Placement], dict[str, Placement]]:
 
 class StageHooks(Hooks):
     """The tp hooks of a pipeline's region: ``Hooks`` on the model's full plan, with a unit run on its own
-    named by the first unit's path."""
+    named by the first unit's path. A module left out of a sequence-parallel plan runs as GSPMD lays it out (a
+    stage sees a part of the model: the plan's blocks are not read off it)."""
+
+    whole_outside_blocks = False
 
     @contextlib.contextmanager
     def unit(self, path: str):

@@ -43,7 +43,7 @@ from spmd.parallel.styles._experts import ExpertTensorParallel, apply_stored, ru
 from spmd.parallel.styles._remat import checkpoint_policy
 from spmd.parallel.styles._styles import KNOWN_LINEAR, ParallelStyle
 from spmd.parallel.styles._tp_calls import COLWISE_MARK, TP_COMM, WHOLE_MARK, TPCalls
-from spmd.parallel.styles._transforms import METHODS, ParallelModule
+from spmd.parallel.styles._transforms import METHODS, ParallelModule, param_module
 from spmd.parallel.styles._weight_stationary import activation_cut_dim
 
 __all__ = ["Hooks", "ModuleCall", "COLWISE_MARK", "WHOLE_MARK", "TP_COMM"]
@@ -54,6 +54,10 @@ class Hooks:
     ``gather_units=False``: the units' parameters come gathered (accumulation, a pipeline's stage);
     ``whole_heads``: the projections run whole over tp, by module: their head count (``spmd.parallel.step._heads``);
     ``gather_flip``: the paths of the fsdp-cut 2-D parameters gathered transposed (``plan._shard.gather_unit``)."""
+
+    # a module left out of a sequence-parallel plan, outside its blocks, runs whole over tp, its inputs gathered
+    # (``TPCalls.run_whole``); a pipeline's stages (``pipelining._tp.StageHooks``) leave it to GSPMD
+    whole_outside_blocks = True
 
     def __init__(self, model: ParallelModule, plan: ParamPlan, *, gather_units: bool = True,
                  whole_heads: dict | None = None, gather_flip: frozenset = frozenset()):
@@ -88,6 +92,26 @@ class Hooks:
         """The plan entry of ``path`` as a module sees ``value``: inside the scan that stacks it, one layer."""
         e = self.plan.entry(path)
         return unstacked(e) if e.stacked is not None and np.ndim(value) == len(e.shape) - 1 else e
+
+    @functools.cached_property
+    def blocks(self) -> tuple[str, ...]:
+        """The plan's blocks: the children of the styled modules' deepest common ancestor that hold a styled module
+        (a Llama's ``layers_0``, ``layers_1``; Hugging Face's ``transformer.h.0``, ...; one stack, ``layers``, holds
+        the layers of an ``nn.scan``). The modules are those the plan's parameters belong to that a style on tp or
+        ep runs (by its module's name, or a method's: ``embed.attend``)."""
+        model, styled = self.model, set()
+        for e in self.plan.entries:
+            m = param_module(e.path)[0]
+            keys = (m, *(f"{m}.{meth}" for meth in METHODS))
+            if any((model.tp and model.tp.style_for(k)) or (model.ep and model.ep.style_for(k)) for k in keys):
+                styled.add(m)
+        if not styled:
+            return ()
+        paths = [m.split(".") if m else [] for m in styled]
+        depth = 0
+        while all(len(p) > depth for p in paths) and len({p[depth] for p in paths}) == 1:
+            depth += 1
+        return tuple(sorted({".".join(p[:depth + 1]) for p in paths}))
 
     # --- dispatch -----------------------------------------------------------------------------------
     def style_of(self, call: ModuleCall) -> ParallelStyle | None:
@@ -125,9 +149,11 @@ class Hooks:
         style = self.style_of(call)
         if style is not None:
             return call.returned(style.run_call(call))
-        if (self.model.tp and call.tp_key == call.fqn and call.typ in KNOWN_LINEAR
-                and self.active.get(call.spath) != "tp"):
-            return call.with_layouts(None)
+        if self.model.tp and call.tp_key == call.fqn and self.active.get(call.spath) != "tp":
+            if self.whole_outside_blocks and self.layouts.outside_blocks(call):
+                return self.layouts.run_whole(call)  # sequence parallelism's boundary: whole over tp
+            if call.typ in KNOWN_LINEAR:
+                return call.with_layouts(None)
         return call.next()
 
     @contextlib.contextmanager

@@ -87,6 +87,13 @@ class TPCalls:
         names = plan.mesh_dim_names
         self.cp = CP_DIM if CP_DIM in names and plan.mesh_shape[names.index(CP_DIM)] > 1 else None
         self._inputs: dict[int, Any] = {}  # the inputs recorded by id, kept alive: see ``_input_id``
+        # sequence parallelism's boundary (``run_whole``): the outputs of the modules run whole outside the plan's
+        # blocks (by id, kept alive), the whole inputs whose entry into the cut is counted, whether a value cut
+        # on the sequence has been handed on yet, and the depth of the whole modules being run
+        self._whole: dict[int, Any] = {}
+        self._whole_cut: set[int] = set()
+        self._cut_seen = False
+        self._whole_depth = 0
 
     def _input_id(self, x: Any) -> int:
         """``id(x)``, a record's ``input_id`` (the table counts one all-gather per input however many modules read
@@ -105,6 +112,8 @@ class TPCalls:
             return x
         if isinstance(layout, Shard) and not -x.ndim <= layout.dim < x.ndim:
             return x
+        if isinstance(layout, Shard) and x.ndim >= 3 and layout.dim % x.ndim == 1:
+            self._cut_seen = True  # an activation cut on the sequence
         spec = self.layout_spec(layout, x.ndim, seq=seq or self._seq_cut(layout, x.ndim))
         if jax.sharding.get_abstract_mesh().empty:  # no enclosing region (a mesh of tp alone): the model's mesh
             return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.model.mesh.jax_mesh, spec))
@@ -329,6 +338,9 @@ class TPCalls:
             y = y + vals[names.index("bias")].astype(y.dtype)
         if seq and ctx is not None and self._seq_cut(out_layout, ndim):
             ctx.note_sp_cut(y)  # handed on cut over cp and tp: a gathered module gathers it over both
+        self._entered_cut(fqn, style, typ, x, x_layout)
+        if isinstance(out_layout, Shard) and ndim >= 3 and out_layout.dim % ndim == 1:
+            self._cut_seen = True
         # every parameter whole over tp read in the region has its gradient all-reduced (the region's transpose)
         summed = [int(np.prod(np.shape(v))) * jnp.dtype(v.dtype).itemsize for e, n, v in zip(ents, names, vals)
                   if e.shard_dim(self.ti) is None and not (n == "bias" and bias_outside)]
@@ -345,6 +357,74 @@ class TPCalls:
         if isinstance(local, Shard) and local.dim == -1 and isinstance(out, Shard) and "embedding" not in names:
             y = checkpoint_name(y, f"{COLWISE_MARK}{fqn}|{self.n_tp}")  # an output cut on its features (heads)
         return y
+
+    # --- sequence parallelism's boundary: the modules outside the plan's blocks, whole over tp ---------------
+    def outside_blocks(self, call: Any) -> bool:
+        """Whether ``call`` (a module no style runs) is one that sequence parallelism leaves whole over tp: under a
+        plan cutting the activations on the sequence (not beside cp), a module holding parameters, no styled
+        module among them, outside the plan's blocks (``Hooks.blocks``: a decoder's embedding, final norm and head
+        left out of the plan)."""
+        if self.hooks.act_cut != 1 or self.cp is not None or self.tp is None:
+            return False
+        fqn = call.fqn
+        if self._whole_depth or not fqn or not self.hooks.blocks:
+            return self._whole_depth > 0 and bool(fqn)
+        under = lambda a, b: a == b or a.startswith(b + ".")  # noqa: E731
+        if any(under(fqn, b) or under(b, fqn) for b in self.hooks.blocks):
+            return False
+        return bool(call.params())
+
+    def run_whole(self, call: Any) -> Any:
+        """A module outside the plan's blocks (``outside_blocks``) run whole over tp, as on one device: each floating
+        input cut on the sequence is all-gathered (forward; its gradient is sliced back), every floating output is
+        whole (a region of the blocks taking it cut slices it: its gradient all-gathered back, ``_entered_cut``).
+        Left to GSPMD, the cut would run on through the module (its parameters' gradients summed over tp: a
+        head's ``V x D``, where the gather moves the activation) and into an embedding's lookup (its ids
+        gathered too in the backward pass). The modules it calls run inside it as they are."""
+        if self._whole_depth:
+            return call.next()
+        arrays, rebuild = split_arrays((call.args, call.kwargs))
+        ins = []
+        for x in arrays:
+            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact) and np.ndim(x) >= 3:
+                if self._cut_seen and self._whole.get(id(x)) is not x:  # cut by the blocks: gathered here
+                    self.hooks.records.append({
+                        "module": call.fqn, "style": "whole outside the plan", "type": call.typ, "region": False,
+                        "in_layout": Shard(1), "in_desired": Replicate(), "local_out": None, "out_layout": None,
+                        "gathered_input": True, "in_bytes": int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize,
+                        "out_bytes": 0, "input_grad": False, "summed_params": [], "input_id": self._input_id(x)})
+                x = self.constrain(x, Replicate())
+            ins.append(x)
+        args, kwargs = rebuild(ins)
+        self._whole_depth += 1
+        try:
+            y = call.next(args, kwargs)
+        finally:
+            self._whole_depth -= 1
+        outs, rebuild_out = split_arrays(y)
+        outs = [self.constrain(v, Replicate()) if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.inexact)
+                and np.ndim(v) >= 3 else v for v in outs]
+        for v in outs:
+            self._whole[id(v)] = v
+        return rebuild_out(outs)
+
+    def _entered_cut(self, fqn, style, typ, x, x_layout) -> None:
+        """A region taking ``x`` cut on the sequence where ``x`` is whole (the output of a module run whole outside
+        the plan's blocks, or, before anything was cut, a value the model's own code made of them: an embedding
+        plus positions): its slice (no communication), whose gradient, summed over the modules reading it, is
+        all-gathered once in the backward pass."""
+        if not (isinstance(x_layout, Shard) and np.ndim(x) >= 3 and x_layout.dim % np.ndim(x) == 1
+                and jnp.issubdtype(x.dtype, jnp.inexact)):
+            return
+        whole = self._whole.get(id(x)) is x or (bool(self._whole) and not self._cut_seen)
+        if not whole or id(x) in self._whole_cut:
+            return
+        self._whole_cut.add(self._input_id(x))
+        self.hooks.records.append({
+            "module": fqn, "style": type(style).__name__, "type": typ, "region": False, "in_layout": None,
+            "in_desired": None, "local_out": Replicate(), "out_layout": Shard(1), "in_bytes": 0,
+            "out_bytes": int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize, "input_grad": False,
+            "summed_params": [], "input_id": None})
 
     def _whole_call(self, fqn, typ, style, call, args, kwargs, params, run_local):
         """A projection whose heads are fewer than the tp size (``whole_heads``; ``spmd.parallel.step._heads``)
