@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd.parallel.plan._param_plan import ROOT, ParamPlan, PlanEntry, path_str
-from spmd.parallel.plan._scan import unstacked
+from spmd.parallel.plan._scan import scan_of, unstacked
 from spmd.parallel.styles._experts import ExpertTensorParallel, apply_stored, run_on_ep, stored_params
 from spmd.parallel.styles._remat import checkpoint_policy
 from spmd.parallel.styles._styles import KNOWN_LINEAR, ParallelStyle
@@ -111,6 +111,8 @@ class Hooks:
         depth = 0
         while all(len(p) > depth for p in paths) and len({p[depth] for p in paths}) == 1:
             depth += 1
+        if depth and scan_of("/".join(paths[0][:depth]), dict(self.plan.scans)) > 1:
+            return (".".join(paths[0][:depth]),)  # the styled modules all in one nn.scan stack: it is the blocks
         return tuple(sorted({".".join(p[:depth + 1]) for p in paths}))
 
     # --- dispatch -----------------------------------------------------------------------------------
