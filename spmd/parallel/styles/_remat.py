@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 import jax
 
+from spmd.parallel.styles._fully_shard import _tied_checkpoint
 from spmd.parallel.styles._styles import ParallelStyle
 from spmd.parallel.styles._tp_calls import TP_COMM, split_arrays
 
@@ -170,5 +171,8 @@ class ActivationCheckpoint(ParallelStyle):
             a, k = rebuild(list(arrays))
             return call.apply(vals, a, k, remat=True)
 
-        return jax.checkpoint(apply, policy=checkpoint_policy(self.policy))(
-            [v for _, v in params], arrays)
+        # tied to the cotangent (``_fully_shard._tied_checkpoint``): else XLA:CPU runs the recomputation at the
+        # end of the forward pass (under gradient accumulation, the units' parameters gathered up front, this
+        # style runs every unit: each block's recomputed activations were live at once, ``ac="full"`` saving
+        # nothing a layer)
+        return _tied_checkpoint(call.hooks, apply, checkpoint_policy(self.policy), [v for _, v in params], arrays)
