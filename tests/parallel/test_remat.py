@@ -144,6 +144,31 @@ def test_training_equals_no_checkpointing(spec, policy):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("spec", ["fsdp=8", "dp=2,fsdp=2,tp=2"])
+def test_full_under_gradient_accumulation_trains_as_the_whole_batch(spec):
+    """``accum_steps=2`` under "full" (the units gathered once, ``ActivationCheckpoint`` running them, its
+    recomputation tied to the cotangent): losses, gradient norms, parameters and AdamW moments after 2 steps
+    are those of the same layout without checkpointing nor accumulation (two equal micro-batches' mean loss is
+    the batch's)."""
+    params, batches = _data()
+    model, _ = _layout(spec, "full")
+    state = init_train_state(model, OPT, params=params)
+    step = make_train_step(model, loss_fn, OPT, accum_steps=2)
+    losses, norms = [], []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    ref = _run(spec, None)
+    np.testing.assert_allclose(losses, ref.losses, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(norms, ref.norms, rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(unshard_params(model, state)),
+                    jax.tree.leaves(unshard_params(ref.model, ref.state)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(ref.state.opt_state), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("spec,policy", CASES)
 def test_collectives_equal_no_checkpointing_and_the_table(spec, policy):
     """No recomputation repeats a data-parallel collective: the compiled step's ops, buffers and bytes per kind,
