@@ -139,7 +139,8 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int, shadow: bool = False,
       with the post-unit code's) and runs its backward pass; on a stage that is not the last, the
       recomputed output feeds nothing but the unused primal: the forward collective of the chunk's last
       styled call, a reduction (``RowwiseParallel``'s ``Partial`` output) whose output a residual block adds (``x + proj(h)``), is dead
-      and compiled away; not when an expert-parallel call comes after it in the unit (an MoE block's experts
+      and compiled away, where the unit's own backward drops it (``recs["dropped"]``, ``_tp.dropped_in_backward``:
+      not when a later op's backward reads the sum, an mlp after the attention's ``out``); not when an expert-parallel call comes after it in the unit (an MoE block's experts
       after its tp attention: the router's backward reads the recomputed activation).
 
     ``program``: what the compiled program holds (each tick's forward switch and backward switch hold each
@@ -164,8 +165,10 @@ def tp_terms(pm, lay, recs: dict, ticks, accum_steps: int, shadow: bool = False,
     last = recs["unit"][-1] if recs["unit"] else None
     # an expert-parallel call after it (an MoE block's experts after its attention) reads that reduction: live
     later = any(r.get("after_tp", 0) >= len(recs["unit"]) for r in recs.get("ep", {}).get("unit", ()))
+    # what the unit's own backward drops of its forward (``_tp.dropped_in_backward``; None: not read, with ep)
+    dropped = recs.get("dropped")
     dead1 = (activation_terms([last], part="forward") if last is not None and isinstance(last["local_out"], Partial)
-             and not later else _sum())
+             and not later and (dropped is None or dropped > 0) else _sum())
     zero = _sum()
 
     def branch_costs(n_units: int, n_last: int) -> list:

@@ -276,7 +276,43 @@ def segment_records(pm, lay, loss_fn, mb, unit_context=contextlib.nullcontext) -
                              f"({lay.calls.difference(a, b)}) and make other tensor-parallel calls; tp stages of "
                              "units that differ are offered where their styled calls are the same: match only "
                              "identical blocks with units=, or pipeline without tp.")
+    out["dropped"] = (dropped_in_backward(pm, lay, hooks, unit, unit_context) if pm.tp is not None and pm.ep is None
+                      else None)
     out["post"] = out["post"][len(out["pre"]):]  # post runs the pre-unit code again, dead (its units return h)
     ep["post"] = ep["post"][len(ep["pre"]):]
     out["ep"] = ep  # the calls styled on the ep dim by segment (ExpertParallel's all-to-alls)
     return out
+
+
+def _tp_collectives(jaxpr, axis: str) -> int:
+    """How many collectives over ``axis`` ``jaxpr`` holds (its sub-jaxprs' too: the styled calls' regions)."""
+    from spmd.parallel.step._heads import _sub_jaxprs
+
+    n = 0
+    for e in jaxpr.eqns:
+        names = e.params.get("axes", e.params.get("axis_name"))
+        names = names if isinstance(names, (tuple, list)) else (names,)
+        n += axis in names and e.primitive.name not in ("axis_index", "pbroadcast")
+        n += sum(_tp_collectives(sub, axis) for sub in _sub_jaxprs(e))
+    return n
+
+
+def dropped_in_backward(pm, lay, hooks, unit, unit_context=contextlib.nullcontext) -> int:
+    """How many tp collectives of one unit's forward its backward pass leaves dead when nothing reads the unit's
+    output (a ``B`` on a stage that is not the last: the recomputed output feeds only the unused primal), read off the
+    unit's own vjp: its jaxpr returning the output and the cotangents against the same with the output's uses
+    dropped (``dce_jaxpr``, as XLA drops them). A residual block ending in a row-parallel call (``x + out(h)``): its
+    reduction, 1; an mlp after it reads the sum in its backward: 0."""
+    from jax._src.interpreters import partial_eval as pe
+
+    def fwd_bwd(ls, x, sd, g):
+        out, vjp = jax.vjp(lambda ls, x: lay.apply_unit(ls, x, sd), ls, x)
+        return out, vjp(g)
+
+    with hooks.installed(), hooks.unit(lay.module_of(0)), unit_context():
+        g = jax.eval_shape(lambda ls, x, sd: lay.apply_unit(ls, x, sd), unit, lay.act, lay.calls.side_shapes)
+        jaxpr = jax.make_jaxpr(fwd_bwd)(unit, lay.act, lay.calls.side_shapes, g).jaxpr
+    n_out = len(jax.tree.leaves(g))
+    used = [False] * n_out + [True] * (len(jaxpr.outvars) - n_out)
+    axis = pm.tp.tp.mesh_dim
+    return _tp_collectives(jaxpr, axis) - _tp_collectives(pe.dce_jaxpr(jaxpr, used)[0], axis)
