@@ -42,8 +42,8 @@ from spmd.parallel.pipelining._cp import (context_records, gathered_context, rin
                                           uncounted, unit_gathered, unit_rings)
 from spmd.parallel.pipelining._comm import REST, STAGES, format_pipeline_communication, pipeline_communication
 from spmd.parallel.pipelining._tables import ROLES, branch_codes, tick_tables
-from spmd.parallel.pipelining._tp import (ep_placements, map_tp_aware, reduce_tp_aware, segment_records,
-                                          stage_hooks)
+from spmd.parallel.pipelining._tp import (ep_placements, map_tp_aware, reduce_tp_aware, refuse_sliced_heads,
+                                          segment_records, stage_hooks)
 from spmd.parallel.plan._shard import entry_sharding, map_like_params
 from spmd.parallel.step._batch_norm import BATCH_STATS_REASON
 from spmd.parallel.step._finite import _keep_finite, _raise_nonfinite
@@ -371,6 +371,7 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, kee
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     st = _Stages(pm, lay, loss_fn, accum_steps, plan)
     st.seq_len = seq[0] if seq is not None else None
+    refuse_sliced_heads(pm, lay)  # a fused qkv's heads sliced under cp x tp: GSPMD's permutes hang, refused
     if st.seq_len and pm.mesh.size(pm.cp) > 1:  # one unit traced here, outside the region (whose mesh it would see)
         unit_gathered(pm, lay, st.seq_len), unit_rings(pm, lay, st.seq_len)
     if stages_out is not None:

@@ -46,7 +46,7 @@ from spmd.parallel.styles._hooks import Hooks
 from spmd.parallel.plan._param_plan import ParamPlan
 
 __all__ = ["StageHooks", "tp_placements", "ep_placements", "stage_hooks", "map_tp_aware", "reduce_tp_aware", "unwrap_layouts",
-           "local_unit", "on_ep"]
+           "local_unit", "on_ep", "refuse_sliced_heads"]
 
 
 def unwrap_layouts(model, mesh, where: str) -> tuple[Any, str | None, Any, Any]:
@@ -316,3 +316,32 @@ def dropped_in_backward(pm, lay, hooks, unit, unit_context=contextlib.nullcontex
     used = [False] * n_out + [True] * (len(jaxpr.outvars) - n_out)
     axis = pm.tp.tp.mesh_dim
     return _tp_collectives(jaxpr, axis) - _tp_collectives(pe.dce_jaxpr(jaxpr, used)[0], axis)
+
+
+def refuse_sliced_heads(pm, lay) -> None:
+    """Raise ``ValueError`` where a unit slices the heads of a column-parallel projection's output (a fused ``qkv``
+    split into q, k and v) with cp and tp both in the stages: GSPMD lays each piece out with collective-permutes
+    across the heads, which at pp=2, cp=2, tp=2 hung at run time on XLA:CPU (4 of 8 devices at the rendezvous)."""
+    if pm.tp is None or not pm.cp or pm.mesh.size(pm.cp) < 2:
+        return
+    from spmd.parallel.step._heads import sliced_heads
+
+    key = ("tp sliced heads", lay.act, tuple(lay.calls.side_shapes), pm.tp.tp.mesh_dim)
+
+    def find() -> tuple:
+        hooks = StageHooks(pm.tp, user_plan(pm, lay), gather_units=False)
+        with hooks.installed(), hooks.unit(lay.module_of(0)):
+            jaxpr = jax.make_jaxpr(on_ep(pm, lambda ls, x, sd: lay.apply_unit(ls, x, sd)))(
+                local_unit(pm, lay), lay.act, lay.calls.side_shapes).jaxpr
+        return tuple(sliced_heads(jaxpr).items())
+
+    found = lay.traced(key, find)
+    if found:
+        fqn, (feat, heads) = found[0]
+        tp, n_tp, n_cp = pm.tp.tp.mesh_dim, pm.mesh.size(pm.tp.tp.mesh_dim), pm.mesh.size(pm.cp)
+        raise ValueError(
+            f"pipeline: unit {lay.module_of(0)!r} cuts {fqn!r} (ColwiseParallel) over {tp}={n_tp} and then slices its "
+            f"{heads} heads ({feat} features) into pieces (a fused qkv split into q, k, v), with {pm.cp}={n_cp} and "
+            f"{tp}={n_tp} both in the stages (mesh dims {pm.mesh.mesh_dim_names}): GSPMD would move heads across "
+            f"{tp!r} with collective-permutes, which hang at run time. Give the unit separate q, k and v projections "
+            f"(ColwiseParallel each), or leave {pm.cp!r} or {tp!r} out of the stages.")

@@ -26,7 +26,7 @@ import numpy as np
 
 from spmd.parallel.styles._hooks import COLWISE_MARK, WHOLE_MARK
 
-__all__ = ["head_splits", "whole_over_tp", "check_head_cuts", "check_whole_sequence", "positional_params",
+__all__ = ["head_splits", "sliced_heads", "whole_over_tp", "check_head_cuts", "check_whole_sequence", "positional_params",
            "whole_sequence_products", "dot_params", "lookup_cotangents", "side_params"]
 
 # elementwise ops a projection's output passes through on its way to the heads' reshape; ``reduce_precision`` at
@@ -84,6 +84,53 @@ def head_splits(jaxpr: Any, origin: dict | None = None, found: dict | None = Non
             for v in eqn.outvars:
                 if getattr(v.aval, "shape", ())[-1:] == (src[0][2],):
                     origin[v] = src[0]
+    return found
+
+
+def sliced_heads(jaxpr: Any, origin: dict | None = None, heads: dict | None = None,
+                 found: dict | None = None) -> dict:
+    """``{module: (features, heads)}``: each column-parallel projection whose output the program reshapes into
+    heads and then slices along the heads (a fused ``qkv`` split into q, k and v): a piece is not the tp cut, so
+    GSPMD moves heads across the tp devices (collective-permutes) to lay it out."""
+    origin, heads = dict(origin or {}), dict(heads or {})
+    found = {} if found is None else found
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        label = str(eqn.params.get("name", "")) if name == "name" else ""
+        if label.startswith(COLWISE_MARK):
+            origin[eqn.outvars[0]] = (label.split("|")[1], eqn.outvars[0].aval.shape[-1])
+            continue
+        src = [origin[v] for v in eqn.invars if not hasattr(v, "val") and v in origin]
+        hsrc = [heads[v] for v in eqn.invars if not hasattr(v, "val") and v in heads]
+        if name == "reshape" and src:
+            (fqn, feat), shape_in, shape_out = src[0], eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+            if (len(shape_out) == len(shape_in) + 1 and tuple(shape_out[:-2]) == tuple(shape_in[:-1])
+                    and shape_out[-2] * shape_out[-1] == feat):
+                heads[eqn.outvars[0]] = (fqn, feat, len(shape_out) - 2, shape_out[-2])
+            continue
+        if name in ("split", "slice") and eqn.invars[0] in heads:
+            fqn, feat, ax, n_heads = heads[eqn.invars[0]]
+            shape = eqn.invars[0].aval.shape
+            if (eqn.params["axis"] == ax if name == "split" else
+                    (eqn.params["start_indices"][ax], eqn.params["limit_indices"][ax]) != (0, shape[ax])):
+                found.setdefault(fqn, (feat, n_heads))
+            continue
+        for sub in _sub_jaxprs(eqn):
+            inner_o, inner_h = {}, {}
+            if len(sub.invars) >= len(eqn.invars):
+                for outer_v, inner_v in zip(eqn.invars, sub.invars[-len(eqn.invars):]):
+                    if not hasattr(outer_v, "val"):
+                        if outer_v in origin:
+                            inner_o[inner_v] = origin[outer_v]
+                        if outer_v in heads:
+                            inner_h[inner_v] = heads[outer_v]
+            sliced_heads(sub, inner_o, inner_h, found)
+        if name in _PASS:
+            for v in eqn.outvars:
+                if src and getattr(v.aval, "shape", ())[-1:] == (src[0][1],):
+                    origin[v] = src[0]
+                if hsrc and getattr(v.aval, "shape", ()) == eqn.invars[0].aval.shape:
+                    heads[v] = hsrc[0]
     return found
 
 

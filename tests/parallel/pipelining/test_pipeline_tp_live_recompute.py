@@ -59,3 +59,21 @@ def test_live_recompute_of_a_units_last_tp_call_is_counted(shape, names):
         losses.append(float(m["loss"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
     assert_trees_close(unshard_params(pm, state), ref.params)
+
+
+def test_a_fused_qkv_sliced_into_heads_under_cp_and_tp_in_the_stages_is_refused_before_compiling():
+    """The decoder's own attention with a fused ``qkv`` (cut over tp, then split into q, k, v along the heads) on
+    pp=2 x cp=2 x tp=2: GSPMD lays out each piece with collective-permutes across the heads, and the step hung at run
+    time on XLA:CPU (4 of 8 devices at the rendezvous). Refused when the step is built, naming the projection, the
+    mesh dims and the fix."""
+    mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "cp", "tp"))
+    plan = {"blocks.*.attn.qkv": ColwiseParallel(), "blocks.*.attn.out": RowwiseParallel()}
+    pm = pipeline(parallelize_module(_Decoder(nnx.Rngs(0)), mesh["tp"], plan), mesh["pp"], units="blocks.*",
+                  num_microbatches=2)
+    opt = optax.sgd(0.1)
+    state = init_train_state(pm, opt)
+    step = make_train_step(pm, _ce, opt)
+    with pytest.raises(ValueError, match=r"unit 'blocks/0' cuts 'blocks\.0\.attn\.qkv' \(ColwiseParallel\) over tp=2 "
+                                         r"and then slices its 6 heads .*cp=2 and tp=2 both in the stages.*separate q, k "
+                                         r"and v projections.*leave 'cp' or 'tp' out of the stages"):
+        step(state, _batches())
