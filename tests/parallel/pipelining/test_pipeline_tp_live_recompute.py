@@ -3,7 +3,11 @@ then ``x + gelu(mlp(x))``, its attention's q, k, v column-parallel and ``out`` r
 On a stage that is not the last, the backward's recompute of ``attn.out``'s reduction feeds the mlp's backward (its
 input ``x``), so it is live: the table counts it (``_comm.tp_terms`` reads which recomputed reductions a unit's
 backward drops from the unit's own vjp, ``_tp.dead_recompute``). Before, the table took every unit's last tp call as
-dead there and counted 2 psums (4,096 B) fewer than the compiled step held, with cp or without."""
+dead there and counted 2 psums (4,096 B) fewer than the compiled step held, with cp or without: all-reduce 21 buffers
+(40,032 B) against 19 (35,936 B) at pp=2, tp=2; 41 (48,160 B) against 39 (44,064 B) at pp=2, cp=2, tp=2. Now equal,
+and 3 SGD steps equal one device's within 1e-5.
+
+Also: a fused ``qkv`` sliced into q, k, v along its heads under cp x tp in the stages, refused before compiling."""
 
 import numpy as np
 import optax
