@@ -180,13 +180,13 @@ class _LayoutStep(TrainStep):
 
     def lower(self, state: TrainState, batch: Any):
         """The jitted step lowered for ``(state, batch)`` (``.compile().as_text()``: its HLO)."""
-        built, batch = self._build(state.plan), _as_arrays(batch)
+        built, batch = self._build(state.plan), self._checked(state, batch)
         built.prepare(state, batch)
         return built.jitted.lower(state, batch)
 
     def communication(self, state: TrainState, batch: Any) -> dict:
         """What one step communicates per device, analytically (``spmd.parallel.cost._comm``), before it runs."""
-        return self._build(state.plan).communication(state, _as_arrays(batch))
+        return self._build(state.plan).communication(state, self._checked(state, batch))
 
     def table(self, state: TrainState, batch: Any) -> str:
         """The plan and the step's communication, printable before anything runs."""

@@ -381,8 +381,9 @@ class LinenCall(ModuleCall):
         while len(body.path) > depth and body.parent is not None:
             body = body.parent
         bodies = hooks.__dict__.setdefault("_scan_bodies", {})
-        if scan in bodies and bodies[scan] is not body:
-            hooks.records[:] = [r for r in hooks.records if not r["module"].replace(".", "/").startswith(scan + "/")]
+        if scan in bodies and bodies[scan] is not body:  # (the cut's entry, seen in the first trace alone, kept)
+            hooks.records[:] = [r for r in hooks.records if r.get("boundary")
+                                or not r["module"].replace(".", "/").startswith(scan + "/")]
         bodies[scan] = body  # kept alive: a freed scope's id may be another's
 
 

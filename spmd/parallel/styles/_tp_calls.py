@@ -164,7 +164,8 @@ class TPCalls:
         else:
             y = self._constrained(fqn, style, typ, call, args, kwargs)
         for r in records[first:]:  # a module inside an nn.scan runs (and communicates) once per layer
-            r["calls"] = scan_of(fqn.replace(".", "/"), dict(self.plan.scans))
+            if not r.get("boundary"):  # ... but the blocks' input enters the cut once, before the loop
+                r["calls"] = scan_of(fqn.replace(".", "/"), dict(self.plan.scans))
         return y
 
     def _constrained(self, fqn, style, typ, call, args, kwargs):
@@ -424,7 +425,7 @@ class TPCalls:
             "module": fqn, "style": type(style).__name__, "type": typ, "region": False, "in_layout": None,
             "in_desired": None, "local_out": Replicate(), "out_layout": Shard(1), "in_bytes": 0,
             "out_bytes": int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize, "input_grad": False,
-            "summed_params": [], "input_id": None})
+            "summed_params": [], "input_id": None, "boundary": True})
 
     def _whole_call(self, fqn, typ, style, call, args, kwargs, params, run_local):
         """A projection whose heads are fewer than the tp size (``whole_heads``; ``spmd.parallel.step._heads``)
