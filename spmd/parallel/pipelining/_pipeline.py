@@ -161,6 +161,12 @@ class PipelineModule(Wrapped, OwnsTrainStep):
         return stack_state(self, state, optimizer)
 
 
+def _shape_key(tree: Any) -> tuple:
+    """A tree's structure and its leaves' shapes and dtypes (hashable)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
+
+
 class StageLayout:
     """The pipeline layout of one parameter tree: units (in call order), the stacked stage tree, the rest."""
 
@@ -228,7 +234,8 @@ class StageLayout:
         self.fsdp, self.n_fsdp = pm.fsdp, (pm.mesh.size(pm.fsdp) if pm.fsdp else 0)
         self._pm = pm
         self.plan = self._make_plan(pm.mesh, pm.pp)
-        self.calls = UnitCalls(self, pm.module)
+        self.calls = UnitCalls(self, pm.module)  # the unit calls of the last ``record``ed micro-batch shapes
+        self._recorded: dict[tuple, UnitCalls] = {}  # ... and of each one recorded, by ``record``'s key
         # what one unit's trace shows (``traced``): by an immutable key naming the question and what was traced
         self._traced: dict[tuple, Any] = {}
 
@@ -242,6 +249,10 @@ class StageLayout:
         return self._traced[key]
 
     # --- the stored tree ----------------------------------------------------------------------------
+    def logical(self) -> Any:
+        """The model's parameter tree as ``ShapeDtypeStruct`` leaves (what ``record`` traces with)."""
+        return jax.tree_util.tree_unflatten(self.treedef, [self.shapes[p] for p in self.paths])
+
     def stored_shapes(self) -> dict:
         n = len(self.rows)
         st = {r: jax.ShapeDtypeStruct((n, *self.unit_shapes[r].shape), self.unit_shapes[r].dtype) for r in self.rel}
@@ -334,7 +345,15 @@ class StageLayout:
         return self.calls.act
 
     def record(self, loss_fn, params, mb) -> None:
-        self.calls.record(loss_fn, params, mb)
+        """The unit calls of ``loss_fn`` on micro-batches shaped as ``mb`` made ``calls`` (their activation and side
+        arrays' shapes): traced once per loss, parameter and micro-batch shapes, each kept, so that a step built
+        for one batch shape and then another reads each build's own (its table, its lowering)."""
+        key = (loss_fn, *(_shape_key(t) for t in (params, mb)))
+        if key not in self._recorded:
+            calls = UnitCalls(self, self._pm.module)
+            calls.record(loss_fn, params, mb)
+            self._recorded[key] = calls
+        self.calls = self._recorded[key]
 
     def pre(self, loss_fn, rest, mb):
         """``(the first unit's input, the units' side arrays)``."""

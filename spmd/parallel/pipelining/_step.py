@@ -211,14 +211,16 @@ class PipelineStep(TrainStep):
 
     def _build(self, state: TrainState, batch) -> "_PipelineBuild":
         key = (state.plan, jax.tree_util.tree_structure(batch), tuple(np.shape(x) for x in jax.tree.leaves(batch)))
-        if key not in self._builds:
+        if key in self._builds:  # the layout's unit calls made this build's again (another shape's may be there)
+            b = self._builds[key]
+            b.lay.record(self._loss_fn, b.lay.logical(), b.mb)
+        else:
             pm, k = self._pm, self._accum_steps
             lay = next(lay for lay in pm._layouts.values() if lay.plan == state.plan)
             n_local = jax.tree.leaves(batch)[0].shape[0] // self._n_data
             mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
                 (n_local // (k * pm.schedule.num_microbatches), *np.shape(x)[1:]), jnp.result_type(x)), batch)
-            lay.record(self._loss_fn, jax.tree_util.tree_unflatten(lay.treedef, [lay.shapes[p] for p in lay.paths]),
-                       mb)
+            lay.record(self._loss_fn, lay.logical(), mb)
             seq = seq_batch_leaves(pm, lay, self._loss_fn, mb)
             stages: list = []
             self._builds[key] = _PipelineBuild(

@@ -192,3 +192,43 @@ def test_table_prints_tp_terms_and_per_rank_work():
     assert [t["all-gather"]["count"] for t in tp["per_rank"]] == [0, 2]
     text = make_train_step(run["pm"], _loss(run["pm"]), OPT).table(run["state"], _batch())
     assert "tp in the program: all-reduce x44" in text and "per rank: all-reduce x26 | all-reduce x18" in text
+
+
+
+def _sp_1f1b():
+    model, params = _model()
+    mesh = spmd.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pm = pipeline(parallelize_module(model, mesh["tp"], transformer_tp_plan(True)), mesh["pp"], units="block_*",
+                  num_microbatches=2, schedule="1f1b")
+    return init_train_state(pm, OPT, params=params), make_train_step(pm, _loss(pm), OPT)
+
+
+def _half(batch):
+    return {k: v[:, :T // 2] for k, v in batch.items()}
+
+
+def test_table_per_batch_shape_after_a_build_for_another():
+    """A step built for sequences of T, then of T/2, gives for T the table a fresh step gives for T alone, and for
+    T/2 a fresh step's for T/2 (half the activation): the layout's unit calls are kept per micro-batch shape (it
+    held only the last, and the T table failed on a broadcast of (8, 8, 1) with (8, 4, 1))."""
+    batch = _batch()
+    state, step = _sp_1f1b()
+    fresh = step.communication(state, batch)
+    state, step = _sp_1f1b()
+    fresh_half = step.communication(state, _half(batch))
+    state, step = _sp_1f1b()
+    step.communication(state, batch)
+    assert step.communication(state, _half(batch)) == fresh_half
+    assert step.communication(state, batch) == fresh
+    assert fresh_half["activation_bytes"] * 2 == fresh["activation_bytes"]
+
+
+@pytest.mark.slow
+def test_step_for_a_batch_shape_compiled_after_a_build_for_another_trains_as_one_device():
+    """Built (its table) for T, then for T/2, the step for T compiles on T's unit calls: its first loss is one
+    device's."""
+    state, step = _sp_1f1b()
+    step.communication(state, _batch())
+    step.communication(state, _half(_batch()))
+    _, metrics = step(state, _batch())
+    np.testing.assert_allclose(float(metrics["loss"]), _reference()[0][0], rtol=1e-5)
