@@ -373,7 +373,7 @@ def build_pipeline_step(pm, lay, loss_fn, optimizer, accum_steps: int, plan, kee
     mesh, ppd, data = pm.mesh, pm.pp, pm.data_dims
     st = _Stages(pm, lay, loss_fn, accum_steps, plan)
     st.seq_len = seq[0] if seq is not None else None
-    refuse_sliced_heads(pm, lay)  # a fused qkv's heads sliced under cp x tp: GSPMD's permutes hang, refused
+    refuse_sliced_heads(pm, lay)  # a fused qkv's heads sliced under tp: GSPMD's permutes hang, refused
     if st.seq_len and pm.mesh.size(pm.cp) > 1:  # one unit traced here, outside the region (whose mesh it would see)
         unit_gathered(pm, lay, st.seq_len), unit_rings(pm, lay, st.seq_len)
     if stages_out is not None:

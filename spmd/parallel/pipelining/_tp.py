@@ -320,9 +320,10 @@ def dropped_in_backward(pm, lay, hooks, unit, unit_context=contextlib.nullcontex
 
 def refuse_sliced_heads(pm, lay) -> None:
     """Raise ``ValueError`` where a unit slices the heads of a column-parallel projection's output (a fused ``qkv``
-    split into q, k and v) with cp and tp both in the stages: GSPMD lays each piece out with collective-permutes
-    across the heads, which at pp=2, cp=2, tp=2 hung at run time on XLA:CPU (4 of 8 devices at the rendezvous)."""
-    if pm.tp is None or not pm.cp or pm.mesh.size(pm.cp) < 2:
+    split into q, k and v) with tp in the stages: GSPMD lays each piece out with collective-permutes across the heads
+    inside the branches only some ranks run, which hung at run time on XLA:CPU (pp=2, tp=2: 16 permutes against the
+    pipeline's 4, 2 of 4 devices at the rendezvous; pp=2, cp=2, tp=2: 4 of 8)."""
+    if pm.tp is None:
         return
     from spmd.parallel.step._heads import sliced_heads
 
@@ -338,10 +339,10 @@ def refuse_sliced_heads(pm, lay) -> None:
     found = lay.traced(key, find)
     if found:
         fqn, (feat, heads) = found[0]
-        tp, n_tp, n_cp = pm.tp.tp.mesh_dim, pm.mesh.size(pm.tp.tp.mesh_dim), pm.mesh.size(pm.cp)
+        tp, n_tp = pm.tp.tp.mesh_dim, pm.mesh.size(pm.tp.tp.mesh_dim)
         raise ValueError(
             f"pipeline: unit {lay.module_of(0)!r} cuts {fqn!r} (ColwiseParallel) over {tp}={n_tp} and then slices its "
-            f"{heads} heads ({feat} features) into pieces (a fused qkv split into q, k, v), with {pm.cp}={n_cp} and "
-            f"{tp}={n_tp} both in the stages (mesh dims {pm.mesh.mesh_dim_names}): GSPMD would move heads across "
-            f"{tp!r} with collective-permutes, which hang at run time. Give the unit separate q, k and v projections "
-            f"(ColwiseParallel each), or leave {pm.cp!r} or {tp!r} out of the stages.")
+            f"{heads} heads ({feat} features) into pieces (a fused qkv split into q, k, v), with {tp!r} in the stages "
+            f"(mesh dims {pm.mesh.mesh_dim_names}): GSPMD would move heads across {tp!r} with collective-permutes in "
+            f"branches only some ranks run, which hang at run time. Give the unit separate q, k and v projections "
+            f"(ColwiseParallel each), or leave {tp!r} out of the stages.")
