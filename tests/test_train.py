@@ -617,11 +617,16 @@ def test_a_ctrl_c_during_a_step_saves_the_state_that_step_returned():
 
     log = loop.MetricLog(start=0, batch_size=32, history=[])
     stopped = []
-    with pytest.raises(KeyboardInterrupt):
-        loop.train_loop(0, start=0, steps=5, log_every=1, train_step=train_step, next_batch=lambda s: None, log=log,
-                        checkpointer=Saves(), meta=dict, on_step=None, interrupted=stopped.append)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever a worker set
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loop.train_loop(0, start=0, steps=5, log_every=1, train_step=train_step, next_batch=lambda s: None,
+                            log=log, checkpointer=Saves(), meta=dict, on_step=None, interrupted=stopped.append)
+        handler = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, outer)
     assert saved == [(2, 2)] and stopped == [2] and [h["step"] for h in log.history] == [1, 2]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler back
+    assert handler is signal.default_int_handler  # Python's own handler back
 
 
 def test_each_progress_line_carries_its_own_steps_metrics():

@@ -144,7 +144,7 @@ def test_training_equals_no_checkpointing(spec, policy):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("spec", ["fsdp=8", "dp=2,fsdp=2,tp=2"])
+@pytest.mark.parametrize("spec", ["fsdp=8", pytest.param("dp=2,fsdp=2,tp=2", marks=pytest.mark.slow)])
 def test_full_under_gradient_accumulation_trains_as_the_whole_batch(spec):
     """``accum_steps=2`` under "full" (the units gathered once, ``ActivationCheckpoint`` running them, its
     recomputation tied to the cotangent): losses, gradient norms, parameters and AdamW moments after 2 steps

@@ -72,7 +72,7 @@ def _model(net, case: str):
     return fully_shard(m, mesh=mesh["dp", "fsdp"], units=["layers_*"], reshard_after_forward=not case.endswith("-keep"))
 
 
-@pytest.mark.parametrize("case", ["dp4-tp2", "dp2-fsdp2-tp2", "dp2-fsdp2-tp2-keep", "dp2-fsdp2-tp2-dots"])
+@pytest.mark.parametrize("case", ["dp4-tp2", pytest.param("dp2-fsdp2-tp2", marks=pytest.mark.slow), pytest.param("dp2-fsdp2-tp2-keep", marks=pytest.mark.slow), pytest.param("dp2-fsdp2-tp2-dots", marks=pytest.mark.slow)])
 def test_blocks_only_sp_plan_table_is_the_hlo_and_trains_as_one_device(case):
     """2 SGD steps equal one device's within 1e-5; the table's collectives (buffers and bytes per kind) are the
     compiled step's; its activation terms hold the two boundary gathers (one activation each, ``A``) and no
@@ -125,7 +125,7 @@ def _scanned_setup():
     return net, batches, params, loss, ref_losses, ref
 
 
-@pytest.mark.parametrize("case", ["dp4-tp2", "dp2-fsdp2-tp2"])
+@pytest.mark.parametrize("case", [pytest.param("dp4-tp2", marks=pytest.mark.slow), "dp2-fsdp2-tp2"])
 def test_blocks_only_sp_plan_on_scanned_blocks_table_is_the_hlo_and_trains_as_one_device(case):
     """The same plan on the blocks as one ``nn.scan`` (``layers``): the blocks' input enters the sequence cut once,
     before the loop (its gradient all-gathered once after the loop's backward pass, not once per layer), and leaves

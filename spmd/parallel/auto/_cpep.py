@@ -184,7 +184,7 @@ def pipelined(n: int, units: tuple[str, ...], params: Any, rows: int, cps: list[
                 tp_plan = tp_plan_for(plan, False, tp) if tp > 1 else None
                 if (tp > 1 and tp_plan is None) or rows % n_data:
                     continue
-                extra, note = expert_tp(params, experts, tp) if tp_plan else ((), None)
+                extra, note = expert_tp(params, experts, tp) if tp_plan and dims.get("ep", 1) > 1 else ((), None)
                 for m in (pp, 2 * pp):
                     if (rows // n_data) % m == 0:
                         out.append(Layout(pp=pp, dp=dp, fsdp=fsdp, tp=tp, tp_plan=tp_plan and tp_plan + extra,
