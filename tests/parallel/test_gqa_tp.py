@@ -148,7 +148,7 @@ def test_a_projection_output_a_checkpoint_saves_is_still_read_into_heads():
         h = y.reshape(*y.shape[:-1], 2, 8)  # 2 heads of 8
         return jnp.einsum("bhd,bhd->", h, h)
 
-    jaxpr = jax.make_jaxpr(jax.grad(jax.checkpoint(f, policy=_saved)))(jnp.ones((16, 16)), jnp.ones((4, 16)))
+    jaxpr = jax.make_jaxpr(jax.grad(jax.checkpoint(f, policy=_saved("fsdp"))))(jnp.ones((16, 16)), jnp.ones((4, 16)))
     assert "reduce_precision" in str(jaxpr)  # between the marked output and its reshape
     assert head_splits(jaxpr.jaxpr) == {"attn.v_proj": (False, 4, 2, 16)}
 

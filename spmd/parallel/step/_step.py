@@ -167,7 +167,7 @@ class _LayoutStep(TrainStep):
             check_opt_state("train_step", self._optimizer, state.params, state.opt_state)
             if pm.tp or set(state.plan.units) - {ROOT}:
                 if is_nnx(pm.module):
-                    seen = nnx_trace_seen(pm.module, logical, lambda m: loss_fn(m, batch))
+                    seen = nnx_trace_seen(pm.module, logical, loss_fn, batch)
                 check_unscanned(state.plan, loss_fn, logical, batch, seen=seen, nnx=is_nnx(pm.module))
             self._verified.add(key)
         return batch

@@ -55,10 +55,20 @@ _REGATHERED = frozenset({"all_gather", "slice", "split", "concatenate", "convert
                          "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "copy", "copy_p"})
 
 
-def _saved(prim, *_, **params) -> bool:
-    """The ``jax.checkpoint`` policy of a re-gathering unit (see ``_REGATHERED``): the gathered parameters and
-    their casts and reshapes are not saved, every other value is (the tp collectives' results among them)."""
-    return prim.name not in _REGATHERED
+def _saved(axis: str) -> Callable:
+    """The ``jax.checkpoint`` policy of a re-gathering unit whose parameters gather over the mesh dim ``axis``
+    (see ``_REGATHERED``): the gathered parameters and their casts and reshapes are not saved, every other value
+    is: the tp collectives' results, and an all-gather over another dim (cp's sequence gather, sp's over tp),
+    an activation as torch's FSDP2 keeps it (recomputed from its saved input, XLA merged it with the forward
+    pass's gather: held all along, but a collective the table counted twice)."""
+
+    def policy(prim, *_, **params) -> bool:
+        if prim.name == "all_gather":
+            names = params.get("axis_name", ())
+            return axis not in (names if isinstance(names, (tuple, list)) else (names,))
+        return prim.name not in _REGATHERED
+
+    return policy
 
 
 @dataclass(frozen=True)
@@ -180,7 +190,7 @@ class FullyShardUnit(ParallelStyle):
         if policy is not None:  # checkpointed: what is recomputed from the unit's inputs alone waits too
             kinds |= _input_kinds(arrays)
         # the re-gather cannot run (or merge) before the cotangent
-        return _tied(hooks, jax.checkpoint(run, policy=policy or _saved), shards, arrays, kinds, REGATHER)
+        return _tied(hooks, jax.checkpoint(run, policy=policy or _saved(hooks.fsdp)), shards, arrays, kinds, REGATHER)
 
 
 def _input_kinds(arrays: Any) -> set:

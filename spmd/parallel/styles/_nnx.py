@@ -158,11 +158,12 @@ class _Seen:
         return orig(sub, *args, **kwargs)
 
 
-def nnx_trace_seen(model: Any, params: Any, run: Callable) -> dict[str, dict[str, tuple[int, ...]]]:
+def nnx_trace_seen(model: Any, params: Any, run: Callable, batch: Any = None) -> dict[str, dict[str, tuple[int, ...]]]:
     """``{param path: {module path: shape}}``: the shapes the submodules of ``model`` (with ``params``, arrays or
-    shapes) see of their parameters when ``run(m)`` calls the model abstractly (nothing runs). A block under
+    shapes) see of their parameters when ``run(m, batch)`` calls the model abstractly (nothing runs; ``batch``,
+    arrays or shapes, is traced as an argument). A block under
     ``nnx.vmap`` + ``nnx.scan`` sees one layer of parameters stored with one more axis (the layer): what
     ``spmd.parallel.plan._scan.find_stacked`` reads, as for a linen ``nn.scan``."""
     rec = _Seen()
-    jax.eval_shape(lambda p: nnx_loss(model, lambda m, _: run(m), p, None, rec), params)
+    jax.eval_shape(lambda p, b: nnx_loss(model, run, p, b, rec), params, batch)
     return rec.seen

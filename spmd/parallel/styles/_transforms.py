@@ -225,7 +225,7 @@ def stacked_of(module: Any, params: Any, example_inputs: Sequence[Any], batch_st
     if not example_inputs:
         return None
     if is_nnx(module):
-        return find_stacked(nnx_trace_seen(module, params, lambda m: m(*example_inputs)), params)
+        return find_stacked(nnx_trace_seen(module, params, lambda m, xs: m(*xs), tuple(example_inputs)), params)
     if _is_hf(module):  # a Hugging Face Flax model: its linen module called with params=
         return find_stacked(trace_seen(lambda p: module(*example_inputs, params=p), params)[1], params)
     if batch_stats is None:
