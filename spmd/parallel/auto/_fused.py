@@ -42,6 +42,7 @@ from jax import lax
 from spmd.parallel.context._attention import _grads, _group, _update
 from spmd.parallel.context._dispatch import kernel_installed
 from spmd.parallel.cost._hardware import Hardware
+from spmd.parallel.cost._loops import ON_CHIP
 
 __all__ = ["BLOCK", "flash_attention", "fused_attention", "planned_fused"]
 
@@ -86,7 +87,8 @@ def _forward(q, k, v, causal: bool, scale: float, b: int):
                       lax.dynamic_slice_in_dim(v, j * b, b, 1), _tile_mask(i, j, b, causal), scale)
         return tuple(lax.dynamic_update_slice_in_dim(x, y, i * b, 3) for x, y in zip(state, new)), None
 
-    (o, m, l), _ = lax.scan(body, init, (qi, kj))
+    with jax.named_scope(ON_CHIP):  # its tiles stay on chip: only what it slices and writes back counts
+        (o, m, l), _ = lax.scan(body, init, (qi, kj))
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     lse = jnp.where(l > 0, m_safe + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
@@ -111,7 +113,8 @@ def _backward(q, k, v, out, lse, do, causal: bool, scale: float, b: int):
         return (lax.dynamic_update_slice_in_dim(dq, gq, i * b, 1), lax.dynamic_update_slice_in_dim(dk, gk, j * b, 1),
                 lax.dynamic_update_slice_in_dim(dv, gv, j * b, 1)), None
 
-    (dq, dk, dv), _ = lax.scan(body, init, (qi, kj))
+    with jax.named_scope(ON_CHIP):
+        (dq, dk, dv), _ = lax.scan(body, init, (qi, kj))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -36,6 +36,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
 from spmd.parallel.cost._hardware import Hardware
+from spmd.parallel.cost._loops import ON_CHIP
 
 __all__ = ["HardwareRates", "mesh_group", "matmul_dtype", "dot_flops", "dot_cost", "dot_bytes", "comm_floor",
            "state_floor", "shard_bytes", "step_floor"]
@@ -69,8 +70,9 @@ def _dots(jaxpr, folded_in: frozenset = frozenset()) -> tuple[dict, dict]:
     made by a ``broadcast_in_dim`` or ``iota``, or by other operations of those and constants alone, which XLA
     may fold into the dot: ``folded_in``, the positions of ``jaxpr``'s inputs so made) and writes (its result).
     A ``scan``'s body counts its length times (as the compiled step's cost counts a loop of known trip count,
-    ``spmd.parallel.cost._loops``), another loop's body once; of a ``cond``, the branch with the least of each
-    (a bound's side)."""
+    ``spmd.parallel.cost._loops``), another loop's body once, and a fused kernel's (``ON_CHIP``) matmuls read and
+    write nothing of the device's memory (its tiles stay on chip); of a ``cond``, the branch with the least of
+    each (a bound's side)."""
     work: dict = {}
     io: dict = {}
     folded: set = {v for j, v in enumerate(jaxpr.invars) if j in folded_in}  # those vars in this jaxpr
@@ -102,7 +104,8 @@ def _dots(jaxpr, folded_in: frozenset = frozenset()) -> tuple[dict, dict]:
         if name == "scan":  # a known trip count: each trip's matmuls (XLA's cost of the compiled loop adds them)
             w, i = _dots(e.params["jaxpr"].jaxpr)
             add(work, w, e.params["length"])
-            add(io, i, e.params["length"])
+            if ON_CHIP not in str(e.source_info.name_stack):  # a fused kernel's tiles stay on chip (cost._loops)
+                add(io, i, e.params["length"])
             continue
         for sub in _subjaxprs(e.params):  # a call's inputs are the eqn's, in order (pjit, shard_map, remat)
             called = len(sub.invars) == len(e.invars)

@@ -80,7 +80,7 @@ def _cost(compiled) -> tuple[float, float]:
     c = compiled.cost_analysis()
     c = c[0] if isinstance(c, (list, tuple)) else c
     f, b = loop_extra(compiled.as_text())
-    return float(c.get("flops", 0.0)) + f, float(c.get("bytes accessed", 0.0)) + b
+    return float(c.get("flops", 0.0)) + f, max(float(c.get("bytes accessed", 0.0)) + b, 0.0)
 
 
 def _median_seconds(fn: Callable, args: tuple, rounds: int) -> float:

@@ -2,7 +2,9 @@
 prices it for a GPU (``spmd.parallel.auto._fused``): the planning kernel computes XLA's attention (values and
 gradients); its matmul flops are FlashAttention's, counted by hand (the tiles on or below the diagonal, 2
 matmuls forward and 5 backward a tile) and equal to what the search's bound reads and what XLA's compiled
-cost counts; its compiled peak holds no ``T x T`` scores where XLA's own lowering holds them."""
+cost counts; its compiled peak holds no ``T x T`` scores where XLA's own lowering holds them, and its compiled bytes are what the
+kernel moves to and from the device's memory (the tiles it reads, the accumulator tiles it updates), not every
+intermediate of a tile (the scores, their softmax) as XLA:CPU's count of the loop's body has it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 from spmd.parallel import Hardware
 from spmd.parallel.auto._fused import flash_attention, fused_attention
 from spmd.parallel.auto._priced import dot_flops
-from spmd.parallel.cost._loops import loop_extra
+from spmd.parallel.cost._loops import ON_CHIP, _Cost, loop_extra
 from spmd.parallel.cost._memory import _cost
 
 B, T, N, K, D = 2, 64, 4, 2, 8
@@ -159,3 +161,44 @@ def test_one_more_attention_layer_adds_its_saved_values_not_the_loops_accumulato
     saved = (b * t * n * d + 2 * b * t * k * d + b * t * n * d) * f32 + b * n * t * f32  # q, k, v, out, lse
     grew = [peak(3) - peak(2), peak(4) - peak(3)]
     assert max(grew) <= saved + b * t * n * d * f32 + 4096, (grew, saved)
+
+
+def _kernel_loops(text):
+    """``[(trips, (bytes a trip, bytes once), XLA:CPU's count of one trip)]`` of the ``ON_CHIP`` loops of an HLO
+    module."""
+    c = _Cost(text)
+    got = []
+    for ins in c.comps.values():
+        for _, _, op, rest in ins:
+            if op == "while" and ON_CHIP in rest:
+                body = re.search(r"body=%?([\w.\-]+)", rest)[1]
+                trips = int(re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)[1])
+                got.append((trips, c.kernel_bytes(body), c.cost(body, False)[1]))
+    return got
+
+
+@pytest.mark.parametrize("d", [32, 64])
+def test_the_kernels_bytes_are_its_tiles_not_its_intermediates(d):
+    """Float32 q = k = v [1, 2048, 4, d], 512-row tiles, causal: 10 (query tile, key tile) pairs. By hand, a
+    forward trip reads a q, k and v tile and reads and writes the output tile and the running max and sum
+    (``b x heads x (5 d + 4)`` floats); a backward trip reads q, k, v and dO tiles, the log-sum-exp and delta
+    rows, and reads and writes the dQ, dK and dV tiles (``b x heads x (10 d + 4)``). The count is that, plus at
+    most one more tile (a fusion reading a slice twice) and the loop counter, and nothing read whole once; XLA:CPU
+    counts a trip's scores and softmax too (``b x b x heads`` floats, several times: over 20x this at d 32)."""
+    b, t, h = 512, 2048, 4
+    x = jax.ShapeDtypeStruct((1, t, h, d), jnp.float32)
+    f = jax.grad(lambda q, k, v: flash_attention(q, k, v, is_causal=True).sum(), argnums=(0, 1, 2))
+    loops = _kernel_loops(jax.jit(f).lower(x, x, x).compile().as_text())
+    tile = b * h * d * 4
+    forward, backward = b * h * (5 * d + 4) * 4, b * h * (10 * d + 4) * 4
+    assert [n for n, _, _ in loops] == [10, 10]
+    got = sorted(loops, key=lambda x: x[1][0])
+    for (_, (trip, once), xla), want in zip(got, (forward, backward)):
+        assert want <= trip <= want + tile + 64 and once == 0, (trip, once, want)
+        assert xla > 20 * trip * (32 / d), (xla, trip)
+    exe = jax.jit(f).lower(x, x, x).compile()
+    total = exe.cost_analysis()
+    total = (total[0] if isinstance(total, (list, tuple)) else total)["bytes accessed"]
+    # the step's bytes: XLA's count, each kernel loop's one trip as XLA counts it replaced by its trips' traffic
+    assert _cost(exe)[1] == pytest.approx(total + sum(n * trip + once - xla for n, (trip, once), xla in loops),
+                                          rel=1e-3)
