@@ -64,6 +64,7 @@ from spmd.parallel.auto._measure import settled
 from spmd.parallel.auto._ranking import Candidate
 from spmd.parallel.cost._memory import _nbytes
 from spmd.parallel.styles._remat import offload_refusal, policy_names
+from spmd.parallel._jaxprs import all_eqns
 
 __all__ = ["CHECKPOINTING", "weighed_policies", "checked", "searched", "sharpened", "over_by_kin", "stalled", "policy_of", "check_budget", "check_floor", "parts"]
 
@@ -74,25 +75,11 @@ CHECKPOINTING = ("dots", "minimal", "offload", "save_dot_except_mlpwi", "save_do
                  "save_qkv_proj", "full")
 
 
-def _names_in(jaxpr: Any, out: set) -> set:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "name":
-            out.add(eqn.params["name"])
-        for v in eqn.params.values():
-            for j in (v if isinstance(v, (tuple, list)) else (v,)):
-                inner = getattr(j, "jaxpr", None)
-                if inner is not None and hasattr(inner, "eqns"):
-                    _names_in(inner, out)
-                elif hasattr(j, "eqns"):
-                    _names_in(j, out)
-    return out
-
-
 def weighed_policies(loss: Callable, params: Any, batch: Any, devices: list, rejected: list) -> tuple[str, ...]:
     """The ``CHECKPOINTING`` policies ``auto_layout`` weighs for this model on ``devices``: a named one (MaxText's
     ``save_*``) where the model's loss names (``checkpoint_name``) one of its tensors at least, ``"offload"`` where
     ``offload_refusal`` has nothing against the devices; each left out goes to ``rejected`` with the reason."""
-    names = _names_in(jax.make_jaxpr(loss)(params, batch).jaxpr, set())
+    names = {e.params["name"] for e in all_eqns(jax.make_jaxpr(loss)(params, batch).jaxpr) if e.primitive.name == "name"}
     out = []
     for p in CHECKPOINTING:
         if policy_names(p) and not names & set(policy_names(p)):

@@ -33,9 +33,10 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Var
+from jax.extend.core import Var
 
 from spmd.parallel.cost._hardware import Hardware
+from spmd.parallel._jaxprs import sub_jaxprs
 from spmd.parallel.cost._loops import ON_CHIP
 
 __all__ = ["HardwareRates", "mesh_group", "matmul_dtype", "dot_flops", "dot_cost", "dot_bytes", "comm_floor",
@@ -53,15 +54,6 @@ def mesh_group(mesh_dims: Sequence[tuple[str, int]], names: Sequence[str]) -> tu
         return 1, 1
     inner = max(order.index(n) for n in present)
     return math.prod(sizes[n] for n in present), math.prod(s for _, s in mesh_dims[inner + 1:])
-
-
-def _subjaxprs(params: dict):
-    for v in params.values():
-        for x in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(x, ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, Jaxpr):
-                yield x
 
 
 def _dots(jaxpr, folded_in: frozenset = frozenset()) -> tuple[dict, dict]:
@@ -83,7 +75,7 @@ def _dots(jaxpr, folded_in: frozenset = frozenset()) -> tuple[dict, dict]:
 
     for e in jaxpr.eqns:
         name = e.primitive.name
-        if name in ("broadcast_in_dim", "iota") or (name != "dot_general" and not any(_subjaxprs(e.params)) and all(
+        if name in ("broadcast_in_dim", "iota") or (name != "dot_general" and not sub_jaxprs(e) and all(
                 not isinstance(v, Var) or v in folded for v in e.invars)):  # made of those and constants alone
             folded.update(e.outvars)
         if name == "dot_general":
@@ -107,7 +99,7 @@ def _dots(jaxpr, folded_in: frozenset = frozenset()) -> tuple[dict, dict]:
             if ON_CHIP not in str(e.source_info.name_stack):  # a fused kernel's tiles stay on chip (cost._loops)
                 add(io, i, e.params["length"])
             continue
-        for sub in _subjaxprs(e.params):  # a call's inputs are the eqn's, in order (pjit, shard_map, remat)
+        for sub in sub_jaxprs(e):  # a call's inputs are the eqn's, in order (pjit, shard_map, remat)
             called = len(sub.invars) == len(e.invars)
             w, i = _dots(sub, frozenset(j for j, v in enumerate(e.invars)
                                         if called and isinstance(v, Var) and v in folded))

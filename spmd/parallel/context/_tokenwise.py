@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from spmd.parallel.context._moves import gather_seq
+from spmd.parallel._jaxprs import sub_jaxprs
 
 __all__ = ["run_on_cut", "token_wise"]
 
@@ -28,17 +29,6 @@ _ELEMENTWISE = {
     "rem", "round", "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan",
     "tanh", "xor"}
 _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin"}
-
-
-def _subs(eqn) -> list:
-    """The sub-jaxprs taking the equation's operands one for one (a jit, a custom_jvp / custom_vjp call, a remat)."""
-    out = []
-    for v in eqn.params.values():
-        for j in (v if isinstance(v, (tuple, list)) else (v,)):
-            inner = getattr(j, "jaxpr", j)
-            if hasattr(inner, "eqns") and hasattr(inner, "invars") and len(inner.invars) == len(eqn.invars):
-                out.append(inner)
-    return out
 
 
 def _out_axis(eqn, axes: list) -> int | None | bool:
@@ -101,7 +91,7 @@ def _walk(jx: Any, ins: list) -> list | bool:
     axis: dict[int, int] = {id(v): a for v, a in zip(jx.invars, ins) if a is not None}
     for eqn in jx.eqns:
         axes = [None if hasattr(v, "val") else axis.get(id(v)) for v in eqn.invars]
-        subs = _subs(eqn)
+        subs = sub_jaxprs(eqn, called=True)
         if subs and any(a is not None for a in axes):
             outs = _walk(subs[0], axes)
             if outs is False or len(outs) != len(eqn.outvars):

@@ -22,6 +22,7 @@ import math
 from typing import Any, Callable
 
 import jax
+from spmd.parallel._jaxprs import sub_jaxprs
 
 __all__ = ["InBatch"]
 
@@ -37,11 +38,8 @@ def _sig(jaxpr, times: float, acc: list) -> None:
             acc[2] += times * 2.0 * math.prod(e.invars[0].aval.shape[d] for d in lc) * math.prod(
                 e.outvars[0].aval.shape)
         n = times * (e.params.get("length", 1) if e.primitive.name == "scan" else 1)
-        for v in e.params.values():
-            for j in (v if isinstance(v, (tuple, list)) else (v,)):
-                inner = getattr(j, "jaxpr", j)
-                if hasattr(inner, "eqns"):
-                    _sig(inner, n, acc)
+        for inner in sub_jaxprs(e):
+            _sig(inner, n, acc)
 
 
 class InBatch:

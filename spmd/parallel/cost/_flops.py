@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import jax
+from spmd.parallel._jaxprs import sub_jaxprs
 
 __all__ = ["param_matmul_flops"]
 
@@ -48,12 +49,10 @@ def _walk(jaxpr, origin: dict, flops: dict, times: float) -> None:
                 flops[i] = flops.get(i, 0.0) + f
         elif any(i is not None for i in src):
             n = times * (eqn.params.get("length", 1) if name == "scan" else 1)
-            for v in eqn.params.values():
-                for j in (v if isinstance(v, (tuple, list)) else (v,)):
-                    inner = getattr(j, "jaxpr", j)
-                    if hasattr(inner, "eqns") and len(inner.invars) == len(src):
-                        _walk(inner, {w: i for w, i in zip(inner.invars, src) if i is not None}, flops, n)
-                        break
+            for inner in sub_jaxprs(eqn):
+                if len(inner.invars) == len(src):
+                    _walk(inner, {w: i for w, i in zip(inner.invars, src) if i is not None}, flops, n)
+                    break
 
 
 def param_matmul_flops(loss, params: Any, batch: Any) -> list[float]:

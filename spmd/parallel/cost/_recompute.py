@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from spmd.parallel._jaxprs import sub_jaxprs
 from spmd.parallel.styles._fully_shard import REGATHER
 
 __all__ = ["recomputed_collectives", "dead_gathers", "regathered", "RECOMPUTED", "SYNC_BN", "EXTRA"]
@@ -112,16 +113,13 @@ def recomputed_collectives(closed: Any, sizes: Mapping[str, int], scope: str | N
                                 t.setdefault(kind, {"count": 0, "bytes": 0})
                                 t[kind]["count"] += n
                                 t[kind]["bytes"] += n * _nbytes(a) // cut
-            for p in eqn.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-                    if inner is not None and hasattr(inner, "eqns"):
-                        inner_source = dict(source)  # a call's parameters are the values it is called on
-                        if len(inner.invars) == len(eqn.invars):
-                            inner_source.update({id(iv): source.get(id(ov), id(ov))
-                                                 for iv, ov in zip(inner.invars, eqn.invars)})
-                        walk(inner, here, n, inner_source, manual | frozenset(
-                            eqn.params.get("newly_manual_axes", ()) if eqn.primitive.name == "shard_map" else ()))
+            for inner in sub_jaxprs(eqn):
+                inner_source = dict(source)  # a call's parameters are the values it is called on
+                if len(inner.invars) == len(eqn.invars):
+                    inner_source.update({id(iv): source.get(id(ov), id(ov))
+                                         for iv, ov in zip(inner.invars, eqn.invars)})
+                walk(inner, here, n, inner_source, manual | frozenset(
+                    eqn.params.get("newly_manual_axes", ()) if eqn.primitive.name == "shard_map" else ()))
 
     from jax.interpreters import partial_eval as pe
 
@@ -150,11 +148,8 @@ def dead_gathers(closed: Any, axis: str) -> dict:
                         RECOMPUTED not in path and REGATHER not in path):
                     out[0] += n
                     out[1] += n * sum(_nbytes(v.aval) for v in eqn.outvars)
-            for p in eqn.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-                    if inner is not None and hasattr(inner, "eqns"):
-                        count(inner, here, n, out)
+            for inner in sub_jaxprs(eqn):
+                count(inner, here, n, out)
 
     every, live = [0, 0], [0, 0]
     count(closed.jaxpr, (), 1, every)

@@ -286,14 +286,14 @@ def segment_records(pm, lay, loss_fn, mb, unit_context=contextlib.nullcontext) -
 
 def _tp_collectives(jaxpr, axis: str) -> int:
     """How many collectives over ``axis`` ``jaxpr`` holds (its sub-jaxprs' too: the styled calls' regions)."""
-    from spmd.parallel.step._heads import _sub_jaxprs
+    from spmd.parallel._jaxprs import sub_jaxprs
 
     n = 0
     for e in jaxpr.eqns:
         names = e.params.get("axes", e.params.get("axis_name"))
         names = names if isinstance(names, (tuple, list)) else (names,)
         n += axis in names and e.primitive.name not in ("axis_index", "pbroadcast")
-        n += sum(_tp_collectives(sub, axis) for sub in _sub_jaxprs(e))
+        n += sum(_tp_collectives(sub, axis) for sub in sub_jaxprs(e))
     return n
 
 

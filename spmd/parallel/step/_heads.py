@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd.parallel.styles._hooks import COLWISE_MARK, WHOLE_MARK
+from spmd.parallel._jaxprs import sub_jaxprs
 
 __all__ = ["head_splits", "sliced_heads", "whole_over_tp", "check_head_cuts", "check_whole_sequence", "positional_params",
            "whole_sequence_products", "dot_params", "lookup_cotangents", "side_params"]
@@ -35,16 +36,6 @@ __all__ = ["head_splits", "sliced_heads", "whole_over_tp", "check_head_cuts", "c
 _PASS = {"convert_element_type", "add", "sub", "mul", "div", "neg", "copy", "copy_p", "tanh", "logistic",
          "exp", "max", "min", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "select_n", "pjit", "name",
          "reduce_precision"}
-
-
-def _sub_jaxprs(eqn) -> list:
-    out = []
-    for v in eqn.params.values():
-        for j in (v if isinstance(v, (tuple, list)) else (v,)):
-            inner = getattr(j, "jaxpr", j)
-            if hasattr(inner, "eqns") and hasattr(inner, "invars"):
-                out.append(inner)
-    return out
 
 
 def head_splits(jaxpr: Any, origin: dict | None = None, found: dict | None = None) -> dict:
@@ -68,7 +59,7 @@ def head_splits(jaxpr: Any, origin: dict | None = None, found: dict | None = Non
                     and shape_out[-2] * shape_out[-1] == feat):
                 found.setdefault(fqn, (cut, n, shape_out[-2], feat))
             continue
-        subs = _sub_jaxprs(eqn)
+        subs = sub_jaxprs(eqn)
         if subs and src:
             for sub in subs:
                 inner = {}
@@ -115,7 +106,7 @@ def sliced_heads(jaxpr: Any, origin: dict | None = None, heads: dict | None = No
                     (eqn.params["start_indices"][ax], eqn.params["limit_indices"][ax]) != (0, shape[ax])):
                 found.setdefault(fqn, (feat, n_heads))
             continue
-        for sub in _sub_jaxprs(eqn):
+        for sub in sub_jaxprs(eqn):
             inner_o, inner_h = {}, {}
             if len(sub.invars) >= len(eqn.invars):
                 for outer_v, inner_v in zip(eqn.invars, sub.invars[-len(eqn.invars):]):
@@ -187,7 +178,7 @@ def whole_sequence_products(jaxpr: Any, seq_len: int, scope: str = "") -> list[t
         stack = f"{scope}/{eqn.source_info.name_stack}"
         if eqn.primitive.name == "dot_general" and _pairs_positions(eqn, seq_len):
             out.append((tuple(eqn.outvars[0].aval.shape), stack))
-        for sub in _sub_jaxprs(eqn):
+        for sub in sub_jaxprs(eqn):
             out.extend(whole_sequence_products(sub, seq_len, stack))
     return out
 
@@ -215,7 +206,7 @@ _ALONG = {"slice", "dynamic_slice", "reshape", "broadcast_in_dim", "convert_elem
 
 def _sub_invars(eqn) -> list:
     """``(sub-jaxpr, its invars)`` where a sub-jaxpr takes the equation's operands one for one."""
-    return [(sub, sub.invars) for sub in _sub_jaxprs(eqn) if len(sub.invars) == len(eqn.invars)]
+    return [(sub, sub.invars) for sub in sub_jaxprs(eqn, called=True)]
 
 
 def positional_params(jaxpr: Any, invars: Any, seq_len: int) -> set[int]:
@@ -293,7 +284,7 @@ def lookup_cotangents(jaxpr: Any, scopes: Callable[[str], list]) -> dict[str, in
                 if len(cts) == 1:
                     out[scopes(stack)[-1]] = id(cts[0])
                 continue
-            for sub in _sub_jaxprs(eqn):
+            for sub in sub_jaxprs(eqn):
                 walk(sub)
 
     walk(jaxpr)

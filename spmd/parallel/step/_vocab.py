@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from spmd.parallel.step._heads import _sub_jaxprs
+from spmd.parallel._jaxprs import sub_jaxprs
 from spmd.parallel.styles._tp_calls import COLWISE_MARK
 
 __all__ = ["check_vocab_gathers", "vocab_reductions", "vocab_terms"]
@@ -58,7 +58,7 @@ def _walk(jaxpr: Any, tp_axis: str, found: list, cut: dict, calls: int) -> None:
         if name == "shard_map" and tp_axis in set(eqn.params.get("axis_names", ()) or ()):
             continue  # a style's region: its collectives are its own rows
         ins = [v for v in eqn.invars if not hasattr(v, "val") and v in cut]
-        subs = _sub_jaxprs(eqn)
+        subs = sub_jaxprs(eqn)
         if subs:
             n = calls * int(eqn.params.get("length", 1)) if name == "scan" else calls
             for sub in subs:
