@@ -118,15 +118,23 @@ class _Cost:
             out = _bytes(itypes.get(rops[1], "")) if len(rops) > 1 else out
         total = out
         for i, o in enumerate(ops):
-            p = params.get(i)
-            users = [(u, uo, ur) for u, ut, uo, ur in inner if p is not None and p in _operands(ur)]
-            if users and all(uo in ("dynamic-slice", "slice") for _, uo, _ in users):
-                total += sum(_bytes(itypes.get(u, "")) for u, _, _ in users)
-            elif users and all(uo == "dynamic-update-slice" and _operands(ur)[0] == p for _, uo, ur in users):
-                continue
-            else:
-                total += _bytes(types.get(o, ""))
+            part = self._param_read(called, params.get(i))
+            total += _bytes(types.get(o, "")) if part is None else part
         return total
+
+    def _param_read(self, called: str, p: str | None, mixed: bool = False) -> float | None:
+        """Bytes a fusion (computation ``called``) reads of its parameter ``p``: of one only sliced, the slices;
+        of one only updated in place (a ``dynamic-update-slice``'s buffer), none (the update is the output's); with
+        ``mixed``, of one both sliced and updated in place (a tile read, changed and written back), the slices;
+        else None (read whole)."""
+        inner, itypes = self.comps.get(called, []), self.types.get(called, {})
+        users = [(u, uo, ur) for u, _, uo, ur in inner if p is not None and p in _operands(ur)]
+        sliced = [uo in ("dynamic-slice", "slice") for _, uo, _ in users]
+        updated = [uo == "dynamic-update-slice" and _operands(ur)[0] == p for _, uo, ur in users]
+        if not users or not all(a or b for a, b in zip(sliced, updated)) or (any(sliced) and any(updated)
+                                                                              and not mixed):
+            return None
+        return float(sum(_bytes(itypes.get(u, "")) for (u, _, _), a in zip(users, sliced) if a))
 
     def kernel_bytes(self, body: str) -> tuple[float, float]:
         """``(per trip, once)``: the bytes an ``ON_CHIP`` loop's ``body`` moves to and from the device's memory
@@ -172,15 +180,12 @@ class _Cost:
             params = {int(m[1]): n for n, _, o, r in inner if o == "parameter" and (m := re.match(r"(\d+)\)", r))}
             itypes = self.types.get(called, {})
             for i, o in enumerate(ops):
-                if o not in index:
-                    continue
-                p = params.get(i)
-                users = [(u, uo, ur) for u, _, uo, ur in inner if p is not None and p in _operands(ur)]
-                if users and all(uo in ("dynamic-slice", "slice")
-                                 or (uo == "dynamic-update-slice" and _operands(ur)[0] == p) for _, uo, ur in users):
-                    trip += sum(_bytes(itypes.get(u, "")) for u, uo, _ in users if uo != "dynamic-update-slice")
-                else:  # read whole
-                    read(o, _bytes(types.get(o, "")))
+                if o in index:
+                    part = self._param_read(called, params.get(i), mixed=True)
+                    if part is None:  # read whole
+                        read(o, _bytes(types.get(o, "")))
+                    else:
+                        trip += part
             if name in written:
                 last = inner[-1] if inner else None
                 rops = _operands(last[3]) if last is not None and last[2] == "dynamic-update-slice" else []
@@ -228,13 +233,12 @@ class _Cost:
                 n = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
                 f, b = self.cost(body[0], unrolled, top) if body else (0.0, 0.0)
                 times = int(n[1]) if (n and unrolled) else 1
+                flops += times * f
                 if unrolled and body and ON_CHIP in rest and top:  # a fused kernel's loop: its tiles on chip
                     trip, once = self.kernel_bytes(body[0])
-                    flops += times * f
                     nbytes += times * trip + once
-                    continue
-                flops += times * f
-                nbytes += times * b if top else 0.0
+                else:
+                    nbytes += times * b if top else 0.0
         self.memo[key] = (flops, nbytes)
         return flops, nbytes
 
