@@ -85,8 +85,9 @@ from spmd.parallel.cost._compute_cost import (compute_cost, optimizer_compute_s,
                                          update_seconds)
 from spmd.parallel.cost._memory import Profile, _nbytes, memory_floor
 from spmd.parallel.auto._fused import planned_fused
+from spmd.parallel.auto._arguments import check_batch_cut, check_batch_rows, check_precisions
 from spmd.parallel.auto._priced import (HardwareRates, _dots, comm_floor, dot_bytes, dot_cost, matmul_dtype, mesh_group,
-                                       shard_bytes, state_floor, step_floor)
+                                       shard_bytes, state_floor, step_floor, tp_floor, tp_traffic)
 from spmd.parallel.auto._progress import _bar, measuring, now
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
@@ -244,7 +245,7 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     where = "auto_layout"
     devices = devices_of(devices, where)
     batch = _abstract(example_batch)
-    _check_batch_cut(batch, layout, where)
+    check_batch_cut(batch, layout, where)
     cal = calibration if calibration is not None else calibrate(devices)
     params = _params_of(model, batch, params, where)
     laid, mesh = apply_layout(model, devices, layout)
@@ -371,39 +372,6 @@ def _anchor(profile: Profile, batch: Any, micro: Any, devices: list, cal: Calibr
     return got / est if est > 0 and got > 0 else 1.0
 
 
-def _check_batch_cut(batch: Any, layout: Layout, where: str) -> None:
-    """A weight-stationary layout cuts each micro-batch of a data replica over ``tp`` on the batch."""
-    if not layout.weight_stationary:
-        return
-    b = jax.tree.leaves(batch)[0].shape[0]
-    per = layout.dp * layout.fsdp * layout.accum_steps
-    if b % per or (b // per) % layout.tp:
-        raise ValueError(f"{where}: layout {layout.name!r} cuts each micro-batch of a data replica (batch {b} / "
-                         f"(dp x fsdp x accum_steps = {per})) over tp={layout.tp} on the batch, which does not "
-                         f"divide it; use a batch that is a multiple of {per * layout.tp}.")
-
-
-def _check_batch_rows(batch: Any, loss_fn: Any, where: str) -> None:
-    """The example batch as the candidates read it: every leaf cut on its leading (batch) dim, the same in
-    all; without ``loss_fn`` a dict with the default loss's ``inputs`` and ``targets``."""
-    leaves = jax.tree_util.tree_leaves_with_path(batch)
-    if not leaves:
-        raise ValueError(f"{where}: example_batch holds no arrays; give a pytree of [batch, ...] arrays.")
-    p0, x0 = leaves[0]
-    for p, x in leaves:
-        if len(x0.shape) == 0 or len(x.shape) == 0 or x.shape[0] != x0.shape[0]:
-            raise ValueError(
-                f"{where}: example_batch{jax.tree_util.keystr(p)} has shape {tuple(x.shape)} and example_batch"
-                f"{jax.tree_util.keystr(p0)} {tuple(x0.shape)}; every layout cuts each batch leaf along its leading "
-                "(batch) dim, so each needs one, the same in all: give per-example arrays (broadcast a shared one "
-                "inside loss_fn).")
-    if loss_fn is None and not (isinstance(batch, Mapping) and "inputs" in batch and "targets" in batch):
-        got = sorted(map(str, batch)) if isinstance(batch, Mapping) else type(batch).__name__
-        raise ValueError(f"{where}: loss_fn=None takes the default loss, next-token cross-entropy of "
-                         f"model(batch['inputs']) against batch['targets'], but example_batch has {got!r}; pass "
-                         "loss_fn=(params, batch) -> loss (an nnx model: (model, batch) -> loss) for this batch.")
-
-
 def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
     if params is not None:
         return _abstract(params)
@@ -417,29 +385,21 @@ def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
     return jax.eval_shape(lambda r, x: model.init(r, x)["params"], jax.random.key(0), batch["inputs"])
 
 
-def _dot_work_at(depth: Any, slices: dict | None, loss: Callable, params: Any, batch: Any) -> tuple[float, dict]:
-    """The model's matmul flops and elements per dtype read and written (``_priced.dot_cost``) of the loss and its
-    gradient on the whole batch on one device; with ``depth=``, read on the sliced models and carried to the
-    depth (exact: each block adds the same matmuls)."""
+def _read_at(slices: dict | None, loss: Callable, params: Any, batch: Any, read: Callable) -> Any:
+    """``read(loss, params, batch)`` (a tuple of numbers and dicts of them) of the loss and its gradient on the
+    whole batch on one device; with ``depth=``, read on the sliced models and carried to the depth (exact: each
+    block adds the same matmuls)."""
     if slices is None:
-        return dot_cost(loss, params, batch)
-    (f1, e1), (f2, e2) = (dot_cost(default_loss(m), p, batch) for m, p, _ in slices["at"])
-    keys = set(e1) | set(e2)
-    return carried(f1, f2, slices["blocks"], slices["depths"][0]), carried(
-        {k: e1.get(k, 0) for k in keys}, {k: e2.get(k, 0) for k in keys}, slices["blocks"], slices["depths"][0])
+        return read(loss, params, batch)
+    lo, hi = (read(default_loss(m), p, batch) for m, p, _ in slices["at"])
 
+    def carry(a: Any, b: Any) -> Any:
+        if isinstance(a, dict):
+            keys = set(a) | set(b)
+            a, b = {k: a.get(k, 0) for k in keys}, {k: b.get(k, 0) for k in keys}
+        return carried(a, b, slices["blocks"], slices["depths"][0])
 
-def _check_precisions(mixed_precision: Any, where: str) -> tuple[str, ...]:
-    """``mixed_precision=``: the compute dtypes weighed beside the parameters' own (a name or a sequence)."""
-    got = (mixed_precision,) if isinstance(mixed_precision, str) else mixed_precision
-    try:
-        got = tuple(got)
-        for p in got:
-            Layout(fsdp=2, units=("u",), mixed_precision=p)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}: mixed_precision={mixed_precision!r} must be a floating dtype's name or a sequence "
-                         "of them, e.g. 'bfloat16' (the FSDP layouts are weighed computing in it too) or ().") from None
-    return got
+    return tuple(carry(a, b) for a, b in zip(lo, hi))
 
 
 def _slices(depth: Any, loss_fn: Any, units: tuple, params: Any, batch: Any, optimizer: Any, where: str
@@ -592,7 +552,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
     check_budget(memory_budget_bytes, where)
     devices = devices_of(mesh_shape_or_devices, where)
     batch = _abstract(example_batch)
-    _check_batch_rows(batch, loss_fn, where)
+    check_batch_rows(batch, loss_fn, where)
     params = _params_of(model, batch, params, where)
     if memory_budget_bytes is not None:  # refused at once below what any layout's state needs, nothing compiled
         check_floor(params, optimizer, len(devices), memory_budget_bytes, where)
@@ -616,7 +576,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
         raise ValueError(f"{where}: accum_steps={accum_steps!r} must be an int >= 1 (the least gradient "
                          "accumulation of every candidate).")
     rows = jax.tree.leaves(batch)[0].shape[0]
-    precisions = _check_precisions(mixed_precision, where)
+    precisions = check_precisions(mixed_precision, where)
     # a scanned stack's layers are the pipeline's units (its stages slices of the layer axis)
     stack = scanned_stack(model, params, _example_inputs(model, batch, 2)) if layouts is None else None
     pp_units, layers = ((stack[0],), stack[1]) if stack and units in ((), (stack[0],)) else (units, None)
@@ -735,7 +695,7 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
                 bar, "timing the optimizer update of " + c.name, 0))
         bar.close()
     else:  # best-first: traced and compiled in the order of their bounds (_budget.searched)
-        work, io = _dot_work_at(depth, slices, loss, params, batch)
+        work, io = _read_at(slices, loss, params, batch, dot_cost)
 
         def bound_compute(lay: Layout) -> float:  # a lower bound on its compute: its share of the model's matmuls'
             if lay.pp > 1:  # flops and bytes, its update's bytes (_priced.step_floor)
@@ -743,10 +703,15 @@ def auto_layout(model: Any, optimizer: Any, example_batch: Any, mesh_shape_or_de
             return step_floor(cal.hardware, _rated(cal, lay.mixed_precision or cal.dtype), work / lay.size,
                               dot_bytes(io, lay.mixed_precision) / lay.size, state_floor(lay, params, optimizer))
 
+        traffic: dict = {}  # each tp plan's activation traffic over tp (_priced.tp_traffic), read once
+
         def bound(lay: Layout) -> float:  # a lower bound on its compiled time: its compute's and its gradients'
-            if lay.pp > 1:  # reduction (and FSDP's gathers) at the least bytes
+            if lay.pp > 1:  # reduction (and FSDP's gathers) at the least bytes, its activations' over tp
                 return 0.0
-            return bound_compute(lay) + comm_floor(lay, cal.hardware, params)
+            if lay.tp > 1 and lay.tp_plan not in traffic:
+                traffic[lay.tp_plan] = _read_at(slices, loss, params, batch, lambda *a: tp_traffic(*a, lay.tp_plan))
+            return (bound_compute(lay) + comm_floor(lay, cal.hardware, params)
+                    + (tp_floor(lay, cal.hardware, traffic[lay.tp_plan]) if lay.tp > 1 else 0.0))
 
         bar2 = _bar(None, "auto_layout: compiling")
         got, _ = searched(

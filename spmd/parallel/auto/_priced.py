@@ -18,7 +18,8 @@
   time is at least ``step_floor`` (its matmul flops at the peak rate, or the bytes its matmuls read and write
   plus its state's, read and written once by the update, over the memory bandwidth, whichever is more) plus
   its communication: before any trace, the one-device gradient's matmuls (``dot_cost``) split over all the
-  devices, ``state_floor`` and ``comm_floor``; once traced, the traced step's own matmuls (per device, what it
+  devices, ``state_floor``, ``comm_floor`` and, under ``tp``, ``tp_floor`` (the collectives the plan's cut
+  parameters force on the activations, read off the same gradient: ``tp_traffic``); once traced, the traced step's own matmuls (per device, what it
   recomputes and replicates included), its own shards (``shard_bytes``) and its own table, priced exactly as
   the compiled candidate's is.
 - **dtype**: the matmuls' (``dot_general``) input dtype weighted by their flops in the loss's jaxpr
@@ -38,9 +39,11 @@ from jax.extend.core import Var
 from spmd.parallel.cost._hardware import Hardware
 from spmd.parallel._jaxprs import sub_jaxprs
 from spmd.parallel.cost._loops import ON_CHIP
+from spmd.parallel.plan._param_plan import path_str
+from spmd.parallel.styles._transforms import TPSpec, tp_placements
 
 __all__ = ["HardwareRates", "mesh_group", "matmul_dtype", "dot_flops", "dot_cost", "dot_bytes", "comm_floor",
-           "state_floor", "shard_bytes", "step_floor"]
+           "tp_traffic", "tp_floor", "state_floor", "shard_bytes", "step_floor"]
 
 
 def mesh_group(mesh_dims: Sequence[tuple[str, int]], names: Sequence[str]) -> tuple[int, int]:
@@ -159,9 +162,10 @@ def comm_floor(layout: Any, hardware: Any, params: Any) -> float:
     reduce-scattered; ``dp`` alone: all-reduced), and under FSDP the parameters are all-gathered at least once,
     in the compute dtype. Every parameter is taken as cut over ``tp`` (the plan cuts some, the rest are whole
     on each device: fewer bytes than any layout moves), each kind as one collective of its total bytes (one
-    link latency, not one a collective). 0 where the layout's data dims are not ``dp`` x ``fsdp`` alone
-    (pipelines, cp, ep, weight-stationary tp)."""
-    if layout.pp > 1 or layout.cp > 1 or layout.ep > 1 or layout.weight_stationary or layout.n_data < 2:
+    link latency, not one a collective). The weight-stationary layout's parameters too: they stay cut over
+    ``tp`` (its batch cut over ``tp`` moves activations, ``tp_floor``). 0 where the layout's data dims are not
+    ``dp`` x ``fsdp`` alone (pipelines, cp, ep)."""
+    if layout.pp > 1 or layout.cp > 1 or layout.ep > 1 or layout.n_data < 2:
         return 0.0
     leaves = [x for x in jax.tree.leaves(params) if np.issubdtype(x.dtype, np.floating)]
     grads = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves) / layout.tp
@@ -176,6 +180,78 @@ def comm_floor(layout: Any, hardware: Any, params: Any) -> float:
     if layout.dp > 1:
         t += hardware.collective_s("all-reduce", grads, *mesh_group(dims, ("dp",)))
     return t
+
+
+def tp_traffic(loss: Any, params: Any, batch: Any, plan: Sequence) -> tuple[dict, dict]:
+    """``(reduced, gathered)``: per dtype, the elements (the whole batch, one device) that tensor parallelism by
+    ``plan`` (``(fqn glob, style)`` pairs) must move over ``tp`` in the loss's gradient, read off its jaxpr
+    (abstract inputs). A ``dot_general`` that reads a parameter the plan cuts (``tp_placements``; through dtype
+    casts and transposes) and contracts its cut dim sums partial products: its result is reduced over ``tp`` (a row-parallel
+    layer's output forward, a column-parallel layer's input gradient backward), once per dot, as each styled
+    call's output and input are redistributed per call. One that reads a cut parameter and keeps its cut dim
+    needs its other operand whole over ``tp``: where the plan cuts the activations between modules (sequence
+    parallelism, the weight-stationary layout) that operand is all-gathered, each distinct one once (calls
+    sharing an input share its gather). Only the top-level jaxpr's dots are read (a scanned stack's are not
+    seen: fewer, a bound's side); a plan whose styles cannot place the parameters moves nothing here (the
+    trace names its error)."""
+    try:
+        cuts = tp_placements(TPSpec("tp", tuple(plan)), params)
+    except (TypeError, ValueError):
+        return {}, {}
+    order = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params, batch).jaxpr
+    cut: dict = {}  # var -> the dim tp cuts
+    for v, path in zip(jaxpr.invars, order):  # the parameters' leaves come first, in this order
+        p = cuts.get(path)
+        if p is not None and hasattr(p, "dim"):
+            cut[v] = p.dim % len(v.aval.shape)
+    reduced: dict = {}
+    whole: dict = {}
+    for e in jaxpr.eqns:
+        name = e.primitive.name
+        if name in ("convert_element_type", "transpose") and e.invars[0] in cut:  # the cut dim where it goes
+            d = cut[e.invars[0]]
+            cut[e.outvars[0]] = d if name == "convert_element_type" else tuple(e.params["permutation"]).index(d)
+        if name != "dot_general":
+            continue
+        contracting = e.params["dimension_numbers"][0]
+        for side in (0, 1):
+            v = e.invars[side]
+            if not isinstance(v, Var) or v not in cut:
+                continue
+            if cut[v] in contracting[side]:
+                out = e.outvars[0].aval
+                reduced[out.dtype.name] = reduced.get(out.dtype.name, 0) + math.prod(out.shape)
+            elif isinstance(other := e.invars[1 - side], Var):
+                whole[other] = other.aval
+            break
+    gathered: dict = {}
+    for a in whole.values():
+        gathered[a.dtype.name] = gathered.get(a.dtype.name, 0) + math.prod(a.shape)
+    return reduced, gathered
+
+
+def tp_floor(layout: Any, hardware: Any, traffic: tuple[dict, dict]) -> float:
+    """A lower bound, before anything of ``layout`` is traced, on the seconds its step's activation collectives
+    over ``tp`` take as ``auto_layout(hardware=)`` prices them: ``traffic`` (``tp_traffic`` of its plan, the
+    whole batch) split over the batch's ``dp x fsdp`` ways, each element at its dtype's size or the layout's
+    compute dtype's where smaller; the reductions all-reduced (the activations whole between modules) or
+    reduce-scattered with the operands all-gathered (``sequence_parallel``, ``weight_stationary``: cut between
+    modules), each kind as one collective of its total bytes over ``tp``'s group. 0 without ``tp``, and for
+    pipelines, cp and ep (their batch splits differ)."""
+    if layout.tp < 2 or layout.pp > 1 or layout.cp > 1 or layout.ep > 1:
+        return 0.0
+    cap = np.dtype(layout.mixed_precision).itemsize if layout.mixed_precision else math.inf
+
+    def nbytes(elements: dict) -> float:
+        return sum(n * min(np.dtype(dt).itemsize, cap) for dt, n in elements.items()) / layout.n_data
+
+    reduced, gathered = traffic
+    group = mesh_group(layout.mesh_dims, ("tp",))
+    if not (layout.sequence_parallel or layout.weight_stationary):
+        return hardware.collective_s("all-reduce", nbytes(reduced), *group)
+    return (hardware.collective_s("reduce-scatter", nbytes(reduced), *group)
+            + hardware.collective_s("all-gather", nbytes(gathered), *group))
 
 
 def state_floor(layout: Any, params: Any, optimizer: Any) -> float:

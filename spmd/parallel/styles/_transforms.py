@@ -459,6 +459,40 @@ def _no_match(where: str, arg: str, key: str, modules: list[str], params: Any = 
                       "Fix the name (globs: 'layers_*.mlp.up_proj', 'transformer.h.*').")
 
 
+def tp_placements(tp: TPSpec, params: Any, stacked: Mapping[str, tuple[str, int]] | None = None
+                  ) -> dict[str, Placement]:
+    """The placement over ``tp`` of each parameter a style of ``tp``'s plan places (``path_str`` path ->
+    ``Shard`` / ``Replicate``, by the style's ``param_placements``; a tied head alone, linen's ``Embed.attend``,
+    places the table as its kernel transposed). ``stacked``: the parameters ``nn.scan`` stacks (``{path: (scan
+    module, axis)}``), each styled as the block sees it (one layer): its cut one dim past the layer axis where
+    it falls at or after that axis, which is never cut. Parameters no style places are left out."""
+    stacked = dict(stacked or {})
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = [path_str(kp) for kp, _ in leaves]
+    tp_of: dict[str, Placement] = {}
+    own: dict[str, dict[str, tuple]] = {}
+    for (kp, x), path in zip(leaves, paths):
+        fqn, name = param_module(path)
+        own.setdefault(fqn, {})[name] = _layer_shape(np.shape(x), stacked.get(path))
+    for (kp, x), path in zip(leaves, paths):
+        fqn, name = param_module(path)
+        hit = tp.style_for(fqn)
+        if hit is not None:
+            p = _placements(hit[1], fqn, own[fqn])[name]
+        elif name == "embedding" and (tied := tp.style_for(fqn + ".attend")) is not None:
+            # a tied head alone (linen ``Embed.attend``): the table (vocab, features) is its kernel transposed
+            shape = own[fqn][name]
+            k = _placements(tied[1], fqn + ".attend", {"kernel": shape[::-1]})["kernel"]
+            p = Shard(len(shape) - 1 - k.dim) if isinstance(k, Shard) else k
+        else:
+            continue
+        if isinstance(p, Shard):
+            d, axis = p.dim % len(own[fqn][name]), stacked[path][1] if path in stacked else None
+            p = Shard(d + 1 if axis is not None and d >= axis else d)
+        tp_of[path] = p
+    return tp_of
+
+
 def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[str, int]] | None = None,
                out_cut: Sequence[str] | None = None) -> ParamPlan:
     """Every parameter's placements under the model's layouts (see the module doc). ``stacked``: the
@@ -495,28 +529,7 @@ def build_plan(model: ParallelModule, params: Any, stacked: Mapping[str, tuple[s
             raise _no_match("activation_checkpointing", "unit", u, modules)
     tp_of: dict[str, Placement] = {path: Replicate() for path in paths}
     if tp:  # each styled module's own parameters, placed by its style
-        # a styled module under nn.scan is styled as the block sees it (one layer): its cut one dim past the
-        # stacked layer axis where it falls at or after that axis, which is never cut
-        own: dict[str, dict[str, tuple]] = {}
-        for (kp, x), path in zip(leaves, paths):
-            fqn, name = param_module(path)
-            own.setdefault(fqn, {})[name] = _layer_shape(np.shape(x), stacked.get(path))
-        for (kp, x), path in zip(leaves, paths):
-            fqn, name = param_module(path)
-            hit = tp.style_for(fqn)
-            if hit is not None:
-                p = _placements(hit[1], fqn, own[fqn])[name]
-            elif name == "embedding" and (tied := tp.style_for(fqn + ".attend")) is not None:
-                # a tied head alone (linen ``Embed.attend``): the table (vocab, features) is its kernel transposed
-                shape = own[fqn][name]
-                k = _placements(tied[1], fqn + ".attend", {"kernel": shape[::-1]})["kernel"]
-                p = Shard(len(shape) - 1 - k.dim) if isinstance(k, Shard) else k
-            else:
-                continue
-            if isinstance(p, Shard):
-                d, axis = p.dim % len(own[fqn][name]), stacked[path][1] if path in stacked else None
-                p = Shard(d + 1 if axis is not None and d >= axis else d)
-            tp_of[path] = p
+        tp_of.update(tp_placements(tp, params, stacked))
     ep_of_path: dict[str, Placement] = {}
     if model.ep:  # each expert-parallel module's own parameters, placed over ep by its style
         # (under nn.scan as the block sees them, one layer: the cut one dim past the stacked layer axis, as tp's)

@@ -1,5 +1,5 @@
-"""auto_layout's search prunes by proven bounds (``_priced.step_floor``, ``comm_floor``): a layout's bound before
-any trace is at most its traced bound, which is at most its compiled predicted time, on DP, FSDP, HSDP with
+"""auto_layout's search prunes by proven bounds (``_priced.step_floor``, ``comm_floor``, ``tp_floor``): a layout's
+bound before any trace is at most its traced bound, which is at most its compiled predicted time, on DP, FSDP, HSDP with
 accumulation, tp, mixed precision and full checkpointing, priced on an H100's figures and on a hardware whose
 memory is slow beside its matmuls (the bytes' side of the roofline); the sound search (``_budget.SHARPEN``
 off) picks what compiling every candidate picks, compiling fewer, and every candidate it drops by its bound is
@@ -13,7 +13,8 @@ import pytest
 from spmd.parallel import Hardware, Layout, Link, auto_layout
 from spmd.parallel.auto._auto import _with_compiled, default_loss, evaluate_layout
 from spmd.parallel.auto._compiled import compile_figures
-from spmd.parallel.auto._priced import HardwareRates, comm_floor, dot_bytes, dot_cost, state_floor, step_floor
+from spmd.parallel.auto._priced import (HardwareRates, comm_floor, dot_bytes, dot_cost, state_floor, step_floor,
+                                       tp_floor, tp_traffic)
 from spmd.parallel.cost._memory import Profile
 from tests.parallel.auto.test_auto_search import MODEL, OPT, U, _batch, _plan
 
@@ -25,10 +26,11 @@ def _tp(n: int) -> tuple:
     return tuple(_plan(False, n).items())
 
 
-def _pre_bound(lay: Layout, hw: Hardware, params, work: float, io: dict) -> float:
+def _pre_bound(lay: Layout, hw: Hardware, params, work: float, io: dict, batch: dict) -> float:
     """What ``auto_layout``'s search bounds ``lay`` by before tracing it (its ``bound``)."""
+    acts = tp_floor(lay, hw, tp_traffic(default_loss(MODEL), params, batch, lay.tp_plan)) if lay.tp > 1 else 0.0
     return step_floor(hw, lay.mixed_precision or "float32", work / lay.size, dot_bytes(io, lay.mixed_precision) /
-                      lay.size, state_floor(lay, params, OPT)) + comm_floor(lay, hw, params)
+                      lay.size, state_floor(lay, params, OPT)) + comm_floor(lay, hw, params) + acts
 
 
 @pytest.mark.slow  # compiles five layouts of a two-block model on 8 devices
@@ -47,7 +49,7 @@ def test_the_bounds_are_below_the_compiled_predicted_time():
             rates = HardwareRates(hw, "float32", group_size=8)
             traced = evaluate_layout(MODEL, OPT, batch, 8, lay, params=params, calibration=rates, profile=prof)
             compiled = _with_compiled(traced, figs, rates, None)
-            pre = _pre_bound(lay, hw, params, work, io)
+            pre = _pre_bound(lay, hw, params, work, io, batch)
             assert 0 < pre <= traced.predicted_s * (1 + 1e-9), (lay.name, hw.name, pre, traced.predicted_s)
             assert traced.predicted_s <= compiled.predicted_s * (1 + 1e-9), (lay.name, hw.name, traced.predicted_s,
                                                                              compiled.predicted_s)
@@ -141,7 +143,7 @@ def test_the_pre_trace_matmul_work_carried_from_the_slices_equals_the_deep_model
     """``depth=``: the matmuls' flops and elements read off the sliced models and carried to the depth equal the
     deep model's own (each block adds the same matmuls), so the untraced bound of a deep model is its own."""
     from models import Transformer
-    from spmd.parallel.auto._auto import _dot_work_at, _slices
+    from spmd.parallel.auto._auto import _read_at, _slices
 
     def model(n):
         return Transformer(16, 16, num_layers=n, d_model=32, num_heads=4)
@@ -150,9 +152,12 @@ def test_the_pre_trace_matmul_work_carried_from_the_slices_equals_the_deep_model
     deep = model(6)
     params = jax.eval_shape(lambda: deep.init(jax.random.key(0), batch["inputs"])["params"])
     slices = _slices(model, None, U, params, batch, OPT, "auto_layout")
-    flops, io = _dot_work_at(model, slices, default_loss(deep), params, batch)
+    flops, io = _read_at(slices, default_loss(deep), params, batch, dot_cost)
     want_flops, want_io = dot_cost(default_loss(deep), params, batch)
     assert flops == want_flops and io == want_io and want_io
+    traffic = _read_at(slices, default_loss(deep), params, batch, lambda *a: tp_traffic(*a, _tp(4)))
+    want = tp_traffic(default_loss(deep), params, batch, _tp(4))
+    assert traffic == want and want[0] and want[1]
 
 
 def test_the_matmul_elements_are_counted_by_hand():
