@@ -386,20 +386,21 @@ def _params_of(model: Any, batch: Any, params: Any, where: str) -> Any:
 
 
 def _read_at(slices: dict | None, loss: Callable, params: Any, batch: Any, read: Callable) -> Any:
-    """``read(loss, params, batch)`` (a tuple of numbers and dicts of them) of the loss and its gradient on the
-    whole batch on one device; with ``depth=``, read on the sliced models and carried to the depth (exact: each
-    block adds the same matmuls)."""
+    """``read(loss, params, batch)`` (numbers, dicts and tuples of them) of the loss and its gradient on the whole
+    batch on one device; with ``depth=``, read on the sliced models and carried to the depth (exact: each block
+    adds the same matmuls; a key one slice lacks is 0 there)."""
     if slices is None:
         return read(loss, params, batch)
-    lo, hi = (read(default_loss(m), p, batch) for m, p, _ in slices["at"])
 
     def carry(a: Any, b: Any) -> Any:
-        if isinstance(a, dict):
-            keys = set(a) | set(b)
-            a, b = {k: a.get(k, 0) for k in keys}, {k: b.get(k, 0) for k in keys}
+        if isinstance(a, tuple):
+            return tuple(map(carry, a, b))
+        if isinstance(a, dict) or isinstance(b, dict):
+            a, b = a or {}, b or {}
+            return {k: carry(a.get(k, 0), b.get(k, 0)) for k in set(a) | set(b)}
         return carried(a, b, slices["blocks"], slices["depths"][0])
 
-    return tuple(carry(a, b) for a, b in zip(lo, hi))
+    return carry(*(read(default_loss(m), p, batch) for m, p, _ in slices["at"]))
 
 
 def _slices(depth: Any, loss_fn: Any, units: tuple, params: Any, batch: Any, optimizer: Any, where: str

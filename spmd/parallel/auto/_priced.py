@@ -36,11 +36,12 @@ import jax
 import numpy as np
 from jax.extend.core import Var
 
+from placements import Shard
 from spmd.parallel.cost._hardware import Hardware
 from spmd.parallel._jaxprs import sub_jaxprs
 from spmd.parallel.cost._loops import ON_CHIP
 from spmd.parallel.plan._param_plan import path_str
-from spmd.parallel.styles._transforms import TPSpec, tp_placements
+from spmd.parallel.styles._transforms import TPSpec, param_module, tp_placements
 
 __all__ = ["HardwareRates", "mesh_group", "matmul_dtype", "dot_flops", "dot_cost", "dot_bytes", "comm_floor",
            "tp_traffic", "tp_floor", "state_floor", "shard_bytes", "step_floor"]
@@ -182,36 +183,43 @@ def comm_floor(layout: Any, hardware: Any, params: Any) -> float:
     return t
 
 
-def tp_traffic(loss: Any, params: Any, batch: Any, plan: Sequence) -> tuple[dict, dict]:
-    """``(reduced, gathered)``: per dtype, the elements (the whole batch, one device) that tensor parallelism by
-    ``plan`` (``(fqn glob, style)`` pairs) must move over ``tp`` in the loss's gradient, read off its jaxpr
-    (abstract inputs). A ``dot_general`` that reads a parameter the plan cuts (``tp_placements``; through dtype
-    casts and transposes) and contracts its cut dim sums partial products: its result is reduced over ``tp`` (a row-parallel
-    layer's output forward, a column-parallel layer's input gradient backward), once per dot, as each styled
-    call's output and input are redistributed per call. One that reads a cut parameter and keeps its cut dim
-    needs its other operand whole over ``tp``: where the plan cuts the activations between modules (sequence
-    parallelism, the weight-stationary layout) that operand is all-gathered, each distinct one once (calls
-    sharing an input share its gather). Only the top-level jaxpr's dots are read (a scanned stack's are not
-    seen: fewer, a bound's side); a plan whose styles cannot place the parameters moves nothing here (the
-    trace names its error)."""
+def tp_traffic(loss: Any, params: Any, batch: Any, plan: Sequence) -> dict:
+    """``{kind: {dtype: elements}}`` (``"all-reduce"``, ``"reduce-scatter"``, ``"all-gather"``; the whole batch,
+    one device): what tensor parallelism by ``plan`` (``(fqn glob, style)`` pairs) must move over ``tp`` in the
+    loss's gradient, read off its jaxpr (abstract inputs).
+
+    A ``dot_general`` that reads a parameter the plan cuts (``tp_placements``; through dtype casts and
+    transposes) and contracts its cut dim sums partial products: its result is reduced over ``tp`` (a
+    row-parallel layer's output forward, a column-parallel layer's input gradient backward), once per dot, as
+    each styled call redistributes its own output and input; reduce-scattered where the style cuts the
+    activations between modules (a ``Shard`` layout off the features: sequence parallelism, the
+    weight-stationary layout), else all-reduced. One that keeps the cut dim needs its other operand whole over
+    ``tp``: where the style cuts the activations between modules that operand is all-gathered, each distinct one
+    once (calls sharing an input share its gather). Only the top-level jaxpr's dots are read (a scanned stack's
+    are not seen: fewer, a bound's side); a plan whose styles cannot place the parameters moves nothing here
+    (the trace names its error)."""
+    got: dict = {"all-reduce": {}, "reduce-scatter": {}, "all-gather": {}}
+    tp = TPSpec("tp", tuple(plan))
     try:
-        cuts = tp_placements(TPSpec("tp", tuple(plan)), params)
+        cuts = tp_placements(tp, params)
     except (TypeError, ValueError):
-        return {}, {}
+        return got
     order = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params, batch).jaxpr
-    cut: dict = {}  # var -> the dim tp cuts
+    cut: dict = {}  # var -> (the dim tp cuts, whether its style cuts the activations between modules)
     for v, path in zip(jaxpr.invars, order):  # the parameters' leaves come first, in this order
         p = cuts.get(path)
-        if p is not None and hasattr(p, "dim"):
-            cut[v] = p.dim % len(v.aval.shape)
-    reduced: dict = {}
+        if isinstance(p, Shard):
+            fqn, _ = param_module(path)
+            style = (tp.style_for(fqn) or tp.style_for(fqn + ".attend"))[1]
+            cut[v] = (p.dim % len(v.aval.shape), any(isinstance(x, Shard) and x.dim >= 0
+                                                     for x in style.activation_layouts()))
     whole: dict = {}
     for e in jaxpr.eqns:
         name = e.primitive.name
         if name in ("convert_element_type", "transpose") and e.invars[0] in cut:  # the cut dim where it goes
-            d = cut[e.invars[0]]
-            cut[e.outvars[0]] = d if name == "convert_element_type" else tuple(e.params["permutation"]).index(d)
+            d, between = cut[e.invars[0]]
+            cut[e.outvars[0]] = (d if name == "convert_element_type" else e.params["permutation"].index(d), between)
         if name != "dot_general":
             continue
         contracting = e.params["dimension_numbers"][0]
@@ -219,39 +227,31 @@ def tp_traffic(loss: Any, params: Any, batch: Any, plan: Sequence) -> tuple[dict
             v = e.invars[side]
             if not isinstance(v, Var) or v not in cut:
                 continue
-            if cut[v] in contracting[side]:
-                out = e.outvars[0].aval
-                reduced[out.dtype.name] = reduced.get(out.dtype.name, 0) + math.prod(out.shape)
-            elif isinstance(other := e.invars[1 - side], Var):
+            d, between = cut[v]
+            if d in contracting[side]:
+                out = got["reduce-scatter" if between else "all-reduce"]
+                a = e.outvars[0].aval
+                out[a.dtype.name] = out.get(a.dtype.name, 0) + math.prod(a.shape)
+            elif between and isinstance(other := e.invars[1 - side], Var):
                 whole[other] = other.aval
             break
-    gathered: dict = {}
     for a in whole.values():
-        gathered[a.dtype.name] = gathered.get(a.dtype.name, 0) + math.prod(a.shape)
-    return reduced, gathered
+        got["all-gather"][a.dtype.name] = got["all-gather"].get(a.dtype.name, 0) + math.prod(a.shape)
+    return got
 
 
-def tp_floor(layout: Any, hardware: Any, traffic: tuple[dict, dict]) -> float:
+def tp_floor(layout: Any, hardware: Any, traffic: dict) -> float:
     """A lower bound, before anything of ``layout`` is traced, on the seconds its step's activation collectives
     over ``tp`` take as ``auto_layout(hardware=)`` prices them: ``traffic`` (``tp_traffic`` of its plan, the
     whole batch) split over the batch's ``dp x fsdp`` ways, each element at its dtype's size or the layout's
-    compute dtype's where smaller; the reductions all-reduced (the activations whole between modules) or
-    reduce-scattered with the operands all-gathered (``sequence_parallel``, ``weight_stationary``: cut between
-    modules), each kind as one collective of its total bytes over ``tp``'s group. 0 without ``tp``, and for
-    pipelines, cp and ep (their batch splits differ)."""
+    compute dtype's where smaller, each kind as one collective of its total bytes over ``tp``'s group. 0
+    without ``tp``, and for pipelines, cp and ep (their batch splits differ)."""
     if layout.tp < 2 or layout.pp > 1 or layout.cp > 1 or layout.ep > 1:
         return 0.0
     cap = np.dtype(layout.mixed_precision).itemsize if layout.mixed_precision else math.inf
-
-    def nbytes(elements: dict) -> float:
-        return sum(n * min(np.dtype(dt).itemsize, cap) for dt, n in elements.items()) / layout.n_data
-
-    reduced, gathered = traffic
     group = mesh_group(layout.mesh_dims, ("tp",))
-    if not (layout.sequence_parallel or layout.weight_stationary):
-        return hardware.collective_s("all-reduce", nbytes(reduced), *group)
-    return (hardware.collective_s("reduce-scatter", nbytes(reduced), *group)
-            + hardware.collective_s("all-gather", nbytes(gathered), *group))
+    return sum(hardware.collective_s(kind, sum(n * min(np.dtype(dt).itemsize, cap) for dt, n in elements.items())
+                                     / layout.n_data, *group) for kind, elements in traffic.items() if elements)
 
 
 def state_floor(layout: Any, params: Any, optimizer: Any) -> float:

@@ -14,6 +14,7 @@ import pytest
 
 from models import Llama, LlamaConfig
 from models._plans import decoder_tp_plan, transformer_tp_plan
+from placements import Shard
 from spmd.parallel import ColwiseParallel, Hardware, Layout, Link, RowwiseParallel
 from spmd.parallel.auto._auto import default_loss, evaluate_layout
 from spmd.parallel.auto._priced import HardwareRates, comm_floor, tp_floor, tp_traffic
@@ -34,28 +35,41 @@ class _TwoIn(nn.Module):
 
 
 PLAN = (("a", ColwiseParallel()), ("b", ColwiseParallel()), ("down", RowwiseParallel()))
+# the activations cut between modules on the batch (the weight-stationary form of sequence parallelism)
+CUT = (("a", ColwiseParallel(input_layouts=Shard(0))), ("b", ColwiseParallel(input_layouts=Shard(0))),
+       ("down", RowwiseParallel(output_layouts=Shard(0))))
+
+
+def _kinds(ar=None, rs=None, ag=None, dtype="float32") -> dict:
+    return {k: ({dtype: n} if n else {}) for k, n in (("all-reduce", ar), ("reduce-scatter", rs), ("all-gather", ag))}
 
 
 def test_the_traffic_is_counted_by_hand():
     """Reductions: down's output forward, a's and b's input gradients backward (each dot its own, as each styled
-    call redistributes its own): 3 of ``[B, D]``. Whole operands: h (a and b share it: one) forward, down's
-    output gradient backward (its input gradient's dot keeps the cut): 2 of ``[B, D]``. The kernels' gradients
-    (``x^T dy``) read no parameter: nothing."""
+    call redistributes its own): 3 of ``[B, D]``, all-reduced where the activations are whole between modules,
+    reduce-scattered where the styles cut them. Whole operands, gathered only where cut: h (a and b share it:
+    one) forward, down's output gradient backward (its input gradient's dot keeps the cut): 2 of ``[B, D]``.
+    The kernels' gradients (``x^T dy``) read no parameter: nothing."""
     m = _TwoIn()
     x = jax.ShapeDtypeStruct((B, D), jnp.float32)
     params = jax.eval_shape(lambda x: m.init(jax.random.key(0), x)["params"], x)
-    reduced, gathered = tp_traffic(lambda p, x: jnp.sum(m.apply({"params": p}, x) ** 2), params, x, PLAN)
-    assert reduced == {"float32": 3 * B * D} and gathered == {"float32": 2 * B * D}
-    # a cast parameter (mixed precision's compute copy) and a transposed one are followed; the cut dim with them
-    bf = lambda p, x: jnp.sum(m.apply({"params": jax.tree.map(lambda w: w.astype(jnp.bfloat16), p)}, x  # noqa: E731
-                                      .astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
-    assert tp_traffic(bf, params, x, PLAN) == ({"bfloat16": 3 * B * D}, {"bfloat16": 2 * B * D})
-    w = {"a": {"kernel": jax.ShapeDtypeStruct((F, D), jnp.float32)}}  # cut on dim 1, used transposed: on dim 0
-    got = tp_traffic(lambda p, x: jnp.sum(x @ p["a"]["kernel"].T), w, x, (("a", ColwiseParallel()),))
-    assert got == ({"float32": B * F}, {})  # the contracted cut: its result reduced; x's gradient is not taken
+
+    def loss(p, x):
+        return jnp.sum(m.apply({"params": p}, x) ** 2)
+
+    assert tp_traffic(loss, params, x, PLAN) == _kinds(ar=3 * B * D)
+    assert tp_traffic(loss, params, x, CUT) == _kinds(rs=3 * B * D, ag=2 * B * D)
+    # a cast parameter (mixed precision's compute copy) is followed, the cut dim with it
+    bf = lambda p, x: loss(jax.tree.map(lambda w: w.astype(jnp.bfloat16), p), x.astype(jnp.bfloat16))  # noqa: E731
+    assert tp_traffic(bf, params, x, CUT) == _kinds(rs=3 * B * D, ag=2 * B * D, dtype="bfloat16")
+    # a transposed one too: cut on dim 1, used transposed (cut on dim 0, contracted): its result reduced; x is
+    # no parameter's function, so its gradient is not taken
+    w = {"a": {"kernel": jax.ShapeDtypeStruct((F, D), jnp.float32)}}
+    assert tp_traffic(lambda p, x: jnp.sum(x @ p["a"]["kernel"].T), w, x, (("a", ColwiseParallel()),)) == _kinds(
+        ar=B * F)
     # a plan its styles cannot place (nothing to cut on a scalar) moves nothing here: the trace names the error
     assert tp_traffic(lambda p, x: jnp.sum(x) * p["s"], {"s": jax.ShapeDtypeStruct((), jnp.float32)}, x,
-                      (("", ColwiseParallel()),)) == ({}, {})
+                      (("", ColwiseParallel()),)) == _kinds()
 
 
 def _tp(plan: dict, **kw) -> Layout:
@@ -91,12 +105,12 @@ def test_the_traffic_against_the_steps_own_table(case):
         plan, per_block, whole = decoder_tp_plan(model), 7, 8
     lay = _tp(plan, **dims, units=U if "fsdp" in dims and model is MODEL else ("layers_*",) if "fsdp" in dims else (),
               sequence_parallel=sp, weight_stationary=ws, mixed_precision=mp)
-    reduced, gathered = tp_traffic(default_loss(model), params, batch, lay.tp_plan)
+    traffic = tp_traffic(default_loss(model), params, batch, lay.tp_plan)
     b, t = batch["inputs"].shape
     width = 32
     extra = 1 if model is MODEL else 0  # the tied head's input gradient
-    assert reduced == {"float32": (2 * per_block + extra) * b * t * width}, reduced
-    assert gathered == {"float32": whole * b * t * width}, gathered
+    n = (2 * per_block + extra) * b * t * width
+    assert traffic == (_kinds(rs=n, ag=whole * b * t * width) if sp or ws else _kinds(ar=n)), traffic
     table = evaluate_layout(model, OPT, batch, jax.devices()[:lay.size], lay, params=params,
                             calibration=HardwareRates(Hardware.named("h100"), "float32", group_size=lay.size))
     acts = table.communication["activations"]
@@ -114,13 +128,13 @@ def test_the_traffic_against_the_steps_own_table(case):
         c = table if hw.name == "h100" else evaluate_layout(
             model, OPT, batch, jax.devices()[:lay.size], lay, params=params, calibration=HardwareRates(hw, "float32",
                                                                                                  group_size=lay.size))
-        floor = tp_floor(lay, hw, (reduced, gathered))
+        floor = tp_floor(lay, hw, traffic)
         assert 0 < floor and floor + comm_floor(lay, hw, params) <= sum(c.comm_s.values()) * (1 + 1e-9), (
             hw.name, floor, c.comm_s)
 
 
 def test_the_floor_is_zero_off_tp_and_where_the_batch_splits_otherwise():
-    traffic = ({"float32": 1 << 20}, {"float32": 1 << 20})
+    traffic = _kinds(ar=1 << 20)
     hw = Hardware.named("h100")
     plan = decoder_tp_plan(LLAMA)
     assert tp_floor(Layout(dp=8), hw, traffic) == 0.0
