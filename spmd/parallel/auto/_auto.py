@@ -68,6 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmd.parallel.auto._layout import Layout, apply_layout, devices_of, factorizations, infer_units, tp_plan_for
 from spmd.parallel.auto._budget import (_fitting, weighed_policies, _measured, check_budget, check_floor, checked,
@@ -92,7 +93,7 @@ from spmd.parallel.auto._progress import _bar, measuring, now
 from spmd.parallel.auto._ranking import AutoLayout, Candidate
 from spmd.parallel.auto._remat_profile import remat_profile
 from spmd.parallel.plan._shard import entry_sharding
-from spmd.parallel.step._state import TrainState, _check_optimizer, init_train_state
+from spmd.parallel.step._state import TrainState, _check_optimizer, init_train_state, state_shardings
 from spmd.parallel.step._step import make_train_step
 from spmd.parallel.styles._nnx import is_nnx, nnx_params
 from spmd.parallel.styles._transforms import as_parallel, build_plan, out_cut_of, stacked_of
@@ -141,8 +142,11 @@ def abstract_state(laid: Any, params: Any, optimizer: Any, mesh, *example_inputs
     plan = pm.plan(params, *example_inputs) if plans is None else _plan(pm, params, example_inputs, plans)
     stored = jax.tree_util.tree_unflatten(plan.treedef, [
         jax.ShapeDtypeStruct(plan.padded_shape(e), e.dtype, sharding=entry_sharding(e, mesh)) for e in plan.entries])
-    return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=stored,
-                      opt_state=jax.eval_shape(optimizer.init, stored), plan=plan)
+    opt = jax.eval_shape(optimizer.init, stored)  # laid out as init_train_state lays them (state_shardings)
+    _, opt_sh = state_shardings(plan, mesh, stored, opt, optimizer)
+    return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh.jax_mesh, P())),
+                      params=stored, opt_state=jax.tree.map(
+                          lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), opt, opt_sh), plan=plan)
 
 
 def _plan(pm: Any, params: Any, example_inputs: tuple, plans: dict) -> Any:
@@ -160,14 +164,14 @@ def _plan(pm: Any, params: Any, example_inputs: tuple, plans: dict) -> Any:
     return build_plan(pm, params, stacked, cuts[fsdp])
 
 
-def abstract_inputs(laid: Any, mesh, optimizer: Any, model: Any, params: Any, batch: Any) -> tuple:
+def abstract_inputs(laid: Any, mesh, optimizer: Any, model: Any, params: Any, batch: Any,
+                    plans: dict | None = None) -> tuple:
     """``(state, batch)`` of the laid-out model as shape structs with their shardings, nothing allocated: the
-    state ``init_train_state`` builds, the batch cut over the data dims (``spmd.parallel.auto._measure._built``)."""
-    data = jax.sharding.NamedSharding(mesh.jax_mesh, jax.sharding.PartitionSpec(
-        tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp"))))
+    state ``init_train_state`` builds (``abstract_state``), the batch cut over the data dims
+    (``spmd.parallel.auto._measure._built``)."""
+    data = NamedSharding(mesh.jax_mesh, P(tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp"))))
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
-    state = jax.eval_shape(lambda: init_train_state(laid, optimizer, *_example_inputs(model, structs[1]),
-                                                    params=structs[0], mesh=mesh))
+    state = abstract_state(laid, structs[0], optimizer, mesh, *_example_inputs(model, structs[1]), plans=plans)
     return state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data), structs[1])
 
 
@@ -259,7 +263,7 @@ def evaluate_layout(model: Any, optimizer: Any, example_batch: Any, devices: Any
     if built is None:
         state = abstract_state(laid, params, optimizer, mesh, *_example_inputs(model, batch), plans=plans)
     else:  # the state and batch as the compile takes them (their shardings), so that it finds this trace
-        state, laid_batch = abstract_inputs(laid, mesh, optimizer, model, params, batch)
+        state, laid_batch = abstract_inputs(laid, mesh, optimizer, model, params, batch, plans)
     n_data = layout.n_data
     b = jax.tree.leaves(batch)[0].shape[0]
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(  # a device's rows, and under cp its part of the sequence
