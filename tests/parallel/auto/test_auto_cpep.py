@@ -42,6 +42,14 @@ CAL = Calibration(collectives={k: (1e-4, 1e9) for k in ("all-gather", "reduce-sc
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
+def _cal_price(v: dict, group: int) -> float:
+    """CAL's price of ``v["count"]`` collectives moving ``v["bytes"]`` over ``group`` devices, by hand: each its
+    latency (1e-4 s) and its bytes at 1e9 B/s, scaled by the ring's traffic per byte from CAL's group of 8."""
+    if group < 2 or not v["count"]:
+        return 0.0
+    return v["count"] * 1e-4 + v["bytes"] * ((group - 1) / group) / (7 / 8) / 1e9
+
+
 def _batch(t: int, b: int = 8):
     tok = np.random.default_rng(0).integers(0, 24, (b, t + 1)).astype(np.int32)
     return {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
@@ -97,7 +105,8 @@ def test_moe_ep_candidates_tables_equal_their_compiled_collectives():
             want = table.get(kind, {"count": 0, "bytes": 0})
             got = hlo[kind]["count" if kind == "all-to-all" else "buffers"], hlo[kind]["bytes"]
             assert got == (want["count"], want["bytes"]), (c.name, kind)
-        assert c.comm_s["all-to-all"] > 0
+        # the all-to-alls alone run over ep, priced from the table as CAL prices them
+        assert c.comm_s["all-to-all"] == pytest.approx(_cal_price(table["all-to-all"], c.layout.ep), rel=1e-9)
 
 
 @pytest.mark.slow  # the candidates traced, the cp-free ones' smallest variants and the pick compiled
@@ -174,7 +183,8 @@ def test_moe_cp_times_ep_tables_equal_their_compiled_collectives():
         methods = {r["call"]: r["method"] for r in comm["attention"]}  # eager attention: gathered; the router too
         assert methods == {"layers_0.self_attn": "gather sequence", "layers_1.self_attn": "gather sequence",
                            "layers_1.mlp": "gather sequence", "layers_1.mlp.experts": "experts cut"}, c.name
-        assert c.communication["total"]["all-to-all"]["count"] > 0 and c.comm_s["all-to-all"] > 0
+        a2a = c.communication["total"]["all-to-all"]
+        assert a2a["count"] > 0 and c.comm_s["all-to-all"] == pytest.approx(_cal_price(a2a, c.layout.ep), rel=1e-9)
 
 
 def test_an_einsum_attention_model_gets_cp_candidates():
@@ -197,7 +207,12 @@ def test_an_einsum_attention_models_cp_candidates_run_it_on_the_gathered_sequenc
     for c, comm in _tables_equal_hlo(model, [c for c in got if c.layout.cp > 1], batch):
         assert [(r["call"], r["method"]) for r in comm["attention"]] == [
             ("block_0.attn", "gather sequence"), ("block_1.attn", "gather sequence")], c.name
-        assert c.communication["total"]["all-gather"]["count"] > 0 and c.comm_s["all-gather"] > 0
+        # the parameters' gathers over fsdp, the sequence's (the rest of the total) over cp; none over tp
+        par, total = c.communication["parameters"]["all-gather"], c.communication["total"]["all-gather"]
+        seq = {k: total[k] - par[k] for k in ("count", "bytes")}
+        assert seq["count"] > 0 and c.communication["activations"]["all-gather"]["count"] == 0
+        assert c.comm_s["all-gather"] == pytest.approx(
+            _cal_price(par, c.layout.fsdp) + _cal_price(seq, c.layout.cp), rel=1e-9), c.name
 
 
 LLAMA = Llama(LlamaConfig(vocab_size=24, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
@@ -255,7 +270,11 @@ def test_a_picked_pipeline_with_cp_prints_its_compiled_collectives():
 @pytest.mark.slow  # one pipelined layout traced and compiled
 def test_a_picked_pipeline_with_ep_prints_its_compiled_collectives():
     best, table = _picked_table_is_hlo(MOE_EVERY, "pp=2,ep=4 1f1b M=2")
-    assert table["all-to-all"]["count"] == 20 and best.comm_s["all-to-all"] > 0
+    assert table["all-to-all"]["count"] == 20
+    # priced as the busiest rank (the first stage) runs them: 12 of the 20 (M=2 x its forward's 2, the recomputed
+    # forward's 2 and their 2 transposes: tests/parallel/pipelining/test_pipeline_experts.py), over ep=4
+    each = table["all-to-all"]["bytes"] / 20
+    assert best.comm_s["all-to-all"] == pytest.approx(_cal_price({"count": 12, "bytes": 12 * each}, 4), rel=1e-9)
 
 
 @pytest.mark.slow  # one pipelined layout traced and compiled

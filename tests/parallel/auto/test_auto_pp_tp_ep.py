@@ -15,7 +15,7 @@ from models._plans import decoder_tp_plan
 from spmd.parallel import ExpertTensorParallel, apply_layout, auto_layout, hlo_executed_collectives, init_train_state, make_train_step
 from spmd.parallel.auto._auto import default_loss
 from spmd.parallel.auto._cpep import context_expert_layouts
-from tests.parallel.auto.test_auto_cpep import CAL, KINDS, MOE_EVERY, _batch
+from tests.parallel.auto.test_auto_cpep import CAL, KINDS, MOE_EVERY, _batch, _cal_price
 
 PLAN = decoder_tp_plan(MOE_EVERY)  # q/k/v column-, o row-parallel (every block's MLP is experts: over ep)
 
@@ -60,8 +60,12 @@ def test_a_ranked_pipeline_with_tp_and_ep_prices_its_compiled_collectives():
     # per device and micro-batch: 8 rows / (ep=2 x M=2) = 2 rows -> buffers [2, 8 experts, capacity 4, 16]
     # float32 = 4,096 B; 20 all-to-alls in the program (tests/parallel/pipelining/test_pipeline_experts.py)
     assert table["all-to-all"] == {"count": 20, "bytes": 20 * 4096}
-    # priced from that table: the all-to-alls over ep, the all-reduces (tp's activations among them)
-    assert best.comm_s["all-to-all"] > 0 and best.comm_s["all-reduce"] > 0
+    # priced as the busiest rank runs them: the first stage's 12 a step (per micro-batch its forward's dispatch and
+    # combine, the recomputed forward's 2 and their 2 transposes; the last stage runs 8: its backward's 4), over
+    # ep=2 (tests/parallel/pipelining/test_pipeline_experts.py)
+    want = _cal_price({"count": 12, "bytes": 12 * 4096}, 2)
+    assert best.comm_s["all-to-all"] == pytest.approx(want, rel=1e-9), best.comm_s
+    assert best.comm_s["all-reduce"] > 0  # the all-reduces priced too (tp's activations among them)
     assert best.communication["activations"]["all-reduce"]["count"] > 0  # Megatron's f and g inside the stages
     row = next(line for line in got.table().splitlines() if line.startswith("1 "))
     for kind in ("all-gather", "reduce-scatter", "all-reduce", "collective-permute"):  # the printed MiB
